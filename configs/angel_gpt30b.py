@@ -1,0 +1,12 @@
+"""GPT3-30B from Angel-PTM (Nie et al. 2023) table 4, with its explicit FFN width; sequence length 2048 as in its sec 2.2. The table prints 64 layers / 36 heads, which gives 52B and a non-integer head size; layers and heads are swapped in print: 36 layers, 64 heads of 128."""
+
+from hetjax.config import Config
+
+NOMINAL_PARAMS = 30e9
+
+
+def get_config() -> Config:
+    return Config().replace(
+        model=dict(num_layers=36, d_model=8192, num_heads=64, d_ff=32768, vocab_size=50257, max_seq_len=2048),
+        train=dict(seq_len=2048, batch_size=1),
+    )

@@ -1,0 +1,12 @@
+"""GPT-3 276B shape from Fuyou (Liao et al. 2024) table 4; sequence length 1024, batch 1 for the max-size runs (sec 5.2)."""
+
+from hetjax.config import Config
+
+NOMINAL_PARAMS = 276e9
+
+
+def get_config() -> Config:
+    return Config().replace(
+        model=dict(num_layers=112, d_model=14336, num_heads=112, vocab_size=50257, max_seq_len=1024),
+        train=dict(seq_len=1024, batch_size=1),
+    )

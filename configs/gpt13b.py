@@ -1,0 +1,12 @@
+"""GPT-3 13B (Brown et al. 2020, table 2.1; the table's d_model 5140 is a typo for 40 heads x 128 = 5120)."""
+
+from hetjax.config import Config
+
+NOMINAL_PARAMS = 13e9
+
+
+def get_config() -> Config:
+    return Config().replace(
+        model=dict(num_layers=40, d_model=5120, num_heads=40, vocab_size=50257, max_seq_len=2048),
+        train=dict(seq_len=2048, batch_size=1),
+    )

@@ -1,0 +1,432 @@
+"""Typed run configuration: the one place where defaults live.
+
+A run is described by a frozen :class:`Config` made of one frozen dataclass per section
+(``model``, ``train``, ``optimizer``, ``offload``, ``memory``, ``data``). Each section
+validates itself when built, so an impossible value fails at start-up with a message
+that names the key.
+
+Config files in ``configs/`` are short Python files with a ``get_config()`` that starts
+from ``Config()`` and changes only what differs::
+
+    def get_config():
+        return Config().replace(model=dict(num_layers=12, d_model=768, num_heads=12))
+
+On the command line every key can be overridden with a dotted name,
+``--config.train.steps=50``; values are parsed into the field's type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CONFIGS_DIR",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "MemoryConfig",
+    "ModelConfig",
+    "OffloadConfig",
+    "OptimizerConfig",
+    "TrainConfig",
+    "format_bytes",
+    "load_config",
+    "parse_bytes",
+]
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config key is unknown or its value is invalid; the message names the key."""
+
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | str, key: str = "value") -> int:
+    """Parses a byte size such as ``4096``, ``"512MiB"``, ``"1.5GB"`` into bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a byte size such as '512MiB', got {value!r}")
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise ConfigError(
+            f"{key}: cannot read {value!r} as a byte size; write e.g. 4096, '512MiB', '2GiB', '1.5GB'"
+        )
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    """Formats bytes with a binary unit, e.g. ``1.50 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _check(cond: bool, key: str, msg: str, value: Any) -> None:
+    if not cond:
+        raise ConfigError(f"config key '{key}' {msg}, got {value!r}")
+
+
+def _choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"config key '{section}.{name}' must be one of {', '.join(choices)}, got {value!r}{hint}"
+        )
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Transformer shape and numerics."""
+
+    family: str = "gpt"  # model family in the zoo (models/)
+    num_layers: int = 4
+    d_model: int = 256
+    num_heads: int = 4
+    d_ff: int = 0  # 0 means 4 * d_model
+    vocab_size: int = 256  # 256 = byte-level tokens of the embedded corpus
+    max_seq_len: int = 256
+    param_dtype: str = "float32"  # master copy of the parameters
+    compute_dtype: str = "float32"  # matmuls; fp32 is the fast path on CPU, bf16 on GPU
+    init_std: float = 0.02
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        _choice("model", "family", self.family, ("gpt",))
+        for name in ("num_layers", "d_model", "num_heads", "vocab_size", "max_seq_len"):
+            _check(getattr(self, name) >= 1, f"model.{name}", "must be >= 1", getattr(self, name))
+        _check(self.d_ff >= 0, "model.d_ff", "must be >= 0 (0 means 4 * d_model)", self.d_ff)
+        if self.d_model % self.num_heads:
+            raise ConfigError(
+                f"config key 'model.d_model' ({self.d_model}) must be divisible by "
+                f"'model.num_heads' ({self.num_heads})"
+            )
+        _choice("model", "param_dtype", self.param_dtype, ("float32",))
+        _choice("model", "compute_dtype", self.compute_dtype, DTYPES)
+        _check(self.init_std > 0, "model.init_std", "must be > 0", self.init_std)
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The training loop. ``batch_size`` is the global batch of one optimizer step, in
+    sequences; with ``grad_accum = A`` it is split into A micro-batches of
+    ``batch_size / A`` rows, so the data order does not depend on A."""
+
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    grad_accum: int = 1
+    seed: int = 0
+    log_every: int = 25
+    eval_batches: int = 8  # validation batches at the end of the run
+    loss_scale_init: float = 2.0**15  # fp16 compute only: initial dynamic loss scale
+    loss_scale_period: int = 1000  # fp16: steps without overflow before the scale doubles
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
+            _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1", getattr(self, name))
+        _check(self.eval_batches >= 0, "train.eval_batches", "must be >= 0", self.eval_batches)
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"config key 'train.batch_size' ({self.batch_size}) must be divisible by "
+                f"'train.grad_accum' ({self.grad_accum}): the global batch is split evenly "
+                "into micro-batches"
+            )
+        _check(self.loss_scale_init >= 1, "train.loss_scale_init", "must be >= 1",
+               self.loss_scale_init)
+        _check(self.loss_scale_period >= 1, "train.loss_scale_period", "must be >= 1",
+               self.loss_scale_period)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.grad_accum
+
+
+OPTIMIZERS = ("adamw", "adam", "lion", "sgd")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Optax optimizer, schedule and clipping. Weight decay applies to weight matrices
+    only (kernels and embeddings), not to biases or norm scales, as in GPT-2 training."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+
+    def __post_init__(self):
+        _choice("optimizer", "name", self.name, OPTIMIZERS)
+        _choice("optimizer", "schedule", self.schedule, ("constant", "cosine"))
+        _check(self.lr > 0, "optimizer.lr", "must be > 0", self.lr)
+        _check(self.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0",
+               self.weight_decay)
+        for name in ("b1", "b2", "momentum"):
+            v = getattr(self, name)
+            _check(0 <= v < 1, f"optimizer.{name}", "must be in [0, 1)", v)
+        _check(self.eps > 0, "optimizer.eps", "must be > 0", self.eps)
+        _check(self.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables)",
+               self.grad_clip)
+        _check(self.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0",
+               self.warmup_steps)
+        _check(0 <= self.min_lr_ratio <= 1, "optimizer.min_lr_ratio", "must be in [0, 1]",
+               self.min_lr_ratio)
+
+
+OFFLOAD_MODES = ("none",)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """Where the training state lives. ``none``: everything on the device, one jitted
+    train step (the reference every other mode is tested against)."""
+
+    mode: str = "none"
+
+    def __post_init__(self):
+        _choice("offload", "mode", self.mode, OFFLOAD_MODES)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+    """Memory budgets and layout. Byte sizes accept ints or strings like '512MiB'."""
+
+    page_size: int | str = "4MiB"
+
+    def __post_init__(self):
+        page = parse_bytes(self.page_size, "memory.page_size")
+        _check(page >= 4096 and page % 4096 == 0, "memory.page_size",
+               "must be a positive multiple of 4 KiB", self.page_size)
+        object.__setattr__(self, "page_size", page)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Token data. ``path`` empty: the embedded corpus (the running Python's standard
+    library sources as bytes, no download). Otherwise a flat uint16 ``.bin`` (nanoGPT's
+    format) or a 1-D integer ``.npy`` file of token ids."""
+
+    path: str = ""
+    shuffle: bool = False
+    val_fraction: float = 0.05  # held-out tail of the token stream
+    corpus_bytes: int = 8_000_000  # size cap of the embedded corpus
+
+    def __post_init__(self):
+        _check(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)",
+               self.val_fraction)
+        _check(self.corpus_bytes >= 10_000, "data.corpus_bytes", "must be >= 10000",
+               self.corpus_bytes)
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "optimizer": OptimizerConfig,
+    "offload": OffloadConfig,
+    "memory": MemoryConfig,
+    "data": DataConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run configuration; see the module docstring."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+
+    def __post_init__(self):
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"config key 'train.seq_len' ({self.train.seq_len}) exceeds "
+                f"'model.max_seq_len' ({self.model.max_seq_len}); raise model.max_seq_len "
+                "or shorten train.seq_len"
+            )
+
+    # -- building ---------------------------------------------------------------------
+
+    def replace(self, **sections: dict[str, Any]) -> Config:
+        """Returns a copy with some fields changed: ``replace(model=dict(num_layers=8))``.
+        Values are typed Python values (already parsed); keys are checked."""
+        flat = {}
+        for section, changes in sections.items():
+            if section not in _SECTIONS:
+                raise ConfigError(_unknown_key_message(section, list(_SECTIONS)))
+            if not isinstance(changes, dict):
+                raise ConfigError(
+                    f"replace({section}=...) takes a dict of field changes, got {changes!r}"
+                )
+            for name, value in changes.items():
+                flat[f"{section}.{name}"] = value
+        return self._with(flat, parse=False)
+
+    def override(self, dotted: dict[str, str]) -> Config:
+        """Returns a copy with command-line overrides applied: ``{"train.steps": "50"}``.
+        String values are parsed into each field's type."""
+        return self._with(dotted, parse=True)
+
+    def _with(self, flat: dict[str, Any], parse: bool) -> Config:
+        by_section: dict[str, dict[str, Any]] = {}
+        valid = all_keys()
+        for key, value in flat.items():
+            if key not in valid:
+                raise ConfigError(_unknown_key_message(key, valid))
+            section, name = key.split(".", 1)
+            if parse:
+                value = _parse_value(key, value, _field_types(_SECTIONS[section])[name])
+            by_section.setdefault(section, {})[name] = value
+        new = {}
+        for section, changes in by_section.items():
+            try:
+                new[section] = dataclasses.replace(getattr(self, section), **changes)
+            except TypeError as e:  # a wrong Python type passed through replace()
+                raise ConfigError(f"section '{section}': {e}") from e
+        return dataclasses.replace(self, **new)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, dict[str, Any]]) -> Config:
+        return cls().replace(**d)
+
+
+def all_keys() -> list[str]:
+    """Every valid dotted key, e.g. ``train.steps``."""
+    return [f"{s}.{f.name}" for s, c in _SECTIONS.items() for f in dataclasses.fields(c)]
+
+
+def _unknown_key_message(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
+    if not close and "." in key:  # match on the field name alone: 'train.lr' -> 'optimizer.lr'
+        leaf = key.rsplit(".", 1)[1]
+        close = [k for k in valid if k.rsplit(".", 1)[1] == leaf]
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return f"unknown config key '{key}'{hint} (valid sections: {', '.join(_SECTIONS)})"
+
+
+def _field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _parse_value(key: str, text: Any, typ: Any) -> Any:
+    if not isinstance(text, str):
+        return text
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(typ) if a is not type(None)]
+        if text.lower() in ("none", "null") and type(None) in typing.get_args(typ):
+            return None
+        errors = []
+        for option in options:
+            try:
+                return _parse_value(key, text, option)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[-1])
+    if typ is bool:
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"config key '{key}' must be true or false, got {text!r}")
+    if typ is int:
+        try:
+            return int(text.replace("_", ""))
+        except ValueError:
+            try:
+                f = float(text)
+            except ValueError:
+                f = None
+            if f is not None and f.is_integer():
+                return int(f)
+            raise ConfigError(f"config key '{key}' must be an integer, got {text!r}") from None
+    if typ is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"config key '{key}' must be a number, got {text!r}") from None
+    if typ is str:
+        return text
+    raise AssertionError(f"unsupported config field type {typ} for {key}")
+
+
+# -- loading config files ----------------------------------------------------------------
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """``configs/gpt_tiny.py``, ``gpt_tiny.py`` and ``gpt_tiny`` all resolve to the file."""
+    candidates = [Path(name)]
+    stem = Path(name).name
+    if not stem.endswith(".py"):
+        candidates.append(Path(f"{name}.py"))
+        stem += ".py"
+    candidates += [Path("configs") / stem, CONFIGS_DIR / stem]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    available = sorted(p.stem for p in CONFIGS_DIR.glob("*.py")) if CONFIGS_DIR.is_dir() else []
+    close = difflib.get_close_matches(Path(stem).stem, available, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ConfigError(
+        f"config file {str(name)!r} not found (looked in ., configs/ and {CONFIGS_DIR}){hint} "
+        f"Available: {', '.join(available)}"
+    )
+
+
+def load_config_module(name: str | Path) -> types.ModuleType:
+    path = resolve_config_path(name)
+    spec = importlib.util.spec_from_file_location(f"hetjax_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path} has no get_config() function")
+    return module
+
+
+def load_config(name: str | Path, overrides: dict[str, str] | None = None) -> Config:
+    """Loads a config file and applies dotted command-line overrides."""
+    config = load_config_module(name).get_config()
+    if not isinstance(config, Config):
+        raise ConfigError(f"get_config() in {name} must return hetjax.config.Config")
+    return config.override(overrides or {})

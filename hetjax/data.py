@@ -1,0 +1,131 @@
+"""Token data: the embedded corpus and user token files, batched deterministically.
+
+Order (``data.shuffle=false``): the training split is cut into windows of ``T + 1``
+tokens starting every ``T`` tokens; batch ``i`` row ``r`` is window
+``k = (i * B + r) mod num_windows``, i.e. tokens ``[k*T, k*T + T + 1)``: inputs are the
+first ``T``, targets the same shifted by one. With ``data.shuffle=true`` the windows of
+each pass over the data are visited in a permutation drawn from ``train.seed`` and the
+pass number, so a run is still reproducible.
+
+The validation split is the last ``data.val_fraction`` of the token stream.
+"""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hetjax.config import Config, ConfigError
+
+
+def embedded_corpus(max_bytes: int) -> np.ndarray:
+    """The running Python's standard-library sources as byte tokens (vocab 256).
+
+    Files are read in sorted path order (``site-packages`` excluded) until ``max_bytes``,
+    so the corpus is the same on every run of the same Python. Returns uint16 (N,).
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "dist-packages" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if total < 10_000:
+        raise RuntimeError(
+            f"the embedded corpus needs the Python standard library sources under {root}, "
+            f"found only {total} bytes; point data.path at a token file instead"
+        )
+    return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8).astype(np.uint16)
+
+
+def load_tokens(path: str) -> np.ndarray:
+    """Memory-maps a token file: flat little-endian uint16 ``.bin`` or 1-D ``.npy``."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config key 'data.path': no such file {path!r}")
+    if p.suffix == ".npy":
+        tokens = np.load(p, mmap_mode="r")
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ConfigError(
+                f"data.path {path!r}: expected a 1-D integer array, got {tokens.dtype} "
+                f"with shape {tokens.shape}"
+            )
+        return tokens
+    if p.suffix == ".bin":
+        if p.stat().st_size % 2:
+            raise ConfigError(f"data.path {path!r}: a .bin token file holds uint16, so its "
+                              "size must be even")
+        return np.memmap(p, dtype="<u2", mode="r")
+    raise ConfigError(f"data.path {path!r}: unknown token file type; use .bin (uint16) or .npy")
+
+
+@dataclass
+class TokenWindows:
+    """Batches of ``(B, T + 1)`` token windows over one split of a token stream."""
+
+    tokens: np.ndarray
+    seq_len: int
+    batch_size: int
+    shuffle: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        self.num_windows = (len(self.tokens) - 1) // self.seq_len
+        if self.num_windows < 1:
+            raise ConfigError(
+                f"the data split has {len(self.tokens)} tokens, fewer than one window of "
+                f"train.seq_len + 1 = {self.seq_len + 1}; use more data or a shorter seq_len"
+            )
+        self._perm_pass, self._perm = -1, None
+
+    def window_index(self, i: int, r: int) -> int:
+        k = i * self.batch_size + r
+        if not self.shuffle:
+            return k % self.num_windows
+        data_pass, pos = divmod(k, self.num_windows)
+        if data_pass != self._perm_pass:
+            rng = np.random.default_rng([self.seed, data_pass])
+            self._perm, self._perm_pass = rng.permutation(self.num_windows), data_pass
+        return int(self._perm[pos])
+
+    def batch(self, i: int) -> np.ndarray:
+        """Batch ``i`` as int32 ``(B, T + 1)``."""
+        T = self.seq_len
+        rows = [
+            np.asarray(self.tokens[(k := self.window_index(i, r)) * T : k * T + T + 1])
+            for r in range(self.batch_size)
+        ]
+        return np.stack(rows).astype(np.int32)
+
+
+def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
+    """Returns (train, validation, description) for the configured data."""
+    d, t = config.data, config.train
+    if d.path:
+        tokens, source = load_tokens(d.path), d.path
+    else:
+        tokens = embedded_corpus(d.corpus_bytes)
+        source = f"embedded corpus (Python {sys.version.split()[0]} stdlib, bytes)"
+    if len(tokens) <= 16 * 1024 * 1024:  # a full scan is cheap; huge files are checked per batch
+        top = int(tokens.max())
+        if top >= config.model.vocab_size:
+            raise ConfigError(
+                f"data holds token id {top} but model.vocab_size is {config.model.vocab_size}; "
+                "raise model.vocab_size to at least max id + 1"
+            )
+    n_val = max(int(len(tokens) * d.val_fraction), t.seq_len + 1)
+    train = TokenWindows(tokens[:-n_val], t.seq_len, t.batch_size, d.shuffle, t.seed)
+    val = TokenWindows(tokens[-n_val:], t.seq_len, t.batch_size, False, t.seed)
+    desc = f"{source}: {len(tokens):,} tokens ({len(tokens) - n_val:,} train, {n_val:,} val)"
+    return train, val, desc

@@ -1,0 +1,80 @@
+"""``python -m hetjax.launch``: train a model from a config file.
+
+    python -m hetjax.launch --config configs/gpt_tiny.py --workdir runs/tiny \\
+        --config.train.steps=50 --config.optimizer.lr=3e-4
+
+Every config key can be overridden as ``--config.<section>.<name>=<value>`` (or with
+the value as the next argument). With no ``--config`` the embedded default,
+``configs/gpt_tiny.py``, trains a small GPT on the bundled corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hetjax.config import ConfigError, load_config
+
+DEFAULT_CONFIG = "gpt_tiny"
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
+    """Splits ``--config.a.b=v`` overrides from the ordinary flags."""
+    overrides: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--config."):
+            key, eq, value = arg[len("--config."):].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"override --config.{key} needs a value: "
+                                      f"--config.{key}=VALUE")
+                value, i = argv[i + 1], i + 1
+            overrides[key] = value
+        else:
+            rest.append(arg)
+        i += 1
+    parser = argparse.ArgumentParser(
+        prog="python -m hetjax.launch",
+        description="Train a transformer with hetjax. Override any config key with "
+                    "--config.<section>.<name>=<value>.",
+    )
+    parser.add_argument("--config", default=DEFAULT_CONFIG,
+                        help="config file: a path, or a name in configs/ (default: gpt_tiny)")
+    parser.add_argument("--workdir", default=None,
+                        help="where metrics, config and state go (default: runs/<config name>)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config and exit")
+    return parser.parse_args(rest), overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, overrides = parse_args(argv)
+        config = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"hetjax: config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        for section, fields in config.to_dict().items():
+            for name, value in fields.items():
+                print(f"{section}.{name} = {value!r}")
+        return 0
+    workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
+
+    from hetjax.train import TrainingError, train  # imports JAX: after argument checks
+
+    try:
+        train(config, workdir)
+    except (ConfigError, TrainingError) as e:
+        print(f"hetjax: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

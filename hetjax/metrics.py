@@ -1,0 +1,76 @@
+"""Run output: ``metrics.jsonl`` (one JSON object per step), log lines and progress."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``<workdir>/metrics.jsonl``; logs every N steps."""
+
+    def __init__(self, workdir: Path, total_steps: int, log_every: int, enabled: bool = True):
+        self.path = Path(workdir) / "metrics.jsonl"
+        self.log_every = log_every
+        self.enabled = enabled
+        self._file = open(self.path, "a") if enabled else None  # noqa: SIM115
+        # disable=None: a bar on a terminal, none in CI logs (log lines still print).
+        self._bar = tqdm(total=total_steps, desc="train", unit="step", disable=None if enabled
+                         else True, file=sys.stderr, dynamic_ncols=True)
+
+    def step(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        self._bar.update(1)
+        self._bar.set_postfix(loss=f"{record['loss']:.4f}")
+        step = record["step"]
+        if step % self.log_every == 0 or step == 1 or step == self._bar.total:
+            self.log(
+                f"step {step:>6}  loss {record['loss']:.4f}  "
+                f"{record['tokens_per_s']:>9.0f} tok/s  {record['step_time_s'] * 1e3:7.1f} ms/step"
+                f"  {record['tflops']:.3f} TFLOP/s"
+            )
+
+    def log(self, msg: str) -> None:
+        if self.enabled:
+            tqdm.write(msg, file=sys.stdout)
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        self._bar.close()
+        if self._file:
+            self._file.close()
+
+
+class StepTimer:
+    """Wall-clock time of one step (the caller blocks on the step's result first)."""
+
+    def __init__(self):
+        self._t = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        dt, self._t = now - self._t, now
+        return dt
+
+
+def step_record(step: int, loss: float, step_time: float, tokens: int, flops: float,
+                **extra: Any) -> dict[str, Any]:
+    """The per-step metrics every runtime writes."""
+    rec = {
+        "step": step,
+        "loss": float(loss),
+        "step_time_s": step_time,
+        "tokens_per_s": tokens / step_time,
+        "tflops": flops / step_time / 1e12,
+    }
+    for k, v in extra.items():
+        rec[k] = float(v) if isinstance(v, float) or hasattr(v, "dtype") else v
+    return rec
