@@ -7,6 +7,13 @@ NOMINAL_PARAMS = 13e9
 
 def get_config() -> Config:
     return Config().replace(
-        model=dict(num_layers=40, d_model=5120, num_heads=40, d_ff=20480, vocab_size=50257, max_seq_len=2048),
+        model=dict(
+            num_layers=40,
+            d_model=5120,
+            num_heads=40,
+            d_ff=20480,
+            vocab_size=50257,
+            max_seq_len=2048,
+        ),
         train=dict(seq_len=2048, batch_size=1),
     )

@@ -7,6 +7,13 @@ NOMINAL_PARAMS = 175e9
 
 def get_config() -> Config:
     return Config().replace(
-        model=dict(num_layers=70, d_model=14336, num_heads=112, d_ff=57344, vocab_size=50257, max_seq_len=2048),
+        model=dict(
+            num_layers=70,
+            d_model=14336,
+            num_heads=112,
+            d_ff=57344,
+            vocab_size=50257,
+            max_seq_len=2048,
+        ),
         train=dict(seq_len=2048, batch_size=1),
     )

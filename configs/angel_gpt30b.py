@@ -7,6 +7,13 @@ NOMINAL_PARAMS = 30e9
 
 def get_config() -> Config:
     return Config().replace(
-        model=dict(num_layers=36, d_model=8192, num_heads=64, d_ff=32768, vocab_size=50257, max_seq_len=2048),
+        model=dict(
+            num_layers=36,
+            d_model=8192,
+            num_heads=64,
+            d_ff=32768,
+            vocab_size=50257,
+            max_seq_len=2048,
+        ),
         train=dict(seq_len=2048, batch_size=1),
     )

@@ -7,6 +7,8 @@ NOMINAL_PARAMS = 805e9
 
 def get_config() -> Config:
     return Config().replace(
-        model=dict(num_layers=160, d_model=20480, num_heads=160, vocab_size=50257, max_seq_len=1024),
+        model=dict(
+            num_layers=160, d_model=20480, num_heads=160, vocab_size=50257, max_seq_len=1024
+        ),
         train=dict(seq_len=1024, batch_size=1),
     )

@@ -49,9 +49,16 @@ class ConfigError(ValueError):
 
 
 _BYTE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 
 
@@ -64,7 +71,8 @@ def parse_bytes(value: int | str, key: str = "value") -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _BYTE_UNITS:
         raise ConfigError(
-            f"{key}: cannot read {value!r} as a byte size; write e.g. 4096, '512MiB', '2GiB', '1.5GB'"
+            f"{key}: cannot read {value!r} as a byte size; "
+            "write e.g. 4096, '512MiB', '2GiB', '1.5GB'"
         )
     return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
 
@@ -88,7 +96,8 @@ def _choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> No
         close = difflib.get_close_matches(str(value), choices, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise ConfigError(
-            f"config key '{section}.{name}' must be one of {', '.join(choices)}, got {value!r}{hint}"
+            f"config key '{section}.{name}' must be one of {', '.join(choices)}, "
+            f"got {value!r}{hint}"
         )
 
 
@@ -160,10 +169,15 @@ class TrainConfig:
                 f"'train.grad_accum' ({self.grad_accum}): the global batch is split evenly "
                 "into micro-batches"
             )
-        _check(self.loss_scale_init >= 1, "train.loss_scale_init", "must be >= 1",
-               self.loss_scale_init)
-        _check(self.loss_scale_period >= 1, "train.loss_scale_period", "must be >= 1",
-               self.loss_scale_period)
+        _check(
+            self.loss_scale_init >= 1, "train.loss_scale_init", "must be >= 1", self.loss_scale_init
+        )
+        _check(
+            self.loss_scale_period >= 1,
+            "train.loss_scale_period",
+            "must be >= 1",
+            self.loss_scale_period,
+        )
 
     @property
     def micro_batch_size(self) -> int:
@@ -194,18 +208,21 @@ class OptimizerConfig:
         _choice("optimizer", "name", self.name, OPTIMIZERS)
         _choice("optimizer", "schedule", self.schedule, ("constant", "cosine"))
         _check(self.lr > 0, "optimizer.lr", "must be > 0", self.lr)
-        _check(self.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0",
-               self.weight_decay)
+        _check(self.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", self.weight_decay)
         for name in ("b1", "b2", "momentum"):
             v = getattr(self, name)
             _check(0 <= v < 1, f"optimizer.{name}", "must be in [0, 1)", v)
         _check(self.eps > 0, "optimizer.eps", "must be > 0", self.eps)
-        _check(self.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables)",
-               self.grad_clip)
-        _check(self.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0",
-               self.warmup_steps)
-        _check(0 <= self.min_lr_ratio <= 1, "optimizer.min_lr_ratio", "must be in [0, 1]",
-               self.min_lr_ratio)
+        _check(
+            self.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables)", self.grad_clip
+        )
+        _check(self.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0", self.warmup_steps)
+        _check(
+            0 <= self.min_lr_ratio <= 1,
+            "optimizer.min_lr_ratio",
+            "must be in [0, 1]",
+            self.min_lr_ratio,
+        )
 
 
 OFFLOAD_MODES = ("none",)
@@ -230,8 +247,12 @@ class MemoryConfig:
 
     def __post_init__(self):
         page = parse_bytes(self.page_size, "memory.page_size")
-        _check(page >= 4096 and page % 4096 == 0, "memory.page_size",
-               "must be a positive multiple of 4 KiB", self.page_size)
+        _check(
+            page >= 4096 and page % 4096 == 0,
+            "memory.page_size",
+            "must be a positive multiple of 4 KiB",
+            self.page_size,
+        )
         object.__setattr__(self, "page_size", page)
 
 
@@ -247,10 +268,12 @@ class DataConfig:
     corpus_bytes: int = 8_000_000  # size cap of the embedded corpus
 
     def __post_init__(self):
-        _check(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)",
-               self.val_fraction)
-        _check(self.corpus_bytes >= 10_000, "data.corpus_bytes", "must be >= 10000",
-               self.corpus_bytes)
+        _check(
+            0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)", self.val_fraction
+        )
+        _check(
+            self.corpus_bytes >= 10_000, "data.corpus_bytes", "must be >= 10000", self.corpus_bytes
+        )
 
 
 _SECTIONS = {

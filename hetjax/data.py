@@ -64,8 +64,9 @@ def load_tokens(path: str) -> np.ndarray:
         return tokens
     if p.suffix == ".bin":
         if p.stat().st_size % 2:
-            raise ConfigError(f"data.path {path!r}: a .bin token file holds uint16, so its "
-                              "size must be even")
+            raise ConfigError(
+                f"data.path {path!r}: a .bin token file holds uint16, so its size must be even"
+            )
         return np.memmap(p, dtype="<u2", mode="r")
     raise ConfigError(f"data.path {path!r}: unknown token file type; use .bin (uint16) or .npy")
 

@@ -27,11 +27,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     while i < len(argv):
         arg = argv[i]
         if arg.startswith("--config."):
-            key, eq, value = arg[len("--config."):].partition("=")
+            key, eq, value = arg[len("--config.") :].partition("=")
             if not eq:
                 if i + 1 >= len(argv):
-                    raise ConfigError(f"override --config.{key} needs a value: "
-                                      f"--config.{key}=VALUE")
+                    raise ConfigError(
+                        f"override --config.{key} needs a value: --config.{key}=VALUE"
+                    )
                 value, i = argv[i + 1], i + 1
             overrides[key] = value
         else:
@@ -40,14 +41,21 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     parser = argparse.ArgumentParser(
         prog="python -m hetjax.launch",
         description="Train a transformer with hetjax. Override any config key with "
-                    "--config.<section>.<name>=<value>.",
+        "--config.<section>.<name>=<value>.",
     )
-    parser.add_argument("--config", default=DEFAULT_CONFIG,
-                        help="config file: a path, or a name in configs/ (default: gpt_tiny)")
-    parser.add_argument("--workdir", default=None,
-                        help="where metrics, config and state go (default: runs/<config name>)")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config and exit")
+    parser.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help="config file: a path, or a name in configs/ (default: gpt_tiny)",
+    )
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="where metrics, config and state go (default: runs/<config name>)",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
     return parser.parse_args(rest), overrides
 
 

@@ -20,8 +20,14 @@ class MetricsWriter:
         self.enabled = enabled
         self._file = open(self.path, "a") if enabled else None  # noqa: SIM115
         # disable=None: a bar on a terminal, none in CI logs (log lines still print).
-        self._bar = tqdm(total=total_steps, desc="train", unit="step", disable=None if enabled
-                         else True, file=sys.stderr, dynamic_ncols=True)
+        self._bar = tqdm(
+            total=total_steps,
+            desc="train",
+            unit="step",
+            disable=None if enabled else True,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
 
     def step(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -61,8 +67,9 @@ class StepTimer:
         return dt
 
 
-def step_record(step: int, loss: float, step_time: float, tokens: int, flops: float,
-                **extra: Any) -> dict[str, Any]:
+def step_record(
+    step: int, loss: float, step_time: float, tokens: int, flops: float, **extra: Any
+) -> dict[str, Any]:
     """The per-step metrics every runtime writes."""
     rec = {
         "step": step,

@@ -50,8 +50,7 @@ def base_optimizer(cfg: OptimizerConfig, total_steps: int, mask: Any = None):
     """The elementwise optimizer without clipping. ``mask`` selects weight-decayed leaves."""
     lr = learning_rate_schedule(cfg, total_steps)
     if cfg.name == "adamw":
-        return optax.adamw(lr, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay,
-                           mask=mask)
+        return optax.adamw(lr, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
     if cfg.name == "adam":
         return optax.adam(lr, cfg.b1, cfg.b2, cfg.eps)
     if cfg.name == "lion":

@@ -72,8 +72,9 @@ class LossScale:
 
     def update(self, finite: jax.Array) -> LossScale:
         grow = finite & (self.good_steps + 1 >= self.period)
-        scale = jnp.where(finite, jnp.where(grow, self.scale * 2, self.scale),
-                          jnp.maximum(self.scale / 2, 1.0))
+        scale = jnp.where(
+            finite, jnp.where(grow, self.scale * 2, self.scale), jnp.maximum(self.scale / 2, 1.0)
+        )
         good = jnp.where(finite & ~grow, self.good_steps + 1, 0)
         return self.replace(scale=scale, good_steps=good)
 
@@ -105,8 +106,7 @@ class InMemoryRuntime:
             step=jnp.int32(0),
             params=params,
             opt_state=self.tx.init(params),
-            loss_scale=LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16
-            else None,
+            loss_scale=LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None,
         )
         self._step = jax.jit(self._train_step, donate_argnums=0)
         self._eval = jax.jit(lambda p, b: self.model.loss(p, b[:, :-1], b[:, 1:]))
@@ -129,9 +129,11 @@ class InMemoryRuntime:
         finite = jnp.isfinite(grad_norm)
         if state.loss_scale is not None:  # fp16: skip the whole update on overflow
             keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)
-            new = new.replace(params=keep(params, state.params),
-                              opt_state=keep(opt_state, state.opt_state),
-                              loss_scale=state.loss_scale.update(finite))
+            new = new.replace(
+                params=keep(params, state.params),
+                opt_state=keep(opt_state, state.opt_state),
+                loss_scale=state.loss_scale.update(finite),
+            )
         return new, (jnp.mean(losses), grad_norm, ~finite, scale)
 
     def train_step(self, batch: np.ndarray) -> StepStats:
@@ -180,10 +182,14 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
     flops_per_step = model.flops_per_token(t.seq_len) * tokens_per_step
 
     out = MetricsWriter(workdir, t.steps, t.log_every, enabled=verbose)
-    out.log(f"hetjax: {n_params / 1e6:.2f}M params, offload.mode={config.offload.mode}, "
-            f"{jax.devices()[0].platform} x{jax.device_count()}; data: {data_desc}")
-    out.log(f"batch {t.batch_size} x seq {t.seq_len} = {tokens_per_step:,} tokens/step, "
-            f"grad_accum {t.grad_accum}, {t.steps} steps -> {workdir}")
+    out.log(
+        f"hetjax: {n_params / 1e6:.2f}M params, offload.mode={config.offload.mode}, "
+        f"{jax.devices()[0].platform} x{jax.device_count()}; data: {data_desc}"
+    )
+    out.log(
+        f"batch {t.batch_size} x seq {t.seq_len} = {tokens_per_step:,} tokens/step, "
+        f"grad_accum {t.grad_accum}, {t.steps} steps -> {workdir}"
+    )
     losses, records = [], []
     timer = StepTimer()
     try:
@@ -199,19 +205,34 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
                     "enable optimizer.grad_clip; nothing was saved from this step"
                 )
             losses.append(stats.loss)
-            rec = step_record(step, stats.loss, step_time, tokens_per_step, flops_per_step,
-                              grad_norm=stats.grad_norm, **runtime.extra_metrics())
+            rec = step_record(
+                step,
+                stats.loss,
+                step_time,
+                tokens_per_step,
+                flops_per_step,
+                grad_norm=stats.grad_norm,
+                **runtime.extra_metrics(),
+            )
             if config.model.compute_dtype == "float16":
                 rec.update(loss_scale=stats.loss_scale, skipped=stats.skipped)
             records.append(rec)
             out.step(rec)
         val_loss = evaluate(runtime, val_data, t.eval_batches)
         if t.eval_batches:
-            out.log(f"final validation loss {val_loss:.4f} over {t.eval_batches} batches "
-                    f"(train loss first {losses[0]:.4f}, last {losses[-1]:.4f})")
-        summary = {"val_loss": val_loss, "first_loss": losses[0], "last_loss": losses[-1],
-                   "steps": t.steps, "mean_step_time_s": float(np.mean(
-                       [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]))}
+            out.log(
+                f"final validation loss {val_loss:.4f} over {t.eval_batches} batches "
+                f"(train loss first {losses[0]:.4f}, last {losses[-1]:.4f})"
+            )
+        summary = {
+            "val_loss": val_loss,
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+            "steps": t.steps,
+            "mean_step_time_s": float(
+                np.mean([r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]])
+            ),
+        }
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     finally:
         out.close()
@@ -222,4 +243,3 @@ def evaluate(runtime: Runtime, data, num_batches: int) -> float:
     if num_batches == 0:
         return float("nan")
     return float(np.mean([runtime.eval_loss(data.batch(i)) for i in range(num_batches)]))
-
