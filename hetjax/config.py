@@ -149,7 +149,7 @@ class TrainConfig:
     sequences; with ``grad_accum = A`` it is split into A micro-batches of
     ``batch_size / A`` rows, so the data order does not depend on A."""
 
-    steps: int = 300
+    steps: int = 250
     batch_size: int = 16
     seq_len: int = 128
     grad_accum: int = 1
@@ -225,18 +225,33 @@ class OptimizerConfig:
         )
 
 
-OFFLOAD_MODES = ("none",)
+OFFLOAD_MODES = ("none", "stream")
 
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
-    """Where the training state lives. ``none``: everything on the device, one jitted
-    train step (the reference every other mode is tested against)."""
+    """Where the training state lives.
+
+    ``mode``: ``none`` keeps everything on the device with one jitted train step (the
+    reference every other mode is tested against); ``stream`` keeps params in host memory
+    and streams one stage at a time through a device window (hetjax/executor.py).
+    """
 
     mode: str = "none"
+    params: str = "host"  # stream: where the compute-dtype param slabs live
+    activations: str = "device"  # stream: where block-boundary checkpoints live
+    prefetch_depth: int = 2  # stream: stages copied ahead of the one computing
 
     def __post_init__(self):
         _choice("offload", "mode", self.mode, OFFLOAD_MODES)
+        _choice("offload", "params", self.params, ("host",))
+        _choice("offload", "activations", self.activations, ("device", "host"))
+        _check(
+            self.prefetch_depth >= 0,
+            "offload.prefetch_depth",
+            "must be >= 0",
+            self.prefetch_depth,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +259,7 @@ class MemoryConfig:
     """Memory budgets and layout. Byte sizes accept ints or strings like '512MiB'."""
 
     page_size: int | str = "4MiB"
+    device_budget: int | str = 0  # device bytes the streaming runtime may hold; 0: no limit
 
     def __post_init__(self):
         page = parse_bytes(self.page_size, "memory.page_size")
@@ -254,6 +270,9 @@ class MemoryConfig:
             self.page_size,
         )
         object.__setattr__(self, "page_size", page)
+        budget = parse_bytes(self.device_budget, "memory.device_budget")
+        _check(budget >= 0, "memory.device_budget", "must be >= 0 (0: no limit)", budget)
+        object.__setattr__(self, "device_budget", budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,10 +378,11 @@ def all_keys() -> list[str]:
 
 
 def _unknown_key_message(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
-    if not close and "." in key:  # match on the field name alone: 'train.lr' -> 'optimizer.lr'
-        leaf = key.rsplit(".", 1)[1]
-        close = [k for k in valid if k.rsplit(".", 1)[1] == leaf]
+    # Same field name in another section first ('train.lr' -> 'optimizer.lr'), then spelling.
+    leaf = key.rsplit(".", 1)[-1]
+    close = [k for k in valid if "." in key and k.rsplit(".", 1)[-1] == leaf and k != key]
+    close += [c for c in difflib.get_close_matches(key, valid, n=3, cutoff=0.6) if c not in close]
+    close = close[:3]
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return f"unknown config key '{key}'{hint} (valid sections: {', '.join(_SECTIONS)})"
 

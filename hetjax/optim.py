@@ -10,29 +10,32 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from hetjax.config import OptimizerConfig
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to ``lr`` over ``warmup_steps``, then constant or cosine
-    decay to ``lr * min_lr_ratio`` at ``total_steps``."""
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-    if cfg.schedule == "constant":
+    """Learning rate at update ``n`` (0-based): linear warmup ``lr * (n + 1) / warmup``
+    (so the first update is not wasted at 0), then constant, or cosine decay from ``lr``
+    to ``lr * min_lr_ratio`` at ``total_steps``."""
+    warmup, peak = cfg.warmup_steps, cfg.lr
+    floor = cfg.lr * cfg.min_lr_ratio
+    decay_steps = max(total_steps - warmup, 1)
+
+    def schedule(count):
+        n = jnp.asarray(count, jnp.float32)
+        if cfg.schedule == "constant":
+            after = jnp.float32(peak)
+        else:
+            progress = jnp.clip((n - warmup) / decay_steps, 0.0, 1.0)
+            after = floor + 0.5 * (peak - floor) * (1 + jnp.cos(jnp.pi * progress))
         if warmup == 0:
-            return optax.constant_schedule(cfg.lr)
-        return optax.join_schedules(
-            [optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)],
-            [warmup],
-        )
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.lr,
-        warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1),
-        end_value=cfg.lr * cfg.min_lr_ratio,
-    )
+            return after
+        return jnp.where(n < warmup, peak * (n + 1) / warmup, after)
+
+    return schedule
 
 
 def weight_decay_mask(params: Any) -> Any:

@@ -122,7 +122,7 @@ class InMemoryRuntime:
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         grad_sum, losses = jax.lax.scan(micro, zeros, batch)  # batch (A, B/A, T+1)
         grads = jax.tree.map(lambda g: g / (batch.shape[0] * scale), grad_sum)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -144,7 +144,8 @@ class InMemoryRuntime:
         return float(self._eval(self.state.params, batch))
 
     def params(self) -> Any:
-        return jax.device_get(self.state.params)
+        # np.array copies: on CPU a device_get can alias a buffer the next step donates.
+        return jax.tree.map(np.array, self.state.params)
 
     def extra_metrics(self) -> dict[str, Any]:
         return {}

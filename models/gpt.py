@@ -119,15 +119,32 @@ class GPT:
 
     def init(self, rng: jax.Array) -> Params:
         """Returns ``{'embed': ..., 'blocks': (stacked on axis 0, L), 'head': ...}``."""
-        cfg = self.config
+        keys = self.stage_keys(rng)
+        return {
+            "embed": self.init_stage("embed", keys["embed"]),
+            "blocks": jax.vmap(lambda k: self.init_stage("block", k))(keys["blocks"]),
+            "head": self.init_stage("head", keys["head"]),
+        }
+
+    def stage_keys(self, rng: jax.Array) -> dict[str, jax.Array]:
+        """The init key of each stage; ``blocks`` holds one key per layer."""
         k_embed, k_blocks, k_head = jax.random.split(rng, 3)
-        tokens = jnp.zeros((1, 1), jnp.int32)
+        blocks = jax.random.split(k_blocks, self.config.num_layers)
+        return {"embed": k_embed, "blocks": blocks, "head": k_head}
+
+    def init_stage(self, stage: str, key: jax.Array) -> Params:
+        """Params of one stage (``embed``, ``block`` or ``head``), so a runtime can
+        initialise a model a stage at a time, straight into its placement."""
+        cfg = self.config
         x = jnp.zeros((1, 1, cfg.d_model), cfg.compute_dtype)
-        embed = self._embed.init(k_embed, tokens)["params"]
-        block_keys = jax.random.split(k_blocks, cfg.num_layers)
-        blocks = jax.vmap(lambda k: self._block.init(k, x)["params"])(block_keys)
-        head = self._head.init(k_head, x, embed["wte"])["params"]
-        return {"embed": embed, "blocks": blocks, "head": head}
+        if stage == "embed":
+            return self._embed.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
+        if stage == "block":
+            return self._block.init(key, x)["params"]
+        if stage == "head":
+            wte = jnp.zeros((cfg.vocab_size, cfg.d_model), cfg.param_dtype)
+            return self._head.init(key, x, wte)["params"]
+        raise ValueError(f"unknown stage {stage!r}")
 
     # -- stages ---------------------------------------------------------------------------
 

@@ -1,0 +1,25 @@
+import os
+
+# Multi-device tests use virtual CPU devices; must be set before JAX initialises.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+from hetjax.config import Config  # noqa: E402
+
+
+def tiny_config(**sections) -> Config:
+    """A very small GPT for fast tests: 2 layers, d 32, vocab 256, seq 16."""
+    base = Config().replace(
+        model=dict(num_layers=2, d_model=32, num_heads=4, max_seq_len=32),
+        train=dict(steps=5, batch_size=4, seq_len=16, log_every=1, eval_batches=2),
+        optimizer=dict(warmup_steps=2, lr=3e-3),
+        data=dict(corpus_bytes=200_000),
+    )
+    return base.replace(**sections) if sections else base
+
+
+@pytest.fixture
+def tiny():
+    return tiny_config

@@ -1,0 +1,112 @@
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from equivalence import assert_losses_close, assert_trees_close
+
+from hetjax.config import load_config
+from hetjax.launch import main
+from hetjax.train import InMemoryRuntime, LossScale, train
+
+
+def test_default_config_loss_falls_clearly(tmp_path):
+    # The default run (configs/gpt_tiny.py), cut to 60 of its steps to keep the suite fast.
+    config = load_config("gpt_tiny", {"train.steps": "60", "train.eval_batches": "4"})
+    result = train(config, tmp_path, verbose=False)
+    first, last = result.losses[0], np.mean(result.losses[-5:])  # first: before any update
+    assert first > 5.0  # untrained byte model: ~log(256) = 5.55
+    assert last < first - 2.0, (first, last)
+    assert result.val_loss < first - 1.5
+
+
+def test_grad_accum_equals_full_batch(tmp_path, tiny):
+    # SGD, because the property is "accumulated gradient == full-batch gradient" and SGD
+    # is linear in it. Adam would also normalise the key-projection bias, whose gradient
+    # is exactly zero in exact arithmetic (softmax is shift-invariant), turning rounding
+    # noise of different summation orders into lr-sized steps.
+    sgd = dict(name="sgd", lr=0.3, warmup_steps=0)
+    full = train(tiny(optimizer=sgd), tmp_path / "a", verbose=False)
+    accum = train(
+        tiny(
+            optimizer=sgd,
+            train=dict(steps=5, batch_size=4, seq_len=16, grad_accum=2, eval_batches=0),
+        ),
+        tmp_path / "b",
+        verbose=False,
+    )
+    assert full.losses[-1] < full.losses[0] - 0.1  # the steps did something
+    assert_losses_close(accum.losses, full.losses)
+    assert_trees_close(accum.params, full.params)
+
+
+def test_metrics_jsonl_and_launch(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    rc = main(
+        [
+            "--config",
+            "gpt_tiny",
+            "--workdir",
+            str(workdir),
+            "--config.train.steps=3",
+            "--config.train.batch_size=4",
+            "--config.train.eval_batches=1",
+            "--config.data.corpus_bytes=100000",
+            "--config.train.log_every=1",
+        ]
+    )
+    assert rc == 0
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert {"step", "loss", "step_time_s", "tokens_per_s", "tflops"} <= r.keys()
+        assert r["step_time_s"] > 0 and r["tflops"] > 0
+        assert abs(r["tokens_per_s"] * r["step_time_s"] - 4 * 128) < 1e-6
+    out = capsys.readouterr().out
+    assert "step      3  loss" in out and "final validation loss" in out
+    assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 3
+
+
+def test_loss_scale_dynamics():
+    s = LossScale.create(8.0, period=2)
+    s = s.update(jnp.bool_(True))
+    assert float(s.scale) == 8.0 and int(s.good_steps) == 1
+    s = s.update(jnp.bool_(True))
+    assert float(s.scale) == 16.0 and int(s.good_steps) == 0  # doubled after 2 good steps
+    s = s.update(jnp.bool_(False))
+    assert float(s.scale) == 8.0 and int(s.good_steps) == 0  # halved on overflow
+
+
+def test_fp16_skips_overflowing_step(tiny):
+    config = tiny(
+        model=dict(num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="float16"),
+        train=dict(steps=5, batch_size=4, seq_len=16, loss_scale_init=2.0**60),
+    )
+    runtime = InMemoryRuntime(config)
+    before = runtime.params()
+    batch = np.random.default_rng(0).integers(0, 256, (1, 4, 17)).astype(np.int32)
+    stats = runtime.train_step(batch)  # a scale of 2^60 overflows fp16 gradients
+    assert stats.skipped and stats.loss_scale == 2.0**60
+    jax.tree.map(np.testing.assert_array_equal, runtime.params(), before)  # untouched
+    assert float(runtime.state.loss_scale.scale) == 2.0**59
+    for _ in range(60):  # the scale halves until steps go through
+        stats = runtime.train_step(batch)
+        if not stats.skipped:
+            break
+    assert not stats.skipped and np.isfinite(stats.loss)
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), runtime.params(), before)
+    assert all(jax.tree.leaves(changed))
+
+
+def test_learning_rate_schedule():
+    from hetjax.config import OptimizerConfig
+    from hetjax.optim import learning_rate_schedule
+
+    cfg = OptimizerConfig(lr=1.0, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    lr = [float(learning_rate_schedule(cfg, 14)(n)) for n in range(16)]
+    np.testing.assert_allclose(lr[:4], [0.25, 0.5, 0.75, 1.0], rtol=1e-6)  # first step > 0
+    assert lr[4] == 1.0 and abs(lr[9] - 0.55) < 1e-6 and abs(lr[14] - 0.1) < 1e-6
+    assert all(a >= b for a, b in zip(lr[4:], lr[5:], strict=False))
+    const = OptimizerConfig(lr=2.0, warmup_steps=0, schedule="constant")
+    assert float(learning_rate_schedule(const, 10)(7)) == 2.0
