@@ -154,6 +154,10 @@ class InMemoryRuntime:
 def build_runtime(config: Config) -> Runtime:
     if config.offload.mode == "none":
         return InMemoryRuntime(config)
+    if config.offload.mode == "stream":
+        from hetjax.executor import StreamingRuntime  # imports this module
+
+        return StreamingRuntime(config)
     raise AssertionError(config.offload.mode)  # validated by OffloadConfig
 
 
