@@ -1,8 +1,9 @@
 """The layer-wise streaming executor (``offload.mode=stream``).
 
 Params live on the host as one page slab per stage (``pages.py``), in the compute dtype,
-in the ``pinned_host`` memory kind; fp32 master state and the optimizer live with the
-host optimizer. A step streams the stages through a window of device memory:
+in the ``pinned_host`` memory kind, and move as that slab's list of pages; fp32 master
+state and the optimizer live with the host optimizer. A step streams the stages through
+a window of device memory:
 
     forward   embed, block 0 .. block L-1, head + loss (and the head's backward)
     backward  block L-1 .. block 0 (each recomputes its inside with jax.vjp), embed
@@ -125,8 +126,8 @@ class Ledger:
     def record(self, arrays) -> None:
         totals: dict[str, int] = collections.defaultdict(int)
         seen = set()
-        for a in arrays:
-            if a is None or id(a) in seen:
+        for a in jax.tree.leaves(arrays):
+            if id(a) in seen:
                 continue
             seen.add(id(a))
             totals[a.sharding.memory_kind or "device"] += a.nbytes
@@ -168,8 +169,8 @@ class StreamingRuntime:
             config.optimizer, t.steps, self.layouts, self.place.optimizer, self.compute_dtype
         )
         self._init_params(jax.random.key(t.seed))
-        self.host_slabs = {
-            n: jax.device_put(self.optimizer.compute_slab(n), self.place.host)
+        self.host_pages = {
+            n: jax.device_put(self.optimizer.compute_pages(n, self.layout_name(n)), self.place.host)
             for n in self.stage_names
         }
         self._build_stage_functions()
@@ -209,27 +210,27 @@ class StreamingRuntime:
         dev = self.place.device
 
         def embed_fwd(e, tokens):  # (B, T) -> (B, T, D)
-            return m.embed(E.unflatten(e), tokens)
+            return m.embed(E.unflatten_pages(e), tokens)
 
         def block_fwd(b, x):  # (B, T, D) -> (B, T, D)
-            return m.block(B.unflatten(b), x)
+            return m.block(B.unflatten_pages(b), x)
 
         def head_loss(h, e, x, targets):
-            return m.head_loss(H.unflatten(h), E.unflatten(e), x, targets)
+            return m.head_loss(H.unflatten_pages(h), E.unflatten_pages(e), x, targets)
 
         def head_fwd_bwd(h, e, x, targets, scale):
             loss, vjp = jax.vjp(lambda h, e, x: head_loss(h, e, x, targets), h, e, x)
             dh, de, dx = vjp(scale)  # scale: the fp16 loss scale, else 1
-            return loss, dh.astype(F32), de.astype(F32), dx
+            return loss, _to_f32(dh), _to_f32(de), dx
 
         def block_bwd(b, x, dy):  # recompute the block's inside, then its vjp
             _, vjp = jax.vjp(block_fwd, b, x)
             db, dx = vjp(dy)
-            return db.astype(F32), dx
+            return _to_f32(db), dx
 
         def embed_bwd(e, tokens, dx):
             _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
-            return vjp(dx)[0].astype(F32)
+            return _to_f32(vjp(dx)[0])
 
         self._embed_fwd = jax.jit(embed_fwd, out_shardings=dev)
         self._block_fwd = jax.jit(block_fwd, out_shardings=dev)
@@ -242,7 +243,9 @@ class StreamingRuntime:
         cfg, t = self.config, self.config.train
         B, T, D = t.micro_batch_size, t.seq_len, cfg.model.d_model
         sds = jax.ShapeDtypeStruct
-        slab = lambda n: sds((self.layouts[n].padded_size,), self.compute_dtype)
+        slab = lambda n: (
+            [sds((self.layouts[n].page_elems,), self.compute_dtype)] * (self.layouts[n].num_pages)
+        )
         x = sds((B, T, D), self.compute_dtype)
         act = B * T * D * self.compute_dtype.itemsize
         # XLA's temporaries of the largest stage function, measured by compiling it.
@@ -282,7 +285,7 @@ class StreamingRuntime:
         names = ["embed", "head", *self.block_names[: self.plan.resident_blocks]]
         self.resident = {}
         for n in names:
-            self.resident[n] = jax.device_put(self.host_slabs[n], self.place.device)
+            self.resident[n] = jax.device_put(self.host_pages[n], self.place.device)
 
     # -- the step -----------------------------------------------------------------------
 
@@ -306,7 +309,7 @@ class StreamingRuntime:
                 compute = self.optimizer.update(
                     name, self.layout_name(name), grads[name], grad_norm
                 )
-                self.host_slabs[name] = jax.device_put(compute, self.place.host)
+                self.host_pages[name] = jax.device_put(compute, self.place.host)
             self._refresh_resident()
         return StepStats(loss, grad_norm, not finite and self.loss_scale is not None, scale)
 
@@ -326,6 +329,7 @@ class StreamingRuntime:
             slab = window.get(i)
             ckpts[i] = self._store_checkpoint(x)
             x = self._block_fwd(slab, x)
+            del slab  # the window decides when a slab goes; hold no reference past it
             window.done(i)
             self._account(window, ckpts, pending, x)
 
@@ -374,7 +378,8 @@ class StreamingRuntime:
     @staticmethod
     def _drain(pending, grads) -> None:
         name, g = pending.popleft()
-        g = np.asarray(g)  # waits for this slab's backward and transfer only
+        # Waits for this slab's backward and transfer only.
+        g = np.concatenate([np.asarray(page) for page in g])
         if name in grads:
             grads[name] += g
         else:
@@ -419,11 +424,15 @@ class StreamingRuntime:
         }
 
     def extra_metrics(self) -> dict[str, Any]:
-        host = sum(a.nbytes for a in self.host_slabs.values()) + self.optimizer.nbytes()
+        host = sum(a.nbytes for a in jax.tree.leaves(self.host_pages)) + self.optimizer.nbytes()
         return {
             "device_bytes_peak": int(self.ledger.peak.get("device", 0)),
             "host_bytes": int(host),
         }
+
+
+def _to_f32(pages):
+    return [p.astype(F32) for p in pages]
 
 
 class _Window:
@@ -440,7 +449,7 @@ class _Window:
         if name in self.rt.resident:
             return self.rt.resident[name]
         if name not in self.cache:
-            self.cache[name] = jax.device_put(self.rt.host_slabs[name], self.rt.place.device)
+            self.cache[name] = jax.device_put(self.rt.host_pages[name], self.rt.place.device)
         return self.cache[name]
 
     def get(self, j: int) -> jax.Array:

@@ -3,7 +3,7 @@
 Each stage's master params live as one slab (see ``pages.py``) in the placement's
 optimizer memory (host RAM). ``update`` runs the configured optax optimizer jitted on
 that memory over ``(decayed, not decayed)`` halves of the slab, so the weight-decay mask
-is a split point, and returns the refreshed compute-dtype slab for the next forward.
+is a split point, and returns the refreshed compute-dtype params, as pages, for the next forward.
 
 Global-norm clipping needs the norm of all gradients before any stage is updated; the
 caller computes it (over every stage's gradient) and passes it to each update, which
@@ -52,14 +52,17 @@ class HostOptimizer:
         self.state: dict[str, Any] = {}
         self._init = jax.jit(self._init_state, static_argnums=1, out_shardings=sharding)
         self._cast = jax.jit(
-            lambda m: jax.device_put(m, self._compute).astype(self.compute_dtype),
+            lambda m, layout_name: self.layouts[layout_name].to_pages(
+                jax.device_put(m, self._compute).astype(self.compute_dtype)
+            ),
+            static_argnums=1,
             out_shardings=sharding,
         )
         self._update = jax.jit(
             self._update_slab,
             static_argnums=(4,),
             donate_argnums=(0, 1),
-            out_shardings=(sharding, sharding, sharding),
+            out_shardings=sharding,
         )
 
     def set_master(self, name: str, layout_name: str, slab: jax.Array | np.ndarray) -> None:
@@ -72,7 +75,8 @@ class HostOptimizer:
         master = jax.device_put(master, self._compute)
         return self.tx.init((master[:num_decay], master[num_decay:]))
 
-    def _update_slab(self, master, state, grad, clip, num_decay: int):
+    def _update_slab(self, master, state, grad, clip, layout_name: str):
+        num_decay = self.layouts[layout_name].num_decay
         master, state, grad, clip = jax.device_put((master, state, grad, clip), self._compute)
         # clip = (global_norm, max_norm); max_norm 0 disables clipping.
         norm, max_norm = clip
@@ -81,25 +85,25 @@ class HostOptimizer:
         grads = (clipped[:num_decay], clipped[num_decay:])
         updates, state = self.tx.update(grads, state, params)
         new = jnp.concatenate([p + u for p, u in zip(params, updates, strict=True)])
-        return new, state, new.astype(self.compute_dtype)
+        return new, state, self.layouts[layout_name].to_pages(new.astype(self.compute_dtype))
 
     def update(
         self, name: str, layout_name: str, grad: np.ndarray, global_norm: float
-    ) -> jax.Array:
-        """Applies one optimizer step to stage ``name``; returns its new compute slab
-        (in the optimizer's memory). ``grad`` is the averaged fp32 gradient slab."""
+    ) -> list[jax.Array]:
+        """Applies one optimizer step to stage ``name``; returns its new compute-dtype
+        params as the slab's pages (in the optimizer's memory). ``grad`` is the averaged
+        fp32 gradient slab."""
         grad = jax.device_put(np.asarray(grad, np.float32), self.sharding)
         clip = (jnp.float32(global_norm), jnp.float32(self.cfg.grad_clip))
         clip = jax.device_put(clip, self.sharding)
-        num_decay = self.layouts[layout_name].num_decay
         self.master[name], self.state[name], compute = self._update(
-            self.master[name], self.state[name], grad, clip, num_decay
+            self.master[name], self.state[name], grad, clip, layout_name
         )
         return compute
 
-    def compute_slab(self, name: str) -> jax.Array:
-        """Stage ``name``'s master slab cast to the compute dtype, in host memory."""
-        return self._cast(self.master[name])
+    def compute_pages(self, name: str, layout_name: str) -> list[jax.Array]:
+        """Stage ``name``'s master slab cast to the compute dtype, as pages, on the host."""
+        return self._cast(self.master[name], layout_name)
 
     def nbytes(self) -> int:
         leaves = jax.tree.leaves((self.master, self.state))

@@ -1,5 +1,6 @@
 """offload.mode=stream equals offload.mode=none (fp32 compute, same seed and data)."""
 
+import jax
 import numpy as np
 import pytest
 from equivalence import assert_gpt_training_equal
@@ -49,10 +50,10 @@ def test_stream_equals_none_with_grad_accum(tiny, tmp_path):
 def test_streams_within_device_budget(tiny, tmp_path):
     """An 8-layer model whose params exceed the device budget trains, and the device-kind
     live bytes, sampled after every dispatch, stay within the budget."""
-    model = dict(num_layers=8, d_model=128, num_heads=4, max_seq_len=32)
+    model = dict(num_layers=8, d_model=192, num_heads=4, max_seq_len=32)
     probe_config = tiny(model=model, offload=dict(mode="stream"))
     params_bytes = build_model(probe_config.model).param_count() * 4
-    budget = int(params_bytes * 0.6)
+    budget = int(params_bytes * 0.7)
     config = tiny(
         model=model,
         offload=dict(mode="stream", prefetch_depth=2),
@@ -67,15 +68,18 @@ def test_streams_within_device_budget(tiny, tmp_path):
     assert runtime.plan.required <= budget
     batch = np.random.default_rng(0).integers(0, 256, (1, 2, 17)).astype(np.int32)
     baseline = live_bytes_by_kind().get("device", 0) - sum(
-        a.nbytes for a in runtime.resident.values()
+        a.nbytes for a in jax.tree.leaves(runtime.resident)
     )
     losses = [runtime.train_step(batch).loss for _ in range(3)]
     assert losses[-1] < losses[0]
     peak = max(samples) - baseline
     assert len(samples) >= 3 * 16
     assert 0 < peak <= budget, (peak, budget)
-    # The ledger saw the same holdings the live-array census saw.
-    assert runtime.ledger.peak["device"] >= peak * 0.9
+    # The ledger saw the same holdings the live-array census saw (tokens aside).
+    assert abs(runtime.ledger.peak["device"] - peak) <= 0.05 * peak, (
+        runtime.ledger.peak["device"],
+        peak,
+    )
     assert params_bytes > budget
 
 
