@@ -119,6 +119,7 @@ class ModelConfig:
     compute_dtype: str = "float32"  # matmuls; fp32 is the fast path on CPU, bf16 on GPU
     init_std: float = 0.02
     layer_norm_eps: float = 1e-5
+    remat: bool = False  # offload.mode=none: recompute each block in backward (jax.checkpoint)
 
     def __post_init__(self):
         _choice("model", "family", self.family, ("gpt",))

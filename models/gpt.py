@@ -175,7 +175,10 @@ class GPT:
         return self.head_loss(params["head"], params["embed"], x, targets)
 
     def _run_blocks(self, blocks: Params, x: jax.Array) -> jax.Array:
-        x, _ = jax.lax.scan(lambda h, p: (self.block(p, h), None), x, blocks)
+        # remat: keep only block-boundary activations and recompute each block's inside
+        # in backward, as the streaming executor does.
+        block = jax.checkpoint(self.block) if self.config.remat else self.block
+        x, _ = jax.lax.scan(lambda h, p: (block(p, h), None), x, blocks)
         return x
 
     # -- accounting -----------------------------------------------------------------------

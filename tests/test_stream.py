@@ -113,3 +113,29 @@ def test_planner_prefers_prefetch_then_residency():
     assert roomy.required <= fixed + 7 * 50
     everything = plan_device_memory(budget=10**9, **kw)
     assert everything.resident_blocks == 10
+
+
+def test_stream_through_launch_reports_memory(tmp_path):
+    import json
+
+    from hetjax.launch import main
+
+    workdir = tmp_path / "run"
+    rc = main(
+        [
+            "--workdir",
+            str(workdir),
+            "--config.offload.mode=stream",
+            "--config.memory.device_budget=64MiB",
+            "--config.train.steps=2",
+            "--config.train.batch_size=4",
+            "--config.train.eval_batches=1",
+            "--config.data.corpus_bytes=100000",
+        ]
+    )
+    assert rc == 0
+    records = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for r in records:
+        assert 0 < r["device_bytes_peak"] <= 64 * 2**20
+        assert r["host_bytes"] > 3.2e6 * 4 * 3  # fp32 master + Adam m, v at least

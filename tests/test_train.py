@@ -110,3 +110,15 @@ def test_learning_rate_schedule():
     assert all(a >= b for a, b in zip(lr[4:], lr[5:], strict=False))
     const = OptimizerConfig(lr=2.0, warmup_steps=0, schedule="constant")
     assert float(learning_rate_schedule(const, 10)(7)) == 2.0
+
+
+def test_remat_does_not_change_training(tmp_path, tiny):
+    from equivalence import assert_gpt_training_equal
+
+    plain = train(tiny(), tmp_path / "a", verbose=False)
+    remat = train(
+        tiny(model=dict(num_layers=2, d_model=32, num_heads=4, max_seq_len=32, remat=True)),
+        tmp_path / "b",
+        verbose=False,
+    )
+    assert_gpt_training_equal(remat, plain)

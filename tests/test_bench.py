@@ -1,0 +1,20 @@
+import json
+
+from hetjax.bench import main
+
+
+def test_slabs_quick(tmp_path, capsys):
+    out = tmp_path / "slabs.json"
+    assert main(["slabs", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["slab_s"] > 0 and result["per_leaf_s"] > 0 and result["pages_s"] > 0
+    assert "pages" in capsys.readouterr().out
+
+
+def test_overhead_quick(tmp_path, capsys):
+    out = tmp_path / "overhead.json"
+    assert main(["overhead", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["none_s"] > 0 and result["stream_s"] > 0
+    assert abs(result["ratio"] - result["stream_s"] / result["none_s"]) < 1e-9
+    assert "stream / none step time" in capsys.readouterr().out
