@@ -259,7 +259,7 @@ class StreamingRuntime:
                     slab("embed"),
                     x,
                     sds((B, T), jnp.int32),
-                    sds((), self.compute_dtype),
+                    sds((), F32),
                 ),
             ),
             (self._embed_bwd, (slab("embed"), sds((B, T), jnp.int32), x)),
@@ -334,7 +334,11 @@ class StreamingRuntime:
             self._account(window, ckpts, pending, x)
 
         loss, dh, de_head, dx = self._head_fwd_bwd(
-            head, embed, x, targets, jnp.asarray(scale, self.compute_dtype)
+            head,
+            embed,
+            x,
+            targets,
+            jnp.asarray(scale, F32),  # the loss is fp32; fp16 cannot hold large scales
         )
         del x
         self._send_grad("head", dh, pending, grads)

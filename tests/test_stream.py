@@ -139,3 +139,25 @@ def test_stream_through_launch_reports_memory(tmp_path):
     for r in records:
         assert 0 < r["device_bytes_peak"] <= 64 * 2**20
         assert r["host_bytes"] > 3.2e6 * 4 * 3  # fp32 master + Adam m, v at least
+
+
+def test_stream_fp16_skips_overflow_then_trains(tiny):
+    model = dict(num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="float16")
+    config = tiny(
+        model=model,
+        offload=dict(mode="stream"),
+        train=dict(steps=5, batch_size=4, seq_len=16, loss_scale_init=2.0**60),
+    )
+    runtime = StreamingRuntime(config)
+    before = runtime.params()
+    batch = np.random.default_rng(0).integers(0, 256, (1, 4, 17)).astype(np.int32)
+    stats = runtime.train_step(batch)  # 2^60 overflows fp16 gradients: skipped
+    assert stats.skipped and stats.loss_scale == 2.0**60
+    jax.tree.map(np.testing.assert_array_equal, runtime.params(), before)
+    for _ in range(60):
+        stats = runtime.train_step(batch)
+        if not stats.skipped:
+            break
+    assert not stats.skipped and np.isfinite(stats.loss)
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), runtime.params(), before)
+    assert all(jax.tree.leaves(changed))
