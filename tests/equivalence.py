@@ -55,3 +55,20 @@ def assert_gpt_training_equal(actual, expected, model=None, tokens=None, rtol=1e
         a = np.asarray(model.logits(actual.params, tokens), np.float64)
         e = np.asarray(model.logits(expected.params, tokens), np.float64)
         assert np.abs(a - e).max() <= rtol * np.abs(e).max(), np.abs(a - e).max()
+
+
+def check_fp16_overflow_skips_then_trains(runtime, batch) -> None:
+    """For a runtime built with fp16 compute and ``loss_scale_init = 2**60``: the first
+    step overflows and is skipped with params untouched and the scale halved; the scale
+    then falls until a step goes through and changes every parameter."""
+    before = runtime.params()
+    stats = runtime.train_step(batch)
+    assert stats.skipped and stats.loss_scale == 2.0**60
+    jax.tree.map(np.testing.assert_array_equal, runtime.params(), before)
+    for _ in range(60):
+        stats = runtime.train_step(batch)
+        if not stats.skipped:
+            break
+    assert not stats.skipped and np.isfinite(stats.loss)
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), runtime.params(), before)
+    assert all(jax.tree.leaves(changed))
