@@ -1,0 +1,122 @@
+"""The NVMe tier: fp32 state pages in TensorStore arrays on local disk.
+
+Each kind of state (``master``, and one per optimizer moment such as ``mu``, ``nu``) is
+one zarr3 array over the ``file`` kvstore with shape ``(num_pages, page_elems)`` and one
+chunk per page, so a stage is a contiguous page range and every read or write moves
+whole chunks. Reads and writes return TensorStore futures (asynchronous; the caller
+overlaps them with compute). There is no fsync on the hot path (``file_io_sync`` off):
+durability is the checkpoint's job.
+
+Start-up checks (:func:`check_nvme_path`) run before anything is created, so a bad path
+or a full disk fails with the numbers and leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import tensorstore as ts
+
+from hetjax.config import ConfigError, format_bytes
+
+IO_CONCURRENCY = 16  # concurrent file operations; see MEASUREMENTS.md (4 MiB chunks, 16)
+
+
+def check_nvme_path(path: str | Path, needed_bytes: int) -> Path:
+    """Makes sure ``path`` is a writable directory on a disk with ``needed_bytes`` free.
+    Raises ``ConfigError`` naming ``memory.nvme_path`` otherwise; creates only the
+    directory itself (and removes it again if the checks fail)."""
+    path = Path(path)
+    created = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"memory.nvme_path {str(path)!r} cannot be created ({e.strerror}); point it at a "
+            "writable directory on a local SSD"
+        ) from None
+    try:
+        if not path.is_dir():
+            raise ConfigError(f"memory.nvme_path {str(path)!r} is not a directory")
+        try:
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".hetjax-write-test-"):
+                pass
+        except OSError as e:
+            raise ConfigError(
+                f"memory.nvme_path {str(path)!r} is not writable ({e.strerror}); point it at a "
+                "writable directory on a local SSD"
+            ) from None
+        free = shutil.disk_usage(path).free
+        if free < needed_bytes:
+            raise ConfigError(
+                f"memory.nvme_path {str(path)!r}: the optimizer state needs "
+                f"{format_bytes(needed_bytes)} on disk but only {format_bytes(free)} is free "
+                f"(short by {format_bytes(needed_bytes - free)}); free space or use another disk"
+            )
+    except ConfigError:
+        if created:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path
+
+
+class PageStore:
+    """fp32 pages of several state kinds on disk, one TensorStore array per kind."""
+
+    def __init__(self, path: str | Path, kinds: list[str], num_pages: int, page_elems: int):
+        self.path = Path(path)
+        self.kinds = list(kinds)
+        self.num_pages, self.page_elems = num_pages, page_elems
+        self._context = ts.Context(
+            {"file_io_sync": False, "file_io_concurrency": {"limit": IO_CONCURRENCY}}
+        )
+        self.arrays: dict[str, ts.TensorStore] = {}
+        opened = [
+            ts.open(self._spec(k), create=True, delete_existing=True, context=self._context)
+            for k in self.kinds
+        ]
+        for kind, future in zip(self.kinds, opened, strict=True):
+            self.arrays[kind] = future.result()
+
+    def _spec(self, kind: str) -> dict:
+        return {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(self.path / kind)},
+            "metadata": {
+                "shape": [self.num_pages, self.page_elems],
+                "data_type": "float32",
+                "chunk_grid": {
+                    "name": "regular",
+                    "configuration": {"chunk_shape": [1, self.page_elems]},
+                },
+            },
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.kinds) * self.num_pages * self.page_elems * 4
+
+    def read(self, kind: str, first_page: int, num_pages: int) -> ts.Future:
+        """Starts reading pages ``[first_page, first_page + num_pages)``; the future's
+        result is a float32 array (num_pages * page_elems,)."""
+        return self.arrays[kind][first_page : first_page + num_pages].read()
+
+    def write(self, kind: str, first_page: int, data: np.ndarray) -> ts.WriteFutures:
+        """Starts writing a flat float32 slab of whole pages at ``first_page``."""
+        pages = np.asarray(data, np.float32).reshape(-1, self.page_elems)
+        return self.arrays[kind][first_page : first_page + len(pages)].write(pages)
+
+    @staticmethod
+    def open_existing(path: str | Path, kind: str) -> ts.TensorStore:
+        """Reopens one kind's array read-only (e.g. to inspect state after a run)."""
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(Path(path) / kind)}}
+        return ts.open(spec, read=True).result()
+
+
+def remove_store(path: str | Path) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
