@@ -13,7 +13,6 @@ or a full disk fails with the numbers and leaves nothing half-written.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -116,7 +115,3 @@ class PageStore:
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(Path(path) / kind)}}
         return ts.open(spec, read=True).result()
 
-
-def remove_store(path: str | Path) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
