@@ -45,42 +45,53 @@ def bench_overhead(quick: bool) -> dict:
         train=dict(steps=steps, eval_batches=0, log_every=1000, **batch),
         data=dict(corpus_bytes=500_000),
     )
-    runs = {  # name -> (offload.mode, model.remat)
-        "none": ("none", False),
-        "none_remat": ("none", True),  # the same block recompute as streaming, in memory
-        "stream": ("stream", False),
+    runs = {  # name -> (offload.mode, model.remat, offload.prefetch_depth)
+        "none": ("none", False, 2),
+        "none_remat": ("none", True, 2),  # the same block recompute as streaming, in memory
+        "stream": ("stream", False, 2),
+        "stream_depth0": ("stream", False, 0),  # no prefetch: what overlap buys
     }
     labels = {
         "none": "none (in memory)",
         "none_remat": "none, remat per block",
         "stream": "stream (params on host)",
+        "stream_depth0": "stream, prefetch depth 0",
     }
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (mode, remat) in runs.items():
+        for name, (mode, remat, depth) in runs.items():
             config = base.replace(
-                offload=dict(mode=mode, prefetch_depth=2), model=dict(model, remat=remat)
+                offload=dict(mode=mode, prefetch_depth=depth), model=dict(model, remat=remat)
             )
             run = train(config, Path(tmp) / name, verbose=False)
+            timed = run.records[skip:]
             results[name] = _steady_step_time(run.records, skip)
-            results[f"{name}_tflops"] = float(np.median([r["tflops"] for r in run.records[skip:]]))
+            results[f"{name}_tflops"] = float(np.median([r["tflops"] for r in timed]))
+            if mode == "stream":
+                results[f"{name}_optimizer"] = float(np.median([r["optimizer_s"] for r in timed]))
     ratio = results["stream"] / results["none"]
     ratio_remat = results["stream"] / results["none_remat"]
-    print(f"{'mode':<26}{'s/step':>10}{'TFLOP/s':>10}")
+    print(f"{'mode':<26}{'s/step':>10}{'TFLOP/s':>10}{'optimizer s':>13}")
     for name, label in labels.items():
-        print(f"{label:<26}{results[name]:>10.4f}{results[name + '_tflops']:>10.4f}")
+        opt = results.get(f"{name}_optimizer")
+        opt_text = f"{opt:>13.4f}" if opt is not None else f"{'-':>13}"
+        print(f"{label:<26}{results[name]:>10.4f}{results[name + '_tflops']:>10.4f}{opt_text}")
     print(f"stream / none step time: {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
     print(
         f"stream / none-with-remat: {ratio_remat:.3f} ({(ratio_remat - 1) * 100:+.1f}%)"
         "  (streaming's own cost: the block recompute is in both)"
     )
+    print(
+        f"stream: host optimizer {results['stream_optimizer'] / results['stream'] * 100:.1f}% "
+        f"of the step; prefetch depth 0 / depth 2: "
+        f"{results['stream_depth0'] / results['stream']:.3f}"
+    )
     return {
         "model": model,
         "batch": batch,
         "steps_timed": steps - skip,
-        "none_s": results["none"],
-        "none_remat_s": results["none_remat"],
-        "stream_s": results["stream"],
+        **{f"{name}_s": results[name] for name in runs},
+        "stream_optimizer_s": results["stream_optimizer"],
         "ratio": ratio,
         "ratio_vs_remat": ratio_remat,
     }

@@ -114,4 +114,3 @@ class PageStore:
         """Reopens one kind's array read-only (e.g. to inspect state after a run)."""
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(Path(path) / kind)}}
         return ts.open(spec, read=True).result()
-

@@ -139,6 +139,7 @@ def test_stream_through_launch_reports_memory(tmp_path):
     for r in records:
         assert 0 < r["device_bytes_peak"] <= 64 * 2**20
         assert r["host_bytes"] > 3.2e6 * 4 * 3  # fp32 master + Adam m, v at least
+        assert 0 < r["optimizer_s"] < r["step_time_s"]
 
 
 def test_stream_fp16_skips_overflow_then_trains(tiny):
