@@ -204,9 +204,17 @@ class OptimizerConfig:
     warmup_steps: int = 20
     schedule: str = "cosine"
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    # stream mode: ``sync`` updates equal ordinary training; ``lockfree`` lets forward and
+    # backward run on params up to ``max_staleness`` steps old (hetjax/update_loop.py)
+    mode: str = "sync"
+    max_staleness: int = 1
 
     def __post_init__(self):
         _choice("optimizer", "name", self.name, OPTIMIZERS)
+        _choice("optimizer", "mode", self.mode, ("sync", "lockfree"))
+        _check(
+            self.max_staleness >= 0, "optimizer.max_staleness", "must be >= 0", self.max_staleness
+        )
         _choice("optimizer", "schedule", self.schedule, ("constant", "cosine"))
         _check(self.lr > 0, "optimizer.lr", "must be > 0", self.lr)
         _check(self.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", self.weight_decay)
@@ -236,16 +244,23 @@ class OffloadConfig:
     ``mode``: ``none`` keeps everything on the device with one jitted train step (the
     reference every other mode is tested against); ``stream`` keeps params in host memory
     and streams one stage at a time through a device window (hetjax/executor.py).
+
+    In stream mode ``optimizer`` places the fp32 master params and optimizer state:
+    ``host`` (RAM), ``nvme`` (TensorStore arrays under ``memory.nvme_path``, cached in
+    RAM up to ``memory.host_budget``) or ``device``; ``params`` places the compute-dtype
+    params the forward reads: ``host`` or ``nvme`` (for when RAM cannot hold them).
     """
 
     mode: str = "none"
     params: str = "host"  # stream: where the compute-dtype param slabs live
+    optimizer: str = "host"  # stream: where fp32 master params and optimizer state live
     activations: str = "device"  # stream: where block-boundary checkpoints live
     prefetch_depth: int = 2  # stream: stages copied ahead of the one computing
 
     def __post_init__(self):
         _choice("offload", "mode", self.mode, OFFLOAD_MODES)
-        _choice("offload", "params", self.params, ("host",))
+        _choice("offload", "params", self.params, ("host", "nvme"))
+        _choice("offload", "optimizer", self.optimizer, ("device", "host", "nvme"))
         _choice("offload", "activations", self.activations, ("device", "host"))
         _check(
             self.prefetch_depth >= 0,
@@ -261,6 +276,10 @@ class MemoryConfig:
 
     page_size: int | str = "4MiB"
     device_budget: int | str = 0  # device bytes the streaming runtime may hold; 0: no limit
+    # host RAM the streaming runtime may hold (param slabs, gradient buffers, optimizer
+    # state or its cache); 0: no limit, and with offload.optimizer=nvme no state cache
+    host_budget: int | str = 0
+    nvme_path: str = ""  # offload.*=nvme: directory on a local SSD; "": <workdir>/nvme
 
     def __post_init__(self):
         page = parse_bytes(self.page_size, "memory.page_size")
@@ -274,6 +293,9 @@ class MemoryConfig:
         budget = parse_bytes(self.device_budget, "memory.device_budget")
         _check(budget >= 0, "memory.device_budget", "must be >= 0 (0: no limit)", budget)
         object.__setattr__(self, "device_budget", budget)
+        host = parse_bytes(self.host_budget, "memory.host_budget")
+        _check(host >= 0, "memory.host_budget", "must be >= 0 (0: no limit)", host)
+        object.__setattr__(self, "host_budget", host)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -31,13 +34,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax.config import Config, ConfigError, format_bytes
-from hetjax.host_optimizer import HostOptimizer
+from hetjax.host_optimizer import SlabOptimizer
+from hetjax.nvme import check_nvme_path
 from hetjax.pages import SlabLayout
 from hetjax.placement import Placement
+from hetjax.state_store import (
+    HostMemoryPlan,
+    HostParamStore,
+    MemoryStateStore,
+    NvmeParamStore,
+    NvmeStateStore,
+    plan_host_memory,
+)
 from hetjax.train import LossScale, StepStats
+from hetjax.update_loop import UpdateLoop
 from models import build_model
 
 F32 = jnp.float32
+IO_READAHEAD = 2  # stages read from NVMe ahead of their use (state and params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +157,7 @@ class Ledger:
 class StreamingRuntime:
     """Trains with params on the host, streamed a stage at a time through the device."""
 
-    def __init__(self, config: Config, probe=None):
+    def __init__(self, config: Config, probe=None, workdir: str | Path | None = None):
         self.config = config
         self.model = build_model(config.model)
         self.place = Placement.single_device()
@@ -151,9 +165,9 @@ class StreamingRuntime:
         self.num_layers = L = config.model.num_layers
         self.probe = probe  # called after every dispatch (tests sample live memory)
         self.ledger = Ledger()
-        t = config.train
+        t, off, mem = config.train, config.offload, config.memory
 
-        page = config.memory.page_size
+        page = mem.page_size
         shapes = jax.eval_shape(self.model.init, jax.random.key(0))
         one_block = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"]
@@ -165,21 +179,35 @@ class StreamingRuntime:
         }
         self.block_names = [f"block{i}" for i in range(L)]
         self.stage_names = ["embed", *self.block_names, "head"]
+        self.update_order = ["head", *reversed(self.block_names), "embed"]  # backward order
 
-        self.optimizer = HostOptimizer(
-            config.optimizer, t.steps, self.layouts, self.place.optimizer, self.compute_dtype
+        opt_sharding = self.place.device if off.optimizer == "device" else self.place.optimizer
+        self.optimizer = SlabOptimizer(
+            config.optimizer, t.steps, self.layouts, opt_sharding, self.compute_dtype
         )
+        self.host_plan = self._plan_host_memory()
+        self._nvme_dir = self._nvme_directory(workdir)
+        self.states, self.param_store = self._make_stores(opt_sharding)
         self._init_params(jax.random.key(t.seed))
-        self.host_pages = {
-            n: jax.device_put(self.optimizer.compute_pages(n, self.layout_name(n)), self.place.host)
-            for n in self.stage_names
-        }
+        self.loop = UpdateLoop(
+            self.optimizer,
+            self.states,
+            self.param_store,
+            self.update_order,
+            self.layout_name,
+            config.optimizer.grad_clip,
+            mode=config.optimizer.mode,
+            max_staleness=config.optimizer.max_staleness,
+            readahead=IO_READAHEAD,
+        )
         self._build_stage_functions()
         self.plan = self._plan_memory()
         self.prefetch_depth = self.plan.prefetch_depth
         self.resident: dict[str, jax.Array] = {}
         self._refresh_resident()
         self.optimizer_s = 0.0
+        self._grad_bytes = 0
+        self._io_mark = (0, 0)
         self.loss_scale = (
             LossScale.create(t.loss_scale_init, t.loss_scale_period)
             if config.model.compute_dtype == "float16"
@@ -192,9 +220,87 @@ class StreamingRuntime:
 
     # -- set-up -------------------------------------------------------------------------
 
+    def _stage_pages(self) -> dict[str, tuple[int, int]]:
+        """Each stage's page range in the NVMe arrays: stages back to back."""
+        pages, first = {}, 0
+        for name in self.stage_names:
+            n = self.layouts[self.layout_name(name)].num_pages
+            pages[name], first = (first, n), first + n
+        return pages
+
+    def _plan_host_memory(self) -> HostMemoryPlan:
+        cfg, off = self.config, self.config.offload
+        slab = lambda n, dtype: self.layouts[self.layout_name(n)].nbytes(dtype)
+        if off.params == "host":
+            param_slabs = sum(slab(n, self.compute_dtype) for n in self.stage_names)
+        else:  # the NVMe read-ahead window
+            biggest = max(slab(n, self.compute_dtype) for n in self.stage_names)
+            param_slabs = (off.prefetch_depth + IO_READAHEAD + 1) * biggest
+        gradients = sum(slab(n, F32) for n in self.stage_names)
+        if cfg.optimizer.mode == "lockfree":  # the accumulator and the step's own
+            gradients *= 2
+        plan = plan_host_memory(
+            budget=cfg.memory.host_budget,
+            tier=off.optimizer,
+            param_slabs=param_slabs,
+            gradients=gradients,
+            stage_state={
+                n: self.optimizer.state_bytes(self.layout_name(n)) for n in self.stage_names
+            },
+            order=self.update_order,
+            readahead=IO_READAHEAD,
+        )
+        return plan
+
+    def _nvme_directory(self, workdir) -> Path | None:
+        """Checks (and creates) the NVMe directory when anything lives on NVMe."""
+        off, mem = self.config.offload, self.config.memory
+        if "nvme" not in (off.optimizer, off.params):
+            return None
+        needed = 0
+        num_pages = sum(n for _, n in self._stage_pages().values())
+        page_elems = self.layouts["block"].page_elems
+        if off.optimizer == "nvme":
+            needed += 2 * num_pages * page_elems * 4 * len(self.optimizer.kinds)
+        if off.params == "nvme":
+            needed += 2 * num_pages * page_elems * self.compute_dtype.itemsize
+        self._temporary_nvme = not mem.nvme_path and workdir is None
+        if mem.nvme_path:
+            path = Path(mem.nvme_path)
+        elif workdir is not None:
+            path = Path(workdir) / "nvme"
+        else:
+            path = Path(tempfile.mkdtemp(prefix="hetjax-nvme-"))
+        self._nvme_created = not path.exists() or self._temporary_nvme
+        return check_nvme_path(path, needed)
+
+    def _make_stores(self, opt_sharding):
+        off = self.config.offload
+        stage_pages = self._stage_pages()
+        page_elems = self.layouts["block"].page_elems
+        if off.optimizer == "nvme":
+            states = NvmeStateStore(
+                self._nvme_dir / "optimizer",
+                self.optimizer.kinds,
+                stage_pages,
+                page_elems,
+                list(self.host_plan.cached_stages),
+                self.place.optimizer,
+            )
+        else:
+            states = MemoryStateStore(opt_sharding)
+        if off.params == "nvme":
+            params = NvmeParamStore(
+                self._nvme_dir / "params", self.compute_dtype, stage_pages, page_elems
+            )
+        else:
+            params = HostParamStore(self.place.host)
+        return states, params
+
     def _init_params(self, rng: jax.Array) -> None:
         """Initialises each stage straight into the optimizer's memory as an fp32 slab;
-        the same keys as ``model.init``, so the params equal the in-memory runtime's."""
+        the same keys as ``model.init``, so the params equal the in-memory runtime's.
+        Stages go to their tier one at a time (a model need not fit in RAM at once)."""
         keys = self.model.stage_keys(rng)
         for name in self.stage_names:
             kind = self.layout_name(name)
@@ -204,7 +310,13 @@ class StreamingRuntime:
                 lambda k, kind=kind, layout=layout: layout.flatten(self.model.init_stage(kind, k)),
                 out_shardings=self.place.optimizer,
             )
-            self.optimizer.set_master(name, kind, init(key))
+            master = init(key)
+            slabs, scalars = self.optimizer.init(kind, master)
+            self.states.init_stage(name, slabs, scalars)
+            self.param_store.publish(name, self.optimizer.compute_pages(kind, master))
+            del master, slabs
+        self.states.wait_init()
+        self.param_store.commit()
 
     def _build_stage_functions(self) -> None:
         E, B, H = self.layouts["embed"], self.layouts["block"], self.layouts["head"]
@@ -285,45 +397,50 @@ class StreamingRuntime:
         """Copies the always-resident stages (embed, head, the first resident blocks)
         to the device; called after each optimizer step."""
         names = ["embed", "head", *self.block_names[: self.plan.resident_blocks]]
+        for n in names:
+            self.param_store.prefetch(n)
         self.resident = {}
         for n in names:
-            self.resident[n] = jax.device_put(self.host_pages[n], self.place.device)
+            self.resident[n] = jax.device_put(self.param_store.get(n), self.place.device)
 
     # -- the step -----------------------------------------------------------------------
 
     def train_step(self, batch: np.ndarray) -> StepStats:
-        """One optimizer step on a global batch (A, B/A, T+1)."""
+        """One optimizer step on a global batch (A, B/A, T+1).
+
+        Sync mode: the last micro-batch's backward hands each stage's final gradient to
+        the optimizer loop as it reaches the host, so the update of block i runs while
+        blocks i-1 .. 0 are still in backward; then the step waits for the loop to commit.
+        Lock-free mode: the gradients go to the loop's accumulator and the step returns.
+        """
         A = batch.shape[0]
         scale = float(self.loss_scale.scale) if self.loss_scale is not None else 1.0
-        grads: dict[str, np.ndarray] = {}
+        sync = self.config.optimizer.mode == "sync"
+        if not sync:  # pick up whatever the loop has published since the last step
+            self._refresh_resident()
+        self._step = _StepGrads(self, A, scale, self.loop if sync else None)
         self.ledger.reset_peak()
-        losses = [self._forward_backward(micro, grads, scale) for micro in batch]
+        losses = [self._forward_backward(micro, last=a == A - 1) for a, micro in enumerate(batch)]
         loss = float(np.mean([float(v) for v in losses]))
-
-        for name in self.stage_names:  # mean over micro-batches, loss scale removed
-            grads[name] /= A * scale
-        grad_norm = float(np.sqrt(sum(float(np.dot(g, g)) for g in grads.values())))
-        finite = np.isfinite(grad_norm)
+        grads, grad_norm = self._step.grads, self._step.norm()
+        self._grad_bytes = sum(g.nbytes for g in grads.values())
+        finite = bool(np.isfinite(grad_norm))
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.update(jnp.bool_(finite))
-        self.optimizer_s = 0.0
-        if finite or self.loss_scale is None:
-            t0 = time.perf_counter()
-            for name in self.stage_names:
-                compute = self.optimizer.update(
-                    name, self.layout_name(name), grads[name], grad_norm
-                )
-                self.host_pages[name] = jax.device_put(compute, self.place.host)
-            # The next forward needs these pages anyway: waiting here costs nothing and
-            # times the optimizer phase.
-            jax.block_until_ready(self.host_pages)
-            self.optimizer_s = time.perf_counter() - t0
+        apply = finite or self.loss_scale is None
+        t0 = time.perf_counter()
+        if sync:
+            self.loop.finish(grads, grad_norm, apply)
             self._refresh_resident()
+        elif apply:
+            self.loop.submit_step(grads)
+        self.optimizer_s = time.perf_counter() - t0  # optimizer time not hidden by backward
+        self._step = None
         return StepStats(loss, grad_norm, not finite and self.loss_scale is not None, scale)
 
-    def _forward_backward(self, tokens_np: np.ndarray, grads: dict, scale: float):
-        """Forward and backward of one micro-batch (B, T+1); adds its gradient slabs into
-        ``grads`` (host, fp32). Returns the loss (a device scalar)."""
+    def _forward_backward(self, tokens_np: np.ndarray, last: bool):
+        """Forward and backward of one micro-batch (B, T+1); its gradient slabs go to
+        ``self._step`` (host, fp32). Returns the loss (a device scalar)."""
         dev, L = self.place.device, self.num_layers
         tokens = jax.device_put(tokens_np[:, :-1], dev)
         targets = jax.device_put(tokens_np[:, 1:], dev)
@@ -346,11 +463,11 @@ class StreamingRuntime:
             embed,
             x,
             targets,
-            jnp.asarray(scale, F32),  # the loss is fp32; fp16 cannot hold large scales
+            jnp.asarray(self._step.scale, F32),  # the loss is fp32; fp16 cannot hold large scales
         )
         del x
-        self._send_grad("head", dh, pending, grads)
-        self._send_grad("embed", de_head, pending, grads)
+        self._send_grad("head", dh, pending)
+        self._send_grad("embed", de_head, pending)
         del dh, de_head
 
         next_ckpt = self._load_checkpoint(ckpts[L - 1])
@@ -363,14 +480,14 @@ class StreamingRuntime:
             ckpts[i] = None
             del x_in, slab
             window.done(j)
-            self._send_grad(self.block_names[i], db, pending, grads)
+            self._send_grad(self.block_names[i], db, pending)
             del db
             self._account(window, ckpts, pending, dx)
 
         de = self._embed_bwd(embed, tokens, dx)
-        self._send_grad("embed", de, pending, grads)
+        self._send_grad("embed", de, pending)
         while pending:
-            self._drain(pending, grads)
+            self._step.add(*pending.popleft())
         return loss
 
     def _store_checkpoint(self, x: jax.Array) -> jax.Array:
@@ -381,21 +498,11 @@ class StreamingRuntime:
     def _load_checkpoint(self, ckpt: jax.Array) -> jax.Array:
         return jax.device_put(ckpt, self.place.device)  # a no-op when already there
 
-    def _send_grad(self, name: str, g: jax.Array, pending, grads) -> None:
-        """Starts the device-to-host copy of a gradient slab; accumulates older ones."""
+    def _send_grad(self, name: str, g: jax.Array, pending) -> None:
+        """Starts the device-to-host copy of a gradient slab; hands older ones on."""
         pending.append((name, jax.device_put(g, self.place.host)))
         while len(pending) > 2:
-            self._drain(pending, grads)
-
-    @staticmethod
-    def _drain(pending, grads) -> None:
-        name, g = pending.popleft()
-        # Waits for this slab's backward and transfer only.
-        g = np.concatenate([np.asarray(page) for page in g])  # a new, owned buffer
-        if name in grads:
-            grads[name] += g
-        else:
-            grads[name] = g
+            self._step.add(*pending.popleft())
 
     def _account(self, window, ckpts, pending, *transients) -> None:
         held = [
@@ -425,8 +532,7 @@ class StreamingRuntime:
     def params(self) -> Any:
         """The fp32 master params as the model's pytree (host numpy)."""
         unflat = lambda name: jax.tree.map(
-            np.array,
-            self.layouts[self.layout_name(name)].unflatten(np.asarray(self.optimizer.master[name])),
+            np.array, self.layouts[self.layout_name(name)].unflatten(self.states.master(name))
         )
         blocks = [unflat(n) for n in self.block_names]
         return {
@@ -435,13 +541,76 @@ class StreamingRuntime:
             "head": unflat("head"),
         }
 
+    def settle(self) -> None:
+        if self.config.optimizer.mode == "lockfree":
+            self.loop.drain()
+            self._refresh_resident()
+        self.states.flush()
+
+    def close(self) -> None:
+        self.loop.close()
+        if self._nvme_dir is not None and self._temporary_nvme:
+            shutil.rmtree(self._nvme_dir, ignore_errors=True)
+
     def extra_metrics(self) -> dict[str, Any]:
-        host = sum(a.nbytes for a in jax.tree.leaves(self.host_pages)) + self.optimizer.nbytes()
-        return {
+        host = self.param_store.host_bytes() + self.states.host_bytes() + self._grad_bytes
+        io = (
+            self.states.read_bytes + getattr(self.param_store, "read_bytes", 0),
+            self.states.write_bytes + getattr(self.param_store, "write_bytes", 0),
+        )
+        read, written = io[0] - self._io_mark[0], io[1] - self._io_mark[1]
+        self._io_mark = io
+        busy, self.loop.busy_s = self.loop.busy_s, 0.0
+        metrics = {
             "device_bytes_peak": int(self.ledger.peak.get("device", 0)),
             "host_bytes": int(host),
-            "optimizer_s": self.optimizer_s,  # host optimizer phase of the step
+            "nvme_bytes": int(self.states.nvme_bytes + self.param_store.nvme_bytes),
+            "optimizer_s": self.optimizer_s,  # optimizer time the step waited for
+            "optimizer_busy_s": busy,  # time the optimizer loop worked (overlapped or not)
+            "nvme_read_bytes": int(read),
+            "nvme_write_bytes": int(written),
+            "optimizer_redo": self.loop.redo,
         }
+        if self.config.optimizer.mode == "lockfree":
+            metrics["optimizer_lag_steps"] = self.loop.unapplied
+        return metrics
+
+
+class _StepGrads:
+    """One step's gradient slabs, accumulated on the host (fp32) over micro-batches.
+
+    A stage's slab is final after its last contribution of the last micro-batch (embed
+    has two per micro-batch: the tied head and its own backward). It is then averaged
+    (loss scale removed), its squared norm added to the global norm, and, in sync mode,
+    handed to the optimizer loop at once."""
+
+    def __init__(self, runtime: StreamingRuntime, micro_batches: int, scale: float, loop):
+        self.remaining = {
+            n: micro_batches * (2 if n == "embed" else 1) for n in runtime.stage_names
+        }
+        self.divisor = micro_batches * scale
+        self.scale = scale
+        self.loop = loop
+        self.grads: dict[str, np.ndarray] = {}
+        self._sq = 0.0
+
+    def add(self, name: str, pages) -> None:
+        g = np.concatenate([np.asarray(p) for p in pages])  # waits for this slab only
+        if name in self.grads:
+            self.grads[name] += g
+        else:
+            self.grads[name] = g
+        self.remaining[name] -= 1
+        if self.remaining[name] == 0:
+            g = self.grads[name]
+            g /= self.divisor
+            self._sq += float(np.dot(g, g))
+            if self.loop is not None:
+                self.loop.submit(name, g)
+
+    def norm(self) -> float:
+        assert not any(self.remaining.values()), self.remaining
+        return float(np.sqrt(self._sq))
 
 
 def _to_f32(pages):
@@ -462,10 +631,16 @@ class _Window:
         if name in self.rt.resident:
             return self.rt.resident[name]
         if name not in self.cache:
-            self.cache[name] = jax.device_put(self.rt.host_pages[name], self.rt.place.device)
+            pages = self.rt.param_store.get(name)
+            self.cache[name] = jax.device_put(pages, self.rt.place.device)
         return self.cache[name]
 
     def get(self, j: int) -> jax.Array:
+        # Params on NVMe: disk reads start IO_READAHEAD uses before the device copies.
+        end = min(j + 1 + self.depth + IO_READAHEAD, len(self.uses))
+        for k in range(j, end):
+            if self.uses[k] not in self.rt.resident and self.uses[k] not in self.cache:
+                self.rt.param_store.prefetch(self.uses[k])
         slab = self._fetch(self.uses[j])
         for k in range(j + 1, min(j + 1 + self.depth, len(self.uses))):
             self._fetch(self.uses[k])

@@ -1,18 +1,29 @@
-"""The host optimizer: fp32 master slabs and optax state per stage, updated off-device.
+"""optax on flat slabs: the update the host optimizer loop runs for one stage.
 
-Each stage's master params live as one slab (see ``pages.py``) in the placement's
-optimizer memory (host RAM). ``update`` runs the configured optax optimizer jitted on
-that memory over ``(decayed, not decayed)`` halves of the slab, so the weight-decay mask
-is a split point, and returns the refreshed compute-dtype params, as pages, for the next forward.
+A stage's fp32 master params are one slab (see ``pages.py``); its optimizer state is a
+few more slabs of the same size, one per *state kind* (``mu`` and ``nu`` for Adam,
+``mu`` for Lion, ``trace`` for SGD with momentum), plus a few scalars (step counts).
+:class:`SlabOptimizer` finds those kinds by looking at the optax state's structure, so
+any elementwise optax transformation works unchanged, and the slabs map one-to-one onto
+the NVMe page arrays (``nvme.py``) and the host cache (``state_store.py``).
+
+The weight-decay mask is a split point: optax sees the slab as a pair ``(decayed part,
+the rest)`` with the mask ``(True, False)``.
 
 Global-norm clipping needs the norm of all gradients before any stage is updated; the
-caller computes it (over every stage's gradient) and passes it to each update, which
-applies optax's own formula ``g / norm * max_norm`` when ``norm >= max_norm``. Results
-therefore equal ``optax.chain(clip_by_global_norm, base)`` over the whole pytree.
+caller passes ``(global_norm, max_norm)`` to each update, which applies optax's own
+formula ``g / norm * max_norm`` when ``norm >= max_norm``. Results therefore equal
+``optax.chain(clip_by_global_norm, base)`` over the whole pytree. ``max_norm = 0`` means
+no clipping (the speculative update of the overlapped loop, see ``update_loop.py``).
+
+Speed, measured with ``python -m hetjax.bench optimizer`` (README): XLA's CPU backend
+compiles optax's AdamW into three loop fusions (mu, nu, params) and runs at ~200 M
+params/s here, well under the ~1 G params/s memory-bandwidth bound; see the README.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -23,9 +34,56 @@ from hetjax.config import OptimizerConfig
 from hetjax.optim import base_optimizer
 from hetjax.pages import SlabLayout
 
+F32 = jnp.float32
+MASTER = "master"
 
-class HostOptimizer:
-    """Master params and optimizer state of every stage, on the host."""
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """One leaf of the optax state: a half of a slab kind, or a scalar."""
+
+    kind: str | None  # slab kind for param-shaped leaves, None for scalars
+    half: int = 0  # 0: decayed part, 1: the rest
+
+
+def _state_slots(tx) -> tuple[list[_Slot], Any]:
+    """Classifies the optax state's leaves. Two halves of distinct sizes (3 and 5) tell
+    param-shaped leaves (which come as consecutive pairs) from scalars."""
+    sds = jax.ShapeDtypeStruct
+    shapes = jax.eval_shape(tx.init, (sds((3,), F32), sds((5,), F32)))
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    slots: list[_Slot] = []
+    used: set[str] = {MASTER}
+    i = 0
+    while i < len(paths_leaves):
+        path, leaf = paths_leaves[i]
+        if leaf.shape == (3,):
+            if i + 1 >= len(paths_leaves) or paths_leaves[i + 1][1].shape != (5,):
+                raise NotImplementedError(f"optax state leaf {path} is not elementwise")
+            names = [str(getattr(p, "name", getattr(p, "key", ""))) for p in path[:-1]]
+            base = next((n for n in reversed(names) if n), "state")
+            kind, k = base, 1
+            while kind in used:
+                k += 1
+                kind = f"{base}{k}"
+            used.add(kind)
+            slots += [_Slot(kind, 0), _Slot(kind, 1)]
+            i += 2
+        elif leaf.shape == ():
+            slots.append(_Slot(None))
+            i += 1
+        else:
+            raise NotImplementedError(f"optax state leaf {path} of shape {leaf.shape}")
+    return slots, treedef
+
+
+class SlabOptimizer:
+    """The configured optax optimizer over stage slabs, jitted where the state lives.
+
+    ``sharding`` is where state arrays live (host RAM or device memory); the update
+    computes in that device's ``device`` memory kind (on the CPU backend XLA cannot mix
+    host-kind operands with the constants optax creates) and writes its outputs back to
+    ``sharding``."""
 
     def __init__(
         self,
@@ -36,75 +94,97 @@ class HostOptimizer:
         compute_dtype: Any,
     ):
         self.cfg = cfg
-        self.layouts = layouts  # stage name -> layout
+        self.layouts = layouts
         self.sharding = sharding
-        # Where the update computes: the optimizer device's own memory. Its operands live
-        # in ``sharding`` (pinned_host on a CPU-only machine); XLA's CPU backend cannot
-        # mix host-kind operands with the constants optax creates, so each jitted
-        # function moves its inputs here first and writes its outputs back to host.
         self._compute = jax.sharding.SingleDeviceSharding(
             next(iter(sharding.device_set)), memory_kind="device"
         )
         self.compute_dtype = jnp.dtype(compute_dtype)
-        # Each slab is a pair (decayed part, the rest): the mask is a pytree of two bools.
         self.tx = base_optimizer(cfg, total_steps, mask=(True, False))
-        self.master: dict[str, jax.Array] = {}
-        self.state: dict[str, Any] = {}
+        self._slots, self._treedef = _state_slots(self.tx)
+        state_kinds = list(dict.fromkeys(s.kind for s in self._slots if s.kind))
+        self.kinds = [MASTER, *state_kinds]  # every slab kind, master first
         self._init = jax.jit(self._init_state, static_argnums=1, out_shardings=sharding)
-        self._cast = jax.jit(
-            lambda m, layout_name: self.layouts[layout_name].to_pages(
-                jax.device_put(m, self._compute).astype(self.compute_dtype)
-            ),
-            static_argnums=1,
-            out_shardings=sharding,
-        )
-        self._update = jax.jit(
-            self._update_slab,
-            static_argnums=(4,),
-            donate_argnums=(0, 1),
-            out_shardings=sharding,
-        )
+        self._update = jax.jit(self._update_slab, static_argnums=4, out_shardings=sharding)
+        self._cast = jax.jit(self._cast_pages, static_argnums=1, out_shardings=sharding)
 
-    def set_master(self, name: str, layout_name: str, slab: jax.Array | np.ndarray) -> None:
-        """Installs stage ``name``'s fp32 master slab (laid out by ``layout_name``)."""
-        master = jax.device_put(slab, self.sharding)
-        self.master[name] = master
-        self.state[name] = self._init(master, self.layouts[layout_name].num_decay)
+    # -- state <-> slabs ----------------------------------------------------------------
 
-    def _init_state(self, master: jax.Array, num_decay: int):
-        master = jax.device_put(master, self._compute)
-        return self.tx.init((master[:num_decay], master[num_decay:]))
+    def _assemble(self, slabs: dict[str, jax.Array], scalars: list, num_decay: int):
+        leaves, it = [], iter(scalars)
+        for slot in self._slots:
+            if slot.kind is None:
+                leaves.append(next(it))
+            else:
+                slab = slabs[slot.kind]
+                leaves.append(slab[:num_decay] if slot.half == 0 else slab[num_decay:])
+        return jax.tree.unflatten(self._treedef, leaves)
 
-    def _update_slab(self, master, state, grad, clip, layout_name: str):
+    def _disassemble(self, state) -> tuple[dict[str, jax.Array], list]:
+        halves: dict[str, list] = {}
+        scalars = []
+        for slot, leaf in zip(self._slots, jax.tree.leaves(state), strict=True):
+            if slot.kind is None:
+                scalars.append(leaf)
+            else:
+                halves.setdefault(slot.kind, []).append(leaf)
+        return {k: jnp.concatenate(h) for k, h in halves.items()}, scalars
+
+    # -- jitted bodies ------------------------------------------------------------------
+
+    def _init_state(self, master: jax.Array, layout_name: str):
         num_decay = self.layouts[layout_name].num_decay
-        master, state, grad, clip = jax.device_put((master, state, grad, clip), self._compute)
-        # clip = (global_norm, max_norm); max_norm 0 disables clipping.
-        norm, max_norm = clip
+        master = jax.device_put(master, self._compute)
+        slabs, scalars = self._disassemble(self.tx.init((master[:num_decay], master[num_decay:])))
+        return {MASTER: master, **slabs}, scalars
+
+    def _update_slab(self, slabs, scalars, grad, clip, layout_name: str):
+        layout = self.layouts[layout_name]
+        num_decay = layout.num_decay
+        slabs, scalars, grad, clip = jax.device_put((slabs, scalars, grad, clip), self._compute)
+        norm, max_norm = clip  # max_norm 0: no clipping
         clipped = jnp.where((max_norm == 0) | (norm < max_norm), grad, grad / norm * max_norm)
+        master = slabs[MASTER]
         params = (master[:num_decay], master[num_decay:])
         grads = (clipped[:num_decay], clipped[num_decay:])
+        state = self._assemble(slabs, scalars, num_decay)
         updates, state = self.tx.update(grads, state, params)
         new = jnp.concatenate([p + u for p, u in zip(params, updates, strict=True)])
-        return new, state, self.layouts[layout_name].to_pages(new.astype(self.compute_dtype))
+        new_slabs, new_scalars = self._disassemble(state)
+        pages = layout.to_pages(new.astype(self.compute_dtype))
+        return {MASTER: new, **new_slabs}, new_scalars, pages
+
+    def _cast_pages(self, master, layout_name: str):
+        master = jax.device_put(master, self._compute)
+        return self.layouts[layout_name].to_pages(master.astype(self.compute_dtype))
+
+    # -- the API ------------------------------------------------------------------------
+
+    def init(self, layout_name: str, master) -> tuple[dict[str, jax.Array], list]:
+        """The fresh state of a stage whose fp32 master slab is ``master``: its slabs by
+        kind (``master`` included) and its scalars."""
+        return self._init(jax.device_put(master, self.sharding), layout_name)
 
     def update(
-        self, name: str, layout_name: str, grad: np.ndarray, global_norm: float
-    ) -> list[jax.Array]:
-        """Applies one optimizer step to stage ``name``; returns its new compute-dtype
-        params as the slab's pages (in the optimizer's memory). ``grad`` is the averaged
-        fp32 gradient slab."""
-        grad = jax.device_put(np.asarray(grad, np.float32), self.sharding)
-        clip = (jnp.float32(global_norm), jnp.float32(self.cfg.grad_clip))
-        clip = jax.device_put(clip, self.sharding)
-        self.master[name], self.state[name], compute = self._update(
-            self.master[name], self.state[name], grad, clip, layout_name
-        )
-        return compute
+        self,
+        layout_name: str,
+        slabs: dict[str, Any],
+        scalars: list,
+        grad: np.ndarray,
+        clip: tuple[float, float],
+    ) -> tuple[dict[str, jax.Array], list, list[jax.Array]]:
+        """One optimizer step of one stage. ``slabs`` (numpy or JAX arrays, by kind) and
+        ``scalars`` are its state, ``grad`` the averaged fp32 gradient slab and ``clip``
+        ``(global_norm, max_norm)``. Returns the new slabs and scalars (in ``sharding``)
+        and the refreshed compute-dtype params as pages."""
+        clip_arr = (np.float32(clip[0]), np.float32(clip[1]))
+        slabs = {k: slabs[k] for k in self.kinds}
+        return self._update(slabs, scalars, np.asarray(grad, np.float32), clip_arr, layout_name)
 
-    def compute_pages(self, name: str, layout_name: str) -> list[jax.Array]:
-        """Stage ``name``'s master slab cast to the compute dtype, as pages, on the host."""
-        return self._cast(self.master[name], layout_name)
+    def compute_pages(self, layout_name: str, master) -> list[jax.Array]:
+        """A master slab cast to the compute dtype, as pages (in ``sharding``)."""
+        return self._cast(master, layout_name)
 
-    def nbytes(self) -> int:
-        leaves = jax.tree.leaves((self.master, self.state))
-        return sum(a.nbytes for a in leaves)
+    def state_bytes(self, layout_name: str) -> int:
+        """Bytes of one stage's slabs (all kinds, fp32)."""
+        return len(self.kinds) * self.layouts[layout_name].nbytes(F32)

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
@@ -66,8 +67,19 @@ def check_nvme_path(path: str | Path, needed_bytes: int) -> Path:
 class PageStore:
     """fp32 pages of several state kinds on disk, one TensorStore array per kind."""
 
-    def __init__(self, path: str | Path, kinds: list[str], num_pages: int, page_elems: int):
+    def __init__(
+        self,
+        path: str | Path,
+        kinds: list[str] | dict[str, str],
+        num_pages: int,
+        page_elems: int,
+    ):
+        """``kinds``: names (float32 pages) or a dict name -> dtype name (e.g. the
+        compute-dtype param pages, ``bfloat16``)."""
         self.path = Path(path)
+        if not isinstance(kinds, dict):
+            kinds = {k: "float32" for k in kinds}
+        self.dtypes = {k: np.dtype(jnp.dtype(d)) for k, d in kinds.items()}
         self.kinds = list(kinds)
         self.num_pages, self.page_elems = num_pages, page_elems
         self._context = ts.Context(
@@ -82,12 +94,13 @@ class PageStore:
             self.arrays[kind] = future.result()
 
     def _spec(self, kind: str) -> dict:
+        dtype = jnp.dtype(self.dtypes[kind]).name
         return {
             "driver": "zarr3",
             "kvstore": {"driver": "file", "path": str(self.path / kind)},
             "metadata": {
                 "shape": [self.num_pages, self.page_elems],
-                "data_type": "float32",
+                "data_type": dtype,
                 "chunk_grid": {
                     "name": "regular",
                     "configuration": {"chunk_shape": [1, self.page_elems]},
@@ -97,16 +110,18 @@ class PageStore:
 
     @property
     def nbytes(self) -> int:
-        return len(self.kinds) * self.num_pages * self.page_elems * 4
+        per_page = self.page_elems * sum(d.itemsize for d in self.dtypes.values())
+        return self.num_pages * per_page
 
     def read(self, kind: str, first_page: int, num_pages: int) -> ts.Future:
         """Starts reading pages ``[first_page, first_page + num_pages)``; the future's
-        result is a float32 array (num_pages * page_elems,)."""
+        result is an array (num_pages, page_elems) of the kind's dtype."""
         return self.arrays[kind][first_page : first_page + num_pages].read()
 
     def write(self, kind: str, first_page: int, data: np.ndarray) -> ts.WriteFutures:
-        """Starts writing a flat float32 slab of whole pages at ``first_page``."""
-        pages = np.asarray(data, np.float32).reshape(-1, self.page_elems)
+        """Starts writing a flat slab of whole pages at ``first_page``. ``data`` must
+        not change until the write completes."""
+        pages = np.asarray(data, self.dtypes[kind]).reshape(-1, self.page_elems)
         return self.arrays[kind][first_page : first_page + len(pages)].write(pages)
 
     @staticmethod

@@ -53,6 +53,13 @@ class Runtime(Protocol):
     def extra_metrics(self) -> dict[str, Any]:
         """Runtime-specific metrics for the step just taken (bytes per tier, ...)."""
 
+    def settle(self) -> None:
+        """Finishes outstanding optimizer work (lock-free mode) and writes cached state
+        out to its tier, so ``params`` and the files on disk hold the final state."""
+
+    def close(self) -> None:
+        """Stops background threads; ``params`` still works afterwards."""
+
 
 # -- fp16 dynamic loss scaling -----------------------------------------------------------
 
@@ -150,14 +157,22 @@ class InMemoryRuntime:
     def extra_metrics(self) -> dict[str, Any]:
         return {}
 
+    def settle(self) -> None:
+        pass
 
-def build_runtime(config: Config) -> Runtime:
+    def close(self) -> None:
+        pass
+
+
+def build_runtime(config: Config, workdir: str | Path | None = None) -> Runtime:
+    """The runtime for ``config.offload.mode``. ``workdir`` holds the NVMe state when
+    ``memory.nvme_path`` is empty."""
     if config.offload.mode == "none":
         return InMemoryRuntime(config)
     if config.offload.mode == "stream":
         from hetjax.executor import StreamingRuntime  # imports this module
 
-        return StreamingRuntime(config)
+        return StreamingRuntime(config, workdir=workdir)
     raise AssertionError(config.offload.mode)  # validated by OffloadConfig
 
 
@@ -180,7 +195,7 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
     (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     t = config.train
     train_data, val_data, data_desc = make_datasets(config)
-    runtime = build_runtime(config)
+    runtime = build_runtime(config, workdir)
     model = build_model(config.model)
     n_params = model.param_count()
     tokens_per_step = t.batch_size * t.seq_len
@@ -223,6 +238,7 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
                 rec.update(loss_scale=stats.loss_scale, skipped=stats.skipped)
             records.append(rec)
             out.step(rec)
+        runtime.settle()  # outstanding optimizer work done, state written out
         val_loss = evaluate(runtime, val_data, t.eval_batches)
         if t.eval_batches:
             out.log(
@@ -239,9 +255,11 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
             ),
         }
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        params = runtime.params()
     finally:
         out.close()
-    return TrainResult(losses, val_loss, runtime.params(), records)
+        runtime.close()
+    return TrainResult(losses, val_loss, params, records)
 
 
 def evaluate(runtime: Runtime, data, num_batches: int) -> float:

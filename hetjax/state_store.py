@@ -1,0 +1,427 @@
+"""Where optimizer state and compute-dtype params live between updates.
+
+Optimizer state (``offload.optimizer``): each stage's slabs by kind (``master``, ``mu``,
+``nu``, ...; see ``host_optimizer.py``) and its scalars.
+
+* :class:`MemoryStateStore` keeps them as JAX arrays in one sharding: host RAM
+  (``host``) or device memory (``device``).
+* :class:`NvmeStateStore` keeps them in TensorStore page arrays on disk (``nvme``), with
+  a host RAM cache for as many stages as ``memory.host_budget`` allows. The access
+  order is known and cyclic (backward order, every step), so the cache is chosen by
+  Belady's rule (evict the stage whose next use is furthest) simulated over that order
+  at start-up (:func:`belady_cache`); the other stages stream from disk every step,
+  with read-ahead and delayed write-back (writes complete while later stages update).
+
+Updates are *speculative* until committed: the loop may update a stage before the
+global gradient norm is known (``update_loop.py``), and if clipping then binds, or an
+fp16 step overflows, the step's updates are thrown away. So a step never overwrites the
+state it read: on disk there are two generations of every array, one holding the
+committed state and one receiving the step's writes, and ``commit`` flips them; cached
+stages keep their old slabs until ``commit``. A crash or a bad step leaves the committed
+generation intact.
+
+Compute-dtype params for the forward (``offload.params``) follow the same pattern:
+:class:`HostParamStore` (``host``) and :class:`NvmeParamStore` (``nvme``, two
+generations, read ahead by the executor's window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from hetjax.config import ConfigError, format_bytes
+from hetjax.nvme import PageStore
+
+MANIFEST = "manifest.json"
+
+
+def belady_cache(order: list[str], sizes: dict[str, int], capacity: int) -> list[str]:
+    """The stages a cache of ``capacity`` bytes holds in steady state when ``order``
+    repeats forever and eviction follows Belady's rule (furthest next use first;
+    a stage whose own next use is the furthest is not cached at all). Simulated over
+    two cycles: the second starts from the first one's end state."""
+    n = len(order)
+    trace = order * 2
+    cache: set[str] = set()
+    for t, stage in enumerate(trace):
+        if stage in cache:
+            continue
+        cache.add(stage)
+        while sum(sizes[s] for s in cache) > capacity:
+
+            def next_use(s, t=t):
+                for d in range(1, n + 1):
+                    if trace[(t + d) % len(trace)] == s:
+                        return d
+                return n + 1
+
+            cache.discard(max(cache, key=lambda s: (next_use(s), s == stage)))
+    return [s for s in order if s in cache]
+
+
+class MemoryStateStore:
+    """All stages' optimizer state as JAX arrays in ``sharding`` (host RAM or device)."""
+
+    def __init__(self, sharding: jax.sharding.Sharding):
+        self.sharding = sharding
+        self.slabs: dict[str, dict[str, jax.Array]] = {}
+        self.scalars: dict[str, list] = {}
+        self._pending: dict[str, tuple[dict, list]] = {}
+        self.read_bytes = self.write_bytes = 0
+
+    def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:
+        self.slabs[stage] = jax.device_put(slabs, self.sharding)
+        self.scalars[stage] = scalars
+
+    def wait_init(self) -> None:
+        jax.block_until_ready(self.slabs)
+
+    def prefetch(self, stage: str) -> Any:
+        return None
+
+    def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
+        return self.slabs[stage], self.scalars[stage]
+
+    def put(self, stage: str, slabs: dict, scalars: list) -> None:
+        self._pending[stage] = (slabs, scalars)
+
+    def commit(self) -> None:
+        for stage, (slabs, scalars) in self._pending.items():
+            self.slabs[stage], self.scalars[stage] = slabs, scalars
+        self._pending.clear()
+
+    def abort(self) -> None:
+        self._pending.clear()
+
+    def master(self, stage: str) -> np.ndarray:
+        return np.asarray(self.slabs[stage]["master"])
+
+    def state(self, stage: str) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v) for k, v in self.slabs[stage].items()}
+
+    def flush(self) -> None:
+        pass
+
+    def host_bytes(self) -> int:
+        if self.sharding.memory_kind == "device":
+            return 0
+        return sum(a.nbytes for a in jax.tree.leaves(self.slabs))
+
+    @property
+    def nvme_bytes(self) -> int:
+        return 0
+
+
+class NvmeStateStore:
+    """Optimizer state in TensorStore arrays under ``path``, two generations, with a
+    host cache of the stages in ``cached``."""
+
+    def __init__(
+        self,
+        path: Path,
+        kinds: list[str],
+        stage_pages: dict[str, tuple[int, int]],
+        page_elems: int,
+        cached: list[str],
+        sharding: jax.sharding.Sharding,
+    ):
+        self.path = Path(path)
+        self.kinds = kinds
+        self.stage_pages = stage_pages  # stage -> (first page, number of pages)
+        self.page_elems = page_elems
+        self.cached = set(cached)
+        self.sharding = sharding  # where cached slabs live (host RAM)
+        num_pages = sum(n for _, n in stage_pages.values())
+        self.disk = [PageStore(self.path / f"gen{g}", kinds, num_pages, page_elems) for g in (0, 1)]
+        self.gen = 0  # the generation holding the committed state
+        self.cache: dict[str, dict[str, jax.Array]] = {}
+        self.scalars: dict[str, list] = {}
+        self._pending_cache: dict[str, dict] = {}
+        self._pending_scalars: dict[str, list] = {}
+        self._writes: list = []  # (future, data kept alive until the write completes)
+        self.read_bytes = self.write_bytes = 0
+        self._write_manifest()
+
+    # -- start-up -----------------------------------------------------------------------
+
+    def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:
+        self.scalars[stage] = scalars
+        if stage in self.cached:
+            self.cache[stage] = jax.device_put(slabs, self.sharding)
+        else:
+            self._wait_writes()  # one stage in flight: start-up RAM stays bounded
+            self._write(self.gen, stage, slabs)
+
+    def wait_init(self) -> None:
+        self._wait_writes()
+
+    # -- the loop's API -----------------------------------------------------------------
+
+    def prefetch(self, stage: str) -> Any:
+        """Starts reading a streamed stage's slabs; None for cached stages."""
+        if stage in self.cached:
+            return None
+        first, n = self.stage_pages[stage]
+        return {k: self.disk[self.gen].read(k, first, n) for k in self.kinds}
+
+    def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
+        """A stage's committed state (waits for its read)."""
+        if stage in self.cached:
+            return self.cache[stage], self.scalars[stage]
+        handle = handle if handle is not None else self.prefetch(stage)
+        slabs = {k: f.result().reshape(-1) for k, f in handle.items()}
+        self.read_bytes += sum(a.nbytes for a in slabs.values())
+        return slabs, self.scalars[stage]
+
+    def put(self, stage: str, slabs: dict, scalars: list) -> None:
+        """A stage's updated state: kept in the cache, or written (asynchronously) to
+        the generation that ``commit`` will make current."""
+        self._pending_scalars[stage] = scalars
+        if stage in self.cached:
+            self._pending_cache[stage] = slabs
+        else:
+            self._write(1 - self.gen, stage, slabs)
+
+    def commit(self) -> None:
+        self._wait_writes()
+        self.cache.update(self._pending_cache)
+        self.scalars.update(self._pending_scalars)
+        self._pending_cache.clear()
+        self._pending_scalars.clear()
+        self.gen = 1 - self.gen
+        self._write_manifest()
+
+    def abort(self) -> None:
+        self._wait_writes()  # into the uncommitted generation; then forgotten
+        self._pending_cache.clear()
+        self._pending_scalars.clear()
+
+    # -- inspection and durability -------------------------------------------------------
+
+    def state(self, stage: str) -> dict[str, np.ndarray]:
+        slabs, _ = self.get(stage)
+        return {k: np.asarray(v) for k, v in slabs.items()}
+
+    def master(self, stage: str) -> np.ndarray:
+        return self.state(stage)["master"]
+
+    def flush(self) -> None:
+        """Writes the cached stages into the committed generation too, so the files
+        alone hold the whole state (``manifest.json`` says which generation)."""
+        for stage, slabs in self.cache.items():
+            self._write(self.gen, stage, slabs)
+        self._wait_writes()
+        self._write_manifest()
+
+    def host_bytes(self) -> int:
+        live = [self.cache, self._pending_cache, [d for _, d in self._writes]]
+        return sum(a.nbytes for a in jax.tree.leaves(live))
+
+    @property
+    def nvme_bytes(self) -> int:
+        return sum(d.nbytes for d in self.disk)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _write(self, gen: int, stage: str, slabs: dict) -> None:
+        first, _ = self.stage_pages[stage]
+        for k in self.kinds:
+            data = np.asarray(slabs[k])
+            self._writes.append((self.disk[gen].write(k, first, data), data))
+            self.write_bytes += data.nbytes
+
+    def _wait_writes(self) -> None:
+        for future, _ in self._writes:
+            future.result()
+        self._writes.clear()
+
+    def _write_manifest(self) -> None:
+        manifest = {
+            "generation": self.gen,
+            "kinds": self.kinds,
+            "page_elems": self.page_elems,
+            "stages": {s: list(r) for s, r in self.stage_pages.items()},
+            "note": "state of stage s, kind k: gen{generation}/k pages [first, first + n)",
+        }
+        tmp = self.path / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1))
+        tmp.replace(self.path / MANIFEST)
+
+
+class HostParamStore:
+    """Compute-dtype param pages of every stage in the host memory kind."""
+
+    def __init__(self, sharding: jax.sharding.Sharding):
+        self.sharding = sharding
+        self.pages: dict[str, list[jax.Array]] = {}
+
+    def publish(self, stage: str, pages: list) -> None:
+        self.pages[stage] = jax.device_put(pages, self.sharding)
+
+    def prefetch(self, stage: str) -> None:
+        pass
+
+    def get(self, stage: str) -> list:
+        return self.pages[stage]
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> bool:
+        """Returns True: published pages must be republished from the old masters."""
+        return True
+
+    def wait(self) -> None:
+        jax.block_until_ready(self.pages)
+
+    def host_bytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves(self.pages))
+
+    nvme_bytes = 0
+
+
+class NvmeParamStore:
+    """Compute-dtype param pages on disk (two generations, like the state), read ahead
+    for the forward and backward by the executor's window."""
+
+    def __init__(
+        self,
+        path: Path,
+        dtype: Any,
+        stage_pages: dict[str, tuple[int, int]],
+        page_elems: int,
+    ):
+        self.stage_pages = stage_pages
+        num_pages = sum(n for _, n in stage_pages.values())
+        kinds = {"params": np.dtype(dtype).name}
+        self.disk = [
+            PageStore(Path(path) / f"gen{g}", kinds, num_pages, page_elems) for g in (0, 1)
+        ]
+        self.gen = 0
+        self._target = 0  # the generation publish writes into (the first commit keeps 0)
+        self._writes: list = []
+        self._reads: dict[str, Any] = {}
+        self.read_bytes = self.write_bytes = 0
+
+    def publish(self, stage: str, pages: list) -> None:
+        data = np.concatenate([np.asarray(p) for p in pages])
+        first, _ = self.stage_pages[stage]
+        self._writes.append((self.disk[self._target].write("params", first, data), data))
+        self.write_bytes += data.nbytes
+
+    def prefetch(self, stage: str) -> None:
+        if stage not in self._reads:
+            first, n = self.stage_pages[stage]
+            self._reads[stage] = self.disk[self.gen].read("params", first, n)
+
+    def get(self, stage: str) -> list:
+        self.prefetch(stage)
+        pages = self._reads.pop(stage).result()
+        self.read_bytes += pages.nbytes
+        return list(pages)
+
+    def commit(self) -> None:
+        self.wait()
+        if self._target != self.gen:
+            self.gen = self._target
+        self._target = 1 - self.gen
+        # Reads still in flight were of the old generation: a consistent snapshot, one
+        # update old (sync mode has none outstanding at a commit).
+
+    def abort(self) -> bool:
+        self.wait()
+        return False  # the committed generation was never touched
+
+    def wait(self) -> None:
+        for future, _ in self._writes:
+            future.result()
+        self._writes.clear()
+
+    def host_bytes(self) -> int:
+        return sum(d.nbytes for _, d in self._writes)
+
+    @property
+    def nvme_bytes(self) -> int:
+        return sum(d.nbytes for d in self.disk)
+
+
+# -- the host RAM plan --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemoryPlan:
+    """What the streaming runtime holds in host RAM, in bytes, and the state cache."""
+
+    budget: int  # 0: no limit
+    param_slabs: int  # compute-dtype params (all stages, or the NVMe read-ahead window)
+    gradients: int  # fp32 gradient buffers
+    optimizer_state: int  # state kept in RAM (offload.optimizer=host), x2 while speculative
+    optimizer_io: int  # NVMe read-ahead, the stage updating and its write-back
+    cache: int  # NVMe state cached in RAM
+    cached_stages: tuple[str, ...]
+    required: int  # the total
+
+    def describe(self) -> str:
+        parts = [
+            f"param slabs {format_bytes(self.param_slabs)}",
+            f"gradient buffers {format_bytes(self.gradients)}",
+        ]
+        if self.optimizer_state:
+            parts.append(f"optimizer state {format_bytes(self.optimizer_state)}")
+        if self.optimizer_io:
+            parts.append(f"optimizer I/O buffers {format_bytes(self.optimizer_io)}")
+            parts.append(
+                f"state cache {format_bytes(self.cache)} ({len(self.cached_stages)} stages)"
+            )
+        limit = f" of budget {format_bytes(self.budget)}" if self.budget else " (no budget)"
+        return f"host plan: {', '.join(parts)}; total {format_bytes(self.required)}{limit}"
+
+
+def plan_host_memory(
+    budget: int,
+    tier: str,
+    param_slabs: int,
+    gradients: int,
+    stage_state: dict[str, int],
+    order: list[str],
+    readahead: int,
+) -> HostMemoryPlan:
+    """Plans host RAM for optimizer tier ``tier`` (device | host | nvme). Speculative
+    updates keep a stage's old and new state until the step commits, so state held in
+    RAM counts twice. With ``nvme`` the RAM left after the minimum working set caches
+    whole stages, chosen by :func:`belady_cache`; no budget means no cache. Raises
+    ``ConfigError`` naming the shortfall when the minimum does not fit."""
+    state = 2 * sum(stage_state.values()) if tier == "host" else 0
+    biggest = max(stage_state.values())
+    io = (readahead + 2) * biggest if tier == "nvme" else 0
+    required = param_slabs + gradients + state + io
+    if budget and required > budget:
+        hints = {
+            "host": "set offload.optimizer=nvme",
+            "nvme": "set offload.params=nvme" if param_slabs > io else "lower memory.page_size",
+            "device": "set offload.optimizer=nvme",
+        }
+        raise ConfigError(
+            f"memory.host_budget {format_bytes(budget)} is too small for the minimum host "
+            f"working set {format_bytes(required)} (param slabs {format_bytes(param_slabs)}, "
+            f"gradient buffers {format_bytes(gradients)}"
+            + (f", optimizer state {format_bytes(state)}" if state else "")
+            + (f", optimizer I/O buffers {format_bytes(io)}" if io else "")
+            + f"); host is short by {format_bytes(required - budget)}. Raise "
+            f"memory.host_budget or {hints[tier]}"
+        )
+    cached: list[str] = []
+    cache = 0
+    if tier == "nvme" and budget:
+        sizes = {s: 2 * n for s, n in stage_state.items()}
+        cached = belady_cache(order, sizes, budget - required)
+        cache = sum(sizes[s] for s in cached)
+    return HostMemoryPlan(
+        budget, param_slabs, gradients, state, io, cache, tuple(cached), required + cache
+    )

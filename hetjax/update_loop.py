@@ -1,0 +1,230 @@
+"""The host optimizer loop: a background thread that updates stages as gradients arrive.
+
+**Synchronous mode** (``optimizer.mode=sync``, the default). During the last
+micro-batch's backward the executor hands each stage's final gradient slab to
+:meth:`UpdateLoop.submit` the moment it reaches the host, in backward order (head,
+block L-1 .. block 0, embed). The thread reads the stage's state ahead (the next
+``readahead`` stages in that order are already being read from NVMe while this one
+computes), runs the optax update, stores the new state (written back to disk
+asynchronously while the next stage updates) and publishes the refreshed compute-dtype
+params. So the optimizer and its I/O run while backward is still computing.
+
+Global-norm clipping needs every gradient first. The loop therefore updates
+*speculatively*, as if clipping did not bind, into state the store keeps apart from the
+committed state (``state_store.py``). When backward ends the executor calls
+:meth:`UpdateLoop.finish` with the global norm: if ``norm < max_norm`` (or clipping is
+off) the speculative updates are exactly optax's and are committed; if clipping binds,
+they are dropped and every stage is updated again with the clip factor (counted in
+``optimizer_redo``); if an fp16 step overflowed, they are dropped and the step skipped.
+Results equal ``optax.chain(clip_by_global_norm, base)`` in every case.
+
+**Lock-free mode** (``optimizer.mode=lockfree``, Angel-PTM's Algorithm 2). The executor
+never waits for the optimizer: :meth:`UpdateLoop.submit_step` adds the step's averaged
+gradient into an accumulation buffer and returns. The thread takes whatever has
+accumulated, averages it (one optimizer update for the ``n`` steps it covers: the
+optax count advances once), clips it by its own norm, updates every stage and publishes
+the params stage by stage, while the executor keeps training on the buffered params.
+Staleness is bounded: ``submit_step`` blocks while more than ``optimizer.max_staleness``
+steps' gradients are not yet applied. The trade: forward and backward run on params up
+to ``max_staleness`` steps old and fewer optimizer updates happen, so loss per step is
+a little worse than sync mode; in exchange the optimizer and its NVMe traffic leave the
+critical path entirely. ``max_staleness=0`` waits for every update (no overlap).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+
+class UpdateLoop:
+    def __init__(
+        self,
+        optimizer,
+        states,
+        params,
+        order: list[str],
+        layout_of,
+        max_norm: float,
+        mode: str = "sync",
+        max_staleness: int = 1,
+        readahead: int = 2,
+    ):
+        self.opt, self.states, self.params = optimizer, states, params
+        self.order = order  # update order: backward order
+        self.layout_of = layout_of  # stage name -> layout name
+        self.max_norm = float(max_norm)
+        self.mode = mode
+        self.max_staleness = max_staleness
+        self.readahead = readahead
+        self.busy_s = 0.0  # time the thread spent updating, since the last read
+        self.redo = 0  # steps whose speculative update was redone with clipping
+        self.applied_steps = 0  # training steps whose gradients were applied
+        self.updates = 0  # optimizer updates committed
+        self._queue: queue.Queue = queue.Queue()
+        self._reads: dict[str, Any] = {}
+        self._error: BaseException | None = None
+        # lock-free accumulation
+        self._cv = threading.Condition()
+        self._acc: dict[str, np.ndarray] | None = None
+        self._acc_steps = 0
+        self._unapplied = 0
+        self._thread = threading.Thread(target=self._run, name="hetjax-optimizer", daemon=True)
+        self._thread.start()
+
+    # -- synchronous mode ---------------------------------------------------------------
+
+    def submit(self, stage: str, grad: np.ndarray) -> None:
+        """Stage ``stage``'s final, averaged fp32 gradient slab (kept unchanged by the
+        caller until ``finish``)."""
+        self._check()
+        self._queue.put(("stage", stage, grad))
+
+    def finish(self, grads: dict[str, np.ndarray], global_norm: float, apply: bool) -> None:
+        """Ends a synchronous step: waits for the submitted updates, then commits them,
+        redoes them with clipping, or (``apply`` False: fp16 overflow) drops them."""
+        done = threading.Event()
+        self._queue.put(("finish", grads, global_norm, apply, done))
+        while not done.wait(0.5):
+            self._check()
+        self._check()
+
+    # -- lock-free mode -----------------------------------------------------------------
+
+    def submit_step(self, grads: dict[str, np.ndarray]) -> None:
+        """Adds one step's averaged gradients to the accumulation buffer; blocks while
+        more than ``max_staleness`` steps are unapplied."""
+        with self._cv:
+            self._check()
+            if self._acc is None:
+                self._acc = grads
+            else:
+                for k, g in grads.items():
+                    self._acc[k] += g
+            self._acc_steps += 1
+            self._unapplied += 1
+            self._cv.notify_all()
+            while self._unapplied > self.max_staleness and self._error is None:
+                self._cv.wait(0.5)
+            self._check()
+
+    def drain(self) -> None:
+        """Waits until every submitted step is applied (lock-free mode)."""
+        with self._cv:
+            while self._unapplied and self._error is None:
+                self._cv.wait(0.5)
+        self._check()
+
+    @property
+    def unapplied(self) -> int:
+        return self._unapplied
+
+    # -- the thread ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            with self._cv:
+                self._cv.notify_all()
+            self._thread.join()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the host optimizer loop failed") from self._error
+
+    def _run(self) -> None:
+        try:
+            if self.mode == "lockfree":
+                self._run_lockfree()
+            else:
+                self._run_sync()
+        except BaseException as e:  # surfaced in the training thread by _check
+            self._error = e
+            with self._cv:
+                self._cv.notify_all()
+
+    def _run_sync(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if item[0] == "stage":
+                _, stage, grad = item
+                self._update(stage, grad, (0.0, 0.0))  # speculative: no clipping
+                continue
+            _, grads, norm, apply, done = item
+            self._end_step(grads, norm, apply)
+            done.set()
+
+    def _end_step(self, grads, norm: float, apply: bool) -> None:
+        clip_binds = self.max_norm > 0 and not norm < self.max_norm
+        if apply and not clip_binds:
+            self._commit()
+        else:
+            self._abort()
+            if apply:  # again, with the clip factor
+                self.redo += 1
+                self._pass(grads, (norm, self.max_norm))
+                self._commit()
+        self.applied_steps += int(apply)
+
+    def _run_lockfree(self) -> None:
+        while True:
+            with self._cv:
+                while self._acc is None:
+                    if not self._queue.empty():  # close() was called
+                        return
+                    self._cv.wait(0.5)
+                grads, steps = self._acc, self._acc_steps
+                self._acc, self._acc_steps = None, 0
+            for g in grads.values():
+                g /= steps
+            norm = float(np.sqrt(sum(float(np.dot(g, g)) for g in grads.values())))
+            if np.isfinite(norm):
+                clip = (norm, self.max_norm) if self.max_norm > 0 else (0.0, 0.0)
+                self._pass(grads, clip)
+                self._commit()
+            with self._cv:
+                self._unapplied -= steps
+                self.applied_steps += steps
+                self._cv.notify_all()
+
+    # -- updating stages ----------------------------------------------------------------
+
+    def _pass(self, grads: dict[str, np.ndarray], clip) -> None:
+        for stage in self.order:
+            self._update(stage, grads[stage], clip)
+
+    def _update(self, stage: str, grad: np.ndarray, clip) -> None:
+        t0 = time.perf_counter()
+        handle = self._reads.pop(stage, None) or self.states.prefetch(stage)
+        pos = self.order.index(stage)
+        for ahead in self.order[pos + 1 : pos + 1 + self.readahead]:
+            if ahead not in self._reads:
+                self._reads[ahead] = self.states.prefetch(ahead)
+        slabs, scalars = self.states.get(stage, handle)
+        layout = self.layout_of(stage)
+        new, new_scalars, pages = self.opt.update(layout, slabs, scalars, grad, clip)
+        self.states.put(stage, new, new_scalars)
+        self.params.publish(stage, pages)
+        self.busy_s += time.perf_counter() - t0
+
+    def _commit(self) -> None:
+        t0 = time.perf_counter()
+        self.states.commit()  # waits for the write-back
+        self.params.commit()
+        self.updates += 1
+        self._reads.clear()  # read-ahead was of the generation just replaced
+        for stage in self.order[: self.readahead]:  # the next step's first stages
+            self._reads[stage] = self.states.prefetch(stage)
+        self.busy_s += time.perf_counter() - t0
+
+    def _abort(self) -> None:
+        self.states.abort()
+        self._reads.clear()
+        if self.params.abort():  # host params were overwritten: restore from masters
+            for stage in self.order:
+                master = self.states.get(stage)[0]["master"]
+                self.params.publish(stage, self.opt.compute_pages(self.layout_of(stage), master))
+        self.params.commit()
