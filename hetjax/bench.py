@@ -6,6 +6,10 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
   overhead  streamed (``offload.mode=stream``) vs in-memory (``none``) step time on a
             compute-bound config
   slabs     moving one block's params host -> device as one page slab vs leaf by leaf
+  nvme      the NVMe tier and host optimizer against their limits, in one run:
+            TensorStore read/write GB/s vs the raw disk (O_DIRECT), optimizer params/s
+            vs the memory-bandwidth bound (28 B/param), step time vs max(compute,
+            optimizer, I/O), and the DeepSpeed ZeRO-3 NVMe peer shape's s/step
 """
 
 from __future__ import annotations
@@ -143,7 +147,221 @@ def bench_slabs(quick: bool) -> dict:
     }
 
 
-BENCHMARKS = {"overhead": bench_overhead, "slabs": bench_slabs}
+# -- nvme -----------------------------------------------------------------------------------
+
+PEER_SHAPE = dict(num_layers=4, d_model=256, num_heads=4, vocab_size=8192, max_seq_len=128)
+PEER_BATCH = dict(batch_size=4, seq_len=128)
+# DeepSpeed ZeRO-3 with the optimizer offloaded to NVMe on this machine, same shape, fp32
+# (../shared/MEASUREMENTS.md; torch and DeepSpeed are not dependencies of hetjax).
+PEER_S_PER_STEP = 0.5
+
+
+def _raw_disk_bandwidth(directory: Path, nbytes: int, block: int = 4 << 20) -> tuple[float, float]:
+    """Sequential write and read GB/s of one file with O_DIRECT (no page cache), in
+    ``block``-sized requests: the disk's raw bandwidth as this process sees it."""
+    import mmap
+    import os
+
+    path = directory / "raw.bin"
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    buf.write(np.random.default_rng(0).bytes(block))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+    fd = os.open(path, flags, 0o600)
+    t0 = time.perf_counter()
+    for _ in range(nbytes // block):
+        os.write(fd, buf)
+    os.fsync(fd)
+    write = nbytes / (time.perf_counter() - t0) / 1e9
+    os.close(fd)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    t0 = time.perf_counter()
+    while os.readv(fd, [buf]) > 0:
+        pass
+    read = nbytes / (time.perf_counter() - t0) / 1e9
+    os.close(fd)
+    path.unlink()
+    return write, read
+
+
+def _drop_page_cache(directory: Path) -> None:
+    """Evicts a directory's files from the page cache (clean pages; no root needed)."""
+    import os
+
+    for f in directory.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def _tensorstore_bandwidth(directory: Path, nbytes: int, page: int) -> tuple[float, float]:
+    """Write (until on disk: ``os.sync`` included) and cold-read GB/s of whole pages
+    through :class:`PageStore`, all requests in flight at once as the loop issues them."""
+    import os
+
+    from hetjax.nvme import PageStore
+
+    elems = page // 4
+    pages = nbytes // page
+    store = PageStore(directory / "ts", ["master"], pages, elems)
+    data = np.random.default_rng(0).random(pages * elems, dtype=np.float32)
+    t0 = time.perf_counter()
+    stage = 4  # pages per request, as a stage of a few pages
+    futures = [
+        store.write("master", p, data[p * elems : (p + stage) * elems])
+        for p in range(0, pages, stage)
+    ]
+    for f in futures:
+        f.result()
+    os.sync()
+    write = nbytes / (time.perf_counter() - t0) / 1e9
+    _drop_page_cache(directory / "ts")
+    t0 = time.perf_counter()
+    reads = [store.read("master", p, min(stage, pages - p)) for p in range(0, pages, stage)]
+    for r in reads:
+        r.result()
+    read = nbytes / (time.perf_counter() - t0) / 1e9
+    return write, read
+
+
+def _memory_bandwidth(n: int) -> float:
+    """Host memory GB/s of a streaming copy (bytes read + written), best of a few."""
+    a = np.ones(n, np.float32)
+    b = np.empty_like(a)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = max(best, 2 * a.nbytes / (time.perf_counter() - t0))
+    return best / 1e9
+
+
+def _optimizer_params_per_s(n: int) -> float:
+    """The host optimizer's update (AdamW, the SlabOptimizer the loop runs) on one
+    ``n``-element slab in RAM: params/s, best of a few."""
+    from hetjax.config import OptimizerConfig
+    from hetjax.host_optimizer import SlabOptimizer
+    from hetjax.pages import Leaf, SlabLayout
+    from hetjax.placement import Placement
+
+    layout = SlabLayout((Leaf(("w",), (n,), 0, n),), jax.tree.structure(0), (0,), n, n, 1 << 20)
+    opt = SlabOptimizer(
+        OptimizerConfig(), 100, {"s": layout}, Placement.single_device().optimizer, "float32"
+    )
+    slabs, scalars = opt.init("s", np.ones(layout.padded_size, np.float32))
+    grad = np.full(layout.padded_size, 1e-3, np.float32)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        slabs, scalars, pages = opt.update("s", slabs, scalars, grad, (0.0, 0.0))
+        jax.block_until_ready((slabs, pages))
+        best = min(best, time.perf_counter() - t0)
+    return layout.padded_size / best
+
+
+def _step_parts(runtime, batch) -> dict:
+    """Forward+backward alone, the optimizer alone (state in RAM) and the optimizer's
+    NVMe I/O alone (read every stage, write every stage), each timed separately."""
+    from hetjax.executor import _StepGrads
+
+    t0 = time.perf_counter()
+    runtime._step = _StepGrads(runtime, batch.shape[0], 1.0, None)
+    for micro in batch:
+        jax.block_until_ready(runtime._forward_backward(micro, last=True))
+    grads = runtime._step.grads
+    runtime._step = None
+    compute = time.perf_counter() - t0
+
+    states, opt = runtime.states, runtime.optimizer
+    names = runtime.update_order
+    _drop_page_cache(runtime._nvme_dir)
+    t0 = time.perf_counter()
+    handles = {n: states.prefetch(n) for n in names}
+    held = {n: states.get(n, handles[n]) for n in names}
+    for n in names:
+        states.put(n, *held[n])
+    states.abort()  # waits for the writes (into the uncommitted generation)
+    io = time.perf_counter() - t0
+
+    held = {n: (jax.device_put(s, opt.sharding), c) for n, (s, c) in held.items()}
+    jax.block_until_ready(held)
+    t0 = time.perf_counter()
+    out = [opt.update(runtime.layout_name(n), *held[n], grads[n], (0.0, 0.0)) for n in names]
+    jax.block_until_ready(out)
+    optimizer = time.perf_counter() - t0
+    return {"compute_s": compute, "optimizer_s": optimizer, "io_s": io}
+
+
+def bench_nvme(quick: bool) -> dict:
+    from hetjax.data import make_datasets
+    from hetjax.executor import StreamingRuntime
+
+    disk_bytes = (64 if quick else 1024) << 20
+    page = 4 << 20
+    steps, skip = (4, 2) if quick else (12, 4)
+    results: dict = {}
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:  # the disk hetjax would use
+        tmp = Path(tmp)
+        raw_w, raw_r = _raw_disk_bandwidth(tmp, disk_bytes)
+        ts_w, ts_r = _tensorstore_bandwidth(tmp, disk_bytes, page)
+        results.update(raw_write=raw_w, raw_read=raw_r, ts_write=ts_w, ts_read=ts_r)
+        print(f"(1) disk, {disk_bytes >> 20} MiB in 4 MiB pages   GB/s write   GB/s read")
+        print(f"    raw O_DIRECT, sequential        {raw_w:>10.2f} {raw_r:>10.2f}")
+        print(f"    TensorStore PageStore            {ts_w:>10.2f} {ts_r:>10.2f}")
+        print(f"    achieved / raw                   {ts_w / raw_w:>10.2f} {ts_r / raw_r:>10.2f}")
+
+        n = (4 if quick else 32) << 20
+        bw = _memory_bandwidth(n)
+        bound = bw * 1e9 / 28
+        rate = _optimizer_params_per_s(n)
+        results.update(memory_gbs=bw, bound_params_s=bound, optimizer_params_s=rate)
+        print(f"(2) host optimizer (AdamW, {n >> 20}M-param slab): {rate / 1e6:.0f} M params/s")
+        print(
+            f"    memory {bw:.1f} GB/s -> bound {bound / 1e6:.0f} M params/s at 28 B/param; "
+            f"achieved / bound {rate / bound:.2f}"
+        )
+
+        config = Config().replace(
+            model=PEER_SHAPE,
+            train=dict(steps=steps, eval_batches=0, log_every=1000, **PEER_BATCH),
+            optimizer=dict(grad_clip=0.0),
+            offload=dict(mode="stream", optimizer="nvme", params="nvme"),
+            data=dict(corpus_bytes=500_000),
+        )
+        runtime = StreamingRuntime(config, workdir=tmp / "run")
+        data, _, _ = make_datasets(config)
+        t = config.train
+        shape = (t.grad_accum, t.micro_batch_size, t.seq_len + 1)
+        times, busy = [], []
+        for s in range(steps):
+            batch = data.batch(s).reshape(shape)
+            t0 = time.perf_counter()
+            runtime.train_step(batch)
+            times.append(time.perf_counter() - t0)
+            busy.append(runtime.extra_metrics()["optimizer_busy_s"])
+        step = float(np.median(times[skip:]))
+        parts = [_step_parts(runtime, data.batch(0).reshape(shape)) for _ in range(3)]
+        parts = {k: float(np.median([p[k] for p in parts])) for k in parts[0]}
+        runtime.close()
+        bound_step = max(parts.values())
+        results.update(step_s=step, **parts, step_vs_max=step / bound_step)
+        print(
+            f"(3) GPT-2 4L d256 vocab 8192 seq 128 batch 4 fp32, optimizer+params on NVMe, "
+            f"sync: {step:.3f} s/step"
+        )
+        print(
+            f"    alone: compute {parts['compute_s']:.3f} s, optimizer {parts['optimizer_s']:.3f}"
+            f" s, NVMe I/O {parts['io_s']:.3f} s; step / max = {step / bound_step:.2f}"
+        )
+        results.update(peer_s=PEER_S_PER_STEP, speedup_vs_peer=PEER_S_PER_STEP / step)
+        print(
+            f"(4) DeepSpeed ZeRO-3 optimizer->NVMe, same shape (MEASUREMENTS.md): "
+            f"{PEER_S_PER_STEP:.2f} s/step; hetjax is {PEER_S_PER_STEP / step:.1f}x faster"
+        )
+    return results
+
+
+BENCHMARKS = {"overhead": bench_overhead, "slabs": bench_slabs, "nvme": bench_nvme}
 
 
 def main(argv: list[str] | None = None) -> int:

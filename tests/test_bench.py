@@ -18,3 +18,14 @@ def test_overhead_quick(tmp_path, capsys):
     assert result["none_s"] > 0 and result["stream_s"] > 0
     assert abs(result["ratio"] - result["stream_s"] / result["none_s"]) < 1e-9
     assert "stream / none step time" in capsys.readouterr().out
+
+
+def test_nvme_quick(tmp_path, capsys):
+    out = tmp_path / "nvme.json"
+    assert main(["nvme", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("raw_write", "raw_read", "ts_write", "ts_read", "optimizer_params_s"):
+        assert result[key] > 0, key
+    parts = max(result["compute_s"], result["optimizer_s"], result["io_s"])
+    assert abs(result["step_vs_max"] - result["step_s"] / parts) < 1e-9
+    assert "achieved / raw" in capsys.readouterr().out
