@@ -12,8 +12,11 @@ The access order is known, so a Python loop copies the next ``offload.prefetch_d
 slabs in while the current stage computes (JAX's async dispatch overlaps them), drops
 each slab after its last use in the window, keeps block-boundary activations on the
 device or on the host (``offload.activations``), and sends each stage's gradient slab to
-the host as soon as its backward is dispatched. After backward the host optimizer
-updates every stage and refreshes the host param slabs for the next step.
+the host as soon as its backward is dispatched. The host optimizer loop
+(``update_loop.py``) updates each stage as soon as its final gradient is on the host,
+while backward goes on, and refreshes the param slabs for the next step; optimizer state
+and params live in the tiers ``offload.optimizer`` and ``offload.params`` name
+(``state_store.py``).
 
 ``memory.device_budget`` bounds what the executor holds on the device; the plan is made
 at start-up (:func:`plan_device_memory`) and the ledger records what it really held.
