@@ -177,7 +177,8 @@ def test_not_enough_disk_is_a_clear_error_and_writes_nothing(tiny, tmp_path):
 
 def test_host_budget_too_small_names_the_shortfall(tiny):
     config = tiny(offload=dict(mode="stream", optimizer="host"), memory=dict(host_budget="64KiB"))
-    with pytest.raises(ConfigError, match=r"host_budget 64.00 KiB .* host is short by .*offload.optimizer=nvme"):
+    short = r"host_budget 64.00 KiB .* host is short by .*offload.optimizer=nvme"
+    with pytest.raises(ConfigError, match=short):
         StreamingRuntime(config)
 
 
