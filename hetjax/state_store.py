@@ -41,6 +41,13 @@ from hetjax.nvme import PageStore
 MANIFEST = "manifest.json"
 
 
+def flat(slab) -> np.ndarray:
+    """A kind's slab, given whole or as its list of chunks, as one numpy array."""
+    if isinstance(slab, list):
+        return np.concatenate([np.asarray(c) for c in slab])
+    return np.asarray(slab)
+
+
 def belady_cache(order: list[str], sizes: dict[str, int], capacity: int) -> list[str]:
     """The stages a cache of ``capacity`` bytes holds in steady state when ``order``
     repeats forever and eviction follows Belady's rule (furthest next use first;
@@ -100,10 +107,10 @@ class MemoryStateStore:
         self._pending.clear()
 
     def master(self, stage: str) -> np.ndarray:
-        return np.asarray(self.slabs[stage]["master"])
+        return flat(self.slabs[stage]["master"])
 
     def state(self, stage: str) -> dict[str, np.ndarray]:
-        return {k: np.asarray(v) for k, v in self.slabs[stage].items()}
+        return {k: flat(v) for k, v in self.slabs[stage].items()}
 
     def flush(self) -> None:
         pass
@@ -206,7 +213,7 @@ class NvmeStateStore:
 
     def state(self, stage: str) -> dict[str, np.ndarray]:
         slabs, _ = self.get(stage)
-        return {k: np.asarray(v) for k, v in slabs.items()}
+        return {k: flat(v) for k, v in slabs.items()}
 
     def master(self, stage: str) -> np.ndarray:
         return self.state(stage)["master"]
@@ -230,11 +237,15 @@ class NvmeStateStore:
     # -- internals ----------------------------------------------------------------------
 
     def _write(self, gen: int, stage: str, slabs: dict) -> None:
+        """Starts writing a stage's slabs (whole, or chunk by chunk as they come)."""
         first, _ = self.stage_pages[stage]
         for k in self.kinds:
-            data = np.asarray(slabs[k])
-            self._writes.append((self.disk[gen].write(k, first, data), data))
-            self.write_bytes += data.nbytes
+            page = first
+            for chunk in slabs[k] if isinstance(slabs[k], list) else [slabs[k]]:
+                data = np.asarray(chunk)  # waits for this chunk's update only
+                self._writes.append((self.disk[gen].write(k, page, data), data))
+                self.write_bytes += data.nbytes
+                page += data.size // self.page_elems
 
     def _wait_writes(self) -> None:
         for future, _ in self._writes:

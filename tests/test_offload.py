@@ -16,7 +16,7 @@ from hetjax.host_optimizer import SlabOptimizer
 from hetjax.nvme import PageStore
 from hetjax.pages import SlabLayout
 from hetjax.placement import Placement
-from hetjax.state_store import belady_cache
+from hetjax.state_store import belady_cache, flat
 from hetjax.train import InMemoryRuntime, train
 from models import build_model
 
@@ -196,10 +196,15 @@ def test_belady_cache_keeps_a_fixed_set_on_a_cycle():
     "name,kinds",
     [("adamw", ["master", "mu", "nu"]), ("lion", ["master", "mu"]), ("sgd", ["master", "trace"])],
 )
-def test_slab_optimizer_equals_optax_on_the_pytree(tiny, name, kinds):
+@pytest.mark.parametrize("chunk", [1 << 20, 5 * 1024], ids=["one_chunk", "chunks"])
+def test_slab_optimizer_equals_optax_on_the_pytree(tiny, monkeypatch, name, kinds, chunk):
     """The slab update (state split into kinds, decay mask as a split point, clipping by
-    a given global norm) equals optax's chain(clip, base) on the params pytree."""
+    a given global norm, chunk by chunk with the decay split inside a chunk) equals
+    optax's chain(clip, base) on the params pytree."""
+    import hetjax.host_optimizer
     from hetjax.optim import build_optimizer
+
+    monkeypatch.setattr(hetjax.host_optimizer, "CHUNK_ELEMS", chunk)
 
     config = tiny(optimizer=dict(name=name, grad_clip=0.5))
     model = build_model(config.model)
@@ -212,6 +217,9 @@ def test_slab_optimizer_equals_optax_on_the_pytree(tiny, name, kinds):
         config.optimizer, 10, {"head": layout}, Placement.single_device().host, "float32"
     )
     assert opt.kinds == kinds
+    bounds = opt.chunk_bounds("head")
+    assert len(bounds) == (1 if chunk > layout.padded_size else -(-layout.padded_size // chunk))
+    assert any(a < layout.num_decay < b for a, b in bounds) or len(bounds) == 1
     tx = build_optimizer(config.optimizer, 10, params)
     state = tx.init(params)
     slabs, scalars = opt.init("head", layout.flatten_np(params))
@@ -222,4 +230,4 @@ def test_slab_optimizer_equals_optax_on_the_pytree(tiny, name, kinds):
         slabs, scalars, _ = opt.update(
             "head", slabs, scalars, layout.flatten_np(grads), (norm, 0.5)
         )
-    assert_trees_close(layout.unflatten(np.asarray(slabs["master"])), params, rtol=1e-6)
+    assert_trees_close(layout.unflatten(flat(slabs["master"])), params, rtol=1e-6)
