@@ -544,6 +544,17 @@ class StreamingRuntime:
             "head": unflat("head"),
         }
 
+    def plan_lines(self) -> list[str]:
+        """The start-up plans, for the log."""
+        lines = [self.plan.describe(), self.host_plan.describe()]
+        if self._nvme_dir is not None:
+            off = self.config.offload
+            lines.append(
+                f"nvme: {self._nvme_dir} (offload.optimizer={off.optimizer}, "
+                f"offload.params={off.params})"
+            )
+        return lines
+
     def settle(self) -> None:
         if self.config.optimizer.mode == "lockfree":
             self.loop.drain()

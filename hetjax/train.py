@@ -210,6 +210,8 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
         f"batch {t.batch_size} x seq {t.seq_len} = {tokens_per_step:,} tokens/step, "
         f"grad_accum {t.grad_accum}, {t.steps} steps -> {workdir}"
     )
+    for line in getattr(runtime, "plan_lines", list)():
+        out.log(line)
     losses, records = [], []
     timer = StepTimer()
     try:
