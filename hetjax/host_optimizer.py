@@ -18,9 +18,9 @@ no clipping (the speculative update of the overlapped loop, see ``update_loop.py
 
 Speed, measured with ``python -m hetjax.bench nvme`` (README): XLA's CPU backend
 compiles optax's AdamW into three loop fusions (mu, nu, params). Over one whole 32M
-slab that ran at ~110-270 M params/s here; dispatched in 1M-element chunks, ~650 M
-(the ~1.2 G params/s memory-bandwidth bound is the limit). So slabs are updated, stored
-and written chunk by chunk.
+slab that ran at 110 M params/s here; dispatched in 1M-element chunks, 489 M (the
+memory-bandwidth bound measured in the same run: ~1.2 G params/s). So slabs are
+updated, stored and written chunk by chunk.
 """
 
 from __future__ import annotations
@@ -199,9 +199,9 @@ class SlabOptimizer:
         ``sharding``), the new scalars and the refreshed compute-dtype params as pages.
 
         The slab is updated chunk by chunk (about CHUNK_ELEMS elements, whole pages),
-        each chunk its own dispatch: measured on the CPU backend that runs ~2.4x faster
-        than one whole-slab update (the chunks' working set stays in cache and two
-        chunks run at once on two cores)."""
+        each chunk its own dispatch: 4.4x faster than one whole-slab update on the CPU
+        backend (module docstring; the chunks' working set stays in cache and two chunks
+        run at once on two cores)."""
         layout = self.layouts[layout_name]
         bounds = self.chunk_bounds(layout_name)
         chunked = {k: self.as_chunks(layout_name, slabs[k]) for k in self.kinds}

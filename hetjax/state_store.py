@@ -109,9 +109,6 @@ class MemoryStateStore:
     def master(self, stage: str) -> np.ndarray:
         return flat(self.slabs[stage]["master"])
 
-    def state(self, stage: str) -> dict[str, np.ndarray]:
-        return {k: flat(v) for k, v in self.slabs[stage].items()}
-
     def flush(self) -> None:
         pass
 
@@ -211,12 +208,12 @@ class NvmeStateStore:
 
     # -- inspection and durability -------------------------------------------------------
 
-    def state(self, stage: str) -> dict[str, np.ndarray]:
-        slabs, _ = self.get(stage)
-        return {k: flat(v) for k, v in slabs.items()}
-
     def master(self, stage: str) -> np.ndarray:
-        return self.state(stage)["master"]
+        """A stage's committed fp32 master slab (only that kind is read from disk)."""
+        if stage in self.cached:
+            return flat(self.cache[stage]["master"])
+        first, n = self.stage_pages[stage]
+        return self.disk[self.gen].read("master", first, n).result().reshape(-1)
 
     def flush(self) -> None:
         """Writes the cached stages into the committed generation too, so the files
@@ -285,11 +282,9 @@ class HostParamStore:
         pass
 
     def abort(self) -> bool:
-        """Returns True: published pages must be republished from the old masters."""
+        """Returns True: pages are published in place, so dropping a step's updates
+        needs them republished from the committed masters."""
         return True
-
-    def wait(self) -> None:
-        jax.block_until_ready(self.pages)
 
     def host_bytes(self) -> int:
         return sum(a.nbytes for a in jax.tree.leaves(self.pages))
@@ -346,8 +341,10 @@ class NvmeParamStore:
         # update old (sync mode has none outstanding at a commit).
 
     def abort(self) -> bool:
+        """Drops the step's writes: the generation stays; the next publish overwrites
+        them. Returns False: the committed generation was never touched."""
         self.wait()
-        return False  # the committed generation was never touched
+        return False
 
     def wait(self) -> None:
         for future, _ in self._writes:

@@ -63,8 +63,6 @@ class UpdateLoop:
         self.readahead = readahead
         self.busy_s = 0.0  # time the thread spent updating, since the last read
         self.redo = 0  # steps whose speculative update was redone with clipping
-        self.applied_steps = 0  # training steps whose gradients were applied
-        self.updates = 0  # optimizer updates committed
         self._queue: queue.Queue = queue.Queue()
         self._reads: dict[str, Any] = {}
         self._error: BaseException | None = None
@@ -161,13 +159,13 @@ class UpdateLoop:
         clip_binds = self.max_norm > 0 and not norm < self.max_norm
         if apply and not clip_binds:
             self._commit()
-        else:
-            self._abort()
-            if apply:  # again, with the clip factor
-                self.redo += 1
-                self._pass(grads, (norm, self.max_norm))
-                self._commit()
-        self.applied_steps += int(apply)
+        elif apply:  # clipping binds: again, with the clip factor (republishes params)
+            self._abort(restore_params=False)
+            self.redo += 1
+            self._pass(grads, (norm, self.max_norm))
+            self._commit()
+        else:  # fp16 overflow: the step is skipped
+            self._abort(restore_params=True)
 
     def _run_lockfree(self) -> None:
         while True:
@@ -187,7 +185,6 @@ class UpdateLoop:
                 self._commit()
             with self._cv:
                 self._unapplied -= steps
-                self.applied_steps += steps
                 self._cv.notify_all()
 
     # -- updating stages ----------------------------------------------------------------
@@ -214,17 +211,17 @@ class UpdateLoop:
         t0 = time.perf_counter()
         self.states.commit()  # waits for the write-back
         self.params.commit()
-        self.updates += 1
         self._reads.clear()  # read-ahead was of the generation just replaced
         for stage in self.order[: self.readahead]:  # the next step's first stages
             self._reads[stage] = self.states.prefetch(stage)
         self.busy_s += time.perf_counter() - t0
 
-    def _abort(self) -> None:
+    def _abort(self, restore_params: bool) -> None:
+        """Drops the step's speculative updates. Params published in place (host) are
+        restored from the committed masters unless a redo pass will republish them."""
         self.states.abort()
         self._reads.clear()
-        if self.params.abort():  # host params were overwritten: restore from masters
+        if self.params.abort() and restore_params:
             for stage in self.order:
                 master = self.states.get(stage)[0]["master"]
                 self.params.publish(stage, self.opt.compute_pages(self.layout_of(stage), master))
-        self.params.commit()

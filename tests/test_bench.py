@@ -29,3 +29,15 @@ def test_nvme_quick(tmp_path, capsys):
     parts = max(result["compute_s"], result["optimizer_s"], result["io_s"])
     assert abs(result["step_vs_max"] - result["step_s"] / parts) < 1e-9
     assert "achieved / raw" in capsys.readouterr().out
+
+
+def test_lockfree_quick(tmp_path, capsys):
+    out = tmp_path / "lockfree.json"
+    assert main(["lockfree", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["sync_step_s"] > 0 and result["lockfree_step_s"] > 0
+    assert (
+        abs(result["loss_gap"] - (result["lockfree_last10_loss"] - result["sync_last10_loss"]))
+        < 1e-9
+    )
+    assert "lockfree - sync loss" in capsys.readouterr().out

@@ -142,11 +142,15 @@ def test_stream_through_launch_reports_memory(tmp_path):
         assert 0 < r["optimizer_s"] < r["step_time_s"]
 
 
-def test_stream_fp16_skips_overflow_then_trains(tiny):
+@pytest.mark.parametrize("params", ["host", "nvme"])
+def test_stream_fp16_skips_overflow_then_trains(tiny, params):
+    """A skipped step must leave every tier untouched: with params on NVMe, the forward
+    after a skip must read the committed generation, not the dropped update's."""
     model = dict(num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="float16")
     config = tiny(
         model=model,
-        offload=dict(mode="stream"),
+        offload=dict(mode="stream", params=params),
+        memory=dict(page_size="16KiB"),
         train=dict(steps=5, batch_size=4, seq_len=16, loss_scale_init=2.0**60),
     )
     runtime = StreamingRuntime(config)
