@@ -1,7 +1,8 @@
 """Typed run configuration: the one place where defaults live.
 
 A run is described by a frozen :class:`Config` made of one frozen dataclass per section
-(``model``, ``train``, ``optimizer``, ``offload``, ``memory``, ``data``). Each section
+(``model``, ``train``, ``optimizer``, ``offload``, ``memory``, ``data``,
+``checkpoint``). Each section
 validates itself when built, so an impossible value fails at start-up with a message
 that names the key.
 
@@ -28,6 +29,7 @@ from typing import Any
 
 __all__ = [
     "CONFIGS_DIR",
+    "CheckpointConfig",
     "Config",
     "ConfigError",
     "DataConfig",
@@ -159,6 +161,11 @@ class TrainConfig:
     eval_batches: int = 8  # validation batches at the end of the run
     loss_scale_init: float = 2.0**15  # fp16 compute only: initial dynamic loss scale
     loss_scale_period: int = 1000  # fp16: steps without overflow before the scale doubles
+    # a step whose loss or gradient is not finite never updates the state; then:
+    # ``skip`` goes on with the next batch, ``rollback`` restores the newest checkpoint
+    # and skips the batches from there to the bad one, ``stop`` ends the run (an error)
+    on_nonfinite: str = "skip"
+    max_nonfinite: int = 10  # skip / rollback: stop after this many bad steps in a row
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
@@ -173,6 +180,8 @@ class TrainConfig:
         _check(
             self.loss_scale_init >= 1, "train.loss_scale_init", "must be >= 1", self.loss_scale_init
         )
+        _choice("train", "on_nonfinite", self.on_nonfinite, ("skip", "rollback", "stop"))
+        _check(self.max_nonfinite >= 1, "train.max_nonfinite", "must be >= 1", self.max_nonfinite)
         _check(
             self.loss_scale_period >= 1,
             "train.loss_scale_period",
@@ -318,6 +327,35 @@ class DataConfig:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints of the complete training state (hetjax/checkpoint.py).
+
+    A checkpoint is written every ``every_steps`` steps and when training ends, in two
+    phases: a snapshot of the state into host RAM (the step waits for it), then orbax
+    persists it in the background while training goes on; it counts only once complete.
+    A run started on a workdir that has checkpoints continues from the newest complete
+    one (``resume=auto``); ``resume=never`` refuses to touch them unless ``overwrite``
+    is set, which deletes them."""
+
+    every_steps: int = 100  # 0: no periodic checkpoints
+    at_end: bool = True  # a checkpoint when training ends
+    keep: int = 3  # complete checkpoints kept (oldest deleted first)
+    dir: str = ""  # "": <workdir>/checkpoints
+    resume: str = "auto"  # auto | never
+    overwrite: bool = False  # resume=never: delete existing checkpoints and start fresh
+    async_save: bool = True  # persist in the background (False: the step waits)
+
+    def __post_init__(self):
+        _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", self.every_steps)
+        _check(self.keep >= 1, "checkpoint.keep", "must be >= 1", self.keep)
+        _choice("checkpoint", "resume", self.resume, ("auto", "never"))
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps > 0 or self.at_end
+
+
 _SECTIONS = {
     "model": ModelConfig,
     "train": TrainConfig,
@@ -325,6 +363,7 @@ _SECTIONS = {
     "offload": OffloadConfig,
     "memory": MemoryConfig,
     "data": DataConfig,
+    "checkpoint": CheckpointConfig,
 }
 
 
@@ -338,6 +377,7 @@ class Config:
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def __post_init__(self):
         if self.train.seq_len > self.model.max_seq_len:

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetjax.checkpoint import MASTER, RuntimeState
 from hetjax.config import Config, ConfigError, format_bytes
 from hetjax.host_optimizer import SlabOptimizer
 from hetjax.nvme import check_nvme_path
@@ -408,7 +409,7 @@ class StreamingRuntime:
 
     # -- the step -----------------------------------------------------------------------
 
-    def train_step(self, batch: np.ndarray) -> StepStats:
+    def train_step(self, batch: np.ndarray, poison: bool = False) -> StepStats:
         """One optimizer step on a global batch (A, B/A, T+1).
 
         Sync mode: the last micro-batch's backward hands each stage's final gradient to
@@ -421,25 +422,30 @@ class StreamingRuntime:
         sync = self.config.optimizer.mode == "sync"
         if not sync:  # pick up whatever the loop has published since the last step
             self._refresh_resident()
-        self._step = _StepGrads(self, A, scale, self.loop if sync else None)
+        seed = scale * (np.nan if poison else 1.0)  # the loss cotangent (NaN: a fault)
+        self._step = _StepGrads(self, A, scale, seed, self.loop if sync else None)
         self.ledger.reset_peak()
         losses = [self._forward_backward(micro, last=a == A - 1) for a, micro in enumerate(batch)]
         loss = float(np.mean([float(v) for v in losses]))
         grads, grad_norm = self._step.grads, self._step.norm()
         self._grad_bytes = sum(g.nbytes for g in grads.values())
-        finite = bool(np.isfinite(grad_norm))
+        # A non-finite step updates nothing: its speculative updates are dropped (stages
+        # after the first non-finite gradient were never submitted, see _StepGrads).
+        finite = bool(np.isfinite(grad_norm)) and bool(np.isfinite(loss))
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.update(jnp.bool_(finite))
-        apply = finite or self.loss_scale is None
         t0 = time.perf_counter()
         if sync:
-            self.loop.finish(grads, grad_norm, apply)
+            self.loop.finish(grads, grad_norm, finite)
             self._refresh_resident()
-        elif apply:
+        elif finite:
             self.loop.submit_step(grads)
         self.optimizer_s = time.perf_counter() - t0  # optimizer time not hidden by backward
         self._step = None
-        return StepStats(loss, grad_norm, not finite and self.loss_scale is not None, scale)
+        fp16_overflow = not finite and self.loss_scale is not None and scale > 1
+        return StepStats(
+            loss, grad_norm, not finite, scale, nonfinite=not finite and not fp16_overflow
+        )
 
     def _forward_backward(self, tokens_np: np.ndarray, last: bool):
         """Forward and backward of one micro-batch (B, T+1); its gradient slabs go to
@@ -466,7 +472,7 @@ class StreamingRuntime:
             embed,
             x,
             targets,
-            jnp.asarray(self._step.scale, F32),  # the loss is fp32; fp16 cannot hold large scales
+            jnp.asarray(self._step.seed, F32),  # the loss is fp32; fp16 cannot hold large scales
         )
         del x
         self._send_grad("head", dh, pending)
@@ -561,6 +567,49 @@ class StreamingRuntime:
             self._refresh_resident()
         self.states.flush()
 
+    def save_state(self) -> RuntimeState:
+        if self.config.optimizer.mode == "lockfree":  # apply what is buffered first
+            self.loop.drain()
+            self._refresh_resident()
+        stages, scalars = {}, {}
+        for name in self.stage_names:
+            layout = self.layouts[self.layout_name(name)]
+            slabs, scalars[name] = self.states.committed(name)
+            stages[name] = {k: layout.unflatten(slab) for k, slab in slabs.items()}
+        ls = self.loss_scale
+        loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
+        return RuntimeState(stages, scalars, loss_scale)
+
+    def load_state(self, state: RuntimeState) -> None:
+        """Replaces every stage's state and params (the loop is idle between steps;
+        lock-free mode is drained first)."""
+        if sorted(state.kinds) != sorted(self.optimizer.kinds):
+            raise ConfigError(
+                f"the checkpoint holds optimizer state {state.kinds}, optimizer.name="
+                f"{self.config.optimizer.name} needs {self.optimizer.kinds}"
+            )
+        if self.config.optimizer.mode == "lockfree":
+            self.loop.drain()
+        self.loop.reload()
+        shardings = self.optimizer.sharding
+        for name in self.stage_names:
+            kind = self.layout_name(name)
+            layout = self.layouts[kind]
+            slabs = {
+                k: self.optimizer.as_chunks(kind, layout.flatten_np(state.stages[name][k]))
+                for k in self.optimizer.kinds
+            }
+            scalars = [jax.device_put(np.asarray(a), shardings) for a in state.scalars[name]]
+            self.states.init_stage(name, slabs, scalars)
+            self.param_store.publish(name, self.optimizer.compute_pages(kind, slabs[MASTER]))
+        self.states.wait_init()
+        self.param_store.commit()
+        if self.loss_scale is not None and state.loss_scale is not None:
+            self.loss_scale = self.loss_scale.replace(
+                scale=jnp.float32(state.loss_scale[0]), good_steps=jnp.int32(state.loss_scale[1])
+            )
+        self._refresh_resident()
+
     def close(self) -> None:
         self.loop.close()
         if self._nvme_dir is not None and self._temporary_nvme:
@@ -598,13 +647,17 @@ class _StepGrads:
     (loss scale removed), its squared norm added to the global norm, and, in sync mode,
     handed to the optimizer loop at once."""
 
-    def __init__(self, runtime: StreamingRuntime, micro_batches: int, scale: float, loop):
+    def __init__(
+        self, runtime: StreamingRuntime, micro_batches: int, scale: float, seed: float, loop
+    ):
         self.remaining = {
             n: micro_batches * (2 if n == "embed" else 1) for n in runtime.stage_names
         }
         self.divisor = micro_batches * scale
         self.scale = scale
+        self.seed = seed  # the loss cotangent: the scale (NaN when a fault is injected)
         self.loop = loop
+        self.finite = True  # once a gradient is not finite, nothing more is submitted
         self.grads: dict[str, np.ndarray] = {}
         self._sq = 0.0
 
@@ -618,8 +671,10 @@ class _StepGrads:
         if self.remaining[name] == 0:
             g = self.grads[name]
             g /= self.divisor
-            self._sq += float(np.dot(g, g))
-            if self.loop is not None:
+            sq = float(np.dot(g, g))
+            self._sq += sq
+            self.finite = self.finite and bool(np.isfinite(sq))
+            if self.loop is not None and self.finite:  # never write non-finite state
                 self.loop.submit(name, g)
 
     def norm(self) -> float:

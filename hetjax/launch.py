@@ -3,6 +3,9 @@
     python -m hetjax.launch --config configs/gpt_tiny.py --workdir runs/tiny \\
         --config.train.steps=50 --config.optimizer.lr=3e-4
 
+A workdir that holds checkpoints resumes from the newest complete one; ``--resume=never``
+starts fresh (refusing to delete them unless ``--overwrite`` is given).
+
 Every config key can be overridden as ``--config.<section>.<name>=<value>`` (or with
 the value as the next argument). With no ``--config`` the embedded default,
 ``configs/gpt_tiny.py``, trains a small GPT on the bundled corpus.
@@ -54,9 +57,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
         help="where metrics, config and state go (default: runs/<config name>)",
     )
     parser.add_argument(
+        "--resume",
+        choices=("auto", "never"),
+        default=None,
+        help="auto: continue from the newest complete checkpoint in the workdir (the "
+        "default); never: start fresh, refusing if checkpoints exist (see --overwrite)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with --resume=never: delete the workdir's checkpoints and start fresh",
+    )
+    parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
-    return parser.parse_args(rest), overrides
+    args = parser.parse_args(rest)
+    if args.resume is not None:
+        overrides["checkpoint.resume"] = args.resume
+    if args.overwrite:
+        overrides["checkpoint.overwrite"] = "true"
+    return args, overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,11 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
 
-    from hetjax.train import TrainingError, train  # imports JAX: after argument checks
+    from hetjax.checkpoint import CheckpointError  # imports JAX: after argument checks
+    from hetjax.train import TrainingError, train
 
     try:
         train(config, workdir)
-    except (ConfigError, TrainingError) as e:
+    except (ConfigError, TrainingError, CheckpointError) as e:
         print(f"hetjax: error: {e}", file=sys.stderr)
         return 1
     return 0

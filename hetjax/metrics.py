@@ -44,6 +44,10 @@ class MetricsWriter:
                 f"  {record['tflops']:.3f} TFLOP/s"
             )
 
+    def advance(self, steps: int) -> None:
+        """Moves the progress bar on (a resumed run starts at its checkpoint's step)."""
+        self._bar.update(steps)
+
     def log(self, msg: str) -> None:
         if self.enabled:
             tqdm.write(msg, file=sys.stdout)

@@ -109,6 +109,11 @@ class MemoryStateStore:
     def master(self, stage: str) -> np.ndarray:
         return flat(self.slabs[stage]["master"])
 
+    def committed(self, stage: str) -> tuple[dict[str, np.ndarray], list]:
+        """A stage's committed state as fresh host copies (for a checkpoint)."""
+        slabs = {k: np.array(flat(v)) for k, v in self.slabs[stage].items()}
+        return slabs, [np.array(s) for s in self.scalars[stage]]
+
     def flush(self) -> None:
         pass
 
@@ -214,6 +219,16 @@ class NvmeStateStore:
             return flat(self.cache[stage]["master"])
         first, n = self.stage_pages[stage]
         return self.disk[self.gen].read("master", first, n).result().reshape(-1)
+
+    def committed(self, stage: str) -> tuple[dict[str, np.ndarray], list]:
+        """A stage's committed state as fresh host copies (for a checkpoint)."""
+        if stage in self.cached:
+            slabs = {k: np.array(flat(v)) for k, v in self.cache[stage].items()}
+        else:
+            first, n = self.stage_pages[stage]
+            reads = {k: self.disk[self.gen].read(k, first, n) for k in self.kinds}
+            slabs = {k: f.result().reshape(-1) for k, f in reads.items()}
+        return slabs, [np.array(s) for s in self.scalars[stage]]
 
     def flush(self) -> None:
         """Writes the cached stages into the committed generation too, so the files

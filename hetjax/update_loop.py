@@ -207,6 +207,10 @@ class UpdateLoop:
         self.params.publish(stage, pages)
         self.busy_s += time.perf_counter() - t0
 
+    def reload(self) -> None:
+        """The committed state was replaced from outside (a restore): forget read-ahead."""
+        self._reads.clear()
+
     def _commit(self) -> None:
         t0 = time.perf_counter()
         self.states.commit()  # waits for the write-back

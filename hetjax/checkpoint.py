@@ -1,0 +1,391 @@
+"""Checkpoints of the complete training state, and resume.
+
+**What is saved.** Everything a run needs to go on exactly as if it had not stopped:
+the step, the fp32 master params and the optimizer state wherever they live (device,
+host RAM or NVMe), the optax scalars (step counts), the data position, the fp16 loss
+scale and the config. The training RNG is ``train.seed`` (no dropout), so the data
+position and the step fix it. Lock-free mode applies its outstanding gradients before a
+snapshot, so its buffers are empty in every checkpoint.
+
+**Format: placement-free.** The state is stored per *stage* (``embed``, ``block0`` ..
+``block{L-1}``, ``head``) and per *kind* (``master``, then the optimizer's: ``mu`` and
+``nu`` for Adam...), each as the stage's params pytree of plain fp32 arrays, with names
+as in the model. Nothing depends on page size, slab layout, memory tier or device count,
+so a checkpoint saved by the streaming runtime with its optimizer state on NVMe restores
+into the in-memory runtime and the reverse (:class:`RuntimeState`, which the runtimes
+convert to and from their own layout).
+
+**Two phases** (CheckFreq's snapshot/persist): ``save`` takes a snapshot of the state
+into host RAM (the training step waits for that only) and orbax writes it to disk in
+background threads while training goes on. orbax writes into a temporary directory and
+renames it when complete, so a checkpoint counts only once it is whole: a crash during
+a save leaves the earlier ones intact and the partial one is ignored (and removed by
+the next run). Old checkpoints are deleted only after a newer one is complete.
+
+Layout on disk (``checkpoint.dir``, default ``<workdir>/checkpoints``)::
+
+    checkpoints/<step>/state/   the arrays (orbax PyTree, TensorStore zarr)
+    checkpoints/<step>/meta/    JSON: step, data position, loss scale, kinds, config
+
+Params for inference: ``python -m hetjax.checkpoint --workdir runs/x --export out/``
+writes the newest checkpoint's params as a plain orbax PyTree (the model's ``params``
+tree, ``blocks`` stacked on a layer axis), loadable with ``orbax.checkpoint`` alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from hetjax.config import Config, ConfigError, format_bytes
+
+FORMAT_VERSION = 1
+MASTER = "master"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message says what to do. Earlier
+    complete checkpoints are never touched by a failed save."""
+
+
+# -- the placement-free state -------------------------------------------------------------
+
+
+def stage_names(num_layers: int) -> list[str]:
+    return ["embed", *(f"block{i}" for i in range(num_layers)), "head"]
+
+
+@dataclasses.dataclass
+class RuntimeState:
+    """A runtime's complete state in the placement-free form (host numpy arrays).
+
+    ``stages[stage][kind]`` is that stage's params pytree of kind ``kind`` (``master``
+    is the fp32 params); ``scalars[stage]`` the optax scalars of its state, in optax's
+    leaf order; ``loss_scale`` the fp16 ``(scale, good_steps)`` or None."""
+
+    stages: dict[str, dict[str, Any]]
+    scalars: dict[str, list[np.ndarray]]
+    loss_scale: tuple[float, int] | None = None
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(next(iter(self.stages.values())))
+
+    def params(self) -> dict[str, Any]:
+        """The master params as the model's pytree (``blocks`` stacked on axis 0)."""
+        return self.kind_tree(MASTER)
+
+    def kind_tree(self, kind: str) -> dict[str, Any]:
+        blocks = [v[kind] for k, v in self.stages.items() if k.startswith("block")]
+        return {
+            "embed": self.stages["embed"][kind],
+            "blocks": jax.tree.map(lambda *xs: np.stack(xs), *blocks),
+            "head": self.stages["head"][kind],
+        }
+
+    @classmethod
+    def from_trees(
+        cls, trees: dict[str, Any], scalars: list[np.ndarray], loss_scale=None
+    ) -> RuntimeState:
+        """From whole-model trees by kind (``{"master": params, "mu": ...}``, blocks
+        stacked) and one set of scalars shared by every stage."""
+        num_layers = jax.tree.leaves(trees[MASTER]["blocks"])[0].shape[0]
+        stages: dict[str, dict[str, Any]] = {}
+        for name in stage_names(num_layers):
+            stages[name] = {}
+            for kind, tree in trees.items():
+                if name.startswith("block"):
+                    i = int(name[5:])
+                    stages[name][kind] = jax.tree.map(lambda a, i=i: np.array(a[i]), tree["blocks"])
+                else:
+                    stages[name][kind] = jax.tree.map(np.array, tree[name])
+        per_stage = {name: [np.array(s) for s in scalars] for name in stages}
+        return cls(stages, per_stage, loss_scale)
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves((self.stages, self.scalars)))
+
+    def check_finite(self) -> None:
+        for path, a in jax.tree_util.tree_leaves_with_path(self.stages):
+            if not np.all(np.isfinite(a)):
+                raise CheckpointError(
+                    f"refusing to save non-finite state ({jax.tree_util.keystr(path)}); "
+                    "the last complete checkpoint is kept"
+                )
+
+
+def optax_tree_slots(opt_shapes: Any, params: Any) -> list[str | None]:
+    """Classifies an optax state over a whole params tree, run by run of leaves: a
+    kind name for each params-shaped subtree (``mu``, ``nu``...; named as
+    ``host_optimizer._state_slots`` names them, so both runtimes agree) and None for
+    each scalar leaf."""
+    param_leaves = jax.tree_util.tree_leaves_with_path(params)
+    n = len(param_leaves)
+    depth0 = len(param_leaves[0][0])
+    leaves = jax.tree_util.tree_leaves_with_path(opt_shapes)
+    slots: list[str | None] = []
+    used = {MASTER}
+    i = 0
+    while i < len(leaves):
+        path, leaf = leaves[i]
+        if leaf.shape == ():
+            slots.append(None)
+            i += 1
+            continue
+        run = [a.shape for _, a in leaves[i : i + n]]
+        if run != [a.shape for _, a in param_leaves]:
+            raise NotImplementedError(f"optax state leaf {jax.tree_util.keystr(path)}")
+        names = [str(getattr(p, "name", getattr(p, "key", ""))) for p in path[: len(path) - depth0]]
+        base = next((s for s in reversed(names) if s), "state")
+        kind, k = base, 1
+        while kind in used:
+            k += 1
+            kind = f"{base}{k}"
+        used.add(kind)
+        slots.append(kind)
+        i += n
+    return slots
+
+
+# -- on disk -----------------------------------------------------------------------------
+
+
+def checkpoint_dir(config: Config, workdir: str | Path) -> Path:
+    return Path(config.checkpoint.dir) if config.checkpoint.dir else Path(workdir) / "checkpoints"
+
+
+class Checkpointer:
+    """orbax ``CheckpointManager`` over ``directory``: async two-phase saves, the last
+    ``keep`` complete checkpoints kept, clear errors on unwritable or full disks."""
+
+    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.directory = Path(directory).absolute()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe = self.directory / ".hetjax-write-test"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as e:
+            raise CheckpointError(
+                f"checkpoint directory {self.directory} is not writable ({e.strerror}); "
+                "set checkpoint.dir to a writable directory"
+            ) from e
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+            cleanup_tmp_directories=True,  # partial saves of a crashed run
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._last_bytes = 0
+
+    # -- queries ------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- save ---------------------------------------------------------------------------
+
+    def save(self, step: int, state: RuntimeState, meta: dict[str, Any]) -> None:
+        """Phase one: checks the state and the disk, hands the snapshot to orbax and
+        returns; phase two (the write) runs in the background. Raises CheckpointError
+        if the previous background save failed or the disk cannot hold this one."""
+        ocp = self._ocp
+        self.wait()  # one save in flight at a time; surfaces a failed one
+        state.check_finite()
+        need = int(state.nbytes() * 1.05) + (1 << 20)  # arrays plus orbax metadata
+        free = shutil.disk_usage(self.directory).free
+        if need > free:
+            raise CheckpointError(
+                f"not enough space for the checkpoint of step {step} in {self.directory}: "
+                f"needs about {format_bytes(need)}, {format_bytes(free)} free (short by "
+                f"{format_bytes(need - free)}). Free space, lower checkpoint.keep or point "
+                f"checkpoint.dir elsewhere; the checkpoints already there are intact"
+            )
+        tree = {"stages": state.stages, "scalars": state.scalars}
+        meta = {**meta, "format": FORMAT_VERSION, "kinds": state.kinds}
+        meta["loss_scale"] = list(state.loss_scale) if state.loss_scale else None
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeSave(tree), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+        except Exception as e:  # noqa: BLE001 - any failure of the writer
+            raise self._write_error(step, e) from e
+        self._pending = step
+
+    def wait(self) -> None:
+        """Waits for the background write; raises CheckpointError if it failed."""
+        step = getattr(self, "_pending", None)
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._pending = None
+            raise self._write_error(step, e) from e
+        self._pending = None
+
+    def _write_error(self, step, e: BaseException) -> CheckpointError:
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            if isinstance(cause, OSError):
+                break
+            cause = cause.__cause__ or cause.__context__
+        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else repr(e)
+        return CheckpointError(
+            f"writing the checkpoint of step {step} to {self.directory} failed ({why}); the "
+            "checkpoints already complete there are intact. Free space or point "
+            "checkpoint.dir at a writable disk, then restart: the run resumes from the "
+            "newest complete checkpoint"
+        )
+
+    # -- restore ------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None) -> tuple[RuntimeState, dict[str, Any]]:
+        """The state and metadata of checkpoint ``step`` (default: the newest)."""
+        ocp = self._ocp
+        step = self.latest() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        try:
+            out = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} cannot be read ({e!r}); delete it "
+                "to resume from an older one"
+            ) from e
+        meta = dict(out.meta)
+        if meta.get("format") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} has format {meta.get('format')}, "
+                f"this hetjax reads format {FORMAT_VERSION}"
+            )
+        tree = out.state
+        stages = jax.tree.map(lambda a: np.asarray(a, np.float32), tree["stages"])
+        scalars = {k: [np.asarray(s) for s in v] for k, v in tree["scalars"].items()}
+        ls = meta.get("loss_scale")
+        return RuntimeState(stages, scalars, (float(ls[0]), int(ls[1])) if ls else None), meta
+
+    def delete_all(self) -> None:
+        self.wait()
+        for step in self.steps():
+            self.manager.delete(step)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+
+def check_compatible(meta: dict[str, Any], config: Config, where: Path) -> None:
+    """A checkpoint restores into any placement, but not into another model or
+    optimizer: those keys must match (the error names each one that differs)."""
+    saved = meta.get("config", {})
+    now = config.to_dict()
+    diffs = []
+    for section in ("model",):
+        for key, value in saved.get(section, {}).items():
+            if now[section].get(key) != value and key != "remat":
+                diffs.append(
+                    f"{section}.{key}: checkpoint {value!r}, this run {now[section][key]!r}"
+                )
+    if saved.get("optimizer", {}).get("name") != now["optimizer"]["name"]:
+        diffs.append(
+            f"optimizer.name: checkpoint {saved.get('optimizer', {}).get('name')!r}, "
+            f"this run {now['optimizer']['name']!r}"
+        )
+    if diffs:
+        raise ConfigError(
+            f"the checkpoint in {where} was saved by a different model or optimizer: "
+            + "; ".join(diffs)
+            + ". Use a new --workdir (or checkpoint.resume=never with checkpoint.overwrite=true "
+            "to discard it)"
+        )
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+def export_params(params: Any, out: str | Path) -> Path:
+    """Writes a params pytree as a plain orbax PyTree checkpoint at ``out``."""
+    import orbax.checkpoint as ocp
+
+    out = Path(out).absolute()
+    if out.exists():
+        raise CheckpointError(f"export target {out} exists; remove it or choose another path")
+    with ocp.PyTreeCheckpointer() as ckptr:
+        ckptr.save(out, jax.tree.map(np.asarray, params))
+    return out
+
+
+def load_params(path: str | Path) -> Any:
+    """Reads params written by :func:`export_params` (numpy arrays)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.PyTreeCheckpointer() as ckptr:
+        return jax.tree.map(np.asarray, ckptr.restore(Path(path).absolute()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hetjax.checkpoint",
+        description="List a run's checkpoints, or export a checkpoint's params for inference.",
+    )
+    parser.add_argument("--workdir", required=True, help="the run's workdir")
+    parser.add_argument(
+        "--dir", default="", help="checkpoint directory (default <workdir>/checkpoints)"
+    )
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default newest)")
+    parser.add_argument("--export", default=None, help="write the params here (orbax PyTree)")
+    args = parser.parse_args(argv)
+    directory = Path(args.dir) if args.dir else Path(args.workdir) / "checkpoints"
+    if not directory.is_dir():
+        print(f"hetjax: error: no checkpoint directory {directory}", file=sys.stderr)
+        return 1
+    try:
+        ckpt = Checkpointer(directory)
+        try:
+            steps = ckpt.steps()
+            if args.export is None:
+                print(f"{directory}: complete checkpoints at steps {steps or 'none'}")
+                return 0
+            state, meta = ckpt.restore(args.step)
+            out = export_params(state.params(), args.export)
+        finally:
+            ckpt.close()
+    except CheckpointError as e:
+        print(f"hetjax: error: {e}", file=sys.stderr)
+        return 1
+    n = sum(a.size for a in jax.tree.leaves(state.params()))
+    print(f"exported the params of step {meta['step']} ({n:,} values) to {out}")
+    print(json.dumps({"step": meta["step"], "path": str(out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
