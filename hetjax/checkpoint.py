@@ -210,7 +210,7 @@ class Checkpointer:
         ocp = self._ocp
         self.wait()  # one save in flight at a time; surfaces a failed one
         state.check_finite()
-        need = int(state.nbytes() * 1.05) + (1 << 20)  # arrays plus orbax metadata
+        need = int(state.nbytes() * 1.05) + (64 << 10)  # arrays plus orbax metadata
         free = shutil.disk_usage(self.directory).free
         if need > free:
             raise CheckpointError(

@@ -144,9 +144,12 @@ class InMemoryRuntime:
         seed = scale * poison  # the loss cotangent; poison is 1, or NaN to inject a fault
 
         def micro(grad_sum, tokens):  # tokens (B/A, T+1)
-            loss_fn = lambda p: self.model.loss(p, tokens[:, :-1], tokens[:, 1:]) * seed
-            scaled_loss, grads = jax.value_and_grad(loss_fn)(state.params)
-            return jax.tree.map(jnp.add, grad_sum, grads), scaled_loss / seed
+            def loss_fn(p):
+                loss = self.model.loss(p, tokens[:, :-1], tokens[:, 1:])
+                return loss * seed, loss
+
+            (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            return jax.tree.map(jnp.add, grad_sum, grads), loss
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         grad_sum, losses = jax.lax.scan(micro, zeros, batch)  # batch (A, B/A, T+1)
@@ -298,7 +301,12 @@ class Faults:
         return cls(os.environ.get("HETJAX_FAULTS", ""))
 
     def hit(self, kind: str, step: int) -> bool:
-        return step in self.at[kind]
+        """Whether fault ``kind`` is due at ``step``; each fires once (a step redone
+        after a rollback runs clean)."""
+        if step in self.at[kind]:
+            self.at[kind].discard(step)
+            return True
+        return False
 
     @staticmethod
     def kill() -> None:

@@ -1,0 +1,290 @@
+"""Checkpoints and resume (hetjax/checkpoint.py, the loop in hetjax/train.py).
+
+Crash tests run training in a child process (``python -m hetjax.launch``) and kill it
+with SIGKILL at a chosen point (``HETJAX_FAULTS``, see ``train.Faults``); the resumed
+run must end with exactly the params of an uninterrupted run. Checkpoints are real orbax
+directories, the optimizer state real TensorStore files."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+from equivalence import assert_gpt_training_equal, assert_trees_close, without_key_bias
+
+from hetjax.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    export_params,
+    load_params,
+    optax_tree_slots,
+)
+from hetjax.checkpoint import main as checkpoint_main
+from hetjax.config import ConfigError
+from hetjax.host_optimizer import SlabOptimizer
+from hetjax.optim import build_optimizer
+from hetjax.train import TrainingError, train
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6
+
+NVME = dict(mode="stream", optimizer="nvme", params="nvme")
+
+
+def config(offload=None, **sections):
+    cfg = tiny_config(
+        train=dict(steps=STEPS, eval_batches=1),
+        checkpoint=dict(every_steps=2, at_end=True, keep=3),
+    )
+    cfg = cfg.replace(**sections) if sections else cfg
+    return cfg.replace(offload=offload) if offload else cfg
+
+
+def launch(cfg, workdir, faults="", devices=None, expect_rc=0):
+    """Runs ``python -m hetjax.launch`` with every key of ``cfg`` as an override."""
+    args = [sys.executable, "-m", "hetjax.launch", "--workdir", str(workdir)]
+    for section, fields in cfg.to_dict().items():
+        args += [f"--config.{section}.{k}={v}" for k, v in fields.items()]
+    env = dict(os.environ, HETJAX_FAULTS=faults)
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == expect_rc, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+def saved_params(workdir, step=None):
+    ckpt = Checkpointer(Path(workdir) / "checkpoints")
+    try:
+        state, meta = ckpt.restore(step)
+    finally:
+        ckpt.close()
+    return state, meta
+
+
+def assert_no_nonfinite_files(workdir: Path) -> int:
+    """Every complete checkpoint under ``workdir`` and every NVMe page array (both
+    generations) holds only finite values. Returns the number of arrays checked."""
+    import tensorstore as ts
+
+    checked = 0
+    ckpt = Checkpointer(Path(workdir) / "checkpoints")
+    try:
+        for step in ckpt.steps():
+            state, _ = ckpt.restore(step)
+            for a in jax.tree.leaves(state.stages):
+                assert np.all(np.isfinite(a)), f"checkpoint {step}"
+                checked += 1
+    finally:
+        ckpt.close()
+    for meta in (Path(workdir) / "nvme").rglob("zarr.json"):
+        data = ts.open({"driver": "zarr3", "kvstore": f"file://{meta.parent}"}).result()
+        data = data.read().result()
+        if np.issubdtype(data.dtype, np.floating):
+            assert np.all(np.isfinite(data)), meta.parent
+            checked += 1
+    return checked
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_nvme(tmp_path_factory):
+    """The reference: streaming with optimizer and params on NVMe, never stopped."""
+    return train(config(NVME), tmp_path_factory.mktemp("ref"), verbose=False)
+
+
+# -- crash and resume ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["kill_mid_step@5", "kill_saving@4", "kill_saved@4"],
+    ids=["mid-step", "during-background-save", "right-after-save"],
+)
+def test_sigkill_then_resume_equals_uninterrupted(fault, uninterrupted_nvme, tmp_path):
+    cfg = config(NVME)
+    launch(cfg, tmp_path, faults=fault, expect_rc=-9)
+    resumed = train(cfg, tmp_path, verbose=False)
+    assert 0 < len(resumed.losses) < STEPS  # it did resume, not start over
+    np.testing.assert_array_equal(resumed.losses, uninterrupted_nvme.losses[-len(resumed.losses) :])
+    jax.tree.map(np.testing.assert_array_equal, resumed.params, uninterrupted_nvme.params)
+    # the final checkpoint holds the same params
+    state, meta = saved_params(tmp_path)
+    assert meta["step"] == STEPS
+    jax.tree.map(np.testing.assert_array_equal, state.params(), uninterrupted_nvme.params)
+
+
+def test_resume_in_memory_is_exact(tmp_path):
+    cfg = config()
+    reference = train(cfg, tmp_path / "ref", verbose=False)
+    launch(cfg, tmp_path / "run", faults="kill_saved@2", expect_rc=-9)
+    resumed = train(cfg, tmp_path / "run", verbose=False)
+    assert len(resumed.losses) == STEPS - 2
+    jax.tree.map(np.testing.assert_array_equal, resumed.params, reference.params)
+
+
+# -- across placements and device counts --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "first, first_devices, second, second_devices",
+    [(NVME, 4, dict(mode="none"), 1), (dict(mode="none"), 1, NVME, 4)],
+    ids=["nvme-4dev-to-none-1dev", "none-1dev-to-nvme-4dev"],
+)
+def test_restore_across_placements(first, first_devices, second, second_devices, tmp_path):
+    launch(config(first), tmp_path, faults="kill_saved@2", devices=first_devices, expect_rc=-9)
+    assert saved_params(tmp_path)[1]["step"] == 2
+    launch(config(second), tmp_path, devices=second_devices)
+    state, meta = saved_params(tmp_path)
+    assert meta["step"] == STEPS
+    reference = train(config(), tmp_path / "ref", verbose=False)  # in memory, never stopped
+    assert_trees_close(without_key_bias(state.params()), without_key_bias(reference.params))
+
+
+# -- divergence guard ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offload", [None, NVME], ids=["none", "stream-nvme"])
+def test_injected_nan_is_skipped(offload, tmp_path, monkeypatch):
+    monkeypatch.setenv("HETJAX_FAULTS", "nan@3")
+    result = train(config(offload), tmp_path, verbose=False)
+    bad = [r["step"] for r in result.records if r.get("nonfinite")]
+    assert bad == [3] and len(result.records) == STEPS
+    assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves(result.params))
+    assert np.isfinite(result.losses[-1]) and result.losses[-1] < result.losses[0]
+    assert assert_no_nonfinite_files(tmp_path) > 0  # checkpoints and NVMe generations
+    if offload is None:
+        return
+    # both runtimes skip the same way: equal to the in-memory run with the same fault
+    reference = train(config(), tmp_path / "ref", verbose=False)
+    assert_gpt_training_equal(result, reference)
+
+
+def test_rollback_goes_back_and_skips_the_bad_batches(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETJAX_FAULTS", "nan@3")
+    cfg = config(train=dict(steps=STEPS, eval_batches=1, on_nonfinite="rollback"))
+    result = train(cfg, tmp_path / "a", verbose=False)
+    steps = [r["step"] for r in result.records]
+    assert steps == [1, 2, 3, 3, 4, 5, 6]  # step 3 failed, rolled back to 2, redone
+    stream = train(cfg.replace(offload=NVME), tmp_path / "b", verbose=False)
+    assert_gpt_training_equal(stream, result)
+    # the batch of the bad step was skipped: step 3 again saw the next batch
+    assert result.losses[3] != result.losses[2]
+
+
+def test_stop_on_nonfinite_keeps_checkpoints_clean(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETJAX_FAULTS", "nan@3")
+    cfg = config(train=dict(steps=STEPS, eval_batches=1, on_nonfinite="stop"))
+    with pytest.raises(TrainingError, match=r"step 3: loss .*gradient norm nan.*on_nonfinite=stop"):
+        train(cfg, tmp_path, verbose=False)
+    state, meta = saved_params(tmp_path)
+    assert meta["step"] == 2
+    assert_no_nonfinite_files(tmp_path)
+
+
+def test_consecutive_nonfinite_steps_stop_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETJAX_FAULTS", "nan@2,nan@3,nan@4")
+    cfg = config(train=dict(steps=STEPS, eval_batches=1, max_nonfinite=2))
+    with pytest.raises(TrainingError, match="3 non-finite steps in a row"):
+        train(cfg, tmp_path, verbose=False)
+
+
+# -- refusals and errors ------------------------------------------------------------------
+
+
+def test_resume_never_refuses_then_overwrites(tmp_path):
+    cfg = config(train=dict(steps=2, eval_batches=1))
+    train(cfg, tmp_path, verbose=False)
+    never = cfg.replace(checkpoint=dict(resume="never"))
+    with pytest.raises(TrainingError, match=r"holds checkpoints \(steps \[2\]\).*--overwrite"):
+        train(never, tmp_path, verbose=False)
+    assert saved_params(tmp_path)[1]["step"] == 2  # untouched
+    fresh = train(never.replace(checkpoint=dict(overwrite=True)), tmp_path, verbose=False)
+    assert len(fresh.losses) == 2  # started over
+
+
+def test_launch_resume_flag_refuses(tmp_path):
+    cfg = config(train=dict(steps=2, eval_batches=1))
+    train(cfg, tmp_path, verbose=False)
+    proc = launch(cfg.replace(checkpoint=dict(resume="never")), tmp_path, expect_rc=1)
+    assert "refusing to overwrite" in proc.stderr
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    train(config(train=dict(steps=2, eval_batches=1)), tmp_path, verbose=False)
+    other = config(train=dict(steps=4, eval_batches=1), model=dict(d_model=64))
+    with pytest.raises(ConfigError, match=r"model\.d_model: checkpoint 32, this run 64"):
+        train(other, tmp_path, verbose=False)
+
+
+def test_unwritable_checkpoint_dir(tmp_path):
+    cfg = config(checkpoint=dict(dir="/proc/hetjax-checkpoints"))
+    with pytest.raises(CheckpointError, match="not writable.*checkpoint.dir"):
+        train(cfg, tmp_path, verbose=False)
+
+
+def test_full_disk_leaves_earlier_checkpoints_loadable(tmp_path):
+    """A real full disk: a small tmpfs in a private mount namespace (``unshare``). The
+    first checkpoints fit, a later one does not: the run stops with a clear error and
+    the complete checkpoints load."""
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode
+    ):
+        pytest.skip("needs unshare -Urm (user and mount namespaces) for a private tmpfs")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    cfg = config(train=dict(steps=STEPS, eval_batches=1), checkpoint=dict(dir=str(mnt), keep=10))
+    args = " ".join(
+        f"'--config.{s}.{k}={v}'" for s, f in cfg.to_dict().items() for k, v in f.items()
+    )
+    script = (
+        f"mount -t tmpfs -o size=1200k tmpfs {mnt} && "
+        f"{sys.executable} -m hetjax.launch --workdir {tmp_path / 'run'} {args}; "
+        f"echo rc=$?; {sys.executable} -m hetjax.checkpoint --workdir x --dir {mnt}"
+    )
+    proc = subprocess.run(
+        ["unshare", "-Urm", "bash", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert "rc=1" in out, out[-3000:]
+    assert "checkpoints already" in out and "intact" in out, out[-3000:]
+    assert "complete checkpoints at steps [2" in out, out[-3000:]
+
+
+# -- export and format --------------------------------------------------------------------
+
+
+def test_export_params_for_inference(tmp_path, capsys):
+    result = train(config(train=dict(steps=2, eval_batches=1)), tmp_path, verbose=False)
+    assert checkpoint_main(["--workdir", str(tmp_path), "--export", str(tmp_path / "out")]) == 0
+    exported = load_params(tmp_path / "out")
+    jax.tree.map(np.testing.assert_array_equal, exported, result.params)
+    with pytest.raises(CheckpointError, match="exists"):
+        export_params(result.params, tmp_path / "out")
+    assert checkpoint_main(["--workdir", str(tmp_path / "none")]) == 1
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "sgd"])
+def test_state_kinds_agree_between_runtimes(name):
+    """The in-memory optax state and the slab optimizer name their state kinds alike,
+    so a checkpoint of one restores into the other."""
+    from hetjax.pages import SlabLayout
+    from hetjax.placement import Placement
+    from models import build_model
+
+    cfg = config(optimizer=dict(name=name))
+    params = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
+    tx = build_optimizer(cfg.optimizer, STEPS, params)
+    kinds = [k for k in optax_tree_slots(jax.eval_shape(tx.init, params), params) if k]
+    layouts = {"head": SlabLayout.from_params(params["head"], 4096)}
+    slab = SlabOptimizer(cfg.optimizer, STEPS, layouts, Placement.single_device().host, "float32")
+    assert ["master", *kinds] == slab.kinds
