@@ -45,9 +45,9 @@ def config(offload=None, **sections):
     return cfg.replace(offload=offload) if offload else cfg
 
 
-def launch(cfg, workdir, faults="", devices=None, expect_rc=0):
+def launch(cfg, workdir, faults="", devices=None, expect_rc=0, flags=()):
     """Runs ``python -m hetjax.launch`` with every key of ``cfg`` as an override."""
-    args = [sys.executable, "-m", "hetjax.launch", "--workdir", str(workdir)]
+    args = [sys.executable, "-m", "hetjax.launch", "--workdir", str(workdir), *flags]
     for section, fields in cfg.to_dict().items():
         args += [f"--config.{section}.{k}={v}" for k, v in fields.items()]
     env = dict(os.environ, HETJAX_FAULTS=faults)
@@ -210,8 +210,23 @@ def test_resume_never_refuses_then_overwrites(tmp_path):
 def test_launch_resume_flag_refuses(tmp_path):
     cfg = config(train=dict(steps=2, eval_batches=1))
     train(cfg, tmp_path, verbose=False)
-    proc = launch(cfg.replace(checkpoint=dict(resume="never")), tmp_path, expect_rc=1)
+    proc = launch(cfg, tmp_path, expect_rc=1, flags=["--resume=never"])
     assert "refusing to overwrite" in proc.stderr
+    launch(cfg, tmp_path, flags=["--resume=never", "--overwrite"])
+    assert saved_params(tmp_path)[1]["step"] == 2
+
+
+def test_lockfree_checkpoints_and_resumes(tmp_path):
+    """Lock-free mode applies its buffered gradients before a snapshot; a resumed run
+    carries on from the checkpoint."""
+    lockfree = dict(NVME, optimizer="host")
+    cfg = config(lockfree, optimizer=dict(mode="lockfree", warmup_steps=2, lr=3e-3))
+    launch(cfg, tmp_path, faults="kill_saved@4", expect_rc=-9)
+    state, meta = saved_params(tmp_path)
+    assert meta["step"] == 4 and state.scalars["embed"][0] > 0  # updates were applied
+    resumed = train(cfg, tmp_path, verbose=False)
+    assert len(resumed.losses) == STEPS - 4 and np.isfinite(resumed.losses).all()
+    assert saved_params(tmp_path)[1]["step"] == STEPS
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):
