@@ -270,7 +270,7 @@ def _step_parts(runtime, batch) -> dict:
     from hetjax.executor import _StepGrads
 
     t0 = time.perf_counter()
-    runtime._step = _StepGrads(runtime, batch.shape[0], 1.0, None)
+    runtime._step = _StepGrads(runtime, batch.shape[0], 1.0, 1.0, None)
     for micro in batch:
         jax.block_until_ready(runtime._forward_backward(micro, last=True))
     grads = runtime._step.grads

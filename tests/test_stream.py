@@ -1,5 +1,7 @@
 """offload.mode=stream equals offload.mode=none (fp32 compute, same seed and data)."""
 
+import gc
+
 import jax
 import numpy as np
 import pytest
@@ -61,6 +63,7 @@ def test_streams_within_device_budget(tiny, tmp_path):
         train=dict(steps=2, batch_size=2, seq_len=16, eval_batches=1),
     )
     samples = []
+    gc.collect()  # garbage of earlier tests freed mid-test would skew the census baseline
     runtime = StreamingRuntime(
         config, probe=lambda rt: samples.append(live_bytes_by_kind().get("device", 0))
     )
