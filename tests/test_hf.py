@@ -1,0 +1,221 @@
+"""Hugging Face import (model.init_from) and export, checked against transformers."""
+
+import copy
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+from hf_models import build_hf_model, hf_logits, hf_sgd_losses
+from safetensors.numpy import load_file, save_file
+
+from hetjax import export
+from hetjax.config import ConfigError
+from hetjax.executor import StreamingRuntime
+from hetjax.hf import HFCheckpoint, export_hf, model_config_from_hf, open_checkpoint
+from hetjax.train import InMemoryRuntime
+from models import build_model
+
+FAMILIES = ["gpt2", "llama", "llama_tied"]
+
+
+def _tokens(shape=(2, 17), seed=3):
+    return np.random.default_rng(seed).integers(0, 256, shape).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (transformers model, its save_pretrained directory); GPT-2 and Llama
+    also saved in small shards."""
+    out = {}
+    for name in FAMILIES:
+        family, tied = name.split("_")[0], name.endswith("_tied")
+        model = build_hf_model(family, tied=tied)
+        directory = tmp_path_factory.mktemp(name)
+        model.save_pretrained(directory)
+        out[name] = (model, directory)
+        if not tied:
+            sharded = tmp_path_factory.mktemp(f"{name}_sharded")
+            model.save_pretrained(sharded, max_shard_size="40KB")
+            assert (sharded / "model.safetensors.index.json").is_file()
+            out[f"{name}_sharded"] = (model, sharded)
+    return out
+
+
+def _config(tiny, directory, **sections):
+    """The tiny test config with the model read off the checkpoint's config.json."""
+    model = model_config_from_hf(directory, tiny().model)
+    return tiny(model=dataclasses.asdict(model), **sections)
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, "gpt2_sharded", "llama_sharded"])
+def test_import_logits_equal_transformers(checkpoints, tiny, name):
+    hf_model, directory = checkpoints[name]
+    config = _config(tiny, directory)
+    params = open_checkpoint(config.model).params()
+    tokens = _tokens((2, 24))
+    ours = np.asarray(jax.jit(build_model(config.model).logits)(params, tokens))
+    theirs = hf_logits(hf_model, tokens)
+    assert np.abs(theirs).max() > 1.0  # logits of a useful size, not all near zero
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_sharded_import_is_identical(checkpoints, tiny, name):
+    single = open_checkpoint(_config(tiny, checkpoints[name][1]).model).params()
+    sharded = open_checkpoint(_config(tiny, checkpoints[f"{name}_sharded"][1]).model).params()
+    jax.tree.map(np.testing.assert_array_equal, sharded, single)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_one_sgd_step_equals_transformers(checkpoints, tiny, name):
+    """Loss before and after one SGD step on the same batch, hetjax vs PyTorch."""
+    hf_model, directory = checkpoints[name]
+    lr = 0.5
+    optimizer = dict(
+        name="sgd", momentum=0.0, lr=lr, grad_clip=0.0, warmup_steps=0, schedule="constant"
+    )
+    runtime = InMemoryRuntime(_config(tiny, directory, optimizer=optimizer))
+    batch = _tokens((2, 17))
+    loss = runtime.train_step(batch[None]).loss
+    after = runtime.eval_loss(batch)
+    torch_loss, torch_after = hf_sgd_losses(copy.deepcopy(hf_model), batch, lr)
+    assert after < loss - 0.01  # the step did something
+    np.testing.assert_allclose([loss, after], [torch_loss, torch_after], rtol=1e-5)
+
+
+def test_stream_nvme_import_equals_none(checkpoints, tiny, tmp_path):
+    """Imported stage by stage into NVMe optimizer state: the same params as the
+    in-memory import."""
+    directory = checkpoints["llama"][1]
+    stream = StreamingRuntime(
+        _config(tiny, directory, offload=dict(mode="stream", optimizer="nvme", params="nvme")),
+        workdir=tmp_path,
+    )
+    reference = InMemoryRuntime(_config(tiny, directory))
+    try:
+        jax.tree.map(np.testing.assert_array_equal, stream.params(), reference.params())
+    finally:
+        stream.close()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_export_round_trip_and_transformers_load(checkpoints, tiny, tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    hf_model, directory = checkpoints[name]
+    config = _config(tiny, directory)
+    params = open_checkpoint(config.model).params()
+    export_hf(config.model, params, tmp_path / "single")
+    export_hf(config.model, params, tmp_path / "sharded", max_shard_bytes=40_000)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    for out in ("single", "sharded"):
+        again = model_config_from_hf(tmp_path / out, config.model)
+        assert dataclasses.replace(again, init_from="") == dataclasses.replace(
+            config.model, init_from=""
+        )
+        jax.tree.map(np.testing.assert_array_equal, open_checkpoint(again).params(), params)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "single").float().eval()
+    tokens = _tokens((2, 24))
+    np.testing.assert_allclose(
+        hf_logits(loaded, tokens), hf_logits(hf_model, tokens), rtol=0, atol=1e-5
+    )
+
+
+def test_export_cli_writes_the_initial_params(tiny, tmp_path):
+    out = tmp_path / "hf"
+    rc = export.main(
+        ["--config", "llama_tiny", "--config.model.num_layers=2", "--config.model.d_model=32",
+         "--config.model.num_heads=4", "--config.model.d_ff=48", "--out", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    config = model_config_from_hf(out)
+    assert (config.family, config.num_layers, config.kv_heads) == ("llama", 2, 2)
+    expected = jax.jit(build_model(config).init)(jax.random.key(0))
+    jax.tree.map(np.testing.assert_array_equal, open_checkpoint(config).params(), expected)
+
+
+# -- errors: each names the problem and what to do ---------------------------------------
+
+
+def _import(tiny, directory, **model):
+    config = tiny(model=dict(family="llama", init_from=f"hf:{directory}", **model))
+    return HFCheckpoint(directory, config.model)
+
+
+def test_error_missing_directory(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="no such directory .*save_pretrained"):
+        _import(tiny, tmp_path / "nope")
+
+
+def test_error_missing_config_json(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="config.json is missing"):
+        _import(tiny, tmp_path)
+
+
+def test_error_unsupported_model_type(tiny, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ConfigError, match="model_type 'bert' is not supported.*gpt2, llama"):
+        _import(tiny, tmp_path)
+
+
+def test_error_config_mismatch_names_both_values(checkpoints, tiny):
+    directory = checkpoints["llama"][1]
+    with pytest.raises(ConfigError) as e:
+        _import(tiny, directory, num_kv_heads=2, d_ff=96)  # d_model 32 vs the checkpoint's 64
+    assert "model.d_model is 32 but the checkpoint has 64" in str(e.value)
+    assert "--config.model.d_model=64" in str(e.value)
+
+
+def test_error_missing_safetensors(checkpoints, tiny, tmp_path):
+    (tmp_path / "config.json").write_text((checkpoints["llama"][1] / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match="neither model.safetensors .*pytorch_model.bin"):
+        HFCheckpoint(tmp_path, _config(tiny, checkpoints["llama"][1]).model)
+
+
+def _copy_with(directory, out, edit_tensors=None, edit_config=None):
+    tensors = load_file(directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_config:
+        edit_config(config)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_error_missing_tensor(checkpoints, tiny, tmp_path):
+    directory = checkpoints["llama"][1]
+    broken = _copy_with(directory, tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    checkpoint = HFCheckpoint(broken, _config(tiny, directory).model)
+    checkpoint.stage("block0")  # fine
+    with pytest.raises(ConfigError, match="no tensor 'model.layers.1.mlp.up_proj.weight'.*block1"):
+        checkpoint.stage("block1")
+
+
+def test_error_tensor_shape_mismatch(checkpoints, tiny, tmp_path):
+    directory = checkpoints["llama"][1]
+
+    def shrink(tensors):
+        tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][
+            :80
+        ]
+
+    broken = _copy_with(directory, tmp_path, shrink)
+    checkpoint = HFCheckpoint(broken, _config(tiny, directory).model)
+    with pytest.raises(ConfigError, match=r"up_proj.weight.*\(80, 64\).*needs \(64, 96\)"):
+        checkpoint.stage("block0")
+
+
+def test_error_unsupported_rope_scaling(checkpoints, tiny, tmp_path):
+    directory = checkpoints["llama"][1]
+
+    def llama31(config):
+        config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0}
+
+    broken = _copy_with(directory, tmp_path, edit_config=llama31)
+    with pytest.raises(ConfigError, match="rope scaling 'llama3' is not supported"):
+        HFCheckpoint(broken, _config(tiny, directory).model)
