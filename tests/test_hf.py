@@ -123,17 +123,27 @@ def test_export_round_trip_and_transformers_load(checkpoints, tiny, tmp_path, na
     )
 
 
-def test_export_cli_writes_the_initial_params(tiny, tmp_path):
+def test_export_cli_converts_a_checkpoint(checkpoints, tmp_path):
+    """python -m hetjax.export with model.init_from: re-shards a checkpoint, params unchanged."""
+    source = checkpoints["llama"][1]
     out = tmp_path / "hf"
-    rc = export.main(
-        ["--config", "llama_tiny", "--config.model.num_layers=2", "--config.model.d_model=32",
-         "--config.model.num_heads=4", "--config.model.d_ff=48", "--out", str(out)]
-    )  # fmt: skip
+    overrides = [
+        f"--config.model.{k}={v}"
+        for k, v in dict(
+            num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96, max_seq_len=128,
+            rope_theta=5000.0, init_from=f"hf:{source}",
+        ).items()
+    ]  # fmt: skip
+    rc = export.main(["--config", "llama_tiny", *overrides, "--out", str(out)])
     assert rc == 0
     config = model_config_from_hf(out)
     assert (config.family, config.num_layers, config.kv_heads) == ("llama", 2, 2)
-    expected = jax.jit(build_model(config).init)(jax.random.key(0))
-    jax.tree.map(np.testing.assert_array_equal, open_checkpoint(config).params(), expected)
+    source_config = model_config_from_hf(source, config)
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        open_checkpoint(config).params(),
+        open_checkpoint(source_config).params(),
+    )
 
 
 # -- errors: each names the problem and what to do ---------------------------------------

@@ -11,6 +11,7 @@ from models import Llama, build_model
 from models.llama import apply_rotary, rotary_tables
 
 LLAMA = dict(family="llama", num_kv_heads=2, tie_embeddings=False, d_ff=48)
+SHORT = dict(steps=4, eval_batches=0)
 
 
 def _check_tokens():
@@ -53,6 +54,7 @@ def test_rotary_is_a_relative_position_rotation():
     np.testing.assert_allclose(dot(3, 3), float(q @ k), rtol=1e-5)
 
 
+@pytest.mark.slow  # ~7 s of compile; causality is also covered by the HF logits tests
 def test_causal(tiny):
     """Changing a later token leaves earlier logits unchanged."""
     model = build_model(tiny(model=LLAMA).model)
@@ -89,7 +91,8 @@ def test_config_errors_name_the_key(changes, key):
 def reference(tmp_path_factory):
     from conftest import tiny_config
 
-    return train(tiny_config(model=LLAMA), tmp_path_factory.mktemp("ref"), verbose=False)
+    config = tiny_config(model=LLAMA, train=SHORT)
+    return train(config, tmp_path_factory.mktemp("ref"), verbose=False)
 
 
 @pytest.mark.parametrize(
@@ -101,7 +104,7 @@ def reference(tmp_path_factory):
     ids=["host", "nvme"],
 )
 def test_llama_stream_equals_none(reference, tiny, tmp_path, offload):
-    config = tiny(model=LLAMA, offload=offload)
+    config = tiny(model=LLAMA, train=SHORT, offload=offload)
     result = train(config, tmp_path, verbose=False)
     assert reference.losses[-1] < reference.losses[0]
     assert_training_equal(result, reference, build_model(config.model), _check_tokens())
@@ -109,8 +112,8 @@ def test_llama_stream_equals_none(reference, tiny, tmp_path, offload):
 
 @pytest.mark.slow
 def test_tied_llama_stream_equals_none(tiny, tmp_path):
-    model, short = {**LLAMA, "tie_embeddings": True}, dict(steps=3, eval_batches=0)
-    ref = train(tiny(model=model, train=short), tmp_path / "ref", verbose=False)
-    config = tiny(model=model, train=short, offload=dict(mode="stream"))
+    model = {**LLAMA, "tie_embeddings": True}
+    ref = train(tiny(model=model, train=SHORT), tmp_path / "ref", verbose=False)
+    config = tiny(model=model, train=SHORT, offload=dict(mode="stream"))
     result = train(config, tmp_path / "stream", verbose=False)
     assert_training_equal(result, ref, build_model(config.model), _check_tokens())

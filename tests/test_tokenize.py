@@ -61,13 +61,14 @@ def test_tokenize_cli_writes_what_data_path_reads(tokenizer_json, text_files, tm
     assert tok.decode(tokens[: len(tokens) // 3].tolist()).startswith(TEXT[0])
 
 
+@pytest.mark.slow  # ~7 s; the token file format itself is checked above
 def test_train_on_tokenized_text(tokenizer_json, text_files, tmp_path, tiny):
     out = tmp_path / "tokens.bin"
     tokenize.tokenize_files(tokenize.load_tokenizer(tokenizer_json), text_files, out)
     config = tiny(
         model=dict(family="llama", vocab_size=300, tie_embeddings=False),
         data=dict(path=str(out)),
-        train=dict(steps=3, eval_batches=1),
+        train=dict(steps=2, eval_batches=1),
     )
     result = train(config, tmp_path / "run", verbose=False)
     assert np.isfinite(result.val_loss) and result.losses[-1] < result.losses[0]
