@@ -229,3 +229,22 @@ def test_error_unsupported_rope_scaling(checkpoints, tiny, tmp_path):
     broken = _copy_with(directory, tmp_path, edit_config=llama31)
     with pytest.raises(ConfigError, match="rope scaling 'llama3' is not supported"):
         HFCheckpoint(broken, _config(tiny, directory).model)
+
+
+def test_gpt2_without_transformer_prefix(checkpoints, tiny, tmp_path):
+    """The hub's gpt2 is saved from a bare GPT2Model: tensor names without
+    'transformer.', plus the old attention-mask buffers (ignored)."""
+    directory = checkpoints["gpt2"][1]
+
+    def bare(tensors):
+        for name in list(tensors):
+            tensors[name.removeprefix("transformer.")] = tensors.pop(name)
+        tensors["h.0.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.float32))
+
+    copy_dir = _copy_with(directory, tmp_path, bare)
+    config = _config(tiny, directory).model
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        HFCheckpoint(copy_dir, config).params(),
+        HFCheckpoint(directory, config).params(),
+    )
