@@ -7,8 +7,9 @@ one: :func:`open_checkpoint` checks the directory and that its ``config.json`` d
 the configured model, then :meth:`HFCheckpoint.stage` reads one stage's tensors
 (``safe_open`` reads only those bytes), so the streaming runtime places a model that
 does not fit in RAM stage by stage; the in-memory runtime takes :meth:`HFCheckpoint.params`.
+Export, the other direction, is ``hetjax/export.py``.
 
-The name mapping, one table per family used both ways (import and :func:`export_hf`):
+The name mapping, one table per family used both ways (import and export):
 
   GPT-2   ``transformer.h.{i}.attn.c_attn.weight`` <-> block ``c_attn/kernel``; HF's
           Conv1D stores (in, out) like a Flax Dense kernel, so nothing is transposed;
@@ -367,101 +368,3 @@ def open_checkpoint(config: ModelConfig) -> HFCheckpoint | None:
     if not config.init_from:
         return None
     return HFCheckpoint(config.init_from.removeprefix("hf:"), config)
-
-
-# -- export ------------------------------------------------------------------------------
-
-
-def hf_config_json(config: ModelConfig) -> dict[str, Any]:
-    """The HF ``config.json`` of a hetjax model config."""
-    if config.family == "gpt":
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "n_layer": config.num_layers,
-            "n_embd": config.d_model,
-            "n_head": config.num_heads,
-            "n_inner": config.ff_dim,
-            "n_positions": config.max_seq_len,
-            "vocab_size": config.vocab_size,
-            "layer_norm_epsilon": config.layer_norm_eps,
-            "activation_function": "gelu_new",
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False,
-            "tie_word_embeddings": True,
-            "bos_token_id": None,
-            "eos_token_id": None,
-            "dtype": "float32",
-        }
-    if config.family == "llama":
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "num_hidden_layers": config.num_layers,
-            "hidden_size": config.d_model,
-            "num_attention_heads": config.num_heads,
-            "num_key_value_heads": config.kv_heads,
-            "head_dim": config.head_dim,
-            "intermediate_size": config.ff_dim,
-            "vocab_size": config.vocab_size,
-            "max_position_embeddings": config.max_seq_len,
-            "rms_norm_eps": config.layer_norm_eps,
-            "rope_theta": config.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": config.tie_embeddings,
-            "bos_token_id": None,
-            "eos_token_id": None,
-            "dtype": "float32",
-        }
-    stage_tensor_names(config, "embed")  # raises the unsupported-family ConfigError
-    raise AssertionError(config.family)
-
-
-def export_hf(
-    config: ModelConfig, params: Params, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30
-) -> Path:
-    """Writes ``params`` (``{'embed', 'blocks' (L, ...), 'head'}``, fp32) as a HF
-    checkpoint directory: ``config.json`` and ``model.safetensors``, or shards of at
-    most ``max_shard_bytes`` with ``model.safetensors.index.json`` (as save_pretrained
-    does). Returns ``out_dir``."""
-    from safetensors.numpy import save_file
-
-    out = Path(out_dir)
-    config_json = hf_config_json(config)
-    out.mkdir(parents=True, exist_ok=True)
-    stages = [("embed", params["embed"], 0)]
-    stages += [
-        ("block", jax.tree.map(lambda a, i=i: a[i], params["blocks"]), i)
-        for i in range(config.num_layers)
-    ]
-    stages.append(("head", params["head"], 0))
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for kind, stage_params, layer in stages:
-        for n in stage_tensor_names(config, kind, layer):
-            array = np.asarray(_get(stage_params, n.path), np.float32)
-            array = np.ascontiguousarray(array.T if n.transpose else array)
-            if size and size + array.nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][n.hf] = array
-            size += array.nbytes
-    for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
-        stale.unlink(missing_ok=True)  # a re-export must not leave old shards behind
-    metadata = {"format": "pt"}  # transformers reads only files marked as PyTorch-layout
-    if len(shards) == 1:
-        save_file(shards[0], out / SINGLE_FILE, metadata=metadata)
-    else:
-        weight_map, total = {}, 0
-        for k, shard in enumerate(shards, 1):
-            file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, out / file, metadata=metadata)
-            weight_map.update(dict.fromkeys(shard, file))
-            total += sum(a.nbytes for a in shard.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-    return out

@@ -13,7 +13,8 @@ from safetensors.numpy import load_file, save_file
 from hetjax import export
 from hetjax.config import ConfigError
 from hetjax.executor import StreamingRuntime
-from hetjax.hf import HFCheckpoint, export_hf, model_config_from_hf, open_checkpoint
+from hetjax.export import export_hf
+from hetjax.hf import HFCheckpoint, model_config_from_hf, open_checkpoint
 from hetjax.train import InMemoryRuntime
 from models import build_model
 
@@ -248,3 +249,16 @@ def test_gpt2_without_transformer_prefix(checkpoints, tiny, tmp_path):
         HFCheckpoint(copy_dir, config).params(),
         HFCheckpoint(directory, config).params(),
     )
+
+
+def test_bfloat16_checkpoint_imports_as_its_fp32_values(checkpoints, tiny, tmp_path):
+    import torch
+
+    hf_model, directory = checkpoints["llama"]
+    copy.deepcopy(hf_model).to(torch.bfloat16).save_pretrained(tmp_path)
+    config = _config(tiny, directory).model
+    expected = jax.tree.map(
+        lambda a: a.astype(jax.numpy.bfloat16).astype(np.float32),
+        HFCheckpoint(directory, config).params(),
+    )
+    jax.tree.map(np.testing.assert_array_equal, HFCheckpoint(tmp_path, config).params(), expected)
