@@ -124,6 +124,13 @@ class ModelConfig:
     # llama: grouped-query attention with num_kv_heads key/value heads (0: num_heads)
     num_kv_heads: int = 0
     rope_theta: float = 10000.0  # llama: rotary embedding base
+    # llama: Llama 3.1 ("llama3") rotary frequency rescaling for long contexts; factor 0:
+    # none. Wavelengths above original_max_len / low_freq_factor are stretched by factor,
+    # below original_max_len / high_freq_factor kept, in between interpolated.
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     tie_embeddings: bool = True  # output head = token embedding; gpt always ties
     # "hf:<dir>": start from a Hugging Face checkpoint directory (hetjax/hf.py)
     init_from: str = ""
@@ -163,6 +170,29 @@ class ModelConfig:
                 "multi-head attention only; leave it 0 or use model.family='llama'"
             )
         _check(self.rope_theta > 0, "model.rope_theta", "must be > 0", self.rope_theta)
+        _check(
+            self.rope_scaling_factor == 0 or self.rope_scaling_factor >= 1,
+            "model.rope_scaling_factor",
+            "must be 0 (no scaling) or >= 1",
+            self.rope_scaling_factor,
+        )
+        if self.rope_scaling_factor and self.family == "gpt":
+            raise ConfigError(
+                "config key 'model.rope_scaling_factor': family 'gpt' has learned position "
+                "embeddings, not rotary ones; leave it 0"
+            )
+        _check(
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+            "model.rope_low_freq_factor",
+            "must be > 0 and below model.rope_high_freq_factor",
+            self.rope_low_freq_factor,
+        )
+        _check(
+            self.rope_original_max_len >= 1,
+            "model.rope_original_max_len",
+            "must be >= 1",
+            self.rope_original_max_len,
+        )
         if self.family == "gpt" and not self.tie_embeddings:
             raise ConfigError(
                 "config key 'model.tie_embeddings': family 'gpt' always ties its output "

@@ -65,7 +65,7 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
             "max_position_embeddings": config.max_seq_len,
             "rms_norm_eps": config.layer_norm_eps,
             "rope_theta": config.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+            "rope_parameters": _rope_parameters(config),
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
@@ -76,6 +76,19 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         }
     stage_tensor_names(config, "embed")  # raises the unsupported-family ConfigError
     raise AssertionError(config.family)
+
+
+def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
+    if not config.rope_scaling_factor:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    return {
+        "rope_type": "llama3",
+        "rope_theta": config.rope_theta,
+        "factor": config.rope_scaling_factor,
+        "low_freq_factor": config.rope_low_freq_factor,
+        "high_freq_factor": config.rope_high_freq_factor,
+        "original_max_position_embeddings": config.rope_original_max_len,
+    }
 
 
 def export_hf(

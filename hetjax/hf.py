@@ -154,13 +154,20 @@ def hf_model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str,
             tie_embeddings=True,
         )
     # llama; transformers >= 5 writes rope_parameters, older versions rope_theta/rope_scaling
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-    if rope_type not in (None, "default"):
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in ("default", "llama3"):
         raise ConfigError(
             f"{where}: rope scaling {rope_type!r} is not supported (hetjax's llama has plain "
-            "rotary embeddings; Llama 3.1/3.2 checkpoints rescale them)"
+            "rotary embeddings or Llama 3.1's 'llama3' rescaling)"
+        )
+    scaling: dict[str, Any] = dict(rope_scaling_factor=0.0)  # the other three unused then
+    if rope_type == "llama3":
+        scaling = dict(
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_len=int(rope["original_max_position_embeddings"]),
         )
     unsupported("hidden_act", hf.get("hidden_act", "silu"), "silu")
     unsupported("attention_bias", hf.get("attention_bias", False), False)
@@ -179,6 +186,7 @@ def hf_model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str,
         layer_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **scaling,
     )
 
 

@@ -32,10 +32,28 @@ from hetjax.config import ModelConfig
 from models.staged import FlaxStages
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rotary_frequencies(config: ModelConfig) -> jax.Array:
+    """Angle per position of each feature pair, (K/2,) fp32: ``theta ** (-2 j / K)``,
+    rescaled as Llama 3.1 does when ``model.rope_scaling_factor`` is set (HF's
+    ``_compute_llama3_parameters``)."""
+    K = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K))
+    factor = config.rope_scaling_factor
+    if not factor:
+        return inv_freq
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    old_len = config.rope_original_max_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rotary_tables(seq_len: int, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos and sin of the rotary angles, each (T, K) fp32: position t, feature j is
-    rotated by ``t * theta ** (-2 (j mod K/2) / K)``."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    rotated by ``t * inv_freq[j mod K/2]``."""
     angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None]  # (T, K/2)
     angles = jnp.concatenate([angles, angles], axis=-1)  # (T, K)
     return jnp.cos(angles), jnp.sin(angles)
@@ -77,7 +95,7 @@ class LlamaBlock(nn.Module):
         q = dense(N * G * K, "q_proj")(h).reshape(B, T, N, G, K)
         k = dense(N * K, "k_proj")(h).reshape(B, T, N, K)
         v = dense(N * K, "v_proj")(h).reshape(B, T, N, K)
-        cos, sin = rotary_tables(T, K, cfg.rope_theta)  # (T, K)
+        cos, sin = rotary_tables(T, rotary_frequencies(cfg))  # (T, K)
         q = apply_rotary(q, cos[:, None, None], sin[:, None, None])
         k = apply_rotary(k, cos[:, None], sin[:, None])
         scores = jnp.einsum("BTNGK,BSNK->BNGTS", q, k).astype(jnp.float32) / math.sqrt(K)

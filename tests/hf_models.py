@@ -13,9 +13,11 @@ import transformers  # noqa: E402
 VOCAB, SEQ = 256, 64
 
 
-def build_hf_model(family: str, tied: bool = False, seed: int = 0):
+def build_hf_model(family: str, tied: bool = False, rope_scaling: bool = False, seed: int = 0):
     """A 2-layer, d 64 GPT-2 or Llama with random weights, every norm weight and bias
-    perturbed too (so a mapping mistake anywhere shows in the logits), fp32, eval mode."""
+    perturbed too (so a mapping mistake anywhere shows in the logits), fp32, eval mode.
+    ``rope_scaling``: Llama 3.1's, with an original context of 16 so that the 16-wide
+    heads have stretched, interpolated and kept frequencies."""
     torch.manual_seed(seed)
     if family == "gpt2":
         config = transformers.GPT2Config(
@@ -30,6 +32,12 @@ def build_hf_model(family: str, tied: bool = False, seed: int = 0):
             rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=tied,
             initializer_range=0.1, bos_token_id=None, eos_token_id=None,
         )  # fmt: skip
+        if rope_scaling:
+            config.rope_parameters = {
+                "rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }  # fmt: skip
         model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():

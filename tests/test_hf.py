@@ -18,7 +18,7 @@ from hetjax.hf import HFCheckpoint, model_config_from_hf, open_checkpoint
 from hetjax.train import InMemoryRuntime
 from models import build_model
 
-FAMILIES = ["gpt2", "llama", "llama_tied"]
+FAMILIES = ["gpt2", "llama", "llama_tied", "llama_rope"]
 
 
 def _tokens(shape=(2, 17), seed=3):
@@ -31,12 +31,12 @@ def checkpoints(tmp_path_factory):
     also saved in small shards."""
     out = {}
     for name in FAMILIES:
-        family, tied = name.split("_")[0], name.endswith("_tied")
-        model = build_hf_model(family, tied=tied)
+        family, tied, rope = name.split("_")[0], name.endswith("_tied"), name.endswith("_rope")
+        model = build_hf_model(family, tied=tied, rope_scaling=rope)
         directory = tmp_path_factory.mktemp(name)
         model.save_pretrained(directory)
         out[name] = (model, directory)
-        if not tied:
+        if name in ("gpt2", "llama"):
             sharded = tmp_path_factory.mktemp(f"{name}_sharded")
             model.save_pretrained(sharded, max_shard_size="40KB")
             assert (sharded / "model.safetensors.index.json").is_file()
@@ -224,11 +224,11 @@ def test_error_tensor_shape_mismatch(checkpoints, tiny, tmp_path):
 def test_error_unsupported_rope_scaling(checkpoints, tiny, tmp_path):
     directory = checkpoints["llama"][1]
 
-    def llama31(config):
-        config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0}
+    def yarn(config):
+        config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 8.0}
 
-    broken = _copy_with(directory, tmp_path, edit_config=llama31)
-    with pytest.raises(ConfigError, match="rope scaling 'llama3' is not supported"):
+    broken = _copy_with(directory, tmp_path, edit_config=yarn)
+    with pytest.raises(ConfigError, match="rope scaling 'yarn' is not supported"):
         HFCheckpoint(broken, _config(tiny, directory).model)
 
 

@@ -8,7 +8,7 @@ from equivalence import assert_training_equal
 from hetjax.config import Config, ConfigError
 from hetjax.train import train
 from models import Llama, build_model
-from models.llama import apply_rotary, rotary_tables
+from models.llama import apply_rotary, rotary_frequencies, rotary_tables
 
 LLAMA = dict(family="llama", num_kv_heads=2, tie_embeddings=False, d_ff=48)
 SHORT = dict(steps=4, eval_batches=0)
@@ -44,9 +44,10 @@ def test_shapes_and_hf_names(tiny):
     assert tied.param_count() == model.param_count() - D * V
 
 
-def test_rotary_is_a_relative_position_rotation():
+def test_rotary_is_a_relative_position_rotation(tiny):
     """q(t) . k(s) after rotation depends on t - s only."""
-    cos, sin = rotary_tables(8, 16, 10000.0)
+    config = tiny(model=dict(LLAMA, num_heads=2, rope_scaling_factor=8.0)).model  # K = 16
+    cos, sin = rotary_tables(8, rotary_frequencies(config))
     rng = np.random.default_rng(0)
     q, k = rng.normal(size=16).astype(np.float32), rng.normal(size=16).astype(np.float32)
     dot = lambda t, s: float(apply_rotary(q, cos[t], sin[t]) @ apply_rotary(k, cos[s], sin[s]))
@@ -74,6 +75,8 @@ def test_causal(tiny):
         (dict(num_kv_heads=3), "model.num_heads"),
         (dict(num_kv_heads=-1), "model.num_kv_heads"),
         (dict(rope_theta=0.0), "model.rope_theta"),
+        (dict(rope_scaling_factor=0.5), "model.rope_scaling_factor"),
+        (dict(rope_low_freq_factor=4.0), "model.rope_low_freq_factor"),
         (dict(family="gpt", num_kv_heads=2), "model.num_kv_heads"),
         (dict(family="gpt", num_kv_heads=0, tie_embeddings=False), "model.tie_embeddings"),
         (dict(family="lama"), "model.family"),
