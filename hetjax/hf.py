@@ -32,8 +32,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from safetensors import safe_open
 
 from hetjax.config import ConfigError, ModelConfig
+from models import build_model
 
 Params = dict[str, Any]
 
@@ -262,8 +264,6 @@ class HFCheckpoint:
         self.prefix = None
         if config.family == "gpt":  # GPT2LMHeadModel vs a bare GPT2Model
             self.prefix = "" if "wte.weight" in self.files else "transformer."
-        from models import build_model
-
         model = build_model(config)
         # Expected param shapes of each stage kind: structure and shape checks.
         self.expected = {
@@ -272,8 +272,6 @@ class HFCheckpoint:
         }
 
     def _tensor_files(self, spec: str) -> dict[str, Path]:
-        from safetensors import safe_open
-
         index, single = self.directory / INDEX_FILE, self.directory / SINGLE_FILE
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -318,8 +316,6 @@ class HFCheckpoint:
         return params
 
     def _read(self, hf_names: list[str], stage: str) -> dict[str, np.ndarray]:
-        from safetensors import safe_open
-
         missing = [n for n in hf_names if n not in self.files]
         if missing:
             raise ConfigError(
@@ -364,8 +360,6 @@ def _read_tensor(f: Any, path: Path, name: str) -> np.ndarray:
     try:
         return f.get_tensor(name)
     except TypeError:  # numpy has no bfloat16: read it through JAX on the CPU
-        from safetensors import safe_open
-
         with jax.default_device(jax.devices("cpu")[0]), safe_open(path, framework="flax") as g:
             return np.asarray(g.get_tensor(name), np.float32)
 
