@@ -7,6 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from equivalence import assert_losses_close, assert_trees_close
 from hf_models import build_hf_model, hf_logits, hf_sgd_losses
 from safetensors.numpy import load_file, save_file
 
@@ -86,9 +87,9 @@ def test_one_sgd_step_equals_transformers(checkpoints, tiny, name):
     np.testing.assert_allclose([loss, after], [torch_loss, torch_after], rtol=1e-5)
 
 
-def test_stream_nvme_import_equals_none(checkpoints, tiny, tmp_path):
-    """Imported stage by stage into NVMe optimizer state: the same params as the
-    in-memory import."""
+def test_stream_nvme_import_and_training_equal_none(checkpoints, tiny, tmp_path):
+    """A Llama imported stage by stage into NVMe optimizer state: the same params as
+    the in-memory import, then the same losses and params after three AdamW steps."""
     directory = checkpoints["llama"][1]
     stream = StreamingRuntime(
         _config(tiny, directory, offload=dict(mode="stream", optimizer="nvme", params="nvme")),
@@ -97,6 +98,11 @@ def test_stream_nvme_import_equals_none(checkpoints, tiny, tmp_path):
     reference = InMemoryRuntime(_config(tiny, directory))
     try:
         jax.tree.map(np.testing.assert_array_equal, stream.params(), reference.params())
+        for step in range(3):
+            batch = _tokens((1, 4, 17), seed=step)
+            assert_losses_close(stream.train_step(batch).loss, reference.train_step(batch).loss)
+        stream.settle()
+        assert_trees_close(stream.params(), reference.params())
     finally:
         stream.close()
 

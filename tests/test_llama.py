@@ -98,12 +98,12 @@ def reference(tmp_path_factory):
     return train(config, tmp_path_factory.mktemp("ref"), verbose=False)
 
 
+# ~15-25 s each here; the default run covers Llama under stream (NVMe optimizer) against
+# none in tests/test_hf.py::test_stream_nvme_import_and_training_equal_none.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "offload",
-    [
-        dict(mode="stream", prefetch_depth=2),
-        pytest.param(dict(mode="stream", optimizer="nvme", params="nvme"), marks=pytest.mark.slow),
-    ],
+    [dict(mode="stream", prefetch_depth=2), dict(mode="stream", optimizer="nvme", params="nvme")],
     ids=["host", "nvme"],
 )
 def test_llama_stream_equals_none(reference, tiny, tmp_path, offload):
