@@ -25,7 +25,15 @@ import jax
 import numpy as np
 
 from hetjax.config import Config, ConfigError, ModelConfig, load_config, parse_bytes
-from hetjax.hf import INDEX_FILE, SINGLE_FILE, Params, stage_tensor_names
+from hetjax.hf import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    Params,
+    open_checkpoint,
+    param_at,
+    stage_tensor_names,
+)
+from models import build_model
 
 # -- the checkpoint ---------------------------------------------------------------------
 
@@ -113,7 +121,7 @@ def export_hf(
     size = 0
     for kind, stage_params, layer in stages:
         for n in stage_tensor_names(config, kind, layer):
-            array = np.asarray(_leaf(stage_params, n.path), np.float32)
+            array = np.asarray(param_at(stage_params, n.path), np.float32)
             array = np.ascontiguousarray(array.T if n.transpose else array)
             if size and size + array.nbytes > max_shard_bytes:
                 shards.append({})
@@ -138,20 +146,11 @@ def export_hf(
     return out
 
 
-def _leaf(tree: Params, path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
 # -- the command line -------------------------------------------------------------------
 
 
 def initial_params(config: Config):
     """The params a run of ``config`` starts from, as a numpy tree."""
-    from hetjax.hf import open_checkpoint
-    from models import build_model
-
     checkpoint = open_checkpoint(config.model)
     if checkpoint is not None:
         return checkpoint.params()

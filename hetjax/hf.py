@@ -303,8 +303,8 @@ class HFCheckpoint:
         if jax.tree.structure(params) != jax.tree.structure(expected):
             raise AssertionError(f"{name}: mapping gives {jax.tree.structure(params)}")
         for n in names:
-            got = _get(params, n.path).shape
-            want = _get(expected, n.path).shape
+            got = param_at(params, n.path).shape
+            want = param_at(expected, n.path).shape
             if got != want:
                 raise ConfigError(
                     f"model.init_from hf:{self.directory}: tensor {n.hf!r} in "
@@ -350,7 +350,8 @@ class HFCheckpoint:
         }
 
 
-def _get(tree: Params, path: tuple[str, ...]) -> Any:
+def param_at(tree: Params, path: tuple[str, ...]) -> Any:
+    """The leaf of a params tree at ``path``, e.g. ``('q_proj', 'kernel')``."""
     for key in path:
         tree = tree[key]
     return tree
