@@ -104,13 +104,14 @@ def _choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> No
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+FAMILIES = ("gpt", "llama", "custom")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Transformer shape and numerics."""
 
-    family: str = "gpt"  # model family in the zoo (models/)
+    family: str = "gpt"  # model family in the zoo (models/): gpt, llama, or custom
     num_layers: int = 4
     d_model: int = 256
     num_heads: int = 4
@@ -120,11 +121,27 @@ class ModelConfig:
     param_dtype: str = "float32"  # master copy of the parameters
     compute_dtype: str = "float32"  # matmuls; fp32 is the fast path on CPU, bf16 on GPU
     init_std: float = 0.02
-    layer_norm_eps: float = 1e-5
+    layer_norm_eps: float = 1e-5  # epsilon of every norm: LayerNorm (gpt), RMSNorm (llama)
     remat: bool = False  # offload.mode=none: recompute each block in backward (jax.checkpoint)
+    # llama: grouped-query attention with num_kv_heads key/value heads (0: num_heads)
+    num_kv_heads: int = 0
+    rope_theta: float = 10000.0  # llama: rotary embedding base
+    # llama: Llama 3.1 ("llama3") rotary frequency rescaling for long contexts; factor 0:
+    # none. Wavelengths above original_max_len / low_freq_factor are stretched by factor,
+    # below original_max_len / high_freq_factor kept, in between interpolated.
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    tie_embeddings: bool = True  # output head = token embedding; gpt always ties
+    # "hf:<dir>": start from a Hugging Face checkpoint directory (hetjax/hf.py)
+    init_from: str = ""
+    # family=custom: "package.module:factory", factory(ModelConfig) -> a staged model
+    # (models/staged.py)
+    custom: str = ""
 
     def __post_init__(self):
-        _choice("model", "family", self.family, ("gpt",))
+        _choice("model", "family", self.family, FAMILIES)
         for name in ("num_layers", "d_model", "num_heads", "vocab_size", "max_seq_len"):
             _check(getattr(self, name) >= 1, f"model.{name}", "must be >= 1", getattr(self, name))
         _check(self.d_ff >= 0, "model.d_ff", "must be >= 0 (0 means 4 * d_model)", self.d_ff)
@@ -136,10 +153,79 @@ class ModelConfig:
         _choice("model", "param_dtype", self.param_dtype, ("float32",))
         _choice("model", "compute_dtype", self.compute_dtype, DTYPES)
         _check(self.init_std > 0, "model.init_std", "must be > 0", self.init_std)
+        _check(self.layer_norm_eps > 0, "model.layer_norm_eps", "must be > 0", self.layer_norm_eps)
+        _check(
+            self.num_kv_heads >= 0,
+            "model.num_kv_heads",
+            "must be >= 0 (0 means num_heads)",
+            self.num_kv_heads,
+        )
+        if self.num_heads % self.kv_heads:
+            raise ConfigError(
+                f"config key 'model.num_heads' ({self.num_heads}) must be divisible by "
+                f"'model.num_kv_heads' ({self.num_kv_heads}): each key/value head serves "
+                "a whole group of query heads"
+            )
+        if self.kv_heads != self.num_heads and self.family == "gpt":
+            raise ConfigError(
+                f"config key 'model.num_kv_heads' ({self.num_kv_heads}): family 'gpt' has "
+                "multi-head attention only; leave it 0 or use model.family='llama'"
+            )
+        _check(self.rope_theta > 0, "model.rope_theta", "must be > 0", self.rope_theta)
+        _check(
+            self.rope_scaling_factor == 0 or self.rope_scaling_factor >= 1,
+            "model.rope_scaling_factor",
+            "must be 0 (no scaling) or >= 1",
+            self.rope_scaling_factor,
+        )
+        if self.rope_scaling_factor and self.family == "gpt":
+            raise ConfigError(
+                "config key 'model.rope_scaling_factor': family 'gpt' has learned position "
+                "embeddings, not rotary ones; leave it 0"
+            )
+        _check(
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+            "model.rope_low_freq_factor",
+            "must be > 0 and below model.rope_high_freq_factor",
+            self.rope_low_freq_factor,
+        )
+        _check(
+            self.rope_original_max_len >= 1,
+            "model.rope_original_max_len",
+            "must be >= 1",
+            self.rope_original_max_len,
+        )
+        if self.family == "gpt" and not self.tie_embeddings:
+            raise ConfigError(
+                "config key 'model.tie_embeddings': family 'gpt' always ties its output "
+                "head to the token embedding (as GPT-2 does); set it true or use "
+                "model.family='llama'"
+            )
+        if self.init_from and not self.init_from.startswith("hf:"):
+            raise ConfigError(
+                f"config key 'model.init_from' must be empty or 'hf:<checkpoint dir>', "
+                f"got {self.init_from!r}"
+            )
+        if self.family == "custom":
+            if not re.fullmatch(r"[\w.]+:\w+", self.custom):
+                raise ConfigError(
+                    "config key 'model.custom' must name the factory of a custom model as "
+                    f"'package.module:function' when model.family='custom', got {self.custom!r}"
+                )
+        elif self.custom:
+            raise ConfigError(
+                f"config key 'model.custom' ({self.custom!r}) is used only with "
+                f"model.family='custom', but model.family is {self.family!r}"
+            )
 
     @property
     def ff_dim(self) -> int:
         return self.d_ff or 4 * self.d_model
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads``, or ``num_heads`` when it is 0."""
+        return self.num_kv_heads or self.num_heads
 
     @property
     def head_dim(self) -> int:

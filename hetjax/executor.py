@@ -304,7 +304,12 @@ class StreamingRuntime:
     def _init_params(self, rng: jax.Array) -> None:
         """Initialises each stage straight into the optimizer's memory as an fp32 slab;
         the same keys as ``model.init``, so the params equal the in-memory runtime's.
-        Stages go to their tier one at a time (a model need not fit in RAM at once)."""
+        With ``model.init_from`` each stage is read from the checkpoint instead
+        (hetjax/hf.py). Stages go to their tier one at a time (a model need not fit in
+        RAM at once)."""
+        from hetjax.hf import open_checkpoint
+
+        checkpoint = open_checkpoint(self.config.model)  # None: random init
         keys = self.model.stage_keys(rng)
         for name in self.stage_names:
             kind = self.layout_name(name)
@@ -314,7 +319,12 @@ class StreamingRuntime:
                 lambda k, kind=kind, layout=layout: layout.flatten(self.model.init_stage(kind, k)),
                 out_shardings=self.place.optimizer,
             )
-            master = init(key)
+            if checkpoint is None:
+                master = init(key)
+            else:  # only this stage's tensors are read, flattened on the host
+                slab = layout.flatten_np(checkpoint.stage(name))
+                master = jax.device_put(slab, self.place.optimizer)
+                del slab
             slabs, scalars = self.optimizer.init(kind, master)
             self.states.init_stage(name, slabs, scalars)
             self.param_store.publish(name, self.optimizer.compute_pages(kind, master))

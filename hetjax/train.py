@@ -125,6 +125,10 @@ class InMemoryRuntime:
         self.config = config
         self.model = build_model(config.model)
         rng = jax.random.key(config.train.seed)
+        if params is None and config.model.init_from:
+            from hetjax.hf import open_checkpoint
+
+            params = jax.device_put(open_checkpoint(config.model).params())
         if params is None:
             params = jax.jit(self.model.init)(rng)
         self.tx = build_optimizer(config.optimizer, config.train.steps, params)

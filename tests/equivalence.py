@@ -72,3 +72,15 @@ def check_fp16_overflow_skips_then_trains(runtime, batch) -> None:
     assert not stats.skipped and np.isfinite(stats.loss)
     changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), runtime.params(), before)
     assert all(jax.tree.leaves(changed))
+
+
+def assert_training_equal(actual, expected, model=None, tokens=None, rtol=1e-5) -> None:
+    """Per-step losses and every final param within ``rtol``; with ``model`` and
+    ``tokens``, the final logits too. For models without an attention key bias (Llama,
+    user-defined blocks); GPT uses :func:`assert_gpt_training_equal`."""
+    assert_losses_close(actual.losses, expected.losses, rtol)
+    assert_trees_close(actual.params, expected.params, rtol)
+    if model is not None:
+        a = np.asarray(model.logits(actual.params, tokens), np.float64)
+        e = np.asarray(model.logits(expected.params, tokens), np.float64)
+        assert np.abs(a - e).max() <= rtol * np.abs(e).max(), np.abs(a - e).max()

@@ -1,0 +1,203 @@
+"""``python -m hetjax.export``: write a model as a Hugging Face checkpoint directory.
+
+    python -m hetjax.export --config llama_tiny --out runs/llama_tiny_hf            # init
+    python -m hetjax.export --config llama_tiny --train --workdir runs/lt --out runs/lt_hf
+    python -m hetjax.export --config gpt_small --config.model.init_from=hf:gpt2 --out gpt2_copy
+
+The params come from the run config: without ``--train``, the initial params (the
+``model.init_from`` checkpoint, else the random init of ``train.seed``); with
+``--train``, the params at the end of ``hetjax.train.train`` on that config (metrics in
+``--workdir``). The output loads with ``transformers``' ``from_pretrained`` and with
+``model.init_from=hf:<out>``. :func:`export_hf` is the same from Python, for any params
+tree (e.g. ``hetjax.train.train(...).params``); the tensor names are
+``hetjax.hf.stage_tensor_names``, the mapping import uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from hetjax.config import Config, ConfigError, ModelConfig, load_config, parse_bytes
+from hetjax.hf import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    Params,
+    open_checkpoint,
+    param_at,
+    stage_tensor_names,
+)
+from models import build_model
+
+# -- the checkpoint ---------------------------------------------------------------------
+
+
+def hf_config_json(config: ModelConfig) -> dict[str, Any]:
+    """The HF ``config.json`` of a hetjax model config."""
+    if config.family == "gpt":
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "n_layer": config.num_layers,
+            "n_embd": config.d_model,
+            "n_head": config.num_heads,
+            "n_inner": config.ff_dim,
+            "n_positions": config.max_seq_len,
+            "vocab_size": config.vocab_size,
+            "layer_norm_epsilon": config.layer_norm_eps,
+            "activation_function": "gelu_new",
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "tie_word_embeddings": True,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "dtype": "float32",
+        }
+    if config.family == "llama":
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "num_hidden_layers": config.num_layers,
+            "hidden_size": config.d_model,
+            "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.kv_heads,
+            "head_dim": config.head_dim,
+            "intermediate_size": config.ff_dim,
+            "vocab_size": config.vocab_size,
+            "max_position_embeddings": config.max_seq_len,
+            "rms_norm_eps": config.layer_norm_eps,
+            "rope_theta": config.rope_theta,
+            "rope_parameters": _rope_parameters(config),
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": config.tie_embeddings,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "dtype": "float32",
+        }
+    stage_tensor_names(config, "embed")  # raises the unsupported-family ConfigError
+    raise AssertionError(config.family)
+
+
+def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
+    if not config.rope_scaling_factor:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    return {
+        "rope_type": "llama3",
+        "rope_theta": config.rope_theta,
+        "factor": config.rope_scaling_factor,
+        "low_freq_factor": config.rope_low_freq_factor,
+        "high_freq_factor": config.rope_high_freq_factor,
+        "original_max_position_embeddings": config.rope_original_max_len,
+    }
+
+
+def export_hf(
+    config: ModelConfig, params: Params, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30
+) -> Path:
+    """Writes ``params`` (``{'embed', 'blocks' (L, ...), 'head'}``, fp32) as a HF
+    checkpoint directory: ``config.json`` and ``model.safetensors``, or shards of at
+    most ``max_shard_bytes`` with ``model.safetensors.index.json`` (as save_pretrained
+    does). Returns ``out_dir``."""
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    config_json = hf_config_json(config)
+    out.mkdir(parents=True, exist_ok=True)
+    stages = [("embed", params["embed"], 0)]
+    stages += [
+        ("block", jax.tree.map(lambda a, i=i: a[i], params["blocks"]), i)
+        for i in range(config.num_layers)
+    ]
+    stages.append(("head", params["head"], 0))
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for kind, stage_params, layer in stages:
+        for n in stage_tensor_names(config, kind, layer):
+            array = np.asarray(param_at(stage_params, n.path), np.float32)
+            array = np.ascontiguousarray(array.T if n.transpose else array)
+            if size and size + array.nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][n.hf] = array
+            size += array.nbytes
+    for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
+        stale.unlink(missing_ok=True)  # a re-export must not leave old shards behind
+    metadata = {"format": "pt"}  # transformers reads only files marked as PyTorch-layout
+    if len(shards) == 1:
+        save_file(shards[0], out / SINGLE_FILE, metadata=metadata)
+    else:
+        weight_map, total = {}, 0
+        for k, shard in enumerate(shards, 1):
+            file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, out / file, metadata=metadata)
+            weight_map.update(dict.fromkeys(shard, file))
+            total += sum(a.nbytes for a in shard.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    return out
+
+
+# -- the command line -------------------------------------------------------------------
+
+
+def initial_params(config: Config):
+    """The params a run of ``config`` starts from, as a numpy tree."""
+    checkpoint = open_checkpoint(config.model)
+    if checkpoint is not None:
+        return checkpoint.params()
+    model = build_model(config.model)
+    return jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(config.train.seed)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hetjax import launch
+
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="python -m hetjax.export",
+        description="Write a hetjax model as a Hugging Face checkpoint (config.json + "
+        "safetensors). Also takes launch's --config, --workdir and --config.<key>=<value>.",
+    )
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--train", action="store_true", help="train the config first and export the result"
+    )
+    parser.add_argument(
+        "--max-shard-size", default="5GiB", help="largest safetensors shard (default 5GiB)"
+    )
+    args, rest = parser.parse_known_args(argv)
+    try:
+        run_args, overrides = launch.parse_args(rest)
+        config = load_config(run_args.config, overrides)
+        shard_bytes = parse_bytes(args.max_shard_size, "--max-shard-size")
+    except ConfigError as e:
+        print(f"hetjax.export: config error: {e}", file=sys.stderr)
+        return 2
+
+    from hetjax.train import TrainingError, train
+
+    try:
+        if args.train:
+            workdir = Path(run_args.workdir or Path("runs") / Path(run_args.config).stem)
+            params = train(config, workdir).params
+        else:
+            params = initial_params(config)
+        out = export_hf(config.model, params, args.out, shard_bytes)
+    except (ConfigError, TrainingError) as e:
+        print(f"hetjax.export: error: {e}", file=sys.stderr)
+        return 1
+    print(f"hetjax.export: wrote {config.model.family} checkpoint to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

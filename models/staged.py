@@ -1,0 +1,196 @@
+"""The staged-model interface every runtime trains, and a base to plug in any Flax blocks.
+
+A model is three *stages* the streaming executor can run one at a time:
+
+  ``embed``   tokens (B, T) int32      -> x (B, T, D) in compute dtype
+  ``block``   x (B, T, D)              -> x (B, T, D); ``num_layers`` of them, one
+              params structure, stored stacked on a leading layer axis L
+  ``head``    x (B, T, D), targets (B, T) -> mean token cross-entropy (fp32 scalar)
+
+:class:`StagedModel` is the protocol (``models.gpt.GPT`` implements it by hand).
+:class:`FlaxStages` implements all of it from three Flax modules, so a user-defined
+model is a few lines::
+
+    class MyBlock(nn.Module):            # (B, T, D) -> (B, T, D)
+        config: ModelConfig
+        @nn.compact
+        def __call__(self, x): ...
+
+    def make_model(config: ModelConfig) -> FlaxStages:
+        return FlaxStages(config, embed=MyEmbed(config), block=MyBlock(config),
+                          head=MyHead(config))
+
+and the run config names the factory: ``model.family = "custom"``,
+``model.custom = "my_package.my_module:make_model"`` (importable from the run). The
+embed module is called as ``embed(tokens)``; the block as ``block(x)``; the head as
+``head(x)`` returning fp32 logits (B, T, V), or ``head(x, embedding)`` with
+``tied="<embed param name>"``, which hands it that embed-stage param (an output layer
+tied to the token embedding). Blocks must not depend on the layer index (every layer
+has the same params structure and the same function). Parameter leaves named ``bias``
+or ``scale`` are not weight-decayed (``hetjax/optim.py``); everything else is.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from hetjax.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+class StagedModel(Protocol):
+    """What the runtimes need from a model. All methods are pure functions of params."""
+
+    config: ModelConfig
+    stage_names: tuple[str, ...]  # ("embed", "blocks", "head")
+
+    def init(self, rng: jax.Array) -> Params:
+        """``{'embed': ..., 'blocks': (each leaf stacked on axis 0, L), 'head': ...}``,
+        equal to initialising each stage with its key from :meth:`stage_keys`."""
+
+    def stage_keys(self, rng: jax.Array) -> dict[str, jax.Array]:
+        """The init key of each stage; ``blocks`` holds one key per layer (L,)."""
+
+    def init_stage(self, stage: str, key: jax.Array) -> Params:
+        """Params of one stage, ``embed``, ``block`` (unstacked) or ``head``."""
+
+    def embed(self, embed_params: Params, tokens: jax.Array) -> jax.Array:
+        """tokens (B, T) int32 -> activations (B, T, D) in compute dtype."""
+
+    def block(self, block_params: Params, x: jax.Array) -> jax.Array:
+        """One block with unstacked params: (B, T, D) -> (B, T, D)."""
+
+    def head_loss(
+        self, head_params: Params, embed_params: Params, x: jax.Array, targets: jax.Array
+    ) -> jax.Array:
+        """x (B, T, D), targets (B, T) -> mean token cross-entropy (fp32 scalar).
+        ``embed_params`` is there for heads tied to the embedding; others ignore it."""
+
+    def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
+        """The whole model: tokens (B, T) -> fp32 logits (B, T, V)."""
+
+    def loss(self, params: Params, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+        """The whole model's mean token cross-entropy."""
+
+    def param_count(self) -> int: ...
+
+    def flops_per_token(self, seq_len: int) -> float: ...
+
+
+def token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy over all tokens: logits (B, T, V) fp32, targets (B, T) int."""
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - picked)
+
+
+class FlaxStages:
+    """A :class:`StagedModel` made of three Flax modules (see the module docstring).
+
+    ``tied``: the name of the embed-stage param (V, D) the head receives as its second
+    argument, or None for a head with its own output layer."""
+
+    stage_names = ("embed", "blocks", "head")
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: nn.Module,
+        block: nn.Module,
+        head: nn.Module,
+        tied: str | None = None,
+    ):
+        self.config = config
+        self._embed, self._block, self._head = embed, block, head
+        self.tied = tied
+
+    # -- init -----------------------------------------------------------------------------
+
+    def init(self, rng: jax.Array) -> Params:
+        keys = self.stage_keys(rng)
+        return {
+            "embed": self.init_stage("embed", keys["embed"]),
+            "blocks": jax.vmap(lambda k: self.init_stage("block", k))(keys["blocks"]),
+            "head": self.init_stage("head", keys["head"]),
+        }
+
+    def stage_keys(self, rng: jax.Array) -> dict[str, jax.Array]:
+        k_embed, k_blocks, k_head = jax.random.split(rng, 3)
+        blocks = jax.random.split(k_blocks, self.config.num_layers)
+        return {"embed": k_embed, "blocks": blocks, "head": k_head}
+
+    def init_stage(self, stage: str, key: jax.Array) -> Params:
+        cfg = self.config
+        x = jnp.zeros((1, 1, cfg.d_model), cfg.compute_dtype)
+        if stage == "embed":
+            return self._embed.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
+        if stage == "block":
+            return self._block.init(key, x)["params"]
+        if stage == "head":
+            if self.tied is None:
+                return self._head.init(key, x)["params"]
+            embedding = jnp.zeros((cfg.vocab_size, cfg.d_model), cfg.param_dtype)
+            return self._head.init(key, x, embedding)["params"]
+        raise ValueError(f"unknown stage {stage!r}")
+
+    # -- stages ---------------------------------------------------------------------------
+
+    def embed(self, embed_params: Params, tokens: jax.Array) -> jax.Array:
+        return self._embed.apply({"params": embed_params}, tokens)
+
+    def block(self, block_params: Params, x: jax.Array) -> jax.Array:
+        return self._block.apply({"params": block_params}, x)
+
+    def head_logits(self, head_params: Params, embed_params: Params, x: jax.Array) -> jax.Array:
+        """x (B, T, D) -> fp32 logits (B, T, V)."""
+        if self.tied is None:
+            logits = self._head.apply({"params": head_params}, x)
+        else:
+            logits = self._head.apply({"params": head_params}, x, embed_params[self.tied])
+        return logits.astype(jnp.float32)
+
+    def head_loss(
+        self, head_params: Params, embed_params: Params, x: jax.Array, targets: jax.Array
+    ) -> jax.Array:
+        return token_loss(self.head_logits(head_params, embed_params, x), targets)
+
+    # -- whole model (the in-memory reference) --------------------------------------------
+
+    def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
+        x = self._run_blocks(params["blocks"], self.embed(params["embed"], tokens))
+        return self.head_logits(params["head"], params["embed"], x)
+
+    def loss(self, params: Params, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+        x = self._run_blocks(params["blocks"], self.embed(params["embed"], tokens))
+        return self.head_loss(params["head"], params["embed"], x, targets)
+
+    def _run_blocks(self, blocks: Params, x: jax.Array) -> jax.Array:
+        # remat: keep only block-boundary activations and recompute each block's inside
+        # in backward, as the streaming executor does.
+        block = jax.checkpoint(self.block) if self.config.remat else self.block
+        x, _ = jax.lax.scan(lambda h, p: (block(p, h), None), x, blocks)
+        return x
+
+    # -- accounting -----------------------------------------------------------------------
+
+    def param_count(self) -> int:
+        """Exact number of parameters, from shapes alone (no allocation)."""
+        shapes = jax.eval_shape(self.init, jax.random.key(0))
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of forward + backward per token (PaLM appendix B): 6 N for the
+        parameters used in matmuls (the embed stage's are lookups, so excluded unless the
+        head is tied to them) plus 12 L T D for attention."""
+        cfg = self.config
+        n = self.param_count()
+        if self.tied is None:
+            shapes = jax.eval_shape(lambda k: self.init_stage("embed", k), jax.random.key(0))
+            n -= sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
+        return 6.0 * n + 12.0 * cfg.num_layers * seq_len * cfg.d_model

@@ -1,0 +1,65 @@
+"""Random-weight Hugging Face models built locally with ``transformers`` (no download),
+shared by the HF import/export tests."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+VOCAB, SEQ = 256, 64
+
+
+def build_hf_model(family: str, tied: bool = False, rope_scaling: bool = False, seed: int = 0):
+    """A 2-layer, d 64 GPT-2 or Llama with random weights, every norm weight and bias
+    perturbed too (so a mapping mistake anywhere shows in the logits), fp32, eval mode.
+    ``rope_scaling``: Llama 3.1's, with an original context of 16 so that the 16-wide
+    heads have stretched, interpolated and kept frequencies."""
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
+            initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=SEQ,
+            rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=tied,
+            initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        if rope_scaling:
+            config.rope_parameters = {
+                "rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norm weights (ones) and biases (zeros)
+                p.add_(0.1 * torch.randn_like(p))
+    return model.float().eval()
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    """fp32 logits (B, T, V) of a transformers model for int tokens (B, T)."""
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
+
+
+def hf_sgd_losses(model, batch: np.ndarray, lr: float) -> tuple[float, float]:
+    """Loss of a (B, T+1) batch, one plain SGD step on it, and the loss after."""
+    ids = torch.from_numpy(batch).long()
+    loss = model(input_ids=ids, labels=ids).loss  # HF shifts the labels by one
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+            p.grad = None
+        after = model(input_ids=ids, labels=ids).loss
+    return float(loss.detach()), float(after)

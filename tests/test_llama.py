@@ -1,0 +1,122 @@
+"""Llama: config checks, shapes, and offload.mode=stream equals offload.mode=none."""
+
+import jax
+import numpy as np
+import pytest
+from equivalence import assert_training_equal
+
+from hetjax.config import Config, ConfigError
+from hetjax.train import train
+from models import Llama, build_model
+from models.llama import apply_rotary, rotary_frequencies, rotary_tables
+
+LLAMA = dict(family="llama", num_kv_heads=2, tie_embeddings=False, d_ff=48)
+SHORT = dict(steps=4, eval_batches=0)
+
+
+def _check_tokens():
+    return np.random.default_rng(7).integers(0, 256, (2, 16)).astype(np.int32)
+
+
+def test_shapes_and_hf_names(tiny):
+    model = build_model(tiny(model=LLAMA).model)
+    assert isinstance(model, Llama)
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    L, D, F, V = 2, 32, 48, 256
+    assert shapes["embed"]["embed_tokens"].shape == (V, D)
+    blocks = shapes["blocks"]
+    assert blocks["q_proj"]["kernel"].shape == (L, D, D)
+    assert blocks["k_proj"]["kernel"].shape == (L, D, D // 2)  # 2 of 4 heads, width 8
+    assert blocks["v_proj"]["kernel"].shape == (L, D, D // 2)
+    assert blocks["o_proj"]["kernel"].shape == (L, D, D)
+    assert blocks["gate_proj"]["kernel"].shape == (L, D, F)
+    assert blocks["down_proj"]["kernel"].shape == (L, F, D)
+    assert blocks["input_layernorm"]["scale"].shape == (L, D)
+    assert shapes["head"]["lm_head"]["kernel"].shape == (D, V)
+    assert shapes["head"]["norm"]["scale"].shape == (D,)
+    assert not any(
+        "bias" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)
+    )
+
+    tied = build_model(tiny(model={**LLAMA, "tie_embeddings": True}).model)
+    tied_shapes = jax.eval_shape(tied.init, jax.random.key(0))
+    assert set(tied_shapes["head"]) == {"norm"}
+    assert tied.param_count() == model.param_count() - D * V
+
+
+def test_rotary_is_a_relative_position_rotation(tiny):
+    """q(t) . k(s) after rotation depends on t - s only."""
+    config = tiny(model=dict(LLAMA, num_heads=2, rope_scaling_factor=8.0)).model  # K = 16
+    cos, sin = rotary_tables(8, rotary_frequencies(config))
+    rng = np.random.default_rng(0)
+    q, k = rng.normal(size=16).astype(np.float32), rng.normal(size=16).astype(np.float32)
+    dot = lambda t, s: float(apply_rotary(q, cos[t], sin[t]) @ apply_rotary(k, cos[s], sin[s]))
+    np.testing.assert_allclose(dot(5, 2), dot(4, 1), rtol=1e-5)
+    np.testing.assert_allclose(dot(3, 3), float(q @ k), rtol=1e-5)
+
+
+@pytest.mark.slow  # ~7 s of compile; causality is also covered by the HF logits tests
+def test_causal(tiny):
+    """Changing a later token leaves earlier logits unchanged."""
+    model = build_model(tiny(model=LLAMA).model)
+    params = model.init(jax.random.key(0))
+    tokens = _check_tokens()
+    changed = tokens.copy()
+    changed[:, 10] = (changed[:, 10] + 1) % 256
+    both = np.asarray(jax.jit(model.logits)(params, np.concatenate([tokens, changed])))
+    a, b = both[:2], both[2:]
+    np.testing.assert_array_equal(a[:, :10], b[:, :10])
+    assert not np.allclose(a[:, 10:], b[:, 10:])
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        (dict(num_kv_heads=3), "model.num_heads"),
+        (dict(num_kv_heads=-1), "model.num_kv_heads"),
+        (dict(rope_theta=0.0), "model.rope_theta"),
+        (dict(rope_scaling_factor=0.5), "model.rope_scaling_factor"),
+        (dict(rope_low_freq_factor=4.0), "model.rope_low_freq_factor"),
+        (dict(family="gpt", num_kv_heads=2), "model.num_kv_heads"),
+        (dict(family="gpt", num_kv_heads=0, tie_embeddings=False), "model.tie_embeddings"),
+        (dict(family="lama"), "model.family"),
+        (dict(init_from="/some/dir"), "model.init_from"),
+        (dict(custom="x.y:z"), "model.custom"),
+        (dict(family="custom", custom="not a factory"), "model.custom"),
+    ],
+)
+def test_config_errors_name_the_key(changes, key):
+    with pytest.raises(ConfigError, match=key):
+        Config().replace(model={**LLAMA, **changes})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from conftest import tiny_config
+
+    config = tiny_config(model=LLAMA, train=SHORT)
+    return train(config, tmp_path_factory.mktemp("ref"), verbose=False)
+
+
+# ~15-25 s each here; the default run covers Llama under stream (NVMe optimizer) against
+# none in tests/test_hf.py::test_stream_nvme_import_and_training_equal_none.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "offload",
+    [dict(mode="stream", prefetch_depth=2), dict(mode="stream", optimizer="nvme", params="nvme")],
+    ids=["host", "nvme"],
+)
+def test_llama_stream_equals_none(reference, tiny, tmp_path, offload):
+    config = tiny(model=LLAMA, train=SHORT, offload=offload)
+    result = train(config, tmp_path, verbose=False)
+    assert reference.losses[-1] < reference.losses[0]
+    assert_training_equal(result, reference, build_model(config.model), _check_tokens())
+
+
+@pytest.mark.slow
+def test_tied_llama_stream_equals_none(tiny, tmp_path):
+    model = {**LLAMA, "tie_embeddings": True}
+    ref = train(tiny(model=model, train=SHORT), tmp_path / "ref", verbose=False)
+    config = tiny(model=model, train=SHORT, offload=dict(mode="stream"))
+    result = train(config, tmp_path / "stream", verbose=False)
+    assert_training_equal(result, ref, build_model(config.model), _check_tokens())
