@@ -308,12 +308,10 @@ def check_compatible(meta: dict[str, Any], config: Config, where: Path) -> None:
     saved = meta.get("config", {})
     now = config.to_dict()
     diffs = []
-    for section in ("model",):
-        for key, value in saved.get(section, {}).items():
-            if now[section].get(key) != value and key != "remat":
-                diffs.append(
-                    f"{section}.{key}: checkpoint {value!r}, this run {now[section][key]!r}"
-                )
+    free = {"remat", "compute_dtype", "init_from", "init_std"}  # not part of the state
+    for key, value in saved.get("model", {}).items():
+        if key not in free and now["model"].get(key) != value:
+            diffs.append(f"model.{key}: checkpoint {value!r}, this run {now['model'].get(key)!r}")
     if saved.get("optimizer", {}).get("name") != now["optimizer"]["name"]:
         diffs.append(
             f"optimizer.name: checkpoint {saved.get('optimizer', {}).get('name')!r}, "
