@@ -46,9 +46,9 @@ import jax
 import numpy as np
 
 from hetjax.config import Config, ConfigError, format_bytes
+from hetjax.host_optimizer import MASTER, state_kind_name
 
 FORMAT_VERSION = 1
-MASTER = "master"
 
 
 class CheckpointError(RuntimeError):
@@ -125,7 +125,7 @@ class RuntimeState:
 def optax_tree_slots(opt_shapes: Any, params: Any) -> list[str | None]:
     """Classifies an optax state over a whole params tree, run by run of leaves: a
     kind name for each params-shaped subtree (``mu``, ``nu``...; named as
-    ``host_optimizer._state_slots`` names them, so both runtimes agree) and None for
+    :func:`host_optimizer.state_kind_name`, so both runtimes agree) and None for
     each scalar leaf."""
     param_leaves = jax.tree_util.tree_leaves_with_path(params)
     n = len(param_leaves)
@@ -143,14 +143,7 @@ def optax_tree_slots(opt_shapes: Any, params: Any) -> list[str | None]:
         run = [a.shape for _, a in leaves[i : i + n]]
         if run != [a.shape for _, a in param_leaves]:
             raise NotImplementedError(f"optax state leaf {jax.tree_util.keystr(path)}")
-        names = [str(getattr(p, "name", getattr(p, "key", ""))) for p in path[: len(path) - depth0]]
-        base = next((s for s in reversed(names) if s), "state")
-        kind, k = base, 1
-        while kind in used:
-            k += 1
-            kind = f"{base}{k}"
-        used.add(kind)
-        slots.append(kind)
+        slots.append(state_kind_name(path[: len(path) - depth0], used))
         i += n
     return slots
 

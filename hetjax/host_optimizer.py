@@ -49,6 +49,20 @@ class _Slot:
     half: int = 0  # 0: decayed part, 1: the rest
 
 
+def state_kind_name(prefix, used: set[str]) -> str:
+    """The kind of a params-shaped optax state subtree at key path ``prefix``: its
+    innermost named key (``mu``, ``nu``, ``trace``), numbered if already in ``used``
+    (which it joins). The in-memory runtime's checkpoints name kinds the same way."""
+    names = [str(getattr(p, "name", getattr(p, "key", ""))) for p in prefix]
+    base = next((n for n in reversed(names) if n), "state")
+    kind, k = base, 1
+    while kind in used:
+        k += 1
+        kind = f"{base}{k}"
+    used.add(kind)
+    return kind
+
+
 def _state_slots(tx) -> tuple[list[_Slot], Any]:
     """Classifies the optax state's leaves. Two halves of distinct sizes (3 and 5) tell
     param-shaped leaves (which come as consecutive pairs) from scalars."""
@@ -63,13 +77,7 @@ def _state_slots(tx) -> tuple[list[_Slot], Any]:
         if leaf.shape == (3,):
             if i + 1 >= len(paths_leaves) or paths_leaves[i + 1][1].shape != (5,):
                 raise NotImplementedError(f"optax state leaf {path} is not elementwise")
-            names = [str(getattr(p, "name", getattr(p, "key", ""))) for p in path[:-1]]
-            base = next((n for n in reversed(names) if n), "state")
-            kind, k = base, 1
-            while kind in used:
-                k += 1
-                kind = f"{base}{k}"
-            used.add(kind)
+            kind = state_kind_name(path[:-1], used)
             slots += [_Slot(kind, 0), _Slot(kind, 1)]
             i += 2
         elif leaf.shape == ():
