@@ -62,6 +62,9 @@ def test_streams_within_device_budget(tiny, tmp_path):
         memory=dict(device_budget=budget, page_size="4KiB"),
         train=dict(steps=2, batch_size=2, seq_len=16, eval_batches=1),
     )
+    # Garbage of earlier tests (reference cycles holding device arrays) must not be
+    # freed while samples are taken: it would lower the census below the ledger.
+    gc.collect()
     samples = []
     gc.collect()  # garbage of earlier tests freed mid-test would skew the census baseline
     runtime = StreamingRuntime(
