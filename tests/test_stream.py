@@ -66,7 +66,6 @@ def test_streams_within_device_budget(tiny, tmp_path):
     # freed while samples are taken: it would lower the census below the ledger.
     gc.collect()
     samples = []
-    gc.collect()  # garbage of earlier tests freed mid-test would skew the census baseline
     runtime = StreamingRuntime(
         config, probe=lambda rt: samples.append(live_bytes_by_kind().get("device", 0))
     )
