@@ -17,15 +17,13 @@ Parameters are stored in ``param_dtype`` (fp32 master); matmuls run in
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from hetjax.config import ModelConfig
-
-Params = dict[str, Any]
+from models.staged import FlaxStages
 
 
 class Block(nn.Module):
@@ -97,96 +95,12 @@ class Head(nn.Module):
         return logits.astype(jnp.float32)
 
 
-def token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy over all tokens: logits (B, T, V) fp32, targets (B, T) int."""
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - picked)
-
-
-class GPT:
-    """A GPT model as three stages. All methods are pure functions of their params."""
-
-    stage_names = ("embed", "blocks", "head")
+class GPT(FlaxStages):
+    """A GPT model as three stages, the head tied to the token embedding ``wte``. All
+    methods are pure functions of their params (see :class:`models.staged.FlaxStages`)."""
 
     def __init__(self, config: ModelConfig):
-        self.config = config
-        self._embed = Embed(config)
-        self._block = Block(config)
-        self._head = Head(config)
-
-    # -- init -----------------------------------------------------------------------------
-
-    def init(self, rng: jax.Array) -> Params:
-        """Returns ``{'embed': ..., 'blocks': (stacked on axis 0, L), 'head': ...}``."""
-        keys = self.stage_keys(rng)
-        return {
-            "embed": self.init_stage("embed", keys["embed"]),
-            "blocks": jax.vmap(lambda k: self.init_stage("block", k))(keys["blocks"]),
-            "head": self.init_stage("head", keys["head"]),
-        }
-
-    def stage_keys(self, rng: jax.Array) -> dict[str, jax.Array]:
-        """The init key of each stage; ``blocks`` holds one key per layer."""
-        k_embed, k_blocks, k_head = jax.random.split(rng, 3)
-        blocks = jax.random.split(k_blocks, self.config.num_layers)
-        return {"embed": k_embed, "blocks": blocks, "head": k_head}
-
-    def init_stage(self, stage: str, key: jax.Array) -> Params:
-        """Params of one stage (``embed``, ``block`` or ``head``), so a runtime can
-        initialise a model a stage at a time, straight into its placement."""
-        cfg = self.config
-        x = jnp.zeros((1, 1, cfg.d_model), cfg.compute_dtype)
-        if stage == "embed":
-            return self._embed.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
-        if stage == "block":
-            return self._block.init(key, x)["params"]
-        if stage == "head":
-            wte = jnp.zeros((cfg.vocab_size, cfg.d_model), cfg.param_dtype)
-            return self._head.init(key, x, wte)["params"]
-        raise ValueError(f"unknown stage {stage!r}")
-
-    # -- stages ---------------------------------------------------------------------------
-
-    def embed(self, embed_params: Params, tokens: jax.Array) -> jax.Array:
-        """tokens (B, T) int32 -> activations (B, T, D) in compute dtype."""
-        return self._embed.apply({"params": embed_params}, tokens)
-
-    def block(self, block_params: Params, x: jax.Array) -> jax.Array:
-        """One block with unstacked params: (B, T, D) -> (B, T, D)."""
-        return self._block.apply({"params": block_params}, x)
-
-    def head_loss(
-        self, head_params: Params, embed_params: Params, x: jax.Array, targets: jax.Array
-    ) -> jax.Array:
-        """x (B, T, D), targets (B, T) -> mean token cross-entropy (fp32 scalar).
-        Needs the embed stage's params because the output projection is tied to wte."""
-        logits = self._head.apply({"params": head_params}, x, embed_params["wte"])
-        return token_loss(logits, targets)
-
-    # -- whole model (the in-memory reference) --------------------------------------------
-
-    def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
-        x = self._run_blocks(params["blocks"], self.embed(params["embed"], tokens))
-        return self._head.apply({"params": params["head"]}, x, params["embed"]["wte"])
-
-    def loss(self, params: Params, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-        x = self._run_blocks(params["blocks"], self.embed(params["embed"], tokens))
-        return self.head_loss(params["head"], params["embed"], x, targets)
-
-    def _run_blocks(self, blocks: Params, x: jax.Array) -> jax.Array:
-        # remat: keep only block-boundary activations and recompute each block's inside
-        # in backward, as the streaming executor does.
-        block = jax.checkpoint(self.block) if self.config.remat else self.block
-        x, _ = jax.lax.scan(lambda h, p: (block(p, h), None), x, blocks)
-        return x
-
-    # -- accounting -----------------------------------------------------------------------
-
-    def param_count(self) -> int:
-        """Exact number of parameters, from shapes alone (no allocation)."""
-        shapes = jax.eval_shape(self.init, jax.random.key(0))
-        return sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
+        super().__init__(config, Embed(config), Block(config), Head(config), tied="wte")
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of forward + backward per token (PaLM appendix B): 6 N for the
