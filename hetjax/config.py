@@ -351,6 +351,9 @@ class OffloadConfig:
     optimizer: str = "host"  # stream: where fp32 master params and optimizer state live
     activations: str = "device"  # stream: where block-boundary checkpoints live
     prefetch_depth: int = 2  # stream: stages copied ahead of the one computing
+    # stream: the last N blocks keep their in-block activations on the device from
+    # forward to backward instead of recomputing them (more memory, less compute)
+    keep_blocks: int = 0
 
     def __post_init__(self):
         _choice("offload", "mode", self.mode, OFFLOAD_MODES)
@@ -363,6 +366,7 @@ class OffloadConfig:
             "must be >= 0",
             self.prefetch_depth,
         )
+        _check(self.keep_blocks >= 0, "offload.keep_blocks", "must be >= 0", self.keep_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,6 +475,12 @@ class Config:
                 f"config key 'train.seq_len' ({self.train.seq_len}) exceeds "
                 f"'model.max_seq_len' ({self.model.max_seq_len}); raise model.max_seq_len "
                 "or shorten train.seq_len"
+            )
+        if self.offload.keep_blocks > self.model.num_layers:
+            raise ConfigError(
+                f"config key 'offload.keep_blocks' ({self.offload.keep_blocks}) exceeds "
+                f"'model.num_layers' ({self.model.num_layers}): at most every block keeps "
+                "its activations"
             )
 
     # -- building ---------------------------------------------------------------------

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import shutil
 import tempfile
 import time
@@ -69,6 +70,7 @@ class DeviceMemoryPlan:
     block_slab: int
     checkpoints: int
     gradients: int  # gradient slabs in flight to the host
+    kept: int  # in-block activations of the kept blocks (offload.keep_blocks)
     working_set: int  # XLA temporaries of the largest stage function, plus x / dx
     required: int  # the total with this window
 
@@ -77,7 +79,8 @@ class DeviceMemoryPlan:
             f"device plan: prefetch depth {self.prefetch_depth}, {self.resident_blocks} "
             f"resident blocks; embed+head {format_bytes(self.embed_head)}, block slab "
             f"{format_bytes(self.block_slab)}, checkpoints {format_bytes(self.checkpoints)}, "
-            f"gradients {format_bytes(self.gradients)}, working set "
+            f"gradients {format_bytes(self.gradients)}, kept activations "
+            f"{format_bytes(self.kept)}, working set "
             f"{format_bytes(self.working_set)}; total {format_bytes(self.required)}"
             + (f" of budget {format_bytes(self.budget)}" if self.budget else " (no budget)")
         )
@@ -92,12 +95,13 @@ def plan_device_memory(
     grad_slab: int,
     checkpoints: int,
     working_set: int,
+    kept: int = 0,
 ) -> DeviceMemoryPlan:
     """Chooses the deepest prefetch window (up to ``requested_depth``) that fits the
     budget, then keeps as many blocks resident as the rest allows. Raises
     ``ConfigError`` with the numbers when not even one stage and its activations fit."""
     gradients = 2 * grad_slab  # one being produced, one in transfer to the host
-    fixed = embed_head + checkpoints + gradients + working_set
+    fixed = embed_head + checkpoints + gradients + working_set + kept
 
     def total(depth: int, resident: int) -> int:
         window = min(depth + 1, num_layers - resident)
@@ -110,9 +114,13 @@ def plan_device_memory(
             f"activations in device memory: that needs {format_bytes(need)} (embed+head "
             f"{format_bytes(embed_head)}, one block slab {format_bytes(block_slab)}, "
             f"activation checkpoints {format_bytes(checkpoints)}, gradient slabs "
-            f"{format_bytes(gradients)}, working set {format_bytes(working_set)}); short by "
-            f"{format_bytes(need - budget)}. Raise memory.device_budget, set "
-            "offload.activations=host, or lower train.batch_size / raise train.grad_accum"
+            f"{format_bytes(gradients)}, working set {format_bytes(working_set)}"
+            + (f", kept activations {format_bytes(kept)}" if kept else "")
+            + "); short by "
+            f"{format_bytes(need - budget)}. Raise memory.device_budget, "
+            + ("lower offload.keep_blocks, " if kept else "")
+            + "set offload.activations=host, or lower train.batch_size / raise "
+            "train.grad_accum"
         )
     depth = requested_depth
     while budget and depth > 0 and total(depth, 0) > budget:
@@ -129,9 +137,113 @@ def plan_device_memory(
         block_slab,
         checkpoints,
         gradients,
+        kept,
         working_set,
         total(depth, resident),
     )
+
+
+def stage_layouts(model, page_size: int) -> dict[str, SlabLayout]:
+    """The slab layouts of a model's stages (``embed``, one ``block``, ``head``), from
+    abstract shapes: nothing is allocated."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    one_block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"])
+    return {
+        "embed": SlabLayout.from_params(shapes["embed"], page_size),
+        "block": SlabLayout.from_params(one_block, page_size),
+        "head": SlabLayout.from_params(shapes["head"], page_size),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """Device bytes of one micro-batch's stage functions, as XLA compiles them."""
+
+    checkpoint: int  # one block-boundary activation (B, T, D)
+    working_set: int  # temporaries of the largest stage function, plus x / dx
+    kept_block: int  # one block's in-block activations kept from forward to backward
+
+
+class StageFunctions:
+    """The jitted per-stage functions the executor runs (and the tracer times). Each takes
+    its stage's params as a list of pages and unflattens them inside the jit.
+
+    ``block_bwd`` recomputes the block's inside from its input checkpoint, then runs its
+    vjp. ``block_fwd_keep`` instead returns the vjp (its residuals: the in-block
+    activations) with the output, and ``block_bwd_kept`` applies it: no recompute, for the
+    cost of holding the residuals on the device until backward (``offload.keep_blocks``).
+    """
+
+    def __init__(self, model, layouts: dict[str, SlabLayout], device):
+        E, B, H = layouts["embed"], layouts["block"], layouts["head"]
+        self.layouts = layouts
+        m = model
+
+        def embed_fwd(e, tokens):  # (B, T) -> (B, T, D)
+            return m.embed(E.unflatten_pages(e), tokens)
+
+        def block_fwd(b, x):  # (B, T, D) -> (B, T, D)
+            return m.block(B.unflatten_pages(b), x)
+
+        def head_loss(h, e, x, targets):
+            return m.head_loss(H.unflatten_pages(h), E.unflatten_pages(e), x, targets)
+
+        def head_fwd_bwd(h, e, x, targets, scale):
+            loss, vjp = jax.vjp(lambda h, e, x: head_loss(h, e, x, targets), h, e, x)
+            dh, de, dx = vjp(scale)  # scale: the fp16 loss scale, else 1
+            return loss, _to_f32(dh), _to_f32(de), dx
+
+        def block_bwd(b, x, dy):  # recompute the block's inside, then its vjp
+            _, vjp = jax.vjp(block_fwd, b, x)
+            db, dx = vjp(dy)
+            return _to_f32(db), dx
+
+        def block_fwd_keep(b, x):
+            return jax.vjp(block_fwd, b, x)  # (y, the vjp holding the residuals)
+
+        def block_bwd_kept(vjp, dy):
+            db, dx = vjp(dy)
+            return _to_f32(db), dx
+
+        def embed_bwd(e, tokens, dx):
+            _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
+            return _to_f32(vjp(dx)[0])
+
+        self.embed_fwd = jax.jit(embed_fwd, out_shardings=device)
+        self.block_fwd = jax.jit(block_fwd, out_shardings=device)
+        self.head_loss = jax.jit(head_loss, out_shardings=device)
+        self.head_fwd_bwd = jax.jit(head_fwd_bwd, out_shardings=device)
+        self.block_bwd = jax.jit(block_bwd, out_shardings=device)
+        self.block_fwd_keep = jax.jit(block_fwd_keep)
+        self.block_bwd_kept = jax.jit(block_bwd_kept, out_shardings=device)
+        self.embed_bwd = jax.jit(embed_bwd, out_shardings=device)
+
+    def abstract_args(self, batch: int, seq_len: int, dtype) -> dict[str, tuple]:
+        """Abstract arguments of each function for a micro-batch (batch, seq_len)."""
+        sds = jax.ShapeDtypeStruct
+        slab = lambda n: [sds((self.layouts[n].page_elems,), dtype)] * self.layouts[n].num_pages
+        tokens = sds((batch, seq_len), jnp.int32)
+        x = jax.eval_shape(self.embed_fwd, slab("embed"), tokens)
+        return {
+            "embed_fwd": (slab("embed"), tokens),
+            "block_fwd": (slab("block"), x),
+            "head_fwd_bwd": (slab("head"), slab("embed"), x, tokens, sds((), F32)),
+            "block_bwd": (slab("block"), x, x),
+            "embed_bwd": (slab("embed"), tokens, x),
+        }
+
+    def memory_sizes(self, batch: int, seq_len: int, dtype) -> StageMemory:
+        """XLA's own measure of the stage functions' temporaries (by compiling them)."""
+        args = self.abstract_args(batch, seq_len, dtype)
+        x = args["block_fwd"][1]
+        act = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        temps = []
+        for name in ("block_bwd", "head_fwd_bwd", "embed_bwd"):
+            analysis = getattr(self, name).lower(*args[name]).compile().memory_analysis()
+            temps.append(getattr(analysis, "temp_size_in_bytes", 0) if analysis else 0)
+        _, vjp = jax.eval_shape(self.block_fwd_keep, *args["block_fwd"])
+        kept = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(vjp))
+        return StageMemory(act, max(temps) + 3 * act, kept)
 
 
 class Ledger:
@@ -171,16 +283,7 @@ class StreamingRuntime:
         self.ledger = Ledger()
         t, off, mem = config.train, config.offload, config.memory
 
-        page = mem.page_size
-        shapes = jax.eval_shape(self.model.init, jax.random.key(0))
-        one_block = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"]
-        )
-        self.layouts = {
-            "embed": SlabLayout.from_params(shapes["embed"], page),
-            "block": SlabLayout.from_params(one_block, page),
-            "head": SlabLayout.from_params(shapes["head"], page),
-        }
+        self.layouts = stage_layouts(self.model, mem.page_size)
         self.block_names = [f"block{i}" for i in range(L)]
         self.stage_names = ["embed", *self.block_names, "head"]
         self.update_order = ["head", *reversed(self.block_names), "embed"]  # backward order
@@ -333,68 +436,19 @@ class StreamingRuntime:
         self.param_store.commit()
 
     def _build_stage_functions(self) -> None:
-        E, B, H = self.layouts["embed"], self.layouts["block"], self.layouts["head"]
-        m = self.model
-        dev = self.place.device
-
-        def embed_fwd(e, tokens):  # (B, T) -> (B, T, D)
-            return m.embed(E.unflatten_pages(e), tokens)
-
-        def block_fwd(b, x):  # (B, T, D) -> (B, T, D)
-            return m.block(B.unflatten_pages(b), x)
-
-        def head_loss(h, e, x, targets):
-            return m.head_loss(H.unflatten_pages(h), E.unflatten_pages(e), x, targets)
-
-        def head_fwd_bwd(h, e, x, targets, scale):
-            loss, vjp = jax.vjp(lambda h, e, x: head_loss(h, e, x, targets), h, e, x)
-            dh, de, dx = vjp(scale)  # scale: the fp16 loss scale, else 1
-            return loss, _to_f32(dh), _to_f32(de), dx
-
-        def block_bwd(b, x, dy):  # recompute the block's inside, then its vjp
-            _, vjp = jax.vjp(block_fwd, b, x)
-            db, dx = vjp(dy)
-            return _to_f32(db), dx
-
-        def embed_bwd(e, tokens, dx):
-            _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
-            return _to_f32(vjp(dx)[0])
-
-        self._embed_fwd = jax.jit(embed_fwd, out_shardings=dev)
-        self._block_fwd = jax.jit(block_fwd, out_shardings=dev)
-        self._head_loss = jax.jit(head_loss, out_shardings=dev)
-        self._head_fwd_bwd = jax.jit(head_fwd_bwd, out_shardings=dev)
-        self._block_bwd = jax.jit(block_bwd, out_shardings=dev)
-        self._embed_bwd = jax.jit(embed_bwd, out_shardings=dev)
+        fns = StageFunctions(self.model, self.layouts, self.place.device)
+        self.fns = fns
+        self._embed_fwd, self._block_fwd = fns.embed_fwd, fns.block_fwd
+        self._head_loss, self._head_fwd_bwd = fns.head_loss, fns.head_fwd_bwd
+        self._block_bwd, self._embed_bwd = fns.block_bwd, fns.embed_bwd
+        self._block_fwd_keep, self._block_bwd_kept = fns.block_fwd_keep, fns.block_bwd_kept
 
     def _plan_memory(self) -> DeviceMemoryPlan:
         cfg, t = self.config, self.config.train
-        B, T, D = t.micro_batch_size, t.seq_len, cfg.model.d_model
-        sds = jax.ShapeDtypeStruct
-        slab = lambda n: (
-            [sds((self.layouts[n].page_elems,), self.compute_dtype)] * (self.layouts[n].num_pages)
-        )
-        x = sds((B, T, D), self.compute_dtype)
-        act = B * T * D * self.compute_dtype.itemsize
-        # XLA's temporaries of the largest stage function, measured by compiling it.
-        temps = []
-        for fn, args in (
-            (self._block_bwd, (slab("block"), x, x)),
-            (
-                self._head_fwd_bwd,
-                (
-                    slab("head"),
-                    slab("embed"),
-                    x,
-                    sds((B, T), jnp.int32),
-                    sds((), F32),
-                ),
-            ),
-            (self._embed_bwd, (slab("embed"), sds((B, T), jnp.int32), x)),
-        ):
-            analysis = fn.lower(*args).compile().memory_analysis()
-            temps.append(getattr(analysis, "temp_size_in_bytes", 0) if analysis else 0)
+        sizes = self.fns.memory_sizes(t.micro_batch_size, t.seq_len, self.compute_dtype)
+        act = sizes.checkpoint
         on_device_ckpts = cfg.offload.activations == "device"
+        keep = cfg.offload.keep_blocks
         return plan_device_memory(
             budget=cfg.memory.device_budget,
             num_layers=self.num_layers,
@@ -403,8 +457,9 @@ class StreamingRuntime:
             + self.layouts["head"].nbytes(self.compute_dtype),
             block_slab=self.layouts["block"].nbytes(self.compute_dtype),
             grad_slab=max(self.layouts[n].nbytes(F32) for n in ("block", "embed")),
-            checkpoints=(self.num_layers if on_device_ckpts else 2) * act,
-            working_set=max(temps) + 3 * act,
+            checkpoints=((self.num_layers - keep) if on_device_ckpts else 2) * act,
+            working_set=sizes.working_set,
+            kept=keep * sizes.kept_block,
         )
 
     def _refresh_resident(self) -> None:
@@ -464,18 +519,26 @@ class StreamingRuntime:
         tokens = jax.device_put(tokens_np[:, :-1], dev)
         targets = jax.device_put(tokens_np[:, 1:], dev)
         embed, head = self.resident["embed"], self.resident["head"]
-        window = _Window(self, self.block_names + self.block_names[::-1])
+        # Blocks first_kept .. L-1 keep their in-block activations from forward to
+        # backward (offload.keep_blocks): no checkpoint, no recompute, no second fetch.
+        first_kept = L - self.config.offload.keep_blocks
+        backward_uses = [self.block_names[i] for i in reversed(range(first_kept))]
+        window = _Window(self, self.block_names + backward_uses)
         pending: collections.deque = collections.deque()  # grads in flight to the host
 
         x = self._embed_fwd(embed, tokens)  # (B, T, D)
         ckpts: list[Any] = [None] * L
+        kept: list[Any] = [None] * L  # the kept blocks' vjps (their residuals)
         for i in range(L):
             slab = window.get(i)
-            ckpts[i] = self._store_checkpoint(x)
-            x = self._block_fwd(slab, x)
+            if i >= first_kept:
+                x, kept[i] = self._block_fwd_keep(slab, x)
+            else:
+                ckpts[i] = self._store_checkpoint(x)
+                x = self._block_fwd(slab, x)
             del slab  # the window decides when a slab goes; hold no reference past it
             window.done(i)
-            self._account(window, ckpts, pending, x)
+            self._account(window, ckpts, pending, x, kept)
 
         loss, dh, de_head, dx = self._head_fwd_bwd(
             head,
@@ -489,19 +552,23 @@ class StreamingRuntime:
         self._send_grad("embed", de_head, pending)
         del dh, de_head
 
-        next_ckpt = self._load_checkpoint(ckpts[L - 1])
+        next_ckpt = self._load_checkpoint(ckpts[first_kept - 1]) if first_kept else None
         for i in reversed(range(L)):
-            j = 2 * L - 1 - i  # position in the window's use order
-            slab, x_in = window.get(j), next_ckpt
-            if i > 0:  # prefetch the next checkpoint while this block computes
-                next_ckpt = self._load_checkpoint(ckpts[i - 1])
-            db, dx = self._block_bwd(slab, x_in, dx)
-            ckpts[i] = None
-            del x_in, slab
-            window.done(j)
+            if i >= first_kept:
+                db, dx = self._block_bwd_kept(kept[i], dx)
+                kept[i] = None
+            else:
+                j = L + first_kept - 1 - i  # position in the window's use order
+                slab, x_in = window.get(j), next_ckpt
+                if i > 0:  # prefetch the next checkpoint while this block computes
+                    next_ckpt = self._load_checkpoint(ckpts[i - 1])
+                db, dx = self._block_bwd(slab, x_in, dx)
+                ckpts[i] = None
+                del x_in, slab
+                window.done(j)
             self._send_grad(self.block_names[i], db, pending)
             del db
-            self._account(window, ckpts, pending, dx)
+            self._account(window, ckpts, pending, dx, kept)
 
         de = self._embed_bwd(embed, tokens, dx)
         self._send_grad("embed", de, pending)

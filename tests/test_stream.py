@@ -32,8 +32,10 @@ def reference(tmp_path_factory):
         dict(mode="stream", prefetch_depth=1),
         dict(mode="stream", prefetch_depth=3),
         dict(mode="stream", activations="host"),
+        dict(mode="stream", keep_blocks=1),
+        dict(mode="stream", keep_blocks=2, activations="host"),
     ],
-    ids=["depth2", "depth1", "depth3", "activations_host"],
+    ids=["depth2", "depth1", "depth3", "activations_host", "keep1", "keep_all"],
 )
 def test_stream_equals_none(reference, tiny, tmp_path, offload):
     config = tiny(offload=offload)
@@ -49,16 +51,18 @@ def test_stream_equals_none_with_grad_accum(tiny, tmp_path):
     assert_gpt_training_equal(result, ref, build_model(config.model), _check_tokens())
 
 
-def test_streams_within_device_budget(tiny, tmp_path):
+@pytest.mark.parametrize("keep, fraction", [(0, 0.7), (1, 0.85)], ids=["recompute", "keep1"])
+def test_streams_within_device_budget(tiny, tmp_path, keep, fraction):
     """An 8-layer model whose params exceed the device budget trains, and the device-kind
-    live bytes, sampled after every dispatch, stay within the budget."""
+    live bytes, sampled after every dispatch, stay within the budget (also with two blocks
+    keeping their in-block activations from forward to backward)."""
     model = dict(num_layers=8, d_model=192, num_heads=4, max_seq_len=32)
     probe_config = tiny(model=model, offload=dict(mode="stream"))
     params_bytes = build_model(probe_config.model).param_count() * 4
-    budget = int(params_bytes * 0.7)
+    budget = int(params_bytes * fraction)
     config = tiny(
         model=model,
-        offload=dict(mode="stream", prefetch_depth=2),
+        offload=dict(mode="stream", prefetch_depth=2, keep_blocks=keep),
         memory=dict(device_budget=budget, page_size="4KiB"),
         train=dict(steps=2, batch_size=2, seq_len=16, eval_batches=1),
     )

@@ -1,0 +1,326 @@
+"""Hardware profiles the planner (``hetjax/planner.py``) plans against.
+
+A profile is what the planner needs to know about a machine: per accelerator its memory,
+the FLOP/s a transformer block achieves in the compute dtype and the host<->device
+bandwidth each way; per machine its RAM, NVMe bandwidth and capacity, and how fast the
+host optimizer updates parameters. Named profiles describe the machines of the papers
+hetjax is measured against (their sources are in :data:`PROFILES`); ``local`` is measured
+on the spot by :func:`measure_local` (a second or two, cached per process).
+
+Figures are bytes, bytes/s and FLOP/s. Where a paper does not state a figure the profile
+says which assumption stands in for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+GB = 1e9
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    description: str
+    source: str
+    num_devices: int  # accelerators per machine
+    device_memory: int  # bytes per accelerator
+    device_flops: float  # FLOP/s a transformer block achieves, per accelerator
+    host_memory: int  # bytes of RAM per machine
+    h2d_bw: float  # host -> device bytes/s, per accelerator
+    d2h_bw: float  # device -> host bytes/s, per accelerator
+    nvme_read_bw: float  # bytes/s, all SSDs of the machine together
+    nvme_write_bw: float
+    nvme_capacity: int  # bytes free for hetjax's state
+    optimizer_params_per_s: float  # host optimizer (AdamW) updates per second, per machine
+    interconnect_bw: float = 0.0  # device <-> device bytes/s per accelerator (collectives)
+    # True on the CPU backend: "device" compute, copies and the host optimizer run on the
+    # same cores, so their times add instead of overlapping.
+    shared_cores: bool = False
+
+    def describe(self) -> str:
+        nvme = (
+            f"NVMe {self.nvme_read_bw / GB:.1f}/{self.nvme_write_bw / GB:.1f} GB/s read/write, "
+            f"{self.nvme_capacity / GB:,.0f} GB"
+            if self.nvme_capacity
+            else "no NVMe"
+        )
+        return (
+            f"{self.name}: {self.description}; {self.num_devices} x "
+            f"{self.device_memory / GiB:.0f} GiB at {self.device_flops / 1e12:.3g} TFLOP/s, "
+            f"host {self.host_memory / GiB:,.0f} GiB, PCIe {self.h2d_bw / GB:.1f}/"
+            f"{self.d2h_bw / GB:.1f} GB/s, {nvme}, optimizer "
+            f"{self.optimizer_params_per_s / 1e9:.2f} G params/s"
+        )
+
+
+# Fuyou's server (Fuyou, table 3): one A100-80GB or RTX 4090, Xeon Gold 5320, 768 GB
+# DDR4-3200, 12 x Intel P5510 3.84 TB, PCIe 4. Block FLOP/s: Fuyou states its 172 TFLOPS
+# (A100) and 87 TFLOPS (4090) on 175B are 86% and 53% of the peak it measured on one
+# transformer block, so 200 and 164 TFLOP/s. SSDs: Intel's P5510 datasheet, 6.5 GB/s
+# sequential read and 3.4 GB/s write each. PCIe 4 x16: 25 GB/s each way in practice.
+# Optimizer: assumed half of the 8-channel DDR4-3200 bandwidth (204.8 GB/s) at 28 bytes
+# per AdamW parameter.
+_FUYOU = dict(
+    host_memory=768 * GB,
+    h2d_bw=25 * GB,
+    d2h_bw=25 * GB,
+    nvme_read_bw=12 * 6.5 * GB,
+    nvme_write_bw=12 * 3.4 * GB,
+    nvme_capacity=int(12 * 3.84e12),
+    optimizer_params_per_s=204.8 * GB / 2 / 28,
+)
+
+PROFILES: dict[str, Hardware] = {
+    "a100-80g": Hardware(
+        name="a100-80g",
+        description="Fuyou's server with one A100-80GB",
+        source="Fuyou (Liao et al. 2024) table 3 and section 5; Intel P5510 datasheet",
+        num_devices=1,
+        device_memory=80 * GiB,
+        device_flops=200e12,
+        **_FUYOU,
+    ),
+    "rtx4090": Hardware(
+        name="rtx4090",
+        description="Fuyou's server with one RTX 4090 24GB",
+        source="Fuyou (Liao et al. 2024) table 3 and section 5; Intel P5510 datasheet",
+        num_devices=1,
+        device_memory=24 * GiB,
+        device_flops=164e12,
+        **_FUYOU,
+    ),
+    # Angel-PTM section 6.1: 8 x A100-40GB per server with NVLink-3 (300 GB/s each way
+    # per GPU), 1 TB RAM, PCIe 32 GB/s, SSD peak 3.5 GB/s. Block FLOP/s assumed as on
+    # Fuyou's A100 (200). Optimizer as Fuyou's server (same DDR4 class).
+    "angel-a100-40g": Hardware(
+        name="angel-a100-40g",
+        description="Angel-PTM's server, 8 x A100-40GB, 1 TB RAM",
+        source="Angel-PTM (Nie et al. 2023) section 6.1 and table 3",
+        num_devices=8,
+        device_memory=40 * GiB,
+        device_flops=200e12,
+        host_memory=1000 * GB,
+        h2d_bw=32 * GB,
+        d2h_bw=32 * GB,
+        nvme_read_bw=3.5 * GB,
+        nvme_write_bw=3.5 * GB,
+        nvme_capacity=int(7.68e12),  # capacity not stated: assumed 2 x 3.84 TB
+        optimizer_params_per_s=204.8 * GB / 2 / 28,
+        interconnect_bw=300 * GB,
+    ),
+    # PatrickStar section 9: 8 x V100-32GB, a 12-core CPU, 240 GB RAM, no SSD tier.
+    # V100 fp16 tensor-core peak 125 TFLOP/s, assumed 70% on a block; PCIe 3 x16
+    # 12 GB/s; NVLink-2 150 GB/s each way. Optimizer: 12 cores of DDR4 (assumed 6 channels
+    # of DDR4-2666, 128 GB/s, half of it) at 28 bytes/param.
+    "patrickstar-v100": Hardware(
+        name="patrickstar-v100",
+        description="PatrickStar's node, 8 x V100-32GB, 240 GB RAM",
+        source="PatrickStar (Fang et al. 2022) section 9.1",
+        num_devices=8,
+        device_memory=32 * GiB,
+        device_flops=0.7 * 125e12,
+        host_memory=240 * GB,
+        h2d_bw=12 * GB,
+        d2h_bw=12 * GB,
+        nvme_read_bw=0.0,
+        nvme_write_bw=0.0,
+        nvme_capacity=0,
+        optimizer_params_per_s=128 * GB / 2 / 28,
+        interconnect_bw=150 * GB,
+    ),
+    # The H100 machine this project is sometimes lent: 80 GB HBM3, 128 GB RAM, 64 GB
+    # disk, 16 CPU cores. Assumed: 60% of the 989 TFLOP/s bf16 dense peak on a block,
+    # PCIe 5 at 50 GB/s, the disk at 2 GB/s, the optimizer at 1.3 G params/s (the
+    # DeepSpeed CPU Adam rate measured on 2 cores here, scaled by nothing: conservative).
+    "h100": Hardware(
+        name="h100",
+        description="one H100-80GB, 128 GB RAM, 64 GB disk",
+        source="the device tool's machine (/work/.library/device/README.md); assumptions "
+        "in hetjax/hardware.py",
+        num_devices=1,
+        device_memory=80 * GiB,
+        device_flops=0.6 * 989e12,
+        host_memory=128 * GB,
+        h2d_bw=50 * GB,
+        d2h_bw=50 * GB,
+        nvme_read_bw=2 * GB,
+        nvme_write_bw=2 * GB,
+        nvme_capacity=64 * GB,
+        optimizer_params_per_s=1.3e9,
+    ),
+}
+
+NAMES = (*PROFILES, "local")
+
+
+class HardwareError(ValueError):
+    pass
+
+
+def get_profile(name: str, nvme_path: str | Path | None = None, dtype: str = "float32"):
+    """The named profile, or ``local`` measured here (``nvme_path``: where NVMe state
+    would go, measured for bandwidth and free space; ``dtype``: the compute dtype)."""
+    if name == "local":
+        return measure_local(str(nvme_path or ""), dtype)
+    if name not in PROFILES:
+        raise HardwareError(
+            f"unknown hardware profile {name!r}; known: {', '.join(NAMES)} (local measures "
+            "this machine)"
+        )
+    return PROFILES[name]
+
+
+# -- measuring this machine --------------------------------------------------------------
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _best_time(fn, repeats: int = 3) -> float:
+    fn()  # warm-up (compile, first touch)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_matmul_flops(dtype: str = "float32") -> float:
+    """FLOP/s of a square matmul on the default device in ``dtype``."""
+    import jax
+    import jax.numpy as jnp
+
+    n = 1024 if jax.default_backend() == "cpu" else 8192
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda a: a @ a)
+    return 2 * n**3 / _best_time(lambda: f(a).block_until_ready())
+
+
+def measure_transfer(nbytes: int = 64 << 20, page: int = 4 << 20) -> tuple[float, float]:
+    """Host (``pinned_host``) -> device and device -> host bytes/s of a list of pages in
+    one ``device_put``, the way the executor moves slabs."""
+    import jax
+
+    from hetjax.placement import Placement
+
+    place = Placement.single_device()
+    pages = [np.ones(page // 4, np.float32) for _ in range(nbytes // page)]
+    host = jax.block_until_ready(jax.device_put(pages, place.host))
+    dev = jax.block_until_ready(jax.device_put(pages, place.device))
+    h2d = _best_time(lambda: jax.block_until_ready(jax.device_put(host, place.device)))
+    d2h = _best_time(lambda: jax.block_until_ready(jax.device_put(dev, place.host)))
+    return nbytes / h2d, nbytes / d2h
+
+
+def measure_nvme(directory: Path, nbytes: int = 64 << 20, page: int = 4 << 20):
+    """Write (until on disk) and cold-read bytes/s of whole pages through TensorStore
+    (:class:`hetjax.nvme.PageStore`) in ``directory``; the files are removed after."""
+    from hetjax.nvme import PageStore
+
+    elems, pages = page // 4, nbytes // page
+    work = Path(tempfile.mkdtemp(prefix=".hetjax-probe-", dir=directory))
+    try:
+        store = PageStore(work / "ts", ["probe"], pages, elems)
+        data = np.random.default_rng(0).random(pages * elems, dtype=np.float32)
+        store.write("probe", 0, data[: 2 * elems]).result()  # thread pools, first files
+        t0 = time.perf_counter()
+        for f in [store.write("probe", p, data[p * elems : (p + 1) * elems]) for p in range(pages)]:
+            f.result()
+        os.sync()
+        write = nbytes / (time.perf_counter() - t0)
+        for f in (work / "ts").rglob("*"):
+            if f.is_file():  # evict from the page cache: a cold read
+                fd = os.open(f, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        t0 = time.perf_counter()
+        for r in [store.read("probe", p, 1) for p in range(pages)]:
+            r.result()
+        read = nbytes / (time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return read, write
+
+
+def measure_optimizer(n: int = 1 << 22) -> float:
+    """AdamW updates per second of the host optimizer (:class:`SlabOptimizer`, as the
+    update loop runs it) on one ``n``-element slab."""
+    import jax
+
+    from hetjax.config import OptimizerConfig
+    from hetjax.host_optimizer import SlabOptimizer
+    from hetjax.pages import Leaf, SlabLayout
+    from hetjax.placement import Placement
+
+    layout = SlabLayout((Leaf(("w",), (n,), 0, n),), jax.tree.structure(0), (0,), n, n, 1 << 20)
+    opt = SlabOptimizer(
+        OptimizerConfig(), 100, {"s": layout}, Placement.single_device().optimizer, "float32"
+    )
+    state = opt.init("s", np.ones(layout.padded_size, np.float32))
+    grad = np.full(layout.padded_size, 1e-3, np.float32)
+
+    def update():
+        nonlocal state
+        slabs, scalars, pages = opt.update("s", *state, grad, (0.0, 0.0))
+        jax.block_until_ready((slabs, pages))
+        state = (slabs, scalars)
+
+    return layout.padded_size / _best_time(update)
+
+
+@functools.lru_cache(maxsize=4)
+def measure_local(nvme_path: str = "", dtype: str = "float32") -> Hardware:
+    """This machine, measured now (a few seconds; cached for the process)."""
+    import jax
+
+    device = jax.devices()[0]
+    cpu = device.platform == "cpu"
+    stats = {} if cpu else (device.memory_stats() or {})
+    host_free = _mem_available()
+    # On the CPU backend "device" memory is host RAM: the planner may use what is free.
+    device_memory = int(stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)) or host_free
+    probe_dir = Path(nvme_path) if nvme_path else Path(tempfile.gettempdir())
+    probe_dir = next((p for p in (probe_dir, *probe_dir.parents) if p.exists()), Path("/"))
+    try:
+        nvme_read, nvme_write = measure_nvme(probe_dir)
+        nvme_free = shutil.disk_usage(probe_dir).free
+    except OSError:  # not writable: no NVMe tier
+        nvme_read = nvme_write = 0.0
+        nvme_free = 0
+    h2d, d2h = measure_transfer()
+    return Hardware(
+        name="local",
+        description=f"this machine, measured ({device.device_kind}, {os.cpu_count()} CPUs, "
+        f"NVMe probe in {probe_dir})",
+        source="measured by hetjax.hardware.measure_local",
+        num_devices=1,
+        device_memory=device_memory,
+        device_flops=measure_matmul_flops(dtype),
+        host_memory=host_free,
+        h2d_bw=h2d,
+        d2h_bw=d2h,
+        nvme_read_bw=nvme_read,
+        nvme_write_bw=nvme_write,
+        nvme_capacity=nvme_free,
+        optimizer_params_per_s=measure_optimizer(),
+        shared_cores=cpu,
+    )
