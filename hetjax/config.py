@@ -329,7 +329,7 @@ class OptimizerConfig:
         )
 
 
-OFFLOAD_MODES = ("none", "stream")
+OFFLOAD_MODES = ("auto", "none", "stream")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +338,9 @@ class OffloadConfig:
 
     ``mode``: ``none`` keeps everything on the device with one jitted train step (the
     reference every other mode is tested against); ``stream`` keeps params in host memory
-    and streams one stage at a time through a device window (hetjax/executor.py).
+    and streams one stage at a time through a device window (hetjax/executor.py);
+    ``auto`` (the default) picks ``none`` when the state fits the device, else measures
+    the machine and trains with the planner's placement (hetjax/planner.py).
 
     In stream mode ``optimizer`` places the fp32 master params and optimizer state:
     ``host`` (RAM), ``nvme`` (TensorStore arrays under ``memory.nvme_path``, cached in
@@ -346,7 +348,7 @@ class OffloadConfig:
     params the forward reads: ``host`` or ``nvme`` (for when RAM cannot hold them).
     """
 
-    mode: str = "none"
+    mode: str = "auto"
     params: str = "host"  # stream: where the compute-dtype param slabs live
     optimizer: str = "host"  # stream: where fp32 master params and optimizer state live
     activations: str = "device"  # stream: where block-boundary checkpoints live

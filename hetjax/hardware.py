@@ -43,6 +43,7 @@ class Hardware:
     nvme_capacity: int  # bytes free for hetjax's state
     optimizer_params_per_s: float  # host optimizer (AdamW) updates per second, per machine
     interconnect_bw: float = 0.0  # device <-> device bytes/s per accelerator (collectives)
+    device_memory_bw: float = 0.0  # bytes/s of the accelerator's memory (device optimizer)
     # True on the CPU backend: "device" compute, copies and the host optimizer run on the
     # same cores, so their times add instead of overlapping.
     shared_cores: bool = False
@@ -88,6 +89,7 @@ PROFILES: dict[str, Hardware] = {
         num_devices=1,
         device_memory=80 * GiB,
         device_flops=200e12,
+        device_memory_bw=2.0e12,  # A100-80GB HBM2e: 2,039 GB/s
         **_FUYOU,
     ),
     "rtx4090": Hardware(
@@ -97,6 +99,7 @@ PROFILES: dict[str, Hardware] = {
         num_devices=1,
         device_memory=24 * GiB,
         device_flops=164e12,
+        device_memory_bw=1.0e12,  # RTX 4090 GDDR6X: 1,008 GB/s
         **_FUYOU,
     ),
     # Angel-PTM section 6.1: 8 x A100-40GB per server with NVLink-3 (300 GB/s each way
@@ -117,6 +120,7 @@ PROFILES: dict[str, Hardware] = {
         nvme_capacity=int(7.68e12),  # capacity not stated: assumed 2 x 3.84 TB
         optimizer_params_per_s=204.8 * GB / 2 / 28,
         interconnect_bw=300 * GB,
+        device_memory_bw=1.55e12,  # A100-40GB HBM2: 1,555 GB/s
     ),
     # PatrickStar section 9: 8 x V100-32GB, a 12-core CPU, 240 GB RAM, no SSD tier.
     # V100 fp16 tensor-core peak 125 TFLOP/s, assumed 70% on a block; PCIe 3 x16
@@ -137,6 +141,7 @@ PROFILES: dict[str, Hardware] = {
         nvme_capacity=0,
         optimizer_params_per_s=128 * GB / 2 / 28,
         interconnect_bw=150 * GB,
+        device_memory_bw=0.9e12,  # V100 HBM2: 900 GB/s
     ),
     # The H100 machine this project is sometimes lent: 80 GB HBM3, 128 GB RAM, 64 GB
     # disk, 16 CPU cores. Assumed: 60% of the 989 TFLOP/s bf16 dense peak on a block,
@@ -157,6 +162,7 @@ PROFILES: dict[str, Hardware] = {
         nvme_write_bw=2 * GB,
         nvme_capacity=64 * GB,
         optimizer_params_per_s=1.3e9,
+        device_memory_bw=3.35e12,  # H100 SXM HBM3: 3.35 TB/s
     ),
 }
 

@@ -71,6 +71,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print where the planner puts every kind of state and the predicted step "
+        "time, tokens/s and TFLOP/s, then exit (nothing of the model is allocated)",
+    )
+    parser.add_argument(
+        "--hardware",
+        default="local",
+        help="with --plan: the machine to plan for, a profile (a100-80g, rtx4090, "
+        "angel-a100-40g, patrickstar-v100, h100) or local (measured here; the default)",
+    )
     args = parser.parse_args(rest)
     if args.resume is not None:
         overrides["checkpoint.resume"] = args.resume
@@ -93,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{section}.{name} = {value!r}")
         return 0
     workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
+    if args.plan:
+        return _plan(config, args.hardware)
 
     from hetjax.checkpoint import CheckpointError  # imports JAX: after argument checks
     from hetjax.train import TrainingError, train
@@ -101,6 +115,24 @@ def main(argv: list[str] | None = None) -> int:
         train(config, workdir)
     except (ConfigError, TrainingError, CheckpointError) as e:
         print(f"hetjax: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _plan(config, hardware: str) -> int:
+    from hetjax.hardware import HardwareError, get_profile
+    from hetjax.planner import PlanError, make_plan
+
+    try:
+        hw = get_profile(hardware, config.memory.nvme_path, config.model.compute_dtype)
+    except HardwareError as e:
+        print(f"hetjax: {e}", file=sys.stderr)
+        return 2
+    print(hw.describe())
+    try:
+        print(make_plan(config, hw).table())
+    except PlanError as e:
+        print(f"hetjax: does not fit: {e}", file=sys.stderr)
         return 1
     return 0
 

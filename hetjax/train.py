@@ -260,6 +260,10 @@ class InMemoryRuntime:
 def build_runtime(config: Config, workdir: str | Path | None = None) -> Runtime:
     """The runtime for ``config.offload.mode``. ``workdir`` holds the NVMe state when
     ``memory.nvme_path`` is empty."""
+    if config.offload.mode == "auto":
+        from hetjax.planner import resolve_auto
+
+        config = resolve_auto(config, workdir)
     if config.offload.mode == "none":
         return InMemoryRuntime(config)
     if config.offload.mode == "stream":
@@ -346,6 +350,10 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
         if resume is not None:
             state, meta = ckpt.restore(resume)
             check_compatible(meta, config, ckpt.directory)
+        if config.offload.mode == "auto":  # decide the placement first (hetjax/planner.py)
+            from hetjax.planner import resolve_auto
+
+            config = resolve_auto(config, workdir, out.log)
         (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         train_data, val_data, data_desc = make_datasets(config)
         runtime = build_runtime(config, workdir)

@@ -1,0 +1,631 @@
+"""The planner: decides where every kind of training state lives, from the model's shapes,
+the machine (a profile from ``hetjax/hardware.py``, or measured) and the budgets.
+
+    python -m hetjax.launch --config gpt175b --plan --hardware a100-80g
+
+A :class:`Workload` is the model and batch as the planner sees them (stage sizes,
+activation sizes, FLOPs, and stage times: measured by :func:`trace` on this machine, or
+derived from the profile's FLOP/s). :func:`make_plan` evaluates every placement the
+runtimes implement and returns the fastest :class:`Plan` that fits every tier:
+
+* ``offload.mode=none`` (all state on the device, with or without ``model.remat``), or
+* ``offload.mode=stream`` with compute-dtype params on the host or NVMe, fp32 master and
+  optimizer state on the device, host or NVMe (NVMe state cached in spare host RAM by
+  next use), block-boundary activation checkpoints on the device or host, a prefetch
+  depth, blocks kept resident on the device (fewer copies) and blocks that keep their
+  in-block activations from forward to backward instead of recomputing them
+  (``offload.keep_blocks``: Fuyou's swap-instead-of-recompute, at block granularity).
+
+The cost model is Fuyou's (section 4.5, equations 1-8) extended to our tiers: a step is
+its forward phase plus its backward phase; each phase takes the longest of its lanes
+(device compute, host->device, device->host, NVMe, the host optimizer overlapped with
+the last micro-batch's backward, collectives). On the CPU backend the "device", the
+copies and the host optimizer share the same cores, so their times add there
+(``Hardware.shared_cores``). Memory per tier follows the runtimes' own accounting
+(``executor.plan_device_memory``, ``state_store.plan_host_memory``), so a plan that fits
+here fits there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from typing import Any
+
+from hetjax.config import Config, ConfigError, format_bytes
+from hetjax.hardware import Hardware
+
+IO_READAHEAD = 2  # as hetjax.executor (stages read from NVMe ahead of their use)
+MARGIN = 0.9  # of a tier's capacity the planner may use when no budget is given
+ADAM_BYTES = 28  # bytes a device-side AdamW moves per parameter (reads and writes)
+
+
+class PlanError(ConfigError):
+    """The configuration cannot fit the hardware; the message names the tier and the
+    shortfall."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The model and batch in the numbers the planner needs (bytes, FLOPs, seconds; per
+    micro-batch unless named otherwise)."""
+
+    name: str
+    num_layers: int
+    embed_params: int
+    block_params: int
+    head_params: int
+    compute_bytes: int  # bytes per compute-dtype element
+    block_grad_bytes: int  # bytes per element of block gradient slabs (executor.block_grad_dtype)
+    state_kinds: int  # optimizer state kinds besides the fp32 master (AdamW: 2)
+    micro_batches: int
+    tokens_per_step: int  # global
+    flops_per_step: float  # model FLOPs (6N + attention) of one optimizer step
+    checkpoint: int  # one block-boundary activation
+    working_set: int  # device temporaries of the largest stage function, with x / dx
+    kept_block: int  # one block's in-block activations (its vjp residuals)
+    block_fwd_flops: float
+    head_fwd_flops: float
+    measured: dict[str, float] | None = None  # stage seconds from :func:`trace`
+
+    @property
+    def params(self) -> int:
+        return self.embed_params + self.num_layers * self.block_params + self.head_params
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        return 4 * (1 + self.state_kinds)
+
+    def stage_times(self, hw: Hardware) -> dict[str, float]:
+        """Seconds per micro-batch of each stage function: measured, or FLOPs over the
+        profile's FLOP/s (backward = 2 x forward; a streamed block recomputes its forward
+        first, Fuyou's equation 8)."""
+        if self.measured is not None:
+            return self.measured
+        f = hw.device_flops
+        block, head = self.block_fwd_flops / f, self.head_fwd_flops / f
+        return {
+            "embed_fwd": 0.0,
+            "block_fwd": block,
+            "block_bwd": 3 * block,
+            "block_bwd_kept": 2 * block,
+            "head": 3 * head,
+            "embed_bwd": 0.0,
+        }
+
+    @classmethod
+    def from_config(cls, config: Config, sizes=None, devices: int = 1) -> Workload:
+        """From abstract shapes only (``jax.eval_shape``): nothing is allocated.
+        ``sizes``: a measured :class:`hetjax.executor.StageMemory`, else estimated.
+        ``devices``: data-parallel devices sharing the batch (per-device sizes)."""
+        import jax
+        import jax.numpy as jnp
+
+        from hetjax.executor import block_grad_dtype
+        from models import build_model
+
+        m, t = config.model, config.train
+        model = build_model(m)
+        shapes = jax.eval_shape(model.init, jax.random.key(0))
+        count = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
+        L = m.num_layers
+        page = config.memory.page_size // 4  # slabs are whole pages of fp32 elements
+        padded = lambda n: -(-n // page) * page
+        embed, head = padded(count(shapes["embed"])), padded(count(shapes["head"]))
+        block_used = count(shapes["blocks"]) // L
+        block = padded(block_used)
+        c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
+        b, T, D, H, F = (
+            max(1, t.micro_batch_size // devices),
+            t.seq_len,
+            m.d_model,
+            m.num_heads,
+            m.ff_dim,
+        )
+        tokens = b * T
+        if sizes is None:
+            # In-block activations a block's vjp keeps, and its params unflattened; the
+            # coefficients are fitted to XLA's residuals of the GPT block (CPU backend,
+            # T from 128 to 1024: within 10%). Backward's temporaries are about one
+            # block's residuals, or the head's (fp32 logits, probabilities, gradient).
+            kept = tokens * c * (16 * D + 5 * F + 3.25 * H * T) + block_used * c
+            working = max(kept, 3 * tokens * m.vocab_size * 4) + 3 * tokens * D * c
+            checkpoint = tokens * D * c
+        else:
+            kept, working, checkpoint = sizes.kept_block, sizes.working_set, sizes.checkpoint
+        kinds = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1 if config.optimizer.momentum else 0}
+        return cls(
+            name=f"{m.family} {L} x {D}, {model.param_count() / 1e9:.3g}B params",
+            num_layers=L,
+            embed_params=embed,
+            block_params=block,
+            head_params=head,
+            compute_bytes=c,
+            block_grad_bytes=jnp.dtype(block_grad_dtype(config)).itemsize,
+            state_kinds=kinds[config.optimizer.name],
+            micro_batches=t.grad_accum,
+            tokens_per_step=t.batch_size * T,
+            flops_per_step=model.flops_per_token(T) * t.batch_size * T,
+            checkpoint=checkpoint,
+            working_set=int(working),
+            kept_block=int(kept),
+            block_fwd_flops=tokens * (2 * block_used + 4 * T * D),
+            head_fwd_flops=tokens * 2 * m.vocab_size * D,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    mode: str  # none | stream
+    remat: bool = False
+    params: str = "device"  # device (mode none) | host | nvme
+    optimizer: str = "device"  # device | host | nvme
+    activations: str = "device"  # device | host
+    prefetch_depth: int = 0
+    resident_blocks: int = 0
+    keep_blocks: int = 0
+
+    @property
+    def rank(self) -> float:
+        """Preference among plans of (nearly) equal predicted time: less offloaded first."""
+        if self.mode == "none":
+            return float(self.remat)
+        tiers = {"device": 0, "host": 1, "nvme": 2}
+        return (
+            10
+            + tiers[self.params]
+            + tiers[self.optimizer]
+            + tiers[self.activations]
+            + 0.1 * self.prefetch_depth
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where every kind of state lives, and what the step is predicted to cost."""
+
+    hardware: str
+    workload: str
+    candidate: Candidate
+    optimizer_cache: int  # host bytes caching NVMe optimizer state (whole stages)
+    device: dict[str, int]  # bytes by what they hold, per device
+    host: dict[str, int]  # per process
+    nvme: dict[str, int]
+    budgets: dict[str, int]  # device, host, nvme
+    lanes: dict[str, float]  # seconds per step by lane
+    step_s: float
+    tokens_per_s: float
+    tflops: float  # model FLOP/s per device
+    bottleneck: str
+    num_devices: int = 1
+
+    def config_overrides(self) -> dict[str, dict[str, Any]]:
+        """The config sections that train with this plan (``Config.replace(**...)``)."""
+        c = self.candidate
+        if c.mode == "none":
+            return dict(offload=dict(mode="none"), model=dict(remat=c.remat))
+        return dict(
+            offload=dict(
+                mode="stream",
+                params=c.params,
+                optimizer=c.optimizer,
+                activations=c.activations,
+                prefetch_depth=c.prefetch_depth,
+                keep_blocks=c.keep_blocks,
+            )
+        )
+
+    def table(self) -> str:
+        c = self.candidate
+        L = self.num_layers
+        lines = [f"plan for {self.workload} on {self.hardware}"]
+        if c.mode == "none":
+            lines.append(
+                "  offload.mode=none: params, gradients, optimizer state and activations on "
+                "the device" + (" (model.remat: blocks recompute in backward)" if c.remat else "")
+            )
+        else:
+            lines += [
+                f"  offload.mode=stream, prefetch depth {c.prefetch_depth}",
+                f"  {'stage':<16}{'compute params':<22}{'fp32 master + optimizer':<25}activations",
+                f"  {'embed, head':<16}{'device':<22}{c.optimizer:<25}device",
+            ]
+            rows: list[list] = []  # consecutive blocks placed alike share a row
+            for i in range(L):
+                where = "device (resident)" if i < c.resident_blocks else f"{c.params}, streamed"
+                acts = (
+                    "kept on device"
+                    if i >= L - c.keep_blocks
+                    else f"{c.activations} checkpoint, recomputed"
+                )
+                if rows and rows[-1][2:] == [where, acts]:
+                    rows[-1][1] = i
+                else:
+                    rows.append([i, i, where, acts])
+            for first, last, where, acts in rows:
+                name = f"block {first}" if first == last else f"blocks {first}-{last}"
+                lines.append(f"  {name:<16}{where:<22}{c.optimizer:<25}{acts}")
+            if self.optimizer_cache:
+                lines.append(
+                    f"  optimizer state cached in host RAM: {format_bytes(self.optimizer_cache)}"
+                )
+        per = " per device" if self.num_devices > 1 else ""
+        for tier in ("device", "host", "nvme"):
+            held = getattr(self, tier)
+            total = sum(held.values())
+            if not total:
+                continue
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in held.items() if v)
+            budget = self.budgets.get(tier, 0)
+            lines.append(
+                f"  {tier:<7}{format_bytes(total):>12} of {format_bytes(budget)}{per}  ({parts})"
+            )
+        lanes = ", ".join(f"{k} {v:.3g}" for k, v in self.lanes.items() if v)
+        lines += [
+            f"  lanes (s/step): {lanes}",
+            f"  predicted: {self.step_s:.4g} s/step, {self.tokens_per_s:,.0f} tokens/s, "
+            f"{self.tflops / 1e12:.3g} TFLOP/s{per} (bound by {self.bottleneck})",
+        ]
+        return "\n".join(lines)
+
+    num_layers: int = 0
+
+
+# -- evaluating one candidate ------------------------------------------------------------
+
+
+def _memory(w: Workload, c: Candidate, n: int = 1) -> tuple[dict, dict, dict]:
+    """Bytes per tier (device and host per device/process, NVMe per process) of
+    candidate ``c`` on ``n`` data-parallel devices, following the runtimes' own
+    accounting."""
+    P, Pb, cb, L = w.params, w.block_params, w.compute_bytes, w.num_layers
+    S = w.state_bytes_per_param
+    if c.mode == "none":
+        acts = (L * w.checkpoint if c.remat else L * w.kept_block) + w.working_set
+        return (
+            {"params": 4 * P, "gradients": 4 * P, "optimizer": 4 * w.state_kinds * P, "act": acts},
+            {},
+            {},
+        )
+    share = lambda x: math.ceil(x / n)  # ZeRO-3: each device owns 1/n of the state
+    window = min(c.prefetch_depth + 1, L - c.resident_blocks)
+    biggest = max(w.embed_params, w.block_params, w.head_params)
+    device = {
+        "embed+head": cb * (w.embed_params + w.head_params),
+        "blocks": cb * Pb * (window + c.resident_blocks),
+        "gradients": 2 * max(w.block_grad_bytes * Pb, 4 * w.embed_params),
+        "checkpoints": ((L - c.keep_blocks) if c.activations == "device" else 2) * w.checkpoint,
+        "kept": c.keep_blocks * w.kept_block,
+        "working set": w.working_set,
+        "optimizer": 2 * S * share(P) if c.optimizer == "device" else 0,
+    }
+    if c.params == "host":
+        params = cb * share(P)
+    else:
+        params = (c.prefetch_depth + IO_READAHEAD + 1) * cb * biggest
+    host = {
+        "params": params,
+        "gradients": share(w.block_grad_bytes * L * Pb + 4 * (w.embed_params + w.head_params)),
+        "optimizer": 2 * S * share(P) if c.optimizer == "host" else 0,
+        "optimizer I/O": (IO_READAHEAD + 2) * S * biggest if c.optimizer == "nvme" else 0,
+        "checkpoints": (L - c.keep_blocks) * w.checkpoint if c.activations == "host" else 0,
+    }
+    nvme = {
+        "optimizer": 2 * S * share(P) if c.optimizer == "nvme" else 0,
+        "params": 2 * cb * share(P) if c.params == "nvme" else 0,
+    }
+    return device, host, nvme
+
+
+def _lanes(w: Workload, hw: Hardware, c: Candidate, cached: float) -> tuple[float, dict]:
+    """Predicted seconds per step and per lane (Fuyou's equations 1-8, our tiers).
+    ``cached``: the fraction of NVMe optimizer state cached in host RAM."""
+    st = w.stage_times(hw)
+    n, A, L = hw.num_devices, w.micro_batches, w.num_layers
+    P, Pb, cb = w.params, w.block_params, w.compute_bytes
+    fwd = st["embed_fwd"] + L * st["block_fwd"]
+    if c.mode == "none":
+        bwd_blocks = L * (st["block_bwd"] if c.remat else st["block_bwd_kept"])
+        compute_b = st["head"] + bwd_blocks + st["embed_bwd"]
+        dev_opt = _device_optimizer_s(hw, P)
+        step = A * (fwd + compute_b) + dev_opt
+        return step, {"compute": A * (fwd + compute_b), "optimizer": dev_opt}
+    kept, recomputed = c.keep_blocks, L - c.keep_blocks
+    compute_b = st["head"] + recomputed * st["block_bwd"] + kept * st["block_bwd_kept"]
+    compute_b += st["embed_bwd"]
+    frac = 1.0 / n
+    streamed_f = L - c.resident_blocks
+    streamed_b = max(0, recomputed - c.resident_blocks)
+    ckpt = recomputed * w.checkpoint if c.activations == "host" else 0
+    h2d_f = streamed_f * cb * Pb * frac
+    h2d_b = streamed_b * cb * Pb * frac + ckpt
+    grads = w.block_grad_bytes * L * Pb + 4 * (w.embed_params + w.head_params)
+    d2h_f, d2h_b = ckpt, grads * frac
+    comm_f = comm_b = 0.0
+    if n > 1 and hw.interconnect_bw:  # all-gather params, reduce-scatter gradients
+        comm_f = L * cb * Pb * (n - 1) / n / hw.interconnect_bw
+        comm_b = (recomputed * cb * Pb + 4 * P) * (n - 1) / n / hw.interconnect_bw
+    disk_f = disk_b = disk_step = 0.0
+    if c.params == "nvme":
+        disk_f = h2d_f / hw.nvme_read_bw * n  # the machine's disks serve n processes
+        disk_b = h2d_b / hw.nvme_read_bw * n
+        disk_step += cb * P / hw.nvme_write_bw
+    S = w.state_bytes_per_param
+    if c.optimizer == "nvme":
+        moved = S * P * (1 - cached)
+        disk_step += moved / hw.nvme_read_bw + moved / hw.nvme_write_bw
+    if c.optimizer == "device":
+        opt = _device_optimizer_s(hw, P * frac)
+    else:
+        opt = P / hw.optimizer_params_per_s  # the machine's optimizer serves n processes
+    copy_f = h2d_f / hw.h2d_bw + d2h_f / hw.d2h_bw
+    copy_b = h2d_b / hw.h2d_bw + d2h_b / hw.d2h_bw
+    if hw.shared_cores:  # compute, copies and optimizer take turns on the same cores
+        t_f = max(fwd + copy_f, disk_f)
+        t_b = max(compute_b + copy_b, disk_b)
+        t_last = max(compute_b + copy_b + opt, disk_b + disk_step)
+    else:
+        t_f = max(fwd, h2d_f / hw.h2d_bw, d2h_f / hw.d2h_bw, comm_f, disk_f)
+        t_b = max(compute_b, h2d_b / hw.h2d_bw, d2h_b / hw.d2h_bw, comm_b, disk_b)
+        if c.optimizer == "device":  # the update shares the device with backward
+            t_last = max(t_b, compute_b + opt, disk_b + disk_step)
+        else:
+            t_last = max(t_b, opt, disk_b + disk_step)
+    step = A * t_f + (A - 1) * t_b + t_last
+    lanes = {
+        "compute": A * (fwd + compute_b),
+        "host->device": A * (h2d_f + h2d_b) / hw.h2d_bw,
+        "device->host": A * (d2h_f + d2h_b) / hw.d2h_bw,
+        "nvme": A * (disk_f + disk_b) + disk_step,
+        "optimizer": opt,
+        "collectives": A * (comm_f + comm_b),
+    }
+    return step, lanes
+
+
+def _device_optimizer_s(hw: Hardware, params: int) -> float:
+    """An optimizer step on the device: memory-bound at ADAM_BYTES per parameter; on the
+    CPU backend the device is the host's cores, as fast as the host optimizer."""
+    if hw.shared_cores or not hw.device_memory_bw:
+        return params / hw.optimizer_params_per_s
+    return params * ADAM_BYTES / hw.device_memory_bw
+
+
+# -- the search --------------------------------------------------------------------------
+
+
+def budgets(config: Config, hw: Hardware) -> dict[str, int]:
+    """Bytes the plan may use per tier: the config's budgets, else the profile's
+    capacity with a margin (host RAM and disks are shared by the machine's devices)."""
+    mem, n = config.memory, hw.num_devices
+    device, host = int(MARGIN * hw.device_memory), int(MARGIN * hw.host_memory / n)
+    return {
+        "device": min(mem.device_budget, hw.device_memory) if mem.device_budget else device,
+        "host": min(mem.host_budget, hw.host_memory) if mem.host_budget else host,
+        "nvme": int(MARGIN * hw.nvme_capacity / n),
+    }
+
+
+def _candidates(w: Workload, allow_none: bool):
+    L = w.num_layers
+    if allow_none:
+        yield Candidate("none", remat=False)
+        yield Candidate("none", remat=True)
+    for params, optimizer, acts in itertools.product(
+        ("host", "nvme"), ("device", "host", "nvme"), ("device", "host")
+    ):
+        for depth in (0, 1, 2, 3):
+            for keep in sorted({0, 1, 2, L // 4, L // 2, L} & set(range(L + 1))):
+                yield Candidate("stream", False, params, optimizer, acts, depth, 0, keep)
+
+
+def _fill_resident(w: Workload, hw: Hardware, c: Candidate, device_budget: int) -> Candidate:
+    """As many resident blocks as the device budget allows (the executor does the same)."""
+    lo, hi = 0, w.num_layers
+    while lo < hi:  # the largest r that fits
+        mid = (lo + hi + 1) // 2
+        held = _memory(w, dataclasses.replace(c, resident_blocks=mid), hw.num_devices)[0]
+        if sum(held.values()) <= device_budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return dataclasses.replace(c, resident_blocks=lo)
+
+
+def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) -> Plan:
+    """The fastest placement of ``config``'s model that fits every tier of ``hw`` (and
+    the config's budgets). Raises :class:`PlanError` naming the short tier and by how
+    much when nothing fits."""
+    w = workload or Workload.from_config(config, devices=hw.num_devices)
+    limit = budgets(config, hw)
+    # ZeRO-3 sharding needs the data-parallel runtime; one device keeps the whole state.
+    allow_none = hw.num_devices == 1
+    best = []
+    for c in _candidates(w, allow_none):
+        if c.mode == "stream":
+            c = _fill_resident(w, hw, c, limit["device"])
+        device, host, nvme = _memory(w, c, hw.num_devices)
+        if "nvme" in (c.params, c.optimizer) and not hw.nvme_capacity:
+            continue
+        if (
+            sum(device.values()) > limit["device"]
+            or sum(host.values()) > limit["host"]
+            or sum(nvme.values()) > limit["nvme"]
+        ):
+            continue
+        cache, cached = 0, 0.0
+        if c.optimizer == "nvme":  # spare host RAM caches whole stages of NVMe state
+            state = nvme["optimizer"]
+            cache = min(state, max(0, limit["host"] - sum(host.values())))
+            cached = cache / state if state else 0.0
+        step, lanes = _lanes(w, hw, c, cached)
+        best.append((step, c.rank, c, device, host, nvme, cache, lanes))
+    if not best:
+        raise PlanError(_shortfall(config, w, hw, limit))
+    fastest = min(b[0] for b in best)
+    step, _, c, device, host, nvme, cache, lanes = min(
+        (b for b in best if b[0] <= 1.02 * fastest), key=lambda b: (b[1], b[0])
+    )
+    if cache:
+        host = {**host, "optimizer cache": cache}
+    busiest = max(lanes, key=lanes.get)
+    return Plan(
+        hardware=hw.name,
+        workload=w.name,
+        candidate=c,
+        optimizer_cache=cache,
+        device=device,
+        host=host,
+        nvme=nvme,
+        budgets=limit,
+        lanes=lanes,
+        step_s=step,
+        tokens_per_s=w.tokens_per_step / step,
+        tflops=w.flops_per_step / step / hw.num_devices,
+        bottleneck=busiest,
+        num_devices=hw.num_devices,
+        num_layers=w.num_layers,
+    )
+
+
+def _shortfall(config: Config, w: Workload, hw: Hardware, limit: dict[str, int]) -> str:
+    """Why nothing fits: the smallest footprint per tier, tier by tier."""
+    smallest = Candidate("stream", False, "nvme", "nvme", "host", 0, 0, 0)
+    if not hw.nvme_capacity:
+        smallest = dataclasses.replace(smallest, params="host", optimizer="host")
+    device, host, nvme = _memory(w, smallest, hw.num_devices)
+    short = []
+    hints = {
+        "device": "raise memory.device_budget, lower train.batch_size or raise train.grad_accum",
+        "host": "raise memory.host_budget or add RAM",
+        "nvme": "point memory.nvme_path at a larger disk",
+    }
+    for tier, held in (("device", device), ("host", host), ("nvme", nvme)):
+        need = sum(held.values())
+        if need > limit[tier]:
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in held.items() if v)
+            short.append(
+                f"{tier} needs at least {format_bytes(need)} ({parts}) but has "
+                f"{format_bytes(limit[tier])}: short by {format_bytes(need - limit[tier])} "
+                f"({hints[tier]})"
+            )
+    if not short:  # each tier fits alone (can't happen with the smallest candidate)
+        short.append("no placement fits all tiers at once")
+    return f"{w.name} does not fit {hw.name} in any placement: " + "; ".join(short)
+
+
+# -- the tracer --------------------------------------------------------------------------
+
+
+def trace(config: Config, repeats: int = 3) -> Workload:
+    """Measures the model on this machine: each stage function's time for one
+    micro-batch (compiled and run on random params and tokens, best of ``repeats``) and
+    XLA's memory sizes. Allocates one block's, the embedding's and the head's params."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hetjax.executor import StageFunctions, stage_layouts
+    from hetjax.placement import Placement
+    from models import build_model
+
+    m, t = config.model, config.train
+    model = build_model(m)
+    dtype = jnp.dtype(m.compute_dtype)
+    layouts = stage_layouts(model, config.memory.page_size)
+    dev = Placement.single_device().device
+    fns = StageFunctions(model, layouts, dev)
+    sizes = fns.memory_sizes(t.micro_batch_size, t.seq_len, dtype)
+    rng = np.random.default_rng(0)
+
+    def slab(name):
+        L = layouts[name]
+        return jax.device_put(
+            [jnp.asarray(rng.normal(0, 0.02, L.page_elems), dtype) for _ in range(L.num_pages)],
+            dev,
+        )
+
+    e, b, h = slab("embed"), slab("block"), slab("head")
+    tokens = jax.device_put(
+        rng.integers(0, m.vocab_size, (t.micro_batch_size, t.seq_len)).astype(np.int32), dev
+    )
+    x = fns.embed_fwd(e, tokens)
+    one = jnp.asarray(1.0, jnp.float32)
+
+    def best(fn):
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(repeats):
+            t1 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t1)
+        return min(times)
+
+    measured = {
+        "embed_fwd": best(lambda: fns.embed_fwd(e, tokens)),
+        "block_fwd": best(lambda: fns.block_fwd(b, x)),
+        "block_bwd": best(lambda: fns.block_bwd(b, x, x)),
+        "block_bwd_kept": best(lambda: fns.block_bwd_kept(fns.block_fwd_keep(b, x)[1], x)),
+        "head": best(lambda: fns.head_fwd_bwd(h, e, x, tokens, one)),
+        "embed_bwd": best(lambda: fns.embed_bwd(e, tokens, x)),
+    }
+    # block_bwd_kept above includes a forward (to make the residuals): take it out.
+    measured["block_bwd_kept"] = max(measured["block_bwd_kept"] - measured["block_fwd"], 0.0)
+    w = Workload.from_config(config, sizes)
+    w = dataclasses.replace(w, measured=measured)
+    return w
+
+
+# -- offload.mode=auto -------------------------------------------------------------------
+
+
+def device_capacity() -> int:
+    """Free bytes of the first device (on the CPU backend, of host RAM)."""
+    import jax
+
+    from hetjax.hardware import _mem_available
+
+    device = jax.devices()[0]
+    stats = {} if device.platform == "cpu" else (device.memory_stats() or {})
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    return int(free) if free > 0 else _mem_available()
+
+
+def resolve_auto(config: Config, workdir=None, log=print) -> Config:
+    """``offload.mode=auto``: the config to train with. When the whole state fits the
+    device (``memory.device_budget``, else the device's free memory) that is
+    ``offload.mode=none``, decided from shapes alone; otherwise the tracer measures this
+    machine and the model, the planner plans, and the plan's placement is returned (with
+    the budgets it planned for, so the executor plans within them)."""
+    if config.offload.mode != "auto":
+        return config
+    from pathlib import Path
+
+    from hetjax.hardware import measure_local
+
+    w = Workload.from_config(config)
+    capacity = device_capacity()
+    budget = config.memory.device_budget or int(MARGIN * capacity)
+    for remat in (False, True):
+        need = sum(_memory(w, Candidate("none", remat=remat))[0].values())
+        if need <= budget:
+            log(
+                f"offload.mode=auto: the whole state fits the device ({format_bytes(need)} "
+                f"of {format_bytes(budget)}): offload.mode=none"
+                + (", model.remat=true" if remat else "")
+            )
+            return config.replace(offload=dict(mode="none"), model=dict(remat=remat))
+    log("offload.mode=auto: the state does not fit the device; measuring this machine")
+    nvme = config.memory.nvme_path or (Path(workdir) / "nvme" if workdir else "")
+    hw = measure_local(str(nvme), config.model.compute_dtype)
+    plan = make_plan(config, hw, trace(config))
+    for line in plan.table().splitlines():
+        log(line)
+    overrides = plan.config_overrides()
+    if plan.candidate.mode == "stream":
+        overrides["memory"] = dict(
+            device_budget=plan.budgets["device"], host_budget=plan.budgets["host"]
+        )
+    return config.replace(**overrides)

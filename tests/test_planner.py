@@ -1,0 +1,200 @@
+"""The planner: placements within every budget, offloading as budgets shrink, `--plan`
+for every config on every hardware profile, and `offload.mode=auto` training equal to
+`offload.mode=none` under several budgets."""
+
+import dataclasses
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from equivalence import assert_gpt_training_equal
+
+from hetjax import executor, launch
+from hetjax.config import load_config
+from hetjax.executor import StreamingRuntime
+from hetjax.hardware import NAMES, PROFILES, get_profile
+from hetjax.planner import PlanError, Workload, make_plan, resolve_auto
+from hetjax.train import train
+from models import build_model
+
+CONFIGS = sorted(p.stem for p in (Path(__file__).parent.parent / "configs").glob("*.py"))
+
+
+def _fits(plan):
+    for tier in ("device", "host", "nvme"):
+        assert sum(getattr(plan, tier).values()) <= plan.budgets[tier], (tier, plan.table())
+
+
+def test_everything_on_the_device_when_it_fits():
+    plan = make_plan(load_config("gpt_tiny"), PROFILES["a100-80g"])
+    assert plan.candidate.mode == "none" and not plan.candidate.remat
+    assert plan.host == {} and plan.nvme == {}
+    assert "offload.mode=none" in plan.table()
+
+
+@pytest.mark.parametrize("hardware", ["a100-80g", "rtx4090", "h100"])
+def test_offloads_progressively_as_budgets_shrink(hardware):
+    """Property over budgets: every plan fits every budget; as the device budget shrinks
+    the plan never gets faster and moves state off the device (none -> stream, fewer
+    resident blocks); as the host budget shrinks optimizer state goes to NVMe."""
+    hw = PROFILES[hardware]
+    config = load_config(
+        "gpt1p3b",
+        {"train.batch_size": "1", "train.seq_len": "1024", "model.compute_dtype": "bfloat16"},
+    )
+    w = Workload.from_config(config)
+    everything = 16 * w.params + w.num_layers * w.kept_block + w.working_set
+    previous = None
+    modes = []
+    for fraction in (1.5, 0.8, 0.4, 0.2, 0.1, 0.05):
+        budget = int(min(everything * fraction, hw.device_memory))
+        cfg = config.replace(memory=dict(device_budget=budget))
+        try:
+            plan = make_plan(cfg, hw, w)
+        except PlanError as e:
+            assert "short by" in str(e)
+            break
+        _fits(plan)
+        assert plan.budgets["device"] == budget
+        modes.append(plan.candidate.mode)
+        if previous is not None:
+            assert plan.step_s >= 0.98 * previous.step_s
+            assert sum(plan.device.values()) <= sum(previous.device.values()) * 1.0001 or (
+                sum(plan.device.values()) <= budget
+            )
+        previous = plan
+    assert modes[0] == "none" and "stream" in modes, modes
+    # Host shrinking: the optimizer state leaves RAM for NVMe.
+    tiers = []
+    for host in ("200GiB", "40GiB", "12GiB"):
+        cfg = config.replace(memory=dict(device_budget="8GiB", host_budget=host))
+        plan = make_plan(cfg, hw, w)
+        _fits(plan)
+        tiers.append(plan.candidate.optimizer)
+    assert tiers[0] in ("host", "device") and tiers[-1] == "nvme", tiers
+
+
+def test_budget_too_small_names_the_tier_and_shortfall():
+    config = load_config("gpt_small", {"memory.device_budget": "64MiB"})
+    with pytest.raises(PlanError, match=r"device needs at least .* short by"):
+        make_plan(config, PROFILES["a100-80g"])
+    big = load_config("gpt175b")
+    with pytest.raises(PlanError, match=r"nvme needs at least .* short by"):
+        make_plan(big, PROFILES["h100"])
+
+
+def test_fuyou_server_fits_gpt3_175b_on_one_a100():
+    """Fuyou's headline: GPT-3 175B fine-tunes on one A100-80GB with 768 GB RAM and 12
+    SSDs. The planner finds a placement there (state on NVMe), and none on the 64 GB
+    disk of the H100 machine."""
+    config = load_config(
+        "gpt175b",
+        {"train.seq_len": "1024", "train.batch_size": "8", "model.compute_dtype": "bfloat16"},
+    )
+    plan = make_plan(config, PROFILES["a100-80g"])
+    _fits(plan)
+    assert plan.candidate.mode == "stream" and plan.candidate.optimizer == "nvme"
+    assert 10e12 < plan.tflops < 200e12
+
+
+@pytest.mark.parametrize("hardware", NAMES)
+def test_plan_cli_for_every_config(hardware, capsys):
+    """`--plan` for every config in configs/ on this profile: a plan with its predicted
+    throughput, or a clear "does not fit" naming the tier; seconds each."""
+    for name in CONFIGS:
+        t0 = time.perf_counter()
+        rc = launch.main(["--config", name, "--plan", "--hardware", hardware])
+        elapsed = time.perf_counter() - t0
+        out, err = capsys.readouterr()
+        assert rc in (0, 1), (name, err)
+        if rc == 0:
+            assert "predicted:" in out and "tokens/s" in out, out
+        else:
+            assert "does not fit" in err and "short by" in err, err
+        assert elapsed < 10, (name, hardware, elapsed)
+
+
+def test_unknown_hardware_is_a_clear_error(capsys):
+    assert launch.main(["--plan", "--hardware", "tpu-v9"]) == 2
+    assert "unknown hardware profile 'tpu-v9'" in capsys.readouterr().err
+
+
+def test_local_profile_is_measured():
+    hw = get_profile("local")
+    assert hw.device_flops > 1e9 and hw.h2d_bw > 1e8 and hw.optimizer_params_per_s > 1e6
+    assert hw.host_memory > 0 and hw.shared_cores  # the CPU backend
+
+
+# -- auto mode ---------------------------------------------------------------------------
+
+
+def _check_tokens():
+    return np.random.default_rng(7).integers(0, 256, (2, 16)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from conftest import tiny_config
+
+    model = dict(num_layers=4, d_model=32, num_heads=4, max_seq_len=32)
+    config = tiny_config(model=model, offload=dict(mode="none"))
+    return train(config, tmp_path_factory.mktemp("ref"), verbose=False)
+
+
+@pytest.mark.parametrize(
+    "memory, expect",
+    [
+        (dict(), ("none", None)),  # fits: none, decided from shapes alone
+        (dict(device_budget="600KiB", page_size="4KiB"), ("stream", "host")),
+        (
+            dict(device_budget="540KiB", host_budget="1100KiB", page_size="4KiB"),
+            ("stream", "nvme"),  # params and optimizer state on NVMe
+        ),
+    ],
+    ids=["fits", "tight_device", "tight_device_and_host"],
+)
+def test_auto_trains_like_none(reference, tiny, tmp_path, memory, expect):
+    model = dict(num_layers=4, d_model=32, num_heads=4, max_seq_len=32)
+    config = tiny(model=model, memory=memory)
+    assert config.offload.mode == "auto"
+    planned = resolve_auto(config, tmp_path, log=lambda s: None)
+    assert planned.offload.mode == expect[0]
+    if expect[1]:
+        assert planned.offload.optimizer == expect[1]
+    result = train(config, tmp_path, verbose=False)
+    assert_gpt_training_equal(result, reference, build_model(config.model), _check_tokens())
+    if expect[0] == "stream":  # the executor's own plan agrees the placement fits
+        rt = StreamingRuntime(planned)
+        try:
+            assert rt.plan.required <= planned.memory.device_budget
+        finally:
+            rt.close()
+
+
+def test_bf16_gradient_buffers_change_nothing(tiny, tmp_path, monkeypatch):
+    """bf16 compute, one micro-batch: block gradients cross to the host and wait there
+    in bf16 (half the traffic and buffers). Their values are bf16 already, so training is
+    bit-identical to fp32 buffers."""
+    config = tiny(
+        model=dict(compute_dtype="bfloat16"),
+        offload=dict(mode="stream"),
+        train=dict(steps=3, eval_batches=0),
+    )
+    assert executor.block_grad_dtype(config) == jnp.bfloat16
+    half = train(config, tmp_path / "bf16", verbose=False)
+    monkeypatch.setattr(executor, "block_grad_dtype", lambda config: jnp.float32)
+    full = train(config, tmp_path / "fp32", verbose=False)
+    assert half.losses == full.losses
+    for a, b in zip(jax.tree.leaves(half.params), jax.tree.leaves(full.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    host = lambda r: r.records[-1]["host_bytes"]
+    assert host(half) < host(full)
+
+
+def test_plan_is_frozen():
+    plan = make_plan(load_config("gpt_tiny"), PROFILES["h100"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.step_s = 0.0
