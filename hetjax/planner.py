@@ -521,7 +521,7 @@ def _shortfall(config: Config, w: Workload, hw: Hardware, limit: dict[str, int])
 
 def trace(config: Config, repeats: int = 3) -> Workload:
     """Measures the model on this machine: each stage function's time for one
-    micro-batch (compiled and run on random params and tokens, best of ``repeats``) and
+    micro-batch (compiled and run on random params and tokens, median of ``repeats``) and
     XLA's memory sizes. Allocates one block's, the embedding's and the head's params."""
     import jax
     import jax.numpy as jnp
@@ -561,7 +561,7 @@ def trace(config: Config, repeats: int = 3) -> Workload:
             t1 = time.perf_counter()
             jax.block_until_ready(fn())
             times.append(time.perf_counter() - t1)
-        return min(times)
+        return float(np.median(times))
 
     measured = {
         "embed_fwd": best(lambda: fns.embed_fwd(e, tokens)),
@@ -594,13 +594,19 @@ def device_capacity() -> int:
 
 
 def resolve_auto(config: Config, workdir=None, log=print) -> Config:
-    """``offload.mode=auto``: the config to train with. When the whole state fits the
-    device (``memory.device_budget``, else the device's free memory) that is
-    ``offload.mode=none``, decided from shapes alone; otherwise the tracer measures this
-    machine and the model, the planner plans, and the plan's placement is returned (with
-    the budgets it planned for, so the executor plans within them)."""
+    """``offload.mode=auto``: the config to train with (see :func:`plan_auto`)."""
+    return plan_auto(config, workdir, log)[0]
+
+
+def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | None]:
+    """``offload.mode=auto``: the config to train with, and the plan when one was made.
+    When the whole state fits the device (``memory.device_budget``, else the device's
+    free memory) that is ``offload.mode=none``, decided from shapes alone; otherwise the
+    tracer measures this machine and the model, the planner plans, and the plan's
+    placement is returned (with the budgets it planned for, so the executor plans within
+    them)."""
     if config.offload.mode != "auto":
-        return config
+        return config, None
     from pathlib import Path
 
     from hetjax.hardware import measure_local
@@ -616,11 +622,13 @@ def resolve_auto(config: Config, workdir=None, log=print) -> Config:
                 f"of {format_bytes(budget)}): offload.mode=none"
                 + (", model.remat=true" if remat else "")
             )
-            return config.replace(offload=dict(mode="none"), model=dict(remat=remat))
+            return config.replace(offload=dict(mode="none"), model=dict(remat=remat)), None
     log("offload.mode=auto: the state does not fit the device; measuring this machine")
+    t0 = time.perf_counter()
     nvme = config.memory.nvme_path or (Path(workdir) / "nvme" if workdir else "")
     hw = measure_local(str(nvme), config.model.compute_dtype)
     plan = make_plan(config, hw, trace(config))
+    log(f"planned in {time.perf_counter() - t0:.1f} s")
     for line in plan.table().splitlines():
         log(line)
     overrides = plan.config_overrides()
@@ -628,4 +636,4 @@ def resolve_auto(config: Config, workdir=None, log=print) -> Config:
         overrides["memory"] = dict(
             device_budget=plan.budgets["device"], host_budget=plan.budgets["host"]
         )
-    return config.replace(**overrides)
+    return config.replace(**overrides), plan
