@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetjax import timeline
 from hetjax.checkpoint import MASTER, RuntimeState
 from hetjax.config import Config, ConfigError, format_bytes
 from hetjax.host_optimizer import SlabOptimizer
@@ -416,6 +417,7 @@ class StreamingRuntime:
         self.resident = {}
         for n in names:
             self.resident[n] = jax.device_put(self.param_store.get(n), self.place.device)
+            timeline.watch("host_to_device", n, self.resident[n])
 
     # -- the step -----------------------------------------------------------------------
 
@@ -468,11 +470,13 @@ class StreamingRuntime:
         pending: collections.deque = collections.deque()  # grads in flight to the host
 
         x = self._embed_fwd(embed, tokens)  # (B, T, D)
+        timeline.watch("compute", "embed fwd", x)
         ckpts: list[Any] = [None] * L
         for i in range(L):
             slab = window.get(i)
             ckpts[i] = self._store_checkpoint(x)
             x = self._block_fwd(slab, x)
+            timeline.watch("compute", f"block{i} fwd", x, after=slab)
             del slab  # the window decides when a slab goes; hold no reference past it
             window.done(i)
             self._account(window, ckpts, pending, x)
@@ -485,6 +489,7 @@ class StreamingRuntime:
             jnp.asarray(self._step.seed, F32),  # the loss is fp32; fp16 cannot hold large scales
         )
         del x
+        timeline.watch("compute", "head fwd+bwd", (loss, dx))
         self._send_grad("head", dh, pending)
         self._send_grad("embed", de_head, pending)
         del dh, de_head
@@ -496,6 +501,7 @@ class StreamingRuntime:
             if i > 0:  # prefetch the next checkpoint while this block computes
                 next_ckpt = self._load_checkpoint(ckpts[i - 1])
             db, dx = self._block_bwd(slab, x_in, dx)
+            timeline.watch("compute", f"block{i} bwd", (db, dx), after=(slab, x_in))
             ckpts[i] = None
             del x_in, slab
             window.done(j)
@@ -504,6 +510,7 @@ class StreamingRuntime:
             self._account(window, ckpts, pending, dx)
 
         de = self._embed_bwd(embed, tokens, dx)
+        timeline.watch("compute", "embed bwd", de)
         self._send_grad("embed", de, pending)
         while pending:
             self._step.add(*pending.popleft())
@@ -511,15 +518,21 @@ class StreamingRuntime:
 
     def _store_checkpoint(self, x: jax.Array) -> jax.Array:
         if self.config.offload.activations == "host":
-            return jax.device_put(x, self.place.host)
+            ckpt = jax.device_put(x, self.place.host)
+            timeline.watch("device_to_host", "checkpoint", ckpt, after=x)
+            return ckpt
         return x
 
     def _load_checkpoint(self, ckpt: jax.Array) -> jax.Array:
-        return jax.device_put(ckpt, self.place.device)  # a no-op when already there
+        x = jax.device_put(ckpt, self.place.device)  # a no-op when already there
+        if x is not ckpt:
+            timeline.watch("host_to_device", "checkpoint", x, after=ckpt)
+        return x
 
     def _send_grad(self, name: str, g: jax.Array, pending) -> None:
         """Starts the device-to-host copy of a gradient slab; hands older ones on."""
         pending.append((name, jax.device_put(g, self.place.host)))
+        timeline.watch("device_to_host", f"{name} grad", pending[-1][1], after=g)
         while len(pending) > 2:
             self._step.add(*pending.popleft())
 
@@ -634,12 +647,14 @@ class StreamingRuntime:
         read, written = io[0] - self._io_mark[0], io[1] - self._io_mark[1]
         self._io_mark = io
         busy, self.loop.busy_s = self.loop.busy_s, 0.0
+        updated, self.loop.updated_params = self.loop.updated_params, 0
         metrics = {
             "device_bytes_peak": int(self.ledger.peak.get("device", 0)),
             "host_bytes": int(host),
             "nvme_bytes": int(self.states.nvme_bytes + self.param_store.nvme_bytes),
             "optimizer_s": self.optimizer_s,  # optimizer time the step waited for
             "optimizer_busy_s": busy,  # time the optimizer loop worked (overlapped or not)
+            "optimizer_params": int(updated),  # parameters updated (padded slabs, redos too)
             "nvme_read_bytes": int(read),
             "nvme_write_bytes": int(written),
             "optimizer_redo": self.loop.redo,
@@ -712,6 +727,7 @@ class _Window:
         if name not in self.cache:
             pages = self.rt.param_store.get(name)
             self.cache[name] = jax.device_put(pages, self.rt.place.device)
+            timeline.watch("host_to_device", name, self.cache[name])
         return self.cache[name]
 
     def get(self, j: int) -> jax.Array:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hetjax import timeline
 from hetjax.checkpoint import (
     MASTER,
     Checkpointer,
@@ -34,7 +35,7 @@ from hetjax.checkpoint import (
 )
 from hetjax.config import Config, ConfigError
 from hetjax.data import make_datasets
-from hetjax.metrics import MetricsWriter, StepTimer, step_record
+from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, step_record
 from hetjax.optim import build_optimizer
 from models import build_model
 
@@ -179,6 +180,7 @@ class InMemoryRuntime:
         self.state, (loss, grad_norm, skipped, scale) = self._step(
             self.state, batch, np.float32(np.nan if poison else 1.0)
         )
+        timeline.watch("compute", "train step", loss)
         skipped, scale = bool(skipped), float(scale)
         fp16_overflow = skipped and self.state.loss_scale is not None and scale > 1
         return StepStats(
@@ -363,6 +365,10 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
         )
         for line in getattr(runtime, "plan_lines", list)():
             out.log(line)
+        peak = peak_flops(config.model.compute_dtype)
+        out.log(
+            f"mfu against {peak / 1e12:.3f} TFLOP/s ({config.model.compute_dtype} matmul, measured)"
+        )
         step, data_offset = 0, 0
         if resume is not None:
             runtime.load_state(state)
@@ -400,9 +406,14 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
                 if faults.hit("kill_mid_step", step)
                 else None
             )
-            stats = runtime.train_step(batch, poison=faults.hit("nan", step))
+            recorder = (
+                timeline.Recorder(step) if t.trace_every and step % t.trace_every == 0 else None
+            )
+            with timeline.recording(recorder):
+                stats = runtime.train_step(batch, poison=faults.hit("nan", step))
             if killer is not None:
                 killer.join()  # the step outlived the timer: kill now, still before any save
+            trace = recorder.finish() if recorder is not None else None
             step_time = timer.lap()
             losses.append(stats.loss)
             rec = step_record(
@@ -411,9 +422,18 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
                 step_time,
                 tokens_per_step,
                 flops_per_step,
+                peak,
                 grad_norm=stats.grad_norm,
                 **runtime.extra_metrics(),
             )
+            if trace is not None:
+                trace.write(workdir / "trace")
+                overlap = trace.overlap()
+                rec.update(
+                    trace_busiest_lane=overlap["busiest_lane"],
+                    trace_step_over_busiest=overlap["step_over_busiest"],
+                )
+                timer.lap()  # writing the trace is not the next step's time
             if config.model.compute_dtype == "float16":
                 rec.update(loss_scale=stats.loss_scale, skipped=stats.skipped)
             if stats.nonfinite:
