@@ -212,7 +212,7 @@ class StreamingRuntime:
         self._refresh_resident()
         self.optimizer_s = 0.0
         self._grad_bytes = 0
-        self._io_mark = (0, 0)
+        self._io_mark = self._nvme_io_totals()  # initialisation's writes are no step's
         self.loss_scale = (
             LossScale.create(t.loss_scale_init, t.loss_scale_period)
             if config.model.compute_dtype == "float16"
@@ -632,18 +632,22 @@ class StreamingRuntime:
                 scale=jnp.float32(state.loss_scale[0]), good_steps=jnp.int32(state.loss_scale[1])
             )
         self._refresh_resident()
+        self._io_mark = self._nvme_io_totals()  # the restore's writes are no step's
 
     def close(self) -> None:
         self.loop.close()
         if self._nvme_dir is not None and self._temporary_nvme:
             shutil.rmtree(self._nvme_dir, ignore_errors=True)
 
-    def extra_metrics(self) -> dict[str, Any]:
-        host = self.param_store.host_bytes() + self.states.host_bytes() + self._grad_bytes
-        io = (
+    def _nvme_io_totals(self) -> tuple[int, int]:
+        return (
             self.states.read_bytes + getattr(self.param_store, "read_bytes", 0),
             self.states.write_bytes + getattr(self.param_store, "write_bytes", 0),
         )
+
+    def extra_metrics(self) -> dict[str, Any]:
+        host = self.param_store.host_bytes() + self.states.host_bytes() + self._grad_bytes
+        io = self._nvme_io_totals()
         read, written = io[0] - self._io_mark[0], io[1] - self._io_mark[1]
         self._io_mark = io
         busy, self.loop.busy_s = self.loop.busy_s, 0.0
