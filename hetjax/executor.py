@@ -312,7 +312,8 @@ class StreamingRuntime:
 
         checkpoint = open_checkpoint(self.config.model)  # None: random init
         keys = self.model.stage_keys(rng)
-        for name in self.stage_names:
+        tier = self.config.offload.optimizer
+        for name in _progress(self.stage_names, f"initialising state ({tier})"):
             kind = self.layout_name(name)
             layout = self.layouts[kind]
             key = keys["blocks"][int(name[5:])] if kind == "block" else keys[kind]
@@ -615,7 +616,8 @@ class StreamingRuntime:
             self.loop.drain()
         self.loop.reload()
         shardings = self.optimizer.sharding
-        for name in self.stage_names:
+        tier = self.config.offload.optimizer
+        for name in _progress(self.stage_names, f"restoring state ({tier})"):
             kind = self.layout_name(name)
             layout = self.layouts[kind]
             slabs = {
@@ -709,6 +711,14 @@ class _StepGrads:
     def norm(self) -> float:
         assert not any(self.remaining.values()), self.remaining
         return float(np.sqrt(self._sq))
+
+
+def _progress(stages: list[str], what: str):
+    """A progress bar over stages for the long start-up phases (NVMe initialisation,
+    restore), on a terminal only (tqdm's ``disable=None``); gone when done."""
+    from tqdm import tqdm
+
+    return tqdm(stages, desc=what, unit="stage", disable=None, leave=False, dynamic_ncols=True)
 
 
 def _to_f32(pages):

@@ -346,11 +346,17 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
     try:
         resume = ckpt.latest() if ckpt is not None and ck.resume == "auto" else None
         if resume is not None:
+            t0 = time.perf_counter()
+            out.log(f"restoring checkpoint step {resume} from {ckpt.directory} ...")
             state, meta = ckpt.restore(resume)
+            out.log(f"checkpoint read in {time.perf_counter() - t0:.1f} s")
             check_compatible(meta, config, ckpt.directory)
         (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         train_data, val_data, data_desc = make_datasets(config)
+        t0 = time.perf_counter()
+        out.log(f"building the {config.offload.mode} runtime: initialising state, planning ...")
         runtime = build_runtime(config, workdir)
+        out.log(f"runtime ready in {time.perf_counter() - t0:.1f} s")
         model = build_model(config.model)
         n_params = model.param_count()
         tokens_per_step = t.batch_size * t.seq_len
