@@ -33,6 +33,14 @@ import numpy as np
 from hetjax.config import Config
 
 
+def _scratch_dir() -> Path:
+    """Where benchmarks put their files: ``runs/bench`` under the working directory (the
+    local disk hetjax would use; ``runs/`` is ignored by git)."""
+    path = Path("runs/bench")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _steady_step_time(records, skip: int) -> float:
     times = [r["step_time_s"] for r in records[skip:]]
     return float(np.median(times))
@@ -73,7 +81,7 @@ def bench_overhead(quick: bool) -> dict:
         "stream_traced": "stream, every step traced",
     }
     results = {}
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:  # NVMe state: the local disk
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # NVMe state: the local disk
         for name, (mode, remat, depth, trace_every) in runs.items():
             config = base.replace(
                 offload=dict(mode=mode, prefetch_depth=depth, optimizer="nvme"),
@@ -327,7 +335,7 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
 
 def bench_io(quick: bool) -> dict:
     """TensorStore tier read/write GB/s vs the raw sequential disk bandwidth, one run."""
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:  # the disk hetjax would use
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # the disk hetjax would use
         return _disk_rows(Path(tmp), quick)
 
 
@@ -379,7 +387,7 @@ def bench_nvme(quick: bool) -> dict:
 
     steps, skip = (4, 2) if quick else (12, 4)
     results: dict = {}
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:  # the disk hetjax would use
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # the disk hetjax would use
         tmp = Path(tmp)
         results.update(_disk_rows(tmp, quick, "(1) "))
         results.update(_optimizer_rows(quick, "(2) "))
@@ -563,7 +571,7 @@ def bench_scale(quick: bool) -> dict:
     device_budget = (4 << 20) if quick else (1 << 30)
     timeout = 300 if quick else 3600
     results: dict = {"device_budget": device_budget, "attempts": []}
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:  # NVMe state: the local disk
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # NVMe state: the local disk
         for mode in ("none", "stream"):
             best = None
             for shape in shapes:
@@ -657,7 +665,7 @@ def bench_gpu(quick: bool) -> dict:
         "stream_big": (layers_big, dict(mode="stream", optimizer="host")),
     }
     results: dict = {"device": device.device_kind, "hbm_bytes": hbm}
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
         for name, (layers, offload) in rows.items():
             config = base.replace(model=dict(num_layers=layers), offload=offload)
             run = train(config, Path(tmp) / name, verbose=False)
