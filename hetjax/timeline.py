@@ -124,6 +124,8 @@ class Recorder:
             self.add(lane, name, start, time.perf_counter())
 
     def watch(self, lane: str, name: str, arrays: Any, after: Any = None) -> None:
+        if self._closed:  # e.g. the lock-free optimizer loop, still at work after the step
+            return
         q = self._queues.get(lane)
         if q is None:
             q = self._queues[lane] = queue.Queue()
