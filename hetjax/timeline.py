@@ -106,7 +106,8 @@ class Recorder:
         self.t0 = time.perf_counter()
         self._spans: dict[str, list[tuple[float, float, str]]] = {lane: [] for lane in LANES}
         self._lock = threading.Lock()
-        self._closed = False
+        self._closed = False  # no more spans are added
+        self._stopping = False  # no more device work is watched
         self._queues: dict[str, queue.Queue] = {}
         self._threads: list[threading.Thread] = []
 
@@ -124,17 +125,18 @@ class Recorder:
             self.add(lane, name, start, time.perf_counter())
 
     def watch(self, lane: str, name: str, arrays: Any, after: Any = None) -> None:
-        if self._closed:  # e.g. the lock-free optimizer loop, still at work after the step
-            return
-        q = self._queues.get(lane)
-        if q is None:
-            q = self._queues[lane] = queue.Queue()
-            t = threading.Thread(
-                target=self._watcher, args=(lane, q), name=f"hetjax-trace-{lane}", daemon=True
-            )
-            t.start()
-            self._threads.append(t)
-        q.put((name, time.perf_counter(), arrays, after))
+        with self._lock:  # finish() may be stopping the watchers from another thread
+            if self._stopping:  # e.g. the lock-free optimizer loop, at work after the step
+                return
+            q = self._queues.get(lane)
+            if q is None:
+                q = self._queues[lane] = queue.Queue()
+                t = threading.Thread(
+                    target=self._watcher, args=(lane, q), name=f"hetjax-trace-{lane}", daemon=True
+                )
+                t.start()
+                self._threads.append(t)
+            q.put((name, time.perf_counter(), arrays, after))
 
     def _watcher(self, lane: str, q: queue.Queue) -> None:
         import jax
@@ -160,6 +162,8 @@ class Recorder:
     def finish(self) -> Timeline:
         """Waits for the watched device work, stops recording (later completions are
         ignored) and returns the step's timeline, ending now."""
+        with self._lock:
+            self._stopping = True
         for q in self._queues.values():
             q.put(None)
         for t in self._threads:
