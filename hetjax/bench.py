@@ -10,7 +10,12 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
             TensorStore read/write GB/s vs the raw disk (O_DIRECT), optimizer params/s
             vs the memory-bandwidth bound (28 B/param), step time vs max(compute,
             optimizer, I/O), and the DeepSpeed ZeRO-3 NVMe peer shape's s/step
+  io        the TensorStore tier's read/write GB/s vs the raw sequential disk (O_DIRECT)
+  optimizer the host optimizer's params/s vs the memory-bandwidth bound (28 B/param)
   lockfree  optimizer.mode=lockfree vs sync on a tiny model: final losses, step time
+  scale     the largest GPT that trains 3 steps offloaded within a 1 GiB device and 6 GiB
+            host budget vs the largest that fits 1 GiB in memory (offload.mode=none)
+  gpu       (GPU only) MFU offloaded vs in HBM, TFLOP/s of a model larger than HBM
 """
 
 from __future__ import annotations
@@ -28,17 +33,27 @@ import numpy as np
 from hetjax.config import Config
 
 
+def _scratch_dir() -> Path:
+    """Where benchmarks put their files: ``runs/bench`` under the working directory (the
+    local disk hetjax would use; ``runs/`` is ignored by git)."""
+    path = Path("runs/bench")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _steady_step_time(records, skip: int) -> float:
     times = [r["step_time_s"] for r in records[skip:]]
     return float(np.median(times))
 
 
 def bench_overhead(quick: bool) -> dict:
-    """Step time of ``stream`` (params on host, prefetch depth 2) vs ``none`` on a
-    compute-bound shape: a batch large enough that matmuls dominate transfers."""
+    """Step time of the offloaded runtime (``stream``: params on the host, optimizer
+    state on NVMe, prefetch depth 2) vs ``none`` on a compute-bound shape: a batch large
+    enough that matmuls dominate transfers. Also: the same with prefetch off, and with
+    every step traced (``train.trace_every=1``: what the timeline costs)."""
     from hetjax.train import train
 
-    steps, skip = (4, 2) if quick else (12, 3)
+    steps, skip = (3, 1) if quick else (12, 3)
     model = (
         dict(num_layers=4, d_model=128, num_heads=4, max_seq_len=128)
         if quick
@@ -48,25 +63,30 @@ def bench_overhead(quick: bool) -> dict:
     base = Config().replace(
         model=model,
         train=dict(steps=steps, eval_batches=0, log_every=1000, **batch),
+        memory=dict(page_size="64KiB" if quick else "4MiB"),
         data=dict(corpus_bytes=500_000),
     )
-    runs = {  # name -> (offload.mode, model.remat, offload.prefetch_depth)
-        "none": ("none", False, 2),
-        "none_remat": ("none", True, 2),  # the same block recompute as streaming, in memory
-        "stream": ("stream", False, 2),
-        "stream_depth0": ("stream", False, 0),  # no prefetch: what overlap buys
+    runs = {  # name -> (offload.mode, model.remat, offload.prefetch_depth, train.trace_every)
+        "none": ("none", False, 2, 0),
+        "none_remat": ("none", True, 2, 0),  # the same block recompute as streaming, in memory
+        "stream": ("stream", False, 2, 0),
+        "stream_depth0": ("stream", False, 0, 0),  # no prefetch: what overlap buys
+        "stream_traced": ("stream", False, 2, 1),  # every step traced: the timeline's cost
     }
     labels = {
         "none": "none (in memory)",
         "none_remat": "none, remat per block",
-        "stream": "stream (params on host)",
+        "stream": "stream (params host, opt NVMe)",
         "stream_depth0": "stream, prefetch depth 0",
+        "stream_traced": "stream, every step traced",
     }
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, (mode, remat, depth) in runs.items():
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # NVMe state: the local disk
+        for name, (mode, remat, depth, trace_every) in runs.items():
             config = base.replace(
-                offload=dict(mode=mode, prefetch_depth=depth), model=dict(model, remat=remat)
+                offload=dict(mode=mode, prefetch_depth=depth, optimizer="nvme"),
+                model=dict(model, remat=remat),
+                train=dict(trace_every=trace_every),
             )
             run = train(config, Path(tmp) / name, verbose=False)
             timed = run.records[skip:]
@@ -76,11 +96,11 @@ def bench_overhead(quick: bool) -> dict:
                 results[f"{name}_optimizer"] = float(np.median([r["optimizer_s"] for r in timed]))
     ratio = results["stream"] / results["none"]
     ratio_remat = results["stream"] / results["none_remat"]
-    print(f"{'mode':<26}{'s/step':>10}{'TFLOP/s':>10}{'optimizer s':>13}")
+    print(f"{'mode':<32}{'s/step':>10}{'TFLOP/s':>10}{'optimizer s':>13}")
     for name, label in labels.items():
         opt = results.get(f"{name}_optimizer")
         opt_text = f"{opt:>13.4f}" if opt is not None else f"{'-':>13}"
-        print(f"{label:<26}{results[name]:>10.4f}{results[name + '_tflops']:>10.4f}{opt_text}")
+        print(f"{label:<32}{results[name]:>10.4f}{results[name + '_tflops']:>10.4f}{opt_text}")
     print(f"stream / none step time: {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
     print(
         f"stream / none-with-remat: {ratio_remat:.3f} ({(ratio_remat - 1) * 100:+.1f}%)"
@@ -91,6 +111,8 @@ def bench_overhead(quick: bool) -> dict:
         f"of the step; prefetch depth 0 / depth 2: "
         f"{results['stream_depth0'] / results['stream']:.3f}"
     )
+    trace_cost = results["stream_traced"] / results["stream"]
+    print(f"tracing every step / untraced: {trace_cost:.3f} ({(trace_cost - 1) * 100:+.1f}%)")
     return {
         "model": model,
         "batch": batch,
@@ -99,6 +121,7 @@ def bench_overhead(quick: bool) -> dict:
         "stream_optimizer_s": results["stream_optimizer"],
         "ratio": ratio,
         "ratio_vs_remat": ratio_remat,
+        "trace_cost": trace_cost,
     }
 
 
@@ -264,6 +287,63 @@ def _optimizer_params_per_s(n: int) -> float:
     return layout.padded_size / best
 
 
+def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
+    """The TensorStore tier's page write / cold read GB/s against the raw disk's
+    sequential O_DIRECT bandwidth, measured one after the other on ``directory``."""
+    disk_bytes = (64 if quick else 1024) << 20
+    page = 4 << 20
+    raw_w, raw_r = _raw_disk_bandwidth(directory, disk_bytes)
+    ts_w, ts_r = _tensorstore_bandwidth(directory, disk_bytes, page)
+    pad = " " * len(label)
+    print(f"{label}disk, {disk_bytes >> 20} MiB in 4 MiB pages   GB/s write   GB/s read")
+    print(f"{pad}raw O_DIRECT, sequential        {raw_w:>10.2f} {raw_r:>10.2f}")
+    print(f"{pad}TensorStore PageStore            {ts_w:>10.2f} {ts_r:>10.2f}")
+    print(f"{pad}achieved / raw                   {ts_w / raw_w:>10.2f} {ts_r / raw_r:>10.2f}")
+    return {
+        "disk_bytes": disk_bytes,
+        "raw_write": raw_w,
+        "raw_read": raw_r,
+        "ts_write": ts_w,
+        "ts_read": ts_r,
+        "write_vs_raw": ts_w / raw_w,
+        "read_vs_raw": ts_r / raw_r,
+    }
+
+
+def _optimizer_rows(quick: bool, label: str = "") -> dict:
+    """The host optimizer's params/s against the memory-bandwidth bound: AdamW moves
+    28 B/param (read param, grad, m, v: 16; write param, m, v: 12), so the bound is the
+    measured copy bandwidth / 28."""
+    n = (4 if quick else 32) << 20
+    bw = _memory_bandwidth(n)
+    bound = bw * 1e9 / 28
+    rate = _optimizer_params_per_s(n)
+    pad = " " * len(label)
+    print(f"{label}host optimizer (AdamW, {n >> 20}M-param slab): {rate / 1e6:.0f} M params/s")
+    print(
+        f"{pad}memory {bw:.1f} GB/s -> bound {bound / 1e6:.0f} M params/s at 28 B/param; "
+        f"achieved / bound {rate / bound:.2f}"
+    )
+    return {
+        "slab_params": n,
+        "memory_gbs": bw,
+        "bound_params_s": bound,
+        "optimizer_params_s": rate,
+        "optimizer_vs_bound": rate / bound,
+    }
+
+
+def bench_io(quick: bool) -> dict:
+    """TensorStore tier read/write GB/s vs the raw sequential disk bandwidth, one run."""
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # the disk hetjax would use
+        return _disk_rows(Path(tmp), quick)
+
+
+def bench_optimizer(quick: bool) -> dict:
+    """Host optimizer params/s vs the memory-bandwidth bound measured in the same run."""
+    return _optimizer_rows(quick)
+
+
 def _step_parts(runtime, batch) -> dict:
     """Forward+backward alone, the optimizer alone (state in RAM) and the optimizer's
     NVMe I/O alone (read every stage, write every stage), each timed separately."""
@@ -305,30 +385,12 @@ def bench_nvme(quick: bool) -> dict:
     from hetjax.data import make_datasets
     from hetjax.executor import StreamingRuntime
 
-    disk_bytes = (64 if quick else 1024) << 20
-    page = 4 << 20
     steps, skip = (4, 2) if quick else (12, 4)
     results: dict = {}
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:  # the disk hetjax would use
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # the disk hetjax would use
         tmp = Path(tmp)
-        raw_w, raw_r = _raw_disk_bandwidth(tmp, disk_bytes)
-        ts_w, ts_r = _tensorstore_bandwidth(tmp, disk_bytes, page)
-        results.update(raw_write=raw_w, raw_read=raw_r, ts_write=ts_w, ts_read=ts_r)
-        print(f"(1) disk, {disk_bytes >> 20} MiB in 4 MiB pages   GB/s write   GB/s read")
-        print(f"    raw O_DIRECT, sequential        {raw_w:>10.2f} {raw_r:>10.2f}")
-        print(f"    TensorStore PageStore            {ts_w:>10.2f} {ts_r:>10.2f}")
-        print(f"    achieved / raw                   {ts_w / raw_w:>10.2f} {ts_r / raw_r:>10.2f}")
-
-        n = (4 if quick else 32) << 20
-        bw = _memory_bandwidth(n)
-        bound = bw * 1e9 / 28
-        rate = _optimizer_params_per_s(n)
-        results.update(memory_gbs=bw, bound_params_s=bound, optimizer_params_s=rate)
-        print(f"(2) host optimizer (AdamW, {n >> 20}M-param slab): {rate / 1e6:.0f} M params/s")
-        print(
-            f"    memory {bw:.1f} GB/s -> bound {bound / 1e6:.0f} M params/s at 28 B/param; "
-            f"achieved / bound {rate / bound:.2f}"
-        )
+        results.update(_disk_rows(tmp, quick, "(1) "))
+        results.update(_optimizer_rows(quick, "(2) "))
 
         config = Config().replace(
             model=PEER_SHAPE,
@@ -402,11 +464,239 @@ def bench_lockfree(quick: bool) -> dict:
     return {"steps": steps, **results, "loss_gap": gap, "speedup": speed}
 
 
+# -- scale ----------------------------------------------------------------------------------
+
+# GPT shapes (layers, d_model, heads), smallest first; vocab 256, so ~12 L d^2 params.
+SCALE_SHAPES = [
+    (4, 512, 8),
+    (8, 768, 12),
+    (12, 1024, 16),
+    (16, 1536, 16),
+    (24, 1536, 16),
+    (32, 1536, 16),
+    (40, 1536, 16),
+    (32, 2048, 16),
+    (40, 2048, 16),
+]
+SCALE_SHAPES_QUICK = [(2, 32, 4), (4, 128, 4)]
+
+
+def _scale_config(shape, mode: str, quick: bool) -> Config:
+    """3 steps of a tiny batch; ``stream``: params and optimizer state on NVMe within
+    the device and host budgets; ``none``: everything on the device."""
+    layers, d, heads = shape
+    config = Config().replace(
+        model=dict(num_layers=layers, d_model=d, num_heads=heads, max_seq_len=64),
+        train=dict(steps=3, batch_size=1, seq_len=32, eval_batches=0, log_every=1),
+        checkpoint=dict(every_steps=0, at_end=False),
+        data=dict(corpus_bytes=100_000),
+    )
+    if mode == "stream":
+        budgets = ("4MiB", "24MiB") if quick else ("1GiB", "6GiB")
+        config = config.replace(
+            offload=dict(mode="stream", params="nvme", optimizer="nvme", prefetch_depth=1),
+            memory=dict(
+                device_budget=budgets[0],
+                host_budget=budgets[1],
+                page_size="64KiB" if quick else "4MiB",
+            ),
+        )
+    return config
+
+
+def in_memory_device_bytes(config: Config) -> int:
+    """Device bytes ``offload.mode=none`` needs for ``config``: XLA's memory analysis of
+    the jitted train step (arguments + outputs - donated aliases + temporaries),
+    compiled from abstract shapes, so nothing is allocated."""
+    from hetjax.optim import build_optimizer
+    from hetjax.train import InMemoryRuntime, TrainState
+    from models import build_model
+
+    runtime = InMemoryRuntime.__new__(InMemoryRuntime)  # no state: only its step function
+    runtime.config, runtime.model = config, build_model(config.model)
+    params = jax.eval_shape(runtime.model.init, jax.random.key(0))
+    runtime.tx = build_optimizer(config.optimizer, config.train.steps, params)
+    state = TrainState(
+        jax.ShapeDtypeStruct((), np.int32), params, jax.eval_shape(runtime.tx.init, params), None
+    )
+    t = config.train
+    batch = jax.ShapeDtypeStruct((t.grad_accum, t.micro_batch_size, t.seq_len + 1), np.int32)
+    step = jax.jit(runtime._train_step, donate_argnums=0)
+    a = step.lower(state, batch, jax.ShapeDtypeStruct((), np.float32)).compile().memory_analysis()
+    return int(
+        a.argument_size_in_bytes
+        + a.output_size_in_bytes
+        - a.alias_size_in_bytes
+        + a.temp_size_in_bytes
+    )
+
+
+def _scale_attempt(spec: str) -> None:
+    """One attempt, run in a child process (``python -c``): prints one JSON line."""
+    from hetjax.config import ConfigError
+    from hetjax.train import train
+    from models import build_model
+
+    args = json.loads(spec)
+    config = _scale_config(tuple(args["shape"]), args["mode"], args["quick"])
+    out: dict = {"params": build_model(config.model).param_count()}
+    try:
+        if args["mode"] == "none":
+            out["device_bytes"] = need = in_memory_device_bytes(config)
+            if need > args["device_budget"]:
+                raise ConfigError(f"needs {need} device bytes, budget {args['device_budget']}")
+        run = train(config, args["workdir"], verbose=False)
+        last = run.records[-1]
+        out.update(
+            fits=len(run.records) == 3,
+            step_s=last["step_time_s"],
+            loss=last["loss"],
+            **{k: last[k] for k in ("device_bytes_peak", "host_bytes", "nvme_bytes") if k in last},
+        )
+    except ConfigError as e:
+        out.update(fits=False, why=str(e))
+    print("SCALE " + json.dumps(out), flush=True)
+
+
+def bench_scale(quick: bool) -> dict:
+    """The largest GPT that trains 3 steps offloaded (params and optimizer state on
+    NVMe) within ``memory.device_budget=1GiB`` and ``memory.host_budget=6GiB`` vs the
+    largest whose ``offload.mode=none`` step fits the same 1 GiB of device memory (XLA's
+    own memory analysis; on this CPU nothing would stop it using more). Sizes go up
+    until one fails; each attempt runs in a child process with a timeout, so an
+    out-of-memory kill or a hang ends only that attempt."""
+    import subprocess
+
+    shapes = SCALE_SHAPES_QUICK if quick else SCALE_SHAPES
+    device_budget = (4 << 20) if quick else (1 << 30)
+    timeout = 300 if quick else 3600
+    results: dict = {"device_budget": device_budget, "attempts": []}
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # NVMe state: the local disk
+        for mode in ("none", "stream"):
+            best = None
+            for shape in shapes:
+                workdir = Path(tmp) / f"{mode}_{'x'.join(map(str, shape))}"
+                spec = json.dumps(
+                    dict(
+                        shape=shape,
+                        mode=mode,
+                        quick=quick,
+                        workdir=str(workdir),
+                        device_budget=device_budget,
+                    )
+                )
+                code = f"from hetjax.bench import _scale_attempt; _scale_attempt({spec!r})"
+                t0 = time.perf_counter()
+                try:
+                    proc = subprocess.run(
+                        [sys.executable, "-c", code],
+                        capture_output=True,
+                        text=True,
+                        timeout=timeout,
+                    )
+                    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SCALE ")]
+                    if lines:
+                        attempt = json.loads(lines[-1][len("SCALE ") :])
+                    else:  # killed (out of memory) or crashed
+                        tail = proc.stderr.strip().splitlines()[-1:] or [""]
+                        attempt = dict(fits=False, why=f"exit {proc.returncode}: {tail[0]}")
+                except subprocess.TimeoutExpired:
+                    attempt = dict(fits=False, why=f"timeout after {timeout} s")
+                attempt.update(mode=mode, shape=list(shape), wall_s=time.perf_counter() - t0)
+                results["attempts"].append(attempt)
+                params = attempt.get("params", 0)
+                status = "trains" if attempt["fits"] else f"fails: {attempt.get('why', '')[:90]}"
+                print(
+                    f"{mode:<7} {shape[0]:>3} x {shape[1]:<5} {params / 1e6:>9.1f}M params  "
+                    f"{attempt['wall_s']:>7.1f} s  {status}",
+                    flush=True,
+                )
+                if not attempt["fits"]:
+                    break
+                best = attempt
+                import shutil
+
+                shutil.rmtree(workdir, ignore_errors=True)  # free the disk for the next size
+            results[f"{mode}_largest_params"] = best["params"] if best else 0
+            results[f"{mode}_largest_shape"] = best["shape"] if best else None
+    none, stream = results["none_largest_params"], results["stream_largest_params"]
+    results["ratio"] = stream / none if none else float("inf")
+    print(
+        f"largest that trains 3 steps: offloaded {stream / 1e6:.1f}M params, "
+        f"in memory (none) {none / 1e6:.1f}M params; ratio {results['ratio']:.1f}x"
+    )
+    return results
+
+
+# -- gpu --------------------------------------------------------------------------------------
+
+
+def bench_gpu(quick: bool) -> dict:
+    """On a GPU: MFU of an offloaded run (params on the host, optimizer state in host
+    RAM) vs an in-HBM run (``none``) of the same per-layer shape, and the TFLOP/s of a
+    model deeper than HBM holds (16 B/param of state over the device's memory).
+    Elsewhere: skipped, saying so."""
+    from hetjax.train import train
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        msg = f"bench gpu: skipped, no GPU (the default device is {device.platform})"
+        print(msg)
+        return {"skipped": msg}
+    stats = device.memory_stats() or {}
+    hbm = int(stats.get("bytes_limit", 0))
+    d, heads = (1024, 8) if quick else (4096, 32)
+    seq, batch = (256, 4) if quick else (2048, 8)
+    layers_in_hbm = 2 if quick else 8
+    per_layer = 12 * d * d
+    layers_big = max(layers_in_hbm, int(1.1 * hbm / (16 * per_layer)) + 1) if hbm else 2
+    if quick:
+        layers_big = layers_in_hbm * 2
+    steps, skip = (3, 1) if quick else (8, 3)
+    base = Config().replace(
+        model=dict(d_model=d, num_heads=heads, max_seq_len=seq, compute_dtype="bfloat16"),
+        train=dict(steps=steps, batch_size=batch, seq_len=seq, eval_batches=0, log_every=1000),
+        checkpoint=dict(every_steps=0, at_end=False),
+        data=dict(corpus_bytes=2_000_000),
+    )
+    rows = {
+        "none": (layers_in_hbm, dict(mode="none")),
+        "stream": (layers_in_hbm, dict(mode="stream", optimizer="host")),
+        "stream_big": (layers_big, dict(mode="stream", optimizer="host")),
+    }
+    results: dict = {"device": device.device_kind, "hbm_bytes": hbm}
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
+        for name, (layers, offload) in rows.items():
+            config = base.replace(model=dict(num_layers=layers), offload=offload)
+            run = train(config, Path(tmp) / name, verbose=False)
+            timed = run.records[skip:]
+            results[name] = {
+                "layers": layers,
+                "s_per_step": _steady_step_time(run.records, skip),
+                "tflops": float(np.median([r["tflops"] for r in timed])),
+                "mfu": float(np.median([r["mfu"] for r in timed])),
+            }
+    print(f"{'run':<12}{'layers':>8}{'s/step':>10}{'TFLOP/s':>10}{'MFU':>8}")
+    for name, r in results.items():
+        if isinstance(r, dict):
+            print(
+                f"{name:<12}{r['layers']:>8}{r['s_per_step']:>10.3f}{r['tflops']:>10.1f}"
+                f"{r['mfu']:>8.3f}"
+            )
+    results["mfu_ratio"] = results["stream"]["mfu"] / results["none"]["mfu"]
+    print(f"offloaded / in-HBM MFU: {results['mfu_ratio']:.3f}")
+    return results
+
+
 BENCHMARKS = {
     "overhead": bench_overhead,
     "slabs": bench_slabs,
     "nvme": bench_nvme,
+    "io": bench_io,
+    "optimizer": bench_optimizer,
     "lockfree": bench_lockfree,
+    "scale": bench_scale,
+    "gpu": bench_gpu,
 }
 
 

@@ -252,11 +252,14 @@ class TrainConfig:
     # and skips the batches from there to the bad one, ``stop`` ends the run (an error)
     on_nonfinite: str = "skip"
     max_nonfinite: int = 10  # skip / rollback: stop after this many bad steps in a row
+    # record every N-th step's timeline into <workdir>/trace (hetjax/timeline.py); 0: off
+    trace_every: int = 0
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1", getattr(self, name))
         _check(self.eval_batches >= 0, "train.eval_batches", "must be >= 0", self.eval_batches)
+        _check(self.trace_every >= 0, "train.trace_every", "must be >= 0", self.trace_every)
         if self.batch_size % self.grad_accum:
             raise ConfigError(
                 f"config key 'train.batch_size' ({self.batch_size}) must be divisible by "

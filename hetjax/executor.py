@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetjax import timeline
 from hetjax.checkpoint import MASTER, RuntimeState
 from hetjax.config import Config, ConfigError, format_bytes
 from hetjax.host_optimizer import SlabOptimizer
@@ -315,7 +316,7 @@ class StreamingRuntime:
         self._refresh_resident()
         self.optimizer_s = 0.0
         self._grad_bytes = 0
-        self._io_mark = (0, 0)
+        self._io_mark = self._nvme_io_totals()  # initialisation's writes are no step's
         self.loss_scale = (
             LossScale.create(t.loss_scale_init, t.loss_scale_period)
             if config.model.compute_dtype == "float16"
@@ -416,7 +417,8 @@ class StreamingRuntime:
 
         checkpoint = open_checkpoint(self.config.model)  # None: random init
         keys = self.model.stage_keys(rng)
-        for name in self.stage_names:
+        tier = self.config.offload.optimizer
+        for name in _progress(self.stage_names, f"initialising state ({tier})"):
             kind = self.layout_name(name)
             layout = self.layouts[kind]
             key = keys["blocks"][int(name[5:])] if kind == "block" else keys[kind]
@@ -478,6 +480,7 @@ class StreamingRuntime:
         self.resident = {}
         for n in names:
             self.resident[n] = jax.device_put(self.param_store.get(n), self.place.device)
+            timeline.watch("host_to_device", n, self.resident[n])
 
     # -- the step -----------------------------------------------------------------------
 
@@ -534,6 +537,7 @@ class StreamingRuntime:
         pending: collections.deque = collections.deque()  # grads in flight to the host
 
         x = self._embed_fwd(embed, tokens)  # (B, T, D)
+        timeline.watch("compute", "embed fwd", x)
         ckpts: list[Any] = [None] * L
         kept: list[Any] = [None] * L  # the kept blocks' vjps (their residuals)
         for i in range(L):
@@ -543,6 +547,7 @@ class StreamingRuntime:
             else:
                 ckpts[i] = self._store_checkpoint(x)
                 x = self._block_fwd(slab, x)
+            timeline.watch("compute", f"block{i} fwd", x, after=slab)
             del slab  # the window decides when a slab goes; hold no reference past it
             window.done(i)
             self._account(window, ckpts, pending, x, kept)
@@ -555,6 +560,7 @@ class StreamingRuntime:
             jnp.asarray(self._step.seed, F32),  # the loss is fp32; fp16 cannot hold large scales
         )
         del x
+        timeline.watch("compute", "head fwd+bwd", (loss, dx))
         self._send_grad("head", dh, pending)
         self._send_grad("embed", de_head, pending)
         del dh, de_head
@@ -563,6 +569,7 @@ class StreamingRuntime:
         for i in reversed(range(L)):
             if i >= first_kept:
                 db, dx = self._block_bwd_kept(kept[i], dx)
+                timeline.watch("compute", f"block{i} bwd", (db, dx), after=kept[i])
                 kept[i] = None
             else:
                 j = L + first_kept - 1 - i  # position in the window's use order
@@ -570,6 +577,7 @@ class StreamingRuntime:
                 if i > 0:  # prefetch the next checkpoint while this block computes
                     next_ckpt = self._load_checkpoint(ckpts[i - 1])
                 db, dx = self._block_bwd(slab, x_in, dx)
+                timeline.watch("compute", f"block{i} bwd", (db, dx), after=(slab, x_in))
                 ckpts[i] = None
                 del x_in, slab
                 window.done(j)
@@ -578,6 +586,7 @@ class StreamingRuntime:
             self._account(window, ckpts, pending, dx, kept)
 
         de = self._embed_bwd(embed, tokens, dx)
+        timeline.watch("compute", "embed bwd", de)
         self._send_grad("embed", de, pending)
         while pending:
             self._step.add(*pending.popleft())
@@ -585,15 +594,21 @@ class StreamingRuntime:
 
     def _store_checkpoint(self, x: jax.Array) -> jax.Array:
         if self.config.offload.activations == "host":
-            return jax.device_put(x, self.place.host)
+            ckpt = jax.device_put(x, self.place.host)
+            timeline.watch("device_to_host", "checkpoint", ckpt, after=x)
+            return ckpt
         return x
 
     def _load_checkpoint(self, ckpt: jax.Array) -> jax.Array:
-        return jax.device_put(ckpt, self.place.device)  # a no-op when already there
+        x = jax.device_put(ckpt, self.place.device)  # a no-op when already there
+        if x is not ckpt:
+            timeline.watch("host_to_device", "checkpoint", x, after=ckpt)
+        return x
 
     def _send_grad(self, name: str, g: jax.Array, pending) -> None:
         """Starts the device-to-host copy of a gradient slab; hands older ones on."""
         pending.append((name, jax.device_put(g, self.place.host)))
+        timeline.watch("device_to_host", f"{name} grad", pending[-1][1], after=g)
         while len(pending) > 2:
             self._step.add(*pending.popleft())
 
@@ -676,7 +691,8 @@ class StreamingRuntime:
             self.loop.drain()
         self.loop.reload()
         shardings = self.optimizer.sharding
-        for name in self.stage_names:
+        tier = self.config.offload.optimizer
+        for name in _progress(self.stage_names, f"restoring state ({tier})"):
             kind = self.layout_name(name)
             layout = self.layouts[kind]
             slabs = {
@@ -693,27 +709,33 @@ class StreamingRuntime:
                 scale=jnp.float32(state.loss_scale[0]), good_steps=jnp.int32(state.loss_scale[1])
             )
         self._refresh_resident()
+        self._io_mark = self._nvme_io_totals()  # the restore's writes are no step's
 
     def close(self) -> None:
         self.loop.close()
         if self._nvme_dir is not None and self._temporary_nvme:
             shutil.rmtree(self._nvme_dir, ignore_errors=True)
 
-    def extra_metrics(self) -> dict[str, Any]:
-        host = self.param_store.host_bytes() + self.states.host_bytes() + self._grad_bytes
-        io = (
+    def _nvme_io_totals(self) -> tuple[int, int]:
+        return (
             self.states.read_bytes + getattr(self.param_store, "read_bytes", 0),
             self.states.write_bytes + getattr(self.param_store, "write_bytes", 0),
         )
+
+    def extra_metrics(self) -> dict[str, Any]:
+        host = self.param_store.host_bytes() + self.states.host_bytes() + self._grad_bytes
+        io = self._nvme_io_totals()
         read, written = io[0] - self._io_mark[0], io[1] - self._io_mark[1]
         self._io_mark = io
         busy, self.loop.busy_s = self.loop.busy_s, 0.0
+        updated, self.loop.updated_params = self.loop.updated_params, 0
         metrics = {
             "device_bytes_peak": int(self.ledger.peak.get("device", 0)),
             "host_bytes": int(host),
             "nvme_bytes": int(self.states.nvme_bytes + self.param_store.nvme_bytes),
             "optimizer_s": self.optimizer_s,  # optimizer time the step waited for
             "optimizer_busy_s": busy,  # time the optimizer loop worked (overlapped or not)
+            "optimizer_params": int(updated),  # parameters updated (padded slabs, redos too)
             "nvme_read_bytes": int(read),
             "nvme_write_bytes": int(written),
             "optimizer_redo": self.loop.redo,
@@ -783,6 +805,14 @@ def block_grad_dtype(config: Config):
     return F32
 
 
+def _progress(stages: list[str], what: str):
+    """A progress bar over stages for the long start-up phases (NVMe initialisation,
+    restore), on a terminal only (tqdm's ``disable=None``); gone when done."""
+    from tqdm import tqdm
+
+    return tqdm(stages, desc=what, unit="stage", disable=None, leave=False, dynamic_ncols=True)
+
+
 def _to_f32(pages):
     return [p.astype(F32) for p in pages]
 
@@ -803,6 +833,7 @@ class _Window:
         if name not in self.cache:
             pages = self.rt.param_store.get(name)
             self.cache[name] = jax.device_put(pages, self.rt.place.device)
+            timeline.watch("host_to_device", name, self.cache[name])
         return self.cache[name]
 
     def get(self, j: int) -> jax.Array:

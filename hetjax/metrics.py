@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -72,9 +73,18 @@ class StepTimer:
 
 
 def step_record(
-    step: int, loss: float, step_time: float, tokens: int, flops: float, **extra: Any
+    step: int,
+    loss: float,
+    step_time: float,
+    tokens: int,
+    flops: float,
+    peak_flops: float | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
-    """The per-step metrics every runtime writes."""
+    """The per-step metrics every runtime writes, plus rates derived from the runtime's
+    ``extra`` fields: ``mfu`` (model FLOP/s over ``peak_flops``), ``nvme_read_gbs`` /
+    ``nvme_write_gbs`` (the step's NVMe bytes over its wall time) and
+    ``optimizer_params_per_s`` (parameters updated over the optimizer loop's busy time)."""
     rec = {
         "step": step,
         "loss": float(loss),
@@ -82,6 +92,36 @@ def step_record(
         "tokens_per_s": tokens / step_time,
         "tflops": flops / step_time / 1e12,
     }
+    if peak_flops:
+        rec["mfu"] = flops / step_time / peak_flops
     for k, v in extra.items():
         rec[k] = float(v) if isinstance(v, float) or hasattr(v, "dtype") else v
+    for io in ("read", "write"):
+        if f"nvme_{io}_bytes" in rec:
+            rec[f"nvme_{io}_gbs"] = rec[f"nvme_{io}_bytes"] / step_time / 1e9
+    if rec.get("optimizer_busy_s"):
+        rec["optimizer_params_per_s"] = rec["optimizer_params"] / rec["optimizer_busy_s"]
     return rec
+
+
+@functools.cache
+def peak_flops(dtype: str = "float32") -> float:
+    """The accelerator's peak FLOP/s for matmuls in ``dtype``, the denominator of MFU.
+
+    Measured here, once per process: the best of a few square matmuls on the default
+    device (2048 on CPU, 8192 on accelerators), which is what XLA can reach in practice.
+    The one place to look the peak up: a named hardware profile can replace the
+    measurement later."""
+    import jax
+    import jax.numpy as jnp
+
+    n = 2048 if jax.devices()[0].platform == "cpu" else 8192
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
+    matmul = jax.jit(lambda x, y: x @ y)
+    jax.block_until_ready(matmul(a, a))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(matmul(a, a))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
+from hetjax import timeline
 from hetjax.config import ConfigError, format_bytes
 
 IO_CONCURRENCY = 16  # concurrent file operations; see MEASUREMENTS.md (4 MiB chunks, 16)
@@ -116,13 +117,20 @@ class PageStore:
     def read(self, kind: str, first_page: int, num_pages: int) -> ts.Future:
         """Starts reading pages ``[first_page, first_page + num_pages)``; the future's
         result is an array (num_pages, page_elems) of the kind's dtype."""
-        return self.arrays[kind][first_page : first_page + num_pages].read()
+        future = self.arrays[kind][first_page : first_page + num_pages].read()
+        timeline.watch_future("nvme_read", self._span_name(kind, first_page, num_pages), future)
+        return future
 
     def write(self, kind: str, first_page: int, data: np.ndarray) -> ts.WriteFutures:
         """Starts writing a flat slab of whole pages at ``first_page``. ``data`` must
         not change until the write completes."""
         pages = np.asarray(data, self.dtypes[kind]).reshape(-1, self.page_elems)
-        return self.arrays[kind][first_page : first_page + len(pages)].write(pages)
+        future = self.arrays[kind][first_page : first_page + len(pages)].write(pages)
+        timeline.watch_future("nvme_write", self._span_name(kind, first_page, len(pages)), future)
+        return future
+
+    def _span_name(self, kind: str, first_page: int, num_pages: int) -> str:
+        return f"{self.path.parent.name} {kind} pages {first_page}+{num_pages}"
 
     @staticmethod
     def open_existing(path: str | Path, kind: str) -> ts.TensorStore:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hetjax import timeline
 from hetjax.checkpoint import (
     MASTER,
     Checkpointer,
@@ -34,7 +35,7 @@ from hetjax.checkpoint import (
 )
 from hetjax.config import Config, ConfigError
 from hetjax.data import make_datasets
-from hetjax.metrics import MetricsWriter, StepTimer, step_record
+from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, step_record
 from hetjax.optim import build_optimizer
 from models import build_model
 
@@ -179,6 +180,7 @@ class InMemoryRuntime:
         self.state, (loss, grad_norm, skipped, scale) = self._step(
             self.state, batch, np.float32(np.nan if poison else 1.0)
         )
+        timeline.watch("compute", "train step", loss)
         skipped, scale = bool(skipped), float(scale)
         fp16_overflow = skipped and self.state.loss_scale is not None and scale > 1
         return StepStats(
@@ -348,7 +350,10 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
     try:
         resume = ckpt.latest() if ckpt is not None and ck.resume == "auto" else None
         if resume is not None:
+            t0 = time.perf_counter()
+            out.log(f"restoring checkpoint step {resume} from {ckpt.directory} ...")
             state, meta = ckpt.restore(resume)
+            out.log(f"checkpoint read in {time.perf_counter() - t0:.1f} s")
             check_compatible(meta, config, ckpt.directory)
         if config.offload.mode == "auto":  # decide the placement first (hetjax/planner.py)
             from hetjax.planner import resolve_auto
@@ -356,7 +361,10 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
             config = resolve_auto(config, workdir, out.log)
         (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         train_data, val_data, data_desc = make_datasets(config)
+        t0 = time.perf_counter()
+        out.log(f"building the {config.offload.mode} runtime: initialising state, planning ...")
         runtime = build_runtime(config, workdir)
+        out.log(f"runtime ready in {time.perf_counter() - t0:.1f} s")
         model = build_model(config.model)
         n_params = model.param_count()
         tokens_per_step = t.batch_size * t.seq_len
@@ -371,6 +379,10 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
         )
         for line in getattr(runtime, "plan_lines", list)():
             out.log(line)
+        peak = peak_flops(config.model.compute_dtype)
+        out.log(
+            f"mfu against {peak / 1e12:.3f} TFLOP/s ({config.model.compute_dtype} matmul, measured)"
+        )
         step, data_offset = 0, 0
         if resume is not None:
             runtime.load_state(state)
@@ -408,9 +420,14 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
                 if faults.hit("kill_mid_step", step)
                 else None
             )
-            stats = runtime.train_step(batch, poison=faults.hit("nan", step))
+            recorder = (
+                timeline.Recorder(step) if t.trace_every and step % t.trace_every == 0 else None
+            )
+            with timeline.recording(recorder):
+                stats = runtime.train_step(batch, poison=faults.hit("nan", step))
             if killer is not None:
                 killer.join()  # the step outlived the timer: kill now, still before any save
+            trace = recorder.finish() if recorder is not None else None
             step_time = timer.lap()
             losses.append(stats.loss)
             rec = step_record(
@@ -419,9 +436,18 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
                 step_time,
                 tokens_per_step,
                 flops_per_step,
+                peak,
                 grad_norm=stats.grad_norm,
                 **runtime.extra_metrics(),
             )
+            if trace is not None:
+                trace.write(workdir / "trace")
+                overlap = trace.overlap()
+                rec.update(
+                    trace_busiest_lane=overlap["busiest_lane"],
+                    trace_step_over_busiest=overlap["step_over_busiest"],
+                )
+                timer.lap()  # writing the trace is not the next step's time
             if config.model.compute_dtype == "float16":
                 rec.update(loss_scale=stats.loss_scale, skipped=stats.skipped)
             if stats.nonfinite:

@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from hetjax import timeline
+
 
 class UpdateLoop:
     def __init__(
@@ -62,6 +64,7 @@ class UpdateLoop:
         self.max_staleness = max_staleness
         self.readahead = readahead
         self.busy_s = 0.0  # time the thread spent updating, since the last read
+        self.updated_params = 0  # parameters updated, since the last read
         self.redo = 0  # steps whose speculative update was redone with clipping
         self._queue: queue.Queue = queue.Queue()
         self._reads: dict[str, Any] = {}
@@ -203,6 +206,8 @@ class UpdateLoop:
         slabs, scalars = self.states.get(stage, handle)
         layout = self.layout_of(stage)
         new, new_scalars, pages = self.opt.update(layout, slabs, scalars, grad, clip)
+        timeline.watch("optimizer", stage, (new, pages))
+        self.updated_params += grad.size
         self.states.put(stage, new, new_scalars)
         self.params.publish(stage, pages)
         self.busy_s += time.perf_counter() - t0

@@ -17,7 +17,9 @@ def test_overhead_quick(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["none_s"] > 0 and result["stream_s"] > 0
     assert abs(result["ratio"] - result["stream_s"] / result["none_s"]) < 1e-9
-    assert "stream / none step time" in capsys.readouterr().out
+    assert abs(result["trace_cost"] - result["stream_traced_s"] / result["stream_s"]) < 1e-9
+    text = capsys.readouterr().out
+    assert "stream / none step time" in text and "params host, opt NVMe" in text
 
 
 def test_nvme_quick(tmp_path, capsys):
@@ -41,3 +43,53 @@ def test_lockfree_quick(tmp_path, capsys):
         < 1e-9
     )
     assert "lockfree - sync loss" in capsys.readouterr().out
+
+
+def test_io_quick(tmp_path, capsys):
+    out = tmp_path / "io.json"
+    assert main(["io", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("raw_write", "raw_read", "ts_write", "ts_read"):
+        assert result[key] > 0, key
+    assert result["read_vs_raw"] == result["ts_read"] / result["raw_read"]
+    assert result["write_vs_raw"] == result["ts_write"] / result["raw_write"]
+    assert "achieved / raw" in capsys.readouterr().out
+
+
+def test_optimizer_quick(tmp_path, capsys):
+    out = tmp_path / "optimizer.json"
+    assert main(["optimizer", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["optimizer_params_s"] > 0 and result["memory_gbs"] > 0
+    assert result["bound_params_s"] == result["memory_gbs"] * 1e9 / 28
+    assert result["optimizer_vs_bound"] == result["optimizer_params_s"] / result["bound_params_s"]
+    assert "achieved / bound" in capsys.readouterr().out
+
+
+def test_scale_quick(tmp_path, capsys):
+    """Each size in a child process; the in-memory run stops at the first shape whose
+    step needs more than the (tiny) device budget, the offloaded one trains it."""
+    out = tmp_path / "scale.json"
+    assert main(["scale", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    by_mode = {m: [a for a in result["attempts"] if a["mode"] == m] for m in ("none", "stream")}
+    assert [a["fits"] for a in by_mode["none"]] == [True, False]
+    assert by_mode["none"][1]["device_bytes"] > result["device_budget"]
+    assert all(a["fits"] for a in by_mode["stream"])
+    for a in by_mode["stream"]:
+        assert 0 < a["device_bytes_peak"] <= result["device_budget"]
+    assert result["stream_largest_params"] > result["none_largest_params"] > 0
+    assert result["ratio"] == result["stream_largest_params"] / result["none_largest_params"]
+    assert "largest that trains 3 steps" in capsys.readouterr().out
+
+
+def test_gpu_skips_without_gpu(tmp_path, capsys):
+    import jax
+
+    out = tmp_path / "gpu.json"
+    assert main(["gpu", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    if jax.devices()[0].platform != "gpu":
+        assert "no GPU" in result["skipped"] and "skipped" in capsys.readouterr().out
+    else:
+        assert result["stream"]["mfu"] > 0 and result["none"]["mfu"] > 0
