@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import shutil
 import tempfile
 import time
@@ -48,6 +49,7 @@ from hetjax.state_store import (
     MemoryStateStore,
     NvmeParamStore,
     NvmeStateStore,
+    flat,
     plan_host_memory,
 )
 from hetjax.train import LossScale, StepStats
@@ -134,9 +136,15 @@ def plan_device_memory(
     )
 
 
+def device_bytes(a: jax.Array) -> int:
+    """Bytes of ``a`` on each device holding it: the whole array on one device or
+    replicated, 1/N of it sharded over N devices."""
+    return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+
+
 class Ledger:
-    """Bytes held per memory kind, recomputed from the executor's own containers at every
-    dispatch, with the peak per kind."""
+    """Bytes held per memory kind on each device, recomputed from the executor's own
+    containers at every dispatch, with the peak per kind."""
 
     def __init__(self):
         self.current: dict[str, int] = {}
@@ -149,7 +157,7 @@ class Ledger:
             if id(a) in seen:
                 continue
             seen.add(id(a))
-            totals[a.sharding.memory_kind or "device"] += a.nbytes
+            totals[a.sharding.memory_kind or "device"] += device_bytes(a)
         self.current = dict(totals)
         for kind, n in totals.items():
             self.peak[kind] = max(self.peak[kind], n)
@@ -159,12 +167,17 @@ class Ledger:
 
 
 class StreamingRuntime:
-    """Trains with params on the host, streamed a stage at a time through the device."""
+    """Trains with params on the host, streamed a stage at a time through the device.
+
+    ZeRO-3 (``zero.py``) is this runtime with the page slabs sharded over devices: it
+    overrides the hooks in the "placement hooks" section below, not the loop."""
+
+    page_multiple = 1  # stage slabs pad to a multiple of this many pages
 
     def __init__(self, config: Config, probe=None, workdir: str | Path | None = None):
         self.config = config
         self.model = build_model(config.model)
-        self.place = Placement.single_device()
+        self.place = self._placement()
         self.compute_dtype = jnp.dtype(config.model.compute_dtype)
         self.num_layers = L = config.model.num_layers
         self.probe = probe  # called after every dispatch (tests sample live memory)
@@ -177,17 +190,18 @@ class StreamingRuntime:
             lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"]
         )
         self.layouts = {
-            "embed": SlabLayout.from_params(shapes["embed"], page),
-            "block": SlabLayout.from_params(one_block, page),
-            "head": SlabLayout.from_params(shapes["head"], page),
+            "embed": SlabLayout.from_params(shapes["embed"], page, self.page_multiple),
+            "block": SlabLayout.from_params(one_block, page, self.page_multiple),
+            "head": SlabLayout.from_params(shapes["head"], page, self.page_multiple),
         }
+        self.state_layouts = self._state_layouts()  # the slabs this process updates
         self.block_names = [f"block{i}" for i in range(L)]
         self.stage_names = ["embed", *self.block_names, "head"]
         self.update_order = ["head", *reversed(self.block_names), "embed"]  # backward order
 
         opt_sharding = self.place.device if off.optimizer == "device" else self.place.optimizer
         self.optimizer = SlabOptimizer(
-            config.optimizer, t.steps, self.layouts, opt_sharding, self.compute_dtype
+            config.optimizer, t.steps, self.state_layouts, opt_sharding, self.compute_dtype
         )
         self.host_plan = self._plan_host_memory()
         self._nvme_dir = self._nvme_directory(workdir)
@@ -228,13 +242,13 @@ class StreamingRuntime:
         """Each stage's page range in the NVMe arrays: stages back to back."""
         pages, first = {}, 0
         for name in self.stage_names:
-            n = self.layouts[self.layout_name(name)].num_pages
+            n = self.state_layouts[self.layout_name(name)].num_pages
             pages[name], first = (first, n), first + n
         return pages
 
     def _plan_host_memory(self) -> HostMemoryPlan:
         cfg, off = self.config, self.config.offload
-        slab = lambda n, dtype: self.layouts[self.layout_name(n)].nbytes(dtype)
+        slab = lambda n, dtype: self.state_layouts[self.layout_name(n)].nbytes(dtype)
         if off.params == "host":
             param_slabs = sum(slab(n, self.compute_dtype) for n in self.stage_names)
         else:  # the NVMe read-ahead window
@@ -275,6 +289,7 @@ class StreamingRuntime:
             path = Path(workdir) / "nvme"
         else:
             path = Path(tempfile.mkdtemp(prefix="hetjax-nvme-"))
+        path = path / self.nvme_subdir if self.nvme_subdir else path
         self._nvme_created = not path.exists() or self._temporary_nvme
         return check_nvme_path(path, needed)
 
@@ -325,6 +340,7 @@ class StreamingRuntime:
                 slab = layout.flatten_np(checkpoint.stage(name))
                 master = jax.device_put(slab, self.place.optimizer)
                 del slab
+            master = self._own_slab(kind, master)
             slabs, scalars = self.optimizer.init(kind, master)
             self.states.init_stage(name, slabs, scalars)
             self.param_store.publish(name, self.optimizer.compute_pages(kind, master))
@@ -335,7 +351,7 @@ class StreamingRuntime:
     def _build_stage_functions(self) -> None:
         E, B, H = self.layouts["embed"], self.layouts["block"], self.layouts["head"]
         m = self.model
-        dev = self.place.device
+        grad_slab = self._grad_slab
 
         def embed_fwd(e, tokens):  # (B, T) -> (B, T, D)
             return m.embed(E.unflatten_pages(e), tokens)
@@ -349,23 +365,23 @@ class StreamingRuntime:
         def head_fwd_bwd(h, e, x, targets, scale):
             loss, vjp = jax.vjp(lambda h, e, x: head_loss(h, e, x, targets), h, e, x)
             dh, de, dx = vjp(scale)  # scale: the fp16 loss scale, else 1
-            return loss, _to_f32(dh), _to_f32(de), dx
+            return loss, grad_slab(dh), grad_slab(de), dx
 
         def block_bwd(b, x, dy):  # recompute the block's inside, then its vjp
             _, vjp = jax.vjp(block_fwd, b, x)
             db, dx = vjp(dy)
-            return _to_f32(db), dx
+            return grad_slab(db), dx
 
         def embed_bwd(e, tokens, dx):
             _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
-            return _to_f32(vjp(dx)[0])
+            return grad_slab(vjp(dx)[0])
 
-        self._embed_fwd = jax.jit(embed_fwd, out_shardings=dev)
-        self._block_fwd = jax.jit(block_fwd, out_shardings=dev)
-        self._head_loss = jax.jit(head_loss, out_shardings=dev)
-        self._head_fwd_bwd = jax.jit(head_fwd_bwd, out_shardings=dev)
-        self._block_bwd = jax.jit(block_bwd, out_shardings=dev)
-        self._embed_bwd = jax.jit(embed_bwd, out_shardings=dev)
+        self._embed_fwd = self._stage_jit(embed_fwd)
+        self._block_fwd = self._stage_jit(block_fwd)
+        self._head_loss = self._stage_jit(head_loss)
+        self._head_fwd_bwd = self._stage_jit(head_fwd_bwd)
+        self._block_bwd = self._stage_jit(block_bwd)
+        self._embed_bwd = self._stage_jit(embed_bwd)
 
     def _plan_memory(self) -> DeviceMemoryPlan:
         cfg, t = self.config, self.config.train
@@ -415,7 +431,47 @@ class StreamingRuntime:
             self.param_store.prefetch(n)
         self.resident = {}
         for n in names:
-            self.resident[n] = jax.device_put(self.param_store.get(n), self.place.device)
+            self.resident[n] = self._to_device(self.param_store.get(n))
+
+    # -- placement hooks (overridden by ZeRO-3, zero.py) ---------------------------------
+
+    def _placement(self) -> Placement:
+        return Placement.single_device()
+
+    def _state_layouts(self) -> dict[str, SlabLayout]:
+        """Layouts of the slabs this process's optimizer and stores hold: whole slabs."""
+        return self.layouts
+
+    nvme_subdir = ""  # this process's directory under the NVMe path ("": the path)
+
+    def _own_slab(self, kind: str, slab):
+        """A whole stage slab (fp32) -> the part this process holds: all of it."""
+        return slab
+
+    def _whole_slab(self, slab) -> np.ndarray:
+        """This process's part of a stage slab -> the whole slab (host numpy)."""
+        return flat(slab)
+
+    def _stage_jit(self, fn):
+        return jax.jit(fn, out_shardings=self.place.device)
+
+    def _grad_slab(self, pages: list[jax.Array]):
+        """Inside a stage's jit: the gradient of its pages as it leaves the device."""
+        return [p.astype(F32) for p in pages]
+
+    def _to_device(self, pages):
+        """A stage's params from the param store -> pages on the device for compute."""
+        return jax.device_put(pages, self.place.device)
+
+    def _put_batch(self, rows: np.ndarray) -> jax.Array:
+        return jax.device_put(rows, self.place.device)
+
+    def _host_slab(self, grad) -> np.ndarray:
+        """A gradient on the host (its pages) -> this process's flat fp32 numpy slab."""
+        return np.concatenate([np.asarray(p) for p in grad])
+
+    def _sum_over_processes(self, value: float) -> float:
+        return value
 
     # -- the step -----------------------------------------------------------------------
 
@@ -460,9 +516,9 @@ class StreamingRuntime:
     def _forward_backward(self, tokens_np: np.ndarray, last: bool):
         """Forward and backward of one micro-batch (B, T+1); its gradient slabs go to
         ``self._step`` (host, fp32). Returns the loss (a device scalar)."""
-        dev, L = self.place.device, self.num_layers
-        tokens = jax.device_put(tokens_np[:, :-1], dev)
-        targets = jax.device_put(tokens_np[:, 1:], dev)
+        L = self.num_layers
+        tokens = self._put_batch(tokens_np[:, :-1])
+        targets = self._put_batch(tokens_np[:, 1:])
         embed, head = self.resident["embed"], self.resident["head"]
         window = _Window(self, self.block_names + self.block_names[::-1])
         pending: collections.deque = collections.deque()  # grads in flight to the host
@@ -511,15 +567,18 @@ class StreamingRuntime:
 
     def _store_checkpoint(self, x: jax.Array) -> jax.Array:
         if self.config.offload.activations == "host":
-            return jax.device_put(x, self.place.host)
+            return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
         return x
 
     def _load_checkpoint(self, ckpt: jax.Array) -> jax.Array:
-        return jax.device_put(ckpt, self.place.device)  # a no-op when already there
+        # a no-op when already there
+        return jax.device_put(ckpt, ckpt.sharding.with_memory_kind("device"))
 
-    def _send_grad(self, name: str, g: jax.Array, pending) -> None:
-        """Starts the device-to-host copy of a gradient slab; hands older ones on."""
-        pending.append((name, jax.device_put(g, self.place.host)))
+    def _send_grad(self, name: str, g, pending) -> None:
+        """Starts the device-to-host copy of a gradient slab (its pages, or its shards);
+        hands older ones on."""
+        host = jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), g)
+        pending.append((name, jax.device_put(g, host)))
         while len(pending) > 2:
             self._step.add(*pending.popleft())
 
@@ -538,9 +597,8 @@ class StreamingRuntime:
     # -- evaluation and state -----------------------------------------------------------
 
     def eval_loss(self, batch: np.ndarray) -> float:
-        dev = self.place.device
-        tokens = jax.device_put(batch[:, :-1], dev)
-        targets = jax.device_put(batch[:, 1:], dev)
+        tokens = self._put_batch(batch[:, :-1])
+        targets = self._put_batch(batch[:, 1:])
         window = _Window(self, self.block_names)
         x = self._embed_fwd(self.resident["embed"], tokens)
         for i in range(self.num_layers):
@@ -551,7 +609,10 @@ class StreamingRuntime:
     def params(self) -> Any:
         """The fp32 master params as the model's pytree (host numpy)."""
         unflat = lambda name: jax.tree.map(
-            np.array, self.layouts[self.layout_name(name)].unflatten(self.states.master(name))
+            np.array,
+            self.layouts[self.layout_name(name)].unflatten(
+                self._whole_slab(self.states.master(name))
+            ),
         )
         blocks = [unflat(n) for n in self.block_names]
         return {
@@ -585,7 +646,9 @@ class StreamingRuntime:
         for name in self.stage_names:
             layout = self.layouts[self.layout_name(name)]
             slabs, scalars[name] = self.states.committed(name)
-            stages[name] = {k: layout.unflatten(slab) for k, slab in slabs.items()}
+            stages[name] = {
+                k: layout.unflatten(self._whole_slab(slab)) for k, slab in slabs.items()
+            }
         ls = self.loss_scale
         loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
         return RuntimeState(stages, scalars, loss_scale)
@@ -606,7 +669,9 @@ class StreamingRuntime:
             kind = self.layout_name(name)
             layout = self.layouts[kind]
             slabs = {
-                k: self.optimizer.as_chunks(kind, layout.flatten_np(state.stages[name][k]))
+                k: self.optimizer.as_chunks(
+                    kind, self._own_slab(kind, layout.flatten_np(state.stages[name][k]))
+                )
                 for k in self.optimizer.kinds
             }
             scalars = [jax.device_put(np.asarray(a), shardings) for a in state.scalars[name]]
@@ -667,12 +732,13 @@ class _StepGrads:
         self.scale = scale
         self.seed = seed  # the loss cotangent: the scale (NaN when a fault is injected)
         self.loop = loop
+        self.host_slab, self.sum_over_processes = runtime._host_slab, runtime._sum_over_processes
         self.finite = True  # once a gradient is not finite, nothing more is submitted
         self.grads: dict[str, np.ndarray] = {}
         self._sq = 0.0
 
     def add(self, name: str, pages) -> None:
-        g = np.concatenate([np.asarray(p) for p in pages])  # waits for this slab only
+        g = self.host_slab(pages)  # waits for this slab only
         if name in self.grads:
             self.grads[name] += g
         else:
@@ -689,11 +755,7 @@ class _StepGrads:
 
     def norm(self) -> float:
         assert not any(self.remaining.values()), self.remaining
-        return float(np.sqrt(self._sq))
-
-
-def _to_f32(pages):
-    return [p.astype(F32) for p in pages]
+        return float(np.sqrt(self.sum_over_processes(self._sq)))
 
 
 class _Window:
@@ -710,8 +772,7 @@ class _Window:
         if name in self.rt.resident:
             return self.rt.resident[name]
         if name not in self.cache:
-            pages = self.rt.param_store.get(name)
-            self.cache[name] = jax.device_put(pages, self.rt.place.device)
+            self.cache[name] = self.rt._to_device(self.rt.param_store.get(name))
         return self.cache[name]
 
     def get(self, j: int) -> jax.Array:

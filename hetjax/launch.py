@@ -95,11 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
 
     from hetjax.checkpoint import CheckpointError  # imports JAX: after argument checks
+    from hetjax.distributed import DistributedError, initialize
     from hetjax.train import TrainingError, train
 
     try:
+        initialize(config)  # jax.distributed, when the run has several processes
         train(config, workdir)
-    except (ConfigError, TrainingError, CheckpointError) as e:
+    except (ConfigError, TrainingError, CheckpointError, DistributedError) as e:
         print(f"hetjax: error: {e}", file=sys.stderr)
         return 1
     return 0
