@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import Config
 from hetjax.distributed import DATA_AXIS, data_mesh
@@ -101,8 +101,17 @@ class ZeroRuntime(StreamingRuntime):
         copies its own pages in, then one all-gather (both asynchronous)."""
         n = slab.shape[0]
         if n not in self._gathers:
+            # shard_map: XLA's CPU partitioner would lower an automatic gather as an
+            # all-reduce of zero-padded copies, twice the bytes on the wire.
+            all_gather = jax.shard_map(
+                lambda s: jax.lax.all_gather(s, DATA_AXIS, tiled=True),
+                mesh=self.mesh,
+                in_specs=PartitionSpec(DATA_AXIS, None),
+                out_specs=PartitionSpec(),
+                check_vma=False,  # all_gather's output is replicated
+            )
             self._gathers[n] = jax.jit(
-                lambda s: [s[k] for k in range(n)], out_shardings=self.sharded.gathered
+                lambda s: list(all_gather(s)), out_shardings=self.sharded.gathered
             )
         self.comm["all_gather"] += slab.nbytes * (self.degree - 1) // self.degree
         return self._gathers[n](jax.device_put(slab, self.sharded.slab_device))
