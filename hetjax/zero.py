@@ -10,18 +10,20 @@ its arrays live (the "placement hooks" it calls):
 * **All-gather per stage, prefetched.** When the window fetches a stage, each device
   copies its own pages to device memory and a jitted all-gather makes them whole on
   every device; both are dispatched ahead of use like streaming's copies.
-* **Reduce-scatter of gradients.** The stage functions are jitted over the global batch
-  (rows sharded over ``data``); their gradient pages leave with a sharded layout, so
-  XLA sums them over devices and leaves each device only its own pages, which go to the
-  host as before.
+* **Reduce-scatter of gradients.** Each stage function runs per device on its rows of
+  the global batch (``shard_map``); its gradient slab is ``psum_scatter``-ed, so each
+  device keeps only the summed gradient of its own pages, which go to the host as
+  before. (Left to XLA's automatic partitioner, the CPU backend lowers both collectives
+  as all-reduces, twice the bytes.)
 * **One optimizer per process, on its shards.** A process holds the pages of its own
   devices, a contiguous page range of every stage (devices of a process are
   contiguous in the mesh); its host optimizer loop (``update_loop.py``) updates only
   that range (``SlabLayout.shard``: the decay split point moves with it). The global
   gradient norm for clipping is the sum of every process's part.
 
-The mean over the global batch equals single-device training up to summation order
-(tested at 1e-5 in ``tests/test_zero.py``). Per step and device the all-gathers move
+The mean over the global batch is computed as the mean of the devices' means, the sum
+single-device training with ``train.grad_accum = N`` micro-batches does (tested at
+1e-5 in ``tests/test_zero.py``). Per step and device the all-gathers move
 (N-1)/N of the stage slabs fetched and the reduce-scatters (N-1)/N of the gradient
 slabs: PatrickStar's 6(p-1)/p M bytes with fp16 params and gradients.
 """
@@ -90,11 +92,47 @@ class ZeroRuntime(StreamingRuntime):
         return np.asarray(multihost_utils.process_allgather(local, tiled=True))
 
     def _stage_jit(self, fn):
-        return jax.jit(fn)  # shardings follow the inputs and the constraint on gradients
+        """A stage function run per device on its rows of the batch (``shard_map``):
+        whole pages in, the device's rows of activations in and out; its loss is the
+        mean over devices, its gradient slabs are reduce-scattered (``psum_scatter``).
+        Arguments and results are told apart by rank: pages (1-D) and scalars are
+        replicated, batches (2-D tokens, 3-D activations) split by rows, 2-D results are
+        gradient slabs (see ``_grad_slab``)."""
+        N = self.degree
+
+        def reduce(out):
+            if out.ndim == 0:  # the loss: the global batch's mean is the mean of means
+                return jax.lax.pmean(out, DATA_AXIS)
+            if out.ndim == 2:
+                # Seeded with the local mean, each device's gradient is N x its share
+                # of the global mean's (exact for a power-of-two N).
+                summed = jax.lax.psum_scatter(out, DATA_AXIS, scatter_dimension=0, tiled=True)
+                return summed / N
+            return out
+
+        def spec_in(a):
+            return PartitionSpec(DATA_AXIS) if a.ndim >= 2 else PartitionSpec()
+
+        def spec_out(a):
+            if a.ndim == 0:
+                return PartitionSpec()
+            return PartitionSpec(DATA_AXIS, None) if a.ndim == 2 else PartitionSpec(DATA_AXIS)
+
+        def run(*args):
+            results = jax.eval_shape(fn, *args)
+            per_device = jax.shard_map(
+                lambda *a: jax.tree.map(reduce, fn(*a)),
+                mesh=self.mesh,
+                in_specs=jax.tree.map(spec_in, args),
+                out_specs=jax.tree.map(spec_out, results),
+                check_vma=False,
+            )
+            return per_device(*args)
+
+        return jax.jit(run)
 
     def _grad_slab(self, pages: list[jax.Array]) -> jax.Array:
-        grad = jnp.stack([p.astype(F32) for p in pages])  # (pages, page_elems)
-        return jax.lax.with_sharding_constraint(grad, self.sharded.grad)  # reduce-scatter
+        return jnp.stack([p.astype(F32) for p in pages])  # (pages, page_elems)
 
     def _to_device(self, slab: jax.Array) -> list[jax.Array]:
         """A stage's sharded host slab -> its pages whole on every device: each device
