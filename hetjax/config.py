@@ -2,7 +2,7 @@
 
 A run is described by a frozen :class:`Config` made of one frozen dataclass per section
 (``model``, ``train``, ``optimizer``, ``offload``, ``memory``, ``data``,
-``checkpoint``). Each section
+``checkpoint``, ``distributed``). Each section
 validates itself when built, so an impossible value fails at start-up with a message
 that names the key.
 
@@ -33,6 +33,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DistributedConfig",
     "MemoryConfig",
     "ModelConfig",
     "OffloadConfig",
@@ -451,6 +452,58 @@ class CheckpointConfig:
         return self.every_steps > 0 or self.at_end
 
 
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Data parallelism (ZeRO-3, hetjax/zero.py) and the processes of a multi-host run
+    (hetjax/distributed.py).
+
+    ``data_parallel`` devices share every stage's pages, one 1/N shard each; 1 is the
+    single-device streaming runtime, 0 every device of every process. ``coordinator``,
+    ``num_processes`` and ``process_id`` start ``jax.distributed``: empty / 0 / -1 read
+    them from the environment (``HETJAX_COORDINATOR``, ``HETJAX_NUM_PROCESSES``,
+    ``HETJAX_PROCESS_ID``, else SLURM's variables); with none set the run is one process.
+    """
+
+    data_parallel: int = 1
+    coordinator: str = ""  # host:port of process 0's coordination service
+    num_processes: int = 0  # 0: from the environment, else 1
+    process_id: int = -1  # -1: from the environment
+    # seconds to wait for every process at start-up, and after which a silent process
+    # (killed, hung) is declared dead and the others stop with an error
+    timeout_s: int = 300
+
+    def __post_init__(self):
+        _check(
+            self.data_parallel >= 0,
+            "distributed.data_parallel",
+            "must be >= 0 (0: every device, 1: no data parallelism)",
+            self.data_parallel,
+        )
+        _check(
+            self.num_processes >= 0,
+            "distributed.num_processes",
+            "must be >= 0 (0: from the environment)",
+            self.num_processes,
+        )
+        _check(
+            self.process_id >= -1,
+            "distributed.process_id",
+            "must be >= 0, or -1 (from the environment)",
+            self.process_id,
+        )
+        if self.num_processes and self.process_id >= self.num_processes:
+            raise ConfigError(
+                f"config key 'distributed.process_id' ({self.process_id}) must be below "
+                f"'distributed.num_processes' ({self.num_processes})"
+            )
+        if self.coordinator and not re.fullmatch(r"[^:\s]+:\d+", self.coordinator):
+            raise ConfigError(
+                "config key 'distributed.coordinator' must be 'host:port' (process 0's "
+                f"address and a free port), got {self.coordinator!r}"
+            )
+        _check(self.timeout_s >= 1, "distributed.timeout_s", "must be >= 1", self.timeout_s)
+
+
 _SECTIONS = {
     "model": ModelConfig,
     "train": TrainConfig,
@@ -459,6 +512,7 @@ _SECTIONS = {
     "memory": MemoryConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
+    "distributed": DistributedConfig,
 }
 
 
@@ -473,6 +527,7 @@ class Config:
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self):
         if self.train.seq_len > self.model.max_seq_len:
@@ -486,6 +541,29 @@ class Config:
                 f"config key 'offload.keep_blocks' ({self.offload.keep_blocks}) exceeds "
                 f"'model.num_layers' ({self.model.num_layers}): at most every block keeps "
                 "its activations"
+            )
+        data = self.distributed.data_parallel
+        if data != 1 and self.offload.mode == "none":
+            raise ConfigError(
+                f"config key 'distributed.data_parallel' ({data}): data parallelism (ZeRO-3) "
+                "is built on the streaming runtime; set offload.mode=stream (or auto)"
+            )
+        if data > 1 and self.train.micro_batch_size % data:
+            raise ConfigError(
+                f"config key 'train.batch_size' ({self.train.batch_size}) split into "
+                f"{self.train.grad_accum} micro-batches of {self.train.micro_batch_size} rows "
+                f"must divide evenly over distributed.data_parallel={data} devices; make "
+                "batch_size / grad_accum a multiple of it"
+            )
+        if data != 1 and self.offload.keep_blocks:
+            raise ConfigError(
+                "config key 'offload.keep_blocks': kept activations are not supported with "
+                "data parallelism (distributed.data_parallel != 1); leave it 0"
+            )
+        if data != 1 and self.optimizer.mode == "lockfree":
+            raise ConfigError(
+                "config key 'optimizer.mode': lockfree is not supported with data "
+                "parallelism (distributed.data_parallel != 1); use optimizer.mode=sync"
             )
 
     # -- building ---------------------------------------------------------------------

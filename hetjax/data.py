@@ -8,6 +8,11 @@ each pass over the data are visited in a permutation drawn from ``train.seed`` a
 pass number, so a run is still reproducible.
 
 The validation split is the last ``data.val_fraction`` of the token stream.
+
+With several processes (``distributed.*``) the global batch is the same and each
+process reads only its rows: of every micro-batch (``train.grad_accum``) the k-th of
+``num_processes`` equal runs of rows. So the global batch is the sum of the
+per-process ones, and a run reads the same data at any process count.
 """
 
 from __future__ import annotations
@@ -80,8 +85,16 @@ class TokenWindows:
     batch_size: int
     shuffle: bool = False
     seed: int = 0
+    process_index: int = 0  # this process reads its share of each micro-batch's rows
+    process_count: int = 1
+    grad_accum: int = 1
 
     def __post_init__(self):
+        if self.batch_size % (self.grad_accum * self.process_count):
+            raise ConfigError(
+                f"config key 'train.batch_size' ({self.batch_size}) must split evenly into "
+                f"{self.grad_accum} micro-batch(es) over {self.process_count} processes"
+            )
         self.num_windows = (len(self.tokens) - 1) // self.seq_len
         if self.num_windows < 1:
             raise ConfigError(
@@ -100,12 +113,19 @@ class TokenWindows:
             self._perm, self._perm_pass = rng.permutation(self.num_windows), data_pass
         return int(self._perm[pos])
 
+    def own_rows(self) -> list[int]:
+        """Rows of a global batch this process reads (all of them for one process)."""
+        micro = self.batch_size // self.grad_accum
+        share = micro // self.process_count
+        first = self.process_index * share
+        return [a * micro + first + j for a in range(self.grad_accum) for j in range(share)]
+
     def batch(self, i: int) -> np.ndarray:
-        """Batch ``i`` as int32 ``(B, T + 1)``."""
+        """This process's rows of batch ``i`` as int32 ``(B / processes, T + 1)``."""
         T = self.seq_len
         rows = [
             np.asarray(self.tokens[(k := self.window_index(i, r)) * T : k * T + T + 1])
-            for r in range(self.batch_size)
+            for r in self.own_rows()
         ]
         return np.stack(rows).astype(np.int32)
 
@@ -126,7 +146,18 @@ def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
                 "raise model.vocab_size to at least max id + 1"
             )
     n_val = max(int(len(tokens) * d.val_fraction), t.seq_len + 1)
-    train = TokenWindows(tokens[:-n_val], t.seq_len, t.batch_size, d.shuffle, t.seed)
-    val = TokenWindows(tokens[-n_val:], t.seq_len, t.batch_size, False, t.seed)
+    import jax
+
+    shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    train = TokenWindows(
+        tokens[:-n_val],
+        t.seq_len,
+        t.batch_size,
+        d.shuffle,
+        t.seed,
+        **shard,
+        grad_accum=t.grad_accum,
+    )
+    val = TokenWindows(tokens[-n_val:], t.seq_len, t.batch_size, False, t.seed, **shard)
     desc = f"{source}: {len(tokens):,} tokens ({len(tokens) - n_val:,} train, {n_val:,} val)"
     return train, val, desc

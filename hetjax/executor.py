@@ -50,6 +50,7 @@ from hetjax.state_store import (
     MemoryStateStore,
     NvmeParamStore,
     NvmeStateStore,
+    flat,
     plan_host_memory,
 )
 from hetjax.train import LossScale, StepStats
@@ -144,15 +145,22 @@ def plan_device_memory(
     )
 
 
-def stage_layouts(model, page_size: int) -> dict[str, SlabLayout]:
+def device_bytes(a: jax.Array) -> int:
+    """Bytes of ``a`` on each device holding it: the whole array on one device or
+    replicated, 1/N of it sharded over N devices."""
+    return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+
+
+def stage_layouts(model, page_size: int, page_multiple: int = 1) -> dict[str, SlabLayout]:
     """The slab layouts of a model's stages (``embed``, one ``block``, ``head``), from
-    abstract shapes: nothing is allocated."""
+    abstract shapes: nothing is allocated. Slabs pad to a multiple of ``page_multiple``
+    pages (ZeRO-3: one equal share per device)."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     one_block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"])
     return {
-        "embed": SlabLayout.from_params(shapes["embed"], page_size),
-        "block": SlabLayout.from_params(one_block, page_size),
-        "head": SlabLayout.from_params(shapes["head"], page_size),
+        "embed": SlabLayout.from_params(shapes["embed"], page_size, page_multiple),
+        "block": SlabLayout.from_params(one_block, page_size, page_multiple),
+        "head": SlabLayout.from_params(shapes["head"], page_size, page_multiple),
     }
 
 
@@ -173,11 +181,15 @@ class StageFunctions:
     vjp. ``block_fwd_keep`` instead returns the vjp (its residuals: the in-block
     activations) with the output, and ``block_bwd_kept`` applies it: no recompute, for the
     cost of holding the residuals on the device until backward (``offload.keep_blocks``).
+
+    ``jit`` compiles a stage function (one device: ``jax.jit`` onto it; ZeRO-3: per
+    device with collectives) and ``grad_slab(pages, dtype)`` shapes a gradient as it
+    leaves the device; block gradients leave in ``block_grad_dtype``.
     """
 
-    def __init__(self, model, layouts: dict[str, SlabLayout], device, block_grad_dtype=F32):
+    def __init__(self, model, layouts: dict[str, SlabLayout], jit, grad_slab, block_grad_dtype=F32):
         E, B, H = layouts["embed"], layouts["block"], layouts["head"]
-        cast = lambda pages: [p.astype(block_grad_dtype) for p in pages]
+        cast = lambda pages: grad_slab(pages, block_grad_dtype)
         self.layouts = layouts
         m = model
 
@@ -193,7 +205,7 @@ class StageFunctions:
         def head_fwd_bwd(h, e, x, targets, scale):
             loss, vjp = jax.vjp(lambda h, e, x: head_loss(h, e, x, targets), h, e, x)
             dh, de, dx = vjp(scale)  # scale: the fp16 loss scale, else 1
-            return loss, _to_f32(dh), _to_f32(de), dx
+            return loss, grad_slab(dh, F32), grad_slab(de, F32), dx
 
         def block_bwd(b, x, dy):  # recompute the block's inside, then its vjp
             _, vjp = jax.vjp(block_fwd, b, x)
@@ -209,16 +221,16 @@ class StageFunctions:
 
         def embed_bwd(e, tokens, dx):
             _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
-            return _to_f32(vjp(dx)[0])
+            return grad_slab(vjp(dx)[0], F32)
 
-        self.embed_fwd = jax.jit(embed_fwd, out_shardings=device)
-        self.block_fwd = jax.jit(block_fwd, out_shardings=device)
-        self.head_loss = jax.jit(head_loss, out_shardings=device)
-        self.head_fwd_bwd = jax.jit(head_fwd_bwd, out_shardings=device)
-        self.block_bwd = jax.jit(block_bwd, out_shardings=device)
-        self.block_fwd_keep = jax.jit(block_fwd_keep)
-        self.block_bwd_kept = jax.jit(block_bwd_kept, out_shardings=device)
-        self.embed_bwd = jax.jit(embed_bwd, out_shardings=device)
+        self.embed_fwd = jit(embed_fwd)
+        self.block_fwd = jit(block_fwd)
+        self.head_loss = jit(head_loss)
+        self.head_fwd_bwd = jit(head_fwd_bwd)
+        self.block_bwd = jit(block_bwd)
+        self.block_fwd_keep = jax.jit(block_fwd_keep)  # one device only (not ZeRO-3)
+        self.block_bwd_kept = jax.jit(block_bwd_kept)
+        self.embed_bwd = jit(embed_bwd)
 
     def abstract_args(self, batch: int, seq_len: int, dtype) -> dict[str, tuple]:
         """Abstract arguments of each function for a micro-batch (batch, seq_len)."""
@@ -249,8 +261,8 @@ class StageFunctions:
 
 
 class Ledger:
-    """Bytes held per memory kind, recomputed from the executor's own containers at every
-    dispatch, with the peak per kind."""
+    """Bytes held per memory kind on each device, recomputed from the executor's own
+    containers at every dispatch, with the peak per kind."""
 
     def __init__(self):
         self.current: dict[str, int] = {}
@@ -263,7 +275,7 @@ class Ledger:
             if id(a) in seen:
                 continue
             seen.add(id(a))
-            totals[a.sharding.memory_kind or "device"] += a.nbytes
+            totals[a.sharding.memory_kind or "device"] += device_bytes(a)
         self.current = dict(totals)
         for kind, n in totals.items():
             self.peak[kind] = max(self.peak[kind], n)
@@ -273,26 +285,32 @@ class Ledger:
 
 
 class StreamingRuntime:
-    """Trains with params on the host, streamed a stage at a time through the device."""
+    """Trains with params on the host, streamed a stage at a time through the device.
+
+    ZeRO-3 (``zero.py``) is this runtime with the page slabs sharded over devices: it
+    overrides the hooks in the "placement hooks" section below, not the loop."""
+
+    page_multiple = 1  # stage slabs pad to a multiple of this many pages
 
     def __init__(self, config: Config, probe=None, workdir: str | Path | None = None):
         self.config = config
         self.model = build_model(config.model)
-        self.place = Placement.single_device()
+        self.place = self._placement()
         self.compute_dtype = jnp.dtype(config.model.compute_dtype)
         self.num_layers = L = config.model.num_layers
         self.probe = probe  # called after every dispatch (tests sample live memory)
         self.ledger = Ledger()
         t, off, mem = config.train, config.offload, config.memory
 
-        self.layouts = stage_layouts(self.model, mem.page_size)
+        self.layouts = stage_layouts(self.model, mem.page_size, self.page_multiple)
+        self.state_layouts = self._state_layouts()  # the slabs this process updates
         self.block_names = [f"block{i}" for i in range(L)]
         self.stage_names = ["embed", *self.block_names, "head"]
         self.update_order = ["head", *reversed(self.block_names), "embed"]  # backward order
 
         opt_sharding = self.place.device if off.optimizer == "device" else self.place.optimizer
         self.optimizer = SlabOptimizer(
-            config.optimizer, t.steps, self.layouts, opt_sharding, self.compute_dtype
+            config.optimizer, t.steps, self.state_layouts, opt_sharding, self.compute_dtype
         )
         self.host_plan = self._plan_host_memory()
         self._nvme_dir = self._nvme_directory(workdir)
@@ -333,13 +351,13 @@ class StreamingRuntime:
         """Each stage's page range in the NVMe arrays: stages back to back."""
         pages, first = {}, 0
         for name in self.stage_names:
-            n = self.layouts[self.layout_name(name)].num_pages
+            n = self.state_layouts[self.layout_name(name)].num_pages
             pages[name], first = (first, n), first + n
         return pages
 
     def _plan_host_memory(self) -> HostMemoryPlan:
         cfg, off = self.config, self.config.offload
-        slab = lambda n, dtype: self.layouts[self.layout_name(n)].nbytes(dtype)
+        slab = lambda n, dtype: self.state_layouts[self.layout_name(n)].nbytes(dtype)
         if off.params == "host":
             param_slabs = sum(slab(n, self.compute_dtype) for n in self.stage_names)
         else:  # the NVMe read-ahead window
@@ -381,6 +399,7 @@ class StreamingRuntime:
             path = Path(workdir) / "nvme"
         else:
             path = Path(tempfile.mkdtemp(prefix="hetjax-nvme-"))
+        path = path / self.nvme_subdir if self.nvme_subdir else path
         self._nvme_created = not path.exists() or self._temporary_nvme
         return check_nvme_path(path, needed)
 
@@ -432,6 +451,7 @@ class StreamingRuntime:
                 slab = layout.flatten_np(checkpoint.stage(name))
                 master = jax.device_put(slab, self.place.optimizer)
                 del slab
+            master = self._own_slab(kind, master)
             slabs, scalars = self.optimizer.init(kind, master)
             self.states.init_stage(name, slabs, scalars)
             self.param_store.publish(name, self.optimizer.compute_pages(kind, master))
@@ -441,7 +461,11 @@ class StreamingRuntime:
 
     def _build_stage_functions(self) -> None:
         fns = StageFunctions(
-            self.model, self.layouts, self.place.device, block_grad_dtype(self.config)
+            self.model,
+            self.layouts,
+            self._stage_jit,
+            self._grad_slab,
+            block_grad_dtype(self.config),
         )
         self.fns = fns
         self._embed_fwd, self._block_fwd = fns.embed_fwd, fns.block_fwd
@@ -479,8 +503,48 @@ class StreamingRuntime:
             self.param_store.prefetch(n)
         self.resident = {}
         for n in names:
-            self.resident[n] = jax.device_put(self.param_store.get(n), self.place.device)
+            self.resident[n] = self._to_device(self.param_store.get(n))
             timeline.watch("host_to_device", n, self.resident[n])
+
+    # -- placement hooks (overridden by ZeRO-3, zero.py) ---------------------------------
+
+    def _placement(self) -> Placement:
+        return Placement.single_device()
+
+    def _state_layouts(self) -> dict[str, SlabLayout]:
+        """Layouts of the slabs this process's optimizer and stores hold: whole slabs."""
+        return self.layouts
+
+    nvme_subdir = ""  # this process's directory under the NVMe path ("": the path)
+
+    def _own_slab(self, kind: str, slab):
+        """A whole stage slab (fp32) -> the part this process holds: all of it."""
+        return slab
+
+    def _whole_slab(self, slab) -> np.ndarray:
+        """This process's part of a stage slab -> the whole slab (host numpy)."""
+        return flat(slab)
+
+    def _stage_jit(self, fn):
+        return jax.jit(fn, out_shardings=self.place.device)
+
+    def _grad_slab(self, pages: list[jax.Array], dtype=F32):
+        """Inside a stage's jit: the gradient of its pages as it leaves the device."""
+        return [p.astype(dtype) for p in pages]
+
+    def _to_device(self, pages):
+        """A stage's params from the param store -> pages on the device for compute."""
+        return jax.device_put(pages, self.place.device)
+
+    def _put_batch(self, rows: np.ndarray) -> jax.Array:
+        return jax.device_put(rows, self.place.device)
+
+    def _host_slab(self, grad) -> np.ndarray:
+        """A gradient on the host (its pages) -> this process's flat fp32 numpy slab."""
+        return np.concatenate([np.asarray(p) for p in grad])
+
+    def _sum_over_processes(self, value: float) -> float:
+        return value
 
     # -- the step -----------------------------------------------------------------------
 
@@ -525,9 +589,9 @@ class StreamingRuntime:
     def _forward_backward(self, tokens_np: np.ndarray, last: bool):
         """Forward and backward of one micro-batch (B, T+1); its gradient slabs go to
         ``self._step`` (host, fp32). Returns the loss (a device scalar)."""
-        dev, L = self.place.device, self.num_layers
-        tokens = jax.device_put(tokens_np[:, :-1], dev)
-        targets = jax.device_put(tokens_np[:, 1:], dev)
+        L = self.num_layers
+        tokens = self._put_batch(tokens_np[:, :-1])
+        targets = self._put_batch(tokens_np[:, 1:])
         embed, head = self.resident["embed"], self.resident["head"]
         # Blocks first_kept .. L-1 keep their in-block activations from forward to
         # backward (offload.keep_blocks): no checkpoint, no recompute, no second fetch.
@@ -594,20 +658,22 @@ class StreamingRuntime:
 
     def _store_checkpoint(self, x: jax.Array) -> jax.Array:
         if self.config.offload.activations == "host":
-            ckpt = jax.device_put(x, self.place.host)
+            ckpt = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
             timeline.watch("device_to_host", "checkpoint", ckpt, after=x)
             return ckpt
         return x
 
     def _load_checkpoint(self, ckpt: jax.Array) -> jax.Array:
-        x = jax.device_put(ckpt, self.place.device)  # a no-op when already there
+        x = jax.device_put(ckpt, ckpt.sharding.with_memory_kind("device"))  # no-op if there
         if x is not ckpt:
             timeline.watch("host_to_device", "checkpoint", x, after=ckpt)
         return x
 
-    def _send_grad(self, name: str, g: jax.Array, pending) -> None:
-        """Starts the device-to-host copy of a gradient slab; hands older ones on."""
-        pending.append((name, jax.device_put(g, self.place.host)))
+    def _send_grad(self, name: str, g, pending) -> None:
+        """Starts the device-to-host copy of a gradient slab (its pages, or its shards);
+        hands older ones on."""
+        host = jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), g)
+        pending.append((name, jax.device_put(g, host)))
         timeline.watch("device_to_host", f"{name} grad", pending[-1][1], after=g)
         while len(pending) > 2:
             self._step.add(*pending.popleft())
@@ -627,9 +693,8 @@ class StreamingRuntime:
     # -- evaluation and state -----------------------------------------------------------
 
     def eval_loss(self, batch: np.ndarray) -> float:
-        dev = self.place.device
-        tokens = jax.device_put(batch[:, :-1], dev)
-        targets = jax.device_put(batch[:, 1:], dev)
+        tokens = self._put_batch(batch[:, :-1])
+        targets = self._put_batch(batch[:, 1:])
         window = _Window(self, self.block_names)
         x = self._embed_fwd(self.resident["embed"], tokens)
         for i in range(self.num_layers):
@@ -640,7 +705,10 @@ class StreamingRuntime:
     def params(self) -> Any:
         """The fp32 master params as the model's pytree (host numpy)."""
         unflat = lambda name: jax.tree.map(
-            np.array, self.layouts[self.layout_name(name)].unflatten(self.states.master(name))
+            np.array,
+            self.layouts[self.layout_name(name)].unflatten(
+                self._whole_slab(self.states.master(name))
+            ),
         )
         blocks = [unflat(n) for n in self.block_names]
         return {
@@ -674,7 +742,9 @@ class StreamingRuntime:
         for name in self.stage_names:
             layout = self.layouts[self.layout_name(name)]
             slabs, scalars[name] = self.states.committed(name)
-            stages[name] = {k: layout.unflatten(slab) for k, slab in slabs.items()}
+            stages[name] = {
+                k: layout.unflatten(self._whole_slab(slab)) for k, slab in slabs.items()
+            }
         ls = self.loss_scale
         loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
         return RuntimeState(stages, scalars, loss_scale)
@@ -696,7 +766,9 @@ class StreamingRuntime:
             kind = self.layout_name(name)
             layout = self.layouts[kind]
             slabs = {
-                k: self.optimizer.as_chunks(kind, layout.flatten_np(state.stages[name][k]))
+                k: self.optimizer.as_chunks(
+                    kind, self._own_slab(kind, layout.flatten_np(state.stages[name][k]))
+                )
                 for k in self.optimizer.kinds
             }
             scalars = [jax.device_put(np.asarray(a), shardings) for a in state.scalars[name]]
@@ -763,12 +835,13 @@ class _StepGrads:
         self.scale = scale
         self.seed = seed  # the loss cotangent: the scale (NaN when a fault is injected)
         self.loop = loop
+        self.host_slab, self.sum_over_processes = runtime._host_slab, runtime._sum_over_processes
         self.finite = True  # once a gradient is not finite, nothing more is submitted
         self.grads: dict[str, np.ndarray] = {}
         self._sq = 0.0
 
     def add(self, name: str, pages) -> None:
-        g = np.concatenate([np.asarray(p) for p in pages])  # waits for this slab only
+        g = self.host_slab(pages)  # waits for this slab only
         if name in self.grads:
             self.grads[name] += g
         else:
@@ -788,18 +861,19 @@ class _StepGrads:
 
     def norm(self) -> float:
         assert not any(self.remaining.values()), self.remaining
-        return float(np.sqrt(self._sq))
+        return float(np.sqrt(self.sum_over_processes(self._sq)))
 
 
 def block_grad_dtype(config: Config):
     """The dtype block gradient slabs cross to the host and wait there in: bfloat16 when
     that loses nothing, i.e. compute in bf16 (its gradients are bf16 values), one
-    micro-batch (no sum) and sync mode; else fp32. It halves the device-to-host traffic
+    micro-batch and one device (no sum), sync mode; else fp32. It halves the device-to-host traffic
     and the host's gradient buffers (4 bytes/param -> 2), as Fuyou's fp16 gradients."""
     if (
         config.model.compute_dtype == "bfloat16"
         and config.train.grad_accum == 1
         and config.optimizer.mode == "sync"
+        and config.distributed.data_parallel == 1  # ZeRO-3 sums gradients over devices
     ):
         return jnp.bfloat16
     return F32
@@ -831,8 +905,7 @@ class _Window:
         if name in self.rt.resident:
             return self.rt.resident[name]
         if name not in self.cache:
-            pages = self.rt.param_store.get(name)
-            self.cache[name] = jax.device_put(pages, self.rt.place.device)
+            self.cache[name] = self.rt._to_device(self.rt.param_store.get(name))
             timeline.watch("host_to_device", name, self.cache[name])
         return self.cache[name]
 

@@ -109,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         return _plan(config, args.hardware)
 
     from hetjax.checkpoint import CheckpointError  # imports JAX: after argument checks
+    from hetjax.distributed import DistributedError, initialize
     from hetjax.train import TrainingError, train
 
     try:
+        initialize(config)  # jax.distributed, when the run has several processes
         train(config, workdir)
-    except (ConfigError, TrainingError, CheckpointError) as e:
+    except (ConfigError, TrainingError, CheckpointError, DistributedError) as e:
         print(f"hetjax: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -47,10 +47,13 @@ class SlabLayout:
     num_decay: int  # elements [0, num_decay) are weight-decayed
     size: int  # elements in use
     page_elems: int
+    page_multiple: int = 1  # pages pad to a multiple of this (ZeRO-3: the data degree)
 
     @classmethod
-    def from_params(cls, params: Any, page_bytes: int) -> SlabLayout:
-        """Builds the layout from a params pytree (arrays or ShapeDtypeStructs)."""
+    def from_params(cls, params: Any, page_bytes: int, page_multiple: int = 1) -> SlabLayout:
+        """Builds the layout from a params pytree (arrays or ShapeDtypeStructs); the
+        slab pads to a multiple of ``page_multiple`` pages (one equal share per device
+        under ZeRO-3)."""
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         decay = jax.tree.leaves(weight_decay_mask(params))
         order = sorted(range(len(paths_leaves)), key=lambda k: (not decay[k], k))
@@ -72,11 +75,22 @@ class SlabLayout:
             num_decay,
             offset,
             page_bytes // MASTER_ITEMSIZE,
+            page_multiple,
         )
+
+    def shard(self, first_page: int, num_pages: int) -> SlabLayout:
+        """The layout of pages ``[first_page, first_page + num_pages)`` as a slab of
+        their own, for the optimizer of one ZeRO-3 shard: the decay split point moves
+        with the range; the leaves (which straddle shards) are left out."""
+        start = first_page * self.page_elems
+        size = num_pages * self.page_elems
+        num_decay = min(max(self.num_decay - start, 0), size)
+        return SlabLayout((), None, (), num_decay, size, self.page_elems)
 
     @property
     def num_pages(self) -> int:
-        return -(-self.size // self.page_elems)
+        pages = -(-self.size // self.page_elems)
+        return -(-pages // self.page_multiple) * self.page_multiple
 
     @property
     def padded_size(self) -> int:

@@ -18,7 +18,7 @@ import dataclasses
 from collections import defaultdict
 
 import jax
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,3 +47,30 @@ def live_bytes_by_kind() -> dict[str, int]:
             continue
         totals[a.sharding.memory_kind or "device"] += a.nbytes
     return dict(totals)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedPlacement:
+    """ZeRO-3 (``zero.py``): a stage's slab is a ``(pages, page_elems)`` array whose
+    pages are split evenly over the ``data`` axis of ``mesh``; the batch is split over
+    the same axis. Storage layout (sharded) and compute layout (gathered) are separate
+    shardings."""
+
+    mesh: Mesh
+    slab_host: NamedSharding  # each device's pages, in its host memory
+    slab_device: NamedSharding  # the same shards copied to device memory
+    gathered: NamedSharding  # replicated on every device: the all-gathered pages
+    grad: NamedSharding  # gradient pages reduce-scattered back to their owners
+    batch: NamedSharding  # rows of the batch over the data axis
+
+    @classmethod
+    def over(cls, mesh: Mesh, axis: str = "data") -> ShardedPlacement:
+        pages = PartitionSpec(axis, None)
+        return cls(
+            mesh,
+            NamedSharding(mesh, pages, memory_kind="pinned_host"),
+            NamedSharding(mesh, pages, memory_kind="device"),
+            NamedSharding(mesh, PartitionSpec(), memory_kind="device"),
+            NamedSharding(mesh, pages, memory_kind="device"),
+            NamedSharding(mesh, PartitionSpec(axis), memory_kind="device"),
+        )

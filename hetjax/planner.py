@@ -536,7 +536,12 @@ def trace(config: Config, repeats: int = 3) -> Workload:
     dtype = jnp.dtype(m.compute_dtype)
     layouts = stage_layouts(model, config.memory.page_size)
     dev = Placement.single_device().device
-    fns = StageFunctions(model, layouts, dev)
+    fns = StageFunctions(
+        model,
+        layouts,
+        lambda fn: jax.jit(fn, out_shardings=dev),
+        lambda pages, dtype: [p.astype(dtype) for p in pages],
+    )
     sizes = fns.memory_sizes(t.micro_batch_size, t.seq_len, dtype)
     rng = np.random.default_rng(0)
 
@@ -607,6 +612,9 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     them)."""
     if config.offload.mode != "auto":
         return config, None
+    if config.distributed.data_parallel != 1:  # ZeRO-3 is the streaming runtime's
+        log("offload.mode=auto: data parallelism (ZeRO-3) streams: offload.mode=stream")
+        return config.replace(offload=dict(mode="stream")), None
     from pathlib import Path
 
     from hetjax.hardware import measure_local

@@ -268,6 +268,10 @@ def build_runtime(config: Config, workdir: str | Path | None = None) -> Runtime:
         config = resolve_auto(config, workdir)
     if config.offload.mode == "none":
         return InMemoryRuntime(config)
+    if config.offload.mode == "stream" and config.distributed.data_parallel != 1:
+        from hetjax.zero import ZeroRuntime  # imports this module
+
+        return ZeroRuntime(config, workdir=workdir)
     if config.offload.mode == "stream":
         from hetjax.executor import StreamingRuntime  # imports this module
 
@@ -340,7 +344,8 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
     workdir.mkdir(parents=True, exist_ok=True)
     t, ck = config.train, config.checkpoint
     faults = Faults.from_env()
-    out = MetricsWriter(workdir, t.steps, t.log_every, enabled=verbose)
+    main = jax.process_index() == 0  # metrics, logs and summaries from process 0 only
+    out = MetricsWriter(workdir, t.steps, t.log_every, enabled=verbose and main)
     ckpt = (
         _open_checkpoints(config, workdir, out)
         if ck.enabled or t.on_nonfinite == "rollback"
@@ -359,7 +364,8 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
             from hetjax.planner import resolve_auto
 
             config = resolve_auto(config, workdir, out.log)
-        (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        if main:
+            (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         train_data, val_data, data_desc = make_datasets(config)
         t0 = time.perf_counter()
         out.log(f"building the {config.offload.mode} runtime: initialising state, planning ...")
@@ -414,7 +420,7 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
         while step < t.steps:
             step += 1
             batch = train_data.batch(step - 1 + data_offset)  # (B, T+1)
-            batch = batch.reshape(t.grad_accum, t.micro_batch_size, t.seq_len + 1)
+            batch = batch.reshape(t.grad_accum, -1, t.seq_len + 1)  # this process's rows
             killer = (
                 _kill_later(0.5 * (records[-1]["step_time_s"] if records else 0.05))
                 if faults.hit("kill_mid_step", step)
@@ -482,7 +488,8 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
             "steps": t.steps,
             "mean_step_time_s": float(np.mean(times[1:] or times)) if times else None,
         }
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if main:
+            (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         params = runtime.params()
         if ckpt is not None:
             ckpt.wait()  # the last checkpoint is complete before the run says it is done

@@ -1,0 +1,267 @@
+"""ZeRO-3 data parallelism (hetjax/zero.py) equals single-device training; the
+multi-process start-up (hetjax/distributed.py) trains across real processes and fails
+fast when one is missing or dies.
+
+The reference for N devices is single-device training of the same global batch in N
+micro-batches (``train.grad_accum=N``): the same mean over the same rows, summed in the
+order data parallelism sums them (per-device partial gradients, then their sum). Against
+``grad_accum=1`` the gradients agree to float32 rounding (~1e-7, checked below with SGD),
+but AdamW's first steps divide gradients near ``eps`` by their own size, which turns
+that rounding into parameter differences of up to ~7e-5 of a tensor's largest element
+in the tiny model (measured: ``blocks.c_fc.bias``), for any two summation orders."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from equivalence import assert_gpt_training_equal, assert_trees_close, without_key_bias
+
+from hetjax.config import ConfigError
+from hetjax.data import make_datasets
+from hetjax.distributed import first_slurm_host, process_group
+from hetjax.train import train
+from hetjax.zero import ZeroRuntime
+from models import build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CLIP = dict(grad_clip=2.0)  # binds in some of the 5 steps, not in others
+PAGES = dict(page_size="16KiB")
+ZERO = dict(mode="stream")
+
+
+def _check_tokens():
+    return np.random.default_rng(7).integers(0, 256, (2, 16)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def reference4(tmp_path_factory):
+    from conftest import tiny_config
+
+    config = tiny_config(optimizer=CLIP, train=dict(grad_accum=4))
+    return train(config, tmp_path_factory.mktemp("ref4"), verbose=False)
+
+
+@pytest.mark.parametrize(
+    "offload",
+    [dict(ZERO, optimizer="host"), dict(ZERO, optimizer="nvme", params="nvme")],
+    ids=["optimizer_host", "optimizer_nvme"],
+)
+def test_zero3_on_4_devices_equals_single_device(reference4, tiny, tmp_path, offload):
+    config = tiny(optimizer=CLIP, offload=offload, memory=PAGES, distributed=dict(data_parallel=4))
+    result = train(config, tmp_path, verbose=False)
+    assert_gpt_training_equal(result, reference4, build_model(config.model), _check_tokens())
+    redo = [r["optimizer_redo"] for r in result.records]
+    assert 0 < redo[-1] < len(redo), redo  # clipping bound in some steps, not in all
+    last = result.records[-1]
+    assert last["all_gather_bytes"] > 0 and last["reduce_scatter_bytes"] > 0
+    if offload["optimizer"] == "nvme":  # one directory per process
+        assert (tmp_path / "nvme" / "proc0" / "optimizer" / "gen1" / "mu" / "zarr.json").is_file()
+
+
+def test_zero3_equals_plain_single_device_with_sgd(tiny, tmp_path):
+    """Against the ordinary one-micro-batch run: equal where the optimizer does not
+    amplify rounding (SGD with momentum; see the module docstring for AdamW)."""
+    opt = dict(name="sgd", lr=0.1, **CLIP)
+    ref = train(tiny(optimizer=opt), tmp_path / "ref", verbose=False)
+    config = tiny(optimizer=opt, offload=ZERO, memory=PAGES, distributed=dict(data_parallel=4))
+    result = train(config, tmp_path / "zero", verbose=False)
+    assert_gpt_training_equal(result, ref, build_model(config.model), _check_tokens())
+
+
+def test_per_device_bytes_shrink_with_devices(tiny):
+    """The ledger's per-device host bytes (param shards and gradient shards in flight)
+    and each device's share of the optimizer state fall as 1/N; the all-gathered window
+    on the device does not (every device computes with whole stages)."""
+    host, state, pages = {}, {}, {}
+    model = dict(num_layers=1, d_model=64, num_heads=4, max_seq_len=32)  # ~50 pages a stage
+    for n in (1, 4):
+        config = tiny(
+            model=model,
+            offload=ZERO,
+            memory=dict(page_size="4KiB"),
+            distributed=dict(data_parallel=n),
+        )
+        runtime = ZeroRuntime(config)
+        data, _, _ = make_datasets(config)
+        runtime.train_step(data.batch(0).reshape(1, 4, 17))
+        host[n] = runtime.ledger.peak["pinned_host"]
+        state[n] = runtime.states.host_bytes() / n  # one process holds every shard here
+        pages[n] = sum(
+            runtime.layouts[runtime.layout_name(s)].num_pages for s in runtime.stage_names
+        )
+        runtime.close()
+    padding = pages[4] / pages[1]  # each stage pads to a multiple of 4 pages
+    assert 1 < padding < 1.15
+    assert state[4] == pytest.approx(state[1] / 4 * padding, rel=1e-6), state
+    assert host[4] == pytest.approx(host[1] / 4 * padding, rel=0.1), host
+
+
+def test_bad_data_parallel_settings_are_named(tiny):
+    with pytest.raises(ConfigError, match="offload.mode=stream"):
+        tiny(offload=dict(mode="none"), distributed=dict(data_parallel=4))
+    with pytest.raises(ConfigError, match="keep_blocks"):
+        tiny(offload=dict(ZERO, keep_blocks=1), distributed=dict(data_parallel=4))
+    with pytest.raises(ConfigError, match="multiple of it"):
+        tiny(offload=ZERO, train=dict(batch_size=6), distributed=dict(data_parallel=4))
+    with pytest.raises(ConfigError, match="xla_force_host_platform_device_count=64"):
+        ZeroRuntime(
+            tiny(offload=ZERO, train=dict(batch_size=64), distributed=dict(data_parallel=64))
+        )
+
+
+def test_process_group_from_environment():
+    from hetjax.config import DistributedConfig
+
+    cfg = DistributedConfig()
+    assert process_group(cfg, {}).num_processes == 1
+    env = {"HETJAX_COORDINATOR": "h:1", "HETJAX_NUM_PROCESSES": "2", "HETJAX_PROCESS_ID": "1"}
+    assert process_group(cfg, env) == process_group(cfg, env).__class__("h:1", 2, 1)
+    slurm = {"SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_STEP_NODELIST": "gpu[07-08],x"}
+    group = process_group(cfg, slurm)
+    assert (group.coordinator, group.num_processes, group.process_id) == ("gpu07:12355", 4, 3)
+    assert first_slurm_host("node1") == "node1"
+    with pytest.raises(ConfigError, match="coordinator"):
+        process_group(cfg, {"HETJAX_NUM_PROCESSES": "2", "HETJAX_PROCESS_ID": "0"})
+
+
+# -- real processes -----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(args: list[str], process_id: int, port: int, log: Path) -> subprocess.Popen:
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_PLATFORMS="cpu",
+        HETJAX_COORDINATOR=f"localhost:{port}",
+        HETJAX_NUM_PROCESSES="2",
+        HETJAX_PROCESS_ID=str(process_id),
+    )
+    out = open(log, "w")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+    )
+
+
+def test_two_processes_train_like_one(reference4, tiny, tmp_path):
+    """2 processes x 2 CPU devices over gloo equal the single-device run (and one
+    process with 4 devices)."""
+    port = _free_port()
+    args = [
+        "tests/zero_driver.py",
+        str(tmp_path),
+        "memory.page_size=16KiB",
+        "optimizer.grad_clip=2.0",
+    ]
+    procs = [_spawn(args, k, port, tmp_path / f"log{k}") for k in (0, 1)]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    logs = [(tmp_path / f"log{k}").read_text()[-3000:] for k in (0, 1)]
+    assert codes == [0, 0], logs
+    saved = np.load(tmp_path / "result.npz")
+    leaves = jax.tree_util.tree_leaves_with_path(reference4.params)
+    params = jax.tree.unflatten(
+        jax.tree.structure(reference4.params), [saved[jax.tree_util.keystr(p)] for p, _ in leaves]
+    )
+    np.testing.assert_allclose(saved["losses"], reference4.losses, rtol=1e-5)
+    assert_trees_close(without_key_bias(params), without_key_bias(reference4.params))
+    assert not (tmp_path / "proc1" / "metrics.jsonl").exists()  # process 0 logs alone
+
+
+def _launch_args(workdir: Path, *extra: str) -> list[str]:
+    tiny = [
+        "model.num_layers=2",
+        "model.d_model=32",
+        "model.num_heads=4",
+        "model.max_seq_len=32",
+        "train.batch_size=4",
+        "train.seq_len=16",
+        "train.log_every=1",
+        "train.eval_batches=0",
+        "data.corpus_bytes=200000",
+        "checkpoint.every_steps=0",
+        "checkpoint.at_end=false",
+        "offload.mode=stream",
+        "distributed.data_parallel=0",
+        "memory.page_size=16KiB",
+    ]
+    return [
+        "-m",
+        "hetjax.launch",
+        "--workdir",
+        str(workdir),
+        *[f"--config.{a}" for a in [*tiny, *extra]],
+    ]
+
+
+@pytest.mark.slow
+def test_killed_process_stops_the_other_within_timeout(tmp_path):
+    """SIGKILL one of two training processes: the other exits non-zero, naming a dead
+    peer, within distributed.timeout_s (plus start-up slack), not hanging."""
+    port, timeout = _free_port(), 10
+    args = _launch_args(tmp_path, "train.steps=100000", f"distributed.timeout_s={timeout}")
+    procs = [_spawn(args, k, port, tmp_path / f"log{k}") for k in (0, 1)]
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline, (tmp_path / "log0").read_text()[-3000:]
+            assert procs[0].poll() is None, (tmp_path / "log0").read_text()[-3000:]
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=timeout + 30)
+        elapsed = time.monotonic() - killed
+    finally:
+        for p in procs:
+            p.kill()
+    log = (tmp_path / "log0").read_text()
+    assert code != 0
+    assert elapsed < timeout + 15, elapsed
+    assert "another task died" in log or "unhealthy" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_missing_peer_fails_start_up_with_clear_error(tmp_path, process_id):
+    """Only one of two processes starts: process 1 cannot reach the coordinator, process
+    0 waits for a peer that never comes; each stops within the timeout and says why."""
+    args = _launch_args(tmp_path, "train.steps=1", "distributed.timeout_s=3")
+    proc = _spawn(args, process_id, _free_port(), tmp_path / "log")
+    start = time.monotonic()
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    log = (tmp_path / "log").read_text()
+    assert code != 0 and time.monotonic() - start < 40
+    expected = "not every process joined" if process_id == 0 else "unreachable"
+    assert expected in log, log[-2000:]
+
+
+def test_data_rows_split_over_processes(tiny):
+    """The per-process rows of each micro-batch concatenate to the global batch."""
+    from hetjax.data import TokenWindows
+
+    tokens = np.arange(10_000, dtype=np.uint16)
+    whole = TokenWindows(tokens, 16, 8, grad_accum=2).batch(3)  # (8, 17)
+    parts = [
+        TokenWindows(tokens, 16, 8, grad_accum=2, process_index=k, process_count=2).batch(3)
+        for k in (0, 1)
+    ]
+    glued = np.concatenate([np.stack([p[:2], p[2:]]) for p in parts], axis=1)  # (A, 4, 17)
+    np.testing.assert_array_equal(glued.reshape(8, 17), whole)
