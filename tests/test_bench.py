@@ -93,3 +93,13 @@ def test_gpu_skips_without_gpu(tmp_path, capsys):
         assert "no GPU" in result["skipped"] and "skipped" in capsys.readouterr().out
     else:
         assert result["stream"]["mfu"] > 0 and result["none"]["mfu"] > 0
+
+
+def test_zero_quick(tmp_path, capsys):
+    out = tmp_path / "zero.json"
+    assert main(["zero", "--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["devices"] for r in rows] == [1, 2, 4]
+    assert rows[0]["measured_bytes"] == 0 and rows[2]["measured_bytes"] > rows[1]["measured_bytes"]
+    assert rows[2]["hlo_collectives"]["all-gather"] and rows[2]["hlo_collectives"]["reduce-scatter"]
+    assert "6(p-1)/p M" in capsys.readouterr().out
