@@ -676,13 +676,19 @@ def bench_gpu(quick: bool) -> dict:
     rows = {
         "none": (layers_in_hbm, dict(mode="none")),
         "stream": (layers_in_hbm, dict(mode="stream", optimizer="host")),
-        "stream_big": (layers_big, dict(mode="stream", optimizer="host")),
+        # 16 B/param of state over HBM: optimizer state on NVMe, params in host RAM
+        "stream_big": (layers_big, dict(mode="stream", optimizer="nvme")),
     }
     results: dict = {"device": device.device_kind, "hbm_bytes": hbm}
     with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
         for name, (layers, offload) in rows.items():
             config = base.replace(model=dict(num_layers=layers), offload=offload)
-            run = train(config, Path(tmp) / name, verbose=False)
+            try:
+                run = train(config, Path(tmp) / name, verbose=False)
+            except Exception as e:  # noqa: BLE001 — e.g. the NVMe path lacks the room
+                results[name] = {"layers": layers, "failed": repr(e)[:300]}
+                print(f"{name}: {layers} layers failed: {e!r}"[:300])
+                continue
             timed = run.records[skip:]
             results[name] = {
                 "layers": layers,
@@ -692,13 +698,14 @@ def bench_gpu(quick: bool) -> dict:
             }
     print(f"{'run':<12}{'layers':>8}{'s/step':>10}{'TFLOP/s':>10}{'MFU':>8}")
     for name, r in results.items():
-        if isinstance(r, dict):
+        if isinstance(r, dict) and "failed" not in r:
             print(
                 f"{name:<12}{r['layers']:>8}{r['s_per_step']:>10.3f}{r['tflops']:>10.1f}"
                 f"{r['mfu']:>8.3f}"
             )
-    results["mfu_ratio"] = results["stream"]["mfu"] / results["none"]["mfu"]
-    print(f"offloaded / in-HBM MFU: {results['mfu_ratio']:.3f}")
+    if "mfu" in results["stream"] and "mfu" in results["none"]:
+        results["mfu_ratio"] = results["stream"]["mfu"] / results["none"]["mfu"]
+        print(f"offloaded / in-HBM MFU: {results['mfu_ratio']:.3f}")
     return results
 
 
