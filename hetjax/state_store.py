@@ -72,6 +72,26 @@ def belady_cache(order: list[str], sizes: dict[str, int], capacity: int) -> list
     return [s for s in order if s in cache]
 
 
+def bound_writes(writes: list, window: int) -> None:
+    """Forgets completed writes (raising a failed one's error) and waits for the oldest
+    while more than ``window`` bytes of buffers are held for writes in flight, so a
+    step's write-back holds about one stage in RAM (what the host plan counts), not the
+    whole step's streamed state until the commit."""
+    pending = 0
+    kept = []
+    for future, data in writes:
+        if future.done():
+            future.result()
+        else:
+            kept.append((future, data))
+            pending += data.nbytes
+    while kept and pending > window:
+        future, data = kept.pop(0)
+        future.result()
+        pending -= data.nbytes
+    writes[:] = kept
+
+
 class MemoryStateStore:
     """All stages' optimizer state as JAX arrays in ``sharding`` (host RAM or device)."""
 
@@ -154,6 +174,8 @@ class NvmeStateStore:
         self._pending_cache: dict[str, dict] = {}
         self._pending_scalars: dict[str, list] = {}
         self._writes: list = []  # (future, data kept alive until the write completes)
+        # Write-back in flight: the biggest stage's state, as the host plan counts it.
+        self._write_window = max(n for _, n in stage_pages.values()) * page_elems * 4 * len(kinds)
         self.read_bytes = self.write_bytes = 0
         self._write_manifest()
 
@@ -258,6 +280,7 @@ class NvmeStateStore:
                 self._writes.append((self.disk[gen].write(k, page, data), data))
                 self.write_bytes += data.nbytes
                 page += data.size // self.page_elems
+                bound_writes(self._writes, self._write_window)
 
     def _wait_writes(self) -> None:
         for future, _ in self._writes:
@@ -327,6 +350,7 @@ class NvmeParamStore:
         self.gen = 0
         self._target = 0  # the generation publish writes into (the first commit keeps 0)
         self._writes: list = []
+        self._write_window = max(n for _, n in stage_pages.values()) * page_elems * 4
         self._reads: dict[str, Any] = {}
         self.read_bytes = self.write_bytes = 0
 
@@ -335,6 +359,7 @@ class NvmeParamStore:
         first, _ = self.stage_pages[stage]
         self._writes.append((self.disk[self._target].write("params", first, data), data))
         self.write_bytes += data.nbytes
+        bound_writes(self._writes, self._write_window)
 
     def prefetch(self, stage: str) -> None:
         if stage not in self._reads:

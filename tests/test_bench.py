@@ -78,6 +78,7 @@ def test_scale_quick(tmp_path, capsys):
     assert all(a["fits"] for a in by_mode["stream"])
     for a in by_mode["stream"]:
         assert 0 < a["device_bytes_peak"] <= result["device_budget"]
+        assert a["peak_rss"] > a["host_bytes"] > 0  # the process, measured by the OS
     assert result["stream_largest_params"] > result["none_largest_params"] > 0
     assert result["ratio"] == result["stream_largest_params"] / result["none_largest_params"]
     assert "largest that trains 3 steps" in capsys.readouterr().out
