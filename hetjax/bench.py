@@ -16,6 +16,8 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
   scale     the largest GPT that trains 3 steps offloaded within a 1 GiB device and 6 GiB
             host budget vs the largest that fits 1 GiB in memory (offload.mode=none)
   gpu       (GPU only) MFU offloaded vs in HBM, TFLOP/s of a model larger than HBM
+  plan      the planner's predicted step time vs the measured one, tiny and small GPTs
+            under a device budget that makes offload.mode=auto stream
   zero      ZeRO-3 on 1, 2, 4 devices: collective bytes per step and device vs the
             6(p-1)/p M of PatrickStar / Angel-PTM, and s/step (needs 4 devices: on CPU
             XLA_FLAGS=--xla_force_host_platform_device_count=4)
@@ -34,7 +36,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from hetjax.config import Config
+from hetjax.config import Config, load_config
+from hetjax.hardware import drop_page_cache, measure_optimizer
 
 
 def _scratch_dir() -> Path:
@@ -211,17 +214,6 @@ def _raw_disk_bandwidth(directory: Path, nbytes: int, block: int = 4 << 20) -> t
     return write, read
 
 
-def _drop_page_cache(directory: Path) -> None:
-    """Evicts a directory's files from the page cache (clean pages; no root needed)."""
-    import os
-
-    for f in directory.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-
-
 def _tensorstore_bandwidth(directory: Path, nbytes: int, page: int) -> tuple[float, float]:
     """Write (until on disk: ``os.sync`` included) and cold-read GB/s of whole pages
     through :class:`PageStore`, all requests in flight at once as the loop issues them."""
@@ -247,7 +239,7 @@ def _tensorstore_bandwidth(directory: Path, nbytes: int, page: int) -> tuple[flo
         f.result()
     os.sync()
     write = nbytes / (time.perf_counter() - t0) / 1e9
-    _drop_page_cache(directory / "ts")
+    drop_page_cache(directory / "ts")
     t0 = time.perf_counter()
     reads = [store.read("master", p, min(stage, pages - p)) for p in range(0, pages, stage)]
     for r in reads:
@@ -266,29 +258,6 @@ def _memory_bandwidth(n: int) -> float:
         np.copyto(b, a)
         best = max(best, 2 * a.nbytes / (time.perf_counter() - t0))
     return best / 1e9
-
-
-def _optimizer_params_per_s(n: int) -> float:
-    """The host optimizer's update (AdamW, the SlabOptimizer the loop runs) on one
-    ``n``-element slab in RAM: params/s, best of a few."""
-    from hetjax.config import OptimizerConfig
-    from hetjax.host_optimizer import SlabOptimizer
-    from hetjax.pages import Leaf, SlabLayout
-    from hetjax.placement import Placement
-
-    layout = SlabLayout((Leaf(("w",), (n,), 0, n),), jax.tree.structure(0), (0,), n, n, 1 << 20)
-    opt = SlabOptimizer(
-        OptimizerConfig(), 100, {"s": layout}, Placement.single_device().optimizer, "float32"
-    )
-    slabs, scalars = opt.init("s", np.ones(layout.padded_size, np.float32))  # chunks
-    grad = np.full(layout.padded_size, 1e-3, np.float32)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        slabs, scalars, pages = opt.update("s", slabs, scalars, grad, (0.0, 0.0))
-        jax.block_until_ready((slabs, pages))
-        best = min(best, time.perf_counter() - t0)
-    return layout.padded_size / best
 
 
 def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
@@ -321,7 +290,7 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
     n = (4 if quick else 32) << 20
     bw = _memory_bandwidth(n)
     bound = bw * 1e9 / 28
-    rate = _optimizer_params_per_s(n)
+    rate = measure_optimizer(n)
     pad = " " * len(label)
     print(f"{label}host optimizer (AdamW, {n >> 20}M-param slab): {rate / 1e6:.0f} M params/s")
     print(
@@ -363,7 +332,7 @@ def _step_parts(runtime, batch) -> dict:
 
     states, opt = runtime.states, runtime.optimizer
     names = runtime.update_order
-    _drop_page_cache(runtime._nvme_dir)
+    drop_page_cache(runtime._nvme_dir)
     t0 = time.perf_counter()
     handles = {n: states.prefetch(n) for n in names}
     held = {n: states.get(n, handles[n]) for n in names}
@@ -812,6 +781,55 @@ def bench_zero(quick: bool) -> dict:
     return {"params": M, "rows": rows}
 
 
+def bench_plan(quick: bool) -> dict:
+    """The planner's predicted step time vs the measured one, on this machine, for the
+    tiny and small GPTs under a device budget tight enough that ``offload.mode=auto``
+    streams: the plan (tracer + measured machine) and the training run, one process."""
+    from hetjax.planner import plan_auto
+    from hetjax.train import train
+
+    cases = {
+        "tiny": ("gpt_tiny", {"memory.device_budget": "120MiB"}, 10),
+        "small": (
+            "gpt_small",
+            {"memory.device_budget": "1200MiB", "train.batch_size": "4", "train.seq_len": "128"},
+            8,
+        ),
+    }
+    if quick:
+        cases = {"tiny": ("gpt_tiny", {"memory.device_budget": "120MiB"}, 4)}
+    results: dict = {}
+    print(f"{'model':<8}{'plan':<44}{'predicted s':>12}{'measured s':>12}{'ratio':>8}")
+    for label, (name, overrides, steps) in cases.items():
+        overrides = {
+            **overrides,
+            "train.steps": str(steps),
+            "train.eval_batches": "1",
+            "checkpoint.every_steps": "0",
+            "checkpoint.at_end": "false",
+        }
+        config = load_config(name, overrides)
+        with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
+            planned, plan = plan_auto(config, tmp, log=lambda line: None)
+            assert plan is not None, "the budget should make auto stream"
+            predicted = plan.step_s
+            result = train(planned, tmp, verbose=False)
+        measured = _steady_step_time(result.records, skip=2)
+        o = planned.offload
+        desc = f"{o.mode}, params {o.params}, optimizer {o.optimizer}, keep {o.keep_blocks}"
+        results[label] = dict(
+            config=name,
+            plan=desc,
+            predicted_s=predicted,
+            measured_s=measured,
+            ratio=measured / predicted,
+        )
+        print(
+            f"{label:<8}{desc:<44}{predicted:>12.4f}{measured:>12.4f}{measured / predicted:>8.2f}"
+        )
+    return results
+
+
 BENCHMARKS = {
     "overhead": bench_overhead,
     "slabs": bench_slabs,
@@ -822,6 +840,7 @@ BENCHMARKS = {
     "scale": bench_scale,
     "gpu": bench_gpu,
     "zero": bench_zero,
+    "plan": bench_plan,
 }
 
 

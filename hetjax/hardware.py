@@ -237,6 +237,15 @@ def measure_transfer(nbytes: int = 64 << 20, page: int = 4 << 20) -> tuple[float
     return nbytes / h2d, nbytes / d2h
 
 
+def drop_page_cache(directory: Path) -> None:
+    """Evicts a directory's files from the page cache (clean pages; no root needed)."""
+    for f in Path(directory).rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
 def measure_nvme(directory: Path, nbytes: int = 64 << 20, page: int = 4 << 20):
     """Write (until on disk) and cold-read bytes/s of whole pages through TensorStore
     (:class:`hetjax.nvme.PageStore`) in ``directory``; the files are removed after."""
@@ -253,11 +262,7 @@ def measure_nvme(directory: Path, nbytes: int = 64 << 20, page: int = 4 << 20):
             f.result()
         os.sync()
         write = nbytes / (time.perf_counter() - t0)
-        for f in (work / "ts").rglob("*"):
-            if f.is_file():  # evict from the page cache: a cold read
-                fd = os.open(f, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+        drop_page_cache(work / "ts")  # a cold read
         t0 = time.perf_counter()
         for r in [store.read("probe", p, 1) for p in range(pages)]:
             r.result()
@@ -269,7 +274,7 @@ def measure_nvme(directory: Path, nbytes: int = 64 << 20, page: int = 4 << 20):
 
 def measure_optimizer(n: int = 1 << 22) -> float:
     """AdamW updates per second of the host optimizer (:class:`SlabOptimizer`, as the
-    update loop runs it) on one ``n``-element slab."""
+    update loop runs it) on one ``n``-element slab in RAM, best of a few."""
     import jax
 
     from hetjax.config import OptimizerConfig

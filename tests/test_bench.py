@@ -104,3 +104,13 @@ def test_zero_quick(tmp_path, capsys):
     assert rows[0]["measured_bytes"] == 0 and rows[2]["measured_bytes"] > rows[1]["measured_bytes"]
     assert rows[2]["hlo_collectives"]["all-gather"] and rows[2]["hlo_collectives"]["reduce-scatter"]
     assert "6(p-1)/p M" in capsys.readouterr().out
+
+
+def test_plan_quick(tmp_path, capsys):
+    """The planner's prediction and the measured step of the plan it made, one run."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--quick", "--out", str(out)]) == 0
+    tiny = json.loads(out.read_text())["tiny"]
+    assert tiny["plan"].startswith("stream") and tiny["predicted_s"] > 0
+    assert tiny["ratio"] == tiny["measured_s"] / tiny["predicted_s"]
+    assert "predicted s" in capsys.readouterr().out
