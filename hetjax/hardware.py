@@ -298,6 +298,17 @@ def measure_optimizer(n: int = 1 << 22) -> float:
     return layout.padded_size / _best_time(update)
 
 
+def device_capacity() -> int:
+    """Free bytes of the first device; on the CPU backend "device" memory is host RAM,
+    so what RAM is free."""
+    import jax
+
+    device = jax.devices()[0]
+    stats = {} if device.platform == "cpu" else (device.memory_stats() or {})
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    return int(free) if free > 0 else _mem_available()
+
+
 @functools.lru_cache(maxsize=4)
 def measure_local(nvme_path: str = "", dtype: str = "float32") -> Hardware:
     """This machine, measured now (a few seconds; cached for the process)."""
@@ -305,10 +316,8 @@ def measure_local(nvme_path: str = "", dtype: str = "float32") -> Hardware:
 
     device = jax.devices()[0]
     cpu = device.platform == "cpu"
-    stats = {} if cpu else (device.memory_stats() or {})
     host_free = _mem_available()
-    # On the CPU backend "device" memory is host RAM: the planner may use what is free.
-    device_memory = int(stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)) or host_free
+    device_memory = device_capacity()
     probe_dir = Path(nvme_path) if nvme_path else Path(tempfile.gettempdir())
     probe_dir = next((p for p in (probe_dir, *probe_dir.parents) if p.exists()), Path("/"))
     try:

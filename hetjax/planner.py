@@ -586,18 +586,6 @@ def trace(config: Config, repeats: int = 3) -> Workload:
 # -- offload.mode=auto -------------------------------------------------------------------
 
 
-def device_capacity() -> int:
-    """Free bytes of the first device (on the CPU backend, of host RAM)."""
-    import jax
-
-    from hetjax.hardware import _mem_available
-
-    device = jax.devices()[0]
-    stats = {} if device.platform == "cpu" else (device.memory_stats() or {})
-    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-    return int(free) if free > 0 else _mem_available()
-
-
 def resolve_auto(config: Config, workdir=None, log=print) -> Config:
     """``offload.mode=auto``: the config to train with (see :func:`plan_auto`)."""
     return plan_auto(config, workdir, log)[0]
@@ -617,7 +605,7 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
         return config.replace(offload=dict(mode="stream")), None
     from pathlib import Path
 
-    from hetjax.hardware import measure_local
+    from hetjax.hardware import device_capacity, measure_local
 
     w = Workload.from_config(config)
     capacity = device_capacity()
