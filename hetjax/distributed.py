@@ -11,7 +11,8 @@ Under SLURM (``srun``) they default to ``SLURM_NTASKS``, ``SLURM_PROCID`` and th
 host of ``SLURM_STEP_NODELIST`` (port ``HETJAX_COORDINATOR_PORT``, default 12355). The
 launch scripts in ``launch/`` set them for local processes, SLURM and ssh.
 
-On CPU the processes' collectives run over gloo (TCP). Failure is bounded by
+On CPU the processes' collectives run over gloo (TCP). Checkpoints are written by
+process 0 (orbax) into ``checkpoint.dir``, which every process must see. Failure is bounded by
 ``distributed.timeout_s``: a peer that never arrives stops start-up with an error naming
 the coordinator; a peer that dies later stops sending heartbeats, and JAX's coordination
 service terminates the survivors ("another task died") after that many seconds.
@@ -109,11 +110,6 @@ def initialize(config: Config) -> ProcessGroup:
             f"{group.num_processes} processes train one model only with ZeRO-3 data "
             "parallelism: set offload.mode=stream and distributed.data_parallel=0 (every "
             "device of every process)"
-        )
-    if config.checkpoint.enabled:
-        raise ConfigError(
-            "checkpoints of multi-process runs are not supported yet: set "
-            "checkpoint.every_steps=0 and checkpoint.at_end=false"
         )
     import jax
 

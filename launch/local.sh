@@ -5,8 +5,7 @@
 #
 #   launch/local.sh N [hetjax.launch arguments...]
 #   launch/local.sh 2 --config gpt_tiny --workdir runs/zero2 --config.offload.mode=stream \
-#       --config.distributed.data_parallel=0 --config.checkpoint.every_steps=0 \
-#       --config.checkpoint.at_end=false
+#       --config.distributed.data_parallel=0
 #
 # Environment: HETJAX_PORT (coordinator port, default 12355), HETJAX_DEVICES_PER_PROCESS
 # (virtual CPU devices per process, default 1; ignored when XLA_FLAGS is set),

@@ -155,32 +155,47 @@ def _spawn(args: list[str], process_id: int, port: int, log: Path) -> subprocess
     )
 
 
-def test_two_processes_train_like_one(reference4, tiny, tmp_path):
-    """2 processes x 2 CPU devices over gloo equal the single-device run (and one
-    process with 4 devices)."""
+def _run_two_processes(workdir: Path, *overrides: str):
+    """Trains the tiny model in 2 processes x 2 CPU devices (tests/zero_driver.py);
+    returns process 0's losses and final params."""
     port = _free_port()
-    args = [
-        "tests/zero_driver.py",
-        str(tmp_path),
-        "memory.page_size=16KiB",
-        "optimizer.grad_clip=2.0",
-    ]
-    procs = [_spawn(args, k, port, tmp_path / f"log{k}") for k in (0, 1)]
+    args = ["tests/zero_driver.py", str(workdir), "memory.page_size=16KiB", *overrides]
+    procs = [_spawn(args, k, port, workdir / f"log{k}") for k in (0, 1)]
     try:
         codes = [p.wait(timeout=240) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    logs = [(tmp_path / f"log{k}").read_text()[-3000:] for k in (0, 1)]
+    logs = [(workdir / f"log{k}").read_text()[-3000:] for k in (0, 1)]
     assert codes == [0, 0], logs
-    saved = np.load(tmp_path / "result.npz")
-    leaves = jax.tree_util.tree_leaves_with_path(reference4.params)
-    params = jax.tree.unflatten(
-        jax.tree.structure(reference4.params), [saved[jax.tree_util.keystr(p)] for p, _ in leaves]
-    )
+    return np.load(workdir / "result.npz")
+
+
+def _params_like(saved, reference):
+    leaves = jax.tree_util.tree_leaves_with_path(reference)
+    values = [saved[jax.tree_util.keystr(p)] for p, _ in leaves]
+    return jax.tree.unflatten(jax.tree.structure(reference), values)
+
+
+def test_two_processes_train_like_one(reference4, tmp_path):
+    """2 processes x 2 CPU devices over gloo equal the single-device run."""
+    saved = _run_two_processes(tmp_path, "optimizer.grad_clip=2.0")
     np.testing.assert_allclose(saved["losses"], reference4.losses, rtol=1e-5)
+    params = _params_like(saved, reference4.params)
     assert_trees_close(without_key_bias(params), without_key_bias(reference4.params))
     assert not (tmp_path / "proc1" / "metrics.jsonl").exists()  # process 0 logs alone
+
+
+@pytest.mark.slow
+def test_two_processes_checkpoint_and_resume(reference4, tmp_path):
+    """Two processes save a checkpoint at step 3 (every process's shards, gathered);
+    started again they resume from it and end where the single-device run does."""
+    shared = [f"checkpoint.dir={tmp_path / 'ckpt'}", "optimizer.grad_clip=2.0"]
+    _run_two_processes(tmp_path, *shared, "checkpoint.at_end=true", "train.steps=3")
+    saved = _run_two_processes(tmp_path, *shared, "checkpoint.at_end=true")
+    np.testing.assert_allclose(saved["losses"], reference4.losses[3:], rtol=1e-5)
+    params = _params_like(saved, reference4.params)
+    assert_trees_close(without_key_bias(params), without_key_bias(reference4.params))
 
 
 def _launch_args(workdir: Path, *extra: str) -> list[str]:
