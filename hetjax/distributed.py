@@ -12,10 +12,12 @@ host of ``SLURM_STEP_NODELIST`` (port ``HETJAX_COORDINATOR_PORT``, default 12355
 launch scripts in ``launch/`` set them for local processes, SLURM and ssh.
 
 On CPU the processes' collectives run over gloo (TCP). Checkpoints are written by
-process 0 (orbax) into ``checkpoint.dir``, which every process must see. Failure is bounded by
-``distributed.timeout_s``: a peer that never arrives stops start-up with an error naming
-the coordinator; a peer that dies later stops sending heartbeats, and JAX's coordination
-service terminates the survivors ("another task died") after that many seconds.
+process 0 (orbax) into ``checkpoint.dir``, which every process must see.
+
+Failure is bounded by ``distributed.timeout_s``: a peer that never arrives stops
+start-up with an error naming the coordinator; a peer that dies later stops sending
+heartbeats, and JAX's coordination service terminates the survivors ("another task
+died") after that many seconds.
 """
 
 from __future__ import annotations
