@@ -519,7 +519,7 @@ def _shortfall(config: Config, w: Workload, hw: Hardware, limit: dict[str, int])
 # -- the tracer --------------------------------------------------------------------------
 
 
-def trace(config: Config, repeats: int = 3) -> Workload:
+def trace(config: Config, repeats: int = 5) -> Workload:
     """Measures the model on this machine: each stage function's time for one
     micro-batch (compiled and run on random params and tokens, median of ``repeats``) and
     XLA's memory sizes. Allocates one block's, the embedding's and the head's params."""
