@@ -168,9 +168,9 @@ class Recorder:
             q.put(None)
         for t in self._threads:
             t.join()
-        end = time.perf_counter() - self.t0
-        with self._lock:
+        with self._lock:  # every span recorded ends before ``end``
             self._closed = True
+            end = time.perf_counter() - self.t0
             spans = {lane: merge_spans(s) for lane, s in self._spans.items()}
         return Timeline(self.step, end, spans)
 
