@@ -11,6 +11,7 @@
 # (virtual CPU devices per process, default 1; ignored when XLA_FLAGS is set),
 # PYTHON (default python3).
 set -euo pipefail
+source "$(dirname "$0")/common.sh"
 n=${1:?usage: launch/local.sh NUM_PROCESSES [hetjax.launch arguments...]}
 shift
 port=${HETJAX_PORT:-12355}
@@ -32,11 +33,6 @@ done
 HETJAX_PROCESS_ID=0 "$python" -m hetjax.launch "$@" &
 pids+=($!)
 status=0
-running=("${pids[@]}")
-while ((${#running[@]})); do  # the first failure stops the rest (trap)
-  wait -n -p finished "${running[@]}" || { status=$?; break; }
-  running=("${running[@]/$finished/}")
-  running=(${running[@]})
-done
+wait_all "${pids[@]}" || status=$?  # the first failure stops the rest (trap)
 wait "${pids[@]}" 2>/dev/null || true
 exit "$status"

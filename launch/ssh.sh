@@ -11,6 +11,7 @@
 # Environment: HETJAX_PORT (default 12355), HETJAX_REMOTE_DIR (default: this directory),
 # PYTHON (default .venv/bin/python).
 set -euo pipefail
+source "$(dirname "$0")/common.sh"
 hostfile=${1:?usage: launch/ssh.sh HOSTFILE [hetjax.launch arguments...]}
 shift
 mapfile -t hosts < <(grep -v '^\s*\(#\|$\)' "$hostfile")
@@ -28,11 +29,6 @@ for ((k = 0; k < n; k++)); do
   pids+=($!)
 done
 status=0
-running=("${pids[@]}")
-while ((${#running[@]})); do  # the first failure stops the rest (trap)
-  wait -n -p finished "${running[@]}" || { status=$?; break; }
-  running=("${running[@]/$finished/}")
-  running=(${running[@]})
-done
+wait_all "${pids[@]}" || status=$?  # the first failure stops the rest (trap)
 wait "${pids[@]}" 2>/dev/null || true
 exit "$status"
