@@ -40,6 +40,7 @@ import numpy as np
 from hetjax import timeline
 from hetjax.checkpoint import MASTER, RuntimeState
 from hetjax.config import Config, ConfigError, format_bytes
+from hetjax.gradients import GradientStore
 from hetjax.host_optimizer import SlabOptimizer
 from hetjax.nvme import check_nvme_path
 from hetjax.pages import SlabLayout
@@ -315,6 +316,7 @@ class StreamingRuntime:
         self.host_plan = self._plan_host_memory()
         self._nvme_dir = self._nvme_directory(workdir)
         self.states, self.param_store = self._make_stores(opt_sharding)
+        self.grad_store = self._make_grad_store()
         self._init_params(jax.random.key(t.seed))
         self.loop = UpdateLoop(
             self.optimizer,
@@ -326,6 +328,8 @@ class StreamingRuntime:
             mode=config.optimizer.mode,
             max_staleness=config.optimizer.max_staleness,
             readahead=IO_READAHEAD,
+            grads=self.grad_store,
+            max_queued=self.host_plan.grads.max_queued,
         )
         self._build_stage_functions()
         self.plan = self._plan_memory()
@@ -363,15 +367,13 @@ class StreamingRuntime:
         else:  # the NVMe read-ahead window
             biggest = max(slab(n, self.compute_dtype) for n in self.stage_names)
             param_slabs = (off.prefetch_depth + IO_READAHEAD + 1) * biggest
-        grad_dtype = lambda n: block_grad_dtype(cfg) if n.startswith("block") else F32
-        gradients = sum(slab(n, grad_dtype(n)) for n in self.stage_names)
-        if cfg.optimizer.mode == "lockfree":  # the accumulator and the step's own
-            gradients *= 2
         plan = plan_host_memory(
             budget=cfg.memory.host_budget,
             tier=off.optimizer,
             param_slabs=param_slabs,
-            gradients=gradients,
+            grad_sizes={n: slab(n, self.grad_dtype(n)) for n in self.update_order},
+            grad_policy=grad_policy(cfg),
+            spill_grads="nvme" in (off.optimizer, off.params),
             stage_state={
                 n: self.optimizer.state_bytes(self.layout_name(n)) for n in self.stage_names
             },
@@ -380,18 +382,22 @@ class StreamingRuntime:
         )
         return plan
 
+    def grad_dtype(self, stage: str):
+        """The dtype of a stage's gradient buffer on the host."""
+        return block_grad_dtype(self.config) if stage.startswith("block") else F32
+
     def _nvme_directory(self, workdir) -> Path | None:
         """Checks (and creates) the NVMe directory when anything lives on NVMe."""
         off, mem = self.config.offload, self.config.memory
         if "nvme" not in (off.optimizer, off.params):
             return None
-        needed = 0
         num_pages = sum(n for _, n in self._stage_pages().values())
         page_elems = self.layouts["block"].page_elems
-        if off.optimizer == "nvme":
-            needed += 2 * num_pages * page_elems * 4 * len(self.optimizer.kinds)
+        needed = {"spilled gradients": self.host_plan.grads.spill_bytes}  # kept for a redo
+        if off.optimizer == "nvme":  # two generations of each
+            needed["optimizer state"] = 2 * num_pages * page_elems * 4 * len(self.optimizer.kinds)
         if off.params == "nvme":
-            needed += 2 * num_pages * page_elems * self.compute_dtype.itemsize
+            needed["params"] = 2 * num_pages * page_elems * self.compute_dtype.itemsize
         self._temporary_nvme = not mem.nvme_path and workdir is None
         if mem.nvme_path:
             path = Path(mem.nvme_path)
@@ -425,6 +431,19 @@ class StreamingRuntime:
         else:
             params = HostParamStore(self.place.host)
         return states, params
+
+    def _make_grad_store(self) -> GradientStore:
+        """Where gradients wait for a possible clipping redo (``gradients.py``): the
+        stages the host plan spills go to ``<nvme>/gradients``, one array per dtype."""
+        grads = self.host_plan.grads
+        spilled = {
+            n: (self.state_layouts[self.layout_name(n)].num_pages, self.grad_dtype(n))
+            for n in grads.spilled
+        }
+        path = self._nvme_dir / "gradients" if spilled else None
+        page_elems = self.layouts["block"].page_elems
+        redo = self.config.optimizer.grad_clip > 0  # the sync loop may redo the updates
+        return GradientStore(redo, spilled, path, page_elems)
 
     def _init_params(self, rng: jax.Array) -> None:
         """Initialises each stage straight into the optimizer's memory as an fp32 slab;
@@ -567,7 +586,7 @@ class StreamingRuntime:
         losses = [self._forward_backward(micro, last=a == A - 1) for a, micro in enumerate(batch)]
         loss = float(np.mean([float(v) for v in losses]))
         grads, grad_norm = self._step.grads, self._step.norm()
-        self._grad_bytes = sum(g.nbytes for g in grads.values())
+        self._grad_bytes = self._step.peak_bytes
         # A non-finite step updates nothing: its speculative updates are dropped (stages
         # after the first non-finite gradient were never submitted, see _StepGrads).
         finite = bool(np.isfinite(grad_norm)) and bool(np.isfinite(loss))
@@ -575,7 +594,7 @@ class StreamingRuntime:
             self.loss_scale = self.loss_scale.update(jnp.bool_(finite))
         t0 = time.perf_counter()
         if sync:
-            self.loop.finish(grads, grad_norm, finite)
+            self.loop.finish(grad_norm, finite)
             self._refresh_resident()
         elif finite:
             self.loop.submit_step(grads)
@@ -790,8 +809,12 @@ class StreamingRuntime:
 
     def _nvme_io_totals(self) -> tuple[int, int]:
         return (
-            self.states.read_bytes + getattr(self.param_store, "read_bytes", 0),
-            self.states.write_bytes + getattr(self.param_store, "write_bytes", 0),
+            self.states.read_bytes
+            + getattr(self.param_store, "read_bytes", 0)
+            + self.grad_store.read_bytes,
+            self.states.write_bytes
+            + getattr(self.param_store, "write_bytes", 0)
+            + self.grad_store.write_bytes,
         )
 
     def extra_metrics(self) -> dict[str, Any]:
@@ -804,7 +827,9 @@ class StreamingRuntime:
         metrics = {
             "device_bytes_peak": int(self.ledger.peak.get("device", 0)),
             "host_bytes": int(host),
-            "nvme_bytes": int(self.states.nvme_bytes + self.param_store.nvme_bytes),
+            "nvme_bytes": int(
+                self.states.nvme_bytes + self.param_store.nvme_bytes + self.grad_store.nvme_bytes
+            ),
             "optimizer_s": self.optimizer_s,  # optimizer time the step waited for
             "optimizer_busy_s": busy,  # time the optimizer loop worked (overlapped or not)
             "optimizer_params": int(updated),  # parameters updated (padded slabs, redos too)
@@ -823,7 +848,8 @@ class _StepGrads:
     A stage's slab is final after its last contribution of the last micro-batch (embed
     has two per micro-batch: the tied head and its own backward). It is then averaged
     (loss scale removed), its squared norm added to the global norm, and, in sync mode,
-    handed to the optimizer loop at once."""
+    handed to the optimizer loop at once, which owns it from then on (``gradients.py``):
+    it is not held here. Lock-free mode keeps them all for the loop's accumulator."""
 
     def __init__(
         self, runtime: StreamingRuntime, micro_batches: int, scale: float, seed: float, loop
@@ -838,6 +864,7 @@ class _StepGrads:
         self.host_slab, self.sum_over_processes = runtime._host_slab, runtime._sum_over_processes
         self.finite = True  # once a gradient is not finite, nothing more is submitted
         self.grads: dict[str, np.ndarray] = {}
+        self.peak_bytes = 0  # gradient bytes held on the host (here and by the loop)
         self._sq = 0.0
 
     def add(self, name: str, pages) -> None:
@@ -856,12 +883,30 @@ class _StepGrads:
             del g32
             self._sq += sq
             self.finite = self.finite and bool(np.isfinite(sq))
-            if self.loop is not None and self.finite:  # never write non-finite state
+        held = sum(a.nbytes for a in self.grads.values())
+        if self.loop is not None:
+            held += self.loop.grad_host_bytes()
+        self.peak_bytes = max(self.peak_bytes, held)
+        if self.remaining[name] == 0 and self.loop is not None:
+            g = self.grads.pop(name)
+            if self.finite:  # never write non-finite state
                 self.loop.submit(name, g)
 
     def norm(self) -> float:
         assert not any(self.remaining.values()), self.remaining
         return float(np.sqrt(self.sum_over_processes(self._sq)))
+
+
+def grad_policy(config: Config) -> str:
+    """How long the host holds gradient buffers (``gradients.py``): ``lockfree``, all
+    of them twice; ``accumulate`` (several micro-batches), all of them all step; ``keep``
+    (sync mode with clipping), until the step commits, for a possible redo; ``release``
+    (no clipping), until the stage's update consumed it."""
+    if config.optimizer.mode == "lockfree":
+        return "lockfree"
+    if config.train.grad_accum > 1:
+        return "accumulate"
+    return "keep" if config.optimizer.grad_clip > 0 else "release"
 
 
 def block_grad_dtype(config: Config):

@@ -27,10 +27,13 @@ from hetjax.config import ConfigError, format_bytes
 IO_CONCURRENCY = 16  # concurrent file operations; see MEASUREMENTS.md (4 MiB chunks, 16)
 
 
-def check_nvme_path(path: str | Path, needed_bytes: int) -> Path:
-    """Makes sure ``path`` is a writable directory on a disk with ``needed_bytes`` free.
+def check_nvme_path(path: str | Path, needed_bytes: int | dict[str, int]) -> Path:
+    """Makes sure ``path`` is a writable directory on a disk with ``needed_bytes`` free
+    (an int, or bytes by what needs them: optimizer state, params, spilled gradients).
     Raises ``ConfigError`` naming ``memory.nvme_path`` otherwise; creates only the
     directory itself (and removes it again if the checks fail)."""
+    parts = needed_bytes if isinstance(needed_bytes, dict) else {}
+    needed_bytes = sum(parts.values()) if parts else needed_bytes
     path = Path(path)
     created = not path.exists()
     try:
@@ -53,10 +56,12 @@ def check_nvme_path(path: str | Path, needed_bytes: int) -> Path:
             ) from None
         free = shutil.disk_usage(path).free
         if free < needed_bytes:
+            what = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
             raise ConfigError(
-                f"memory.nvme_path {str(path)!r}: the optimizer state needs "
-                f"{format_bytes(needed_bytes)} on disk but only {format_bytes(free)} is free "
-                f"(short by {format_bytes(needed_bytes - free)}); free space or use another disk"
+                f"memory.nvme_path {str(path)!r}: hetjax needs {format_bytes(needed_bytes)} "
+                + (f"({what}) " if what else "")
+                + f"on disk but only {format_bytes(free)} is free (short by "
+                f"{format_bytes(needed_bytes - free)}); free space or use another disk"
             )
     except ConfigError:
         if created:
@@ -137,3 +142,23 @@ class PageStore:
         """Reopens one kind's array read-only (e.g. to inspect state after a run)."""
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(Path(path) / kind)}}
         return ts.open(spec, read=True).result()
+
+
+def bound_writes(writes: list, window: int) -> None:
+    """Forgets completed writes (raising a failed one's error) and waits for the oldest
+    while more than ``window`` bytes of buffers are held for writes in flight, so a
+    step's write-back holds about one stage in RAM (what the host plan counts), not the
+    whole step's streamed state until the commit."""
+    pending = 0
+    kept = []
+    for future, data in writes:
+        if future.done():
+            future.result()
+        else:
+            kept.append((future, data))
+            pending += data.nbytes
+    while kept and pending > window:
+        future, data = kept.pop(0)
+        future.result()
+        pending -= data.nbytes
+    writes[:] = kept

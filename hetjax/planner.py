@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from hetjax.config import Config, ConfigError, format_bytes
+from hetjax.gradients import in_flight_slabs
 from hetjax.hardware import Hardware
 
 IO_READAHEAD = 2  # as hetjax.executor (stages read from NVMe ahead of their use)
@@ -69,6 +70,7 @@ class Workload:
     block_fwd_flops: float
     head_fwd_flops: float
     measured: dict[str, float] | None = None  # stage seconds from :func:`trace`
+    grad_policy: str = "keep"  # how long gradient buffers are held (executor.grad_policy)
 
     @property
     def params(self) -> int:
@@ -103,7 +105,7 @@ class Workload:
         import jax
         import jax.numpy as jnp
 
-        from hetjax.executor import block_grad_dtype
+        from hetjax.executor import block_grad_dtype, grad_policy
         from models import build_model
 
         m, t = config.model, config.train
@@ -153,6 +155,7 @@ class Workload:
             kept_block=int(kept),
             block_fwd_flops=tokens * (2 * block_used + 4 * T * D),
             head_fwd_flops=tokens * 2 * m.vocab_size * D,
+            grad_policy=grad_policy(config),
         )
 
 
@@ -305,9 +308,21 @@ def _memory(w: Workload, c: Candidate, n: int = 1) -> tuple[dict, dict, dict]:
         params = cb * share(P)
     else:
         params = (c.prefetch_depth + IO_READAHEAD + 1) * cb * biggest
+    # Gradient buffers (hetjax/gradients.py): all of them, or only the stages in flight
+    # when no clipping redo can need them; kept for a redo, those beyond the in-flight
+    # ones may spill to NVMe (at most all but the embed's; make_plan keeps what spare
+    # RAM holds).
+    grads = share(w.block_grad_bytes * L * Pb + 4 * (w.embed_params + w.head_params))
+    embed_grad = share(4 * w.embed_params)
+    slab = share(max(w.block_grad_bytes * Pb, 4 * w.head_params))
+    spill = w.grad_policy == "keep" and "nvme" in (c.params, c.optimizer)
+    host_grads, spilled = grads, 0
+    if w.grad_policy == "release" or spill:
+        window = embed_grad + in_flight_slabs(spill) * slab
+        host_grads, spilled = min(grads, window), grads - embed_grad if spill else 0
     host = {
         "params": params,
-        "gradients": share(w.block_grad_bytes * L * Pb + 4 * (w.embed_params + w.head_params)),
+        "gradients": host_grads,
         "optimizer": 2 * S * share(P) if c.optimizer == "host" else 0,
         "optimizer I/O": (IO_READAHEAD + 2) * S * biggest if c.optimizer == "nvme" else 0,
         "checkpoints": (L - c.keep_blocks) * w.checkpoint if c.activations == "host" else 0,
@@ -315,13 +330,17 @@ def _memory(w: Workload, c: Candidate, n: int = 1) -> tuple[dict, dict, dict]:
     nvme = {
         "optimizer": 2 * S * share(P) if c.optimizer == "nvme" else 0,
         "params": 2 * cb * share(P) if c.params == "nvme" else 0,
+        "gradients": spilled,
     }
     return device, host, nvme
 
 
-def _lanes(w: Workload, hw: Hardware, c: Candidate, cached: float) -> tuple[float, dict]:
+def _lanes(
+    w: Workload, hw: Hardware, c: Candidate, cached: float, grad_spill: int = 0
+) -> tuple[float, dict]:
     """Predicted seconds per step and per lane (Fuyou's equations 1-8, our tiers).
-    ``cached``: the fraction of NVMe optimizer state cached in host RAM."""
+    ``cached``: the fraction of NVMe optimizer state cached in host RAM; ``grad_spill``:
+    gradient bytes written to NVMe per step (read back only by a clipping redo)."""
     st = w.stage_times(hw)
     n, A, L = hw.num_devices, w.micro_batches, w.num_layers
     P, Pb, cb = w.params, w.block_params, w.compute_bytes
@@ -352,6 +371,8 @@ def _lanes(w: Workload, hw: Hardware, c: Candidate, cached: float) -> tuple[floa
         disk_f = h2d_f / hw.nvme_read_bw * n  # the machine's disks serve n processes
         disk_b = h2d_b / hw.nvme_read_bw * n
         disk_step += cb * P / hw.nvme_write_bw
+    if grad_spill:
+        disk_step += grad_spill / hw.nvme_write_bw
     S = w.state_bytes_per_param
     if c.optimizer == "nvme":
         moved = S * P * (1 - cached)
@@ -456,11 +477,17 @@ def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) ->
         ):
             continue
         cache, cached = 0, 0.0
-        if c.optimizer == "nvme":  # spare host RAM caches whole stages of NVMe state
+        spare = max(0, limit["host"] - sum(host.values()))
+        if nvme.get("gradients"):  # spare host RAM keeps gradients first (the host plan's order)
+            kept = min(spare, nvme["gradients"])
+            host = {**host, "gradients kept": kept}
+            nvme = {**nvme, "gradients": nvme["gradients"] - kept}
+            spare -= kept
+        if c.optimizer == "nvme":  # then caches whole stages of NVMe state
             state = nvme["optimizer"]
-            cache = min(state, max(0, limit["host"] - sum(host.values())))
+            cache = min(state, spare)
             cached = cache / state if state else 0.0
-        step, lanes = _lanes(w, hw, c, cached)
+        step, lanes = _lanes(w, hw, c, cached, nvme.get("gradients", 0))
         best.append((step, c.rank, c, device, host, nvme, cache, lanes))
     if not best:
         raise PlanError(_shortfall(config, w, hw, limit))

@@ -36,7 +36,8 @@ import jax
 import numpy as np
 
 from hetjax.config import ConfigError, format_bytes
-from hetjax.nvme import PageStore
+from hetjax.gradients import GradientPlan, plan_gradients
+from hetjax.nvme import PageStore, bound_writes
 
 MANIFEST = "manifest.json"
 
@@ -70,26 +71,6 @@ def belady_cache(order: list[str], sizes: dict[str, int], capacity: int) -> list
 
             cache.discard(max(cache, key=lambda s: (next_use(s), s == stage)))
     return [s for s in order if s in cache]
-
-
-def bound_writes(writes: list, window: int) -> None:
-    """Forgets completed writes (raising a failed one's error) and waits for the oldest
-    while more than ``window`` bytes of buffers are held for writes in flight, so a
-    step's write-back holds about one stage in RAM (what the host plan counts), not the
-    whole step's streamed state until the commit."""
-    pending = 0
-    kept = []
-    for future, data in writes:
-        if future.done():
-            future.result()
-        else:
-            kept.append((future, data))
-            pending += data.nbytes
-    while kept and pending > window:
-        future, data = kept.pop(0)
-        future.result()
-        pending -= data.nbytes
-    writes[:] = kept
 
 
 class MemoryStateStore:
@@ -408,18 +389,16 @@ class HostMemoryPlan:
 
     budget: int  # 0: no limit
     param_slabs: int  # compute-dtype params (all stages, or the NVMe read-ahead window)
-    gradients: int  # fp32 gradient buffers
+    gradients: int  # gradient buffers in RAM (``grads`` says which, and what spills)
     optimizer_state: int  # state kept in RAM (offload.optimizer=host), x2 while speculative
     optimizer_io: int  # NVMe read-ahead, the stage updating and its write-back
     cache: int  # NVMe state cached in RAM
     cached_stages: tuple[str, ...]
     required: int  # the total
+    grads: GradientPlan
 
     def describe(self) -> str:
-        parts = [
-            f"param slabs {format_bytes(self.param_slabs)}",
-            f"gradient buffers {format_bytes(self.gradients)}",
-        ]
+        parts = [f"param slabs {format_bytes(self.param_slabs)}", self.grads.describe()]
         if self.optimizer_state:
             parts.append(f"optimizer state {format_bytes(self.optimizer_state)}")
         if self.optimizer_io:
@@ -435,34 +414,46 @@ def plan_host_memory(
     budget: int,
     tier: str,
     param_slabs: int,
-    gradients: int,
+    grad_sizes: dict[str, int],
+    grad_policy: str,
     stage_state: dict[str, int],
     order: list[str],
     readahead: int,
+    spill_grads: bool = False,
 ) -> HostMemoryPlan:
     """Plans host RAM for optimizer tier ``tier`` (device | host | nvme). Speculative
     updates keep a stage's old and new state until the step commits, so state held in
-    RAM counts twice. With ``nvme`` the RAM left after the minimum working set caches
-    whole stages, chosen by :func:`belady_cache`; no budget means no cache. Raises
-    ``ConfigError`` naming the shortfall when the minimum does not fit."""
+    RAM counts twice. Gradient buffers (slab bytes ``grad_sizes`` by stage, policy
+    ``grad_policy``, ``spill_grads``: kept ones may go to NVMe) get the RAM they need
+    next, bounded when all of them do not fit (``gradients.plan_gradients``). With
+    ``nvme`` the RAM left after that caches whole stages of state, chosen by
+    :func:`belady_cache`; no budget means no cache. Raises ``ConfigError`` naming the
+    shortfall when the minimum does not fit."""
     state = 2 * sum(stage_state.values()) if tier == "host" else 0
     biggest = max(stage_state.values())
     io = (readahead + 2) * biggest if tier == "nvme" else 0
-    required = param_slabs + gradients + state + io
+    others = param_slabs + state + io
+    grads = plan_gradients(
+        grad_sizes, order, grad_policy, budget - others if budget else None, spill_grads
+    )
+    required = others + grads.ram_bytes
     if budget and required > budget:
         hints = {
             "host": "set offload.optimizer=nvme",
             "nvme": "set offload.params=nvme" if param_slabs > io else "lower memory.page_size",
             "device": "set offload.optimizer=nvme",
         }
+        hint = hints[tier]
+        if grad_policy == "keep" and not grads.bounded and not spill_grads:
+            hint += " (gradients kept for clipping then spill to NVMe) or optimizer.grad_clip=0"
         raise ConfigError(
             f"memory.host_budget {format_bytes(budget)} is too small for the minimum host "
             f"working set {format_bytes(required)} (param slabs {format_bytes(param_slabs)}, "
-            f"gradient buffers {format_bytes(gradients)}"
+            f"gradient buffers {format_bytes(grads.ram_bytes)}"
             + (f", optimizer state {format_bytes(state)}" if state else "")
             + (f", optimizer I/O buffers {format_bytes(io)}" if io else "")
             + f"); host is short by {format_bytes(required - budget)}. Raise "
-            f"memory.host_budget or {hints[tier]}"
+            f"memory.host_budget or {hint}"
         )
     cached: list[str] = []
     cache = 0
@@ -471,5 +462,13 @@ def plan_host_memory(
         cached = belady_cache(order, sizes, budget - required)
         cache = sum(sizes[s] for s in cached)
     return HostMemoryPlan(
-        budget, param_slabs, gradients, state, io, cache, tuple(cached), required + cache
+        budget,
+        param_slabs,
+        grads.ram_bytes,
+        state,
+        io,
+        cache,
+        tuple(cached),
+        required + cache,
+        grads,
     )

@@ -16,7 +16,10 @@ committed state (``state_store.py``). When backward ends the executor calls
 off) the speculative updates are exactly optax's and are committed; if clipping binds,
 they are dropped and every stage is updated again with the clip factor (counted in
 ``optimizer_redo``); if an fp16 step overflowed, they are dropped and the step skipped.
-Results equal ``optax.chain(clip_by_global_norm, base)`` in every case.
+Results equal ``optax.chain(clip_by_global_norm, base)`` in every case. A consumed
+gradient goes to the :class:`~hetjax.gradients.GradientStore`, which keeps it (in RAM or
+on NVMe) for a possible redo, or drops it when clipping is off; with bounded gradient
+buffers ``submit`` waits while ``max_queued`` stages are not yet updated (``gradients.py``).
 
 **Lock-free mode** (``optimizer.mode=lockfree``, Angel-PTM's Algorithm 2). The executor
 never waits for the optimizer: :meth:`UpdateLoop.submit_step` adds the step's averaged
@@ -41,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from hetjax import timeline
+from hetjax.gradients import GradientStore
 
 
 class UpdateLoop:
@@ -55,8 +59,14 @@ class UpdateLoop:
         mode: str = "sync",
         max_staleness: int = 1,
         readahead: int = 2,
+        grads: GradientStore | None = None,
+        max_queued: int = 0,
     ):
         self.opt, self.states, self.params = optimizer, states, params
+        self.grads = grads if grads is not None else GradientStore(keep=max_norm > 0)
+        self.max_queued = (
+            max_queued  # stages submitted, not yet updated, before submit waits; 0: any
+        )
         self.order = order  # update order: backward order
         self.layout_of = layout_of  # stage name -> layout name
         self.max_norm = float(max_norm)
@@ -74,22 +84,35 @@ class UpdateLoop:
         self._acc: dict[str, np.ndarray] | None = None
         self._acc_steps = 0
         self._unapplied = 0
+        # sync: gradients submitted and not yet updated
+        self._queued = 0
+        self._queued_bytes = 0
         self._thread = threading.Thread(target=self._run, name="hetjax-optimizer", daemon=True)
         self._thread.start()
 
     # -- synchronous mode ---------------------------------------------------------------
 
     def submit(self, stage: str, grad: np.ndarray) -> None:
-        """Stage ``stage``'s final, averaged fp32 gradient slab (kept unchanged by the
-        caller until ``finish``)."""
-        self._check()
+        """Stage ``stage``'s final, averaged gradient slab (never changed by the caller
+        after this; the loop keeps it for a redo or drops it). Waits while ``max_queued``
+        stages are not yet updated."""
+        with self._cv:
+            while self.max_queued and self._queued >= self.max_queued and self._error is None:
+                self._cv.wait(0.5)
+            self._check()
+            self._queued += 1
+            self._queued_bytes += grad.nbytes
         self._queue.put(("stage", stage, grad))
 
-    def finish(self, grads: dict[str, np.ndarray], global_norm: float, apply: bool) -> None:
+    def grad_host_bytes(self) -> int:
+        """Gradient bytes the loop holds now: submitted not yet updated, and kept."""
+        return self._queued_bytes + self.grads.host_bytes()
+
+    def finish(self, global_norm: float, apply: bool) -> None:
         """Ends a synchronous step: waits for the submitted updates, then commits them,
         redoes them with clipping, or (``apply`` False: fp16 overflow) drops them."""
         done = threading.Event()
-        self._queue.put(("finish", grads, global_norm, apply, done))
+        self._queue.put(("finish", global_norm, apply, done))
         while not done.wait(0.5):
             self._check()
         self._check()
@@ -152,23 +175,32 @@ class UpdateLoop:
         while (item := self._queue.get()) is not None:
             if item[0] == "stage":
                 _, stage, grad = item
+                del item  # no reference outlives the update but the store's
                 self._update(stage, grad, (0.0, 0.0))  # speculative: no clipping
+                self.grads.keep(stage, grad)  # for a redo (RAM or NVMe), or dropped
+                with self._cv:
+                    self._queued -= 1
+                    self._queued_bytes -= grad.nbytes
+                    self._cv.notify_all()
+                del grad
                 continue
-            _, grads, norm, apply, done = item
-            self._end_step(grads, norm, apply)
+            _, norm, apply, done = item
+            self._end_step(norm, apply)
             done.set()
 
-    def _end_step(self, grads, norm: float, apply: bool) -> None:
+    def _end_step(self, norm: float, apply: bool) -> None:
         clip_binds = self.max_norm > 0 and not norm < self.max_norm
         if apply and not clip_binds:
             self._commit()
         elif apply:  # clipping binds: again, with the clip factor (republishes params)
             self._abort(restore_params=False)
             self.redo += 1
-            self._pass(grads, (norm, self.max_norm))
+            self.grads.wait_writes()  # the spilled gradients are on disk
+            self._pass((norm, self.max_norm))
             self._commit()
         else:  # fp16 overflow: the step is skipped
             self._abort(restore_params=True)
+        self.grads.clear()
 
     def _run_lockfree(self) -> None:
         while True:
@@ -184,7 +216,7 @@ class UpdateLoop:
             norm = float(np.sqrt(sum(float(np.dot(g, g)) for g in grads.values())))
             if np.isfinite(norm):
                 clip = (norm, self.max_norm) if self.max_norm > 0 else (0.0, 0.0)
-                self._pass(grads, clip)
+                self._pass(clip, grads)
                 self._commit()
             with self._cv:
                 self._unapplied -= steps
@@ -192,9 +224,18 @@ class UpdateLoop:
 
     # -- updating stages ----------------------------------------------------------------
 
-    def _pass(self, grads: dict[str, np.ndarray], clip) -> None:
-        for stage in self.order:
-            self._update(stage, grads[stage], clip)
+    def _pass(self, clip, grads: dict[str, np.ndarray] | None = None) -> None:
+        """Updates every stage with ``grads``, or with the gradients the store kept
+        (read back from NVMe ``readahead`` stages ahead)."""
+        for pos, stage in enumerate(self.order):
+            if grads is not None:
+                self._update(stage, grads[stage], clip)
+                continue
+            for ahead in self.order[pos : pos + 1 + self.readahead]:
+                self.grads.prefetch(ahead)
+            grad = self.grads.take(stage)
+            self._update(stage, grad, clip)
+            del grad
 
     def _update(self, stage: str, grad: np.ndarray, clip) -> None:
         t0 = time.perf_counter()

@@ -115,8 +115,12 @@ def test_metrics_fields_consistent_with_ledger(traced_run, tiny, tmp_path):
             runtime.layouts[runtime.layout_name(n)].padded_size for n in runtime.stage_names
         )
         assert m["optimizer_params"] == params
-        # Host bytes: the param slabs and gradient buffers the host plan counts.
-        assert m["host_bytes"] >= runtime.host_plan.param_slabs + runtime.host_plan.gradients
+        # Host bytes: the param slabs and gradient buffers, within the host plan. (No
+        # clipping: gradients are dropped once updated, so how many were held at once
+        # depends on the optimizer thread; the embed's is held until backward ends.)
+        plan = runtime.host_plan
+        embed_grad = runtime.layouts["embed"].nbytes(np.float32)
+        assert plan.param_slabs + embed_grad <= m["host_bytes"] <= plan.required
         # Read again: per-step counters start from zero.
         again = runtime.extra_metrics()
         assert again["nvme_read_bytes"] == again["optimizer_params"] == 0
