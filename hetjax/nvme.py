@@ -5,7 +5,11 @@ one zarr3 array over the ``file`` kvstore with shape ``(num_pages, page_elems)``
 chunk per page, so a stage is a contiguous page range and every read or write moves
 whole chunks. Reads and writes return TensorStore futures (asynchronous; the caller
 overlaps them with compute). There is no fsync on the hot path (``file_io_sync`` off):
-durability is the checkpoint's job.
+durability is the checkpoint's job. Nor is there file locking (``file_io_locking`` mode
+``none``): each store has one writer, its own process, and the lock files TensorStore
+otherwise creates and removes around every chunk write cost a third of the write
+bandwidth here (measured: 0.45-0.73 GB/s with locks, 0.64-1.01 GB/s without, same disk,
+1 GiB in 4 MiB pages).
 
 Start-up checks (:func:`check_nvme_path`) run before anything is created, so a bad path
 or a full disk fails with the numbers and leaves nothing half-written.
@@ -84,7 +88,11 @@ class PageStore:
         self.kinds = list(kinds)
         self.num_pages, self.page_elems = num_pages, page_elems
         self._context = ts.Context(
-            {"file_io_sync": False, "file_io_concurrency": {"limit": IO_CONCURRENCY}}
+            {
+                "file_io_sync": False,
+                "file_io_locking": {"mode": "none"},
+                "file_io_concurrency": {"limit": IO_CONCURRENCY},
+            }
         )
         self.arrays: dict[str, ts.TensorStore] = {}
         opened = [
