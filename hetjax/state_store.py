@@ -414,6 +414,7 @@ class HostMemoryPlan:
     cache: int  # NVMe state cached in RAM
     cached_stages: tuple[str, ...]
     required: int  # the total
+    checkpoints: int = 0  # activation checkpoints (host) or their NVMe staging (nvme)
 
     def describe(self) -> str:
         parts = [
@@ -422,6 +423,8 @@ class HostMemoryPlan:
         ]
         if self.optimizer_state:
             parts.append(f"optimizer state {format_bytes(self.optimizer_state)}")
+        if self.checkpoints:
+            parts.append(f"activation checkpoints {format_bytes(self.checkpoints)}")
         if self.optimizer_io:
             parts.append(f"optimizer I/O buffers {format_bytes(self.optimizer_io)}")
             parts.append(
@@ -439,30 +442,38 @@ def plan_host_memory(
     stage_state: dict[str, int],
     order: list[str],
     readahead: int,
+    checkpoints: int = 0,
+    activations: str = "device",
 ) -> HostMemoryPlan:
     """Plans host RAM for optimizer tier ``tier`` (device | host | nvme). Speculative
     updates keep a stage's old and new state until the step commits, so state held in
-    RAM counts twice. With ``nvme`` the RAM left after the minimum working set caches
-    whole stages, chosen by :func:`belady_cache`; no budget means no cache. Raises
-    ``ConfigError`` naming the shortfall when the minimum does not fit."""
+    RAM counts twice. ``checkpoints``: host bytes of activation checkpoints in tier
+    ``activations`` (all of a micro-batch's on ``host``, the staging on ``nvme``). With
+    ``nvme`` the RAM left after the minimum working set caches whole stages, chosen by
+    :func:`belady_cache`; no budget means no cache. Raises ``ConfigError`` naming the
+    shortfall when the minimum does not fit."""
     state = 2 * sum(stage_state.values()) if tier == "host" else 0
     biggest = max(stage_state.values())
     io = (readahead + 2) * biggest if tier == "nvme" else 0
-    required = param_slabs + gradients + state + io
+    required = param_slabs + gradients + state + io + checkpoints
     if budget and required > budget:
         hints = {
             "host": "set offload.optimizer=nvme",
             "nvme": "set offload.params=nvme" if param_slabs > io else "lower memory.page_size",
             "device": "set offload.optimizer=nvme",
         }
+        hint = hints[tier]
+        if activations == "host" and checkpoints >= max(param_slabs, io, state):
+            hint = "set offload.activations=nvme"
         raise ConfigError(
             f"memory.host_budget {format_bytes(budget)} is too small for the minimum host "
             f"working set {format_bytes(required)} (param slabs {format_bytes(param_slabs)}, "
             f"gradient buffers {format_bytes(gradients)}"
             + (f", optimizer state {format_bytes(state)}" if state else "")
             + (f", optimizer I/O buffers {format_bytes(io)}" if io else "")
+            + (f", activation checkpoints {format_bytes(checkpoints)}" if checkpoints else "")
             + f"); host is short by {format_bytes(required - budget)}. Raise "
-            f"memory.host_budget or {hints[tier]}"
+            f"memory.host_budget or {hint}"
         )
     cached: list[str] = []
     cache = 0
@@ -471,5 +482,13 @@ def plan_host_memory(
         cached = belady_cache(order, sizes, budget - required)
         cache = sum(sizes[s] for s in cached)
     return HostMemoryPlan(
-        budget, param_slabs, gradients, state, io, cache, tuple(cached), required + cache
+        budget,
+        param_slabs,
+        gradients,
+        state,
+        io,
+        cache,
+        tuple(cached),
+        required + cache,
+        checkpoints,
     )
