@@ -349,7 +349,10 @@ class OffloadConfig:
     In stream mode ``optimizer`` places the fp32 master params and optimizer state:
     ``host`` (RAM), ``nvme`` (TensorStore arrays under ``memory.nvme_path``, cached in
     RAM up to ``memory.host_budget``) or ``device``; ``params`` places the compute-dtype
-    params the forward reads: ``host`` or ``nvme`` (for when RAM cannot hold them).
+    params the forward reads: ``host`` or ``nvme`` (for when RAM cannot hold them);
+    ``activations`` places the block-boundary checkpoints: ``device``, ``host``, or
+    ``nvme`` (written to a TensorStore array under ``memory.nvme_path`` and read back
+    ahead of backward, with a few in RAM; hetjax/activations.py).
     """
 
     mode: str = "auto"
@@ -365,7 +368,17 @@ class OffloadConfig:
         _choice("offload", "mode", self.mode, OFFLOAD_MODES)
         _choice("offload", "params", self.params, ("host", "nvme"))
         _choice("offload", "optimizer", self.optimizer, ("device", "host", "nvme"))
-        _choice("offload", "activations", self.activations, ("device", "host"))
+        _choice("offload", "activations", self.activations, ("device", "host", "nvme"))
+        if self.activations == "nvme" and self.mode != "stream":
+            raise ConfigError(
+                "config key 'offload.activations' is 'nvme', which only the streaming "
+                f"executor writes, but offload.mode is {self.mode!r}; set offload.mode=stream"
+                + (
+                    " (with offload.mode=auto the planner chooses it)"
+                    if self.mode == "auto"
+                    else ""
+                )
+            )
         _check(
             self.prefetch_depth >= 0,
             "offload.prefetch_depth",
@@ -559,6 +572,11 @@ class Config:
             raise ConfigError(
                 "config key 'offload.keep_blocks': kept activations are not supported with "
                 "data parallelism (distributed.data_parallel != 1); leave it 0"
+            )
+        if data != 1 and self.offload.activations == "nvme":
+            raise ConfigError(
+                "config key 'offload.activations': nvme checkpoints are not supported with "
+                "data parallelism (distributed.data_parallel != 1); use device or host"
             )
         if data != 1 and self.optimizer.mode == "lockfree":
             raise ConfigError(

@@ -11,12 +11,12 @@ a window of device memory:
 The access order is known, so a Python loop copies the next ``offload.prefetch_depth``
 slabs in while the current stage computes (JAX's async dispatch overlaps them), drops
 each slab after its last use in the window, keeps block-boundary activations on the
-device or on the host (``offload.activations``), and sends each stage's gradient slab to
-the host as soon as its backward is dispatched. The host optimizer loop
-(``update_loop.py``) updates each stage as soon as its final gradient is on the host,
-while backward goes on, and refreshes the param slabs for the next step; optimizer state
-and params live in the tiers ``offload.optimizer`` and ``offload.params`` name
-(``state_store.py``).
+device, on the host, or swaps them through the host to NVMe (``offload.activations``,
+``activations.py``), and sends each stage's gradient slab to the host as soon as its
+backward is dispatched. The host optimizer loop (``update_loop.py``) updates each stage
+as soon as its final gradient is on the host, while backward goes on, and refreshes the
+param slabs for the next step; optimizer state and params live in the tiers
+``offload.optimizer`` and ``offload.params`` name (``state_store.py``).
 
 ``memory.device_budget`` bounds what the executor holds on the device; the plan is made
 at start-up (:func:`plan_device_memory`) and the ledger records what it really held.
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax import timeline
+from hetjax.activations import NvmeCheckpoints, staging_bytes
 from hetjax.checkpoint import MASTER, RuntimeState
 from hetjax.config import Config, ConfigError, format_bytes
 from hetjax.gradients import GradientStore
@@ -59,7 +60,7 @@ from hetjax.update_loop import UpdateLoop
 from models import build_model
 
 F32 = jnp.float32
-IO_READAHEAD = 2  # stages read from NVMe ahead of their use (state and params)
+IO_READAHEAD = 2  # stages (state, params) or checkpoints read from NVMe ahead of their use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,8 +270,12 @@ class Ledger:
         self.current: dict[str, int] = {}
         self.peak: dict[str, int] = collections.defaultdict(int)
 
-    def record(self, arrays) -> None:
+    def record(self, arrays, host_buffers: int = 0) -> None:
+        """``arrays``: the JAX arrays held; ``host_buffers``: bytes of host RAM held
+        outside JAX (NVMe staging), counted in the ``pinned_host`` kind."""
         totals: dict[str, int] = collections.defaultdict(int)
+        if host_buffers:
+            totals["pinned_host"] = host_buffers
         seen = set()
         for a in jax.tree.leaves(arrays):
             if id(a) in seen:
@@ -313,10 +318,15 @@ class StreamingRuntime:
         self.optimizer = SlabOptimizer(
             config.optimizer, t.steps, self.state_layouts, opt_sharding, self.compute_dtype
         )
+        self._build_stage_functions()
+        args = self.fns.abstract_args(t.micro_batch_size, t.seq_len, self.compute_dtype)
+        self.checkpoint = args["block_fwd"][1]  # one block-boundary checkpoint (B, T, D)
+        self.checkpoint_slots = L - off.keep_blocks  # blocks that store one (not kept)
         self.host_plan = self._plan_host_memory()
         self._nvme_dir = self._nvme_directory(workdir)
         self.states, self.param_store = self._make_stores(opt_sharding)
         self.grad_store = self._make_grad_store()
+        self.swap = self._make_checkpoint_swap()
         self._init_params(jax.random.key(t.seed))
         self.loop = UpdateLoop(
             self.optimizer,
@@ -331,13 +341,13 @@ class StreamingRuntime:
             grads=self.grad_store,
             max_queued=self.host_plan.grads.max_queued,
         )
-        self._build_stage_functions()
         self.plan = self._plan_memory()
         self.prefetch_depth = self.plan.prefetch_depth
         self.resident: dict[str, jax.Array] = {}
         self._refresh_resident()
         self.optimizer_s = 0.0
         self._grad_bytes = 0
+        self._checkpoint_host_peak = 0  # offload.activations=host: their peak this step
         self._io_mark = self._nvme_io_totals()  # initialisation's writes are no step's
         self.loss_scale = (
             LossScale.create(t.loss_scale_init, t.loss_scale_period)
@@ -373,12 +383,14 @@ class StreamingRuntime:
             param_slabs=param_slabs,
             grad_sizes={n: slab(n, self.grad_dtype(n)) for n in self.update_order},
             grad_policy=grad_policy(cfg),
-            spill_grads="nvme" in (off.optimizer, off.params),
+            spill_grads="nvme" in (off.optimizer, off.params, off.activations),
             stage_state={
                 n: self.optimizer.state_bytes(self.layout_name(n)) for n in self.stage_names
             },
             order=self.update_order,
             readahead=IO_READAHEAD,
+            checkpoints=self._host_checkpoint_bytes(),
+            activations=off.activations,
         )
         return plan
 
@@ -386,18 +398,39 @@ class StreamingRuntime:
         """The dtype of a stage's gradient buffer on the host."""
         return block_grad_dtype(self.config) if stage.startswith("block") else F32
 
+    def _checkpoint_bytes(self) -> int:
+        """Bytes of one block-boundary checkpoint of a micro-batch."""
+        return math.prod(self.checkpoint.shape) * jnp.dtype(self.checkpoint.dtype).itemsize
+
+    def _host_checkpoint_bytes(self) -> int:
+        """Host RAM of activation checkpoints: all of a micro-batch's with
+        ``offload.activations=host``, the NVMe swap's staging with ``nvme``."""
+        tier, slots = self.config.offload.activations, self.checkpoint_slots
+        if tier == "host":
+            return slots * self._checkpoint_bytes()
+        if tier == "nvme":
+            return staging_bytes(self._checkpoint_bytes(), slots, IO_READAHEAD)
+        return 0
+
     def _nvme_directory(self, workdir) -> Path | None:
         """Checks (and creates) the NVMe directory when anything lives on NVMe."""
         off, mem = self.config.offload, self.config.memory
-        if "nvme" not in (off.optimizer, off.params):
+        if "nvme" not in (off.optimizer, off.params, off.activations):
             return None
         num_pages = sum(n for _, n in self._stage_pages().values())
         page_elems = self.layouts["block"].page_elems
-        needed = {"spilled gradients": self.host_plan.grads.spill_bytes}  # kept for a redo
+        needed = {}
         if off.optimizer == "nvme":  # two generations of each
-            needed["optimizer state"] = 2 * num_pages * page_elems * 4 * len(self.optimizer.kinds)
+            needed["the optimizer state"] = (
+                2 * num_pages * page_elems * 4 * len(self.optimizer.kinds)
+            )
         if off.params == "nvme":
-            needed["params"] = 2 * num_pages * page_elems * self.compute_dtype.itemsize
+            needed["the params"] = 2 * num_pages * page_elems * self.compute_dtype.itemsize
+        if off.activations == "nvme":
+            needed[f"{self.checkpoint_slots} activation checkpoints"] = (
+                self.checkpoint_slots * self._checkpoint_bytes()
+            )
+        needed["spilled gradients"] = self.host_plan.grads.spill_bytes  # kept for a redo
         self._temporary_nvme = not mem.nvme_path and workdir is None
         if mem.nvme_path:
             path = Path(mem.nvme_path)
@@ -444,6 +477,18 @@ class StreamingRuntime:
         page_elems = self.layouts["block"].page_elems
         redo = self.config.optimizer.grad_clip > 0  # the sync loop may redo the updates
         return GradientStore(redo, spilled, path, page_elems)
+
+    def _make_checkpoint_swap(self) -> NvmeCheckpoints | None:
+        if self.config.offload.activations != "nvme" or not self.checkpoint_slots:
+            return None
+        return NvmeCheckpoints(
+            self._nvme_dir / "activations",
+            self.checkpoint_slots,
+            self.checkpoint.shape,
+            self.checkpoint.dtype,
+            chunk_elems=self.config.memory.page_size // jnp.dtype(self.checkpoint.dtype).itemsize,
+            depth=IO_READAHEAD,
+        )
 
     def _init_params(self, rng: jax.Array) -> None:
         """Initialises each stage straight into the optimizer's memory as an fp32 slab;
@@ -583,6 +628,9 @@ class StreamingRuntime:
         seed = scale * (np.nan if poison else 1.0)  # the loss cotangent (NaN: a fault)
         self._step = _StepGrads(self, A, scale, seed, self.loop if sync else None)
         self.ledger.reset_peak()
+        self._checkpoint_host_peak = 0
+        if self.swap is not None:
+            self.swap.reset_peak()
         losses = [self._forward_backward(micro, last=a == A - 1) for a, micro in enumerate(batch)]
         loss = float(np.mean([float(v) for v in losses]))
         grads, grad_norm = self._step.grads, self._step.norm()
@@ -618,6 +666,8 @@ class StreamingRuntime:
         backward_uses = [self.block_names[i] for i in reversed(range(first_kept))]
         window = _Window(self, self.block_names + backward_uses)
         pending: collections.deque = collections.deque()  # grads in flight to the host
+        if self.swap is not None:
+            self.swap.begin()  # the previous micro-batch's checkpoint writes are done
 
         x = self._embed_fwd(embed, tokens)  # (B, T, D)
         timeline.watch("compute", "embed fwd", x)
@@ -628,7 +678,7 @@ class StreamingRuntime:
             if i >= first_kept:
                 x, kept[i] = self._block_fwd_keep(slab, x)
             else:
-                ckpts[i] = self._store_checkpoint(x)
+                ckpts[i] = self._store_checkpoint(i, x)
                 x = self._block_fwd(slab, x)
             timeline.watch("compute", f"block{i} fwd", x, after=slab)
             del slab  # the window decides when a slab goes; hold no reference past it
@@ -648,7 +698,7 @@ class StreamingRuntime:
         self._send_grad("embed", de_head, pending)
         del dh, de_head
 
-        next_ckpt = self._load_checkpoint(ckpts[first_kept - 1]) if first_kept else None
+        next_ckpt = self._load_checkpoint(first_kept - 1, ckpts) if first_kept else None
         for i in reversed(range(L)):
             if i >= first_kept:
                 db, dx = self._block_bwd_kept(kept[i], dx)
@@ -658,7 +708,7 @@ class StreamingRuntime:
                 j = L + first_kept - 1 - i  # position in the window's use order
                 slab, x_in = window.get(j), next_ckpt
                 if i > 0:  # prefetch the next checkpoint while this block computes
-                    next_ckpt = self._load_checkpoint(ckpts[i - 1])
+                    next_ckpt = self._load_checkpoint(i - 1, ckpts)
                 db, dx = self._block_bwd(slab, x_in, dx)
                 timeline.watch("compute", f"block{i} bwd", (db, dx), after=(slab, x_in))
                 ckpts[i] = None
@@ -675,14 +725,27 @@ class StreamingRuntime:
             self._step.add(*pending.popleft())
         return loss
 
-    def _store_checkpoint(self, x: jax.Array) -> jax.Array:
-        if self.config.offload.activations == "host":
-            ckpt = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
-            timeline.watch("device_to_host", "checkpoint", ckpt, after=x)
-            return ckpt
-        return x
+    def _store_checkpoint(self, i: int, x: jax.Array) -> jax.Array | None:
+        """Keeps block i's input checkpoint: on the device (returned as is), in host RAM
+        (its copy is returned), or swapped to NVMe through host RAM (None: the swap holds
+        it)."""
+        tier = self.config.offload.activations
+        if tier == "device":
+            return x
+        ckpt = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+        timeline.watch("device_to_host", "checkpoint", ckpt, after=x)
+        if tier == "nvme":
+            self.swap.put(i, ckpt)
+            return None
+        return ckpt
 
-    def _load_checkpoint(self, ckpt: jax.Array) -> jax.Array:
+    def _load_checkpoint(self, i: int, ckpts: list) -> jax.Array:
+        """Block i's input checkpoint on the device (for its backward)."""
+        if self.swap is not None:
+            x = self._put_batch(self.swap.get(i))  # waits for its read from NVMe
+            timeline.watch("host_to_device", "checkpoint", x)
+            return x
+        ckpt = ckpts[i]
         x = jax.device_put(ckpt, ckpt.sharding.with_memory_kind("device"))  # no-op if there
         if x is not ckpt:
             timeline.watch("host_to_device", "checkpoint", x, after=ckpt)
@@ -705,7 +768,13 @@ class StreamingRuntime:
             *(g for _, g in pending),
             *transients,
         ]
-        self.ledger.record(held)
+        staged = 0  # NVMe swap: checkpoints in host RAM, outside JAX
+        if self.swap is not None:
+            staged = self.swap.host_bytes()
+        elif self.config.offload.activations == "host":
+            in_ram = sum(device_bytes(c) for c in ckpts if c is not None)
+            self._checkpoint_host_peak = max(self._checkpoint_host_peak, in_ram)
+        self.ledger.record(held, staged)
         if self.probe is not None:
             self.probe(self)
 
@@ -743,7 +812,7 @@ class StreamingRuntime:
             off = self.config.offload
             lines.append(
                 f"nvme: {self._nvme_dir} (offload.optimizer={off.optimizer}, "
-                f"offload.params={off.params})"
+                f"offload.params={off.params}, offload.activations={off.activations})"
             )
         return lines
 
@@ -804,21 +873,24 @@ class StreamingRuntime:
 
     def close(self) -> None:
         self.loop.close()
+        if self.swap is not None:
+            self.swap.close()
         if self._nvme_dir is not None and self._temporary_nvme:
             shutil.rmtree(self._nvme_dir, ignore_errors=True)
 
     def _nvme_io_totals(self) -> tuple[int, int]:
+        stores = [self.states, self.param_store, self.swap, self.grad_store]
         return (
-            self.states.read_bytes
-            + getattr(self.param_store, "read_bytes", 0)
-            + self.grad_store.read_bytes,
-            self.states.write_bytes
-            + getattr(self.param_store, "write_bytes", 0)
-            + self.grad_store.write_bytes,
+            sum(getattr(s, "read_bytes", 0) for s in stores),
+            sum(getattr(s, "write_bytes", 0) for s in stores),
         )
 
     def extra_metrics(self) -> dict[str, Any]:
         host = self.param_store.host_bytes() + self.states.host_bytes() + self._grad_bytes
+        # checkpoints in host RAM at their peak during the step (offload.activations)
+        host += self.swap.peak_host_bytes if self.swap is not None else self._checkpoint_host_peak
+        nvme = self.states.nvme_bytes + self.param_store.nvme_bytes + self.grad_store.nvme_bytes
+        nvme += self.swap.nvme_bytes if self.swap is not None else 0
         io = self._nvme_io_totals()
         read, written = io[0] - self._io_mark[0], io[1] - self._io_mark[1]
         self._io_mark = io
@@ -827,9 +899,7 @@ class StreamingRuntime:
         metrics = {
             "device_bytes_peak": int(self.ledger.peak.get("device", 0)),
             "host_bytes": int(host),
-            "nvme_bytes": int(
-                self.states.nvme_bytes + self.param_store.nvme_bytes + self.grad_store.nvme_bytes
-            ),
+            "nvme_bytes": int(nvme),
             "optimizer_s": self.optimizer_s,  # optimizer time the step waited for
             "optimizer_busy_s": busy,  # time the optimizer loop worked (overlapped or not)
             "optimizer_params": int(updated),  # parameters updated (padded slabs, redos too)

@@ -3,9 +3,14 @@
 Each kind of state (``master``, and one per optimizer moment such as ``mu``, ``nu``) is
 one zarr3 array over the ``file`` kvstore with shape ``(num_pages, page_elems)`` and one
 chunk per page, so a stage is a contiguous page range and every read or write moves
-whole chunks. Reads and writes return TensorStore futures (asynchronous; the caller
-overlaps them with compute). There is no fsync on the hot path (``file_io_sync`` off):
-durability is the checkpoint's job.
+whole chunks. (Activation checkpoints, ``activations.py``, use the same store with one
+row per checkpoint, chunked by page.) Reads and writes return TensorStore futures
+(asynchronous; the caller overlaps them with compute). There is no fsync on the hot
+path (``file_io_sync`` off): durability is the checkpoint's job. Nor is there file
+locking (``file_io_locking`` mode ``none``): each store has one writer, its own process,
+and the lock files TensorStore otherwise creates and removes around every chunk write
+cost a third of the write bandwidth here (measured: 0.45-0.73 GB/s with locks,
+0.64-1.01 GB/s without, same disk, 1 GiB in 4 MiB pages).
 
 Start-up checks (:func:`check_nvme_path`) run before anything is created, so a bad path
 or a full disk fails with the numbers and leaves nothing half-written.
@@ -27,13 +32,20 @@ from hetjax.config import ConfigError, format_bytes
 IO_CONCURRENCY = 16  # concurrent file operations; see MEASUREMENTS.md (4 MiB chunks, 16)
 
 
-def check_nvme_path(path: str | Path, needed_bytes: int | dict[str, int]) -> Path:
+def check_nvme_path(
+    path: str | Path, needed_bytes: int | dict[str, int], what: str = "the optimizer state"
+) -> Path:
     """Makes sure ``path`` is a writable directory on a disk with ``needed_bytes`` free
-    (an int, or bytes by what needs them: optimizer state, params, spilled gradients).
-    Raises ``ConfigError`` naming ``memory.nvme_path`` otherwise; creates only the
-    directory itself (and removes it again if the checks fail)."""
-    parts = needed_bytes if isinstance(needed_bytes, dict) else {}
-    needed_bytes = sum(parts.values()) if parts else needed_bytes
+    (for ``what``, named in the error; or a dict of bytes by what needs them). Raises
+    ``ConfigError`` naming ``memory.nvme_path`` otherwise; creates only the directory
+    itself (and removes it again if the checks fail)."""
+    breakdown = ""
+    if isinstance(needed_bytes, dict):
+        parts = {k: v for k, v in needed_bytes.items() if v}
+        what = " and ".join(parts) or what
+        needed_bytes = sum(parts.values())
+        if len(parts) > 1:
+            breakdown = ": " + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
     path = Path(path)
     created = not path.exists()
     try:
@@ -56,12 +68,10 @@ def check_nvme_path(path: str | Path, needed_bytes: int | dict[str, int]) -> Pat
             ) from None
         free = shutil.disk_usage(path).free
         if free < needed_bytes:
-            what = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
             raise ConfigError(
-                f"memory.nvme_path {str(path)!r}: hetjax needs {format_bytes(needed_bytes)} "
-                + (f"({what}) " if what else "")
-                + f"on disk but only {format_bytes(free)} is free (short by "
-                f"{format_bytes(needed_bytes - free)}); free space or use another disk"
+                f"memory.nvme_path {str(path)!r} for {what} needs {format_bytes(needed_bytes)} "
+                f"({needed_bytes} bytes{breakdown}) on disk but only {format_bytes(free)} is free "
+                f"(short by {format_bytes(needed_bytes - free)}); free space or use another disk"
             )
     except ConfigError:
         if created:
@@ -79,17 +89,27 @@ class PageStore:
         kinds: list[str] | dict[str, str],
         num_pages: int,
         page_elems: int,
+        chunk_elems: int = 0,
+        label: str = "",
     ):
         """``kinds``: names (float32 pages) or a dict name -> dtype name (e.g. the
-        compute-dtype param pages, ``bfloat16``)."""
+        compute-dtype param pages, ``bfloat16``). ``chunk_elems``: elements per chunk
+        along a row; 0: the whole row (one page, one chunk). ``label``: what the
+        timeline's spans say the store holds (default: the parent directory's name)."""
         self.path = Path(path)
         if not isinstance(kinds, dict):
             kinds = {k: "float32" for k in kinds}
         self.dtypes = {k: np.dtype(jnp.dtype(d)) for k, d in kinds.items()}
         self.kinds = list(kinds)
         self.num_pages, self.page_elems = num_pages, page_elems
+        self.chunk_elems = chunk_elems or page_elems
+        self.label = label or self.path.parent.name
         self._context = ts.Context(
-            {"file_io_sync": False, "file_io_concurrency": {"limit": IO_CONCURRENCY}}
+            {
+                "file_io_sync": False,
+                "file_io_locking": {"mode": "none"},
+                "file_io_concurrency": {"limit": IO_CONCURRENCY},
+            }
         )
         self.arrays: dict[str, ts.TensorStore] = {}
         opened = [
@@ -109,7 +129,7 @@ class PageStore:
                 "data_type": dtype,
                 "chunk_grid": {
                     "name": "regular",
-                    "configuration": {"chunk_shape": [1, self.page_elems]},
+                    "configuration": {"chunk_shape": [1, self.chunk_elems]},
                 },
             },
         }
@@ -135,7 +155,8 @@ class PageStore:
         return future
 
     def _span_name(self, kind: str, first_page: int, num_pages: int) -> str:
-        return f"{self.path.parent.name} {kind} pages {first_page}+{num_pages}"
+        rows = "pages" if self.chunk_elems == self.page_elems else "rows"
+        return f"{self.label} {kind} {rows} {first_page}+{num_pages}"
 
     @staticmethod
     def open_existing(path: str | Path, kind: str) -> ts.TensorStore:

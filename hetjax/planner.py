@@ -11,9 +11,10 @@ runtimes implement and returns the fastest :class:`Plan` that fits every tier:
 * ``offload.mode=none`` (all state on the device, with or without ``model.remat``), or
 * ``offload.mode=stream`` with compute-dtype params on the host or NVMe, fp32 master and
   optimizer state on the device, host or NVMe (NVMe state cached in spare host RAM by
-  next use), block-boundary activation checkpoints on the device or host, a prefetch
-  depth, blocks kept resident on the device (fewer copies) and blocks that keep their
-  in-block activations from forward to backward instead of recomputing them
+  next use), block-boundary activation checkpoints on the device, host or NVMe (through
+  a few host buffers: Fuyou's SSD-CPU-GPU activation swap), a prefetch depth, blocks
+  kept resident on the device (fewer copies) and blocks that keep their in-block
+  activations from forward to backward instead of recomputing them
   (``offload.keep_blocks``: Fuyou's swap-instead-of-recompute, at block granularity).
 
 The cost model is Fuyou's (section 4.5, equations 1-8) extended to our tiers: a step is
@@ -38,7 +39,7 @@ from hetjax.config import Config, ConfigError, format_bytes
 from hetjax.gradients import in_flight_slabs
 from hetjax.hardware import Hardware
 
-IO_READAHEAD = 2  # as hetjax.executor (stages read from NVMe ahead of their use)
+IO_READAHEAD = 2  # as hetjax.executor (stages or checkpoints read from NVMe ahead of use)
 MARGIN = 0.9  # of a tier's capacity the planner may use when no budget is given
 ADAM_BYTES = 28  # bytes a device-side AdamW moves per parameter (reads and writes)
 
@@ -165,7 +166,7 @@ class Candidate:
     remat: bool = False
     params: str = "device"  # device (mode none) | host | nvme
     optimizer: str = "device"  # device | host | nvme
-    activations: str = "device"  # device | host
+    activations: str = "device"  # device | host | nvme
     prefetch_depth: int = 0
     resident_blocks: int = 0
     keep_blocks: int = 0
@@ -315,24 +316,36 @@ def _memory(w: Workload, c: Candidate, n: int = 1) -> tuple[dict, dict, dict]:
     grads = share(w.block_grad_bytes * L * Pb + 4 * (w.embed_params + w.head_params))
     embed_grad = share(4 * w.embed_params)
     slab = share(max(w.block_grad_bytes * Pb, 4 * w.head_params))
-    spill = w.grad_policy == "keep" and "nvme" in (c.params, c.optimizer)
+    spill = w.grad_policy == "keep" and "nvme" in (c.params, c.optimizer, c.activations)
     host_grads, spilled = grads, 0
-    if w.grad_policy == "release" or spill:
-        window = embed_grad + in_flight_slabs(spill) * slab
-        host_grads, spilled = min(grads, window), grads - embed_grad if spill else 0
+    window = embed_grad + in_flight_slabs(spill) * slab
+    if (w.grad_policy == "release" or spill) and window < grads:
+        host_grads, spilled = window, grads - embed_grad if spill else 0
     host = {
         "params": params,
         "gradients": host_grads,
         "optimizer": 2 * S * share(P) if c.optimizer == "host" else 0,
         "optimizer I/O": (IO_READAHEAD + 2) * S * biggest if c.optimizer == "nvme" else 0,
-        "checkpoints": (L - c.keep_blocks) * w.checkpoint if c.activations == "host" else 0,
+        "checkpoints": _host_checkpoints(w, c),
     }
     nvme = {
         "optimizer": 2 * S * share(P) if c.optimizer == "nvme" else 0,
         "params": 2 * cb * share(P) if c.params == "nvme" else 0,
+        "checkpoints": (L - c.keep_blocks) * w.checkpoint if c.activations == "nvme" else 0,
         "gradients": spilled,
     }
     return device, host, nvme
+
+
+def _host_checkpoints(w: Workload, c: Candidate) -> int:
+    """Host bytes of activation checkpoints: a micro-batch's all (``host``), or the NVMe
+    swap's staging (``nvme``, as ``activations.staging_bytes``)."""
+    slots = w.num_layers - c.keep_blocks
+    if c.activations == "host":
+        return slots * w.checkpoint
+    if c.activations == "nvme":
+        return min(slots, IO_READAHEAD + 1) * w.checkpoint
+    return 0
 
 
 def _lanes(
@@ -357,7 +370,10 @@ def _lanes(
     frac = 1.0 / n
     streamed_f = L - c.resident_blocks
     streamed_b = max(0, recomputed - c.resident_blocks)
-    ckpt = recomputed * w.checkpoint if c.activations == "host" else 0
+    # Checkpoints on the host or NVMe cross to the host in forward and back in backward;
+    # on NVMe, each is written and, but for the last IO_READAHEAD (still in RAM when
+    # backward starts), read back.
+    ckpt = recomputed * w.checkpoint if c.activations in ("host", "nvme") else 0
     h2d_f = streamed_f * cb * Pb * frac
     h2d_b = streamed_b * cb * Pb * frac + ckpt
     grads = w.block_grad_bytes * L * Pb + 4 * (w.embed_params + w.head_params)
@@ -369,8 +385,11 @@ def _lanes(
     disk_f = disk_b = disk_step = 0.0
     if c.params == "nvme":
         disk_f = h2d_f / hw.nvme_read_bw * n  # the machine's disks serve n processes
-        disk_b = h2d_b / hw.nvme_read_bw * n
+        disk_b = (h2d_b - ckpt) / hw.nvme_read_bw * n
         disk_step += cb * P / hw.nvme_write_bw
+    if c.activations == "nvme":
+        disk_f += ckpt / hw.nvme_write_bw * n
+        disk_b += max(0, recomputed - IO_READAHEAD) * w.checkpoint / hw.nvme_read_bw * n
     if grad_spill:
         disk_step += grad_spill / hw.nvme_write_bw
     S = w.state_bytes_per_param
@@ -429,13 +448,16 @@ def budgets(config: Config, hw: Hardware) -> dict[str, int]:
     }
 
 
-def _candidates(w: Workload, allow_none: bool):
+def _candidates(w: Workload, one_device: bool):
+    """Every placement the runtimes implement; on one device also ``none``, and
+    checkpoints on NVMe (the data-parallel runtime keeps them on the device or host)."""
     L = w.num_layers
-    if allow_none:
+    if one_device:
         yield Candidate("none", remat=False)
         yield Candidate("none", remat=True)
+    activations = ("device", "host", "nvme") if one_device else ("device", "host")
     for params, optimizer, acts in itertools.product(
-        ("host", "nvme"), ("device", "host", "nvme"), ("device", "host")
+        ("host", "nvme"), ("device", "host", "nvme"), activations
     ):
         for depth in (0, 1, 2, 3):
             for keep in sorted({0, 1, 2, L // 4, L // 2, L} & set(range(L + 1))):
@@ -462,14 +484,14 @@ def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) ->
     w = workload or Workload.from_config(config, devices=hw.num_devices)
     limit = budgets(config, hw)
     # ZeRO-3 sharding needs the data-parallel runtime; one device keeps the whole state.
-    allow_none = hw.num_devices == 1
+    one_device = hw.num_devices == 1
     best = []
-    for c in _candidates(w, allow_none):
+    for c in _candidates(w, one_device):
+        if "nvme" in (c.params, c.optimizer, c.activations) and not hw.nvme_capacity:
+            continue
         if c.mode == "stream":
             c = _fill_resident(w, hw, c, limit["device"])
         device, host, nvme = _memory(w, c, hw.num_devices)
-        if "nvme" in (c.params, c.optimizer) and not hw.nvme_capacity:
-            continue
         if (
             sum(device.values()) > limit["device"]
             or sum(host.values()) > limit["host"]
@@ -519,10 +541,15 @@ def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) ->
 
 def _shortfall(config: Config, w: Workload, hw: Hardware, limit: dict[str, int]) -> str:
     """Why nothing fits: the smallest footprint per tier, tier by tier."""
-    smallest = Candidate("stream", False, "nvme", "nvme", "host", 0, 0, 0)
-    if not hw.nvme_capacity:
-        smallest = dataclasses.replace(smallest, params="host", optimizer="host")
-    device, host, nvme = _memory(w, smallest, hw.num_devices)
+    state = "nvme" if hw.nvme_capacity else "host"  # params and optimizer state
+    acts = ("nvme", "host") if hw.num_devices == 1 and hw.nvme_capacity else ("host",)
+    smallest = [  # checkpoints on NVMe need the least host, on the host the least NVMe
+        _memory(w, Candidate("stream", False, state, state, a, 0, 0, 0), hw.num_devices)
+        for a in acts
+    ]
+    device, host, nvme = (
+        min((m[t] for m in smallest), key=lambda d: sum(d.values())) for t in range(3)
+    )
     short = []
     hints = {
         "device": "raise memory.device_budget, lower train.batch_size or raise train.grad_accum",

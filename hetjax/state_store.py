@@ -396,11 +396,14 @@ class HostMemoryPlan:
     cached_stages: tuple[str, ...]
     required: int  # the total
     grads: GradientPlan
+    checkpoints: int = 0  # activation checkpoints (host) or their NVMe staging (nvme)
 
     def describe(self) -> str:
         parts = [f"param slabs {format_bytes(self.param_slabs)}", self.grads.describe()]
         if self.optimizer_state:
             parts.append(f"optimizer state {format_bytes(self.optimizer_state)}")
+        if self.checkpoints:
+            parts.append(f"activation checkpoints {format_bytes(self.checkpoints)}")
         if self.optimizer_io:
             parts.append(f"optimizer I/O buffers {format_bytes(self.optimizer_io)}")
             parts.append(
@@ -420,19 +423,23 @@ def plan_host_memory(
     order: list[str],
     readahead: int,
     spill_grads: bool = False,
+    checkpoints: int = 0,
+    activations: str = "device",
 ) -> HostMemoryPlan:
     """Plans host RAM for optimizer tier ``tier`` (device | host | nvme). Speculative
     updates keep a stage's old and new state until the step commits, so state held in
-    RAM counts twice. Gradient buffers (slab bytes ``grad_sizes`` by stage, policy
-    ``grad_policy``, ``spill_grads``: kept ones may go to NVMe) get the RAM they need
-    next, bounded when all of them do not fit (``gradients.plan_gradients``). With
-    ``nvme`` the RAM left after that caches whole stages of state, chosen by
+    RAM counts twice. ``checkpoints``: host bytes of activation checkpoints in tier
+    ``activations`` (all of a micro-batch's on ``host``, the staging on ``nvme``).
+    Gradient buffers (slab bytes ``grad_sizes`` by stage, policy ``grad_policy``,
+    ``spill_grads``: kept ones may go to NVMe) get the RAM they need next, bounded when
+    all of them do not fit (``gradients.plan_gradients``). With ``nvme`` the RAM left
+    after that caches whole stages of state, chosen by
     :func:`belady_cache`; no budget means no cache. Raises ``ConfigError`` naming the
     shortfall when the minimum does not fit."""
     state = 2 * sum(stage_state.values()) if tier == "host" else 0
     biggest = max(stage_state.values())
     io = (readahead + 2) * biggest if tier == "nvme" else 0
-    others = param_slabs + state + io
+    others = param_slabs + state + io + checkpoints
     grads = plan_gradients(
         grad_sizes, order, grad_policy, budget - others if budget else None, spill_grads
     )
@@ -446,12 +453,15 @@ def plan_host_memory(
         hint = hints[tier]
         if grad_policy == "keep" and not grads.bounded and not spill_grads:
             hint += " (gradients kept for clipping then spill to NVMe) or optimizer.grad_clip=0"
+        if activations == "host" and checkpoints >= max(param_slabs, io, state):
+            hint = "set offload.activations=nvme"
         raise ConfigError(
             f"memory.host_budget {format_bytes(budget)} is too small for the minimum host "
             f"working set {format_bytes(required)} (param slabs {format_bytes(param_slabs)}, "
             f"gradient buffers {format_bytes(grads.ram_bytes)}"
             + (f", optimizer state {format_bytes(state)}" if state else "")
             + (f", optimizer I/O buffers {format_bytes(io)}" if io else "")
+            + (f", activation checkpoints {format_bytes(checkpoints)}" if checkpoints else "")
             + f"); host is short by {format_bytes(required - budget)}. Raise "
             f"memory.host_budget or {hint}"
         )
@@ -471,4 +481,5 @@ def plan_host_memory(
         tuple(cached),
         required + cache,
         grads,
+        checkpoints,
     )

@@ -17,10 +17,12 @@ def test_overhead_quick(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["none_s"] > 0 and result["stream_s"] > 0
     assert abs(result["ratio"] - result["stream_s"] / result["none_s"]) < 1e-9
+    assert abs(result["ratio_keep"] - result["stream_keep_s"] / result["none_s"]) < 1e-9
     assert abs(result["trace_cost"] - result["traced_step_s"] / result["untraced_step_s"]) < 1e-9
     assert result["trace_step_over_busiest"] >= 1.0  # a step is never shorter than a lane
     text = capsys.readouterr().out
     assert "stream / none step time" in text and "params host, opt NVMe" in text
+    assert "all blocks kept / none" in text
 
 
 def test_nvme_quick(tmp_path, capsys):

@@ -89,6 +89,18 @@ def test_cross_field_validation():
         Config().override({"train.seq_len": "1024"})
 
 
+def test_nvme_checkpoints_need_the_streaming_executor():
+    nvme = {"offload.activations": "nvme"}
+    assert Config().override({**nvme, "offload.mode": "stream"}).offload.activations == "nvme"
+    for mode in ("none", "auto"):
+        with pytest.raises(
+            ConfigError, match=r"'offload.activations' is 'nvme'.*offload.mode=stream"
+        ):
+            Config().override({**nvme, "offload.mode": mode})
+    with pytest.raises(ConfigError, match=r"'offload.activations'.*data parallelism"):
+        Config().override({**nvme, "offload.mode": "stream", "distributed.data_parallel": "2"})
+
+
 def test_parse_bytes():
     assert parse_bytes("512MiB") == 512 * 2**20
     assert parse_bytes("1.5GB") == 1_500_000_000

@@ -160,7 +160,8 @@ def test_disk_check_counts_the_spilled_gradients(tiny, tmp_path, monkeypatch):
     spilled = sum(sizes.values()) - sizes["embed"]  # every stage but the embed
     with pytest.raises(
         ConfigError,
-        match=rf"memory.nvme_path '{re.escape(str(ssd))}': hetjax needs .* \(spilled gradients "
-        rf"{spilled / 1024:.2f} KiB, optimizer state .*\) on disk but only 1.00 MiB is free",
+        match=rf"memory.nvme_path '{re.escape(str(ssd))}' for the optimizer state and spilled "
+        rf"gradients needs .* \(\d+ bytes: the optimizer state .*, spilled gradients "
+        rf"{spilled / 1024:.2f} KiB\) on disk but only 1.00 MiB is free",
     ):
         StreamingRuntime(config)

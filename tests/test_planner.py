@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from equivalence import assert_gpt_training_equal
 
-from hetjax import executor, launch
+from hetjax import executor, launch, planner
 from hetjax.config import load_config
 from hetjax.executor import StreamingRuntime
 from hetjax.hardware import NAMES, PROFILES, get_profile
@@ -75,6 +75,40 @@ def test_offloads_progressively_as_budgets_shrink(hardware):
         _fits(plan)
         tiers.append(plan.candidate.optimizer)
     assert tiers[0] in ("host", "device") and tiers[-1] == "nvme", tiers
+
+
+def test_checkpoints_move_to_nvme_as_host_shrinks():
+    """Fuyou's activation swap: with a device too small for a micro-batch's checkpoints,
+    they go to host RAM while it has room, then to NVMe (a few staged in RAM); every
+    plan fits every budget, and the table and config say where they went."""
+    hw = PROFILES["a100-80g"]
+    config = load_config(
+        "gpt13b",
+        {
+            "train.batch_size": "32",
+            "train.grad_accum": "4",
+            "model.compute_dtype": "bfloat16",
+            "memory.device_budget": "24GiB",
+        },
+    )
+    w = Workload.from_config(config)
+    tiers = []
+    for host in ("200GiB", "80GiB", "70GiB"):
+        plan = make_plan(config.replace(memory=dict(host_budget=host)), hw, w)
+        _fits(plan)
+        tiers.append(plan.candidate.activations)
+    assert tiers[0] == "host" and tiers[-1] == "nvme", tiers
+    c = plan.candidate
+    slots = w.num_layers - c.keep_blocks
+    assert plan.nvme["checkpoints"] == slots * w.checkpoint
+    assert plan.host["checkpoints"] == 3 * w.checkpoint < slots * w.checkpoint
+    assert "nvme checkpoint, recomputed" in plan.table()
+    assert config.replace(**plan.config_overrides()).offload.activations == "nvme"
+    # The swap's writes and reads are on the NVMe lane.
+    on_host = planner._lanes(w, hw, dataclasses.replace(c, activations="host"), 0.0)[1]
+    swapped = w.micro_batches * (2 * slots - 2) * w.checkpoint
+    assert plan.lanes["nvme"] > on_host["nvme"]
+    assert plan.lanes["nvme"] - on_host["nvme"] >= swapped / max(hw.nvme_read_bw, hw.nvme_write_bw)
 
 
 def test_budget_too_small_names_the_tier_and_shortfall():

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 from equivalence import assert_gpt_training_equal, check_fp16_overflow_skips_then_trains
 
+from hetjax import executor, timeline
 from hetjax.config import ConfigError
 from hetjax.executor import StreamingRuntime, plan_device_memory
+from hetjax.nvme import PageStore
 from hetjax.placement import live_bytes_by_kind
 from hetjax.train import train
 from models import build_model
@@ -43,12 +45,107 @@ def test_stream_equals_none(reference, tiny, tmp_path, offload):
     assert_gpt_training_equal(result, reference, build_model(config.model), _check_tokens())
 
 
-def test_stream_equals_none_with_grad_accum(tiny, tmp_path):
-    accum = dict(steps=5, batch_size=4, seq_len=16, grad_accum=2, eval_batches=0)
-    ref = train(tiny(train=accum), tmp_path / "ref", verbose=False)
-    config = tiny(train=accum, offload=dict(mode="stream", prefetch_depth=1))
+def test_nvme_checkpoints_equal_none(reference, tiny, tmp_path, monkeypatch):
+    """offload.activations=nvme, read ahead one block: block 1's checkpoint is still in
+    RAM when backward starts, block 0's comes back from the TensorStore file."""
+    monkeypatch.setattr(executor, "IO_READAHEAD", 1)
+    config = tiny(offload=dict(mode="stream", activations="nvme"))
+    result = train(config, tmp_path, verbose=False)
+    assert_gpt_training_equal(result, reference, build_model(config.model), _check_tokens())
+    checkpoint = 4 * 16 * 32 * 4  # (B, T, D) fp32
+    for r in result.records:
+        assert r["nvme_write_bytes"] == 2 * checkpoint and r["nvme_read_bytes"] == checkpoint
+    assert (tmp_path / "nvme" / "activations" / "checkpoints" / "zarr.json").is_file()
+
+
+ACCUM = dict(steps=5, batch_size=4, seq_len=16, grad_accum=2, eval_batches=0)
+
+
+@pytest.fixture(scope="module")
+def accum_reference(tmp_path_factory):
+    from conftest import tiny_config
+
+    return train(tiny_config(train=ACCUM), tmp_path_factory.mktemp("accum"), verbose=False)
+
+
+@pytest.mark.parametrize("activations", ["device", "nvme"])
+def test_stream_equals_none_with_grad_accum(
+    accum_reference, tiny, tmp_path, monkeypatch, activations
+):
+    monkeypatch.setattr(executor, "IO_READAHEAD", 1)  # nvme: block 0's checkpoint from disk
+    config = tiny(
+        train=ACCUM, offload=dict(mode="stream", prefetch_depth=1, activations=activations)
+    )
     result = train(config, tmp_path / "stream", verbose=False)
-    assert_gpt_training_equal(result, ref, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, accum_reference, build_model(config.model), _check_tokens())
+
+
+def test_nvme_checkpoints_are_files_and_change_nothing(tiny, tmp_path):
+    """Each micro-batch's block-boundary checkpoints are written to a real TensorStore
+    array (reopened here without hetjax's objects) and read back for backward: training
+    is bitwise the same as with them on the device (keep_blocks and grad_accum too).
+    Host staging stays within the host plan; the traffic is in the step's NVMe metrics
+    and on the timeline's NVMe lanes."""
+    common = dict(
+        model=dict(num_layers=4, d_model=32, num_heads=4, max_seq_len=32),
+        train=dict(steps=2, batch_size=4, seq_len=16, grad_accum=2),
+        memory=dict(page_size="4KiB", nvme_path=str(tmp_path / "ssd")),
+    )
+    nvme = StreamingRuntime(
+        tiny(offload=dict(mode="stream", activations="nvme", keep_blocks=1), **common)
+    )
+    device = StreamingRuntime(tiny(offload=dict(mode="stream", keep_blocks=1), **common))
+    batch = np.random.default_rng(0).integers(0, 256, (2, 2, 17)).astype(np.int32)
+    # Inputs of blocks 0-2 (block 3 keeps its activations) for the last micro-batch.
+    x = nvme._embed_fwd(nvme.resident["embed"], nvme._put_batch(batch[-1, :, :-1]))
+    inputs = []
+    for i in range(3):
+        inputs.append(np.asarray(x).reshape(-1))
+        x = nvme._block_fwd(nvme._to_device(nvme.param_store.get(f"block{i}")), x)
+
+    recorder = timeline.Recorder()
+    with timeline.recording(recorder):
+        stats = nvme.train_step(batch)
+    spans = recorder.finish().spans
+    metrics = nvme.extra_metrics()
+    store = PageStore.open_existing(tmp_path / "ssd" / "activations", "checkpoints")
+    assert store.shape == (3, 2 * 16 * 32)
+    for i in range(3):
+        np.testing.assert_array_equal(store[i].read().result(), inputs[i])
+
+    checkpoint = 2 * 16 * 32 * 4
+    # Per micro-batch: 3 written; the last 2 are still in RAM when backward starts.
+    assert metrics["nvme_write_bytes"] == 2 * 3 * checkpoint
+    assert metrics["nvme_read_bytes"] == 2 * 1 * checkpoint
+    assert metrics["nvme_bytes"] == 3 * checkpoint
+    assert 0 < nvme.swap.peak_host_bytes <= nvme.host_plan.checkpoints == 3 * checkpoint
+    for lane in ("nvme_write", "nvme_read"):
+        assert any("activations checkpoints" in name for _, _, name in spans[lane]), spans[lane]
+
+    expected = device.train_step(batch)
+    assert (stats.loss, stats.grad_norm) == (expected.loss, expected.grad_norm)
+    for _ in range(2):
+        a, b = nvme.train_step(batch), device.train_step(batch)
+        assert (a.loss, a.grad_norm) == (b.loss, b.grad_norm)
+    jax.tree.map(np.testing.assert_array_equal, nvme.params(), device.params())
+    nvme.close()
+    device.close()
+
+
+def test_nvme_checkpoints_without_disk_space_fail_at_start_up(tiny, tmp_path):
+    config = tiny(
+        model=dict(max_seq_len=2**20),
+        train=dict(batch_size=2**14, seq_len=2**20),  # (B, T, D) fp32: 2 PiB a checkpoint
+        offload=dict(mode="stream", activations="nvme"),
+        memory=dict(nvme_path=str(tmp_path / "ssd")),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"memory.nvme_path '.*ssd' for 2 activation checkpoints needs .* \(\d+ bytes\) "
+        r"on disk but only .* is free \(short by",
+    ):
+        StreamingRuntime(config)
+    assert not (tmp_path / "ssd").exists()
 
 
 @pytest.mark.parametrize("keep, fraction", [(0, 0.7), (1, 0.85)], ids=["recompute", "keep1"])

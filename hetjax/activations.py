@@ -1,0 +1,135 @@
+"""Block-boundary activation checkpoints swapped to NVMe (``offload.activations=nvme``).
+
+Fuyou's SSD-CPU-GPU activation swap, at block granularity: when host RAM cannot hold a
+micro-batch's checkpoints, they go through it to disk. The executor (``executor.py``)
+hands over each checkpoint as its copy to host RAM is dispatched; a worker thread waits
+for the copy to land and writes it to one row of a TensorStore array (zarr3 over the
+``file`` kvstore, ``nvme.PageStore``), shape ``(slots, B*T*D)`` in the compute dtype,
+one chunk per page. Backward takes the checkpoints back in reverse order, and each
+``get`` starts the reads of the next ``depth`` ones, so a read overlaps the backward of
+the blocks before it.
+
+Host RAM is bounded by :func:`staging_bytes`: forward waits for the oldest write while
+``depth`` are in flight, and backward holds the checkpoint it takes plus ``depth`` read
+ahead. The last ``depth`` checkpoints of a forward are still in RAM when backward starts
+and are taken from there (their writes complete first), not read back. The rows are
+reused by every micro-batch: a forward first waits for the previous one's writes.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetjax.nvme import PageStore
+
+KIND = "checkpoints"
+
+
+def staging_bytes(checkpoint: int, slots: int, depth: int) -> int:
+    """Host RAM the swap holds at most: ``depth`` checkpoints in flight to disk in
+    forward; in backward, the one being taken plus ``depth`` read ahead."""
+    return min(slots, depth + 1) * checkpoint
+
+
+class NvmeCheckpoints:
+    """One micro-batch's block-boundary checkpoints (``slots`` of them, each of
+    ``shape`` and ``dtype``) on disk under ``path``, with write-behind and read-ahead
+    ``depth``."""
+
+    def __init__(
+        self, path: Path, slots: int, shape: tuple[int, ...], dtype, chunk_elems: int, depth: int
+    ):
+        self.shape, self.depth, self.slots = tuple(shape), max(depth, 1), slots
+        elems = math.prod(self.shape)
+        self.checkpoint_bytes = elems * np.dtype(dtype).itemsize
+        self.disk = PageStore(
+            path,
+            {KIND: np.dtype(dtype).name},
+            num_pages=slots,
+            page_elems=elems,
+            chunk_elems=min(chunk_elems, elems),
+            label="activations",
+        )
+        self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="hetjax-checkpoints")
+        # slot -> future of its data (host numpy), resolved when the write is complete
+        self._writes: collections.OrderedDict[int, Future] = collections.OrderedDict()
+        self._reads: dict[int, tuple[Any, bool]] = {}  # slot -> (future, read from disk)
+        self.read_bytes = self.write_bytes = 0
+        self.peak_host_bytes = 0  # since the last reset_peak
+
+    # -- forward ------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Before a micro-batch's forward: the rows are free to overwrite."""
+        self.wait()
+
+    def put(self, slot: int, host) -> None:
+        """Swaps out checkpoint ``slot``: ``host`` is its copy to host RAM, dispatched (a
+        JAX array). Waits for the oldest write while ``depth`` are in flight."""
+        while len(self._writes) >= self.depth:
+            self._writes.popitem(last=False)[1].result()
+        self._writes[slot] = self._pool.submit(self._write, slot, host)
+        self.write_bytes += self.checkpoint_bytes
+        self._note_peak()
+
+    def _write(self, slot: int, host) -> np.ndarray:  # on a worker thread
+        data = np.asarray(host).reshape(1, -1)  # waits for the copy to the host
+        del host
+        self.disk.write(KIND, slot, data).result()
+        return data
+
+    # -- backward -----------------------------------------------------------------------
+
+    def get(self, slot: int) -> np.ndarray:
+        """Checkpoint ``slot`` (host numpy of ``shape``), waiting for it; starts reading
+        slots ``slot - 1 .. slot - depth``, which backward needs next."""
+        for k in range(slot, max(slot - self.depth, 0) - 1, -1):
+            self._prefetch(k)
+        self._note_peak()
+        future, from_disk = self._reads.pop(slot)
+        data = future.result()
+        if from_disk:
+            self.read_bytes += data.nbytes
+        return data.reshape(self.shape)
+
+    def _prefetch(self, slot: int) -> None:
+        if slot in self._reads:
+            return
+        if slot in self._writes:  # still in RAM: taken from there once written
+            self._reads[slot] = (self._writes.pop(slot), False)
+        else:
+            self._reads[slot] = (self.disk.read(KIND, slot, 1), True)
+
+    # -- accounting and shutdown ----------------------------------------------------------
+
+    def host_bytes(self) -> int:
+        """Host RAM held now: checkpoints waiting for their write or read ahead."""
+        return (len(self._writes) + len(self._reads)) * self.checkpoint_bytes
+
+    def _note_peak(self) -> None:
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes())
+
+    def reset_peak(self) -> None:
+        self.peak_host_bytes = self.host_bytes()
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.disk.nbytes
+
+    def wait(self) -> None:
+        """Completes every write and read in flight (raising a failed one's error)."""
+        pending = [*self._writes.values(), *(f for f, _ in self._reads.values())]
+        self._writes.clear()
+        self._reads.clear()
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown()
