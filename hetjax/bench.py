@@ -38,6 +38,7 @@ import numpy as np
 
 from hetjax.config import Config, load_config
 from hetjax.hardware import drop_page_cache, measure_optimizer
+from hetjax.launch import MALLOC_ENV
 
 
 def _scratch_dir() -> Path:
@@ -470,6 +471,10 @@ def bench_lockfree(quick: bool) -> dict:
 # -- scale ----------------------------------------------------------------------------------
 
 # GPT shapes (layers, d_model, heads), smallest first; vocab 256, so ~12 L d^2 params.
+# Offloaded, the NVMe files take ~32 B/param (fp32 master, m, v and params, two
+# generations each) plus the gradients spilled for a clipping redo: 67.4 GiB at 72 x 1536
+# (2.04B), 73.4 GiB at 78 x 1536 (2.21B), checked against the disk's free space at
+# start-up. Each size's files are deleted before the next.
 SCALE_SHAPES = [
     (4, 512, 8),
     (8, 768, 12),
@@ -478,18 +483,15 @@ SCALE_SHAPES = [
     (24, 1536, 16),
     (32, 1536, 16),
     (40, 1536, 16),
-    (32, 2048, 16),
-    (40, 2048, 16),
+    (56, 1536, 16),
+    (72, 1536, 16),
+    (78, 1536, 16),
 ]
 SCALE_SHAPES_QUICK = [(2, 32, 4), (4, 128, 4)]
 # glibc's allocator keeps freed buffers (per-thread arenas, no trimming): measured at 57M
 # params, a streaming run's RSS reached 4.2 GB with 1.0 GB of live arrays; with these
-# settings 1.6 GB steady, 2.6 GB peak. The children run with them, and report peak RSS.
-MALLOC_ENV = {
-    "MALLOC_ARENA_MAX": "2",
-    "MALLOC_TRIM_THRESHOLD_": "0",
-    "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
-}
+# settings (hetjax.launch.MALLOC_ENV, which ``python -m hetjax.launch`` applies too)
+# 1.6 GB steady, 2.6 GB peak. The children run with them, and report peak RSS.
 
 
 def _scale_config(shape, mode: str, quick: bool) -> Config:

@@ -42,7 +42,11 @@ def check_nvme_path(
     breakdown = ""
     if isinstance(needed_bytes, dict):
         parts = {k: v for k, v in needed_bytes.items() if v}
-        what = " and ".join(parts) or what
+        names = list(parts)
+        if len(names) > 1:
+            what = f"{', '.join(names[:-1])} and {names[-1]}"
+        elif names:
+            what = names[0]
         needed_bytes = sum(parts.values())
         if len(parts) > 1:
             breakdown = ": " + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
