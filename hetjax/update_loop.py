@@ -64,9 +64,8 @@ class UpdateLoop:
     ):
         self.opt, self.states, self.params = optimizer, states, params
         self.grads = grads if grads is not None else GradientStore(keep=max_norm > 0)
-        self.max_queued = (
-            max_queued  # stages submitted, not yet updated, before submit waits; 0: any
-        )
+        # stages submitted and not yet updated before submit waits (0: no limit)
+        self.max_queued = max_queued
         self.order = order  # update order: backward order
         self.layout_of = layout_of  # stage name -> layout name
         self.max_norm = float(max_norm)
