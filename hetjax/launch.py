@@ -10,7 +10,8 @@ Every config key can be overridden as ``--config.<section>.<name>=<value>`` (or 
 the value as the next argument). With no ``--config`` the embedded default,
 ``configs/gpt_tiny.py``, trains a small GPT on the bundled corpus.
 
-Run from the command line, it first tunes glibc's allocator (:func:`tune_malloc`).
+Run from the command line with ``memory.host_budget`` set, it tunes glibc's allocator
+(:func:`tune_malloc`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ DEFAULT_CONFIG = "gpt_tiny"
 # with bench scale's config, peak RSS 3.9 GiB at 57M params with 0.9 GiB of runtime
 # buffers, 2.3 GiB with these settings; 7.8 -> 5.5 GiB at 151M. The price is page
 # faults on fresh mmap'd buffers: median step 0.83 -> 2.3 s at 57M, 3.9 -> 5.3 s at 151M.
+# Any fixed threshold costs that (it turns off glibc's adaptive mmap threshold; measured
+# through the command line at 57M: MALLOC_ARENA_MAX=2 alone, or with a 64 MiB mmap
+# threshold, kept 4.3 GiB RSS at ~1.1 s/step; a 512 MiB trim threshold alone went to
+# 2.4 GiB and 3.7 s/step), so it is applied only when a host budget asks for it.
 MALLOC_ENV = {
     "MALLOC_ARENA_MAX": "2",
     "MALLOC_TRIM_THRESHOLD_": "0",
@@ -125,15 +130,23 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the command line (tests pass their argv: no process-wide change)
-        tune_malloc()
-        argv = sys.argv[1:]
+    command_line = argv is None  # tests pass their argv: no process-wide change
+    argv = sys.argv[1:] if command_line else argv
     try:
         args, overrides = parse_args(argv)
         config = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"hetjax: config error: {e}", file=sys.stderr)
         return 2
+    # A host RAM budget asks for a bounded process: trade step time for RSS (MALLOC_ENV).
+    wanted = config.memory.host_budget or os.environ.get("HETJAX_MALLOC") == "1"
+    if command_line and wanted and tune_malloc():
+        print(
+            "hetjax: memory.host_budget is set, so glibc's allocator returns freed buffers "
+            "to the OS (about half the peak RSS, slower steps; HETJAX_MALLOC=0 keeps its "
+            "defaults)",
+            file=sys.stderr,
+        )
     if args.print_config:
         for section, fields in config.to_dict().items():
             for name, value in fields.items():
