@@ -245,7 +245,7 @@ def bench_keep(quick: bool) -> dict:
     times = {name: [] for name in runs}
     for fn in runs.values():
         jax.block_until_ready(fn())
-    for _ in range(3 if quick else 10):
+    for _ in range(3 if quick else 15):
         for name, fn in runs.items():
             t0 = time.perf_counter()
             jax.block_until_ready(fn())
