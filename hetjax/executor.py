@@ -204,7 +204,6 @@ class StageFunctions:
         E, B, H = layouts["embed"], layouts["block"], layouts["head"]
         cast = lambda pages: grad_slab(pages, block_grad_dtype)
         self.layouts = layouts
-        self.keep_level = keep_level
         m = model
 
         def embed_fwd(e, tokens):  # (B, T) -> (B, T, D)

@@ -456,18 +456,21 @@ def budgets(config: Config, hw: Hardware) -> dict[str, int]:
 
 
 def _candidates(w: Workload, one_device: bool):
-    """Every placement the runtimes implement; on one device also ``none``, and
-    checkpoints on NVMe (the data-parallel runtime keeps them on the device or host)."""
+    """Every placement the runtimes implement; on one device also ``none``, checkpoints
+    on NVMe and kept blocks (the data-parallel runtime keeps checkpoints on the device or
+    host, and no in-block activations)."""
     L = w.num_layers
     if one_device:
         yield Candidate("none", remat=False)
         yield Candidate("none", remat=True)
     activations = ("device", "host", "nvme") if one_device else ("device", "host")
-    keeps = [(0, "all")] + [
-        (keep, level)
-        for keep in sorted({1, 2, L // 4, L // 2, L} & set(range(1, L + 1)))
-        for level in w.kept  # the levels the block supports
-    ]
+    keeps = [(0, "all")]
+    if one_device:
+        keeps += [
+            (keep, level)
+            for keep in sorted({1, 2, L // 4, L // 2, L} & set(range(1, L + 1)))
+            for level in w.kept  # the levels the block supports
+        ]
     for params, optimizer, acts in itertools.product(
         ("host", "nvme"), ("device", "host", "nvme"), activations
     ):
