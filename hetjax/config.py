@@ -334,6 +334,9 @@ class OptimizerConfig:
 
 
 OFFLOAD_MODES = ("auto", "none", "stream")
+# offload.keep_level, highest swap benefit factor first (each keeps what the one before
+# it keeps, and more): see hetjax/remat.py.
+KEEP_LEVELS = ("matmuls", "probs", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,6 +356,14 @@ class OffloadConfig:
     ``activations`` places the block-boundary checkpoints: ``device``, ``host``, or
     ``nvme`` (written to a TensorStore array under ``memory.nvme_path`` and read back
     ahead of backward, with a few in RAM; hetjax/activations.py).
+
+    ``keep_blocks``: the last N blocks keep in-block activations on the device from
+    forward to backward instead of recomputing them from their input checkpoint;
+    ``keep_level`` says which (hetjax/remat.py): ``all`` of them, or only those with the
+    best recompute time saved per byte: ``matmuls`` (the matmul outputs; backward
+    recomputes the attention softmax and the elementwise ops) or ``probs`` (those and
+    the attention probabilities; backward recomputes the elementwise ops; only blocks
+    that tag them, as models/gpt.py and models/llama.py do).
     """
 
     mode: str = "auto"
@@ -363,6 +374,7 @@ class OffloadConfig:
     # stream: the last N blocks keep their in-block activations on the device from
     # forward to backward instead of recomputing them (more memory, less compute)
     keep_blocks: int = 0
+    keep_level: str = "all"  # stream: which in-block activations kept blocks keep
 
     def __post_init__(self):
         _choice("offload", "mode", self.mode, OFFLOAD_MODES)
@@ -386,6 +398,13 @@ class OffloadConfig:
             self.prefetch_depth,
         )
         _check(self.keep_blocks >= 0, "offload.keep_blocks", "must be >= 0", self.keep_blocks)
+        _choice("offload", "keep_level", self.keep_level, KEEP_LEVELS)
+        if self.mode == "stream" and self.keep_level != "all" and not self.keep_blocks:
+            raise ConfigError(
+                f"config key 'offload.keep_level' is {self.keep_level!r}, which applies to "
+                "the blocks that keep their in-block activations, but offload.keep_blocks "
+                "is 0; set offload.keep_blocks to how many blocks keep them"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

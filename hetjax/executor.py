@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax import timeline
+from hetjax import remat, timeline
 from hetjax.activations import NvmeCheckpoints, staging_bytes
 from hetjax.checkpoint import MASTER, RuntimeState
 from hetjax.config import Config, ConfigError, format_bytes
@@ -172,7 +172,9 @@ class StageMemory:
 
     checkpoint: int  # one block-boundary activation (B, T, D)
     working_set: int  # temporaries of the largest stage function, plus x / dx
-    kept_block: int  # one block's in-block activations kept from forward to backward
+    # one block's in-block activations kept from forward to backward (its vjp residuals,
+    # inputs included), per offload.keep_level the block supports (remat.py)
+    kept: dict[str, int]
 
 
 class StageFunctions:
@@ -181,15 +183,25 @@ class StageFunctions:
 
     ``block_bwd`` recomputes the block's inside from its input checkpoint, then runs its
     vjp. ``block_fwd_keep`` instead returns the vjp (its residuals: the in-block
-    activations) with the output, and ``block_bwd_kept`` applies it: no recompute, for the
+    activations ``keep_level`` keeps, ``remat.py``) with the output, and
+    ``block_bwd_kept`` applies it, recomputing only what the level did not keep, for the
     cost of holding the residuals on the device until backward (``offload.keep_blocks``).
+    ``kept_forward(level)`` is ``block_fwd_keep`` at any level (the tracer times each).
 
     ``jit`` compiles a stage function (one device: ``jax.jit`` onto it; ZeRO-3: per
     device with collectives) and ``grad_slab(pages, dtype)`` shapes a gradient as it
     leaves the device; block gradients leave in ``block_grad_dtype``.
     """
 
-    def __init__(self, model, layouts: dict[str, SlabLayout], jit, grad_slab, block_grad_dtype=F32):
+    def __init__(
+        self,
+        model,
+        layouts: dict[str, SlabLayout],
+        jit,
+        grad_slab,
+        block_grad_dtype=F32,
+        keep_level: str = "all",
+    ):
         E, B, H = layouts["embed"], layouts["block"], layouts["head"]
         cast = lambda pages: grad_slab(pages, block_grad_dtype)
         self.layouts = layouts
@@ -214,9 +226,6 @@ class StageFunctions:
             db, dx = vjp(dy)
             return cast(db), dx
 
-        def block_fwd_keep(b, x):
-            return jax.vjp(block_fwd, b, x)  # (y, the vjp holding the residuals)
-
         def block_bwd_kept(vjp, dy):
             db, dx = vjp(dy)
             return cast(db), dx
@@ -230,9 +239,18 @@ class StageFunctions:
         self.head_loss = jit(head_loss)
         self.head_fwd_bwd = jit(head_fwd_bwd)
         self.block_bwd = jit(block_bwd)
-        self.block_fwd_keep = jax.jit(block_fwd_keep)  # one device only (not ZeRO-3)
-        self.block_bwd_kept = jax.jit(block_bwd_kept)
+        self._block_fwd, self._kept_forward = block_fwd, {}
+        self.block_fwd_keep = self.kept_forward(keep_level)
+        self.block_bwd_kept = jax.jit(block_bwd_kept)  # any level's vjp
         self.embed_bwd = jit(embed_bwd)
+
+    def kept_forward(self, level: str):
+        """The jitted forward of a kept block at keep ``level``: (b, x) -> (y, the vjp
+        holding the residuals). One device only (kept blocks are not ZeRO-3's)."""
+        if level not in self._kept_forward:
+            fwd = remat.kept_forward(self._block_fwd, level)
+            self._kept_forward[level] = jax.jit(lambda b, x: jax.vjp(fwd, b, x))
+        return self._kept_forward[level]
 
     def abstract_args(self, batch: int, seq_len: int, dtype) -> dict[str, tuple]:
         """Abstract arguments of each function for a micro-batch (batch, seq_len)."""
@@ -257,9 +275,21 @@ class StageFunctions:
         for name in ("block_bwd", "head_fwd_bwd", "embed_bwd"):
             analysis = getattr(self, name).lower(*args[name]).compile().memory_analysis()
             temps.append(getattr(analysis, "temp_size_in_bytes", 0) if analysis else 0)
-        _, vjp = jax.eval_shape(self.block_fwd_keep, *args["block_fwd"])
-        kept = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(vjp))
-        return StageMemory(act, max(temps) + 3 * act, kept)
+        return StageMemory(act, max(temps) + 3 * act, self.kept_bytes(batch, seq_len, dtype))
+
+    def keep_levels(self, batch: int, seq_len: int, dtype) -> tuple[str, ...]:
+        """The keep levels the block supports (``remat.levels``)."""
+        return remat.levels(
+            self._block_fwd, *self.abstract_args(batch, seq_len, dtype)["block_fwd"]
+        )
+
+    def kept_bytes(self, batch: int, seq_len: int, dtype) -> dict[str, int]:
+        """Bytes a kept block holds from forward to backward (its vjp's residuals: the
+        kept activations, its param pages and input), per keep level the block
+        supports, from abstract shapes."""
+        return remat.kept_bytes(
+            self._block_fwd, *self.abstract_args(batch, seq_len, dtype)["block_fwd"]
+        )
 
 
 class Ledger:
@@ -530,8 +560,20 @@ class StreamingRuntime:
             self._stage_jit,
             self._grad_slab,
             block_grad_dtype(self.config),
+            self.config.offload.keep_level,
         )
         self.fns = fns
+        off, t = self.config.offload, self.config.train
+        if off.keep_blocks and off.keep_level != "all":
+            levels = fns.keep_levels(t.micro_batch_size, t.seq_len, self.compute_dtype)
+            if off.keep_level not in levels:
+                raise ConfigError(
+                    f"config key 'offload.keep_level' is {off.keep_level!r}, but this "
+                    f"model's block supports only {', '.join(levels)}: "
+                    f"{off.keep_level!r} keeps the values the block tags 'attn_probs' "
+                    "(jax.ad_checkpoint.checkpoint_name(probs, 'attn_probs') in its "
+                    "forward, as models/gpt.py does); tag them or choose another level"
+                )
         self._embed_fwd, self._block_fwd = fns.embed_fwd, fns.block_fwd
         self._head_loss, self._head_fwd_bwd = fns.head_loss, fns.head_fwd_bwd
         self._block_bwd, self._embed_bwd = fns.block_bwd, fns.embed_bwd
@@ -542,7 +584,7 @@ class StreamingRuntime:
         sizes = self.fns.memory_sizes(t.micro_batch_size, t.seq_len, self.compute_dtype)
         act = sizes.checkpoint
         on_device_ckpts = cfg.offload.activations == "device"
-        keep = cfg.offload.keep_blocks
+        keep, level = cfg.offload.keep_blocks, cfg.offload.keep_level
         return plan_device_memory(
             budget=cfg.memory.device_budget,
             num_layers=self.num_layers,
@@ -556,7 +598,7 @@ class StreamingRuntime:
             ),
             checkpoints=((self.num_layers - keep) if on_device_ckpts else 2) * act,
             working_set=sizes.working_set,
-            kept=keep * sizes.kept_block,
+            kept=keep * sizes.kept[level] if keep else 0,
         )
 
     def _refresh_resident(self) -> None:

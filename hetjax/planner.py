@@ -15,7 +15,8 @@ runtimes implement and returns the fastest :class:`Plan` that fits every tier:
   a few host buffers: Fuyou's SSD-CPU-GPU activation swap), a prefetch depth, blocks
   kept resident on the device (fewer copies) and blocks that keep their in-block
   activations from forward to backward instead of recomputing them
-  (``offload.keep_blocks``: Fuyou's swap-instead-of-recompute, at block granularity).
+  (``offload.keep_blocks``: Fuyou's swap-instead-of-recompute), all of them or only
+  those of the best swap benefit factor (``offload.keep_level``, hetjax/remat.py).
 
 The cost model is Fuyou's (section 4.5, equations 1-8) extended to our tiers: a step is
 its forward phase plus its backward phase; each phase takes the longest of its lanes
@@ -67,11 +68,19 @@ class Workload:
     flops_per_step: float  # model FLOPs (6N + attention) of one optimizer step
     checkpoint: int  # one block-boundary activation
     working_set: int  # device temporaries of the largest stage function, with x / dx
-    kept_block: int  # one block's in-block activations (its vjp residuals)
+    # one block's in-block activations kept to backward (its vjp residuals), and the
+    # FLOPs its backward recomputes, per offload.keep_level the block supports
+    kept: dict[str, int]
+    recompute_flops: dict[str, float]
     block_fwd_flops: float
     head_fwd_flops: float
     measured: dict[str, float] | None = None  # stage seconds from :func:`trace`
     grad_policy: str = "keep"  # how long gradient buffers are held (executor.grad_policy)
+
+    @property
+    def kept_block(self) -> int:
+        """One block's in-block activations, every one (``offload.keep_level=all``)."""
+        return self.kept["all"]
 
     @property
     def params(self) -> int:
@@ -84,19 +93,24 @@ class Workload:
     def stage_times(self, hw: Hardware) -> dict[str, float]:
         """Seconds per micro-batch of each stage function: measured, or FLOPs over the
         profile's FLOP/s (backward = 2 x forward; a streamed block recomputes its forward
-        first, Fuyou's equation 8)."""
+        first, Fuyou's equation 8; a kept block the part its keep level did not keep:
+        its FLOPs, and writing once the bytes of the activations it recomputes).
+        ``kept_key(level)`` names a kept block's backward."""
         if self.measured is not None:
             return self.measured
-        f = hw.device_flops
+        f, bw = hw.device_flops, hw.device_memory_bw
         block, head = self.block_fwd_flops / f, self.head_fwd_flops / f
-        return {
+        times = {
             "embed_fwd": 0.0,
             "block_fwd": block,
             "block_bwd": 3 * block,
-            "block_bwd_kept": 2 * block,
             "head": 3 * head,
             "embed_bwd": 0.0,
         }
+        for level, flops in self.recompute_flops.items():
+            recomputed = self.kept["all"] - self.kept[level]
+            times[kept_key(level)] = 2 * block + flops / f + (recomputed / bw if bw else 0.0)
+        return times
 
     @classmethod
     def from_config(cls, config: Config, sizes=None, devices: int = 1) -> Workload:
@@ -106,6 +120,7 @@ class Workload:
         import jax
         import jax.numpy as jnp
 
+        from hetjax import remat
         from hetjax.executor import block_grad_dtype, grad_policy
         from models import build_model
 
@@ -120,24 +135,28 @@ class Workload:
         block_used = count(shapes["blocks"]) // L
         block = padded(block_used)
         c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
-        b, T, D, H, F = (
-            max(1, t.micro_batch_size // devices),
-            t.seq_len,
-            m.d_model,
-            m.num_heads,
-            m.ff_dim,
-        )
+        b, T, D = max(1, t.micro_batch_size // devices), t.seq_len, m.d_model
         tokens = b * T
         if sizes is None:
-            # In-block activations a block's vjp keeps, and its params unflattened; the
-            # coefficients are fitted to XLA's residuals of the GPT block (CPU backend,
-            # T from 128 to 1024: within 10%). Backward's temporaries are about one
-            # block's residuals, or the head's (fp32 logits, probabilities, gradient).
-            kept = tokens * c * (16 * D + 5 * F + 3.25 * H * T) + block_used * c
-            working = max(kept, 3 * tokens * m.vocab_size * 4) + 3 * tokens * D * c
+            # The residuals of one block's vjp at each keep level, from abstract shapes
+            # (its params unflattened, in the compute dtype).
+            dtype = jnp.dtype(m.compute_dtype)
+            one_block = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape[1:], dtype), shapes["blocks"]
+            )
+            kept = remat.kept_bytes(model.block, one_block, jax.ShapeDtypeStruct((b, T, D), dtype))
+            # Backward's temporaries are about one block's residuals, or the head's (fp32
+            # logits, probabilities, gradient); the coefficients are fitted to the GPT
+            # block's residuals (fp32, CPU backend, T from 128 to 1024: within 10%).
+            H, F = m.num_heads, m.ff_dim
+            block_temps = tokens * c * (16 * D + 5 * F + 3.25 * H * T) + block_used * c
+            working = max(block_temps, 3 * tokens * m.vocab_size * 4) + 3 * tokens * D * c
             checkpoint = tokens * D * c
         else:
-            kept, working, checkpoint = sizes.kept_block, sizes.working_set, sizes.checkpoint
+            kept, working, checkpoint = sizes.kept, sizes.working_set, sizes.checkpoint
+        # A kept block's backward recomputes, at level matmuls, the attention scores (its
+        # other FLOPs are elementwise: their cost is the bytes, see stage_times).
+        recompute = {"matmuls": 2 * tokens * T * D, "probs": 0.0, "all": 0.0}
         kinds = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1 if config.optimizer.momentum else 0}
         return cls(
             name=f"{m.family} {L} x {D}, {model.param_count() / 1e9:.3g}B params",
@@ -153,7 +172,8 @@ class Workload:
             flops_per_step=model.flops_per_token(T) * t.batch_size * T,
             checkpoint=checkpoint,
             working_set=int(working),
-            kept_block=int(kept),
+            kept=dict(kept),
+            recompute_flops={level: recompute[level] for level in kept},
             block_fwd_flops=tokens * (2 * block_used + 4 * T * D),
             head_fwd_flops=tokens * 2 * m.vocab_size * D,
             grad_policy=grad_policy(config),
@@ -170,6 +190,7 @@ class Candidate:
     prefetch_depth: int = 0
     resident_blocks: int = 0
     keep_blocks: int = 0
+    keep_level: str = "all"  # which in-block activations the kept blocks keep
 
     @property
     def rank(self) -> float:
@@ -218,6 +239,7 @@ class Plan:
                 activations=c.activations,
                 prefetch_depth=c.prefetch_depth,
                 keep_blocks=c.keep_blocks,
+                keep_level=c.keep_level,
             )
         )
 
@@ -240,7 +262,7 @@ class Plan:
             for i in range(L):
                 where = "device (resident)" if i < c.resident_blocks else f"{c.params}, streamed"
                 acts = (
-                    "kept on device"
+                    f"kept on device ({c.keep_level})"
                     if i >= L - c.keep_blocks
                     else f"{c.activations} checkpoint, recomputed"
                 )
@@ -301,7 +323,7 @@ def _memory(w: Workload, c: Candidate, n: int = 1) -> tuple[dict, dict, dict]:
         "blocks": cb * Pb * (window + c.resident_blocks),
         "gradients": 2 * max(w.block_grad_bytes * Pb, 4 * w.embed_params),
         "checkpoints": ((L - c.keep_blocks) if c.activations == "device" else 2) * w.checkpoint,
-        "kept": c.keep_blocks * w.kept_block,
+        "kept": c.keep_blocks * w.kept[c.keep_level] if c.keep_blocks else 0,
         "working set": w.working_set,
         "optimizer": 2 * S * share(P) if c.optimizer == "device" else 0,
     }
@@ -365,7 +387,8 @@ def _lanes(
         step = A * (fwd + compute_b) + dev_opt
         return step, {"compute": A * (fwd + compute_b), "optimizer": dev_opt}
     kept, recomputed = c.keep_blocks, L - c.keep_blocks
-    compute_b = st["head"] + recomputed * st["block_bwd"] + kept * st["block_bwd_kept"]
+    compute_b = st["head"] + recomputed * st["block_bwd"]
+    compute_b += kept * st[kept_key(c.keep_level)] if kept else 0.0
     compute_b += st["embed_bwd"]
     frac = 1.0 / n
     streamed_f = L - c.resident_blocks
@@ -425,6 +448,11 @@ def _lanes(
     return step, lanes
 
 
+def kept_key(level: str) -> str:
+    """The stage time of a kept block's backward at keep ``level``."""
+    return "block_bwd_kept" if level == "all" else f"block_bwd_kept_{level}"
+
+
 def _device_optimizer_s(hw: Hardware, params: int) -> float:
     """An optimizer step on the device: memory-bound at ADAM_BYTES per parameter; on the
     CPU backend the device is the host's cores, as fast as the host optimizer."""
@@ -449,19 +477,27 @@ def budgets(config: Config, hw: Hardware) -> dict[str, int]:
 
 
 def _candidates(w: Workload, one_device: bool):
-    """Every placement the runtimes implement; on one device also ``none``, and
-    checkpoints on NVMe (the data-parallel runtime keeps them on the device or host)."""
+    """Every placement the runtimes implement; on one device also ``none``, checkpoints
+    on NVMe and kept blocks (the data-parallel runtime keeps checkpoints on the device or
+    host, and no in-block activations)."""
     L = w.num_layers
     if one_device:
         yield Candidate("none", remat=False)
         yield Candidate("none", remat=True)
     activations = ("device", "host", "nvme") if one_device else ("device", "host")
+    keeps = [(0, "all")]
+    if one_device:
+        keeps += [
+            (keep, level)
+            for keep in sorted({1, 2, L // 4, L // 2, L} & set(range(1, L + 1)))
+            for level in w.kept  # the levels the block supports
+        ]
     for params, optimizer, acts in itertools.product(
         ("host", "nvme"), ("device", "host", "nvme"), activations
     ):
         for depth in (0, 1, 2, 3):
-            for keep in sorted({0, 1, 2, L // 4, L // 2, L} & set(range(L + 1))):
-                yield Candidate("stream", False, params, optimizer, acts, depth, 0, keep)
+            for keep, level in keeps:
+                yield Candidate("stream", False, params, optimizer, acts, depth, 0, keep, level)
 
 
 def _fill_resident(w: Workload, hw: Hardware, c: Candidate, device_budget: int) -> Candidate:
@@ -626,12 +662,13 @@ def trace(config: Config, repeats: int = 5) -> Workload:
         "embed_fwd": best(lambda: fns.embed_fwd(e, tokens)),
         "block_fwd": best(lambda: fns.block_fwd(b, x)),
         "block_bwd": best(lambda: fns.block_bwd(b, x, x)),
-        "block_bwd_kept": best(lambda: fns.block_bwd_kept(fns.block_fwd_keep(b, x)[1], x)),
         "head": best(lambda: fns.head_fwd_bwd(h, e, x, tokens, one)),
         "embed_bwd": best(lambda: fns.embed_bwd(e, tokens, x)),
     }
-    # block_bwd_kept above includes a forward (to make the residuals): take it out.
-    measured["block_bwd_kept"] = max(measured["block_bwd_kept"] - measured["block_fwd"], 0.0)
+    for level in sizes.kept:  # a kept block's backward from each level's residuals
+        vjp = fns.kept_forward(level)(b, x)[1]
+        measured[kept_key(level)] = best(lambda vjp=vjp: fns.block_bwd_kept(vjp, x))
+        del vjp
     w = Workload.from_config(config, sizes)
     w = dataclasses.replace(w, measured=measured)
     return w

@@ -21,6 +21,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from hetjax.config import ModelConfig
 from models.staged import FlaxStages
@@ -53,8 +54,9 @@ class Block(nn.Module):
         scores = jnp.einsum("BTHK,BSHK->BHTS", q, k).astype(jnp.float32) / math.sqrt(K)
         causal = jnp.tril(jnp.ones((T, T), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(dtype), "attn_probs")
         attn = jnp.einsum("BHTS,BSHK->BTHK", probs, v).reshape(B, T, D)
+        attn = checkpoint_name(attn, "attn_out")
         x = x + dense(D, "c_proj", proj_init)(attn)
 
         h = norm("ln_2")(x)

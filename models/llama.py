@@ -27,6 +27,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from hetjax.config import ModelConfig
 from models.staged import FlaxStages
@@ -101,8 +102,9 @@ class LlamaBlock(nn.Module):
         scores = jnp.einsum("BTNGK,BSNK->BNGTS", q, k).astype(jnp.float32) / math.sqrt(K)
         causal = jnp.tril(jnp.ones((T, T), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(dtype), "attn_probs")
         attn = jnp.einsum("BNGTS,BSNK->BTNGK", probs, v).reshape(B, T, N * G * K)
+        attn = checkpoint_name(attn, "attn_out")
         x = x + dense(D, "o_proj")(attn)
 
         h = norm("post_attention_layernorm")(x)

@@ -28,6 +28,13 @@ embed module is called as ``embed(tokens)``; the block as ``block(x)``; the head
 tied to the token embedding). Blocks must not depend on the layer index (every layer
 has the same params structure and the same function). Parameter leaves named ``bias``
 or ``scale`` are not weight-decayed (``hetjax/optim.py``); everything else is.
+
+Blocks the streaming executor keeps (``offload.keep_blocks``) may keep only some
+in-block activations (``offload.keep_level``, ``hetjax/remat.py``): ``matmuls`` works
+for any block (it keeps the outputs of its dots without batch dimensions); a block that
+tags its attention output ``jax.ad_checkpoint.checkpoint_name(attn, "attn_out")`` has it
+kept too, and ``probs`` needs the probabilities tagged ``"attn_probs"`` (as
+``models/gpt.py`` does). Tags are identities: they change no result.
 """
 
 from __future__ import annotations

@@ -117,3 +117,13 @@ def test_plan_quick(tmp_path, capsys):
     assert tiny["plan"].startswith("stream") and tiny["predicted_s"] > 0
     assert tiny["ratio"] == tiny["measured_s"] / tiny["predicted_s"]
     assert "predicted s" in capsys.readouterr().out
+
+
+def test_keep_quick(tmp_path, capsys):
+    out = tmp_path / "keep.json"
+    assert main(["keep", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    held = result["held_bytes"]
+    assert 0 < held["matmuls"] < held["probs"] < held["all"]
+    assert all(t > 0 for t in result["backward_s"].values())
+    assert "saved / all" in capsys.readouterr().out

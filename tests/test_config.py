@@ -73,6 +73,7 @@ def test_unknown_key_names_key_and_closest_valid_names():
         ("model.compute_dtype", "fp8", r"'model.compute_dtype' must be one of"),
         ("optimizer.b2", "1.5", r"'optimizer.b2' must be in \[0, 1\)"),
         ("memory.page_size", "4 MiBs", r"memory.page_size: cannot read"),
+        ("offload.keep_level", "matmul", r"'offload.keep_level' must be one of.*'matmuls'"),
     ],
 )
 def test_bad_values_name_the_key(key, value, pattern):
@@ -99,6 +100,13 @@ def test_nvme_checkpoints_need_the_streaming_executor():
             Config().override({**nvme, "offload.mode": mode})
     with pytest.raises(ConfigError, match=r"'offload.activations'.*data parallelism"):
         Config().override({**nvme, "offload.mode": "stream", "distributed.data_parallel": "2"})
+
+
+def test_keep_level_needs_kept_blocks():
+    stream = {"offload.mode": "stream", "offload.keep_level": "matmuls"}
+    assert Config().override({**stream, "offload.keep_blocks": "2"}).offload.keep_level == "matmuls"
+    with pytest.raises(ConfigError, match=r"'offload.keep_level' is 'matmuls'.*keep_blocks is 0"):
+        Config().override(stream)
 
 
 def test_parse_bytes():

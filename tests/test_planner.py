@@ -93,7 +93,8 @@ def test_checkpoints_move_to_nvme_as_host_shrinks():
     )
     w = Workload.from_config(config)
     tiers = []
-    for host in ("200GiB", "80GiB", "70GiB"):
+    # (at 70 GiB, keeping two blocks' matmul outputs frees enough RAM for the rest)
+    for host in ("200GiB", "80GiB", "66GiB"):
         plan = make_plan(config.replace(memory=dict(host_budget=host)), hw, w)
         _fits(plan)
         tiers.append(plan.candidate.activations)
@@ -109,6 +110,50 @@ def test_checkpoints_move_to_nvme_as_host_shrinks():
     swapped = w.micro_batches * (2 * slots - 2) * w.checkpoint
     assert plan.lanes["nvme"] > on_host["nvme"]
     assert plan.lanes["nvme"] - on_host["nvme"] >= swapped / max(hw.nvme_read_bw, hw.nvme_write_bw)
+
+
+def test_keep_level_between_its_budgets():
+    """offload.keep_level: with a device budget between what every block keeping all its
+    in-block activations needs and what keeping only their matmul outputs needs, the
+    plan fits, keeps a partial level or fewer blocks, keeps fewer bytes as the budget
+    shrinks and never gets faster; a compute-bound step keeps every block at the best
+    level that fits (stage times set: each level's backward recomputes a little more)."""
+    hw = PROFILES["h100"]
+    config = load_config(
+        "gpt2p7b",
+        {"train.batch_size": "4", "train.seq_len": "1024", "model.compute_dtype": "bfloat16"},
+    )
+    w = Workload.from_config(config)
+    kept_bwd = {"all": 2.0, "probs": 2.1, "matmuls": 2.3}  # s: compute-bound
+    measured = dict(embed_fwd=0.0, block_fwd=1.0, block_bwd=3.0, head=1.0, embed_bwd=0.0)
+    measured.update({planner.kept_key(level): t for level, t in kept_bwd.items()})
+    w = dataclasses.replace(w, measured=measured)
+    L = w.num_layers
+
+    def need(level):
+        c = planner.Candidate("stream", False, "host", "host", "device", 0, 0, L, level)
+        return sum(planner._memory(w, c)[0].values())
+
+    assert need("matmuls") < need("probs") < need("all")
+    budgets = [
+        min(need("all") - 1, hw.device_memory),
+        need("probs"),
+        (need("probs") + need("matmuls")) // 2,
+        need("matmuls"),
+    ]
+    plans = [make_plan(config.replace(memory=dict(device_budget=b)), hw, w) for b in budgets]
+    for plan in plans:
+        _fits(plan)
+        c = plan.candidate
+        assert c.mode == "stream" and (c.keep_level != "all" or c.keep_blocks < L), c
+        assert f"kept on device ({c.keep_level})" in plan.table()
+        assert config.replace(**plan.config_overrides()).offload.keep_level == c.keep_level
+    kept = [p.device["kept"] for p in plans]
+    assert kept == sorted(kept, reverse=True), kept
+    steps = [p.step_s for p in plans]
+    assert steps == sorted(steps), steps
+    picked = [(p.candidate.keep_blocks, p.candidate.keep_level) for p in plans]
+    assert picked == [(L, "probs"), (L, "probs"), (L, "matmuls"), (L, "matmuls")], picked
 
 
 def test_budget_too_small_names_the_tier_and_shortfall():

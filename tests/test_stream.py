@@ -5,7 +5,11 @@ import gc
 import jax
 import numpy as np
 import pytest
-from equivalence import assert_gpt_training_equal, check_fp16_overflow_skips_then_trains
+from equivalence import (
+    assert_gpt_training_equal,
+    assert_trees_close,
+    check_fp16_overflow_skips_then_trains,
+)
 
 from hetjax import executor, timeline
 from hetjax.config import ConfigError
@@ -36,13 +40,53 @@ def reference(tmp_path_factory):
         dict(mode="stream", activations="host"),
         dict(mode="stream", keep_blocks=1),
         dict(mode="stream", keep_blocks=2, activations="host"),
+        dict(mode="stream", keep_blocks=1, keep_level="matmuls"),
+        dict(mode="stream", keep_blocks=2, keep_level="probs"),
     ],
-    ids=["depth2", "depth1", "depth3", "activations_host", "keep1", "keep_all"],
+    ids=[
+        "depth2",
+        "depth1",
+        "depth3",
+        "activations_host",
+        "keep1",
+        "keep_all",
+        "keep1_matmuls",
+        "keep_all_probs",
+    ],
 )
 def test_stream_equals_none(reference, tiny, tmp_path, offload):
     config = tiny(offload=offload)
     result = train(config, tmp_path, verbose=False)
     assert_gpt_training_equal(result, reference, build_model(config.model), _check_tokens())
+
+
+def _nbytes(tree) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(tree))
+
+
+def test_keep_levels_hold_less_and_change_nothing(tiny):
+    """offload.keep_level: a kept GPT block's vjp holds in-block activations beyond its
+    inputs (what a recomputing block holds) at every level, strictly fewer at matmuls than
+    at probs than at all, and exactly the bytes the device plan counts; backward from
+    each level's vjp equals backward from all of them."""
+    config = tiny(model=dict(max_seq_len=64), train=dict(seq_len=64))
+    model = build_model(config.model)
+    layouts = executor.stage_layouts(model, 4096)
+    fns = executor.StageFunctions(model, layouts, jax.jit, lambda pages, dtype: pages)
+    block = layouts["block"]
+    pages = block.to_pages(block.flatten(model.init_stage("block", jax.random.key(0))))
+    x = jax.random.normal(jax.random.key(1), (2, 64, 32))  # (B, T, D)
+    kept = fns.kept_bytes(2, 64, x.dtype)
+    assert list(kept) == ["matmuls", "probs", "all"]
+    assert _nbytes((pages, x)) < kept["matmuls"] < kept["probs"] < kept["all"], kept
+    y_all, vjp_all = fns.kept_forward("all")(pages, x)
+    assert _nbytes(vjp_all) == kept["all"]
+    expected = fns.block_bwd_kept(vjp_all, x)
+    for level in ("matmuls", "probs"):
+        y, vjp = fns.kept_forward(level)(pages, x)
+        assert _nbytes(vjp) == kept[level]
+        np.testing.assert_array_equal(y, y_all)
+        assert_trees_close(fns.block_bwd_kept(vjp, x), expected)
 
 
 def test_nvme_checkpoints_equal_none(reference, tiny, tmp_path, monkeypatch):
