@@ -638,23 +638,31 @@ def _scale_attempt(spec: str) -> None:
     print("SCALE " + json.dumps(out), flush=True)
 
 
-def bench_scale(quick: bool) -> dict:
+def bench_scale(quick: bool, start: str | None = None) -> dict:
     """The largest GPT that trains 3 steps offloaded (params and optimizer state on
     NVMe) within ``memory.device_budget=1GiB`` and ``memory.host_budget=6GiB`` vs the
     largest whose ``offload.mode=none`` step fits the same 1 GiB of device memory (XLA's
     own memory analysis; on this CPU nothing would stop it using more). Sizes go up
     until one fails; each attempt runs in a child process with a timeout, so an
-    out-of-memory kill or a hang ends only that attempt."""
+    out-of-memory kill or a hang ends only that attempt. ``start`` (``"LAYERSxD"``, e.g.
+    ``72x1536``) begins the offloaded sizes there (the full sweep takes over an hour)."""
     import subprocess
 
     shapes = SCALE_SHAPES_QUICK if quick else SCALE_SHAPES
+    stream_shapes = shapes
+    if start:
+        starts = [i for i, s in enumerate(shapes) if f"{s[0]}x{s[1]}" == start]
+        if not starts:
+            names = ", ".join(f"{s[0]}x{s[1]}" for s in shapes)
+            raise SystemExit(f"bench scale: --from {start!r} is not one of the sizes: {names}")
+        stream_shapes = shapes[starts[0] :]
     device_budget = (4 << 20) if quick else (1 << 30)
     timeout = 300 if quick else 3600
     results: dict = {"device_budget": device_budget, "attempts": []}
     with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # NVMe state: the local disk
         for mode in ("none", "stream"):
             best = None
-            for shape in shapes:
+            for shape in shapes if mode == "none" else stream_shapes:
                 workdir = Path(tmp) / f"{mode}_{'x'.join(map(str, shape))}"
                 spec = json.dumps(
                     dict(
@@ -950,12 +958,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("--quick", action="store_true", help="a reduced run (for tests)")
     parser.add_argument("--out", default=None, help="JSON output (default runs/bench/NAME.json)")
+    parser.add_argument(
+        "--from",
+        dest="start",
+        default=None,
+        metavar="LAYERSxD",
+        help="scale: start the offloaded sizes at this one (e.g. 72x1536)",
+    )
     args = parser.parse_args(argv)
     print(
         f"hetjax bench {args.name}: {jax.devices()[0].device_kind} "
         f"({jax.devices()[0].platform}), jax {jax.__version__}"
     )
-    result = BENCHMARKS[args.name](args.quick)
+    if args.start and args.name != "scale":
+        parser.error("--from applies to the scale benchmark only")
+    extra = {"start": args.start} if args.start else {}
+    result = BENCHMARKS[args.name](args.quick, **extra)
     result.update(
         name=args.name,
         quick=args.quick,

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from hetjax.bench import main
 
 
@@ -127,3 +129,10 @@ def test_keep_quick(tmp_path, capsys):
     assert 0 < held["matmuls"] < held["probs"] < held["all"]
     assert all(t > 0 for t in result["backward_s"].values())
     assert "saved / all" in capsys.readouterr().out
+
+
+def test_scale_from_names_the_sizes_when_unknown(tmp_path):
+    with pytest.raises(SystemExit, match="not one of the sizes: 2x32, 4x128"):
+        main(["scale", "--quick", "--from", "3x99", "--out", str(tmp_path / "s.json")])
+    with pytest.raises(SystemExit):  # argparse: --from is for scale only
+        main(["io", "--quick", "--from", "4x128"])
