@@ -81,6 +81,7 @@ class MemoryStateStore:
         self.slabs: dict[str, dict[str, jax.Array]] = {}
         self.scalars: dict[str, list] = {}
         self._pending: dict[str, tuple[dict, list]] = {}
+        self._spare: dict[str, dict] = {}  # dead generations, reused as output buffers
         self.read_bytes = self.write_bytes = 0
 
     def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:
@@ -96,15 +97,26 @@ class MemoryStateStore:
     def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
         return self.slabs[stage], self.scalars[stage]
 
+    def recycle(self, stage: str) -> tuple[dict | None, bool]:
+        """Output buffers for a stage's next update (``SlabOptimizer.update``'s
+        ``spare`` and ``in_place``): the generation its last commit or abort replaced.
+        Speculative updates keep two generations of state anyway (the host plan counts
+        them), so holding the dead one between steps costs no peak memory and saves
+        the page faults of fresh buffers."""
+        return self._spare.pop(stage, None), False
+
     def put(self, stage: str, slabs: dict, scalars: list) -> None:
         self._pending[stage] = (slabs, scalars)
 
     def commit(self) -> None:
         for stage, (slabs, scalars) in self._pending.items():
+            self._spare[stage] = self.slabs[stage]
             self.slabs[stage], self.scalars[stage] = slabs, scalars
         self._pending.clear()
 
     def abort(self) -> None:
+        for stage, (slabs, _) in self._pending.items():
+            self._spare[stage] = slabs
         self._pending.clear()
 
     def master(self, stage: str) -> np.ndarray:
@@ -121,7 +133,7 @@ class MemoryStateStore:
     def host_bytes(self) -> int:
         if self.sharding.memory_kind == "device":
             return 0
-        return sum(a.nbytes for a in jax.tree.leaves(self.slabs))
+        return sum(a.nbytes for a in jax.tree.leaves((self.slabs, self._spare)))
 
     @property
     def nvme_bytes(self) -> int:
@@ -154,7 +166,13 @@ class NvmeStateStore:
         self.scalars: dict[str, list] = {}
         self._pending_cache: dict[str, dict] = {}
         self._pending_scalars: dict[str, list] = {}
+        self._spare: dict[str, dict] = {}  # cached stages' dead generations (recycle)
         self._writes: list = []  # (future, data kept alive until the write completes)
+        # stage -> its write futures into the committed generation that a commit did not
+        # wait for (the step's tail: see ``commit``); a read of the stage waits for them
+        self._landing: dict[str, list] = {}
+        self._by_stage: dict[str, list] = {}  # the step's writes, by stage
+        self._manifest_due = False
         # Write-back in flight: the biggest stage's state, as the host plan counts it.
         self._write_window = max(n for _, n in stage_pages.values()) * page_elems * 4 * len(kinds)
         self.read_bytes = self.write_bytes = 0
@@ -179,6 +197,7 @@ class NvmeStateStore:
         """Starts reading a streamed stage's slabs; None for cached stages."""
         if stage in self.cached:
             return None
+        self._land(stage)
         first, n = self.stage_pages[stage]
         return {k: self.disk[self.gen].read(k, first, n) for k in self.kinds}
 
@@ -191,6 +210,13 @@ class NvmeStateStore:
         self.read_bytes += sum(a.nbytes for a in slabs.values())
         return slabs, self.scalars[stage]
 
+    def recycle(self, stage: str) -> tuple[dict | None, bool]:
+        """Output buffers for a stage's next update (see ``MemoryStateStore``): a cached
+        stage's dead generation; a streamed stage's own fresh read (updated in place)."""
+        if stage in self.cached:
+            return self._spare.pop(stage, None), False
+        return None, True
+
     def put(self, stage: str, slabs: dict, scalars: list) -> None:
         """A stage's updated state: kept in the cache, or written (asynchronously) to
         the generation that ``commit`` will make current."""
@@ -198,19 +224,31 @@ class NvmeStateStore:
         if stage in self.cached:
             self._pending_cache[stage] = slabs
         else:
-            self._write(1 - self.gen, stage, slabs)
+            self._write(1 - self.gen, stage, slabs, stage)
 
     def commit(self) -> None:
-        self._wait_writes()
+        """Makes the step's state current. Does not wait for the write-back still in
+        flight (the last stages the step updated): the next step's forward needs none
+        of it, so the writes land while it runs, and a later read of such a stage
+        waits for its own writes first. The manifest follows once they have landed."""
+        self._land_all()  # the previous step's tail: long done (its stages were read)
+        self._landing = {stage: [f for f, _ in writes] for stage, writes in self._by_stage.items()}
+        self._by_stage = {}
+        self._writes = [(f, d) for f, d in self._writes if not f.done()]
+        for stage in self._pending_cache:
+            self._spare[stage] = self.cache[stage]
         self.cache.update(self._pending_cache)
         self.scalars.update(self._pending_scalars)
         self._pending_cache.clear()
         self._pending_scalars.clear()
         self.gen = 1 - self.gen
-        self._write_manifest()
+        self._manifest_due = True
+        if not self._writes:
+            self._land_all()
 
     def abort(self) -> None:
         self._wait_writes()  # into the uncommitted generation; then forgotten
+        self._spare.update(self._pending_cache)
         self._pending_cache.clear()
         self._pending_scalars.clear()
 
@@ -220,6 +258,7 @@ class NvmeStateStore:
         """A stage's committed fp32 master slab (only that kind is read from disk)."""
         if stage in self.cached:
             return flat(self.cache[stage]["master"])
+        self._land(stage)
         first, n = self.stage_pages[stage]
         return self.disk[self.gen].read("master", first, n).result().reshape(-1)
 
@@ -228,6 +267,7 @@ class NvmeStateStore:
         if stage in self.cached:
             slabs = {k: np.array(flat(v)) for k, v in self.cache[stage].items()}
         else:
+            self._land(stage)
             first, n = self.stage_pages[stage]
             reads = {k: self.disk[self.gen].read(k, first, n) for k in self.kinds}
             slabs = {k: f.result().reshape(-1) for k, f in reads.items()}
@@ -242,7 +282,7 @@ class NvmeStateStore:
         self._write_manifest()
 
     def host_bytes(self) -> int:
-        live = [self.cache, self._pending_cache, [d for _, d in self._writes]]
+        live = [self.cache, self._pending_cache, self._spare, [d for _, d in self._writes]]
         return sum(a.nbytes for a in jax.tree.leaves(live))
 
     @property
@@ -251,22 +291,41 @@ class NvmeStateStore:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _write(self, gen: int, stage: str, slabs: dict) -> None:
-        """Starts writing a stage's slabs (whole, or chunk by chunk as they come)."""
+    def _write(self, gen: int, stage: str, slabs: dict, speculative: str = "") -> None:
+        """Starts writing a stage's slabs (whole, or chunk by chunk as they come);
+        ``speculative``: the stage, when these are a step's writes that commit may
+        leave in flight."""
         first, _ = self.stage_pages[stage]
         for k in self.kinds:
             page = first
             for chunk in slabs[k] if isinstance(slabs[k], list) else [slabs[k]]:
                 data = np.asarray(chunk)  # waits for this chunk's update only
-                self._writes.append((self.disk[gen].write(k, page, data), data))
+                future = self.disk[gen].write(k, page, data)
+                self._writes.append((future, data))
+                if speculative:
+                    self._by_stage.setdefault(speculative, []).append((future, data))
                 self.write_bytes += data.nbytes
                 page += data.size // self.page_elems
                 bound_writes(self._writes, self._write_window)
+
+    def _land(self, stage: str) -> None:
+        """Waits for the writes of ``stage`` the last commit left in flight."""
+        for future in self._landing.pop(stage, []):
+            future.result()
+
+    def _land_all(self) -> None:
+        for stage in list(self._landing):
+            self._land(stage)
+        if self._manifest_due:
+            self._manifest_due = False
+            self._write_manifest()
 
     def _wait_writes(self) -> None:
         for future, _ in self._writes:
             future.result()
         self._writes.clear()
+        self._by_stage = {}
+        self._land_all()
 
     def _write_manifest(self) -> None:
         manifest = {
@@ -333,28 +392,44 @@ class NvmeParamStore:
         self._writes: list = []
         self._write_window = max(n for _, n in stage_pages.values()) * page_elems * 4
         self._reads: dict[str, Any] = {}
+        self._published: dict[str, tuple] = {}  # stage -> (future, data): this step's
+        # stage -> (future, data): writes into the committed generation a commit left in
+        # flight; ``get`` serves these stages from that data, no read needed
+        self._landing: dict[str, tuple] = {}
         self.read_bytes = self.write_bytes = 0
 
     def publish(self, stage: str, pages: list) -> None:
         data = np.concatenate([np.asarray(p) for p in pages])
         first, _ = self.stage_pages[stage]
-        self._writes.append((self.disk[self._target].write("params", first, data), data))
+        future = self.disk[self._target].write("params", first, data)
+        self._writes.append((future, data))
+        self._published[stage] = (future, data)
         self.write_bytes += data.nbytes
         bound_writes(self._writes, self._write_window)
 
     def prefetch(self, stage: str) -> None:
-        if stage not in self._reads:
+        if stage not in self._reads and stage not in self._landing:
             first, n = self.stage_pages[stage]
             self._reads[stage] = self.disk[self.gen].read("params", first, n)
 
     def get(self, stage: str) -> list:
+        if stage in self._landing:  # written last step, maybe still in flight: in RAM
+            self._reads.pop(stage, None)  # one issued before the commit: stale
+            data = self._landing[stage][1]
+            return list(data.reshape(-1, self.disk[0].page_elems))
         self.prefetch(stage)
         pages = self._reads.pop(stage).result()
         self.read_bytes += pages.nbytes
         return list(pages)
 
     def commit(self) -> None:
-        self.wait()
+        """Makes the step's params current without waiting for the writes still in
+        flight (the stages updated last, which the next forward needs first): those
+        stages are served from the written data until the next commit."""
+        self._land()  # the previous step's: long done
+        self._landing = {s: w for s, w in self._published.items() if not w[0].done()}
+        self._published = {}
+        self._writes = [(f, d) for f, d in self._writes if not f.done()]
         if self._target != self.gen:
             self.gen = self._target
         self._target = 1 - self.gen
@@ -371,9 +446,17 @@ class NvmeParamStore:
         for future, _ in self._writes:
             future.result()
         self._writes.clear()
+        self._published = {}
+        self._land()
+
+    def _land(self) -> None:
+        for future, _ in self._landing.values():
+            future.result()
+        self._landing = {}
 
     def host_bytes(self) -> int:
-        return sum(d.nbytes for _, d in self._writes)
+        held = {id(d): d.nbytes for _, d in [*self._writes, *self._landing.values()]}
+        return sum(held.values())
 
     @property
     def nvme_bytes(self) -> int:

@@ -245,7 +245,10 @@ class UpdateLoop:
                 self._reads[ahead] = self.states.prefetch(ahead)
         slabs, scalars = self.states.get(stage, handle)
         layout = self.layout_of(stage)
-        new, new_scalars, pages = self.opt.update(layout, slabs, scalars, grad, clip)
+        spare, in_place = self.states.recycle(stage)
+        new, new_scalars, pages = self.opt.update(
+            layout, slabs, scalars, grad, clip, spare=spare, in_place=in_place
+        )
         timeline.watch("optimizer", stage, (new, pages))
         self.updated_params += grad.size
         self.states.put(stage, new, new_scalars)
