@@ -8,9 +8,10 @@ it after its speculative update depends on whether the step can still be *redone
 stage is updated again, in backward order, with the clip factor):
 
 * ``release`` (no clipping): nothing can redo the update, so the slab is dropped as
-  soon as the update consumed it. The executor waits while the loop has
-  :data:`GRAD_QUEUE` stages not yet updated (backpressure), so RAM holds only the
-  stages in flight (:func:`in_flight_slabs`), not all of them.
+  soon as the update consumed it. When not all of them fit ``memory.host_budget``, the
+  executor waits while the loop has :data:`GRAD_QUEUE` stages not yet updated
+  (backpressure), so RAM holds only the stages in flight (:func:`in_flight_slabs`), not
+  all of them; with room (or no budget) backward never waits for the loop.
 * ``keep`` (clipping): every stage's gradient is kept until the step commits. They stay
   in RAM while they fit ``memory.host_budget``; otherwise the plan keeps as many as fit
   and spills the others to NVMe (ZeRO-Infinity offloads gradients too): a TensorStore
@@ -113,7 +114,9 @@ def plan_gradients(
     slab = max(sizes[s] for s in order[:-1])
     window = sizes[held] + in_flight_slabs(policy == "keep") * slab
     if policy == "release":
-        if window >= total:
+        # Without a budget, or with room for all of them, backward never waits for the
+        # optimizer: it may run ahead of an I/O-bound update loop by several stages.
+        if room is None or total <= room or window >= total:
             return everything
         return GradientPlan(policy, total, window, GRAD_QUEUE, (), (), 0)
     if room is None or total <= room or not spill:

@@ -51,8 +51,11 @@ def test_plan_gradients_bounds_releases_and_spills_the_first_produced():
     everything = plan_gradients(sizes, order, "keep", None, spill=True)
     assert everything.ram_bytes == 112 and not everything.bounded
     assert plan_gradients(sizes, order, "keep", 112, spill=True) == everything
-    released = plan_gradients(sizes, order, "release", None, spill=False)
+    released = plan_gradients(sizes, order, "release", 111, spill=False)
     assert released.bounded and released.ram_bytes == window(False) < 112
+    for room in (None, 112):  # no budget, or room for all: backward never waits
+        free = plan_gradients(sizes, order, "release", room, spill=False)
+        assert not free.bounded and free.ram_bytes == 112
     # keep: the last-produced stages stay in RAM, the first-produced ones spill.
     room = window(True) + 25
     kept = plan_gradients(sizes, order, "keep", room, spill=True)
