@@ -10,10 +10,11 @@ one chunk per page. Backward takes the checkpoints back in reverse order, and ea
 the blocks before it.
 
 Host RAM is bounded by :func:`staging_bytes`: forward waits for the oldest write while
-``depth`` are in flight, and backward holds the checkpoint it takes plus ``depth`` read
-ahead. The last ``depth`` checkpoints of a forward are still in RAM when backward starts
-and are taken from there (their writes complete first), not read back. The rows are
-reused by every micro-batch: a forward first waits for the previous one's writes.
+``depth`` checkpoints are in flight or held, and backward holds the checkpoint it takes
+plus ``depth`` read ahead. The last ``depth`` checkpoints of a forward (slots
+``slots - depth`` and up) are never written: they stay in RAM and backward, which needs
+them first, takes them from there. The rows are reused by every micro-batch: a forward
+first waits for the previous one's writes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def staging_bytes(checkpoint: int, slots: int, depth: int) -> int:
     """Host RAM the swap holds at most: ``depth`` checkpoints in flight to disk in
     forward; in backward, the one being taken plus ``depth`` read ahead."""
     return min(slots, depth + 1) * checkpoint
+
+
+def _to_host(host) -> np.ndarray:
+    """A checkpoint's host copy as one numpy row (waits for the copy to land)."""
+    return np.asarray(host).reshape(1, -1)
 
 
 class NvmeCheckpoints:
@@ -59,6 +65,7 @@ class NvmeCheckpoints:
         self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="hetjax-checkpoints")
         # slot -> future of its data (host numpy), resolved when the write is complete
         self._writes: collections.OrderedDict[int, Future] = collections.OrderedDict()
+        self._held: dict[int, Any] = {}  # the last slots: kept in RAM, never written
         self._reads: dict[int, tuple[Any, bool]] = {}  # slot -> (future, read from disk)
         self.read_bytes = self.write_bytes = 0
         self.peak_host_bytes = 0  # since the last reset_peak
@@ -71,15 +78,19 @@ class NvmeCheckpoints:
 
     def put(self, slot: int, host) -> None:
         """Swaps out checkpoint ``slot``: ``host`` is its copy to host RAM, dispatched (a
-        JAX array). Waits for the oldest write while ``depth`` are in flight."""
-        while len(self._writes) >= self.depth:
+        JAX array). Waits for the oldest write while ``depth`` are in flight or held.
+        One of the last ``depth`` slots is only held (backward takes it first)."""
+        while self._writes and len(self._writes) + len(self._held) >= self.depth:
             self._writes.popitem(last=False)[1].result()
-        self._writes[slot] = self._pool.submit(self._write, slot, host)
-        self.write_bytes += self.checkpoint_bytes
+        if slot >= self.slots - self.depth:
+            self._held[slot] = host
+        else:
+            self._writes[slot] = self._pool.submit(self._write, slot, host)
+            self.write_bytes += self.checkpoint_bytes
         self._note_peak()
 
     def _write(self, slot: int, host) -> np.ndarray:  # on a worker thread
-        data = np.asarray(host).reshape(1, -1)  # waits for the copy to the host
+        data = _to_host(host)
         del host
         self.disk.write(KIND, slot, data).result()
         return data
@@ -101,7 +112,9 @@ class NvmeCheckpoints:
     def _prefetch(self, slot: int) -> None:
         if slot in self._reads:
             return
-        if slot in self._writes:  # still in RAM: taken from there once written
+        if slot in self._held:  # never written
+            self._reads[slot] = (self._pool.submit(_to_host, self._held.pop(slot)), False)
+        elif slot in self._writes:  # still in RAM: taken from there once written
             self._reads[slot] = (self._writes.pop(slot), False)
         else:
             self._reads[slot] = (self.disk.read(KIND, slot, 1), True)
@@ -110,7 +123,7 @@ class NvmeCheckpoints:
 
     def host_bytes(self) -> int:
         """Host RAM held now: checkpoints waiting for their write or read ahead."""
-        return (len(self._writes) + len(self._reads)) * self.checkpoint_bytes
+        return (len(self._writes) + len(self._held) + len(self._reads)) * self.checkpoint_bytes
 
     def _note_peak(self) -> None:
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes())
@@ -127,6 +140,7 @@ class NvmeCheckpoints:
         pending = [*self._writes.values(), *(f for f, _ in self._reads.values())]
         self._writes.clear()
         self._reads.clear()
+        self._held.clear()
         for future in pending:
             future.result()
 

@@ -394,8 +394,8 @@ def _lanes(
     streamed_f = L - c.resident_blocks
     streamed_b = max(0, recomputed - c.resident_blocks)
     # Checkpoints on the host or NVMe cross to the host in forward and back in backward;
-    # on NVMe, each is written and, but for the last IO_READAHEAD (still in RAM when
-    # backward starts), read back.
+    # on NVMe, all but the last IO_READAHEAD (held in RAM for backward, which takes them
+    # first) are written and read back.
     ckpt = recomputed * w.checkpoint if c.activations in ("host", "nvme") else 0
     h2d_f = streamed_f * cb * Pb * frac
     h2d_b = streamed_b * cb * Pb * frac + ckpt
@@ -411,7 +411,7 @@ def _lanes(
         disk_b = (h2d_b - ckpt) / hw.nvme_read_bw * n
         disk_step += cb * P / hw.nvme_write_bw
     if c.activations == "nvme":
-        disk_f += ckpt / hw.nvme_write_bw * n
+        disk_f += max(0, recomputed - IO_READAHEAD) * w.checkpoint / hw.nvme_write_bw * n
         disk_b += max(0, recomputed - IO_READAHEAD) * w.checkpoint / hw.nvme_read_bw * n
     if grad_spill:
         disk_step += grad_spill / hw.nvme_write_bw

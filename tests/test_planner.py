@@ -107,7 +107,7 @@ def test_checkpoints_move_to_nvme_as_host_shrinks():
     assert config.replace(**plan.config_overrides()).offload.activations == "nvme"
     # The swap's writes and reads are on the NVMe lane.
     on_host = planner._lanes(w, hw, dataclasses.replace(c, activations="host"), 0.0)[1]
-    swapped = w.micro_batches * (2 * slots - 2) * w.checkpoint
+    swapped = w.micro_batches * 2 * (slots - 2) * w.checkpoint  # the last 2 are not written
     assert plan.lanes["nvme"] > on_host["nvme"]
     assert plan.lanes["nvme"] - on_host["nvme"] >= swapped / max(hw.nvme_read_bw, hw.nvme_write_bw)
 
