@@ -388,13 +388,18 @@ def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
 def _optimizer_rows(quick: bool, label: str = "") -> dict:
     """The host optimizer's params/s against the memory-bandwidth bound: AdamW moves
     28 B/param (read param, grad, m, v: 16; write param, m, v: 12), so the bound is the
-    measured copy bandwidth / 28."""
+    measured copy bandwidth / 28. Measured refreshing bf16 params (the GPU compute dtype:
+    2 B/param more) and fp32 ones (4 more); the ratio is the bf16 one's."""
     n = (4 if quick else 32) << 20
     bw = _memory_bandwidth(n)
     bound = bw * 1e9 / 28
-    rate = measure_optimizer(n)
+    rate = measure_optimizer(n, "bfloat16")
+    rate32 = measure_optimizer(n, "float32")
     pad = " " * len(label)
-    print(f"{label}host optimizer (AdamW, {n >> 20}M-param slab): {rate / 1e6:.0f} M params/s")
+    print(
+        f"{label}host optimizer (AdamW, {n >> 20}M-param slab): {rate / 1e6:.0f} M params/s "
+        f"refreshing bf16 params, {rate32 / 1e6:.0f} M fp32"
+    )
     print(
         f"{pad}memory {bw:.1f} GB/s -> bound {bound / 1e6:.0f} M params/s at 28 B/param; "
         f"achieved / bound {rate / bound:.2f}"
@@ -404,6 +409,7 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
         "memory_gbs": bw,
         "bound_params_s": bound,
         "optimizer_params_s": rate,
+        "optimizer_fp32_params_s": rate32,
         "optimizer_vs_bound": rate / bound,
     }
 

@@ -272,9 +272,10 @@ def measure_nvme(directory: Path, nbytes: int = 64 << 20, page: int = 4 << 20):
     return read, write
 
 
-def measure_optimizer(n: int = 1 << 22) -> float:
+def measure_optimizer(n: int = 1 << 22, compute_dtype: str = "float32") -> float:
     """AdamW updates per second of the host optimizer (:class:`SlabOptimizer`, as the
-    update loop runs it) on one ``n``-element slab in RAM, best of a few."""
+    update loop runs it: new state into the generation before last) on one
+    ``n``-element slab in RAM, refreshing ``compute_dtype`` params; best of a few."""
     import jax
 
     from hetjax.config import OptimizerConfig
@@ -284,7 +285,7 @@ def measure_optimizer(n: int = 1 << 22) -> float:
 
     layout = SlabLayout((Leaf(("w",), (n,), 0, n),), jax.tree.structure(0), (0,), n, n, 1 << 20)
     opt = SlabOptimizer(
-        OptimizerConfig(), 100, {"s": layout}, Placement.single_device().optimizer, "float32"
+        OptimizerConfig(), 100, {"s": layout}, Placement.single_device().optimizer, compute_dtype
     )
     state = opt.init("s", np.ones(layout.padded_size, np.float32))
     spare = opt.init("s", np.ones(layout.padded_size, np.float32))[0]
@@ -296,7 +297,7 @@ def measure_optimizer(n: int = 1 << 22) -> float:
         jax.block_until_ready((slabs, pages))
         state, spare = (slabs, scalars), state[0]
 
-    return layout.padded_size / _best_time(update)
+    return layout.padded_size / _best_time(update, repeats=5)
 
 
 def device_capacity() -> int:
@@ -342,6 +343,6 @@ def measure_local(nvme_path: str = "", dtype: str = "float32") -> Hardware:
         nvme_read_bw=nvme_read,
         nvme_write_bw=nvme_write,
         nvme_capacity=nvme_free,
-        optimizer_params_per_s=measure_optimizer(),
+        optimizer_params_per_s=measure_optimizer(compute_dtype=dtype),
         shared_cores=cpu,
     )
