@@ -202,7 +202,8 @@ class SlabOptimizer:
     ) -> tuple[dict[str, list], list, list[jax.Array]]:
         """One optimizer step of one stage. ``slabs`` is its state by kind, each a list
         of chunks (numpy or JAX arrays) or a whole flat slab (numpy, split here);
-        ``scalars`` its scalars, ``grad`` the averaged fp32 gradient slab and ``clip``
+        ``scalars`` its scalars, ``grad`` the averaged fp32 gradient slab (numpy, or a
+        JAX array where it already is: a device-cached stage's, on the device) and ``clip``
         ``(global_norm, max_norm)``. Returns the new state (chunk lists, in
         ``sharding``), the new scalars and the refreshed compute-dtype params as pages.
 
@@ -214,7 +215,8 @@ class SlabOptimizer:
         bounds = self.chunk_bounds(layout_name)
         chunked = {k: self.as_chunks(layout_name, slabs[k]) for k in self.kinds}
         clip_arr = (np.float32(clip[0]), np.float32(clip[1]))
-        grad = np.asarray(grad, np.float32)
+        if not isinstance(grad, jax.Array):
+            grad = np.asarray(grad, np.float32)
         new: dict[str, list] = {k: [] for k in self.kinds}
         pages: list[jax.Array] = []
         new_scalars = scalars
