@@ -444,11 +444,11 @@ class StreamingRuntime:
 
     # -- set-up -------------------------------------------------------------------------
 
-    def _stage_pages(self, stages: list[str] | None = None) -> dict[str, tuple[int, int]]:
-        """Each stage's page range in the NVMe arrays: ``stages`` (default: the host
-        stages, the only ones whose state or params go to NVMe) back to back."""
+    def _stage_pages(self) -> dict[str, tuple[int, int]]:
+        """Each stage's page range in the NVMe arrays: the host stages (the only ones
+        whose state or params can be there) back to back."""
         pages, first = {}, 0
-        for name in self.host_stages if stages is None else stages:
+        for name in self.host_stages:
             n = self.state_layouts[self.layout_name(name)].num_pages
             pages[name], first = (first, n), first + n
         return pages
