@@ -565,7 +565,7 @@ class StreamingRuntime:
                 self.place.optimizer,
             )
         else:
-            states = MemoryStateStore(opt_sharding)
+            states = MemoryStateStore(opt_sharding, on_device=off.optimizer == "device")
         if off.params == "nvme" and self.host_stages:
             params = NvmeParamStore(
                 self._nvme_dir / "params", self.compute_dtype, stage_pages, page_elems
@@ -573,7 +573,7 @@ class StreamingRuntime:
         else:
             params = HostParamStore(self.place.host)
         if self.device_stages:
-            device_states = MemoryStateStore(self.place.device)
+            device_states = MemoryStateStore(self.place.device, on_device=True)
             states = SplitStateStore(device_states, states, self.device_stages)
             device_params = DeviceParamStore(self.place.device)
             params = SplitParamStore(device_params, params, self.device_stages)

@@ -237,10 +237,13 @@ class SlabOptimizer:
         return new, new_scalars, pages
 
     def compute_pages(self, layout_name: str, master) -> list[jax.Array]:
-        """A master slab (or its chunks) cast to the compute dtype, as pages."""
+        """A master slab (or its chunks) cast to the compute dtype, as pages. The master
+        may be anywhere (numpy, or another device's: on a GPU the state starts on the
+        CPU backend, where the host optimizer lives); it is cast where this optimizer's
+        state lives."""
         if not isinstance(master, list):
             master = [master]
-        return self._cast(master, layout_name)
+        return self._cast(jax.device_put(master, self.sharding), layout_name)
 
     def state_bytes(self, layout_name: str) -> int:
         """Bytes of one stage's slabs (all kinds, fp32)."""

@@ -78,10 +78,14 @@ def belady_cache(order: list[str], sizes: dict[str, int], capacity: int) -> list
 
 
 class MemoryStateStore:
-    """All stages' optimizer state as JAX arrays in ``sharding`` (host RAM or device)."""
+    """All stages' optimizer state as JAX arrays in ``sharding`` (host RAM or device).
+    ``on_device``: that is the accelerator's memory, not host RAM (the memory kind does
+    not tell: the CPU backend, where a GPU machine's host optimizer lives, reports
+    ``device`` too)."""
 
-    def __init__(self, sharding: jax.sharding.Sharding):
+    def __init__(self, sharding: jax.sharding.Sharding, on_device: bool = False):
         self.sharding = sharding
+        self.on_device = on_device
         self.slabs: dict[str, dict[str, jax.Array]] = {}
         self.scalars: dict[str, list] = {}
         self._pending: dict[str, tuple[dict, list]] = {}
@@ -130,14 +134,14 @@ class MemoryStateStore:
         pass
 
     def host_bytes(self) -> int:
-        if self.sharding.memory_kind == "device":
+        if self.on_device:
             return 0
         return sum(a.nbytes for a in jax.tree.leaves(self.slabs))
 
     def device_bytes(self) -> int:
         """Device bytes held now: the committed slabs and a step's speculative ones (the
         ledger's count, kept as a sum: no walk over every chunk at each dispatch)."""
-        if self.sharding.memory_kind != "device":
+        if not self.on_device:
             return 0
         return sum(self._bytes.values()) + sum(self._pending_bytes.values())
 

@@ -17,6 +17,7 @@ from equivalence import (
     assert_trees_close,
     without_key_bias,
 )
+from jax.sharding import SingleDeviceSharding
 
 from hetjax import planner
 from hetjax.checkpoint import Checkpointer
@@ -24,7 +25,7 @@ from hetjax.config import Config, ConfigError, load_config
 from hetjax.data import make_datasets
 from hetjax.executor import StreamingRuntime, stage_layouts
 from hetjax.hardware import PROFILES
-from hetjax.placement import live_bytes_by_kind
+from hetjax.placement import Placement, live_bytes_by_kind
 from hetjax.planner import Workload, make_plan
 from hetjax.train import InMemoryRuntime, train
 from models import build_model
@@ -50,6 +51,11 @@ def _cached(tiny, stages, tier="host", **sections):
     """The tiny config with ``stages`` device-cached stages, the rest in ``tier``."""
     offload = dict(mode="stream", optimizer=tier, optimizer_device_stages=stages)
     return tiny(**{"optimizer": CLIP, "memory": PAGES, **sections, "offload": offload})
+
+
+def _state_bytes(runtime, stages) -> int:
+    """Bytes of the fp32 master and optimizer state of ``stages``."""
+    return sum(runtime.optimizer.state_bytes(runtime.layout_name(n)) for n in stages)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +123,32 @@ def test_nonfinite_step_leaves_the_device_cache_untouched(tiny):
         runtime.close()
 
 
+def test_gpu_layout_host_optimizer_on_another_device(reference, tiny, monkeypatch):
+    """A GPU machine's layout, emulated with two CPU devices: the device (and the cache)
+    on one, the host optimizer on the other (on a GPU it runs on the CPU backend, whose
+    memory kind also reads ``device``). The host optimizer's state is counted on the
+    host, the cache's on the device; state crosses between the devices at start-up and
+    after a NaN step; training equals offload.mode=none."""
+    accelerator, cpu = jax.devices()[:2]
+
+    def gpu_like(cls, device=None):
+        on = lambda kind: SingleDeviceSharding(accelerator, memory_kind=kind)
+        return cls(on("device"), on("pinned_host"), SingleDeviceSharding(cpu))
+
+    monkeypatch.setattr(Placement, "single_device", classmethod(gpu_like))
+    runtime = StreamingRuntime(_cached(tiny, 2, "host"))
+    try:
+        assert runtime.states.host_bytes() == _state_bytes(runtime, runtime.host_stages)
+        assert runtime.states.device_bytes() == _state_bytes(runtime, runtime.device_stages)
+        batches = _batches(runtime.config, 5)
+        assert runtime.train_step(batches[0], poison=True).nonfinite  # republished across
+        losses = [runtime.train_step(batch).loss for batch in batches]
+        assert_losses_close(losses, reference.losses)
+        assert_trees_close(without_key_bias(runtime.params()), without_key_bias(reference.params))
+    finally:
+        runtime.close()
+
+
 def test_checkpoints_move_between_device_cache_settings(tiny, tmp_path):
     """A checkpoint saved with two device-cached stages restores into a run without a
     cache (optimizer on NVMe), whose checkpoint restores into one with every stage
@@ -173,13 +205,10 @@ def test_device_cache_is_counted_on_the_device(tiny):
     )
     try:
         assert runtime.device_stages == ("embed", "block0", "block1")
-        state = lambda names: sum(
-            runtime.optimizer.state_bytes(runtime.layout_name(n)) for n in names
-        )
-        assert runtime.plan.optimizer >= 2 * state(runtime.device_stages)
+        assert runtime.plan.optimizer >= 2 * _state_bytes(runtime, runtime.device_stages)
         assert runtime.plan.resident_blocks >= 2  # the cached blocks are resident
         assert runtime.plan.required <= budget
-        assert runtime.host_plan.optimizer_state == 2 * state(runtime.host_stages)
+        assert runtime.host_plan.optimizer_state == 2 * _state_bytes(runtime, runtime.host_stages)
         batch = np.random.default_rng(0).integers(0, 256, (1, 2, 17)).astype(np.int32)
         resident = sum(a.nbytes for a in jax.tree.leaves(runtime.resident))
         baseline = live_bytes_by_kind().get("device", 0) - resident - runtime.states.device_bytes()
@@ -187,12 +216,12 @@ def test_device_cache_is_counted_on_the_device(tiny):
         assert losses[-1] < losses[0]
         peak = max(samples) - baseline
         ledger = runtime.ledger.peak["device"]
-        assert ledger >= 2 * state(runtime.device_stages)
+        assert ledger >= 2 * _state_bytes(runtime, runtime.device_stages)
         assert abs(ledger - peak) <= 0.05 * peak, (ledger, peak)
         assert ledger <= runtime.plan.required and peak <= budget
         metrics = runtime.extra_metrics()
         assert metrics["device_bytes_peak"] == ledger
-        assert runtime.states.host_bytes() == state(runtime.host_stages)
+        assert runtime.states.host_bytes() == _state_bytes(runtime, runtime.host_stages)
         compute = lambda n: runtime.layouts[runtime.layout_name(n)].nbytes(runtime.compute_dtype)
         assert runtime.param_store.host_bytes() == sum(compute(n) for n in runtime.host_stages)
     finally:
