@@ -958,7 +958,8 @@ class StreamingRuntime:
         lines = [self.plan.describe(), self.host_plan.describe()]
         if self.device_stages:
             lines.append(
-                f"optimizer state of {len(self.device_stages)} stages on the device, updated "
+                f"optimizer state of {len(self.device_stages)} stage"
+                f"{'s' * (len(self.device_stages) > 1)} on the device, updated "
                 f"there ({', '.join(self.device_stages)}; offload.optimizer_device_stages)"
             )
         if self._nvme_dir is not None:

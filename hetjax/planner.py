@@ -291,7 +291,7 @@ class Plan:
                 lines.append(f"  {name:<16}{where:<22}{opt:<25}{acts}")
             if k:
                 lines.append(
-                    f"  optimizer state of {k} stages cached on the device "
+                    f"  optimizer state of {k} stage{'s' * (k > 1)} cached on the device "
                     f"(offload.optimizer_device_stages={k}): "
                     f"{format_bytes(self.device.get('optimizer', 0))} with their gradients "
                     "and new params; updated there, no gradient copy"

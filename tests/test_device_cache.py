@@ -286,7 +286,7 @@ def test_planner_caches_what_fits_and_more_with_more_budget():
         if c.device_stages:
             without = dataclasses.replace(c, device_stages=0)
             assert planner._lanes(w, hw, c, 0.0)[0] < planner._lanes(w, hw, without, 0.0)[0]
-            assert f"optimizer state of {c.device_stages} stages cached" in plan.table()
+            assert f"optimizer state of {c.device_stages} stage" in plan.table()
             overrides = plan.config_overrides()
             assert config.replace(**overrides).offload.optimizer_device_stages == c.device_stages
     assert counts == sorted(counts) and counts[-1] > 0, counts
