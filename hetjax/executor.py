@@ -23,7 +23,8 @@ stages in forward order (embed, block 0, ...) are a device cache of optimizer st
 (Angel-PTM): their state and params live on the device, those blocks are resident,
 their gradient is summed, averaged and normed on the device, and their update is
 dispatched there as soon as backward produces the final gradient
-(``UpdateLoop.submit_device``); nothing of theirs crosses to the host.
+(``UpdateLoop.submit_device``); nothing of theirs crosses to the host (in lock-free
+mode their gradients do, into the loop's accumulator; only the update stays).
 
 ``memory.device_budget`` bounds what the executor holds on the device; the plan is made
 at start-up (:func:`plan_device_memory`) and the ledger records what it really held.

@@ -92,11 +92,13 @@ class MemoryStateStore:
         self.read_bytes = self.write_bytes = 0
         self._bytes: dict[str, int] = {}  # committed slab bytes by stage
         self._pending_bytes: dict[str, int] = {}
+        self._held = 0  # their sum: one int, read from the executor's thread
 
     def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:
         self.slabs[stage] = jax.device_put(slabs, self.sharding)
         self.scalars[stage] = scalars
         self._bytes[stage] = _nbytes(self.slabs[stage])
+        self._count()
 
     def wait_init(self) -> None:
         jax.block_until_ready(self.slabs)
@@ -110,6 +112,7 @@ class MemoryStateStore:
     def put(self, stage: str, slabs: dict, scalars: list) -> None:
         self._pending[stage] = (slabs, scalars)
         self._pending_bytes[stage] = _nbytes(slabs)
+        self._count()
 
     def commit(self) -> None:
         for stage, (slabs, scalars) in self._pending.items():
@@ -117,10 +120,15 @@ class MemoryStateStore:
         self._bytes.update(self._pending_bytes)
         self._pending.clear()
         self._pending_bytes.clear()
+        self._count()
 
     def abort(self) -> None:
         self._pending.clear()
         self._pending_bytes.clear()
+        self._count()
+
+    def _count(self) -> None:
+        self._held = sum(self._bytes.values()) + sum(self._pending_bytes.values())
 
     def master(self, stage: str) -> np.ndarray:
         return flat(self.slabs[stage]["master"])
@@ -141,9 +149,7 @@ class MemoryStateStore:
     def device_bytes(self) -> int:
         """Device bytes held now: the committed slabs and a step's speculative ones (the
         ledger's count, kept as a sum: no walk over every chunk at each dispatch)."""
-        if not self.on_device:
-            return 0
-        return sum(self._bytes.values()) + sum(self._pending_bytes.values())
+        return self._held if self.on_device else 0
 
     @property
     def nvme_bytes(self) -> int:
