@@ -364,6 +364,16 @@ class OffloadConfig:
     recomputes the attention softmax and the elementwise ops) or ``probs`` (those and
     the attention probabilities; backward recomputes the elementwise ops; only blocks
     that tag them, as models/gpt.py and models/llama.py do).
+
+    ``optimizer_device_stages``: with ``optimizer`` host or nvme, the first N stages in
+    forward order (embed, block 0, block 1, ..., head last) keep their fp32 master and
+    optimizer state on the device instead, are updated there by the same optax update,
+    and stay resident there (Angel-PTM's GPU cache of optimizer state). Those are the
+    stages backward reaches *last*: on the host their updates would be the optimizer's
+    tail that every step waits for after backward; on the device they run next to the
+    backward that produced their gradient, which never leaves the device, and their
+    params are already where the forward reads them. 0: none (``offload.mode=auto``
+    lets the planner choose).
     """
 
     mode: str = "auto"
@@ -375,6 +385,9 @@ class OffloadConfig:
     # forward to backward instead of recomputing them (more memory, less compute)
     keep_blocks: int = 0
     keep_level: str = "all"  # stream: which in-block activations kept blocks keep
+    # stream, optimizer host or nvme: the first N stages (embed, block 0, ...) keep their
+    # optimizer state on the device, are updated there and stay resident there
+    optimizer_device_stages: int = 0
 
     def __post_init__(self):
         _choice("offload", "mode", self.mode, OFFLOAD_MODES)
@@ -404,6 +417,31 @@ class OffloadConfig:
                 f"config key 'offload.keep_level' is {self.keep_level!r}, which applies to "
                 "the blocks that keep their in-block activations, but offload.keep_blocks "
                 "is 0; set offload.keep_blocks to how many blocks keep them"
+            )
+        _check(
+            self.optimizer_device_stages >= 0,
+            "offload.optimizer_device_stages",
+            "must be >= 0",
+            self.optimizer_device_stages,
+        )
+        if self.optimizer_device_stages and self.mode != "stream":
+            raise ConfigError(
+                f"config key 'offload.optimizer_device_stages' "
+                f"({self.optimizer_device_stages}) caches optimizer state of the streaming "
+                f"executor on the device, but offload.mode is {self.mode!r}: "
+                + (
+                    "offload.mode=none keeps all optimizer state on the device already; leave it 0"
+                    if self.mode == "none"
+                    else "with offload.mode=auto the planner chooses it; leave it 0, or "
+                    "set offload.mode=stream to choose it yourself"
+                )
+            )
+        if self.optimizer_device_stages and self.optimizer == "device":
+            raise ConfigError(
+                f"config key 'offload.optimizer_device_stages' "
+                f"({self.optimizer_device_stages}) caches some stages' optimizer state on "
+                "the device, but offload.optimizer=device keeps every stage's there "
+                "already; leave it 0, or set offload.optimizer=host or nvme"
             )
 
 
@@ -574,7 +612,21 @@ class Config:
                 f"'model.num_layers' ({self.model.num_layers}): at most every block keeps "
                 "its activations"
             )
+        stages = self.model.num_layers + 2  # embed, the blocks, head
+        if self.offload.optimizer_device_stages > stages:
+            raise ConfigError(
+                f"config key 'offload.optimizer_device_stages' "
+                f"({self.offload.optimizer_device_stages}) exceeds the number of stages, "
+                f"{stages} (embed, model.num_layers={self.model.num_layers} blocks, head); "
+                f"at most every stage keeps its optimizer state on the device"
+            )
         data = self.distributed.data_parallel
+        if data != 1 and self.offload.optimizer_device_stages:
+            raise ConfigError(
+                "config key 'offload.optimizer_device_stages': a device cache of optimizer "
+                "state is not supported with data parallelism (distributed.data_parallel "
+                "!= 1, where each device updates its shard on the host); leave it 0"
+            )
         if data != 1 and self.offload.mode == "none":
             raise ConfigError(
                 f"config key 'distributed.data_parallel' ({data}): data parallelism (ZeRO-3) "

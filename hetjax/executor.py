@@ -18,6 +18,14 @@ as soon as its final gradient is on the host, while backward goes on, and refres
 param slabs for the next step; optimizer state and params live in the tiers
 ``offload.optimizer`` and ``offload.params`` name (``state_store.py``).
 
+With ``offload.optimizer_device_stages = N`` (host or NVMe optimizer) the first N
+stages in forward order (embed, block 0, ...) are a device cache of optimizer state
+(Angel-PTM): their state and params live on the device, those blocks are resident,
+their gradient is summed, averaged and normed on the device, and their update is
+dispatched there as soon as backward produces the final gradient
+(``UpdateLoop.submit_device``); nothing of theirs crosses to the host (in lock-free
+mode their gradients do, into the loop's accumulator; only the update stays).
+
 ``memory.device_budget`` bounds what the executor holds on the device; the plan is made
 at start-up (:func:`plan_device_memory`) and the ledger records what it really held.
 """
@@ -47,11 +55,14 @@ from hetjax.nvme import check_nvme_path
 from hetjax.pages import SlabLayout
 from hetjax.placement import Placement
 from hetjax.state_store import (
+    DeviceParamStore,
     HostMemoryPlan,
     HostParamStore,
     MemoryStateStore,
     NvmeParamStore,
     NvmeStateStore,
+    SplitParamStore,
+    SplitStateStore,
     flat,
     plan_host_memory,
 )
@@ -77,6 +88,9 @@ class DeviceMemoryPlan:
     kept: int  # in-block activations of the kept blocks (offload.keep_blocks)
     working_set: int  # XLA temporaries of the largest stage function, plus x / dx
     required: int  # the total with this window
+    # optimizer state on the device (offload.optimizer=device, or the device-cached
+    # stages' with their gradients and refreshed params: executor.device_optimizer_bytes)
+    optimizer: int = 0
 
     def describe(self) -> str:
         return (
@@ -85,7 +99,9 @@ class DeviceMemoryPlan:
             f"{format_bytes(self.block_slab)}, checkpoints {format_bytes(self.checkpoints)}, "
             f"gradients {format_bytes(self.gradients)}, kept activations "
             f"{format_bytes(self.kept)}, working set "
-            f"{format_bytes(self.working_set)}; total {format_bytes(self.required)}"
+            f"{format_bytes(self.working_set)}"
+            + (f", optimizer {format_bytes(self.optimizer)}" if self.optimizer else "")
+            + f"; total {format_bytes(self.required)}"
             + (f" of budget {format_bytes(self.budget)}" if self.budget else " (no budget)")
         )
 
@@ -100,19 +116,23 @@ def plan_device_memory(
     checkpoints: int,
     working_set: int,
     kept: int = 0,
+    optimizer: int = 0,
+    min_resident: int = 0,
 ) -> DeviceMemoryPlan:
     """Chooses the deepest prefetch window (up to ``requested_depth``) that fits the
-    budget, then keeps as many blocks resident as the rest allows. Raises
-    ``ConfigError`` with the numbers when not even one stage and its activations fit."""
+    budget, then keeps as many blocks resident as the rest allows, at least
+    ``min_resident`` (the blocks whose optimizer state is on the device: ``optimizer``
+    bytes). Raises ``ConfigError`` with the numbers when not even one stage and its
+    activations fit."""
     gradients = 2 * grad_slab  # one being produced, one in transfer to the host
-    fixed = embed_head + checkpoints + gradients + working_set + kept
+    fixed = embed_head + checkpoints + gradients + working_set + kept + optimizer
 
     def total(depth: int, resident: int) -> int:
         window = min(depth + 1, num_layers - resident)
         return fixed + (window + resident) * block_slab
 
-    if budget and total(0, 0) > budget:
-        need = total(0, 0)
+    if budget and total(0, min_resident) > budget:
+        need = total(0, min_resident)
         raise ConfigError(
             f"memory.device_budget {format_bytes(budget)} cannot hold one stage plus its "
             f"activations in device memory: that needs {format_bytes(need)} (embed+head "
@@ -120,16 +140,19 @@ def plan_device_memory(
             f"activation checkpoints {format_bytes(checkpoints)}, gradient slabs "
             f"{format_bytes(gradients)}, working set {format_bytes(working_set)}"
             + (f", kept activations {format_bytes(kept)}" if kept else "")
+            + (f", optimizer state {format_bytes(optimizer)}" if optimizer else "")
+            + (f" and its {min_resident} resident blocks" if min_resident else "")
             + "); short by "
             f"{format_bytes(need - budget)}. Raise memory.device_budget, "
             + ("lower offload.keep_blocks, " if kept else "")
+            + ("lower offload.optimizer_device_stages, " if min_resident or optimizer else "")
             + "set offload.activations=host, or lower train.batch_size / raise "
             "train.grad_accum"
         )
     depth = requested_depth
-    while budget and depth > 0 and total(depth, 0) > budget:
+    while budget and depth > 0 and total(depth, min_resident) > budget:
         depth -= 1
-    resident = 0
+    resident = min_resident
     if budget:
         while resident < num_layers and total(depth, resident + 1) <= budget:
             resident += 1
@@ -144,6 +167,7 @@ def plan_device_memory(
         kept,
         working_set,
         total(depth, resident),
+        optimizer,
     )
 
 
@@ -300,12 +324,16 @@ class Ledger:
         self.current: dict[str, int] = {}
         self.peak: dict[str, int] = collections.defaultdict(int)
 
-    def record(self, arrays, host_buffers: int = 0) -> None:
+    def record(self, arrays, host_buffers: int = 0, device_buffers: int = 0) -> None:
         """``arrays``: the JAX arrays held; ``host_buffers``: bytes of host RAM held
-        outside JAX (NVMe staging), counted in the ``pinned_host`` kind."""
+        outside JAX (NVMe staging), counted in the ``pinned_host`` kind;
+        ``device_buffers``: device bytes counted without their arrays (optimizer state
+        on the device, whose chunks are too many to walk at every dispatch)."""
         totals: dict[str, int] = collections.defaultdict(int)
         if host_buffers:
             totals["pinned_host"] = host_buffers
+        if device_buffers:
+            totals["device"] = device_buffers
         seen = set()
         for a in jax.tree.leaves(arrays):
             if id(a) in seen:
@@ -343,11 +371,25 @@ class StreamingRuntime:
         self.block_names = [f"block{i}" for i in range(L)]
         self.stage_names = ["embed", *self.block_names, "head"]
         self.update_order = ["head", *reversed(self.block_names), "embed"]  # backward order
+        # The device cache of optimizer state: the first stages in forward order, the
+        # last ones backward reaches (config.OffloadConfig says why those).
+        self.device_stages = tuple(self.stage_names[: off.optimizer_device_stages])
+        self.host_stages = [n for n in self.stage_names if n not in self.device_stages]
 
         opt_sharding = self.place.device if off.optimizer == "device" else self.place.optimizer
         self.optimizer = SlabOptimizer(
             config.optimizer, t.steps, self.state_layouts, opt_sharding, self.compute_dtype
         )
+        self.device_optimizer = None
+        if self.device_stages:
+            self.device_optimizer = SlabOptimizer(
+                config.optimizer, t.steps, self.state_layouts, self.place.device, self.compute_dtype
+            )
+            self._device_grad_slab = jax.jit(  # a gradient's pages -> one fp32 slab
+                lambda pages: jnp.concatenate([p.astype(F32) for p in pages]),
+                out_shardings=self.place.device,
+            )
+            self._average_device_grad = jax.jit(lambda g, d: (g / d, jnp.dot(g / d, g / d)))
         self._build_stage_functions()
         args = self.fns.abstract_args(t.micro_batch_size, t.seq_len, self.compute_dtype)
         self.checkpoint = args["block_fwd"][1]  # one block-boundary checkpoint (B, T, D)
@@ -370,6 +412,8 @@ class StreamingRuntime:
             readahead=IO_READAHEAD,
             grads=self.grad_store,
             max_queued=self.host_plan.grads.max_queued,
+            device_optimizer=self.device_optimizer,
+            device_stages=self.device_stages,
         )
         self.plan = self._plan_memory()
         self.prefetch_depth = self.plan.prefetch_depth
@@ -389,12 +433,23 @@ class StreamingRuntime:
     def layout_name(stage: str) -> str:
         return "block" if stage.startswith("block") else stage
 
+    def _opt_of(self, stage: str) -> SlabOptimizer:
+        """The optimizer updating ``stage``: on the device for device-cached stages."""
+        return self.device_optimizer if stage in self.device_stages else self.optimizer
+
+    @property
+    def _device_grad_stages(self) -> tuple[str, ...]:
+        """Stages whose gradient stays on the device: the device-cached ones in sync
+        mode (lock-free mode accumulates every stage's on the host)."""
+        return self.device_stages if self.config.optimizer.mode == "sync" else ()
+
     # -- set-up -------------------------------------------------------------------------
 
     def _stage_pages(self) -> dict[str, tuple[int, int]]:
-        """Each stage's page range in the NVMe arrays: stages back to back."""
+        """Each stage's page range in the NVMe arrays: the host stages (the only ones
+        whose state or params can be there) back to back."""
         pages, first = {}, 0
-        for name in self.stage_names:
+        for name in self.host_stages:
             n = self.state_layouts[self.layout_name(name)].num_pages
             pages[name], first = (first, n), first + n
         return pages
@@ -402,27 +457,52 @@ class StreamingRuntime:
     def _plan_host_memory(self) -> HostMemoryPlan:
         cfg, off = self.config, self.config.offload
         slab = lambda n, dtype: self.state_layouts[self.layout_name(n)].nbytes(dtype)
-        if off.params == "host":
-            param_slabs = sum(slab(n, self.compute_dtype) for n in self.stage_names)
+        host = self.host_stages  # device-cached stages hold nothing on the host
+        if not host:
+            param_slabs = 0
+        elif off.params == "host":
+            param_slabs = sum(slab(n, self.compute_dtype) for n in host)
         else:  # the NVMe read-ahead window
-            biggest = max(slab(n, self.compute_dtype) for n in self.stage_names)
+            biggest = max(slab(n, self.compute_dtype) for n in host)
             param_slabs = (off.prefetch_depth + IO_READAHEAD + 1) * biggest
+        on_device = self._device_grad_stages
         plan = plan_host_memory(
             budget=cfg.memory.host_budget,
             tier=off.optimizer,
             param_slabs=param_slabs,
-            grad_sizes={n: slab(n, self.grad_dtype(n)) for n in self.update_order},
+            grad_sizes={
+                n: slab(n, self.grad_dtype(n)) for n in self.update_order if n not in on_device
+            },
             grad_policy=grad_policy(cfg),
             spill_grads="nvme" in (off.optimizer, off.params, off.activations),
-            stage_state={
-                n: self.optimizer.state_bytes(self.layout_name(n)) for n in self.stage_names
-            },
-            order=self.update_order,
+            stage_state={n: self.optimizer.state_bytes(self.layout_name(n)) for n in host},
+            order=[n for n in self.update_order if n in host],
             readahead=IO_READAHEAD,
             checkpoints=self._host_checkpoint_bytes(),
             activations=off.activations,
         )
         return plan
+
+    def device_optimizer_bytes(self) -> int:
+        """Device bytes of optimizer state and its working data. ``offload.optimizer=
+        device``: every stage's state, twice during a step (the committed one and the
+        speculative update, ``state_store.py``). Device-cached stages: that for their
+        state, plus their refreshed compute-dtype params (published while the step's
+        resident copies are still in use) and, in sync mode, their fp32 gradients
+        (all of them, kept for a clipping redo or summed over micro-batches, else the
+        largest: one at a time)."""
+        if self.config.offload.optimizer == "device":
+            return 2 * sum(
+                self.optimizer.state_bytes(self.layout_name(n)) for n in self.stage_names
+            )
+        if not self.device_stages:
+            return 0
+        layouts = [self.state_layouts[self.layout_name(n)] for n in self.device_stages]
+        state = 2 * len(self.optimizer.kinds) * sum(lay.nbytes(F32) for lay in layouts)
+        pages = sum(lay.nbytes(self.compute_dtype) for lay in layouts)
+        grads = [lay.nbytes(F32) for lay in layouts] if self._device_grad_stages else [0]
+        kept = grad_policy(self.config) in ("keep", "accumulate")
+        return state + pages + (sum(grads) if kept else max(grads))
 
     def grad_dtype(self, stage: str):
         """The dtype of a stage's gradient buffer on the host."""
@@ -447,7 +527,7 @@ class StreamingRuntime:
         off, mem = self.config.offload, self.config.memory
         if "nvme" not in (off.optimizer, off.params, off.activations):
             return None
-        num_pages = sum(n for _, n in self._stage_pages().values())
+        num_pages = sum(n for _, n in self._stage_pages().values())  # the host stages'
         page_elems = self.layouts["block"].page_elems
         needed = {}
         if off.optimizer == "nvme":  # two generations of each
@@ -476,7 +556,7 @@ class StreamingRuntime:
         off = self.config.offload
         stage_pages = self._stage_pages()
         page_elems = self.layouts["block"].page_elems
-        if off.optimizer == "nvme":
+        if off.optimizer == "nvme" and self.host_stages:
             states = NvmeStateStore(
                 self._nvme_dir / "optimizer",
                 self.optimizer.kinds,
@@ -486,13 +566,18 @@ class StreamingRuntime:
                 self.place.optimizer,
             )
         else:
-            states = MemoryStateStore(opt_sharding)
-        if off.params == "nvme":
+            states = MemoryStateStore(opt_sharding, on_device=off.optimizer == "device")
+        if off.params == "nvme" and self.host_stages:
             params = NvmeParamStore(
                 self._nvme_dir / "params", self.compute_dtype, stage_pages, page_elems
             )
         else:
             params = HostParamStore(self.place.host)
+        if self.device_stages:
+            device_states = MemoryStateStore(self.place.device, on_device=True)
+            states = SplitStateStore(device_states, states, self.device_stages)
+            device_params = DeviceParamStore(self.place.device)
+            params = SplitParamStore(device_params, params, self.device_stages)
         return states, params
 
     def _make_grad_store(self) -> GradientStore:
@@ -546,9 +631,10 @@ class StreamingRuntime:
                 master = jax.device_put(slab, self.place.optimizer)
                 del slab
             master = self._own_slab(kind, master)
-            slabs, scalars = self.optimizer.init(kind, master)
+            opt = self._opt_of(name)
+            slabs, scalars = opt.init(kind, master)
             self.states.init_stage(name, slabs, scalars)
-            self.param_store.publish(name, self.optimizer.compute_pages(kind, master))
+            self.param_store.publish(name, opt.compute_pages(kind, master))
             del master, slabs
         self.states.wait_init()
         self.param_store.commit()
@@ -599,18 +685,23 @@ class StreamingRuntime:
             checkpoints=((self.num_layers - keep) if on_device_ckpts else 2) * act,
             working_set=sizes.working_set,
             kept=keep * sizes.kept[level] if keep else 0,
+            optimizer=self.device_optimizer_bytes(),
+            # device-cached blocks are resident: their params are updated there
+            min_resident=sum(n.startswith("block") for n in self.device_stages),
         )
 
     def _refresh_resident(self) -> None:
         """Copies the always-resident stages (embed, head, the first resident blocks)
-        to the device; called after each optimizer step."""
+        to the device; called after each optimizer step. Device-cached stages' params
+        are on the device already (no copy)."""
         names = ["embed", "head", *self.block_names[: self.plan.resident_blocks]]
         for n in names:
             self.param_store.prefetch(n)
         self.resident = {}
         for n in names:
             self.resident[n] = self._to_device(self.param_store.get(n))
-            timeline.watch("host_to_device", n, self.resident[n])
+            if n not in self.device_stages:
+                timeline.watch("host_to_device", n, self.resident[n])
 
     # -- placement hooks (overridden by ZeRO-3, zero.py) ---------------------------------
 
@@ -736,8 +827,8 @@ class StreamingRuntime:
         )
         del x
         timeline.watch("compute", "head fwd+bwd", (loss, dx))
-        self._send_grad("head", dh, pending)
-        self._send_grad("embed", de_head, pending)
+        self._grad_out("head", dh, pending)
+        self._grad_out("embed", de_head, pending)
         del dh, de_head
 
         next_ckpt = self._load_checkpoint(first_kept - 1, ckpts) if first_kept else None
@@ -756,13 +847,16 @@ class StreamingRuntime:
                 ckpts[i] = None
                 del x_in, slab
                 window.done(j)
-            self._send_grad(self.block_names[i], db, pending)
+            self._grad_out(self.block_names[i], db, pending)
             del db
             self._account(window, ckpts, pending, dx, kept)
 
         de = self._embed_bwd(embed, tokens, dx)
         timeline.watch("compute", "embed bwd", de)
-        self._send_grad("embed", de, pending)
+        self._grad_out("embed", de, pending)
+        if self.device_stages:  # the device cache's updates are dispatched by now
+            self._account(window, ckpts, pending, de)
+        del de
         while pending:
             self._step.add(*pending.popleft())
         return loss
@@ -793,6 +887,14 @@ class StreamingRuntime:
             timeline.watch("host_to_device", "checkpoint", x, after=ckpt)
         return x
 
+    def _grad_out(self, name: str, g, pending) -> None:
+        """Hands a stage's gradient on: summed and updated on the device (the
+        device-cached stages in sync mode), or copied to the host."""
+        if name in self._device_grad_stages:
+            self._step.add_device(name, g)
+        else:
+            self._send_grad(name, g, pending)
+
     def _send_grad(self, name: str, g, pending) -> None:
         """Starts the device-to-host copy of a gradient slab (its pages, or its shards);
         hands older ones on."""
@@ -810,13 +912,18 @@ class StreamingRuntime:
             *(g for _, g in pending),
             *transients,
         ]
+        if self.device_stages:  # the device cache's params and gradients
+            held += self.param_store.device_arrays() + self.loop.device_grads()
+            if self._step is not None:
+                held += list(self._step.device_grads.values())
         staged = 0  # NVMe swap: checkpoints in host RAM, outside JAX
         if self.swap is not None:
             staged = self.swap.host_bytes()
         elif self.config.offload.activations == "host":
             in_ram = sum(device_bytes(c) for c in ckpts if c is not None)
             self._checkpoint_host_peak = max(self._checkpoint_host_peak, in_ram)
-        self.ledger.record(held, staged)
+        # optimizer state on the device: a running sum (its chunks are many)
+        self.ledger.record(held, staged, self.states.device_bytes())
         if self.probe is not None:
             self.probe(self)
 
@@ -850,6 +957,12 @@ class StreamingRuntime:
     def plan_lines(self) -> list[str]:
         """The start-up plans, for the log."""
         lines = [self.plan.describe(), self.host_plan.describe()]
+        if self.device_stages:
+            lines.append(
+                f"optimizer state of {len(self.device_stages)} stage"
+                f"{'s' * (len(self.device_stages) > 1)} on the device, updated "
+                f"there ({', '.join(self.device_stages)}; offload.optimizer_device_stages)"
+            )
         if self._nvme_dir is not None:
             off = self.config.offload
             lines.append(
@@ -890,20 +1003,20 @@ class StreamingRuntime:
         if self.config.optimizer.mode == "lockfree":
             self.loop.drain()
         self.loop.reload()
-        shardings = self.optimizer.sharding
         tier = self.config.offload.optimizer
         for name in _progress(self.stage_names, f"restoring state ({tier})"):
             kind = self.layout_name(name)
             layout = self.layouts[kind]
+            opt = self._opt_of(name)
             slabs = {
-                k: self.optimizer.as_chunks(
+                k: opt.as_chunks(
                     kind, self._own_slab(kind, layout.flatten_np(state.stages[name][k]))
                 )
-                for k in self.optimizer.kinds
+                for k in opt.kinds
             }
-            scalars = [jax.device_put(np.asarray(a), shardings) for a in state.scalars[name]]
+            scalars = [jax.device_put(np.asarray(a), opt.sharding) for a in state.scalars[name]]
             self.states.init_stage(name, slabs, scalars)
-            self.param_store.publish(name, self.optimizer.compute_pages(kind, slabs[MASTER]))
+            self.param_store.publish(name, opt.compute_pages(kind, slabs[MASTER]))
         self.states.wait_init()
         self.param_store.commit()
         if self.loss_scale is not None and state.loss_scale is not None:
@@ -938,6 +1051,7 @@ class StreamingRuntime:
         self._io_mark = io
         busy, self.loop.busy_s = self.loop.busy_s, 0.0
         updated, self.loop.updated_params = self.loop.updated_params, 0
+        on_device, self.loop.device_params = self.loop.device_params, 0
         metrics = {
             "device_bytes_peak": int(self.ledger.peak.get("device", 0)),
             "host_bytes": int(host),
@@ -945,6 +1059,7 @@ class StreamingRuntime:
             "optimizer_s": self.optimizer_s,  # optimizer time the step waited for
             "optimizer_busy_s": busy,  # time the optimizer loop worked (overlapped or not)
             "optimizer_params": int(updated),  # parameters updated (padded slabs, redos too)
+            "optimizer_device_params": int(on_device),  # of the device cache, on the device
             "nvme_read_bytes": int(read),
             "nvme_write_bytes": int(written),
             "optimizer_redo": self.loop.redo,
@@ -961,7 +1076,10 @@ class _StepGrads:
     has two per micro-batch: the tied head and its own backward). It is then averaged
     (loss scale removed), its squared norm added to the global norm, and, in sync mode,
     handed to the optimizer loop at once, which owns it from then on (``gradients.py``):
-    it is not held here. Lock-free mode keeps them all for the loop's accumulator."""
+    it is not held here. Lock-free mode keeps them all for the loop's accumulator.
+
+    Device-cached stages (sync mode) take the same steps on the device
+    (:meth:`add_device`): their squared norms stay device scalars until :meth:`norm`."""
 
     def __init__(
         self, runtime: StreamingRuntime, micro_batches: int, scale: float, seed: float, loop
@@ -978,6 +1096,9 @@ class _StepGrads:
         self.grads: dict[str, np.ndarray] = {}
         self.peak_bytes = 0  # gradient bytes held on the host (here and by the loop)
         self._sq = 0.0
+        self.device_grads: dict[str, jax.Array] = {}  # device-cached stages' sums
+        self._device_sq: list[jax.Array] = []
+        self._rt = runtime
 
     def add(self, name: str, pages) -> None:
         g = self.host_slab(pages)  # waits for this slab only
@@ -1004,9 +1125,24 @@ class _StepGrads:
             if self.finite:  # never write non-finite state
                 self.loop.submit(name, g)
 
+    def add_device(self, name: str, pages) -> None:
+        """A device-cached stage's gradient pages: summed on the device over the
+        micro-batches (as :meth:`add` does on the host), then averaged, its squared norm
+        taken and its update dispatched, all without leaving the device."""
+        g = self._rt._device_grad_slab(pages)
+        if name in self.device_grads:
+            g = self.device_grads[name] + g
+        self.device_grads[name] = g
+        self.remaining[name] -= 1
+        if self.remaining[name] == 0:
+            g, sq = self._rt._average_device_grad(self.device_grads.pop(name), self.divisor)
+            self._device_sq.append(sq)
+            self.loop.submit_device(name, g)
+
     def norm(self) -> float:
         assert not any(self.remaining.values()), self.remaining
-        return float(np.sqrt(self.sum_over_processes(self._sq)))
+        sq = self._sq + sum(float(s) for s in self._device_sq)  # waits for the device's
+        return float(np.sqrt(self.sum_over_processes(sq)))
 
 
 def grad_policy(config: Config) -> str:

@@ -90,7 +90,9 @@ def plan_gradients(
     sizes: dict[str, int], order: list[str], policy: str, room: int | None, spill: bool
 ) -> GradientPlan:
     """Plans the gradient buffers of stages with slab bytes ``sizes`` produced in
-    ``order`` (backward order; the last one, the embed, is held all through backward).
+    ``order`` (backward order; the last one, the embed, is held all through backward;
+    when the embed's state is on the device, the last one reaching the host is counted
+    as held all through backward, which is more than it is).
     ``room``: host bytes left for them by the rest of the working set (None: no budget).
     ``spill``: whether kept gradients may go to NVMe. All buffers stay in RAM when they
     fit ``room`` (or under ``release``, when in-flight ones would be as much); else
@@ -98,6 +100,8 @@ def plan_gradients(
     last-produced stages in RAM as fit and spills the others. The returned plan may
     exceed ``room``: the caller reports the shortfall."""
     assert policy in POLICIES, policy
+    if not order:  # every stage's gradient stays on the device (its state is there)
+        return GradientPlan(policy, 0, 0, 0, (), (), 0)
     total = sum(sizes.values())
     everything = GradientPlan(
         policy,
@@ -111,7 +115,7 @@ def plan_gradients(
     if policy in ("accumulate", "lockfree"):
         return everything
     held = order[-1]  # the embed
-    slab = max(sizes[s] for s in order[:-1])
+    slab = max((sizes[s] for s in order[:-1]), default=0)
     window = sizes[held] + in_flight_slabs(policy == "keep") * slab
     if policy == "release":
         # Without a budget, or with room for all of them, backward never waits for the

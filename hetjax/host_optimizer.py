@@ -220,7 +220,8 @@ class SlabOptimizer:
     ) -> tuple[dict[str, list], list, list[jax.Array]]:
         """One optimizer step of one stage. ``slabs`` is its state by kind, each a list
         of chunks (numpy or JAX arrays) or a whole flat slab (numpy, split here);
-        ``scalars`` its scalars, ``grad`` the averaged fp32 gradient slab and ``clip``
+        ``scalars`` its scalars, ``grad`` the averaged fp32 gradient slab (numpy, or a
+        JAX array where it already is: a device-cached stage's, on the device) and ``clip``
         ``(global_norm, max_norm)``. Returns the new state (chunk lists, in
         ``sharding``), the new scalars and the refreshed compute-dtype params as pages.
 
@@ -244,7 +245,8 @@ class SlabOptimizer:
             update = self._update_into
             spares = [{k: spare[k][c] for k in self.kinds} for c in range(len(bounds))]
         clip_arr = (np.float32(clip[0]), np.float32(clip[1]))
-        grad = np.asarray(grad, np.float32)
+        if not isinstance(grad, jax.Array):
+            grad = np.asarray(grad, np.float32)
         new: dict[str, list] = {k: [] for k in self.kinds}
         pages: list[jax.Array] = []
         new_scalars = scalars
@@ -266,10 +268,13 @@ class SlabOptimizer:
         return new, new_scalars, pages
 
     def compute_pages(self, layout_name: str, master) -> list[jax.Array]:
-        """A master slab (or its chunks) cast to the compute dtype, as pages."""
+        """A master slab (or its chunks) cast to the compute dtype, as pages. The master
+        may be anywhere (numpy, or another device's: on a GPU the state starts on the
+        CPU backend, where the host optimizer lives); it is cast where this optimizer's
+        state lives."""
         if not isinstance(master, list):
             master = [master]
-        return self._cast(master, layout_name)
+        return self._cast(jax.device_put(master, self.sharding), layout_name)
 
     def state_bytes(self, layout_name: str) -> int:
         """Bytes of one stage's slabs (all kinds, fp32)."""

@@ -16,7 +16,12 @@ runtimes implement and returns the fastest :class:`Plan` that fits every tier:
   kept resident on the device (fewer copies) and blocks that keep their in-block
   activations from forward to backward instead of recomputing them
   (``offload.keep_blocks``: Fuyou's swap-instead-of-recompute), all of them or only
-  those of the best swap benefit factor (``offload.keep_level``, hetjax/remat.py).
+  those of the best swap benefit factor (``offload.keep_level``, hetjax/remat.py),
+  and, with the optimizer on the host or NVMe, a device cache of the optimizer state of
+  the first stages (``offload.optimizer_device_stages``, Angel-PTM section 4.2): the
+  stages the device memory left after everything else holds, updated there at device
+  speed with no gradient copy (:func:`_cache_variants` says how residency and the
+  cache share that memory).
 
 The cost model is Fuyou's (section 4.5, equations 1-8) extended to our tiers: a step is
 its forward phase plus its backward phase; each phase takes the longest of its lanes
@@ -191,6 +196,9 @@ class Candidate:
     resident_blocks: int = 0
     keep_blocks: int = 0
     keep_level: str = "all"  # which in-block activations the kept blocks keep
+    # the first N stages (embed, block 0, ...) keep their optimizer state on the device
+    # (offload.optimizer_device_stages); their blocks are resident
+    device_stages: int = 0
 
     @property
     def rank(self) -> float:
@@ -240,6 +248,7 @@ class Plan:
                 prefetch_depth=c.prefetch_depth,
                 keep_blocks=c.keep_blocks,
                 keep_level=c.keep_level,
+                optimizer_device_stages=c.device_stages,
             )
         )
 
@@ -253,11 +262,17 @@ class Plan:
                 "the device" + (" (model.remat: blocks recompute in backward)" if c.remat else "")
             )
         else:
+            k = c.device_stages
+            state = lambda cached: "device (cached)" if cached else c.optimizer
             lines += [
                 f"  offload.mode=stream, prefetch depth {c.prefetch_depth}",
                 f"  {'stage':<16}{'compute params':<22}{'fp32 master + optimizer':<25}activations",
-                f"  {'embed, head':<16}{'device':<22}{c.optimizer:<25}device",
             ]
+            if (k >= 1) == (k == L + 2):  # embed and head alike
+                lines.append(f"  {'embed, head':<16}{'device':<22}{state(k >= 1):<25}device")
+            else:
+                lines.append(f"  {'embed':<16}{'device':<22}{state(True):<25}device")
+                lines.append(f"  {'head':<16}{'device':<22}{state(False):<25}device")
             rows: list[list] = []  # consecutive blocks placed alike share a row
             for i in range(L):
                 where = "device (resident)" if i < c.resident_blocks else f"{c.params}, streamed"
@@ -266,13 +281,21 @@ class Plan:
                     if i >= L - c.keep_blocks
                     else f"{c.activations} checkpoint, recomputed"
                 )
-                if rows and rows[-1][2:] == [where, acts]:
+                row = [where, state(i < k - 1), acts]
+                if rows and rows[-1][2:] == row:
                     rows[-1][1] = i
                 else:
-                    rows.append([i, i, where, acts])
-            for first, last, where, acts in rows:
+                    rows.append([i, i, *row])
+            for first, last, where, opt, acts in rows:
                 name = f"block {first}" if first == last else f"blocks {first}-{last}"
-                lines.append(f"  {name:<16}{where:<22}{c.optimizer:<25}{acts}")
+                lines.append(f"  {name:<16}{where:<22}{opt:<25}{acts}")
+            if k:
+                lines.append(
+                    f"  optimizer state of {k} stage{'s' * (k > 1)} cached on the device "
+                    f"(offload.optimizer_device_stages={k}): "
+                    f"{format_bytes(self.device.get('optimizer', 0))} with their gradients "
+                    "and new params; updated there, no gradient copy"
+                )
             if self.optimizer_cache:
                 lines.append(
                     f"  optimizer state cached in host RAM: {format_bytes(self.optimizer_cache)}"
@@ -316,27 +339,30 @@ def _memory(w: Workload, c: Candidate, n: int = 1) -> tuple[dict, dict, dict]:
             {},
         )
     share = lambda x: math.ceil(x / n)  # ZeRO-3: each device owns 1/n of the state
-    window = min(c.prefetch_depth + 1, L - c.resident_blocks)
+    cached = _Cache(w, c.device_stages)
+    resident = max(c.resident_blocks, cached.blocks)
+    window = min(c.prefetch_depth + 1, L - resident)
     biggest = max(w.embed_params, w.block_params, w.head_params)
     device = {
         "embed+head": cb * (w.embed_params + w.head_params),
-        "blocks": cb * Pb * (window + c.resident_blocks),
+        "blocks": cb * Pb * (window + resident),
         "gradients": 2 * max(w.block_grad_bytes * Pb, 4 * w.embed_params),
         "checkpoints": ((L - c.keep_blocks) if c.activations == "device" else 2) * w.checkpoint,
         "kept": c.keep_blocks * w.kept[c.keep_level] if c.keep_blocks else 0,
         "working set": w.working_set,
-        "optimizer": 2 * S * share(P) if c.optimizer == "device" else 0,
+        "optimizer": 2 * S * share(P) if c.optimizer == "device" else cached.device_bytes,
     }
+    host_P = P - cached.params  # params whose state and compute copy are off the device
     if c.params == "host":
-        params = cb * share(P)
+        params = cb * share(host_P)
     else:
         params = (c.prefetch_depth + IO_READAHEAD + 1) * cb * biggest
     # Gradient buffers (hetjax/gradients.py): all of them, or only the stages in flight
     # when no clipping redo can need them; kept for a redo, those beyond the in-flight
     # ones may spill to NVMe (at most all but the embed's; make_plan keeps what spare
-    # RAM holds).
-    grads = share(w.block_grad_bytes * L * Pb + 4 * (w.embed_params + w.head_params))
-    embed_grad = share(4 * w.embed_params)
+    # RAM holds). The device cache's gradients never reach the host.
+    grads = share(cached.host_grad_bytes)
+    embed_grad = 0 if cached.embed else share(4 * w.embed_params)
     slab = share(max(w.block_grad_bytes * Pb, 4 * w.head_params))
     spill = w.grad_policy == "keep" and "nvme" in (c.params, c.optimizer, c.activations)
     host_grads, spilled = grads, 0
@@ -346,17 +372,41 @@ def _memory(w: Workload, c: Candidate, n: int = 1) -> tuple[dict, dict, dict]:
     host = {
         "params": params,
         "gradients": host_grads,
-        "optimizer": 2 * S * share(P) if c.optimizer == "host" else 0,
+        "optimizer": 2 * S * share(host_P) if c.optimizer == "host" else 0,
         "optimizer I/O": (IO_READAHEAD + 2) * S * biggest if c.optimizer == "nvme" else 0,
         "checkpoints": _host_checkpoints(w, c),
     }
     nvme = {
-        "optimizer": 2 * S * share(P) if c.optimizer == "nvme" else 0,
-        "params": 2 * cb * share(P) if c.params == "nvme" else 0,
+        "optimizer": 2 * S * share(host_P) if c.optimizer == "nvme" else 0,
+        "params": 2 * cb * share(host_P) if c.params == "nvme" else 0,
         "checkpoints": (L - c.keep_blocks) * w.checkpoint if c.activations == "nvme" else 0,
         "gradients": spilled,
     }
     return device, host, nvme
+
+
+class _Cache:
+    """The device cache of optimizer state of candidate's first ``k`` stages in forward
+    order (embed, block 0, ..., head last), as the executor holds it
+    (``executor.device_optimizer_bytes``)."""
+
+    def __init__(self, w: Workload, k: int):
+        L, Pb = w.num_layers, w.block_params
+        self.embed, self.head = k >= 1, k == L + 2
+        self.blocks = min(max(k - 1, 0), L)  # resident, as the executor keeps them
+        sizes = [w.embed_params] * self.embed + [Pb] * self.blocks + [w.head_params] * self.head
+        self.params = sum(sizes)
+        # state twice (committed and speculative), refreshed compute params, fp32
+        # gradients: all kept for a clipping redo or summed over micro-batches, else
+        # one at a time
+        kept = w.grad_policy in ("keep", "accumulate")
+        grads = 4 * (self.params if kept else max(sizes, default=0))
+        self.device_bytes = (2 * w.state_bytes_per_param + w.compute_bytes) * self.params + grads
+        self.host_grad_bytes = (
+            w.block_grad_bytes * (L - self.blocks) * Pb
+            + 4 * w.embed_params * (not self.embed)
+            + 4 * w.head_params * (not self.head)
+        )
 
 
 def _host_checkpoints(w: Workload, c: Candidate) -> int:
@@ -391,15 +441,17 @@ def _lanes(
     compute_b += kept * st[kept_key(c.keep_level)] if kept else 0.0
     compute_b += st["embed_bwd"]
     frac = 1.0 / n
-    streamed_f = L - c.resident_blocks
-    streamed_b = max(0, recomputed - c.resident_blocks)
+    cache = _Cache(w, c.device_stages)
+    resident = max(c.resident_blocks, cache.blocks)
+    streamed_f = L - resident
+    streamed_b = max(0, recomputed - resident)
     # Checkpoints on the host or NVMe cross to the host in forward and back in backward;
     # on NVMe, all but the last IO_READAHEAD (held in RAM for backward, which takes them
     # first) are written and read back.
     ckpt = recomputed * w.checkpoint if c.activations in ("host", "nvme") else 0
     h2d_f = streamed_f * cb * Pb * frac
     h2d_b = streamed_b * cb * Pb * frac + ckpt
-    grads = w.block_grad_bytes * L * Pb + 4 * (w.embed_params + w.head_params)
+    grads = cache.host_grad_bytes  # the device cache's gradients stay there
     d2h_f, d2h_b = ckpt, grads * frac
     comm_f = comm_b = 0.0
     if n > 1 and hw.interconnect_bw:  # all-gather params, reduce-scatter gradients
@@ -409,7 +461,7 @@ def _lanes(
     if c.params == "nvme":
         disk_f = h2d_f / hw.nvme_read_bw * n  # the machine's disks serve n processes
         disk_b = (h2d_b - ckpt) / hw.nvme_read_bw * n
-        disk_step += cb * P / hw.nvme_write_bw
+        disk_step += cb * (P - cache.params) / hw.nvme_write_bw
     if c.activations == "nvme":
         disk_f += max(0, recomputed - IO_READAHEAD) * w.checkpoint / hw.nvme_write_bw * n
         disk_b += max(0, recomputed - IO_READAHEAD) * w.checkpoint / hw.nvme_read_bw * n
@@ -417,32 +469,36 @@ def _lanes(
         disk_step += grad_spill / hw.nvme_write_bw
     S = w.state_bytes_per_param
     if c.optimizer == "nvme":
-        moved = S * P * (1 - cached)
+        moved = S * (P - cache.params) * (1 - cached)
         disk_step += moved / hw.nvme_read_bw + moved / hw.nvme_write_bw
+    # The device cache's stages are the last backward reaches: their updates run on the
+    # device after it, at device speed (Angel-PTM); the host updates the others,
+    # overlapped with backward.
+    dev_opt = _device_optimizer_s(hw, cache.params)
     if c.optimizer == "device":
         opt = _device_optimizer_s(hw, P * frac)
-    else:
-        opt = P / hw.optimizer_params_per_s  # the machine's optimizer serves n processes
+    else:  # the machine's optimizer serves n processes
+        opt = (P - cache.params) / hw.optimizer_params_per_s
     copy_f = h2d_f / hw.h2d_bw + d2h_f / hw.d2h_bw
     copy_b = h2d_b / hw.h2d_bw + d2h_b / hw.d2h_bw
     if hw.shared_cores:  # compute, copies and optimizer take turns on the same cores
         t_f = max(fwd + copy_f, disk_f)
         t_b = max(compute_b + copy_b, disk_b)
-        t_last = max(compute_b + copy_b + opt, disk_b + disk_step)
+        t_last = max(compute_b + copy_b + opt + dev_opt, disk_b + disk_step)
     else:
         t_f = max(fwd, h2d_f / hw.h2d_bw, d2h_f / hw.d2h_bw, comm_f, disk_f)
         t_b = max(compute_b, h2d_b / hw.h2d_bw, d2h_b / hw.d2h_bw, comm_b, disk_b)
         if c.optimizer == "device":  # the update shares the device with backward
             t_last = max(t_b, compute_b + opt, disk_b + disk_step)
         else:
-            t_last = max(t_b, opt, disk_b + disk_step)
+            t_last = max(t_b, compute_b + dev_opt, opt, disk_b + disk_step)
     step = A * t_f + (A - 1) * t_b + t_last
     lanes = {
         "compute": A * (fwd + compute_b),
         "host->device": A * (h2d_f + h2d_b) / hw.h2d_bw,
         "device->host": A * (d2h_f + d2h_b) / hw.d2h_bw,
         "nvme": A * (disk_f + disk_b) + disk_step,
-        "optimizer": opt,
+        "optimizer": opt + dev_opt,
         "collectives": A * (comm_f + comm_b),
     }
     return step, lanes
@@ -500,17 +556,89 @@ def _candidates(w: Workload, one_device: bool):
                 yield Candidate("stream", False, params, optimizer, acts, depth, 0, keep, level)
 
 
-def _fill_resident(w: Workload, hw: Hardware, c: Candidate, device_budget: int) -> Candidate:
-    """As many resident blocks as the device budget allows (the executor does the same)."""
-    lo, hi = 0, w.num_layers
-    while lo < hi:  # the largest r that fits
+def _largest(fits, lo: int, hi: int) -> int:
+    """The largest x in [lo, hi] with ``fits(x)``, for ``fits`` true up to some point and
+    false after (lo when none fits)."""
+    while lo < hi:
         mid = (lo + hi + 1) // 2
-        held = _memory(w, dataclasses.replace(c, resident_blocks=mid), hw.num_devices)[0]
-        if sum(held.values()) <= device_budget:
+        if fits(mid):
             lo = mid
         else:
             hi = mid - 1
-    return dataclasses.replace(c, resident_blocks=lo)
+    return lo
+
+
+def _device_bytes(w: Workload, hw: Hardware, c: Candidate) -> int:
+    return sum(_memory(w, c, hw.num_devices)[0].values())
+
+
+def _fill_resident(w: Workload, hw: Hardware, c: Candidate, device_budget: int) -> Candidate:
+    """As many resident blocks as the device budget allows (the executor does the same),
+    at least the device cache's."""
+    fits = lambda r: (
+        _device_bytes(w, hw, dataclasses.replace(c, resident_blocks=r)) <= device_budget
+    )
+    lo = _Cache(w, c.device_stages).blocks
+    return dataclasses.replace(c, resident_blocks=_largest(fits, lo, w.num_layers))
+
+
+def _cache_variants(w: Workload, hw: Hardware, c: Candidate, device_budget: int):
+    """Candidate ``c`` with a device cache of the optimizer state of its first k stages,
+    for every k the device budget holds, each with as many resident blocks as fit
+    besides (at least the cache's own). Angel-PTM caches what fits in the device memory
+    left after everything else; here resident blocks compete for that memory (they save
+    host->device copies, the cache saves host optimizer time, gradient copies and NVMe
+    traffic), so every split is offered to the cost model. Only with the optimizer on
+    the host or NVMe, one device and sync mode (lock-free mode takes the optimizer off
+    the critical path already)."""
+    if c.mode != "stream" or c.optimizer == "device" or hw.num_devices != 1:
+        return
+    if w.grad_policy == "lockfree":
+        return
+    L, d = w.num_layers, c.prefetch_depth
+    base = _memory(w, dataclasses.replace(c, resident_blocks=0, device_stages=0))[0]
+    if sum(base.values()) > device_budget:
+        return  # a cache only adds to it
+    # Device bytes with k stages cached and r blocks resident, as _memory counts them:
+    # the window and resident blocks hold min(d + 1 + r, L) block slabs.
+    fixed = sum(base.values()) - base["blocks"]
+    slab = w.compute_bytes * w.block_params
+    for k in range(1, L + 3):
+        cache = _Cache(w, k)
+        held = lambda r, cache=cache: fixed + slab * min(d + 1 + r, L) + cache.device_bytes
+        if held(cache.blocks) > device_budget:
+            break  # nor does any larger cache
+        if held(L) <= device_budget:
+            resident = L
+        else:  # below saturation each resident block adds one slab
+            resident = cache.blocks + (device_budget - held(cache.blocks)) // slab
+        yield dataclasses.replace(c, device_stages=k, resident_blocks=min(resident, L))
+
+
+def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) -> list[tuple]:
+    """Candidate ``c``'s footprint per tier, spare host RAM's use and predicted step, as
+    ``[(step, rank, c, device, host, nvme, optimizer cache, lanes)]``; empty when it
+    does not fit."""
+    device, host, nvme = _memory(w, c, hw.num_devices)
+    if (
+        sum(device.values()) > limit["device"]
+        or sum(host.values()) > limit["host"]
+        or sum(nvme.values()) > limit["nvme"]
+    ):
+        return []
+    cache, cached = 0, 0.0
+    spare = max(0, limit["host"] - sum(host.values()))
+    if nvme.get("gradients"):  # spare host RAM keeps gradients first (the host plan's order)
+        kept = min(spare, nvme["gradients"])
+        host = {**host, "gradients kept": kept}
+        nvme = {**nvme, "gradients": nvme["gradients"] - kept}
+        spare -= kept
+    if c.optimizer == "nvme":  # then caches whole stages of NVMe state
+        state = nvme["optimizer"]
+        cache = min(state, spare)
+        cached = cache / state if state else 0.0
+    step, lanes = _lanes(w, hw, c, cached, nvme.get("gradients", 0))
+    return [(step, c.rank, c, device, host, nvme, cache, lanes)]
 
 
 def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) -> Plan:
@@ -522,31 +650,16 @@ def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) ->
     # ZeRO-3 sharding needs the data-parallel runtime; one device keeps the whole state.
     one_device = hw.num_devices == 1
     best = []
-    for c in _candidates(w, one_device):
-        if "nvme" in (c.params, c.optimizer, c.activations) and not hw.nvme_capacity:
+    for base in _candidates(w, one_device):
+        if "nvme" in (base.params, base.optimizer, base.activations) and not hw.nvme_capacity:
             continue
-        if c.mode == "stream":
-            c = _fill_resident(w, hw, c, limit["device"])
-        device, host, nvme = _memory(w, c, hw.num_devices)
-        if (
-            sum(device.values()) > limit["device"]
-            or sum(host.values()) > limit["host"]
-            or sum(nvme.values()) > limit["nvme"]
-        ):
-            continue
-        cache, cached = 0, 0.0
-        spare = max(0, limit["host"] - sum(host.values()))
-        if nvme.get("gradients"):  # spare host RAM keeps gradients first (the host plan's order)
-            kept = min(spare, nvme["gradients"])
-            host = {**host, "gradients kept": kept}
-            nvme = {**nvme, "gradients": nvme["gradients"] - kept}
-            spare -= kept
-        if c.optimizer == "nvme":  # then caches whole stages of NVMe state
-            state = nvme["optimizer"]
-            cache = min(state, spare)
-            cached = cache / state if state else 0.0
-        step, lanes = _lanes(w, hw, c, cached, nvme.get("gradients", 0))
-        best.append((step, c.rank, c, device, host, nvme, cache, lanes))
+        if base.mode == "stream":
+            base = _fill_resident(w, hw, base, limit["device"])
+        options = _evaluate(w, hw, limit, base)
+        for c in _cache_variants(w, hw, base, limit["device"]):
+            options += _evaluate(w, hw, limit, c)
+        if options:  # this placement's fastest split of device memory
+            best.append(min(options, key=lambda b: b[0]))
     if not best:
         raise PlanError(_shortfall(config, w, hw, limit))
     fastest = min(b[0] for b in best)

@@ -5,6 +5,9 @@ Optimizer state (``offload.optimizer``): each stage's slabs by kind (``master``,
 
 * :class:`MemoryStateStore` keeps them as JAX arrays in one sharding: host RAM
   (``host``) or device memory (``device``).
+* :class:`SplitStateStore` keeps the device-cached stages (``offload.
+  optimizer_device_stages``) in a device :class:`MemoryStateStore` and the others in
+  the ``host`` or ``nvme`` store, routing every call by stage.
 * :class:`NvmeStateStore` keeps them in TensorStore page arrays on disk (``nvme``), with
   a host RAM cache for as many stages as ``memory.host_budget`` allows. The access
   order is known and cyclic (backward order, every step), so the cache is chosen by
@@ -22,7 +25,8 @@ generation intact.
 
 Compute-dtype params for the forward (``offload.params``) follow the same pattern:
 :class:`HostParamStore` (``host``) and :class:`NvmeParamStore` (``nvme``, two
-generations, read ahead by the executor's window).
+generations, read ahead by the executor's window); the device-cached stages' params
+stay on the device (:class:`DeviceParamStore`, routed by :class:`SplitParamStore`).
 """
 
 from __future__ import annotations
@@ -74,19 +78,28 @@ def belady_cache(order: list[str], sizes: dict[str, int], capacity: int) -> list
 
 
 class MemoryStateStore:
-    """All stages' optimizer state as JAX arrays in ``sharding`` (host RAM or device)."""
+    """All stages' optimizer state as JAX arrays in ``sharding`` (host RAM or device).
+    ``on_device``: that is the accelerator's memory, not host RAM (the memory kind does
+    not tell: the CPU backend, where a GPU machine's host optimizer lives, reports
+    ``device`` too)."""
 
-    def __init__(self, sharding: jax.sharding.Sharding):
+    def __init__(self, sharding: jax.sharding.Sharding, on_device: bool = False):
         self.sharding = sharding
+        self.on_device = on_device
         self.slabs: dict[str, dict[str, jax.Array]] = {}
         self.scalars: dict[str, list] = {}
         self._pending: dict[str, tuple[dict, list]] = {}
         self._spare: dict[str, dict] = {}  # dead generations, reused as output buffers
         self.read_bytes = self.write_bytes = 0
+        self._bytes: dict[str, int] = {}  # committed slab bytes by stage
+        self._pending_bytes: dict[str, int] = {}
+        self._held = 0  # their sum: one int, read from the executor's thread
 
     def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:
         self.slabs[stage] = jax.device_put(slabs, self.sharding)
         self.scalars[stage] = scalars
+        self._bytes[stage] = _nbytes(self.slabs[stage])
+        self._count()
 
     def wait_init(self) -> None:
         jax.block_until_ready(self.slabs)
@@ -107,17 +120,27 @@ class MemoryStateStore:
 
     def put(self, stage: str, slabs: dict, scalars: list) -> None:
         self._pending[stage] = (slabs, scalars)
+        self._pending_bytes[stage] = _nbytes(slabs)
+        self._count()
 
     def commit(self) -> None:
         for stage, (slabs, scalars) in self._pending.items():
             self._spare[stage] = self.slabs[stage]
             self.slabs[stage], self.scalars[stage] = slabs, scalars
+        self._bytes.update(self._pending_bytes)
         self._pending.clear()
+        self._pending_bytes.clear()
+        self._count()
 
     def abort(self) -> None:
         for stage, (slabs, _) in self._pending.items():
             self._spare[stage] = slabs
         self._pending.clear()
+        self._pending_bytes.clear()
+        self._count()
+
+    def _count(self) -> None:
+        self._held = sum(self._bytes.values()) + sum(self._pending_bytes.values())
 
     def master(self, stage: str) -> np.ndarray:
         return flat(self.slabs[stage]["master"])
@@ -131,13 +154,22 @@ class MemoryStateStore:
         pass
 
     def host_bytes(self) -> int:
-        if self.sharding.memory_kind == "device":
+        if self.on_device:
             return 0
         return sum(a.nbytes for a in jax.tree.leaves((self.slabs, self._spare)))
+
+    def device_bytes(self) -> int:
+        """Device bytes held now: the committed slabs and a step's speculative ones (the
+        ledger's count, kept as a sum: no walk over every chunk at each dispatch)."""
+        return self._held if self.on_device else 0
 
     @property
     def nvme_bytes(self) -> int:
         return 0
+
+
+def _nbytes(tree) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(tree))
 
 
 class NvmeStateStore:
@@ -285,6 +317,9 @@ class NvmeStateStore:
         live = [self.cache, self._pending_cache, self._spare, [d for _, d in self._writes]]
         return sum(a.nbytes for a in jax.tree.leaves(live))
 
+    def device_bytes(self) -> int:
+        return 0
+
     @property
     def nvme_bytes(self) -> int:
         return sum(d.nbytes for d in self.disk)
@@ -368,6 +403,127 @@ class HostParamStore:
         return sum(a.nbytes for a in jax.tree.leaves(self.pages))
 
     nvme_bytes = 0
+
+
+class DeviceParamStore(HostParamStore):
+    """Compute-dtype param pages of the device-cached stages, in device memory: their
+    update runs there and publishes in place; the executor reads them as resident
+    stages without a copy."""
+
+    def host_bytes(self) -> int:
+        return 0
+
+
+class SplitStateStore:
+    """Optimizer state of the device-cached stages (``stages``) in ``device`` (a
+    :class:`MemoryStateStore` on the device), of the others in ``base`` (host RAM or
+    NVMe); every call goes to the store holding its stage."""
+
+    def __init__(self, device: MemoryStateStore, base, stages):
+        self.device, self.base, self.stages = device, base, frozenset(stages)
+
+    def _of(self, stage: str):
+        return self.device if stage in self.stages else self.base
+
+    def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:
+        self._of(stage).init_stage(stage, slabs, scalars)
+
+    def wait_init(self) -> None:
+        self.device.wait_init()
+        self.base.wait_init()
+
+    def prefetch(self, stage: str) -> Any:
+        return self._of(stage).prefetch(stage)
+
+    def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
+        return self._of(stage).get(stage, handle)
+
+    def put(self, stage: str, slabs: dict, scalars: list) -> None:
+        self._of(stage).put(stage, slabs, scalars)
+
+    def commit(self) -> None:
+        self.device.commit()
+        self.base.commit()
+
+    def abort(self) -> None:
+        self.device.abort()
+        self.base.abort()
+
+    def master(self, stage: str) -> np.ndarray:
+        return self._of(stage).master(stage)
+
+    def committed(self, stage: str) -> tuple[dict[str, np.ndarray], list]:
+        return self._of(stage).committed(stage)
+
+    def flush(self) -> None:
+        self.base.flush()
+
+    def host_bytes(self) -> int:
+        return self.base.host_bytes()
+
+    def device_bytes(self) -> int:
+        return self.device.device_bytes()
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.base.nvme_bytes
+
+    @property
+    def read_bytes(self) -> int:
+        return self.base.read_bytes
+
+    @property
+    def write_bytes(self) -> int:
+        return self.base.write_bytes
+
+
+class SplitParamStore:
+    """Compute-dtype params of the device-cached stages in ``device`` (a
+    :class:`DeviceParamStore`), of the others in ``base`` (host RAM or NVMe)."""
+
+    def __init__(self, device: DeviceParamStore, base, stages):
+        self.device, self.base, self.stages = device, base, frozenset(stages)
+
+    def _of(self, stage: str):
+        return self.device if stage in self.stages else self.base
+
+    def publish(self, stage: str, pages: list) -> None:
+        self._of(stage).publish(stage, pages)
+
+    def prefetch(self, stage: str) -> None:
+        self._of(stage).prefetch(stage)
+
+    def get(self, stage: str) -> list:
+        return self._of(stage).get(stage)
+
+    def commit(self) -> None:
+        self.device.commit()
+        self.base.commit()
+
+    def abort(self) -> bool:
+        """True: the device pages are published in place, so a dropped step's updates
+        need them republished (the loop republishes every stage; for ``base`` on NVMe
+        that rewrites the uncommitted generation, which the next step overwrites)."""
+        self.base.abort()
+        return self.device.abort()
+
+    def device_arrays(self) -> list:
+        return list(self.device.pages.values())
+
+    def host_bytes(self) -> int:
+        return self.base.host_bytes()
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.base.nvme_bytes
+
+    @property
+    def read_bytes(self) -> int:
+        return getattr(self.base, "read_bytes", 0)
+
+    @property
+    def write_bytes(self) -> int:
+        return getattr(self.base, "write_bytes", 0)
 
 
 class NvmeParamStore:
@@ -509,22 +665,25 @@ def plan_host_memory(
     checkpoints: int = 0,
     activations: str = "device",
 ) -> HostMemoryPlan:
-    """Plans host RAM for optimizer tier ``tier`` (device | host | nvme). Speculative
+    """Plans host RAM for optimizer tier ``tier`` (device | host | nvme) of the stages
+    in ``stage_state`` (state bytes by stage; ``order``: those stages in backward order;
+    device-cached stages are neither). Speculative
     updates keep a stage's old and new state until the step commits, so state held in
     RAM counts twice. ``checkpoints``: host bytes of activation checkpoints in tier
     ``activations`` (all of a micro-batch's on ``host``, the staging on ``nvme``).
-    Gradient buffers (slab bytes ``grad_sizes`` by stage, policy ``grad_policy``,
+    Gradient buffers (slab bytes ``grad_sizes`` by stage reaching the host, in backward
+    order; policy ``grad_policy``,
     ``spill_grads``: kept ones may go to NVMe) get the RAM they need next, bounded when
     all of them do not fit (``gradients.plan_gradients``). With ``nvme`` the RAM left
     after that caches whole stages of state, chosen by
     :func:`belady_cache`; no budget means no cache. Raises ``ConfigError`` naming the
     shortfall when the minimum does not fit."""
     state = 2 * sum(stage_state.values()) if tier == "host" else 0
-    biggest = max(stage_state.values())
+    biggest = max(stage_state.values(), default=0)
     io = (readahead + 2) * biggest if tier == "nvme" else 0
     others = param_slabs + state + io + checkpoints
     grads = plan_gradients(
-        grad_sizes, order, grad_policy, budget - others if budget else None, spill_grads
+        grad_sizes, list(grad_sizes), grad_policy, budget - others if budget else None, spill_grads
     )
     required = others + grads.ram_bytes
     if budget and required > budget:

@@ -21,6 +21,16 @@ gradient goes to the :class:`~hetjax.gradients.GradientStore`, which keeps it (i
 on NVMe) for a possible redo, or drops it when clipping is off; with bounded gradient
 buffers ``submit`` waits while ``max_queued`` stages are not yet updated (``gradients.py``).
 
+**Device-cached stages** (``offload.optimizer_device_stages``, Angel-PTM's GPU cache
+of optimizer state): their state lives on the device and their gradient never leaves
+it. :meth:`UpdateLoop.submit_device` dispatches a stage's speculative update from the
+executor's thread the moment its final gradient exists, so it runs on the device right
+after the backward that produced it instead of queueing behind the host stages; the
+gradient stays on the device (with clipping) for a redo. Commit, redo and abort treat
+those stages like every other (the redo runs them from this thread, in the same
+order). In lock-free mode their gradients reach the host like the others' and only
+the update runs on the device.
+
 **Lock-free mode** (``optimizer.mode=lockfree``, Angel-PTM's Algorithm 2). The executor
 never waits for the optimizer: :meth:`UpdateLoop.submit_step` adds the step's averaged
 gradient into an accumulation buffer and returns. The thread takes whatever has
@@ -61,8 +71,16 @@ class UpdateLoop:
         readahead: int = 2,
         grads: GradientStore | None = None,
         max_queued: int = 0,
+        device_optimizer=None,
+        device_stages=(),
     ):
+        """``device_stages`` keep their state on the device and are updated there by
+        ``device_optimizer`` (``states`` and ``params`` route them to device stores)."""
         self.opt, self.states, self.params = optimizer, states, params
+        self.device_opt = device_optimizer
+        self.device_stages = frozenset(device_stages)
+        self.device_params = 0  # parameters updated on the device, since the last read
+        self._device_grads: dict[str, Any] = {}  # device gradients kept for a redo
         self.grads = grads if grads is not None else GradientStore(keep=max_norm > 0)
         # stages submitted and not yet updated before submit waits (0: no limit)
         self.max_queued = max_queued
@@ -102,6 +120,20 @@ class UpdateLoop:
             self._queued += 1
             self._queued_bytes += grad.nbytes
         self._queue.put(("stage", stage, grad))
+
+    def submit_device(self, stage: str, grad) -> None:
+        """A device-cached stage's final, averaged fp32 gradient slab (a device array):
+        its speculative update is dispatched at once, from the caller's thread (JAX
+        runs it asynchronously on the device). With clipping the gradient is kept on
+        the device until the step ends, for a redo."""
+        self._check()
+        self._update(stage, grad, (0.0, 0.0))
+        if self.max_norm > 0:
+            self._device_grads[stage] = grad
+
+    def device_grads(self) -> list:
+        """The device gradients kept for a redo (the executor's ledger counts them)."""
+        return list(self._device_grads.values())
 
     def grad_host_bytes(self) -> int:
         """Gradient bytes the loop holds now: submitted not yet updated, and kept."""
@@ -200,6 +232,7 @@ class UpdateLoop:
         else:  # fp16 overflow: the step is skipped
             self._abort(restore_params=True)
         self.grads.clear()
+        self._device_grads.clear()
 
     def _run_lockfree(self) -> None:
         while True:
@@ -230,13 +263,22 @@ class UpdateLoop:
             if grads is not None:
                 self._update(stage, grads[stage], clip)
                 continue
+            if stage in self.device_stages:  # its gradient waited on the device
+                self._update(stage, self._device_grads.pop(stage), clip)
+                continue
             for ahead in self.order[pos : pos + 1 + self.readahead]:
                 self.grads.prefetch(ahead)
             grad = self.grads.take(stage)
             self._update(stage, grad, clip)
             del grad
 
+    def _opt(self, stage: str):
+        return self.device_opt if stage in self.device_stages else self.opt
+
     def _update(self, stage: str, grad: np.ndarray, clip) -> None:
+        if stage in self.device_stages:
+            self._update_device(stage, grad, clip)
+            return
         t0 = time.perf_counter()
         handle = self._reads.pop(stage, None) or self.states.prefetch(stage)
         pos = self.order.index(stage)
@@ -254,6 +296,19 @@ class UpdateLoop:
         self.states.put(stage, new, new_scalars)
         self.params.publish(stage, pages)
         self.busy_s += time.perf_counter() - t0
+
+    def _update_device(self, stage: str, grad, clip) -> None:
+        """A device-cached stage's update: dispatched, not waited for. Touches only the
+        device stores and no read-ahead, so the executor's thread may run it while this
+        loop's thread updates host stages."""
+        slabs, scalars = self.states.get(stage)
+        new, new_scalars, pages = self.device_opt.update(
+            self.layout_of(stage), slabs, scalars, grad, clip
+        )
+        timeline.watch("compute", f"{stage} update", (new, pages))
+        self.device_params += grad.size
+        self.states.put(stage, new, new_scalars)
+        self.params.publish(stage, pages)
 
     def reload(self) -> None:
         """The committed state was replaced from outside (a restore): forget read-ahead."""
@@ -276,4 +331,5 @@ class UpdateLoop:
         if self.params.abort() and restore_params:
             for stage in self.order:
                 master = self.states.get(stage)[0]["master"]
-                self.params.publish(stage, self.opt.compute_pages(self.layout_of(stage), master))
+                pages = self._opt(stage).compute_pages(self.layout_of(stage), master)
+                self.params.publish(stage, pages)
