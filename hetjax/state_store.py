@@ -93,6 +93,7 @@ class MemoryStateStore:
         self.read_bytes = self.write_bytes = 0
         self._bytes: dict[str, int] = {}  # committed slab bytes by stage
         self._pending_bytes: dict[str, int] = {}
+        self._spare_bytes: dict[str, int] = {}
         self._held = 0  # their sum: one int, read from the executor's thread
 
     def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:
@@ -116,6 +117,8 @@ class MemoryStateStore:
         Speculative updates keep two generations of state anyway (the host plan counts
         them), so holding the dead one between steps costs no peak memory and saves
         the page faults of fresh buffers."""
+        self._spare_bytes.pop(stage, None)  # counted again as pending by ``put``
+        self._count()
         return self._spare.pop(stage, None), False
 
     def put(self, stage: str, slabs: dict, scalars: list) -> None:
@@ -126,6 +129,7 @@ class MemoryStateStore:
     def commit(self) -> None:
         for stage, (slabs, scalars) in self._pending.items():
             self._spare[stage] = self.slabs[stage]
+            self._spare_bytes[stage] = self._bytes[stage]
             self.slabs[stage], self.scalars[stage] = slabs, scalars
         self._bytes.update(self._pending_bytes)
         self._pending.clear()
@@ -135,12 +139,14 @@ class MemoryStateStore:
     def abort(self) -> None:
         for stage, (slabs, _) in self._pending.items():
             self._spare[stage] = slabs
+            self._spare_bytes[stage] = self._pending_bytes[stage]
         self._pending.clear()
         self._pending_bytes.clear()
         self._count()
 
     def _count(self) -> None:
-        self._held = sum(self._bytes.values()) + sum(self._pending_bytes.values())
+        held = (self._bytes, self._pending_bytes, self._spare_bytes)
+        self._held = sum(sum(d.values()) for d in held)
 
     def master(self, stage: str) -> np.ndarray:
         return flat(self.slabs[stage]["master"])
@@ -159,8 +165,9 @@ class MemoryStateStore:
         return sum(a.nbytes for a in jax.tree.leaves((self.slabs, self._spare)))
 
     def device_bytes(self) -> int:
-        """Device bytes held now: the committed slabs and a step's speculative ones (the
-        ledger's count, kept as a sum: no walk over every chunk at each dispatch)."""
+        """Device bytes held now: the committed slabs, a step's speculative ones and the
+        dead generations kept for reuse (the ledger's count, kept as a sum: no walk over
+        every chunk at each dispatch)."""
         return self._held if self.on_device else 0
 
     @property
@@ -437,6 +444,9 @@ class SplitStateStore:
 
     def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
         return self._of(stage).get(stage, handle)
+
+    def recycle(self, stage: str) -> tuple[dict | None, bool]:
+        return self._of(stage).recycle(stage)
 
     def put(self, stage: str, slabs: dict, scalars: list) -> None:
         self._of(stage).put(stage, slabs, scalars)

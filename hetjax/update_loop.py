@@ -302,8 +302,9 @@ class UpdateLoop:
         device stores and no read-ahead, so the executor's thread may run it while this
         loop's thread updates host stages."""
         slabs, scalars = self.states.get(stage)
+        spare, in_place = self.states.recycle(stage)
         new, new_scalars, pages = self.device_opt.update(
-            self.layout_of(stage), slabs, scalars, grad, clip
+            self.layout_of(stage), slabs, scalars, grad, clip, spare=spare, in_place=in_place
         )
         timeline.watch("compute", f"{stage} update", (new, pages))
         self.device_params += grad.size
@@ -316,7 +317,7 @@ class UpdateLoop:
 
     def _commit(self) -> None:
         t0 = time.perf_counter()
-        self.states.commit()  # waits for the write-back
+        self.states.commit()  # the last stages' write-back may still be landing
         self.params.commit()
         self._reads.clear()  # read-ahead was of the generation just replaced
         for stage in self.order[: self.readahead]:  # the next step's first stages
