@@ -22,10 +22,10 @@ The cost model is Fuyou's (section 4.5, equations 1-8) extended to our tiers: a 
 its forward phase plus its backward phase; each phase takes the longest of its lanes
 (device compute, host->device, device->host, NVMe, the host optimizer overlapped with
 the last micro-batch's backward, collectives). On the CPU backend the "device", the
-copies and the host optimizer share the same cores, so their times add there
-(``Hardware.shared_cores``). Memory per tier follows the runtimes' own accounting
-(``executor.plan_device_memory``, ``state_store.plan_host_memory``), so a plan that fits
-here fits there.
+copies and the host optimizer share the same cores, so their times add there, and so
+do data-parallel devices' (``Hardware.shared_cores``). Memory per tier follows the
+runtimes' own accounting (``executor.plan_device_memory``,
+``state_store.plan_host_memory``), so a plan that fits here fits there.
 """
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ class Workload:
         shapes = jax.eval_shape(model.init, jax.random.key(0))
         count = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
         L = m.num_layers
-        page = config.memory.page_size // 4  # slabs are whole pages of fp32 elements
+        # slabs are whole pages of fp32 elements, a multiple of the devices' (ZeRO-3 shards)
+        page = config.memory.page_size // 4 * devices
         padded = lambda n: -(-n // page) * page
         embed, head = padded(count(shapes["embed"])), padded(count(shapes["head"]))
         block_used = count(shapes["blocks"]) // L
@@ -459,9 +460,11 @@ def _lanes(
     grads = w.block_grad_bytes * L * Pb + 4 * (w.embed_params + w.head_params)
     d2h_f, d2h_b = ckpt, grads * frac
     comm_f = comm_b = 0.0
-    if n > 1 and hw.interconnect_bw:  # all-gather params, reduce-scatter gradients
-        comm_f = L * cb * Pb * (n - 1) / n / hw.interconnect_bw
-        comm_b = (recomputed * cb * Pb + 4 * P) * (n - 1) / n / hw.interconnect_bw
+    # On the CPU backend the devices' memory is host RAM: a collective is copies.
+    link = hw.interconnect_bw or (hw.h2d_bw if hw.shared_cores else 0.0)
+    if n > 1 and link:  # all-gather params, reduce-scatter gradients
+        comm_f = L * cb * Pb * (n - 1) / n / link
+        comm_b = (recomputed * cb * Pb + 4 * P) * (n - 1) / n / link
     disk_f = disk_b = disk_step = 0.0
     if c.params == "nvme":
         disk_f = h2d_f / hw.nvme_read_bw * n  # the machine's disks serve n processes
@@ -476,16 +479,17 @@ def _lanes(
     if c.optimizer == "nvme":
         moved = S * P * (1 - cached)
         disk_step += moved / hw.nvme_read_bw + moved / hw.nvme_write_bw
-    if c.optimizer == "device":
-        opt = _device_optimizer_s(hw, P * frac)
+    if c.optimizer == "device":  # each device updates its 1/n (on shared cores in turn)
+        opt = _device_optimizer_s(hw, P if hw.shared_cores else P * frac)
     else:
         opt = P / hw.optimizer_params_per_s  # the machine's optimizer serves n processes
     copy_f = h2d_f / hw.h2d_bw + d2h_f / hw.d2h_bw
     copy_b = h2d_b / hw.h2d_bw + d2h_b / hw.d2h_bw
-    if hw.shared_cores:  # compute, copies and optimizer take turns on the same cores
-        t_f = max(fwd + copy_f, disk_f)
-        t_b = max(compute_b + copy_b, disk_b)
-        t_last = max(compute_b + copy_b + opt, disk_b + disk_step)
+    if hw.shared_cores:  # compute, copies, collectives and optimizer take turns on the
+        # same cores, and so do the n devices' (each its rows, its copies, its collectives)
+        t_f = max(n * (fwd + copy_f + comm_f), disk_f)
+        t_b = max(n * (compute_b + copy_b + comm_b), disk_b)
+        t_last = max(n * (compute_b + copy_b + comm_b) + opt, disk_b + disk_step)
     else:
         t_f = max(fwd, h2d_f / hw.h2d_bw, d2h_f / hw.d2h_bw, comm_f, disk_f)
         t_b = max(compute_b, h2d_b / hw.h2d_bw, d2h_b / hw.d2h_bw, comm_b, disk_b)
@@ -667,10 +671,12 @@ def _shortfall(config: Config, w: Workload, hw: Hardware, limit: dict[str, int])
 # -- the tracer --------------------------------------------------------------------------
 
 
-def trace(config: Config, repeats: int = 5) -> Workload:
+def trace(config: Config, repeats: int = 5, devices: int = 1) -> Workload:
     """Measures the model on this machine: each stage function's time for one
     micro-batch (compiled and run on random params and tokens, median of ``repeats``) and
-    XLA's memory sizes. Allocates one block's, the embedding's and the head's params."""
+    XLA's memory sizes. Allocates one block's, the embedding's and the head's params.
+    ``devices``: data-parallel devices sharing the batch; each runs its rows of the
+    micro-batch, so that is what is timed and sized (on one device)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -690,7 +696,8 @@ def trace(config: Config, repeats: int = 5) -> Workload:
         lambda fn: jax.jit(fn, out_shardings=dev),
         lambda pages, dtype: [p.astype(dtype) for p in pages],
     )
-    sizes = fns.memory_sizes(t.micro_batch_size, t.seq_len, dtype)
+    rows = max(1, t.micro_batch_size // devices)  # one device's rows of a micro-batch
+    sizes = fns.memory_sizes(rows, t.seq_len, dtype)
     rng = np.random.default_rng(0)
 
     def slab(name):
@@ -701,9 +708,7 @@ def trace(config: Config, repeats: int = 5) -> Workload:
         )
 
     e, b, h = slab("embed"), slab("block"), slab("head")
-    tokens = jax.device_put(
-        rng.integers(0, m.vocab_size, (t.micro_batch_size, t.seq_len)).astype(np.int32), dev
-    )
+    tokens = jax.device_put(rng.integers(0, m.vocab_size, (rows, t.seq_len)).astype(np.int32), dev)
     x = fns.embed_fwd(e, tokens)
     one = jnp.asarray(1.0, jnp.float32)
 
@@ -727,7 +732,7 @@ def trace(config: Config, repeats: int = 5) -> Workload:
         vjp = fns.kept_forward(level)(b, x)[1]
         measured[kept_key(level)] = best(lambda vjp=vjp: fns.block_bwd_kept(vjp, x))
         del vjp
-    w = Workload.from_config(config, sizes)
+    w = Workload.from_config(config, sizes, devices)
     w = dataclasses.replace(w, measured=measured)
     return w
 
