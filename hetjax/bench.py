@@ -19,7 +19,8 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
             host budget vs the largest that fits 1 GiB in memory (offload.mode=none)
   gpu       (GPU only) MFU offloaded vs in HBM, TFLOP/s of a model larger than HBM
   plan      the planner's predicted step time vs the measured one, tiny and small GPTs
-            under a device budget that makes offload.mode=auto stream
+            under a device budget that makes offload.mode=auto stream, and the tiny
+            GPT data-parallel (ZeRO-3) on 2 virtual CPU devices
   zero      ZeRO-3 on 1, 2, 4 devices: collective bytes per step and device vs the
             6(p-1)/p M of PatrickStar / Angel-PTM, and s/step (needs 4 devices: on CPU
             XLA_FLAGS=--xla_force_host_platform_device_count=4)
@@ -898,51 +899,118 @@ def bench_zero(quick: bool) -> dict:
     return {"params": M, "rows": rows}
 
 
+def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
+    """Plans config ``name`` with ``overrides`` on this machine (the measured ``local``
+    profile, the traced model) and trains the plan: predicted and measured s/step. On one
+    device that is ``offload.mode=auto``'s own plan; on ``devices`` data-parallel devices
+    (ZeRO-3, which ``auto`` hands to the streaming runtime unplanned) the same planner
+    with the profile's device count and the model traced at one device's rows."""
+    import dataclasses
+
+    from hetjax.hardware import measure_local
+    from hetjax.planner import make_plan, plan_auto, trace
+    from hetjax.train import train
+
+    overrides = {
+        **overrides,
+        "train.steps": str(steps),
+        "train.eval_batches": "1",
+        "checkpoint.every_steps": "0",
+        "checkpoint.at_end": "false",
+    }
+    config = load_config(name, overrides)
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
+        if devices == 1:
+            planned, plan = plan_auto(config, tmp, log=lambda line: None)
+            assert plan is not None, "the budget should make auto stream"
+        else:
+            config = config.replace(distributed=dict(data_parallel=devices))
+            hw = measure_local(str(Path(tmp) / "nvme"), config.model.compute_dtype)
+            hw = dataclasses.replace(hw, num_devices=devices)
+            plan = make_plan(config, hw, trace(config, devices=devices))
+            memory = dict(device_budget=plan.budgets["device"], host_budget=plan.budgets["host"])
+            planned = config.replace(**plan.config_overrides(), memory=memory)
+        result = train(planned, tmp, verbose=False)
+    measured = _steady_step_time(result.records, skip=2)
+    o = planned.offload
+    desc = f"{o.mode}, params {o.params}, optimizer {o.optimizer}, keep {o.keep_blocks}"
+    if devices > 1:
+        desc += f", {plan.candidate.resident_blocks} resident"
+    return dict(
+        config=name,
+        devices=devices,
+        plan=desc,
+        predicted_s=plan.step_s,
+        measured_s=measured,
+        ratio=measured / plan.step_s,
+    )
+
+
+def _plan_row_on_cpu_devices(devices: int, *args) -> dict:
+    """:func:`_plan_row` in a child process with ``devices`` virtual CPU devices (the
+    XLA flag must be set before JAX starts)."""
+    import re
+    import subprocess
+
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+    )
+    env = {
+        **os.environ,
+        **MALLOC_ENV,
+        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+        "JAX_PLATFORMS": "cpu",
+        # the child imports this hetjax, wherever it was imported from
+        "PYTHONPATH": os.pathsep.join(
+            p
+            for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH"))
+            if p
+        ),
+    }
+    spec = json.dumps([*args, devices])
+    code = (
+        "import json; from hetjax.bench import _plan_row; "
+        f"print('PLAN', json.dumps(_plan_row(*json.loads({spec!r}))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PLAN ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"the {devices}-device plan row failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("PLAN ") :])
+
+
 def bench_plan(quick: bool) -> dict:
     """The planner's predicted step time vs the measured one, on this machine, for the
     tiny and small GPTs under a device budget tight enough that ``offload.mode=auto``
-    streams: the plan (tracer + measured machine) and the training run, one process."""
-    from hetjax.planner import plan_auto
-    from hetjax.train import train
-
+    streams (the plan: tracer + measured machine; then the training run, one process),
+    and for the tiny GPT data-parallel (ZeRO-3) over 2 virtual CPU devices with a
+    per-device budget that leaves some blocks streamed (a child process)."""
     cases = {
-        "tiny": ("gpt_tiny", {"memory.device_budget": "120MiB"}, 10),
+        "tiny": ("gpt_tiny", {"memory.device_budget": "120MiB"}, 10, 1),
         "small": (
             "gpt_small",
             {"memory.device_budget": "1200MiB", "train.batch_size": "4", "train.seq_len": "128"},
             8,
+            1,
         ),
+        "tiny dp2": ("gpt_tiny", {"memory.device_budget": "88MiB"}, 10, 2),
     }
     if quick:
-        cases = {"tiny": ("gpt_tiny", {"memory.device_budget": "120MiB"}, 4)}
-    results: dict = {}
-    print(f"{'model':<8}{'plan':<44}{'predicted s':>12}{'measured s':>12}{'ratio':>8}")
-    for label, (name, overrides, steps) in cases.items():
-        overrides = {
-            **overrides,
-            "train.steps": str(steps),
-            "train.eval_batches": "1",
-            "checkpoint.every_steps": "0",
-            "checkpoint.at_end": "false",
+        cases = {
+            "tiny": ("gpt_tiny", {"memory.device_budget": "120MiB"}, 4, 1),
+            "tiny dp2": ("gpt_tiny", {"memory.device_budget": "88MiB"}, 4, 2),
         }
-        config = load_config(name, overrides)
-        with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
-            planned, plan = plan_auto(config, tmp, log=lambda line: None)
-            assert plan is not None, "the budget should make auto stream"
-            predicted = plan.step_s
-            result = train(planned, tmp, verbose=False)
-        measured = _steady_step_time(result.records, skip=2)
-        o = planned.offload
-        desc = f"{o.mode}, params {o.params}, optimizer {o.optimizer}, keep {o.keep_blocks}"
-        results[label] = dict(
-            config=name,
-            plan=desc,
-            predicted_s=predicted,
-            measured_s=measured,
-            ratio=measured / predicted,
-        )
+    results: dict = {}
+    print(f"{'model':<10}{'plan':<58}{'predicted s':>12}{'measured s':>12}{'ratio':>8}")
+    for label, (name, overrides, steps, devices) in cases.items():
+        if devices == 1:
+            row = _plan_row(name, overrides, steps)
+        else:
+            row = _plan_row_on_cpu_devices(devices, name, overrides, steps)
+        results[label] = row
         print(
-            f"{label:<8}{desc:<44}{predicted:>12.4f}{measured:>12.4f}{measured / predicted:>8.2f}"
+            f"{label:<10}{row['plan']:<58}{row['predicted_s']:>12.4f}{row['measured_s']:>12.4f}"
+            f"{row['ratio']:>8.2f}"
         )
     return results
 

@@ -27,10 +27,10 @@ The cost model is Fuyou's (section 4.5, equations 1-8) extended to our tiers: a 
 its forward phase plus its backward phase; each phase takes the longest of its lanes
 (device compute, host->device, device->host, NVMe, the host optimizer overlapped with
 the last micro-batch's backward, collectives). On the CPU backend the "device", the
-copies and the host optimizer share the same cores, so their times add there
-(``Hardware.shared_cores``). Memory per tier follows the runtimes' own accounting
-(``executor.plan_device_memory``, ``state_store.plan_host_memory``), so a plan that fits
-here fits there.
+copies and the host optimizer share the same cores, so their times add there, and so
+do data-parallel devices' (``Hardware.shared_cores``). Memory per tier follows the
+runtimes' own accounting (``executor.plan_device_memory``,
+``state_store.plan_host_memory``), so a plan that fits here fits there.
 """
 
 from __future__ import annotations
@@ -118,10 +118,15 @@ class Workload:
         return times
 
     @classmethod
-    def from_config(cls, config: Config, sizes=None, devices: int = 1) -> Workload:
+    def from_config(
+        cls, config: Config, sizes=None, devices: int = 1, backend: str | None = None
+    ) -> Workload:
         """From abstract shapes only (``jax.eval_shape``): nothing is allocated.
         ``sizes``: a measured :class:`hetjax.executor.StageMemory`, else estimated.
-        ``devices``: data-parallel devices sharing the batch (per-device sizes)."""
+        ``devices``: data-parallel devices sharing the batch (per-device sizes).
+        ``backend``: the XLA backend the stage functions would compile for ("cpu",
+        "gpu", ...; default this process's), which sizes the estimated working set
+        (:func:`estimate_working_set`)."""
         import jax
         import jax.numpy as jnp
 
@@ -134,7 +139,8 @@ class Workload:
         shapes = jax.eval_shape(model.init, jax.random.key(0))
         count = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
         L = m.num_layers
-        page = config.memory.page_size // 4  # slabs are whole pages of fp32 elements
+        # slabs are whole pages of fp32 elements, a multiple of the devices' (ZeRO-3 shards)
+        page = config.memory.page_size // 4 * devices
         padded = lambda n: -(-n // page) * page
         embed, head = padded(count(shapes["embed"])), padded(count(shapes["head"]))
         block_used = count(shapes["blocks"]) // L
@@ -150,12 +156,12 @@ class Workload:
                 lambda a: jax.ShapeDtypeStruct(a.shape[1:], dtype), shapes["blocks"]
             )
             kept = remat.kept_bytes(model.block, one_block, jax.ShapeDtypeStruct((b, T, D), dtype))
-            # Backward's temporaries are about one block's residuals, or the head's (fp32
-            # logits, probabilities, gradient); the coefficients are fitted to the GPT
-            # block's residuals (fp32, CPU backend, T from 128 to 1024: within 10%).
-            H, F = m.num_heads, m.ff_dim
-            block_temps = tokens * c * (16 * D + 5 * F + 3.25 * H * T) + block_used * c
-            working = max(block_temps, 3 * tokens * m.vocab_size * 4) + 3 * tokens * D * c
+            # Below level all the vjp holds the block's param pages, padding included
+            # (at all, the unflattened weights).
+            kept = {k: v + (0 if k == "all" else (block - block_used) * c) for k, v in kept.items()}
+            working = estimate_working_set(
+                m, b, T, block_used, count(shapes["embed"]), backend or jax.default_backend()
+            )
             checkpoint = tokens * D * c
         else:
             kept, working, checkpoint = sizes.kept, sizes.working_set, sizes.checkpoint
@@ -183,6 +189,58 @@ class Workload:
             head_fwd_flops=tokens * 2 * m.vocab_size * D,
             grad_policy=grad_policy(config),
         )
+
+
+# Device temporaries of the stage functions (XLA's temp_size_in_bytes), in bytes per
+# element of the block's (B, T, D) activations, its (B, H, T, T) attention scores and its
+# params, and of the head's (B, T, V) logits and (V, D) projection. Fitted (minimax
+# relative error) to XLA:CPU's compiled memory analysis of the stage functions, per
+# family and dtype, over 33 shapes each (d 64-2048, T 64-1024, batch 1-8, d_ff 2-6 x d,
+# vocab 256-50257). Where a micro-batch has at least 128 tokens the whole working set
+# estimated is within 0.73-1.27 of the compiled one (fp32: GPT 0.76-1.23, Llama
+# 0.80-1.20; bf16: GPT 0.74-1.26, Llama 0.73-1.27); at 64 tokens the block's params
+# dominate and the compiled sizes jump with XLA's choice of weight copies (0.5-2.1). The
+# fp32-GPT fit this replaces, scaled by the compute dtype, was 0.50-2.2 (fp32) and
+# 0.46-1.05 (bf16) over the same shapes.
+#
+# A bf16 step's temporaries on XLA:CPU are nearly fp32-sized: the backend computes bf16
+# dots into fp32 outputs (then converts) and converts bf16 weights to fp32 copies for
+# them, hence the separate bf16 fit. On an accelerator the dots run in the compute dtype,
+# so the activation and param terms scale with it from the fp32 fit, while the attention
+# scores and softmax, the logits and the head's gradient stay fp32 (the models cast
+# them): that part is not measured (no GPU was at hand). A custom family takes the larger
+# of the two families' coefficients.
+_BLOCK_TEMPS = {  # (family, compute bytes): per activation, score, param element
+    ("gpt", 4): (79.1, 11.7, 1.66),
+    ("gpt", 2): (87.6, 10.3, 2.25),
+    ("llama", 4): (147.0, 8.9, 1.13),
+    ("llama", 2): (73.9, 11.5, 3.1),
+}
+_HEAD_TEMPS = {4: (6.74, 6.27), 2: (7.22, 6.72)}  # per logit, per projection element
+
+
+def estimate_working_set(
+    m, batch: int, seq_len: int, block_params: int, embed_params: int, backend: str
+) -> int:
+    """Device bytes of the largest stage function's temporaries plus x / dx (what
+    ``StageFunctions.memory_sizes`` measures), from shapes: ``m`` a
+    :class:`~hetjax.config.ModelConfig`, one micro-batch of ``batch`` x ``seq_len`` on one
+    device, ``block_params`` / ``embed_params`` the stages' param counts, ``backend``
+    the XLA backend ("cpu": fitted per dtype; else the fp32 fit scaled, see above)."""
+    c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
+    fitted = c if backend == "cpu" else 4
+    families = [m.family] if m.family in ("gpt", "llama") else ["gpt", "llama"]
+    fits = [_BLOCK_TEMPS[f, fitted] for f in families]
+    act, score, param = (max(fit[i] for fit in fits) for i in range(3))
+    logit, head = _HEAD_TEMPS[fitted]
+    if backend != "cpu":  # dots in the compute dtype; scores, logits, head grads fp32
+        act, param = act * c / 4, param * c / 4
+    tokens, D, V = batch * seq_len, m.d_model, m.vocab_size
+    block = tokens * D * act + batch * m.num_heads * seq_len**2 * score + block_params * param
+    head_fwd_bwd = tokens * V * logit + V * D * head
+    # the embedding's gradient, fp32, and before that in the compute dtype
+    embed_bwd = embed_params * (4 + (c if c < 4 else 0))
+    return int(max(block, head_fwd_bwd, embed_bwd) + 3 * tokens * D * c)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,9 +512,11 @@ def _lanes(
     grads = cache.host_grad_bytes  # the device cache's gradients stay there
     d2h_f, d2h_b = ckpt, grads * frac
     comm_f = comm_b = 0.0
-    if n > 1 and hw.interconnect_bw:  # all-gather params, reduce-scatter gradients
-        comm_f = L * cb * Pb * (n - 1) / n / hw.interconnect_bw
-        comm_b = (recomputed * cb * Pb + 4 * P) * (n - 1) / n / hw.interconnect_bw
+    # On the CPU backend the devices' memory is host RAM: a collective is copies.
+    link = hw.interconnect_bw or (hw.h2d_bw if hw.shared_cores else 0.0)
+    if n > 1 and link:  # all-gather params, reduce-scatter gradients
+        comm_f = L * cb * Pb * (n - 1) / n / link
+        comm_b = (recomputed * cb * Pb + 4 * P) * (n - 1) / n / link
     disk_f = disk_b = disk_step = 0.0
     if c.params == "nvme":
         disk_f = h2d_f / hw.nvme_read_bw * n  # the machine's disks serve n processes
@@ -475,16 +535,17 @@ def _lanes(
     # device after it, at device speed (Angel-PTM); the host updates the others,
     # overlapped with backward.
     dev_opt = _device_optimizer_s(hw, cache.params)
-    if c.optimizer == "device":
-        opt = _device_optimizer_s(hw, P * frac)
+    if c.optimizer == "device":  # each device updates its 1/n (on shared cores in turn)
+        opt = _device_optimizer_s(hw, P if hw.shared_cores else P * frac)
     else:  # the machine's optimizer serves n processes
         opt = (P - cache.params) / hw.optimizer_params_per_s
     copy_f = h2d_f / hw.h2d_bw + d2h_f / hw.d2h_bw
     copy_b = h2d_b / hw.h2d_bw + d2h_b / hw.d2h_bw
-    if hw.shared_cores:  # compute, copies and optimizer take turns on the same cores
-        t_f = max(fwd + copy_f, disk_f)
-        t_b = max(compute_b + copy_b, disk_b)
-        t_last = max(compute_b + copy_b + opt + dev_opt, disk_b + disk_step)
+    if hw.shared_cores:  # compute, copies, collectives and optimizer take turns on the
+        # same cores, and so do the n devices' (each its rows, its copies, its collectives)
+        t_f = max(n * (fwd + copy_f + comm_f), disk_f)
+        t_b = max(n * (compute_b + copy_b + comm_b), disk_b)
+        t_last = max(n * (compute_b + copy_b + comm_b) + opt + dev_opt, disk_b + disk_step)
     else:
         t_f = max(fwd, h2d_f / hw.h2d_bw, d2h_f / hw.d2h_bw, comm_f, disk_f)
         t_b = max(compute_b, h2d_b / hw.h2d_bw, d2h_b / hw.d2h_bw, comm_b, disk_b)
@@ -645,7 +706,8 @@ def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) ->
     """The fastest placement of ``config``'s model that fits every tier of ``hw`` (and
     the config's budgets). Raises :class:`PlanError` naming the short tier and by how
     much when nothing fits."""
-    w = workload or Workload.from_config(config, devices=hw.num_devices)
+    backend = "cpu" if hw.shared_cores else "gpu"  # the profile's, not this process's
+    w = workload or Workload.from_config(config, devices=hw.num_devices, backend=backend)
     limit = budgets(config, hw)
     # ZeRO-3 sharding needs the data-parallel runtime; one device keeps the whole state.
     one_device = hw.num_devices == 1
@@ -722,10 +784,12 @@ def _shortfall(config: Config, w: Workload, hw: Hardware, limit: dict[str, int])
 # -- the tracer --------------------------------------------------------------------------
 
 
-def trace(config: Config, repeats: int = 5) -> Workload:
+def trace(config: Config, repeats: int = 5, devices: int = 1) -> Workload:
     """Measures the model on this machine: each stage function's time for one
     micro-batch (compiled and run on random params and tokens, median of ``repeats``) and
-    XLA's memory sizes. Allocates one block's, the embedding's and the head's params."""
+    XLA's memory sizes. Allocates one block's, the embedding's and the head's params.
+    ``devices``: data-parallel devices sharing the batch; each runs its rows of the
+    micro-batch, so that is what is timed and sized (on one device)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -745,7 +809,8 @@ def trace(config: Config, repeats: int = 5) -> Workload:
         lambda fn: jax.jit(fn, out_shardings=dev),
         lambda pages, dtype: [p.astype(dtype) for p in pages],
     )
-    sizes = fns.memory_sizes(t.micro_batch_size, t.seq_len, dtype)
+    rows = max(1, t.micro_batch_size // devices)  # one device's rows of a micro-batch
+    sizes = fns.memory_sizes(rows, t.seq_len, dtype)
     rng = np.random.default_rng(0)
 
     def slab(name):
@@ -756,9 +821,7 @@ def trace(config: Config, repeats: int = 5) -> Workload:
         )
 
     e, b, h = slab("embed"), slab("block"), slab("head")
-    tokens = jax.device_put(
-        rng.integers(0, m.vocab_size, (t.micro_batch_size, t.seq_len)).astype(np.int32), dev
-    )
+    tokens = jax.device_put(rng.integers(0, m.vocab_size, (rows, t.seq_len)).astype(np.int32), dev)
     x = fns.embed_fwd(e, tokens)
     one = jnp.asarray(1.0, jnp.float32)
 
@@ -782,7 +845,7 @@ def trace(config: Config, repeats: int = 5) -> Workload:
         vjp = fns.kept_forward(level)(b, x)[1]
         measured[kept_key(level)] = best(lambda vjp=vjp: fns.block_bwd_kept(vjp, x))
         del vjp
-    w = Workload.from_config(config, sizes)
+    w = Workload.from_config(config, sizes, devices)
     w = dataclasses.replace(w, measured=measured)
     return w
 
