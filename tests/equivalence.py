@@ -10,6 +10,22 @@ import jax
 import numpy as np
 
 
+def check_tokens() -> np.ndarray:
+    """The fixed token batch the equivalence checks evaluate both runs' params on."""
+    return np.random.default_rng(7).integers(0, 256, (2, 16)).astype(np.int32)
+
+
+def training_batches(config, steps: int) -> list[np.ndarray]:
+    """The first ``steps`` training batches of ``config``'s data, shaped for a runtime's
+    ``train_step``: (grad_accum, micro-batch, seq_len + 1)."""
+    from hetjax.data import make_datasets
+
+    data, _, _ = make_datasets(config)
+    t = config.train
+    shape = (t.grad_accum, t.micro_batch_size, t.seq_len + 1)
+    return [data.batch(s).reshape(shape) for s in range(steps)]
+
+
 def assert_trees_close(actual, expected, rtol: float = 1e-5) -> None:
     flat_a = jax.tree_util.tree_leaves_with_path(actual)
     flat_e = jax.tree.leaves(expected)

@@ -15,6 +15,8 @@ from equivalence import (
     assert_gpt_training_equal,
     assert_losses_close,
     assert_trees_close,
+    check_tokens,
+    training_batches,
     without_key_bias,
 )
 from jax.sharding import SingleDeviceSharding
@@ -22,7 +24,6 @@ from jax.sharding import SingleDeviceSharding
 from hetjax import planner
 from hetjax.checkpoint import Checkpointer
 from hetjax.config import Config, ConfigError, load_config
-from hetjax.data import make_datasets
 from hetjax.executor import StreamingRuntime, stage_layouts
 from hetjax.hardware import PROFILES
 from hetjax.placement import Placement, live_bytes_by_kind
@@ -34,17 +35,6 @@ from models import build_model
 # 3.0, 1.5, 1.5): both the committed speculative update and the redo run.
 CLIP = dict(grad_clip=2.0)
 PAGES = dict(page_size="16KiB")
-
-
-def _check_tokens():
-    return np.random.default_rng(7).integers(0, 256, (2, 16)).astype(np.int32)
-
-
-def _batches(config, steps):
-    data, _, _ = make_datasets(config)
-    t = config.train
-    shape = (t.grad_accum, t.micro_batch_size, t.seq_len + 1)
-    return [data.batch(s).reshape(shape) for s in range(steps)]
 
 
 def _cached(tiny, stages, tier="host", **sections):
@@ -72,7 +62,7 @@ def test_device_cache_equals_none(reference, tiny, tmp_path, optimizer, params, 
     config = _cached(tiny, stages, optimizer)
     config = config.replace(offload=dict(params=params))
     result = train(config, tmp_path, verbose=False)
-    assert_gpt_training_equal(result, reference, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
     redo = [r["optimizer_redo"] for r in result.records]
     assert 0 < redo[-1] < len(redo), redo  # the redo re-runs the device stages too
     # The last step (no redo): exactly the cached stages were updated on the device.
@@ -88,7 +78,7 @@ def test_device_cache_with_grad_accum_equals_none(tiny, tmp_path):
     expected = train(tiny(train=accum, optimizer=CLIP), tmp_path / "ref", verbose=False)
     config = _cached(tiny, 3, "nvme", train=accum)  # gradients summed on the device
     result = train(config, tmp_path / "cache", verbose=False)
-    assert_gpt_training_equal(result, expected, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, expected, build_model(config.model), check_tokens())
 
 
 def test_lockfree_device_cache_without_staleness_equals_none(reference, tiny, tmp_path):
@@ -97,7 +87,7 @@ def test_lockfree_device_cache_without_staleness_equals_none(reference, tiny, tm
     applied before the next, so training equals ordinary training."""
     config = _cached(tiny, 2, optimizer=dict(mode="lockfree", max_staleness=0, **CLIP))
     result = train(config, tmp_path, verbose=False)
-    assert_gpt_training_equal(result, reference, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
     assert result.records[-1]["optimizer_device_params"] > 0
 
 
@@ -108,7 +98,7 @@ def test_nonfinite_step_leaves_the_device_cache_untouched(tiny):
     config = _cached(tiny, 2, "nvme")
     runtime = StreamingRuntime(config)
     try:
-        (batch,) = _batches(config, 1)
+        (batch,) = training_batches(config, 1)
         before = runtime.params()
         embed_pages = [np.array(p) for p in runtime.resident["embed"]]
         assert runtime.train_step(batch, poison=True).nonfinite
@@ -140,7 +130,7 @@ def test_gpu_layout_host_optimizer_on_another_device(reference, tiny, monkeypatc
     try:
         assert runtime.states.host_bytes() == _state_bytes(runtime, runtime.host_stages)
         assert runtime.states.device_bytes() == _state_bytes(runtime, runtime.device_stages)
-        batches = _batches(runtime.config, 5)
+        batches = training_batches(runtime.config, 5)
         assert runtime.train_step(batches[0], poison=True).nonfinite  # republished across
         losses = [runtime.train_step(batch).loss for batch in batches]
         assert_losses_close(losses, reference.losses)
@@ -154,7 +144,7 @@ def test_checkpoints_move_between_device_cache_settings(reference, tiny, tmp_pat
     cache (optimizer on NVMe), whose checkpoint restores into one with every stage
     cached: the same placement-free state, and step for step the losses and the final
     params equal the in-memory run's."""
-    batches = _batches(tiny(), 5)
+    batches = training_batches(tiny(), 5)
     ckpt = Checkpointer(tmp_path / "checkpoints")
     losses, saved, step = [], [], 0
     for config, steps in [

@@ -1,9 +1,8 @@
 """Gradient buffers bounded by memory.host_budget (hetjax/gradients.py): released once
 updated when nothing can redo the update, spilled to NVMe when clipping keeps them."""
 
-import numpy as np
 import pytest
-from equivalence import assert_gpt_training_equal
+from equivalence import assert_gpt_training_equal, check_tokens
 
 from hetjax.config import ConfigError
 from hetjax.executor import StreamingRuntime
@@ -14,10 +13,6 @@ from models import build_model
 EIGHT = dict(num_layers=8, d_model=32, num_heads=4, max_seq_len=32)  # 8 blocks of 64 KiB
 PAGES = dict(page_size="16KiB")
 STEPS = dict(steps=3, batch_size=4, seq_len=16, eval_batches=0, log_every=1)
-
-
-def _check_tokens():
-    return np.random.default_rng(7).integers(0, 256, (2, 16)).astype(np.int32)
 
 
 def _config(tiny, clip: float, memory: dict):
@@ -87,7 +82,7 @@ def test_no_clipping_releases_gradients_within_a_budget_below_all_of_them(tiny, 
 
     ref = train(_config(tiny, 0.0, {}).replace(offload=dict(mode="none")), tmp_path / "ref", False)
     result = train(config, tmp_path / "stream", verbose=False)
-    assert_gpt_training_equal(result, ref, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, ref, build_model(config.model), check_tokens())
     for record in result.records:
         assert record["host_bytes"] <= budget
 
@@ -113,7 +108,7 @@ def test_clipping_redo_reads_gradients_spilled_to_nvme(tiny, tmp_path):
 
     ref = train(_config(tiny, clip, {}).replace(offload=dict(mode="none")), tmp_path / "ref", False)
     result = train(config, tmp_path / "stream", verbose=False)
-    assert_gpt_training_equal(result, ref, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, ref, build_model(config.model), check_tokens())
     assert [r["optimizer_redo"] for r in result.records] == [1, 2, 3]  # every step redone
     state = sum(runtime.optimizer.state_bytes(runtime.layout_name(n)) for n in sizes)
     assert runtime.host_plan.cached_stages == ()  # all state streams from disk

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from equivalence import assert_training_equal
+from equivalence import assert_training_equal, check_tokens
 
 from hetjax.config import Config, ConfigError
 from hetjax.train import train
@@ -12,10 +12,6 @@ from models.llama import apply_rotary, rotary_frequencies, rotary_tables
 
 LLAMA = dict(family="llama", num_kv_heads=2, tie_embeddings=False, d_ff=48)
 SHORT = dict(steps=4, eval_batches=0)
-
-
-def _check_tokens():
-    return np.random.default_rng(7).integers(0, 256, (2, 16)).astype(np.int32)
 
 
 def test_shapes_and_hf_names(tiny):
@@ -60,7 +56,7 @@ def test_causal(tiny):
     """Changing a later token leaves earlier logits unchanged."""
     model = build_model(tiny(model=LLAMA).model)
     params = model.init(jax.random.key(0))
-    tokens = _check_tokens()
+    tokens = check_tokens()
     changed = tokens.copy()
     changed[:, 10] = (changed[:, 10] + 1) % 256
     both = np.asarray(jax.jit(model.logits)(params, np.concatenate([tokens, changed])))
@@ -110,7 +106,7 @@ def test_llama_stream_equals_none(reference, tiny, tmp_path, offload):
     config = tiny(model=LLAMA, train=SHORT, offload=offload)
     result = train(config, tmp_path, verbose=False)
     assert reference.losses[-1] < reference.losses[0]
-    assert_training_equal(result, reference, build_model(config.model), _check_tokens())
+    assert_training_equal(result, reference, build_model(config.model), check_tokens())
 
 
 @pytest.mark.slow
@@ -119,4 +115,4 @@ def test_tied_llama_stream_equals_none(tiny, tmp_path):
     ref = train(tiny(model=model, train=SHORT), tmp_path / "ref", verbose=False)
     config = tiny(model=model, train=SHORT, offload=dict(mode="stream"))
     result = train(config, tmp_path / "stream", verbose=False)
-    assert_training_equal(result, ref, build_model(config.model), _check_tokens())
+    assert_training_equal(result, ref, build_model(config.model), check_tokens())

@@ -7,10 +7,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from equivalence import assert_gpt_training_equal, assert_trees_close
+from equivalence import (
+    assert_gpt_training_equal,
+    assert_trees_close,
+    check_tokens,
+    training_batches,
+)
 
 from hetjax.config import ConfigError
-from hetjax.data import make_datasets
 from hetjax.executor import StreamingRuntime
 from hetjax.host_optimizer import SlabOptimizer
 from hetjax.nvme import PageStore
@@ -28,17 +32,6 @@ LION_CLIP = dict(grad_clip=3.0)
 PAGES = dict(page_size="16KiB")  # several pages per stage; small files
 
 
-def _check_tokens():
-    return np.random.default_rng(7).integers(0, 256, (2, 16)).astype(np.int32)
-
-
-def _batches(config, steps):
-    data, _, _ = make_datasets(config)
-    t = config.train
-    shape = (t.grad_accum, t.micro_batch_size, t.seq_len + 1)
-    return [data.batch(s).reshape(shape) for s in range(steps)]
-
-
 @pytest.mark.parametrize(
     "optimizer", [dict(name="adamw", **CLIP), dict(name="lion", lr=3e-4, **LION_CLIP)], ids=str
 )
@@ -50,7 +43,7 @@ def test_nvme_optimizer_and_params_equal_in_memory(tiny, tmp_path, optimizer):
         memory=PAGES,
     )
     result = train(config, tmp_path / "nvme", verbose=False)
-    assert_gpt_training_equal(result, ref, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, ref, build_model(config.model), check_tokens())
     redo = [r["optimizer_redo"] for r in result.records]
     assert 0 < redo[-1] < len(redo), redo  # clipping bound in some steps, not in all
     last = result.records[-1]
@@ -65,7 +58,7 @@ def test_ram_optimizer_tiers_equal_in_memory(tiny, tmp_path, tier):
     ref = train(tiny(optimizer=CLIP), tmp_path / "ref", verbose=False)
     config = tiny(optimizer=CLIP, offload=dict(mode="stream", optimizer=tier))
     result = train(config, tmp_path / tier, verbose=False)
-    assert_gpt_training_equal(result, ref, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, ref, build_model(config.model), check_tokens())
     assert result.records[-1]["nvme_bytes"] == 0
 
 
@@ -98,7 +91,7 @@ def test_host_budget_smaller_than_state_evicts_and_files_hold_true_state(tiny, t
     reference = InMemoryRuntime(ref_config)
     cached = runtime.host_plan.cached_stages
     assert 0 < len(cached) <= 3, cached  # the other stages are evicted to NVMe
-    batches = _batches(config, 4)
+    batches = training_batches(config, 4)
     for batch in batches:
         a, b = runtime.train_step(batch), reference.train_step(batch)
         np.testing.assert_allclose(a.loss, b.loss, rtol=1e-5)

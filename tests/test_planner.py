@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from equivalence import assert_gpt_training_equal
+from equivalence import assert_gpt_training_equal, check_tokens
 
 from hetjax import executor, launch, planner
 from hetjax.config import load_config
@@ -252,10 +252,6 @@ def test_local_profile_is_measured():
 # -- auto mode ---------------------------------------------------------------------------
 
 
-def _check_tokens():
-    return np.random.default_rng(7).integers(0, 256, (2, 16)).astype(np.int32)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     from conftest import tiny_config
@@ -286,7 +282,7 @@ def test_auto_trains_like_none(reference, tiny, tmp_path, memory, expect):
     if expect[1]:
         assert planned.offload.optimizer == expect[1]
     result = train(config, tmp_path, verbose=False)
-    assert_gpt_training_equal(result, reference, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
     if expect[0] == "stream":  # the executor's own plan agrees the placement fits
         rt = StreamingRuntime(planned)
         try:

@@ -9,6 +9,7 @@ from equivalence import (
     assert_gpt_training_equal,
     assert_trees_close,
     check_fp16_overflow_skips_then_trains,
+    check_tokens,
 )
 
 from hetjax import executor, timeline
@@ -18,10 +19,6 @@ from hetjax.nvme import PageStore
 from hetjax.placement import live_bytes_by_kind
 from hetjax.train import train
 from models import build_model
-
-
-def _check_tokens():
-    return np.random.default_rng(7).integers(0, 256, (2, 16)).astype(np.int32)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +54,7 @@ def reference(tmp_path_factory):
 def test_stream_equals_none(reference, tiny, tmp_path, offload):
     config = tiny(offload=offload)
     result = train(config, tmp_path, verbose=False)
-    assert_gpt_training_equal(result, reference, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
 
 
 def _nbytes(tree) -> int:
@@ -95,7 +92,7 @@ def test_nvme_checkpoints_equal_none(reference, tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(executor, "IO_READAHEAD", 1)
     config = tiny(offload=dict(mode="stream", activations="nvme"))
     result = train(config, tmp_path, verbose=False)
-    assert_gpt_training_equal(result, reference, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
     checkpoint = 4 * 16 * 32 * 4  # (B, T, D) fp32
     for r in result.records:
         assert r["nvme_write_bytes"] == checkpoint and r["nvme_read_bytes"] == checkpoint
@@ -121,7 +118,7 @@ def test_stream_equals_none_with_grad_accum(
         train=ACCUM, offload=dict(mode="stream", prefetch_depth=1, activations=activations)
     )
     result = train(config, tmp_path / "stream", verbose=False)
-    assert_gpt_training_equal(result, accum_reference, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, accum_reference, build_model(config.model), check_tokens())
 
 
 def test_nvme_checkpoints_are_files_and_change_nothing(tiny, tmp_path):

@@ -21,7 +21,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from equivalence import assert_gpt_training_equal, assert_trees_close, without_key_bias
+from equivalence import (
+    assert_gpt_training_equal,
+    assert_trees_close,
+    check_tokens,
+    without_key_bias,
+)
 
 from hetjax.config import ConfigError
 from hetjax.data import make_datasets
@@ -34,10 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CLIP = dict(grad_clip=2.0)  # binds in some of the 5 steps, not in others
 PAGES = dict(page_size="16KiB")
 ZERO = dict(mode="stream")
-
-
-def _check_tokens():
-    return np.random.default_rng(7).integers(0, 256, (2, 16)).astype(np.int32)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def reference4(tmp_path_factory):
 def test_zero3_on_4_devices_equals_single_device(reference4, tiny, tmp_path, offload):
     config = tiny(optimizer=CLIP, offload=offload, memory=PAGES, distributed=dict(data_parallel=4))
     result = train(config, tmp_path, verbose=False)
-    assert_gpt_training_equal(result, reference4, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, reference4, build_model(config.model), check_tokens())
     redo = [r["optimizer_redo"] for r in result.records]
     assert 0 < redo[-1] < len(redo), redo  # clipping bound in some steps, not in all
     last = result.records[-1]
@@ -72,7 +73,7 @@ def test_zero3_equals_plain_single_device_with_sgd(tiny, tmp_path):
     ref = train(tiny(optimizer=opt), tmp_path / "ref", verbose=False)
     config = tiny(optimizer=opt, offload=ZERO, memory=PAGES, distributed=dict(data_parallel=4))
     result = train(config, tmp_path / "zero", verbose=False)
-    assert_gpt_training_equal(result, ref, build_model(config.model), _check_tokens())
+    assert_gpt_training_equal(result, ref, build_model(config.model), check_tokens())
 
 
 def test_per_device_bytes_shrink_with_devices(tiny):
