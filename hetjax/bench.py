@@ -310,9 +310,10 @@ def _raw_disk_bandwidth(directory: Path, nbytes: int, block: int = 4 << 20) -> t
     return write, read
 
 
-def _tensorstore_bandwidth(directory: Path, nbytes: int, page: int) -> tuple[float, float]:
+def _tensorstore_bandwidth(directory: Path, nbytes: int, page: int) -> tuple[float, float, float]:
     """Write (until on disk: ``os.sync`` included) and cold-read GB/s of whole pages
-    through :class:`PageStore`, all requests in flight at once as the loop issues them.
+    through :class:`PageStore`, all requests in flight at once as the loop issues them;
+    and the write GB/s of the process's first pass.
 
     The write is timed in the steady state of training, which rewrites pages that exist:
     one untimed pass first writes every page, as start-up does. The first pass of a
@@ -338,7 +339,9 @@ def _tensorstore_bandwidth(directory: Path, nbytes: int, page: int) -> tuple[flo
             f.result()
         os.sync()
 
+    t0 = time.perf_counter()
     write_all()  # start-up's pass: the files exist from here on
+    first = nbytes / (time.perf_counter() - t0) / 1e9
     t0 = time.perf_counter()
     write_all()
     write = nbytes / (time.perf_counter() - t0) / 1e9
@@ -348,7 +351,7 @@ def _tensorstore_bandwidth(directory: Path, nbytes: int, page: int) -> tuple[flo
     for r in reads:
         r.result()
     read = nbytes / (time.perf_counter() - t0) / 1e9
-    return write, read
+    return write, read, first
 
 
 def _memory_bandwidth(n: int) -> float:
@@ -369,18 +372,20 @@ def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
     disk_bytes = (64 if quick else 1024) << 20
     page = 4 << 20
     raw_w, raw_r = _raw_disk_bandwidth(directory, disk_bytes)
-    ts_w, ts_r = _tensorstore_bandwidth(directory, disk_bytes, page)
+    ts_w, ts_r, first_w = _tensorstore_bandwidth(directory, disk_bytes, page)
     pad = " " * len(label)
     print(f"{label}disk, {disk_bytes >> 20} MiB in 4 MiB pages   GB/s write   GB/s read")
     print(f"{pad}raw O_DIRECT, sequential        {raw_w:>10.2f} {raw_r:>10.2f}")
     print(f"{pad}TensorStore PageStore            {ts_w:>10.2f} {ts_r:>10.2f}")
     print(f"{pad}achieved / raw                   {ts_w / raw_w:>10.2f} {ts_r / raw_r:>10.2f}")
+    print(f"{pad}(the process's first write pass, new files: {first_w:.2f} GB/s)")
     return {
         "disk_bytes": disk_bytes,
         "raw_write": raw_w,
         "raw_read": raw_r,
         "ts_write": ts_w,
         "ts_read": ts_r,
+        "ts_first_write": first_w,
         "write_vs_raw": ts_w / raw_w,
         "read_vs_raw": ts_r / raw_r,
     }
@@ -422,8 +427,50 @@ def bench_io(quick: bool) -> dict:
 
 
 def bench_optimizer(quick: bool) -> dict:
-    """Host optimizer params/s vs the memory-bandwidth bound measured in the same run."""
-    return _optimizer_rows(quick)
+    """Host optimizer params/s vs the memory-bandwidth bound measured in the same run,
+    and the update's output buffers compared (:func:`_output_buffer_rows`)."""
+    results = _optimizer_rows(quick)
+    results["output_buffers"] = _output_buffer_rows(quick)
+    return results
+
+
+def _output_buffer_rows(quick: bool) -> dict:
+    """M params/s of ``SlabOptimizer.update`` (AdamW, bf16 params) by where the new state
+    goes: fresh buffers, the generation before last (``spare``: state in RAM) or the
+    input buffers (``in_place``: a stage streamed from NVMe, here given as JAX arrays
+    so the copy from a read's numpy is not counted). Interleaved rounds in one process;
+    median and best."""
+    from hetjax.config import OptimizerConfig
+    from hetjax.host_optimizer import SlabOptimizer
+    from hetjax.pages import Leaf, SlabLayout
+    from hetjax.placement import Placement
+
+    n = (4 if quick else 32) << 20
+    layout = SlabLayout((Leaf(("w",), (n,), 0, n),), jax.tree.structure(0), (0,), n, n, 1 << 18)
+    opt = SlabOptimizer(
+        OptimizerConfig(), 100, {"s": layout}, Placement.single_device().optimizer, "bfloat16"
+    )
+    modes = ("fresh", "spare", "in place")
+    state = {m: opt.init("s", np.ones(n, np.float32)) for m in modes}
+    spare = opt.init("s", np.ones(n, np.float32))[0]
+    grad = np.full(n, 1e-3, np.float32)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for round_ in range(3 if quick else 6):
+        for m in modes:
+            kwargs = {"spare": spare} if m == "spare" else {"in_place": m == "in place"}
+            t0 = time.perf_counter()
+            slabs, scalars, pages = opt.update("s", *state[m], grad, (0.0, 0.0), **kwargs)
+            jax.block_until_ready((slabs, pages))
+            if round_:  # the first round compiles
+                times[m].append(time.perf_counter() - t0)
+            if m == "spare":
+                spare = state[m][0]
+            state[m] = (slabs, scalars)
+    rows = {m: (n / float(np.median(t)), n / min(t)) for m, t in times.items()}
+    print(f"optimizer output buffers ({n >> 20}M params, bf16 params): M params/s median / best")
+    for m, (median, best) in rows.items():
+        print(f"  {m:<9} {median / 1e6:>6.0f} / {best / 1e6:.0f}")
+    return {m: {"median_params_s": a, "best_params_s": b} for m, (a, b) in rows.items()}
 
 
 def _step_parts(runtime, batch) -> dict:
