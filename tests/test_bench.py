@@ -116,13 +116,24 @@ def test_plan_quick(tmp_path, capsys):
     """The planner's prediction and the measured step of the plan it made, one run."""
     out = tmp_path / "plan.json"
     assert main(["plan", "--quick", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())
-    for label, devices in (("tiny", 1), ("tiny dp2", 2)):  # dp2: ZeRO-3, a child process
-        row = rows[label]
-        assert row["devices"] == devices and row["plan"].startswith("stream"), row
-        assert row["predicted_s"] > 0 and math.isfinite(row["ratio"]), row
-        assert row["ratio"] == row["measured_s"] / row["predicted_s"]
+    row = json.loads(out.read_text())["tiny"]
+    _check_plan_row(row, 1)
     assert "predicted s" in capsys.readouterr().out
+
+
+def _check_plan_row(row: dict, devices: int) -> None:
+    assert row["devices"] == devices and row["plan"].startswith("stream"), row
+    assert row["predicted_s"] > 0 and math.isfinite(row["ratio"]), row
+    assert row["ratio"] == row["measured_s"] / row["predicted_s"]
+
+
+@pytest.mark.slow
+def test_plan_data_parallel_row():
+    """bench plan's ``tiny dp2`` row: ZeRO-3 on 2 virtual CPU devices, a child process."""
+    from hetjax.bench import _plan_row_on_cpu_devices
+
+    row = _plan_row_on_cpu_devices(2, "gpt_tiny", {"memory.device_budget": "88MiB"}, 4)
+    _check_plan_row(row, 2)
 
 
 def test_keep_quick(tmp_path, capsys):
