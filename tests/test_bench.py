@@ -14,6 +14,7 @@ def test_slabs_quick(tmp_path, capsys):
     assert "pages" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # 11-18 s warm, twice that with a cold compilation cache
 def test_overhead_quick(tmp_path, capsys):
     out = tmp_path / "overhead.json"
     assert main(["overhead", "--quick", "--out", str(out)]) == 0
@@ -72,6 +73,7 @@ def test_optimizer_quick(tmp_path, capsys):
     assert "achieved / bound" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # 11-18 s warm, twice that with a cold compilation cache
 def test_scale_quick(tmp_path, capsys):
     """Each size in a child process; the in-memory run stops at the first shape whose
     step needs more than the (tiny) device budget, the offloaded one trains it."""
@@ -102,6 +104,7 @@ def test_gpu_skips_without_gpu(tmp_path, capsys):
         assert result["stream"]["mfu"] > 0 and result["none"]["mfu"] > 0
 
 
+@pytest.mark.slow  # 11-18 s warm, twice that with a cold compilation cache
 def test_zero_quick(tmp_path, capsys):
     out = tmp_path / "zero.json"
     assert main(["zero", "--quick", "--out", str(out)]) == 0
