@@ -440,16 +440,10 @@ def _output_buffer_rows(quick: bool) -> dict:
     input buffers (``in_place``: a stage streamed from NVMe, here given as JAX arrays
     so the copy from a read's numpy is not counted). Interleaved rounds in one process;
     median and best."""
-    from hetjax.config import OptimizerConfig
-    from hetjax.host_optimizer import SlabOptimizer
-    from hetjax.pages import Leaf, SlabLayout
-    from hetjax.placement import Placement
+    from hetjax.hardware import slab_optimizer
 
     n = (4 if quick else 32) << 20
-    layout = SlabLayout((Leaf(("w",), (n,), 0, n),), jax.tree.structure(0), (0,), n, n, 1 << 18)
-    opt = SlabOptimizer(
-        OptimizerConfig(), 100, {"s": layout}, Placement.single_device().optimizer, "bfloat16"
-    )
+    opt = slab_optimizer(n, "bfloat16", page_elems=1 << 18)
     modes = ("fresh", "spare", "in place")
     state = {m: opt.init("s", np.ones(n, np.float32)) for m in modes}
     spare = opt.init("s", np.ones(n, np.float32))[0]

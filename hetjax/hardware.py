@@ -272,10 +272,9 @@ def measure_nvme(directory: Path, nbytes: int = 64 << 20, page: int = 4 << 20):
     return read, write
 
 
-def measure_optimizer(n: int = 1 << 22, compute_dtype: str = "float32") -> float:
-    """AdamW updates per second of the host optimizer (:class:`SlabOptimizer`, as the
-    update loop runs it: new state into the generation before last) on one
-    ``n``-element slab in RAM, refreshing ``compute_dtype`` params; best of a few."""
+def slab_optimizer(n: int, compute_dtype: str, page_elems: int = 1 << 20):
+    """The host optimizer (AdamW, default config) over one ``n``-element slab ``"s"``, all
+    of it weight-decayed, state in host RAM: what the optimizer benchmarks update."""
     import jax
 
     from hetjax.config import OptimizerConfig
@@ -283,13 +282,23 @@ def measure_optimizer(n: int = 1 << 22, compute_dtype: str = "float32") -> float
     from hetjax.pages import Leaf, SlabLayout
     from hetjax.placement import Placement
 
-    layout = SlabLayout((Leaf(("w",), (n,), 0, n),), jax.tree.structure(0), (0,), n, n, 1 << 20)
-    opt = SlabOptimizer(
+    layout = SlabLayout((Leaf(("w",), (n,), 0, n),), jax.tree.structure(0), (0,), n, n, page_elems)
+    return SlabOptimizer(
         OptimizerConfig(), 100, {"s": layout}, Placement.single_device().optimizer, compute_dtype
     )
-    state = opt.init("s", np.ones(layout.padded_size, np.float32))
-    spare = opt.init("s", np.ones(layout.padded_size, np.float32))[0]
-    grad = np.full(layout.padded_size, 1e-3, np.float32)
+
+
+def measure_optimizer(n: int = 1 << 22, compute_dtype: str = "float32") -> float:
+    """AdamW updates per second of the host optimizer (:class:`SlabOptimizer`, as the
+    update loop runs it: new state into the generation before last) on one
+    ``n``-element slab in RAM, refreshing ``compute_dtype`` params; best of a few."""
+    import jax
+
+    opt = slab_optimizer(n, compute_dtype)
+    size = opt.layouts["s"].padded_size
+    state = opt.init("s", np.ones(size, np.float32))
+    spare = opt.init("s", np.ones(size, np.float32))[0]
+    grad = np.full(size, 1e-3, np.float32)
 
     def update():  # the new state into the generation before last, as the loop does
         nonlocal state, spare
@@ -297,7 +306,7 @@ def measure_optimizer(n: int = 1 << 22, compute_dtype: str = "float32") -> float
         jax.block_until_ready((slabs, pages))
         state, spare = (slabs, scalars), state[0]
 
-    return layout.padded_size / _best_time(update, repeats=5)
+    return size / _best_time(update, repeats=5)
 
 
 def device_capacity() -> int:
