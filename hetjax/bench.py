@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from hetjax.config import Config, load_config
-from hetjax.hardware import drop_page_cache, measure_optimizer
+from hetjax.hardware import drop_page_cache, measure_optimizer, tune_host_allocator
 from hetjax.launch import MALLOC_ENV
 
 
@@ -354,16 +354,34 @@ def _tensorstore_bandwidth(directory: Path, nbytes: int, page: int) -> tuple[flo
     return write, read, first
 
 
-def _memory_bandwidth(n: int) -> float:
-    """Host memory GB/s of a streaming copy (bytes read + written), best of a few."""
-    a = np.ones(n, np.float32)
-    b = np.empty_like(a)
-    best = 0.0
-    for _ in range(5):
+class _Copy:
+    """A streaming copy of ``n`` fp32 by ``threads`` threads, each its own slice: the
+    host's memory bandwidth as GB/s of bytes read + written."""
+
+    def __init__(self, n: int, threads: int = 1):
+        import concurrent.futures
+
+        self.a = np.ones(n, np.float32)
+        self.b = np.empty_like(self.a)
+        edges = np.linspace(0, n, threads + 1).astype(int)
+        self.slices = [slice(lo, hi) for lo, hi in zip(edges[:-1], edges[1:], strict=True)]
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads)
+
+    def gbs(self) -> float:
         t0 = time.perf_counter()
-        np.copyto(b, a)
-        best = max(best, 2 * a.nbytes / (time.perf_counter() - t0))
-    return best / 1e9
+        list(self.pool.map(lambda s: np.copyto(self.b[s], self.a[s]), self.slices))
+        return 2 * self.a.nbytes / (time.perf_counter() - t0) / 1e9
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def _memory_bandwidth(n: int, threads: int = 1) -> float:
+    """Host memory GB/s of a streaming copy by ``threads`` threads, best of a few."""
+    copy = _Copy(n, threads)
+    best = max(copy.gbs() for _ in range(5))
+    copy.close()
+    return best
 
 
 def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
@@ -394,29 +412,91 @@ def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
 def _optimizer_rows(quick: bool, label: str = "") -> dict:
     """The host optimizer's params/s against the memory-bandwidth bound: AdamW moves
     28 B/param (read param, grad, m, v: 16; write param, m, v: 12), so the bound is the
-    measured copy bandwidth / 28. Measured refreshing bf16 params (the GPU compute dtype:
-    2 B/param more) and fp32 ones (4 more); the ratio is the bf16 one's."""
+    machine's copy bandwidth (all cores, as the update runs) / 28. Measured refreshing
+    bf16 params (the GPU compute dtype: 2 B/param more), for both kernels
+    (``optimizer.host_kernel``) and both ways the loop writes the new state: into the
+    generation before last (``spare``: state in RAM) and over a stage just read
+    (``in place``: state streamed from NVMe).
+
+    This VM's memory bandwidth drifts by tens of percent within a minute, so each round
+    times the copy and then every update, and a ratio is the median over rounds of the
+    round's rate / the round's bound. The headline is the run's kernel on the NVMe
+    tier's path (in place)."""
+    from hetjax.hardware import slab_optimizer
+    from hetjax.pages import aligned_concatenate
+
     n = (4 if quick else 32) << 20
-    bw = _memory_bandwidth(n)
+    cores = os.cpu_count() or 1
+    grad = aligned_concatenate([np.full(n, 1e-3, np.float32)])
+    runs = {}
+    for kernel in ("auto", "optax"):
+        opt = slab_optimizer(n, "bfloat16", page_elems=1 << 18, kernel=kernel)
+        name = "native" if opt.native else "optax"
+        if name in {k for k, _ in runs}:
+            continue  # auto fell back to optax
+        for mode in ("spare", "in place"):
+            state = opt.init("s", np.ones(n, np.float32))
+            spare = opt.init("s", np.ones(n, np.float32))[0] if mode == "spare" else None
+            runs[name, mode] = [opt, state, spare, []]
+    copy, copy1 = _Copy(n, cores), _Copy(n)
+    bws, bws1 = [], []
+    for _ in range(4 if quick else 10):
+        bws.append(max(copy.gbs(), copy.gbs()))
+        bws1.append(copy1.gbs())
+        for run in runs.values():
+            opt, state, spare, times = run
+            kwargs = {"spare": spare} if spare is not None else {"in_place": True}
+            t0 = time.perf_counter()
+            slabs, scalars, pages = opt.update("s", *state, grad, (0.0, 0.0), **kwargs)
+            jax.block_until_ready((slabs, pages))
+            times.append(time.perf_counter() - t0)
+            run[1:3] = (slabs, scalars), (state[0] if spare is not None else None)
+    copy.close()
+    copy1.close()
+    bws, bws1 = bws[1:], bws1[1:]  # the first round compiles
+    rows = {}
+    for key, run in runs.items():
+        rates = [n / t for t in run[3][1:]]
+        ratios = [r / (bw * 1e9 / 28) for r, bw in zip(rates, bws, strict=True)]
+        rows[key] = (float(np.median(rates)), max(rates), float(np.median(ratios)))
+    del runs
+    bw, bw1 = float(np.median(bws)), float(np.median(bws1))
     bound = bw * 1e9 / 28
-    rate = measure_optimizer(n, "bfloat16")
     rate32 = measure_optimizer(n, "float32")
     pad = " " * len(label)
     print(
-        f"{label}host optimizer (AdamW, {n >> 20}M-param slab): {rate / 1e6:.0f} M params/s "
-        f"refreshing bf16 params, {rate32 / 1e6:.0f} M fp32"
+        f"{label}host optimizer (AdamW, {n >> 20}M-param slab, bf16 params): memory "
+        f"{bw:.1f} GB/s on {cores} cores (median of rounds; {bw1:.1f} on one) -> bound "
+        f"{bound / 1e6:.0f} M params/s at 28 B/param"
     )
+    print(f"{pad}  kernel  writes to   M params/s median / best   rate / bound")
+    for (kernel, mode), (median, best, ratio) in rows.items():
+        print(
+            f"{pad}  {kernel:<7} {mode:<10} {median / 1e6:>10.0f} / {best / 1e6:<10.0f}"
+            f"{ratio:>10.2f}"
+        )
+    kernel = "native" if ("native", "in place") in rows else "optax"
+    rate, _, ratio = rows[kernel, "in place"]
     print(
-        f"{pad}memory {bw:.1f} GB/s -> bound {bound / 1e6:.0f} M params/s at 28 B/param; "
-        f"achieved / bound {rate / bound:.2f}"
+        f"{pad}achieved / bound {ratio:.2f} ({kernel}, in place: the NVMe tier's update); "
+        f"state in RAM {rows[kernel, 'spare'][2]:.2f}; fp32 params {rate32 / 1e6:.0f} M "
+        f"params/s"
     )
     return {
         "slab_params": n,
         "memory_gbs": bw,
+        "memory_gbs_one_thread": bw1,
         "bound_params_s": bound,
+        "kernel": kernel,
         "optimizer_params_s": rate,
+        "optimizer_ram_params_s": rows[kernel, "spare"][0],
         "optimizer_fp32_params_s": rate32,
-        "optimizer_vs_bound": rate / bound,
+        "optimizer_vs_bound": ratio,
+        "optimizer_ram_vs_bound": rows[kernel, "spare"][2],
+        "rows": {
+            f"{k} {m}": {"median": a, "best": b, "vs_bound": c}
+            for (k, m), (a, b, c) in rows.items()
+        },
     }
 
 
@@ -441,13 +521,14 @@ def _output_buffer_rows(quick: bool) -> dict:
     so the copy from a read's numpy is not counted). Interleaved rounds in one process;
     median and best."""
     from hetjax.hardware import slab_optimizer
+    from hetjax.pages import aligned_concatenate
 
     n = (4 if quick else 32) << 20
     opt = slab_optimizer(n, "bfloat16", page_elems=1 << 18)
     modes = ("fresh", "spare", "in place")
     state = {m: opt.init("s", np.ones(n, np.float32)) for m in modes}
     spare = opt.init("s", np.ones(n, np.float32))[0]
-    grad = np.full(n, 1e-3, np.float32)
+    grad = aligned_concatenate([np.full(n, 1e-3, np.float32)])
     times: dict[str, list[float]] = {m: [] for m in modes}
     for round_ in range(3 if quick else 6):
         for m in modes:
@@ -520,8 +601,11 @@ def _step_parts(runtime, batch) -> dict:
     }
     held = {n: (jax.device_put(s, opt.sharding), c) for n, (s, c) in held.items()}
     jax.block_until_ready(held)
-    t0 = time.perf_counter()
-    out = [opt.update(runtime.layout_name(n), *held[n], grads[n], (0.0, 0.0)) for n in names]
+    t0 = time.perf_counter()  # as the loop updates a stage read from NVMe: in place
+    out = [
+        opt.update(runtime.layout_name(n), *held[n], grads[n], (0.0, 0.0), in_place=True)
+        for n in names
+    ]
     jax.block_until_ready(out)
     optimizer = time.perf_counter() - t0
     return {"compute_s": compute, "optimizer_s": optimizer, "io_s": warm, "io_cold_s": cold}
@@ -1114,9 +1198,11 @@ def main(argv: list[str] | None = None) -> int:
         help="scale: start the offloaded sizes at this one (e.g. 72x1536)",
     )
     args = parser.parse_args(argv)
+    tuned = tune_host_allocator()  # as a training run does
     print(
         f"hetjax bench {args.name}: {jax.devices()[0].device_kind} "
-        f"({jax.devices()[0].platform}), jax {jax.__version__}"
+        f"({jax.devices()[0].platform}), jax {jax.__version__}, host allocator "
+        f"{'tuned' if tuned else 'untuned (HETJAX_MALLOC_TUNING=0 or not glibc)'}"
     )
     if args.start and args.name != "scale":
         parser.error("--from applies to the scale benchmark only")
@@ -1126,6 +1212,7 @@ def main(argv: list[str] | None = None) -> int:
         name=args.name,
         quick=args.quick,
         platform=jax.devices()[0].platform,
+        host_allocator_tuned=tuned,
         date=time.strftime("%Y-%m-%d"),
     )
     out = Path(args.out or f"runs/bench/{args.name}.json")

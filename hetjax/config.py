@@ -307,9 +307,20 @@ class OptimizerConfig:
     # backward run on params up to ``max_staleness`` steps old (hetjax/update_loop.py)
     mode: str = "sync"
     max_staleness: int = 1
+    # the host optimizer's kernel for adam/adamw: ``auto`` native when it builds, else
+    # optax; ``native`` (required) or ``optax`` (hetjax/native.py)
+    host_kernel: str = "auto"
 
     def __post_init__(self):
         _choice("optimizer", "name", self.name, OPTIMIZERS)
+        _choice("optimizer", "host_kernel", self.host_kernel, ("auto", "native", "optax"))
+        _check(
+            self.host_kernel != "native" or self.name in ("adam", "adamw"),
+            "optimizer.host_kernel",
+            f"must be auto or optax with optimizer.name={self.name} (native runs adam and "
+            "adamw only)",
+            self.host_kernel,
+        )
         _choice("optimizer", "mode", self.mode, ("sync", "lockfree"))
         _check(
             self.max_staleness >= 0, "optimizer.max_staleness", "must be >= 0", self.max_staleness

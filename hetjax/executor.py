@@ -50,9 +50,10 @@ from hetjax.activations import NvmeCheckpoints, staging_bytes
 from hetjax.checkpoint import MASTER, RuntimeState
 from hetjax.config import Config, ConfigError, format_bytes
 from hetjax.gradients import GradientStore
+from hetjax.hardware import tune_host_allocator
 from hetjax.host_optimizer import SlabOptimizer
 from hetjax.nvme import check_nvme_path
-from hetjax.pages import SlabLayout
+from hetjax.pages import SlabLayout, aligned_concatenate
 from hetjax.placement import Placement
 from hetjax.state_store import (
     DeviceParamStore,
@@ -357,6 +358,7 @@ class StreamingRuntime:
     page_multiple = 1  # stage slabs pad to a multiple of this many pages
 
     def __init__(self, config: Config, probe=None, workdir: str | Path | None = None):
+        tune_host_allocator()
         self.config = config
         self.model = build_model(config.model)
         self.place = self._placement()
@@ -737,8 +739,9 @@ class StreamingRuntime:
         return jax.device_put(rows, self.place.device)
 
     def _host_slab(self, grad) -> np.ndarray:
-        """A gradient on the host (its pages) -> this process's flat fp32 numpy slab."""
-        return np.concatenate([np.asarray(p) for p in grad])
+        """A gradient on the host (its pages) -> this process's flat fp32 numpy slab,
+        aligned so the host optimizer reads it without a copy."""
+        return aligned_concatenate(grad)
 
     def _sum_over_processes(self, value: float) -> float:
         return value

@@ -189,6 +189,31 @@ def get_profile(name: str, nvme_path: str | Path | None = None, dtype: str = "fl
 # -- measuring this machine --------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1)
+def tune_host_allocator() -> bool:
+    """Keeps freed host memory in the process for reuse (glibc ``mallopt``: no ``mmap``
+    per large block, no trimming), as PyTorch's caching allocator does for its tensors.
+
+    XLA's CPU buffers come from ``malloc``; glibc serves large blocks by fresh ``mmap``
+    and unmaps them when freed, so every new buffer (the optimizer's refreshed pages,
+    activations, transfers on the CPU backend) pays a page fault per 4 KiB. The host
+    optimizer's pages alone took ~10k faults per 32M-param update: 1.8x its rate with
+    state streamed from NVMe (``bench optimizer``, README). Called when a runtime
+    starts; ``HETJAX_MALLOC_TUNING=0`` turns it off. Returns whether it applied."""
+    import ctypes
+    import platform
+
+    if os.environ.get("HETJAX_MALLOC_TUNING", "1") == "0" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    limit = 1 << 30  # blocks above 1 GiB are still mapped and unmapped
+    return bool(mallopt(m_mmap_threshold, limit)) and bool(mallopt(m_trim_threshold, limit))
+
+
 def _mem_available() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -272,9 +297,10 @@ def measure_nvme(directory: Path, nbytes: int = 64 << 20, page: int = 4 << 20):
     return read, write
 
 
-def slab_optimizer(n: int, compute_dtype: str, page_elems: int = 1 << 20):
-    """The host optimizer (AdamW, default config) over one ``n``-element slab ``"s"``, all
-    of it weight-decayed, state in host RAM: what the optimizer benchmarks update."""
+def slab_optimizer(n: int, compute_dtype: str, page_elems: int = 1 << 20, kernel: str = "auto"):
+    """The host optimizer (AdamW, default config, ``optimizer.host_kernel=kernel``) over
+    one ``n``-element slab ``"s"``, all of it weight-decayed, state in host RAM: what the
+    optimizer benchmarks update."""
     import jax
 
     from hetjax.config import OptimizerConfig
@@ -284,21 +310,28 @@ def slab_optimizer(n: int, compute_dtype: str, page_elems: int = 1 << 20):
 
     layout = SlabLayout((Leaf(("w",), (n,), 0, n),), jax.tree.structure(0), (0,), n, n, page_elems)
     return SlabOptimizer(
-        OptimizerConfig(), 100, {"s": layout}, Placement.single_device().optimizer, compute_dtype
+        OptimizerConfig(host_kernel=kernel),
+        100,
+        {"s": layout},
+        Placement.single_device().optimizer,
+        compute_dtype,
     )
 
 
 def measure_optimizer(n: int = 1 << 22, compute_dtype: str = "float32") -> float:
     """AdamW updates per second of the host optimizer (:class:`SlabOptimizer`, as the
-    update loop runs it: new state into the generation before last) on one
-    ``n``-element slab in RAM, refreshing ``compute_dtype`` params; best of a few."""
+    update loop runs it: new state into the generation before last, the gradient an
+    aligned slab as the executor hands it over) on one ``n``-element slab in RAM,
+    refreshing ``compute_dtype`` params; best of a few."""
     import jax
+
+    from hetjax.pages import aligned_concatenate
 
     opt = slab_optimizer(n, compute_dtype)
     size = opt.layouts["s"].padded_size
     state = opt.init("s", np.ones(size, np.float32))
     spare = opt.init("s", np.ones(size, np.float32))[0]
-    grad = np.full(size, 1e-3, np.float32)
+    grad = aligned_concatenate([np.full(size, 1e-3, np.float32)])
 
     def update():  # the new state into the generation before last, as the loop does
         nonlocal state, spare

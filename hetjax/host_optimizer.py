@@ -32,9 +32,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+from hetjax import native
 from hetjax.config import OptimizerConfig
-from hetjax.optim import base_optimizer
+from hetjax.optim import base_optimizer, learning_rate_schedule
 from hetjax.pages import SlabLayout
 
 F32 = jnp.float32
@@ -89,6 +91,17 @@ def _state_slots(tx) -> tuple[list[_Slot], Any]:
     return slots, treedef
 
 
+def _find(state, cls):
+    """The one ``cls`` node (an optax state) in ``state``."""
+    found = [
+        x
+        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, cls))
+        if isinstance(x, cls)
+    ]
+    assert len(found) == 1, (cls, state)
+    return found[0]
+
+
 class SlabOptimizer:
     """The configured optax optimizer over stage slabs, jitted where the state lives.
 
@@ -113,6 +126,9 @@ class SlabOptimizer:
         )
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.tx = base_optimizer(cfg, total_steps, mask=(True, False))
+        self._lr = learning_rate_schedule(cfg, total_steps)
+        platform = next(iter(sharding.device_set)).platform
+        self.native = native.use_native(cfg.host_kernel, cfg.name, platform)
         self._slots, self._treedef = _state_slots(self.tx)
         state_kinds = list(dict.fromkeys(s.kind for s in self._slots if s.kind))
         self.kinds = [MASTER, *state_kinds]  # every slab kind, master first
@@ -122,10 +138,12 @@ class SlabOptimizer:
         # time on the CPU backend, measured with ``bench optimizer``): ``_update_into``
         # writes the new state into ``spare`` (a dead generation of the same slabs),
         # ``_update_in_place`` into the input slabs themselves (a fresh NVMe read).
-        update = functools.partial(jax.jit, static_argnums=(5, 6), out_shardings=sharding)
+        update = functools.partial(jax.jit, static_argnums=(5, 6, 7), out_shardings=sharding)
         self._update = update(self._update_chunk)
         self._update_into = update(self._update_chunk, donate_argnums=1, keep_unused=True)
-        self._update_in_place = update(self._update_chunk, donate_argnums=0)
+        self._update_in_place = functools.partial(
+            update(self._update_chunk, donate_argnums=0), aliased=True
+        )
         self._cast = jax.jit(self._cast_pages, static_argnums=1, out_shardings=sharding)
 
     # -- state <-> slabs ----------------------------------------------------------------
@@ -159,7 +177,9 @@ class SlabOptimizer:
         slabs = {MASTER: master, **slabs}
         return {k: self._split(v, layout_name) for k, v in slabs.items()}, scalars
 
-    def _update_chunk(self, slabs, spare, scalars, grad, clip, num_decay: int, page_elems: int):
+    def _update_chunk(
+        self, slabs, spare, scalars, grad, clip, num_decay: int, page_elems: int, aliased=False
+    ):
         del spare  # only its buffers are used: the outputs alias them (donated)
         slabs, scalars, grad, clip = jax.device_put((slabs, scalars, grad, clip), self._compute)
         norm, max_norm = clip  # max_norm 0: no clipping
@@ -167,6 +187,8 @@ class SlabOptimizer:
         # division into the three consumers of the clipped gradient, so that form costs a
         # pass of its own over the chunk (equal to within one rounding).
         scale = jnp.where((max_norm == 0) | (norm < max_norm), 1.0, max_norm / norm)
+        if self.native:
+            return self._native_chunk(slabs, scalars, grad, scale, num_decay, page_elems, aliased)
         clipped = grad * scale.astype(grad.dtype)
         master = slabs[MASTER]
         params = (master[:num_decay], master[num_decay:])
@@ -180,6 +202,43 @@ class SlabOptimizer:
         step = page_elems
         pages = [new[k : k + step].astype(self.compute_dtype) for k in range(0, new.shape[0], step)]
         return {MASTER: new, **new_slabs}, new_scalars, pages
+
+    def _native_chunk(self, slabs, scalars, grad, scale, num_decay, page_elems, aliased):
+        """``_update_chunk`` by the native kernel (``native.py``): optax computes the new
+        scalars (step counts) on empty slabs; the kernel gets the step's coefficients
+        as optax derives them and updates the chunk in one pass. ``aliased``: the
+        results overwrite the operands (an update in place)."""
+        empty = {k: v[:0] for k, v in slabs.items()}
+        state = self._assemble(empty, scalars, 0)
+        _, new_state = self.tx.update((grad[:0], grad[:0]), state, (grad[:0], grad[:0]))
+        _, new_scalars = self._disassemble(new_state)
+        adam = _find(state, optax.ScaleByAdamState)
+        count = optax.safe_increment(adam.count)  # as scale_by_adam's bias correction
+        bias1, bias2 = (1 - b**count for b in (self.cfg.b1, self.cfg.b2))
+        lr_count = _find(state, optax.ScaleByScheduleState).count
+        step = -1 * self._lr(lr_count)  # scale_by_learning_rate's step size
+        c = self.cfg
+        coef = [scale, 1 - c.b1, c.b1, 1 - c.b2, c.b2, bias1, bias2, c.eps, 0.0, step]
+        coef = jnp.stack([jnp.asarray(x, F32) for x in coef])
+        n = grad.shape[0]
+        f32 = jax.ShapeDtypeStruct((n,), F32)
+        page = jax.ShapeDtypeStruct((page_elems,), self.compute_dtype)
+        call = jax.ffi.ffi_call(
+            native.TARGET,
+            (f32, f32, f32) + (page,) * (n // page_elems),
+            input_output_aliases={0: 0, 1: 1, 2: 2} if aliased else None,
+        )
+        decay = c.weight_decay if c.name == "adamw" else 0.0
+        out = call(
+            slabs[MASTER],
+            slabs["mu"],
+            slabs["nu"],
+            grad,
+            coef,
+            num_decay=np.int64(num_decay if decay else 0),
+            weight_decay=np.float32(decay),
+        )
+        return {MASTER: out[0], "mu": out[1], "nu": out[2]}, new_scalars, list(out[3:])
 
     def _cast_pages(self, master, layout_name: str):
         master = jnp.concatenate(jax.device_put(list(master), self._compute))
@@ -246,7 +305,13 @@ class SlabOptimizer:
             spares = [{k: spare[k][c] for k in self.kinds} for c in range(len(bounds))]
         clip_arr = (np.float32(clip[0]), np.float32(clip[1]))
         if not isinstance(grad, jax.Array):
+            # Each chunk put explicitly: shared with JAX when aligned (the executor's
+            # slabs are, ``pages.aligned_concatenate``), where a numpy argument to the
+            # jitted update would be copied.
             grad = np.asarray(grad, np.float32)
+            grad = jax.device_put([grad[a:b] for a, b in bounds], self.sharding)
+        else:
+            grad = [grad[a:b] for a, b in bounds]
         new: dict[str, list] = {k: [] for k in self.kinds}
         pages: list[jax.Array] = []
         new_scalars = scalars
@@ -256,7 +321,7 @@ class SlabOptimizer:
                 {k: chunked[k][c] for k in self.kinds},
                 spares[c],
                 scalars,
-                grad[a:b],
+                grad[c],
                 clip_arr,
                 num_decay,
                 layout.page_elems,

@@ -27,6 +27,24 @@ import numpy as np
 from hetjax.optim import weight_decay_mask
 
 MASTER_ITEMSIZE = 4  # pages are sized by fp32 master state
+HOST_ALIGN = 64  # bytes: a numpy array this aligned is shared with JAX, not copied
+
+
+def aligned_concatenate(arrays: list) -> np.ndarray:
+    """``np.concatenate(arrays)`` (1-D) into a buffer aligned to ``HOST_ALIGN`` bytes.
+
+    On the CPU backend ``jax.device_put`` shares an aligned numpy buffer instead of
+    copying it (a copy costs its bytes twice in memory traffic plus fresh pages); numpy's
+    own allocations are only 16-byte aligned. Host gradient slabs are built here so the
+    host optimizer reads them in place: 1.4x its rate with state in RAM (``bench
+    optimizer``, README)."""
+    arrays = [np.asarray(a).reshape(-1) for a in arrays]
+    dtype = np.result_type(*arrays)
+    n = sum(a.size for a in arrays)
+    raw = np.empty(n * dtype.itemsize + HOST_ALIGN, np.uint8)
+    skip = -raw.ctypes.data % HOST_ALIGN
+    out = raw[skip : skip + n * dtype.itemsize].view(dtype)
+    return np.concatenate(arrays, out=out)
 
 
 @dataclasses.dataclass(frozen=True)

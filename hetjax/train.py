@@ -35,6 +35,7 @@ from hetjax.checkpoint import (
 )
 from hetjax.config import Config, ConfigError
 from hetjax.data import make_datasets
+from hetjax.hardware import tune_host_allocator
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, step_record
 from hetjax.optim import build_optimizer
 from models import build_model
@@ -340,6 +341,7 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
 
     With checkpoints in ``workdir`` (``checkpoint.resume=auto``) the run continues from
     the newest complete one. ``losses`` holds the steps this call ran."""
+    tune_host_allocator()
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     t, ck = config.train, config.checkpoint

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec, SingleDeviceSharding
 from hetjax.config import Config
 from hetjax.distributed import DATA_AXIS, data_mesh
 from hetjax.executor import F32, StreamingRuntime
-from hetjax.pages import SlabLayout
+from hetjax.pages import SlabLayout, aligned_concatenate
 from hetjax.placement import Placement, ShardedPlacement
 from hetjax.state_store import flat
 
@@ -164,7 +164,7 @@ class ZeroRuntime(StreamingRuntime):
 
     def _host_slab(self, grad: jax.Array) -> np.ndarray:
         shards = sorted(grad.addressable_shards, key=lambda s: s.index[0].start or 0)
-        return np.concatenate([np.asarray(s.data).reshape(-1) for s in shards])
+        return aligned_concatenate([s.data for s in shards])
 
     def _sum_over_processes(self, value: float) -> float:
         if jax.process_count() == 1:

@@ -1,0 +1,192 @@
+// One pass of Adam / AdamW over a chunk of a stage slab: the host optimizer's kernel.
+//
+// XLA's CPU backend compiles optax's AdamW into three loop fusions (mu, nu, params) and
+// a cast, so every parameter's bytes cross memory about 46 times where one pass needs
+// 30 (read master, mu, nu, grad; write master, mu, nu and the compute-dtype copy). This
+// kernel is that one pass, split over XLA's intra-op thread pool. It computes optax's
+// formulas in optax's operation order in float32; the compiler contracts multiply-adds
+// as XLA does, so mu and nu equal optax's jitted update bit for bit and the params to
+// within a few ulps (tests/test_native.py). Built on first use by hetjax/native.py.
+//
+// Operands: master, mu, nu, grad (f32[n]) and coef (f32[10]):
+//   [clip scale, 1 - b1, b1, 1 - b2, b2, bias correction 1, bias correction 2, eps,
+//    eps_root, step size (-lr)]
+// Attributes: num_decay (elements [0, num_decay) get weight decay), weight_decay.
+// Results: master, mu, nu (f32[n]) and the new params in the compute dtype (f32, bf16
+// or f16) as n / page_elems pages.
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <condition_variable>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline uint16_t to_bf16(float x) {  // round to nearest even, as XLA's convert
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline uint16_t to_f16(float x) {
+  _Float16 h = static_cast<_Float16>(x);
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+
+struct Coef {
+  float scale, c1, b1, c2, b2, bc1, bc2, eps, eps_root, step, wd;
+};
+
+template <int kKind>
+inline void store(void* out, int64_t j, float x) {
+  if constexpr (kKind == 0) {
+    static_cast<float*>(out)[j] = x;
+  } else if constexpr (kKind == 1) {
+    static_cast<uint16_t*>(out)[j] = to_bf16(x);
+  } else {
+    static_cast<uint16_t*>(out)[j] = to_f16(x);
+  }
+}
+
+// Elements [lo, hi) of one page, all decayed or none: a branch-free loop the compiler
+// vectorizes. ``out`` is the page's compute-dtype array, from element ``base``.
+// The results may be the operands themselves (an update in place): element i reads
+// and writes index i only, so the loop has no dependence between iterations (ivdep).
+template <int kKind, bool kDecay>
+void adam_loop(const Coef& c, const float* p, const float* m, const float* v, const float* g,
+               float* po, float* mo, float* vo, void* out, int64_t base, int64_t lo,
+               int64_t hi) {
+#pragma GCC ivdep
+  for (int64_t i = lo; i < hi; ++i) {
+    const float gi = g[i] * c.scale;
+    const float mi = c.c1 * gi + c.b1 * m[i];
+    const float vi = c.c2 * (gi * gi) + c.b2 * v[i];
+    float u = (mi / c.bc1) / (std::sqrt(vi / c.bc2 + c.eps_root) + c.eps);
+    if constexpr (kDecay) u = u + c.wd * p[i];
+    const float pi = p[i] + c.step * u;
+    mo[i] = mi;
+    vo[i] = vi;
+    po[i] = pi;
+    store<kKind>(out, i - base, pi);
+  }
+}
+
+struct Chunk {
+  const float *p, *m, *v, *g;
+  float *po, *mo, *vo;
+  void* const* pages;
+  int64_t page, num_decay;
+};
+
+// Elements [lo, hi) of the chunk, page by page, split at num_decay.
+template <int kKind>
+void adam_range(const Coef& c, const Chunk& k, int64_t lo, int64_t hi) {
+  while (lo < hi) {
+    const int64_t page = lo / k.page;
+    int64_t end = std::min(hi, (page + 1) * k.page);
+    const bool decay = lo < k.num_decay;
+    if (decay) end = std::min(end, k.num_decay);
+    auto loop = decay ? adam_loop<kKind, true> : adam_loop<kKind, false>;
+    loop(c, k.p, k.m, k.v, k.g, k.po, k.mo, k.vo, k.pages[page], page * k.page, lo, end);
+    lo = end;
+  }
+}
+
+void adam_range(int kind, const Coef& c, const Chunk& k, int64_t lo, int64_t hi) {
+  if (kind == 0) adam_range<0>(c, k, lo, hi);
+  else if (kind == 1) adam_range<1>(c, k, lo, hi);
+  else adam_range<2>(c, k, lo, hi);
+}
+
+ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> m,
+                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> g,
+                    ffi::Buffer<ffi::F32> coef, ffi::ResultBuffer<ffi::F32> po,
+                    ffi::ResultBuffer<ffi::F32> mo, ffi::ResultBuffer<ffi::F32> vo,
+                    ffi::RemainingRets pages, int64_t num_decay, float weight_decay) {
+  const int64_t n = p.element_count();
+  if (m.element_count() != n || v.element_count() != n || g.element_count() != n ||
+      coef.element_count() != 10) {
+    return ffi::Error::InvalidArgument("hetjax adam: operand sizes differ");
+  }
+  const size_t num_pages = pages.size();
+  if (num_pages == 0 || num_pages > 4096) {
+    return ffi::Error::InvalidArgument("hetjax adam: 1 to 4096 pages");
+  }
+  void* page_data[4096];
+  int out_kind = -1;
+  int64_t page = 0;
+  for (size_t k = 0; k < num_pages; ++k) {
+    auto r = pages.get<ffi::AnyBuffer>(k);
+    if (!r.has_value()) return r.error();
+    ffi::AnyBuffer b = **r;
+    int kind = b.element_type() == ffi::DataType::F32    ? 0
+               : b.element_type() == ffi::DataType::BF16 ? 1
+               : b.element_type() == ffi::DataType::F16  ? 2
+                                                         : -1;
+    if (kind < 0 || (out_kind >= 0 && kind != out_kind)) {
+      return ffi::Error::InvalidArgument("hetjax adam: pages must be f32, bf16 or f16");
+    }
+    if (k == 0) page = static_cast<int64_t>(b.element_count());
+    if (static_cast<int64_t>(b.element_count()) != page) {
+      return ffi::Error::InvalidArgument("hetjax adam: pages of different sizes");
+    }
+    out_kind = kind;
+    page_data[k] = b.untyped_data();
+  }
+  if (page * static_cast<int64_t>(num_pages) != n) {
+    return ffi::Error::InvalidArgument("hetjax adam: pages do not cover the chunk");
+  }
+  const float* k = coef.typed_data();
+  const Coef c{k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], weight_decay};
+  const Chunk chunk{p.typed_data(),   m.typed_data(),   v.typed_data(),
+                    g.typed_data(),   po->typed_data(), mo->typed_data(),
+                    vo->typed_data(), page_data,        page,
+                    num_decay};
+
+  // Split over the intra-op pool: parts of whole cache lines, the last one run here.
+  int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n / 65536));
+  const int64_t step = ((n + parts - 1) / parts + 15) / 16 * 16;
+  parts = (n + step - 1) / step;
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t left = parts - 1;
+  for (int64_t t = 0; t + 1 < parts; ++t) {
+    const int64_t lo = t * step, hi = std::min(n, lo + step);
+    pool.Schedule([&, lo, hi] {
+      adam_range(out_kind, c, chunk, lo, hi);
+      std::lock_guard<std::mutex> lock(mu);
+      if (--left == 0) cv.notify_one();
+    });
+  }
+  adam_range(out_kind, c, chunk, (parts - 1) * step, n);
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return left == 0; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HetjaxAdam, AdamImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("num_decay")
+                                  .Attr<float>("weight_decay"));

@@ -1,0 +1,125 @@
+"""The host optimizer's native Adam/AdamW kernel: built on first use, cached, optional.
+
+XLA's CPU backend runs optax's AdamW over a slab as three loop fusions and a cast, about
+46 bytes of memory traffic per parameter where one pass needs 30; the update is memory
+bound, so that is most of its time. ``csrc/adam.cc`` is the one pass, an XLA FFI custom
+call (the way DeepSpeed ships a C++ CPU Adam). It is compiled here with the system's C++
+compiler against the FFI headers jaxlib ships, once per machine, source and jaxlib
+version, into ``$HETJAX_CACHE`` (default ``~/.cache/hetjax``), and registered with JAX.
+
+``optimizer.host_kernel`` chooses: ``auto`` (the default) uses the kernel for adam and
+adamw when it builds and falls back to optax with a warning when it does not (no
+compiler); ``native`` requires it; ``optax`` never uses it. Speed: ``python -m
+hetjax.bench optimizer`` (README).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+TARGET = "hetjax_adam"
+SOURCE = Path(__file__).parent / "csrc" / "adam.cc"
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w"]
+
+
+class NativeKernelError(RuntimeError):
+    """The native kernel could not be built or loaded; the message says why."""
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HETJAX_CACHE") or Path.home() / ".cache" / "hetjax") / "native"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build() -> Path:
+    import jax
+
+    compiler = _compiler()
+    if compiler is None:
+        raise NativeKernelError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode()):
+        key.update(part)
+    key.update(f"{jax.__version__} {platform.machine()} {_cpu_signature()}".encode())
+    lib = cache_dir() / f"libhetjax_adam-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    # Compiled beside its final name and renamed: a concurrent build (another process)
+    # or an interrupted one never leaves a half-written library under that name.
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NativeKernelError(
+                f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}"
+            )
+        os.replace(out, lib)
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> None:
+    """Builds (or finds in the cache) and registers the kernel; raises
+    :class:`NativeKernelError` saying why when it cannot."""
+    import ctypes
+
+    import jax
+
+    lib = _build()
+    try:
+        handle = ctypes.cdll.LoadLibrary(str(lib))
+    except OSError as e:
+        raise NativeKernelError(f"loading {lib}: {e}") from e
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.HetjaxAdam), platform="cpu")
+
+
+@functools.lru_cache(maxsize=1)
+def _auto_available() -> bool:
+    try:
+        load()
+    except (NativeKernelError, OSError) as e:
+        warnings.warn(
+            f"hetjax: the native Adam kernel is not used ({e}); optax runs instead", stacklevel=3
+        )
+        return False
+    return True
+
+
+def use_native(choice: str, optimizer: str, platform_name: str) -> bool:
+    """Whether an optimizer over state on ``platform_name`` runs the native kernel:
+    ``choice`` is ``optimizer.host_kernel``, ``optimizer`` the optimizer's name (the
+    config allows ``native`` for adam and adamw only). The kernel is the host's: state
+    cached on a GPU (``offload.optimizer_device_stages``) is updated by optax there."""
+    if choice == "optax" or optimizer not in ("adam", "adamw") or platform_name != "cpu":
+        return False
+    if choice == "native":
+        load()
+        return True
+    return _auto_available()

@@ -1,0 +1,103 @@
+"""The host optimizer's native Adam/AdamW kernel (hetjax/native.py, csrc/adam.cc): the
+same update as optax's over slabs, in every output-buffer mode and compute dtype; the
+build's cache and its failures; the config's choice."""
+
+import numpy as np
+import pytest
+
+from hetjax import native
+from hetjax.config import ConfigError, OptimizerConfig
+from hetjax.host_optimizer import SlabOptimizer
+from hetjax.pages import Leaf, SlabLayout, aligned_concatenate
+from hetjax.placement import Placement
+
+needs_compiler = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler")
+
+N = 3 * 8192  # three chunks of two pages each (CHUNK_ELEMS patched below)
+PAGE = 4096
+
+
+def _optimizers(name, dtype, monkeypatch):
+    import hetjax.host_optimizer
+
+    monkeypatch.setattr(hetjax.host_optimizer, "CHUNK_ELEMS", 2 * PAGE)
+    # Decay ends inside the second chunk, inside a page.
+    layout = SlabLayout((Leaf(("w",), (N,), 0, N),), None, (0,), 8192 + 1000, N, PAGE)
+    host = Placement.single_device().optimizer
+    cfg = dict(name=name, lr=1e-2, warmup_steps=2)
+    return [
+        SlabOptimizer(OptimizerConfig(host_kernel=k, **cfg), 10, {"s": layout}, host, dtype)
+        for k in ("optax", "native")
+    ]
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["adamw", "adam"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("mode", ["fresh", "spare", "in place"])
+def test_native_kernel_equals_optax(monkeypatch, name, dtype, mode):
+    """Four steps, the second clipped (global norm above max): master, mu, nu and the
+    compute-dtype pages of the native kernel equal optax's jitted update to float32
+    rounding; the step counts exactly."""
+    optimizers = _optimizers(name, dtype, monkeypatch)
+    assert [o.native for o in optimizers] == [False, True]
+    rng = np.random.default_rng(1)
+    master = rng.normal(size=N).astype(np.float32)
+    grads = [aligned_concatenate([rng.normal(size=N).astype(np.float32)]) for _ in range(4)]
+    results = []
+    for opt in optimizers:
+        state, spare = opt.init("s", master), opt.init("s", master)[0]
+        for step, grad in enumerate(grads):
+            clip = (8.0, 2.0) if step == 1 else (8.0, 0.0)
+            kwargs = {"spare": spare} if mode == "spare" else {"in_place": mode == "in place"}
+            slabs, scalars, pages = opt.update("s", *state, grad, clip, **kwargs)
+            spare, state = state[0], (slabs, scalars)
+        slabs = {k: np.concatenate([np.asarray(c) for c in v]) for k, v in state[0].items()}
+        pages = np.concatenate([np.asarray(p, np.float32) for p in pages])
+        results.append((slabs, [int(s) for s in state[1]], pages))
+    (ref, ref_counts, ref_pages), (got, counts, got_pages) = results
+    assert counts == ref_counts
+    assert sorted(got) == sorted(ref)
+    for kind in ref:
+        np.testing.assert_allclose(got[kind], ref[kind], rtol=2e-6, atol=1e-7, err_msg=kind)
+    assert not np.array_equal(ref["master"], master)  # it moved
+    eps = float(np.finfo(np.dtype(dtype) if dtype != "bfloat16" else np.float32).eps)
+    eps = 2**-7 if dtype == "bfloat16" else eps
+    np.testing.assert_allclose(got_pages, ref_pages, rtol=eps, atol=1e-6)
+    np.testing.assert_allclose(got_pages, got["master"], rtol=eps, atol=1e-6)
+
+
+@needs_compiler
+def test_build_is_cached_and_a_failed_build_is_clear(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETJAX_CACHE", str(tmp_path / "cache"))
+    lib = native._build()
+    assert lib.is_file() and lib.parent == tmp_path / "cache" / "native"
+    stamp = lib.stat().st_mtime_ns
+    assert native._build() == lib and lib.stat().st_mtime_ns == stamp  # not rebuilt
+
+    monkeypatch.setenv("HETJAX_CACHE", str(tmp_path / "other"))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
+    with pytest.raises(native.NativeKernelError, match="compiling adam.cc failed"):
+        native._build()
+    assert list((tmp_path / "other" / "native").iterdir()) == []  # nothing half-written
+
+
+def test_auto_falls_back_to_optax_with_a_warning(monkeypatch):
+    def broken():
+        raise native.NativeKernelError("no C++ compiler found")
+
+    monkeypatch.setattr(native, "load", broken)
+    with pytest.warns(UserWarning, match="optax runs instead"):
+        assert native._auto_available.__wrapped__() is False
+    with pytest.raises(native.NativeKernelError, match="no C\\+\\+ compiler"):
+        native.use_native("native", "adamw", "cpu")
+    assert native.use_native("optax", "adamw", "cpu") is False
+    assert native.use_native("auto", "lion", "cpu") is False
+    assert native.use_native("native", "adamw", "gpu") is False  # device-cached state
+
+
+def test_native_for_other_optimizers_is_a_config_error():
+    with pytest.raises(ConfigError, match="optimizer.host_kernel.*auto or optax.*lion"):
+        OptimizerConfig(name="lion", host_kernel="native")
+    with pytest.raises(ConfigError, match="host_kernel"):
+        OptimizerConfig(host_kernel="avx")
