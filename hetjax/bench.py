@@ -1202,7 +1202,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"hetjax bench {args.name}: {jax.devices()[0].device_kind} "
         f"({jax.devices()[0].platform}), jax {jax.__version__}, host allocator "
-        f"{'tuned' if tuned else 'untuned (HETJAX_MALLOC_TUNING=0 or not glibc)'}"
+        f"{'keeps freed blocks' if tuned else 'not tuned (HETJAX_MALLOC or MALLOC_* set)'}"
     )
     if args.start and args.name != "scale":
         parser.error("--from applies to the scale benchmark only")

@@ -358,7 +358,7 @@ class StreamingRuntime:
     page_multiple = 1  # stage slabs pad to a multiple of this many pages
 
     def __init__(self, config: Config, probe=None, workdir: str | Path | None = None):
-        tune_host_allocator()
+        tune_host_allocator(bounded=bool(config.memory.host_budget))
         self.config = config
         self.model = build_model(config.model)
         self.place = self._placement()

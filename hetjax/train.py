@@ -341,7 +341,7 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
 
     With checkpoints in ``workdir`` (``checkpoint.resume=auto``) the run continues from
     the newest complete one. ``losses`` holds the steps this call ran."""
-    tune_host_allocator()
+    tune_host_allocator(bounded=bool(config.memory.host_budget))
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     t, ck = config.train, config.checkpoint
