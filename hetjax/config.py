@@ -307,6 +307,10 @@ class OptimizerConfig:
     # backward run on params up to ``max_staleness`` steps old (hetjax/update_loop.py)
     mode: str = "sync"
     max_staleness: int = 1
+    # sync mode with clipping: ``adaptive`` updates during backward as if clipping did not
+    # bind unless it bound in the step before (then after backward, once); ``always``
+    # every step (hetjax/update_loop.py)
+    speculation: str = "adaptive"
     # the host optimizer's kernel for adam/adamw: ``auto`` native when it builds, else
     # optax; ``native`` (required) or ``optax`` (hetjax/native.py)
     host_kernel: str = "auto"
@@ -322,6 +326,7 @@ class OptimizerConfig:
             self.host_kernel,
         )
         _choice("optimizer", "mode", self.mode, ("sync", "lockfree"))
+        _choice("optimizer", "speculation", self.speculation, ("adaptive", "always"))
         _check(
             self.max_staleness >= 0, "optimizer.max_staleness", "must be >= 0", self.max_staleness
         )

@@ -411,6 +411,7 @@ class StreamingRuntime:
             config.optimizer.grad_clip,
             mode=config.optimizer.mode,
             max_staleness=config.optimizer.max_staleness,
+            speculation=config.optimizer.speculation,
             readahead=IO_READAHEAD,
             grads=self.grad_store,
             max_queued=self.host_plan.grads.max_queued,
@@ -1066,6 +1067,7 @@ class StreamingRuntime:
             "nvme_read_bytes": int(read),
             "nvme_write_bytes": int(written),
             "optimizer_redo": self.loop.redo,
+            "optimizer_deferred": self.loop.deferred,
         }
         if self.config.optimizer.mode == "lockfree":
             metrics["optimizer_lag_steps"] = self.loop.unapplied

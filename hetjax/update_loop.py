@@ -16,7 +16,15 @@ committed state (``state_store.py``). When backward ends the executor calls
 off) the speculative updates are exactly optax's and are committed; if clipping binds,
 they are dropped and every stage is updated again with the clip factor (counted in
 ``optimizer_redo``); if an fp16 step overflowed, they are dropped and the step skipped.
-Results equal ``optax.chain(clip_by_global_norm, base)`` in every case. A consumed
+Results equal ``optax.chain(clip_by_global_norm, base)`` in every case.
+
+A redo costs a whole extra optimizer pass (and, for state on NVMe, a read and write of
+all of it) after backward, so with ``optimizer.speculation=adaptive`` (the default) a
+step that follows one whose clipping bound does not speculate: it keeps the gradients
+and updates once when backward ends, clipped or not (counted in ``optimizer_deferred``).
+Early in training, when clipping binds step after step, that halves the optimizer's
+work and its I/O; once it stops binding, updates overlap backward again from the step
+after. ``always`` speculates every step. A consumed
 gradient goes to the :class:`~hetjax.gradients.GradientStore`, which keeps it (in RAM or
 on NVMe) for a possible redo, or drops it when clipping is off; with bounded gradient
 buffers ``submit`` waits while ``max_queued`` stages are not yet updated (``gradients.py``).
@@ -68,6 +76,7 @@ class UpdateLoop:
         max_norm: float,
         mode: str = "sync",
         max_staleness: int = 1,
+        speculation: str = "adaptive",
         readahead: int = 2,
         grads: GradientStore | None = None,
         max_queued: int = 0,
@@ -93,6 +102,11 @@ class UpdateLoop:
         self.busy_s = 0.0  # time the thread spent updating, since the last read
         self.updated_params = 0  # parameters updated, since the last read
         self.redo = 0  # steps whose speculative update was redone with clipping
+        self.deferred = 0  # steps updated after backward only (clipping bound before)
+        self.speculation = speculation
+        # Whether this step's updates wait for the global norm (no speculation): set at
+        # the end of a step whose clipping bound, with ``speculation=adaptive``.
+        self._defer = False
         self._queue: queue.Queue = queue.Queue()
         self._reads: dict[str, Any] = {}
         self._error: BaseException | None = None
@@ -127,7 +141,8 @@ class UpdateLoop:
         runs it asynchronously on the device). With clipping the gradient is kept on
         the device until the step ends, for a redo."""
         self._check()
-        self._update(stage, grad, (0.0, 0.0))
+        if not self._defer:
+            self._update(stage, grad, (0.0, 0.0))
         if self.max_norm > 0:
             self._device_grads[stage] = grad
 
@@ -207,7 +222,8 @@ class UpdateLoop:
             if item[0] == "stage":
                 _, stage, grad = item
                 del item  # no reference outlives the update but the store's
-                self._update(stage, grad, (0.0, 0.0))  # speculative: no clipping
+                if not self._defer:
+                    self._update(stage, grad, (0.0, 0.0))  # speculative: no clipping
                 self.grads.keep(stage, grad)  # for a redo (RAM or NVMe), or dropped
                 with self._cv:
                     self._queued -= 1
@@ -221,7 +237,13 @@ class UpdateLoop:
 
     def _end_step(self, norm: float, apply: bool) -> None:
         clip_binds = self.max_norm > 0 and not norm < self.max_norm
-        if apply and not clip_binds:
+        if self._defer:  # nothing updated yet: one pass, clipped or not
+            if apply:
+                self.deferred += 1
+                self.grads.wait_writes()
+                self._pass((norm, self.max_norm) if clip_binds else (0.0, 0.0))
+                self._commit()
+        elif apply and not clip_binds:
             self._commit()
         elif apply:  # clipping binds: again, with the clip factor (republishes params)
             self._abort(restore_params=False)
@@ -233,6 +255,8 @@ class UpdateLoop:
             self._abort(restore_params=True)
         self.grads.clear()
         self._device_grads.clear()
+        if apply and self.speculation == "adaptive":
+            self._defer = clip_binds  # clipping that bound tends to bind again
 
     def _run_lockfree(self) -> None:
         while True:
@@ -312,8 +336,10 @@ class UpdateLoop:
         self.params.publish(stage, pages)
 
     def reload(self) -> None:
-        """The committed state was replaced from outside (a restore): forget read-ahead."""
+        """The committed state was replaced from outside (a restore): forget read-ahead
+        (and the last step's clipping: the next step speculates)."""
         self._reads.clear()
+        self._defer = False
 
     def _commit(self) -> None:
         t0 = time.perf_counter()
