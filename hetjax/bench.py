@@ -1084,17 +1084,27 @@ def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
             planned = config.replace(**plan.config_overrides(), memory=memory)
         result = train(planned, tmp, verbose=False)
     measured = _steady_step_time(result.records, skip=2)
+    # The plan predicts both cases of sync mode with clipping; which one the measured
+    # steps were: clipping bound in all of them (early training) or in none.
+    counts = [r.get("optimizer_deferred", 0) + r.get("optimizer_redo", 0) for r in result.records]
+    bound = [b > a for a, b in zip([0, *counts], counts, strict=False)][2:]
+    clipped = bool(bound) and all(bound)
+    predicted = plan.step_clipped_s if clipped else plan.step_s
     o = planned.offload
     desc = f"{o.mode}, params {o.params}, optimizer {o.optimizer}, keep {o.keep_blocks}"
     if devices > 1:
         desc += f", {plan.candidate.resident_blocks} resident"
+    if clipped:
+        desc += ", clipped"
     return dict(
         config=name,
         devices=devices,
         plan=desc,
-        predicted_s=plan.step_s,
+        predicted_s=predicted,
+        predicted_unclipped_s=plan.step_s,
+        clipping_bound=clipped,
         measured_s=measured,
-        ratio=measured / plan.step_s,
+        ratio=measured / predicted,
     )
 
 

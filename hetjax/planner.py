@@ -290,6 +290,8 @@ class Plan:
     tokens_per_s: float
     tflops: float  # model FLOP/s per device
     bottleneck: str
+    # s/step when global-norm clipping binds (sync mode: the update after backward)
+    step_clipped_s: float = 0.0
     num_devices: int = 1
 
     def config_overrides(self) -> dict[str, dict[str, Any]]:
@@ -375,6 +377,11 @@ class Plan:
             f"  predicted: {self.step_s:.4g} s/step, {self.tokens_per_s:,.0f} tokens/s, "
             f"{self.tflops / 1e12:.3g} TFLOP/s{per} (bound by {self.bottleneck})",
         ]
+        if self.step_clipped_s > self.step_s * 1.005:
+            lines.append(
+                f"  predicted when clipping binds (the update after backward, not during): "
+                f"{self.step_clipped_s:.4g} s/step"
+            )
         return "\n".join(lines)
 
     num_layers: int = 0
@@ -479,11 +486,19 @@ def _host_checkpoints(w: Workload, c: Candidate) -> int:
 
 
 def _lanes(
-    w: Workload, hw: Hardware, c: Candidate, cached: float, grad_spill: int = 0
+    w: Workload,
+    hw: Hardware,
+    c: Candidate,
+    cached: float,
+    grad_spill: int = 0,
+    after_backward: bool = False,
 ) -> tuple[float, dict]:
     """Predicted seconds per step and per lane (Fuyou's equations 1-8, our tiers).
     ``cached``: the fraction of NVMe optimizer state cached in host RAM; ``grad_spill``:
-    gradient bytes written to NVMe per step (read back only by a clipping redo)."""
+    gradient bytes written to NVMe per step (read back only by a clipping redo).
+    ``after_backward``: the step of a sync run whose clipping binds (the update loop's
+    adaptive speculation then updates every stage once backward has ended, the spilled
+    gradients read back; ``update_loop.py``) instead of overlapped with backward."""
     st = w.stage_times(hw)
     n, A, L = hw.num_devices, w.micro_batches, w.num_layers
     P, Pb, cb = w.params, w.block_params, w.compute_bytes
@@ -553,6 +568,13 @@ def _lanes(
             t_last = max(t_b, compute_b + opt, disk_b + disk_step)
         else:
             t_last = max(t_b, compute_b + dev_opt, opt, disk_b + disk_step)
+    if after_backward and c.mode == "stream":
+        disk_step += grad_spill / hw.nvme_read_bw if grad_spill else 0.0
+        t_b_last = n * (compute_b + copy_b + comm_b) if hw.shared_cores else t_b
+        if hw.shared_cores or c.optimizer == "device":
+            t_last = max(t_b_last, disk_b) + max(opt + dev_opt, disk_step)
+        else:  # host stages on the host, cached ones on the device, at once
+            t_last = max(t_b_last, disk_b) + max(opt, dev_opt, disk_step)
     step = A * t_f + (A - 1) * t_b + t_last
     lanes = {
         "compute": A * (fwd + compute_b),
@@ -699,7 +721,8 @@ def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) ->
         cache = min(state, spare)
         cached = cache / state if state else 0.0
     step, lanes = _lanes(w, hw, c, cached, nvme.get("gradients", 0))
-    return [(step, c.rank, c, device, host, nvme, cache, lanes)]
+    clipped, _ = _lanes(w, hw, c, cached, nvme.get("gradients", 0), after_backward=True)
+    return [(step, c.rank, c, device, host, nvme, cache, lanes, clipped)]
 
 
 def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) -> Plan:
@@ -725,12 +748,13 @@ def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) ->
     if not best:
         raise PlanError(_shortfall(config, w, hw, limit))
     fastest = min(b[0] for b in best)
-    step, _, c, device, host, nvme, cache, lanes = min(
+    step, _, c, device, host, nvme, cache, lanes, clipped = min(
         (b for b in best if b[0] <= 1.02 * fastest), key=lambda b: (b[1], b[0])
     )
     if cache:
         host = {**host, "optimizer cache": cache}
     busiest = max(lanes, key=lanes.get)
+    o = config.optimizer
     return Plan(
         hardware=hw.name,
         workload=w.name,
@@ -745,6 +769,7 @@ def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) ->
         tokens_per_s=w.tokens_per_step / step,
         tflops=w.flops_per_step / step / hw.num_devices,
         bottleneck=busiest,
+        step_clipped_s=clipped if o.grad_clip > 0 and o.mode == "sync" else step,
         num_devices=hw.num_devices,
         num_layers=w.num_layers,
     )

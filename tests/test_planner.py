@@ -179,6 +179,30 @@ def test_fuyou_server_fits_gpt3_175b_on_one_a100():
     assert 10e12 < plan.tflops < 200e12
 
 
+def test_clipping_that_binds_is_predicted_without_overlap():
+    """Sync mode with clipping: the plan also predicts the step whose clipping binds (the
+    update after backward: ``update_loop.py``'s adaptive speculation), which cannot be
+    faster than the overlapped one and is slower on a GPU where the update hid behind
+    backward; without clipping, or lock-free, there is one prediction."""
+    overrides = {
+        "train.seq_len": "1024",
+        "train.batch_size": "8",
+        "model.compute_dtype": "bfloat16",
+    }
+    config = load_config("gpt175b", overrides)
+    hw = PROFILES["a100-80g"]
+    plan = make_plan(config, hw)
+    assert plan.candidate.mode == "stream" and config.optimizer.grad_clip > 0
+    assert plan.step_clipped_s > 1.05 * plan.step_s
+    assert "predicted when clipping binds" in plan.table()
+    for name, opt in (("gpt175b", "grad_clip"), ("gpt13b", "lockfree")):
+        change = {"optimizer.grad_clip": "0"} if opt == "grad_clip" else {"optimizer.mode": opt}
+        other = make_plan(load_config(name, {**overrides, **change}), hw)
+        assert other.candidate.mode == "stream"
+        assert other.step_clipped_s == other.step_s
+        assert "clipping binds" not in other.table()
+
+
 # Two profiles in the default run (a paper server and this machine); the others are slow.
 @pytest.mark.parametrize(
     "hardware",
