@@ -36,8 +36,7 @@ def aligned_concatenate(arrays: list) -> np.ndarray:
     On the CPU backend ``jax.device_put`` shares an aligned numpy buffer instead of
     copying it (a copy costs its bytes twice in memory traffic plus fresh pages); numpy's
     own allocations are only 16-byte aligned. Host gradient slabs are built here so the
-    host optimizer reads them in place: 1.4x its rate with state in RAM (``bench
-    optimizer``, README)."""
+    host optimizer reads them where they are (README, the NVMe table's notes)."""
     arrays = [np.asarray(a).reshape(-1) for a in arrays]
     dtype = np.result_type(*arrays)
     n = sum(a.size for a in arrays)
