@@ -45,7 +45,19 @@ def _cpu_signature() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HETJAX_CACHE") or Path.home() / ".cache" / "hetjax") / "native"
+    """``$HETJAX_CACHE/native``, else ``~/.cache/hetjax/native``; where that cannot be
+    written (a read-only home), a per-user directory under the system's temp dir."""
+    chosen = os.environ.get("HETJAX_CACHE")
+    if chosen:
+        return Path(chosen) / "native"
+    home = Path.home() / ".cache" / "hetjax" / "native"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"hetjax-{os.getuid()}" / "native"
 
 
 def _compiler() -> str | None:
