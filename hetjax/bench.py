@@ -416,7 +416,8 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
     bf16 params (the GPU compute dtype: 2 B/param more), for both kernels
     (``optimizer.host_kernel``) and both ways the loop writes the new state: into the
     generation before last (``spare``: state in RAM) and over a stage just read
-    (``in place``: state streamed from NVMe).
+    (``in place``: state streamed from NVMe); for the run's kernel also into fresh
+    buffers (what the loop avoids: each costs page faults on the first touch).
 
     This VM's memory bandwidth drifts by tens of percent within a minute, so each round
     times the copy and then every update, and a ratio is the median over rounds of the
@@ -434,18 +435,19 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
         name = "native" if opt.native else "optax"
         if name in {k for k, _ in runs}:
             continue  # auto fell back to optax
-        for mode in ("spare", "in place"):
+        modes = ("fresh", "spare", "in place") if kernel == "auto" else ("spare", "in place")
+        for mode in modes:
             state = opt.init("s", np.ones(n, np.float32))
             spare = opt.init("s", np.ones(n, np.float32))[0] if mode == "spare" else None
-            runs[name, mode] = [opt, state, spare, []]
+            runs[name, mode] = [opt, state, spare, mode, []]
     copy, copy1 = _Copy(n, cores), _Copy(n)
     bws, bws1 = [], []
     for _ in range(4 if quick else 10):
         bws.append(max(copy.gbs(), copy.gbs()))
         bws1.append(copy1.gbs())
         for run in runs.values():
-            opt, state, spare, times = run
-            kwargs = {"spare": spare} if spare is not None else {"in_place": True}
+            opt, state, spare, mode, times = run
+            kwargs = {"spare": spare} if spare is not None else {"in_place": mode == "in place"}
             t0 = time.perf_counter()
             slabs, scalars, pages = opt.update("s", *state, grad, (0.0, 0.0), **kwargs)
             jax.block_until_ready((slabs, pages))
@@ -456,7 +458,7 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
     bws, bws1 = bws[1:], bws1[1:]  # the first round compiles
     rows = {}
     for key, run in runs.items():
-        rates = [n / t for t in run[3][1:]]
+        rates = [n / t for t in run[4][1:]]
         ratios = [r / (bw * 1e9 / 28) for r, bw in zip(rates, bws, strict=True)]
         rows[key] = (float(np.median(rates)), max(rates), float(np.median(ratios)))
     del runs
@@ -507,45 +509,9 @@ def bench_io(quick: bool) -> dict:
 
 
 def bench_optimizer(quick: bool) -> dict:
-    """Host optimizer params/s vs the memory-bandwidth bound measured in the same run,
-    and the update's output buffers compared (:func:`_output_buffer_rows`)."""
-    results = _optimizer_rows(quick)
-    results["output_buffers"] = _output_buffer_rows(quick)
-    return results
-
-
-def _output_buffer_rows(quick: bool) -> dict:
-    """M params/s of ``SlabOptimizer.update`` (AdamW, bf16 params) by where the new state
-    goes: fresh buffers, the generation before last (``spare``: state in RAM) or the
-    input buffers (``in_place``: a stage streamed from NVMe, here given as JAX arrays
-    so the copy from a read's numpy is not counted). Interleaved rounds in one process;
-    median and best."""
-    from hetjax.hardware import slab_optimizer
-    from hetjax.pages import aligned_concatenate
-
-    n = (4 if quick else 32) << 20
-    opt = slab_optimizer(n, "bfloat16", page_elems=1 << 18)
-    modes = ("fresh", "spare", "in place")
-    state = {m: opt.init("s", np.ones(n, np.float32)) for m in modes}
-    spare = opt.init("s", np.ones(n, np.float32))[0]
-    grad = aligned_concatenate([np.full(n, 1e-3, np.float32)])
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    for round_ in range(3 if quick else 6):
-        for m in modes:
-            kwargs = {"spare": spare} if m == "spare" else {"in_place": m == "in place"}
-            t0 = time.perf_counter()
-            slabs, scalars, pages = opt.update("s", *state[m], grad, (0.0, 0.0), **kwargs)
-            jax.block_until_ready((slabs, pages))
-            if round_:  # the first round compiles
-                times[m].append(time.perf_counter() - t0)
-            if m == "spare":
-                spare = state[m][0]
-            state[m] = (slabs, scalars)
-    rows = {m: (n / float(np.median(t)), n / min(t)) for m, t in times.items()}
-    print(f"optimizer output buffers ({n >> 20}M params, bf16 params): M params/s median / best")
-    for m, (median, best) in rows.items():
-        print(f"  {m:<9} {median / 1e6:>6.0f} / {best / 1e6:.0f}")
-    return {m: {"median_params_s": a, "best_params_s": b} for m, (a, b) in rows.items()}
+    """Host optimizer params/s vs the memory-bandwidth bound measured in the same run
+    (:func:`_optimizer_rows`)."""
+    return _optimizer_rows(quick)
 
 
 def _step_parts(runtime, batch) -> dict:
