@@ -40,8 +40,7 @@ import jax
 import numpy as np
 
 from hetjax.config import Config, load_config
-from hetjax.hardware import drop_page_cache, measure_optimizer, tune_host_allocator
-from hetjax.launch import MALLOC_ENV
+from hetjax.hardware import MALLOC_ENV, drop_page_cache, measure_optimizer, tune_host_allocator
 
 
 def _scratch_dir() -> Path:
@@ -686,7 +685,7 @@ SCALE_SHAPES = [
 SCALE_SHAPES_QUICK = [(2, 32, 4), (4, 128, 4)]
 # glibc's allocator keeps freed buffers (per-thread arenas, no trimming): measured at 57M
 # params, a streaming run's RSS reached 4.2 GB with 1.0 GB of live arrays; with these
-# settings (hetjax.launch.MALLOC_ENV, which ``python -m hetjax.launch`` applies too)
+# settings (hetjax.hardware.MALLOC_ENV, which ``python -m hetjax.launch`` applies too)
 # 1.6 GB steady, 2.6 GB peak. The children run with them, and report peak RSS.
 
 

@@ -17,47 +17,14 @@ Run from the command line with ``memory.host_budget`` set, it tunes glibc's allo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import platform
 import sys
 from pathlib import Path
 
 from hetjax.config import ConfigError, load_config
+from hetjax.hardware import MALLOC_ENV, tune_malloc  # noqa: F401 (MALLOC_ENV: bench, tests)
 
 DEFAULT_CONFIG = "gpt_tiny"
-
-# glibc's allocator keeps freed buffers (per-thread arenas; large buffers reused from a
-# heap it never trims), so a streaming run's RSS is about twice its live arrays: measured
-# with bench scale's config, peak RSS 3.9 GiB at 57M params with 0.9 GiB of runtime
-# buffers, 2.3 GiB with these settings; 7.8 -> 5.5 GiB at 151M. The price is page
-# faults on fresh mmap'd buffers: median step 0.83 -> 2.3 s at 57M, 3.9 -> 5.3 s at 151M.
-# Any fixed threshold costs that (it turns off glibc's adaptive mmap threshold; measured
-# through the command line at 57M: MALLOC_ARENA_MAX=2 alone, or with a 64 MiB mmap
-# threshold, kept 4.3 GiB RSS at ~1.1 s/step; a 512 MiB trim threshold alone went to
-# 2.4 GiB and 3.7 s/step), so it is applied only when a host budget asks for it.
-MALLOC_ENV = {
-    "MALLOC_ARENA_MAX": "2",
-    "MALLOC_TRIM_THRESHOLD_": "0",
-    "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
-}
-# The same settings through mallopt(3): M_ARENA_MAX, M_TRIM_THRESHOLD, M_MMAP_THRESHOLD.
-_MALLOPT = {"MALLOC_ARENA_MAX": -8, "MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3}
-
-
-def tune_malloc(environ=os.environ) -> dict[str, str]:
-    """Applies :data:`MALLOC_ENV` to this process with glibc's ``mallopt`` (glibc reads
-    the variables only at start-up) and exports them for child processes. A variable
-    already set is left alone (glibc applied the user's value); ``HETJAX_MALLOC=0``
-    keeps glibc's defaults. Returns the settings applied (none without glibc)."""
-    if environ.get("HETJAX_MALLOC") == "0" or platform.libc_ver()[0] != "glibc":
-        return {}
-    mallopt = ctypes.CDLL("libc.so.6").mallopt
-    applied = {}
-    for name, value in MALLOC_ENV.items():
-        if name not in environ and mallopt(_MALLOPT[name], int(value)) == 1:
-            environ[name] = applied[name] = value
-    return applied
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
