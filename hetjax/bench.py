@@ -29,12 +29,14 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -408,6 +410,30 @@ def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
     }
 
 
+@dataclasses.dataclass
+class _Run:
+    """One optimizer of :func:`_optimizer_rows` updating one slab again and again, the
+    new state written as ``mode`` says (``fresh``, ``spare`` or ``in place``)."""
+
+    opt: Any
+    mode: str
+    state: tuple
+    spare: dict | None
+    times: list = dataclasses.field(default_factory=list)
+
+    def step(self, grad) -> None:
+        kwargs = {"spare": self.spare} if self.spare is not None else {}
+        t0 = time.perf_counter()
+        slabs, scalars, pages = self.opt.update(
+            "s", *self.state, grad, (0.0, 0.0), in_place=self.mode == "in place", **kwargs
+        )
+        jax.block_until_ready((slabs, pages))
+        self.times.append(time.perf_counter() - t0)
+        if self.spare is not None:  # the generation before last, as the loop recycles
+            self.spare = self.state[0]
+        self.state = (slabs, scalars)
+
+
 def _optimizer_rows(quick: bool, label: str = "") -> dict:
     """The host optimizer's params/s against the memory-bandwidth bound: AdamW moves
     28 B/param (read param, grad, m, v: 16; write param, m, v: 12), so the bound is the
@@ -438,26 +464,20 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
         for mode in modes:
             state = opt.init("s", np.ones(n, np.float32))
             spare = opt.init("s", np.ones(n, np.float32))[0] if mode == "spare" else None
-            runs[name, mode] = [opt, state, spare, mode, []]
+            runs[name, mode] = _Run(opt, mode, state, spare)
     copy, copy1 = _Copy(n, cores), _Copy(n)
     bws, bws1 = [], []
     for _ in range(4 if quick else 10):
         bws.append(max(copy.gbs(), copy.gbs()))
         bws1.append(copy1.gbs())
         for run in runs.values():
-            opt, state, spare, mode, times = run
-            kwargs = {"spare": spare} if spare is not None else {"in_place": mode == "in place"}
-            t0 = time.perf_counter()
-            slabs, scalars, pages = opt.update("s", *state, grad, (0.0, 0.0), **kwargs)
-            jax.block_until_ready((slabs, pages))
-            times.append(time.perf_counter() - t0)
-            run[1:3] = (slabs, scalars), (state[0] if spare is not None else None)
+            run.step(grad)
     copy.close()
     copy1.close()
     bws, bws1 = bws[1:], bws1[1:]  # the first round compiles
     rows = {}
     for key, run in runs.items():
-        rates = [n / t for t in run[4][1:]]
+        rates = [n / t for t in run.times[1:]]
         ratios = [r / (bw * 1e9 / 28) for r, bw in zip(rates, bws, strict=True)]
         rows[key] = (float(np.median(rates)), max(rates), float(np.median(ratios)))
     del runs
@@ -1022,7 +1042,6 @@ def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
     device that is ``offload.mode=auto``'s own plan; on ``devices`` data-parallel devices
     (ZeRO-3, which ``auto`` hands to the streaming runtime unplanned) the same planner
     with the profile's device count and the model traced at one device's rows."""
-    import dataclasses
 
     from hetjax.hardware import measure_local
     from hetjax.planner import make_plan, plan_auto, trace

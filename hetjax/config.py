@@ -285,6 +285,7 @@ class TrainConfig:
 
 
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd")
+NATIVE_OPTIMIZERS = ("adamw", "adam")  # the host optimizer's native kernel (native.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +320,7 @@ class OptimizerConfig:
         _choice("optimizer", "name", self.name, OPTIMIZERS)
         _choice("optimizer", "host_kernel", self.host_kernel, ("auto", "native", "optax"))
         _check(
-            self.host_kernel != "native" or self.name in ("adam", "adamw"),
+            self.host_kernel != "native" or self.name in NATIVE_OPTIMIZERS,
             "optimizer.host_kernel",
             f"must be auto or optax with optimizer.name={self.name} (native runs adam and "
             "adamw only)",

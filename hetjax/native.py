@@ -25,6 +25,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from hetjax.config import NATIVE_OPTIMIZERS
+
 TARGET = "hetjax_adam"
 SOURCE = Path(__file__).parent / "csrc" / "adam.cc"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w"]
@@ -129,7 +131,7 @@ def use_native(choice: str, optimizer: str, platform_name: str) -> bool:
     ``choice`` is ``optimizer.host_kernel``, ``optimizer`` the optimizer's name (the
     config allows ``native`` for adam and adamw only). The kernel is the host's: state
     cached on a GPU (``offload.optimizer_device_stages``) is updated by optax there."""
-    if choice == "optax" or optimizer not in ("adam", "adamw") or platform_name != "cpu":
+    if choice == "optax" or optimizer not in NATIVE_OPTIMIZERS or platform_name != "cpu":
         return False
     if choice == "native":
         load()
