@@ -41,8 +41,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from hetjax.allocator import MALLOC_ENV, tune_host_allocator
 from hetjax.config import Config, load_config
-from hetjax.hardware import MALLOC_ENV, drop_page_cache, measure_optimizer, tune_host_allocator
+from hetjax.planning.hardware import drop_page_cache, measure_optimizer
 
 
 def _scratch_dir() -> Path:
@@ -169,8 +170,8 @@ def bench_overhead(quick: bool) -> dict:
 
 def bench_slabs(quick: bool) -> dict:
     """Host -> device time of one block's params as one slab vs as separate leaves."""
-    from hetjax.pages import SlabLayout
-    from hetjax.placement import Placement
+    from hetjax.runtime.placement import Shardings
+    from hetjax.storage.pages import SlabLayout
     from models import build_model
 
     d = 256 if quick else 1024
@@ -178,7 +179,7 @@ def bench_slabs(quick: bool) -> dict:
     model = build_model(config.model)
     params = jax.device_get(model.init_stage("block", jax.random.key(0)))
     layout = SlabLayout.from_params(params, config.memory.page_size)
-    place = Placement.single_device()
+    place = Shardings.single_device()
     slab_np = layout.flatten_np(params)
     slab = jax.device_put(slab_np, place.host)
     pages = jax.device_put([np.array(p) for p in layout.to_pages(slab_np)], place.host)
@@ -222,7 +223,7 @@ def bench_keep(quick: bool) -> dict:
     import jax.numpy as jnp
 
     from hetjax.config import KEEP_LEVELS
-    from hetjax.executor import StageFunctions, stage_layouts
+    from hetjax.runtime.streaming import StageFunctions, stage_layouts
     from models import build_model
 
     B, T, D, H = (2, 64, 64, 4) if quick else (1, 1024, 768, 12)
@@ -323,7 +324,7 @@ def _tensorstore_bandwidth(directory: Path, nbytes: int, page: int) -> tuple[flo
     page fault per 4 KiB, and reuses them afterwards."""
     import os
 
-    from hetjax.nvme import PageStore
+    from hetjax.storage.nvme import PageStore
 
     elems = page // 4
     pages = nbytes // page
@@ -448,8 +449,8 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
     times the copy and then every update, and a ratio is the median over rounds of the
     round's rate / the round's bound. The headline is the run's kernel on the NVMe
     tier's path (in place)."""
-    from hetjax.hardware import slab_optimizer
-    from hetjax.pages import aligned_concatenate
+    from hetjax.planning.hardware import slab_optimizer
+    from hetjax.storage.pages import aligned_concatenate
 
     n = (4 if quick else 32) << 20
     cores = os.cpu_count() or 1
@@ -542,7 +543,7 @@ def _step_parts(runtime, batch) -> dict:
     disk); writes complete into the page cache in both, as in the step (no fsync)."""
     import os
 
-    from hetjax.executor import _StepGrads
+    from hetjax.runtime.streaming import _StepGrads
 
     t0 = time.perf_counter()
     runtime._step = _StepGrads(runtime, batch.shape[0], 1.0, 1.0, None)
@@ -598,7 +599,7 @@ def _step_parts(runtime, batch) -> dict:
 
 def bench_nvme(quick: bool) -> dict:
     from hetjax.data import make_datasets
-    from hetjax.executor import StreamingRuntime
+    from hetjax.runtime.streaming import StreamingRuntime
 
     steps, skip = (4, 2) if quick else (12, 4)
     results: dict = {}
@@ -705,7 +706,7 @@ SCALE_SHAPES = [
 SCALE_SHAPES_QUICK = [(2, 32, 4), (4, 128, 4)]
 # glibc's allocator keeps freed buffers (per-thread arenas, no trimming): measured at 57M
 # params, a streaming run's RSS reached 4.2 GB with 1.0 GB of live arrays; with these
-# settings (hetjax.hardware.MALLOC_ENV, which ``python -m hetjax.launch`` applies too)
+# settings (hetjax.planning.hardware.MALLOC_ENV, which ``python -m hetjax.launch`` applies too)
 # 1.6 GB steady, 2.6 GB peak. The children run with them, and report peak RSS.
 
 
@@ -736,7 +737,7 @@ def in_memory_device_bytes(config: Config) -> int:
     """Device bytes ``offload.mode=none`` needs for ``config``: XLA's memory analysis of
     the jitted train step (arguments + outputs - donated aliases + temporaries),
     compiled from abstract shapes, so nothing is allocated."""
-    from hetjax.optim import build_optimizer
+    from hetjax.optimizer.build import build_optimizer
     from hetjax.train import InMemoryRuntime, TrainState
     from models import build_model
 
@@ -964,8 +965,8 @@ def bench_zero(quick: bool) -> dict:
     gradient slabs scattered, each moving (p-1)/p of its size per device) against
     PatrickStar's 6(p-1)/p M (fp16 params and gradients, M parameters) and the same
     formula for this run's dtypes; and the median s/step."""
+    from hetjax.runtime.zero import ZeroRuntime
     from hetjax.train import train
-    from hetjax.zero import ZeroRuntime
     from models import build_model
 
     if jax.device_count() < 4:
@@ -1043,8 +1044,8 @@ def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
     (ZeRO-3, which ``auto`` hands to the streaming runtime unplanned) the same planner
     with the profile's device count and the model traced at one device's rows."""
 
-    from hetjax.hardware import measure_local
-    from hetjax.planner import make_plan, plan_auto, trace
+    from hetjax.planning.hardware import measure_local
+    from hetjax.planning.search import make_plan, plan_auto, trace
     from hetjax.train import train
 
     overrides = {

@@ -35,7 +35,6 @@ tree, ``blocks`` stacked on a layer axis), loadable with ``orbax.checkpoint`` al
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import sys
@@ -46,106 +45,12 @@ import jax
 import numpy as np
 
 from hetjax.config import Config, ConfigError, format_bytes
-from hetjax.host_optimizer import MASTER, state_kind_name
+from hetjax.types import CheckpointError, RuntimeState
 
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or read; the message says what to do. Earlier
-    complete checkpoints are never touched by a failed save."""
-
-
 # -- the placement-free state -------------------------------------------------------------
-
-
-def stage_names(num_layers: int) -> list[str]:
-    return ["embed", *(f"block{i}" for i in range(num_layers)), "head"]
-
-
-@dataclasses.dataclass
-class RuntimeState:
-    """A runtime's complete state in the placement-free form (host numpy arrays).
-
-    ``stages[stage][kind]`` is that stage's params pytree of kind ``kind`` (``master``
-    is the fp32 params); ``scalars[stage]`` the optax scalars of its state, in optax's
-    leaf order; ``loss_scale`` the fp16 ``(scale, good_steps)`` or None."""
-
-    stages: dict[str, dict[str, Any]]
-    scalars: dict[str, list[np.ndarray]]
-    loss_scale: tuple[float, int] | None = None
-
-    @property
-    def kinds(self) -> list[str]:
-        return list(next(iter(self.stages.values())))
-
-    def params(self) -> dict[str, Any]:
-        """The master params as the model's pytree (``blocks`` stacked on axis 0)."""
-        return self.kind_tree(MASTER)
-
-    def kind_tree(self, kind: str) -> dict[str, Any]:
-        blocks = [v[kind] for k, v in self.stages.items() if k.startswith("block")]
-        return {
-            "embed": self.stages["embed"][kind],
-            "blocks": jax.tree.map(lambda *xs: np.stack(xs), *blocks),
-            "head": self.stages["head"][kind],
-        }
-
-    @classmethod
-    def from_trees(
-        cls, trees: dict[str, Any], scalars: list[np.ndarray], loss_scale=None
-    ) -> RuntimeState:
-        """From whole-model trees by kind (``{"master": params, "mu": ...}``, blocks
-        stacked) and one set of scalars shared by every stage."""
-        num_layers = jax.tree.leaves(trees[MASTER]["blocks"])[0].shape[0]
-        stages: dict[str, dict[str, Any]] = {}
-        for name in stage_names(num_layers):
-            stages[name] = {}
-            for kind, tree in trees.items():
-                if name.startswith("block"):
-                    i = int(name[5:])
-                    stages[name][kind] = jax.tree.map(lambda a, i=i: np.array(a[i]), tree["blocks"])
-                else:
-                    stages[name][kind] = jax.tree.map(np.array, tree[name])
-        per_stage = {name: [np.array(s) for s in scalars] for name in stages}
-        return cls(stages, per_stage, loss_scale)
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in jax.tree.leaves((self.stages, self.scalars)))
-
-    def check_finite(self) -> None:
-        for path, a in jax.tree_util.tree_leaves_with_path(self.stages):
-            if not np.all(np.isfinite(a)):
-                raise CheckpointError(
-                    f"refusing to save non-finite state ({jax.tree_util.keystr(path)}); "
-                    "the last complete checkpoint is kept"
-                )
-
-
-def optax_tree_slots(opt_shapes: Any, params: Any) -> list[str | None]:
-    """Classifies an optax state over a whole params tree, run by run of leaves: a
-    kind name for each params-shaped subtree (``mu``, ``nu``...; named as
-    :func:`host_optimizer.state_kind_name`, so both runtimes agree) and None for
-    each scalar leaf."""
-    param_leaves = jax.tree_util.tree_leaves_with_path(params)
-    n = len(param_leaves)
-    depth0 = len(param_leaves[0][0])
-    leaves = jax.tree_util.tree_leaves_with_path(opt_shapes)
-    slots: list[str | None] = []
-    used = {MASTER}
-    i = 0
-    while i < len(leaves):
-        path, leaf = leaves[i]
-        if leaf.shape == ():
-            slots.append(None)
-            i += 1
-            continue
-        run = [a.shape for _, a in leaves[i : i + n]]
-        if run != [a.shape for _, a in param_leaves]:
-            raise NotImplementedError(f"optax state leaf {jax.tree_util.keystr(path)}")
-        slots.append(state_kind_name(path[: len(path) - depth0], used))
-        i += n
-    return slots
 
 
 # -- on disk -----------------------------------------------------------------------------

@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetjax.export: config error: {e}", file=sys.stderr)
         return 2
 
-    from hetjax.train import TrainingError, train
+    from hetjax.train import train
+    from hetjax.types import TrainingError
 
     try:
         if args.train:

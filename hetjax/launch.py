@@ -21,8 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from hetjax.allocator import tune_malloc
 from hetjax.config import ConfigError, load_config
-from hetjax.hardware import MALLOC_ENV, tune_malloc  # noqa: F401 (MALLOC_ENV: bench, tests)
 
 DEFAULT_CONFIG = "gpt_tiny"
 
@@ -123,9 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         return _plan(config, args.hardware)
 
-    from hetjax.checkpoint import CheckpointError  # imports JAX: after argument checks
     from hetjax.distributed import DistributedError, initialize
-    from hetjax.train import TrainingError, train
+    from hetjax.train import train
+    from hetjax.types import (
+        CheckpointError,  # imports JAX: after argument checks
+        TrainingError,
+    )
 
     try:
         initialize(config)  # jax.distributed, when the run has several processes
@@ -137,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plan(config, hardware: str) -> int:
-    from hetjax.hardware import HardwareError, get_profile
-    from hetjax.planner import PlanError, make_plan
+    from hetjax.planning.hardware import HardwareError, get_profile
+    from hetjax.planning.search import PlanError, make_plan
 
     try:
         hw = get_profile(hardware, config.memory.nvme_path, config.model.compute_dtype)

@@ -1,11 +1,9 @@
-"""The training loop shared by every runtime, and the in-memory reference runtime.
+"""The training loop shared by every runtime.
 
-A *runtime* owns the training state and runs one optimizer step on a global batch;
-the loop around it (data, metrics, evaluation) is the same for all of them.
-``offload.mode=none`` uses :class:`InMemoryRuntime`: the whole state on the device and
-one jitted step. It is the reference every offloaded mode is tested against, so it is
-kept plain.
-"""
+A *runtime* (``hetjax/runtime/``) owns the training state and runs one optimizer step
+on a global batch, returning a :class:`~hetjax.types.StepReport`; the loop around it
+(data, metrics, checkpoints, evaluation, the divergence guard) is the same for all of
+them."""
 
 from __future__ import annotations
 
@@ -16,266 +14,35 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from hetjax import timeline
-from hetjax.checkpoint import (
-    MASTER,
-    Checkpointer,
-    RuntimeState,
-    check_compatible,
-    checkpoint_dir,
-    optax_tree_slots,
-)
+from hetjax.allocator import tune_host_allocator
+from hetjax.checkpoint import Checkpointer, check_compatible, checkpoint_dir
 from hetjax.config import Config, ConfigError
 from hetjax.data import make_datasets
-from hetjax.hardware import tune_host_allocator
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, step_record
-from hetjax.optim import build_optimizer
+from hetjax.planning.auto import resolve_auto
+from hetjax.runtime.in_memory import InMemoryRuntime
+from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.runtime.zero import Zero3
+from hetjax.types import Runtime, TrainingError
 from models import build_model
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. a non-finite loss); the message says what to change."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StepStats:
-    loss: float  # mean token loss of the global batch
-    grad_norm: float  # global L2 norm of the (unscaled, averaged) gradients
-    skipped: bool = False  # the update was skipped (fp16 overflow, or non-finite)
-    loss_scale: float = 1.0
-    nonfinite: bool = False  # loss or gradient not finite beyond fp16 loss scaling
-
-
-class Runtime(Protocol):
-    def train_step(self, batch: np.ndarray, poison: bool = False) -> StepStats:
-        """One optimizer step on a global batch of shape (A, B/A, T+1) int32. A step
-        whose loss or gradient is not finite changes no state. ``poison`` (fault
-        injection for tests) makes the step's gradients NaN."""
-
-    def eval_loss(self, batch: np.ndarray) -> float:
-        """Mean token loss of a (B, T+1) batch with the current params."""
-
-    def params(self) -> Any:
-        """The current fp32 params as a host (numpy) pytree."""
-
-    def extra_metrics(self) -> dict[str, Any]:
-        """Runtime-specific metrics for the step just taken (bytes per tier, ...)."""
-
-    def settle(self) -> None:
-        """Finishes outstanding optimizer work (lock-free mode) and writes cached state
-        out to its tier, so ``params`` and the files on disk hold the final state."""
-
-    def close(self) -> None:
-        """Stops background threads; ``params`` still works afterwards."""
-
-    def save_state(self) -> RuntimeState:
-        """A snapshot of the complete state in the placement-free form (host copies
-        that later steps do not change)."""
-
-    def load_state(self, state: RuntimeState) -> None:
-        """Replaces the whole state (a resume or a rollback)."""
-
-
-# -- fp16 dynamic loss scaling -----------------------------------------------------------
-
-
-@flax.struct.dataclass
-class LossScale:
-    """Dynamic loss scale for fp16 compute: halve and skip the step on overflow; double
-    after ``period`` steps without one."""
-
-    scale: jax.Array
-    good_steps: jax.Array
-    period: int = flax.struct.field(pytree_node=False, default=1000)
-
-    @classmethod
-    def create(cls, init: float, period: int) -> LossScale:
-        return cls(jnp.float32(init), jnp.int32(0), period)
-
-    def update(self, finite: jax.Array) -> LossScale:
-        grow = finite & (self.good_steps + 1 >= self.period)
-        scale = jnp.where(
-            finite, jnp.where(grow, self.scale * 2, self.scale), jnp.maximum(self.scale / 2, 1.0)
-        )
-        good = jnp.where(finite & ~grow, self.good_steps + 1, 0)
-        return self.replace(scale=scale, good_steps=good)
-
-
-# -- the in-memory reference runtime -----------------------------------------------------
-
-
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array
-    params: Any
-    opt_state: Any
-    loss_scale: LossScale | None
-
-
-class InMemoryRuntime:
-    """Everything on the default device; one jitted step with gradient accumulation."""
-
-    def __init__(self, config: Config, params: Any | None = None):
-        self.config = config
-        self.model = build_model(config.model)
-        rng = jax.random.key(config.train.seed)
-        if params is None and config.model.init_from:
-            from hetjax.hf import open_checkpoint
-
-            params = jax.device_put(open_checkpoint(config.model).params())
-        if params is None:
-            params = jax.jit(self.model.init)(rng)
-        self.tx = build_optimizer(config.optimizer, config.train.steps, params)
-        fp16 = config.model.compute_dtype == "float16"
-        t = config.train
-        self.state = TrainState(
-            step=jnp.int32(0),
-            params=params,
-            opt_state=self.tx.init(params),
-            loss_scale=LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None,
-        )
-        self._step = jax.jit(self._train_step, donate_argnums=0)
-        self._eval = jax.jit(lambda p, b: self.model.loss(p, b[:, :-1], b[:, 1:]))
-
-    def _train_step(self, state: TrainState, batch: jax.Array, poison: jax.Array):
-        scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
-        seed = scale * poison  # the loss cotangent; poison is 1, or NaN to inject a fault
-
-        def micro(grad_sum, tokens):  # tokens (B/A, T+1)
-            def loss_fn(p):
-                loss = self.model.loss(p, tokens[:, :-1], tokens[:, 1:])
-                return loss * seed, loss
-
-            (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-            return jax.tree.map(jnp.add, grad_sum, grads), loss
-
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grad_sum, losses = jax.lax.scan(micro, zeros, batch)  # batch (A, B/A, T+1)
-        grads = jax.tree.map(lambda g: g / (batch.shape[0] * scale), grad_sum)
-        grad_norm = optax.tree.norm(grads)
-        loss = jnp.mean(losses)
-        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-
-        def update(_):
-            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-            return optax.apply_updates(state.params, updates), opt_state
-
-        # A non-finite step (fp16 overflow, or divergence) leaves the state as it was.
-        params, opt_state = jax.lax.cond(
-            finite, update, lambda _: (state.params, state.opt_state), None
-        )
-        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        if state.loss_scale is not None:
-            new = new.replace(loss_scale=state.loss_scale.update(finite))
-        return new, (loss, grad_norm, ~finite, scale)
-
-    def train_step(self, batch: np.ndarray, poison: bool = False) -> StepStats:
-        self.state, (loss, grad_norm, skipped, scale) = self._step(
-            self.state, batch, np.float32(np.nan if poison else 1.0)
-        )
-        timeline.watch("compute", "train step", loss)
-        skipped, scale = bool(skipped), float(scale)
-        fp16_overflow = skipped and self.state.loss_scale is not None and scale > 1
-        return StepStats(
-            float(loss), float(grad_norm), skipped, scale, nonfinite=skipped and not fp16_overflow
-        )
-
-    def eval_loss(self, batch: np.ndarray) -> float:
-        return float(self._eval(self.state.params, batch))
-
-    def params(self) -> Any:
-        # np.array copies: on CPU a device_get can alias a buffer the next step donates.
-        return jax.tree.map(np.array, self.state.params)
-
-    def extra_metrics(self) -> dict[str, Any]:
-        return {}
-
-    def settle(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    # -- checkpoints --------------------------------------------------------------------
-
-    def _opt_slots(self) -> list[str | None]:
-        return optax_tree_slots(self.state.opt_state, self.state.params)
-
-    def save_state(self) -> RuntimeState:
-        n = len(jax.tree.leaves(self.state.params))
-        leaves = jax.tree.leaves(self.state.opt_state)
-        trees, scalars, i = {MASTER: self.state.params}, [], 0
-        treedef = jax.tree.structure(self.state.params)
-        for kind in self._opt_slots():
-            if kind is None:
-                scalars.append(np.array(leaves[i]))
-                i += 1
-            else:
-                trees[kind] = jax.tree.unflatten(treedef, leaves[i : i + n])
-                i += n
-        ls = self.state.loss_scale
-        loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
-        return RuntimeState.from_trees(trees, scalars, loss_scale)
-
-    def load_state(self, state: RuntimeState) -> None:
-        slots = self._opt_slots()
-        kinds = [MASTER, *(k for k in slots if k)]
-        if sorted(state.kinds) != sorted(kinds):
-            raise ConfigError(
-                f"the checkpoint holds optimizer state {state.kinds}, optimizer.name="
-                f"{self.config.optimizer.name} needs {kinds}"
-            )
-        old_leaves = jax.tree.leaves(self.state.opt_state)
-        scalars = iter(state.scalars["embed"])
-        leaves: list[Any] = []
-        i = 0
-        for kind in slots:
-            if kind is None:
-                leaves.append(jnp.asarray(next(scalars), old_leaves[i].dtype))
-                i += 1
-            else:
-                tree = state.kind_tree(kind)
-                leaves += [jnp.asarray(a) for a in jax.tree.leaves(tree)]
-                i += len(jax.tree.leaves(tree))
-        params = jax.tree.map(jnp.asarray, state.params())
-        if jax.tree.structure(params) != jax.tree.structure(self.state.params):
-            raise ConfigError("the checkpoint's params do not match this model's structure")
-        loss_scale = self.state.loss_scale
-        if loss_scale is not None and state.loss_scale is not None:
-            loss_scale = loss_scale.replace(
-                scale=jnp.float32(state.loss_scale[0]), good_steps=jnp.int32(state.loss_scale[1])
-            )
-        self.state = self.state.replace(
-            params=params,
-            opt_state=jax.tree.unflatten(jax.tree.structure(self.state.opt_state), leaves),
-            loss_scale=loss_scale,
-        )
 
 
 def build_runtime(config: Config, workdir: str | Path | None = None) -> Runtime:
     """The runtime for ``config.offload.mode``. ``workdir`` holds the NVMe state when
     ``memory.nvme_path`` is empty."""
     if config.offload.mode == "auto":
-        from hetjax.planner import resolve_auto
-
         config = resolve_auto(config, workdir)
     if config.offload.mode == "none":
         return InMemoryRuntime(config)
     if config.offload.mode == "stream" and config.distributed.data_parallel != 1:
-        from hetjax.zero import ZeroRuntime  # imports this module
-
-        return ZeroRuntime(config, workdir=workdir)
+        return StreamingRuntime(config, workdir=workdir, placement=Zero3(config))
     if config.offload.mode == "stream":
-        from hetjax.executor import StreamingRuntime  # imports this module
-
         return StreamingRuntime(config, workdir=workdir)
     raise AssertionError(config.offload.mode)  # validated by OffloadConfig
 
@@ -362,9 +129,7 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
             state, meta = ckpt.restore(resume)
             out.log(f"checkpoint read in {time.perf_counter() - t0:.1f} s")
             check_compatible(meta, config, ckpt.directory)
-        if config.offload.mode == "auto":  # decide the placement first (hetjax/planner.py)
-            from hetjax.planner import resolve_auto
-
+        if config.offload.mode == "auto":  # decide the placement first (hetjax/planning/)
             config = resolve_auto(config, workdir, out.log)
         if main:
             (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
@@ -446,7 +211,7 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
                 flops_per_step,
                 peak,
                 grad_norm=stats.grad_norm,
-                **runtime.extra_metrics(),
+                **stats.metrics,
             )
             if trace is not None:
                 trace.write(workdir / "trace")

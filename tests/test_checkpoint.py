@@ -26,9 +26,10 @@ from hetjax.checkpoint import (
 )
 from hetjax.checkpoint import main as checkpoint_main
 from hetjax.config import ConfigError
-from hetjax.host_optimizer import SlabOptimizer
-from hetjax.optim import build_optimizer
-from hetjax.train import TrainingError, train
+from hetjax.optimizer.build import build_optimizer
+from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.train import train
+from hetjax.types import TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -292,8 +293,8 @@ def test_export_params_for_inference(tmp_path, capsys):
 def test_state_kinds_agree_between_runtimes(name):
     """The in-memory optax state and the slab optimizer name their state kinds alike,
     so a checkpoint of one restores into the other."""
-    from hetjax.pages import SlabLayout
-    from hetjax.placement import Placement
+    from hetjax.runtime.placement import Shardings
+    from hetjax.storage.pages import SlabLayout
     from models import build_model
 
     cfg = config(optimizer=dict(name=name))
@@ -301,5 +302,5 @@ def test_state_kinds_agree_between_runtimes(name):
     tx = build_optimizer(cfg.optimizer, STEPS, params)
     kinds = [k for k in optax_tree_slots(jax.eval_shape(tx.init, params), params) if k]
     layouts = {"head": SlabLayout.from_params(params["head"], 4096)}
-    slab = SlabOptimizer(cfg.optimizer, STEPS, layouts, Placement.single_device().host, "float32")
+    slab = SlabOptimizer(cfg.optimizer, STEPS, layouts, Shardings.single_device().host, "float32")
     assert ["master", *kinds] == slab.kinds

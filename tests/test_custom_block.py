@@ -8,7 +8,7 @@ import pytest
 from equivalence import assert_training_equal
 
 from hetjax.config import ConfigError
-from hetjax.executor import StreamingRuntime
+from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
 from models import FlaxStages, build_model
 

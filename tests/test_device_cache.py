@@ -21,14 +21,15 @@ from equivalence import (
 )
 from jax.sharding import SingleDeviceSharding
 
-from hetjax import planner
 from hetjax.checkpoint import Checkpointer
 from hetjax.config import Config, ConfigError, load_config
-from hetjax.executor import StreamingRuntime, stage_layouts
-from hetjax.hardware import PROFILES
-from hetjax.placement import Placement, live_bytes_by_kind
-from hetjax.planner import Workload, make_plan
-from hetjax.train import InMemoryRuntime, train
+from hetjax.planning import search as planner
+from hetjax.planning.hardware import PROFILES
+from hetjax.planning.search import Workload, make_plan
+from hetjax.runtime.in_memory import InMemoryRuntime
+from hetjax.runtime.placement import Shardings, live_bytes_by_kind
+from hetjax.runtime.streaming import StreamingRuntime, stage_layouts
+from hetjax.train import train
 from models import build_model
 
 # Clipping binds in steps 1-3 of the tiny runs and not in 4-5 (grad norms ~2.2, 2.3,
@@ -125,7 +126,7 @@ def test_gpu_layout_host_optimizer_on_another_device(reference, tiny, monkeypatc
         on = lambda kind: SingleDeviceSharding(accelerator, memory_kind=kind)
         return cls(on("device"), on("pinned_host"), SingleDeviceSharding(cpu))
 
-    monkeypatch.setattr(Placement, "single_device", classmethod(gpu_like))
+    monkeypatch.setattr(Shardings, "single_device", classmethod(gpu_like))
     runtime = StreamingRuntime(_cached(tiny, 2, "host"))
     try:
         assert runtime.states.host_bytes() == _state_bytes(runtime, runtime.host_stages)

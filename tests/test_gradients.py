@@ -5,8 +5,8 @@ import pytest
 from equivalence import assert_gpt_training_equal, check_tokens
 
 from hetjax.config import ConfigError
-from hetjax.executor import StreamingRuntime
-from hetjax.gradients import in_flight_slabs, plan_gradients
+from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.storage.gradients import in_flight_slabs, plan_gradients
 from hetjax.train import train
 from models import build_model
 
@@ -156,7 +156,7 @@ def test_disk_check_counts_the_spilled_gradients(tiny, tmp_path, monkeypatch):
     import collections
     import re
 
-    import hetjax.nvme
+    import hetjax.storage.nvme
 
     ssd = tmp_path / "ssd"
     config = _config(tiny, 1.0, dict(nvme_path=str(ssd)))
@@ -164,7 +164,7 @@ def test_disk_check_counts_the_spilled_gradients(tiny, tmp_path, monkeypatch):
     budget = others + sizes["embed"] + in_flight_slabs(True) * sizes["block0"]
     config = _config(tiny, 1.0, dict(host_budget=budget, nvme_path=str(ssd)))
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(hetjax.nvme.shutil, "disk_usage", lambda path: usage(0, 0, 1 << 20))
+    monkeypatch.setattr(hetjax.storage.nvme.shutil, "disk_usage", lambda path: usage(0, 0, 1 << 20))
     spilled = sum(sizes.values()) - sizes["embed"]  # every stage but the embed
     with pytest.raises(
         ConfigError,

@@ -13,10 +13,10 @@ from safetensors.numpy import load_file, save_file
 
 from hetjax import export
 from hetjax.config import ConfigError
-from hetjax.executor import StreamingRuntime
 from hetjax.export import export_hf
 from hetjax.hf import HFCheckpoint, model_config_from_hf, open_checkpoint
-from hetjax.train import InMemoryRuntime
+from hetjax.runtime.in_memory import InMemoryRuntime
+from hetjax.runtime.streaming import StreamingRuntime
 from models import build_model
 
 FAMILIES = ["gpt2", "llama", "llama_tied", "llama_rope"]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hetjax.launch import MALLOC_ENV
+from hetjax.allocator import MALLOC_ENV
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
 
@@ -17,7 +17,7 @@ def _tune(**env) -> tuple[dict, dict]:
     """tune_malloc in a fresh interpreter (it changes the process's allocator): what
     it applied and the variables it leaves for child processes."""
     code = (
-        "import json, os; from hetjax.launch import MALLOC_ENV, tune_malloc; "
+        "import json, os; from hetjax.allocator import MALLOC_ENV, tune_malloc; "
         "print(json.dumps([tune_malloc(), {k: os.environ.get(k) for k in MALLOC_ENV}]))"
     )
     base = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV and k != "HETJAX_MALLOC"}

@@ -5,11 +5,11 @@ build's cache and its failures; the config's choice."""
 import numpy as np
 import pytest
 
-from hetjax import native
 from hetjax.config import ConfigError, OptimizerConfig
-from hetjax.host_optimizer import SlabOptimizer
-from hetjax.pages import Leaf, SlabLayout, aligned_concatenate
-from hetjax.placement import Placement
+from hetjax.optimizer import native
+from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.runtime.placement import Shardings
+from hetjax.storage.pages import Leaf, SlabLayout, aligned_concatenate
 
 needs_compiler = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler")
 
@@ -18,12 +18,12 @@ PAGE = 4096
 
 
 def _optimizers(name, dtype, monkeypatch):
-    import hetjax.host_optimizer
+    import hetjax.optimizer.slab
 
-    monkeypatch.setattr(hetjax.host_optimizer, "CHUNK_ELEMS", 2 * PAGE)
+    monkeypatch.setattr(hetjax.optimizer.slab, "CHUNK_ELEMS", 2 * PAGE)
     # Decay ends inside the second chunk, inside a page.
     layout = SlabLayout((Leaf(("w",), (N,), 0, N),), None, (0,), 8192 + 1000, N, PAGE)
-    host = Placement.single_device().optimizer
+    host = Shardings.single_device().optimizer
     cfg = dict(name=name, lr=1e-2, warmup_steps=2)
     return [
         SlabOptimizer(OptimizerConfig(host_kernel=k, **cfg), 10, {"s": layout}, host, dtype)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hetjax.config import ConfigError
-from hetjax.nvme import PageStore, check_nvme_path
+from hetjax.storage.nvme import PageStore, check_nvme_path
 
 
 def test_pages_round_trip_and_reopen(tmp_path):

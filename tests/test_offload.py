@@ -15,13 +15,14 @@ from equivalence import (
 )
 
 from hetjax.config import ConfigError
-from hetjax.executor import StreamingRuntime
-from hetjax.host_optimizer import SlabOptimizer
-from hetjax.nvme import PageStore
-from hetjax.pages import SlabLayout
-from hetjax.placement import Placement
-from hetjax.state_store import belady_cache, flat
-from hetjax.train import InMemoryRuntime, train
+from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.runtime.in_memory import InMemoryRuntime
+from hetjax.runtime.placement import Shardings
+from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.storage.nvme import PageStore
+from hetjax.storage.pages import SlabLayout
+from hetjax.storage.states import belady_cache, flat
+from hetjax.train import train
 from models import build_model
 
 # These clips make the tiny runs clip in some steps and not in others (adamw's grad norms
@@ -194,10 +195,10 @@ def test_slab_optimizer_equals_optax_on_the_pytree(tiny, monkeypatch, name, kind
     """The slab update (state split into kinds, decay mask as a split point, clipping by
     a given global norm, chunk by chunk with the decay split inside a chunk) equals
     optax's chain(clip, base) on the params pytree."""
-    import hetjax.host_optimizer
-    from hetjax.optim import build_optimizer
+    import hetjax.optimizer.slab
+    from hetjax.optimizer.build import build_optimizer
 
-    monkeypatch.setattr(hetjax.host_optimizer, "CHUNK_ELEMS", chunk)
+    monkeypatch.setattr(hetjax.optimizer.slab, "CHUNK_ELEMS", chunk)
 
     config = tiny(optimizer=dict(name=name, grad_clip=0.5))
     model = build_model(config.model)
@@ -207,7 +208,7 @@ def test_slab_optimizer_equals_optax_on_the_pytree(tiny, monkeypatch, name, kind
     grads = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(np.float32), params)
     layout = SlabLayout.from_params(params, 4096)
     opt = SlabOptimizer(
-        config.optimizer, 10, {"head": layout}, Placement.single_device().host, "float32"
+        config.optimizer, 10, {"head": layout}, Shardings.single_device().host, "float32"
     )
     assert opt.kinds == kinds
     bounds = opt.chunk_bounds("head")

@@ -1,7 +1,7 @@
 import jax
 import numpy as np
 
-from hetjax.pages import SlabLayout
+from hetjax.storage.pages import SlabLayout
 from models import build_model
 
 

@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 from equivalence import assert_gpt_training_equal, check_tokens
 
-from hetjax import executor, launch, planner
+from hetjax import launch
 from hetjax.config import load_config
-from hetjax.executor import StreamingRuntime
-from hetjax.hardware import NAMES, PROFILES, get_profile
-from hetjax.planner import PlanError, Workload, make_plan, resolve_auto
+from hetjax.planning import search as planner
+from hetjax.planning.hardware import NAMES, PROFILES, get_profile
+from hetjax.planning.search import PlanError, Workload, make_plan, resolve_auto
+from hetjax.runtime import streaming as executor
+from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
 from models import build_model
 

@@ -12,11 +12,12 @@ from equivalence import (
     check_tokens,
 )
 
-from hetjax import executor, timeline
+from hetjax import timeline
 from hetjax.config import ConfigError
-from hetjax.executor import StreamingRuntime, plan_device_memory
-from hetjax.nvme import PageStore
-from hetjax.placement import live_bytes_by_kind
+from hetjax.runtime import streaming as executor
+from hetjax.runtime.placement import live_bytes_by_kind
+from hetjax.runtime.streaming import StreamingRuntime, plan_device_memory
+from hetjax.storage.nvme import PageStore
 from hetjax.train import train
 from models import build_model
 

@@ -7,8 +7,8 @@ import pytest
 
 from hetjax import timeline
 from hetjax.data import make_datasets
-from hetjax.executor import StreamingRuntime
 from hetjax.metrics import peak_flops
+from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

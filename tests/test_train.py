@@ -10,7 +10,9 @@ from equivalence import (
 
 from hetjax.config import load_config
 from hetjax.launch import main
-from hetjax.train import InMemoryRuntime, LossScale, train
+from hetjax.runtime.in_memory import InMemoryRuntime
+from hetjax.train import train
+from hetjax.types import LossScale
 
 
 def test_default_config_loss_falls_clearly(tmp_path):
@@ -93,7 +95,7 @@ def test_fp16_skips_overflowing_step(tiny):
 
 def test_learning_rate_schedule():
     from hetjax.config import OptimizerConfig
-    from hetjax.optim import learning_rate_schedule
+    from hetjax.optimizer.build import learning_rate_schedule
 
     cfg = OptimizerConfig(lr=1.0, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
     lr = [float(learning_rate_schedule(cfg, 14)(n)) for n in range(16)]

@@ -31,8 +31,8 @@ from equivalence import (
 from hetjax.config import ConfigError
 from hetjax.data import make_datasets
 from hetjax.distributed import first_slurm_host, process_group
+from hetjax.runtime.zero import ZeroRuntime
 from hetjax.train import train
-from hetjax.zero import ZeroRuntime
 from models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,7 @@
 """Where each kind of state lives: the one module that maps state to memory.
 
 Layer and model code never place arrays; the runtimes ask this module for shardings.
+:class:`Shardings` names the memory spaces of one device:
 
 * ``device``: the accelerator's own memory (HBM): the streaming window, activations.
 * ``host``: the ``pinned_host`` memory kind of the same device: param slabs and
@@ -18,17 +19,23 @@ import dataclasses
 from collections import defaultdict
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from hetjax.storage.pages import SlabLayout, aligned_concatenate
+from hetjax.storage.states import flat
+from hetjax.types import ParamStore
 
 
 @dataclasses.dataclass(frozen=True)
-class Placement:
+class Shardings:
     device: SingleDeviceSharding
     host: SingleDeviceSharding
     optimizer: SingleDeviceSharding
 
     @classmethod
-    def single_device(cls, device: jax.Device | None = None) -> Placement:
+    def single_device(cls, device: jax.Device | None = None) -> Shardings:
         device = device or jax.devices()[0]
         host = SingleDeviceSharding(device, memory_kind="pinned_host")
         if device.platform == "cpu":
@@ -36,6 +43,69 @@ class Placement:
         else:
             optimizer = SingleDeviceSharding(jax.devices("cpu")[0])
         return cls(SingleDeviceSharding(device, memory_kind="device"), host, optimizer)
+
+
+class SingleDevice:
+    """The streaming runtime's placement strategy on one device: every stage whole, in
+    this process. The data-parallel strategy (``zero.py``) has the same methods; the
+    runtime is handed one and never asks which."""
+
+    page_multiple = 1  # stage slabs pad to a multiple of this many pages
+    nvme_subdir = ""  # this process's directory under the NVMe path ("": the path)
+
+    def __init__(self, device: jax.Device | None = None):
+        self.shardings = Shardings.single_device(device)
+
+    def state_layouts(self, layouts: dict[str, SlabLayout]) -> dict[str, SlabLayout]:
+        """Layouts of the slabs this process's optimizer and stores hold: whole slabs."""
+        return layouts
+
+    def own_slab(self, layout: SlabLayout, slab):
+        """A whole stage slab (fp32) -> the part this process holds: all of it."""
+        return slab
+
+    def whole_slab(self, slab) -> np.ndarray:
+        """This process's part of a stage slab -> the whole slab (host numpy)."""
+        return flat(slab)
+
+    def jit(self, fn):
+        """A stage function compiled for the device."""
+        return jax.jit(fn, out_shardings=self.shardings.device)
+
+    def grad_slab(self, pages: list[jax.Array], dtype=jnp.float32):
+        """Inside a stage's jit: the gradient of its pages as it leaves the device."""
+        return [p.astype(dtype) for p in pages]
+
+    def to_device(self, pages):
+        """A stage's params from the param store -> pages on the device for compute."""
+        return jax.device_put(pages, self.shardings.device)
+
+    def put_batch(self, rows: np.ndarray) -> jax.Array:
+        return jax.device_put(rows, self.shardings.device)
+
+    def host_slab(self, grad) -> np.ndarray:
+        """A gradient on the host (its pages) -> this process's flat numpy slab, aligned
+        so the host optimizer reads it without a copy."""
+        return aligned_concatenate(grad)
+
+    def sum_over_processes(self, value: float) -> float:
+        return value
+
+    def param_store(
+        self, store: ParamStore, layouts: dict[str, SlabLayout], on_nvme: bool
+    ) -> ParamStore:
+        """The param store the runtime reads stages from: ``store`` itself."""
+        return store
+
+    def sent_grad(self, grad: jax.Array) -> None:
+        """A gradient slab left the device (ZeRO-3 counts its reduce-scatter)."""
+
+    def describe(self, layouts: dict[str, SlabLayout]) -> list[str]:
+        return []
+
+    def step_metrics(self) -> dict[str, int]:
+        """This step's collective traffic, for the step's report (none here)."""
+        return {}
 
 
 def live_bytes_by_kind() -> dict[str, int]:

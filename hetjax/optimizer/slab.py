@@ -36,13 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetjax import native
 from hetjax.config import OptimizerConfig
-from hetjax.optim import base_optimizer, learning_rate_schedule
-from hetjax.pages import SlabLayout
+from hetjax.optimizer import native
+from hetjax.optimizer.build import base_optimizer, learning_rate_schedule, state_kind_name
+from hetjax.storage.pages import SlabLayout
+from hetjax.types import MASTER
 
 F32 = jnp.float32
-MASTER = "master"
 CHUNK_ELEMS = 1 << 20  # elements per update dispatch (whole pages); see ``update``
 
 
@@ -52,20 +52,6 @@ class _Slot:
 
     kind: str | None  # slab kind for param-shaped leaves, None for scalars
     half: int = 0  # 0: decayed part, 1: the rest
-
-
-def state_kind_name(prefix, used: set[str]) -> str:
-    """The kind of a params-shaped optax state subtree at key path ``prefix``: its
-    innermost named key (``mu``, ``nu``, ``trace``), numbered if already in ``used``
-    (which it joins). The in-memory runtime's checkpoints name kinds the same way."""
-    names = [str(getattr(p, "name", getattr(p, "key", ""))) for p in prefix]
-    base = next((n for n in reversed(names) if n), "state")
-    kind, k = base, 1
-    while kind in used:
-        k += 1
-        kind = f"{base}{k}"
-    used.add(kind)
-    return kind
 
 
 def _state_slots(tx) -> tuple[list[_Slot], Any]:

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import optax
 
 from hetjax.config import OptimizerConfig
+from hetjax.storage.pages import weight_decay_mask
+from hetjax.types import MASTER
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -38,17 +40,6 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     return schedule
 
 
-def weight_decay_mask(params: Any) -> Any:
-    """True for weight matrices (kernels, embeddings), False for biases and norm scales.
-    Decided by leaf name, since stacked block params give every leaf a layer axis."""
-
-    def is_matrix(path, leaf) -> bool:
-        name = str(getattr(path[-1], "key", path[-1]))
-        return name not in ("bias", "scale")
-
-    return jax.tree_util.tree_map_with_path(is_matrix, params)
-
-
 def base_optimizer(cfg: OptimizerConfig, total_steps: int, mask: Any = None):
     """The elementwise optimizer without clipping. ``mask`` selects weight-decayed leaves."""
     lr = learning_rate_schedule(cfg, total_steps)
@@ -69,3 +60,43 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, params: Any):
     if cfg.grad_clip > 0:
         tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
     return tx
+
+
+def state_kind_name(prefix, used: set[str]) -> str:
+    """The kind of a params-shaped optax state subtree at key path ``prefix``: its
+    innermost named key (``mu``, ``nu``, ``trace``), numbered if already in ``used``
+    (which it joins). The in-memory runtime's checkpoints name kinds the same way."""
+    names = [str(getattr(p, "name", getattr(p, "key", ""))) for p in prefix]
+    base = next((n for n in reversed(names) if n), "state")
+    kind, k = base, 1
+    while kind in used:
+        k += 1
+        kind = f"{base}{k}"
+    used.add(kind)
+    return kind
+
+
+def optax_tree_slots(opt_shapes: Any, params: Any) -> list[str | None]:
+    """Classifies an optax state over a whole params tree, run by run of leaves: a
+    kind name for each params-shaped subtree (``mu``, ``nu``...; named as
+    :func:`state_kind_name`, so both runtimes agree) and None for
+    each scalar leaf."""
+    param_leaves = jax.tree_util.tree_leaves_with_path(params)
+    n = len(param_leaves)
+    depth0 = len(param_leaves[0][0])
+    leaves = jax.tree_util.tree_leaves_with_path(opt_shapes)
+    slots: list[str | None] = []
+    used = {MASTER}
+    i = 0
+    while i < len(leaves):
+        path, leaf = leaves[i]
+        if leaf.shape == ():
+            slots.append(None)
+            i += 1
+            continue
+        run = [a.shape for _, a in leaves[i : i + n]]
+        if run != [a.shape for _, a in param_leaves]:
+            raise NotImplementedError(f"optax state leaf {jax.tree_util.keystr(path)}")
+        slots.append(state_kind_name(path[: len(path) - depth0], used))
+        i += n
+    return slots

@@ -1,7 +1,8 @@
 """ZeRO-3 data parallelism on the streaming runtime (``distributed.data_parallel != 1``).
 
-The streaming executor's loop (``executor.py``) runs unchanged; what changes is where
-its arrays live (the "placement hooks" it calls):
+The streaming runtime's loop (``streaming.py``) runs unchanged; what changes is where
+its arrays live: the runtime is handed this placement strategy (:class:`Zero3`)
+instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same methods:
 
 * **Sharded pages.** Every stage's slab pads to a multiple of N pages (N devices on the
   ``data`` axis) and is held as a ``(pages, page_elems)`` array sharded over that axis
@@ -40,16 +41,19 @@ from jax.sharding import PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import Config
 from hetjax.distributed import DATA_AXIS, data_mesh
-from hetjax.executor import F32, StreamingRuntime
-from hetjax.pages import SlabLayout, aligned_concatenate
-from hetjax.placement import Placement, ShardedPlacement
-from hetjax.state_store import flat
+from hetjax.runtime.placement import ShardedPlacement, Shardings
+from hetjax.storage.pages import SlabLayout, aligned_concatenate
+from hetjax.storage.states import flat
+from hetjax.types import ParamStore
+
+F32 = jnp.float32
 
 
-class ZeroRuntime(StreamingRuntime):
-    """The streaming runtime with every stage's pages sharded over the ``data`` axis."""
+class Zero3:
+    """The streaming runtime's placement strategy with every stage's pages sharded over
+    the ``data`` axis of ``distributed.data_parallel`` devices."""
 
-    def __init__(self, config: Config, probe=None, workdir=None):
+    def __init__(self, config: Config):
         self.mesh = data_mesh(config.distributed.data_parallel)
         self.degree = self.mesh.size
         self.sharded = ShardedPlacement.over(self.mesh, DATA_AXIS)
@@ -57,47 +61,44 @@ class ZeroRuntime(StreamingRuntime):
         slots = [i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == me]
         self.local_devices = [self.mesh.devices.flat[i] for i in slots]
         self.first_slot = slots[0]  # this process's first device on the data axis
-        self.page_multiple = self.degree
+        self.page_multiple = self.degree  # stage slabs pad to one equal share per device
         self.nvme_subdir = f"proc{me}"
+        # this process's optimizer and stores, on its first device's host side
+        self.shardings = Shardings.single_device(self.local_devices[0])
         self.comm = collections.Counter()  # bytes per device moved by collectives
         self._gathers: dict[int, object] = {}
-        super().__init__(config, probe, workdir)
-
-    # -- placement hooks ----------------------------------------------------------------
-
-    def _placement(self) -> Placement:
-        return Placement.single_device(self.local_devices[0])  # this process's optimizer
 
     def own_pages(self, layout: SlabLayout) -> tuple[int, int]:
         """(first page, number of pages) of a stage slab that this process holds."""
         per_device = layout.num_pages // self.degree
         return self.first_slot * per_device, len(self.local_devices) * per_device
 
-    def _state_layouts(self) -> dict[str, SlabLayout]:
-        return {name: lay.shard(*self.own_pages(lay)) for name, lay in self.layouts.items()}
+    def state_layouts(self, layouts: dict[str, SlabLayout]) -> dict[str, SlabLayout]:
+        return {name: lay.shard(*self.own_pages(lay)) for name, lay in layouts.items()}
 
-    def _own_slab(self, kind: str, slab):
-        layout = self.layouts[kind]
+    def own_slab(self, layout: SlabLayout, slab):
         first, n = self.own_pages(layout)
         if n == layout.num_pages:
             return slab
         P = layout.page_elems
         part = np.asarray(slab)[first * P : (first + n) * P]
-        return part if isinstance(slab, np.ndarray) else jax.device_put(part, self.place.optimizer)
+        return (
+            part if isinstance(slab, np.ndarray) else jax.device_put(part, self.shardings.optimizer)
+        )
 
-    def _whole_slab(self, slab) -> np.ndarray:
+    def whole_slab(self, slab) -> np.ndarray:
         local = flat(slab)
         if jax.process_count() == 1:
             return local
         return np.asarray(multihost_utils.process_allgather(local, tiled=True))
 
-    def _stage_jit(self, fn):
+    def jit(self, fn):
         """A stage function run per device on its rows of the batch (``shard_map``):
         whole pages in, the device's rows of activations in and out; its loss is the
         mean over devices, its gradient slabs are reduce-scattered (``psum_scatter``).
         Arguments and results are told apart by rank: pages (1-D) and scalars are
         replicated, batches (2-D tokens, 3-D activations) split by rows, 2-D results are
-        gradient slabs (see ``_grad_slab``)."""
+        gradient slabs (see ``grad_slab``)."""
         N = self.degree
 
         def reduce(out):
@@ -131,14 +132,13 @@ class ZeroRuntime(StreamingRuntime):
 
         return jax.jit(run)
 
-    def _grad_slab(self, pages: list[jax.Array], dtype=F32) -> jax.Array:
+    def grad_slab(self, pages: list[jax.Array], dtype=F32) -> jax.Array:
         return jnp.stack([p.astype(dtype) for p in pages])  # (pages, page_elems)
 
-    def _to_device(self, slab: jax.Array) -> list[jax.Array]:
-        """A stage's sharded host slab -> its pages whole on every device: each device
-        copies its own pages in, then one all-gather (both asynchronous)."""
-        n = slab.shape[0]
-        if n not in self._gathers:
+    def gather(self, num_pages: int):
+        """The jitted all-gather of a ``num_pages``-page stage slab (sharded over the
+        data axis, in device memory) into its pages whole on every device."""
+        if num_pages not in self._gathers:
             # shard_map: XLA's CPU partitioner would lower an automatic gather as an
             # all-reduce of zero-padded copies, twice the bytes on the wire.
             all_gather = jax.shard_map(
@@ -148,51 +148,56 @@ class ZeroRuntime(StreamingRuntime):
                 out_specs=PartitionSpec(),
                 check_vma=False,  # all_gather's output is replicated
             )
-            self._gathers[n] = jax.jit(
+            self._gathers[num_pages] = jax.jit(
                 lambda s: list(all_gather(s)), out_shardings=self.sharded.gathered
             )
+        return self._gathers[num_pages]
+
+    def to_device(self, slab: jax.Array) -> list[jax.Array]:
+        """A stage's sharded host slab -> its pages whole on every device: each device
+        copies its own pages in, then one all-gather (both asynchronous)."""
         self.comm["all_gather"] += slab.nbytes * (self.degree - 1) // self.degree
-        return self._gathers[n](jax.device_put(slab, self.sharded.slab_device))
+        return self.gather(slab.shape[0])(jax.device_put(slab, self.sharded.slab_device))
 
-    def _send_grad(self, name: str, g: jax.Array, pending) -> None:
-        self.comm["reduce_scatter"] += g.nbytes * (self.degree - 1) // self.degree
-        super()._send_grad(name, g, pending)
+    def sent_grad(self, grad: jax.Array) -> None:
+        self.comm["reduce_scatter"] += grad.nbytes * (self.degree - 1) // self.degree
 
-    def _put_batch(self, rows: np.ndarray) -> jax.Array:
+    def put_batch(self, rows: np.ndarray) -> jax.Array:
         """This process's rows of a batch -> the global batch, rows over ``data``."""
         return jax.make_array_from_process_local_data(self.sharded.batch, rows)
 
-    def _host_slab(self, grad: jax.Array) -> np.ndarray:
+    def host_slab(self, grad: jax.Array) -> np.ndarray:
         shards = sorted(grad.addressable_shards, key=lambda s: s.index[0].start or 0)
         return aligned_concatenate([s.data for s in shards])
 
-    def _sum_over_processes(self, value: float) -> float:
+    def sum_over_processes(self, value: float) -> float:
         if jax.process_count() == 1:
             return value
         parts = multihost_utils.process_allgather(np.float32(value))
         return float(np.sum(np.asarray(parts, np.float64)))
 
-    def _make_stores(self, opt_sharding):
-        states, params = super()._make_stores(opt_sharding)
-        inner = params if self.config.offload.params == "nvme" else None
-        return states, ShardedParamStore(self, inner)
+    def param_store(
+        self, store: ParamStore, layouts: dict[str, SlabLayout], on_nvme: bool
+    ) -> ParamStore:
+        """Pages of this process's shards, handed out as global sharded slabs; kept in
+        ``store`` when that is on NVMe."""
+        return ShardedParamStore(self, layouts, store if on_nvme else None)
 
-    # -- reporting ----------------------------------------------------------------------
-
-    def plan_lines(self) -> list[str]:
-        lay = self.layouts["block"]
+    def describe(self, layouts: dict[str, SlabLayout]) -> list[str]:
+        lay = layouts["block"]
         first, n = self.own_pages(lay)
         return [
             f"zero-3: {self.degree} devices on the data axis ({jax.process_count()} "
             f"processes); a block's {lay.num_pages} pages split {lay.num_pages // self.degree} "
-            f"per device; this process holds pages [{first}, {first + n}) of each stage",
-            *super().plan_lines(),
+            f"per device; this process holds pages [{first}, {first + n}) of each stage"
         ]
 
-    def extra_metrics(self) -> dict:
-        metrics = super().extra_metrics()
-        metrics["all_gather_bytes"] = int(self.comm["all_gather"])
-        metrics["reduce_scatter_bytes"] = int(self.comm["reduce_scatter"])
+    def step_metrics(self) -> dict[str, int]:
+        """This step's collective traffic (called by the step, on its own thread)."""
+        metrics = {
+            "all_gather_bytes": int(self.comm["all_gather"]),
+            "reduce_scatter_bytes": int(self.comm["reduce_scatter"]),
+        }
         self.comm.clear()
         return metrics
 
@@ -203,20 +208,20 @@ class ShardedParamStore:
     kept here (``offload.params=host``) or in ``inner`` (an ``NvmeParamStore`` of this
     process's page ranges)."""
 
-    def __init__(self, runtime: ZeroRuntime, inner=None):
-        self.rt, self.inner = runtime, inner
+    def __init__(self, zero: Zero3, layouts: dict[str, SlabLayout], inner=None):
+        self.zero, self.layouts, self.inner = zero, layouts, inner
         self.slabs: dict[str, jax.Array] = {}
         self._host = [
-            SingleDeviceSharding(d, memory_kind="pinned_host") for d in runtime.local_devices
+            SingleDeviceSharding(d, memory_kind="pinned_host") for d in zero.local_devices
         ]
 
     def _assemble(self, stage: str, pages: list) -> jax.Array:
-        layout = self.rt.layouts[self.rt.layout_name(stage)]
+        layout = self.layouts["block" if stage.startswith("block") else stage]
         rows = np.stack([np.asarray(p) for p in pages])  # (own pages, page_elems)
         per_device = np.split(rows, len(self._host))
         arrays = jax.device_put(per_device, self._host)
         shape = (layout.num_pages, layout.page_elems)
-        return jax.make_array_from_single_device_arrays(shape, self.rt.sharded.slab_host, arrays)
+        return jax.make_array_from_single_device_arrays(shape, self.zero.sharded.slab_host, arrays)
 
     def publish(self, stage: str, pages: list) -> None:
         if self.inner is not None:
@@ -250,8 +255,8 @@ class ShardedParamStore:
 
     @property
     def read_bytes(self) -> int:
-        return getattr(self.inner, "read_bytes", 0)
+        return self.inner.read_bytes if self.inner is not None else 0
 
     @property
     def write_bytes(self) -> int:
-        return getattr(self.inner, "write_bytes", 0)
+        return self.inner.write_bytes if self.inner is not None else 0

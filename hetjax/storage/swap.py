@@ -1,20 +1,21 @@
-"""Block-boundary activation checkpoints swapped to NVMe (``offload.activations=nvme``).
+"""Block-boundary activations (*boundaries*) swapped to NVMe
+(``offload.activations=nvme``).
 
 Fuyou's SSD-CPU-GPU activation swap, at block granularity: when host RAM cannot hold a
-micro-batch's checkpoints, they go through it to disk. The executor (``executor.py``)
-hands over each checkpoint as its copy to host RAM is dispatched; a worker thread waits
-for the copy to land and writes it to one row of a TensorStore array (zarr3 over the
-``file`` kvstore, ``nvme.PageStore``), shape ``(slots, B*T*D)`` in the compute dtype,
-one chunk per page. Backward takes the checkpoints back in reverse order, and each
-``get`` starts the reads of the next ``depth`` ones, so a read overlaps the backward of
-the blocks before it.
+micro-batch's boundaries, they go through it to disk. The streaming runtime
+(``runtime/streaming.py``) hands over each boundary as its copy to host RAM is
+dispatched; a worker thread waits for the copy to land and writes it to one row of a
+TensorStore array (zarr3 over the ``file`` kvstore, ``nvme.PageStore``), shape ``(slots,
+B*T*D)`` in the compute dtype, one chunk per page. Backward takes the boundaries back in
+reverse order, and each ``get`` starts the reads of the next ``depth`` ones, so a read
+overlaps the backward of the blocks before it.
 
-Host RAM is bounded by :func:`staging_bytes`: forward waits for the oldest write while
-``depth`` checkpoints are in flight or held, and backward holds the checkpoint it takes
-plus ``depth`` read ahead. The last ``depth`` checkpoints of a forward (slots
-``slots - depth`` and up) are never written: they stay in RAM and backward, which needs
-them first, takes them from there. The rows are reused by every micro-batch: a forward
-first waits for the previous one's writes.
+Host RAM is bounded by :func:`hetjax.memory.swap_staging_bytes`: forward waits for the
+oldest write while ``depth`` boundaries are in flight or held, and backward holds the
+boundary it takes plus ``depth`` read ahead. The last ``depth`` boundaries of a forward
+(slots ``slots - depth`` and up) are never written: they stay in RAM and backward, which
+needs them first, takes them from there. The rows are reused by every micro-batch: a
+forward first waits for the previous one's writes.
 """
 
 from __future__ import annotations
@@ -27,24 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from hetjax.nvme import PageStore
+from hetjax.storage.nvme import PageStore
 
-KIND = "checkpoints"
-
-
-def staging_bytes(checkpoint: int, slots: int, depth: int) -> int:
-    """Host RAM the swap holds at most: ``depth`` checkpoints in flight to disk in
-    forward; in backward, the one being taken plus ``depth`` read ahead."""
-    return min(slots, depth + 1) * checkpoint
+KIND = "boundaries"
 
 
 def _to_host(host) -> np.ndarray:
-    """A checkpoint's host copy as one numpy row (waits for the copy to land)."""
+    """A boundary's host copy as one numpy row (waits for the copy to land)."""
     return np.asarray(host).reshape(1, -1)
 
 
-class NvmeCheckpoints:
-    """One micro-batch's block-boundary checkpoints (``slots`` of them, each of
+class BoundarySwap:
+    """One micro-batch's block-boundary boundaries (``slots`` of them, each of
     ``shape`` and ``dtype``) on disk under ``path``, with write-behind and read-ahead
     ``depth``."""
 
@@ -53,7 +48,7 @@ class NvmeCheckpoints:
     ):
         self.shape, self.depth, self.slots = tuple(shape), max(depth, 1), slots
         elems = math.prod(self.shape)
-        self.checkpoint_bytes = elems * np.dtype(dtype).itemsize
+        self.boundary_bytes = elems * np.dtype(dtype).itemsize
         self.disk = PageStore(
             path,
             {KIND: np.dtype(dtype).name},
@@ -62,7 +57,7 @@ class NvmeCheckpoints:
             chunk_elems=min(chunk_elems, elems),
             label="activations",
         )
-        self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="hetjax-checkpoints")
+        self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="hetjax-boundaries")
         # slot -> future of its data (host numpy), resolved when the write is complete
         self._writes: collections.OrderedDict[int, Future] = collections.OrderedDict()
         self._held: dict[int, Any] = {}  # the last slots: kept in RAM, never written
@@ -77,7 +72,7 @@ class NvmeCheckpoints:
         self.wait()
 
     def put(self, slot: int, host) -> None:
-        """Swaps out checkpoint ``slot``: ``host`` is its copy to host RAM, dispatched (a
+        """Swaps out boundary ``slot``: ``host`` is its copy to host RAM, dispatched (a
         JAX array). Waits for the oldest write while ``depth`` are in flight or held.
         One of the last ``depth`` slots is only held (backward takes it first)."""
         while self._writes and len(self._writes) + len(self._held) >= self.depth:
@@ -86,7 +81,7 @@ class NvmeCheckpoints:
             self._held[slot] = host
         else:
             self._writes[slot] = self._pool.submit(self._write, slot, host)
-            self.write_bytes += self.checkpoint_bytes
+            self.write_bytes += self.boundary_bytes
         self._note_peak()
 
     def _write(self, slot: int, host) -> np.ndarray:  # on a worker thread
@@ -122,8 +117,8 @@ class NvmeCheckpoints:
     # -- accounting and shutdown ----------------------------------------------------------
 
     def host_bytes(self) -> int:
-        """Host RAM held now: checkpoints waiting for their write or read ahead."""
-        return (len(self._writes) + len(self._held) + len(self._reads)) * self.checkpoint_bytes
+        """Host RAM held now: boundaries waiting for their write or read ahead."""
+        return (len(self._writes) + len(self._held) + len(self._reads)) * self.boundary_bytes
 
     def _note_peak(self) -> None:
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes())

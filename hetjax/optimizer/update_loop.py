@@ -11,7 +11,7 @@ params. So the optimizer and its I/O run while backward is still computing.
 
 Global-norm clipping needs every gradient first. The loop therefore updates
 *speculatively*, as if clipping did not bind, into state the store keeps apart from the
-committed state (``state_store.py``). When backward ends the executor calls
+committed state (``storage/states.py``). When backward ends the executor calls
 :meth:`UpdateLoop.finish` with the global norm: if ``norm < max_norm`` (or clipping is
 off) the speculative updates are exactly optax's and are committed; if clipping binds,
 they are dropped and every stage is updated again with the clip factor (counted in
@@ -25,9 +25,15 @@ and updates once when backward ends, clipped or not (counted in ``optimizer_defe
 Early in training, when clipping binds step after step, that halves the optimizer's
 work and its I/O; once it stops binding, updates overlap backward again from the step
 after. ``always`` speculates every step. A consumed
-gradient goes to the :class:`~hetjax.gradients.GradientStore`, which keeps it (in RAM or
+gradient goes to the :class:`~hetjax.storage.gradients.GradientStore`, which keeps it (in RAM or
 on NVMe) for a possible redo, or drops it when clipping is off; with bounded gradient
-buffers ``submit`` waits while ``max_queued`` stages are not yet updated (``gradients.py``).
+buffers ``submit`` waits while ``max_queued`` stages are not yet updated
+(``hetjax/memory.py``).
+
+**What the loop did** reaches the training thread as an
+:class:`~hetjax.types.OptimizerWork` through a queue (:meth:`UpdateLoop.collect`): the
+loop's thread hands over each step's (sync) or each pass's (lock-free) work; nothing is
+read and reset across threads.
 
 **Device-cached stages** (``offload.optimizer_device_stages``, Angel-PTM's GPU cache
 of optimizer state): their state lives on the device and their gradient never leaves
@@ -62,7 +68,8 @@ from typing import Any
 import numpy as np
 
 from hetjax import timeline
-from hetjax.gradients import GradientStore
+from hetjax.storage.gradients import GradientStore
+from hetjax.types import OptimizerWork
 
 
 class UpdateLoop:
@@ -88,7 +95,6 @@ class UpdateLoop:
         self.opt, self.states, self.params = optimizer, states, params
         self.device_opt = device_optimizer
         self.device_stages = frozenset(device_stages)
-        self.device_params = 0  # parameters updated on the device, since the last read
         self._device_grads: dict[str, Any] = {}  # device gradients kept for a redo
         self.grads = grads if grads is not None else GradientStore(keep=max_norm > 0)
         # stages submitted and not yet updated before submit waits (0: no limit)
@@ -99,8 +105,9 @@ class UpdateLoop:
         self.mode = mode
         self.max_staleness = max_staleness
         self.readahead = readahead
-        self.busy_s = 0.0  # time the thread spent updating, since the last read
-        self.updated_params = 0  # parameters updated, since the last read
+        # The work since the last report (OptimizerWork's fields), and the reports made.
+        self._busy_s, self._params, self._device_params = 0.0, 0, 0
+        self._reports: queue.Queue[OptimizerWork] = queue.Queue()
         self.redo = 0  # steps whose speculative update was redone with clipping
         self.deferred = 0  # steps updated after backward only (clipping bound before)
         self.speculation = speculation
@@ -154,14 +161,35 @@ class UpdateLoop:
         """Gradient bytes the loop holds now: submitted not yet updated, and kept."""
         return self._queued_bytes + self.grads.host_bytes()
 
-    def finish(self, global_norm: float, apply: bool) -> None:
+    def finish(self, global_norm: float, apply: bool) -> OptimizerWork:
         """Ends a synchronous step: waits for the submitted updates, then commits them,
-        redoes them with clipping, or (``apply`` False: fp16 overflow) drops them."""
+        redoes them with clipping, or (``apply`` False: fp16 overflow) drops them.
+        Returns the step's optimizer work."""
         done = threading.Event()
         self._queue.put(("finish", global_norm, apply, done))
         while not done.wait(0.5):
             self._check()
         self._check()
+        return self.collect()
+
+    def collect(self) -> OptimizerWork:
+        """The work the loop reported since the last call (lock-free mode: the passes
+        that completed; sync mode: the step :meth:`finish` ended)."""
+        work = OptimizerWork(redo=self.redo, deferred=self.deferred)
+        while True:
+            try:
+                work = work + self._reports.get_nowait()
+            except queue.Empty:
+                return work
+
+    def _report(self) -> None:
+        """Hands the work since the last report to the training thread (called by the
+        loop's thread at the end of a step or pass, while the training thread waits or
+        does not touch these counters)."""
+        self._reports.put(
+            OptimizerWork(self._busy_s, self._params, self._device_params, self.redo, self.deferred)
+        )
+        self._busy_s, self._params, self._device_params = 0.0, 0, 0
 
     # -- lock-free mode -----------------------------------------------------------------
 
@@ -233,6 +261,7 @@ class UpdateLoop:
                 continue
             _, norm, apply, done = item
             self._end_step(norm, apply)
+            self._report()
             done.set()
 
     def _end_step(self, norm: float, apply: bool) -> None:
@@ -274,6 +303,7 @@ class UpdateLoop:
                 clip = (norm, self.max_norm) if self.max_norm > 0 else (0.0, 0.0)
                 self._pass(clip, grads)
                 self._commit()
+            self._report()
             with self._cv:
                 self._unapplied -= steps
                 self._cv.notify_all()
@@ -316,10 +346,10 @@ class UpdateLoop:
             layout, slabs, scalars, grad, clip, spare=spare, in_place=in_place
         )
         timeline.watch("optimizer", stage, (new, pages))
-        self.updated_params += grad.size
+        self._params += grad.size
         self.states.put(stage, new, new_scalars)
         self.params.publish(stage, pages)
-        self.busy_s += time.perf_counter() - t0
+        self._busy_s += time.perf_counter() - t0
 
     def _update_device(self, stage: str, grad, clip) -> None:
         """A device-cached stage's update: dispatched, not waited for. Touches only the
@@ -331,7 +361,7 @@ class UpdateLoop:
             self.layout_of(stage), slabs, scalars, grad, clip, spare=spare, in_place=in_place
         )
         timeline.watch("compute", f"{stage} update", (new, pages))
-        self.device_params += grad.size
+        self._device_params += grad.size
         self.states.put(stage, new, new_scalars)
         self.params.publish(stage, pages)
 
@@ -348,7 +378,7 @@ class UpdateLoop:
         self._reads.clear()  # read-ahead was of the generation just replaced
         for stage in self.order[: self.readahead]:  # the next step's first stages
             self._reads[stage] = self.states.prefetch(stage)
-        self.busy_s += time.perf_counter() - t0
+        self._busy_s += time.perf_counter() - t0
 
     def _abort(self, restore_params: bool) -> None:
         """Drops the step's speculative updates. Params published in place (host) are

@@ -1,7 +1,7 @@
-"""Where optimizer state and compute-dtype params live between updates.
+"""Where fp32 master params and optimizer state live between updates.
 
 Optimizer state (``offload.optimizer``): each stage's slabs by kind (``master``, ``mu``,
-``nu``, ...; see ``host_optimizer.py``) and its scalars.
+``nu``, ...; see ``optimizer/slab.py``) and its scalars.
 
 * :class:`MemoryStateStore` keeps them as JAX arrays in one sharding: host RAM
   (``host``) or device memory (``device``).
@@ -16,22 +16,18 @@ Optimizer state (``offload.optimizer``): each stage's slabs by kind (``master``,
   with read-ahead and delayed write-back (writes complete while later stages update).
 
 Updates are *speculative* until committed: the loop may update a stage before the
-global gradient norm is known (``update_loop.py``), and if clipping then binds, or an
+global gradient norm is known (``optimizer/update_loop.py``), and if clipping then binds, or an
 fp16 step overflows, the step's updates are thrown away. So a step never overwrites the
 state it read: on disk there are two generations of every array, one holding the
 committed state and one receiving the step's writes, and ``commit`` flips them; cached
 stages keep their old slabs until ``commit``. A crash or a bad step leaves the committed
 generation intact.
 
-Compute-dtype params for the forward (``offload.params``) follow the same pattern:
-:class:`HostParamStore` (``host``) and :class:`NvmeParamStore` (``nvme``, two
-generations, read ahead by the executor's window); the device-cached stages' params
-stay on the device (:class:`DeviceParamStore`, routed by :class:`SplitParamStore`).
+Compute-dtype params follow the same pattern in ``params.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -39,9 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hetjax.config import ConfigError, format_bytes
-from hetjax.gradients import GradientPlan, plan_gradients
-from hetjax.nvme import PageStore, bound_writes
+from hetjax.storage.nvme import PageStore, bound_writes
 
 MANIFEST = "manifest.json"
 
@@ -51,30 +45,6 @@ def flat(slab) -> np.ndarray:
     if isinstance(slab, list):
         return np.concatenate([np.asarray(c) for c in slab])
     return np.asarray(slab)
-
-
-def belady_cache(order: list[str], sizes: dict[str, int], capacity: int) -> list[str]:
-    """The stages a cache of ``capacity`` bytes holds in steady state when ``order``
-    repeats forever and eviction follows Belady's rule (furthest next use first;
-    a stage whose own next use is the furthest is not cached at all). Simulated over
-    two cycles: the second starts from the first one's end state."""
-    n = len(order)
-    trace = order * 2
-    cache: set[str] = set()
-    for t, stage in enumerate(trace):
-        if stage in cache:
-            continue
-        cache.add(stage)
-        while sum(sizes[s] for s in cache) > capacity:
-
-            def next_use(s, t=t):
-                for d in range(1, n + 1):
-                    if trace[(t + d) % len(trace)] == s:
-                        return d
-                return n + 1
-
-            cache.discard(max(cache, key=lambda s: (next_use(s), s == stage)))
-    return [s for s in order if s in cache]
 
 
 class MemoryStateStore:
@@ -382,45 +352,6 @@ class NvmeStateStore:
         tmp.replace(self.path / MANIFEST)
 
 
-class HostParamStore:
-    """Compute-dtype param pages of every stage in the host memory kind."""
-
-    def __init__(self, sharding: jax.sharding.Sharding):
-        self.sharding = sharding
-        self.pages: dict[str, list[jax.Array]] = {}
-
-    def publish(self, stage: str, pages: list) -> None:
-        self.pages[stage] = jax.device_put(pages, self.sharding)
-
-    def prefetch(self, stage: str) -> None:
-        pass
-
-    def get(self, stage: str) -> list:
-        return self.pages[stage]
-
-    def commit(self) -> None:
-        pass
-
-    def abort(self) -> bool:
-        """Returns True: pages are published in place, so dropping a step's updates
-        needs them republished from the committed masters."""
-        return True
-
-    def host_bytes(self) -> int:
-        return sum(a.nbytes for a in jax.tree.leaves(self.pages))
-
-    nvme_bytes = 0
-
-
-class DeviceParamStore(HostParamStore):
-    """Compute-dtype param pages of the device-cached stages, in device memory: their
-    update runs there and publishes in place; the executor reads them as resident
-    stages without a copy."""
-
-    def host_bytes(self) -> int:
-        return 0
-
-
 class SplitStateStore:
     """Optimizer state of the device-cached stages (``stages``) in ``device`` (a
     :class:`MemoryStateStore` on the device), of the others in ``base`` (host RAM or
@@ -485,253 +416,3 @@ class SplitStateStore:
     @property
     def write_bytes(self) -> int:
         return self.base.write_bytes
-
-
-class SplitParamStore:
-    """Compute-dtype params of the device-cached stages in ``device`` (a
-    :class:`DeviceParamStore`), of the others in ``base`` (host RAM or NVMe)."""
-
-    def __init__(self, device: DeviceParamStore, base, stages):
-        self.device, self.base, self.stages = device, base, frozenset(stages)
-
-    def _of(self, stage: str):
-        return self.device if stage in self.stages else self.base
-
-    def publish(self, stage: str, pages: list) -> None:
-        self._of(stage).publish(stage, pages)
-
-    def prefetch(self, stage: str) -> None:
-        self._of(stage).prefetch(stage)
-
-    def get(self, stage: str) -> list:
-        return self._of(stage).get(stage)
-
-    def commit(self) -> None:
-        self.device.commit()
-        self.base.commit()
-
-    def abort(self) -> bool:
-        """True: the device pages are published in place, so a dropped step's updates
-        need them republished (the loop republishes every stage; for ``base`` on NVMe
-        that rewrites the uncommitted generation, which the next step overwrites)."""
-        self.base.abort()
-        return self.device.abort()
-
-    def device_arrays(self) -> list:
-        return list(self.device.pages.values())
-
-    def host_bytes(self) -> int:
-        return self.base.host_bytes()
-
-    @property
-    def nvme_bytes(self) -> int:
-        return self.base.nvme_bytes
-
-    @property
-    def read_bytes(self) -> int:
-        return getattr(self.base, "read_bytes", 0)
-
-    @property
-    def write_bytes(self) -> int:
-        return getattr(self.base, "write_bytes", 0)
-
-
-class NvmeParamStore:
-    """Compute-dtype param pages on disk (two generations, like the state), read ahead
-    for the forward and backward by the executor's window."""
-
-    def __init__(
-        self,
-        path: Path,
-        dtype: Any,
-        stage_pages: dict[str, tuple[int, int]],
-        page_elems: int,
-    ):
-        self.stage_pages = stage_pages
-        num_pages = sum(n for _, n in stage_pages.values())
-        kinds = {"params": np.dtype(dtype).name}
-        self.disk = [
-            PageStore(Path(path) / f"gen{g}", kinds, num_pages, page_elems) for g in (0, 1)
-        ]
-        self.gen = 0
-        self._target = 0  # the generation publish writes into (the first commit keeps 0)
-        self._writes: list = []
-        self._write_window = max(n for _, n in stage_pages.values()) * page_elems * 4
-        self._reads: dict[str, Any] = {}
-        self._published: dict[str, tuple] = {}  # stage -> (future, data): this step's
-        # stage -> (future, data): writes into the committed generation a commit left in
-        # flight; ``get`` serves these stages from that data, no read needed
-        self._landing: dict[str, tuple] = {}
-        self.read_bytes = self.write_bytes = 0
-
-    def publish(self, stage: str, pages: list) -> None:
-        data = np.concatenate([np.asarray(p) for p in pages])
-        first, _ = self.stage_pages[stage]
-        future = self.disk[self._target].write("params", first, data)
-        self._writes.append((future, data))
-        self._published[stage] = (future, data)
-        self.write_bytes += data.nbytes
-        bound_writes(self._writes, self._write_window)
-
-    def prefetch(self, stage: str) -> None:
-        if stage not in self._reads and stage not in self._landing:
-            first, n = self.stage_pages[stage]
-            self._reads[stage] = self.disk[self.gen].read("params", first, n)
-
-    def get(self, stage: str) -> list:
-        if stage in self._landing:  # written last step, maybe still in flight: in RAM
-            self._reads.pop(stage, None)  # one issued before the commit: stale
-            data = self._landing[stage][1]
-            return list(data.reshape(-1, self.disk[0].page_elems))
-        self.prefetch(stage)
-        pages = self._reads.pop(stage).result()
-        self.read_bytes += pages.nbytes
-        return list(pages)
-
-    def commit(self) -> None:
-        """Makes the step's params current without waiting for the writes still in
-        flight (the stages updated last, which the next forward needs first): those
-        stages are served from the written data until the next commit."""
-        self._land()  # the previous step's: long done
-        self._landing = {s: w for s, w in self._published.items() if not w[0].done()}
-        self._published = {}
-        self._writes = [(f, d) for f, d in self._writes if not f.done()]
-        if self._target != self.gen:
-            self.gen = self._target
-        self._target = 1 - self.gen
-        # Reads still in flight were of the old generation: a consistent snapshot, one
-        # update old (sync mode has none outstanding at a commit).
-
-    def abort(self) -> bool:
-        """Drops the step's writes: the generation stays; the next publish overwrites
-        them. Returns False: the committed generation was never touched."""
-        self.wait()
-        return False
-
-    def wait(self) -> None:
-        for future, _ in self._writes:
-            future.result()
-        self._writes.clear()
-        self._published = {}
-        self._land()
-
-    def _land(self) -> None:
-        for future, _ in self._landing.values():
-            future.result()
-        self._landing = {}
-
-    def host_bytes(self) -> int:
-        held = {id(d): d.nbytes for _, d in [*self._writes, *self._landing.values()]}
-        return sum(held.values())
-
-    @property
-    def nvme_bytes(self) -> int:
-        return sum(d.nbytes for d in self.disk)
-
-
-# -- the host RAM plan --------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class HostMemoryPlan:
-    """What the streaming runtime holds in host RAM, in bytes, and the state cache."""
-
-    budget: int  # 0: no limit
-    param_slabs: int  # compute-dtype params (all stages, or the NVMe read-ahead window)
-    gradients: int  # gradient buffers in RAM (``grads`` says which, and what spills)
-    optimizer_state: int  # state kept in RAM (offload.optimizer=host), x2 while speculative
-    optimizer_io: int  # NVMe read-ahead, the stage updating and its write-back
-    cache: int  # NVMe state cached in RAM
-    cached_stages: tuple[str, ...]
-    required: int  # the total
-    grads: GradientPlan
-    checkpoints: int = 0  # activation checkpoints (host) or their NVMe staging (nvme)
-
-    def describe(self) -> str:
-        parts = [f"param slabs {format_bytes(self.param_slabs)}", self.grads.describe()]
-        if self.optimizer_state:
-            parts.append(f"optimizer state {format_bytes(self.optimizer_state)}")
-        if self.checkpoints:
-            parts.append(f"activation checkpoints {format_bytes(self.checkpoints)}")
-        if self.optimizer_io:
-            parts.append(f"optimizer I/O buffers {format_bytes(self.optimizer_io)}")
-            parts.append(
-                f"state cache {format_bytes(self.cache)} ({len(self.cached_stages)} stages)"
-            )
-        limit = f" of budget {format_bytes(self.budget)}" if self.budget else " (no budget)"
-        return f"host plan: {', '.join(parts)}; total {format_bytes(self.required)}{limit}"
-
-
-def plan_host_memory(
-    budget: int,
-    tier: str,
-    param_slabs: int,
-    grad_sizes: dict[str, int],
-    grad_policy: str,
-    stage_state: dict[str, int],
-    order: list[str],
-    readahead: int,
-    spill_grads: bool = False,
-    checkpoints: int = 0,
-    activations: str = "device",
-) -> HostMemoryPlan:
-    """Plans host RAM for optimizer tier ``tier`` (device | host | nvme) of the stages
-    in ``stage_state`` (state bytes by stage; ``order``: those stages in backward order;
-    device-cached stages are neither). Speculative
-    updates keep a stage's old and new state until the step commits, so state held in
-    RAM counts twice. ``checkpoints``: host bytes of activation checkpoints in tier
-    ``activations`` (all of a micro-batch's on ``host``, the staging on ``nvme``).
-    Gradient buffers (slab bytes ``grad_sizes`` by stage reaching the host, in backward
-    order; policy ``grad_policy``,
-    ``spill_grads``: kept ones may go to NVMe) get the RAM they need next, bounded when
-    all of them do not fit (``gradients.plan_gradients``). With ``nvme`` the RAM left
-    after that caches whole stages of state, chosen by
-    :func:`belady_cache`; no budget means no cache. Raises ``ConfigError`` naming the
-    shortfall when the minimum does not fit."""
-    state = 2 * sum(stage_state.values()) if tier == "host" else 0
-    biggest = max(stage_state.values(), default=0)
-    io = (readahead + 2) * biggest if tier == "nvme" else 0
-    others = param_slabs + state + io + checkpoints
-    grads = plan_gradients(
-        grad_sizes, list(grad_sizes), grad_policy, budget - others if budget else None, spill_grads
-    )
-    required = others + grads.ram_bytes
-    if budget and required > budget:
-        hints = {
-            "host": "set offload.optimizer=nvme",
-            "nvme": "set offload.params=nvme" if param_slabs > io else "lower memory.page_size",
-            "device": "set offload.optimizer=nvme",
-        }
-        hint = hints[tier]
-        if grad_policy == "keep" and not grads.bounded and not spill_grads:
-            hint += " (gradients kept for clipping then spill to NVMe) or optimizer.grad_clip=0"
-        if activations == "host" and checkpoints >= max(param_slabs, io, state):
-            hint = "set offload.activations=nvme"
-        raise ConfigError(
-            f"memory.host_budget {format_bytes(budget)} is too small for the minimum host "
-            f"working set {format_bytes(required)} (param slabs {format_bytes(param_slabs)}, "
-            f"gradient buffers {format_bytes(grads.ram_bytes)}"
-            + (f", optimizer state {format_bytes(state)}" if state else "")
-            + (f", optimizer I/O buffers {format_bytes(io)}" if io else "")
-            + (f", activation checkpoints {format_bytes(checkpoints)}" if checkpoints else "")
-            + f"); host is short by {format_bytes(required - budget)}. Raise "
-            f"memory.host_budget or {hint}"
-        )
-    cached: list[str] = []
-    cache = 0
-    if tier == "nvme" and budget:
-        sizes = {s: 2 * n for s, n in stage_state.items()}
-        cached = belady_cache(order, sizes, budget - required)
-        cache = sum(sizes[s] for s in cached)
-    return HostMemoryPlan(
-        budget,
-        param_slabs,
-        grads.ram_bytes,
-        state,
-        io,
-        cache,
-        tuple(cached),
-        required + cache,
-        grads,
-        checkpoints,
-    )

@@ -24,8 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax.optim import weight_decay_mask
-
 MASTER_ITEMSIZE = 4  # pages are sized by fp32 master state
 HOST_ALIGN = 64  # bytes: a numpy array this aligned is shared with JAX, not copied
 
@@ -44,6 +42,17 @@ def aligned_concatenate(arrays: list) -> np.ndarray:
     skip = -raw.ctypes.data % HOST_ALIGN
     out = raw[skip : skip + n * dtype.itemsize].view(dtype)
     return np.concatenate(arrays, out=out)
+
+
+def weight_decay_mask(params: Any) -> Any:
+    """True for weight matrices (kernels, embeddings), False for biases and norm scales.
+    Decided by leaf name, since stacked block params give every leaf a layer axis."""
+
+    def is_matrix(path, leaf) -> bool:
+        name = str(getattr(path[-1], "key", path[-1]))
+        return name not in ("bias", "scale")
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,570 @@
+"""The memory model: bytes per tier (device, host RAM, NVMe) of a placement, and every
+policy constant the runtimes and the planner share.
+
+Pure functions, numbers in and numbers out: no arrays, no I/O. The streaming runtime
+builds its device and host plans here at start-up and enforces its budgets with them;
+the planner searches placements with the very same functions, so a plan that fits here
+fits the runtime (``tests/test_memory_model.py`` checks the two agree byte for byte).
+
+A run is described by :class:`Sizes` (slab elements and bytes per element, activation
+sizes; per device for what the device holds, per process for host and NVMe) and an
+:class:`Offload` (where params, optimizer state and boundary activations live, the
+prefetch window, kept blocks, the device cache of optimizer state). Block-boundary
+activations (the input of each block, kept from forward for the block's backward) are
+called *boundaries* here; "checkpoint" means a training checkpoint only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes  # numpy's bfloat16 (a jax dependency)
+import numpy as np
+
+from hetjax.config import Config, ConfigError, format_bytes
+
+# -- policy constants ----------------------------------------------------------------------
+
+IO_READAHEAD = 2  # stages (state, params) or boundaries read from NVMe ahead of their use
+DEVICE_GRAD_SLABS = 2  # gradient slabs on the device: one being produced, one to the host
+
+# -- gradient buffers on the host -------------------------------------------------------
+#
+# The host's gradient buffers: how many stages' gradients RAM holds, and where the
+# gradients kept for a clipping redo wait (RAM or NVMe).
+#
+# In sync mode the executor hands each stage's final gradient slab to the optimizer loop
+# (``update_loop.py``) the moment it reaches the host, in backward order. What happens to
+# it after its speculative update depends on whether the step can still be *redone*
+# (``optimizer.grad_clip > 0``: when the global norm turns out above the threshold every
+# stage is updated again, in backward order, with the clip factor):
+#
+# * ``release`` (no clipping): nothing can redo the update, so the slab is dropped as
+#   soon as the update consumed it. When not all of them fit ``memory.host_budget``, the
+#   executor waits while the loop has :data:`GRAD_QUEUE` stages not yet updated
+#   (backpressure), so RAM holds only the stages in flight (:func:`in_flight_slabs`), not
+#   all of them; with room (or no budget) backward never waits for the loop.
+# * ``keep`` (clipping): every stage's gradient is kept until the step commits. They stay
+#   in RAM while they fit ``memory.host_budget``; otherwise the plan keeps as many as fit
+#   and spills the others to NVMe (ZeRO-Infinity offloads gradients too): a TensorStore
+#   array next to the optimizer state, in the dtype the buffer already has, written right
+#   after the stage's speculative update and read back (ahead, in backward order) only
+#   by a redo. Spilled are the stages backward produces *first* (head, the last blocks):
+#   their writes overlap the rest of backward, and the last ones, which would be written
+#   at the very end of the step, stay in RAM.
+# * ``accumulate`` (``train.grad_accum > 1``): every stage's buffer sums over the
+#   micro-batches, so all are held the whole step. ``lockfree``: all of them twice (the
+#   loop's accumulator and the step being filled).
+#
+# The embed's buffer is held all through backward in every policy: its tied-head part
+# arrives first and its own gradient last.
+
+POLICIES = ("release", "keep", "accumulate", "lockfree")
+GRAD_QUEUE = 1  # stages the loop holds not yet updated (the one updating) before submit waits
+# Gradient slabs a bounded host holds besides the embed's and the kept ones: the
+# executor's two device-to-host copies in flight plus the one being turned into a host
+# slab (executor._send_grad), that slab (waiting for room in the loop), the GRAD_QUEUE
+# the loop holds and, when gradients are kept, one being written to NVMe.
+D2H_SLABS = 3
+
+
+def in_flight_slabs(keep: bool) -> int:
+    """Gradient slabs in flight on the host when buffers are bounded (see above)."""
+    return D2H_SLABS + 1 + GRAD_QUEUE + (1 if keep else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientPlan:
+    """What the gradient buffers hold in host RAM and on NVMe, in bytes."""
+
+    policy: str  # release | keep | accumulate | lockfree
+    all_bytes: int  # every stage's buffer once (what "all in RAM" means)
+    ram_bytes: int  # host RAM at most
+    max_queued: int  # stages the loop may hold not yet updated; 0: no limit
+    ram_stages: tuple[str, ...]  # kept for a redo in RAM (keep)
+    spilled: tuple[str, ...]  # kept for a redo on NVMe (keep), in backward order
+    spill_bytes: int  # their bytes on disk
+
+    @property
+    def bounded(self) -> bool:
+        return self.max_queued > 0
+
+    def describe(self) -> str:
+        if not self.bounded:
+            times = " x2" if self.policy == "lockfree" else ""
+            return f"gradient buffers {format_bytes(self.ram_bytes)} (every stage{times})"
+        if self.policy == "release":
+            return (
+                f"gradient buffers {format_bytes(self.ram_bytes)} (stages in flight only, "
+                f"of {format_bytes(self.all_bytes)}: no clipping, each dropped once updated)"
+            )
+        n = len(self.ram_stages) + len(self.spilled)
+        return (
+            f"gradient buffers {format_bytes(self.ram_bytes)} (in flight + {len(self.ram_stages)} "
+            f"of {n} stages kept for a clipping redo; {len(self.spilled)} spilled to NVMe, "
+            f"{format_bytes(self.spill_bytes)})"
+        )
+
+
+def plan_gradients(
+    sizes: dict[str, int], order: list[str], policy: str, room: int | None, spill: bool
+) -> GradientPlan:
+    """Plans the gradient buffers of stages with slab bytes ``sizes`` produced in
+    ``order`` (backward order; the last one, the embed, is held all through backward;
+    when the embed's state is on the device, the last one reaching the host is counted
+    as held all through backward, which is more than it is).
+    ``room``: host bytes left for them by the rest of the working set (None: no budget).
+    ``spill``: whether kept gradients may go to NVMe. All buffers stay in RAM when they
+    fit ``room`` (or under ``release``, when in-flight ones would be as much); else
+    ``release`` bounds them to the stages in flight and ``keep`` keeps as many of the
+    last-produced stages in RAM as fit and spills the others. The returned plan may
+    exceed ``room``: the caller reports the shortfall."""
+    assert policy in POLICIES, policy
+    if not order:  # every stage's gradient stays on the device (its state is there)
+        return GradientPlan(policy, 0, 0, 0, (), (), 0)
+    total = sum(sizes.values())
+    everything = GradientPlan(
+        policy,
+        total,
+        2 * total if policy == "lockfree" else total,
+        0,
+        tuple(order) if policy == "keep" else (),
+        (),
+        0,
+    )
+    if policy in ("accumulate", "lockfree"):
+        return everything
+    held = order[-1]  # the embed
+    slab = max((sizes[s] for s in order[:-1]), default=0)
+    window = sizes[held] + in_flight_slabs(policy == "keep") * slab
+    if policy == "release":
+        # Without a budget, or with room for all of them, backward never waits for the
+        # optimizer: it may run ahead of an I/O-bound update loop by several stages.
+        if room is None or total <= room or window >= total:
+            return everything
+        return GradientPlan(policy, total, window, GRAD_QUEUE, (), (), 0)
+    if room is None or total <= room or not spill:
+        return everything
+    spare = room - window
+    kept = [held]
+    for stage in reversed(order[:-1]):  # the last-produced first
+        if sizes[stage] > spare:
+            break
+        kept.append(stage)
+        spare -= sizes[stage]
+    spilled = tuple(s for s in order if s not in kept)
+    ram = window + sum(sizes[s] for s in kept if s != held)
+    spill_bytes = sum(sizes[s] for s in spilled)
+    return GradientPlan(
+        policy, total, ram, GRAD_QUEUE, tuple(s for s in order if s in kept), spilled, spill_bytes
+    )
+
+
+def belady_cache(order: list[str], sizes: dict[str, int], capacity: int) -> list[str]:
+    """The stages a cache of ``capacity`` bytes holds in steady state when ``order``
+    repeats forever and eviction follows Belady's rule (furthest next use first;
+    a stage whose own next use is the furthest is not cached at all). Simulated over
+    two cycles: the second starts from the first one's end state."""
+    n = len(order)
+    trace = order * 2
+    cache: set[str] = set()
+    for t, stage in enumerate(trace):
+        if stage in cache:
+            continue
+        cache.add(stage)
+        while sum(sizes[s] for s in cache) > capacity:
+
+            def next_use(s, t=t):
+                for d in range(1, n + 1):
+                    if trace[(t + d) % len(trace)] == s:
+                        return d
+                return n + 1
+
+            cache.discard(max(cache, key=lambda s: (next_use(s), s == stage)))
+    return [s for s in order if s in cache]
+
+
+def grad_policy(config: Config) -> str:
+    """How long the host holds gradient buffers (see above): ``lockfree``, all of them
+    twice; ``accumulate`` (several micro-batches), all of them all step; ``keep`` (sync
+    mode with clipping), until the step commits, for a possible redo; ``release`` (no
+    clipping), until the stage's update consumed it."""
+    if config.optimizer.mode == "lockfree":
+        return "lockfree"
+    if config.train.grad_accum > 1:
+        return "accumulate"
+    return "keep" if config.optimizer.grad_clip > 0 else "release"
+
+
+def block_grad_dtype(config: Config) -> np.dtype:
+    """The dtype block gradient slabs cross to the host and wait there in: bfloat16 when
+    that loses nothing, i.e. compute in bf16 (its gradients are bf16 values), one
+    micro-batch and one device (no sum), sync mode; else fp32. It halves the
+    device-to-host traffic and the host's gradient buffers (4 bytes/param -> 2), as
+    Fuyou's fp16 gradients."""
+    if (
+        config.model.compute_dtype == "bfloat16"
+        and config.train.grad_accum == 1
+        and config.optimizer.mode == "sync"
+        and config.distributed.data_parallel == 1  # ZeRO-3 sums gradients over devices
+    ):
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(np.float32)
+
+
+# -- what the model is given ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """A run's sizes as the memory model takes them. Slab sizes are elements of whole
+    pages: ``embed``/``block``/``head`` the whole stage (what the device computes on),
+    ``own_*`` the part of it this process stores and updates (ZeRO-3: its shards; else
+    the whole)."""
+
+    num_layers: int
+    embed: int
+    block: int
+    head: int
+    own_embed: int
+    own_block: int
+    own_head: int
+    compute_bytes: int  # per compute-dtype element
+    block_grad_bytes: int  # per element of a block's gradient slab (block_grad_dtype)
+    state_kinds: int  # optimizer state kinds besides the fp32 master (AdamW: 2)
+    boundary: int  # bytes of one block-boundary activation of a micro-batch (B, T, D)
+    working_set: int  # device temporaries of the largest stage function, with x / dx
+    kept: dict[str, int]  # one kept block's in-block activations, per keep level
+    grad_policy: str  # grad_policy(config)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per element of fp32 master + optimizer state."""
+        return 4 * (1 + self.state_kinds)
+
+    def stages(self) -> list[str]:
+        return ["embed", *(f"block{i}" for i in range(self.num_layers)), "head"]
+
+    def own(self, stage: str) -> int:
+        """Elements of ``stage``'s slab this process holds."""
+        return self.own_block if stage.startswith("block") else getattr(self, f"own_{stage}")
+
+    def grad_bytes(self, stage: str) -> int:
+        """Bytes of this process's gradient slab of ``stage`` on the host."""
+        return self.own(stage) * (self.block_grad_bytes if stage.startswith("block") else 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Where a streaming run keeps each kind of state (``config.offload``'s choices)."""
+
+    params: str = "host"  # host | nvme: compute-dtype params between steps
+    optimizer: str = "host"  # device | host | nvme: fp32 master + optimizer state
+    activations: str = "device"  # device | host | nvme: block-boundary activations
+    prefetch_depth: int = 2  # requested; the device plan may lower it to fit
+    keep_blocks: int = 0  # the last blocks keep their in-block activations to backward
+    keep_level: str = "all"
+    device_stages: int = 0  # the first stages' optimizer state cached on the device
+
+    @classmethod
+    def from_config(cls, config: Config) -> Offload:
+        o = config.offload
+        return cls(
+            o.params,
+            o.optimizer,
+            o.activations,
+            o.prefetch_depth,
+            o.keep_blocks,
+            o.keep_level,
+            o.optimizer_device_stages,
+        )
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.params, self.optimizer, self.activations)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCache:
+    """The device cache of optimizer state of the first ``k`` stages in forward order
+    (embed, block 0, ..., head last; ``offload.optimizer_device_stages``): their state
+    (twice: committed and speculative), refreshed compute-dtype params and, in sync
+    mode, fp32 gradients (all of them, kept for a clipping redo or summed over
+    micro-batches, else the largest: one at a time) live on the device."""
+
+    stages: tuple[str, ...]
+    blocks: int  # cached blocks: resident on the device
+    params: int  # elements of this process's slabs of the cached stages
+    device_bytes: int
+
+    @classmethod
+    def of(cls, s: Sizes, o: Offload) -> DeviceCache:
+        if o.optimizer == "device":  # every stage's state, twice during a step
+            total = sum(s.own(n) for n in s.stages())
+            return cls((), 0, 0, 2 * s.state_bytes * total)
+        stages = tuple(s.stages()[: o.device_stages])
+        sizes = [s.own(n) for n in stages]
+        on_device_grads = s.grad_policy != "lockfree"  # lock-free: they go to the host
+        kept = s.grad_policy in ("keep", "accumulate")
+        grads = (sum(sizes) if kept else max(sizes, default=0)) if on_device_grads else 0
+        state = (2 * s.state_bytes + s.compute_bytes) * sum(sizes)
+        blocks = sum(n.startswith("block") for n in stages)
+        return cls(stages, blocks, sum(sizes), state + 4 * grads)
+
+    def host_stages(self, s: Sizes) -> list[str]:
+        """Stages whose state and params live off the device (all, less the cached)."""
+        return [n for n in s.stages() if n not in self.stages]
+
+    def grad_stages(self, s: Sizes) -> list[str]:
+        """Stages whose gradient reaches the host, in backward order (update order)."""
+        on_device = self.stages if s.grad_policy != "lockfree" else ()
+        return [n for n in reversed(s.stages()) if n not in on_device]
+
+
+# -- device ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemoryPlan:
+    """What the streaming runtime holds on the device, in bytes, and the window it
+    chose (:func:`plan_device`)."""
+
+    budget: int  # 0: no limit
+    prefetch_depth: int
+    resident_blocks: int  # blocks 0 .. r-1 stay on the device across steps
+    parts: dict[str, int]  # bytes by what they hold (device_parts)
+
+    @property
+    def required(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        held = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.parts.items() if v)
+        return (
+            f"device plan: prefetch depth {self.prefetch_depth}, {self.resident_blocks} "
+            f"resident blocks; {held}; total {format_bytes(self.required)}"
+            + (f" of budget {format_bytes(self.budget)}" if self.budget else " (no budget)")
+        )
+
+
+def device_parts(s: Sizes, o: Offload, depth: int, resident: int) -> dict[str, int]:
+    """Device bytes per device of a streaming run with prefetch ``depth`` and
+    ``resident`` blocks, by what they hold."""
+    L, cb = s.num_layers, s.compute_bytes
+    window = min(depth + 1, L - resident)  # the block computing and those prefetched
+    boundaries = (L - o.keep_blocks) if o.activations == "device" else 2
+    return {
+        "embed+head": cb * (s.embed + s.head),
+        "blocks": cb * s.block * (window + resident),
+        "gradients": DEVICE_GRAD_SLABS * max(s.block_grad_bytes * s.block, 4 * s.embed),
+        "boundaries": boundaries * s.boundary,
+        "kept": o.keep_blocks * s.kept[o.keep_level] if o.keep_blocks else 0,
+        "working set": s.working_set,
+        "optimizer": DeviceCache.of(s, o).device_bytes,
+    }
+
+
+def plan_device(s: Sizes, o: Offload, budget: int) -> DeviceMemoryPlan:
+    """The deepest prefetch window (up to ``o.prefetch_depth``) that fits ``budget``
+    (0: no limit), then as many resident blocks as the rest allows, at least the device
+    cache's. Raises ``ConfigError`` with the numbers when not even one stage and its
+    activations fit."""
+    L = s.num_layers
+    least = DeviceCache.of(s, o).blocks
+    total = lambda depth, resident: sum(device_parts(s, o, depth, resident).values())
+    if budget and total(0, least) > budget:
+        parts = device_parts(s, o, 0, least)
+        held = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
+        need = sum(parts.values())
+        raise ConfigError(
+            f"memory.device_budget {format_bytes(budget)} cannot hold one stage plus its "
+            f"activations in device memory: that needs {format_bytes(need)} ({held}"
+            + (f", with {least} resident blocks" if least else "")
+            + "); short by "
+            f"{format_bytes(need - budget)}. Raise memory.device_budget, "
+            + ("lower offload.keep_blocks, " if o.keep_blocks else "")
+            + ("lower offload.optimizer_device_stages, " if parts["optimizer"] else "")
+            + "set offload.activations=host, or lower train.batch_size / raise "
+            "train.grad_accum"
+        )
+    depth = o.prefetch_depth
+    while budget and depth > 0 and total(depth, least) > budget:
+        depth -= 1
+    resident = least
+    if budget:
+        while resident < L and total(depth, resident + 1) <= budget:
+            resident += 1
+    return DeviceMemoryPlan(budget, depth, resident, device_parts(s, o, depth, resident))
+
+
+# -- host -----------------------------------------------------------------------------------
+
+
+def host_boundary_bytes(s: Sizes, o: Offload) -> int:
+    """Host RAM of boundary activations: all of a micro-batch's with
+    ``offload.activations=host``, the NVMe swap's staging with ``nvme``
+    (:func:`swap_staging_bytes`)."""
+    slots = s.num_layers - o.keep_blocks
+    if o.activations == "host":
+        return slots * s.boundary
+    if o.activations == "nvme":
+        return swap_staging_bytes(s.boundary, slots, IO_READAHEAD)
+    return 0
+
+
+def swap_staging_bytes(boundary: int, slots: int, depth: int) -> int:
+    """Host RAM the NVMe swap of boundaries holds at most: ``depth`` in flight to disk
+    in forward; in backward, the one being taken plus ``depth`` read ahead."""
+    return min(slots, depth + 1) * boundary
+
+
+def host_param_bytes(s: Sizes, o: Offload) -> int:
+    """Host RAM of compute-dtype params: every off-device stage's (``params=host``), or
+    the NVMe read-ahead window (``nvme``)."""
+    host = DeviceCache.of(s, o).host_stages(s)
+    if not host:
+        return 0
+    if o.params == "host":
+        return sum(s.compute_bytes * s.own(n) for n in host)
+    biggest = max(s.compute_bytes * s.own(n) for n in host)
+    return (o.prefetch_depth + IO_READAHEAD + 1) * biggest
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemoryPlan:
+    """What the streaming runtime holds in host RAM, in bytes, and the state cache
+    (:func:`plan_host`)."""
+
+    budget: int  # 0: no limit
+    param_slabs: int  # compute-dtype params (all stages, or the NVMe read-ahead window)
+    gradients: int  # gradient buffers in RAM (``grads`` says which, and what spills)
+    optimizer_state: int  # state kept in RAM (offload.optimizer=host), x2 while speculative
+    optimizer_io: int  # NVMe read-ahead, the stage updating and its write-back
+    cache: int  # NVMe state cached in RAM
+    cached_stages: tuple[str, ...]
+    grads: GradientPlan
+    boundaries: int = 0  # boundary activations (host) or their NVMe staging (nvme)
+
+    @property
+    def required(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def parts(self) -> dict[str, int]:
+        """Bytes by what they hold."""
+        return {
+            "params": self.param_slabs,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer_state,
+            "optimizer I/O": self.optimizer_io,
+            "boundaries": self.boundaries,
+            "optimizer cache": self.cache,
+        }
+
+    def describe(self) -> str:
+        parts = [f"param slabs {format_bytes(self.param_slabs)}", self.grads.describe()]
+        if self.optimizer_state:
+            parts.append(f"optimizer state {format_bytes(self.optimizer_state)}")
+        if self.boundaries:
+            parts.append(f"boundary activations {format_bytes(self.boundaries)}")
+        if self.optimizer_io:
+            parts.append(f"optimizer I/O buffers {format_bytes(self.optimizer_io)}")
+            parts.append(
+                f"state cache {format_bytes(self.cache)} ({len(self.cached_stages)} stages)"
+            )
+        limit = f" of budget {format_bytes(self.budget)}" if self.budget else " (no budget)"
+        return f"host plan: {', '.join(parts)}; total {format_bytes(self.required)}{limit}"
+
+
+def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMemoryPlan:
+    """Plans host RAM (``budget`` bytes, 0: no limit) for the off-device stages.
+    Speculative updates keep a stage's old and new state until the step commits, so
+    state held in RAM counts twice. Gradient buffers get the RAM they need next, bounded
+    when all of them do not fit (:func:`plan_gradients`; kept ones may spill to NVMe when
+    anything lives there). With the optimizer on NVMe the RAM left after that caches
+    whole stages of state, chosen by :func:`belady_cache`; no budget means no cache.
+    Raises ``ConfigError`` naming the shortfall when the minimum does not fit (unless
+    ``strict`` is False: then the plan is returned, over budget)."""
+    cache_of = DeviceCache.of(s, o)
+    host = cache_of.host_stages(s)
+    stage_state = {n: s.state_bytes * s.own(n) for n in host}
+    tier, policy = o.optimizer, s.grad_policy
+    param_slabs = host_param_bytes(s, o)
+    boundaries = host_boundary_bytes(s, o)
+    state = 2 * sum(stage_state.values()) if tier == "host" else 0
+    biggest = max(stage_state.values(), default=0)
+    io = (IO_READAHEAD + 2) * biggest if tier == "nvme" else 0
+    others = param_slabs + state + io + boundaries
+    order = cache_of.grad_stages(s)
+    sizes = {n: s.grad_bytes(n) for n in order}
+    grads = plan_gradients(sizes, order, policy, budget - others if budget else None, o.uses_nvme)
+    required = others + grads.ram_bytes
+    if strict and budget and required > budget:
+        hints = {
+            "host": "set offload.optimizer=nvme",
+            "nvme": "set offload.params=nvme" if param_slabs > io else "lower memory.page_size",
+            "device": "set offload.optimizer=nvme",
+        }
+        hint = hints[tier]
+        if policy == "keep" and not grads.bounded and not o.uses_nvme:
+            hint += " (gradients kept for clipping then spill to NVMe) or optimizer.grad_clip=0"
+        if o.activations == "host" and boundaries >= max(param_slabs, io, state):
+            hint = "set offload.activations=nvme"
+        raise ConfigError(
+            f"memory.host_budget {format_bytes(budget)} is too small for the minimum host "
+            f"working set {format_bytes(required)} (param slabs {format_bytes(param_slabs)}, "
+            f"gradient buffers {format_bytes(grads.ram_bytes)}"
+            + (f", optimizer state {format_bytes(state)}" if state else "")
+            + (f", optimizer I/O buffers {format_bytes(io)}" if io else "")
+            + (f", boundary activations {format_bytes(boundaries)}" if boundaries else "")
+            + f"); host is short by {format_bytes(required - budget)}. Raise "
+            f"memory.host_budget or {hint}"
+        )
+    cached: list[str] = []
+    if tier == "nvme" and budget and required < budget:
+        doubled = {n: 2 * b for n, b in stage_state.items()}
+        cached = belady_cache([n for n in order if n in doubled], doubled, budget - required)
+    cache = sum(2 * stage_state[n] for n in cached)
+    return HostMemoryPlan(
+        budget, param_slabs, grads.ram_bytes, state, io, cache, tuple(cached), grads, boundaries
+    )
+
+
+def host_minimum(s: Sizes, o: Offload) -> HostMemoryPlan:
+    """The least host RAM ``o`` can run in: gradient buffers bounded to the stages in
+    flight (what :func:`plan_host` chooses when RAM is short), no state cache."""
+    return plan_host(s, o, budget=1, strict=False)
+
+
+# -- NVMe -----------------------------------------------------------------------------------
+
+
+def nvme_parts(s: Sizes, o: Offload, host: HostMemoryPlan) -> dict[str, int]:
+    """NVMe bytes per process, by what they hold: two generations of optimizer state and
+    of params (the committed one and the one being written), every boundary activation
+    not kept in a block, and the gradients the host plan spills."""
+    own = sum(s.own(n) for n in DeviceCache.of(s, o).host_stages(s))
+    slots = s.num_layers - o.keep_blocks
+    return {
+        "optimizer": 2 * s.state_bytes * own if o.optimizer == "nvme" else 0,
+        "params": 2 * s.compute_bytes * own if o.params == "nvme" else 0,
+        "boundaries": slots * s.boundary if o.activations == "nvme" else 0,
+        "gradients": host.grads.spill_bytes,
+    }
+
+
+# -- offload.mode=none -------------------------------------------------------------------------
+
+
+def in_memory_parts(s: Sizes, remat: bool) -> dict[str, int]:
+    """Device bytes of ``offload.mode=none`` (everything on the device, fp32), by what
+    they hold: with ``remat`` the blocks keep their boundaries only."""
+    params = s.embed + s.num_layers * s.block + s.head
+    L = s.num_layers
+    acts = (L * s.boundary if remat else L * s.kept["all"]) + s.working_set
+    return {
+        "params": 4 * params,
+        "gradients": 4 * params,
+        "optimizer": 4 * s.state_kinds * params,
+        "act": acts,
+    }

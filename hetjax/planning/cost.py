@@ -1,0 +1,129 @@
+"""The cost model: a step's predicted time per lane (Fuyou's section 4.5, equations 1-8,
+extended to hetjax's tiers). A step is its forward phase plus its backward phase; each
+phase takes the longest of its lanes (device compute, host->device, device->host, NVMe,
+the host optimizer overlapped with the last micro-batch's backward, collectives). On the
+CPU backend the "device", the copies and the host optimizer share the same cores, so
+their times add there, and so do data-parallel devices' (``Hardware.shared_cores``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hetjax.memory import IO_READAHEAD, DeviceCache
+from hetjax.planning.hardware import Hardware
+from hetjax.planning.workload import Workload, kept_key, memory_sizes
+
+if TYPE_CHECKING:  # the search imports this module; its Candidate is only a type here
+    from hetjax.planning.search import Candidate
+
+ADAM_BYTES = 28  # bytes a device-side AdamW moves per parameter (reads and writes)
+
+
+def lanes(
+    w: Workload,
+    hw: Hardware,
+    c: Candidate,
+    cached: float,
+    grad_spill: int = 0,
+    after_backward: bool = False,
+) -> tuple[float, dict]:
+    """Predicted seconds per step and per lane (Fuyou's equations 1-8, our tiers).
+    ``cached``: the fraction of NVMe optimizer state cached in host RAM; ``grad_spill``:
+    gradient bytes written to NVMe per step (read back only by a clipping redo).
+    ``after_backward``: the step of a sync run whose clipping binds (the update loop's
+    adaptive speculation then updates every stage once backward has ended, the spilled
+    gradients read back; ``update_loop.py``) instead of overlapped with backward."""
+    st = w.stage_times(hw)
+    n, A, L = hw.num_devices, w.micro_batches, w.num_layers
+    P, Pb, cb = w.params, w.block_params, w.compute_bytes
+    fwd = st["embed_fwd"] + L * st["block_fwd"]
+    if c.mode == "none":
+        bwd_blocks = L * (st["block_bwd"] if c.remat else st["block_bwd_kept"])
+        compute_b = st["head"] + bwd_blocks + st["embed_bwd"]
+        dev_opt = _device_optimizer_s(hw, P)
+        step = A * (fwd + compute_b) + dev_opt
+        return step, {"compute": A * (fwd + compute_b), "optimizer": dev_opt}
+    kept, recomputed = c.keep_blocks, L - c.keep_blocks
+    compute_b = st["head"] + recomputed * st["block_bwd"]
+    compute_b += kept * st[kept_key(c.keep_level)] if kept else 0.0
+    compute_b += st["embed_bwd"]
+    frac = 1.0 / n
+    cache = DeviceCache.of(memory_sizes(w, n), c.offload())
+    resident = max(c.resident_blocks, cache.blocks)
+    streamed_f = L - resident
+    streamed_b = max(0, recomputed - resident)
+    # Checkpoints on the host or NVMe cross to the host in forward and back in backward;
+    # on NVMe, all but the last IO_READAHEAD (held in RAM for backward, which takes them
+    # first) are written and read back.
+    ckpt = recomputed * w.boundary if c.activations in ("host", "nvme") else 0
+    h2d_f = streamed_f * cb * Pb * frac
+    h2d_b = streamed_b * cb * Pb * frac + ckpt
+    grads = cache.host_grad_bytes  # the device cache's gradients stay there
+    d2h_f, d2h_b = ckpt, grads * frac
+    comm_f = comm_b = 0.0
+    # On the CPU backend the devices' memory is host RAM: a collective is copies.
+    link = hw.interconnect_bw or (hw.h2d_bw if hw.shared_cores else 0.0)
+    if n > 1 and link:  # all-gather params, reduce-scatter gradients
+        comm_f = L * cb * Pb * (n - 1) / n / link
+        comm_b = (recomputed * cb * Pb + 4 * P) * (n - 1) / n / link
+    disk_f = disk_b = disk_step = 0.0
+    if c.params == "nvme":
+        disk_f = h2d_f / hw.nvme_read_bw * n  # the machine's disks serve n processes
+        disk_b = (h2d_b - ckpt) / hw.nvme_read_bw * n
+        disk_step += cb * (P - cache.params) / hw.nvme_write_bw
+    if c.activations == "nvme":
+        disk_f += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_write_bw * n
+        disk_b += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_read_bw * n
+    if grad_spill:
+        disk_step += grad_spill / hw.nvme_write_bw
+    S = w.state_bytes_per_param
+    if c.optimizer == "nvme":
+        moved = S * (P - cache.params) * (1 - cached)
+        disk_step += moved / hw.nvme_read_bw + moved / hw.nvme_write_bw
+    # The device cache's stages are the last backward reaches: their updates run on the
+    # device after it, at device speed (Angel-PTM); the host updates the others,
+    # overlapped with backward.
+    dev_opt = _device_optimizer_s(hw, cache.params)
+    if c.optimizer == "device":  # each device updates its 1/n (on shared cores in turn)
+        opt = _device_optimizer_s(hw, P if hw.shared_cores else P * frac)
+    else:  # the machine's optimizer serves n processes
+        opt = (P - cache.params) / hw.optimizer_params_per_s
+    copy_f = h2d_f / hw.h2d_bw + d2h_f / hw.d2h_bw
+    copy_b = h2d_b / hw.h2d_bw + d2h_b / hw.d2h_bw
+    if hw.shared_cores:  # compute, copies, collectives and optimizer take turns on the
+        # same cores, and so do the n devices' (each its rows, its copies, its collectives)
+        t_f = max(n * (fwd + copy_f + comm_f), disk_f)
+        t_b = max(n * (compute_b + copy_b + comm_b), disk_b)
+        t_last = max(n * (compute_b + copy_b + comm_b) + opt + dev_opt, disk_b + disk_step)
+    else:
+        t_f = max(fwd, h2d_f / hw.h2d_bw, d2h_f / hw.d2h_bw, comm_f, disk_f)
+        t_b = max(compute_b, h2d_b / hw.h2d_bw, d2h_b / hw.d2h_bw, comm_b, disk_b)
+        if c.optimizer == "device":  # the update shares the device with backward
+            t_last = max(t_b, compute_b + opt, disk_b + disk_step)
+        else:
+            t_last = max(t_b, compute_b + dev_opt, opt, disk_b + disk_step)
+    if after_backward and c.mode == "stream":
+        disk_step += grad_spill / hw.nvme_read_bw if grad_spill else 0.0
+        t_b_last = n * (compute_b + copy_b + comm_b) if hw.shared_cores else t_b
+        if hw.shared_cores or c.optimizer == "device":
+            t_last = max(t_b_last, disk_b) + max(opt + dev_opt, disk_step)
+        else:  # host stages on the host, cached ones on the device, at once
+            t_last = max(t_b_last, disk_b) + max(opt, dev_opt, disk_step)
+    step = A * t_f + (A - 1) * t_b + t_last
+    lanes = {
+        "compute": A * (fwd + compute_b),
+        "host->device": A * (h2d_f + h2d_b) / hw.h2d_bw,
+        "device->host": A * (d2h_f + d2h_b) / hw.d2h_bw,
+        "nvme": A * (disk_f + disk_b) + disk_step,
+        "optimizer": opt + dev_opt,
+        "collectives": A * (comm_f + comm_b),
+    }
+    return step, lanes
+
+
+def _device_optimizer_s(hw: Hardware, params: int) -> float:
+    """An optimizer step on the device: memory-bound at ADAM_BYTES per parameter; on the
+    CPU backend the device is the host's cores, as fast as the host optimizer."""
+    if hw.shared_cores or not hw.device_memory_bw:
+        return params / hw.optimizer_params_per_s
+    return params * ADAM_BYTES / hw.device_memory_bw

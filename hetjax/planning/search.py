@@ -1,0 +1,409 @@
+"""The planner: decides where every kind of training state lives, from the model's shapes,
+the machine (a profile from ``hetjax/hardware.py``, or measured) and the budgets.
+
+    python -m hetjax.launch --config gpt175b --plan --hardware a100-80g
+
+A :class:`Workload` is the model and batch as the planner sees them (stage sizes,
+activation sizes, FLOPs, and stage times: measured by :func:`trace` on this machine, or
+derived from the profile's FLOP/s). :func:`make_plan` evaluates every placement the
+runtimes implement and returns the fastest :class:`Plan` that fits every tier:
+
+* ``offload.mode=none`` (all state on the device, with or without ``model.remat``), or
+* ``offload.mode=stream`` with compute-dtype params on the host or NVMe, fp32 master and
+  optimizer state on the device, host or NVMe (NVMe state cached in spare host RAM by
+  next use), block-boundary activations on the device, host or NVMe (through
+  a few host buffers: Fuyou's SSD-CPU-GPU activation swap), a prefetch depth, blocks
+  kept resident on the device (fewer copies) and blocks that keep their in-block
+  activations from forward to backward instead of recomputing them
+  (``offload.keep_blocks``: Fuyou's swap-instead-of-recompute), all of them or only
+  those of the best swap benefit factor (``offload.keep_level``, hetjax/remat.py),
+  and, with the optimizer on the host or NVMe, a device cache of the optimizer state of
+  the first stages (``offload.optimizer_device_stages``, Angel-PTM section 4.2): the
+  stages the device memory left after everything else holds, updated there at device
+  speed with no gradient copy (:func:`_cache_variants` says how residency and the
+  cache share that memory).
+
+The cost model is Fuyou's (section 4.5, equations 1-8) extended to our tiers: a step is
+its forward phase plus its backward phase; each phase takes the longest of its lanes
+(device compute, host->device, device->host, NVMe, the host optimizer overlapped with
+the last micro-batch's backward, collectives). On the CPU backend the "device", the
+copies and the host optimizer share the same cores, so their times add there, and so
+do data-parallel devices' (``Hardware.shared_cores``). Memory per tier follows the
+runtimes' own accounting (``hetjax/memory.py``:
+``plan_device``, ``plan_host``, ``nvme_parts``), so a plan that fits here fits there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+from hetjax.config import Config, ConfigError, format_bytes
+from hetjax.memory import (
+    DeviceCache,
+    HostMemoryPlan,
+    Offload,
+    device_parts,
+    host_minimum,
+    in_memory_parts,
+    nvme_parts,
+    plan_device,
+    plan_host,
+)
+from hetjax.planning.cost import lanes
+from hetjax.planning.hardware import Hardware
+from hetjax.planning.workload import Workload, memory_sizes
+
+MARGIN = 0.9  # of a tier's capacity the planner may use when no budget is given
+
+
+class PlanError(ConfigError):
+    """The configuration cannot fit the hardware; the message names the tier and the
+    shortfall."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    mode: str  # none | stream
+    remat: bool = False
+    params: str = "device"  # device (mode none) | host | nvme
+    optimizer: str = "device"  # device | host | nvme
+    activations: str = "device"  # device | host | nvme
+    prefetch_depth: int = 0
+    resident_blocks: int = 0
+    keep_blocks: int = 0
+    keep_level: str = "all"  # which in-block activations the kept blocks keep
+    # the first N stages (embed, block 0, ...) keep their optimizer state on the device
+    # (offload.optimizer_device_stages); their blocks are resident
+    device_stages: int = 0
+
+    def offload(self) -> Offload:
+        """The candidate's placement as the memory model takes it."""
+        return Offload(
+            self.params,
+            self.optimizer,
+            self.activations,
+            self.prefetch_depth,
+            self.keep_blocks,
+            self.keep_level,
+            self.device_stages,
+        )
+
+    @property
+    def rank(self) -> float:
+        """Preference among plans of (nearly) equal predicted time: less offloaded first."""
+        if self.mode == "none":
+            return float(self.remat)
+        tiers = {"device": 0, "host": 1, "nvme": 2}
+        return (
+            10
+            + tiers[self.params]
+            + tiers[self.optimizer]
+            + tiers[self.activations]
+            + 0.1 * self.prefetch_depth
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where every kind of state lives, and what the step is predicted to cost."""
+
+    hardware: str
+    workload: str
+    candidate: Candidate
+    optimizer_cache: int  # host bytes caching NVMe optimizer state (whole stages)
+    device: dict[str, int]  # bytes by what they hold, per device
+    host: dict[str, int]  # per process
+    nvme: dict[str, int]
+    budgets: dict[str, int]  # device, host, nvme
+    lanes: dict[str, float]  # seconds per step by lane
+    step_s: float
+    tokens_per_s: float
+    tflops: float  # model FLOP/s per device
+    bottleneck: str
+    # s/step when global-norm clipping binds (sync mode: the update after backward)
+    step_clipped_s: float = 0.0
+    num_devices: int = 1
+
+    def config_overrides(self) -> dict[str, dict[str, Any]]:
+        """The config sections that train with this plan (``Config.replace(**...)``)."""
+        c = self.candidate
+        if c.mode == "none":
+            return dict(offload=dict(mode="none"), model=dict(remat=c.remat))
+        return dict(
+            offload=dict(
+                mode="stream",
+                params=c.params,
+                optimizer=c.optimizer,
+                activations=c.activations,
+                prefetch_depth=c.prefetch_depth,
+                keep_blocks=c.keep_blocks,
+                keep_level=c.keep_level,
+                optimizer_device_stages=c.device_stages,
+            )
+        )
+
+    def table(self) -> str:
+        c = self.candidate
+        L = self.num_layers
+        lines = [f"plan for {self.workload} on {self.hardware}"]
+        if c.mode == "none":
+            lines.append(
+                "  offload.mode=none: params, gradients, optimizer state and activations on "
+                "the device" + (" (model.remat: blocks recompute in backward)" if c.remat else "")
+            )
+        else:
+            k = c.device_stages
+            state = lambda cached: "device (cached)" if cached else c.optimizer
+            lines += [
+                f"  offload.mode=stream, prefetch depth {c.prefetch_depth}",
+                f"  {'stage':<16}{'compute params':<22}{'fp32 master + optimizer':<25}activations",
+            ]
+            if (k >= 1) == (k == L + 2):  # embed and head alike
+                lines.append(f"  {'embed, head':<16}{'device':<22}{state(k >= 1):<25}device")
+            else:
+                lines.append(f"  {'embed':<16}{'device':<22}{state(True):<25}device")
+                lines.append(f"  {'head':<16}{'device':<22}{state(False):<25}device")
+            rows: list[list] = []  # consecutive blocks placed alike share a row
+            for i in range(L):
+                where = "device (resident)" if i < c.resident_blocks else f"{c.params}, streamed"
+                acts = (
+                    f"kept on device ({c.keep_level})"
+                    if i >= L - c.keep_blocks
+                    else f"{c.activations} boundary, recomputed"
+                )
+                row = [where, state(i < k - 1), acts]
+                if rows and rows[-1][2:] == row:
+                    rows[-1][1] = i
+                else:
+                    rows.append([i, i, *row])
+            for first, last, where, opt, acts in rows:
+                name = f"block {first}" if first == last else f"blocks {first}-{last}"
+                lines.append(f"  {name:<16}{where:<22}{opt:<25}{acts}")
+            if k:
+                lines.append(
+                    f"  optimizer state of {k} stage{'s' * (k > 1)} cached on the device "
+                    f"(offload.optimizer_device_stages={k}): "
+                    f"{format_bytes(self.device.get('optimizer', 0))} with their gradients "
+                    "and new params; updated there, no gradient copy"
+                )
+            if self.optimizer_cache:
+                lines.append(
+                    f"  optimizer state cached in host RAM: {format_bytes(self.optimizer_cache)}"
+                )
+        per = " per device" if self.num_devices > 1 else ""
+        for tier in ("device", "host", "nvme"):
+            held = getattr(self, tier)
+            total = sum(held.values())
+            if not total:
+                continue
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in held.items() if v)
+            budget = self.budgets.get(tier, 0)
+            lines.append(
+                f"  {tier:<7}{format_bytes(total):>12} of {format_bytes(budget)}{per}  ({parts})"
+            )
+        lanes = ", ".join(f"{k} {v:.3g}" for k, v in self.lanes.items() if v)
+        lines += [
+            f"  lanes (s/step): {lanes}",
+            f"  predicted: {self.step_s:.4g} s/step, {self.tokens_per_s:,.0f} tokens/s, "
+            f"{self.tflops / 1e12:.3g} TFLOP/s{per} (bound by {self.bottleneck})",
+        ]
+        if self.step_clipped_s > self.step_s * 1.005:
+            lines.append(
+                f"  predicted when clipping binds (the update after backward, not during): "
+                f"{self.step_clipped_s:.4g} s/step"
+            )
+        return "\n".join(lines)
+
+    num_layers: int = 0
+
+
+# -- evaluating one candidate ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """A candidate as the runtime would hold it: bytes per tier by what they hold (device
+    and host per device/process, NVMe per process), from the memory model."""
+
+    candidate: Candidate  # with the prefetch depth and resident blocks the plans chose
+    device: dict[str, int]
+    host: dict[str, int]
+    nvme: dict[str, int]
+    host_plan: HostMemoryPlan | None = None
+
+
+def footprint(w: Workload, c: Candidate, limit: dict[str, int], n: int = 1) -> Footprint | None:
+    """Candidate ``c`` on ``n`` data-parallel devices within the tier budgets ``limit``,
+    planned by the same functions the runtimes plan with (``hetjax/memory.py``); None
+    when it does not fit."""
+    s = memory_sizes(w, n)
+    if c.mode == "none":
+        device = in_memory_parts(s, c.remat)
+        return Footprint(c, device, {}, {}) if sum(device.values()) <= limit["device"] else None
+    o = c.offload()
+    try:
+        dev = plan_device(s, o, limit["device"])
+        host = plan_host(s, o, limit["host"])
+    except ConfigError:
+        return None
+    nvme = nvme_parts(s, o, host)
+    if sum(nvme.values()) > limit["nvme"]:
+        return None
+    c = dataclasses.replace(
+        c, prefetch_depth=dev.prefetch_depth, resident_blocks=dev.resident_blocks
+    )
+    return Footprint(c, dev.parts, host.parts, nvme, host)
+
+
+def budgets(config: Config, hw: Hardware) -> dict[str, int]:
+    """Bytes the plan may use per tier: the config's budgets, else the profile's
+    capacity with a margin (host RAM and disks are shared by the machine's devices)."""
+    mem, n = config.memory, hw.num_devices
+    device, host = int(MARGIN * hw.device_memory), int(MARGIN * hw.host_memory / n)
+    return {
+        "device": min(mem.device_budget, hw.device_memory) if mem.device_budget else device,
+        "host": min(mem.host_budget, hw.host_memory) if mem.host_budget else host,
+        "nvme": int(MARGIN * hw.nvme_capacity / n),
+    }
+
+
+def _candidates(w: Workload, one_device: bool):
+    """Every placement the runtimes implement; on one device also ``none``, checkpoints
+    on NVMe and kept blocks (the data-parallel runtime keeps checkpoints on the device or
+    host, and no in-block activations)."""
+    L = w.num_layers
+    if one_device:
+        yield Candidate("none", remat=False)
+        yield Candidate("none", remat=True)
+    activations = ("device", "host", "nvme") if one_device else ("device", "host")
+    keeps = [(0, "all")]
+    if one_device:
+        keeps += [
+            (keep, level)
+            for keep in sorted({1, 2, L // 4, L // 2, L} & set(range(1, L + 1)))
+            for level in w.kept  # the levels the block supports
+        ]
+    for params, optimizer, acts in itertools.product(
+        ("host", "nvme"), ("device", "host", "nvme"), activations
+    ):
+        for depth in (0, 1, 2, 3):
+            for keep, level in keeps:
+                yield Candidate("stream", False, params, optimizer, acts, depth, 0, keep, level)
+
+
+def _cache_variants(w: Workload, hw: Hardware, c: Candidate):
+    """Candidate ``c`` with a device cache of the optimizer state of its first k stages,
+    for every k (the device plan then keeps as many resident blocks as fit besides, at
+    least the cache's own). Angel-PTM caches what fits in the device memory left after
+    everything else; here resident blocks compete for that memory (they save
+    host->device copies, the cache saves host optimizer time, gradient copies and NVMe
+    traffic), so every split is offered to the cost model. Only with the optimizer on
+    the host or NVMe, one device and sync mode (lock-free mode takes the optimizer off
+    the critical path already)."""
+    if c.mode != "stream" or c.optimizer == "device" or hw.num_devices != 1:
+        return
+    if w.grad_policy == "lockfree":
+        return
+    for k in range(1, w.num_layers + 3):
+        yield dataclasses.replace(c, device_stages=k)
+
+
+def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) -> list[tuple]:
+    """Candidate ``c``'s footprint per tier and predicted step, as ``[(step, rank, c,
+    device, host, nvme, optimizer cache, lanes, step when clipping binds)]``; empty when
+    it does not fit."""
+    f = footprint(w, c, limit, hw.num_devices)
+    if f is None:
+        return []
+    c, host, nvme = f.candidate, f.host, f.nvme
+    cache = host.get("optimizer cache", 0)
+    cached = cache / nvme["optimizer"] if nvme.get("optimizer") else 0.0
+    spill = nvme.get("gradients", 0)
+    step, by_lane = lanes(w, hw, c, cached, spill)
+    clipped, _ = lanes(w, hw, c, cached, spill, after_backward=True)
+    return [(step, c.rank, c, f.device, host, nvme, cache, by_lane, clipped)]
+
+
+def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) -> Plan:
+    """The fastest placement of ``config``'s model that fits every tier of ``hw`` (and
+    the config's budgets). Raises :class:`PlanError` naming the short tier and by how
+    much when nothing fits."""
+    backend = "cpu" if hw.shared_cores else "gpu"  # the profile's, not this process's
+    w = workload or Workload.from_config(config, devices=hw.num_devices, backend=backend)
+    limit = budgets(config, hw)
+    # ZeRO-3 sharding needs the data-parallel runtime; one device keeps the whole state.
+    one_device = hw.num_devices == 1
+    best = []
+    for base in _candidates(w, one_device):
+        if "nvme" in (base.params, base.optimizer, base.activations) and not hw.nvme_capacity:
+            continue
+        options = _evaluate(w, hw, limit, base)
+        for c in _cache_variants(w, hw, base):
+            cached = _evaluate(w, hw, limit, c)
+            if not cached:
+                break  # a larger cache needs more device memory still
+            options += cached
+        if options:  # this placement's fastest split of device memory
+            best.append(min(options, key=lambda b: b[0]))
+    if not best:
+        raise PlanError(_shortfall(config, w, hw, limit))
+    fastest = min(b[0] for b in best)
+    step, _, c, device, host, nvme, cache, lanes, clipped = min(
+        (b for b in best if b[0] <= 1.02 * fastest), key=lambda b: (b[1], b[0])
+    )
+    busiest = max(lanes, key=lanes.get)
+    o = config.optimizer
+    return Plan(
+        hardware=hw.name,
+        workload=w.name,
+        candidate=c,
+        optimizer_cache=cache,
+        device=device,
+        host=host,
+        nvme=nvme,
+        budgets=limit,
+        lanes=lanes,
+        step_s=step,
+        tokens_per_s=w.tokens_per_step / step,
+        tflops=w.flops_per_step / step / hw.num_devices,
+        bottleneck=busiest,
+        step_clipped_s=clipped if o.grad_clip > 0 and o.mode == "sync" else step,
+        num_devices=hw.num_devices,
+        num_layers=w.num_layers,
+    )
+
+
+def _shortfall(config: Config, w: Workload, hw: Hardware, limit: dict[str, int]) -> str:
+    """Why nothing fits: the smallest footprint per tier, tier by tier."""
+    state = "nvme" if hw.nvme_capacity else "host"  # params and optimizer state
+    acts = ("nvme", "host") if hw.num_devices == 1 and hw.nvme_capacity else ("host",)
+    s = memory_sizes(w, hw.num_devices)
+    smallest = []  # boundaries on NVMe need the least host, on the host the least NVMe
+    for a in acts:
+        o = Candidate("stream", False, state, state, a, 0, 0, 0).offload()
+        host = host_minimum(s, o)
+        least = DeviceCache.of(s, o).blocks
+        smallest.append((device_parts(s, o, 0, least), host.parts, nvme_parts(s, o, host)))
+    device, host, nvme = (
+        min((m[t] for m in smallest), key=lambda d: sum(d.values())) for t in range(3)
+    )
+    short = []
+    hints = {
+        "device": "raise memory.device_budget, lower train.batch_size or raise train.grad_accum",
+        "host": "raise memory.host_budget or add RAM",
+        "nvme": "point memory.nvme_path at a larger disk",
+    }
+    for tier, held in (("device", device), ("host", host), ("nvme", nvme)):
+        need = sum(held.values())
+        if need > limit[tier]:
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in held.items() if v)
+            short.append(
+                f"{tier} needs at least {format_bytes(need)} ({parts}) but has "
+                f"{format_bytes(limit[tier])}: short by {format_bytes(need - limit[tier])} "
+                f"({hints[tier]})"
+            )
+    if not short:  # each tier fits alone (can't happen with the smallest candidate)
+        short.append("no placement fits all tiers at once")
+    return f"{w.name} does not fit {hw.name} in any placement: " + "; ".join(short)

@@ -1,0 +1,75 @@
+"""The tracer: measures the model's stage functions on this machine (time and XLA's
+memory sizes) for the planner."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetjax.config import Config
+from hetjax.planning.workload import Workload, kept_key
+from hetjax.runtime.placement import Shardings
+from hetjax.runtime.stages import StageFunctions, stage_layouts
+from models import build_model
+
+
+def trace(config: Config, repeats: int = 5, devices: int = 1) -> Workload:
+    """Measures the model on this machine: each stage function's time for one
+    micro-batch (compiled and run on random params and tokens, median of ``repeats``) and
+    XLA's memory sizes. Allocates one block's, the embedding's and the head's params.
+    ``devices``: data-parallel devices sharing the batch; each runs its rows of the
+    micro-batch, so that is what is timed and sized (on one device)."""
+    m, t = config.model, config.train
+    model = build_model(m)
+    dtype = jnp.dtype(m.compute_dtype)
+    layouts = stage_layouts(model, config.memory.page_size)
+    dev = Shardings.single_device().device
+    fns = StageFunctions(
+        model,
+        layouts,
+        lambda fn: jax.jit(fn, out_shardings=dev),
+        lambda pages, dtype: [p.astype(dtype) for p in pages],
+    )
+    rows = max(1, t.micro_batch_size // devices)  # one device's rows of a micro-batch
+    sizes = fns.memory_sizes(rows, t.seq_len, dtype)
+    rng = np.random.default_rng(0)
+
+    def slab(name):
+        L = layouts[name]
+        return jax.device_put(
+            [jnp.asarray(rng.normal(0, 0.02, L.page_elems), dtype) for _ in range(L.num_pages)],
+            dev,
+        )
+
+    e, b, h = slab("embed"), slab("block"), slab("head")
+    tokens = jax.device_put(rng.integers(0, m.vocab_size, (rows, t.seq_len)).astype(np.int32), dev)
+    x = fns.embed_fwd(e, tokens)
+    one = jnp.asarray(1.0, jnp.float32)
+
+    def best(fn):
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(repeats):
+            t1 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t1)
+        return float(np.median(times))
+
+    measured = {
+        "embed_fwd": best(lambda: fns.embed_fwd(e, tokens)),
+        "block_fwd": best(lambda: fns.block_fwd(b, x)),
+        "block_bwd": best(lambda: fns.block_bwd(b, x, x)),
+        "head": best(lambda: fns.head_fwd_bwd(h, e, x, tokens, one)),
+        "embed_bwd": best(lambda: fns.embed_bwd(e, tokens, x)),
+    }
+    for level in sizes.kept:  # a kept block's backward from each level's residuals
+        vjp = fns.kept_forward(level)(b, x)[1]
+        measured[kept_key(level)] = best(lambda vjp=vjp: fns.block_bwd_kept(vjp, x))
+        del vjp
+    w = Workload.from_config(config, sizes, devices)
+    w = dataclasses.replace(w, measured=measured)
+    return w

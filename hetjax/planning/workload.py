@@ -1,0 +1,224 @@
+"""The model and batch as the planner sees them: stage sizes, activation sizes, FLOPs and
+stage times (measured by the tracer, or derived from a hardware profile's FLOP/s)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from hetjax.config import Config
+from hetjax.memory import Sizes, block_grad_dtype, grad_policy
+from hetjax.planning.hardware import Hardware
+from hetjax.runtime import remat
+from models import build_model
+
+
+def kept_key(level: str) -> str:
+    """The stage time of a kept block's backward at keep ``level``."""
+    return "block_bwd_kept" if level == "all" else f"block_bwd_kept_{level}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The model and batch in the numbers the planner needs (bytes, FLOPs, seconds; per
+    micro-batch unless named otherwise)."""
+
+    name: str
+    num_layers: int
+    embed_params: int
+    block_params: int
+    head_params: int
+    compute_bytes: int  # bytes per compute-dtype element
+    block_grad_bytes: int  # bytes per element of block gradient slabs (memory.block_grad_dtype)
+    state_kinds: int  # optimizer state kinds besides the fp32 master (AdamW: 2)
+    micro_batches: int
+    tokens_per_step: int  # global
+    flops_per_step: float  # model FLOPs (6N + attention) of one optimizer step
+    boundary: int  # one block-boundary activation of a micro-batch
+    working_set: int  # device temporaries of the largest stage function, with x / dx
+    # one block's in-block activations kept to backward (its vjp residuals), and the
+    # FLOPs its backward recomputes, per offload.keep_level the block supports
+    kept: dict[str, int]
+    recompute_flops: dict[str, float]
+    block_fwd_flops: float
+    head_fwd_flops: float
+    measured: dict[str, float] | None = None  # stage seconds from :func:`trace`
+    grad_policy: str = "keep"  # how long gradient buffers are held (memory.grad_policy)
+
+    @property
+    def kept_block(self) -> int:
+        """One block's in-block activations, every one (``offload.keep_level=all``)."""
+        return self.kept["all"]
+
+    @property
+    def params(self) -> int:
+        return self.embed_params + self.num_layers * self.block_params + self.head_params
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        return 4 * (1 + self.state_kinds)
+
+    def stage_times(self, hw: Hardware) -> dict[str, float]:
+        """Seconds per micro-batch of each stage function: measured, or FLOPs over the
+        profile's FLOP/s (backward = 2 x forward; a streamed block recomputes its forward
+        first, Fuyou's equation 8; a kept block the part its keep level did not keep:
+        its FLOPs, and writing once the bytes of the activations it recomputes).
+        ``kept_key(level)`` names a kept block's backward."""
+        if self.measured is not None:
+            return self.measured
+        f, bw = hw.device_flops, hw.device_memory_bw
+        block, head = self.block_fwd_flops / f, self.head_fwd_flops / f
+        times = {
+            "embed_fwd": 0.0,
+            "block_fwd": block,
+            "block_bwd": 3 * block,
+            "head": 3 * head,
+            "embed_bwd": 0.0,
+        }
+        for level, flops in self.recompute_flops.items():
+            recomputed = self.kept["all"] - self.kept[level]
+            times[kept_key(level)] = 2 * block + flops / f + (recomputed / bw if bw else 0.0)
+        return times
+
+    @classmethod
+    def from_config(
+        cls, config: Config, sizes=None, devices: int = 1, backend: str | None = None
+    ) -> Workload:
+        """From abstract shapes only (``jax.eval_shape``): nothing is allocated.
+        ``sizes``: a measured :class:`hetjax.runtime.stages.StageMemory`, else estimated.
+        ``devices``: data-parallel devices sharing the batch (per-device sizes).
+        ``backend``: the XLA backend the stage functions would compile for ("cpu",
+        "gpu", ...; default this process's), which sizes the estimated working set
+        (:func:`estimate_working_set`)."""
+        m, t = config.model, config.train
+        model = build_model(m)
+        shapes = jax.eval_shape(model.init, jax.random.key(0))
+        count = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
+        L = m.num_layers
+        # slabs are whole pages of fp32 elements, a multiple of the devices' (ZeRO-3 shards)
+        page = config.memory.page_size // 4 * devices
+        padded = lambda n: -(-n // page) * page
+        embed, head = padded(count(shapes["embed"])), padded(count(shapes["head"]))
+        block_used = count(shapes["blocks"]) // L
+        block = padded(block_used)
+        c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
+        b, T, D = max(1, t.micro_batch_size // devices), t.seq_len, m.d_model
+        tokens = b * T
+        if sizes is None:
+            # The residuals of one block's vjp at each keep level, from abstract shapes
+            # (its params unflattened, in the compute dtype).
+            dtype = jnp.dtype(m.compute_dtype)
+            one_block = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape[1:], dtype), shapes["blocks"]
+            )
+            kept = remat.kept_bytes(model.block, one_block, jax.ShapeDtypeStruct((b, T, D), dtype))
+            # Below level all the vjp holds the block's param pages, padding included
+            # (at all, the unflattened weights).
+            kept = {k: v + (0 if k == "all" else (block - block_used) * c) for k, v in kept.items()}
+            working = estimate_working_set(
+                m, b, T, block_used, count(shapes["embed"]), backend or jax.default_backend()
+            )
+            boundary = tokens * D * c
+        else:
+            kept, working, boundary = sizes.kept, sizes.working_set, sizes.boundary
+        # A kept block's backward recomputes, at level matmuls, the attention scores (its
+        # other FLOPs are elementwise: their cost is the bytes, see stage_times).
+        recompute = {"matmuls": 2 * tokens * T * D, "probs": 0.0, "all": 0.0}
+        kinds = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1 if config.optimizer.momentum else 0}
+        return cls(
+            name=f"{m.family} {L} x {D}, {model.param_count() / 1e9:.3g}B params",
+            num_layers=L,
+            embed_params=embed,
+            block_params=block,
+            head_params=head,
+            compute_bytes=c,
+            block_grad_bytes=block_grad_dtype(config).itemsize,
+            state_kinds=kinds[config.optimizer.name],
+            micro_batches=t.grad_accum,
+            tokens_per_step=t.batch_size * T,
+            flops_per_step=model.flops_per_token(T) * t.batch_size * T,
+            boundary=boundary,
+            working_set=int(working),
+            kept=dict(kept),
+            recompute_flops={level: recompute[level] for level in kept},
+            block_fwd_flops=tokens * (2 * block_used + 4 * T * D),
+            head_fwd_flops=tokens * 2 * m.vocab_size * D,
+            grad_policy=grad_policy(config),
+        )
+
+
+# Device temporaries of the stage functions (XLA's temp_size_in_bytes), in bytes per
+# element of the block's (B, T, D) activations, its (B, H, T, T) attention scores and its
+# params, and of the head's (B, T, V) logits and (V, D) projection. Fitted (minimax
+# relative error) to XLA:CPU's compiled memory analysis of the stage functions, per
+# family and dtype, over 33 shapes each (d 64-2048, T 64-1024, batch 1-8, d_ff 2-6 x d,
+# vocab 256-50257). Where a micro-batch has at least 128 tokens the whole working set
+# estimated is within 0.73-1.27 of the compiled one (fp32: GPT 0.76-1.23, Llama
+# 0.80-1.20; bf16: GPT 0.74-1.26, Llama 0.73-1.27); at 64 tokens the block's params
+# dominate and the compiled sizes jump with XLA's choice of weight copies (0.5-2.1). The
+# fp32-GPT fit this replaces, scaled by the compute dtype, was 0.50-2.2 (fp32) and
+# 0.46-1.05 (bf16) over the same shapes.
+#
+# A bf16 step's temporaries on XLA:CPU are nearly fp32-sized: the backend computes bf16
+# dots into fp32 outputs (then converts) and converts bf16 weights to fp32 copies for
+# them, hence the separate bf16 fit. On an accelerator the dots run in the compute dtype,
+# so the activation and param terms scale with it from the fp32 fit, while the attention
+# scores and softmax, the logits and the head's gradient stay fp32 (the models cast
+# them): that part is not measured (no GPU was at hand). A custom family takes the larger
+# of the two families' coefficients.
+_BLOCK_TEMPS = {  # (family, compute bytes): per activation, score, param element
+    ("gpt", 4): (79.1, 11.7, 1.66),
+    ("gpt", 2): (87.6, 10.3, 2.25),
+    ("llama", 4): (147.0, 8.9, 1.13),
+    ("llama", 2): (73.9, 11.5, 3.1),
+}
+_HEAD_TEMPS = {4: (6.74, 6.27), 2: (7.22, 6.72)}  # per logit, per projection element
+
+
+def estimate_working_set(
+    m, batch: int, seq_len: int, block_params: int, embed_params: int, backend: str
+) -> int:
+    """Device bytes of the largest stage function's temporaries plus x / dx (what
+    ``StageFunctions.memory_sizes`` measures), from shapes: ``m`` a
+    :class:`~hetjax.config.ModelConfig`, one micro-batch of ``batch`` x ``seq_len`` on one
+    device, ``block_params`` / ``embed_params`` the stages' param counts, ``backend``
+    the XLA backend ("cpu": fitted per dtype; else the fp32 fit scaled, see above)."""
+    c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
+    fitted = c if backend == "cpu" else 4
+    families = [m.family] if m.family in ("gpt", "llama") else ["gpt", "llama"]
+    fits = [_BLOCK_TEMPS[f, fitted] for f in families]
+    act, score, param = (max(fit[i] for fit in fits) for i in range(3))
+    logit, head = _HEAD_TEMPS[fitted]
+    if backend != "cpu":  # dots in the compute dtype; scores, logits, head grads fp32
+        act, param = act * c / 4, param * c / 4
+    tokens, D, V = batch * seq_len, m.d_model, m.vocab_size
+    block = tokens * D * act + batch * m.num_heads * seq_len**2 * score + block_params * param
+    head_fwd_bwd = tokens * V * logit + V * D * head
+    # the embedding's gradient, fp32, and before that in the compute dtype
+    embed_bwd = embed_params * (4 + (c if c < 4 else 0))
+    return int(max(block, head_fwd_bwd, embed_bwd) + 3 * tokens * D * c)
+
+
+def memory_sizes(w: Workload, devices: int = 1) -> Sizes:
+    """The workload's sizes as the memory model takes them, on ``devices`` data-parallel
+    devices (ZeRO-3: each process holds 1/devices of every stage's pages; the workload's
+    slabs are whole pages of a multiple of ``devices``)."""
+    return Sizes(
+        num_layers=w.num_layers,
+        embed=w.embed_params,
+        block=w.block_params,
+        head=w.head_params,
+        own_embed=w.embed_params // devices,
+        own_block=w.block_params // devices,
+        own_head=w.head_params // devices,
+        compute_bytes=w.compute_bytes,
+        block_grad_bytes=w.block_grad_bytes,
+        state_kinds=w.state_kinds,
+        boundary=w.boundary,
+        working_set=w.working_set,
+        kept=w.kept,
+        grad_policy=w.grad_policy,
+    )

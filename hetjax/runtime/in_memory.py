@@ -1,0 +1,189 @@
+"""The in-memory reference runtime (``offload.mode=none``): the whole state on the device
+and one jitted step with gradient accumulation. It is the reference every offloaded mode
+is tested against, so it is kept plain."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hetjax import timeline
+from hetjax.config import Config, ConfigError
+from hetjax.hf import open_checkpoint
+from hetjax.optimizer.build import build_optimizer, optax_tree_slots
+from hetjax.types import MASTER, LossScale, RuntimeState, StepReport
+from models import build_model
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    loss_scale: LossScale | None
+
+
+class InMemoryRuntime:
+    """Everything on the default device; one jitted step with gradient accumulation."""
+
+    def __init__(self, config: Config, params: Any | None = None):
+        self.config = config
+        self.model = build_model(config.model)
+        rng = jax.random.key(config.train.seed)
+        if params is None and config.model.init_from:
+            params = jax.device_put(open_checkpoint(config.model).params())
+        if params is None:
+            params = jax.jit(self.model.init)(rng)
+        self.tx = build_optimizer(config.optimizer, config.train.steps, params)
+        fp16 = config.model.compute_dtype == "float16"
+        t = config.train
+        self.state = TrainState(
+            step=jnp.int32(0),
+            params=params,
+            opt_state=self.tx.init(params),
+            loss_scale=LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None,
+        )
+        self._step = jax.jit(functools.partial(step_fn, self.model, self.tx), donate_argnums=0)
+        self._eval = jax.jit(lambda p, b: self.model.loss(p, b[:, :-1], b[:, 1:]))
+
+    def train_step(self, batch: np.ndarray, poison: bool = False) -> StepReport:
+        self.state, (loss, grad_norm, skipped, scale) = self._step(
+            self.state, batch, np.float32(np.nan if poison else 1.0)
+        )
+        timeline.watch("compute", "train step", loss)
+        skipped, scale = bool(skipped), float(scale)
+        fp16_overflow = skipped and self.state.loss_scale is not None and scale > 1
+        return StepReport(
+            float(loss), float(grad_norm), skipped, scale, nonfinite=skipped and not fp16_overflow
+        )
+
+    def eval_loss(self, batch: np.ndarray) -> float:
+        return float(self._eval(self.state.params, batch))
+
+    def params(self) -> Any:
+        # np.array copies: on CPU a device_get can alias a buffer the next step donates.
+        return jax.tree.map(np.array, self.state.params)
+
+    def settle(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def _opt_slots(self) -> list[str | None]:
+        return optax_tree_slots(self.state.opt_state, self.state.params)
+
+    def save_state(self) -> RuntimeState:
+        n = len(jax.tree.leaves(self.state.params))
+        leaves = jax.tree.leaves(self.state.opt_state)
+        trees, scalars, i = {MASTER: self.state.params}, [], 0
+        treedef = jax.tree.structure(self.state.params)
+        for kind in self._opt_slots():
+            if kind is None:
+                scalars.append(np.array(leaves[i]))
+                i += 1
+            else:
+                trees[kind] = jax.tree.unflatten(treedef, leaves[i : i + n])
+                i += n
+        ls = self.state.loss_scale
+        loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
+        return RuntimeState.from_trees(trees, scalars, loss_scale)
+
+    def load_state(self, state: RuntimeState) -> None:
+        slots = self._opt_slots()
+        kinds = [MASTER, *(k for k in slots if k)]
+        if sorted(state.kinds) != sorted(kinds):
+            raise ConfigError(
+                f"the checkpoint holds optimizer state {state.kinds}, optimizer.name="
+                f"{self.config.optimizer.name} needs {kinds}"
+            )
+        old_leaves = jax.tree.leaves(self.state.opt_state)
+        scalars = iter(state.scalars["embed"])
+        leaves: list[Any] = []
+        i = 0
+        for kind in slots:
+            if kind is None:
+                leaves.append(jnp.asarray(next(scalars), old_leaves[i].dtype))
+                i += 1
+            else:
+                tree = state.kind_tree(kind)
+                leaves += [jnp.asarray(a) for a in jax.tree.leaves(tree)]
+                i += len(jax.tree.leaves(tree))
+        params = jax.tree.map(jnp.asarray, state.params())
+        if jax.tree.structure(params) != jax.tree.structure(self.state.params):
+            raise ConfigError("the checkpoint's params do not match this model's structure")
+        loss_scale = self.state.loss_scale
+        if loss_scale is not None and state.loss_scale is not None:
+            loss_scale = loss_scale.replace(
+                scale=jnp.float32(state.loss_scale[0]), good_steps=jnp.int32(state.loss_scale[1])
+            )
+        self.state = self.state.replace(
+            params=params,
+            opt_state=jax.tree.unflatten(jax.tree.structure(self.state.opt_state), leaves),
+            loss_scale=loss_scale,
+        )
+
+
+def step_fn(model, tx, state: TrainState, batch: jax.Array, poison: jax.Array):
+    """One optimizer step of ``model`` with optax ``tx`` on a global batch (A, B/A, T+1):
+    gradients summed over the A micro-batches, averaged, applied unless not finite."""
+    scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
+    seed = scale * poison  # the loss cotangent; poison is 1, or NaN to inject a fault
+
+    def micro(grad_sum, tokens):  # tokens (B/A, T+1)
+        def loss_fn(p):
+            loss = model.loss(p, tokens[:, :-1], tokens[:, 1:])
+            return loss * seed, loss
+
+        (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return jax.tree.map(jnp.add, grad_sum, grads), loss
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grad_sum, losses = jax.lax.scan(micro, zeros, batch)  # batch (A, B/A, T+1)
+    grads = jax.tree.map(lambda g: g / (batch.shape[0] * scale), grad_sum)
+    grad_norm = optax.tree.norm(grads)
+    loss = jnp.mean(losses)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+
+    def update(_):
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        return optax.apply_updates(state.params, updates), opt_state
+
+    # A non-finite step (fp16 overflow, or divergence) leaves the state as it was.
+    params, opt_state = jax.lax.cond(
+        finite, update, lambda _: (state.params, state.opt_state), None
+    )
+    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    if state.loss_scale is not None:
+        new = new.replace(loss_scale=state.loss_scale.update(finite))
+    return new, (loss, grad_norm, ~finite, scale)
+
+
+def step_device_bytes(config: Config) -> int:
+    """Device bytes ``offload.mode=none`` needs for ``config``: XLA's memory analysis of
+    the jitted train step (arguments + outputs - donated aliases + temporaries),
+    compiled from abstract shapes, so nothing is allocated."""
+    model = build_model(config.model)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    tx = build_optimizer(config.optimizer, config.train.steps, params)
+    state = TrainState(
+        jax.ShapeDtypeStruct((), np.int32), params, jax.eval_shape(tx.init, params), None
+    )
+    t = config.train
+    batch = jax.ShapeDtypeStruct((t.grad_accum, t.micro_batch_size, t.seq_len + 1), np.int32)
+    step = jax.jit(functools.partial(step_fn, model, tx), donate_argnums=0)
+    a = step.lower(state, batch, jax.ShapeDtypeStruct((), np.float32)).compile().memory_analysis()
+    return int(
+        a.argument_size_in_bytes
+        + a.output_size_in_bytes
+        - a.alias_size_in_bytes
+        + a.temp_size_in_bytes
+    )

@@ -1,0 +1,48 @@
+"""The ledger: bytes the streaming runtime holds per memory kind, recomputed from its own
+containers at every dispatch, with the peak per kind (what device and host budgets are
+checked against on CPU, where no device memory statistics exist)."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import jax
+
+
+def device_bytes(a: jax.Array) -> int:
+    """Bytes of ``a`` on each device holding it: the whole array on one device or
+    replicated, 1/N of it sharded over N devices."""
+    return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+
+
+class Ledger:
+    """Bytes held per memory kind on each device, recomputed from the executor's own
+    containers at every dispatch, with the peak per kind."""
+
+    def __init__(self):
+        self.current: dict[str, int] = {}
+        self.peak: dict[str, int] = collections.defaultdict(int)
+
+    def record(self, arrays, host_buffers: int = 0, device_buffers: int = 0) -> None:
+        """``arrays``: the JAX arrays held; ``host_buffers``: bytes of host RAM held
+        outside JAX (NVMe staging), counted in the ``pinned_host`` kind;
+        ``device_buffers``: device bytes counted without their arrays (optimizer state
+        on the device, whose chunks are too many to walk at every dispatch)."""
+        totals: dict[str, int] = collections.defaultdict(int)
+        if host_buffers:
+            totals["pinned_host"] = host_buffers
+        if device_buffers:
+            totals["device"] = device_buffers
+        seen = set()
+        for a in jax.tree.leaves(arrays):
+            if id(a) in seen:
+                continue
+            seen.add(id(a))
+            totals[a.sharding.memory_kind or "device"] += device_bytes(a)
+        self.current = dict(totals)
+        for kind, n in totals.items():
+            self.peak[kind] = max(self.peak[kind], n)
+
+    def reset_peak(self) -> None:
+        self.peak = collections.defaultdict(int)

@@ -1,0 +1,209 @@
+"""Building a streaming run: its sizes in the memory model's terms, its NVMe directory,
+its stores and its initial state. Called once by :class:`StreamingRuntime`'s
+constructor; nothing here runs during a step."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from hetjax.config import Config
+from hetjax.hf import open_checkpoint
+from hetjax.memory import (
+    IO_READAHEAD,
+    DeviceCache,
+    HostMemoryPlan,
+    Offload,
+    Sizes,
+    block_grad_dtype,
+    grad_policy,
+    nvme_parts,
+)
+from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.runtime.stages import StageMemory
+from hetjax.storage.gradients import GradientStore
+from hetjax.storage.nvme import check_nvme_path
+from hetjax.storage.pages import SlabLayout
+from hetjax.storage.params import DeviceParamStore, HostParamStore, NvmeParamStore, SplitParamStore
+from hetjax.storage.states import MemoryStateStore, NvmeStateStore, SplitStateStore
+from hetjax.storage.swap import BoundarySwap
+
+
+def layout_name(stage: str) -> str:
+    """The layout a stage's slab has: ``embed``, ``block`` or ``head``."""
+    return "block" if stage.startswith("block") else stage
+
+
+def memory_sizes(
+    config: Config,
+    layouts: dict[str, SlabLayout],
+    state_layouts: dict[str, SlabLayout],
+    stage_memory: StageMemory,
+    state_kinds: int,
+) -> Sizes:
+    """The run's sizes as the memory model takes them (``hetjax/memory.py``)."""
+    return Sizes(
+        num_layers=config.model.num_layers,
+        embed=layouts["embed"].padded_size,
+        block=layouts["block"].padded_size,
+        head=layouts["head"].padded_size,
+        own_embed=state_layouts["embed"].padded_size,
+        own_block=state_layouts["block"].padded_size,
+        own_head=state_layouts["head"].padded_size,
+        compute_bytes=jnp.dtype(config.model.compute_dtype).itemsize,
+        block_grad_bytes=block_grad_dtype(config).itemsize,
+        state_kinds=state_kinds,
+        boundary=stage_memory.boundary,
+        working_set=stage_memory.working_set,
+        kept=stage_memory.kept,
+        grad_policy=grad_policy(config),
+    )
+
+
+def stage_pages(sizes: Sizes, offload: Offload, page_elems: int) -> dict[str, tuple[int, int]]:
+    """Each off-device stage's page range in the NVMe arrays, back to back."""
+    pages, first = {}, 0
+    for name in DeviceCache.of(sizes, offload).host_stages(sizes):
+        n = sizes.own(name) // page_elems
+        pages[name], first = (first, n), first + n
+    return pages
+
+
+def nvme_directory(
+    config: Config, sizes: Sizes, offload: Offload, host: HostMemoryPlan, workdir, subdir: str
+) -> tuple[Path | None, bool]:
+    """Checks (and creates) the NVMe directory when anything lives on NVMe: its path
+    (None when nothing does) and whether it is a temporary one to remove at close."""
+    if not offload.uses_nvme:
+        return None, False
+    names = {
+        "optimizer": "the optimizer state",
+        "params": "the params",
+        "boundaries": f"{sizes.num_layers - offload.keep_blocks} boundary activations",
+        "gradients": "spilled gradients",  # kept for a redo
+    }
+    needed = {names[k]: v for k, v in nvme_parts(sizes, offload, host).items()}
+    nvme_path = config.memory.nvme_path
+    temporary = not nvme_path and workdir is None
+    if nvme_path:
+        path = Path(nvme_path)
+    elif workdir is not None:
+        path = Path(workdir) / "nvme"
+    else:
+        path = Path(tempfile.mkdtemp(prefix="hetjax-nvme-"))
+    path = path / subdir if subdir else path
+    return check_nvme_path(path, needed), temporary
+
+
+def make_stores(
+    config: Config,
+    nvme_dir: Path | None,
+    pages: dict[str, tuple[int, int]],
+    page_elems: int,
+    kinds: list[str],
+    host: HostMemoryPlan,
+    shardings,
+    device_stages: tuple[str, ...],
+):
+    """The state store and the param store of the offload tiers: NVMe arrays, host RAM
+    or device memory, with the device-cached stages routed to device stores."""
+    off = config.offload
+    opt_sharding = shardings.device if off.optimizer == "device" else shardings.optimizer
+    if off.optimizer == "nvme" and pages:
+        states = NvmeStateStore(
+            nvme_dir / "optimizer",
+            kinds,
+            pages,
+            page_elems,
+            list(host.cached_stages),
+            shardings.optimizer,
+        )
+    else:
+        states = MemoryStateStore(opt_sharding, on_device=off.optimizer == "device")
+    if off.params == "nvme" and pages:
+        dtype = jnp.dtype(config.model.compute_dtype)
+        params = NvmeParamStore(nvme_dir / "params", dtype, pages, page_elems)
+    else:
+        params = HostParamStore(shardings.host)
+    if device_stages:
+        device_states = MemoryStateStore(shardings.device, on_device=True)
+        states = SplitStateStore(device_states, states, device_stages)
+        params = SplitParamStore(DeviceParamStore(shardings.device), params, device_stages)
+    return states, params
+
+
+def make_grad_store(
+    config: Config, host: HostMemoryPlan, sizes: Sizes, page_elems: int, nvme_dir: Path | None
+) -> GradientStore:
+    """Where gradients wait for a possible clipping redo (``storage/gradients.py``):
+    the stages the host plan spills go to ``<nvme>/gradients``, one array per dtype."""
+    grad_dtype = lambda n: block_grad_dtype(config) if n.startswith("block") else jnp.float32
+    spilled = {n: (sizes.own(n) // page_elems, grad_dtype(n)) for n in host.grads.spilled}
+    path = nvme_dir / "gradients" if spilled else None
+    redo = config.optimizer.grad_clip > 0  # the sync loop may redo the updates
+    return GradientStore(redo, spilled, path, page_elems)
+
+
+def make_boundary_swap(
+    config: Config, nvme_dir: Path | None, boundary: jax.ShapeDtypeStruct
+) -> BoundarySwap | None:
+    """The NVMe swap of boundary activations (``offload.activations=nvme``)."""
+    slots = config.model.num_layers - config.offload.keep_blocks
+    if config.offload.activations != "nvme" or not slots:
+        return None
+    itemsize = jnp.dtype(boundary.dtype).itemsize
+    return BoundarySwap(
+        nvme_dir / "activations",
+        slots,
+        boundary.shape,
+        boundary.dtype,
+        chunk_elems=config.memory.page_size // itemsize,
+        depth=IO_READAHEAD,
+    )
+
+
+def init_state(
+    config: Config,
+    model,
+    layouts: dict[str, SlabLayout],
+    stage_names: list[str],
+    optimizer_of,
+    own_slab,
+    states,
+    params,
+    sharding,
+    progress,
+) -> None:
+    """Initialises each stage straight into the optimizer's memory as an fp32 slab; the
+    same keys as ``model.init``, so the params equal the in-memory runtime's. With
+    ``model.init_from`` each stage is read from the checkpoint instead (``hetjax/hf.py``).
+    Stages go to their tier one at a time (a model need not fit in RAM at once).
+    ``optimizer_of(stage)``: the stage's SlabOptimizer; ``own_slab(layout, slab)``: the
+    part of a whole slab this process holds."""
+    checkpoint = open_checkpoint(config.model)  # None: random init
+    keys = model.stage_keys(jax.random.key(config.train.seed))
+    for name in progress(stage_names, f"initialising state ({config.offload.optimizer})"):
+        kind = layout_name(name)
+        layout = layouts[kind]
+        key = keys["blocks"][int(name[5:])] if kind == "block" else keys[kind]
+        if checkpoint is None:
+            init = jax.jit(
+                lambda k, kind=kind, layout=layout: layout.flatten(model.init_stage(kind, k)),
+                out_shardings=sharding,
+            )
+            master = init(key)
+        else:  # only this stage's tensors are read, flattened on the host
+            slab = layout.flatten_np(checkpoint.stage(name))
+            master = jax.device_put(slab, sharding)
+            del slab
+        master = own_slab(layout, master)
+        opt: SlabOptimizer = optimizer_of(name)
+        slabs, scalars = opt.init(kind, master)
+        states.init_stage(name, slabs, scalars)
+        params.publish(name, opt.compute_pages(kind, master))
+        del master, slabs
+    states.wait_init()
+    params.commit()

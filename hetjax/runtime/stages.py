@@ -1,0 +1,157 @@
+"""The per-stage jitted functions the streaming runtime runs (and the tracer times), and
+the slab layouts of a model's stages.
+
+Each function takes its stage's params as a list of pages and unflattens them inside
+the jit (``storage/pages.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from hetjax.runtime import remat
+from hetjax.storage.pages import SlabLayout
+
+F32 = jnp.float32
+
+
+def stage_layouts(model, page_size: int, page_multiple: int = 1) -> dict[str, SlabLayout]:
+    """The slab layouts of a model's stages (``embed``, one ``block``, ``head``), from
+    abstract shapes: nothing is allocated. Slabs pad to a multiple of ``page_multiple``
+    pages (ZeRO-3: one equal share per device)."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    one_block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"])
+    return {
+        "embed": SlabLayout.from_params(shapes["embed"], page_size, page_multiple),
+        "block": SlabLayout.from_params(one_block, page_size, page_multiple),
+        "head": SlabLayout.from_params(shapes["head"], page_size, page_multiple),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """Device bytes of one micro-batch's stage functions, as XLA compiles them."""
+
+    boundary: int  # one block-boundary activation (B, T, D)
+    working_set: int  # temporaries of the largest stage function, plus x / dx
+    # one block's in-block activations kept from forward to backward (its vjp residuals,
+    # inputs included), per offload.keep_level the block supports (remat.py)
+    kept: dict[str, int]
+
+
+class StageFunctions:
+    """The jitted per-stage functions the executor runs (and the tracer times). Each takes
+    its stage's params as a list of pages and unflattens them inside the jit.
+
+    ``block_bwd`` recomputes the block's inside from its input boundary, then runs its
+    vjp. ``block_fwd_keep`` instead returns the vjp (its residuals: the in-block
+    activations ``keep_level`` keeps, ``remat.py``) with the output, and
+    ``block_bwd_kept`` applies it, recomputing only what the level did not keep, for the
+    cost of holding the residuals on the device until backward (``offload.keep_blocks``).
+    ``kept_forward(level)`` is ``block_fwd_keep`` at any level (the tracer times each).
+
+    ``jit`` compiles a stage function (one device: ``jax.jit`` onto it; ZeRO-3: per
+    device with collectives) and ``grad_slab(pages, dtype)`` shapes a gradient as it
+    leaves the device; block gradients leave in ``block_grad_dtype``.
+    """
+
+    def __init__(
+        self,
+        model,
+        layouts: dict[str, SlabLayout],
+        jit,
+        grad_slab,
+        block_grad_dtype=F32,
+        keep_level: str = "all",
+    ):
+        E, B, H = layouts["embed"], layouts["block"], layouts["head"]
+        cast = lambda pages: grad_slab(pages, block_grad_dtype)
+        self.layouts = layouts
+        m = model
+
+        def embed_fwd(e, tokens):  # (B, T) -> (B, T, D)
+            return m.embed(E.unflatten_pages(e), tokens)
+
+        def block_fwd(b, x):  # (B, T, D) -> (B, T, D)
+            return m.block(B.unflatten_pages(b), x)
+
+        def head_loss(h, e, x, targets):
+            return m.head_loss(H.unflatten_pages(h), E.unflatten_pages(e), x, targets)
+
+        def head_fwd_bwd(h, e, x, targets, scale):
+            loss, vjp = jax.vjp(lambda h, e, x: head_loss(h, e, x, targets), h, e, x)
+            dh, de, dx = vjp(scale)  # scale: the fp16 loss scale, else 1
+            return loss, grad_slab(dh, F32), grad_slab(de, F32), dx
+
+        def block_bwd(b, x, dy):  # recompute the block's inside, then its vjp
+            _, vjp = jax.vjp(block_fwd, b, x)
+            db, dx = vjp(dy)
+            return cast(db), dx
+
+        def block_bwd_kept(vjp, dy):
+            db, dx = vjp(dy)
+            return cast(db), dx
+
+        def embed_bwd(e, tokens, dx):
+            _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
+            return grad_slab(vjp(dx)[0], F32)
+
+        self.embed_fwd = jit(embed_fwd)
+        self.block_fwd = jit(block_fwd)
+        self.head_loss = jit(head_loss)
+        self.head_fwd_bwd = jit(head_fwd_bwd)
+        self.block_bwd = jit(block_bwd)
+        self._block_fwd, self._kept_forward = block_fwd, {}
+        self.block_fwd_keep = self.kept_forward(keep_level)
+        self.block_bwd_kept = jax.jit(block_bwd_kept)  # any level's vjp
+        self.embed_bwd = jit(embed_bwd)
+
+    def kept_forward(self, level: str):
+        """The jitted forward of a kept block at keep ``level``: (b, x) -> (y, the vjp
+        holding the residuals). One device only (kept blocks are not ZeRO-3's)."""
+        if level not in self._kept_forward:
+            fwd = remat.kept_forward(self._block_fwd, level)
+            self._kept_forward[level] = jax.jit(lambda b, x: jax.vjp(fwd, b, x))
+        return self._kept_forward[level]
+
+    def abstract_args(self, batch: int, seq_len: int, dtype) -> dict[str, tuple]:
+        """Abstract arguments of each function for a micro-batch (batch, seq_len)."""
+        sds = jax.ShapeDtypeStruct
+        slab = lambda n: [sds((self.layouts[n].page_elems,), dtype)] * self.layouts[n].num_pages
+        tokens = sds((batch, seq_len), jnp.int32)
+        x = jax.eval_shape(self.embed_fwd, slab("embed"), tokens)
+        return {
+            "embed_fwd": (slab("embed"), tokens),
+            "block_fwd": (slab("block"), x),
+            "head_fwd_bwd": (slab("head"), slab("embed"), x, tokens, sds((), F32)),
+            "block_bwd": (slab("block"), x, x),
+            "embed_bwd": (slab("embed"), tokens, x),
+        }
+
+    def memory_sizes(self, batch: int, seq_len: int, dtype) -> StageMemory:
+        """XLA's own measure of the stage functions' temporaries (by compiling them)."""
+        args = self.abstract_args(batch, seq_len, dtype)
+        x = args["block_fwd"][1]
+        act = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        temps = []
+        for name in ("block_bwd", "head_fwd_bwd", "embed_bwd"):
+            analysis = getattr(self, name).lower(*args[name]).compile().memory_analysis()
+            temps.append(getattr(analysis, "temp_size_in_bytes", 0) if analysis else 0)
+        return StageMemory(act, max(temps) + 3 * act, self.kept_bytes(batch, seq_len, dtype))
+
+    def keep_levels(self, batch: int, seq_len: int, dtype) -> tuple[str, ...]:
+        """The keep levels the block supports (``remat.levels``)."""
+        return remat.levels(
+            self._block_fwd, *self.abstract_args(batch, seq_len, dtype)["block_fwd"]
+        )
+
+    def kept_bytes(self, batch: int, seq_len: int, dtype) -> dict[str, int]:
+        """Bytes a kept block holds from forward to backward (its vjp's residuals: the
+        kept activations, its param pages and input), per keep level the block
+        supports, from abstract shapes."""
+        return remat.kept_bytes(
+            self._block_fwd, *self.abstract_args(batch, seq_len, dtype)["block_fwd"]
+        )

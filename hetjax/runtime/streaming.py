@@ -1,0 +1,569 @@
+"""The layer-wise streaming runtime (``offload.mode=stream``).
+
+Params live on the host as one page slab per stage (``storage/pages.py``), in the compute
+dtype, in the ``pinned_host`` memory kind, and move as that slab's list of pages; fp32
+master state and the optimizer live with the host optimizer. A step streams the stages
+through a window of device memory:
+
+    forward   embed, block 0 .. block L-1, head + loss (and the head's backward)
+    backward  block L-1 .. block 0 (each recomputes its inside with jax.vjp), embed
+
+The access order is known, so :class:`~hetjax.runtime.window.PrefetchWindow` copies the
+next ``offload.prefetch_depth`` slabs in while the current stage computes (JAX's async
+dispatch overlaps them) and drops each slab after its last use. Block-boundary
+activations (*boundaries*) stay on the device, go to host RAM, or are swapped through
+host RAM to NVMe (``offload.activations``, ``storage/swap.py``). Each stage's gradient
+slab goes to the host as soon as its backward is dispatched
+(:class:`~hetjax.runtime.grads.StepGradients`); the host optimizer loop
+(``optimizer/update_loop.py``) updates the stage as soon as its final gradient is there,
+while backward goes on, and refreshes the param slabs for the next step.
+
+With ``offload.optimizer_device_stages = N`` (host or NVMe optimizer) the first N stages
+in forward order are a device cache of optimizer state (Angel-PTM): their state and
+params live on the device, those blocks are resident, their gradient is summed,
+averaged and normed on the device and their update dispatched there
+(``UpdateLoop.submit_device``).
+
+Where a stage's pages live and how a stage function is compiled is the placement
+strategy's (``placement.py``: one device; ``zero.py``: ZeRO-3 over devices), handed to
+the runtime. What the runtime may hold in each tier is the memory model's
+(``hetjax/memory.py``): the plans are made at start-up and the ledger records what the
+step really held.
+"""
+
+from __future__ import annotations
+
+import collections
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetjax import timeline
+from hetjax.allocator import tune_host_allocator
+from hetjax.config import Config, ConfigError
+from hetjax.memory import (
+    IO_READAHEAD,
+    DeviceCache,
+    Offload,
+    block_grad_dtype,
+    plan_device,
+    plan_host,
+)
+from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.optimizer.update_loop import UpdateLoop
+from hetjax.runtime import setup
+from hetjax.runtime.grads import DeviceGradients, StepGradients
+from hetjax.runtime.ledger import Ledger, device_bytes
+from hetjax.runtime.placement import SingleDevice
+from hetjax.runtime.setup import layout_name
+from hetjax.runtime.stages import StageFunctions, stage_layouts
+from hetjax.runtime.window import PrefetchWindow
+from hetjax.types import MASTER, LossScale, RuntimeState, StepReport
+from models import build_model
+
+F32 = jnp.float32
+
+
+class StreamingRuntime:
+    """Trains with params on the host, streamed a stage at a time through the device.
+    ``placement``: the strategy placing pages and compiling stage functions (default:
+    one device); ``probe``: called after every dispatch (tests sample live memory)."""
+
+    def __init__(
+        self, config: Config, probe=None, workdir: str | Path | None = None, placement=None
+    ):
+        tune_host_allocator(bounded=bool(config.memory.host_budget))
+        self.config, self.probe = config, probe
+        self.placement = placement = placement or SingleDevice()
+        self.shardings = placement.shardings
+        self.model = build_model(config.model)
+        self.compute_dtype = jnp.dtype(config.model.compute_dtype)
+        self.num_layers = L = config.model.num_layers
+        self.ledger = Ledger()
+        t, off, mem = config.train, config.offload, config.memory
+        self.layouts = stage_layouts(self.model, mem.page_size, placement.page_multiple)
+        self.state_layouts = placement.state_layouts(self.layouts)  # what this process holds
+        self.block_names = [f"block{i}" for i in range(L)]
+        self.stage_names = ["embed", *self.block_names, "head"]
+        self.update_order = ["head", *reversed(self.block_names), "embed"]  # backward order
+        # The device cache of optimizer state: the first stages in forward order, the
+        # last ones backward reaches (config.OffloadConfig says why those).
+        self.device_stages = tuple(self.stage_names[: off.optimizer_device_stages])
+        self.host_stages = [n for n in self.stage_names if n not in self.device_stages]
+        opt = lambda sharding: SlabOptimizer(
+            config.optimizer, t.steps, self.state_layouts, sharding, self.compute_dtype
+        )
+        on_device = off.optimizer == "device"
+        self.optimizer = opt(self.shardings.device if on_device else self.shardings.optimizer)
+        self.device_optimizer = opt(self.shardings.device) if self.device_stages else None
+        self.fns = StageFunctions(
+            self.model,
+            self.layouts,
+            placement.jit,
+            placement.grad_slab,
+            block_grad_dtype(config),
+            off.keep_level,
+        )
+        self._check_keep_level()
+        args = self.fns.abstract_args(t.micro_batch_size, t.seq_len, self.compute_dtype)
+        self.boundary = args["block_fwd"][1]  # one block-boundary activation (B, T, D)
+
+        # The memory model decides what each tier holds (hetjax/memory.py).
+        stage_memory = self.fns.memory_sizes(t.micro_batch_size, t.seq_len, self.compute_dtype)
+        kinds = len(self.optimizer.kinds) - 1
+        self.sizes = setup.memory_sizes(
+            config, self.layouts, self.state_layouts, stage_memory, kinds
+        )
+        self.offload = Offload.from_config(config)
+        self.host_plan = plan_host(self.sizes, self.offload, mem.host_budget)
+        self.nvme_dir, self._temporary_nvme = setup.nvme_directory(
+            config, self.sizes, self.offload, self.host_plan, workdir, placement.nvme_subdir
+        )
+        page_elems = self.layouts["block"].page_elems
+        pages = setup.stage_pages(self.sizes, self.offload, page_elems)
+        self.states, params = setup.make_stores(
+            config,
+            self.nvme_dir,
+            pages,
+            page_elems,
+            self.optimizer.kinds,
+            self.host_plan,
+            self.shardings,
+            self.device_stages,
+        )
+        self.param_store = placement.param_store(params, self.layouts, off.params == "nvme")
+        self.grad_store = setup.make_grad_store(
+            config, self.host_plan, self.sizes, page_elems, self.nvme_dir
+        )
+        self.swap = setup.make_boundary_swap(config, self.nvme_dir, self.boundary)
+        setup.init_state(
+            config,
+            self.model,
+            self.layouts,
+            self.stage_names,
+            self._opt_of,
+            placement.own_slab,
+            self.states,
+            self.param_store,
+            self.shardings.optimizer,
+            _progress,
+        )
+        self.loop = UpdateLoop(
+            self.optimizer,
+            self.states,
+            self.param_store,
+            self.update_order,
+            layout_name,
+            config.optimizer.grad_clip,
+            mode=config.optimizer.mode,
+            max_staleness=config.optimizer.max_staleness,
+            speculation=config.optimizer.speculation,
+            readahead=IO_READAHEAD,
+            grads=self.grad_store,
+            max_queued=self.host_plan.grads.max_queued,
+            device_optimizer=self.device_optimizer,
+            device_stages=self.device_stages,
+        )
+        self.device_grads = DeviceGradients(self.shardings.device) if self.device_stages else None
+        self.plan = plan_device(self.sizes, self.offload, mem.device_budget)
+        self.resident: dict[str, jax.Array] = {}
+        self._refresh_resident()
+        self._step: StepGradients | None = None
+        self._boundary_host_peak = 0  # offload.activations=host: their peak this step
+        self._io_mark = self._nvme_io_totals()  # initialisation's writes are no step's
+        fp16 = config.model.compute_dtype == "float16"
+        self.loss_scale = LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None
+
+    layout_name = staticmethod(layout_name)
+
+    def _opt_of(self, stage: str) -> SlabOptimizer:
+        """The optimizer updating ``stage``: on the device for device-cached stages."""
+        return self.device_optimizer if stage in self.device_stages else self.optimizer
+
+    @property
+    def _device_grad_stages(self) -> tuple[str, ...]:
+        """Stages whose gradient stays on the device (``memory.DeviceCache``)."""
+        cache = DeviceCache.of(self.sizes, self.offload)
+        return tuple(n for n in self.device_stages if n not in cache.grad_stages(self.sizes))
+
+    def _check_keep_level(self) -> None:
+        off, t = self.config.offload, self.config.train
+        if not off.keep_blocks or off.keep_level == "all":
+            return
+        levels = self.fns.keep_levels(t.micro_batch_size, t.seq_len, self.compute_dtype)
+        if off.keep_level not in levels:
+            raise ConfigError(
+                f"config key 'offload.keep_level' is {off.keep_level!r}, but this "
+                f"model's block supports only {', '.join(levels)}: "
+                f"{off.keep_level!r} keeps the values the block tags 'attn_probs' "
+                "(jax.ad_checkpoint.checkpoint_name(probs, 'attn_probs') in its "
+                "forward, as models/gpt.py does); tag them or choose another level"
+            )
+
+    def _refresh_resident(self) -> None:
+        """Copies the always-resident stages (embed, head, the first resident blocks)
+        to the device; called after each optimizer step. Device-cached stages' params
+        are on the device already (no copy)."""
+        names = ["embed", "head", *self.block_names[: self.plan.resident_blocks]]
+        for n in names:
+            self.param_store.prefetch(n)
+        self.resident = {}
+        for n in names:
+            self.resident[n] = self.placement.to_device(self.param_store.get(n))
+            if n not in self.device_stages:
+                timeline.watch("host_to_device", n, self.resident[n])
+
+    def _window(self, uses: list[str]) -> PrefetchWindow:
+        return PrefetchWindow(
+            uses, self.plan.prefetch_depth, self.resident, self.param_store,
+            self.placement.to_device,
+        )  # fmt: skip
+
+    # -- the step -----------------------------------------------------------------------
+
+    def train_step(self, batch: np.ndarray, poison: bool = False) -> StepReport:
+        """One optimizer step on a global batch (A, B/A, T+1).
+
+        Sync mode: the last micro-batch's backward hands each stage's final gradient to
+        the optimizer loop as it reaches the host, so the update of block i runs while
+        blocks i-1 .. 0 are still in backward; then the step waits for the loop to commit.
+        Lock-free mode: the gradients go to the loop's accumulator and the step returns.
+        """
+        scale = float(self.loss_scale.scale) if self.loss_scale is not None else 1.0
+        sync = self.config.optimizer.mode == "sync"
+        if not sync:  # pick up whatever the loop has published since the last step
+            self._refresh_resident()
+        self.ledger.reset_peak()
+        self._boundary_host_peak = 0
+        if self.swap is not None:
+            self.swap.reset_peak()
+        step = self._gradients(batch, scale, poison, self.loop if sync else None)
+        loss = float(np.mean([float(v) for v in step.losses]))
+        grad_norm = step.norm()
+        # A non-finite step updates nothing: its speculative updates are dropped (stages
+        # after the first non-finite gradient were never submitted, see StepGradients).
+        finite = bool(np.isfinite(grad_norm)) and bool(np.isfinite(loss))
+        if self.loss_scale is not None:
+            self.loss_scale = self.loss_scale.update(jnp.bool_(finite))
+        t0 = time.perf_counter()
+        if sync:
+            work = self.loop.finish(grad_norm, finite)
+            self._refresh_resident()
+        else:
+            if finite:
+                self.loop.submit_step(step.grads)
+            work = self.loop.collect()
+        waited = time.perf_counter() - t0  # optimizer time not hidden by backward
+        fp16_overflow = not finite and self.loss_scale is not None and scale > 1
+        return StepReport(
+            loss,
+            grad_norm,
+            not finite,
+            scale,
+            nonfinite=not finite and not fp16_overflow,
+            metrics=self._metrics(step, work, waited),
+        )
+
+    def compute_gradients(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        """Forward and backward of a global batch (A, B/A, T+1) with no update: each
+        stage's averaged gradient slab on the host (the benchmarks time the step's parts
+        with it)."""
+        return self._gradients(batch, 1.0, False, None).grads
+
+    def _gradients(self, batch, scale: float, poison: bool, loop) -> StepGradients:
+        """Runs every micro-batch's forward and backward; the gradients go to a
+        :class:`StepGradients` (and through it to ``loop``, when given)."""
+        seed = scale * (np.nan if poison else 1.0)  # the loss cotangent (NaN: a fault)
+        step = StepGradients(
+            self.stage_names,
+            batch.shape[0],
+            scale,
+            seed,
+            loop,
+            self.placement.host_slab,
+            self.placement.sum_over_processes,
+            self.device_grads,
+        )
+        self._step = step
+        step.losses = [self._forward_backward(micro) for micro in batch]
+        self._step = None
+        return step
+
+    def _forward_backward(self, tokens_np: np.ndarray):
+        """Forward and backward of one micro-batch (B, T+1); its gradient slabs go to
+        ``self._step``. Returns the loss (a device scalar)."""
+        L, fns, put = self.num_layers, self.fns, self.placement.put_batch
+        tokens, targets = put(tokens_np[:, :-1]), put(tokens_np[:, 1:])
+        embed, head = self.resident["embed"], self.resident["head"]
+        # Blocks first_kept .. L-1 keep their in-block activations from forward to
+        # backward (offload.keep_blocks): no boundary, no recompute, no second fetch.
+        first_kept = L - self.config.offload.keep_blocks
+        backward_uses = [self.block_names[i] for i in reversed(range(first_kept))]
+        window = self._window(self.block_names + backward_uses)
+        pending: collections.deque = collections.deque()  # grads in flight to the host
+        if self.swap is not None:
+            self.swap.begin()  # the previous micro-batch's boundary writes are done
+
+        x = fns.embed_fwd(embed, tokens)  # (B, T, D)
+        timeline.watch("compute", "embed fwd", x)
+        boundaries: list[Any] = [None] * L
+        kept: list[Any] = [None] * L  # the kept blocks' vjps (their residuals)
+        for i in range(L):
+            slab = window.get(i)
+            if i >= first_kept:
+                x, kept[i] = fns.block_fwd_keep(slab, x)
+            else:
+                boundaries[i] = self._store_boundary(i, x)
+                x = fns.block_fwd(slab, x)
+            timeline.watch("compute", f"block{i} fwd", x, after=slab)
+            del slab  # the window decides when a slab goes; hold no reference past it
+            window.done(i)
+            self._account(window, boundaries, pending, x, kept)
+
+        seed = jnp.asarray(self._step.seed, F32)  # the loss is fp32; fp16 cannot hold scales
+        loss, dh, de_head, dx = fns.head_fwd_bwd(head, embed, x, targets, seed)
+        del x
+        timeline.watch("compute", "head fwd+bwd", (loss, dx))
+        self._grad_out("head", dh, pending)
+        self._grad_out("embed", de_head, pending)
+        del dh, de_head
+
+        next_x = self._load_boundary(first_kept - 1, boundaries) if first_kept else None
+        for i in reversed(range(L)):
+            if i >= first_kept:
+                db, dx = fns.block_bwd_kept(kept[i], dx)
+                timeline.watch("compute", f"block{i} bwd", (db, dx), after=kept[i])
+                kept[i] = None
+            else:
+                j = L + first_kept - 1 - i  # position in the window's use order
+                slab, x_in = window.get(j), next_x
+                if i > 0:  # prefetch the next boundary while this block computes
+                    next_x = self._load_boundary(i - 1, boundaries)
+                db, dx = fns.block_bwd(slab, x_in, dx)
+                timeline.watch("compute", f"block{i} bwd", (db, dx), after=(slab, x_in))
+                boundaries[i] = None
+                del x_in, slab
+                window.done(j)
+            self._grad_out(self.block_names[i], db, pending)
+            del db
+            self._account(window, boundaries, pending, dx, kept)
+
+        de = fns.embed_bwd(embed, tokens, dx)
+        timeline.watch("compute", "embed bwd", de)
+        self._grad_out("embed", de, pending)
+        if self.device_stages:  # the device cache's updates are dispatched by now
+            self._account(window, boundaries, pending, de)
+        del de
+        while pending:
+            self._step.add(*pending.popleft())
+        return loss
+
+    def _store_boundary(self, i: int, x: jax.Array) -> jax.Array | None:
+        """Keeps block i's input: on the device (returned as is), in host RAM (its copy
+        is returned), or swapped to NVMe through host RAM (None: the swap holds it)."""
+        tier = self.config.offload.activations
+        if tier == "device":
+            return x
+        host = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+        timeline.watch("device_to_host", "boundary", host, after=x)
+        if tier == "nvme":
+            self.swap.put(i, host)
+            return None
+        return host
+
+    def _load_boundary(self, i: int, boundaries: list) -> jax.Array:
+        """Block i's input on the device (for its backward)."""
+        if self.swap is not None:
+            x = self.placement.put_batch(self.swap.get(i))  # waits for its read from NVMe
+            timeline.watch("host_to_device", "boundary", x)
+            return x
+        held = boundaries[i]
+        x = jax.device_put(held, held.sharding.with_memory_kind("device"))  # no-op if there
+        if x is not held:
+            timeline.watch("host_to_device", "boundary", x, after=held)
+        return x
+
+    def _grad_out(self, name: str, g, pending) -> None:
+        """Hands a stage's gradient on: summed and updated on the device (the
+        device-cached stages in sync mode), or copied to the host; older copies in
+        flight are handed to the step's gradients (at most two stay in flight)."""
+        if name in self._device_grad_stages:
+            self._step.add_device(name, g)
+            return
+        self.placement.sent_grad(g)
+        host = jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), g)
+        pending.append((name, jax.device_put(g, host)))
+        timeline.watch("device_to_host", f"{name} grad", pending[-1][1], after=g)
+        while len(pending) > 2:
+            self._step.add(*pending.popleft())
+
+    def _account(self, window, boundaries, pending, *transients) -> None:
+        held = [
+            *self.resident.values(),
+            *window.cache.values(),
+            *boundaries,
+            *(g for _, g in pending),
+            *transients,
+        ]
+        if self.device_stages:  # the device cache's params and gradients
+            held += self.param_store.device_arrays() + self.loop.device_grads()
+            held += list(self._step.device_grads.values())
+        staged = 0  # NVMe swap: boundaries in host RAM, outside JAX
+        if self.swap is not None:
+            staged = self.swap.host_bytes()
+        elif self.config.offload.activations == "host":
+            in_ram = sum(device_bytes(b) for b in boundaries if b is not None)
+            self._boundary_host_peak = max(self._boundary_host_peak, in_ram)
+        # optimizer state on the device: a running sum (its chunks are many)
+        self.ledger.record(held, staged, self.states.device_bytes())
+        if self.probe is not None:
+            self.probe(self)
+
+    def _metrics(self, step: StepGradients, work, waited: float) -> dict[str, float | int]:
+        """The step's report fields: bytes per tier, NVMe I/O, optimizer work."""
+        host = self.param_store.host_bytes() + self.states.host_bytes() + step.peak_bytes
+        # boundaries in host RAM at their peak during the step (offload.activations)
+        host += self.swap.peak_host_bytes if self.swap is not None else self._boundary_host_peak
+        stores = [self.states, self.param_store, self.grad_store]
+        stores += [self.swap] if self.swap is not None else []
+        io = self._nvme_io_totals()
+        read, written = io[0] - self._io_mark[0], io[1] - self._io_mark[1]
+        self._io_mark = io
+        metrics = {
+            "device_bytes_peak": int(self.ledger.peak.get("device", 0)),
+            "host_bytes": int(host),
+            "nvme_bytes": int(sum(s.nvme_bytes for s in stores)),
+            "optimizer_s": waited,  # optimizer time the step waited for
+            "optimizer_busy_s": work.busy_s,  # time the loop worked (overlapped or not)
+            "optimizer_params": work.params,  # parameters updated (padded slabs, redos too)
+            "optimizer_device_params": work.device_params,  # of the device cache
+            "nvme_read_bytes": int(read),
+            "nvme_write_bytes": int(written),
+            "optimizer_redo": work.redo,
+            "optimizer_deferred": work.deferred,
+            **self.placement.step_metrics(),
+        }
+        if self.config.optimizer.mode == "lockfree":
+            metrics["optimizer_lag_steps"] = self.loop.unapplied
+        return metrics
+
+    def _nvme_io_totals(self) -> tuple[int, int]:
+        stores = [self.states, self.param_store, self.grad_store]
+        stores += [self.swap] if self.swap is not None else []
+        return sum(s.read_bytes for s in stores), sum(s.write_bytes for s in stores)
+
+    # -- evaluation and state -----------------------------------------------------------
+
+    def eval_loss(self, batch: np.ndarray) -> float:
+        put = self.placement.put_batch
+        tokens, targets = put(batch[:, :-1]), put(batch[:, 1:])
+        window = self._window(self.block_names)
+        x = self.fns.embed_fwd(self.resident["embed"], tokens)
+        for i in range(self.num_layers):
+            x = self.fns.block_fwd(window.get(i), x)
+            window.done(i)
+        embed, head = self.resident["embed"], self.resident["head"]
+        return float(self.fns.head_loss(head, embed, x, targets))
+
+    def params(self) -> Any:
+        """The fp32 master params as the model's pytree (host numpy)."""
+        whole = self.placement.whole_slab
+        unflat = lambda name: jax.tree.map(
+            np.array, self.layouts[layout_name(name)].unflatten(whole(self.states.master(name)))
+        )
+        blocks = [unflat(n) for n in self.block_names]
+        return {
+            "embed": unflat("embed"),
+            "blocks": jax.tree.map(lambda *xs: np.stack(xs), *blocks),
+            "head": unflat("head"),
+        }
+
+    def plan_lines(self) -> list[str]:
+        """The start-up plans, for the log."""
+        lines = [*self.placement.describe(self.layouts)]
+        lines += [self.plan.describe(), self.host_plan.describe()]
+        if self.device_stages:
+            n = len(self.device_stages)
+            lines.append(
+                f"optimizer state of {n} stage{'s' * (n > 1)} on the device, updated "
+                f"there ({', '.join(self.device_stages)}; offload.optimizer_device_stages)"
+            )
+        if self.nvme_dir is not None:
+            off = self.config.offload
+            lines.append(
+                f"nvme: {self.nvme_dir} (offload.optimizer={off.optimizer}, "
+                f"offload.params={off.params}, offload.activations={off.activations})"
+            )
+        return lines
+
+    def settle(self) -> None:
+        if self.config.optimizer.mode == "lockfree":
+            self.loop.drain()
+            self._refresh_resident()
+        self.states.flush()
+
+    def save_state(self) -> RuntimeState:
+        if self.config.optimizer.mode == "lockfree":  # apply what is buffered first
+            self.loop.drain()
+            self._refresh_resident()
+        stages, scalars = {}, {}
+        for name in self.stage_names:
+            layout = self.layouts[layout_name(name)]
+            slabs, scalars[name] = self.states.committed(name)
+            whole = self.placement.whole_slab
+            stages[name] = {k: layout.unflatten(whole(slab)) for k, slab in slabs.items()}
+        ls = self.loss_scale
+        loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
+        return RuntimeState(stages, scalars, loss_scale)
+
+    def load_state(self, state: RuntimeState) -> None:
+        """Replaces every stage's state and params (the loop is idle between steps;
+        lock-free mode is drained first)."""
+        if sorted(state.kinds) != sorted(self.optimizer.kinds):
+            raise ConfigError(
+                f"the checkpoint holds optimizer state {state.kinds}, optimizer.name="
+                f"{self.config.optimizer.name} needs {self.optimizer.kinds}"
+            )
+        if self.config.optimizer.mode == "lockfree":
+            self.loop.drain()
+        self.loop.reload()
+        tier = self.config.offload.optimizer
+        for name in _progress(self.stage_names, f"restoring state ({tier})"):
+            kind = layout_name(name)
+            layout, opt = self.layouts[kind], self._opt_of(name)
+            whole = state.stages[name]
+            own = {
+                k: self.placement.own_slab(layout, layout.flatten_np(whole[k])) for k in opt.kinds
+            }
+            slabs = {k: opt.as_chunks(kind, own[k]) for k in opt.kinds}
+            scalars = [jax.device_put(np.asarray(a), opt.sharding) for a in state.scalars[name]]
+            self.states.init_stage(name, slabs, scalars)
+            self.param_store.publish(name, opt.compute_pages(kind, slabs[MASTER]))
+        self.states.wait_init()
+        self.param_store.commit()
+        if self.loss_scale is not None and state.loss_scale is not None:
+            self.loss_scale = self.loss_scale.replace(
+                scale=jnp.float32(state.loss_scale[0]), good_steps=jnp.int32(state.loss_scale[1])
+            )
+        self._refresh_resident()
+        self._io_mark = self._nvme_io_totals()  # the restore's writes are no step's
+
+    def close(self) -> None:
+        self.loop.close()
+        if self.swap is not None:
+            self.swap.close()
+        if self.nvme_dir is not None and self._temporary_nvme:
+            shutil.rmtree(self.nvme_dir, ignore_errors=True)
+
+
+def _progress(stages: list[str], what: str):
+    """A progress bar over stages for the long start-up phases (NVMe initialisation,
+    restore), on a terminal only (tqdm's ``disable=None``); gone when done."""
+    from tqdm import tqdm  # start-up cost: tqdm is needed only here
+
+    return tqdm(stages, desc=what, unit="stage", disable=None, leave=False, dynamic_ncols=True)

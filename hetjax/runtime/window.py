@@ -1,0 +1,56 @@
+"""The prefetch window: device copies of block slabs for a known order of uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from hetjax import timeline
+from hetjax.memory import IO_READAHEAD
+from hetjax.types import ParamStore
+
+
+class PrefetchWindow:
+    """Prefetches the next ``depth`` uses of ``uses`` (stage names, in the order the
+    step computes them) to the device, and drops a slab after a use unless it is used
+    again within the window. Stages in ``resident`` are served from there and never
+    dropped. With params on NVMe, disk reads start ``IO_READAHEAD`` uses before the
+    device copies."""
+
+    def __init__(
+        self,
+        uses: list[str],
+        depth: int,
+        resident: dict[str, jax.Array],
+        params: ParamStore,
+        to_device: Callable,
+    ):
+        self.uses, self.depth = uses, depth
+        self.resident, self.params, self.to_device = resident, params, to_device
+        self.cache: dict[str, jax.Array] = {}
+
+    def _fetch(self, name: str) -> jax.Array:
+        if name in self.resident:
+            return self.resident[name]
+        if name not in self.cache:
+            self.cache[name] = self.to_device(self.params.get(name))
+            timeline.watch("host_to_device", name, self.cache[name])
+        return self.cache[name]
+
+    def get(self, j: int) -> jax.Array:
+        """The slab of use ``j``, on the device; dispatches the copies of the next ones."""
+        end = min(j + 1 + self.depth + IO_READAHEAD, len(self.uses))
+        for k in range(j, end):
+            if self.uses[k] not in self.resident and self.uses[k] not in self.cache:
+                self.params.prefetch(self.uses[k])
+        slab = self._fetch(self.uses[j])
+        for k in range(j + 1, min(j + 1 + self.depth, len(self.uses))):
+            self._fetch(self.uses[k])
+        return slab
+
+    def done(self, j: int) -> None:
+        """Use ``j`` is over: its slab goes unless the window needs it again."""
+        name = self.uses[j]
+        if name not in self.uses[j + 1 : j + 1 + max(self.depth, 1)]:
+            self.cache.pop(name, None)

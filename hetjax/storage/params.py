@@ -1,0 +1,200 @@
+"""Where the compute-dtype params wait for the next forward (``offload.params``).
+
+:class:`HostParamStore` keeps each stage's pages in host RAM (``host``);
+:class:`NvmeParamStore` in TensorStore page arrays (``nvme``: two generations, the
+committed one and the one the step's updates write, read ahead by the runtime's
+window); the device-cached stages' params stay on the device
+(:class:`DeviceParamStore`), routed by :class:`SplitParamStore`. Updates are
+speculative until committed, as for optimizer state (``states.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from hetjax.storage.nvme import PageStore, bound_writes
+
+
+class HostParamStore:
+    """Compute-dtype param pages of every stage in the host memory kind."""
+
+    def __init__(self, sharding: jax.sharding.Sharding):
+        self.sharding = sharding
+        self.pages: dict[str, list[jax.Array]] = {}
+
+    def publish(self, stage: str, pages: list) -> None:
+        self.pages[stage] = jax.device_put(pages, self.sharding)
+
+    def prefetch(self, stage: str) -> None:
+        pass
+
+    def get(self, stage: str) -> list:
+        return self.pages[stage]
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> bool:
+        """Returns True: pages are published in place, so dropping a step's updates
+        needs them republished from the committed masters."""
+        return True
+
+    def host_bytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves(self.pages))
+
+    nvme_bytes = read_bytes = write_bytes = 0  # nothing on NVMe
+
+
+class DeviceParamStore(HostParamStore):
+    """Compute-dtype param pages of the device-cached stages, in device memory: their
+    update runs there and publishes in place; the executor reads them as resident
+    stages without a copy."""
+
+    def host_bytes(self) -> int:
+        return 0
+
+
+class SplitParamStore:
+    """Compute-dtype params of the device-cached stages in ``device`` (a
+    :class:`DeviceParamStore`), of the others in ``base`` (host RAM or NVMe)."""
+
+    def __init__(self, device: DeviceParamStore, base, stages):
+        self.device, self.base, self.stages = device, base, frozenset(stages)
+
+    def _of(self, stage: str):
+        return self.device if stage in self.stages else self.base
+
+    def publish(self, stage: str, pages: list) -> None:
+        self._of(stage).publish(stage, pages)
+
+    def prefetch(self, stage: str) -> None:
+        self._of(stage).prefetch(stage)
+
+    def get(self, stage: str) -> list:
+        return self._of(stage).get(stage)
+
+    def commit(self) -> None:
+        self.device.commit()
+        self.base.commit()
+
+    def abort(self) -> bool:
+        """True: the device pages are published in place, so a dropped step's updates
+        need them republished (the loop republishes every stage; for ``base`` on NVMe
+        that rewrites the uncommitted generation, which the next step overwrites)."""
+        self.base.abort()
+        return self.device.abort()
+
+    def device_arrays(self) -> list:
+        return list(self.device.pages.values())
+
+    def host_bytes(self) -> int:
+        return self.base.host_bytes()
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.base.nvme_bytes
+
+    @property
+    def read_bytes(self) -> int:
+        return self.base.read_bytes
+
+    @property
+    def write_bytes(self) -> int:
+        return self.base.write_bytes
+
+
+class NvmeParamStore:
+    """Compute-dtype param pages on disk (two generations, like the state), read ahead
+    for the forward and backward by the executor's window."""
+
+    def __init__(
+        self,
+        path: Path,
+        dtype: Any,
+        stage_pages: dict[str, tuple[int, int]],
+        page_elems: int,
+    ):
+        self.stage_pages = stage_pages
+        num_pages = sum(n for _, n in stage_pages.values())
+        kinds = {"params": np.dtype(dtype).name}
+        self.disk = [
+            PageStore(Path(path) / f"gen{g}", kinds, num_pages, page_elems) for g in (0, 1)
+        ]
+        self.gen = 0
+        self._target = 0  # the generation publish writes into (the first commit keeps 0)
+        self._writes: list = []
+        self._write_window = max(n for _, n in stage_pages.values()) * page_elems * 4
+        self._reads: dict[str, Any] = {}
+        self._published: dict[str, tuple] = {}  # stage -> (future, data): this step's
+        # stage -> (future, data): writes into the committed generation a commit left in
+        # flight; ``get`` serves these stages from that data, no read needed
+        self._landing: dict[str, tuple] = {}
+        self.read_bytes = self.write_bytes = 0
+
+    def publish(self, stage: str, pages: list) -> None:
+        data = np.concatenate([np.asarray(p) for p in pages])
+        first, _ = self.stage_pages[stage]
+        future = self.disk[self._target].write("params", first, data)
+        self._writes.append((future, data))
+        self._published[stage] = (future, data)
+        self.write_bytes += data.nbytes
+        bound_writes(self._writes, self._write_window)
+
+    def prefetch(self, stage: str) -> None:
+        if stage not in self._reads and stage not in self._landing:
+            first, n = self.stage_pages[stage]
+            self._reads[stage] = self.disk[self.gen].read("params", first, n)
+
+    def get(self, stage: str) -> list:
+        if stage in self._landing:  # written last step, maybe still in flight: in RAM
+            self._reads.pop(stage, None)  # one issued before the commit: stale
+            data = self._landing[stage][1]
+            return list(data.reshape(-1, self.disk[0].page_elems))
+        self.prefetch(stage)
+        pages = self._reads.pop(stage).result()
+        self.read_bytes += pages.nbytes
+        return list(pages)
+
+    def commit(self) -> None:
+        """Makes the step's params current without waiting for the writes still in
+        flight (the stages updated last, which the next forward needs first): those
+        stages are served from the written data until the next commit."""
+        self._land()  # the previous step's: long done
+        self._landing = {s: w for s, w in self._published.items() if not w[0].done()}
+        self._published = {}
+        self._writes = [(f, d) for f, d in self._writes if not f.done()]
+        if self._target != self.gen:
+            self.gen = self._target
+        self._target = 1 - self.gen
+        # Reads still in flight were of the old generation: a consistent snapshot, one
+        # update old (sync mode has none outstanding at a commit).
+
+    def abort(self) -> bool:
+        """Drops the step's writes: the generation stays; the next publish overwrites
+        them. Returns False: the committed generation was never touched."""
+        self.wait()
+        return False
+
+    def wait(self) -> None:
+        for future, _ in self._writes:
+            future.result()
+        self._writes.clear()
+        self._published = {}
+        self._land()
+
+    def _land(self) -> None:
+        for future, _ in self._landing.values():
+            future.result()
+        self._landing = {}
+
+    def host_bytes(self) -> int:
+        held = {id(d): d.nbytes for _, d in [*self._writes, *self._landing.values()]}
+        return sum(held.values())
+
+    @property
+    def nvme_bytes(self) -> int:
+        return sum(d.nbytes for d in self.disk)

@@ -1,0 +1,229 @@
+"""Small shared types at the bottom of the package: what a step reports, the fp16 loss
+scale, the placement-free training state, errors, and the Protocols runtimes and stores
+implement. This module imports nothing else from hetjax, so every layer can use it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MASTER = "master"  # the fp32 master params' slab kind (optimizer state kinds follow it)
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss); the message says what to change."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message says what to do. Earlier
+    complete checkpoints are never touched by a failed save."""
+
+
+# -- what a step reports ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerWork:
+    """What the host update loop did, handed from its thread to the step that waited for
+    it (sync mode) or that collected it (lock-free mode): counts of this span of work,
+    except ``redo`` and ``deferred``, which count steps since the loop started."""
+
+    busy_s: float = 0.0  # time the loop spent updating (overlapped with backward or not)
+    params: int = 0  # parameters updated on the host (padded slabs, redos too)
+    device_params: int = 0  # parameters of the device cache updated on the device
+    redo: int = 0  # steps whose speculative update was redone with clipping
+    deferred: int = 0  # steps updated after backward only (clipping bound the step before)
+
+    def __add__(self, later: OptimizerWork) -> OptimizerWork:
+        return OptimizerWork(
+            self.busy_s + later.busy_s,
+            self.params + later.params,
+            self.device_params + later.device_params,
+            later.redo,
+            later.deferred,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What one optimizer step did, built by the step: the training loop's metrics read
+    it, nothing else is read back from the runtime."""
+
+    loss: float  # mean token loss of the global batch
+    grad_norm: float  # global L2 norm of the (unscaled, averaged) gradients
+    skipped: bool = False  # the update was skipped (fp16 overflow, or non-finite)
+    loss_scale: float = 1.0
+    nonfinite: bool = False  # loss or gradient not finite beyond fp16 loss scaling
+    # The runtime's own measures of this step, as metrics.jsonl fields: bytes per tier
+    # (device_bytes_peak, host_bytes, nvme_bytes), NVMe I/O (nvme_read_bytes,
+    # nvme_write_bytes), optimizer work and waits (optimizer_s, optimizer_busy_s,
+    # optimizer_params, ...), collectives (all_gather_bytes, reduce_scatter_bytes).
+    metrics: dict[str, float | int] = dataclasses.field(default_factory=dict)
+
+
+@flax.struct.dataclass
+class LossScale:
+    """Dynamic loss scale for fp16 compute: halve and skip the step on overflow; double
+    after ``period`` steps without one."""
+
+    scale: jax.Array
+    good_steps: jax.Array
+    period: int = flax.struct.field(pytree_node=False, default=1000)
+
+    @classmethod
+    def create(cls, init: float, period: int) -> LossScale:
+        return cls(jnp.float32(init), jnp.int32(0), period)
+
+    def update(self, finite: jax.Array) -> LossScale:
+        grow = finite & (self.good_steps + 1 >= self.period)
+        scale = jnp.where(
+            finite, jnp.where(grow, self.scale * 2, self.scale), jnp.maximum(self.scale / 2, 1.0)
+        )
+        good = jnp.where(finite & ~grow, self.good_steps + 1, 0)
+        return self.replace(scale=scale, good_steps=good)
+
+
+# -- the placement-free state -----------------------------------------------------------
+
+
+def stage_names(num_layers: int) -> list[str]:
+    return ["embed", *(f"block{i}" for i in range(num_layers)), "head"]
+
+
+@dataclasses.dataclass
+class RuntimeState:
+    """A runtime's complete state in the placement-free form (host numpy arrays).
+
+    ``stages[stage][kind]`` is that stage's params pytree of kind ``kind`` (``master``
+    is the fp32 params); ``scalars[stage]`` the optax scalars of its state, in optax's
+    leaf order; ``loss_scale`` the fp16 ``(scale, good_steps)`` or None."""
+
+    stages: dict[str, dict[str, Any]]
+    scalars: dict[str, list[np.ndarray]]
+    loss_scale: tuple[float, int] | None = None
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(next(iter(self.stages.values())))
+
+    def params(self) -> dict[str, Any]:
+        """The master params as the model's pytree (``blocks`` stacked on axis 0)."""
+        return self.kind_tree(MASTER)
+
+    def kind_tree(self, kind: str) -> dict[str, Any]:
+        blocks = [v[kind] for k, v in self.stages.items() if k.startswith("block")]
+        return {
+            "embed": self.stages["embed"][kind],
+            "blocks": jax.tree.map(lambda *xs: np.stack(xs), *blocks),
+            "head": self.stages["head"][kind],
+        }
+
+    @classmethod
+    def from_trees(
+        cls, trees: dict[str, Any], scalars: list[np.ndarray], loss_scale=None
+    ) -> RuntimeState:
+        """From whole-model trees by kind (``{"master": params, "mu": ...}``, blocks
+        stacked) and one set of scalars shared by every stage."""
+        num_layers = jax.tree.leaves(trees[MASTER]["blocks"])[0].shape[0]
+        stages: dict[str, dict[str, Any]] = {}
+        for name in stage_names(num_layers):
+            stages[name] = {}
+            for kind, tree in trees.items():
+                if name.startswith("block"):
+                    i = int(name[5:])
+                    stages[name][kind] = jax.tree.map(lambda a, i=i: np.array(a[i]), tree["blocks"])
+                else:
+                    stages[name][kind] = jax.tree.map(np.array, tree[name])
+        per_stage = {name: [np.array(s) for s in scalars] for name in stages}
+        return cls(stages, per_stage, loss_scale)
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves((self.stages, self.scalars)))
+
+    def check_finite(self) -> None:
+        for path, a in jax.tree_util.tree_leaves_with_path(self.stages):
+            if not np.all(np.isfinite(a)):
+                raise CheckpointError(
+                    f"refusing to save non-finite state ({jax.tree_util.keystr(path)}); "
+                    "the last complete checkpoint is kept"
+                )
+
+
+# -- protocols ---------------------------------------------------------------------------
+
+
+class Runtime(Protocol):
+    def train_step(self, batch: np.ndarray, poison: bool = False) -> StepReport:
+        """One optimizer step on a global batch of shape (A, B/A, T+1) int32. A step
+        whose loss or gradient is not finite changes no state. ``poison`` (fault
+        injection for tests) makes the step's gradients NaN."""
+
+    def eval_loss(self, batch: np.ndarray) -> float:
+        """Mean token loss of a (B, T+1) batch with the current params."""
+
+    def params(self) -> Any:
+        """The current fp32 params as a host (numpy) pytree."""
+
+    def settle(self) -> None:
+        """Finishes outstanding optimizer work (lock-free mode) and writes cached state
+        out to its tier, so ``params`` and the files on disk hold the final state."""
+
+    def close(self) -> None:
+        """Stops background threads; ``params`` still works afterwards."""
+
+    def save_state(self) -> RuntimeState:
+        """A snapshot of the complete state in the placement-free form (host copies
+        that later steps do not change)."""
+
+    def load_state(self, state: RuntimeState) -> None:
+        """Replaces the whole state (a resume or a rollback)."""
+
+
+class StateStore(Protocol):
+    """Where fp32 master params and optimizer state live between updates (device, host
+    RAM or NVMe, ``storage/states.py``): per stage, a dict of slabs by kind plus the
+    optax scalars. Updates are speculative until :meth:`commit`."""
+
+    read_bytes: int  # bytes read from NVMe since the store was made (0 off NVMe)
+    write_bytes: int  # bytes written to NVMe since the store was made
+
+    def init_stage(self, stage: str, slabs: dict, scalars: list) -> None: ...
+    def wait_init(self) -> None: ...
+    def prefetch(self, stage: str) -> Any: ...
+    def get(self, stage: str, handle: Any = None) -> tuple[dict, list]: ...
+    def recycle(self, stage: str) -> tuple[dict | None, bool]: ...
+    def put(self, stage: str, slabs: dict, scalars: list) -> None: ...
+    def commit(self) -> None: ...
+    def abort(self) -> None: ...
+    def master(self, stage: str) -> np.ndarray: ...
+    def committed(self, stage: str) -> tuple[dict[str, np.ndarray], list]: ...
+    def flush(self) -> None: ...
+    def host_bytes(self) -> int: ...
+    def device_bytes(self) -> int: ...
+    @property
+    def nvme_bytes(self) -> int: ...
+
+
+class ParamStore(Protocol):
+    """Where the compute-dtype params wait for the next forward (host RAM, NVMe or the
+    device, ``storage/params.py``), as each stage's list of pages."""
+
+    read_bytes: int
+    write_bytes: int
+
+    def publish(self, stage: str, pages: list) -> None: ...
+    def prefetch(self, stage: str) -> None: ...
+    def get(self, stage: str) -> Any: ...
+    def commit(self) -> None: ...
+    def abort(self) -> bool: ...
+    def host_bytes(self) -> int: ...
+    @property
+    def nvme_bytes(self) -> int: ...
