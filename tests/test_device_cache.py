@@ -23,12 +23,15 @@ from jax.sharding import SingleDeviceSharding
 
 from hetjax.checkpoint import Checkpointer
 from hetjax.config import Config, ConfigError, load_config
-from hetjax.planning import search as planner
+from hetjax.memory import DeviceCache
+from hetjax.planning.cost import lanes
 from hetjax.planning.hardware import PROFILES
-from hetjax.planning.search import Workload, make_plan
+from hetjax.planning.search import make_plan
+from hetjax.planning.workload import Workload, memory_sizes
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.placement import Shardings, live_bytes_by_kind
-from hetjax.runtime.streaming import StreamingRuntime, stage_layouts
+from hetjax.runtime.stages import stage_layouts
+from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
 from models import build_model
 
@@ -203,13 +206,14 @@ def test_device_cache_is_counted_on_the_device(tiny):
         losses, deferred = [], []
         for _ in range(3):  # step 1 speculates; clipping binds, so steps 2, 3 defer
             start = len(samples)
-            losses.append(runtime.train_step(batch).loss)
+            report = runtime.train_step(batch)
+            losses.append(report.loss)
             peak = max(samples[start:]) - baseline
             ledger = runtime.ledger.peak["device"]  # this step's
             assert ledger >= 2 * _state_bytes(runtime, runtime.device_stages)
             assert abs(ledger - peak) <= 0.05 * peak, (ledger, peak)
             assert ledger <= runtime.plan.required and peak <= budget
-            metrics = runtime.extra_metrics()
+            metrics = report.metrics
             assert metrics["device_bytes_peak"] == ledger
             deferred.append(metrics["optimizer_deferred"])
         assert losses[-1] < losses[0]
@@ -273,13 +277,13 @@ def test_planner_caches_what_fits_and_more_with_more_budget():
         _fits(plan)
         c = plan.candidate
         assert c.mode == "stream" and c.optimizer == "host", plan.table()
-        cache = planner._Cache(w, c.device_stages)
+        cache = DeviceCache.of(memory_sizes(w), c.offload())
         assert plan.device["optimizer"] == cache.device_bytes <= plan.budgets["device"]
         assert c.resident_blocks >= cache.blocks
         counts.append(c.device_stages)
         if c.device_stages:
             without = dataclasses.replace(c, device_stages=0)
-            assert planner._lanes(w, hw, c, 0.0)[0] < planner._lanes(w, hw, without, 0.0)[0]
+            assert lanes(w, hw, c, 0.0)[0] < lanes(w, hw, without, 0.0)[0]
             assert f"optimizer state of {c.device_stages} stage" in plan.table()
             overrides = plan.config_overrides()
             assert config.replace(**overrides).offload.optimizer_device_stages == c.device_stages

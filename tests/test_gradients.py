@@ -5,8 +5,8 @@ import pytest
 from equivalence import assert_gpt_training_equal, check_tokens
 
 from hetjax.config import ConfigError
+from hetjax.memory import in_flight_slabs, plan_gradients
 from hetjax.runtime.streaming import StreamingRuntime
-from hetjax.storage.gradients import in_flight_slabs, plan_gradients
 from hetjax.train import train
 from models import build_model
 
@@ -30,10 +30,7 @@ def _others_and_grads(config):
     probe = StreamingRuntime(config)  # no host budget
     plan = probe.host_plan
     others = plan.param_slabs + plan.optimizer_state + plan.optimizer_io
-    sizes = {
-        n: probe.state_layouts[probe.layout_name(n)].nbytes(probe.grad_dtype(n))
-        for n in probe.update_order
-    }
+    sizes = {n: probe.sizes.grad_bytes(n) for n in probe.update_order}
     probe.close()
     return others, sizes
 

@@ -12,12 +12,15 @@ import numpy as np
 import pytest
 from equivalence import assert_gpt_training_equal, check_tokens
 
-from hetjax import launch
+from hetjax import launch, memory
 from hetjax.config import load_config
-from hetjax.planning import search as planner
+from hetjax.memory import block_grad_dtype, device_parts
+from hetjax.planning.auto import resolve_auto
+from hetjax.planning.cost import lanes
 from hetjax.planning.hardware import NAMES, PROFILES, get_profile
-from hetjax.planning.search import PlanError, Workload, make_plan, resolve_auto
-from hetjax.runtime import streaming as executor
+from hetjax.planning.search import Candidate, PlanError, make_plan
+from hetjax.planning.workload import Workload, kept_key, memory_sizes
+from hetjax.runtime import stages
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
 from models import build_model
@@ -103,13 +106,13 @@ def test_checkpoints_move_to_nvme_as_host_shrinks():
     assert tiers[0] == "host" and tiers[-1] == "nvme", tiers
     c = plan.candidate
     slots = w.num_layers - c.keep_blocks
-    assert plan.nvme["checkpoints"] == slots * w.checkpoint
-    assert plan.host["checkpoints"] == 3 * w.checkpoint < slots * w.checkpoint
-    assert "nvme checkpoint, recomputed" in plan.table()
+    assert plan.nvme["boundaries"] == slots * w.boundary
+    assert plan.host["boundaries"] == 3 * w.boundary < slots * w.boundary
+    assert "nvme boundary, recomputed" in plan.table()
     assert config.replace(**plan.config_overrides()).offload.activations == "nvme"
     # The swap's writes and reads are on the NVMe lane.
-    on_host = planner._lanes(w, hw, dataclasses.replace(c, activations="host"), 0.0)[1]
-    swapped = w.micro_batches * 2 * (slots - 2) * w.checkpoint  # the last 2 are not written
+    on_host = lanes(w, hw, dataclasses.replace(c, activations="host"), 0.0)[1]
+    swapped = w.micro_batches * 2 * (slots - 2) * w.boundary  # the last 2 are not written
     assert plan.lanes["nvme"] > on_host["nvme"]
     assert plan.lanes["nvme"] - on_host["nvme"] >= swapped / max(hw.nvme_read_bw, hw.nvme_write_bw)
 
@@ -128,13 +131,13 @@ def test_keep_level_between_its_budgets():
     w = Workload.from_config(config, backend="gpu")
     kept_bwd = {"all": 2.0, "probs": 2.1, "matmuls": 2.3}  # s: compute-bound
     measured = dict(embed_fwd=0.0, block_fwd=1.0, block_bwd=3.0, head=1.0, embed_bwd=0.0)
-    measured.update({planner.kept_key(level): t for level, t in kept_bwd.items()})
+    measured.update({kept_key(level): t for level, t in kept_bwd.items()})
     w = dataclasses.replace(w, measured=measured)
     L = w.num_layers
 
     def need(level):
-        c = planner.Candidate("stream", False, "host", "host", "device", 0, 0, L, level)
-        return sum(planner._memory(w, c)[0].values())
+        c = Candidate("stream", False, "host", "host", "device", 0, 0, L, level)
+        return sum(device_parts(memory_sizes(w), c.offload(), 0, 0).values())
 
     assert need("matmuls") < need("probs") < need("all")
     budgets = [
@@ -231,7 +234,7 @@ def test_unknown_hardware_is_a_clear_error(capsys):
     assert "unknown hardware profile 'tpu-v9'" in capsys.readouterr().err
 
 
-# planner.estimate_working_set is fitted to within 0.73-1.27 of XLA:CPU's compiled sizes
+# workload.estimate_working_set is fitted to within 0.73-1.27 of XLA:CPU's compiled sizes
 # over 33 shapes per family and dtype with at least 128 tokens a micro-batch.
 WORKING_SET_TOLERANCE = 0.3
 
@@ -259,15 +262,15 @@ def test_untraced_sizes_match_the_compiled_ones(family, dtype):
             overrides.update({"model.num_kv_heads": "2", "model.tie_embeddings": "false"})
         config = load_config("gpt_tiny", overrides)
         model = build_model(config.model)
-        layouts = executor.stage_layouts(model, config.memory.page_size)
-        fns = executor.StageFunctions(
+        layouts = stages.stage_layouts(model, config.memory.page_size)
+        fns = stages.StageFunctions(
             model, layouts, jax.jit, lambda pages, dt: [p.astype(dt) for p in pages]
         )
         traced = fns.memory_sizes(batch, seq_len, jnp.dtype(dtype))
         w = Workload.from_config(config, backend="cpu")
         shape = (family, dtype, d_model, seq_len, batch)
         assert w.working_set == pytest.approx(traced.working_set, rel=WORKING_SET_TOLERANCE), shape
-        assert w.checkpoint == traced.checkpoint, shape
+        assert w.boundary == traced.boundary, shape
         assert w.kept.keys() == traced.kept.keys(), shape
         for level, kept in traced.kept.items():
             assert w.kept[level] == pytest.approx(kept, rel=1e-3), (shape, level)
@@ -330,9 +333,9 @@ def test_bf16_gradient_buffers_change_nothing(tiny, tmp_path, monkeypatch):
         offload=dict(mode="stream"),
         train=dict(steps=3, eval_batches=0),
     )
-    assert executor.block_grad_dtype(config) == jnp.bfloat16
+    assert block_grad_dtype(config) == jnp.bfloat16
     half = train(config, tmp_path / "bf16", verbose=False)
-    monkeypatch.setattr(executor, "block_grad_dtype", lambda config: jnp.float32)
+    monkeypatch.setattr(memory, "block_grad_dtype", lambda config: np.dtype(np.float32))
     full = train(config, tmp_path / "fp32", verbose=False)
     assert half.losses == full.losses
     for a, b in zip(jax.tree.leaves(half.params), jax.tree.leaves(full.params), strict=True):

@@ -12,11 +12,12 @@ from equivalence import (
     check_tokens,
 )
 
-from hetjax import timeline
+from hetjax import memory, timeline
 from hetjax.config import ConfigError
-from hetjax.runtime import streaming as executor
+from hetjax.memory import Offload, Sizes, plan_device
+from hetjax.runtime import stages
 from hetjax.runtime.placement import live_bytes_by_kind
-from hetjax.runtime.streaming import StreamingRuntime, plan_device_memory
+from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.nvme import PageStore
 from hetjax.train import train
 from models import build_model
@@ -69,8 +70,8 @@ def test_keep_levels_hold_less_and_change_nothing(tiny):
     each level's vjp equals backward from all of them."""
     config = tiny(model=dict(max_seq_len=64), train=dict(seq_len=64))
     model = build_model(config.model)
-    layouts = executor.stage_layouts(model, 4096)
-    fns = executor.StageFunctions(model, layouts, jax.jit, lambda pages, dtype: pages)
+    layouts = stages.stage_layouts(model, 4096)
+    fns = stages.StageFunctions(model, layouts, jax.jit, lambda pages, dtype: pages)
     block = layouts["block"]
     pages = block.to_pages(block.flatten(model.init_stage("block", jax.random.key(0))))
     x = jax.random.normal(jax.random.key(1), (2, 64, 32))  # (B, T, D)
@@ -90,7 +91,7 @@ def test_keep_levels_hold_less_and_change_nothing(tiny):
 def test_nvme_checkpoints_equal_none(reference, tiny, tmp_path, monkeypatch):
     """offload.activations=nvme, read ahead one block: block 1's checkpoint is held in
     RAM for backward (never written), block 0's comes back from the TensorStore file."""
-    monkeypatch.setattr(executor, "IO_READAHEAD", 1)
+    monkeypatch.setattr(memory, "IO_READAHEAD", 1)
     config = tiny(offload=dict(mode="stream", activations="nvme"))
     result = train(config, tmp_path, verbose=False)
     assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
@@ -114,7 +115,7 @@ def accum_reference(tmp_path_factory):
 def test_stream_equals_none_with_grad_accum(
     accum_reference, tiny, tmp_path, monkeypatch, activations
 ):
-    monkeypatch.setattr(executor, "IO_READAHEAD", 1)  # nvme: block 0's checkpoint from disk
+    monkeypatch.setattr(memory, "IO_READAHEAD", 1)  # nvme: block 0's checkpoint from disk
     config = tiny(
         train=ACCUM, offload=dict(mode="stream", prefetch_depth=1, activations=activations)
     )
@@ -139,18 +140,18 @@ def test_nvme_checkpoints_are_files_and_change_nothing(tiny, tmp_path):
     device = StreamingRuntime(tiny(offload=dict(mode="stream", keep_blocks=1), **common))
     batch = np.random.default_rng(0).integers(0, 256, (2, 2, 17)).astype(np.int32)
     # Inputs of blocks 0-2 (block 3 keeps its activations) for the last micro-batch.
-    x = nvme._embed_fwd(nvme.resident["embed"], nvme._put_batch(batch[-1, :, :-1]))
+    x = nvme.fns.embed_fwd(nvme.resident["embed"], nvme.placement.put_batch(batch[-1, :, :-1]))
     inputs = []
     for i in range(3):
         inputs.append(np.asarray(x).reshape(-1))
-        x = nvme._block_fwd(nvme._to_device(nvme.param_store.get(f"block{i}")), x)
+        x = nvme.fns.block_fwd(nvme.placement.to_device(nvme.param_store.get(f"block{i}")), x)
 
     recorder = timeline.Recorder()
     with timeline.recording(recorder):
         stats = nvme.train_step(batch)
     spans = recorder.finish().spans
-    metrics = nvme.extra_metrics()
-    store = PageStore.open_existing(tmp_path / "ssd" / "activations", "checkpoints")
+    metrics = stats.metrics
+    store = PageStore.open_existing(tmp_path / "ssd" / "activations", "boundaries")
     assert store.shape == (3, 2 * 16 * 32)
     np.testing.assert_array_equal(store[0].read().result(), inputs[0])
     for i in (1, 2):  # the last 2 stay in RAM for backward: never written (fill value)
@@ -161,9 +162,9 @@ def test_nvme_checkpoints_are_files_and_change_nothing(tiny, tmp_path):
     assert metrics["nvme_write_bytes"] == 2 * 1 * checkpoint
     assert metrics["nvme_read_bytes"] == 2 * 1 * checkpoint
     assert metrics["nvme_bytes"] == 3 * checkpoint
-    assert 0 < nvme.swap.peak_host_bytes <= nvme.host_plan.checkpoints == 3 * checkpoint
+    assert 0 < nvme.swap.peak_host_bytes <= nvme.host_plan.boundaries == 3 * checkpoint
     for lane in ("nvme_write", "nvme_read"):
-        assert any("activations checkpoints" in name for _, _, name in spans[lane]), spans[lane]
+        assert any("activations boundaries" in name for _, _, name in spans[lane]), spans[lane]
 
     expected = device.train_step(batch)
     assert (stats.loss, stats.grad_norm) == (expected.loss, expected.grad_norm)
@@ -243,24 +244,20 @@ def test_budget_too_small_fails_at_start_up(tiny):
 
 
 def test_planner_prefers_prefetch_then_residency():
-    kw = dict(
-        num_layers=10,
-        requested_depth=3,
-        embed_head=100,
-        block_slab=50,
-        grad_slab=10,
-        checkpoints=40,
-        working_set=30,
-    )
-    fixed = 100 + 40 + 20 + 30
-    unlimited = plan_device_memory(budget=0, **kw)
+    # 2-byte compute: embed+head 100 bytes, a block slab 50; gradients 2 x 4 x 30,
+    # two boundaries of 20 in flight (activations on the host), working set 30.
+    s = Sizes(10, 30, 25, 20, 30, 25, 20, 2, 2, 2, 20, 30, {"all": 0}, "release")
+    o = Offload(params="host", optimizer="host", activations="host", prefetch_depth=3)
+    plan = lambda budget: plan_device(s, o, budget)
+    fixed = 100 + 240 + 40 + 30
+    unlimited = plan(0)
     assert unlimited.prefetch_depth == 3 and unlimited.resident_blocks == 0
-    tight = plan_device_memory(budget=fixed + 2 * 50, **kw)
+    tight = plan(fixed + 2 * 50)
     assert tight.prefetch_depth == 1 and tight.resident_blocks == 0
-    roomy = plan_device_memory(budget=fixed + 7 * 50, **kw)
+    roomy = plan(fixed + 7 * 50)
     assert roomy.prefetch_depth == 3 and roomy.resident_blocks == 3
     assert roomy.required <= fixed + 7 * 50
-    everything = plan_device_memory(budget=10**9, **kw)
+    everything = plan(10**9)
     assert everything.resident_blocks == 10
 
 

@@ -31,7 +31,8 @@ from equivalence import (
 from hetjax.config import ConfigError
 from hetjax.data import make_datasets
 from hetjax.distributed import first_slurm_host, process_group
-from hetjax.runtime.zero import ZeroRuntime
+from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.runtime.zero import Zero3
 from hetjax.train import train
 from models import build_model
 
@@ -89,7 +90,7 @@ def test_per_device_bytes_shrink_with_devices(tiny):
             memory=dict(page_size="4KiB"),
             distributed=dict(data_parallel=n),
         )
-        runtime = ZeroRuntime(config)
+        runtime = StreamingRuntime(config, placement=Zero3(config))
         data, _, _ = make_datasets(config)
         runtime.train_step(data.batch(0).reshape(1, 4, 17))
         host[n] = runtime.ledger.peak["pinned_host"]
@@ -112,9 +113,7 @@ def test_bad_data_parallel_settings_are_named(tiny):
     with pytest.raises(ConfigError, match="multiple of it"):
         tiny(offload=ZERO, train=dict(batch_size=6), distributed=dict(data_parallel=4))
     with pytest.raises(ConfigError, match="xla_force_host_platform_device_count=64"):
-        ZeroRuntime(
-            tiny(offload=ZERO, train=dict(batch_size=64), distributed=dict(data_parallel=64))
-        )
+        Zero3(tiny(offload=ZERO, train=dict(batch_size=64), distributed=dict(data_parallel=64)))
 
 
 def test_process_group_from_environment():

@@ -48,7 +48,8 @@ def lanes(
     compute_b += kept * st[kept_key(c.keep_level)] if kept else 0.0
     compute_b += st["embed_bwd"]
     frac = 1.0 / n
-    cache = DeviceCache.of(memory_sizes(w, n), c.offload())
+    sizes = memory_sizes(w, n)
+    cache = DeviceCache.of(sizes, c.offload())
     resident = max(c.resident_blocks, cache.blocks)
     streamed_f = L - resident
     streamed_b = max(0, recomputed - resident)
@@ -58,8 +59,9 @@ def lanes(
     ckpt = recomputed * w.boundary if c.activations in ("host", "nvme") else 0
     h2d_f = streamed_f * cb * Pb * frac
     h2d_b = streamed_b * cb * Pb * frac + ckpt
-    grads = cache.host_grad_bytes  # the device cache's gradients stay there
-    d2h_f, d2h_b = ckpt, grads * frac
+    # per device; the device cache's gradients stay there
+    grads = sum(sizes.grad_bytes(name) for name in cache.grad_stages(sizes))
+    d2h_f, d2h_b = ckpt, grads
     comm_f = comm_b = 0.0
     # On the CPU backend the devices' memory is host RAM: a collective is copies.
     link = hw.interconnect_bw or (hw.h2d_bw if hw.shared_cores else 0.0)

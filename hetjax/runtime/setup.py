@@ -10,15 +10,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from hetjax import memory
 from hetjax.config import Config
 from hetjax.hf import open_checkpoint
 from hetjax.memory import (
-    IO_READAHEAD,
     DeviceCache,
     HostMemoryPlan,
     Offload,
     Sizes,
-    block_grad_dtype,
     grad_policy,
     nvme_parts,
 )
@@ -54,7 +53,7 @@ def memory_sizes(
         own_block=state_layouts["block"].padded_size,
         own_head=state_layouts["head"].padded_size,
         compute_bytes=jnp.dtype(config.model.compute_dtype).itemsize,
-        block_grad_bytes=block_grad_dtype(config).itemsize,
+        block_grad_bytes=memory.block_grad_dtype(config).itemsize,
         state_kinds=state_kinds,
         boundary=stage_memory.boundary,
         working_set=stage_memory.working_set,
@@ -140,7 +139,7 @@ def make_grad_store(
 ) -> GradientStore:
     """Where gradients wait for a possible clipping redo (``storage/gradients.py``):
     the stages the host plan spills go to ``<nvme>/gradients``, one array per dtype."""
-    grad_dtype = lambda n: block_grad_dtype(config) if n.startswith("block") else jnp.float32
+    grad_dtype = lambda n: memory.block_grad_dtype(config) if n.startswith("block") else jnp.float32
     spilled = {n: (sizes.own(n) // page_elems, grad_dtype(n)) for n in host.grads.spilled}
     path = nvme_dir / "gradients" if spilled else None
     redo = config.optimizer.grad_clip > 0  # the sync loop may redo the updates
@@ -161,7 +160,7 @@ def make_boundary_swap(
         boundary.shape,
         boundary.dtype,
         chunk_elems=config.memory.page_size // itemsize,
-        depth=IO_READAHEAD,
+        depth=memory.IO_READAHEAD,
     )
 
 

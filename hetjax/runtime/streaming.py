@@ -43,17 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax import timeline
+from hetjax import memory, timeline
 from hetjax.allocator import tune_host_allocator
 from hetjax.config import Config, ConfigError
-from hetjax.memory import (
-    IO_READAHEAD,
-    DeviceCache,
-    Offload,
-    block_grad_dtype,
-    plan_device,
-    plan_host,
-)
+from hetjax.memory import DeviceCache, Offload, plan_device, plan_host
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.update_loop import UpdateLoop
 from hetjax.runtime import setup
@@ -106,7 +99,7 @@ class StreamingRuntime:
             self.layouts,
             placement.jit,
             placement.grad_slab,
-            block_grad_dtype(config),
+            memory.block_grad_dtype(config),
             off.keep_level,
         )
         self._check_keep_level()
@@ -163,7 +156,7 @@ class StreamingRuntime:
             mode=config.optimizer.mode,
             max_staleness=config.optimizer.max_staleness,
             speculation=config.optimizer.speculation,
-            readahead=IO_READAHEAD,
+            readahead=memory.IO_READAHEAD,
             grads=self.grad_store,
             max_queued=self.host_plan.grads.max_queued,
             device_optimizer=self.device_optimizer,

@@ -6,8 +6,7 @@ from collections.abc import Callable
 
 import jax
 
-from hetjax import timeline
-from hetjax.memory import IO_READAHEAD
+from hetjax import memory, timeline
 from hetjax.types import ParamStore
 
 
@@ -40,7 +39,7 @@ class PrefetchWindow:
 
     def get(self, j: int) -> jax.Array:
         """The slab of use ``j``, on the device; dispatches the copies of the next ones."""
-        end = min(j + 1 + self.depth + IO_READAHEAD, len(self.uses))
+        end = min(j + 1 + self.depth + memory.IO_READAHEAD, len(self.uses))
         for k in range(j, end):
             if self.uses[k] not in self.resident and self.uses[k] not in self.cache:
                 self.params.prefetch(self.uses[k])
