@@ -1,0 +1,137 @@
+"""One line per config key saying what it means: the third column of docs/guide/config.md.
+
+Only :func:`hetjax.config.markdown_table` reads this; defaults and validation stay in
+``config.py``. A key of ``config.py`` without a line here, or a line for no key, fails
+the table (and ``tests/test_docs.py``). Links are relative to ``docs/guide/``.
+"""
+
+HELP: dict[str, str] = {
+    # -- model ------------------------------------------------------------------------
+    "model.family": "model in the zoo (`models/`): `gpt`, `llama`, or `custom` "
+    "([models](models.md#custom-blocks))",
+    "model.num_layers": "shape: the number of stacked blocks",
+    "model.d_model": "shape: the model width",
+    "model.num_heads": "shape: attention heads; must divide `model.d_model`",
+    "model.d_ff": "MLP width; 0 means 4 x d_model",
+    "model.vocab_size": "vocabulary size; 256 = byte tokens of the embedded corpus",
+    "model.max_seq_len": "longest sequence; `train.seq_len` may not exceed it",
+    "model.param_dtype": "master parameters (`float32` only)",
+    "model.compute_dtype": "`float32`, `bfloat16` or `float16` (fp16: dynamic loss scaling, "
+    "overflowing steps skipped). fp32 is the fast path on CPU, bf16 on GPU",
+    "model.init_std": "standard deviation of the normal initialisation of the weights",
+    "model.layer_norm_eps": "epsilon of every norm (LayerNorm for `gpt`, RMSNorm for `llama`)",
+    "model.remat": "`none` mode: recompute each block in backward (`jax.checkpoint`)",
+    "model.num_kv_heads": "`llama`: key/value heads of grouped-query attention; 0 means "
+    "`num_heads`",
+    "model.rope_theta": "`llama`: rotary embedding base",
+    "model.rope_scaling_factor": "`llama`: Llama 3.1 (`llama3`) rotary rescaling, 0 = none; "
+    "with `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_max_len`",
+    "model.rope_low_freq_factor": "`llama3` rotary rescaling: wavelengths above "
+    "`rope_original_max_len / rope_low_freq_factor` are stretched by `rope_scaling_factor`",
+    "model.rope_high_freq_factor": "`llama3` rotary rescaling: wavelengths below "
+    "`rope_original_max_len / rope_high_freq_factor` are kept, those in between interpolated",
+    "model.rope_original_max_len": "`llama3` rotary rescaling: the original context length "
+    "the two thresholds above divide",
+    "model.tie_embeddings": "output head tied to the token embedding (`gpt` always ties)",
+    "model.init_from": "`hf:<dir>`: start from a Hugging Face checkpoint "
+    "([models](models.md#hugging-face-checkpoints))",
+    "model.custom": "`family=custom`: `package.module:factory` building a user-defined model "
+    "([models](models.md#custom-blocks))",
+    # -- train ------------------------------------------------------------------------
+    "train.steps": "optimizer steps",
+    "train.batch_size": "global batch per optimizer step, in sequences",
+    "train.seq_len": "tokens per sequence",
+    "train.grad_accum": "micro-batches per step (`batch_size` is split evenly; data order "
+    "unchanged)",
+    "train.seed": "random seed of the initial params and of the data order (`data.shuffle`)",
+    "train.log_every": "log a line every N steps (`metrics.jsonl` gets every step)",
+    "train.eval_batches": "validation batches at the end of the run",
+    "train.loss_scale_init": "fp16 dynamic loss scale: its initial value",
+    "train.loss_scale_period": "fp16 dynamic loss scale: steps without overflow before the "
+    "scale doubles",
+    "train.on_nonfinite": "a step with a non-finite loss or gradient updates nothing; then "
+    "`skip` it, `rollback` to the newest checkpoint (skipping the batches up to the bad "
+    "one), or `stop` ([checkpoints](checkpoints.md))",
+    "train.max_nonfinite": "`skip`/`rollback`: stop after this many non-finite steps in a row",
+    "train.trace_every": "record every N-th step's timeline into `<workdir>/trace/` "
+    "([timelines](timelines.md)); 0 = off",
+    # -- optimizer --------------------------------------------------------------------
+    "optimizer.name": "`adamw`, `adam`, `lion`, `sgd` (optax)",
+    "optimizer.lr": "peak learning rate (see `optimizer.schedule`)",
+    "optimizer.weight_decay": "decay on weight matrices and embeddings only",
+    "optimizer.b1": "`adam`, `adamw`, `lion`: first-moment decay",
+    "optimizer.b2": "`adam`, `adamw`, `lion`: second-moment decay",
+    "optimizer.eps": "`adam`, `adamw`: epsilon",
+    "optimizer.momentum": "`sgd` only: momentum (0: none)",
+    "optimizer.grad_clip": "global-norm clipping, 0 disables",
+    "optimizer.warmup_steps": "linear warmup lr*(n+1)/warmup_steps, then `optimizer.schedule`",
+    "optimizer.schedule": "after warmup: `constant`, or `cosine` to lr*min_lr_ratio",
+    "optimizer.min_lr_ratio": "`cosine`: the final learning rate as a fraction of `lr`",
+    "optimizer.mode": "`stream`: `sync` equals ordinary training; `lockfree` runs the "
+    "optimizer behind the training loop ([offload](offload.md#the-host-optimizer-loop))",
+    "optimizer.max_staleness": "`lockfree`: steps of gradients that may be unapplied while "
+    "training goes on",
+    "optimizer.speculation": "sync mode with clipping: `adaptive` updates during backward "
+    "unless clipping bound in the step before (then once, after backward); `always` "
+    "speculates every step ([offload](offload.md#the-host-optimizer-loop))",
+    "optimizer.host_kernel": "the host optimizer's kernel for `adam`/`adamw`: `auto` (native "
+    "when it builds, else optax with a warning), `native` (required), `optax` "
+    "([offload](offload.md#native-adam-kernel))",
+    # -- offload ----------------------------------------------------------------------
+    "offload.mode": "`auto`: `none` when the state fits the device, else the planner's "
+    "placement ([planner](planner.md)); `none`: whole state on the device, one jitted step "
+    "(the reference); `stream`: params on the host, streamed a stage at a time "
+    "([offload](offload.md))",
+    "offload.params": "`stream`: where the compute-dtype param slabs live: `host` or `nvme`",
+    "offload.optimizer": "`stream`: where fp32 master params and optimizer state live: "
+    "`host`, `nvme` or `device`",
+    "offload.activations": "`stream`: boundary activations on `device`, `host` or `nvme` "
+    "(through a few host buffers to a TensorStore array under `memory.nvme_path`; "
+    "`offload.mode=stream` only)",
+    "offload.prefetch_depth": "`stream`: stages copied to the device ahead of the one computing",
+    "offload.keep_blocks": "`stream`: the last N blocks keep their in-block activations on "
+    "the device from forward to backward instead of recomputing them",
+    "offload.keep_level": "`stream`: which in-block activations those blocks keep: `all`; "
+    "`probs` (matmul outputs and attention probabilities; backward recomputes the "
+    "elementwise ops); `matmuls` (matmul outputs; backward also recomputes the attention "
+    "softmax) ([offload](offload.md#activation-keeping))",
+    "offload.optimizer_device_stages": "`stream` with `offload.optimizer` `host` or `nvme`: "
+    "the first N stages (embed, block 0, 1, ...) keep fp32 master and optimizer state on "
+    "the device, are updated there and stay resident; `auto` lets the planner choose "
+    "([offload](offload.md#device-cache-of-optimizer-state))",
+    # -- memory -----------------------------------------------------------------------
+    "memory.page_size": "page size of state slabs (sized in fp32 master elements)",
+    "memory.device_budget": "`stream`: device bytes the executor may hold, e.g. `512MiB`; "
+    "0 = no limit",
+    "memory.host_budget": "`stream`: host RAM the runtime may hold (param slabs, gradient "
+    "buffers, optimizer state or its cache, boundary activations or their NVMe staging); "
+    "0 = no limit, and with `offload.optimizer=nvme` no cache",
+    "memory.nvme_path": "directory on a local SSD for NVMe state and boundary activations; "
+    "empty: `<workdir>/nvme`",
+    # -- data -------------------------------------------------------------------------
+    "data.path": "empty: embedded corpus; else a uint16 `.bin` (nanoGPT format) or 1-D `.npy`",
+    "data.shuffle": "see [data order](running.md#data-order)",
+    "data.val_fraction": "held-out tail of the token stream",
+    "data.corpus_bytes": "embedded corpus size",
+    # -- checkpoint -------------------------------------------------------------------
+    "checkpoint.every_steps": "complete-state checkpoint every N steps; 0: none periodic",
+    "checkpoint.at_end": "a checkpoint when training ends",
+    "checkpoint.keep": "complete checkpoints kept",
+    "checkpoint.dir": "empty: `<workdir>/checkpoints`",
+    "checkpoint.resume": "`auto`: continue from the newest complete checkpoint; `never`: "
+    "start fresh (refuses if checkpoints exist, unless `checkpoint.overwrite`); also "
+    "`--resume=`",
+    "checkpoint.overwrite": "with `resume=never`, delete existing checkpoints (also `--overwrite`)",
+    "checkpoint.async_save": "persist in the background (false: the step waits for the write)",
+    # -- distributed ------------------------------------------------------------------
+    "distributed.data_parallel": "ZeRO-3 data-parallel degree (`offload.mode=stream`): "
+    "devices sharing every stage's pages; 1 = none, 0 = every device of every process "
+    "([distributed](distributed.md))",
+    "distributed.coordinator": "`host:port` of process 0; empty: `HETJAX_COORDINATOR`, else "
+    "the first SLURM node",
+    "distributed.num_processes": "0: from `HETJAX_NUM_PROCESSES`, else `SLURM_NTASKS`, else "
+    "one process",
+    "distributed.process_id": "-1: from `HETJAX_PROCESS_ID`, else `SLURM_PROCID`, else one process",
+    "distributed.timeout_s": "seconds to wait for every process at start-up, and after which "
+    "a silent (dead) process stops the others",
+}
