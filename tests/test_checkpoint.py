@@ -17,19 +17,13 @@ import pytest
 from conftest import tiny_config
 from equivalence import assert_gpt_training_equal, assert_trees_close, without_key_bias
 
-from hetjax.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    export_params,
-    load_params,
-    optax_tree_slots,
-)
+from hetjax.checkpoint import Checkpointer, export_params, load_params
 from hetjax.checkpoint import main as checkpoint_main
 from hetjax.config import ConfigError
-from hetjax.optimizer.build import build_optimizer
+from hetjax.optimizer.build import build_optimizer, optax_tree_slots
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.train import train
-from hetjax.types import TrainingError
+from hetjax.types import CheckpointError, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6

@@ -7,16 +7,55 @@ their times add there, and so do data-parallel devices' (``Hardware.shared_cores
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
-from hetjax.memory import IO_READAHEAD, DeviceCache
+from hetjax.memory import IO_READAHEAD, DeviceCache, Offload
 from hetjax.planning.hardware import Hardware
 from hetjax.planning.workload import Workload, kept_key, memory_sizes
 
-if TYPE_CHECKING:  # the search imports this module; its Candidate is only a type here
-    from hetjax.planning.search import Candidate
-
 ADAM_BYTES = 28  # bytes a device-side AdamW moves per parameter (reads and writes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    mode: str  # none | stream
+    remat: bool = False
+    params: str = "device"  # device (mode none) | host | nvme
+    optimizer: str = "device"  # device | host | nvme
+    activations: str = "device"  # device | host | nvme
+    prefetch_depth: int = 0
+    resident_blocks: int = 0
+    keep_blocks: int = 0
+    keep_level: str = "all"  # which in-block activations the kept blocks keep
+    # the first N stages (embed, block 0, ...) keep their optimizer state on the device
+    # (offload.optimizer_device_stages); their blocks are resident
+    device_stages: int = 0
+
+    def offload(self) -> Offload:
+        """The candidate's placement as the memory model takes it."""
+        return Offload(
+            self.params,
+            self.optimizer,
+            self.activations,
+            self.prefetch_depth,
+            self.keep_blocks,
+            self.keep_level,
+            self.device_stages,
+        )
+
+    @property
+    def rank(self) -> float:
+        """Preference among plans of (nearly) equal predicted time: less offloaded first."""
+        if self.mode == "none":
+            return float(self.remat)
+        tiers = {"device": 0, "host": 1, "nvme": 2}
+        return (
+            10
+            + tiers[self.params]
+            + tiers[self.optimizer]
+            + tiers[self.activations]
+            + 0.1 * self.prefetch_depth
+        )
 
 
 def lanes(

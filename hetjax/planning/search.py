@@ -43,7 +43,6 @@ from hetjax.config import Config, ConfigError, format_bytes
 from hetjax.memory import (
     DeviceCache,
     HostMemoryPlan,
-    Offload,
     device_parts,
     host_minimum,
     in_memory_parts,
@@ -51,7 +50,7 @@ from hetjax.memory import (
     plan_device,
     plan_host,
 )
-from hetjax.planning.cost import lanes
+from hetjax.planning.cost import Candidate, lanes
 from hetjax.planning.hardware import Hardware
 from hetjax.planning.workload import Workload, memory_sizes
 
@@ -61,48 +60,6 @@ MARGIN = 0.9  # of a tier's capacity the planner may use when no budget is given
 class PlanError(ConfigError):
     """The configuration cannot fit the hardware; the message names the tier and the
     shortfall."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    mode: str  # none | stream
-    remat: bool = False
-    params: str = "device"  # device (mode none) | host | nvme
-    optimizer: str = "device"  # device | host | nvme
-    activations: str = "device"  # device | host | nvme
-    prefetch_depth: int = 0
-    resident_blocks: int = 0
-    keep_blocks: int = 0
-    keep_level: str = "all"  # which in-block activations the kept blocks keep
-    # the first N stages (embed, block 0, ...) keep their optimizer state on the device
-    # (offload.optimizer_device_stages); their blocks are resident
-    device_stages: int = 0
-
-    def offload(self) -> Offload:
-        """The candidate's placement as the memory model takes it."""
-        return Offload(
-            self.params,
-            self.optimizer,
-            self.activations,
-            self.prefetch_depth,
-            self.keep_blocks,
-            self.keep_level,
-            self.device_stages,
-        )
-
-    @property
-    def rank(self) -> float:
-        """Preference among plans of (nearly) equal predicted time: less offloaded first."""
-        if self.mode == "none":
-            return float(self.remat)
-        tiers = {"device": 0, "host": 1, "nvme": 2}
-        return (
-            10
-            + tiers[self.params]
-            + tiers[self.optimizer]
-            + tiers[self.activations]
-            + 0.1 * self.prefetch_depth
-        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,100 @@
+"""The package's shape: imports form a DAG, layered one way (issue: architecture)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Each layer may import only from the layers after it (entry points first).
+LAYERS = [
+    {"hetjax.launch", "hetjax.bench", "hetjax.export", "hetjax.tokenize"},
+    {"hetjax.train", "hetjax.checkpoint", "hetjax.metrics"},
+    {"hetjax.planning"},
+    {"hetjax.runtime"},
+    {"hetjax.optimizer"},
+    {"hetjax.storage", "hetjax.hf", "hetjax.data", "hetjax.distributed", "models"},
+    {"hetjax.memory", "hetjax.allocator", "hetjax.timeline"},
+    {"hetjax.config", "hetjax.config_help", "hetjax.types"},
+]
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for top in ("hetjax", "models"):
+        for path in (ROOT / top).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Every project module each module imports, at any depth (function-level too)."""
+    graph = {m: set() for m in mods}
+    for m, path in mods.items():
+        package = m if path.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            for t in names:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != m and not m.startswith(t + "."):  # a package's own __init__
+                    graph[m].add(t)
+    return graph
+
+
+def test_imports_have_no_cycle():
+    graph = _imports(_modules())
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycle = path[path.index(t) :] + [t]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if t not in state:
+                visit(t, [*path, t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def _layer(module: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in layer):
+            return i
+    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS")
+
+
+def test_imports_point_down_the_layers():
+    graph = _imports(_modules())
+    upward = [
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        if m not in ("hetjax", "hetjax.storage", "hetjax.optimizer")
+        for t in targets
+        if t != "hetjax" and _layer(t) < _layer(m)
+    ]
+    assert not upward, upward
+
+
+def test_the_bottom_modules_import_nothing_from_the_project():
+    graph = _imports(_modules())
+    assert graph["hetjax.types"] == set()
+    assert graph["hetjax.memory"] <= {"hetjax.config"}
+    assert graph["models"] | graph["models.gpt"] <= {
+        "hetjax.config",
+        "models.staged",
+        "models.gpt",
+        "models.llama",
+    }
