@@ -223,7 +223,7 @@ def bench_keep(quick: bool) -> dict:
     import jax.numpy as jnp
 
     from hetjax.config import KEEP_LEVELS
-    from hetjax.runtime.streaming import StageFunctions, stage_layouts
+    from hetjax.runtime.stages import StageFunctions, stage_layouts
     from models import build_model
 
     B, T, D, H = (2, 64, 64, 4) if quick else (1, 1024, 768, 12)
@@ -543,14 +543,8 @@ def _step_parts(runtime, batch) -> dict:
     disk); writes complete into the page cache in both, as in the step (no fsync)."""
     import os
 
-    from hetjax.runtime.streaming import _StepGrads
-
     t0 = time.perf_counter()
-    runtime._step = _StepGrads(runtime, batch.shape[0], 1.0, 1.0, None)
-    for micro in batch:
-        jax.block_until_ready(runtime._forward_backward(micro, last=True))
-    grads = runtime._step.grads
-    runtime._step = None
+    grads = runtime.compute_gradients(batch)
     compute = time.perf_counter() - t0
 
     states, opt, params = runtime.states, runtime.optimizer, runtime.param_store
@@ -578,7 +572,7 @@ def _step_parts(runtime, batch) -> dict:
 
     warm, _ = io()
     os.sync()
-    drop_page_cache(runtime._nvme_dir)
+    drop_page_cache(runtime.nvme_dir)
     cold, held = io()
 
     held = {
@@ -623,9 +617,9 @@ def bench_nvme(quick: bool) -> dict:
         for s in range(steps):
             batch = data.batch(s).reshape(shape)
             t0 = time.perf_counter()
-            runtime.train_step(batch)
+            report = runtime.train_step(batch)
             times.append(time.perf_counter() - t0)
-            busy.append(runtime.extra_metrics()["optimizer_busy_s"])
+            busy.append(report.metrics["optimizer_busy_s"])
         step = float(np.median(times[skip:]))
         parts = [_step_parts(runtime, data.batch(0).reshape(shape)) for _ in range(3)]
         parts = {k: float(np.median([p[k] for p in parts])) for k in parts[0]}
@@ -733,34 +727,9 @@ def _scale_config(shape, mode: str, quick: bool) -> Config:
     return config
 
 
-def in_memory_device_bytes(config: Config) -> int:
-    """Device bytes ``offload.mode=none`` needs for ``config``: XLA's memory analysis of
-    the jitted train step (arguments + outputs - donated aliases + temporaries),
-    compiled from abstract shapes, so nothing is allocated."""
-    from hetjax.optimizer.build import build_optimizer
-    from hetjax.train import InMemoryRuntime, TrainState
-    from models import build_model
-
-    runtime = InMemoryRuntime.__new__(InMemoryRuntime)  # no state: only its step function
-    runtime.config, runtime.model = config, build_model(config.model)
-    params = jax.eval_shape(runtime.model.init, jax.random.key(0))
-    runtime.tx = build_optimizer(config.optimizer, config.train.steps, params)
-    state = TrainState(
-        jax.ShapeDtypeStruct((), np.int32), params, jax.eval_shape(runtime.tx.init, params), None
-    )
-    t = config.train
-    batch = jax.ShapeDtypeStruct((t.grad_accum, t.micro_batch_size, t.seq_len + 1), np.int32)
-    step = jax.jit(runtime._train_step, donate_argnums=0)
-    a = step.lower(state, batch, jax.ShapeDtypeStruct((), np.float32)).compile().memory_analysis()
-    return int(
-        a.argument_size_in_bytes
-        + a.output_size_in_bytes
-        - a.alias_size_in_bytes
-        + a.temp_size_in_bytes
-    )
-
-
 def _scale_attempt(spec: str) -> None:
+    from hetjax.runtime.in_memory import step_device_bytes
+
     """One attempt, run in a child process (``python -c``): prints one JSON line."""
     import resource
 
@@ -773,7 +742,7 @@ def _scale_attempt(spec: str) -> None:
     out: dict = {"params": build_model(config.model).param_count()}
     try:
         if args["mode"] == "none":
-            out["device_bytes"] = need = in_memory_device_bytes(config)
+            out["device_bytes"] = need = step_device_bytes(config)
             if need > args["device_budget"]:
                 raise ConfigError(f"needs {need} device bytes, budget {args['device_budget']}")
         run = train(config, args["workdir"], verbose=False)
@@ -941,17 +910,15 @@ def _collectives(runtime) -> dict[str, int]:
     """Collective ops XLA compiled into a block's backward and a stage's all-gather."""
     B, sds = runtime.layouts["block"], jax.ShapeDtypeStruct
     t, D = runtime.config.train, runtime.config.model.d_model
-    pages = [sds((B.page_elems,), runtime.compute_dtype, sharding=runtime.sharded.gathered)]
-    x = sds(
-        (t.micro_batch_size, t.seq_len, D), runtime.compute_dtype, sharding=runtime.sharded.batch
-    )
+    zero = runtime.placement
+    pages = [sds((B.page_elems,), runtime.compute_dtype, sharding=zero.sharded.gathered)]
+    x = sds((t.micro_batch_size, t.seq_len, D), runtime.compute_dtype, sharding=zero.sharded.batch)
     slab = sds(
-        (B.num_pages, B.page_elems), runtime.compute_dtype, sharding=runtime.sharded.slab_device
+        (B.num_pages, B.page_elems), runtime.compute_dtype, sharding=zero.sharded.slab_device
     )
-    runtime._to_device(jax.device_put(np.zeros(slab.shape, slab.dtype), runtime.sharded.slab_host))
     texts = [
-        runtime._block_bwd.lower(pages * B.num_pages, x, x).compile().as_text(),
-        runtime._gathers[B.num_pages].lower(slab).compile().as_text(),
+        runtime.fns.block_bwd.lower(pages * B.num_pages, x, x).compile().as_text(),
+        zero.gather(B.num_pages).lower(slab).compile().as_text(),
     ]
     ops = ("all-gather", "reduce-scatter", "all-reduce")
     return {
@@ -965,7 +932,8 @@ def bench_zero(quick: bool) -> dict:
     gradient slabs scattered, each moving (p-1)/p of its size per device) against
     PatrickStar's 6(p-1)/p M (fp16 params and gradients, M parameters) and the same
     formula for this run's dtypes; and the median s/step."""
-    from hetjax.runtime.zero import ZeroRuntime
+    from hetjax.runtime.streaming import StreamingRuntime
+    from hetjax.runtime.zero import Zero3
     from hetjax.train import train
     from models import build_model
 
@@ -1001,7 +969,7 @@ def bench_zero(quick: bool) -> dict:
             compute = np.dtype(config.model.compute_dtype).itemsize
             ops = {}
             if p > 1:
-                runtime = ZeroRuntime(config)
+                runtime = StreamingRuntime(config, placement=Zero3(config))
                 ops = _collectives(runtime)
                 runtime.close()
             rows.append(
@@ -1045,7 +1013,9 @@ def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
     with the profile's device count and the model traced at one device's rows."""
 
     from hetjax.planning.hardware import measure_local
-    from hetjax.planning.search import make_plan, plan_auto, trace
+    from hetjax.planning.auto import plan_auto
+    from hetjax.planning.search import make_plan
+    from hetjax.planning.tracer import trace
     from hetjax.train import train
 
     overrides = {
