@@ -1012,8 +1012,8 @@ def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
     (ZeRO-3, which ``auto`` hands to the streaming runtime unplanned) the same planner
     with the profile's device count and the model traced at one device's rows."""
 
-    from hetjax.planning.hardware import measure_local
     from hetjax.planning.auto import plan_auto
+    from hetjax.planning.hardware import measure_local
     from hetjax.planning.search import make_plan
     from hetjax.planning.tracer import trace
     from hetjax.train import train
