@@ -196,7 +196,7 @@ def test_device_cache_is_counted_on_the_device(tiny):
     )
     try:
         assert runtime.device_stages == ("embed", "block0", "block1")
-        assert runtime.plan.optimizer >= 2 * _state_bytes(runtime, runtime.device_stages)
+        assert runtime.plan.parts["optimizer"] >= 2 * _state_bytes(runtime, runtime.device_stages)
         assert runtime.plan.resident_blocks >= 2  # the cached blocks are resident
         assert runtime.plan.required <= budget
         assert runtime.host_plan.optimizer_state == 2 * _state_bytes(runtime, runtime.host_stages)

@@ -1,0 +1,104 @@
+"""Benchmarks: ``python -m hetjax.bench <name> [--quick] [--out FILE]``.
+
+Each benchmark measures everything it compares in the same run, prints a table and a
+ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
+
+  overhead  streamed (``offload.mode=stream``) vs in-memory (``none``) step time on a
+            compute-bound config
+  slabs     moving one block's params host -> device as one page slab vs leaf by leaf
+  keep      per offload.keep_level: the bytes a kept GPT block holds from forward to
+            backward and its backward's time, vs keeping all and vs recomputing
+  nvme      the NVMe tier and host optimizer against their limits, in one run:
+            TensorStore read/write GB/s vs the raw disk (O_DIRECT), optimizer params/s
+            vs the memory-bandwidth bound (28 B/param), step time vs max(compute,
+            optimizer, I/O), and the DeepSpeed ZeRO-3 NVMe peer shape's s/step
+  io        the TensorStore tier's read/write GB/s vs the raw sequential disk (O_DIRECT)
+  optimizer the host optimizer's params/s vs the memory-bandwidth bound (28 B/param)
+  lockfree  optimizer.mode=lockfree vs sync on a tiny model: final losses, step time
+  scale     the largest GPT that trains 3 steps offloaded within a 1 GiB device and 6 GiB
+            host budget vs the largest that fits 1 GiB in memory (offload.mode=none)
+  gpu       (GPU only) MFU offloaded vs in HBM, TFLOP/s of a model larger than HBM
+  plan      the planner's predicted step time vs the measured one, tiny and small GPTs
+            under a device budget that makes offload.mode=auto stream, and the tiny
+            GPT data-parallel (ZeRO-3) on 2 virtual CPU devices
+  zero      ZeRO-3 on 1, 2, 4 devices: collective bytes per step and device vs the
+            6(p-1)/p M of PatrickStar / Angel-PTM, and s/step (needs 4 devices: on CPU
+            XLA_FLAGS=--xla_force_host_platform_device_count=4)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+
+from hetjax.allocator import tune_host_allocator
+from hetjax.bench.gpu import bench_gpu
+from hetjax.bench.io import bench_io
+from hetjax.bench.keep import bench_keep
+from hetjax.bench.lockfree import bench_lockfree
+from hetjax.bench.nvme import bench_nvme
+from hetjax.bench.optimizer import bench_optimizer
+from hetjax.bench.overhead import bench_overhead
+from hetjax.bench.plan import bench_plan
+from hetjax.bench.scale import bench_scale
+from hetjax.bench.slabs import bench_slabs
+from hetjax.bench.zero import bench_zero
+
+BENCHMARKS = {
+    "overhead": bench_overhead,
+    "slabs": bench_slabs,
+    "nvme": bench_nvme,
+    "io": bench_io,
+    "optimizer": bench_optimizer,
+    "lockfree": bench_lockfree,
+    "scale": bench_scale,
+    "gpu": bench_gpu,
+    "zero": bench_zero,
+    "plan": bench_plan,
+    "keep": bench_keep,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hetjax.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("name", choices=sorted(BENCHMARKS))
+    parser.add_argument("--quick", action="store_true", help="a reduced run (for tests)")
+    parser.add_argument("--out", default=None, help="JSON output (default runs/bench/NAME.json)")
+    parser.add_argument(
+        "--from",
+        dest="start",
+        default=None,
+        metavar="LAYERSxD",
+        help="scale: start the offloaded sizes at this one (e.g. 72x1536)",
+    )
+    args = parser.parse_args(argv)
+    tuned = tune_host_allocator()  # as a training run does
+    print(
+        f"hetjax bench {args.name}: {jax.devices()[0].device_kind} "
+        f"({jax.devices()[0].platform}), jax {jax.__version__}, host allocator "
+        f"{'keeps freed blocks' if tuned else 'not tuned (HETJAX_MALLOC or MALLOC_* set)'}"
+    )
+    if args.start and args.name != "scale":
+        parser.error("--from applies to the scale benchmark only")
+    extra = {"start": args.start} if args.start else {}
+    result = BENCHMARKS[args.name](args.quick, **extra)
+    result.update(
+        name=args.name,
+        quick=args.quick,
+        platform=jax.devices()[0].platform,
+        host_allocator_tuned=tuned,
+        date=time.strftime("%Y-%m-%d"),
+    )
+    out = Path(args.out or f"runs/bench/{args.name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0

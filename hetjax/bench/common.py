@@ -1,0 +1,31 @@
+"""What the benchmarks share: scratch space, steady step times, the peer shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _scratch_dir() -> Path:
+    """Where benchmarks put their files: ``runs/bench`` under the working directory (the
+    local disk hetjax would use; ``runs/`` is ignored by git)."""
+    path = Path("runs/bench")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _steady_step_time(records, skip: int) -> float:
+    times = [r["step_time_s"] for r in records[skip:]]
+    return float(np.median(times))
+
+
+PEER_SHAPE = dict(num_layers=4, d_model=256, num_heads=4, vocab_size=8192, max_seq_len=128)
+
+
+PEER_BATCH = dict(batch_size=4, seq_len=128)
+
+
+# DeepSpeed ZeRO-3 with the optimizer offloaded to NVMe on this machine, same shape, fp32
+# (../shared/MEASUREMENTS.md; torch and DeepSpeed are not dependencies of hetjax).
+PEER_S_PER_STEP = 0.5

@@ -1,0 +1,121 @@
+"""``python -m hetjax.bench overhead``: streamed (offload.mode=stream) vs in-memory (none)
+step time on a compute-bound config."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from hetjax.bench.common import _scratch_dir, _steady_step_time
+from hetjax.config import Config
+
+
+def bench_overhead(quick: bool) -> dict:
+    """Step time of the offloaded runtime (``stream``: params on the host, optimizer
+    state on NVMe, prefetch depth 2) vs ``none`` on a compute-bound shape: a batch large
+    enough that matmuls dominate transfers. Also: the same with prefetch off, and with
+    every step traced (``train.trace_every=1``: what the timeline costs)."""
+    from hetjax.train import train
+
+    steps, skip = (3, 1) if quick else (12, 3)
+    model = (
+        dict(num_layers=4, d_model=128, num_heads=4, max_seq_len=128)
+        if quick
+        else dict(num_layers=6, d_model=384, num_heads=6, max_seq_len=256)
+    )
+    batch = dict(batch_size=4, seq_len=64) if quick else dict(batch_size=16, seq_len=256)
+    base = Config().replace(
+        model=model,
+        train=dict(steps=steps, eval_batches=0, log_every=1000, **batch),
+        memory=dict(page_size="64KiB" if quick else "4MiB"),
+        data=dict(corpus_bytes=500_000),
+    )
+    layers = model["num_layers"]
+    # name -> (offload.mode, model.remat, offload.prefetch_depth, train.trace_every,
+    #          offload.keep_blocks)
+    runs = {
+        "none": ("none", False, 2, 0, 0),
+        "none_remat": ("none", True, 2, 0, 0),  # the same block recompute as streaming
+        "stream": ("stream", False, 2, 0, 0),
+        # every block keeps its in-block activations: the same FLOPs as `none`, so the
+        # difference is streaming's own cost (params in, gradients out, host optimizer)
+        "stream_keep": ("stream", False, 2, 0, layers),
+        "stream_depth0": ("stream", False, 0, 0, 0),  # no prefetch: what overlap buys
+        # every other step traced: traced vs untraced steps of one run, the timeline's cost
+        "stream_traced": ("stream", False, 2, 2, 0),
+    }
+    labels = {
+        "none": "none (in memory)",
+        "none_remat": "none, remat per block",
+        "stream": "stream (params host, opt NVMe)",
+        "stream_keep": "stream, all blocks kept",
+        "stream_depth0": "stream, prefetch depth 0",
+        "stream_traced": "stream, every 2nd step traced",
+    }
+    results = {}
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # NVMe state: the local disk
+        for name, (mode, remat, depth, trace_every, keep) in runs.items():
+            config = base.replace(
+                offload=dict(mode=mode, prefetch_depth=depth, optimizer="nvme", keep_blocks=keep),
+                model=dict(model, remat=remat),
+                train=dict(trace_every=trace_every),
+            )
+            run = train(config, Path(tmp) / name, verbose=False)
+            timed = run.records[skip:]
+            results[name] = _steady_step_time(run.records, skip)
+            results[f"{name}_tflops"] = float(np.median([r["tflops"] for r in timed]))
+            if mode == "stream":
+                results[f"{name}_optimizer"] = float(np.median([r["optimizer_s"] for r in timed]))
+            if trace_every:  # interleaved, so load changes hit both sides alike
+                traced = [r["step_time_s"] for r in timed if "trace_busiest_lane" in r]
+                plain = [r["step_time_s"] for r in timed if "trace_busiest_lane" not in r]
+                results["traced_step_s"] = float(np.median(traced))
+                results["untraced_step_s"] = float(np.median(plain))
+                results["trace_overlap"] = float(
+                    np.median(
+                        [r["trace_step_over_busiest"] for r in timed if "trace_busiest_lane" in r]
+                    )
+                )
+    ratio = results["stream"] / results["none"]
+    ratio_remat = results["stream"] / results["none_remat"]
+    ratio_keep = results["stream_keep"] / results["none"]
+    print(f"{'mode':<32}{'s/step':>10}{'TFLOP/s':>10}{'optimizer s':>13}")
+    for name, label in labels.items():
+        opt = results.get(f"{name}_optimizer")
+        opt_text = f"{opt:>13.4f}" if opt is not None else f"{'-':>13}"
+        print(f"{label:<32}{results[name]:>10.4f}{results[name + '_tflops']:>10.4f}{opt_text}")
+    print(f"stream / none step time: {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+    print(
+        f"stream / none-with-remat: {ratio_remat:.3f} ({(ratio_remat - 1) * 100:+.1f}%)"
+        "  (streaming's own cost: the block recompute is in both)"
+    )
+    print(
+        f"stream, all blocks kept / none: {ratio_keep:.3f} ({(ratio_keep - 1) * 100:+.1f}%)"
+        "  (the same FLOPs: params streamed in, gradients out, optimizer on the host)"
+    )
+    print(
+        f"stream: host optimizer {results['stream_optimizer'] / results['stream'] * 100:.1f}% "
+        f"of the step; prefetch depth 0 / depth 2: "
+        f"{results['stream_depth0'] / results['stream']:.3f}"
+    )
+    trace_cost = results["traced_step_s"] / results["untraced_step_s"]
+    print(
+        f"traced / untraced steps of one run: {trace_cost:.3f} ({(trace_cost - 1) * 100:+.1f}%);"
+        f" traced steps: step / busiest lane {results['trace_overlap']:.2f}"
+    )
+    return {
+        "model": model,
+        "batch": batch,
+        "steps_timed": steps - skip,
+        **{f"{name}_s": results[name] for name in runs},
+        "stream_optimizer_s": results["stream_optimizer"],
+        "ratio": ratio,
+        "ratio_vs_remat": ratio_remat,
+        "ratio_keep": ratio_keep,
+        "traced_step_s": results["traced_step_s"],
+        "untraced_step_s": results["untraced_step_s"],
+        "trace_cost": trace_cost,
+        "trace_step_over_busiest": results["trace_overlap"],
+    }

@@ -1,0 +1,141 @@
+"""``python -m hetjax.bench plan``: the planner's predicted step time vs the measured one
+(tiny and small GPTs, and the tiny GPT data-parallel on 2 virtual CPU devices)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from hetjax.allocator import MALLOC_ENV
+from hetjax.bench.common import _scratch_dir, _steady_step_time
+from hetjax.config import load_config
+
+
+def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
+    """Plans config ``name`` with ``overrides`` on this machine (the measured ``local``
+    profile, the traced model) and trains the plan: predicted and measured s/step. On one
+    device that is ``offload.mode=auto``'s own plan; on ``devices`` data-parallel devices
+    (ZeRO-3, which ``auto`` hands to the streaming runtime unplanned) the same planner
+    with the profile's device count and the model traced at one device's rows."""
+
+    from hetjax.planning.auto import plan_auto
+    from hetjax.planning.hardware import measure_local
+    from hetjax.planning.search import make_plan
+    from hetjax.planning.tracer import trace
+    from hetjax.train import train
+
+    overrides = {
+        **overrides,
+        "train.steps": str(steps),
+        "train.eval_batches": "1",
+        "checkpoint.every_steps": "0",
+        "checkpoint.at_end": "false",
+    }
+    config = load_config(name, overrides)
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
+        if devices == 1:
+            planned, plan = plan_auto(config, tmp, log=lambda line: None)
+            assert plan is not None, "the budget should make auto stream"
+        else:
+            config = config.replace(distributed=dict(data_parallel=devices))
+            hw = measure_local(str(Path(tmp) / "nvme"), config.model.compute_dtype)
+            hw = dataclasses.replace(hw, num_devices=devices)
+            plan = make_plan(config, hw, trace(config, devices=devices))
+            memory = dict(device_budget=plan.budgets["device"], host_budget=plan.budgets["host"])
+            planned = config.replace(**plan.config_overrides(), memory=memory)
+        result = train(planned, tmp, verbose=False)
+    measured = _steady_step_time(result.records, skip=2)
+    # The plan predicts both cases of sync mode with clipping; which one the measured
+    # steps were: clipping bound in all of them (early training) or in none.
+    counts = [r.get("optimizer_deferred", 0) + r.get("optimizer_redo", 0) for r in result.records]
+    bound = [b > a for a, b in zip([0, *counts], counts, strict=False)][2:]
+    clipped = bool(bound) and all(bound)
+    predicted = plan.step_clipped_s if clipped else plan.step_s
+    o = planned.offload
+    desc = f"{o.mode}, params {o.params}, optimizer {o.optimizer}, keep {o.keep_blocks}"
+    if devices > 1:
+        desc += f", {plan.candidate.resident_blocks} resident"
+    if clipped:
+        desc += ", clipped"
+    return dict(
+        config=name,
+        devices=devices,
+        plan=desc,
+        predicted_s=predicted,
+        predicted_unclipped_s=plan.step_s,
+        clipping_bound=clipped,
+        measured_s=measured,
+        ratio=measured / predicted,
+    )
+
+
+def _plan_row_on_cpu_devices(devices: int, *args) -> dict:
+    """:func:`_plan_row` in a child process with ``devices`` virtual CPU devices (the
+    XLA flag must be set before JAX starts)."""
+    import re
+    import subprocess
+
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+    )
+    env = {
+        **os.environ,
+        **MALLOC_ENV,
+        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+        "JAX_PLATFORMS": "cpu",
+        # the child imports this hetjax, wherever it was imported from
+        "PYTHONPATH": os.pathsep.join(
+            p
+            for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH"))
+            if p
+        ),
+    }
+    spec = json.dumps([*args, devices])
+    code = (
+        "import json; from hetjax.bench.plan import _plan_row; "
+        f"print('PLAN', json.dumps(_plan_row(*json.loads({spec!r}))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PLAN ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"the {devices}-device plan row failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("PLAN ") :])
+
+
+def bench_plan(quick: bool) -> dict:
+    """The planner's predicted step time vs the measured one, on this machine, for the
+    tiny and small GPTs under a device budget tight enough that ``offload.mode=auto``
+    streams (the plan: tracer + measured machine; then the training run, one process),
+    and for the tiny GPT data-parallel (ZeRO-3) over 2 virtual CPU devices with a
+    per-device budget that leaves some blocks streamed (a child process)."""
+    cases = {
+        "tiny": ("gpt_tiny", {"memory.device_budget": "120MiB"}, 10, 1),
+        "small": (
+            "gpt_small",
+            {"memory.device_budget": "1200MiB", "train.batch_size": "4", "train.seq_len": "128"},
+            8,
+            1,
+        ),
+        "tiny dp2": ("gpt_tiny", {"memory.device_budget": "88MiB"}, 10, 2),
+    }
+    if quick:
+        cases = {
+            "tiny": ("gpt_tiny", {"memory.device_budget": "120MiB"}, 4, 1),
+        }  # the dp2 row alone: tests/test_bench.py (slow)
+    results: dict = {}
+    print(f"{'model':<10}{'plan':<58}{'predicted s':>12}{'measured s':>12}{'ratio':>8}")
+    for label, (name, overrides, steps, devices) in cases.items():
+        if devices == 1:
+            row = _plan_row(name, overrides, steps)
+        else:
+            row = _plan_row_on_cpu_devices(devices, name, overrides, steps)
+        results[label] = row
+        print(
+            f"{label:<10}{row['plan']:<58}{row['predicted_s']:>12.4f}{row['measured_s']:>12.4f}"
+            f"{row['ratio']:>8.2f}"
+        )
+    return results
