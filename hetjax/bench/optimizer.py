@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 
 import numpy as np
