@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from hetjax.planning.hardware import measure_optimizer
