@@ -4,8 +4,10 @@ constructor; nothing here runs during a step."""
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -206,3 +208,48 @@ def init_state(
         del master, slabs
     states.wait_init()
     params.commit()
+
+
+@dataclasses.dataclass(frozen=True)
+class Stores:
+    """Where a streaming run's state lives (``build_stores``)."""
+
+    nvme_dir: Path | None
+    temporary: bool  # the NVMe directory is a temporary one, removed at close
+    states: Any  # StateStore
+    params: Any  # ParamStore, as the placement hands stages out
+    grads: GradientStore
+    swap: BoundarySwap | None
+
+
+def build_stores(
+    config: Config,
+    sizes: Sizes,
+    offload: Offload,
+    host: HostMemoryPlan,
+    layouts: dict[str, SlabLayout],
+    kinds: list[str],
+    placement,
+    device_stages: tuple[str, ...],
+    boundary: jax.ShapeDtypeStruct,
+    workdir,
+) -> Stores:
+    """The NVMe directory (checked against what the memory model puts there) and every
+    store of the run's tiers."""
+    nvme_dir, temporary = nvme_directory(
+        config, sizes, offload, host, workdir, placement.nvme_subdir
+    )
+    page_elems = layouts["block"].page_elems
+    pages = stage_pages(sizes, offload, page_elems)
+    states, params = make_stores(
+        config, nvme_dir, pages, page_elems, kinds, host, placement.shardings, device_stages
+    )
+    on_nvme = config.offload.params == "nvme"
+    return Stores(
+        nvme_dir,
+        temporary,
+        states,
+        placement.param_store(params, layouts, on_nvme),
+        make_grad_store(config, host, sizes, page_elems, nvme_dir),
+        make_boundary_swap(config, nvme_dir, boundary),
+    )

@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from hetjax.config import ConfigError
 from hetjax.runtime import remat
 from hetjax.storage.pages import SlabLayout
 
@@ -155,3 +156,18 @@ class StageFunctions:
         return remat.kept_bytes(
             self._block_fwd, *self.abstract_args(batch, seq_len, dtype)["block_fwd"]
         )
+
+    def check_keep_level(self, offload, batch: int, seq_len: int, dtype) -> None:
+        """Raises ``ConfigError`` when ``offload.keep_level`` is one the block does not
+        support (it must tag the values that level keeps)."""
+        if not offload.keep_blocks or offload.keep_level == "all":
+            return
+        levels = self.keep_levels(batch, seq_len, dtype)
+        if offload.keep_level not in levels:
+            raise ConfigError(
+                f"config key 'offload.keep_level' is {offload.keep_level!r}, but this "
+                f"model's block supports only {', '.join(levels)}: "
+                f"{offload.keep_level!r} keeps the values the block tags 'attn_probs' "
+                "(jax.ad_checkpoint.checkpoint_name(probs, 'attn_probs') in its "
+                "forward, as models/gpt.py does); tag them or choose another level"
+            )

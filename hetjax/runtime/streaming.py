@@ -49,14 +49,14 @@ from hetjax.config import Config, ConfigError
 from hetjax.memory import DeviceCache, Offload, plan_device, plan_host
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.update_loop import UpdateLoop
-from hetjax.runtime import setup
+from hetjax.runtime import setup, state_io
 from hetjax.runtime.grads import DeviceGradients, StepGradients
 from hetjax.runtime.ledger import Ledger, device_bytes
 from hetjax.runtime.placement import SingleDevice
 from hetjax.runtime.setup import layout_name
 from hetjax.runtime.stages import StageFunctions, stage_layouts
 from hetjax.runtime.window import PrefetchWindow
-from hetjax.types import MASTER, LossScale, RuntimeState, StepReport
+from hetjax.types import LossScale, RuntimeState, StepReport
 from models import build_model
 
 F32 = jnp.float32
@@ -102,7 +102,7 @@ class StreamingRuntime:
             memory.block_grad_dtype(config),
             off.keep_level,
         )
-        self._check_keep_level()
+        self.fns.check_keep_level(off, t.micro_batch_size, t.seq_len, self.compute_dtype)
         args = self.fns.abstract_args(t.micro_batch_size, t.seq_len, self.compute_dtype)
         self.boundary = args["block_fwd"][1]  # one block-boundary activation (B, T, D)
 
@@ -114,26 +114,13 @@ class StreamingRuntime:
         )
         self.offload = Offload.from_config(config)
         self.host_plan = plan_host(self.sizes, self.offload, mem.host_budget)
-        self.nvme_dir, self._temporary_nvme = setup.nvme_directory(
-            config, self.sizes, self.offload, self.host_plan, workdir, placement.nvme_subdir
-        )
-        page_elems = self.layouts["block"].page_elems
-        pages = setup.stage_pages(self.sizes, self.offload, page_elems)
-        self.states, params = setup.make_stores(
-            config,
-            self.nvme_dir,
-            pages,
-            page_elems,
-            self.optimizer.kinds,
-            self.host_plan,
-            self.shardings,
-            self.device_stages,
-        )
-        self.param_store = placement.param_store(params, self.layouts, off.params == "nvme")
-        self.grad_store = setup.make_grad_store(
-            config, self.host_plan, self.sizes, page_elems, self.nvme_dir
-        )
-        self.swap = setup.make_boundary_swap(config, self.nvme_dir, self.boundary)
+        stores = setup.build_stores(
+            config, self.sizes, self.offload, self.host_plan, self.layouts, self.optimizer.kinds,
+            placement, self.device_stages, self.boundary, workdir,
+        )  # fmt: skip
+        self.nvme_dir, self._temporary_nvme = stores.nvme_dir, stores.temporary
+        self.states, self.param_store = stores.states, stores.params
+        self.grad_store, self.swap = stores.grads, stores.swap
         setup.init_state(
             config,
             self.model,
@@ -183,20 +170,6 @@ class StreamingRuntime:
         """Stages whose gradient stays on the device (``memory.DeviceCache``)."""
         cache = DeviceCache.of(self.sizes, self.offload)
         return tuple(n for n in self.device_stages if n not in cache.grad_stages(self.sizes))
-
-    def _check_keep_level(self) -> None:
-        off, t = self.config.offload, self.config.train
-        if not off.keep_blocks or off.keep_level == "all":
-            return
-        levels = self.fns.keep_levels(t.micro_batch_size, t.seq_len, self.compute_dtype)
-        if off.keep_level not in levels:
-            raise ConfigError(
-                f"config key 'offload.keep_level' is {off.keep_level!r}, but this "
-                f"model's block supports only {', '.join(levels)}: "
-                f"{off.keep_level!r} keeps the values the block tags 'attn_probs' "
-                "(jax.ad_checkpoint.checkpoint_name(probs, 'attn_probs') in its "
-                "forward, as models/gpt.py does); tag them or choose another level"
-            )
 
     def _refresh_resident(self) -> None:
         """Copies the always-resident stages (embed, head, the first resident blocks)
@@ -465,16 +438,9 @@ class StreamingRuntime:
 
     def params(self) -> Any:
         """The fp32 master params as the model's pytree (host numpy)."""
-        whole = self.placement.whole_slab
-        unflat = lambda name: jax.tree.map(
-            np.array, self.layouts[layout_name(name)].unflatten(whole(self.states.master(name)))
+        return state_io.master_params(
+            self.stage_names, self.layouts, self.states, self.placement.whole_slab
         )
-        blocks = [unflat(n) for n in self.block_names]
-        return {
-            "embed": unflat("embed"),
-            "blocks": jax.tree.map(lambda *xs: np.stack(xs), *blocks),
-            "head": unflat("head"),
-        }
 
     def plan_lines(self) -> list[str]:
         """The start-up plans, for the log."""
@@ -504,15 +470,11 @@ class StreamingRuntime:
         if self.config.optimizer.mode == "lockfree":  # apply what is buffered first
             self.loop.drain()
             self._refresh_resident()
-        stages, scalars = {}, {}
-        for name in self.stage_names:
-            layout = self.layouts[layout_name(name)]
-            slabs, scalars[name] = self.states.committed(name)
-            whole = self.placement.whole_slab
-            stages[name] = {k: layout.unflatten(whole(slab)) for k, slab in slabs.items()}
         ls = self.loss_scale
         loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
-        return RuntimeState(stages, scalars, loss_scale)
+        return state_io.snapshot(
+            self.stage_names, self.layouts, self.states, self.placement.whole_slab, loss_scale
+        )
 
     def load_state(self, state: RuntimeState) -> None:
         """Replaces every stage's state and params (the loop is idle between steps;
@@ -525,20 +487,11 @@ class StreamingRuntime:
         if self.config.optimizer.mode == "lockfree":
             self.loop.drain()
         self.loop.reload()
-        tier = self.config.offload.optimizer
-        for name in _progress(self.stage_names, f"restoring state ({tier})"):
-            kind = layout_name(name)
-            layout, opt = self.layouts[kind], self._opt_of(name)
-            whole = state.stages[name]
-            own = {
-                k: self.placement.own_slab(layout, layout.flatten_np(whole[k])) for k in opt.kinds
-            }
-            slabs = {k: opt.as_chunks(kind, own[k]) for k in opt.kinds}
-            scalars = [jax.device_put(np.asarray(a), opt.sharding) for a in state.scalars[name]]
-            self.states.init_stage(name, slabs, scalars)
-            self.param_store.publish(name, opt.compute_pages(kind, slabs[MASTER]))
-        self.states.wait_init()
-        self.param_store.commit()
+        stages = _progress(self.stage_names, f"restoring state ({self.config.offload.optimizer})")
+        state_io.restore(
+            state, stages, self.layouts, self._opt_of, self.placement.own_slab, self.states,
+            self.param_store,
+        )  # fmt: skip
         if self.loss_scale is not None and state.loss_scale is not None:
             self.loss_scale = self.loss_scale.replace(
                 scale=jnp.float32(state.loss_scale[0]), good_steps=jnp.int32(state.loss_scale[1])
