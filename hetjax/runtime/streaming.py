@@ -34,6 +34,8 @@ step really held.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
 import shutil
 import time
 from pathlib import Path
@@ -54,7 +56,7 @@ from hetjax.runtime.grads import DeviceGradients, StepGradients
 from hetjax.runtime.ledger import Ledger, device_bytes
 from hetjax.runtime.placement import SingleDevice
 from hetjax.runtime.setup import layout_name
-from hetjax.runtime.stages import StageFunctions, stage_layouts
+from hetjax.runtime.stages import StageFunctions, StageMemory, stage_layouts
 from hetjax.runtime.window import PrefetchWindow
 from hetjax.types import LossScale, RuntimeState, StepReport
 from models import build_model
@@ -106,11 +108,14 @@ class StreamingRuntime:
         args = self.fns.abstract_args(t.micro_batch_size, t.seq_len, self.compute_dtype)
         self.boundary = args["block_fwd"][1]  # one block-boundary activation (B, T, D)
 
-        # The memory model decides what each tier holds (hetjax/memory.py).
-        stage_memory = self.fns.memory_sizes(t.micro_batch_size, t.seq_len, self.compute_dtype)
+        # The memory model decides what each tier holds (hetjax/memory.py). The host
+        # plan and the disk check need shapes only; XLA's working set (compiling the
+        # stage functions) is measured once they passed, for the device plan.
+        kept = self.fns.kept_bytes(t.micro_batch_size, t.seq_len, self.compute_dtype)
+        boundary = math.prod(self.boundary.shape) * self.boundary.dtype.itemsize
         kinds = len(self.optimizer.kinds) - 1
         self.sizes = setup.memory_sizes(
-            config, self.layouts, self.state_layouts, stage_memory, kinds
+            config, self.layouts, self.state_layouts, StageMemory(boundary, 0, kept), kinds
         )
         self.offload = Offload.from_config(config)
         self.host_plan = plan_host(self.sizes, self.offload, mem.host_budget)
@@ -150,6 +155,8 @@ class StreamingRuntime:
             device_stages=self.device_stages,
         )
         self.device_grads = DeviceGradients(self.shardings.device) if self.device_stages else None
+        measured = self.fns.memory_sizes(t.micro_batch_size, t.seq_len, self.compute_dtype)
+        self.sizes = dataclasses.replace(self.sizes, working_set=measured.working_set)
         self.plan = plan_device(self.sizes, self.offload, mem.device_budget)
         self.resident: dict[str, jax.Array] = {}
         self._refresh_resident()
