@@ -195,14 +195,14 @@ def test_streams_within_device_budget(tiny, tmp_path, keep, fraction):
     """An 8-layer model whose params exceed the device budget trains, and the device-kind
     live bytes, sampled after every dispatch, stay within the budget (also with two blocks
     keeping their in-block activations from forward to backward)."""
-    model = dict(num_layers=8, d_model=192, num_heads=4, max_seq_len=32)
+    model = dict(num_layers=8, d_model=96, num_heads=4, max_seq_len=32)
     probe_config = tiny(model=model, offload=dict(mode="stream"))
     params_bytes = build_model(probe_config.model).param_count() * 4
     budget = int(params_bytes * fraction)
     config = tiny(
         model=model,
         offload=dict(mode="stream", prefetch_depth=2, keep_blocks=keep),
-        memory=dict(device_budget=budget, page_size="4KiB"),
+        memory=dict(device_budget=budget, page_size="16KiB"),
         train=dict(steps=2, batch_size=2, seq_len=16, eval_batches=1),
     )
     # Garbage of earlier tests (reference cycles holding device arrays) must not be
