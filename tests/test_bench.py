@@ -127,6 +127,7 @@ def test_zero_quick(tmp_path, capsys):
     assert "6(p-1)/p M" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_plan_quick(tmp_path, capsys):
     """The planner's prediction and the measured step of the plan it made, one run."""
     out = tmp_path / "plan.json"

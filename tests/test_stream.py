@@ -28,6 +28,8 @@ def reference(tmp_path_factory):
     return train(tiny_config(), tmp_path_factory.mktemp("ref"), verbose=False)
 
 
+# Default-run tier representatives (keep out of -m slow): [depth2] for params on host,
+# [activations_host] for activations on host, each offloaded vs in memory.
 @pytest.mark.parametrize(
     "offload",
     [
@@ -86,6 +88,7 @@ def test_keep_levels_hold_less_and_change_nothing(tiny):
         assert_trees_close(fns.block_bwd_kept(vjp, x), expected)
 
 
+# Default-run tier representative (keep out of -m slow): activations on NVMe.
 def test_nvme_checkpoints_equal_none(reference, tiny, tmp_path, monkeypatch):
     """offload.activations=nvme, read ahead one block: block 1's checkpoint is held in
     RAM for backward (never written), block 0's comes back from the TensorStore file."""
@@ -121,6 +124,7 @@ def test_stream_equals_none_with_grad_accum(
     assert_gpt_training_equal(result, accum_reference, build_model(config.model), check_tokens())
 
 
+@pytest.mark.slow  # activations on NVMe: test_nvme_checkpoints_equal_none in the default run
 def test_nvme_checkpoints_are_files_and_change_nothing(tiny, tmp_path):
     """Each micro-batch's block-boundary checkpoints are written to a real TensorStore
     array (reopened here without hetjax's objects) and read back for backward: training
