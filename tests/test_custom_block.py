@@ -23,6 +23,7 @@ def test_custom_model_is_built_from_the_factory(tiny):
     assert shapes["head"]["out"]["kernel"].shape == (32, 256)
 
 
+@pytest.mark.slow
 def test_custom_block_stream_equals_none(tiny, tmp_path):
     short = dict(steps=4, eval_batches=0)
     ref = train(tiny(model=CUSTOM, train=short), tmp_path / "ref", verbose=False)

@@ -57,6 +57,8 @@ def reference(tmp_path_factory):
     return train(tiny_config(optimizer=CLIP), tmp_path_factory.mktemp("ref"), verbose=False)
 
 
+# Default-run tier representative (keep out of -m slow): [host] for the device cache of
+# optimizer state, offloaded vs in memory.
 @pytest.mark.parametrize(
     "optimizer, params, stages",
     [("host", "host", 2), ("nvme", "nvme", 2), ("nvme", "host", 4)],
@@ -175,6 +177,7 @@ def test_checkpoints_move_between_device_cache_settings(reference, tiny, tmp_pat
         assert jax.tree.structure(state.scalars) == jax.tree.structure(saved[0].scalars)
 
 
+@pytest.mark.slow  # the default run checks the device ledger in tests/test_stream.py
 def test_device_cache_is_counted_on_the_device(tiny):
     """The device plan and the ledger count the cached stages' state (twice during a
     step: committed and speculative), gradients and new params on the device; the ledger

@@ -60,6 +60,7 @@ def test_plan_gradients_bounds_releases_and_spills_the_first_produced():
         assert plan_gradients(sizes, order, policy, 10, spill=True).ram_bytes == times * 112
 
 
+@pytest.mark.slow  # the spill tests below train within a host budget too
 def test_no_clipping_releases_gradients_within_a_budget_below_all_of_them(tiny, tmp_path):
     """grad_clip=0: each gradient is dropped once its update consumed it, so a host budget
     smaller than the minimum with every gradient buffer trains, equal to offload.mode=none."""

@@ -34,6 +34,8 @@ LION_CLIP = dict(grad_clip=3.0)
 PAGES = dict(page_size="16KiB")  # several pages per stage; small files
 
 
+# Default-run tier representative (keep out of -m slow): params on NVMe and optimizer state
+# on NVMe, offloaded vs in memory (adamw is the cheaper case).
 @pytest.mark.parametrize(
     "optimizer", [dict(name="adamw", **CLIP), dict(name="lion", lr=3e-4, **LION_CLIP)], ids=str
 )
@@ -55,6 +57,7 @@ def test_nvme_optimizer_and_params_equal_in_memory(tiny, tmp_path, optimizer):
     assert (tmp_path / "nvme" / "nvme" / "optimizer" / "gen1" / "mu" / "zarr.json").is_file()
 
 
+# Default-run tier representative (keep out of -m slow): [host] for optimizer state on host.
 @pytest.mark.parametrize("tier", ["host", "device"])
 def test_ram_optimizer_tiers_equal_in_memory(tiny, tmp_path, tier):
     ref = train(tiny(optimizer=CLIP), tmp_path / "ref", verbose=False)

@@ -208,10 +208,10 @@ def test_clipping_that_binds_is_predicted_without_overlap():
         assert "clipping binds" not in other.table()
 
 
-# Two profiles in the default run (a paper server and this machine); the others are slow.
+# One profile in the default run (this machine); the others are slow.
 @pytest.mark.parametrize(
     "hardware",
-    [h if h in ("a100-80g", "local") else pytest.param(h, marks=pytest.mark.slow) for h in NAMES],
+    [h if h == "local" else pytest.param(h, marks=pytest.mark.slow) for h in NAMES],
 )
 def test_plan_cli_for_every_config(hardware, capsys):
     """`--plan` for every config in configs/ on this profile: a plan with its predicted
@@ -298,7 +298,11 @@ def reference(tmp_path_factory):
     "memory, expect",
     [
         (dict(), ("none", None)),  # fits: none, decided from shapes alone
-        (dict(device_budget="600KiB", page_size="4KiB"), ("stream", "host")),
+        pytest.param(  # slow: tight_device_and_host covers auto -> stream
+            dict(device_budget="600KiB", page_size="4KiB"),
+            ("stream", "host"),
+            marks=pytest.mark.slow,
+        ),
         (
             dict(device_budget="540KiB", host_budget="1100KiB", page_size="4KiB"),
             ("stream", "nvme"),  # params and optimizer state on NVMe
@@ -324,6 +328,7 @@ def test_auto_trains_like_none(reference, tiny, tmp_path, memory, expect):
             rt.close()
 
 
+@pytest.mark.slow
 def test_bf16_gradient_buffers_change_nothing(tiny, tmp_path, monkeypatch):
     """bf16 compute, one micro-batch: block gradients cross to the host and wait there
     in bf16 (half the traffic and buffers). Their values are bf16 already, so training is

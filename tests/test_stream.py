@@ -30,6 +30,8 @@ def reference(tmp_path_factory):
     return train(tiny_config(), tmp_path_factory.mktemp("ref"), verbose=False)
 
 
+# Default-run tier representatives (keep out of -m slow): [depth2] for params on host,
+# [activations_host] for activations on host, each offloaded vs in memory.
 @pytest.mark.parametrize(
     "offload",
     [
@@ -88,6 +90,7 @@ def test_keep_levels_hold_less_and_change_nothing(tiny):
         assert_trees_close(fns.block_bwd_kept(vjp, x), expected)
 
 
+# Default-run tier representative (keep out of -m slow): activations on NVMe.
 def test_nvme_checkpoints_equal_none(reference, tiny, tmp_path, monkeypatch):
     """offload.activations=nvme, read ahead one block: block 1's checkpoint is held in
     RAM for backward (never written), block 0's comes back from the TensorStore file."""
@@ -123,6 +126,7 @@ def test_stream_equals_none_with_grad_accum(
     assert_gpt_training_equal(result, accum_reference, build_model(config.model), check_tokens())
 
 
+@pytest.mark.slow  # activations on NVMe: test_nvme_checkpoints_equal_none in the default run
 def test_nvme_checkpoints_are_files_and_change_nothing(tiny, tmp_path):
     """Each micro-batch's block-boundary checkpoints are written to a real TensorStore
     array (reopened here without hetjax's objects) and read back for backward: training
@@ -197,14 +201,14 @@ def test_streams_within_device_budget(tiny, tmp_path, keep, fraction):
     """An 8-layer model whose params exceed the device budget trains, and the device-kind
     live bytes, sampled after every dispatch, stay within the budget (also with two blocks
     keeping their in-block activations from forward to backward)."""
-    model = dict(num_layers=8, d_model=192, num_heads=4, max_seq_len=32)
+    model = dict(num_layers=8, d_model=96, num_heads=4, max_seq_len=32)
     probe_config = tiny(model=model, offload=dict(mode="stream"))
     params_bytes = build_model(probe_config.model).param_count() * 4
     budget = int(params_bytes * fraction)
     config = tiny(
         model=model,
         offload=dict(mode="stream", prefetch_depth=2, keep_blocks=keep),
-        memory=dict(device_budget=budget, page_size="4KiB"),
+        memory=dict(device_budget=budget, page_size="16KiB"),
         train=dict(steps=2, batch_size=2, seq_len=16, eval_batches=1),
     )
     # Garbage of earlier tests (reference cycles holding device arrays) must not be

@@ -67,6 +67,8 @@ def test_zero3_on_4_devices_equals_single_device(reference4, tiny, tmp_path, off
         assert (tmp_path / "nvme" / "proc0" / "optimizer" / "gen1" / "mu" / "zarr.json").is_file()
 
 
+# Default-run tier representative (keep out of -m slow): ZeRO-3 data parallel, the cheapest
+# (no module fixture); test_zero3_on_4_devices_equals_single_device stays in the default run too.
 def test_zero3_equals_plain_single_device_with_sgd(tiny, tmp_path):
     """Against the ordinary one-micro-batch run: equal where the optimizer does not
     amplify rounding (SGD with momentum; see the module docstring for AdamW)."""
@@ -77,6 +79,7 @@ def test_zero3_equals_plain_single_device_with_sgd(tiny, tmp_path):
     assert_gpt_training_equal(result, ref, build_model(config.model), check_tokens())
 
 
+@pytest.mark.slow  # 1 and 4 devices at 4 KiB pages
 def test_per_device_bytes_shrink_with_devices(tiny):
     """The ledger's per-device host bytes (param shards and gradient shards in flight)
     and each device's share of the optimizer state fall as 1/N; the all-gathered window
@@ -177,6 +180,7 @@ def _params_like(saved, reference):
     return jax.tree.unflatten(jax.tree.structure(reference), values)
 
 
+@pytest.mark.slow  # two child processes compile everything anew
 def test_two_processes_train_like_one(reference4, tmp_path):
     """2 processes x 2 CPU devices over gloo equal the single-device run."""
     saved = _run_two_processes(tmp_path, "optimizer.grad_clip=2.0")
