@@ -34,9 +34,10 @@ def test_nvme_quick(tmp_path, capsys, monkeypatch):
     (1) and optimizer rows (2) are bench io's and bench optimizer's, run and checked by
     test_io_quick and test_optimizer_quick (the same keys > 0, the same "achieved" lines):
     here they are stubbed out so as not to run them twice."""
-    bench = main.__globals__  # the bench module's namespace, wherever it lives
-    monkeypatch.setitem(bench, "_disk_rows", lambda directory, quick, label="": {})
-    monkeypatch.setitem(bench, "_optimizer_rows", lambda quick, label="": {})
+    from hetjax.bench import nvme
+
+    monkeypatch.setattr(nvme, "_disk_rows", lambda directory, quick, label="": {})
+    monkeypatch.setattr(nvme, "_optimizer_rows", lambda quick, label="": {})
     out = tmp_path / "nvme.json"
     assert main(["nvme", "--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -146,7 +147,7 @@ def _check_plan_row(row: dict, devices: int) -> None:
 @pytest.mark.slow
 def test_plan_data_parallel_row():
     """bench plan's ``tiny dp2`` row: ZeRO-3 on 2 virtual CPU devices, a child process."""
-    from hetjax.bench import _plan_row_on_cpu_devices
+    from hetjax.bench.plan import _plan_row_on_cpu_devices
 
     row = _plan_row_on_cpu_devices(2, "gpt_tiny", {"memory.device_budget": "88MiB"}, 4)
     _check_plan_row(row, 2)
