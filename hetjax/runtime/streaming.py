@@ -109,13 +109,13 @@ class StreamingRuntime:
         self.boundary = args["block_fwd"][1]  # one block-boundary activation (B, T, D)
 
         # The memory model decides what each tier holds (hetjax/memory.py). The host
-        # plan and the disk check need shapes only; XLA's working set (compiling the
-        # stage functions) is measured once they passed, for the device plan.
-        kept = self.fns.kept_bytes(t.micro_batch_size, t.seq_len, self.compute_dtype)
+        # plan and the disk check need the slab and boundary sizes only; what the device
+        # plan needs besides (XLA's working set, the kept blocks' residuals: compiling
+        # and tracing the stage functions) is measured once those checks passed.
         boundary = math.prod(self.boundary.shape) * self.boundary.dtype.itemsize
         kinds = len(self.optimizer.kinds) - 1
         self.sizes = setup.memory_sizes(
-            config, self.layouts, self.state_layouts, StageMemory(boundary, 0, kept), kinds
+            config, self.layouts, self.state_layouts, StageMemory(boundary, 0, {}), kinds
         )
         self.offload = Offload.from_config(config)
         self.host_plan = plan_host(self.sizes, self.offload, mem.host_budget)
@@ -156,7 +156,9 @@ class StreamingRuntime:
         )
         self.device_grads = DeviceGradients(self.shardings.device) if self.device_stages else None
         measured = self.fns.memory_sizes(t.micro_batch_size, t.seq_len, self.compute_dtype)
-        self.sizes = dataclasses.replace(self.sizes, working_set=measured.working_set)
+        self.sizes = dataclasses.replace(
+            self.sizes, working_set=measured.working_set, kept=measured.kept
+        )
         self.plan = plan_device(self.sizes, self.offload, mem.device_budget)
         self.resident: dict[str, jax.Array] = {}
         self._refresh_resident()
