@@ -101,7 +101,7 @@ def test_nvme_checkpoints_equal_none(reference, tiny, tmp_path, monkeypatch):
     checkpoint = 4 * 16 * 32 * 4  # (B, T, D) fp32
     for r in result.records:
         assert r["nvme_write_bytes"] == checkpoint and r["nvme_read_bytes"] == checkpoint
-    assert (tmp_path / "nvme" / "activations" / "checkpoints" / "zarr.json").is_file()
+    assert (tmp_path / "nvme" / "activations" / "boundaries" / "zarr.json").is_file()
 
 
 ACCUM = dict(steps=5, batch_size=4, seq_len=16, grad_accum=2, eval_batches=0)
@@ -189,7 +189,7 @@ def test_nvme_checkpoints_without_disk_space_fail_at_start_up(tiny, tmp_path):
     )
     with pytest.raises(
         ConfigError,
-        match=r"memory.nvme_path '.*ssd' for 2 activation checkpoints needs .* \(\d+ bytes\) "
+        match=r"memory.nvme_path '.*ssd' for 2 boundary activations needs .* \(\d+ bytes\) "
         r"on disk but only .* is free \(short by",
     ):
         StreamingRuntime(config)

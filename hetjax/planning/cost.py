@@ -92,15 +92,15 @@ def lanes(
     resident = max(c.resident_blocks, cache.blocks)
     streamed_f = L - resident
     streamed_b = max(0, recomputed - resident)
-    # Checkpoints on the host or NVMe cross to the host in forward and back in backward;
+    # Boundaries on the host or NVMe cross to the host in forward and back in backward;
     # on NVMe, all but the last IO_READAHEAD (held in RAM for backward, which takes them
     # first) are written and read back.
-    ckpt = recomputed * w.boundary if c.activations in ("host", "nvme") else 0
+    bounds = recomputed * w.boundary if c.activations in ("host", "nvme") else 0
     h2d_f = streamed_f * cb * Pb * frac
-    h2d_b = streamed_b * cb * Pb * frac + ckpt
+    h2d_b = streamed_b * cb * Pb * frac + bounds
     # per device; the device cache's gradients stay there
     grads = sum(sizes.grad_bytes(name) for name in cache.grad_stages(sizes))
-    d2h_f, d2h_b = ckpt, grads
+    d2h_f, d2h_b = bounds, grads
     comm_f = comm_b = 0.0
     # On the CPU backend the devices' memory is host RAM: a collective is copies.
     link = hw.interconnect_bw or (hw.h2d_bw if hw.shared_cores else 0.0)
@@ -110,7 +110,7 @@ def lanes(
     disk_f = disk_b = disk_step = 0.0
     if c.params == "nvme":
         disk_f = h2d_f / hw.nvme_read_bw * n  # the machine's disks serve n processes
-        disk_b = (h2d_b - ckpt) / hw.nvme_read_bw * n
+        disk_b = (h2d_b - bounds) / hw.nvme_read_bw * n
         disk_step += cb * (P - cache.params) / hw.nvme_write_bw
     if c.activations == "nvme":
         disk_f += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_write_bw * n

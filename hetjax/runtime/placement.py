@@ -5,7 +5,7 @@ Layer and model code never place arrays; the runtimes ask this module for shardi
 
 * ``device``: the accelerator's own memory (HBM): the streaming window, activations.
 * ``host``: the ``pinned_host`` memory kind of the same device: param slabs and
-  activation checkpoints waiting to be copied in; transfers are plain ``device_put``.
+  boundary activations waiting to be copied in; transfers are plain ``device_put``.
 * ``optimizer``: where the host optimizer keeps and updates fp32 master state. On a
   GPU/TPU this is the CPU backend (host RAM, computed on by the CPU). On a CPU-only
   machine the CPU *is* the device, so it is the ``pinned_host`` kind of that device:
