@@ -38,6 +38,12 @@ from models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = dict(grad_clip=2.0)  # binds in some of the 5 steps, not in others
+# Against the grad_accum=N reference: summed in N parts, gradients round differently
+# there than across devices on this machine (measured: float32 rounding, ~1e-7), which
+# AdamW amplifies beyond the tolerance (module docstring); SGD with momentum compares the
+# sum over devices at the same tolerance.
+SGD_CLIP = dict(name="sgd", lr=0.1, **CLIP)
+SGD_ARGS = ("optimizer.name=sgd", "optimizer.lr=0.1", "optimizer.grad_clip=2.0")
 PAGES = dict(page_size="16KiB")
 ZERO = dict(mode="stream")
 
@@ -46,7 +52,7 @@ ZERO = dict(mode="stream")
 def reference4(tmp_path_factory):
     from conftest import tiny_config
 
-    config = tiny_config(optimizer=CLIP, train=dict(grad_accum=4))
+    config = tiny_config(optimizer=SGD_CLIP, train=dict(grad_accum=4))
     return train(config, tmp_path_factory.mktemp("ref4"), verbose=False)
 
 
@@ -56,7 +62,9 @@ def reference4(tmp_path_factory):
     ids=["optimizer_host", "optimizer_nvme"],
 )
 def test_zero3_on_4_devices_equals_single_device(reference4, tiny, tmp_path, offload):
-    config = tiny(optimizer=CLIP, offload=offload, memory=PAGES, distributed=dict(data_parallel=4))
+    config = tiny(
+        optimizer=SGD_CLIP, offload=offload, memory=PAGES, distributed=dict(data_parallel=4)
+    )
     result = train(config, tmp_path, verbose=False)
     assert_gpt_training_equal(result, reference4, build_model(config.model), check_tokens())
     redo = [r["optimizer_redo"] for r in result.records]
@@ -64,7 +72,7 @@ def test_zero3_on_4_devices_equals_single_device(reference4, tiny, tmp_path, off
     last = result.records[-1]
     assert last["all_gather_bytes"] > 0 and last["reduce_scatter_bytes"] > 0
     if offload["optimizer"] == "nvme":  # one directory per process
-        assert (tmp_path / "nvme" / "proc0" / "optimizer" / "gen1" / "mu" / "zarr.json").is_file()
+        assert (tmp_path / "nvme" / "proc0" / "optimizer" / "gen1" / "trace" / "zarr.json").is_file()
 
 
 # Default-run tier representative (keep out of -m slow): ZeRO-3 data parallel, the cheapest
@@ -183,7 +191,7 @@ def _params_like(saved, reference):
 @pytest.mark.slow  # two child processes compile everything anew
 def test_two_processes_train_like_one(reference4, tmp_path):
     """2 processes x 2 CPU devices over gloo equal the single-device run."""
-    saved = _run_two_processes(tmp_path, "optimizer.grad_clip=2.0")
+    saved = _run_two_processes(tmp_path, *SGD_ARGS)
     np.testing.assert_allclose(saved["losses"], reference4.losses, rtol=1e-5)
     params = _params_like(saved, reference4.params)
     assert_trees_close(without_key_bias(params), without_key_bias(reference4.params))
@@ -194,7 +202,7 @@ def test_two_processes_train_like_one(reference4, tmp_path):
 def test_two_processes_checkpoint_and_resume(reference4, tmp_path):
     """Two processes save a checkpoint at step 3 (every process's shards, gathered);
     started again they resume from it and end where the single-device run does."""
-    shared = [f"checkpoint.dir={tmp_path / 'ckpt'}", "optimizer.grad_clip=2.0"]
+    shared = [f"checkpoint.dir={tmp_path / 'ckpt'}", *SGD_ARGS]
     _run_two_processes(tmp_path, *shared, "checkpoint.at_end=true", "train.steps=3")
     saved = _run_two_processes(tmp_path, *shared, "checkpoint.at_end=true")
     np.testing.assert_allclose(saved["losses"], reference4.losses[3:], rtol=1e-5)
