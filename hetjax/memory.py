@@ -371,9 +371,12 @@ def plan_device(s: Sizes, o: Offload, budget: int) -> DeviceMemoryPlan:
     activations fit."""
     L = s.num_layers
     least = DeviceCache.of(s, o).blocks
-    total = lambda depth, resident: sum(device_parts(s, o, depth, resident).values())
+    # Only the blocks' part depends on the window: the rest is fixed.
+    parts = device_parts(s, o, 0, least)
+    fixed = sum(parts.values()) - parts["blocks"]
+    slab = s.compute_bytes * s.block
+    total = lambda depth, resident: fixed + slab * (min(depth + 1, L - resident) + resident)
     if budget and total(0, least) > budget:
-        parts = device_parts(s, o, 0, least)
         held = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
         need = sum(parts.values())
         raise ConfigError(
@@ -391,9 +394,10 @@ def plan_device(s: Sizes, o: Offload, budget: int) -> DeviceMemoryPlan:
     while budget and depth > 0 and total(depth, least) > budget:
         depth -= 1
     resident = least
-    if budget:
-        while resident < L and total(depth, resident + 1) <= budget:
-            resident += 1
+    if budget and total(depth, L) <= budget:
+        resident = L
+    elif budget:  # below saturation each resident block adds one slab to the window's
+        resident = max(least, min(L, (budget - fixed) // slab - (depth + 1)))
     return DeviceMemoryPlan(budget, depth, resident, device_parts(s, o, depth, resident))
 
 
