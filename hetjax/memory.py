@@ -17,6 +17,7 @@ called *boundaries* here; "checkpoint" means a training checkpoint only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import ml_dtypes  # numpy's bfloat16 (a jax dependency)
 import numpy as np
@@ -243,7 +244,17 @@ class Sizes:
         return 4 * (1 + self.state_kinds)
 
     def stages(self) -> list[str]:
-        return ["embed", *(f"block{i}" for i in range(self.num_layers)), "head"]
+        return list(self._stages)
+
+    @functools.cached_property
+    def _stages(self) -> tuple[str, ...]:  # the planner asks thousands of times
+        return ("embed", *(f"block{i}" for i in range(self.num_layers)), "head")
+
+    @functools.cached_property
+    def device_caches(self) -> dict[Offload, DeviceCache]:
+        """:meth:`DeviceCache.of` of each placement asked for, kept (the planner asks
+        for the same ones again and again)."""
+        return {}
 
     def own(self, stage: str) -> int:
         """Elements of ``stage``'s slab this process holds."""
@@ -299,6 +310,12 @@ class DeviceCache:
 
     @classmethod
     def of(cls, s: Sizes, o: Offload) -> DeviceCache:
+        if o not in s.device_caches:
+            s.device_caches[o] = cls._of(s, o)
+        return s.device_caches[o]
+
+    @classmethod
+    def _of(cls, s: Sizes, o: Offload) -> DeviceCache:
         if o.optimizer == "device":  # every stage's state, twice during a step
             total = sum(s.own(n) for n in s.stages())
             return cls((), 0, 0, 2 * s.state_bytes * total)
