@@ -362,7 +362,7 @@ class OffloadConfig:
 
     ``mode``: ``none`` keeps everything on the device with one jitted train step (the
     reference every other mode is tested against); ``stream`` keeps params in host memory
-    and streams one stage at a time through a device window (hetjax/executor.py);
+    and streams one stage at a time through a device window (hetjax/runtime/streaming.py);
     ``auto`` (the default) picks ``none`` when the state fits the device, else measures
     the machine and trains with the planner's placement (hetjax/planner.py).
 

@@ -24,7 +24,7 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     When the whole state fits the device (``memory.device_budget``, else the device's
     free memory) that is ``offload.mode=none``, decided from shapes alone; otherwise the
     tracer measures this machine and the model, the planner plans, and the plan's
-    placement is returned (with the budgets it planned for, so the executor plans within
+    placement is returned (with the budgets it planned for, so the streaming runtime plans within
     them)."""
     if config.offload.mode != "auto":
         return config, None

@@ -223,7 +223,7 @@ def measure_matmul_flops(dtype: str = "float32") -> float:
 
 def measure_transfer(nbytes: int = 64 << 20, page: int = 4 << 20) -> tuple[float, float]:
     """Host (``pinned_host``) -> device and device -> host bytes/s of a list of pages in
-    one ``device_put``, the way the executor moves slabs."""
+    one ``device_put``, the way the streaming runtime moves slabs."""
     import jax
 
     from hetjax.runtime.placement import Shardings
@@ -296,7 +296,7 @@ def slab_optimizer(n: int, compute_dtype: str, page_elems: int = 1 << 20, kernel
 def measure_optimizer(n: int = 1 << 22, compute_dtype: str = "float32") -> float:
     """AdamW updates per second of the host optimizer (:class:`SlabOptimizer`, as the
     update loop runs it: new state into the generation before last, the gradient an
-    aligned slab as the executor hands it over) on one ``n``-element slab in RAM,
+    aligned slab as the streaming runtime hands it over) on one ``n``-element slab in RAM,
     refreshing ``compute_dtype`` params; best of a few."""
     import jax
 

@@ -17,7 +17,7 @@ def device_bytes(a: jax.Array) -> int:
 
 
 class Ledger:
-    """Bytes held per memory kind on each device, recomputed from the executor's own
+    """Bytes held per memory kind on each device, recomputed from the streaming runtime's own
     containers at every dispatch, with the peak per kind."""
 
     def __init__(self):

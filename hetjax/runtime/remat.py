@@ -1,6 +1,6 @@
 """Which in-block activations a kept block keeps (``offload.keep_level``).
 
-A block the streaming executor keeps (``offload.keep_blocks``) returns its vjp from
+A block the streaming runtime keeps (``offload.keep_blocks``) returns its vjp from
 forward, and backward applies it. At level ``all`` that is ``jax.vjp(block, params, x)``:
 every residual is held from forward to backward and nothing is recomputed. The other
 levels run ``jax.vjp(jax.checkpoint(block, policy=P), params, x)``: the vjp holds only

@@ -44,7 +44,7 @@ class StageMemory:
 
 
 class StageFunctions:
-    """The jitted per-stage functions the executor runs (and the tracer times). Each takes
+    """The jitted per-stage functions the streaming runtime runs (and the tracer times). Each takes
     its stage's params as a list of pages and unflattens them inside the jit.
 
     ``block_bwd`` recomputes the block's inside from its input boundary, then runs its

@@ -203,7 +203,7 @@ class Zero3:
 
 
 class ShardedParamStore:
-    """Compute-dtype pages of this process's shards, handed to the executor as the
+    """Compute-dtype pages of this process's shards, handed to the streaming runtime as the
     global ``(pages, page_elems)`` slab sharded over ``data`` in host memory. Pages are
     kept here (``offload.params=host``) or in ``inner`` (an ``NvmeParamStore`` of this
     process's page ranges)."""
