@@ -48,6 +48,7 @@ def test_nvme_quick(tmp_path, capsys, monkeypatch):
     assert "optimizer+params on NVMe" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a benchmark smoke test
 def test_lockfree_quick(tmp_path, capsys):
     out = tmp_path / "lockfree.json"
     assert main(["lockfree", "--quick", "--out", str(out)]) == 0
@@ -153,6 +154,7 @@ def test_plan_data_parallel_row():
     _check_plan_row(row, 2)
 
 
+@pytest.mark.slow  # a benchmark smoke test
 def test_keep_quick(tmp_path, capsys):
     out = tmp_path / "keep.json"
     assert main(["keep", "--quick", "--out", str(out)]) == 0

@@ -85,7 +85,10 @@ def test_no_clipping_releases_gradients_within_a_budget_below_all_of_them(tiny, 
         assert record["host_bytes"] <= budget
 
 
-@pytest.mark.parametrize("speculation", ["always", "adaptive"])
+@pytest.mark.parametrize(
+    "speculation",  # adaptive is the default; always runs with -m slow
+    [pytest.param("always", marks=pytest.mark.slow), "adaptive"],
+)
 def test_clipping_redo_reads_gradients_spilled_to_nvme(tiny, tmp_path, speculation):
     """A clip norm small enough to bind every step, and a host budget with room for one
     kept block gradient: the other stages' gradients go to NVMe after their speculative

@@ -26,7 +26,9 @@ PLACEMENTS = [
 BUDGETS = [("64MiB", "64MiB"), ("1MiB", "3MiB")]  # (device, host): roomy, then tight
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0], ids=["release", "keep"])
+@pytest.mark.parametrize(  # clipping kept gradients (keep) is the default
+    "clip", [pytest.param(0.0, marks=pytest.mark.slow), 1.0], ids=["release", "keep"]
+)
 @pytest.mark.parametrize("device_budget,host_budget", BUDGETS, ids=["roomy", "tight"])
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: "-".join(map(str, p)))
 def test_planner_bytes_equal_the_runtime_plans(

@@ -72,7 +72,9 @@ def test_zero3_on_4_devices_equals_single_device(reference4, tiny, tmp_path, off
     last = result.records[-1]
     assert last["all_gather_bytes"] > 0 and last["reduce_scatter_bytes"] > 0
     if offload["optimizer"] == "nvme":  # one directory per process
-        assert (tmp_path / "nvme" / "proc0" / "optimizer" / "gen1" / "trace" / "zarr.json").is_file()
+        assert (
+            tmp_path / "nvme" / "proc0" / "optimizer" / "gen1" / "trace" / "zarr.json"
+        ).is_file()
 
 
 # Default-run tier representative (keep out of -m slow): ZeRO-3 data parallel, the cheapest
