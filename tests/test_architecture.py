@@ -14,7 +14,7 @@ LAYERS = [
     {"hetjax.optimizer"},
     {"hetjax.storage", "hetjax.hf", "hetjax.data", "hetjax.distributed", "models"},
     {"hetjax.memory", "hetjax.allocator", "hetjax.timeline"},
-    {"hetjax.config", "hetjax.config_help", "hetjax.types"},
+    {"hetjax.config", "hetjax.config_help", "hetjax.config_values", "hetjax.types"},
 ]
 
 

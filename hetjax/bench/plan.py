@@ -89,9 +89,7 @@ def _plan_row_on_cpu_devices(devices: int, *args) -> dict:
         "JAX_PLATFORMS": "cpu",
         # the child imports this hetjax, wherever it was imported from
         "PYTHONPATH": os.pathsep.join(
-            p
-            for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH"))
-            if p
+            p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p
         ),
     }
     spec = json.dumps([*args, devices])
