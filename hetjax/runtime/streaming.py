@@ -119,6 +119,10 @@ class StreamingRuntime:
         )
         self.offload = Offload.from_config(config)
         self.host_plan = plan_host(self.sizes, self.offload, mem.host_budget)
+        # Stages whose gradient stays on the device (memory.DeviceCache): asked per stage
+        # in the per-layer loop, so decided once here.
+        to_host = DeviceCache.of(self.sizes, self.offload).grad_stages(self.sizes)
+        self._device_grad_stages = frozenset(self.device_stages) - set(to_host)
         stores = setup.build_stores(
             config, self.sizes, self.offload, self.host_plan, self.layouts, self.optimizer.kinds,
             placement, self.device_stages, self.boundary, workdir,
@@ -173,12 +177,6 @@ class StreamingRuntime:
     def _opt_of(self, stage: str) -> SlabOptimizer:
         """The optimizer updating ``stage``: on the device for device-cached stages."""
         return self.device_optimizer if stage in self.device_stages else self.optimizer
-
-    @property
-    def _device_grad_stages(self) -> tuple[str, ...]:
-        """Stages whose gradient stays on the device (``memory.DeviceCache``)."""
-        cache = DeviceCache.of(self.sizes, self.offload)
-        return tuple(n for n in self.device_stages if n not in cache.grad_stages(self.sizes))
 
     def _refresh_resident(self) -> None:
         """Copies the always-resident stages (embed, head, the first resident blocks)
