@@ -46,3 +46,31 @@ class Ledger:
 
     def reset_peak(self) -> None:
         self.peak = collections.defaultdict(int)
+
+
+class IoMeter:
+    """NVMe bytes read and written by a set of stores, counted from a mark: each step
+    reports its own I/O (not initialisation's, not a restore's)."""
+
+    def __init__(self, stores):
+        self.stores = [s for s in stores if s is not None]
+        self._mark = self._totals()
+
+    def _totals(self) -> tuple[int, int]:
+        return sum(s.read_bytes for s in self.stores), sum(s.write_bytes for s in self.stores)
+
+    def mark(self) -> None:
+        """Starts counting afresh (what happened before belongs to no step)."""
+        self._mark = self._totals()
+
+    def take(self) -> tuple[int, int]:
+        """(read, written) bytes since the mark; then marks."""
+        read, written = self._totals()
+        delta = read - self._mark[0], written - self._mark[1]
+        self._mark = read, written
+        return delta
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes the stores hold on NVMe."""
+        return sum(s.nvme_bytes for s in self.stores)

@@ -166,6 +166,33 @@ def make_boundary_swap(
     )
 
 
+def progress(stages: list[str], what: str):
+    """A progress bar over stages for the long start-up phases (NVMe initialisation,
+    restore), on a terminal only (tqdm's ``disable=None``); gone when done."""
+    from tqdm import tqdm  # start-up cost: tqdm is needed only here
+
+    return tqdm(stages, desc=what, unit="stage", disable=None, leave=False, dynamic_ncols=True)
+
+
+def describe_plans(
+    placement_lines, device_plan, host_plan, device_stages, nvme_dir, offload
+) -> list[str]:
+    """The start-up plans, for the log."""
+    lines = [*placement_lines, device_plan.describe(), host_plan.describe()]
+    if device_stages:
+        n = len(device_stages)
+        lines.append(
+            f"optimizer state of {n} stage{'s' * (n > 1)} on the device, updated "
+            f"there ({', '.join(device_stages)}; offload.optimizer_device_stages)"
+        )
+    if nvme_dir is not None:
+        lines.append(
+            f"nvme: {nvme_dir} (offload.optimizer={offload.optimizer}, "
+            f"offload.params={offload.params}, offload.activations={offload.activations})"
+        )
+    return lines
+
+
 def init_state(
     config: Config,
     model,
@@ -176,7 +203,6 @@ def init_state(
     states,
     params,
     sharding,
-    progress,
 ) -> None:
     """Initialises each stage straight into the optimizer's memory as an fp32 slab; the
     same keys as ``model.init``, so the params equal the in-memory runtime's. With

@@ -52,8 +52,9 @@ from hetjax.memory import DeviceCache, Offload, plan_device, plan_host
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.update_loop import UpdateLoop
 from hetjax.runtime import setup, state_io
+from hetjax.runtime.boundaries import Boundaries
 from hetjax.runtime.grads import DeviceGradients, StepGradients
-from hetjax.runtime.ledger import Ledger, device_bytes
+from hetjax.runtime.ledger import IoMeter, Ledger
 from hetjax.runtime.placement import SingleDevice
 from hetjax.runtime.setup import layout_name
 from hetjax.runtime.stages import StageFunctions, StageMemory, stage_layouts
@@ -131,17 +132,9 @@ class StreamingRuntime:
         self.states, self.param_store = stores.states, stores.params
         self.grad_store, self.swap = stores.grads, stores.swap
         setup.init_state(
-            config,
-            self.model,
-            self.layouts,
-            self.stage_names,
-            self._opt_of,
-            placement.own_slab,
-            self.states,
-            self.param_store,
-            self.shardings.optimizer,
-            _progress,
-        )
+            config, self.model, self.layouts, self.stage_names, self._opt_of,
+            placement.own_slab, self.states, self.param_store, self.shardings.optimizer,
+        )  # fmt: skip
         self.loop = UpdateLoop(
             self.optimizer,
             self.states,
@@ -167,8 +160,9 @@ class StreamingRuntime:
         self.resident: dict[str, jax.Array] = {}
         self._refresh_resident()
         self._step: StepGradients | None = None
-        self._boundary_host_peak = 0  # offload.activations=host: their peak this step
-        self._io_mark = self._nvme_io_totals()  # initialisation's writes are no step's
+        self.boundaries = Boundaries(off.activations, L, self.swap, placement.put_batch)
+        # NVMe I/O per step: initialisation's writes are no step's
+        self.io = IoMeter([self.states, self.param_store, self.grad_store, self.swap])
         fp16 = config.model.compute_dtype == "float16"
         self.loss_scale = LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None
 
@@ -212,9 +206,7 @@ class StreamingRuntime:
         if not sync:  # pick up whatever the loop has published since the last step
             self._refresh_resident()
         self.ledger.reset_peak()
-        self._boundary_host_peak = 0
-        if self.swap is not None:
-            self.swap.reset_peak()
+        self.boundaries.reset_peak()
         step = self._gradients(batch, scale, poison, self.loop if sync else None)
         loss = float(np.mean([float(v) for v in step.losses]))
         grad_norm = step.norm()
@@ -279,24 +271,23 @@ class StreamingRuntime:
         backward_uses = [self.block_names[i] for i in reversed(range(first_kept))]
         window = self._window(self.block_names + backward_uses)
         pending: collections.deque = collections.deque()  # grads in flight to the host
-        if self.swap is not None:
-            self.swap.begin()  # the previous micro-batch's boundary writes are done
+        boundaries = self.boundaries
+        boundaries.begin()
 
         x = fns.embed_fwd(embed, tokens)  # (B, T, D)
         timeline.watch("compute", "embed fwd", x)
-        boundaries: list[Any] = [None] * L
         kept: list[Any] = [None] * L  # the kept blocks' vjps (their residuals)
         for i in range(L):
             slab = window.get(i)
             if i >= first_kept:
                 x, kept[i] = fns.block_fwd_keep(slab, x)
             else:
-                boundaries[i] = self._store_boundary(i, x)
+                boundaries.store(i, x)
                 x = fns.block_fwd(slab, x)
             timeline.watch("compute", f"block{i} fwd", x, after=slab)
             del slab  # the window decides when a slab goes; hold no reference past it
             window.done(i)
-            self._account(window, boundaries, pending, x, kept)
+            self._account(window, pending, x, kept)
 
         seed = jnp.asarray(self._step.seed, F32)  # the loss is fp32; fp16 cannot hold scales
         loss, dh, de_head, dx = fns.head_fwd_bwd(head, embed, x, targets, seed)
@@ -306,7 +297,7 @@ class StreamingRuntime:
         self._grad_out("embed", de_head, pending)
         del dh, de_head
 
-        next_x = self._load_boundary(first_kept - 1, boundaries) if first_kept else None
+        next_x = boundaries.load(first_kept - 1) if first_kept else None
         for i in reversed(range(L)):
             if i >= first_kept:
                 db, dx = fns.block_bwd_kept(kept[i], dx)
@@ -316,50 +307,25 @@ class StreamingRuntime:
                 j = L + first_kept - 1 - i  # position in the window's use order
                 slab, x_in = window.get(j), next_x
                 if i > 0:  # prefetch the next boundary while this block computes
-                    next_x = self._load_boundary(i - 1, boundaries)
+                    next_x = boundaries.load(i - 1)
                 db, dx = fns.block_bwd(slab, x_in, dx)
                 timeline.watch("compute", f"block{i} bwd", (db, dx), after=(slab, x_in))
-                boundaries[i] = None
+                boundaries.drop(i)
                 del x_in, slab
                 window.done(j)
             self._grad_out(self.block_names[i], db, pending)
             del db
-            self._account(window, boundaries, pending, dx, kept)
+            self._account(window, pending, dx, kept)
 
         de = fns.embed_bwd(embed, tokens, dx)
         timeline.watch("compute", "embed bwd", de)
         self._grad_out("embed", de, pending)
         if self.device_stages:  # the device cache's updates are dispatched by now
-            self._account(window, boundaries, pending, de)
+            self._account(window, pending, de)
         del de
         while pending:
             self._step.add(*pending.popleft())
         return loss
-
-    def _store_boundary(self, i: int, x: jax.Array) -> jax.Array | None:
-        """Keeps block i's input: on the device (returned as is), in host RAM (its copy
-        is returned), or swapped to NVMe through host RAM (None: the swap holds it)."""
-        tier = self.config.offload.activations
-        if tier == "device":
-            return x
-        host = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
-        timeline.watch("device_to_host", "boundary", host, after=x)
-        if tier == "nvme":
-            self.swap.put(i, host)
-            return None
-        return host
-
-    def _load_boundary(self, i: int, boundaries: list) -> jax.Array:
-        """Block i's input on the device (for its backward)."""
-        if self.swap is not None:
-            x = self.placement.put_batch(self.swap.get(i))  # waits for its read from NVMe
-            timeline.watch("host_to_device", "boundary", x)
-            return x
-        held = boundaries[i]
-        x = jax.device_put(held, held.sharding.with_memory_kind("device"))  # no-op if there
-        if x is not held:
-            timeline.watch("host_to_device", "boundary", x, after=held)
-        return x
 
     def _grad_out(self, name: str, g, pending) -> None:
         """Hands a stage's gradient on: summed and updated on the device (the
@@ -375,23 +341,18 @@ class StreamingRuntime:
         while len(pending) > 2:
             self._step.add(*pending.popleft())
 
-    def _account(self, window, boundaries, pending, *transients) -> None:
+    def _account(self, window, pending, *transients) -> None:
         held = [
             *self.resident.values(),
             *window.cache.values(),
-            *boundaries,
+            *self.boundaries.arrays(),
             *(g for _, g in pending),
             *transients,
         ]
         if self.device_stages:  # the device cache's params and gradients
             held += self.param_store.device_arrays() + self.loop.device_grads()
             held += list(self._step.device_grads.values())
-        staged = 0  # NVMe swap: boundaries in host RAM, outside JAX
-        if self.swap is not None:
-            staged = self.swap.host_bytes()
-        elif self.config.offload.activations == "host":
-            in_ram = sum(device_bytes(b) for b in boundaries if b is not None)
-            self._boundary_host_peak = max(self._boundary_host_peak, in_ram)
+        staged = self.boundaries.staged_bytes()  # NVMe swap: host RAM outside JAX
         # optimizer state on the device: a running sum (its chunks are many)
         self.ledger.record(held, staged, self.states.device_bytes())
         if self.probe is not None:
@@ -401,16 +362,12 @@ class StreamingRuntime:
         """The step's report fields: bytes per tier, NVMe I/O, optimizer work."""
         host = self.param_store.host_bytes() + self.states.host_bytes() + step.peak_bytes
         # boundaries in host RAM at their peak during the step (offload.activations)
-        host += self.swap.peak_host_bytes if self.swap is not None else self._boundary_host_peak
-        stores = [self.states, self.param_store, self.grad_store]
-        stores += [self.swap] if self.swap is not None else []
-        io = self._nvme_io_totals()
-        read, written = io[0] - self._io_mark[0], io[1] - self._io_mark[1]
-        self._io_mark = io
+        host += self.boundaries.peak_host_bytes
+        read, written = self.io.take()
         metrics = {
             "device_bytes_peak": int(self.ledger.peak.get("device", 0)),
             "host_bytes": int(host),
-            "nvme_bytes": int(sum(s.nvme_bytes for s in stores)),
+            "nvme_bytes": int(self.io.nvme_bytes),
             "optimizer_s": waited,  # optimizer time the step waited for
             "optimizer_busy_s": work.busy_s,  # time the loop worked (overlapped or not)
             "optimizer_params": work.params,  # parameters updated (padded slabs, redos too)
@@ -424,11 +381,6 @@ class StreamingRuntime:
         if self.config.optimizer.mode == "lockfree":
             metrics["optimizer_lag_steps"] = self.loop.unapplied
         return metrics
-
-    def _nvme_io_totals(self) -> tuple[int, int]:
-        stores = [self.states, self.param_store, self.grad_store]
-        stores += [self.swap] if self.swap is not None else []
-        return sum(s.read_bytes for s in stores), sum(s.write_bytes for s in stores)
 
     # -- evaluation and state -----------------------------------------------------------
 
@@ -451,21 +403,10 @@ class StreamingRuntime:
 
     def plan_lines(self) -> list[str]:
         """The start-up plans, for the log."""
-        lines = [*self.placement.describe(self.layouts)]
-        lines += [self.plan.describe(), self.host_plan.describe()]
-        if self.device_stages:
-            n = len(self.device_stages)
-            lines.append(
-                f"optimizer state of {n} stage{'s' * (n > 1)} on the device, updated "
-                f"there ({', '.join(self.device_stages)}; offload.optimizer_device_stages)"
-            )
-        if self.nvme_dir is not None:
-            off = self.config.offload
-            lines.append(
-                f"nvme: {self.nvme_dir} (offload.optimizer={off.optimizer}, "
-                f"offload.params={off.params}, offload.activations={off.activations})"
-            )
-        return lines
+        return setup.describe_plans(
+            self.placement.describe(self.layouts), self.plan, self.host_plan,
+            self.device_stages, self.nvme_dir, self.config.offload,
+        )  # fmt: skip
 
     def settle(self) -> None:
         if self.config.optimizer.mode == "lockfree":
@@ -494,7 +435,8 @@ class StreamingRuntime:
         if self.config.optimizer.mode == "lockfree":
             self.loop.drain()
         self.loop.reload()
-        stages = _progress(self.stage_names, f"restoring state ({self.config.offload.optimizer})")
+        what = f"restoring state ({self.config.offload.optimizer})"
+        stages = setup.progress(self.stage_names, what)
         state_io.restore(
             state, stages, self.layouts, self._opt_of, self.placement.own_slab, self.states,
             self.param_store,
@@ -504,7 +446,7 @@ class StreamingRuntime:
                 scale=jnp.float32(state.loss_scale[0]), good_steps=jnp.int32(state.loss_scale[1])
             )
         self._refresh_resident()
-        self._io_mark = self._nvme_io_totals()  # the restore's writes are no step's
+        self.io.mark()  # the restore's writes are no step's
 
     def close(self) -> None:
         self.loop.close()
@@ -512,11 +454,3 @@ class StreamingRuntime:
             self.swap.close()
         if self.nvme_dir is not None and self._temporary_nvme:
             shutil.rmtree(self.nvme_dir, ignore_errors=True)
-
-
-def _progress(stages: list[str], what: str):
-    """A progress bar over stages for the long start-up phases (NVMe initialisation,
-    restore), on a terminal only (tqdm's ``disable=None``); gone when done."""
-    from tqdm import tqdm  # start-up cost: tqdm is needed only here
-
-    return tqdm(stages, desc=what, unit="stage", disable=None, leave=False, dynamic_ncols=True)

@@ -1,0 +1,83 @@
+"""A micro-batch's block-boundary activations (*boundaries*: each block's input, kept
+from forward for the block's recompute in backward), where ``offload.activations``
+puts them: on the device, in host RAM, or swapped through host RAM to NVMe
+(:class:`~hetjax.storage.swap.BoundarySwap`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from hetjax import timeline
+from hetjax.runtime.ledger import device_bytes
+
+
+class Boundaries:
+    """Block i's input from its forward to its backward, for ``num_layers`` blocks.
+    ``tier``: ``offload.activations``; ``swap``: the NVMe swap (tier ``nvme`` only);
+    ``put_batch``: places a host array on the device like a batch."""
+
+    def __init__(self, tier: str, num_layers: int, swap, put_batch):
+        self.tier, self.swap, self.put_batch = tier, swap, put_batch
+        self.held: list[Any] = [None] * num_layers
+        self._peak = 0  # boundaries in host RAM (tier host) at their peak
+
+    def begin(self) -> None:
+        """A micro-batch starts: the previous one's boundaries are gone (and its writes
+        to NVMe done)."""
+        self.held = [None] * len(self.held)
+        if self.swap is not None:
+            self.swap.begin()
+
+    @property
+    def peak_host_bytes(self) -> int:
+        """Host RAM the boundaries held at their peak since ``reset_peak``."""
+        return self.swap.peak_host_bytes if self.swap is not None else self._peak
+
+    def reset_peak(self) -> None:
+        self._peak = 0
+        if self.swap is not None:
+            self.swap.reset_peak()
+
+    def store(self, i: int, x: jax.Array) -> None:
+        """Keeps block i's input ``x``: as is on the device, as its copy in host RAM, or
+        handed to the swap (which holds it until written)."""
+        if self.tier == "device":
+            self.held[i] = x
+            return
+        host = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+        timeline.watch("device_to_host", "boundary", host, after=x)
+        if self.tier == "nvme":
+            self.swap.put(i, host)
+        else:
+            self.held[i] = host
+
+    def load(self, i: int) -> jax.Array:
+        """Block i's input on the device (for its backward); dispatched early, the copy
+        overlaps the block before it."""
+        if self.swap is not None:
+            x = self.put_batch(self.swap.get(i))  # waits for its read from NVMe
+            timeline.watch("host_to_device", "boundary", x)
+            return x
+        held = self.held[i]
+        x = jax.device_put(held, held.sharding.with_memory_kind("device"))  # no-op if there
+        if x is not held:
+            timeline.watch("host_to_device", "boundary", x, after=held)
+        return x
+
+    def drop(self, i: int) -> None:
+        self.held[i] = None
+
+    def arrays(self) -> list[jax.Array]:
+        """The JAX arrays held (device or pinned host), for the ledger."""
+        return [b for b in self.held if b is not None]
+
+    def staged_bytes(self) -> int:
+        """Host bytes held outside JAX (the swap's buffers), for the ledger; notes the
+        peak of boundaries in host RAM."""
+        if self.swap is not None:
+            return self.swap.host_bytes()
+        if self.tier == "host":
+            self._peak = max(self._peak, sum(device_bytes(b) for b in self.arrays()))
+        return 0
