@@ -109,10 +109,18 @@ def test_llama_stream_equals_none(reference, tiny, tmp_path, offload):
     assert_training_equal(result, reference, build_model(config.model), check_tokens())
 
 
+# Tied, the embedding's gradient is the sum of the head's part and the embed backward's,
+# added in another order than the reference's (float32, ~1e-7); AdamW's first steps divide
+# small gradients by their own size and amplify that beyond 1e-5 (measured: k_proj.kernel
+# 1.15e-6 against a bound of 8.2e-7; tests/test_zero.py's docstring). SGD with momentum
+# compares the sum itself at the same tolerance.
+TIED_SGD = dict(name="sgd", lr=0.1)
+
+
 @pytest.mark.slow
 def test_tied_llama_stream_equals_none(tiny, tmp_path):
     model = {**LLAMA, "tie_embeddings": True}
-    ref = train(tiny(model=model, train=SHORT), tmp_path / "ref", verbose=False)
-    config = tiny(model=model, train=SHORT, offload=dict(mode="stream"))
+    ref = train(tiny(model=model, train=SHORT, optimizer=TIED_SGD), tmp_path / "ref", verbose=False)
+    config = tiny(model=model, train=SHORT, optimizer=TIED_SGD, offload=dict(mode="stream"))
     result = train(config, tmp_path / "stream", verbose=False)
     assert_training_equal(result, ref, build_model(config.model), check_tokens())
