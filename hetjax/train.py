@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hetjax import timeline
+from hetjax import census, timeline
 from hetjax.allocator import tune_host_allocator
 from hetjax.checkpoint import Checkpointer, check_compatible, checkpoint_dir
 from hetjax.config import Config, ConfigError
@@ -212,6 +212,7 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
                 peak,
                 grad_norm=stats.grad_norm,
                 **stats.metrics,
+                **census.step_fields(),  # the process's RSS and what malloc holds
             )
             if trace is not None:
                 trace.write(workdir / "trace")

@@ -5,9 +5,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests (and the child processes of the crash tests, which inherit this) compile the
 # same small programs: a persistent compilation cache halves their CPU time.
+# One cache per pytest-xdist worker: JAX writes cache entries without a lock, so a
+# worker could read another's half-written entry.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax"),
+    os.path.join(
+        os.path.dirname(os.path.dirname(__file__)),
+        ".pytest_cache",
+        "jax-" + os.environ.get("PYTEST_XDIST_WORKER", "main"),
+    ),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
