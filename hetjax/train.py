@@ -52,10 +52,11 @@ def build_runtime(config: Config, workdir: str | Path | None = None) -> Runtime:
 
 @dataclasses.dataclass
 class TrainResult:
-    losses: list[float]
-    val_loss: float
+    losses: list[float]  # the steps this call ran
+    val_loss: float  # NaN without train.eval_batches
     params: Any
     records: list[dict[str, Any]]
+    workdir: Path  # where metrics.jsonl and summary.json were written (process 0)
 
 
 class Faults:
@@ -266,7 +267,7 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
             runtime.close()
         if ckpt is not None:
             ckpt.manager.close()
-    return TrainResult(losses, val_loss, params, records)
+    return TrainResult(losses, val_loss, params, records, workdir)
 
 
 def _open_checkpoints(config: Config, workdir: Path, out: MetricsWriter) -> Checkpointer:
