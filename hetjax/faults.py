@@ -64,7 +64,7 @@ class Faults:
 
     def arm(self, step: int) -> None:
         """Arms the :data:`IN_RUNTIME` faults due at ``step``: each stays armed until the
-        runtime's work reaches it (:func:`fire`) or the run ends (:func:`disarm`)."""
+        runtime's work reaches it (:func:`fire`) or the run ends (:meth:`disarm`)."""
         due = {kind for kind in IN_RUNTIME if self.hit(kind, step)}
         if due:
             with _lock:

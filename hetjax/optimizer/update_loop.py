@@ -238,7 +238,7 @@ class UpdateLoop:
             e = self._error
             raise TrainingError(
                 f"the host optimizer loop failed {self._doing}: {type(e).__name__}: {e}. "
-                "This step is not saved; the run resumes from its newest checkpoint"
+                "The checkpoints written are intact: the run resumes from the newest"
             ) from e
 
     def _run(self) -> None:
