@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -22,8 +20,9 @@ import numpy as np
 from hetjax import census, timeline
 from hetjax.allocator import tune_host_allocator
 from hetjax.checkpoint import Checkpointer, check_compatible, checkpoint_dir
-from hetjax.config import Config, ConfigError
+from hetjax.config import Config
 from hetjax.data import make_datasets
+from hetjax.faults import Faults
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, step_record
 from hetjax.planning.auto import resolve_auto
 from hetjax.runtime.in_memory import InMemoryRuntime
@@ -52,47 +51,11 @@ def build_runtime(config: Config, workdir: str | Path | None = None) -> Runtime:
 
 @dataclasses.dataclass
 class TrainResult:
-    losses: list[float]
-    val_loss: float
+    losses: list[float]  # the steps this call ran
+    val_loss: float  # NaN without train.eval_batches
     params: Any
     records: list[dict[str, Any]]
-
-
-class Faults:
-    """Fault injection for the crash and divergence tests, from the environment:
-    ``HETJAX_FAULTS="nan@3,kill_saving@4"``. ``nan@N`` makes step N's gradients NaN;
-    ``kill_mid_step@N`` SIGKILLs the process while step N runs; ``kill_saving@N`` right
-    after the checkpoint of step N is handed to the background writer;
-    ``kill_saved@N`` once that checkpoint is complete."""
-
-    KINDS = ("nan", "kill_mid_step", "kill_saving", "kill_saved")
-
-    def __init__(self, spec: str = ""):
-        self.at: dict[str, set[int]] = {k: set() for k in self.KINDS}
-        for item in filter(None, (p.strip() for p in spec.split(","))):
-            kind, _, step = item.partition("@")
-            if kind not in self.KINDS or not step.isdigit():
-                raise ConfigError(
-                    f"HETJAX_FAULTS item {item!r}: expected <kind>@<step> with kind one of "
-                    f"{', '.join(self.KINDS)}"
-                )
-            self.at[kind].add(int(step))
-
-    @classmethod
-    def from_env(cls) -> Faults:
-        return cls(os.environ.get("HETJAX_FAULTS", ""))
-
-    def hit(self, kind: str, step: int) -> bool:
-        """Whether fault ``kind`` is due at ``step``; each fires once (a step redone
-        after a rollback runs clean)."""
-        if step in self.at[kind]:
-            self.at[kind].discard(step)
-            return True
-        return False
-
-    @staticmethod
-    def kill() -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
+    workdir: Path  # where metrics.jsonl and summary.json were written (process 0)
 
 
 def _kill_later(seconds: float) -> threading.Timer:
@@ -196,6 +159,7 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
             recorder = (
                 timeline.Recorder(step) if t.trace_every and step % t.trace_every == 0 else None
             )
+            faults.arm(step)  # the faults inside the runtime's work (hetjax/faults.py)
             with timeline.recording(recorder):
                 stats = runtime.train_step(batch, poison=faults.hit("nan", step))
             if killer is not None:
@@ -262,12 +226,13 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
         if ckpt is not None:
             ckpt.wait()  # the last checkpoint is complete before the run says it is done
     finally:
+        faults.disarm()
         out.close()
         if runtime is not None:
             runtime.close()
         if ckpt is not None:
             ckpt.manager.close()
-    return TrainResult(losses, val_loss, params, records)
+    return TrainResult(losses, val_loss, params, records, workdir)
 
 
 def _open_checkpoints(config: Config, workdir: Path, out: MetricsWriter) -> Checkpointer:

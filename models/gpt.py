@@ -10,8 +10,10 @@ Stages (see :class:`models.staged.StagedModel`):
   ``blocks`` params of one block, stacked on a leading layer axis L; x -> x
   ``head``   params {ln_f}; with embed's wte (tied)    x, targets -> mean token loss
 
-Parameters are stored in ``param_dtype`` (fp32 master); matmuls run in
-``compute_dtype``; LayerNorm statistics, softmax and the loss are computed in fp32.
+Parameters are stored in ``param_dtype`` (fp32 master); every stage computes with its
+params cast to ``compute_dtype`` (LayerNorm scales and biases too: the streaming runtime
+holds them so), matmuls run in ``compute_dtype``; LayerNorm statistics, softmax and the
+loss are computed in fp32.
 """
 
 from __future__ import annotations

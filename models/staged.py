@@ -80,10 +80,11 @@ class StagedModel(Protocol):
         ``embed_params`` is there for heads tied to the embedding; others ignore it."""
 
     def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
-        """The whole model: tokens (B, T) -> fp32 logits (B, T, V)."""
+        """The whole model: tokens (B, T) -> fp32 logits (B, T, V). Each stage computes
+        with its params cast to the compute dtype, as the streaming runtime runs it."""
 
     def loss(self, params: Params, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-        """The whole model's mean token cross-entropy."""
+        """The whole model's mean token cross-entropy (stages as in :meth:`logits`)."""
 
     def param_count(self) -> int: ...
 
@@ -168,14 +169,27 @@ class FlaxStages:
         return token_loss(self.head_logits(head_params, embed_params, x), targets)
 
     # -- whole model (the in-memory reference) --------------------------------------------
+    #
+    # The stages compute the same function here as under the streaming runtime, which
+    # holds every stage's params in the compute dtype: each stage gets its params cast to
+    # ``compute_dtype`` (LayerNorm scales and embeddings too, not only the matmul weights
+    # a Flax ``dtype`` casts), and a head tied to the embedding gets a cast of its own, so
+    # the two gradients of the tied weight add in fp32 (the streaming runtime adds them on
+    # the host), not in the compute dtype. Casts to fp32 are no-ops.
 
     def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
-        x = self._run_blocks(params["blocks"], self.embed(params["embed"], tokens))
-        return self.head_logits(params["head"], params["embed"], x)
+        c = self._compute
+        x = self._run_blocks(c(params["blocks"]), self.embed(c(params["embed"]), tokens))
+        return self.head_logits(c(params["head"]), c(params["embed"]), x)
 
     def loss(self, params: Params, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-        x = self._run_blocks(params["blocks"], self.embed(params["embed"], tokens))
-        return self.head_loss(params["head"], params["embed"], x, targets)
+        c = self._compute
+        x = self._run_blocks(c(params["blocks"]), self.embed(c(params["embed"]), tokens))
+        return self.head_loss(c(params["head"]), c(params["embed"]), x, targets)
+
+    def _compute(self, params: Params) -> Params:
+        """Params (fp32 masters) as a stage computes with them: in ``compute_dtype``."""
+        return jax.tree.map(lambda a: a.astype(self.config.compute_dtype), params)
 
     def _run_blocks(self, blocks: Params, x: jax.Array) -> jax.Array:
         # remat: keep only block-boundary activations and recompute each block's inside

@@ -6,7 +6,11 @@ times the tensor's largest magnitude. Elementwise relative error is not used bec
 Adam divides near-zero gradients by their own RMS, so elements of size ~1e-7 legitimately
 differ in their last bits between two summation orders."""
 
+import json
+import math
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -46,6 +50,39 @@ def assert_losses_close(actual, expected, rtol: float = 1e-5) -> None:
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol)
 
 
+def read_summary(result) -> dict:
+    """``summary.json`` of a :class:`~hetjax.train.TrainResult`'s run, checked against
+    what ``train`` returned: the file holds the run's own losses (exactly: JSON keeps a
+    float's every bit), its validation loss and its last step."""
+    summary = json.loads((result.workdir / "summary.json").read_text())
+    assert _same(summary["val_loss"], result.val_loss), (summary, result.val_loss)
+    if result.losses:
+        assert summary["first_loss"] == result.losses[0], (summary, result.losses)
+        assert summary["last_loss"] == result.losses[-1], (summary, result.losses)
+        assert summary["steps"] == result.records[-1]["step"], summary
+    return summary
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def assert_evaluation_equal(actual, expected, rtol: float = 1e-5) -> None:
+    """The validation loss (``train.eval_batches``; the published compute-dtype params)
+    within ``rtol``, NaN in both runs or in neither; and each run's ``summary.json``
+    (read back and checked against its result): first and last training loss and
+    validation loss within ``rtol``, the same number of steps."""
+    assert math.isnan(actual.val_loss) == math.isnan(expected.val_loss), (
+        actual.val_loss,
+        expected.val_loss,
+    )
+    assert_losses_close([actual.val_loss], [expected.val_loss], rtol)
+    a, e = read_summary(actual), read_summary(expected)
+    assert a["steps"] == e["steps"], (a, e)
+    for key in ("first_loss", "last_loss", "val_loss"):
+        assert_losses_close([a[key]], [e[key]], rtol)
+
+
 def without_key_bias(params):
     """A copy of GPT params with the attention key bias zeroed.
 
@@ -63,14 +100,14 @@ def without_key_bias(params):
 
 
 def assert_gpt_training_equal(actual, expected, model=None, tokens=None, rtol=1e-5) -> None:
-    """Per-step losses and final params (key bias aside, see above) within ``rtol``;
-    with ``model`` and ``tokens``, the final logits too."""
+    """Per-step losses, final params (key bias aside, see above), validation loss and
+    ``summary.json`` (:func:`assert_evaluation_equal`) within ``rtol``; with ``model``
+    and ``tokens``, the final logits too."""
     assert_losses_close(actual.losses, expected.losses, rtol)
+    assert_evaluation_equal(actual, expected, rtol)
     assert_trees_close(without_key_bias(actual.params), without_key_bias(expected.params), rtol)
     if model is not None:
-        a = np.asarray(model.logits(actual.params, tokens), np.float64)
-        e = np.asarray(model.logits(expected.params, tokens), np.float64)
-        assert np.abs(a - e).max() <= rtol * np.abs(e).max(), np.abs(a - e).max()
+        assert_logits_close(model, actual.params, expected.params, tokens, rtol)
 
 
 def check_fp16_overflow_skips_then_trains(runtime, batch) -> None:
@@ -91,12 +128,24 @@ def check_fp16_overflow_skips_then_trains(runtime, batch) -> None:
 
 
 def assert_training_equal(actual, expected, model=None, tokens=None, rtol=1e-5) -> None:
-    """Per-step losses and every final param within ``rtol``; with ``model`` and
-    ``tokens``, the final logits too. For models without an attention key bias (Llama,
-    user-defined blocks); GPT uses :func:`assert_gpt_training_equal`."""
+    """Per-step losses, every final param, validation loss and ``summary.json`` within
+    ``rtol``; with ``model`` and ``tokens``, the final logits too. For models without an
+    attention key bias (Llama, user-defined blocks); GPT uses
+    :func:`assert_gpt_training_equal`."""
     assert_losses_close(actual.losses, expected.losses, rtol)
+    assert_evaluation_equal(actual, expected, rtol)
     assert_trees_close(actual.params, expected.params, rtol)
     if model is not None:
-        a = np.asarray(model.logits(actual.params, tokens), np.float64)
-        e = np.asarray(model.logits(expected.params, tokens), np.float64)
-        assert np.abs(a - e).max() <= rtol * np.abs(e).max(), np.abs(a - e).max()
+        assert_logits_close(model, actual.params, expected.params, tokens, rtol)
+
+
+def assert_logits_close(model, actual_params, expected_params, tokens, rtol: float) -> None:
+    """The model's logits on ``tokens`` with both params within ``rtol`` of the largest,
+    or within one rounding of the model's compute dtype if that is coarser: the logits
+    are compute-dtype values, so params that differ in their last fp32 bits may flip a
+    logit's rounding, by one ulp (at most eps times the logit; bf16 2^-7, fp16 2^-10)."""
+    eps = float(jnp.finfo(jnp.dtype(model.config.compute_dtype)).eps)
+    a = np.asarray(model.logits(actual_params, tokens), np.float64)
+    e = np.asarray(model.logits(expected_params, tokens), np.float64)
+    tol = max(rtol, eps) * np.abs(e).max()
+    assert np.abs(a - e).max() <= tol, (np.abs(a - e).max(), tol)

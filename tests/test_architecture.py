@@ -13,7 +13,7 @@ LAYERS = [
     {"hetjax.runtime"},
     {"hetjax.optimizer"},
     {"hetjax.storage", "hetjax.hf", "hetjax.data", "hetjax.distributed", "models"},
-    {"hetjax.memory", "hetjax.allocator", "hetjax.timeline", "hetjax.census"},
+    {"hetjax.memory", "hetjax.allocator", "hetjax.timeline", "hetjax.census", "hetjax.faults"},
     {"hetjax.config", "hetjax.config_help", "hetjax.config_values", "hetjax.types"},
 ]
 

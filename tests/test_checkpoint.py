@@ -1,11 +1,14 @@
 """Checkpoints and resume (hetjax/checkpoint.py, the loop in hetjax/train.py).
 
 Crash tests run training in a child process (``python -m hetjax.launch``) and kill it
-with SIGKILL at a chosen point (``HETJAX_FAULTS``, see ``train.Faults``); the resumed
-run must end with exactly the params of an uninterrupted run. Checkpoints are real orbax
-directories, the optimizer state real TensorStore files."""
+with SIGKILL at a chosen point, or make its optimizer thread or an NVMe write fail
+(``HETJAX_FAULTS``, see ``hetjax/faults.py``); the resumed run must end with exactly the
+params of an uninterrupted run. Checkpoints are real orbax directories, the optimizer
+state real TensorStore files."""
 
+import errno
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import tensorstore as ts
 from conftest import tiny_config
 from equivalence import assert_gpt_training_equal, assert_trees_close, without_key_bias
 
@@ -22,6 +26,7 @@ from hetjax.checkpoint import main as checkpoint_main
 from hetjax.config import ConfigError
 from hetjax.optimizer.build import build_optimizer, optax_tree_slots
 from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.storage.params import NvmeParamStore
 from hetjax.train import train
 from hetjax.types import CheckpointError, TrainingError
 
@@ -120,6 +125,61 @@ def test_resume_in_memory_is_exact(tmp_path):
     resumed = train(cfg, tmp_path / "run", verbose=False)
     assert len(resumed.losses) == STEPS - 2
     jax.tree.map(np.testing.assert_array_equal, resumed.params, reference.params)
+
+
+# -- failures inside the runtime ----------------------------------------------------------
+
+
+# Default-run representative: the NVMe write (it reaches the training thread through the
+# optimizer thread, which issues the write); the optimizer thread's own raise is -m slow.
+@pytest.mark.parametrize(
+    "fault, saved, error",
+    [
+        (
+            "nvme_write_fail@4",
+            2,
+            r"OSError: .*NVMe write of optimizer master pages \d+\+\d+ failed "
+            r"\(HETJAX_FAULTS nvme_write_fail\)",
+        ),
+        pytest.param(
+            "optimizer_raise@5",
+            4,
+            r"updating head: InjectedFault: HETJAX_FAULTS optimizer_raise",
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["nvme-write", "optimizer-thread"],
+)
+def test_runtime_failure_stops_with_its_cause_then_resume_equals_uninterrupted(
+    fault, saved, error, uninterrupted_nvme, tmp_path
+):
+    """A failed NVMe write of the optimizer state, or an exception in the host optimizer
+    loop's thread, during step N: the run stops with an error naming the optimizer loop
+    and the cause (not a hang: ``launch`` runs it under a timeout; not a traceback), the
+    failed step is not checkpointed (the newest checkpoint is the one before), and
+    resuming from the workdir ends exactly as the uninterrupted run."""
+    cfg = config(NVME)
+    proc = launch(cfg, tmp_path, faults=fault, expect_rc=1)
+    failed = re.search(r"hetjax: error: the host optimizer loop failed .*" + error, proc.stderr)
+    assert failed, proc.stderr[-3000:]
+    assert saved_params(tmp_path)[1]["step"] == saved
+    resumed = train(cfg, tmp_path, verbose=False)
+    assert len(resumed.losses) == STEPS - saved
+    np.testing.assert_array_equal(resumed.losses, uninterrupted_nvme.losses[saved:])
+    jax.tree.map(np.testing.assert_array_equal, resumed.params, uninterrupted_nvme.params)
+
+
+def test_param_write_failing_before_the_commit_is_raised_not_dropped(tmp_path, monkeypatch):
+    """A write of published params that fails after ``publish`` checked it, but before
+    the commit: the commit raises its error. (It used to forget completed writes unread,
+    and the next forward read the stage's stale generation.)"""
+    store = NvmeParamStore(tmp_path, np.float32, {"head": (0, 1)}, page_elems=4)
+    promise, write = ts.Promise.new()
+    monkeypatch.setattr(store.disk[0], "write", lambda kind, first, data: write)
+    store.publish("head", [np.ones(4, np.float32)])
+    promise.set_exception(OSError(errno.EIO, "disk failed"))
+    with pytest.raises(OSError, match="disk failed"):
+        store.commit()
 
 
 # -- across placements and device counts --------------------------------------------------

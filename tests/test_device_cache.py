@@ -84,7 +84,7 @@ def test_device_cache_with_grad_accum_equals_none(tiny, tmp_path):
     # (float32, ~1e-7); AdamW divides the small ones by their own size and turns that
     # into parameter differences beyond 1e-5 of a tensor's max (tests/equivalence.py).
     # SGD with momentum compares the summation itself at the same tolerance.
-    accum = dict(steps=5, batch_size=4, seq_len=16, grad_accum=2, eval_batches=0)
+    accum = dict(steps=5, batch_size=4, seq_len=16, grad_accum=2, eval_batches=1)
     sgd = dict(name="sgd", lr=0.1, **CLIP)
     expected = train(tiny(train=accum, optimizer=sgd), tmp_path / "ref", verbose=False)
     config = _cached(tiny, 3, "nvme", train=accum, optimizer=sgd)  # summed on the device

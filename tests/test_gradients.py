@@ -12,7 +12,7 @@ from models import build_model
 
 EIGHT = dict(num_layers=8, d_model=32, num_heads=4, max_seq_len=32)  # 8 blocks of 64 KiB
 PAGES = dict(page_size="16KiB")
-STEPS = dict(steps=3, batch_size=4, seq_len=16, eval_batches=0, log_every=1)
+STEPS = dict(steps=3, batch_size=4, seq_len=16, eval_batches=1, log_every=1)
 
 
 def _config(tiny, clip: float, memory: dict):

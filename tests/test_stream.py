@@ -104,7 +104,7 @@ def test_nvme_checkpoints_equal_none(reference, tiny, tmp_path, monkeypatch):
     assert (tmp_path / "nvme" / "activations" / "boundaries" / "zarr.json").is_file()
 
 
-ACCUM = dict(steps=5, batch_size=4, seq_len=16, grad_accum=2, eval_batches=0)
+ACCUM = dict(steps=5, batch_size=4, seq_len=16, grad_accum=2, eval_batches=1)
 # Summed over micro-batches, gradients round differently from the reference's (float32,
 # ~1e-7); AdamW divides the small ones by their own size and turns that into parameter
 # differences beyond 1e-5 of a tensor's max (tests/equivalence.py, tests/test_zero.py).
@@ -132,6 +132,92 @@ def test_stream_equals_none_with_grad_accum(
     )
     result = train(config, tmp_path / "stream", verbose=False)
     assert_gpt_training_equal(result, accum_reference, build_model(config.model), check_tokens())
+
+
+# -- bf16 and fp16 compute (the GPU fast path) -------------------------------------------
+#
+# Offloaded vs in memory in the same compute dtype, the host tier (optimizer state and
+# params in host RAM) and the NVMe tier (both on NVMe). The tolerance, derived: both runs
+# start from the same fp32 masters and compute with the same compute-dtype casts of them
+# (each stage casting its own params: models/staged.py), through the same stage functions;
+# fp16 skips, halves and grows its loss scale by the same rule. So the first step's loss
+# is bit-identical (measured: a step's gradients are too, in bf16 and fp16), and a
+# difference there means the two compute different functions, as they did before the
+# reference cast every param (it kept LayerNorm and embedding params in fp32, and added
+# the tied embedding's two fp16 gradients in fp16). After that the runs differ only in
+# how their fp32 optimizers round (optax's jitted update vs the slab update), as in fp32
+# compute, where the tolerance is 1e-5 of a tensor; SGD with momentum passes those
+# differences on linearly (AdamW amplifies them: tests/test_zero.py's docstring). The
+# compute dtype widens them only where a master that differs in its last fp32 bits flips
+# its rounding to the compute dtype: about 1 in 2^16 such masters in bf16 (8 of fp32's 24
+# significand bits kept), 1 in 2^13 in fp16 (11 kept), each moving one parameter by one
+# ulp of the compute dtype (2^-8, 2^-11 relative) in the next forward, far below 1e-5 of a
+# loss or a tensor. Measured (tiny model, 5-6 steps, both tiers alike): losses
+# bit-identical; final params within 1.5e-7 (bf16) and 1.4e-7 (fp16) of a tensor's max;
+# validation loss bit-identical in bf16, 5.6e-7 apart in fp16; final logits equal in bf16,
+# one fp16 ulp apart in fp16 (tests/equivalence.py allows one); the same loss scales and
+# skipped steps.
+SGD = dict(name="sgd", lr=0.1)
+# From 2^18 the fp16 gradients overflow: step 1 is skipped and the scale halved, step 3
+# again, and with a growth period of 2 it doubles once at the end.
+FP16_SCALE = dict(loss_scale_init=2.0**18, loss_scale_period=2, steps=6)
+TIERS = {
+    "host": dict(mode="stream", optimizer="host", params="host"),
+    "nvme": dict(mode="stream", optimizer="nvme", params="nvme"),
+}
+
+
+def _dtype_config(dtype: str, offload: dict):
+    from conftest import tiny_config
+
+    train_overrides = FP16_SCALE if dtype == "float16" else {}
+    model = dict(num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype=dtype)
+    return tiny_config(
+        model=model,
+        optimizer=SGD,
+        offload=offload,
+        memory=dict(page_size="16KiB"),  # several pages a stage
+        train=dict(batch_size=4, seq_len=16, log_every=1, eval_batches=2, **train_overrides),
+    )
+
+
+@pytest.fixture(scope="module")
+def dtype_reference(tmp_path_factory):
+    """offload.mode=none in a compute dtype, run once per dtype."""
+    runs = {}
+
+    def reference(dtype: str):
+        if dtype not in runs:
+            config = _dtype_config(dtype, dict(mode="none"))
+            runs[dtype] = train(config, tmp_path_factory.mktemp(dtype), verbose=False)
+        return runs[dtype]
+
+    return reference
+
+
+# Default-run representatives (keep out of -m slow): [bfloat16-host] and [float16-nvme],
+# each dtype and each tier once; the other two run with -m slow.
+@pytest.mark.parametrize(
+    "dtype, tier",
+    [
+        ("bfloat16", "host"),
+        pytest.param("bfloat16", "nvme", marks=pytest.mark.slow),
+        pytest.param("float16", "host", marks=pytest.mark.slow),
+        ("float16", "nvme"),
+    ],
+)
+def test_stream_equals_none_in_compute_dtype(dtype_reference, tmp_path, dtype, tier):
+    reference = dtype_reference(dtype)
+    config = _dtype_config(dtype, TIERS[tier])
+    result = train(config, tmp_path, verbose=False)
+    assert result.losses[0] == reference.losses[0]  # the same function of the same params
+    assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
+    if dtype == "float16":
+        trajectory = lambda r: [(x["loss_scale"], x["skipped"]) for x in r.records]
+        assert trajectory(result) == trajectory(reference)
+        scales, skipped = zip(*trajectory(reference), strict=True)
+        assert any(skipped) and not all(skipped), skipped  # overflow skipped, and trained
+        assert any(b > a for a, b in zip(scales, scales[1:], strict=False)), scales  # grown
 
 
 @pytest.mark.slow  # activations on NVMe: test_nvme_checkpoints_equal_none in the default run

@@ -10,6 +10,7 @@ but AdamW's first steps divide gradients near ``eps`` by their own size, which t
 that rounding into parameter differences of up to ~7e-5 of a tensor's largest element
 in the tiny model (measured: ``blocks.c_fc.bias``), for any two summation orders."""
 
+import json
 import os
 import signal
 import socket
@@ -192,12 +193,18 @@ def _params_like(saved, reference):
 
 @pytest.mark.slow  # two child processes compile everything anew
 def test_two_processes_train_like_one(reference4, tmp_path):
-    """2 processes x 2 CPU devices over gloo equal the single-device run."""
+    """2 processes x 2 CPU devices over gloo equal the single-device run, validation
+    loss and summary.json too."""
     saved = _run_two_processes(tmp_path, *SGD_ARGS)
     np.testing.assert_allclose(saved["losses"], reference4.losses, rtol=1e-5)
+    np.testing.assert_allclose(saved["val_loss"], reference4.val_loss, rtol=1e-5)
     params = _params_like(saved, reference4.params)
     assert_trees_close(without_key_bias(params), without_key_bias(reference4.params))
-    assert not (tmp_path / "proc1" / "metrics.jsonl").exists()  # process 0 logs alone
+    summary = json.loads((tmp_path / "proc0" / "summary.json").read_text())
+    assert summary["val_loss"] == saved["val_loss"] and summary["steps"] == len(saved["losses"])
+    assert summary["last_loss"] == saved["losses"][-1]
+    for log in ("metrics.jsonl", "summary.json"):  # process 0 writes them alone
+        assert not (tmp_path / "proc1" / log).exists()
 
 
 @pytest.mark.slow

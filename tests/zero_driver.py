@@ -4,7 +4,7 @@
 
 The process group comes from HETJAX_COORDINATOR / HETJAX_NUM_PROCESSES /
 HETJAX_PROCESS_ID, as under ``python -m hetjax.launch``; overrides are config keys.
-Process 0 writes the losses and final params to ``WORKDIR/result.npz``."""
+Process 0 writes the losses, validation loss and final params to ``WORKDIR/result.npz``."""
 
 import sys
 from pathlib import Path
@@ -33,7 +33,12 @@ def main() -> None:
             jax.tree_util.keystr(p): a
             for p, a in jax.tree_util.tree_leaves_with_path(result.params)
         }
-        np.savez(workdir / "result.npz", losses=np.asarray(result.losses), **flat)
+        np.savez(
+            workdir / "result.npz",
+            losses=np.asarray(result.losses),
+            val_loss=np.asarray(result.val_loss),
+            **flat,
+        )
 
 
 if __name__ == "__main__":

@@ -67,9 +67,10 @@ from typing import Any
 
 import numpy as np
 
-from hetjax import timeline
+from hetjax import faults, timeline
+from hetjax.faults import InjectedFault
 from hetjax.storage.gradients import GradientStore
-from hetjax.types import OptimizerWork
+from hetjax.types import OptimizerWork, TrainingError
 
 
 class UpdateLoop:
@@ -117,6 +118,7 @@ class UpdateLoop:
         self._queue: queue.Queue = queue.Queue()
         self._reads: dict[str, Any] = {}
         self._error: BaseException | None = None
+        self._doing = "starting"  # what the thread does now: named if it fails
         # lock-free accumulation
         self._cv = threading.Condition()
         self._acc: dict[str, np.ndarray] | None = None
@@ -231,8 +233,13 @@ class UpdateLoop:
             self._thread.join()
 
     def _check(self) -> None:
+        """Raises the loop thread's error, if it failed, in the calling thread."""
         if self._error is not None:
-            raise RuntimeError("the host optimizer loop failed") from self._error
+            e = self._error
+            raise TrainingError(
+                f"the host optimizer loop failed {self._doing}: {type(e).__name__}: {e}. "
+                "The checkpoints written are intact: the run resumes from the newest"
+            ) from e
 
     def _run(self) -> None:
         try:
@@ -252,6 +259,7 @@ class UpdateLoop:
                 del item  # no reference outlives the update but the store's
                 if not self._defer:
                     self._update(stage, grad, (0.0, 0.0))  # speculative: no clipping
+                self._doing = f"keeping the gradient of {stage} for a redo"
                 self.grads.keep(stage, grad)  # for a redo (RAM or NVMe), or dropped
                 with self._cv:
                     self._queued -= 1
@@ -333,6 +341,9 @@ class UpdateLoop:
         if stage in self.device_stages:
             self._update_device(stage, grad, clip)
             return
+        self._doing = f"updating {stage}"
+        if faults.fire("optimizer_raise"):
+            raise InjectedFault(f"HETJAX_FAULTS optimizer_raise, in the update of {stage}")
         t0 = time.perf_counter()
         handle = self._reads.pop(stage, None) or self.states.prefetch(stage)
         pos = self.order.index(stage)
@@ -372,6 +383,7 @@ class UpdateLoop:
         self._defer = False
 
     def _commit(self) -> None:
+        self._doing = "committing the step's state"
         t0 = time.perf_counter()
         self.states.commit()  # the last stages' write-back may still be landing
         self.params.commit()
@@ -383,6 +395,7 @@ class UpdateLoop:
     def _abort(self, restore_params: bool) -> None:
         """Drops the step's speculative updates. Params published in place (host) are
         restored from the committed masters unless a redo pass will republish them."""
+        self._doing = "dropping the step's updates"
         self.states.abort()
         self._reads.clear()
         if self.params.abort() and restore_params:

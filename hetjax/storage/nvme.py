@@ -18,6 +18,7 @@ or a full disk fails with the numbers and leaves nothing half-written.
 
 from __future__ import annotations
 
+import errno
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from hetjax import timeline
+from hetjax import faults, timeline
 from hetjax.config import ConfigError, format_bytes
 
 IO_CONCURRENCY = 16  # concurrent file operations; see MEASUREMENTS.md (4 MiB chunks, 16)
@@ -155,7 +156,11 @@ class PageStore:
         not change until the write completes."""
         pages = np.asarray(data, self.dtypes[kind]).reshape(-1, self.page_elems)
         future = self.arrays[kind][first_page : first_page + len(pages)].write(pages)
-        timeline.watch_future("nvme_write", self._span_name(kind, first_page, len(pages)), future)
+        name = self._span_name(kind, first_page, len(pages))
+        if faults.fire("nvme_write_fail"):
+            what = f"NVMe write of {name} failed (HETJAX_FAULTS nvme_write_fail)"
+            future = _fails_when_done(future, OSError(errno.EIO, what, str(self.path / kind)))
+        timeline.watch_future("nvme_write", name, future)
         return future
 
     def _span_name(self, kind: str, first_page: int, num_pages: int) -> str:
@@ -169,21 +174,34 @@ class PageStore:
         return ts.open(spec, read=True).result()
 
 
-def bound_writes(writes: list, window: int) -> None:
-    """Forgets completed writes (raising a failed one's error) and waits for the oldest
-    while more than ``window`` bytes of buffers are held for writes in flight, so a
-    step's write-back holds about one stage in RAM (what the host plan counts), not the
-    whole step's streamed state until the commit."""
-    pending = 0
+def _fails_when_done(write: ts.WriteFutures, error: OSError) -> ts.Future:
+    """A future that completes with ``error`` once ``write`` is done: a write the disk
+    failed, as its caller sees it (fault injection)."""
+    promise, failed = ts.Promise.new()
+    write.add_done_callback(lambda _: promise.set_exception(error))
+    return failed
+
+
+def forget_done(writes: list) -> None:
+    """Forgets the completed ones of ``writes`` (``(future, data)`` pairs), raising a
+    failed one's error: no write is dropped unchecked."""
     kept = []
     for future, data in writes:
         if future.done():
             future.result()
         else:
             kept.append((future, data))
-            pending += data.nbytes
-    while kept and pending > window:
-        future, data = kept.pop(0)
+    writes[:] = kept
+
+
+def bound_writes(writes: list, window: int) -> None:
+    """Forgets completed writes (raising a failed one's error) and waits for the oldest
+    while more than ``window`` bytes of buffers are held for writes in flight, so a
+    step's write-back holds about one stage in RAM (what the host plan counts), not the
+    whole step's streamed state until the commit."""
+    forget_done(writes)
+    pending = sum(data.nbytes for _, data in writes)
+    while writes and pending > window:
+        future, data = writes.pop(0)
         future.result()
         pending -= data.nbytes
-    writes[:] = kept

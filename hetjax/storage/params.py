@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hetjax.storage.nvme import PageStore, bound_writes
+from hetjax.storage.nvme import PageStore, bound_writes, forget_done
 
 
 class HostParamStore:
@@ -166,7 +166,7 @@ class NvmeParamStore:
         self._land()  # the previous step's: long done
         self._landing = {s: w for s, w in self._published.items() if not w[0].done()}
         self._published = {}
-        self._writes = [(f, d) for f, d in self._writes if not f.done()]
+        forget_done(self._writes)  # a write done by now is not landing: had it failed?
         if self._target != self.gen:
             self.gen = self._target
         self._target = 1 - self.gen

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hetjax.storage.nvme import PageStore, bound_writes
+from hetjax.storage.nvme import PageStore, bound_writes, forget_done
 
 MANIFEST = "manifest.json"
 
@@ -243,7 +243,7 @@ class NvmeStateStore:
         self._land_all()  # the previous step's tail: long done (its stages were read)
         self._landing = {stage: [f for f, _ in writes] for stage, writes in self._by_stage.items()}
         self._by_stage = {}
-        self._writes = [(f, d) for f, d in self._writes if not f.done()]
+        forget_done(self._writes)
         for stage in self._pending_cache:
             self._spare[stage] = self.cache[stage]
         self.cache.update(self._pending_cache)

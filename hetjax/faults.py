@@ -1,0 +1,97 @@
+"""Fault injection for the crash and failure tests, from the environment:
+``HETJAX_FAULTS="nan@3,kill_saving@4"``, a comma-separated list of ``<kind>@<step>``
+with the kinds of :data:`KINDS`. Each fault fires once (a step redone after a rollback
+runs clean).
+
+The training loop (``train.py``) parses the list (:meth:`Faults.from_env`, the one
+parsing place) and acts on its own faults (:meth:`Faults.hit`). The faults of
+:data:`IN_RUNTIME` happen inside the runtime's own work, on whatever thread runs it (the
+host optimizer loop, an NVMe write): the loop arms them at the start of their step
+(:meth:`Faults.arm`) and the code where they happen fires them (:func:`fire`), like
+``timeline``'s hooks: one global lookup when nothing is armed. This module imports
+nothing from hetjax but the config's error type, so the storage layer can use it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from hetjax.config_values import ConfigError
+
+KINDS = {
+    "nan": "step N's gradients are NaN",
+    "kill_mid_step": "SIGKILL while step N runs",
+    "kill_saving": "SIGKILL right after step N's checkpoint is handed to the background writer",
+    "kill_saved": "SIGKILL once step N's checkpoint is complete",
+    "optimizer_raise": "the host optimizer loop raises in its first stage update from step N",
+    "nvme_write_fail": (
+        "the first NVMe page write from step N fails as a disk error does: its future "
+        "completes with an OSError once the write itself is done"
+    ),
+}
+IN_RUNTIME = ("optimizer_raise", "nvme_write_fail")  # armed by the loop, fired where they happen
+
+
+class InjectedFault(RuntimeError):
+    """The error an ``optimizer_raise`` fault raises."""
+
+
+class Faults:
+    """The faults of one run, parsed from ``HETJAX_FAULTS`` (see the module docstring)."""
+
+    def __init__(self, spec: str = ""):
+        self.at: dict[str, set[int]] = {k: set() for k in KINDS}
+        for item in filter(None, (p.strip() for p in spec.split(","))):
+            kind, _, step = item.partition("@")
+            if kind not in KINDS or not step.isdigit():
+                raise ConfigError(
+                    f"HETJAX_FAULTS item {item!r}: expected <kind>@<step> with kind one of "
+                    f"{', '.join(KINDS)}"
+                )
+            self.at[kind].add(int(step))
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        return cls(os.environ.get("HETJAX_FAULTS", ""))
+
+    def hit(self, kind: str, step: int) -> bool:
+        """Whether fault ``kind`` is due at ``step``; each fires once."""
+        if step in self.at[kind]:
+            self.at[kind].discard(step)
+            return True
+        return False
+
+    def arm(self, step: int) -> None:
+        """Arms the :data:`IN_RUNTIME` faults due at ``step``: each stays armed until the
+        runtime's work reaches it (:func:`fire`) or the run ends (:meth:`disarm`)."""
+        due = {kind for kind in IN_RUNTIME if self.hit(kind, step)}
+        if due:
+            with _lock:
+                _armed.update(due)
+
+    @staticmethod
+    def disarm() -> None:
+        """Forgets the armed faults: the run ended, and none may reach a later run."""
+        with _lock:
+            _armed.clear()
+
+    @staticmethod
+    def kill() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_armed: set[str] = set()
+_lock = threading.Lock()
+
+
+def fire(kind: str) -> bool:
+    """Whether the :data:`IN_RUNTIME` fault ``kind`` is armed; disarms it (it fires
+    once). Called from any thread where that fault happens."""
+    if not _armed:
+        return False
+    with _lock:
+        if kind in _armed:
+            _armed.discard(kind)
+            return True
+    return False
