@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import require, tiny_config
 from equivalence import assert_gpt_training_equal, assert_trees_close, without_key_bias
 
 from hetjax.checkpoint import Checkpointer, export_params, load_params
@@ -255,16 +255,24 @@ def test_unwritable_checkpoint_dir(tmp_path):
         train(cfg, tmp_path, verbose=False)
 
 
+def _private_tmpfs_works() -> bool:
+    return (
+        shutil.which("unshare") is not None
+        and subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode == 0
+    )
+
+
 def test_full_disk_leaves_earlier_checkpoints_loadable(tmp_path):
     """A real full disk: a small tmpfs in a private mount namespace (``unshare``). The
-    first checkpoints fit, a later one does not: the run stops with a clear error and
-    the complete checkpoints load."""
-    if (
-        shutil.which("unshare") is None
-        or subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode
-    ):
-        pytest.skip("needs unshare -Urm (user and mount namespaces) for a private tmpfs")
-    mnt = tmp_path / "small"
+    first checkpoints fit, a later one does not: the run stops with a clear error, and the
+    complete checkpoints (copied out before the namespace and its tmpfs go) restore to
+    exactly the state of a run on a roomy disk at the same step."""
+    require(
+        _private_tmpfs_works(),
+        "unshare -Urm (util-linux, with unprivileged user namespaces enabled: "
+        "sysctl kernel.unprivileged_userns_clone=1) for a private tmpfs",
+    )
+    mnt, survived = tmp_path / "small", tmp_path / "survived"
     mnt.mkdir()
     cfg = config(train=dict(steps=STEPS, eval_batches=1), checkpoint=dict(dir=str(mnt), keep=10))
     args = " ".join(
@@ -273,7 +281,7 @@ def test_full_disk_leaves_earlier_checkpoints_loadable(tmp_path):
     script = (
         f"mount -t tmpfs -o size=1200k tmpfs {mnt} && "
         f"{sys.executable} -m hetjax.launch --workdir {tmp_path / 'run'} {args}; "
-        f"echo rc=$?; {sys.executable} -m hetjax.checkpoint --workdir x --dir {mnt}"
+        f"echo rc=$?; cp -a {mnt} {survived}"
     )
     proc = subprocess.run(
         ["unshare", "-Urm", "bash", "-c", script],
@@ -285,7 +293,21 @@ def test_full_disk_leaves_earlier_checkpoints_loadable(tmp_path):
     out = proc.stdout + proc.stderr
     assert "rc=1" in out, out[-3000:]
     assert "checkpoints already" in out and "intact" in out, out[-3000:]
-    assert "complete checkpoints at steps [2" in out, out[-3000:]
+    roomy = cfg.replace(checkpoint=dict(dir=""))
+    train(roomy, tmp_path / "roomy", verbose=False)
+    ckpt = Checkpointer(survived)
+    try:
+        steps = ckpt.steps()
+        assert steps and steps[0] == 2 and steps[-1] < STEPS, steps  # the later ones failed
+        for step in steps:
+            state, meta = ckpt.restore(step)
+            expected, expected_meta = saved_params(tmp_path / "roomy", step)
+            assert meta["step"] == expected_meta["step"] == step
+            assert meta["data_offset"] == expected_meta["data_offset"]
+            jax.tree.map(np.testing.assert_array_equal, state.stages, expected.stages)
+            jax.tree.map(np.testing.assert_array_equal, state.scalars, expected.scalars)
+    finally:
+        ckpt.close()
 
 
 # -- export and format --------------------------------------------------------------------

@@ -4,6 +4,7 @@ build's cache and its failures; the config's choice."""
 
 import numpy as np
 import pytest
+from conftest import require
 
 from hetjax.config import ConfigError, OptimizerConfig
 from hetjax.optimizer import native
@@ -11,7 +12,16 @@ from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.runtime.placement import Shardings
 from hetjax.storage.pages import Leaf, SlabLayout, aligned_concatenate
 
-needs_compiler = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler")
+
+@pytest.fixture
+def compiler():
+    """The native kernel's tests need a C++ compiler (skipped without one, failed under
+    CI=true: conftest.require)."""
+    require(
+        native._compiler() is not None,
+        "a C++ compiler for the native Adam kernel: apt-get install g++ (or set CXX)",
+    )
+
 
 N = 3 * 8192  # three chunks of two pages each (CHUNK_ELEMS patched below)
 PAGE = 4096
@@ -44,11 +54,10 @@ def _optax_moments(cfg, grads, scales) -> dict[str, np.ndarray]:
     return {"mu": mu, "nu": nu}
 
 
-@needs_compiler
 @pytest.mark.parametrize("name", ["adamw", "adam"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("mode", ["fresh", "spare", "in place"])
-def test_native_kernel_equals_optax(monkeypatch, name, dtype, mode):
+def test_native_kernel_equals_optax(compiler, monkeypatch, name, dtype, mode):
     """Four steps, the second clipped (global norm above max). mu and nu of the native
     kernel are optax's formulas evaluated op by op in float32, bit for bit (numpy below);
     optax's jitted update differs from those by one rounding a step (XLA fuses one of the
@@ -86,8 +95,15 @@ def test_native_kernel_equals_optax(monkeypatch, name, dtype, mode):
     np.testing.assert_allclose(got_pages, got["master"], rtol=eps, atol=1e-6)
 
 
-@needs_compiler
-def test_build_is_cached_and_a_failed_build_is_clear(tmp_path, monkeypatch):
+def test_auto_runs_the_native_kernel_where_a_compiler_is(compiler):
+    """The default (host_kernel=auto) builds and uses the kernel: with a compiler present,
+    the equivalence tests of the offloaded runtimes run it, not optax's fallback."""
+    assert native.use_native("auto", "adamw", "cpu") is True
+    host = Shardings.single_device().optimizer
+    assert SlabOptimizer(OptimizerConfig(), 10, {}, host, "float32").native
+
+
+def test_build_is_cached_and_a_failed_build_is_clear(compiler, tmp_path, monkeypatch):
     monkeypatch.setenv("HETJAX_CACHE", str(tmp_path / "cache"))
     lib = native._build()
     assert lib.is_file() and lib.parent == tmp_path / "cache" / "native"
