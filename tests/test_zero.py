@@ -10,6 +10,7 @@ but AdamW's first steps divide gradients near ``eps`` by their own size, which t
 that rounding into parameter differences of up to ~7e-5 of a tensor's largest element
 in the tiny model (measured: ``blocks.c_fc.bias``), for any two summation orders."""
 
+import json
 import os
 import signal
 import socket
@@ -197,7 +198,12 @@ def test_two_processes_train_like_one(reference4, tmp_path):
     np.testing.assert_allclose(saved["losses"], reference4.losses, rtol=1e-5)
     params = _params_like(saved, reference4.params)
     assert_trees_close(without_key_bias(params), without_key_bias(reference4.params))
-    assert not (tmp_path / "proc1" / "metrics.jsonl").exists()  # process 0 logs alone
+    # Both processes ran with metrics on: process 0 logs every step, process 1 nothing.
+    metrics = (tmp_path / "proc0" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in metrics]
+    assert [r["step"] for r in records] == list(range(1, len(reference4.losses) + 1))
+    assert [r["loss"] for r in records] == list(saved["losses"])
+    assert (tmp_path / "proc1").is_dir() and not (tmp_path / "proc1" / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
