@@ -25,7 +25,12 @@ the next run). Old checkpoints are deleted only after a newer one is complete.
 Layout on disk (``checkpoint.dir``, default ``<workdir>/checkpoints``)::
 
     checkpoints/<step>/state/   the arrays (orbax PyTree, TensorStore zarr)
-    checkpoints/<step>/meta/    JSON: step, data position, loss scale, kinds, config
+    checkpoints/<step>/meta/    JSON: step, data position, loss scale, kinds, config,
+                                a CRC-32 of every state array
+
+**Integrity.** orbax's zstd-compressed chunks carry no checksum, so a damaged file can
+decode into wrong numbers without an error; the CRC-32 of each array, taken at the
+snapshot and compared at restore, turns that into a refusal naming the array.
 
 Params for inference: ``python -m hetjax.checkpoint --workdir runs/x --export out/``
 writes the newest checkpoint's params as a plain orbax PyTree (the model's ``params``
@@ -36,8 +41,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +58,17 @@ from hetjax.types import CheckpointError, RuntimeState
 FORMAT_VERSION = 1
 
 
-# -- the placement-free state -------------------------------------------------------------
-
-
 # -- on disk -----------------------------------------------------------------------------
+
+
+def state_checksums(stages: dict[str, Any]) -> dict[str, int]:
+    """CRC-32 of every array of a state's ``stages`` tree, by key path. zlib releases
+    the GIL over large buffers: the arrays are summed on all cores at once."""
+    leaves = jax.tree_util.tree_leaves_with_path(stages)
+    crc = lambda a: zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
+    with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool:
+        sums = list(pool.map(crc, [a for _, a in leaves]))
+    return {jax.tree_util.keystr(p): c for (p, _), c in zip(leaves, sums, strict=True)}
 
 
 def checkpoint_dir(config: Config, workdir: str | Path) -> Path:
@@ -119,6 +134,7 @@ class Checkpointer:
             )
         tree = {"stages": state.stages, "scalars": state.scalars}
         meta = {**meta, "format": FORMAT_VERSION, "kinds": state.kinds}
+        meta["checksums"] = state_checksums(state.stages)
         meta["loss_scale"] = list(state.loss_scale) if state.loss_scale else None
         try:
             self.manager.save(
@@ -172,21 +188,42 @@ class Checkpointer:
                 ),
             )
         except Exception as e:  # noqa: BLE001
+            why = f"{type(e).__name__}: {str(e)[:300]}"
             raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} cannot be read ({e!r}); delete it "
-                "to resume from an older one"
+                f"checkpoint {self.directory / str(step)} cannot be read ({why}). "
+                + self._discard_hint(step)
             ) from e
         meta = dict(out.meta)
         if meta.get("format") != FORMAT_VERSION:
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} has format {meta.get('format')}, "
-                f"this hetjax reads format {FORMAT_VERSION}"
+                f"this hetjax reads format {FORMAT_VERSION}: resume it with the hetjax "
+                "version that wrote it, or start over with a new --workdir"
             )
         tree = out.state
         stages = jax.tree.map(lambda a: np.asarray(a, np.float32), tree["stages"])
+        saved = meta.get("checksums")
+        if saved is not None:
+            now = state_checksums(stages)
+            bad = sorted(k for k in now.keys() | saved.keys() if now.get(k) != saved.get(k))
+            if bad:
+                raise CheckpointError(
+                    f"checkpoint {self.directory / str(step)} is damaged: {len(bad)} of "
+                    f"{len(saved)} arrays differ from what was saved (CRC-32 of "
+                    f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}). "
+                    + self._discard_hint(step)
+                )
         scalars = {k: [np.asarray(s) for s in v] for k, v in tree["scalars"].items()}
         ls = meta.get("loss_scale")
         return RuntimeState(stages, scalars, (float(ls[0]), int(ls[1])) if ls else None), meta
+
+    def _discard_hint(self, step: int) -> str:
+        older = [s for s in self.steps() if s < step]
+        where = f"the newest older one (step {older[-1]})" if older else "the start"
+        return (
+            f"Delete {self.directory / str(step)} to resume from {where}, or start over "
+            "with a new --workdir"
+        )
 
     def delete_all(self) -> None:
         self.wait()
@@ -210,10 +247,15 @@ def check_compatible(meta: dict[str, Any], config: Config, where: Path) -> None:
     for key, value in saved.get("model", {}).items():
         if key not in free and now["model"].get(key) != value:
             diffs.append(f"model.{key}: checkpoint {value!r}, this run {now['model'].get(key)!r}")
-    if saved.get("optimizer", {}).get("name") != now["optimizer"]["name"]:
+    opt_saved, opt_now = saved.get("optimizer", {}), now["optimizer"]
+    if opt_saved.get("name") != opt_now["name"]:
         diffs.append(
-            f"optimizer.name: checkpoint {saved.get('optimizer', {}).get('name')!r}, "
-            f"this run {now['optimizer']['name']!r}"
+            f"optimizer.name: checkpoint {opt_saved.get('name')!r}, this run {opt_now['name']!r}"
+        )
+    elif opt_now["name"] == "sgd" and bool(opt_saved.get("momentum")) != bool(opt_now["momentum"]):
+        diffs.append(  # the momentum trace is state only with momentum > 0
+            f"optimizer.momentum: checkpoint {opt_saved.get('momentum')!r}, this run "
+            f"{opt_now['momentum']!r} (state kinds {meta.get('kinds')})"
         )
     if diffs:
         raise ConfigError(

@@ -37,9 +37,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
         if arg.startswith("--config."):
             key, eq, value = arg[len("--config.") :].partition("=")
             if not eq:
-                if i + 1 >= len(argv):
+                # The value is the next argument, unless that is missing or another flag
+                # (a value never starts with "--": negative numbers have one dash).
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    after = f" (the next argument is {argv[i + 1]})" if i + 1 < len(argv) else ""
                     raise ConfigError(
-                        f"override --config.{key} needs a value: --config.{key}=VALUE"
+                        f"override --config.{key} needs a value: --config.{key}=VALUE or "
+                        f"--config.{key} VALUE{after}"
                     )
                 value, i = argv[i + 1], i + 1
             overrides[key] = value

@@ -277,9 +277,16 @@ def _on_nonfinite(config, stats, step, data_offset, bad_streak, runtime, ckpt, o
     ckpt.wait()
     back = ckpt.latest()
     if back is None:
+        first = (
+            f"the first is written at step {config.checkpoint.every_steps}"
+            if config.checkpoint.every_steps
+            else "checkpoint.every_steps=0 writes none while training"
+        )
         raise TrainingError(
-            f"step {step}: {what}; train.on_nonfinite=rollback but there is no checkpoint "
-            f"yet in {ckpt.directory}. Lower checkpoint.every_steps or use skip"
+            f"step {step}: {what}; the update was skipped and nothing was saved. "
+            f"train.on_nonfinite=rollback, but there is no checkpoint to roll back to yet "
+            f"in {ckpt.directory} ({first}). Stopping: set checkpoint.every_steps to fewer "
+            "steps than the first non-finite one, or use train.on_nonfinite=skip"
         )
     state, _ = ckpt.restore(back)
     runtime.load_state(state)

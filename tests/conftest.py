@@ -38,3 +38,30 @@ def tiny_config(**sections) -> Config:
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+# -- prerequisites ------------------------------------------------------------------------
+
+# CI must run every test: there (CI=true, as GitHub Actions and most CI services set it) a
+# missing prerequisite fails the test that needs it, saying what to install, instead of
+# skipping it unnoticed.
+IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
+# (a filterwarnings message is a regex, and ':' separates its fields: '.' stands for it)
+NATIVE_KERNEL_FALLBACK = r"hetjax. the native Adam kernel is not used"
+
+
+def require(available: bool, what: str) -> None:
+    """Skips the calling test when ``available`` is false (``what``: the missing
+    prerequisite and how to install it); under CI=true fails it instead."""
+    if available:
+        return
+    if IN_CI:
+        pytest.fail(f"missing prerequisite (CI=true runs every test): {what}", pytrace=False)
+    pytest.skip(f"needs {what}")
+
+
+def pytest_configure(config):
+    if IN_CI:
+        # Without a C++ compiler the offloaded runtimes fall back to optax with this
+        # warning, and every equivalence test would silently test optax: in CI, an error.
+        config.addinivalue_line("filterwarnings", f"error:{NATIVE_KERNEL_FALLBACK}:UserWarning")

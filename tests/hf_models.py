@@ -13,23 +13,27 @@ import transformers  # noqa: E402
 VOCAB, SEQ = 256, 64
 
 
-def build_hf_model(family: str, tied: bool = False, rope_scaling: bool = False, seed: int = 0):
+def build_hf_model(
+    family: str, tied: bool = False, rope_scaling: bool = False, seed: int = 0, norm_eps=1e-5
+):
     """A 2-layer, d 64 GPT-2 or Llama with random weights, every norm weight and bias
     perturbed too (so a mapping mistake anywhere shows in the logits), fp32, eval mode.
     ``rope_scaling``: Llama 3.1's, with an original context of 16 so that the 16-wide
-    heads have stretched, interpolated and kept frequencies."""
+    heads have stretched, interpolated and kept frequencies. ``norm_eps``: every norm's
+    epsilon (``layer_norm_epsilon``, ``rms_norm_eps``)."""
     torch.manual_seed(seed)
     if family == "gpt2":
         config = transformers.GPT2Config(
             n_layer=2, n_embd=64, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
             initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+            layer_norm_epsilon=norm_eps,
         )  # fmt: skip
         model = transformers.GPT2LMHeadModel(config)
     else:
         config = transformers.LlamaConfig(
             num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=SEQ,
-            rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=tied,
+            rms_norm_eps=norm_eps, rope_theta=5000.0, tie_word_embeddings=tied,
             initializer_range=0.1, bos_token_id=None, eos_token_id=None,
         )  # fmt: skip
         if rope_scaling:

@@ -19,14 +19,15 @@ def test_overhead_quick(tmp_path, capsys):
     out = tmp_path / "overhead.json"
     assert main(["overhead", "--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["none_s"] > 0 and result["stream_s"] > 0
-    assert abs(result["ratio"] - result["stream_s"] / result["none_s"]) < 1e-9
-    assert abs(result["ratio_keep"] - result["stream_keep_s"] / result["none_s"]) < 1e-9
-    assert abs(result["trace_cost"] - result["traced_step_s"] / result["untraced_step_s"]) < 1e-9
+    for key in ("none_s", "stream_s", "stream_keep_s", "traced_step_s", "untraced_step_s"):
+        assert result[key] > 0, key
     assert result["trace_step_over_busiest"] >= 1.0  # a step is never shorter than a lane
     text = capsys.readouterr().out
-    assert "stream / none step time" in text and "params host, opt NVMe" in text
-    assert "all blocks kept / none" in text
+    assert "params host, opt NVMe" in text
+    # the ratios saved are the ones printed
+    assert f"stream / none step time: {result['ratio']:.3f}" in text, text
+    assert f"all blocks kept / none: {result['ratio_keep']:.3f}" in text, text
+    assert f"traced / untraced steps of one run: {result['trace_cost']:.3f}" in text, text
 
 
 def test_nvme_quick(tmp_path, capsys, monkeypatch):
@@ -43,9 +44,9 @@ def test_nvme_quick(tmp_path, capsys, monkeypatch):
     result = json.loads(out.read_text())
     for key in ("step_s", "compute_s", "optimizer_s", "io_s", "io_cold_s"):
         assert result[key] > 0, key
-    parts = max(result["compute_s"], result["optimizer_s"], result["io_s"])
-    assert abs(result["step_vs_max"] - result["step_s"] / parts) < 1e-9
-    assert "optimizer+params on NVMe" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert f"optimizer+params on NVMe, sync: {result['step_s']:.3f} s/step" in text, text
+    assert f"step / max = {result['step_vs_max']:.2f}" in text, text  # saved as printed
 
 
 @pytest.mark.slow  # a benchmark smoke test
@@ -54,11 +55,9 @@ def test_lockfree_quick(tmp_path, capsys):
     assert main(["lockfree", "--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["sync_step_s"] > 0 and result["lockfree_step_s"] > 0
-    assert (
-        abs(result["loss_gap"] - (result["lockfree_last10_loss"] - result["sync_last10_loss"]))
-        < 1e-9
-    )
-    assert "lockfree - sync loss" in capsys.readouterr().out
+    assert math.isfinite(result["sync_last10_loss"] + result["lockfree_last10_loss"])
+    text = capsys.readouterr().out
+    assert f"lockfree - sync loss: {result['loss_gap']:+.4f} nats" in text, text
 
 
 def test_io_quick(tmp_path, capsys):
@@ -67,9 +66,14 @@ def test_io_quick(tmp_path, capsys):
     result = json.loads(out.read_text())
     for key in ("raw_write", "raw_read", "ts_write", "ts_read"):
         assert result[key] > 0, key
-    assert result["read_vs_raw"] == result["ts_read"] / result["raw_read"]
-    assert result["write_vs_raw"] == result["ts_write"] / result["raw_write"]
-    assert "achieved / raw" in capsys.readouterr().out
+    # the bandwidths and ratios saved are the ones printed
+    rows = {line[:33].strip(): line[33:].split() for line in capsys.readouterr().out.splitlines()}
+    assert rows["raw O_DIRECT, sequential"] == [
+        f"{result[k]:.2f}" for k in ("raw_write", "raw_read")
+    ]
+    assert rows["TensorStore PageStore"] == [f"{result[k]:.2f}" for k in ("ts_write", "ts_read")]
+    ratios = [f"{result[k]:.2f}" for k in ("write_vs_raw", "read_vs_raw")]
+    assert rows["achieved / raw"] == ratios
 
 
 def test_optimizer_quick(tmp_path, capsys):
@@ -77,7 +81,9 @@ def test_optimizer_quick(tmp_path, capsys):
     assert main(["optimizer", "--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["optimizer_params_s"] > 0 and result["memory_gbs"] > 0
-    assert result["bound_params_s"] == result["memory_gbs"] * 1e9 / 28
+    # The bound, from the update's own traffic: Adam reads param, grad, mu and nu and
+    # writes param, mu and nu, 7 fp32 arrays: 28 bytes a parameter at the copy bandwidth.
+    assert result["bound_params_s"] == pytest.approx(result["memory_gbs"] * 1e9 / (7 * 4))
     rows = result["rows"]
     assert {"optax spare", "optax in place"} <= set(rows)
     assert result["kernel"] == ("native" if "native in place" in rows else "optax")
@@ -102,8 +108,12 @@ def test_scale_quick(tmp_path, capsys):
         assert 0 < a["device_bytes_peak"] <= result["device_budget"]
         assert a["peak_rss"] > a["host_bytes"] > 0  # the process, measured by the OS
     assert result["stream_largest_params"] > result["none_largest_params"] > 0
-    assert result["ratio"] == result["stream_largest_params"] / result["none_largest_params"]
-    assert "largest that trains 3 steps" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert (
+        f"largest that trains 3 steps: offloaded {result['stream_largest_params'] / 1e6:.1f}M"
+        in text
+    )
+    assert f"ratio {result['ratio']:.1f}x" in text, text  # saved as printed
 
 
 def test_gpu_skips_without_gpu(tmp_path, capsys):
@@ -141,8 +151,8 @@ def test_plan_quick(tmp_path, capsys):
 
 def _check_plan_row(row: dict, devices: int) -> None:
     assert row["devices"] == devices and row["plan"].startswith("stream"), row
-    assert row["predicted_s"] > 0 and math.isfinite(row["ratio"]), row
-    assert row["ratio"] == row["measured_s"] / row["predicted_s"]
+    assert row["predicted_s"] > 0 and row["measured_s"] > 0, row
+    assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ params of an uninterrupted run. Checkpoints are real orbax directories, the opti
 state real TensorStore files."""
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -18,16 +19,23 @@ import jax
 import numpy as np
 import pytest
 import tensorstore as ts
-from conftest import tiny_config
-from equivalence import assert_gpt_training_equal, assert_trees_close, without_key_bias
+from conftest import require, tiny_config
+from equivalence import (
+    assert_gpt_training_equal,
+    assert_trees_close,
+    training_batches,
+    without_key_bias,
+)
 
 from hetjax.checkpoint import Checkpointer, export_params, load_params
 from hetjax.checkpoint import main as checkpoint_main
 from hetjax.config import ConfigError
 from hetjax.optimizer.build import build_optimizer, optax_tree_slots
 from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.runtime.in_memory import InMemoryRuntime
+from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.params import NvmeParamStore
-from hetjax.train import train
+from hetjax.train import build_runtime, train
 from hetjax.types import CheckpointError, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,6 +199,9 @@ def test_restore_across_placements_and_device_counts(tmp_path):
     (distributed.data_parallel=4) to step 2, in memory on 1 device to step 4, NVMe on 4
     devices again to the end. It ends with the params of an in-memory run never stopped.
 
+    Each leg's checkpoint (params and momentum trace: the ZeRO-3 one gathered from 4
+    devices' shards, restored on 1) equals the reference's checkpoint of the same step.
+
     SGD with momentum (its trace is state every leg must restore): 4 devices sum the
     gradient in another order than 1 device, and AdamW turns that rounding into
     parameter differences above the default tolerance (tests/test_zero.py's docstring),
@@ -199,6 +210,7 @@ def test_restore_across_placements_and_device_counts(tmp_path):
     sgd = dict(name="sgd", lr=0.1, warmup_steps=2)
     zero = config(NVME, optimizer=sgd).replace(distributed=dict(data_parallel=4))
     one_device = config(optimizer=sgd)
+    reference = train(one_device, tmp_path / "ref", verbose=False)  # checkpoints 2, 4, 6
     legs = [  # config, devices, fault, the step of the last checkpoint
         (zero, 4, "kill_saved@2", 2),
         (one_device, 1, "kill_saved@4", 4),
@@ -214,7 +226,15 @@ def test_restore_across_placements_and_device_counts(tmp_path):
         state, meta = saved_params(tmp_path)
         assert meta["step"] == step
         assert meta["config"]["distributed"]["data_parallel"] == (4 if devices == 4 else 1)
-    reference = train(one_device, tmp_path / "ref", verbose=False)
+        expected, _ = saved_params(tmp_path / "ref", step)
+        assert state.kinds == expected.kinds == ["master", "trace"]
+        for kind in state.kinds:
+            assert_trees_close(
+                without_key_bias(state.kind_tree(kind)), without_key_bias(expected.kind_tree(kind))
+            )
+        assert [int(a) for a in state.scalars["embed"]] == [
+            int(a) for a in expected.scalars["embed"]
+        ]
     assert_trees_close(without_key_bias(state.params()), without_key_bias(reference.params))
 
 
@@ -238,15 +258,47 @@ def test_injected_nan_is_skipped(offload, tmp_path, monkeypatch):
 
 
 def test_rollback_goes_back_and_skips_the_bad_batches(tmp_path, monkeypatch):
+    """train.on_nonfinite=rollback (docs/guide/checkpoints.md): step 3's gradients are
+    NaN, so the run restores the checkpoint of step 2 and goes on with the batch after
+    the bad one. The reference, without checkpoints or the rollback code: a runtime
+    trained on batches 1, 2 and then 4 to 7 (batch 3 skipped), equal bit for bit in
+    losses and params; streaming from NVMe rolls back the same way."""
     monkeypatch.setenv("HETJAX_FAULTS", "nan@3")
     cfg = config(train=dict(steps=STEPS, eval_batches=1, on_nonfinite="rollback"))
     result = train(cfg, tmp_path / "a", verbose=False)
     steps = [r["step"] for r in result.records]
     assert steps == [1, 2, 3, 3, 4, 5, 6]  # step 3 failed, rolled back to 2, redone
+    assert result.records[2]["nonfinite"] and not np.isfinite(result.records[2]["grad_norm"])
+    batches = training_batches(cfg, STEPS + 1)
+    runtime = build_runtime(cfg, tmp_path / "ref")
+    try:
+        expected = [runtime.train_step(b).loss for b in batches[:2] + batches[3:]]
+        params = runtime.params()
+    finally:
+        runtime.close()
+    np.testing.assert_array_equal(result.losses[:2] + result.losses[3:], expected)
+    jax.tree.map(np.testing.assert_array_equal, result.params, params)
+    assert saved_params(tmp_path / "a")[1]["data_offset"] == 1  # one batch skipped
     stream = train(cfg.replace(offload=NVME), tmp_path / "b", verbose=False)
     assert_gpt_training_equal(stream, result)
-    # the batch of the bad step was skipped: step 3 again saw the next batch
-    assert result.losses[3] != result.losses[2]
+
+
+def test_rollback_before_the_first_checkpoint_stops_clearly(tmp_path, monkeypatch):
+    """A non-finite step before any checkpoint exists has nothing to roll back to: the
+    run stops, saying so and what to change, and writes no checkpoint."""
+    monkeypatch.setenv("HETJAX_FAULTS", "nan@1")
+    cfg = config(train=dict(steps=STEPS, eval_batches=1, on_nonfinite="rollback"))
+    with pytest.raises(
+        TrainingError,
+        match=r"step 1: .*no checkpoint to roll back to yet .*first is written at step 2\)"
+        r".*checkpoint.every_steps.*on_nonfinite=skip",
+    ):
+        train(cfg, tmp_path, verbose=False)
+    ckpt = Checkpointer(tmp_path / "checkpoints")
+    try:
+        assert ckpt.steps() == []
+    finally:
+        ckpt.close()
 
 
 def test_stop_on_nonfinite_keeps_checkpoints_clean(tmp_path, monkeypatch):
@@ -291,7 +343,14 @@ def test_launch_resume_flag_refuses(tmp_path):
 
 def test_lockfree_checkpoints_and_resumes(tmp_path):
     """Lock-free mode applies its buffered gradients before a snapshot; a resumed run
-    carries on from the checkpoint."""
+    carries on from the checkpoint.
+
+    Which steps each lock-free update averages depends on thread timing, so no two
+    lock-free runs are equal bit for bit, not even uninterrupted ones: there is no
+    reference run for the whole of it. What is exact: nothing is pending in a checkpoint,
+    so the resumed run's first step runs forward on exactly the checkpoint's params and
+    on step 5's batch. Its loss equals that of the in-memory runtime loaded with the
+    checkpoint (to 1e-5: another runtime's rounding)."""
     lockfree = dict(NVME, optimizer="host")
     cfg = config(lockfree, optimizer=dict(mode="lockfree", warmup_steps=2, lr=3e-3))
     launch(cfg, tmp_path, faults="kill_saved@4", expect_rc=-9)
@@ -300,6 +359,14 @@ def test_lockfree_checkpoints_and_resumes(tmp_path):
     resumed = train(cfg, tmp_path, verbose=False)
     assert len(resumed.losses) == STEPS - 4 and np.isfinite(resumed.losses).all()
     assert saved_params(tmp_path)[1]["step"] == STEPS
+    reference = InMemoryRuntime(config(optimizer=dict(warmup_steps=2, lr=3e-3)))
+    try:
+        reference.load_state(state)
+        step5 = training_batches(cfg, 5)[4]  # (1, B, T + 1)
+        expected = reference.eval_loss(step5[0])
+    finally:
+        reference.close()
+    np.testing.assert_allclose(resumed.losses[0], expected, rtol=1e-5)
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):
@@ -309,22 +376,154 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         train(other, tmp_path, verbose=False)
 
 
+@pytest.mark.parametrize(
+    "saved, resumed, pattern",
+    [
+        (
+            dict(name="adamw"),
+            dict(name="sgd"),
+            r"optimizer\.name: checkpoint 'adamw', this run 'sgd'",
+        ),
+        (
+            dict(name="sgd", momentum=0.9),
+            dict(name="sgd", momentum=0.0),
+            r"optimizer\.momentum: checkpoint 0\.9, this run 0\.0 "
+            r"\(state kinds \['master', 'trace'\]\)",
+        ),
+    ],
+    ids=["optimizer-name", "state-kinds"],
+)
+def test_checkpoint_of_another_optimizer_is_refused(tmp_path, saved, resumed, pattern):
+    """Another optimizer, or the same one with other state kinds (sgd with momentum has
+    a trace, without none): refused at start-up naming the key, the checkpoint kept."""
+    train(config(train=dict(steps=2, eval_batches=1), optimizer=saved), tmp_path, verbose=False)
+    other = config(train=dict(steps=4, eval_batches=1), optimizer=resumed)
+    with pytest.raises(ConfigError, match=pattern + r".*new --workdir"):
+        train(other, tmp_path, verbose=False)
+    assert saved_params(tmp_path)[1]["step"] == 2
+
+
+@pytest.mark.parametrize("runtime_class", [InMemoryRuntime, StreamingRuntime])
+def test_runtimes_refuse_state_of_other_kinds(tmp_path, runtime_class):
+    """Behind the start-up check, each runtime refuses a state whose kinds are not its
+    optimizer's, naming both, before changing anything."""
+    momentum = InMemoryRuntime(config(optimizer=dict(name="sgd", momentum=0.9)))
+    state = momentum.save_state()
+    momentum.close()
+    offload = dict(mode="stream" if runtime_class is StreamingRuntime else "none")
+    runtime = runtime_class(config(offload, optimizer=dict(name="sgd", momentum=0.0)))
+    try:
+        before = runtime.params()
+        with pytest.raises(
+            ConfigError, match=r"state kinds \['master', 'trace'\].* needs \['master'\]"
+        ):
+            runtime.load_state(state)
+        jax.tree.map(np.testing.assert_array_equal, runtime.params(), before)
+    finally:
+        runtime.close()
+
+
+def _damage(checkpoint: Path) -> None:
+    """Flips a byte in the middle of the checkpoint's largest array data file: random
+    floats do not compress, zstd stores them raw, and the array decodes without error."""
+    data = max((checkpoint / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x5A
+    data.write_bytes(bytes(raw))
+
+
+CONSTANT_LR = dict(schedule="constant", warmup_steps=2, lr=3e-3)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_constant_lr(tmp_path_factory):
+    """In memory, a constant learning rate (the same schedule at any train.steps)."""
+    cfg = config(train=dict(steps=STEPS, eval_batches=1), optimizer=CONSTANT_LR)
+    return train(cfg, tmp_path_factory.mktemp("ref"), verbose=False)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [  # the same refusal path, other causes: one in the default run
+        "damaged",
+        pytest.param("missing-file", marks=pytest.mark.slow),
+        pytest.param("format", marks=pytest.mark.slow),
+    ],
+)
+def test_unreadable_checkpoint_is_refused_and_the_older_one_resumes(
+    tmp_path, fault, uninterrupted_constant_lr
+):
+    """The newest checkpoint damaged (bytes flipped in its data: caught by its CRC-32),
+    with a data file gone, or of another format version: refused, naming the checkpoint
+    and what to delete; once deleted, the run resumes from the older one and ends as
+    a run never stopped. (A constant learning rate: the run to step 4 and the one to 6
+    follow the same schedule.)"""
+    reference = uninterrupted_constant_lr
+    longer = config(train=dict(steps=STEPS, eval_batches=1), optimizer=CONSTANT_LR)
+    train(longer.replace(train=dict(steps=4)), tmp_path / "run", verbose=False)
+    newest = tmp_path / "run" / "checkpoints" / "4"
+    if fault == "damaged":
+        _damage(newest)
+        pattern = r"checkpoint .*/4 is damaged: 1 of \d+ arrays differ .*\(CRC-32 of \['.*'\]\)"
+    elif fault == "missing-file":
+        max((newest / "state").rglob("d/*"), key=lambda p: p.stat().st_size).unlink()
+        pattern = r"checkpoint .*/4 cannot be read \(ValueError: .*\)"
+    else:
+        meta = newest / "meta" / "metadata"
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "format": 99}))
+        pattern = r"checkpoint .*/4 has format 99, this hetjax reads format 1: resume it with"
+    if fault != "format":
+        pattern += rf"\. Delete {newest} to resume from the newest older one \(step 2\)"
+    with pytest.raises(CheckpointError, match=pattern):
+        train(longer, tmp_path / "run", verbose=False)
+    shutil.rmtree(newest)
+    resumed = train(longer, tmp_path / "run", verbose=False)
+    np.testing.assert_array_equal(resumed.losses, reference.losses[2:])  # steps 3 to 6
+    jax.tree.map(np.testing.assert_array_equal, resumed.params, reference.params)
+
+
+def test_synchronous_saves_equal_background_ones_and_keep_deletes_old(tmp_path):
+    """checkpoint.async_save=false writes the same checkpoints as the background writer;
+    checkpoint.keep=2 leaves only the two newest on disk."""
+    every = dict(every_steps=1, at_end=True)
+    cfg = config(train=dict(steps=4, eval_batches=1), checkpoint=dict(every, keep=10))
+    background = train(cfg, tmp_path / "async", verbose=False)
+    sync = cfg.replace(checkpoint=dict(async_save=False, keep=2))
+    waited = train(sync, tmp_path / "sync", verbose=False)
+    assert sorted(p.name for p in (tmp_path / "sync" / "checkpoints").iterdir()) == ["3", "4"]
+    assert len(list((tmp_path / "async" / "checkpoints").iterdir())) == 4
+    for step in (3, 4):
+        (a, a_meta), (b, b_meta) = (saved_params(tmp_path / d, step) for d in ("async", "sync"))
+        assert a_meta["step"] == b_meta["step"] == step
+        jax.tree.map(np.testing.assert_array_equal, a.stages, b.stages)
+        jax.tree.map(np.testing.assert_array_equal, a.scalars, b.scalars)
+    np.testing.assert_array_equal(waited.losses, background.losses)
+
+
 def test_unwritable_checkpoint_dir(tmp_path):
     cfg = config(checkpoint=dict(dir="/proc/hetjax-checkpoints"))
     with pytest.raises(CheckpointError, match="not writable.*checkpoint.dir"):
         train(cfg, tmp_path, verbose=False)
 
 
+def _private_tmpfs_works() -> bool:
+    return (
+        shutil.which("unshare") is not None
+        and subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode == 0
+    )
+
+
 def test_full_disk_leaves_earlier_checkpoints_loadable(tmp_path):
     """A real full disk: a small tmpfs in a private mount namespace (``unshare``). The
-    first checkpoints fit, a later one does not: the run stops with a clear error and
-    the complete checkpoints load."""
-    if (
-        shutil.which("unshare") is None
-        or subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode
-    ):
-        pytest.skip("needs unshare -Urm (user and mount namespaces) for a private tmpfs")
-    mnt = tmp_path / "small"
+    first checkpoints fit, a later one does not: the run stops with a clear error, and the
+    complete checkpoints (copied out before the namespace and its tmpfs go) restore to
+    exactly the state of a run on a roomy disk at the same step."""
+    require(
+        _private_tmpfs_works(),
+        "unshare -Urm (util-linux, with unprivileged user namespaces enabled: "
+        "sysctl kernel.unprivileged_userns_clone=1) for a private tmpfs",
+    )
+    mnt, survived = tmp_path / "small", tmp_path / "survived"
     mnt.mkdir()
     cfg = config(train=dict(steps=STEPS, eval_batches=1), checkpoint=dict(dir=str(mnt), keep=10))
     args = " ".join(
@@ -333,7 +532,7 @@ def test_full_disk_leaves_earlier_checkpoints_loadable(tmp_path):
     script = (
         f"mount -t tmpfs -o size=1200k tmpfs {mnt} && "
         f"{sys.executable} -m hetjax.launch --workdir {tmp_path / 'run'} {args}; "
-        f"echo rc=$?; {sys.executable} -m hetjax.checkpoint --workdir x --dir {mnt}"
+        f"echo rc=$?; cp -a {mnt} {survived}"
     )
     proc = subprocess.run(
         ["unshare", "-Urm", "bash", "-c", script],
@@ -345,7 +544,21 @@ def test_full_disk_leaves_earlier_checkpoints_loadable(tmp_path):
     out = proc.stdout + proc.stderr
     assert "rc=1" in out, out[-3000:]
     assert "checkpoints already" in out and "intact" in out, out[-3000:]
-    assert "complete checkpoints at steps [2" in out, out[-3000:]
+    roomy = cfg.replace(checkpoint=dict(dir=""))
+    train(roomy, tmp_path / "roomy", verbose=False)
+    ckpt = Checkpointer(survived)
+    try:
+        steps = ckpt.steps()
+        assert steps and steps[0] == 2 and steps[-1] < STEPS, steps  # the later ones failed
+        for step in steps:
+            state, meta = ckpt.restore(step)
+            expected, expected_meta = saved_params(tmp_path / "roomy", step)
+            assert meta["step"] == expected_meta["step"] == step
+            assert meta["data_offset"] == expected_meta["data_offset"]
+            jax.tree.map(np.testing.assert_array_equal, state.stages, expected.stages)
+            jax.tree.map(np.testing.assert_array_equal, state.scalars, expected.scalars)
+    finally:
+        ckpt.close()
 
 
 # -- export and format --------------------------------------------------------------------

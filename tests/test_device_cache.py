@@ -23,11 +23,10 @@ from jax.sharding import SingleDeviceSharding
 
 from hetjax.checkpoint import Checkpointer
 from hetjax.config import Config, ConfigError, load_config
-from hetjax.memory import DeviceCache
 from hetjax.planning.cost import lanes
 from hetjax.planning.hardware import PROFILES
 from hetjax.planning.search import make_plan
-from hetjax.planning.workload import Workload, memory_sizes
+from hetjax.planning.workload import Workload
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.placement import Shardings, live_bytes_by_kind
 from hetjax.runtime.stages import stage_layouts
@@ -221,9 +220,10 @@ def test_device_cache_is_counted_on_the_device(tiny):
             assert ledger >= 2 * _state_bytes(runtime, runtime.device_stages)
             assert abs(ledger - peak) <= 0.05 * peak, (ledger, peak)
             assert ledger <= runtime.plan.required and peak <= budget
-            metrics = report.metrics
-            assert metrics["device_bytes_peak"] == ledger
-            deferred.append(metrics["optimizer_deferred"])
+            # what metrics.jsonl reports, against the live arrays sampled by the probe
+            reported = report.metrics["device_bytes_peak"]
+            assert abs(reported - peak) <= 0.05 * peak, (reported, peak)
+            deferred.append(report.metrics["optimizer_deferred"])
         assert losses[-1] < losses[0]
         assert deferred == [0, 1, 2]
         # committed, and the generation it replaced (the next update's output buffers)
@@ -279,15 +279,25 @@ def test_planner_caches_what_fits_and_more_with_more_budget():
         {"train.batch_size": "1", "train.seq_len": "1024", "model.compute_dtype": "bfloat16"},
     )
     w = Workload.from_config(config)
+    # gpt1p3b's stages' fp32 elements from its shapes, by hand, in whole 4 MiB pages
+    # (memory.page_size's default): embed wte (V, D) + wpe (S, D); a block ln_1, c_attn,
+    # c_proj, ln_2, c_fc, c_proj_mlp: 12 D^2 + 13 D; the head ln_f (its matmul is wte).
+    V, S, D, L = 50257, 2048, 2048, 24
+    page = 2**20
+    padded = lambda n: -(-n // page) * page
+    stage = [padded(V * D + S * D), *[padded(12 * D * D + 13 * D)] * L, padded(2 * D)]
+    # A cached element on the device: fp32 master, mu and nu twice (committed and
+    # speculative), its bf16 params, and its fp32 gradient (sync with clipping keeps
+    # every cached stage's for a redo): 2 * 12 + 2 + 4 bytes.
+    cached_bytes = lambda k: 30 * sum(stage[:k])
     counts = []
     for gib in (4, 6, 8, 10, 12, 14, 16):  # offload.mode=none fits from about 24 GiB
         plan = make_plan(config.replace(memory=dict(device_budget=f"{gib}GiB")), hw, w)
         _fits(plan)
         c = plan.candidate
         assert c.mode == "stream" and c.optimizer == "host", plan.table()
-        cache = DeviceCache.of(memory_sizes(w), c.offload())
-        assert plan.device["optimizer"] == cache.device_bytes <= plan.budgets["device"]
-        assert c.resident_blocks >= cache.blocks
+        assert plan.device["optimizer"] == cached_bytes(c.device_stages), plan.table()
+        assert c.resident_blocks >= min(max(c.device_stages - 1, 0), L)  # cached blocks
         counts.append(c.device_stages)
         if c.device_stages:
             without = dataclasses.replace(c, device_stages=0)

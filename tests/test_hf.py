@@ -12,7 +12,7 @@ from hf_models import build_hf_model, hf_logits, hf_sgd_losses
 from safetensors.numpy import load_file, save_file
 
 from hetjax import export
-from hetjax.config import ConfigError
+from hetjax.config import ConfigError, ModelConfig
 from hetjax.export import export_hf
 from hetjax.hf import HFCheckpoint, model_config_from_hf, open_checkpoint
 from hetjax.runtime.in_memory import InMemoryRuntime
@@ -61,6 +61,67 @@ def test_import_logits_equal_transformers(checkpoints, tiny, name):
     theirs = hf_logits(hf_model, tokens)
     assert np.abs(theirs).max() > 1.0  # logits of a useful size, not all near zero
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
+
+
+# Every field the import reads off config.json, at a value other than hetjax's default
+# (so a mapping that is dropped, and leaves the default, fails): config.json -> fields.
+MAPPED = {
+    "gpt2": (
+        dict(
+            model_type="gpt2", n_layer=3, n_embd=48, n_head=6, n_inner=80, vocab_size=300,
+            n_positions=40, layer_norm_epsilon=1e-3,
+        ),
+        dict(
+            num_layers=3, d_model=48, num_heads=6, d_ff=80, vocab_size=300, max_seq_len=40,
+            layer_norm_eps=1e-3,
+        ),
+    ),
+    "llama": (
+        dict(
+            model_type="llama", num_hidden_layers=3, hidden_size=48, num_attention_heads=6,
+            num_key_value_heads=2, intermediate_size=80, vocab_size=300, rms_norm_eps=1e-3,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="llama3", rope_theta=5000.0, factor=4.0, low_freq_factor=2.0,
+                high_freq_factor=8.0, original_max_position_embeddings=16,
+            ),
+        ),
+        dict(
+            family="llama", num_layers=3, d_model=48, num_heads=6, num_kv_heads=2, d_ff=80,
+            vocab_size=300, layer_norm_eps=1e-3, tie_embeddings=False, rope_theta=5000.0,
+            rope_scaling_factor=4.0, rope_low_freq_factor=2.0, rope_high_freq_factor=8.0,
+            rope_original_max_len=16,
+        ),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", MAPPED)
+def test_config_json_fields_map_to_non_default_values(tmp_path, family):
+    hf, expected = MAPPED[family]
+    defaults = ModelConfig()
+    assert all(getattr(defaults, k) != v for k, v in expected.items())  # each one can fail
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    config = model_config_from_hf(tmp_path)
+    assert {k: getattr(config, k) for k in expected} == expected
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_import_norm_eps_other_than_the_default(tiny, tmp_path, family):
+    """Norms with epsilon 0.1 (the default is 1e-5): the imported model's logits equal
+    transformers'; with the default epsilon they would not (checked, so the comparison
+    can tell)."""
+    hf_model = build_hf_model(family, norm_eps=0.1)
+    hf_model.save_pretrained(tmp_path)
+    config = _config(tiny, tmp_path)
+    assert config.model.layer_norm_eps == 0.1
+    params = open_checkpoint(config.model).params()
+    tokens = _tokens((2, 24))
+    theirs = hf_logits(hf_model, tokens)
+    logits = lambda model: np.asarray(jax.jit(build_model(model).logits)(params, tokens))
+    np.testing.assert_allclose(logits(config.model), theirs, rtol=0, atol=1e-4)
+    default_eps = dataclasses.replace(config.model, layer_norm_eps=1e-5)
+    assert np.abs(logits(default_eps) - theirs).max() > 1e-2
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

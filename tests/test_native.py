@@ -4,6 +4,7 @@ build's cache and its failures; the config's choice."""
 
 import numpy as np
 import pytest
+from conftest import require
 
 from hetjax.config import ConfigError, OptimizerConfig
 from hetjax.optimizer import native
@@ -11,7 +12,16 @@ from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.runtime.placement import Shardings
 from hetjax.storage.pages import Leaf, SlabLayout, aligned_concatenate
 
-needs_compiler = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler")
+
+@pytest.fixture
+def compiler():
+    """The native kernel's tests need a C++ compiler (skipped without one, failed under
+    CI=true: conftest.require)."""
+    require(
+        native._compiler() is not None,
+        "a C++ compiler for the native Adam kernel: apt-get install g++ (or set CXX)",
+    )
+
 
 N = 3 * 8192  # three chunks of two pages each (CHUNK_ELEMS patched below)
 PAGE = 4096
@@ -31,19 +41,35 @@ def _optimizers(name, dtype, monkeypatch):
     ]
 
 
-@needs_compiler
+def _optax_moments(cfg, grads, scales) -> dict[str, np.ndarray]:
+    """Adam's mu and nu after ``grads`` clipped by ``scales``, as optax writes them
+    (``(1 - b1) * g + b1 * mu``, ``(1 - b2) * g**2 + b2 * nu``), each operation rounded
+    to float32 (numpy fuses nothing)."""
+    f32 = np.float32
+    mu = nu = np.zeros(N, f32)
+    for grad, scale in zip(grads, scales, strict=True):
+        g = np.asarray(grad)[:N] * f32(scale)
+        mu = f32(1 - cfg.b1) * g + f32(cfg.b1) * mu
+        nu = f32(1 - cfg.b2) * (g * g) + f32(cfg.b2) * nu
+    return {"mu": mu, "nu": nu}
+
+
 @pytest.mark.parametrize("name", ["adamw", "adam"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("mode", ["fresh", "spare", "in place"])
-def test_native_kernel_equals_optax(monkeypatch, name, dtype, mode):
-    """Four steps, the second clipped (global norm above max): master, mu, nu and the
-    compute-dtype pages of the native kernel equal optax's jitted update to float32
+def test_native_kernel_equals_optax(compiler, monkeypatch, name, dtype, mode):
+    """Four steps, the second clipped (global norm above max). mu and nu of the native
+    kernel are optax's formulas evaluated op by op in float32, bit for bit (numpy below);
+    optax's jitted update differs from those by one rounding a step (XLA fuses one of the
+    two products of ``(1 - b) * g + b * m`` into an FMA, which one depending on the
+    fusion), so against it master, mu, nu and the compute-dtype pages agree to float32
     rounding; the step counts exactly."""
     optimizers = _optimizers(name, dtype, monkeypatch)
     assert [o.native for o in optimizers] == [False, True]
     rng = np.random.default_rng(1)
     master = rng.normal(size=N).astype(np.float32)
     grads = [aligned_concatenate([rng.normal(size=N).astype(np.float32)]) for _ in range(4)]
+    moments = _optax_moments(optimizers[0].cfg, grads, [1.0, 2.0 / 8.0, 1.0, 1.0])
     results = []
     for opt in optimizers:
         state, spare = opt.init("s", master), opt.init("s", master)[0]
@@ -58,6 +84,8 @@ def test_native_kernel_equals_optax(monkeypatch, name, dtype, mode):
     (ref, ref_counts, ref_pages), (got, counts, got_pages) = results
     assert counts == ref_counts
     assert sorted(got) == sorted(ref)
+    for kind in ("mu", "nu"):
+        np.testing.assert_array_equal(got[kind], moments[kind], err_msg=kind)
     for kind in ref:
         np.testing.assert_allclose(got[kind], ref[kind], rtol=2e-6, atol=1e-7, err_msg=kind)
     assert not np.array_equal(ref["master"], master)  # it moved
@@ -67,8 +95,15 @@ def test_native_kernel_equals_optax(monkeypatch, name, dtype, mode):
     np.testing.assert_allclose(got_pages, got["master"], rtol=eps, atol=1e-6)
 
 
-@needs_compiler
-def test_build_is_cached_and_a_failed_build_is_clear(tmp_path, monkeypatch):
+def test_auto_runs_the_native_kernel_where_a_compiler_is(compiler):
+    """The default (host_kernel=auto) builds and uses the kernel: with a compiler present,
+    the equivalence tests of the offloaded runtimes run it, not optax's fallback."""
+    assert native.use_native("auto", "adamw", "cpu") is True
+    host = Shardings.single_device().optimizer
+    assert SlabOptimizer(OptimizerConfig(), 10, {}, host, "float32").native
+
+
+def test_build_is_cached_and_a_failed_build_is_clear(compiler, tmp_path, monkeypatch):
     monkeypatch.setenv("HETJAX_CACHE", str(tmp_path / "cache"))
     lib = native._build()
     assert lib.is_file() and lib.parent == tmp_path / "cache" / "native"

@@ -3,7 +3,6 @@ for every config on every hardware profile, and `offload.mode=auto` training equ
 `offload.mode=none` under several budgets."""
 
 import dataclasses
-import time
 from pathlib import Path
 
 import jax
@@ -17,7 +16,7 @@ from hetjax.config import load_config
 from hetjax.memory import block_grad_dtype, device_parts
 from hetjax.planning.auto import resolve_auto
 from hetjax.planning.cost import lanes
-from hetjax.planning.hardware import NAMES, PROFILES, get_profile
+from hetjax.planning.hardware import PROFILES, get_profile
 from hetjax.planning.search import Candidate, PlanError, make_plan
 from hetjax.planning.workload import Workload, kept_key, memory_sizes
 from hetjax.runtime import stages
@@ -43,8 +42,10 @@ def test_everything_on_the_device_when_it_fits():
 @pytest.mark.parametrize("hardware", ["a100-80g", "rtx4090", "h100"])
 def test_offloads_progressively_as_budgets_shrink(hardware):
     """Property over budgets: every plan fits every budget; as the device budget shrinks
-    the plan never gets faster and moves state off the device (none -> stream, fewer
-    resident blocks); as the host budget shrinks optimizer state goes to NVMe."""
+    the plan never gets faster and moves state off the device: never more bytes there nor
+    more of the optimizer state, and once streaming never more resident blocks or
+    device-cached stages (none -> stream); as the host budget shrinks optimizer state
+    goes to NVMe."""
     hw = PROFILES[hardware]
     config = load_config(
         "gpt1p3b",
@@ -67,9 +68,14 @@ def test_offloads_progressively_as_budgets_shrink(hardware):
         modes.append(plan.candidate.mode)
         if previous is not None:
             assert plan.step_s >= 0.98 * previous.step_s
-            assert sum(plan.device.values()) <= sum(previous.device.values()) * 1.0001 or (
-                sum(plan.device.values()) <= budget
-            )
+            assert sum(plan.device.values()) <= sum(previous.device.values()) * 1.0001
+            optimizer_state = lambda p: p.device.get("optimizer", 0)
+            assert optimizer_state(plan) <= optimizer_state(previous) * 1.0001
+            if previous.candidate.mode == "stream":
+                c, before = plan.candidate, previous.candidate
+                assert c.mode == "stream"
+                assert c.resident_blocks <= before.resident_blocks
+                assert c.device_stages <= before.device_stages
         previous = plan
     assert modes[0] == "none" and "stream" in modes, modes
     # Host shrinking: the optimizer state leaves RAM for NVMe.
@@ -208,25 +214,69 @@ def test_clipping_that_binds_is_predicted_without_overlap():
         assert "clipping binds" not in other.table()
 
 
-# One profile in the default run (this machine); the others are slow.
+# Which configs in configs/ fit each hardware profile (`--plan` exits 0; any other config
+# exits 1 with "does not fit"), as the planner decides today. A change that makes a config
+# stop fitting (or start) fails here until this table says so on purpose.
+_TINY = {"gpt_tiny", "gpt_small", "llama_tiny", "llama_1b", "gpt1p3b"}
+FITS = {
+    "a100-80g": {  # Fuyou's server: 768 GB RAM, 12 SSDs
+        *_TINY,
+        *("gpt2p7b", "gpt6p7b", "gpt13b", "gpt175b", "llama_8b", "llama_70b"),
+        *("angel_gpt13b", "angel_gpt30b", "angel_gpt55b", "angel_gpt175b"),
+        *("fuyou_gpt33b", "fuyou_gpt65b", "fuyou_gpt135b", "fuyou_gpt276b"),
+        *("fuyou_gpt412b", "fuyou_gpt805b"),
+    },
+    "rtx4090": {
+        *_TINY,
+        *("gpt2p7b", "gpt6p7b", "gpt13b"),
+        *("angel_gpt13b", "angel_gpt30b", "angel_gpt55b", "fuyou_gpt33b", "fuyou_gpt65b"),
+    },
+    "angel-a100-40g": {
+        *_TINY,
+        *("gpt2p7b", "gpt6p7b", "gpt13b", "gpt175b", "llama_8b"),
+        *("angel_gpt13b", "angel_gpt30b", "angel_gpt55b"),
+        *("fuyou_gpt33b", "fuyou_gpt65b", "fuyou_gpt135b"),
+    },
+    "patrickstar-v100": {*_TINY, "gpt2p7b", "gpt6p7b"},
+    "h100": {*_TINY, "gpt2p7b"},
+}
+
+
+def test_fits_table_names_every_config():
+    assert FITS.keys() == PROFILES.keys()
+    assert FITS["a100-80g"] == set(CONFIGS)  # so every config has an expectation
+
+
+# One fixed profile in the default run (the cheapest to plan); the others are slow.
 @pytest.mark.parametrize(
     "hardware",
-    [h if h == "local" else pytest.param(h, marks=pytest.mark.slow) for h in NAMES],
+    [h if h == "patrickstar-v100" else pytest.param(h, marks=pytest.mark.slow) for h in PROFILES],
 )
 def test_plan_cli_for_every_config(hardware, capsys):
     """`--plan` for every config in configs/ on this profile: a plan with its predicted
-    throughput, or a clear "does not fit" naming the tier; seconds each."""
+    throughput where FITS says it fits, else a clear "does not fit" naming the tier."""
     for name in CONFIGS:
-        t0 = time.perf_counter()
         rc = launch.main(["--config", name, "--plan", "--hardware", hardware])
-        elapsed = time.perf_counter() - t0
         out, err = capsys.readouterr()
-        assert rc in (0, 1), (name, err)
-        if rc == 0:
-            assert "predicted:" in out and "tokens/s" in out, out
-        else:
-            assert "does not fit" in err and "short by" in err, err
-        assert elapsed < 10, (name, hardware, elapsed)
+        _check_plan_outcome(name, hardware, rc, out, err, fits=name in FITS[hardware])
+
+
+def test_plan_cli_on_this_machine(capsys):
+    """The measured profile (`--hardware local`): what fits depends on the machine, but
+    the tiny model fits any and the 805B model (26 TiB of NVMe state) none."""
+    for name, fits in (("gpt_tiny", True), ("fuyou_gpt805b", False)):
+        rc = launch.main(["--config", name, "--plan", "--hardware", "local"])
+        out, err = capsys.readouterr()
+        _check_plan_outcome(name, "local", rc, out, err, fits)
+
+
+def _check_plan_outcome(name, hardware, rc, out, err, fits):
+    if fits:
+        assert rc == 0, (name, hardware, err[-2000:])
+        assert "predicted:" in out and "tokens/s" in out, out
+    else:
+        assert rc == 1, (name, hardware, out[-2000:])
+        assert "does not fit" in err and "short by" in err, err
 
 
 def test_unknown_hardware_is_a_clear_error(capsys):

@@ -1,13 +1,16 @@
 """Step timelines (train.trace_every) and the metrics.jsonl fields of issue #9."""
 
+import gc
 import json
 
+import jax
 import numpy as np
 import pytest
 
 from hetjax import timeline
 from hetjax.data import make_datasets
-from hetjax.metrics import peak_flops
+from hetjax.metrics import step_record
+from hetjax.runtime.placement import live_bytes_by_kind
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
 
@@ -69,7 +72,15 @@ def test_trace_has_every_lane_with_disjoint_spans(traced_run):
     assert "trace_busiest_lane" not in result.records[2]  # step 3 was not traced
 
 
-def test_metrics_fields_consistent_with_ledger(traced_run, tiny, tmp_path):
+# The tiny model's stages (tests/conftest.py: vocab 256, D 32, 2 layers, 32 positions) in
+# fp32 elements, by hand from its shapes, padded to whole 16 KiB pages (4096 elements):
+# embed wte + wpe = 256 * 32 + 32 * 32 = 9216 -> 12288; a block 12 D^2 + 13 D = 12704
+# -> 16384; the head's ln_f 2 D = 64 -> 4096.
+TINY_SLAB_ELEMS = 12288 + 2 * 16384 + 4096
+TINY_ADAM_STATE_BYTES = 3 * 4 * TINY_SLAB_ELEMS  # fp32 master, mu and nu
+
+
+def test_metrics_fields_of_an_offloaded_run(traced_run, tiny, tmp_path):
     workdir, result = traced_run
     lines = result.records  # what metrics.jsonl gets (verbose=False writes no file)
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
@@ -82,51 +93,77 @@ def test_metrics_fields_consistent_with_ledger(traced_run, tiny, tmp_path):
         "nvme_write_gbs",
         "optimizer_params_per_s",
     )
-    peak = peak_flops("float32")
     for r in lines:
         for f in fields:
             assert f in r and r[f] > 0, f
-        assert r["mfu"] == pytest.approx(r["tflops"] * 1e12 / peak)
-        for io in ("read", "write"):
-            assert r[f"nvme_{io}_gbs"] == pytest.approx(
-                r[f"nvme_{io}_bytes"] / r["step_time_s"] / 1e9
-            )
-        assert r["optimizer_params_per_s"] == pytest.approx(
-            r["optimizer_params"] / r["optimizer_busy_s"]
-        )
+        assert r["mfu"] < 1  # the tiny model is far from the measured matmul peak
+        # No cache (no host budget): every stage's state is read and written once a
+        # step, and every parameter updated once (no clipping: no redo).
+        assert r["nvme_read_bytes"] == r["nvme_write_bytes"] == TINY_ADAM_STATE_BYTES
+        assert r["optimizer_params"] == TINY_SLAB_ELEMS
 
-    # The same config, stepped by hand: the fields against the runtime's own books.
+    # The same config, stepped by hand: the device peak against the live device arrays
+    # a probe samples after every dispatch, the host bytes against the host plan.
     config = _offloaded(tiny)
-    runtime = StreamingRuntime(config, workdir=tmp_path)
+    gc.collect()  # earlier tests' garbage must not be freed while samples are taken
+    samples = []
+    runtime = StreamingRuntime(
+        config,
+        workdir=tmp_path,
+        probe=lambda rt: samples.append(live_bytes_by_kind().get("device", 0)),
+    )
     try:
         data, _, _ = make_datasets(config)
         t = config.train
         batch = data.batch(0).reshape(1, t.batch_size, t.seq_len + 1)
+        resident = sum(a.nbytes for a in jax.tree.leaves(runtime.resident))
+        baseline = live_bytes_by_kind().get("device", 0) - resident
         m = runtime.train_step(batch).metrics
-        assert m["device_bytes_peak"] == runtime.ledger.peak["device"] > 0
+        peak = max(samples) - baseline
+        assert abs(m["device_bytes_peak"] - peak) <= 0.05 * peak, (m["device_bytes_peak"], peak)
         assert m["device_bytes_peak"] <= runtime.plan.required
-        state = sum(
-            runtime.optimizer.state_bytes(runtime.layout_name(n)) for n in runtime.stage_names
-        )
-        # No cache (no host budget): every stage's state is read and written once a step.
-        assert m["nvme_read_bytes"] == m["nvme_write_bytes"] == state
-        assert m["nvme_bytes"] == 2 * state  # two generations on disk
-        params = sum(
-            runtime.layouts[runtime.layout_name(n)].padded_size for n in runtime.stage_names
-        )
-        assert m["optimizer_params"] == params
+        assert m["nvme_read_bytes"] == m["nvme_write_bytes"] == TINY_ADAM_STATE_BYTES
+        assert m["nvme_bytes"] == 2 * TINY_ADAM_STATE_BYTES  # two generations on disk
+        assert m["optimizer_params"] == TINY_SLAB_ELEMS
         # Host bytes: the param slabs and gradient buffers, within the host plan. (No
         # clipping: gradients are dropped once updated, so how many were held at once
         # depends on the optimizer thread; the embed's is held until backward ends.)
         plan = runtime.host_plan
-        embed_grad = runtime.layouts["embed"].nbytes(np.float32)
+        embed_grad = 12288 * 4  # fp32
         assert plan.param_slabs + embed_grad <= m["host_bytes"] <= plan.required
         # The next step reports its own work, not the sum of both steps'.
         again = runtime.train_step(batch).metrics
-        assert again["nvme_read_bytes"] == m["nvme_read_bytes"]
-        assert again["optimizer_params"] == params
+        assert again["nvme_read_bytes"] == TINY_ADAM_STATE_BYTES
+        assert again["optimizer_params"] == TINY_SLAB_ELEMS
     finally:
         runtime.close()
+
+
+def test_step_record_rates():
+    """The derived rates of a step record, for inputs with round answers: 2 TFLOP in
+    0.5 s against an 8 TFLOP/s peak is 4 TFLOP/s at MFU 0.5; 3 GB read in 0.5 s is
+    6 GB/s; 100 parameters in 0.25 s of optimizer time is 400 per second."""
+    rec = step_record(
+        7,
+        2.5,
+        0.5,
+        1000,
+        2e12,
+        8e12,
+        nvme_read_bytes=3_000_000_000,
+        nvme_write_bytes=1_000_000_000,
+        optimizer_params=100,
+        optimizer_busy_s=0.25,
+    )
+    assert rec["step"] == 7 and rec["loss"] == 2.5 and rec["step_time_s"] == 0.5
+    assert rec["tokens_per_s"] == 2000
+    assert rec["tflops"] == pytest.approx(4.0)
+    assert rec["mfu"] == pytest.approx(0.5)
+    assert rec["nvme_read_gbs"] == pytest.approx(6.0)
+    assert rec["nvme_write_gbs"] == pytest.approx(2.0)
+    assert rec["optimizer_params_per_s"] == pytest.approx(400.0)
+    bare = step_record(1, 2.5, 0.5, 1000, 2e12)  # no peak, no I/O, no optimizer work
+    assert not {"mfu", "nvme_read_gbs", "optimizer_params_per_s"} & bare.keys()
 
 
 def test_trace_in_memory_runtime(tiny, tmp_path):

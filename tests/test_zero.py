@@ -203,6 +203,12 @@ def test_two_processes_train_like_one(reference4, tmp_path):
     summary = json.loads((tmp_path / "proc0" / "summary.json").read_text())
     assert summary["val_loss"] == saved["val_loss"] and summary["steps"] == len(saved["losses"])
     assert summary["last_loss"] == saved["losses"][-1]
+    # Both processes ran with metrics on: process 0 logs every step, process 1 nothing.
+    metrics = (tmp_path / "proc0" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in metrics]
+    assert [r["step"] for r in records] == list(range(1, len(reference4.losses) + 1))
+    assert [r["loss"] for r in records] == list(saved["losses"])
+    assert (tmp_path / "proc1").is_dir()
     for log in ("metrics.jsonl", "summary.json"):  # process 0 writes them alone
         assert not (tmp_path / "proc1" / log).exists()
 

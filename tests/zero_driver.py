@@ -4,7 +4,9 @@
 
 The process group comes from HETJAX_COORDINATOR / HETJAX_NUM_PROCESSES /
 HETJAX_PROCESS_ID, as under ``python -m hetjax.launch``; overrides are config keys.
-Process 0 writes the losses, validation loss and final params to ``WORKDIR/result.npz``."""
+Each process trains in ``WORKDIR/proc<index>`` with metrics on (``verbose``: only
+process 0 writes ``metrics.jsonl``); process 0 writes the losses, validation loss and
+final params to ``WORKDIR/result.npz``."""
 
 import sys
 from pathlib import Path
@@ -27,7 +29,7 @@ def main() -> None:
 
     from hetjax.train import train
 
-    result = train(config, workdir / f"proc{jax.process_index()}", verbose=False)
+    result = train(config, workdir / f"proc{jax.process_index()}", verbose=True)
     if jax.process_index() == 0:
         flat = {
             jax.tree_util.keystr(p): a

@@ -29,7 +29,19 @@ from hetjax.config import NATIVE_OPTIMIZERS
 
 TARGET = "hetjax_adam"
 SOURCE = Path(__file__).parent / "csrc" / "adam.cc"
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w"]
+# -ffp-contract=off: every multiply and add rounds as written, so mu and nu are optax's
+# formulas evaluated in float32 op by op (bit for bit, tests/test_native.py); GCC would
+# otherwise fuse one product of each sum into an FMA of its own choosing.
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-w",
+]
 
 
 class NativeKernelError(RuntimeError):

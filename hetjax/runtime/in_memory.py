@@ -102,8 +102,9 @@ class InMemoryRuntime:
         kinds = [MASTER, *(k for k in slots if k)]
         if sorted(state.kinds) != sorted(kinds):
             raise ConfigError(
-                f"the checkpoint holds optimizer state {state.kinds}, optimizer.name="
-                f"{self.config.optimizer.name} needs {kinds}"
+                f"the checkpoint holds the state kinds {state.kinds}, this run's optimizer "
+                f"(optimizer.name={self.config.optimizer.name}) needs {kinds}: resume "
+                "with the optimizer settings that wrote it, or start over with a new --workdir"
             )
         old_leaves = jax.tree.leaves(self.state.opt_state)
         scalars = iter(state.scalars["embed"])

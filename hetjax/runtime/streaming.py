@@ -429,8 +429,10 @@ class StreamingRuntime:
         lock-free mode is drained first)."""
         if sorted(state.kinds) != sorted(self.optimizer.kinds):
             raise ConfigError(
-                f"the checkpoint holds optimizer state {state.kinds}, optimizer.name="
-                f"{self.config.optimizer.name} needs {self.optimizer.kinds}"
+                f"the checkpoint holds the state kinds {state.kinds}, this run's optimizer "
+                f"(optimizer.name={self.config.optimizer.name}) needs "
+                f"{self.optimizer.kinds}: resume with the optimizer settings that wrote it, "
+                "or start over with a new --workdir"
             )
         if self.config.optimizer.mode == "lockfree":
             self.loop.drain()

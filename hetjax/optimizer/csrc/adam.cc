@@ -4,8 +4,11 @@
 // a cast, so every parameter's bytes cross memory about 46 times where one pass needs
 // 30 (read master, mu, nu, grad; write master, mu, nu and the compute-dtype copy). This
 // kernel is that one pass, split over XLA's intra-op thread pool. It computes optax's
-// formulas in optax's operation order in float32; the compiler contracts multiply-adds
-// as XLA does, so mu and nu equal optax's jitted update bit for bit and the params to
+// formulas in optax's operation order in float32, each operation rounded as written
+// (built with -ffp-contract=off): mu and nu equal those formulas evaluated op by op in
+// float32 bit for bit. Against optax's jitted update they differ by one rounding a step:
+// XLA's CPU backend fuses one of the two products of ``(1 - b) * g + b * m`` into an
+// FMA, and which one varies between fusions of the same update. The params agree to
 // within a few ulps (tests/test_native.py). Built on first use by hetjax/native.py.
 //
 // Operands: master, mu, nu, grad (f32[n]) and coef (f32[10]):
