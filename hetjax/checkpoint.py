@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import zlib
@@ -77,18 +78,23 @@ def checkpoint_dir(config: Config, workdir: str | Path) -> Path:
 
 class Checkpointer:
     """orbax ``CheckpointManager`` over ``directory``: async two-phase saves, the last
-    ``keep`` complete checkpoints kept, clear errors on unwritable or full disks."""
+    ``keep`` complete checkpoints kept, clear errors on unwritable or full disks.
+    ``writing=False`` (listing, export) skips the write probe, so the checkpoints of a
+    full disk still list and restore."""
 
-    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
+    def __init__(
+        self, directory: str | Path, keep: int = 3, async_save: bool = True, writing: bool = True
+    ):
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
         self.directory = Path(directory).absolute()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            probe = self.directory / ".hetjax-write-test"
-            probe.write_bytes(b"ok")
-            probe.unlink()
+            if writing:
+                probe = self.directory / ".hetjax-write-test"
+                probe.write_bytes(b"ok")
+                probe.unlink()
         except OSError as e:
             raise CheckpointError(
                 f"checkpoint directory {self.directory} is not writable ({e.strerror}); "
@@ -99,6 +105,10 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             create=True,
             cleanup_tmp_directories=True,  # partial saves of a crashed run
+            # Directories made in the step, not by a background thread: when making them
+            # fails (a full disk) orbax's other threads would wait 300 s for them, holding
+            # up the process's exit after the error.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._last_bytes = 0
@@ -159,17 +169,11 @@ class Checkpointer:
         self._pending = None
 
     def _write_error(self, step, e: BaseException) -> CheckpointError:
-        cause = e
-        while cause.__cause__ is not None or cause.__context__ is not None:
-            if isinstance(cause, OSError):
-                break
-            cause = cause.__cause__ or cause.__context__
-        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else repr(e)
         return CheckpointError(
-            f"writing the checkpoint of step {step} to {self.directory} failed ({why}); the "
-            "checkpoints already complete there are intact. Free space or point "
-            "checkpoint.dir at a writable disk, then restart: the run resumes from the "
-            "newest complete checkpoint"
+            f"writing the checkpoint of step {step} to {self.directory} failed "
+            f"({_os_reason(e)}); the checkpoints already complete there are intact. Free "
+            "space or point checkpoint.dir at a writable disk, then restart: the run resumes "
+            "from the newest complete checkpoint"
         )
 
     # -- restore ------------------------------------------------------------------------
@@ -235,6 +239,24 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
+
+
+def _os_reason(e: BaseException) -> str:
+    """The operating system's reason for a failed write, e.g. ``No space left on
+    device``: an OSError's in the exception chain, or the ``os_error_code`` TensorStore
+    puts in its messages (it raises ValueError); else the exception, shortened."""
+    cause: BaseException | None = e
+    seen = set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+        code = re.search(r"os_error_code='?(\d+)", str(cause))
+        if code:
+            return os.strerror(int(code.group(1)))
+        cause = cause.__cause__ or cause.__context__
+    text = repr(e)
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def check_compatible(meta: dict[str, Any], config: Config, where: Path) -> None:
@@ -306,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetjax: error: no checkpoint directory {directory}", file=sys.stderr)
         return 1
     try:
-        ckpt = Checkpointer(directory)
+        ckpt = Checkpointer(directory, writing=False)
         try:
             steps = ckpt.steps()
             if args.export is None:

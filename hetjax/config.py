@@ -466,7 +466,8 @@ class DataConfig:
 class CheckpointConfig:
     """Checkpoints of the complete training state (hetjax/checkpoint.py).
 
-    A checkpoint is written every ``every_steps`` steps and when training ends, in two
+    A checkpoint is written every ``every_steps`` steps, at least every ``every_minutes``
+    minutes, when training ends and when the run is preempted (SIGTERM, SIGUSR1), in two
     phases: a snapshot of the state into host RAM (the step waits for it), then orbax
     persists it in the background while training goes on; it counts only once complete.
     A run started on a workdir that has checkpoints continues from the newest complete
@@ -474,6 +475,7 @@ class CheckpointConfig:
     is set, which deletes them."""
 
     every_steps: int = 100  # 0: no periodic checkpoints
+    every_minutes: float = 0.0  # also one when this long has passed since the last; 0: off
     at_end: bool = True  # a checkpoint when training ends
     keep: int = 3  # complete checkpoints kept (oldest deleted first)
     dir: str = ""  # "": <workdir>/checkpoints
@@ -483,12 +485,15 @@ class CheckpointConfig:
 
     def __post_init__(self):
         _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", self.every_steps)
+        _check(
+            self.every_minutes >= 0, "checkpoint.every_minutes", "must be >= 0", self.every_minutes
+        )
         _check(self.keep >= 1, "checkpoint.keep", "must be >= 1", self.keep)
         _choice("checkpoint", "resume", self.resume, ("auto", "never"))
 
     @property
     def enabled(self) -> bool:
-        return self.every_steps > 0 or self.at_end
+        return self.every_steps > 0 or self.every_minutes > 0 or self.at_end
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,6 +115,8 @@ HELP: dict[str, str] = {
     "data.corpus_bytes": "embedded corpus size",
     # -- checkpoint -------------------------------------------------------------------
     "checkpoint.every_steps": "complete-state checkpoint every N steps; 0: none periodic",
+    "checkpoint.every_minutes": "also a checkpoint when this many minutes have passed since "
+    "the last one (checked between steps); 0: none by time",
     "checkpoint.at_end": "a checkpoint when training ends",
     "checkpoint.keep": "complete checkpoints kept",
     "checkpoint.dir": "empty: `<workdir>/checkpoints`",

@@ -178,6 +178,22 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+def any_process(*flags: bool) -> tuple[bool, ...]:
+    """Each flag, true if it is true on any process: one tiny all-gather with several
+    processes (every process must call it at the same point), nothing with one. The
+    training loop combines its stop and checkpoint-due flags with it between steps, so
+    every process decides alike (the gradient norm already costs one such call a step)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return tuple(bool(f) for f in flags)
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    every = multihost_utils.process_allgather(np.asarray(flags, np.int32))  # (P, flags)
+    return tuple(bool(f) for f in np.asarray(every).reshape(-1, len(flags)).any(axis=0))
+
+
 def data_mesh(degree: int):
     """A 1-D mesh over ``degree`` devices (0: every device of every process), axis
     ``data``. Each process's devices are contiguous in it."""

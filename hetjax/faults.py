@@ -24,6 +24,8 @@ KINDS = {
     "kill_mid_step": "SIGKILL while step N runs",
     "kill_saving": "SIGKILL right after step N's checkpoint is handed to the background writer",
     "kill_saved": "SIGKILL once step N's checkpoint is complete",
+    "sigterm": "SIGTERM while step N runs (from a timer thread, as a kill from outside arrives)",
+    "sigusr1": "SIGUSR1 while step N runs (likewise)",
     "optimizer_raise": "the host optimizer loop raises in its first stage update from step N",
     "nvme_write_fail": (
         "the first NVMe page write from step N fails as a disk error does: its future "
@@ -31,6 +33,7 @@ KINDS = {
     ),
 }
 IN_RUNTIME = ("optimizer_raise", "nvme_write_fail")  # armed by the loop, fired where they happen
+MID_STEP = {"kill_mid_step": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1}
 
 
 class InjectedFault(RuntimeError):
@@ -61,6 +64,13 @@ class Faults:
             self.at[kind].discard(step)
             return True
         return False
+
+    def mid_step_signal(self, step: int) -> signal.Signals | None:
+        """The signal of :data:`MID_STEP` due while ``step`` runs, if any."""
+        for kind, sig in MID_STEP.items():
+            if self.hit(kind, step):
+                return sig
+        return None
 
     def arm(self, step: int) -> None:
         """Arms the :data:`IN_RUNTIME` faults due at ``step``: each stays armed until the

@@ -4,7 +4,13 @@
         --config.train.steps=50 --config.optimizer.lr=3e-4
 
 A workdir that holds checkpoints resumes from the newest complete one; ``--resume=never``
-starts fresh (refusing to delete them unless ``--overwrite`` is given).
+starts fresh (refusing to delete them unless ``--overwrite`` is given). One run at a time
+holds a workdir (``hetjax/run_lock.py``).
+
+Exit status: 0 trained to the end; 1 an error (the message says what to change); 2 a bad
+config or command line; 75 (:data:`~hetjax.preemption.PREEMPTED_EXIT_STATUS`) preempted
+by SIGTERM or SIGUSR1 with a complete checkpoint written: run the same command again to
+resume (``hetjax/preemption.py``).
 
 Every config key can be overridden as ``--config.<section>.<name>=<value>`` (or with
 the value as the next argument). With no ``--config`` the embedded default,
@@ -23,6 +29,7 @@ from pathlib import Path
 
 from hetjax.allocator import tune_malloc
 from hetjax.config import ConfigError, load_config
+from hetjax.preemption import PREEMPTED_EXIT_STATUS, Preempted
 
 DEFAULT_CONFIG = "gpt_tiny"
 
@@ -137,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         initialize(config)  # jax.distributed, when the run has several processes
         train(config, workdir)
+    except Preempted as e:
+        print(f"hetjax: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT_STATUS
     except (ConfigError, TrainingError, CheckpointError, DistributedError) as e:
         print(f"hetjax: error: {e}", file=sys.stderr)
         return 1

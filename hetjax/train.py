@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -22,9 +24,12 @@ from hetjax.allocator import tune_host_allocator
 from hetjax.checkpoint import Checkpointer, check_compatible, checkpoint_dir
 from hetjax.config import Config
 from hetjax.data import make_datasets
+from hetjax.distributed import any_process
 from hetjax.faults import Faults
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, step_record
 from hetjax.planning.auto import resolve_auto
+from hetjax.preemption import Preempted, StopSignals
+from hetjax.run_lock import LOCK_NAME, RunLocks
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.runtime.zero import Zero3
@@ -58,8 +63,8 @@ class TrainResult:
     workdir: Path  # where metrics.jsonl and summary.json were written (process 0)
 
 
-def _kill_later(seconds: float) -> threading.Timer:
-    timer = threading.Timer(seconds, Faults.kill)
+def _signal_later(seconds: float, sig: signal.Signals) -> threading.Timer:
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), sig))
     timer.daemon = True
     timer.start()
     return timer
@@ -70,10 +75,34 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
     and checkpoints into ``workdir`` and returns the losses, validation loss and params.
 
     With checkpoints in ``workdir`` (``checkpoint.resume=auto``) the run continues from
-    the newest complete one. ``losses`` holds the steps this call ran."""
+    the newest complete one. ``losses`` holds the steps this call ran.
+
+    The run holds a lock on ``workdir`` (and on ``memory.nvme_path`` when it may place
+    state there) until it returns; another live run holding either makes it raise
+    ConfigError at once (``hetjax/run_lock.py``). With checkpoints on, SIGTERM or SIGUSR1
+    stop it between steps: it writes a checkpoint of the step reached, waits for it and
+    raises :class:`~hetjax.preemption.Preempted` (``hetjax/preemption.py``)."""
     tune_host_allocator(bounded=bool(config.memory.host_budget))
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    process = jax.process_index()
+    with RunLocks() as locks, StopSignals(active=config.checkpoint.enabled) as signals:
+        if process == 0:  # one run per workdir; a run's processes share it
+            locks.hold(workdir, f"workdir {workdir}", "use another --workdir")
+        nvme, o = config.memory.nvme_path, config.offload
+        tiers = (o.params, o.optimizer, o.activations)
+        if nvme and (o.mode == "auto" or (o.mode == "stream" and "nvme" in tiers)):
+            # each process writes its own part there (<nvme_path>/proc<k> with ZeRO-3)
+            locks.hold(
+                nvme,
+                f"memory.nvme_path {nvme}",
+                "point memory.nvme_path at another directory",
+                name=LOCK_NAME if process == 0 else f"hetjax.proc{process}.lock",
+            )
+        return _train(config, workdir, verbose, signals)
+
+
+def _train(config: Config, workdir: Path, verbose: bool, signals: StopSignals) -> TrainResult:
     t, ck = config.train, config.checkpoint
     faults = Faults.from_env()
     main = jax.process_index() == 0  # metrics, logs and summaries from process 0 only
@@ -129,14 +158,14 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
         losses, records = [], []
         timer = StepTimer()
         bad_streak = 0
-        last_saved = step
+        last_saved, last_saved_at = step, time.monotonic()
 
         def save(at: int) -> None:
-            nonlocal last_saved
+            nonlocal last_saved, last_saved_at
             t0 = time.perf_counter()
             meta = {"step": at, "data_offset": data_offset, "config": config.to_dict()}
             ckpt.save(at, runtime.save_state(), meta)
-            last_saved = at
+            last_saved, last_saved_at = at, time.monotonic()
             out.log(
                 f"checkpoint: step {at} snapshot in {time.perf_counter() - t0:.2f} s, "
                 f"writing to {ckpt.directory / str(at)} in the background"
@@ -148,12 +177,23 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
                 Faults.kill()
 
         while step < t.steps:
+            # The safe point, between steps: stop on a signal, or save if one is due by
+            # time. Every process takes the same decision (one tiny all-gather).
+            minutes = (time.monotonic() - last_saved_at) / 60
+            stop, due = any_process(
+                signals.received is not None, ck.every_minutes and minutes >= ck.every_minutes
+            )
+            if stop:
+                _preempt(signals, step, last_saved != step, save, ckpt, out)
+            if due and last_saved != step:
+                save(step)
             step += 1
             batch = train_data.batch(step - 1 + data_offset)  # (B, T+1)
             batch = batch.reshape(t.grad_accum, -1, t.seq_len + 1)  # this process's rows
+            sig = faults.mid_step_signal(step)
             killer = (
-                _kill_later(0.5 * (records[-1]["step_time_s"] if records else 0.05))
-                if faults.hit("kill_mid_step", step)
+                _signal_later(0.5 * (records[-1]["step_time_s"] if records else 0.05), sig)
+                if sig is not None
                 else None
             )
             recorder = (
@@ -163,7 +203,7 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
             with timeline.recording(recorder):
                 stats = runtime.train_step(batch, poison=faults.hit("nan", step))
             if killer is not None:
-                killer.join()  # the step outlived the timer: kill now, still before any save
+                killer.join()  # the step outlived the timer: signal now, still before any save
             trace = recorder.finish() if recorder is not None else None
             step_time = timer.lap()
             losses.append(stats.loss)
@@ -233,6 +273,20 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
         if ckpt is not None:
             ckpt.manager.close()
     return TrainResult(losses, val_loss, params, records, workdir)
+
+
+def _preempt(signals: StopSignals, step: int, unsaved: bool, save, ckpt, out) -> None:
+    """Stops the run at a safe point: a checkpoint of ``step`` (unless the newest one is
+    of it already), complete on disk, then :class:`Preempted`."""
+    reason = signals.received or "a signal to another process"
+    out.log(f"{reason}: stopping at step {step}, between steps; writing a checkpoint")
+    if unsaved:
+        save(step)
+    ckpt.wait()  # complete on disk before the process says so
+    saved = "its checkpoint is complete" if unsaved else "nothing new to save"
+    since = f", {signals.since():.1f} s after the signal" if signals.received else ""
+    out.log(f"{reason}: stopped at step {step}; {saved}{since}")
+    raise Preempted(reason, step, ckpt.directory / str(step) if unsaved else None)
 
 
 def _open_checkpoints(config: Config, workdir: Path, out: MetricsWriter) -> Checkpointer:
