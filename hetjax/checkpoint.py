@@ -44,6 +44,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -92,7 +93,8 @@ class Checkpointer:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             if writing:
-                probe = self.directory / ".hetjax-write-test"
+                # one name per process: the processes of a run share the directory
+                probe = self.directory / f".hetjax-write-test-{socket.gethostname()}-{os.getpid()}"
                 probe.write_bytes(b"ok")
                 probe.unlink()
         except OSError as e:
