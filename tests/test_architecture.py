@@ -13,7 +13,15 @@ LAYERS = [
     {"hetjax.runtime"},
     {"hetjax.optimizer"},
     {"hetjax.storage", "hetjax.hf", "hetjax.data", "hetjax.distributed", "models"},
-    {"hetjax.memory", "hetjax.allocator", "hetjax.timeline", "hetjax.census", "hetjax.faults"},
+    {
+        "hetjax.memory",
+        "hetjax.allocator",
+        "hetjax.timeline",
+        "hetjax.census",
+        "hetjax.faults",
+        "hetjax.preemption",
+        "hetjax.run_lock",
+    },
     {"hetjax.config", "hetjax.config_help", "hetjax.config_values", "hetjax.types"},
 ]
 
