@@ -29,10 +29,11 @@ def test_rss_and_its_peak_follow_fresh_pages():
     for offset in range(0, 64 * MiB, mmap.PAGESIZE):  # every page touched
         pages[offset] = 1
     grown = census.rss()[0] - rss
-    assert 64 * MiB <= grown < 80 * MiB, grown
+    # the kernel updates its RSS counters in batches: a few pages of slack
+    assert 63 * MiB <= grown < 80 * MiB, grown
     pages.close()
     current, peak = census.rss()
-    assert peak >= rss + 64 * MiB > current, (rss, current, peak)
+    assert peak >= rss + 63 * MiB > current, (rss, current, peak)
 
 
 def test_jax_bytes_by_memory_kind():
