@@ -126,6 +126,7 @@ def test_sigkill_then_resume_equals_uninterrupted(fault, uninterrupted_nvme, tmp
     jax.tree.map(np.testing.assert_array_equal, state.params(), uninterrupted_nvme.params)
 
 
+@pytest.mark.slow  # the SIGKILL tests resume in-memory runs bit for bit in the default run
 def test_resume_in_memory_is_exact(tmp_path):
     cfg = config()
     reference = train(cfg, tmp_path / "ref", verbose=False)
@@ -384,11 +385,12 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
             dict(name="sgd"),
             r"optimizer\.name: checkpoint 'adamw', this run 'sgd'",
         ),
-        (
+        pytest.param(  # ~10 s, with -m slow
             dict(name="sgd", momentum=0.9),
             dict(name="sgd", momentum=0.0),
             r"optimizer\.momentum: checkpoint 0\.9, this run 0\.0 "
             r"\(state kinds \['master', 'trace'\]\)",
+            marks=pytest.mark.slow,
         ),
     ],
     ids=["optimizer-name", "state-kinds"],
@@ -482,6 +484,7 @@ def test_unreadable_checkpoint_is_refused_and_the_older_one_resumes(
     jax.tree.map(np.testing.assert_array_equal, resumed.params, reference.params)
 
 
+@pytest.mark.slow  # ~15 s; the checkpoint tier stays covered by the restore chain and SIGKILL tests
 def test_synchronous_saves_equal_background_ones_and_keep_deletes_old(tmp_path):
     """checkpoint.async_save=false writes the same checkpoints as the background writer;
     checkpoint.keep=2 leaves only the two newest on disk."""

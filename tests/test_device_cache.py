@@ -78,6 +78,7 @@ def test_device_cache_equals_none(reference, tiny, tmp_path, optimizer, params, 
     assert last["optimizer_params"] == sum(sizes[stages:])
 
 
+@pytest.mark.slow  # ~12 s; test_device_cache_equals_none covers the device cache in the default run
 def test_device_cache_with_grad_accum_equals_none(tiny, tmp_path):
     # Summed over micro-batches, gradients round differently from the reference's
     # (float32, ~1e-7); AdamW divides the small ones by their own size and turns that

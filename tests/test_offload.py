@@ -37,7 +37,12 @@ PAGES = dict(page_size="16KiB")  # several pages per stage; small files
 # Default-run tier representative (keep out of -m slow): params on NVMe and optimizer state
 # on NVMe, offloaded vs in memory (adamw is the cheaper case).
 @pytest.mark.parametrize(
-    "optimizer", [dict(name="adamw", **CLIP), dict(name="lion", lr=3e-4, **LION_CLIP)], ids=str
+    "optimizer",
+    [
+        dict(name="adamw", **CLIP),
+        pytest.param(dict(name="lion", lr=3e-4, **LION_CLIP), marks=pytest.mark.slow),
+    ],
+    ids=str,
 )
 def test_nvme_optimizer_and_params_equal_in_memory(tiny, tmp_path, optimizer):
     ref = train(tiny(optimizer=optimizer), tmp_path / "ref", verbose=False)
@@ -128,6 +133,7 @@ def test_host_budget_smaller_than_state_evicts_and_files_hold_true_state(tiny, t
             assert_trees_close(got, want)
 
 
+@pytest.mark.slow  # ~8 s; lock-free mode is covered by its checkpoint test in the default run
 def test_lockfree_loss_falls_close_to_sync(tiny, tmp_path):
     """Angel-PTM's lock-free mode: forward runs on params up to max_staleness steps old.
     Measured on this tiny model over 40 steps: the mean of the last 10 losses is within

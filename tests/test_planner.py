@@ -39,7 +39,10 @@ def test_everything_on_the_device_when_it_fits():
     assert "offload.mode=none" in plan.table()
 
 
-@pytest.mark.parametrize("hardware", ["a100-80g", "rtx4090", "h100"])
+@pytest.mark.parametrize(  # h100 in the default run, the others with -m slow
+    "hardware",
+    [pytest.param(h, marks=pytest.mark.slow) for h in ("a100-80g", "rtx4090")] + ["h100"],
+)
 def test_offloads_progressively_as_budgets_shrink(hardware):
     """Property over budgets: every plan fits every budget; as the device budget shrinks
     the plan never gets faster and moves state off the device: never more bytes there nor
@@ -289,7 +292,9 @@ def test_unknown_hardware_is_a_clear_error(capsys):
 WORKING_SET_TOLERANCE = 0.3
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(  # bfloat16 with -m slow: float32 compiles the same stages
+    "dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_untraced_sizes_match_the_compiled_ones(family, dtype):
     """The planner's estimate from shapes alone (``--plan``, and ``auto`` deciding whether

@@ -2,6 +2,7 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from equivalence import (
     assert_losses_close,
     assert_trees_close,
@@ -15,6 +16,7 @@ from hetjax.train import train
 from hetjax.types import LossScale
 
 
+@pytest.mark.slow  # ~25 s: 30 steps of the default config
 def test_default_config_loss_falls_clearly(tmp_path):
     # The default run (configs/gpt_tiny.py), cut to 30 of its steps to keep the suite fast
     # (the thresholds below hold at 30 as at 60; 30 saves ~16 s of the default run).
