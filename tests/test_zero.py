@@ -266,15 +266,12 @@ def test_killed_process_stops_the_other_within_timeout(tmp_path):
             assert procs[0].poll() is None, (tmp_path / "log0").read_text()[-3000:]
             time.sleep(0.5)
         procs[1].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        code = procs[0].wait(timeout=timeout + 30)
-        elapsed = time.monotonic() - killed
+        code = procs[0].wait(timeout=timeout + 15)  # TimeoutExpired: it hung past the bound
     finally:
         for p in procs:
             p.kill()
     log = (tmp_path / "log0").read_text()
     assert code != 0
-    assert elapsed < timeout + 15, elapsed
     assert "another task died" in log or "unhealthy" in log, log[-3000:]
 
 
@@ -284,13 +281,12 @@ def test_missing_peer_fails_start_up_with_clear_error(tmp_path, process_id):
     0 waits for a peer that never comes; each stops within the timeout and says why."""
     args = _launch_args(tmp_path, "train.steps=1", "distributed.timeout_s=3")
     proc = _spawn(args, process_id, _free_port(), tmp_path / "log")
-    start = time.monotonic()
     try:
-        code = proc.wait(timeout=60)
+        code = proc.wait(timeout=40)  # TimeoutExpired: it waited past the bound
     finally:
         proc.kill()
     log = (tmp_path / "log").read_text()
-    assert code != 0 and time.monotonic() - start < 40
+    assert code != 0
     expected = "not every process joined" if process_id == 0 else "unreachable"
     assert expected in log, log[-2000:]
 
