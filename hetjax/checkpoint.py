@@ -167,8 +167,20 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
             self._pending = None
+            self._failed = True
             raise self._write_error(step, e) from e
         self._pending = None
+
+    def close_manager(self, quiet: bool = False) -> None:
+        """Closes orbax's manager at the end of a run. A background write that failed
+        raises :class:`CheckpointError`, unless ``wait`` reported the failure already
+        or ``quiet`` (another error is on its way out: it must not be masked)."""
+        try:
+            self.manager.close()
+        except Exception as e:  # noqa: BLE001
+            if quiet or getattr(self, "_failed", False):
+                return
+            raise self._write_error(getattr(self, "_pending", None), e) from e
 
     def _write_error(self, step, e: BaseException) -> CheckpointError:
         return CheckpointError(

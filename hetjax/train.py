@@ -113,6 +113,7 @@ def _train(config: Config, workdir: Path, verbose: bool, signals: StopSignals) -
         else None
     )
     runtime = None
+    failed = False  # an error is on its way out: closing must not mask it
     try:
         resume = ckpt.latest() if ckpt is not None and ck.resume == "auto" else None
         if resume is not None:
@@ -265,13 +266,16 @@ def _train(config: Config, workdir: Path, verbose: bool, signals: StopSignals) -
         params = runtime.params()
         if ckpt is not None:
             ckpt.wait()  # the last checkpoint is complete before the run says it is done
+    except BaseException:
+        failed = True
+        raise
     finally:
         faults.disarm()
         out.close()
         if runtime is not None:
             runtime.close()
         if ckpt is not None:
-            ckpt.manager.close()
+            ckpt.close_manager(quiet=failed)
     return TrainResult(losses, val_loss, params, records, workdir)
 
 
