@@ -22,6 +22,7 @@ import errno
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -205,3 +206,26 @@ def bound_writes(writes: list, window: int) -> None:
         future, data = writes.pop(0)
         future.result()
         pending -= data.nbytes
+
+
+class BaseCounters:
+    """The host, NVMe and I/O counters of a store split between the device and a
+    ``base`` store (``SplitStateStore``, ``SplitParamStore``): the base store's, since
+    the device part holds no host memory and does no I/O."""
+
+    base: Any
+
+    def host_bytes(self) -> int:
+        return self.base.host_bytes()
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.base.nvme_bytes
+
+    @property
+    def read_bytes(self) -> int:
+        return self.base.read_bytes
+
+    @property
+    def write_bytes(self) -> int:
+        return self.base.write_bytes

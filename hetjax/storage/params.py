@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hetjax.storage.nvme import PageStore, bound_writes, forget_done
+from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
 
 
 class HostParamStore:
@@ -58,7 +58,7 @@ class DeviceParamStore(HostParamStore):
         return 0
 
 
-class SplitParamStore:
+class SplitParamStore(BaseCounters):
     """Compute-dtype params of the device-cached stages in ``device`` (a
     :class:`DeviceParamStore`), of the others in ``base`` (host RAM or NVMe)."""
 
@@ -90,21 +90,6 @@ class SplitParamStore:
 
     def device_arrays(self) -> list:
         return list(self.device.pages.values())
-
-    def host_bytes(self) -> int:
-        return self.base.host_bytes()
-
-    @property
-    def nvme_bytes(self) -> int:
-        return self.base.nvme_bytes
-
-    @property
-    def read_bytes(self) -> int:
-        return self.base.read_bytes
-
-    @property
-    def write_bytes(self) -> int:
-        return self.base.write_bytes
 
 
 class NvmeParamStore:

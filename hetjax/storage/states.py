@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hetjax.storage.nvme import PageStore, bound_writes, forget_done
+from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
 
 MANIFEST = "manifest.json"
 
@@ -352,7 +352,7 @@ class NvmeStateStore:
         tmp.replace(self.path / MANIFEST)
 
 
-class SplitStateStore:
+class SplitStateStore(BaseCounters):
     """Optimizer state of the device-cached stages (``stages``) in ``device`` (a
     :class:`MemoryStateStore` on the device), of the others in ``base`` (host RAM or
     NVMe); every call goes to the store holding its stage."""
@@ -399,20 +399,5 @@ class SplitStateStore:
     def flush(self) -> None:
         self.base.flush()
 
-    def host_bytes(self) -> int:
-        return self.base.host_bytes()
-
     def device_bytes(self) -> int:
         return self.device.device_bytes()
-
-    @property
-    def nvme_bytes(self) -> int:
-        return self.base.nvme_bytes
-
-    @property
-    def read_bytes(self) -> int:
-        return self.base.read_bytes
-
-    @property
-    def write_bytes(self) -> int:
-        return self.base.write_bytes
