@@ -25,7 +25,7 @@ def test_custom_model_is_built_from_the_factory(tiny):
 
 @pytest.mark.slow
 def test_custom_block_stream_equals_none(tiny, tmp_path):
-    short = dict(steps=4, eval_batches=0)
+    short = dict(steps=4, eval_batches=1)  # the validation loss is compared too
     ref = train(tiny(model=CUSTOM, train=short), tmp_path / "ref", verbose=False)
     offload = dict(mode="stream", prefetch_depth=1, keep_blocks=1, keep_level="matmuls")
     config = tiny(model=CUSTOM, train=short, offload=offload)
