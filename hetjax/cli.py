@@ -1,0 +1,57 @@
+"""The ``hetjax`` command: one subcommand per entry point, each the same as its module.
+
+    hetjax train --config gpt_tiny --config.train.steps=50   python -m hetjax.launch ...
+    hetjax plan --config gpt175b --hardware a100-80g         python -m hetjax.launch --plan ...
+    hetjax bench nvme                                         python -m hetjax.bench nvme
+    hetjax checkpoint --workdir runs/gpt_tiny                 python -m hetjax.checkpoint ...
+    hetjax export --workdir runs/gpt_tiny --out params.npz    python -m hetjax.export ...
+    hetjax tokenize --help                                    python -m hetjax.tokenize ...
+
+``hetjax --config ...`` (options first, no subcommand) trains, as the command did before it
+had subcommands.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hetjax import bench, checkpoint, export, launch, tokenize
+
+# subcommand -> (what it does, its module's main, arguments put before the user's)
+COMMANDS = {
+    "train": ("train a config (python -m hetjax.launch)", launch.main, []),
+    "plan": ("where the state goes, and the predicted speed", launch.main, ["--plan"]),
+    "bench": ("run a benchmark (python -m hetjax.bench)", bench.main, []),
+    "checkpoint": ("list checkpoints (python -m hetjax.checkpoint)", checkpoint.main, []),
+    "export": ("export trained params (python -m hetjax.export)", export.main, []),
+    "tokenize": ("make a token file (python -m hetjax.tokenize)", tokenize.main, []),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {what}" for name, (what, _, _) in COMMANDS.items()]
+    return (
+        "usage: hetjax <command> [options]   (hetjax <command> --help for its options)\n\n"
+        "commands:\n" + "\n".join(lines) + "\n\nexample:\n"
+        "  hetjax plan --config gpt175b --hardware a100-80g\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("-h", "--help"):
+        sys.stdout.write(usage())
+        return 0
+    if not argv or argv[0].startswith("-"):  # options only: train (the command's old form)
+        argv = ["train", *argv]
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        sys.stderr.write(f"hetjax: unknown command {name!r}\n\n{usage()}")
+        return 2
+    _, run, before = COMMANDS[name]
+    return run([*before, *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
