@@ -44,7 +44,10 @@ HELP: dict[str, str] = {
     "train.grad_accum": "micro-batches per step (`batch_size` is split evenly; data order "
     "unchanged)",
     "train.seed": "random seed of the initial params and of the data order (`data.shuffle`)",
-    "train.log_every": "log a line every N steps (`metrics.jsonl` gets every step)",
+    "train.log_every": (
+        "log a line every N steps, with that step's loss and the mean loss since the last "
+        "line (`metrics.jsonl` gets every step)"
+    ),
     "train.eval_batches": "validation batches at the end of the run",
     "train.loss_scale_init": "fp16 dynamic loss scale: its initial value",
     "train.loss_scale_period": "fp16 dynamic loss scale: steps without overflow before the "

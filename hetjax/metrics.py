@@ -19,6 +19,7 @@ class MetricsWriter:
         self.path = Path(workdir) / "metrics.jsonl"
         self.log_every = log_every
         self.enabled = enabled
+        self._since_log: list[float] = []  # losses since the last log line
         self._file = open(self.path, "a") if enabled else None  # noqa: SIM115
         # disable=None: a bar on a terminal, none in CI logs (log lines still print).
         self._bar = tqdm(
@@ -38,9 +39,13 @@ class MetricsWriter:
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{record['loss']:.4f}")
         step = record["step"]
+        self._since_log.append(record["loss"])
         if step % self.log_every == 0 or step == 1 or step == self._bar.total:
+            # One step's loss jumps with its batch; the mean since the last line reads.
+            mean, n = sum(self._since_log) / len(self._since_log), len(self._since_log)
+            self._since_log = []
             self.log(
-                f"step {step:>6}  loss {record['loss']:.4f}  "
+                f"step {step:>6}  loss {record['loss']:.4f}  mean of {n:>4} {mean:.4f}  "
                 f"{record['tokens_per_s']:>9.0f} tok/s  {record['step_time_s'] * 1e3:7.1f} ms/step"
                 f"  {record['tflops']:.3f} TFLOP/s"
             )

@@ -193,3 +193,21 @@ def test_merge_spans_and_off_is_noop():
     tl = rec.finish()
     assert [name for _, _, name in tl.spans["optimizer"]] == ["update"]
     assert tl.overlap()["busiest_lane"] == "optimizer"
+
+
+def test_log_lines_show_the_mean_loss_since_the_last_line(tmp_path, capsys):
+    from hetjax.metrics import MetricsWriter
+
+    out = MetricsWriter(tmp_path, total_steps=5, log_every=2)
+    for step, loss in enumerate([1.0, 2.0, 3.0, 4.0, 5.0], start=1):
+        out.step(dict(step=step, loss=loss, tokens_per_s=1.0, step_time_s=1.0, tflops=0.0))
+    out.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    means = [(int(line.split()[1]), line.split("mean of")[1].split()[:2]) for line in lines]
+    # step 1 and every 2nd step log; the last step logs what came since
+    assert means == [
+        (1, ["1", "1.0000"]),
+        (2, ["1", "2.0000"]),
+        (4, ["2", "3.5000"]),
+        (5, ["1", "5.0000"]),
+    ]
