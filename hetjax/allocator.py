@@ -16,8 +16,13 @@ import platform
 # through the command line at 57M: MALLOC_ARENA_MAX=2 alone, or with a 64 MiB mmap
 # threshold, kept 4.3 GiB RSS at ~1.1 s/step; a 512 MiB trim threshold alone went to
 # 2.4 GiB and 3.7 s/step), so it is applied only when a host budget asks for it.
+# Heaps (arenas) the threads share: glibc's default, eight per core, keeps a high-water
+# mark in each thread's heap. Two cost no measurable speed and cut a streaming run's peak
+# RSS by a fifth (8 layers of configs/gpt310m_peer.py, params and state on NVMe, pooled
+# I/O buffers: 3.98 -> 3.15 GiB, in memory 3.02 GiB; docs/results/2026-11-23.md).
+ARENAS = 2
 MALLOC_ENV = {
-    "MALLOC_ARENA_MAX": "2",
+    "MALLOC_ARENA_MAX": str(ARENAS),
     "MALLOC_TRIM_THRESHOLD_": "0",
     "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
 }
@@ -42,7 +47,8 @@ def tune_malloc(environ=os.environ) -> dict[str, str]:
 
 def tune_host_allocator(bounded: bool = False) -> bool:
     """Keeps freed host memory in the process for reuse (glibc ``mallopt``: no ``mmap``
-    per large block, no trimming), as PyTorch's caching allocator keeps its blocks.
+    per large block, no trimming), as PyTorch's caching allocator keeps its blocks, in
+    :data:`ARENAS` heaps.
 
     XLA's CPU buffers come from ``malloc``; glibc serves large blocks by fresh ``mmap``
     and unmaps them when freed, so a new buffer (the optimizer's refreshed pages,
@@ -63,4 +69,5 @@ def tune_host_allocator(bounded: bool = False) -> bool:
     mallopt = ctypes.CDLL("libc.so.6").mallopt
     limit = 1 << 30  # blocks above 1 GiB are still mapped and unmapped
     mmap_ok = mallopt(_MALLOPT["MALLOC_MMAP_THRESHOLD_"], limit) == 1
-    return mmap_ok and mallopt(_MALLOPT["MALLOC_TRIM_THRESHOLD_"], limit) == 1
+    arenas_ok = mallopt(_MALLOPT["MALLOC_ARENA_MAX"], ARENAS) == 1
+    return mmap_ok and arenas_ok and mallopt(_MALLOPT["MALLOC_TRIM_THRESHOLD_"], limit) == 1

@@ -27,6 +27,9 @@ from hetjax.config import Config, ConfigError, format_bytes
 # -- policy constants ----------------------------------------------------------------------
 
 IO_READAHEAD = 2  # stages (state, params) or boundaries read from NVMe ahead of their use
+# Stages' worth of the NVMe tier's pooled optimizer I/O buffers (``storage/iopool.py``):
+# those read ahead, the one updating and the one being written back.
+IO_SLOTS = IO_READAHEAD + 2
 DEVICE_GRAD_SLABS = 2  # gradient slabs on the device: one being produced, one to the host
 
 # -- gradient buffers on the host -------------------------------------------------------
@@ -514,7 +517,7 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
     boundaries = host_boundary_bytes(s, o)
     state = 2 * sum(stage_state.values()) if tier == "host" else 0
     biggest = max(stage_state.values(), default=0)
-    io = (IO_READAHEAD + 2) * biggest if tier == "nvme" else 0
+    io = IO_SLOTS * biggest if tier == "nvme" else 0
     others = param_slabs + state + io + boundaries
     order = cache_of.grad_stages(s)
     sizes = {n: s.grad_bytes(n) for n in order}

@@ -15,6 +15,7 @@ hetjax.bench optimizer`` (README).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -24,6 +25,8 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+
+import numpy as np
 
 from hetjax.config import NATIVE_OPTIMIZERS
 
@@ -111,11 +114,9 @@ def _build() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def load() -> None:
-    """Builds (or finds in the cache) and registers the kernel; raises
-    :class:`NativeKernelError` saying why when it cannot."""
-    import ctypes
-
+def load() -> ctypes.CDLL:
+    """Builds (or finds in the cache) and registers the kernel, returning the library;
+    raises :class:`NativeKernelError` saying why when it cannot."""
     import jax
 
     lib = _build()
@@ -124,6 +125,49 @@ def load() -> None:
     except OSError as e:
         raise NativeKernelError(f"loading {lib}: {e}") from e
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.HetjaxAdam), platform="cpu")
+    f = handle.HetjaxAdamHost
+    p = ctypes.c_void_p
+    f.argtypes = [p, p, p, p, p, ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                  ctypes.c_int, p, ctypes.c_int]  # fmt: skip
+    f.restype = ctypes.c_int
+    return handle
+
+
+_OUT_KINDS = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+
+def host_update(
+    slabs: dict[str, np.ndarray],
+    grad: np.ndarray,
+    coef: np.ndarray,
+    weight_decay: float,
+    num_decay: int,
+    out: np.ndarray,
+    page_elems: int,
+) -> None:
+    """The kernel's pass over host buffers, in place, outside XLA: ``slabs`` (``master``,
+    ``mu``, ``nu``: writable float32, one size) are updated, ``out`` (the same size, the
+    compute dtype) receives the new params. ``coef`` as the FFI call's operand. Releases
+    the GIL while it runs (ctypes)."""
+    n = grad.size
+    arrays = [slabs["master"], slabs["mu"], slabs["nu"]]
+    if any(a.dtype != np.float32 or a.size != n or not a.flags.writeable for a in arrays):
+        raise ValueError("host_update: master, mu and nu must be writable float32 of one size")
+    grad = np.ascontiguousarray(grad, np.float32)
+    coef = np.ascontiguousarray(coef, np.float32)
+    if out.size != n or n % page_elems:
+        raise ValueError(f"host_update: {n} elements, out {out.size}, pages of {page_elems}")
+    base = out.ctypes.data
+    pointers = (ctypes.c_void_p * (n // page_elems))(
+        *range(base, base + n * out.itemsize, page_elems * out.itemsize)
+    )
+    done = load().HetjaxAdamHost(
+        *(a.ctypes.data for a in arrays), grad.ctypes.data, coef.ctypes.data,
+        weight_decay, n, num_decay, page_elems, _OUT_KINDS[out.dtype.name], pointers,
+        os.cpu_count() or 1,
+    )  # fmt: skip
+    if done != 0:
+        raise ValueError(f"host_update: the kernel refused its operands (code {done})")
 
 
 @functools.lru_cache(maxsize=1)

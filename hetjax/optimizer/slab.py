@@ -90,6 +90,17 @@ def _find(state, cls):
     return found[0]
 
 
+def _host_buffers(slabs: dict, kinds: list[str]) -> bool:
+    """Whether every kind's slab is one writable float32 numpy array (host buffers the
+    native kernel may update in place)."""
+    return all(
+        isinstance(slabs[k], np.ndarray)
+        and slabs[k].dtype == np.float32
+        and slabs[k].flags.writeable
+        for k in kinds
+    )
+
+
 class SlabOptimizer:
     """The configured optax optimizer over stage slabs, jitted where the state lives.
 
@@ -133,6 +144,7 @@ class SlabOptimizer:
             update(self._update_chunk, donate_argnums=0), aliased=True
         )
         self._cast = jax.jit(self._cast_pages, static_argnums=1, out_shardings=sharding)
+        self._coef = jax.jit(self._host_coef, out_shardings=sharding)
 
     # -- state <-> slabs ----------------------------------------------------------------
 
@@ -196,18 +208,8 @@ class SlabOptimizer:
         scalars (step counts) on empty slabs; the kernel gets the step's coefficients
         as optax derives them and updates the chunk in one pass. ``aliased``: the
         results overwrite the operands (an update in place)."""
-        empty = {k: v[:0] for k, v in slabs.items()}
-        state = self._assemble(empty, scalars, 0)
-        _, new_state = self.tx.update((grad[:0], grad[:0]), state, (grad[:0], grad[:0]))
-        _, new_scalars = self._disassemble(new_state)
-        adam = _find(state, optax.ScaleByAdamState)
-        count = optax.safe_increment(adam.count)  # as scale_by_adam's bias correction
-        bias1, bias2 = (1 - b**count for b in (self.cfg.b1, self.cfg.b2))
-        lr_count = _find(state, optax.ScaleByScheduleState).count
-        step = -1 * self._lr(lr_count)  # scale_by_learning_rate's step size
+        coef, new_scalars = self._native_coef(scalars, scale)
         c = self.cfg
-        coef = [scale, 1 - c.b1, c.b1, 1 - c.b2, c.b2, bias1, bias2, c.eps, 0.0, step]
-        coef = jnp.stack([jnp.asarray(x, F32) for x in coef])
         n = grad.shape[0]
         f32 = jax.ShapeDtypeStruct((n,), F32)
         page = jax.ShapeDtypeStruct((page_elems,), self.compute_dtype)
@@ -227,6 +229,31 @@ class SlabOptimizer:
             weight_decay=np.float32(decay),
         )
         return {MASTER: out[0], "mu": out[1], "nu": out[2]}, new_scalars, list(out[3:])
+
+    def _native_coef(self, scalars, scale):
+        """The native kernel's coefficients for a step (its ``coef`` operand) and the new
+        scalars: optax computes the scalars (step counts) on empty slabs; the kernel gets
+        the step's coefficients as optax derives them."""
+        empty = jnp.zeros((0,), F32)
+        state = self._assemble({k: empty for k in self.kinds}, scalars, 0)
+        _, new_state = self.tx.update((empty, empty), state, (empty, empty))
+        _, new_scalars = self._disassemble(new_state)
+        adam = _find(state, optax.ScaleByAdamState)
+        count = optax.safe_increment(adam.count)  # as scale_by_adam's bias correction
+        bias1, bias2 = (1 - b**count for b in (self.cfg.b1, self.cfg.b2))
+        lr_count = _find(state, optax.ScaleByScheduleState).count
+        step = -1 * self._lr(lr_count)  # scale_by_learning_rate's step size
+        c = self.cfg
+        coef = [scale, 1 - c.b1, c.b1, 1 - c.b2, c.b2, bias1, bias2, c.eps, 0.0, step]
+        return jnp.stack([jnp.asarray(x, F32) for x in coef]), new_scalars
+
+    def _host_coef(self, scalars, clip):
+        """``_native_coef`` for :meth:`update_host`, the clip factor as in
+        ``_update_chunk``."""
+        scalars, clip = jax.device_put((scalars, clip), self._compute)
+        norm, max_norm = clip
+        scale = jnp.where((max_norm == 0) | (norm < max_norm), 1.0, max_norm / norm)
+        return self._native_coef(scalars, scale)
 
     def _cast_pages(self, master, layout_name: str):
         master = jnp.concatenate(jax.device_put(list(master), self._compute))
@@ -281,6 +308,8 @@ class SlabOptimizer:
         generation of this stage's state that the new state is written into (its arrays
         are deleted); ``in_place`` writes it over ``slabs`` (which must be a copy nobody
         else holds, e.g. a fresh NVMe read). Otherwise the new state gets fresh buffers."""
+        if in_place and self.native and _host_buffers(slabs, self.kinds):
+            return self.update_host(layout_name, slabs, scalars, grad, clip)
         layout = self.layouts[layout_name]
         bounds = self.chunk_bounds(layout_name)
         chunked = {k: self.as_chunks(layout_name, slabs[k]) for k in self.kinds}
@@ -319,6 +348,30 @@ class SlabOptimizer:
             pages += chunk_pages
             new_scalars = chunk_scalars  # the same in every chunk (step counts)
         return new, new_scalars, pages
+
+    def update_host(
+        self,
+        layout_name: str,
+        slabs: dict[str, np.ndarray],
+        scalars: list,
+        grad,
+        clip: tuple[float, float],
+    ) -> tuple[dict[str, np.ndarray], list, list[np.ndarray]]:
+        """:meth:`update` by the native kernel straight on host buffers, in place, no XLA
+        buffer involved: ``slabs`` (each kind a writable float32 numpy slab, e.g. the
+        NVMe tier's pooled I/O buffers) are the new state when it returns. The new params
+        are pages of one fresh compute-dtype slab. Equal to the jitted path bit for bit
+        (the same kernel on the same coefficients)."""
+        layout = self.layouts[layout_name]
+        coef, new_scalars = self._coef(scalars, (np.float32(clip[0]), np.float32(clip[1])))
+        decay = self.cfg.weight_decay if self.cfg.name == "adamw" else 0.0
+        out = np.empty(layout.padded_size, self.compute_dtype)
+        native.host_update(
+            slabs, np.asarray(grad), np.asarray(coef), decay,
+            layout.num_decay if decay else 0, out, layout.page_elems,
+        )  # fmt: skip
+        pages = list(out.reshape(-1, layout.page_elems))
+        return dict(slabs), new_scalars, pages
 
     def compute_pages(self, layout_name: str, master) -> list[jax.Array]:
         """A master slab (or its chunks) cast to the compute dtype, as pages. The master

@@ -400,6 +400,11 @@ class UpdateLoop:
         self._reads.clear()
         if self.params.abort() and restore_params:
             for stage in self.order:
-                master = self.states.get(stage)[0]["master"]
+                # Off the device, a fresh copy: a streamed stage's ``get`` would hold a
+                # pooled I/O buffer that no update writes back
+                if stage in self.device_stages:
+                    master = self.states.get(stage)[0]["master"]
+                else:
+                    master = self.states.master(stage)
                 pages = self._opt(stage).compute_pages(self.layout_of(stage), master)
                 self.params.publish(stage, pages)

@@ -121,6 +121,7 @@ def make_stores(
             page_elems,
             list(host.cached_stages),
             shardings.optimizer,
+            memory.IO_SLOTS,
         )
     else:
         states = MemoryStateStore(opt_sharding, on_device=off.optimizer == "device")

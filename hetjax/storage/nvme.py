@@ -152,11 +152,26 @@ class PageStore:
         timeline.watch_future("nvme_read", self._span_name(kind, first_page, num_pages), future)
         return future
 
-    def write(self, kind: str, first_page: int, data: np.ndarray) -> ts.WriteFutures:
+    def read_into(self, kind: str, first_page: int, out: np.ndarray) -> ts.WriteFutures:
+        """Starts reading whole pages from ``first_page`` into ``out`` (a flat, writable
+        array of the kind's dtype, a whole number of pages): no buffer allocated."""
+        pages = out.reshape(-1, self.page_elems)
+        n = len(pages)
+        target = ts.array(pages, copy=False, write=True)
+        future = target.write(self.arrays[kind][first_page : first_page + n])
+        timeline.watch_future("nvme_read", self._span_name(kind, first_page, n), future)
+        return future
+
+    def write(
+        self, kind: str, first_page: int, data: np.ndarray, borrowed: bool = False
+    ) -> ts.WriteFutures:
         """Starts writing a flat slab of whole pages at ``first_page``. ``data`` must
-        not change until the write completes."""
+        not change until the write completes. ``borrowed``: TensorStore writes from
+        ``data`` itself instead of a copy of it (a pooled buffer, ``iopool.py``, kept
+        unchanged until the write is done)."""
         pages = np.asarray(data, self.dtypes[kind]).reshape(-1, self.page_elems)
-        future = self.arrays[kind][first_page : first_page + len(pages)].write(pages)
+        target = self.arrays[kind][first_page : first_page + len(pages)]
+        future = target.write(pages, can_reference_source_data_indefinitely=borrowed)
         name = self._span_name(kind, first_page, len(pages))
         if faults.fire("nvme_write_fail"):
             what = f"NVMe write of {name} failed (HETJAX_FAULTS nvme_write_fail)"

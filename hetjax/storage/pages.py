@@ -36,12 +36,16 @@ def aligned_concatenate(arrays: list) -> np.ndarray:
     own allocations are only 16-byte aligned. Host gradient slabs are built here so the
     host optimizer reads them where they are (README, the NVMe table's notes)."""
     arrays = [np.asarray(a).reshape(-1) for a in arrays]
-    dtype = np.result_type(*arrays)
-    n = sum(a.size for a in arrays)
+    out = aligned_empty(sum(a.size for a in arrays), np.result_type(*arrays))
+    return np.concatenate(arrays, out=out)
+
+
+def aligned_empty(n: int, dtype) -> np.ndarray:
+    """``np.empty(n, dtype)`` aligned to ``HOST_ALIGN`` bytes (see aligned_concatenate)."""
+    dtype = np.dtype(dtype)
     raw = np.empty(n * dtype.itemsize + HOST_ALIGN, np.uint8)
     skip = -raw.ctypes.data % HOST_ALIGN
-    out = raw[skip : skip + n * dtype.itemsize].view(dtype)
-    return np.concatenate(arrays, out=out)
+    return raw[skip : skip + n * dtype.itemsize].view(dtype)
 
 
 def weight_decay_mask(params: Any) -> Any:

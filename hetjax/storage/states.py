@@ -28,6 +28,7 @@ Compute-dtype params follow the same pattern in ``params.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from hetjax.storage.iopool import IoPool, Slot
 from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
 
 MANIFEST = "manifest.json"
@@ -161,7 +163,10 @@ class NvmeStateStore:
         page_elems: int,
         cached: list[str],
         sharding: jax.sharding.Sharding,
+        io_slots: int,
     ):
+        """``io_slots``: stages' worth of pooled I/O buffers (``iopool.py``), what the
+        host plan counts (``memory.IO_SLOTS``)."""
         self.path = Path(path)
         self.kinds = kinds
         self.stage_pages = stage_pages  # stage -> (first page, number of pages)
@@ -182,14 +187,19 @@ class NvmeStateStore:
         self._landing: dict[str, list] = {}
         self._by_stage: dict[str, list] = {}  # the step's writes, by stage
         self._manifest_due = False
+        biggest = max(n for _, n in stage_pages.values()) * page_elems
         # Write-back in flight: the biggest stage's state, as the host plan counts it.
-        self._write_window = max(n for _, n in stage_pages.values()) * page_elems * 4 * len(kinds)
+        self._write_window = biggest * 4 * len(kinds)
+        self._pool = IoPool(kinds, biggest, io_slots)
+        self._reads: dict[str, _Read] = {}  # read-ahead into the pool, this generation
+        self._held: dict[str, Slot] = {}  # read and handed out, not yet written back
         self.read_bytes = self.write_bytes = 0
         self._write_manifest()
 
     # -- start-up -----------------------------------------------------------------------
 
     def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:
+        self._drop_reads()  # of state this replaces (a restore)
         self.scalars[stage] = scalars
         if stage in self.cached:
             self.cache[stage] = jax.device_put(slabs, self.sharding)
@@ -203,37 +213,54 @@ class NvmeStateStore:
     # -- the loop's API -----------------------------------------------------------------
 
     def prefetch(self, stage: str) -> Any:
-        """Starts reading a streamed stage's slabs; None for cached stages."""
+        """Starts reading a streamed stage's slabs into a pooled buffer (once per
+        generation: a second call returns the same read); None for cached stages."""
         if stage in self.cached:
             return None
+        if stage in self._reads:
+            return self._reads[stage]
         self._land(stage)
         first, n = self.stage_pages[stage]
-        return {k: self.disk[self.gen].read(k, first, n) for k in self.kinds}
+        slot = self._pool.take(stage)
+        elems = n * self.page_elems
+        futures = [self.disk[self.gen].read_into(k, first, slot.view(k, elems)) for k in self.kinds]
+        read = self._reads[stage] = _Read(stage, slot, elems, futures)
+        return read
 
     def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
-        """A stage's committed state (waits for its read)."""
+        """A stage's committed state (waits for its read). A streamed stage's slabs are
+        its pooled buffers, the caller's to update in place until :meth:`put`."""
         if stage in self.cached:
             return self.cache[stage], self.scalars[stage]
-        handle = handle if handle is not None else self.prefetch(stage)
-        slabs = {k: f.result().reshape(-1) for k, f in handle.items()}
-        self.read_bytes += sum(a.nbytes for a in slabs.values())
+        read = handle if handle is not None else self.prefetch(stage)
+        if self._reads.get(stage) is read:
+            del self._reads[stage]
+        for future in read.futures:
+            future.result()
+        self._held[stage] = read.slot
+        slabs = {k: read.slot.view(k, read.elems) for k in self.kinds}
+        self.read_bytes += read.elems * 4 * len(self.kinds)
         return slabs, self.scalars[stage]
 
     def recycle(self, stage: str) -> tuple[dict | None, bool]:
         """Output buffers for a stage's next update (see ``MemoryStateStore``): a cached
-        stage's dead generation; a streamed stage's own fresh read (updated in place)."""
+        stage's dead generation; a streamed stage's own read (updated in place)."""
         if stage in self.cached:
             return self._spare.pop(stage, None), False
         return None, True
 
     def put(self, stage: str, slabs: dict, scalars: list) -> None:
         """A stage's updated state: kept in the cache, or written (asynchronously) to
-        the generation that ``commit`` will make current."""
+        the generation that ``commit`` will make current; its pooled buffers go back
+        to the pool once written."""
         self._pending_scalars[stage] = scalars
         if stage in self.cached:
             self._pending_cache[stage] = slabs
         else:
-            self._write(1 - self.gen, stage, slabs, stage)
+            slot = self._held.pop(stage, None)
+            futures = self._write(1 - self.gen, stage, slabs, stage, slot)
+            if slot is not None:
+                self._pool.give(slot, futures)
 
     def commit(self) -> None:
         """Makes the step's state current. Does not wait for the write-back still in
@@ -251,12 +278,14 @@ class NvmeStateStore:
         self._pending_cache.clear()
         self._pending_scalars.clear()
         self.gen = 1 - self.gen
+        self._drop_reads()  # of the generation just replaced
         self._manifest_due = True
         if not self._writes:
             self._land_all()
 
     def abort(self) -> None:
         self._wait_writes()  # into the uncommitted generation; then forgotten
+        self._drop_reads()
         self._spare.update(self._pending_cache)
         self._pending_cache.clear()
         self._pending_scalars.clear()
@@ -291,8 +320,9 @@ class NvmeStateStore:
         self._write_manifest()
 
     def host_bytes(self) -> int:
-        live = [self.cache, self._pending_cache, self._spare, [d for _, d in self._writes]]
-        return sum(a.nbytes for a in jax.tree.leaves(live))
+        live = [self.cache, self._pending_cache, self._spare]
+        unpooled = [d for _, d in self._writes if not self._pool.holds(d)]
+        return self._pool.nbytes + sum(a.nbytes for a in jax.tree.leaves([live, unpooled]))
 
     def device_bytes(self) -> int:
         return 0
@@ -303,22 +333,39 @@ class NvmeStateStore:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _write(self, gen: int, stage: str, slabs: dict, speculative: str = "") -> None:
+    def _write(
+        self, gen: int, stage: str, slabs: dict, speculative: str = "", slot: Slot | None = None
+    ) -> list:
         """Starts writing a stage's slabs (whole, or chunk by chunk as they come);
         ``speculative``: the stage, when these are a step's writes that commit may
-        leave in flight."""
+        leave in flight; ``slot``: the pooled buffers the stage was read into (slabs
+        in them are written without a copy). Returns the write futures."""
         first, _ = self.stage_pages[stage]
+        futures = []
         for k in self.kinds:
             page = first
             for chunk in slabs[k] if isinstance(slabs[k], list) else [slabs[k]]:
                 data = np.asarray(chunk)  # waits for this chunk's update only
-                future = self.disk[gen].write(k, page, data)
+                pooled = slot is not None and np.shares_memory(data, slot.arrays[k])
+                future = self.disk[gen].write(k, page, data, borrowed=pooled)
+                futures.append(future)
                 self._writes.append((future, data))
                 if speculative:
                     self._by_stage.setdefault(speculative, []).append((future, data))
                 self.write_bytes += data.nbytes
                 page += data.size // self.page_elems
                 bound_writes(self._writes, self._write_window)
+        return futures
+
+    def _drop_reads(self) -> None:
+        """Forgets the read-ahead and the stages handed out and not written back (their
+        state is no longer current); their buffers return to the pool once the reads
+        are done."""
+        for read in self._reads.values():
+            self._pool.give(read.slot, read.futures)
+        for slot in self._held.values():
+            self._pool.give(slot)
+        self._reads, self._held = {}, {}
 
     def _land(self, stage: str) -> None:
         """Waits for the writes of ``stage`` the last commit left in flight."""
@@ -350,6 +397,16 @@ class NvmeStateStore:
         tmp = self.path / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=1))
         tmp.replace(self.path / MANIFEST)
+
+
+@dataclasses.dataclass(eq=False)
+class _Read:
+    """A streamed stage's read into a pooled slot: ``elems`` per kind."""
+
+    stage: str
+    slot: Slot
+    elems: int
+    futures: list
 
 
 class SplitStateStore(BaseCounters):

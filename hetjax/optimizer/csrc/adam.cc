@@ -11,6 +11,9 @@
 // FMA, and which one varies between fusions of the same update. The params agree to
 // within a few ulps (tests/test_native.py). Built on first use by hetjax/native.py.
 //
+// Two entry points: ``HetjaxAdam`` (an XLA FFI handler) and ``HetjaxAdamHost`` (plain
+// C, for buffers outside XLA: see the end of this file).
+//
 // Operands: master, mu, nu, grad (f32[n]) and coef (f32[10]):
 //   [clip scale, 1 - b1, b1, 1 - b2, b2, bias correction 1, bias correction 2, eps,
 //    eps_root, step size (-lr)]
@@ -22,8 +25,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -193,3 +198,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HetjaxAdam, AdamImpl,
                                   .RemainingRets()
                                   .Attr<int64_t>("num_decay")
                                   .Attr<float>("weight_decay"));
+
+// The same pass called directly on host buffers (ctypes; no XLA buffers): the update of
+// a streamed stage in the NVMe tier's pooled I/O buffers, in place. ``pages`` holds
+// ``n / page`` pointers to the compute-dtype pages (``out_kind`` 0: f32, 1: bf16, 2:
+// f16); the work is split over ``threads`` threads, the last part run by the caller.
+extern "C" int HetjaxAdamHost(float* p, float* m, float* v, const float* g, const float* coef,
+                              float weight_decay, int64_t n, int64_t num_decay, int64_t page,
+                              int out_kind, void* const* pages, int threads) {
+  if (n <= 0 || page <= 0 || n % page != 0 || out_kind < 0 || out_kind > 2) return 1;
+  const float* k = coef;
+  const Coef c{k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], weight_decay};
+  const Chunk chunk{p, m, v, g, p, m, v, pages, page, num_decay};
+  int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, n / 65536));
+  const int64_t step = ((n + parts - 1) / parts + 15) / 16 * 16;
+  parts = (n + step - 1) / step;
+  std::vector<std::thread> workers;
+  for (int64_t t = 0; t + 1 < parts; ++t) {
+    const int64_t lo = t * step, hi = std::min(n, lo + step);
+    workers.emplace_back([&, lo, hi] { adam_range(out_kind, c, chunk, lo, hi); });
+  }
+  adam_range(out_kind, c, chunk, (parts - 1) * step, n);
+  for (auto& w : workers) w.join();
+  return 0;
+}
