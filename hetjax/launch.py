@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         initialize(config)  # jax.distributed, when the run has several processes
-        train(config, workdir)
+        train(config, workdir, return_params=False)
     except Preempted as e:
         print(f"hetjax: {e}", file=sys.stderr)
         return PREEMPTED_EXIT_STATUS

@@ -70,9 +70,13 @@ def _signal_later(seconds: float, sig: signal.Signals) -> threading.Timer:
     return timer
 
 
-def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainResult:
+def train(
+    config: Config, workdir: str | Path, verbose: bool = True, return_params: bool = True
+) -> TrainResult:
     """Trains to step ``config.train.steps``; writes ``metrics.jsonl``, ``config.json``
-    and checkpoints into ``workdir`` and returns the losses, validation loss and params.
+    and checkpoints into ``workdir`` and returns the losses, validation loss and params
+    (``return_params`` False: None, and the model is never gathered into RAM whole; the
+    command line's choice, where state on NVMe is bigger than RAM).
 
     With checkpoints in ``workdir`` (``checkpoint.resume=auto``) the run continues from
     the newest complete one. ``losses`` holds the steps this call ran.
@@ -99,10 +103,12 @@ def train(config: Config, workdir: str | Path, verbose: bool = True) -> TrainRes
                 "point memory.nvme_path at another directory",
                 name=LOCK_NAME if process == 0 else f"hetjax.proc{process}.lock",
             )
-        return _train(config, workdir, verbose, signals)
+        return _train(config, workdir, verbose, signals, return_params)
 
 
-def _train(config: Config, workdir: Path, verbose: bool, signals: StopSignals) -> TrainResult:
+def _train(
+    config: Config, workdir: Path, verbose: bool, signals: StopSignals, return_params: bool
+) -> TrainResult:
     t, ck = config.train, config.checkpoint
     faults = Faults.from_env()
     main = jax.process_index() == 0  # metrics, logs and summaries from process 0 only
@@ -263,7 +269,7 @@ def _train(config: Config, workdir: Path, verbose: bool, signals: StopSignals) -
         }
         if main:
             (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        params = runtime.params()
+        params = runtime.params() if return_params else None
         if ckpt is not None:
             ckpt.wait()  # the last checkpoint is complete before the run says it is done
     except BaseException:

@@ -16,7 +16,7 @@ from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.iopool import IoPool
 from hetjax.storage.nvme import PageStore
-from hetjax.storage.pages import SlabLayout
+from hetjax.storage.pages import SlabLayout, pages_slab
 
 
 def _done():
@@ -114,3 +114,14 @@ def test_a_streaming_run_holds_the_pool_the_plan_counts(tiny, tmp_path):
         assert runtime.states.host_bytes() >= pool.nbytes
     finally:
         runtime.close()
+
+
+def test_pages_slab_is_the_slab_the_pages_view():
+    slab = np.arange(12, dtype=np.float32)
+    pages = list(slab.reshape(-1, 4))
+    assert np.shares_memory(pages_slab(pages), slab)
+    np.testing.assert_array_equal(pages_slab(pages), slab)
+    shuffled = [pages[1], pages[0], pages[2]]  # not in order: a copy, in the pages' order
+    got = pages_slab(shuffled)
+    assert not np.shares_memory(got, slab)
+    np.testing.assert_array_equal(got, np.concatenate(shuffled))

@@ -40,6 +40,21 @@ def aligned_concatenate(arrays: list) -> np.ndarray:
     return np.concatenate(arrays, out=out)
 
 
+def pages_slab(pages: list) -> np.ndarray:
+    """Pages as one flat numpy slab: the array they are consecutive views of, when they
+    are (no copy), else a concatenation."""
+    arrays = [p if isinstance(p, np.ndarray) else np.asarray(p) for p in pages]
+    base = arrays[0].base
+    n = sum(a.size for a in arrays)
+    whole = isinstance(base, np.ndarray) and base.size == n and base.dtype == arrays[0].dtype
+    if whole and base.flags.c_contiguous:
+        start = base.reshape(-1).ctypes.data
+        step = arrays[0].nbytes
+        if all(a.base is base and a.ctypes.data == start + i * step for i, a in enumerate(arrays)):
+            return base.reshape(-1)
+    return np.concatenate(arrays)
+
+
 def aligned_empty(n: int, dtype) -> np.ndarray:
     """``np.empty(n, dtype)`` aligned to ``HOST_ALIGN`` bytes (see aligned_concatenate)."""
     dtype = np.dtype(dtype)

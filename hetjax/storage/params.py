@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
+from hetjax.storage.pages import pages_slab
 
 
 class HostParamStore:
@@ -121,9 +122,12 @@ class NvmeParamStore:
         self.read_bytes = self.write_bytes = 0
 
     def publish(self, stage: str, pages: list) -> None:
-        data = np.concatenate([np.asarray(p) for p in pages])
+        """Writes a stage's new pages: they are the caller's no more (the write
+        references them instead of copying: the host kernel's pages are views of one
+        fresh slab, written as they are)."""
+        data = pages_slab(pages)
         first, _ = self.stage_pages[stage]
-        future = self.disk[self._target].write("params", first, data)
+        future = self.disk[self._target].write("params", first, data, borrowed=True)
         self._writes.append((future, data))
         self._published[stage] = (future, data)
         self.write_bytes += data.nbytes

@@ -1,0 +1,77 @@
+"""The host memory bound, measured as the issue asks: peak RSS of the training process,
+from a child process (``os.wait4``), not the runtime's own ledger.
+
+- Without a budget, a run with params and optimizer state on NVMe holds no more RAM
+  than the same model trained in memory.
+- With ``memory.host_budget``, peak RSS stays within the budget plus the runtime's fixed
+  overhead (the peak RSS of the tiny model trained in memory, measured in the same test)
+  plus, on the CPU backend only, the device plan: there the device's memory is host RAM.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from hetjax.config_values import parse_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+# ~27M params (6 x d 512, vocab 8192): fp32 state and params 0.4 GiB, well above the
+# run-to-run noise of the RSS; three steps reach the steady state of the buffers.
+MODEL = [
+    "--config.model.num_layers=6",
+    "--config.model.d_model=512",
+    "--config.model.num_heads=8",
+    "--config.model.vocab_size=8192",
+    "--config.train.steps=3",
+    "--config.train.eval_batches=0",
+    "--config.checkpoint.every_steps=0",
+    "--config.checkpoint.at_end=false",
+]
+ON_NVME = ["--config.offload.mode=stream", "--config.offload.optimizer=nvme"]
+ON_NVME += ["--config.offload.params=nvme"]
+
+
+def peak_rss(workdir: Path, *args: str) -> tuple[int, str]:
+    """Peak RSS in bytes of ``python -m hetjax.launch`` on the tiny config with ``args``,
+    run as a child process to its end, and its output."""
+    cmd = [sys.executable, "-m", "hetjax.launch", "--config", str(ROOT / "configs/gpt_tiny.py")]
+    cmd += ["--workdir", str(workdir), *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    output = proc.stdout.read()
+    proc.stdout.close()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, output[-3000:]
+    return usage.ru_maxrss * 1024, output  # KiB on Linux
+
+
+@pytest.mark.slow
+def test_offloaded_runs_hold_no_more_than_in_memory_and_stay_in_budget(tmp_path):
+    overhead, _ = peak_rss(tmp_path / "tiny", "--config.offload.mode=none", *MODEL[4:])
+    in_memory, _ = peak_rss(tmp_path / "mem", "--config.offload.mode=none", *MODEL)
+    nvme = [*MODEL, *ON_NVME, f"--config.memory.nvme_path={tmp_path / 'nvme'}"]
+    offloaded, _ = peak_rss(tmp_path / "off", *nvme)
+    budget = 512 * MiB  # the minimum working set is 456 MiB
+    budgeted, out = peak_rss(tmp_path / "budget", *nvme, f"--config.memory.host_budget={budget}")
+    device_plan = 0
+    if jax.default_backend() == "cpu":  # the device's memory is this process's RAM
+        device_plan = parse_bytes(re.search(r"device plan: .*; total ([\d.]+ \w+)", out)[1])
+    report = (
+        f"peak RSS: tiny in memory {overhead / MiB:.0f} MiB, 27M in memory "
+        f"{in_memory / MiB:.0f} MiB, on NVMe {offloaded / MiB:.0f} MiB, on NVMe with a "
+        f"{budget / MiB:.0f} MiB budget {budgeted / MiB:.0f} MiB (device plan "
+        f"{device_plan / MiB:.0f} MiB)"
+    )
+    print(report)
+    assert in_memory > overhead + 256 * MiB, report  # the model's state shows in the RSS
+    assert offloaded <= in_memory, report
+    assert budgeted <= budget + device_plan + overhead, report
