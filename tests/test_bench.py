@@ -87,7 +87,8 @@ def test_optimizer_quick(tmp_path, capsys):
     rows = result["rows"]
     assert {"optax spare", "optax in place"} <= set(rows)
     assert result["kernel"] == ("native" if "native in place" in rows else "optax")
-    headline = rows[f"{result['kernel']} in place"]
+    # the NVMe tier's update: the native kernel over host buffers, or optax in place
+    headline = rows["native host" if result["kernel"] == "native" else "optax in place"]
     assert result["optimizer_vs_bound"] == headline["vs_bound"] > 0
     assert result["optimizer_params_s"] == headline["median"] <= headline["best"]
     assert "achieved / bound" in capsys.readouterr().out
@@ -180,3 +181,32 @@ def test_scale_from_names_the_sizes_when_unknown(tmp_path):
         main(["scale", "--quick", "--from", "3x99", "--out", str(tmp_path / "s.json")])
     with pytest.raises(SystemExit):  # argparse: --from is for scale only
         main(["io", "--quick", "--from", "4x128"])
+
+
+@pytest.mark.slow  # four training runs in child processes, ~25 s each
+def test_peer_quick(tmp_path, capsys):
+    """bench peer's rows on the small peer shape: each its own child run with its peak
+    RSS; offloaded rows move bytes to and from the disk, the in-memory row none; the
+    limit is max(compute, disk time)."""
+    out = tmp_path / "peer.json"
+    assert main(["peer", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert list(rows) == [
+        "in memory",
+        "optimizer on NVMe",
+        "params + optimizer on NVMe",
+        "the same, host budget",
+    ]
+    assert rows["in memory"]["read_bytes"] == rows["in memory"]["write_bytes"] == 0
+    for name, row in rows.items():
+        assert row["peak_rss"] > 0 and row["step_s"] > 0, name
+        assert row["limit_s"] >= result["compute_s"], name
+        assert row["vs_limit"] == pytest.approx(row["step_s"] / row["limit_s"])
+    for name in list(rows)[1:]:
+        assert rows[name]["read_bytes"] > 0 and rows[name]["write_bytes"] > 0, name
+    # params on NVMe add their reads (forward and backward) to the optimizer's
+    assert (
+        rows["params + optimizer on NVMe"]["read_bytes"] > rows["optimizer on NVMe"]["read_bytes"]
+    )
+    assert "host budget 512MiB: peak RSS" in capsys.readouterr().out

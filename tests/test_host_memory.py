@@ -10,13 +10,13 @@ from a child process (``os.wait4``), not the runtime's own ledger.
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import pytest
 
+from hetjax.bench.common import run_peak_rss
 from hetjax.config_values import parse_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,17 +41,10 @@ def peak_rss(workdir: Path, *args: str) -> tuple[int, str]:
     """Peak RSS in bytes of ``python -m hetjax.launch`` on the tiny config with ``args``,
     run as a child process to its end, and its output."""
     cmd = [sys.executable, "-m", "hetjax.launch", "--config", str(ROOT / "configs/gpt_tiny.py")]
-    cmd += ["--workdir", str(workdir), *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    output = proc.stdout.read()
-    proc.stdout.close()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    assert proc.returncode == 0, output[-3000:]
-    return usage.ru_maxrss * 1024, output  # KiB on Linux
+    rss, output, code = run_peak_rss([*cmd, "--workdir", str(workdir), *args], env)
+    assert code == 0, output[-3000:]
+    return rss, output
 
 
 @pytest.mark.slow

@@ -12,6 +12,9 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
             TensorStore read/write GB/s vs the raw disk (O_DIRECT), optimizer params/s
             vs the memory-bandwidth bound (28 B/param), step time vs max(compute,
             optimizer, I/O), and the DeepSpeed ZeRO-3 NVMe peer shape's s/step
+  peer      the DeepSpeed comparison's shape (310.8M params) in memory, optimizer on
+            NVMe, params and optimizer on NVMe, and with a 3 GiB host budget: s/step,
+            peak RSS (child processes), disk bytes/step vs max(compute, disk time)
   io        the TensorStore tier's read/write GB/s vs the raw sequential disk (O_DIRECT)
   optimizer the host optimizer's params/s vs the memory-bandwidth bound (28 B/param)
   lockfree  optimizer.mode=lockfree vs sync on a tiny model: final losses, step time
@@ -43,6 +46,7 @@ from hetjax.bench.lockfree import bench_lockfree
 from hetjax.bench.nvme import bench_nvme
 from hetjax.bench.optimizer import bench_optimizer
 from hetjax.bench.overhead import bench_overhead
+from hetjax.bench.peer import bench_peer
 from hetjax.bench.plan import bench_plan
 from hetjax.bench.scale import bench_scale
 from hetjax.bench.slabs import bench_slabs
@@ -52,6 +56,7 @@ BENCHMARKS = {
     "overhead": bench_overhead,
     "slabs": bench_slabs,
     "nvme": bench_nvme,
+    "peer": bench_peer,
     "io": bench_io,
     "optimizer": bench_optimizer,
     "lockfree": bench_lockfree,

@@ -29,3 +29,20 @@ PEER_BATCH = dict(batch_size=4, seq_len=128)
 # DeepSpeed ZeRO-3 with the optimizer offloaded to NVMe on this machine, same shape, fp32
 # (../shared/MEASUREMENTS.md; torch and DeepSpeed are not dependencies of hetjax).
 PEER_S_PER_STEP = 0.5
+
+
+def run_peak_rss(cmd: list[str], env: dict | None = None) -> tuple[int, str, int]:
+    """Runs ``cmd`` to its end as a child process: its peak RSS in bytes (``wait4``'s
+    ``ru_maxrss``: this child alone, not the largest child so far), its output (stdout
+    and stderr) and its exit status."""
+    import os
+    import subprocess
+
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    output = proc.stdout.read()
+    proc.stdout.close()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_maxrss * 1024, output, proc.returncode  # ru_maxrss: KiB on Linux

@@ -51,7 +51,7 @@ class _Run:
         kwargs = {"spare": self.spare} if self.spare is not None else {}
         t0 = time.perf_counter()
         slabs, scalars, pages = self.opt.update(
-            "s", *self.state, grad, (0.0, 0.0), in_place=self.mode == "in place", **kwargs
+            "s", *self.state, grad, (0.0, 0.0), in_place=self.mode in ("in place", "host"), **kwargs
         )
         jax.block_until_ready((slabs, pages))
         self.times.append(time.perf_counter() - t0)
@@ -67,7 +67,8 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
     bf16 params (the GPU compute dtype: 2 B/param more), for both kernels
     (``optimizer.host_kernel``) and both ways the loop writes the new state: into the
     generation before last (``spare``: state in RAM) and over a stage just read
-    (``in place``: state streamed from NVMe); for the run's kernel also into fresh
+    (``in place``), and for the native kernel also in place over host buffers outside
+    XLA (``host``: what the NVMe tier runs, ``SlabOptimizer.update_host``) and into fresh
     buffers (what the loop avoids: each costs page faults on the first touch).
 
     This VM's memory bandwidth drifts by tens of percent within a minute, so each round
@@ -76,6 +77,7 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
     tier's path (in place)."""
     from hetjax.planning.hardware import slab_optimizer
     from hetjax.storage.pages import aligned_concatenate
+    from hetjax.storage.states import flat
 
     n = (4 if quick else 32) << 20
     cores = os.cpu_count() or 1
@@ -86,9 +88,13 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
         name = "native" if opt.native else "optax"
         if name in {k for k, _ in runs}:
             continue  # auto fell back to optax
-        modes = ("fresh", "spare", "in place") if kernel == "auto" else ("spare", "in place")
+        modes = ("spare", "in place")
+        if opt.native:  # and over host buffers, the NVMe tier's pooled ones (update_host)
+            modes = ("fresh", *modes, "host")
         for mode in modes:
             state = opt.init("s", np.ones(n, np.float32))
+            if mode == "host":
+                state = ({k: np.array(flat(v)) for k, v in state[0].items()}, state[1])
             spare = opt.init("s", np.ones(n, np.float32))[0] if mode == "spare" else None
             runs[name, mode] = _Run(opt, mode, state, spare)
     copy, copy1 = _Copy(n, cores), _Copy(n)
@@ -122,10 +128,10 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
             f"{pad}  {kernel:<7} {mode:<10} {median / 1e6:>10.0f} / {best / 1e6:<10.0f}"
             f"{ratio:>10.2f}"
         )
-    kernel = "native" if ("native", "in place") in rows else "optax"
-    rate, _, ratio = rows[kernel, "in place"]
+    kernel, mode = ("native", "host") if ("native", "host") in rows else ("optax", "in place")
+    rate, _, ratio = rows[kernel, mode]
     print(
-        f"{pad}achieved / bound {ratio:.2f} ({kernel}, in place: the NVMe tier's update); "
+        f"{pad}achieved / bound {ratio:.2f} ({kernel}, {mode}: the NVMe tier's update); "
         f"state in RAM {rows[kernel, 'spare'][2]:.2f}; fp32 params {rate32 / 1e6:.0f} M "
         f"params/s"
     )

@@ -1,0 +1,104 @@
+"""``python -m hetjax.bench peer``: the DeepSpeed comparison's shape (configs/
+gpt310m_peer.py, 310.8M params) in one run, each row a training run in a child process:
+in memory, optimizer state on NVMe, params and optimizer state on NVMe, and the same
+with a 3 GiB host budget. For each: s/step (median after the first steps), peak RSS of
+the process, disk bytes per step, and the limit max(compute, disk time) where compute
+is the in-memory row's step and disk time is the step's reads and writes at the raw
+disk bandwidth measured in the same run (O_DIRECT, ``bench io``). DeepSpeed's rows are
+the issue's measurements on this machine (MEASUREMENTS.md), not run here."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from hetjax.bench.common import PEER_SHAPE, _scratch_dir, run_peak_rss
+from hetjax.bench.io import _raw_disk_bandwidth
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt310m_peer.py"
+STREAM = ["--config.offload.mode=stream", "--config.offload.optimizer=nvme"]
+ROWS = {
+    "in memory": ["--config.offload.mode=none"],
+    "optimizer on NVMe": [*STREAM, "--config.offload.params=host"],
+    "params + optimizer on NVMe": [*STREAM, "--config.offload.params=nvme"],
+    "the same, host budget": [*STREAM, "--config.offload.params=nvme"],
+}
+BUDGET = {False: "3GiB", True: "512MiB"}  # full, quick
+# DeepSpeed ZeRO-3 0.19 on this machine at this shape (the issue's table): s/step, GiB
+DEEPSPEED = {
+    "in memory": (7.5, 6.4),
+    "optimizer on NVMe": (11.9, 12.2),
+    "params + optimizer on NVMe": (12.1, 14.0),
+}
+
+
+def _row(name: str, quick: bool, tmp: Path, steps: int, skip: int) -> dict:
+    args = [*ROWS[name], f"--config.train.steps={steps}"]
+    args += [f"--config.memory.nvme_path={tmp / 'nvme'}", "--config.train.log_every=1"]
+    if name == "the same, host budget":
+        args.append(f"--config.memory.host_budget={BUDGET[quick]}")
+    if quick:
+        args += [f"--config.model.{k}={v}" for k, v in PEER_SHAPE.items()]
+    cmd = [sys.executable, "-m", "hetjax.launch", "--config", str(CONFIG)]
+    rss, output, code = run_peak_rss([*cmd, "--workdir", str(tmp / "run"), *args])
+    if code != 0:
+        raise RuntimeError(f"bench peer, {name}: the run failed ({code}):\n{output[-3000:]}")
+    records = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").open()]
+    steady = records[skip:]
+    return {
+        "step_s": float(np.median([r["step_time_s"] for r in steady])),
+        "peak_rss": rss,
+        "read_bytes": float(np.median([r.get("nvme_read_bytes", 0) for r in steady])),
+        "write_bytes": float(np.median([r.get("nvme_write_bytes", 0) for r in steady])),
+    }
+
+
+def bench_peer(quick: bool) -> dict:
+    steps, skip = (3, 1) if quick else (6, 2)
+    rows = {}
+    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
+        tmp = Path(tmp)
+        disk_write, disk_read = _raw_disk_bandwidth(tmp, (64 if quick else 1024) << 20)
+        for name in ROWS:
+            with tempfile.TemporaryDirectory(dir=tmp) as row_dir:
+                rows[name] = _row(name, quick, Path(row_dir), steps, skip)
+    compute = rows["in memory"]["step_s"]
+    print(
+        f"peer shape ({'quick: ' + str(PEER_SHAPE) if quick else '310.8M params'}), "
+        f"raw disk {disk_read:.2f} GB/s read, {disk_write:.2f} GB/s write; compute (the "
+        f"in-memory step) {compute:.2f} s"
+    )
+    print(
+        f"  {'run':<28}{'s/step':>8}{'peak RSS':>10}{'GB read':>9}{'GB written':>11}"
+        f"{'limit s':>9}{'/ limit':>9}   DeepSpeed s/step, RSS"
+    )
+    for name, row in rows.items():
+        disk_s = row["read_bytes"] / (disk_read * 1e9) + row["write_bytes"] / (disk_write * 1e9)
+        row["limit_s"] = max(compute, disk_s)
+        row["vs_limit"] = row["step_s"] / row["limit_s"]
+        peer = DEEPSPEED.get(name)
+        peer_text = f"{peer[0]:.1f}, {peer[1]:.1f} GiB" if peer and not quick else "-"
+        print(
+            f"  {name:<28}{row['step_s']:>8.2f}{row['peak_rss'] / 2**30:>8.2f}Gi"
+            f"{row['read_bytes'] / 1e9:>9.2f}{row['write_bytes'] / 1e9:>11.2f}"
+            f"{row['limit_s']:>9.2f}{row['vs_limit']:>9.2f}   {peer_text}"
+        )
+    budgeted, unbudgeted = rows["the same, host budget"], rows["params + optimizer on NVMe"]
+    slower = budgeted["step_s"] / unbudgeted["step_s"]
+    print(
+        f"host budget {BUDGET[quick]}: peak RSS {budgeted['peak_rss'] / 2**30:.2f} GiB, "
+        f"step {slower:.2f}x the unbudgeted one; offloaded peak RSS / in-memory "
+        f"{unbudgeted['peak_rss'] / rows['in memory']['peak_rss']:.2f}"
+    )
+    return {
+        "disk_read_gbs": disk_read,
+        "disk_write_gbs": disk_write,
+        "compute_s": compute,
+        "budget": BUDGET[quick],
+        "budgeted_vs_unbudgeted": slower,
+        "rows": rows,
+    }
