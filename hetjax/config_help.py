@@ -103,7 +103,8 @@ HELP: dict[str, str] = {
     "the device, are updated there and stay resident; `auto` lets the planner choose "
     "([offload](offload.md#device-cache-of-optimizer-state))",
     # -- memory -----------------------------------------------------------------------
-    "memory.page_size": "page size of state slabs (sized in fp32 master elements)",
+    "memory.page_size": "largest page of state slabs (sized in fp32 master elements); "
+    "pages shrink to fit a block in whole pages (less padding to move every step)",
     "memory.device_budget": "`stream`: device bytes the executor may hold, e.g. `512MiB`; "
     "0 = no limit",
     "memory.host_budget": "`stream`: host RAM the runtime may hold (param slabs, gradient "

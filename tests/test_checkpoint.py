@@ -184,7 +184,7 @@ def test_param_write_failing_before_the_commit_is_raised_not_dropped(tmp_path, m
     and the next forward read the stage's stale generation.)"""
     store = NvmeParamStore(tmp_path, np.float32, {"head": (0, 1)}, page_elems=4)
     promise, write = ts.Promise.new()
-    monkeypatch.setattr(store.disk[0], "write", lambda kind, first, data: write)
+    monkeypatch.setattr(store.disk[0], "write", lambda kind, first, data, **_: write)
     store.publish("head", [np.ones(4, np.float32)])
     promise.set_exception(OSError(errno.EIO, "disk failed"))
     with pytest.raises(OSError, match="disk failed"):

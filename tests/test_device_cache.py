@@ -280,11 +280,15 @@ def test_planner_caches_what_fits_and_more_with_more_budget():
         {"train.batch_size": "1", "train.seq_len": "1024", "model.compute_dtype": "bfloat16"},
     )
     w = Workload.from_config(config)
-    # gpt1p3b's stages' fp32 elements from its shapes, by hand, in whole 4 MiB pages
-    # (memory.page_size's default): embed wte (V, D) + wpe (S, D); a block ln_1, c_attn,
-    # c_proj, ln_2, c_fc, c_proj_mlp: 12 D^2 + 13 D; the head ln_f (its matmul is wte).
+    # gpt1p3b's stages' fp32 elements from its shapes, by hand, in whole pages: at most
+    # 4 MiB (memory.page_size's default), fitted to the block (a block needs 49 pages
+    # of 2^20 elements; 49 pages of the fewest whole 4 KiB that hold it, 1,028,096):
+    # embed wte (V, D) + wpe (S, D); a block ln_1, c_attn, c_proj, ln_2, c_fc,
+    # c_proj_mlp: 12 D^2 + 13 D; the head ln_f (its matmul is wte).
     V, S, D, L = 50257, 2048, 2048, 24
     page = 2**20
+    assert -(-(12 * D * D + 13 * D) // page) == 49
+    page = -(-(12 * D * D + 13 * D) // 49 // 1024) * 1024
     padded = lambda n: -(-n // page) * page
     stage = [padded(V * D + S * D), *[padded(12 * D * D + 13 * D)] * L, padded(2 * D)]
     # A cached element on the device: fp32 master, mu and nu twice (committed and

@@ -119,7 +119,8 @@ def test_default_workdir_is_runs_and_the_config_name(monkeypatch, tmp_path):
 
     monkeypatch.chdir(tmp_path)
     workdirs = []
-    monkeypatch.setattr(hetjax.train, "train", lambda config, workdir: workdirs.append(workdir))
+    record = lambda config, workdir, **_: workdirs.append(workdir)
+    monkeypatch.setattr(hetjax.train, "train", record)
     assert launch.main([]) == 0
     assert launch.main(["--config", "llama_tiny"]) == 0
     assert launch.main(["--config", str(ROOT / "configs" / "gpt_small.py")]) == 0

@@ -1,7 +1,8 @@
 import jax
 import numpy as np
+import pytest
 
-from hetjax.storage.pages import SlabLayout
+from hetjax.storage.pages import PAGE_ALIGN, SlabLayout, fitted_page_elems
 from models import build_model
 
 
@@ -50,3 +51,16 @@ def test_gpt_block_layout_covers_every_parameter(tiny):
     names = {leaf.path for leaf in layout.leaves[: len(layout.leaves)]}
     decayed = {leaf.path for leaf in layout.leaves if leaf.offset < layout.num_decay}
     assert all(p[-1] == "kernel" for p in decayed) and len(names) == 12
+
+
+@pytest.mark.parametrize("multiple", [1, 2, 4])
+@pytest.mark.parametrize("block", [1, 1000, 12_590_080, 50_358_272, 3 * 2**20, 3 * 2**20 + 1])
+def test_fitted_pages_keep_the_page_count_and_pad_less_than_4kib_a_page(block, multiple):
+    page = 2**20  # 4 MiB of fp32, memory.page_size's default
+    fitted = fitted_page_elems(block, page, multiple)
+    pages = -(-block // page)
+    pages = -(-pages // multiple) * multiple
+    assert fitted <= page and fitted % PAGE_ALIGN == 0
+    assert -(-block // fitted) <= pages  # no more pages than unfitted
+    assert pages * fitted - block < pages * PAGE_ALIGN  # padding: under 4 KiB a page
+    assert fitted_page_elems(block, 256, multiple) == 256  # pages of 1 KiB stay

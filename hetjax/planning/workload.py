@@ -13,6 +13,7 @@ from hetjax.config import Config
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy
 from hetjax.planning.hardware import Hardware
 from hetjax.runtime import remat
+from hetjax.storage.pages import fitted_page_elems
 from models import build_model
 
 
@@ -98,11 +99,12 @@ class Workload:
         shapes = jax.eval_shape(model.init, jax.random.key(0))
         count = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
         L = m.num_layers
-        # slabs are whole pages of fp32 elements, a multiple of the devices' (ZeRO-3 shards)
-        page = config.memory.page_size // 4 * devices
+        # slabs are whole pages of fp32 elements (fitted to the block), a multiple of
+        # the devices' (ZeRO-3 shards)
+        block_used = count(shapes["blocks"]) // L
+        page = fitted_page_elems(block_used, config.memory.page_size // 4, devices) * devices
         padded = lambda n: -(-n // page) * page
         embed, head = padded(count(shapes["embed"])), padded(count(shapes["head"]))
-        block_used = count(shapes["blocks"]) // L
         block = padded(block_used)
         c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
         b, T, D = max(1, t.micro_batch_size // devices), t.seq_len, m.d_model

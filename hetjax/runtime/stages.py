@@ -14,17 +14,21 @@ import jax.numpy as jnp
 
 from hetjax.config import ConfigError
 from hetjax.runtime import remat
-from hetjax.storage.pages import SlabLayout
+from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems
 
 F32 = jnp.float32
 
 
 def stage_layouts(model, page_size: int, page_multiple: int = 1) -> dict[str, SlabLayout]:
     """The slab layouts of a model's stages (``embed``, one ``block``, ``head``), from
-    abstract shapes: nothing is allocated. Slabs pad to a multiple of ``page_multiple``
-    pages (ZeRO-3: one equal share per device)."""
+    abstract shapes: nothing is allocated. Pages are at most ``page_size`` bytes, fitted
+    to the block (``pages.fitted_page_elems``); slabs pad to a multiple of
+    ``page_multiple`` pages (ZeRO-3: one equal share per device)."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     one_block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"])
+    block_elems = sum(math.prod(a.shape) for a in jax.tree.leaves(one_block))
+    elems = fitted_page_elems(block_elems, page_size // MASTER_ITEMSIZE, page_multiple)
+    page_size = elems * MASTER_ITEMSIZE
     return {
         "embed": SlabLayout.from_params(shapes["embed"], page_size, page_multiple),
         "block": SlabLayout.from_params(one_block, page_size, page_multiple),

@@ -1,8 +1,9 @@
 """Page slabs: one stage's parameters flattened into one contiguous 1-D array.
 
 A stage's leaves are laid out back to back, weight-decayed leaves first, then the rest,
-and the slab is padded with zeros to a whole number of pages (``memory.page_size``
-bytes of fp32 master state). So a stage is one transfer, one contiguous page range on
+and the slab is padded with zeros to a whole number of pages (at most
+``memory.page_size`` bytes of fp32 master state, fitted to the block:
+:func:`fitted_page_elems`). So a stage is one transfer, one contiguous page range on
 NVMe, and the optimizer's decay mask is a single split point. Offsets are static: the
 jitted stage functions slice the slab back into the pytree at no runtime cost.
 
@@ -25,6 +26,24 @@ import jax.numpy as jnp
 import numpy as np
 
 MASTER_ITEMSIZE = 4  # pages are sized by fp32 master state
+PAGE_ALIGN = 1024  # elements: pages are whole 4 KiB blocks of fp32 (direct I/O's unit)
+
+
+def fitted_page_elems(block_elems: int, page_elems: int, multiple: int = 1) -> int:
+    """The page size (elements) a model's slabs use: at most ``page_elems``
+    (``memory.page_size``), as small as keeps a block's page count, so a block pads by
+    less than ``PAGE_ALIGN`` elements a page instead of up to a whole page. Every block
+    streams, is updated and moves to and from NVMe every step: with 4 MiB pages a
+    310.8M GPT's block (12.59M params) padded to 13.63M, 8% more bytes per step than
+    its state; fitted, 12.61M. ``multiple``: the page count's (ZeRO-3's data degree)."""
+    if page_elems <= PAGE_ALIGN:
+        return page_elems
+    pages = -(-block_elems // page_elems)
+    pages = -(-pages // multiple) * multiple
+    fitted = -(-block_elems // pages)
+    return min(page_elems, -(-fitted // PAGE_ALIGN) * PAGE_ALIGN)
+
+
 HOST_ALIGN = 64  # bytes: a numpy array this aligned is shared with JAX, not copied
 
 
