@@ -1,4 +1,4 @@
-"""GPT-3 805B shape from Fuyou (Liao et al. 2024) table 4; sequence length 1024, batch 1 for the max-size runs (sec 5.2)."""
+"""GPT-3 805B shape from Fuyou (Liao et al. 2024) table 4; as its max-size runs ran (sec 5.2): sequence length 1024, batch 1, half-precision compute (bf16 here; Fuyou computes in fp16) over fp32 master and Adam state."""
 
 from hetjax.config import Config
 
@@ -8,7 +8,12 @@ NOMINAL_PARAMS = 805e9
 def get_config() -> Config:
     return Config().replace(
         model=dict(
-            num_layers=160, d_model=20480, num_heads=160, vocab_size=50257, max_seq_len=1024
+            num_layers=160,
+            d_model=20480,
+            num_heads=160,
+            vocab_size=50257,
+            max_seq_len=1024,
+            compute_dtype="bfloat16",
         ),
         train=dict(seq_len=1024, batch_size=1),
     )

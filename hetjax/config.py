@@ -198,6 +198,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 25
     eval_batches: int = 8  # validation batches at the end of the run
+    eval_every: int = 0  # validation every N steps too (loss.png's curve); 0: at the end only
     loss_scale_init: float = 2.0**15  # fp16 compute only: initial dynamic loss scale
     loss_scale_period: int = 1000  # fp16: steps without overflow before the scale doubles
     # a step whose loss or gradient is not finite never updates the state; then:
@@ -213,6 +214,7 @@ class TrainConfig:
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1", getattr(self, name))
         _check(self.eval_batches >= 0, "train.eval_batches", "must be >= 0", self.eval_batches)
         _check(self.trace_every >= 0, "train.trace_every", "must be >= 0", self.trace_every)
+        _check(self.eval_every >= 0, "train.eval_every", "must be >= 0", self.eval_every)
         if self.batch_size % self.grad_accum:
             raise ConfigError(
                 f"config key 'train.batch_size' ({self.batch_size}) must be divisible by "
@@ -449,7 +451,7 @@ class DataConfig:
     format) or a 1-D integer ``.npy`` file of token ids."""
 
     path: str = ""
-    shuffle: bool = False
+    shuffle: bool = True
     val_fraction: float = 0.05  # held-out tail of the token stream
     corpus_bytes: int = 8_000_000  # size cap of the embedded corpus
 

@@ -43,6 +43,8 @@ HELP: dict[str, str] = {
     "train.seq_len": "tokens per sequence",
     "train.grad_accum": "micro-batches per step (`batch_size` is split evenly; data order "
     "unchanged)",
+    "train.eval_every": "also evaluate every N steps (`train.eval_batches` batches; the "
+    "validation curve of `loss.png`); 0 = at the end only",
     "train.seed": "random seed of the initial params and of the data order (`data.shuffle`)",
     "train.log_every": (
         "log a line every N steps, with that step's loss and the mean loss since the last "

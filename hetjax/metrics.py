@@ -49,6 +49,8 @@ class MetricsWriter:
                 f"{record['tokens_per_s']:>9.0f} tok/s  {record['step_time_s'] * 1e3:7.1f} ms/step"
                 f"  {record['tflops']:.3f} TFLOP/s"
             )
+        if "val_loss" in record:
+            self.log(f"step {step:>6}  validation loss {record['val_loss']:.4f}")
 
     def advance(self, steps: int) -> None:
         """Moves the progress bar on (a resumed run starts at its checkpoint's step)."""
@@ -130,3 +132,45 @@ def peak_flops(dtype: str = "float32") -> float:
         jax.block_until_ready(matmul(a, a))
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
+
+
+def plot_losses(metrics: Path, out: Path, final_val: float = float("nan")) -> Path:
+    """``loss.png`` from a run's ``metrics.jsonl`` (every segment of a resumed run; a
+    step repeated after a rollback counts once, its last record): the training loss of
+    each step, its running mean over about a twentieth of the run, and the validation
+    loss at ``train.eval_every`` steps and at the end (``final_val``)."""
+    import math
+
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    by_step: dict[int, dict] = {}
+    for line in Path(metrics).read_text().splitlines():
+        record = json.loads(line)
+        by_step[record["step"]] = record
+    steps = sorted(by_step)
+    loss = np.array([by_step[s]["loss"] for s in steps], np.float64)
+    window = max(1, len(steps) // 20)
+    mean = []
+    for i in range(len(steps)):
+        recent = loss[max(0, i - window + 1) : i + 1]
+        recent = recent[np.isfinite(recent)]  # a skipped non-finite step has no place in it
+        mean.append(recent.mean() if recent.size else np.nan)
+    val = [(s, by_step[s]["val_loss"]) for s in steps if "val_loss" in by_step[s]]
+    if steps and not math.isnan(final_val):
+        val.append((steps[-1], final_val))
+    fig = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(steps, loss, color="#4c72b0", alpha=0.3, linewidth=0.8, label="train loss (step)")
+    ax.plot(steps, mean, color="#4c72b0", linewidth=2, label=f"train loss (mean of {window})")
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", color="#c44e52", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    return Path(out)

@@ -26,7 +26,7 @@ from hetjax.config import Config
 from hetjax.data import make_datasets
 from hetjax.distributed import any_process
 from hetjax.faults import Faults
-from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, step_record
+from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, plot_losses, step_record
 from hetjax.planning.auto import resolve_auto
 from hetjax.preemption import Preempted, StopSignals
 from hetjax.run_lock import LOCK_NAME, RunLocks
@@ -237,6 +237,10 @@ def _train(
                 rec.update(loss_scale=stats.loss_scale, skipped=stats.skipped)
             if stats.nonfinite:
                 rec["nonfinite"] = True
+            if t.eval_every and t.eval_batches and step % t.eval_every == 0 and step < t.steps:
+                runtime.settle()  # lock-free: the updates so far applied
+                rec["val_loss"] = evaluate(runtime, val_data, t.eval_batches)
+                timer.lap()  # the evaluation is not the next step's time
             records.append(rec)
             out.step(rec)
             if stats.nonfinite:
@@ -269,6 +273,9 @@ def _train(
         }
         if main:
             (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            if losses and out.enabled:  # from metrics.jsonl, which a quiet run does not write
+                plot = plot_losses(workdir / "metrics.jsonl", workdir / "loss.png", val_loss)
+                out.log(f"loss curves: {plot}")
         params = runtime.params() if return_params else None
         if ckpt is not None:
             ckpt.wait()  # the last checkpoint is complete before the run says it is done

@@ -40,14 +40,14 @@ def test_overrides_are_parsed_into_field_types():
         {
             "train.steps": "50",
             "optimizer.lr": "3e-4",
-            "data.shuffle": "true",
+            "data.shuffle": "false",
             "model.compute_dtype": "bfloat16",
             "train.batch_size": "1_024",
         }
     )
     assert c.train.steps == 50 and isinstance(c.train.steps, int)
     assert c.optimizer.lr == pytest.approx(3e-4)
-    assert c.data.shuffle is True
+    assert c.data.shuffle is False and Config().data.shuffle is True  # shuffled by default
     assert c.model.compute_dtype == "bfloat16"
     assert c.train.batch_size == 1024
     assert Config().train.steps != 50  # the default is untouched (frozen)

@@ -61,18 +61,24 @@ def test_metrics_jsonl_and_launch(tmp_path, capsys):
             "--config.train.eval_batches=1",
             "--config.data.corpus_bytes=100000",
             "--config.train.log_every=1",
+            "--config.train.eval_every=2",
         ]
     )
     assert rc == 0
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == [1, 2, 3]
+    # validation every 2 steps (the last step's is the final one, in summary.json)
+    assert ["val_loss" in r for r in records] == [False, True, False]
+    assert 0 < records[1]["val_loss"] < 10
+    assert (workdir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for r in records:
         assert {"step", "loss", "step_time_s", "tokens_per_s", "tflops"} <= r.keys()
         assert r["step_time_s"] > 0 and r["tflops"] > 0
         assert abs(r["tokens_per_s"] * r["step_time_s"] - 4 * 128) < 1e-6
     out = capsys.readouterr().out
     assert "step      3  loss" in out and "final validation loss" in out
+    assert "step      2  validation loss" in out and f"loss curves: {workdir / 'loss.png'}" in out
     assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 3
 
 

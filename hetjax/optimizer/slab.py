@@ -39,7 +39,7 @@ import optax
 from hetjax.config import OptimizerConfig
 from hetjax.optimizer import native
 from hetjax.optimizer.build import base_optimizer, learning_rate_schedule, state_kind_name
-from hetjax.storage.pages import SlabLayout
+from hetjax.storage.pages import SlabLayout, aligned_empty
 from hetjax.types import MASTER
 
 F32 = jnp.float32
@@ -360,12 +360,14 @@ class SlabOptimizer:
         """:meth:`update` by the native kernel straight on host buffers, in place, no XLA
         buffer involved: ``slabs`` (each kind a writable float32 numpy slab, e.g. the
         NVMe tier's pooled I/O buffers) are the new state when it returns. The new params
-        are pages of one fresh compute-dtype slab. Equal to the jitted path bit for bit
-        (the same kernel on the same coefficients)."""
+        are pages of one fresh compute-dtype slab (aligned: put without a copy). Equal
+        to the jitted path bit for bit (the same kernel on the same coefficients)."""
         layout = self.layouts[layout_name]
         coef, new_scalars = self._coef(scalars, (np.float32(clip[0]), np.float32(clip[1])))
         decay = self.cfg.weight_decay if self.cfg.name == "adamw" else 0.0
-        out = np.empty(layout.padded_size, self.compute_dtype)
+        # aligned: the pages are then shared with JAX where they are put (a params store
+        # in host RAM, the device on the CPU backend), not copied into buffers of its own
+        out = aligned_empty(layout.padded_size, self.compute_dtype)
         native.host_update(
             slabs, np.asarray(grad), np.asarray(coef), decay,
             layout.num_decay if decay else 0, out, layout.page_elems,
