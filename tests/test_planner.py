@@ -243,15 +243,16 @@ FITS = {
         *("fuyou_gpt33b", "fuyou_gpt65b", "fuyou_gpt135b", "fuyou_gpt276b"),
         *("fuyou_gpt412b", "fuyou_gpt805b"),
     },
-    "rtx4090": {
+    "rtx4090": {  # in bf16 (the papers' half precision) up to Fuyou's 276B, as in its fig. 4
         *_TINY,
         *("gpt2p7b", "gpt6p7b", "gpt13b"),
         *("angel_gpt13b", "angel_gpt30b", "angel_gpt55b", "fuyou_gpt33b", "fuyou_gpt65b"),
+        *("fuyou_gpt135b", "fuyou_gpt276b"),
     },
     "angel-a100-40g": {
         *_TINY,
         *("gpt2p7b", "gpt6p7b", "gpt13b", "gpt175b", "llama_8b"),
-        *("angel_gpt13b", "angel_gpt30b", "angel_gpt55b"),
+        *("angel_gpt13b", "angel_gpt30b", "angel_gpt55b", "angel_gpt175b"),
         *("fuyou_gpt33b", "fuyou_gpt65b", "fuyou_gpt135b"),
     },
     "patrickstar-v100": {*_TINY, "gpt2p7b", "gpt6p7b"},
