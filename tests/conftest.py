@@ -29,7 +29,13 @@ def tiny_config(**sections) -> Config:
         model=dict(num_layers=2, d_model=32, num_heads=4, max_seq_len=32),
         train=dict(steps=5, batch_size=4, seq_len=16, log_every=1, eval_batches=2),
         optimizer=dict(warmup_steps=2, lr=3e-3),
-        data=dict(corpus_bytes=200_000),
+        # The documented unshuffled order (data.shuffle's default is true since
+        # 2026-11-23): the inputs the equivalence tests were validated on. Some of their
+        # preconditions depend on the data (clipping that binds in some steps and not
+        # all), and Adam's amplified summation-order noise and fp16 rounding differ
+        # between orders (issue #24's note); the shuffled order is tested by the default
+        # config's runs and tests/test_data.py.
+        data=dict(corpus_bytes=200_000, shuffle=False),
         checkpoint=dict(every_steps=0, at_end=False),  # tests/test_checkpoint.py turns them on
     )
     return base.replace(**sections) if sections else base

@@ -172,16 +172,10 @@ def _dtype_config(dtype: str, offload: dict):
 
     train_overrides = FP16_SCALE if dtype == "float16" else {}
     model = dict(num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype=dtype)
-    # The documented (unshuffled) order these cases were validated on: with data.shuffle
-    # (the default since 2026-11-23) the fp16 cases' first applied update already differs
-    # by fp16 rounding between the two runtimes (every leaf, ~1e-7 abs; bitwise equal in
-    # this order), an open finding of issue #24's note, not a tolerance to widen here.
-    data = dict(shuffle=False) if dtype == "float16" else {}
     return tiny_config(
         model=model,
         optimizer=SGD,
         offload=offload,
-        data=data,
         memory=dict(page_size="16KiB"),  # several pages a stage
         train=dict(batch_size=4, seq_len=16, log_every=1, eval_batches=2, **train_overrides),
     )
