@@ -4,8 +4,8 @@
     hetjax plan --config gpt175b --hardware a100-80g         python -m hetjax.launch --plan ...
     hetjax bench nvme                                         python -m hetjax.bench nvme
     hetjax checkpoint --workdir runs/gpt_tiny                 python -m hetjax.checkpoint ...
-    hetjax export --workdir runs/gpt_tiny --out params.npz    python -m hetjax.export ...
-    hetjax tokenize --help                                    python -m hetjax.tokenize ...
+    hetjax export --workdir runs/gpt_tiny --out hf-out/       python -m hetjax.export ...
+    hetjax tokenize --tokenizer gpt2/ --text a.txt --out t.bin  python -m hetjax.tokenize ...
 
 ``hetjax --config ...`` (options first, no subcommand) trains, as the command did before it
 had subcommands.
@@ -25,6 +25,15 @@ COMMANDS = {
     "checkpoint": ("list checkpoints (python -m hetjax.checkpoint)", checkpoint.main, []),
     "export": ("export trained params (python -m hetjax.export)", export.main, []),
     "tokenize": ("make a token file (python -m hetjax.tokenize)", tokenize.main, []),
+}
+# subcommand -> an example, printed after its --help
+EXAMPLES = {
+    "train": "hetjax train --config gpt_tiny --config.train.steps=50 --workdir runs/tiny",
+    "plan": "hetjax plan --config gpt175b --hardware a100-80g",
+    "bench": "hetjax bench peer --quick",
+    "checkpoint": "hetjax checkpoint --workdir runs/tiny",
+    "export": "hetjax export --config gpt_tiny --workdir runs/tiny --out hf-out/",
+    "tokenize": "hetjax tokenize --tokenizer gpt2/ --text a.txt b.txt --out tokens.bin",
 }
 
 
@@ -50,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"hetjax: unknown command {name!r}\n\n{usage()}")
         return 2
     _, run, before = COMMANDS[name]
-    return run([*before, *rest])
+    try:
+        return run([*before, *rest])
+    except SystemExit as done:
+        if done.code == 0 and any(a in ("-h", "--help") for a in rest):
+            sys.stdout.write(f"\nexample:\n  {EXAMPLES[name]}\n")
+        raise
 
 
 if __name__ == "__main__":

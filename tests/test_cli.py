@@ -18,7 +18,10 @@ def test_each_command_has_its_module_help(name, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main([name, "--help"])
     assert exit_.value.code == 0
-    assert capsys.readouterr().out.startswith("usage: python -m hetjax.")
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m hetjax.")
+    assert out.endswith(f"\nexample:\n  {cli.EXAMPLES[name]}\n")  # and how to use it
+    assert cli.EXAMPLES[name].startswith(f"hetjax {name} ")
 
 
 def test_plan_is_launch_plan(capsys):

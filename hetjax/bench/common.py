@@ -31,18 +31,33 @@ PEER_BATCH = dict(batch_size=4, seq_len=128)
 PEER_S_PER_STEP = 0.5
 
 
+# Runs its argv as a child and reports the child's peak RSS: a small process in between,
+# because Linux counts into a child's ru_maxrss the RSS of the process it was forked
+# from at its exec (a test worker's gigabytes would be the child's peak).
+_MEASURE = """
+import os, subprocess, sys
+proc = subprocess.Popen(sys.argv[1:])
+_, status, usage = os.wait4(proc.pid, 0)
+proc.returncode = os.waitstatus_to_exitcode(status)
+print(f"\\nhetjax-peak-rss {usage.ru_maxrss * 1024}", flush=True)
+sys.exit(proc.returncode)
+"""
+
+
 def run_peak_rss(cmd: list[str], env: dict | None = None) -> tuple[int, str, int]:
     """Runs ``cmd`` to its end as a child process: its peak RSS in bytes (``wait4``'s
-    ``ru_maxrss``: this child alone, not the largest child so far), its output (stdout
-    and stderr) and its exit status."""
-    import os
+    ``ru_maxrss``, taken by a small process in between: see ``_MEASURE``), its output
+    (stdout and stderr) and its exit status."""
     import subprocess
+    import sys
 
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, *cmd],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=False,
     )
-    output = proc.stdout.read()
-    proc.stdout.close()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return usage.ru_maxrss * 1024, output, proc.returncode  # ru_maxrss: KiB on Linux
+    output, _, line = done.stdout.rstrip().rpartition("\nhetjax-peak-rss ")
+    return int(line), output, done.returncode
