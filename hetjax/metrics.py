@@ -21,6 +21,7 @@ class MetricsWriter:
         self.enabled = enabled
         self._since_log: list[float] = []  # losses since the last log line
         self._file = open(self.path, "a") if enabled else None  # noqa: SIM115
+        self._board = _tensorboard(Path(workdir) / "tensorboard") if enabled else None
         # disable=None: a bar on a terminal, none in CI logs (log lines still print).
         self._bar = tqdm(
             total=total_steps,
@@ -36,6 +37,10 @@ class MetricsWriter:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._board is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self._board.add_scalar(key, value, record["step"])
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{record['loss']:.4f}")
         step = record["step"]
@@ -65,6 +70,19 @@ class MetricsWriter:
         self._bar.close()
         if self._file:
             self._file.close()
+        if self._board is not None:
+            self._board.close()
+
+
+def _tensorboard(logdir: Path):
+    """A TensorBoard writer of every step's numeric metrics (``metrics.jsonl``'s keys as
+    scalar tags) when tensorboardX is installed (``pip install 'hetjax[tensorboard]'``);
+    None otherwise."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(logdir=str(logdir), flush_secs=10)
 
 
 class StepTimer:

@@ -1,8 +1,11 @@
+import importlib.util
 import json
+import struct
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import require
 from equivalence import (
     assert_losses_close,
     assert_trees_close,
@@ -79,7 +82,30 @@ def test_metrics_jsonl_and_launch(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step      3  loss" in out and "final validation loss" in out
     assert "step      2  validation loss" in out and f"loss curves: {workdir / 'loss.png'}" in out
+    board = tensorboard_scalars(workdir / "tensorboard")
+    assert [s for s, _ in board["loss"]] == [1, 2, 3]
+    assert [v for _, v in board["loss"]] == pytest.approx([r["loss"] for r in records])
+    assert board["val_loss"] == [(2, pytest.approx(records[1]["val_loss"]))]
     assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 3
+
+
+def tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of the TensorBoard event files in ``logdir``: tag -> [(step, value)]
+    (the files are TFRecords of Event protos, read with tensorboardX's own proto)."""
+    require(importlib.util.find_spec("tensorboardX") is not None, "tensorboardX (.[test])")
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list] = {}
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4  # length, its CRC, the record, its CRC
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
 
 
 def test_loss_scale_dynamics():
