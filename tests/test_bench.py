@@ -204,7 +204,12 @@ def test_peer_quick(tmp_path, capsys):
         assert row["limit_s"] >= result["compute_s"], name
         assert row["vs_limit"] == pytest.approx(row["step_s"] / row["limit_s"])
     for name in list(rows)[1:]:
-        assert rows[name]["read_bytes"] > 0 and rows[name]["write_bytes"] > 0, name
+        row = rows[name]
+        assert row["read_bytes"] > 0 and row["write_bytes"] > 0, name
+        per_generation = row["read_bytes"] / row["generation_bytes"]
+        assert row["read_vs_generation"] == pytest.approx(per_generation)
+        # every byte on NVMe written once a step (a cached stage's only when evicted)
+        assert row["write_vs_generation"] <= 1.0 + 1e-9, name
     # params on NVMe add their reads (forward and backward) to the optimizer's
     assert (
         rows["params + optimizer on NVMe"]["read_bytes"] > rows["optimizer on NVMe"]["read_bytes"]

@@ -2,7 +2,8 @@
 gpt310m_peer.py, 310.8M params) in one run, each row a training run in a child process:
 in memory, optimizer state on NVMe, params and optimizer state on NVMe, and the same
 with a 3 GiB host budget. For each: s/step (median after the first steps), peak RSS of
-the process, disk bytes per step, and the limit max(compute, disk time) where compute
+the process, disk bytes per step (also against one generation of the NVMe state: the
+least a step can move), and the limit max(compute, disk time) where compute
 is the in-memory row's step and disk time is the step's reads and writes at the raw
 disk bandwidth measured in the same run (O_DIRECT, ``bench io``). DeepSpeed's rows are
 the issue's measurements on this machine (MEASUREMENTS.md), not run here."""
@@ -54,6 +55,9 @@ def _row(name: str, quick: bool, tmp: Path, steps: int, skip: int) -> dict:
         "peak_rss": rss,
         "read_bytes": float(np.median([r.get("nvme_read_bytes", 0) for r in steady])),
         "write_bytes": float(np.median([r.get("nvme_write_bytes", 0) for r in steady])),
+        # one generation of what lives on NVMe: the least a step reads and writes there
+        # (every byte of it once each way; a host state cache reads and writes less)
+        "generation_bytes": records[-1].get("nvme_bytes", 0) / 2,
     }
 
 
@@ -86,6 +90,14 @@ def bench_peer(quick: bool) -> dict:
             f"  {name:<28}{row['step_s']:>8.2f}{row['peak_rss'] / 2**30:>8.2f}Gi"
             f"{row['read_bytes'] / 1e9:>9.2f}{row['write_bytes'] / 1e9:>11.2f}"
             f"{row['limit_s']:>9.2f}{row['vs_limit']:>9.2f}   {peer_text}"
+        )
+    for name, row in list(rows.items())[1:]:
+        gen = row["generation_bytes"]
+        row["read_vs_generation"] = row["read_bytes"] / gen
+        row["write_vs_generation"] = row["write_bytes"] / gen
+        print(
+            f"  {name}: one generation on NVMe {gen / 1e9:.2f} GB; a step reads "
+            f"{row['read_vs_generation']:.2f}x and writes {row['write_vs_generation']:.2f}x it"
         )
     budgeted, unbudgeted = rows["the same, host budget"], rows["params + optimizer on NVMe"]
     slower = budgeted["step_s"] / unbudgeted["step_s"]
