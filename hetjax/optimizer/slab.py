@@ -90,6 +90,14 @@ def _find(state, cls):
     return found[0]
 
 
+def _clip_scale(norm, max_norm):
+    """The clipping factor of a step whose global gradient norm is ``norm`` (traced;
+    ``max_norm`` 0: no clipping). A scalar factor, not optax's ``g / norm * max_norm``:
+    XLA will not duplicate a division into the three consumers of the clipped gradient,
+    so that form costs a pass of its own over the chunk (equal to within one rounding)."""
+    return jnp.where((max_norm == 0) | (norm < max_norm), 1.0, max_norm / norm)
+
+
 def _host_buffers(slabs: dict, kinds: list[str]) -> bool:
     """Whether every kind's slab is one writable float32 numpy array (host buffers the
     native kernel may update in place)."""
@@ -182,11 +190,7 @@ class SlabOptimizer:
     ):
         del spare  # only its buffers are used: the outputs alias them (donated)
         slabs, scalars, grad, clip = jax.device_put((slabs, scalars, grad, clip), self._compute)
-        norm, max_norm = clip  # max_norm 0: no clipping
-        # A scalar factor, not optax's ``g / norm * max_norm``: XLA will not duplicate a
-        # division into the three consumers of the clipped gradient, so that form costs a
-        # pass of its own over the chunk (equal to within one rounding).
-        scale = jnp.where((max_norm == 0) | (norm < max_norm), 1.0, max_norm / norm)
+        scale = _clip_scale(*clip)
         if self.native:
             return self._native_chunk(slabs, scalars, grad, scale, num_decay, page_elems, aliased)
         clipped = grad * scale.astype(grad.dtype)
@@ -248,12 +252,9 @@ class SlabOptimizer:
         return jnp.stack([jnp.asarray(x, F32) for x in coef]), new_scalars
 
     def _host_coef(self, scalars, clip):
-        """``_native_coef`` for :meth:`update_host`, the clip factor as in
-        ``_update_chunk``."""
+        """``_native_coef`` for :meth:`update_host`."""
         scalars, clip = jax.device_put((scalars, clip), self._compute)
-        norm, max_norm = clip
-        scale = jnp.where((max_norm == 0) | (norm < max_norm), 1.0, max_norm / norm)
-        return self._native_coef(scalars, scale)
+        return self._native_coef(scalars, _clip_scale(*clip))
 
     def _cast_pages(self, master, layout_name: str):
         master = jnp.concatenate(jax.device_put(list(master), self._compute))

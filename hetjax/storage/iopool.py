@@ -31,8 +31,7 @@ class Slot:
     """One stage's buffers, a flat float32 array per kind."""
 
     arrays: dict[str, np.ndarray]
-    stage: str = ""
-    in_use: bool = False
+    stage: str = ""  # the stage it was last taken for (named when the pool runs out)
     pending: list = dataclasses.field(default_factory=list)  # I/O futures to outlive
 
     def view(self, kind: str, elems: int) -> np.ndarray:
@@ -73,13 +72,12 @@ class IoPool:
             slot = self._returned.pop(0)
             _wait(slot.pending)
             slot.pending = []
-        slot.stage, slot.in_use = stage, True
+        slot.stage = stage
         return slot
 
     def give(self, slot: Slot, pending=()) -> None:
         """Gives ``slot`` back; it is reused once the futures in ``pending`` are done
         (their errors are their owners' to raise)."""
-        slot.in_use = False
         slot.pending = list(pending)
         self._returned.append(slot)
 

@@ -224,7 +224,7 @@ class NvmeStateStore:
         slot = self._pool.take(stage)
         elems = n * self.page_elems
         futures = [self.disk[self.gen].read_into(k, first, slot.view(k, elems)) for k in self.kinds]
-        read = self._reads[stage] = _Read(stage, slot, elems, futures)
+        read = self._reads[stage] = _Read(slot, elems, futures)
         return read
 
     def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
@@ -403,7 +403,6 @@ class NvmeStateStore:
 class _Read:
     """A streamed stage's read into a pooled slot: ``elems`` per kind."""
 
-    stage: str
     slot: Slot
     elems: int
     futures: list
