@@ -46,31 +46,29 @@ import re
 import shutil
 import socket
 import sys
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from hetjax.checkpoint_state import (
+    SaveReport,
+    StateSource,
+    StoredState,
+    StreamedStateHandler,
+    StreamedStateRestore,
+    StreamedStateSave,
+    layout_meta,
+    scalars_meta,
+)
 from hetjax.config import Config, ConfigError, format_bytes
 from hetjax.types import CheckpointError, RuntimeState
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 # -- on disk -----------------------------------------------------------------------------
-
-
-def state_checksums(stages: dict[str, Any]) -> dict[str, int]:
-    """CRC-32 of every array of a state's ``stages`` tree, by key path. zlib releases
-    the GIL over large buffers: the arrays are summed on all cores at once."""
-    leaves = jax.tree_util.tree_leaves_with_path(stages)
-    crc = lambda a: zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
-    with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool:
-        sums = list(pool.map(crc, [a for _, a in leaves]))
-    return {jax.tree_util.keystr(p): c for (p, _), c in zip(leaves, sums, strict=True)}
 
 
 def checkpoint_dir(config: Config, workdir: str | Path) -> Path:
@@ -112,7 +110,15 @@ class Checkpointer:
             # up the process's exit after the error.
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._handler = StreamedStateHandler()
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        registry.add("state", StreamedStateSave, self._handler)
+        registry.add("state", StreamedStateRestore, self._handler)
+        registry.add("meta", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
+        registry.add("meta", ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, handler_registry=registry
+        )
         self._last_bytes = 0
 
     # -- queries ------------------------------------------------------------------------
@@ -128,14 +134,45 @@ class Checkpointer:
 
     # -- save ---------------------------------------------------------------------------
 
-    def save(self, step: int, state: RuntimeState, meta: dict[str, Any]) -> None:
-        """Phase one: checks the state and the disk, hands the snapshot to orbax and
-        returns; phase two (the write) runs in the background. Raises CheckpointError
-        if the previous background save failed or the disk cannot hold this one."""
+    def save(self, step: int, state: RuntimeState | StateSource, meta: dict[str, Any]) -> None:
+        """Phase one: checks the disk, hard-links the NVMe-resident state and hands the
+        rest to orbax's background threads, which write it stage by stage from where it
+        lives (``checkpoint_state.py``). Raises CheckpointError if the previous save
+        failed or the disk cannot hold this one."""
         ocp = self._ocp
-        self.wait()  # one save in flight at a time; surfaces a failed one
-        state.check_finite()
-        need = int(state.nbytes() * 1.05) + (64 << 10)  # arrays plus orbax metadata
+        source = state if isinstance(state, StateSource) else StateSource.from_state(state)
+        try:
+            self.wait()  # one save in flight at a time; surfaces a failed one
+            self._check_space(step, source)
+        except BaseException:
+            source.release_all()
+            raise
+        meta = {
+            **meta,
+            "format": FORMAT_VERSION,
+            "kinds": source.kinds,
+            "layouts": layout_meta(source.layouts),
+            "scalars": scalars_meta(source.scalars),
+            "loss_scale": list(source.loss_scale) if source.loss_scale else None,
+        }
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=StreamedStateSave(source), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+        except Exception as e:  # noqa: BLE001 - any failure of the writer
+            source.release_all()
+            raise self._write_error(step, e) from e
+        self._pending = step
+
+    def _check_space(self, step: int, source: StateSource) -> None:
+        """Every process's bytes (equal shares), hard-linked ones included: those stay
+        on the disk once the NVMe tier writes newer generations."""
+        per_page = source.page_elems * 4 * len(source.kinds)
+        need = source.num_pages * per_page * jax.process_count() + (64 << 10)
         free = shutil.disk_usage(self.directory).free
         if need > free:
             raise CheckpointError(
@@ -144,21 +181,11 @@ class Checkpointer:
                 f"{format_bytes(need - free)}). Free space, lower checkpoint.keep or point "
                 f"checkpoint.dir elsewhere; the checkpoints already there are intact"
             )
-        tree = {"stages": state.stages, "scalars": state.scalars}
-        meta = {**meta, "format": FORMAT_VERSION, "kinds": state.kinds}
-        meta["checksums"] = state_checksums(state.stages)
-        meta["loss_scale"] = list(state.loss_scale) if state.loss_scale else None
-        try:
-            self.manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeSave(tree), meta=ocp.args.JsonSave(meta)
-                ),
-                force=True,
-            )
-        except Exception as e:  # noqa: BLE001 - any failure of the writer
-            raise self._write_error(step, e) from e
-        self._pending = step
+
+    @property
+    def report(self) -> SaveReport:
+        """What the last save did (bytes linked and written, seconds)."""
+        return self._handler.report
 
     def wait(self) -> None:
         """Waits for the background write; raises CheckpointError if it failed."""
@@ -192,48 +219,36 @@ class Checkpointer:
 
     # -- restore ------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None) -> tuple[RuntimeState, dict[str, Any]]:
-        """The state and metadata of checkpoint ``step`` (default: the newest)."""
+    def restore(self, step: int | None = None) -> tuple[StoredState, dict[str, Any]]:
+        """The state (read on demand, :class:`StoredState`) and metadata of checkpoint
+        ``step`` (default: the newest)."""
         ocp = self._ocp
         step = self.latest() if step is None else step
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        where = self.directory / str(step)
         try:
-            out = self.manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(), meta=ocp.args.JsonRestore()
-                ),
+            meta = dict(
+                self.manager.restore(
+                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+                ).meta
             )
         except Exception as e:  # noqa: BLE001
             why = f"{type(e).__name__}: {str(e)[:300]}"
             raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} cannot be read ({why}). "
-                + self._discard_hint(step)
+                f"checkpoint {where} cannot be read ({why}). " + self._discard_hint(step)
             ) from e
-        meta = dict(out.meta)
         if meta.get("format") != FORMAT_VERSION:
             raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} has format {meta.get('format')}, "
-                f"this hetjax reads format {FORMAT_VERSION}: resume it with the hetjax "
-                "version that wrote it, or start over with a new --workdir"
+                f"checkpoint {where} has format {meta.get('format')}, this hetjax reads "
+                f"format {FORMAT_VERSION}: resume it with the hetjax version that wrote it, "
+                "or start over with a new --workdir"
             )
-        tree = out.state
-        stages = jax.tree.map(lambda a: np.asarray(a, np.float32), tree["stages"])
-        saved = meta.get("checksums")
-        if saved is not None:
-            now = state_checksums(stages)
-            bad = sorted(k for k in now.keys() | saved.keys() if now.get(k) != saved.get(k))
-            if bad:
-                raise CheckpointError(
-                    f"checkpoint {self.directory / str(step)} is damaged: {len(bad)} of "
-                    f"{len(saved)} arrays differ from what was saved (CRC-32 of "
-                    f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}). "
-                    + self._discard_hint(step)
-                )
-        scalars = {k: [np.asarray(s) for s in v] for k, v in tree["scalars"].items()}
-        ls = meta.get("loss_scale")
-        return RuntimeState(stages, scalars, (float(ls[0]), int(ls[1])) if ls else None), meta
+        try:
+            state = StoredState(where / "state", meta, self._discard_hint(step))
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}. {self._discard_hint(step)}") from e
+        return state, meta
 
     def _discard_hint(self, step: int) -> str:
         older = [s for s in self.steps() if s < step]

@@ -169,9 +169,9 @@ def test_checkpoints_move_between_device_cache_settings(reference, tiny, tmp_pat
         for batch in batches[step : step + steps]:
             losses.append(runtime.train_step(batch).loss)
         step += steps
-        saved.append(runtime.save_state())
-        ckpt.save(step, saved[-1], {})
+        ckpt.save(step, runtime.save_state(), {})
         ckpt.wait()
+        saved.append(ckpt.restore(step)[0])
         runtime.close()
     ckpt.close()
     assert_losses_close(losses, reference.losses)

@@ -60,6 +60,10 @@ class SingleDevice:
         """Layouts of the slabs this process's optimizer and stores hold: whole slabs."""
         return layouts
 
+    def own_pages(self, layout: SlabLayout) -> tuple[int, int]:
+        """(first page, number of pages) of a stage slab that this process holds."""
+        return 0, layout.num_pages
+
     def own_slab(self, layout: SlabLayout, slab):
         """A whole stage slab (fp32) -> the part this process holds: all of it."""
         return slab

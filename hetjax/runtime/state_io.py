@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from hetjax.checkpoint_state import StagePart, StateSource, StoredState
 from hetjax.runtime.setup import layout_name
 from hetjax.storage.pages import SlabLayout
 from hetjax.types import MASTER, RuntimeState, StateStore
@@ -29,32 +30,58 @@ def master_params(
     }
 
 
-def snapshot(
+def source(
     stage_names: list[str],
     layouts: dict[str, SlabLayout],
     states: StateStore,
-    whole_slab,
+    own_pages,
     loss_scale: tuple[float, int] | None,
-) -> RuntimeState:
-    """Every stage's committed state, per kind, as the stage's params pytree."""
-    stages, scalars = {}, {}
+) -> StateSource:
+    """This process's committed state for a checkpoint, taken where it lives
+    (``checkpoint_state.py``): each stage's slabs or NVMe files, frozen until written.
+    ``own_pages(layout)``: the (first page, number of pages) of a slab this process
+    holds."""
+    parts, scalars, page = [], {}, 0
     for name in stage_names:
         layout = layouts[layout_name(name)]
-        slabs, scalars[name] = states.committed(name)
-        stages[name] = {k: layout.unflatten(whole_slab(slab)) for k, slab in slabs.items()}
-    return RuntimeState(stages, scalars, loss_scale)
+        first, n = own_pages(layout)
+        held, scalars[name], release = states.freeze(name)
+        files = isinstance(held, tuple)
+        part = StagePart(name, first * layout.page_elems, page, n, release=release)
+        if files:
+            part.pages = held
+        else:
+            part.slabs = held
+        parts.append(part)
+        page += n
+    kinds = list(parts[0].slabs or []) or list(parts[0].pages[0].kinds)
+    state_layouts = {name: layouts[layout_name(name)] for name in stage_names}
+    P = layouts["embed"].page_elems
+    return StateSource(kinds, P, page, parts, state_layouts, scalars, loss_scale)
 
 
 def restore(
-    state: RuntimeState, stage_names, layouts, optimizer_of, own_slab, states, params
+    state: RuntimeState | StoredState,
+    stage_names,
+    layouts,
+    optimizer_of,
+    own_pages,
+    states,
+    params,
 ) -> None:
-    """Replaces every stage's state (this process's part of it, ``own_slab``) and
-    publishes its compute-dtype params. ``optimizer_of(stage)``: its SlabOptimizer."""
+    """Replaces every stage's state (this process's part of it: ``own_pages``, read
+    alone from a stored checkpoint, one stage at a time) and publishes its
+    compute-dtype params. ``optimizer_of(stage)``: its SlabOptimizer."""
     for name in stage_names:
         kind = layout_name(name)
         layout, opt = layouts[kind], optimizer_of(name)
-        whole = state.stages[name]
-        own = {k: own_slab(layout, layout.flatten_np(whole[k])) for k in opt.kinds}
+        first, n = own_pages(layout)
+        start, stop = first * layout.page_elems, (first + n) * layout.page_elems
+        if isinstance(state, StoredState):
+            state.check_layout(name, layout)
+            own = {k: state.read(name, k, start, stop) for k in opt.kinds}
+        else:
+            own = {k: layout.flatten_np(state.stages[name][k])[start:stop] for k in opt.kinds}
         slabs = {k: opt.as_chunks(kind, own[k]) for k in opt.kinds}
         scalars = [jax.device_put(np.asarray(a), opt.sharding) for a in state.scalars[name]]
         states.init_stage(name, slabs, scalars)

@@ -47,6 +47,7 @@ import numpy as np
 
 from hetjax import memory, timeline
 from hetjax.allocator import tune_host_allocator
+from hetjax.checkpoint_state import StateSource, StoredState
 from hetjax.config import Config, ConfigError
 from hetjax.memory import DeviceCache, Offload, plan_device, plan_host
 from hetjax.optimizer.slab import SlabOptimizer
@@ -414,17 +415,19 @@ class StreamingRuntime:
             self._refresh_resident()
         self.states.flush()
 
-    def save_state(self) -> RuntimeState:
+    def save_state(self) -> StateSource:
+        """This process's committed state, taken where it lives: the checkpoint writes
+        it (or hard-links its NVMe files) stage by stage, no copy in RAM."""
         if self.config.optimizer.mode == "lockfree":  # apply what is buffered first
             self.loop.drain()
             self._refresh_resident()
         ls = self.loss_scale
         loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
-        return state_io.snapshot(
-            self.stage_names, self.layouts, self.states, self.placement.whole_slab, loss_scale
+        return state_io.source(
+            self.stage_names, self.layouts, self.states, self.placement.own_pages, loss_scale
         )
 
-    def load_state(self, state: RuntimeState) -> None:
+    def load_state(self, state: RuntimeState | StoredState) -> None:
         """Replaces every stage's state and params (the loop is idle between steps;
         lock-free mode is drained first)."""
         if sorted(state.kinds) != sorted(self.optimizer.kinds):
@@ -440,7 +443,7 @@ class StreamingRuntime:
         what = f"restoring state ({self.config.offload.optimizer})"
         stages = setup.progress(self.stage_names, what)
         state_io.restore(
-            state, stages, self.layouts, self._opt_of, self.placement.own_slab, self.states,
+            state, stages, self.layouts, self._opt_of, self.placement.own_pages, self.states,
             self.param_store,
         )  # fmt: skip
         if self.loss_scale is not None and state.loss_scale is not None:

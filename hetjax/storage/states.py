@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,7 @@ class MemoryStateStore:
         self._pending_bytes: dict[str, int] = {}
         self._spare_bytes: dict[str, int] = {}
         self._held = 0  # their sum: one int, read from the executor's thread
+        self._frozen = Frozen()
 
     def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:
         self.slabs[stage] = jax.device_put(slabs, self.sharding)
@@ -91,7 +94,9 @@ class MemoryStateStore:
         the page faults of fresh buffers."""
         self._spare_bytes.pop(stage, None)  # counted again as pending by ``put``
         self._count()
-        return self._spare.pop(stage, None), False
+        spare = self._spare.pop(stage, None)
+        self._frozen.wait(stage, spare)
+        return spare, False
 
     def put(self, stage: str, slabs: dict, scalars: list) -> None:
         self._pending[stage] = (slabs, scalars)
@@ -124,9 +129,16 @@ class MemoryStateStore:
         return flat(self.slabs[stage]["master"])
 
     def committed(self, stage: str) -> tuple[dict[str, np.ndarray], list]:
-        """A stage's committed state as fresh host copies (for a checkpoint)."""
+        """A stage's committed state as fresh host copies."""
         slabs = {k: np.array(flat(v)) for k, v in self.slabs[stage].items()}
         return slabs, [np.array(s) for s in self.scalars[stage]]
+
+    def freeze(self, stage: str) -> tuple[Any, list, Callable[[], None]]:
+        """A stage's committed slabs for a checkpoint to write from, unchanged until the
+        returned release is called (:meth:`recycle` waits for that before handing them
+        out as output buffers, the step after next), and its scalars."""
+        slabs = self.slabs[stage]
+        return slabs, [np.array(s) for s in self.scalars[stage]], self._frozen.add(stage, slabs)
 
     def flush(self) -> None:
         pass
@@ -193,6 +205,7 @@ class NvmeStateStore:
         self._pool = IoPool(kinds, biggest, io_slots)
         self._reads: dict[str, _Read] = {}  # read-ahead into the pool, this generation
         self._held: dict[str, Slot] = {}  # read and handed out, not yet written back
+        self._frozen = Frozen()  # cached slabs and generations a checkpoint writes from
         self.read_bytes = self.write_bytes = 0
         self._write_manifest()
 
@@ -246,7 +259,9 @@ class NvmeStateStore:
         """Output buffers for a stage's next update (see ``MemoryStateStore``): a cached
         stage's dead generation; a streamed stage's own read (updated in place)."""
         if stage in self.cached:
-            return self._spare.pop(stage, None), False
+            spare = self._spare.pop(stage, None)
+            self._frozen.wait(stage, spare)
+            return spare, False
         return None, True
 
     def put(self, stage: str, slabs: dict, scalars: list) -> None:
@@ -311,6 +326,18 @@ class NvmeStateStore:
             slabs = {k: f.result().reshape(-1) for k, f in reads.items()}
         return slabs, [np.array(s) for s in self.scalars[stage]]
 
+    def freeze(self, stage: str) -> tuple[Any, list, Callable[[], None]]:
+        """A stage's committed state for a checkpoint, unchanged until the returned
+        release is called: a cached stage's slabs (see ``MemoryStateStore.freeze``), or a
+        streamed stage's files, as ``(PageStore, first page)``, once their writes have
+        landed (writes into that generation wait for the release); and its scalars."""
+        scalars = [np.array(s) for s in self.scalars[stage]]
+        if stage in self.cached:
+            return self.cache[stage], scalars, self._frozen.add(stage, self.cache[stage])
+        self._land(stage)
+        files = (self.disk[self.gen], self.stage_pages[stage][0])
+        return files, scalars, self._frozen.add(stage, self.gen)
+
     def flush(self) -> None:
         """Writes the cached stages into the committed generation too, so the files
         alone hold the whole state (``manifest.json`` says which generation)."""
@@ -341,6 +368,7 @@ class NvmeStateStore:
         leave in flight; ``slot``: the pooled buffers the stage was read into (slabs
         in them are written without a copy). Returns the write futures."""
         first, _ = self.stage_pages[stage]
+        self._frozen.wait(stage, gen)
         futures = []
         for k in self.kinds:
             page = first
@@ -399,6 +427,30 @@ class NvmeStateStore:
         tmp.replace(self.path / MANIFEST)
 
 
+class Frozen:
+    """State a checkpoint writes from, by stage: the slabs (or the generation) and an
+    event set once written. Reusing frozen buffers waits for their event."""
+
+    def __init__(self):
+        self._entries: dict[str, tuple[Any, threading.Event]] = {}
+
+    def add(self, stage: str, what: Any) -> Callable[[], None]:
+        done = threading.Event()
+        self._entries[stage] = (what, done)
+        return done.set
+
+    def wait(self, stage: str, what: Any) -> None:
+        """Waits until ``what`` (slabs or a generation) of ``stage`` is released."""
+        entry = self._entries.get(stage)
+        same = entry is not None and (
+            entry[0] is what or (isinstance(what, int) and entry[0] == what)
+        )
+        if same:
+            entry[1].wait()
+            if self._entries.get(stage) is entry:
+                del self._entries[stage]
+
+
 @dataclasses.dataclass(eq=False)
 class _Read:
     """A streamed stage's read into a pooled slot: ``elems`` per kind."""
@@ -451,6 +503,9 @@ class SplitStateStore(BaseCounters):
 
     def committed(self, stage: str) -> tuple[dict[str, np.ndarray], list]:
         return self._of(stage).committed(stage)
+
+    def freeze(self, stage: str) -> tuple[Any, list, Callable[[], None]]:
+        return self._of(stage).freeze(stage)
 
     def flush(self) -> None:
         self.base.flush()

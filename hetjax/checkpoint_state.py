@@ -1,0 +1,510 @@
+"""A checkpoint's training state on disk: written stage by stage from wherever it lives,
+read back range by range into any placement. ``checkpoint.py`` drives both through
+orbax (this is the ``state`` item of each checkpoint).
+
+**Layout** (``<step>/state/``)::
+
+    proc<p>/<kind>/      zarr3 array (pages, page_elems) of fp32, one chunk file per page
+    proc<p>/index.json   the stage each page range holds; CRC-32 of every page
+
+Each process writes only the state it holds, in parallel with the others; nothing is
+gathered. Page size and page order are the writing process's own: those of its NVMe
+tier where its state lives there, so those pages are *hard links* to the tier's
+committed files (TensorStore writes a chunk to a new file and renames it over the old
+one, so a committed file never changes once a link holds it). Other state (host RAM,
+device memory, the NVMe tier's RAM cache, or NVMe files on another filesystem) is
+written, one stage at a time, straight from the buffers it lives in.
+
+**Placement-free**: ``index.json`` maps each stage's page range to elements of the
+stage's *canonical slab* (its leaves back to back in ``SlabLayout`` order, without the
+padding: the same for every page size, device count and tier), and the checkpoint's
+meta lists each layout's leaves. A restore reads, for each range a process owns, the
+pages of whichever processes wrote it (:class:`StoredState`), checking each page's
+CRC-32: orbax's and TensorStore's raw chunks carry no checksum.
+
+**RAM**: a save holds no copy of the state. The stage buffers it writes from are
+*frozen* until written: the store waits for that before it reuses them as output, which
+is two steps later (``states.py``). A restore holds one stage of one kind at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from orbax.checkpoint._src import asyncio_utils
+from orbax.checkpoint._src.futures import future as ocp_future
+
+from hetjax.storage.nvme import IO_CONCURRENCY, PageStore
+from hetjax.storage.pages import SlabLayout, aligned_empty, fitted_page_elems
+from hetjax.types import MASTER, CheckpointError, RuntimeState
+
+INDEX = "index.json"
+WINDOW_BYTES = 64 << 20  # pages read at once to check or copy linked state
+LINK_ERRORS = (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EOPNOTSUPP)
+DEFAULT_PAGE_ELEMS = 1 << 20  # pages of state given whole (RuntimeState): 4 MiB of fp32
+
+
+# -- what a save is given -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StagePart:
+    """One stage's state held by this process, as a checkpoint takes it: pages
+    ``[first_page, first_page + num_pages)`` of this process's checkpoint arrays, the
+    canonical slab's elements from ``start`` on.
+
+    ``slabs``: kind -> the slab (flat, whole pages) or its list of chunks (whole pages
+    each): numpy or JAX arrays, unchanged until ``release``. ``pages``: instead, the
+    committed NVMe files holding the same pages (hard-linked), unchanged until
+    ``release``."""
+
+    stage: str
+    start: int
+    first_page: int
+    num_pages: int
+    slabs: dict[str, Any] | None = None
+    pages: tuple[PageStore, int] | None = None  # the files, and the stage's first page there
+    release: Callable[[], None] = lambda: None
+
+
+@dataclasses.dataclass
+class StateSource:
+    """This process's state for a checkpoint: its stages' parts, each stage's layout
+    (which gives the canonical slab), the optax scalars and the fp16 loss scale."""
+
+    kinds: list[str]
+    page_elems: int
+    num_pages: int
+    parts: list[StagePart]
+    layouts: dict[str, SlabLayout]  # stage -> its layout
+    scalars: dict[str, list[np.ndarray]]
+    loss_scale: tuple[float, int] | None = None
+
+    @classmethod
+    def from_state(cls, state: RuntimeState) -> StateSource:
+        """The parts of a state held whole in RAM (the in-memory runtime's snapshot), in
+        pages fitted to its biggest stage."""
+        sizes = [sum(a.size for a in jax.tree.leaves(t[MASTER])) for t in state.stages.values()]
+        page_elems = fitted_page_elems(max(sizes), DEFAULT_PAGE_ELEMS)
+        parts, layouts, page = [], {}, 0
+        for stage, trees in state.stages.items():
+            layout = SlabLayout.from_params(trees[MASTER], page_elems * 4)
+            layouts[stage] = layout
+            slabs = {k: layout.flatten_np(trees[k]) for k in trees}
+            parts.append(StagePart(stage, 0, page, layout.num_pages, slabs))
+            page += layout.num_pages
+        return cls(state.kinds, page_elems, page, parts, layouts, state.scalars, state.loss_scale)
+
+    def release_all(self) -> None:
+        for part in self.parts:
+            part.release()
+            part.release = lambda: None
+
+
+def layout_meta(layouts: dict[str, SlabLayout]) -> dict[str, Any]:
+    """Each stage's leaves (path, shape, offset) and size: the canonical slab."""
+    return {
+        stage: {
+            "size": lay.size,
+            "leaves": [[list(leaf.path), list(leaf.shape), leaf.offset] for leaf in lay.leaves],
+        }
+        for stage, lay in layouts.items()
+    }
+
+
+def scalars_meta(scalars: dict[str, list]) -> dict[str, Any]:
+    return {
+        stage: [[np.asarray(a).dtype.name, np.asarray(a).tolist()] for a in values]
+        for stage, values in scalars.items()
+    }
+
+
+# -- save -----------------------------------------------------------------------------------
+
+
+def _context() -> ts.Context:
+    return ts.Context(
+        {
+            "file_io_sync": True,  # a checkpoint is durable once complete
+            "file_io_locking": {"mode": "none"},
+            "file_io_concurrency": {"limit": IO_CONCURRENCY},
+        }
+    )
+
+
+def _spec(path: Path, num_pages: int, page_elems: int) -> dict:
+    return {  # the NVMe tier's state arrays' spec: their chunk files link in unchanged
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(path)},
+        "metadata": {
+            "shape": [num_pages, page_elems],
+            "data_type": "float32",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, page_elems]}},
+        },
+    }
+
+
+def _chunk_file(array_dir: Path, page: int) -> Path:
+    return array_dir / "c" / str(page) / "0"
+
+
+def page_crcs(pages: np.ndarray) -> list[int]:
+    return [zlib.crc32(memoryview(p).cast("B")) for p in pages]
+
+
+def _check_finite(pages: np.ndarray, stage: str, kind: str) -> None:
+    if pages.size and not (np.isfinite(pages.max()) and np.isfinite(pages.min())):
+        raise CheckpointError(
+            f"refusing to save non-finite state (stage {stage}, {kind}); the last complete "
+            "checkpoint is kept"
+        )
+
+
+@dataclasses.dataclass
+class SaveReport:
+    """What one save did: bytes hard-linked and written, seconds in the step and in
+    the background."""
+
+    linked_bytes: int = 0
+    written_bytes: int = 0
+    copied_bytes: int = 0  # linked state copied instead (another filesystem)
+    snapshot_s: float = 0.0
+    persist_s: float = 0.0
+
+
+class StreamedStateHandler(ocp.AsyncCheckpointHandler):
+    """orbax's handler for the ``state`` item (:class:`StreamedStateSave`,
+    :class:`StreamedStateRestore`). ``async_save`` is the step's part: the arrays'
+    metadata and the hard links; the writes, checksums and index run in the returned
+    commit future, in the background."""
+
+    def __init__(self):
+        self.report = SaveReport()
+
+    async def async_save(self, directory, args: StreamedStateSave):
+        t0 = time.perf_counter()
+        source = args.source
+        self.report = report = SaveReport()
+        try:
+            proc = Path(directory) / f"proc{jax.process_index()}"
+            context = _context()
+            arrays = {}
+            for kind in source.kinds:
+                spec = _spec(proc / kind, source.num_pages, source.page_elems)
+                arrays[kind] = ts.open(spec, create=True, context=context).result()
+            copy = []
+            for part in source.parts:
+                if part.pages is None:
+                    continue
+                if _link(part, proc, source.kinds):
+                    report.linked_bytes += part.num_pages * source.page_elems * 4 * len(arrays)
+                    part.release()
+                else:
+                    copy.append(part)
+        except BaseException:
+            source.release_all()
+            raise
+        report.snapshot_s = time.perf_counter() - t0
+
+        async def persist() -> None:
+            t1 = time.perf_counter()
+            try:
+                crcs = _persist(source, proc, arrays, copy, report)
+                _write_index(proc, source, crcs)
+            finally:
+                source.release_all()
+            report.persist_s = time.perf_counter() - t1
+
+        return [ocp_future.CommitFutureAwaitingContractedSignals(persist(), name="hetjax_state")]
+
+    def save(self, directory, args: StreamedStateSave) -> None:
+        for f in asyncio_utils.run_sync(self.async_save(directory, args)) or []:
+            f.result()
+
+    def restore(self, directory, args: StreamedStateRestore | None = None) -> StoredState:
+        meta = Path(directory).parent / "meta" / "metadata"  # the meta item's file
+        return StoredState(Path(directory), json.loads(meta.read_text()))
+
+    def finalize(self, directory) -> None:
+        pass
+
+
+@ocp.args.register_with_handler(StreamedStateHandler, for_save=True)
+@dataclasses.dataclass
+class StreamedStateSave(ocp.args.CheckpointArgs):
+    source: StateSource
+
+
+@ocp.args.register_with_handler(StreamedStateHandler, for_restore=True)
+@dataclasses.dataclass
+class StreamedStateRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+def _link(part: StagePart, proc: Path, kinds: list[str]) -> bool:
+    """Hard-links a stage's committed NVMe page files into the checkpoint; False where
+    the filesystem cannot (another device, no hard links): then they are copied."""
+    store, src_page = part.pages
+    for kind in kinds:
+        src_dir, dst_dir = store.path / kind, proc / kind
+        for i in range(part.num_pages):
+            src = _chunk_file(src_dir, src_page + i)
+            dst = _chunk_file(dst_dir, part.first_page + i)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except FileNotFoundError:
+                continue  # a page of zeros: TensorStore stores no file for it
+            except OSError as e:
+                if e.errno in LINK_ERRORS:
+                    return False
+                raise
+    return True
+
+
+def _persist(
+    source: StateSource, proc: Path, arrays: dict, copy: list[StagePart], report: SaveReport
+) -> dict[str, dict[str, list[int]]]:
+    """The background part of a save: every part's pages written (or checked, where
+    linked), one stage at a time, each released once done. Returns the CRCs."""
+    crcs: dict[str, dict[str, list[int]]] = {}
+    P = source.page_elems
+    for part in source.parts:
+        crcs[part.stage] = sums = {}
+        if part.slabs is not None:
+            for kind in source.kinds:
+                sums[kind], writes, page = [], [], part.first_page
+                chunks = part.slabs[kind]
+                for chunk in chunks if isinstance(chunks, list) else [chunks]:
+                    pages = np.asarray(chunk, np.float32).reshape(-1, P)
+                    _check_finite(pages, part.stage, kind)
+                    sums[kind] += page_crcs(pages)
+                    target = arrays[kind][page : page + len(pages)]
+                    writes.append(target.write(pages, can_reference_source_data_indefinitely=True))
+                    report.written_bytes += pages.nbytes
+                    page += len(pages)
+                for w in writes:
+                    w.result()
+        else:
+            store, src_page = part.pages
+            copied = part in copy
+            for kind in source.kinds:
+                if copied:
+                    sums[kind] = _read_pages(
+                        store.arrays[kind], src_page, part, kind, copy_to=arrays[kind]
+                    )
+                    report.copied_bytes += part.num_pages * P * 4
+                else:
+                    sums[kind] = _read_pages(arrays[kind], part.first_page, part, kind)
+                    _sync_files(proc / kind, part)
+        part.release()
+        part.release = lambda: None
+    return crcs
+
+
+def _read_pages(src, src_page: int, part: StagePart, kind: str, copy_to=None) -> list[int]:
+    """CRCs of a part's pages, read from ``src`` (from page ``src_page``) a window at a
+    time and checked finite; ``copy_to``: also written there, at the part's pages."""
+    sums = []
+    P = src.shape[1]
+    step = max(1, WINDOW_BYTES // (P * 4))
+    for i in range(0, part.num_pages, step):
+        n = min(step, part.num_pages - i)
+        pages = src[src_page + i : src_page + i + n].read().result()
+        _check_finite(pages, part.stage, kind)
+        sums += page_crcs(pages)
+        if copy_to is not None:
+            copy_to[part.first_page + i : part.first_page + i + n].write(pages).result()
+    return sums
+
+
+def _sync_files(array_dir: Path, part: StagePart) -> None:
+    """Makes a part's linked files durable: the NVMe tier writes without fsync."""
+    for page in range(part.first_page, part.first_page + part.num_pages):
+        try:
+            fd = os.open(_chunk_file(array_dir, page), os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_index(proc: Path, source: StateSource, crcs: dict) -> None:
+    index = {
+        "page_elems": source.page_elems,
+        "num_pages": source.num_pages,
+        "kinds": source.kinds,
+        "stages": {
+            part.stage: {
+                "start": part.start,
+                "first_page": part.first_page,
+                "num_pages": part.num_pages,
+                "crc32": crcs[part.stage],
+            }
+            for part in source.parts
+        },
+    }
+    tmp = proc / (INDEX + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(index, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(proc / INDEX)
+
+
+# -- restore --------------------------------------------------------------------------------
+
+
+class StoredState:
+    """A checkpoint's state, read on demand: :meth:`read` gives any element range of a
+    stage's canonical slab, whichever processes wrote it. Also the
+    :class:`~hetjax.types.RuntimeState` interface (``stages``, ``params()``,
+    ``kind_tree``...), which reads the whole state (export, the in-memory runtime).
+    ``meta``: the checkpoint's meta; ``hint``: what to do when it is damaged."""
+
+    def __init__(self, directory: Path, meta: dict[str, Any], hint: str = ""):
+        self.directory, self.meta, self.hint = directory, meta, hint
+        self._procs: list[tuple[Path, dict]] = []
+        for proc in sorted(directory.glob("proc*"), key=lambda p: int(p.name[4:])):
+            try:
+                self._procs.append((proc, json.loads((proc / INDEX).read_text())))
+            except (OSError, ValueError) as e:
+                raise CheckpointError(
+                    f"checkpoint {directory.parent} cannot be read ({proc / INDEX}: {e})"
+                ) from e
+        if not self._procs:
+            raise CheckpointError(
+                f"checkpoint {directory.parent} cannot be read (no proc*/{INDEX} in {directory})"
+            )
+        self._arrays: dict[tuple[int, str], ts.TensorStore] = {}
+        self._whole: dict[str, dict[str, Any]] | None = None
+
+    # -- the checkpoint's contents ------------------------------------------------------
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(self._procs[0][1]["kinds"])
+
+    @property
+    def stage_names(self) -> list[str]:
+        return list(self.meta["layouts"])
+
+    @property
+    def scalars(self) -> dict[str, list[np.ndarray]]:
+        return {
+            stage: [np.asarray(v, dtype) for dtype, v in values]
+            for stage, values in self.meta["scalars"].items()
+        }
+
+    @property
+    def loss_scale(self) -> tuple[float, int] | None:
+        ls = self.meta.get("loss_scale")
+        return (float(ls[0]), int(ls[1])) if ls else None
+
+    def size(self, stage: str) -> int:
+        return self.meta["layouts"][stage]["size"]
+
+    def check_layout(self, stage: str, layout: SlabLayout) -> None:
+        """Refuses to restore ``stage`` into a layout whose leaves differ."""
+        saved = self.meta["layouts"][stage]["leaves"]
+        now = layout_meta({stage: layout})[stage]["leaves"]
+        if saved != now:
+            raise CheckpointError(
+                f"checkpoint {self.directory.parent} holds stage {stage} with other leaves "
+                f"than this model's ({len(saved)} saved, {len(now)} here): restore it into "
+                "the model that wrote it"
+            )
+
+    # -- reading ------------------------------------------------------------------------
+
+    def read(self, stage: str, kind: str, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of ``stage``'s canonical slab of ``kind`` (fp32;
+        zeros past its size), with every page read checked against its CRC-32."""
+        out = aligned_empty(stop - start, np.float32)  # the host optimizer's, uncopied
+        out[:] = 0
+        size = self.size(stage)
+        for p, (proc, index) in enumerate(self._procs):
+            part = index["stages"].get(stage)
+            if part is None:
+                continue
+            P = index["page_elems"]
+            lo = max(start, part["start"])
+            hi = min(stop, size, part["start"] + part["num_pages"] * P)
+            if lo >= hi:
+                continue
+            first = (lo - part["start"]) // P
+            last = (hi - 1 - part["start"]) // P + 1
+            page0 = part["first_page"]
+            pages = self._array(p, proc, kind)[page0 + first : page0 + last].read().result()
+            saved = part["crc32"][kind][first:last]
+            sums = zip(page_crcs(pages), saved, strict=True)
+            bad = [first + i for i, (a, b) in enumerate(sums) if a != b]
+            if bad:
+                raise CheckpointError(
+                    f"checkpoint {self.directory.parent} is damaged: {len(bad)} of "
+                    f"{last - first} pages read of stage {stage} ({kind}, {proc.name}) differ "
+                    f"from what was saved (CRC-32 of pages {bad[:3]}). {self.hint}"
+                )
+            flat = pages.reshape(-1)
+            offset = part["start"] + first * P
+            out[lo - start : hi - start] = flat[lo - offset : hi - offset]
+        return out
+
+    def _array(self, p: int, proc: Path, kind: str) -> ts.TensorStore:
+        if (p, kind) not in self._arrays:
+            spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(proc / kind)}}
+            try:
+                self._arrays[p, kind] = ts.open(spec, read=True).result()
+            except ValueError as e:
+                raise CheckpointError(
+                    f"checkpoint {self.directory.parent} cannot be read ({proc / kind}: {e}). "
+                    + self.hint
+                ) from e
+        return self._arrays[p, kind]
+
+    def stage_tree(self, stage: str, kind: str) -> Any:
+        """A stage's state of ``kind`` as its params pytree (nested dicts by leaf path)."""
+        flat = self.read(stage, kind, 0, self.size(stage))
+        tree: dict[str, Any] = {}
+        for path, shape, offset in self.meta["layouts"][stage]["leaves"]:
+            node = tree
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = flat[offset : offset + int(np.prod(shape))].reshape(shape)
+        return tree
+
+    # -- the RuntimeState interface (whole state in RAM) --------------------------------
+
+    @property
+    def stages(self) -> dict[str, dict[str, Any]]:
+        if self._whole is None:
+            self._whole = {
+                s: {k: self.stage_tree(s, k) for k in self.kinds} for s in self.stage_names
+            }
+        return self._whole
+
+    def whole(self) -> RuntimeState:
+        return RuntimeState(self.stages, self.scalars, self.loss_scale)
+
+    def params(self) -> dict[str, Any]:
+        return self.whole().params()
+
+    def kind_tree(self, kind: str) -> dict[str, Any]:
+        return self.whole().kind_tree(kind)
+
+    def nbytes(self) -> int:
+        return sum(self.size(s) for s in self.stage_names) * 4 * len(self.kinds)
