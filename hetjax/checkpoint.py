@@ -111,6 +111,7 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         self._handler = StreamedStateHandler()
+        self.completed: list[str] = []  # a line per save found complete, for the log
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add("state", StreamedStateSave, self._handler)
         registry.add("state", StreamedStateRestore, self._handler)
@@ -197,6 +198,8 @@ class Checkpointer:
             self._failed = True
             raise self._write_error(step, e) from e
         self._pending = None
+        if step is not None:
+            self.completed.append(self.report.describe(step))
 
     def close_manager(self, quiet: bool = False) -> None:
         """Closes orbax's manager at the end of a run. A background write that failed
@@ -210,6 +213,11 @@ class Checkpointer:
             raise self._write_error(getattr(self, "_pending", None), e) from e
 
     def _write_error(self, step, e: BaseException) -> CheckpointError:
+        cause: BaseException | None = e
+        while cause is not None:  # the writer's own refusal (non-finite state) as it is
+            if isinstance(cause, CheckpointError):
+                return CheckpointError(str(cause))
+            cause = cause.__cause__ or cause.__context__
         return CheckpointError(
             f"writing the checkpoint of step {step} to {self.directory} failed "
             f"({_os_reason(e)}); the checkpoints already complete there are intact. Free "

@@ -46,12 +46,13 @@ import tensorstore as ts
 from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future as ocp_future
 
+from hetjax.config import format_bytes
 from hetjax.storage.nvme import IO_CONCURRENCY, PageStore
 from hetjax.storage.pages import SlabLayout, aligned_empty, fitted_page_elems
 from hetjax.types import MASTER, CheckpointError, RuntimeState
 
 INDEX = "index.json"
-WINDOW_BYTES = 64 << 20  # pages read at once to check or copy linked state
+WINDOW_BYTES = 8 << 20  # pages read at once to check or copy linked state (bounded RAM)
 LINK_ERRORS = (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EOPNOTSUPP)
 DEFAULT_PAGE_ELEMS = 1 << 20  # pages of state given whole (RuntimeState): 4 MiB of fp32
 
@@ -182,6 +183,16 @@ class SaveReport:
     copied_bytes: int = 0  # linked state copied instead (another filesystem)
     snapshot_s: float = 0.0
     persist_s: float = 0.0
+
+    def describe(self, step: int) -> str:
+        copied = f" ({format_bytes(self.copied_bytes)} copied: no hard links)" * bool(
+            self.copied_bytes
+        )
+        return (
+            f"checkpoint: step {step} complete: {format_bytes(self.linked_bytes)} hard-linked, "
+            f"{format_bytes(self.written_bytes + self.copied_bytes)} written{copied}, "
+            f"{self.snapshot_s:.2f} s in the step, {self.persist_s:.1f} s in the background"
+        )
 
 
 class StreamedStateHandler(ocp.AsyncCheckpointHandler):
@@ -320,9 +331,11 @@ def _read_pages(src, src_page: int, part: StagePart, kind: str, copy_to=None) ->
     sums = []
     P = src.shape[1]
     step = max(1, WINDOW_BYTES // (P * 4))
+    window = aligned_empty(min(step, part.num_pages) * P, np.float32).reshape(-1, P)
     for i in range(0, part.num_pages, step):
         n = min(step, part.num_pages - i)
-        pages = src[src_page + i : src_page + i + n].read().result()
+        pages = window[:n]
+        ts.array(pages, copy=False, write=True).write(src[src_page + i : src_page + i + n]).result()
         _check_finite(pages, part.stage, kind)
         sums += page_crcs(pages)
         if copy_to is not None:

@@ -22,7 +22,7 @@ import numpy as np
 from hetjax import census, timeline
 from hetjax.allocator import tune_host_allocator
 from hetjax.checkpoint import Checkpointer, check_compatible, checkpoint_dir
-from hetjax.config import Config
+from hetjax.config import Config, format_bytes
 from hetjax.data import make_datasets
 from hetjax.distributed import any_process
 from hetjax.faults import Faults
@@ -173,9 +173,12 @@ def _train(
             meta = {"step": at, "data_offset": data_offset, "config": config.to_dict()}
             ckpt.save(at, runtime.save_state(), meta)
             last_saved, last_saved_at = at, time.monotonic()
+            _log_completed(ckpt, out)
+            linked = ckpt.report.linked_bytes
             out.log(
-                f"checkpoint: step {at} snapshot in {time.perf_counter() - t0:.2f} s, "
-                f"writing to {ckpt.directory / str(at)} in the background"
+                f"checkpoint: step {at} snapshot in {time.perf_counter() - t0:.2f} s"
+                + (f" ({format_bytes(linked)} of NVMe state hard-linked)" if linked else "")
+                + f", writing to {ckpt.directory / str(at)} in the background"
             )
             if faults.hit("kill_saving", at):
                 Faults.kill()
@@ -279,6 +282,7 @@ def _train(
         params = runtime.params() if return_params else None
         if ckpt is not None:
             ckpt.wait()  # the last checkpoint is complete before the run says it is done
+            _log_completed(ckpt, out)
     except BaseException:
         failed = True
         raise
@@ -290,6 +294,12 @@ def _train(
         if ckpt is not None:
             ckpt.close_manager(quiet=failed)
     return TrainResult(losses, val_loss, params, records, workdir)
+
+
+def _log_completed(ckpt: Checkpointer, out: MetricsWriter) -> None:
+    for line in ckpt.completed:
+        out.log(line)
+    ckpt.completed.clear()
 
 
 def _preempt(signals: StopSignals, step: int, unsaved: bool, save, ckpt, out) -> None:
