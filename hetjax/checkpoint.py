@@ -79,10 +79,16 @@ class Checkpointer:
     """orbax ``CheckpointManager`` over ``directory``: async two-phase saves, the last
     ``keep`` complete checkpoints kept, clear errors on unwritable or full disks.
     ``writing=False`` (listing, export) skips the write probe, so the checkpoints of a
-    full disk still list and restore."""
+    full disk still list and restore. ``link_nvme``: hard-link NVMe-resident state
+    (``checkpoint.link_nvme``)."""
 
     def __init__(
-        self, directory: str | Path, keep: int = 3, async_save: bool = True, writing: bool = True
+        self,
+        directory: str | Path,
+        keep: int = 3,
+        async_save: bool = True,
+        writing: bool = True,
+        link_nvme: bool = True,
     ):
         import orbax.checkpoint as ocp
 
@@ -110,7 +116,7 @@ class Checkpointer:
             # up the process's exit after the error.
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
-        self._handler = StreamedStateHandler()
+        self._handler = StreamedStateHandler(link=link_nvme)
         self.completed: list[str] = []  # a line per save found complete, for the log
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add("state", StreamedStateSave, self._handler)

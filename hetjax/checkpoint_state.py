@@ -201,7 +201,8 @@ class StreamedStateHandler(ocp.AsyncCheckpointHandler):
     metadata and the hard links; the writes, checksums and index run in the returned
     commit future, in the background."""
 
-    def __init__(self):
+    def __init__(self, link: bool = True):
+        self.link = link  # False: NVMe-resident state is copied, never hard-linked
         self.report = SaveReport()
 
     async def async_save(self, directory, args: StreamedStateSave):
@@ -219,7 +220,7 @@ class StreamedStateHandler(ocp.AsyncCheckpointHandler):
             for part in source.parts:
                 if part.pages is None:
                     continue
-                if _link(part, proc, source.kinds):
+                if self.link and _link(part, proc, source.kinds):
                     report.linked_bytes += part.num_pages * source.page_elems * 4 * len(arrays)
                     part.release()
                 else:

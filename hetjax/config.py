@@ -470,8 +470,10 @@ class CheckpointConfig:
 
     A checkpoint is written every ``every_steps`` steps, at least every ``every_minutes``
     minutes, when training ends and when the run is preempted (SIGTERM, SIGUSR1), in two
-    phases: a snapshot of the state into host RAM (the step waits for it), then orbax
-    persists it in the background while training goes on; it counts only once complete.
+    phases, never copying the state into RAM: the step waits while the NVMe tier's
+    committed files are hard-linked into it (``link_nvme``); the rest is written stage by
+    stage from the buffers it lives in, in the background while training goes on; it
+    counts only once complete (hetjax/checkpoint_state.py).
     A run started on a workdir that has checkpoints continues from the newest complete
     one (``resume=auto``); ``resume=never`` refuses to touch them unless ``overwrite``
     is set, which deletes them."""
@@ -484,6 +486,9 @@ class CheckpointConfig:
     resume: str = "auto"  # auto | never
     overwrite: bool = False  # resume=never: delete existing checkpoints and start fresh
     async_save: bool = True  # persist in the background (False: the step waits)
+    # hard-link NVMe-resident state where the filesystem allows (false: copy it, e.g. for
+    # backup tools that rewrite files in place); another filesystem always copies
+    link_nvme: bool = True
 
     def __post_init__(self):
         _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", self.every_steps)

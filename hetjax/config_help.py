@@ -131,6 +131,9 @@ HELP: dict[str, str] = {
     "`--resume=`",
     "checkpoint.overwrite": "with `resume=never`, delete existing checkpoints (also `--overwrite`)",
     "checkpoint.async_save": "persist in the background (false: the step waits for the write)",
+    "checkpoint.link_nvme": (
+        "hard-link the NVMe tier's committed files into checkpoints (false: copy them)"
+    ),
     # -- distributed ------------------------------------------------------------------
     "distributed.data_parallel": "ZeRO-3 data-parallel degree (`offload.mode=stream`): "
     "devices sharing every stage's pages; 1 = none, 0 = every device of every process "

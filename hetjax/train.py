@@ -320,7 +320,9 @@ def _open_checkpoints(config: Config, workdir: Path, out: MetricsWriter) -> Chec
     """Opens ``checkpoint.dir``; with ``resume=never`` refuses to touch existing
     checkpoints unless ``overwrite`` (which deletes them)."""
     ck = config.checkpoint
-    ckpt = Checkpointer(checkpoint_dir(config, workdir), ck.keep, ck.async_save)
+    ckpt = Checkpointer(
+        checkpoint_dir(config, workdir), ck.keep, ck.async_save, link_nvme=ck.link_nvme
+    )
     steps = ckpt.steps()
     if steps and ck.resume == "never":
         if not ck.overwrite:

@@ -215,3 +215,16 @@ def test_peer_quick(tmp_path, capsys):
         rows["params + optimizer on NVMe"]["read_bytes"] > rows["optimizer on NVMe"]["read_bytes"]
     )
     assert "host budget 512MiB: peak RSS" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # three training runs in child processes
+def test_checkpoint_quick(tmp_path, capsys):
+    out = tmp_path / "checkpoint.json"
+    assert main(["checkpoint", "--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert not rows["no checkpoints"]["saves"]
+    linked, copied = rows["hard-linked"]["saves"], rows["copied"]["saves"]
+    assert [s["step"] for s in linked] == [s["step"] for s in copied] == [2, 4]
+    assert all(s["linked"] > 0 and s["written"] == 0 for s in linked)
+    assert all(s["linked"] == 0 and s["written"] == linked[0]["linked"] for s in copied)
+    assert "vs disk" in capsys.readouterr().out

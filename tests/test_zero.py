@@ -12,6 +12,7 @@ in the tiny model (measured: ``blocks.c_fc.bias``), for any two summation orders
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_config
 from equivalence import (
     assert_gpt_training_equal,
     assert_trees_close,
@@ -215,10 +217,31 @@ def test_two_processes_train_like_one(reference4, tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_checkpoint_and_resume(reference4, tmp_path):
-    """Two processes save a checkpoint at step 3 (every process's shards, gathered);
-    started again they resume from it and end where the single-device run does."""
-    shared = [f"checkpoint.dir={tmp_path / 'ckpt'}", *SGD_ARGS]
+    """Two processes write their own shards of the checkpoint of step 3 in parallel:
+    nothing is gathered, each process's directory holds its half of every stage's
+    pages. It resumes on 2 processes again, on 1 process with 1 device and on 1 process
+    with 4 devices and the optimizer on NVMe; each run ends where the single-device
+    run does."""
+    ckpt = tmp_path / "ckpt"
+    shared = [f"checkpoint.dir={ckpt}", *SGD_ARGS]
     _run_two_processes(tmp_path, *shared, "checkpoint.at_end=true", "train.steps=3")
+    state = ckpt / "3" / "state"
+    index = [json.loads((state / f"proc{k}" / "index.json").read_text()) for k in (0, 1)]
+    for stage, part in index[0]["stages"].items():
+        other = index[1]["stages"][stage]
+        assert part["num_pages"] == other["num_pages"]  # equal halves, written apart
+        assert other["start"] == part["start"] + part["num_pages"] * index[0]["page_elems"]
+    for leg, data_parallel, optimizer in [("one", 1, "host"), ("four", 4, "nvme")]:
+        shutil.copytree(ckpt, tmp_path / leg / "checkpoints")
+        config = tiny_config(
+            offload=dict(mode="stream", optimizer=optimizer),
+            optimizer=SGD_CLIP,
+            memory=dict(PAGES, nvme_path=str(tmp_path / leg / "nvme")),
+            distributed=dict(data_parallel=data_parallel),
+        )
+        resumed = train(config, tmp_path / leg, verbose=False)
+        np.testing.assert_allclose(resumed.losses, reference4.losses[3:], rtol=1e-5)
+        assert_trees_close(without_key_bias(resumed.params), without_key_bias(reference4.params))
     saved = _run_two_processes(tmp_path, *shared, "checkpoint.at_end=true")
     np.testing.assert_allclose(saved["losses"], reference4.losses[3:], rtol=1e-5)
     params = _params_like(saved, reference4.params)

@@ -15,6 +15,8 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
   peer      the DeepSpeed comparison's shape (310.8M params) in memory, optimizer on
             NVMe, params and optimizer on NVMe, and with a 3 GiB host budget: s/step,
             peak RSS (child processes), disk bytes/step vs max(compute, disk time)
+  checkpoint  checkpoints of the NVMe tier at the peer shape: none, hard-linked, copied:
+            time in the step and in the background, bytes linked and written, peak RSS
   io        the TensorStore tier's read/write GB/s vs the raw sequential disk (O_DIRECT)
   optimizer the host optimizer's params/s vs the memory-bandwidth bound (28 B/param)
   lockfree  optimizer.mode=lockfree vs sync on a tiny model: final losses, step time
@@ -39,6 +41,7 @@ from pathlib import Path
 import jax
 
 from hetjax.allocator import tune_host_allocator
+from hetjax.bench.checkpoint import bench_checkpoint
 from hetjax.bench.gpu import bench_gpu
 from hetjax.bench.io import bench_io
 from hetjax.bench.keep import bench_keep
@@ -57,6 +60,7 @@ BENCHMARKS = {
     "slabs": bench_slabs,
     "nvme": bench_nvme,
     "peer": bench_peer,
+    "checkpoint": bench_checkpoint,
     "io": bench_io,
     "optimizer": bench_optimizer,
     "lockfree": bench_lockfree,

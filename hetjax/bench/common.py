@@ -39,15 +39,14 @@ import os, subprocess, sys
 proc = subprocess.Popen(sys.argv[1:])
 _, status, usage = os.wait4(proc.pid, 0)
 proc.returncode = os.waitstatus_to_exitcode(status)
-print(f"\\nhetjax-peak-rss {usage.ru_maxrss * 1024}", flush=True)
-sys.exit(proc.returncode)
+print(f"\\nhetjax-peak-rss {usage.ru_maxrss * 1024} {proc.returncode}", flush=True)
 """
 
 
 def run_peak_rss(cmd: list[str], env: dict | None = None) -> tuple[int, str, int]:
     """Runs ``cmd`` to its end as a child process: its peak RSS in bytes (``wait4``'s
     ``ru_maxrss``, taken by a small process in between: see ``_MEASURE``), its output
-    (stdout and stderr) and its exit status."""
+    (stdout and stderr) and its exit status (negative: the signal that killed it)."""
     import subprocess
     import sys
 
@@ -60,4 +59,5 @@ def run_peak_rss(cmd: list[str], env: dict | None = None) -> tuple[int, str, int
         check=False,
     )
     output, _, line = done.stdout.rstrip().rpartition("\nhetjax-peak-rss ")
-    return int(line), output, done.returncode
+    rss, code = line.split()
+    return int(rss), output, int(code)  # the child's own status (-N: killed by signal N)
