@@ -238,6 +238,7 @@ def test_two_processes_checkpoint_and_resume(reference4, tmp_path):
             optimizer=SGD_CLIP,
             memory=dict(PAGES, nvme_path=str(tmp_path / leg / "nvme")),
             distributed=dict(data_parallel=data_parallel),
+            checkpoint=dict(at_end=True),  # checkpoints on: the run resumes
         )
         resumed = train(config, tmp_path / leg, verbose=False)
         np.testing.assert_allclose(resumed.losses, reference4.losses[3:], rtol=1e-5)
