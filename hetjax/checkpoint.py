@@ -7,30 +7,31 @@ scale and the config. The training RNG is ``train.seed`` (no dropout), so the da
 position and the step fix it. Lock-free mode applies its outstanding gradients before a
 snapshot, so its buffers are empty in every checkpoint.
 
-**Format: placement-free.** The state is stored per *stage* (``embed``, ``block0`` ..
-``block{L-1}``, ``head``) and per *kind* (``master``, then the optimizer's: ``mu`` and
-``nu`` for Adam...), each as the stage's params pytree of plain fp32 arrays, with names
-as in the model. Nothing depends on page size, slab layout, memory tier or device count,
-so a checkpoint saved by the streaming runtime with its optimizer state on NVMe restores
-into the in-memory runtime and the reverse (:class:`RuntimeState`, which the runtimes
-convert to and from their own layout).
+**Format: placement-free** (``checkpoint_state.py``). Each process stores the pages of
+every stage it holds, with an index mapping them to the stage's *canonical slab* (its
+leaves back to back, named in the meta): nothing depends on page size, memory tier,
+device or process count, so a checkpoint saved by the streaming runtime with its state
+on NVMe over 2 processes restores into the in-memory runtime on one device and the
+reverse; each process reads only the range it owns.
 
-**Two phases** (CheckFreq's snapshot/persist): ``save`` takes a snapshot of the state
-into host RAM (the training step waits for that only) and orbax writes it to disk in
-background threads while training goes on. orbax writes into a temporary directory and
-renames it when complete, so a checkpoint counts only once it is whole: a crash during
-a save leaves the earlier ones intact and the partial one is ignored (and removed by
-the next run). Old checkpoints are deleted only after a newer one is complete.
+**Two phases** (CheckFreq's snapshot/persist), **no copy in RAM**: ``save`` hard-links
+the NVMe tier's committed page files into the checkpoint (the training step waits for
+that only); orbax's background threads write the rest stage by stage from the buffers it
+lives in (frozen until written) while training goes on. orbax writes into a temporary
+directory and renames it when complete, so a checkpoint counts only once it is whole: a
+crash during a save leaves the earlier ones intact and the partial one is ignored (and
+removed by the next run). Old checkpoints are deleted only after a newer one is
+complete.
 
 Layout on disk (``checkpoint.dir``, default ``<workdir>/checkpoints``)::
 
-    checkpoints/<step>/state/   the arrays (orbax PyTree, TensorStore zarr)
-    checkpoints/<step>/meta/    JSON: step, data position, loss scale, kinds, config,
-                                a CRC-32 of every state array
+    checkpoints/<step>/state/proc<p>/   the pages of process p, index.json
+    checkpoints/<step>/meta/            JSON: step, data position, loss scale, kinds,
+                                        each stage's leaves, optax scalars, config
 
-**Integrity.** orbax's zstd-compressed chunks carry no checksum, so a damaged file can
-decode into wrong numbers without an error; the CRC-32 of each array, taken at the
-snapshot and compared at restore, turns that into a refusal naming the array.
+**Integrity.** Raw chunks carry no checksum, so a damaged file can read as wrong
+numbers without an error; the CRC-32 of each page, taken as it is saved and compared at
+restore, turns that into a refusal naming the page.
 
 Params for inference: ``python -m hetjax.checkpoint --workdir runs/x --export out/``
 writes the newest checkpoint's params as a plain orbax PyTree (the model's ``params``

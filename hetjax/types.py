@@ -179,12 +179,14 @@ class Runtime(Protocol):
     def close(self) -> None:
         """Stops background threads; ``params`` still works afterwards."""
 
-    def save_state(self) -> RuntimeState:
-        """A snapshot of the complete state in the placement-free form (host copies
-        that later steps do not change)."""
+    def save_state(self) -> Any:
+        """The complete state for a checkpoint: a :class:`RuntimeState` (host copies
+        that later steps do not change) or a ``checkpoint_state.StateSource`` (the state
+        where it lives, frozen until the checkpoint has written it)."""
 
-    def load_state(self, state: RuntimeState) -> None:
-        """Replaces the whole state (a resume or a rollback)."""
+    def load_state(self, state: Any) -> None:
+        """Replaces the whole state (a resume or a rollback) from a
+        :class:`RuntimeState` or a checkpoint's ``StoredState``."""
 
 
 class StateStore(Protocol):
@@ -204,6 +206,7 @@ class StateStore(Protocol):
     def commit(self) -> None: ...
     def abort(self) -> None: ...
     def master(self, stage: str) -> np.ndarray: ...
+    def freeze(self, stage: str) -> tuple[Any, list, Any]: ...
     def committed(self, stage: str) -> tuple[dict[str, np.ndarray], list]: ...
     def flush(self) -> None: ...
     def host_bytes(self) -> int: ...
