@@ -426,8 +426,17 @@ class MemoryConfig:
     # state or its cache); 0: no limit, and with offload.optimizer=nvme no state cache
     host_budget: int | str = 0
     nvme_path: str = ""  # offload.*=nvme: directory on a local SSD; "": <workdir>/nvme
+    # of each accelerator's memory JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION, set by
+    # the launcher before JAX starts; JAX alone takes 0.75); the planner plans within it
+    device_fraction: float = 0.9
 
     def __post_init__(self):
+        _check(
+            0 < self.device_fraction <= 1,
+            "memory.device_fraction",
+            "must be in (0, 1]",
+            self.device_fraction,
+        )
         page = parse_bytes(self.page_size, "memory.page_size")
         _check(
             page >= 4096 and page % 4096 == 0,

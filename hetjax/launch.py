@@ -27,6 +27,7 @@ import os
 import sys
 from pathlib import Path
 
+from hetjax import xla_env
 from hetjax.allocator import tune_malloc
 from hetjax.config import ConfigError, load_config
 from hetjax.preemption import PREEMPTED_EXIT_STATUS, Preempted
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         TrainingError,
     )
 
+    if command_line:  # before JAX starts its backends: XLA reads these once
+        for note in xla_env.apply(config):
+            print(f"hetjax: {note}", file=sys.stderr)
     try:
         initialize(config)  # jax.distributed, when the run has several processes
         train(config, workdir, return_params=False)

@@ -32,8 +32,7 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
         log("offload.mode=auto: data parallelism (ZeRO-3) streams: offload.mode=stream")
         return config.replace(offload=dict(mode="stream")), None
     w = Workload.from_config(config)
-    capacity = device_capacity()
-    budget = config.memory.device_budget or int(MARGIN * capacity)
+    budget = config.memory.device_budget or int(MARGIN * device_capacity())
     for remat in (False, True):
         need = sum(in_memory_parts(memory_sizes(w), remat).values())
         if need <= budget:

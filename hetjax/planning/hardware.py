@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hetjax.config_values import ConfigError
+
 GB = 1e9
 GiB = 1 << 30
 
@@ -47,6 +49,15 @@ class Hardware:
     # True on the CPU backend: "device" compute, copies and the host optimizer run on the
     # same cores, so their times add instead of overlapping.
     shared_cores: bool = False
+    # ``device_memory`` is the physical memory (a named profile), or what this process's
+    # allocator has free, measured (``local``): the pool the fraction already applies to
+    measured_pool: bool = False
+
+    def device_pool(self, fraction: float) -> int:
+        """Bytes per accelerator that JAX's allocator may take: ``fraction``
+        (``memory.device_fraction``, XLA_PYTHON_CLIENT_MEM_FRACTION) of the physical
+        memory, or the pool measured here as it is."""
+        return self.device_memory if self.measured_pool else int(fraction * self.device_memory)
 
     def describe(self) -> str:
         nvme = (
@@ -143,8 +154,9 @@ PROFILES: dict[str, Hardware] = {
         interconnect_bw=150 * GB,
         device_memory_bw=0.9e12,  # V100 HBM2: 900 GB/s
     ),
-    # The H100 machine this project is sometimes lent: 80 GB HBM3, 128 GB RAM, 64 GB
-    # disk, 16 CPU cores. Assumed: 60% of the 989 TFLOP/s bf16 dense peak on a block,
+    # The H100 machine this project is sometimes lent: 80 GB HBM3 (81,559 MiB, as
+    # nvidia-smi reports an H100 80GB), 128 GB RAM, 64 GB disk, 16 CPU cores. Assumed:
+    # 60% of the 989 TFLOP/s bf16 dense peak on a block,
     # PCIe 5 at 50 GB/s, the disk at 2 GB/s, the optimizer at 1.3 G params/s (the
     # DeepSpeed CPU Adam rate measured on 2 cores here, scaled by nothing: conservative).
     "h100": Hardware(
@@ -153,7 +165,7 @@ PROFILES: dict[str, Hardware] = {
         source="the device tool's machine (/work/.library/device/README.md); assumptions "
         "in hetjax/hardware.py",
         num_devices=1,
-        device_memory=80 * GiB,
+        device_memory=81_559 << 20,
         device_flops=0.6 * 989e12,
         host_memory=128 * GB,
         h2d_bw=50 * GB,
@@ -169,8 +181,8 @@ PROFILES: dict[str, Hardware] = {
 NAMES = (*PROFILES, "local")
 
 
-class HardwareError(ValueError):
-    pass
+class HardwareError(ConfigError):
+    """An unknown profile, or a device that does not say how much memory it has."""
 
 
 def get_profile(name: str, nvme_path: str | Path | None = None, dtype: str = "float32"):
@@ -317,15 +329,36 @@ def measure_optimizer(n: int = 1 << 22, compute_dtype: str = "float32") -> float
     return size / _best_time(update, repeats=5)
 
 
-def device_capacity() -> int:
-    """Free bytes of the first device; on the CPU backend "device" memory is host RAM,
-    so what RAM is free."""
+def device_capacity(device=None) -> int:
+    """Free bytes of ``device`` (default: the first): what its allocator's pool has
+    left. On the CPU backend "device" memory is host RAM, so what RAM is free. An
+    accelerator that does not report its pool (``memory_stats()`` without
+    ``bytes_limit``) is an error, never taken for host RAM."""
     import jax
 
-    device = jax.devices()[0]
-    stats = {} if device.platform == "cpu" else (device.memory_stats() or {})
-    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-    return int(free) if free > 0 else _mem_available()
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return _mem_available()
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise HardwareError(
+            f"{device.device_kind} ({device.platform}) does not report its memory "
+            "(memory_stats() has no bytes_limit): set memory.device_budget to the bytes "
+            "the run may use on it"
+        )
+    return max(0, int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+
+
+def measure_device_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes/s of the first device's memory: a jitted copy-with-add of ``nbytes``
+    (read once, written once), best of a few. What a device-side optimizer update
+    streams at."""
+    import jax
+
+    x = jax.device_put(np.ones(nbytes // 4, np.float32))
+    step = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(step(x))
+    return 2 * nbytes / _best_time(lambda: jax.block_until_ready(step(x)), repeats=5)
 
 
 @functools.lru_cache(maxsize=4)
@@ -336,7 +369,10 @@ def measure_local(nvme_path: str = "", dtype: str = "float32") -> Hardware:
     device = jax.devices()[0]
     cpu = device.platform == "cpu"
     host_free = _mem_available()
-    device_memory = device_capacity()
+    try:
+        device_memory = device_capacity()
+    except HardwareError:  # unknown: the plan then needs memory.device_budget
+        device_memory = 0
     probe_dir = Path(nvme_path) if nvme_path else Path(tempfile.gettempdir())
     probe_dir = next((p for p in (probe_dir, *probe_dir.parents) if p.exists()), Path("/"))
     try:
@@ -361,5 +397,7 @@ def measure_local(nvme_path: str = "", dtype: str = "float32") -> Hardware:
         nvme_write_bw=nvme_write,
         nvme_capacity=nvme_free,
         optimizer_params_per_s=measure_optimizer(compute_dtype=dtype),
+        device_memory_bw=measure_device_bandwidth(64 << 20 if cpu else 1 << 30),
         shared_cores=cpu,
+        measured_pool=not cpu,
     )

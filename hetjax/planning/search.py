@@ -216,11 +216,22 @@ def footprint(w: Workload, c: Candidate, limit: dict[str, int], n: int = 1) -> F
 
 def budgets(config: Config, hw: Hardware) -> dict[str, int]:
     """Bytes the plan may use per tier: the config's budgets, else the profile's
-    capacity with a margin (host RAM and disks are shared by the machine's devices)."""
+    capacity: the device's allocator pool (``memory.device_fraction`` of an
+    accelerator's memory; ``MARGIN`` of free RAM on the CPU backend), host RAM and disks
+    with a margin (shared by the machine's devices)."""
     mem, n = config.memory, hw.num_devices
-    device, host = int(MARGIN * hw.device_memory), int(MARGIN * hw.host_memory / n)
+    pool = hw.device_pool(mem.device_fraction)
+    if not pool and not mem.device_budget:
+        raise PlanError(
+            f"the {hw.name} profile does not know the device's memory: set "
+            "memory.device_budget to the bytes the run may use on it"
+        )
+    device = int(MARGIN * pool) if hw.shared_cores else pool
+    host = int(MARGIN * hw.host_memory / n)
     return {
-        "device": min(mem.device_budget, hw.device_memory) if mem.device_budget else device,
+        "device": min(mem.device_budget, pool or mem.device_budget)
+        if mem.device_budget
+        else device,
         "host": min(mem.host_budget, hw.host_memory) if mem.host_budget else host,
         "nvme": int(MARGIN * hw.nvme_capacity / n),
     }

@@ -61,6 +61,7 @@ from hetjax.runtime.setup import layout_name
 from hetjax.runtime.stages import StageFunctions, StageMemory, stage_layouts
 from hetjax.runtime.window import PrefetchWindow
 from hetjax.types import LossScale, RuntimeState, StepReport
+from hetjax.xla_env import pinned_limit
 from models import build_model
 
 F32 = jnp.float32
@@ -121,6 +122,8 @@ class StreamingRuntime:
         )
         self.offload = Offload.from_config(config)
         self.host_plan = plan_host(self.sizes, self.offload, mem.host_budget)
+        if jax.default_backend() == "gpu":  # XLA caps pinned host memory there
+            self.host_plan.check_pinned(pinned_limit())
         # Stages whose gradient stays on the device (memory.DeviceCache): asked per stage
         # in the per-layer loop, so decided once here.
         to_host = DeviceCache.of(self.sizes, self.offload).grad_stages(self.sizes)

@@ -1,0 +1,102 @@
+"""Sizing for a GPU, checked on the CPU (issue #19, items 3 and 4): the launcher sets
+XLA's device memory fraction and pinned host cap from the config before JAX starts; the
+planner plans within that fraction of a profile's physical memory; an accelerator that
+does not report its memory is an error, never taken for host RAM; the host plan's
+pinned part is checked against XLA's cap."""
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from hetjax import xla_env
+from hetjax.config import Config, ConfigError
+from hetjax.memory import GradientPlan, HostMemoryPlan
+from hetjax.planning.hardware import (
+    PROFILES,
+    HardwareError,
+    device_capacity,
+    measure_device_bandwidth,
+)
+from hetjax.planning.search import budgets
+
+ROOT = Path(__file__).resolve().parent.parent
+GiB = 1 << 30
+
+
+def test_launcher_variables_come_from_the_config_and_the_environment_wins():
+    config = Config().replace(memory=dict(device_fraction=0.8, host_budget="100GiB"))
+    assert xla_env.wanted(config) == {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8",
+        "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "100",
+    }
+    environ = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    notes = xla_env.apply(config, environ)
+    assert environ == {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5",  # set by the user: kept, and said
+        "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "100",
+    }
+    assert notes == [
+        "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 from the environment (the config asks 0.8)"
+    ]
+    assert xla_env.pinned_limit(environ) == 100 * GiB
+    assert xla_env.pinned_limit({}) == 64 * GiB  # XLA's default
+    # without a host budget: 90% of the machine's RAM
+    ram = xla_env.machine_ram()
+    wanted = int(xla_env.wanted(Config())["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"])
+    assert (wanted - 1) * GiB < 0.9 * ram <= wanted * GiB
+
+
+def test_launch_sets_them_before_jax_starts(tmp_path):
+    code = (
+        "import sys, jax; from hetjax import launch; launch.main(); "
+        "import os; print('fraction', os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_P")}
+    env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = "3"
+    args = ["--config", "configs/gpt_tiny.py", "--workdir", str(tmp_path), "--config.train.steps=1"]
+    args += ["--config.memory.device_fraction=0.7", "--config.checkpoint.at_end=false"]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fraction 0.7" in out.stdout
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=3 from the environment" in out.stderr
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.75])
+def test_planner_plans_within_the_fraction_of_physical_memory(fraction):
+    h100 = PROFILES["h100"]
+    assert h100.device_memory == 81_559 << 20  # what an H100 80GB has, not 80 GiB
+    config = Config().replace(memory=dict(device_fraction=fraction))
+    assert budgets(config, h100)["device"] == int(fraction * h100.device_memory)
+    small = config.replace(memory=dict(device_budget="10GiB"))
+    assert budgets(small, h100)["device"] == 10 * GiB
+
+
+def _device(stats):
+    return types.SimpleNamespace(platform="gpu", device_kind="Test GPU", memory_stats=lambda: stats)
+
+
+def test_device_capacity_never_falls_back_to_host_ram():
+    assert device_capacity(_device({"bytes_limit": 10 * GiB, "bytes_in_use": GiB})) == 9 * GiB
+    with pytest.raises(HardwareError, match="Test GPU .*no bytes_limit.*memory.device_budget"):
+        device_capacity(_device({"bytes_in_use": 0}))
+    with pytest.raises(HardwareError, match="memory.device_budget"):
+        device_capacity(_device(None))
+
+
+def test_device_bandwidth_is_measured():
+    assert measure_device_bandwidth(16 << 20) > 1e8  # bytes/s: any machine's memory
+
+
+def test_pinned_part_of_the_host_plan_is_checked_against_the_cap():
+    grads = GradientPlan.__new__(GradientPlan)
+    plan = HostMemoryPlan(0, 40 * GiB, 30 * GiB, 0, 100 * GiB, 0, (), grads, 5 * GiB)
+    assert plan.pinned == 75 * GiB  # params, gradients, boundaries; not the optimizer's
+    plan.check_pinned(80 * GiB)
+    with pytest.raises(ConfigError, match=r"75.00 GiB of pinned.*allows 64.00 GiB: short by"):
+        plan.check_pinned(64 * GiB)
