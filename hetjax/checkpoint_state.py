@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import json
 import os
 import time
@@ -67,7 +68,8 @@ class StagePart:
     canonical slab's elements from ``start`` on.
 
     ``slabs``: kind -> the slab (flat, whole pages) or its list of chunks (whole pages
-    each): numpy or JAX arrays, unchanged until ``release``. ``pages``: instead, the
+    each): numpy or JAX arrays, unchanged until ``release`` (or a function returning
+    that dict, called by the writer). ``pages``: instead, the
     committed NVMe files holding the same pages (hard-linked), unchanged until
     ``release``."""
 
@@ -103,7 +105,8 @@ class StateSource:
         for stage, trees in state.stages.items():
             layout = SlabLayout.from_params(trees[MASTER], page_elems * 4)
             layouts[stage] = layout
-            slabs = {k: layout.flatten_np(trees[k]) for k in trees}
+            # flattened by the writer, one stage at a time: no second copy of the state
+            slabs = functools.partial(_flatten, layout, trees)
             parts.append(StagePart(stage, 0, page, layout.num_pages, slabs))
             page += layout.num_pages
         return cls(state.kinds, page_elems, page, parts, layouts, state.scalars, state.loss_scale)
@@ -112,6 +115,10 @@ class StateSource:
         for part in self.parts:
             part.release()
             part.release = lambda: None
+
+
+def _flatten(layout: SlabLayout, trees: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {k: layout.flatten_np(tree) for k, tree in trees.items()}
 
 
 def layout_meta(layouts: dict[str, SlabLayout]) -> dict[str, Any]:
@@ -296,9 +303,10 @@ def _persist(
     for part in source.parts:
         crcs[part.stage] = sums = {}
         if part.slabs is not None:
+            slabs = part.slabs() if callable(part.slabs) else part.slabs
             for kind in source.kinds:
                 sums[kind], writes, page = [], [], part.first_page
-                chunks = part.slabs[kind]
+                chunks = slabs[kind]
                 for chunk in chunks if isinstance(chunks, list) else [chunks]:
                     pages = np.asarray(chunk, np.float32).reshape(-1, P)
                     _check_finite(pages, part.stage, kind)
