@@ -358,27 +358,6 @@ class DeviceMemoryPlan:
     def required(self) -> int:
         return sum(self.parts.values())
 
-    @property
-    def pinned(self) -> int:
-        """Bytes of it in the device's ``pinned_host`` memory: what moves to and from
-        the device (param slabs, gradient buffers, boundary activations). Optimizer
-        state and its I/O live in the host optimizer's own (pageable) memory."""
-        return self.param_slabs + self.gradients + self.boundaries
-
-    def check_pinned(self, limit: int) -> None:
-        """Raises ConfigError when the pinned part exceeds ``limit`` (XLA's cap on a GPU
-        process's pinned host memory: ``xla_env.pinned_limit``)."""
-        if self.pinned > limit:
-            raise ConfigError(
-                f"the host plan needs {format_bytes(self.pinned)} of pinned host memory "
-                f"(param slabs {format_bytes(self.param_slabs)}, gradient buffers "
-                f"{format_bytes(self.gradients)}, boundary activations "
-                f"{format_bytes(self.boundaries)}) and XLA allows {format_bytes(limit)}: "
-                f"short by {format_bytes(self.pinned - limit)}. Raise "
-                "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (python -m hetjax.launch sets it from "
-                "memory.host_budget), or set offload.params=nvme"
-            )
-
     def describe(self) -> str:
         held = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.parts.items() if v)
         return (

@@ -9,19 +9,15 @@ measured in the same run (O_DIRECT, ``bench io``)."""
 
 from __future__ import annotations
 
-import json
 import re
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from hetjax.bench.common import PEER_SHAPE, _scratch_dir, run_peak_rss
-from hetjax.bench.io import _raw_disk_bandwidth
+from hetjax.bench.common import PEER_SHAPE
+from hetjax.bench.peer import peer_run, run_rows
 from hetjax.config_values import parse_bytes
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt310m_peer.py"
 NVME = ["--config.offload.mode=stream", "--config.offload.optimizer=nvme"]
 NVME += ["--config.offload.params=nvme", "--config.checkpoint.at_end=false"]
 ROWS = {
@@ -37,15 +33,7 @@ DONE = re.compile(
 
 
 def _row(name: str, quick: bool, tmp: Path, steps: int) -> dict:
-    args = [*NVME, *ROWS[name], f"--config.train.steps={steps}", "--config.train.log_every=1"]
-    args.append(f"--config.memory.nvme_path={tmp / 'nvme'}")
-    if quick:
-        args += [f"--config.model.{k}={v}" for k, v in PEER_SHAPE.items()]
-    cmd = [sys.executable, "-m", "hetjax.launch", "--config", str(CONFIG)]
-    rss, output, code = run_peak_rss([*cmd, "--workdir", str(tmp / "run"), *args])
-    if code != 0:
-        raise RuntimeError(f"bench checkpoint, {name}: the run failed ({code}):\n{output[-3000:]}")
-    records = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").open()]
+    rss, output, records = peer_run(f"checkpoint, {name}", quick, tmp, steps, *NVME, *ROWS[name])
     saves = [
         dict(
             step=int(m[1]),
@@ -65,13 +53,8 @@ def _row(name: str, quick: bool, tmp: Path, steps: int) -> dict:
 
 def bench_checkpoint(quick: bool) -> dict:
     steps = 4
-    rows = {}
-    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
-        tmp = Path(tmp)
-        disk_write, _ = _raw_disk_bandwidth(tmp, (64 if quick else 1024) << 20)
-        for name in ROWS:
-            with tempfile.TemporaryDirectory(dir=tmp) as row_dir:
-                rows[name] = _row(name, quick, Path(row_dir), steps)
+    row = lambda name, directory: _row(name, quick, directory, steps)
+    rows, disk_write, _ = run_rows(ROWS, quick, row)
     shape = "quick: " + str(PEER_SHAPE) if quick else "310.8M params"
     print(
         f"checkpoints of the NVMe tier, peer shape ({shape}), every 2 steps of {steps}; raw "

@@ -37,18 +37,26 @@ DEEPSPEED = {
 }
 
 
-def _row(name: str, quick: bool, tmp: Path, steps: int, skip: int) -> dict:
-    args = [*ROWS[name], f"--config.train.steps={steps}"]
-    args += [f"--config.memory.nvme_path={tmp / 'nvme'}", "--config.train.log_every=1"]
-    if name == "the same, host budget":
-        args.append(f"--config.memory.host_budget={BUDGET[quick]}")
+def peer_run(what: str, quick: bool, tmp: Path, steps: int, *args: str) -> tuple:
+    """Trains the peer shape (the quick one with ``quick``) for ``steps`` in a child
+    process in ``tmp``, with ``args``: its peak RSS, output and metrics records."""
+    args = (*args, f"--config.train.steps={steps}", "--config.train.log_every=1")
+    args += (f"--config.memory.nvme_path={tmp / 'nvme'}",)
     if quick:
-        args += [f"--config.model.{k}={v}" for k, v in PEER_SHAPE.items()]
+        args += tuple(f"--config.model.{k}={v}" for k, v in PEER_SHAPE.items())
     cmd = [sys.executable, "-m", "hetjax.launch", "--config", str(CONFIG)]
     rss, output, code = run_peak_rss([*cmd, "--workdir", str(tmp / "run"), *args])
     if code != 0:
-        raise RuntimeError(f"bench peer, {name}: the run failed ({code}):\n{output[-3000:]}")
+        raise RuntimeError(f"bench {what}: the run failed ({code}):\n{output[-3000:]}")
     records = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").open()]
+    return rss, output, records
+
+
+def _row(name: str, quick: bool, tmp: Path, steps: int, skip: int) -> dict:
+    args = list(ROWS[name])
+    if name == "the same, host budget":
+        args.append(f"--config.memory.host_budget={BUDGET[quick]}")
+    rss, _, records = peer_run(f"peer, {name}", quick, tmp, steps, *args)
     steady = records[skip:]
     return {
         "step_s": float(np.median([r["step_time_s"] for r in steady])),
@@ -61,15 +69,23 @@ def _row(name: str, quick: bool, tmp: Path, steps: int, skip: int) -> dict:
     }
 
 
-def bench_peer(quick: bool) -> dict:
-    steps, skip = (3, 1) if quick else (6, 2)
+def run_rows(names, quick: bool, row) -> tuple[dict, float, float]:
+    """``row(name, directory)`` for each name, each in a scratch directory of its own,
+    and the raw disk's write and read bandwidth (GB/s) measured there first."""
     rows = {}
     with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
         tmp = Path(tmp)
         disk_write, disk_read = _raw_disk_bandwidth(tmp, (64 if quick else 1024) << 20)
-        for name in ROWS:
+        for name in names:
             with tempfile.TemporaryDirectory(dir=tmp) as row_dir:
-                rows[name] = _row(name, quick, Path(row_dir), steps, skip)
+                rows[name] = row(name, Path(row_dir))
+    return rows, disk_write, disk_read
+
+
+def bench_peer(quick: bool) -> dict:
+    steps, skip = (3, 1) if quick else (6, 2)
+    row = lambda name, directory: _row(name, quick, directory, steps, skip)
+    rows, disk_write, disk_read = run_rows(ROWS, quick, row)
     compute = rows["in memory"]["step_s"]
     print(
         f"peer shape ({'quick: ' + str(PEER_SHAPE) if quick else '310.8M params'}), "
