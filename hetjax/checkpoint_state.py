@@ -48,7 +48,7 @@ from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future as ocp_future
 
 from hetjax.config import format_bytes
-from hetjax.storage.nvme import IO_CONCURRENCY, PageStore
+from hetjax.storage.nvme import PageStore, io_context
 from hetjax.storage.pages import SlabLayout, aligned_empty, fitted_page_elems
 from hetjax.types import MASTER, CheckpointError, RuntimeState
 
@@ -142,16 +142,6 @@ def scalars_meta(scalars: dict[str, list]) -> dict[str, Any]:
 # -- save -----------------------------------------------------------------------------------
 
 
-def _context() -> ts.Context:
-    return ts.Context(
-        {
-            "file_io_sync": True,  # a checkpoint is durable once complete
-            "file_io_locking": {"mode": "none"},
-            "file_io_concurrency": {"limit": IO_CONCURRENCY},
-        }
-    )
-
-
 def _spec(path: Path, num_pages: int, page_elems: int) -> dict:
     return {  # the NVMe tier's state arrays' spec: their chunk files link in unchanged
         "driver": "zarr3",
@@ -218,7 +208,7 @@ class StreamedStateHandler(ocp.AsyncCheckpointHandler):
         self.report = report = SaveReport()
         try:
             proc = Path(directory) / f"proc{jax.process_index()}"
-            context = _context()
+            context = io_context(sync=True)  # durable once complete
             arrays = {}
             for kind in source.kinds:
                 spec = _spec(proc / kind, source.num_pages, source.page_elems)

@@ -13,7 +13,14 @@ LAYERS = [
     {"hetjax.planning"},
     {"hetjax.runtime"},
     {"hetjax.optimizer"},
-    {"hetjax.storage", "hetjax.hf", "hetjax.data", "hetjax.distributed", "models"},
+    {
+        "hetjax.storage",
+        "hetjax.checkpoint_state",  # a checkpoint's state on disk: what the stores hand it
+        "hetjax.hf",
+        "hetjax.data",
+        "hetjax.distributed",
+        "models",
+    },
     {
         "hetjax.memory",
         "hetjax.allocator",
@@ -22,6 +29,7 @@ LAYERS = [
         "hetjax.faults",
         "hetjax.preemption",
         "hetjax.run_lock",
+        "hetjax.xla_env",
     },
     {"hetjax.config", "hetjax.config_help", "hetjax.config_values", "hetjax.types"},
 ]

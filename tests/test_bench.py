@@ -74,6 +74,13 @@ def test_io_quick(tmp_path, capsys):
     assert rows["TensorStore PageStore"] == [f"{result[k]:.2f}" for k in ("ts_write", "ts_read")]
     ratios = [f"{result[k]:.2f}" for k in ("write_vs_raw", "read_vs_raw")]
     assert rows["achieved / raw"] == ratios
+    # the sweep of TensorStore's settings: every file_io_mode, two more concurrencies
+    # and page sizes, each measured
+    settings = result["settings"]
+    assert {s["mode"] for s in settings} == {"default", "direct", "memmap"}
+    assert {s["concurrency"] for s in settings} >= {4, 16, 64}
+    assert {s["page"] >> 20 for s in settings} == {1, 4, 16}
+    assert all(s["write"] > 0 and s["read"] > 0 for s in settings)
 
 
 def test_optimizer_quick(tmp_path, capsys):

@@ -1,9 +1,11 @@
 """``python -m hetjax.bench io``: the TensorStore tier's read/write GB/s vs the raw
-sequential disk (O_DIRECT)."""
+sequential disk (O_DIRECT), then a sweep of TensorStore's file I/O settings
+(``file_io_mode`` default / direct / memmap, concurrency, page size) against it."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -12,6 +14,7 @@ import numpy as np
 
 from hetjax.bench.common import _scratch_dir
 from hetjax.planning.hardware import drop_page_cache
+from hetjax.storage.nvme import IO_CONCURRENCY, IO_MODE
 
 
 def _raw_disk_bandwidth(directory: Path, nbytes: int, block: int = 4 << 20) -> tuple[float, float]:
@@ -40,7 +43,9 @@ def _raw_disk_bandwidth(directory: Path, nbytes: int, block: int = 4 << 20) -> t
     return write, read
 
 
-def _tensorstore_bandwidth(directory: Path, nbytes: int, page: int) -> tuple[float, float, float]:
+def _tensorstore_bandwidth(
+    directory: Path, nbytes: int, page: int, io_mode: str = IO_MODE, concurrency=IO_CONCURRENCY
+) -> tuple[float, float, float]:
     """Write (until on disk: ``os.sync`` included) and cold-read GB/s of whole pages
     through :class:`PageStore`, all requests in flight at once as the loop issues them;
     and the write GB/s of the process's first pass.
@@ -55,7 +60,9 @@ def _tensorstore_bandwidth(directory: Path, nbytes: int, page: int) -> tuple[flo
 
     elems = page // 4
     pages = nbytes // page
-    store = PageStore(directory / "ts", ["master"], pages, elems)
+    store = PageStore(
+        directory / "ts", ["master"], pages, elems, io_mode=io_mode, concurrency=concurrency
+    )
     data = np.random.default_rng(0).random(pages * elems, dtype=np.float32)
     stage = 4  # pages per request, as a stage of a few pages
 
@@ -80,7 +87,34 @@ def _tensorstore_bandwidth(directory: Path, nbytes: int, page: int) -> tuple[flo
     for r in reads:
         r.result()
     read = nbytes / (time.perf_counter() - t0) / 1e9
+    shutil.rmtree(directory / "ts")
     return write, read, first
+
+
+TIER = (IO_MODE, IO_CONCURRENCY, 4 << 20)  # the tier's settings (4 MiB pages at most)
+
+
+def _sweep(directory: Path, quick: bool, raw_w: float, raw_r: float) -> list[dict]:
+    """TensorStore's file I/O settings against the raw disk, one at a time from the
+    tier's (``IO_MODE``, ``IO_CONCURRENCY``, 4 MiB pages): each ``file_io_mode``, then
+    the concurrency and the page size in the tier's mode."""
+    disk_bytes = (64 if quick else 1024) << 20
+    settings = [(mode, IO_CONCURRENCY, 4 << 20) for mode in ("default", "direct", "memmap")]
+    settings += [(IO_MODE, c, 4 << 20) for c in (4, 64)]
+    settings += [(IO_MODE, IO_CONCURRENCY, p) for p in (1 << 20, 16 << 20)]
+    print(f"TensorStore settings, {disk_bytes >> 20} MiB   GB/s write   GB/s read   (x raw)")
+    rows = []
+    for mode, concurrency, page in settings:
+        w, r, _ = _tensorstore_bandwidth(directory, disk_bytes, page, mode, concurrency)
+        name = f"{mode}, concurrency {concurrency}, {page >> 20} MiB pages"
+        tier = (
+            " (the tier's)"
+            if (mode, concurrency, page) == (IO_MODE, IO_CONCURRENCY, 4 << 20)
+            else ""
+        )
+        print(f"  {name + tier:<44}{w:>6.2f} ({w / raw_w:.2f}){r:>7.2f} ({r / raw_r:.2f})")
+        rows.append(dict(mode=mode, concurrency=concurrency, page=page, write=w, read=r))
+    return rows
 
 
 def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
@@ -108,7 +142,13 @@ def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
     }
 
 
+def _disk_sweep(directory: Path, quick: bool) -> dict:
+    rows = _disk_rows(directory, quick)
+    rows["settings"] = _sweep(directory, quick, rows["raw_write"], rows["raw_read"])
+    return rows
+
+
 def bench_io(quick: bool) -> dict:
     """TensorStore tier read/write GB/s vs the raw sequential disk bandwidth, one run."""
     with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # the disk hetjax would use
-        return _disk_rows(Path(tmp), quick)
+        return _disk_sweep(Path(tmp), quick)

@@ -10,7 +10,9 @@ path (``file_io_sync`` off): durability is the checkpoint's job. Nor is there fi
 locking (``file_io_locking`` mode ``none``): each store has one writer, its own process,
 and the lock files TensorStore otherwise creates and removes around every chunk write
 cost a third of the write bandwidth here (measured: 0.45-0.73 GB/s with locks,
-0.64-1.01 GB/s without, same disk, 1 GiB in 4 MiB pages).
+0.64-1.01 GB/s without, same disk, 1 GiB in 4 MiB pages). Chunk files are opened with
+O_DIRECT (``file_io_mode`` ``direct``, :data:`IO_MODE`): the state passes each step
+once, so the page cache only copies it again and evicts what else the machine caches.
 
 Start-up checks (:func:`check_nvme_path`) run before anything is created, so a bad path
 or a full disk fails with the numbers and leaves nothing half-written.
@@ -32,6 +34,24 @@ from hetjax import faults, timeline
 from hetjax.config import ConfigError, format_bytes
 
 IO_CONCURRENCY = 16  # concurrent file operations; see MEASUREMENTS.md (4 MiB chunks, 16)
+# TensorStore's ``file_io_mode``: ``direct`` opens the chunk files with O_DIRECT (no page
+# cache; TensorStore aligns the buffers), ``default`` goes through the page cache,
+# ``memmap`` maps the files for reads. Chosen by ``python -m hetjax.bench io``'s sweep
+# (docs/results/2026-11-24.md).
+IO_MODE = "direct"
+
+
+def io_context(sync: bool = False, mode: str = IO_MODE, concurrency: int = IO_CONCURRENCY):
+    """The TensorStore context of the NVMe tier's arrays (``sync``: fsync each write,
+    for checkpoints)."""
+    return ts.Context(
+        {
+            "file_io_sync": sync,
+            "file_io_locking": {"mode": "none"},
+            "file_io_concurrency": {"limit": concurrency},
+            "file_io_mode": {"mode": mode},
+        }
+    )
 
 
 def check_nvme_path(
@@ -97,11 +117,15 @@ class PageStore:
         page_elems: int,
         chunk_elems: int = 0,
         label: str = "",
+        io_mode: str = IO_MODE,
+        concurrency: int = IO_CONCURRENCY,
     ):
         """``kinds``: names (float32 pages) or a dict name -> dtype name (e.g. the
         compute-dtype param pages, ``bfloat16``). ``chunk_elems``: elements per chunk
         along a row; 0: the whole row (one page, one chunk). ``label``: what the
-        timeline's spans say the store holds (default: the parent directory's name)."""
+        timeline's spans say the store holds (default: the parent directory's name).
+        ``io_mode``, ``concurrency``: TensorStore's file I/O settings (benchmarks sweep
+        them; the tier uses :data:`IO_MODE` and :data:`IO_CONCURRENCY`)."""
         self.path = Path(path)
         if not isinstance(kinds, dict):
             kinds = {k: "float32" for k in kinds}
@@ -110,13 +134,7 @@ class PageStore:
         self.num_pages, self.page_elems = num_pages, page_elems
         self.chunk_elems = chunk_elems or page_elems
         self.label = label or self.path.parent.name
-        self._context = ts.Context(
-            {
-                "file_io_sync": False,
-                "file_io_locking": {"mode": "none"},
-                "file_io_concurrency": {"limit": IO_CONCURRENCY},
-            }
-        )
+        self._context = io_context(mode=io_mode, concurrency=concurrency)
         self.arrays: dict[str, ts.TensorStore] = {}
         opened = [
             ts.open(self._spec(k), create=True, delete_existing=True, context=self._context)
