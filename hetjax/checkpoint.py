@@ -111,7 +111,9 @@ class Checkpointer:
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
             create=True,
-            cleanup_tmp_directories=True,  # partial saves of a crashed run
+            # Partial saves of a crashed run, removed by the writer alone: a reader's
+            # manager cleaning in its background thread races the writer's own cleanup.
+            cleanup_tmp_directories=writing,
             # Directories made in the step, not by a background thread: when making them
             # fails (a full disk) orbax's other threads would wait 300 s for them, holding
             # up the process's exit after the error.

@@ -67,7 +67,7 @@ def launch(cfg, workdir, faults="", devices=None, expect_rc=0, flags=()):
 
 
 def saved_params(workdir, step=None):
-    ckpt = Checkpointer(Path(workdir) / "checkpoints")
+    ckpt = Checkpointer(Path(workdir) / "checkpoints", writing=False)
     try:
         state, meta = ckpt.restore(step)
     finally:
@@ -81,7 +81,7 @@ def assert_no_nonfinite_files(workdir: Path) -> int:
     import tensorstore as ts
 
     checked = 0
-    ckpt = Checkpointer(Path(workdir) / "checkpoints")
+    ckpt = Checkpointer(Path(workdir) / "checkpoints", writing=False)
     try:
         for step in ckpt.steps():
             state, _ = ckpt.restore(step)
