@@ -71,3 +71,9 @@ def pytest_configure(config):
         # Without a C++ compiler the offloaded runtimes fall back to optax with this
         # warning, and every equivalence test would silently test optax: in CI, an error.
         config.addinivalue_line("filterwarnings", f"error:{NATIVE_KERNEL_FALLBACK}:UserWarning")
+    # On a GPU fp32 matmuls default to TF32 (10-bit mantissa): the equivalence tests'
+    # 1e-5 needs full fp32 there, as the CPU always computes it.
+    if os.environ.get("JAX_PLATFORMS", "cpu").split(",")[0] not in ("", "cpu"):
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest")

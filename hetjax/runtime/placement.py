@@ -11,11 +11,18 @@ Layer and model code never place arrays; the runtimes ask this module for shardi
   machine the CPU *is* the device, so it is the ``pinned_host`` kind of that device:
   XLA computes on host-kind operands there, and the device kind stays the streaming
   budget's alone, as it would on an accelerator.
+
+``HETJAX_HOST_CLIENT=separate`` emulates a GPU's topology on a CPU-only machine: the
+optimizer gets a device of a second CPU client, so every array between the host
+optimizer and the "device" crosses JAX clients as it does on a GPU (``gpucheck
+--emulate`` and the two-client tests run the runtimes that way).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from collections import defaultdict
 
 import jax
@@ -23,9 +30,34 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from hetjax.config import ConfigError
 from hetjax.storage.pages import SlabLayout, aligned_concatenate
 from hetjax.storage.states import flat
 from hetjax.types import ParamStore
+
+HOST_CLIENT_ENV = "HETJAX_HOST_CLIENT"
+
+
+@functools.cache
+def separate_host_device() -> jax.Device:
+    """The device of a second CPU client, made once per process: the host optimizer's
+    side of the emulated GPU topology (a GPU's host optimizer runs on the CPU client)."""
+    from jax._src.lib import xla_client  # no public way to make a second client
+
+    return xla_client.make_cpu_client(asynchronous=True).devices()[0]
+
+
+def cpu_device() -> jax.Device:
+    """The CPU backend's device, where the host optimizer runs beside an accelerator."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError as e:
+        platforms = os.environ.get("JAX_PLATFORMS", "")
+        raise ConfigError(
+            f"the host optimizer runs on JAX's CPU backend, which is not available ({e}); "
+            f"JAX_PLATFORMS={platforms!r} must include cpu: set JAX_PLATFORMS="
+            f"{platforms.split(',')[0] or 'cuda'},cpu or unset it"
+        ) from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +70,12 @@ class Shardings:
     def single_device(cls, device: jax.Device | None = None) -> Shardings:
         device = device or jax.devices()[0]
         host = SingleDeviceSharding(device, memory_kind="pinned_host")
-        if device.platform == "cpu":
+        if device.platform == "cpu" and os.environ.get(HOST_CLIENT_ENV) == "separate":
+            optimizer = SingleDeviceSharding(separate_host_device())
+        elif device.platform == "cpu":
             optimizer = host
         else:
-            optimizer = SingleDeviceSharding(jax.devices("cpu")[0])
+            optimizer = SingleDeviceSharding(cpu_device())
         return cls(SingleDeviceSharding(device, memory_kind="device"), host, optimizer)
 
 

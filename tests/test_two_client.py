@@ -1,0 +1,166 @@
+"""A GPU's topology on a CPU (issue #19 item 7): the host optimizer on a second JAX
+client (``HETJAX_HOST_CLIENT=separate``, ``runtime/placement.py``), as on a GPU where it
+runs on the CPU client while the stages run on the GPU's. Every array between the
+optimizer and the "device" then crosses clients: gradients out, refreshed params back,
+the device cache's state, the republication after a poisoned step. The streaming
+runtime must equal ``offload.mode=none`` through it in every tier."""
+
+import jax
+import numpy as np
+import pytest
+from equivalence import (
+    assert_gpt_training_equal,
+    assert_losses_close,
+    assert_trees_close,
+    check_fp16_overflow_skips_then_trains,
+    check_tokens,
+    training_batches,
+    without_key_bias,
+)
+
+from hetjax.runtime.placement import HOST_CLIENT_ENV, Shardings
+from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.train import train
+from models import build_model
+
+CLIP = dict(grad_clip=2.0)  # binds in some of the tiny run's steps: redos happen
+PAGES = dict(page_size="16KiB")
+
+
+@pytest.fixture(autouse=True)
+def separate_client(monkeypatch):
+    monkeypatch.setenv(HOST_CLIENT_ENV, "separate")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from conftest import tiny_config
+
+    return train(tiny_config(optimizer=CLIP), tmp_path_factory.mktemp("ref"), verbose=False)
+
+
+def test_the_host_optimizer_runs_on_another_client():
+    shardings = Shardings.single_device()
+    (host_side,) = shardings.optimizer.device_set
+    (device_side,) = shardings.device.device_set
+    assert host_side.client is not device_side.client
+    assert shardings.host.device_set == {device_side}  # param slabs: the device's client
+    page = jax.device_put(np.ones(8, np.float32), shardings.optimizer)
+    assert page.sharding.device_set == {host_side}
+
+
+TIERS = {
+    "host": dict(mode="stream"),
+    "host-optax": dict(mode="stream"),
+    "nvme": dict(mode="stream", optimizer="nvme", params="nvme"),
+    "device-cache": dict(mode="stream", optimizer="nvme", optimizer_device_stages=2),
+    "activations-nvme": dict(mode="stream", activations="nvme"),
+}
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_stream_through_two_clients_equals_none(reference, tiny, tmp_path, tier):
+    """Clipping at 2.0 binds in some steps: the speculative updates are redone."""
+    kernel = "optax" if tier == "host-optax" else "auto"
+    config = tiny(
+        offload=TIERS[tier],
+        optimizer=dict(CLIP, host_kernel=kernel),
+        memory=dict(PAGES, nvme_path=str(tmp_path / "ssd")),
+    )
+    result = train(config, tmp_path, verbose=False)
+    assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
+    redo = [r["optimizer_redo"] for r in result.records]
+    assert 0 < redo[-1] < len(redo), redo  # some steps were redone, not all
+
+
+def test_poisoned_step_republishes_across_clients(reference, tiny):
+    """A NaN step drops every speculative update, the device cache's included, and
+    republishes the committed params from the other client; training then equals the
+    reference."""
+    offload = dict(mode="stream", optimizer="host", optimizer_device_stages=2)
+    config = tiny(optimizer=CLIP, memory=PAGES, offload=offload)
+    runtime = StreamingRuntime(config)
+    try:
+        batches = training_batches(config, 5)
+        before = runtime.params()
+        assert runtime.train_step(batches[0], poison=True).nonfinite
+        jax.tree.map(np.testing.assert_array_equal, runtime.params(), before)
+        losses = [runtime.train_step(batch).loss for batch in batches]
+        assert_losses_close(losses, reference.losses)
+        assert_trees_close(without_key_bias(runtime.params()), without_key_bias(reference.params))
+    finally:
+        runtime.close()
+
+
+def test_fp16_overflow_skips_across_clients(tiny):
+    model = dict(num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="float16")
+    config = tiny(
+        model=model,
+        offload=dict(mode="stream", params="nvme"),
+        memory=PAGES,
+        train=dict(loss_scale_init=2.0**60),
+    )
+    runtime = StreamingRuntime(config)
+    try:
+        batch = np.random.default_rng(0).integers(0, 256, (1, 4, 17)).astype(np.int32)
+        check_fp16_overflow_skips_then_trains(runtime, batch)
+    finally:
+        runtime.close()
+
+
+FUNCTIONS = (
+    "embed_fwd",
+    "block_fwd",
+    "head_loss",
+    "head_fwd_bwd",
+    "block_bwd",
+    "block_bwd_kept",
+    "embed_bwd",
+)
+
+
+@pytest.mark.parametrize("offload", [dict(params="host"), dict(params="nvme", keep_blocks=1)])
+def test_no_stage_function_reads_pinned_host_memory(tiny, offload):
+    """On a GPU an operand in ``pinned_host`` memory makes XLA read host RAM over PCIe
+    inside the kernel: every stage function's array arguments must be in device memory
+    (param pages copied in by the prefetcher, batches put on the device). Each stage
+    function is wrapped to record the memory kinds it is called with over real steps."""
+    config = tiny(offload=dict(mode="stream", **offload), memory=PAGES)
+    runtime = StreamingRuntime(config)
+    kinds: dict[str, set] = {}
+
+    def recording(name, fn):
+        def call(*args):
+            for leaf in jax.tree.leaves(args):
+                if isinstance(leaf, jax.Array):
+                    kinds.setdefault(name, set()).add(leaf.sharding.memory_kind)
+            return fn(*args)
+
+        return call
+
+    try:
+        for name in FUNCTIONS:
+            setattr(runtime.fns, name, recording(name, getattr(runtime.fns, name)))
+        for batch in training_batches(config, 2):
+            runtime.train_step(batch)
+    finally:
+        runtime.close()
+    assert {"embed_fwd", "block_fwd", "head_fwd_bwd", "block_bwd", "embed_bwd"} <= set(kinds)
+    assert all(k == {"device"} for k in kinds.values()), kinds
+
+
+def test_jax_platforms_without_cpu_is_a_clear_error(monkeypatch):
+    """On a GPU machine ``JAX_PLATFORMS=cuda`` hides the CPU backend the host optimizer
+    needs: the error names the variable and the fix."""
+    from hetjax.config import ConfigError
+    from hetjax.runtime import placement
+
+    def devices(backend=None):
+        raise RuntimeError("Unknown backend cpu. Available backends are ['cuda']")
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    monkeypatch.setattr(placement.jax, "devices", devices)
+    with pytest.raises(ConfigError, match=r"JAX_PLATFORMS='cuda' must include cpu: set "):
+        placement.cpu_device()
+    with pytest.raises(ConfigError, match=r"JAX_PLATFORMS=cuda,cpu or unset it"):
+        placement.cpu_device()
