@@ -8,7 +8,7 @@ from hetjax import cli, launch
 def test_help_lists_every_command_with_an_example(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name in ("train", "plan", "bench", "checkpoint", "export", "tokenize"):
+    for name in ("train", "plan", "bench", "checkpoint", "export", "tokenize", "gpucheck"):
         assert f"\n  {name} " in out, out
     assert "hetjax plan --config gpt175b --hardware a100-80g" in out
 
