@@ -164,3 +164,42 @@ def test_jax_platforms_without_cpu_is_a_clear_error(monkeypatch):
         placement.cpu_device()
     with pytest.raises(ConfigError, match=r"JAX_PLATFORMS=cuda,cpu or unset it"):
         placement.cpu_device()
+
+
+def test_published_params_never_cross_clients_as_jax_arrays(tiny, monkeypatch):
+    """The host optimizer's pages reach the device client's ``pinned_host`` memory as
+    numpy views (one copy), not as another client's arrays (XLA's Literal path)."""
+    from hetjax.storage import params
+
+    arrived, crossed = [], []
+    put, publish = jax.device_put, params.HostParamStore.publish
+
+    def client_of(leaf):
+        return next(iter(leaf.devices())).client
+
+    def other_client(tree, sharding):
+        (target,) = sharding.device_set
+        leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+        return [client_of(x) is not target.client for x in leaves]
+
+    def recording_put(x, sharding=None, **kw):
+        if getattr(sharding, "memory_kind", None) == "pinned_host":
+            crossed.extend(other_client(x, sharding))
+        return put(x, sharding, **kw)
+
+    def recording_publish(self, stage, pages):
+        arrived.extend(other_client(pages, self.sharding))
+        return publish(self, stage, pages)
+
+    monkeypatch.setattr(params.jax, "device_put", recording_put)
+    monkeypatch.setattr(params.HostParamStore, "publish", recording_publish)
+    for kernel in ("optax", "native"):
+        config = tiny(offload=dict(mode="stream"), optimizer=dict(host_kernel=kernel))
+        runtime = StreamingRuntime(config)
+        try:
+            for batch in training_batches(config, 2):
+                runtime.train_step(batch)
+        finally:
+            runtime.close()
+    assert any(arrived)  # optax's pages come as the other client's arrays ...
+    assert not any(crossed)  # ... and are put as numpy views

@@ -20,6 +20,19 @@ from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_do
 from hetjax.storage.pages import pages_slab
 
 
+def same_client(pages: list, sharding: jax.sharding.Sharding) -> list:
+    """Pages for a ``device_put`` into ``sharding``: an array of another JAX client (on a
+    GPU, the host optimizer's refreshed params on the CPU client) as the numpy view of
+    its host buffer. XLA then copies once into the device's ``pinned_host`` memory,
+    where a cross-client ``device_put`` goes through a Literal: an extra copy, and many
+    times slower (``gpucheck``'s ``bandwidth.publish`` measures both ways; the
+    two-client emulation's figures are in docs/results/2026-11-24.md)."""
+    (device,) = sharding.device_set
+    client = device.client
+    crosses = lambda p: isinstance(p, jax.Array) and next(iter(p.devices())).client is not client
+    return [np.asarray(p) if crosses(p) else p for p in pages]
+
+
 class HostParamStore:
     """Compute-dtype param pages of every stage in the host memory kind."""
 
@@ -28,7 +41,7 @@ class HostParamStore:
         self.pages: dict[str, list[jax.Array]] = {}
 
     def publish(self, stage: str, pages: list) -> None:
-        self.pages[stage] = jax.device_put(pages, self.sharding)
+        self.pages[stage] = jax.device_put(same_client(pages, self.sharding), self.sharding)
 
     def prefetch(self, stage: str) -> None:
         pass
