@@ -203,3 +203,31 @@ def test_published_params_never_cross_clients_as_jax_arrays(tiny, monkeypatch):
             runtime.close()
     assert any(arrived)  # optax's pages come as the other client's arrays ...
     assert not any(crossed)  # ... and are put as numpy views
+
+
+def test_nvme_param_reads_land_in_pinned_memory(tmp_path):
+    """Under the emulated GPU topology the NVMe param store copies pages it reads into
+    the device's pinned_host memory as they land, so the copy to the device is from
+    pinned memory (on a GPU, a DMA); without it, on a CPU, pages stay numpy."""
+    from hetjax.storage.params import NvmeParamStore
+
+    shardings = Shardings.single_device()
+    assert shardings.pinned_staging() == shardings.host
+    pages = {"head": (0, 2), "block0": (2, 1)}
+    store = NvmeParamStore(tmp_path, np.float32, pages, 8, stage_to=shardings.pinned_staging())
+    values = np.arange(24, dtype=np.float32).reshape(3, 8)
+    store.publish("head", list(values[:2]))
+    store.publish("block0", list(values[2:]))
+    store.commit()
+    store.wait()
+    for stage, (first, n) in pages.items():
+        store.prefetch(stage)
+        got = store.get(stage)
+        assert all(p.sharding.memory_kind == "pinned_host" for p in got)
+        np.testing.assert_array_equal(np.stack([np.asarray(p) for p in got]), values[first:][:n])
+    assert store.read_bytes == values.nbytes
+
+
+def test_a_cpu_without_emulation_does_not_stage(monkeypatch):
+    monkeypatch.delenv(HOST_CLIENT_ENV)
+    assert Shardings.single_device().pinned_staging() is None

@@ -78,6 +78,15 @@ class Shardings:
             optimizer = SingleDeviceSharding(cpu_device())
         return cls(SingleDeviceSharding(device, memory_kind="device"), host, optimizer)
 
+    def pinned_staging(self) -> SingleDeviceSharding | None:
+        """Where pages read from disk wait for the copy to the device: its pinned_host
+        memory on an accelerator (a DMA, not a copy from pageable memory); on a CPU,
+        where the two are one memory, nowhere (None), except under the two-client
+        emulation, so that the tests run the accelerator's path."""
+        (device,) = self.device.device_set
+        emulated = os.environ.get(HOST_CLIENT_ENV) == "separate"
+        return self.host if device.platform != "cpu" or emulated else None
+
 
 class SingleDevice:
     """The streaming runtime's placement strategy on one device: every stage whole, in

@@ -127,7 +127,9 @@ def make_stores(
         states = MemoryStateStore(opt_sharding, on_device=off.optimizer == "device")
     if off.params == "nvme" and pages:
         dtype = jnp.dtype(config.model.compute_dtype)
-        params = NvmeParamStore(nvme_dir / "params", dtype, pages, page_elems)
+        params = NvmeParamStore(
+            nvme_dir / "params", dtype, pages, page_elems, stage_to=shardings.pinned_staging()
+        )
     else:
         params = HostParamStore(shardings.host)
     if device_stages:

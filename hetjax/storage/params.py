@@ -10,6 +10,7 @@ speculative until committed, as for optimizer state (``states.py``).
 
 from __future__ import annotations
 
+import concurrent.futures
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,26 @@ class SplitParamStore(BaseCounters):
         return list(self.device.pages.values())
 
 
+class _Staged:
+    """A read of pages from disk, copied into ``sharding`` (``pinned_host``) by the
+    thread that completes the read; ``result()`` is the list of pinned pages."""
+
+    def __init__(self, read, sharding: jax.sharding.Sharding):
+        self._done: concurrent.futures.Future = concurrent.futures.Future()
+        self._sharding = sharding
+        read.add_done_callback(self._land)
+
+    def _land(self, read) -> None:
+        try:
+            pinned = jax.device_put(list(read.result()), self._sharding)
+            self._done.set_result(jax.block_until_ready(pinned))
+        except BaseException as e:  # noqa: BLE001 — raised by result(), on the caller
+            self._done.set_exception(e)
+
+    def result(self) -> list[jax.Array]:
+        return self._done.result()
+
+
 class NvmeParamStore:
     """Compute-dtype param pages on disk (two generations, like the state), read ahead
     for the forward and backward by the executor's window."""
@@ -116,8 +137,15 @@ class NvmeParamStore:
         dtype: Any,
         stage_pages: dict[str, tuple[int, int]],
         page_elems: int,
+        stage_to: jax.sharding.Sharding | None = None,
     ):
+        """``stage_to``: the device's ``pinned_host`` memory, where pages read from disk
+        are copied as soon as they land (by the thread completing the read, not the
+        dispatch thread), so the copy to the device is a DMA from pinned memory, not a
+        copy from pageable memory through a bounce buffer. None: pages stay numpy (a
+        CPU, where the two memories are one)."""
         self.stage_pages = stage_pages
+        self.stage_to = stage_to
         num_pages = sum(n for _, n in stage_pages.values())
         kinds = {"params": np.dtype(dtype).name}
         self.disk = [
@@ -149,7 +177,8 @@ class NvmeParamStore:
     def prefetch(self, stage: str) -> None:
         if stage not in self._reads and stage not in self._landing:
             first, n = self.stage_pages[stage]
-            self._reads[stage] = self.disk[self.gen].read("params", first, n)
+            read = self.disk[self.gen].read("params", first, n)
+            self._reads[stage] = _Staged(read, self.stage_to) if self.stage_to else read
 
     def get(self, stage: str) -> list:
         if stage in self._landing:  # written last step, maybe still in flight: in RAM
@@ -158,7 +187,7 @@ class NvmeParamStore:
             return list(data.reshape(-1, self.disk[0].page_elems))
         self.prefetch(stage)
         pages = self._reads.pop(stage).result()
-        self.read_bytes += pages.nbytes
+        self.read_bytes += sum(p.nbytes for p in pages)
         return list(pages)
 
     def commit(self) -> None:
