@@ -231,3 +231,23 @@ def test_nvme_param_reads_land_in_pinned_memory(tmp_path):
 def test_a_cpu_without_emulation_does_not_stage(monkeypatch):
     monkeypatch.delenv(HOST_CLIENT_ENV)
     assert Shardings.single_device().pinned_staging() is None
+
+
+def test_boundaries_read_from_nvme_land_in_pinned_memory(tmp_path):
+    """Boundary activations swapped to NVMe come back through pinned memory too (the
+    last ``depth`` slots never leave RAM: the first ones are read from disk)."""
+    from hetjax.storage.swap import BoundarySwap
+
+    shardings = Shardings.single_device()
+    swap = BoundarySwap(tmp_path, 5, (2, 3, 4), np.float32, 8, 2, shardings.pinned_staging())
+    rows = np.arange(5 * 24, dtype=np.float32).reshape(5, 2, 3, 4)
+    swap.begin()
+    for slot, row in enumerate(rows):
+        swap.put(slot, jax.device_put(row, shardings.host))
+    for slot in reversed(range(5)):
+        got = swap.get(slot)
+        np.testing.assert_array_equal(np.asarray(got), rows[slot])
+        if slot < 3:  # written, then read back from disk
+            assert got.sharding.memory_kind == "pinned_host"
+    assert swap.read_bytes == 3 * rows[0].nbytes
+    swap.close()

@@ -152,7 +152,7 @@ def make_grad_store(
 
 
 def make_boundary_swap(
-    config: Config, nvme_dir: Path | None, boundary: jax.ShapeDtypeStruct
+    config: Config, nvme_dir: Path | None, boundary: jax.ShapeDtypeStruct, stage_to=None
 ) -> BoundarySwap | None:
     """The NVMe swap of boundary activations (``offload.activations=nvme``)."""
     slots = config.model.num_layers - config.offload.keep_blocks
@@ -166,6 +166,7 @@ def make_boundary_swap(
         boundary.dtype,
         chunk_elems=config.memory.page_size // itemsize,
         depth=memory.IO_READAHEAD,
+        stage_to=stage_to,
     )
 
 
@@ -280,5 +281,5 @@ def build_stores(
         states,
         placement.param_store(params, layouts, on_nvme),
         make_grad_store(config, host, sizes, page_elems, nvme_dir),
-        make_boundary_swap(config, nvme_dir, boundary),
+        make_boundary_swap(config, nvme_dir, boundary, placement.shardings.pinned_staging()),
     )

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from hetjax.storage.nvme import PageStore
@@ -44,9 +45,19 @@ class BoundarySwap:
     ``depth``."""
 
     def __init__(
-        self, path: Path, slots: int, shape: tuple[int, ...], dtype, chunk_elems: int, depth: int
+        self,
+        path: Path,
+        slots: int,
+        shape: tuple[int, ...],
+        dtype,
+        chunk_elems: int,
+        depth: int,
+        stage_to=None,
     ):
+        """``stage_to``: the device's ``pinned_host`` memory, where boundaries read from
+        disk are copied on a worker thread (``Shardings.pinned_staging``; None: numpy)."""
         self.shape, self.depth, self.slots = tuple(shape), max(depth, 1), slots
+        self.stage_to = stage_to
         elems = math.prod(self.shape)
         self.boundary_bytes = elems * np.dtype(dtype).itemsize
         self.disk = PageStore(
@@ -92,8 +103,9 @@ class BoundarySwap:
 
     # -- backward -----------------------------------------------------------------------
 
-    def get(self, slot: int) -> np.ndarray:
-        """Checkpoint ``slot`` (host numpy of ``shape``), waiting for it; starts reading
+    def get(self, slot: int):
+        """Checkpoint ``slot`` (host numpy of ``shape``, or pinned with ``stage_to``),
+        waiting for it; starts reading
         slots ``slot - 1 .. slot - depth``, which backward needs next."""
         for k in range(slot, max(slot - self.depth, 0) - 1, -1):
             self._prefetch(k)
@@ -102,7 +114,7 @@ class BoundarySwap:
         data = future.result()
         if from_disk:
             self.read_bytes += data.nbytes
-        return data.reshape(self.shape)
+        return data.reshape(self.shape) if isinstance(data, np.ndarray) else data
 
     def _prefetch(self, slot: int) -> None:
         if slot in self._reads:
@@ -111,8 +123,14 @@ class BoundarySwap:
             self._reads[slot] = (self._pool.submit(_to_host, self._held.pop(slot)), False)
         elif slot in self._writes:  # still in RAM: taken from there once written
             self._reads[slot] = (self._writes.pop(slot), False)
+        elif self.stage_to is not None:
+            self._reads[slot] = (self._pool.submit(self._staged_read, slot), True)
         else:
             self._reads[slot] = (self.disk.read(KIND, slot, 1), True)
+
+    def _staged_read(self, slot: int):  # on a worker thread
+        data = self.disk.read(KIND, slot, 1).result().reshape(self.shape)
+        return jax.block_until_ready(jax.device_put(data, self.stage_to))
 
     # -- accounting and shutdown ----------------------------------------------------------
 
