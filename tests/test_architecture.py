@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Each layer may import only from the layers after it (entry points first).
 LAYERS = [
     {"hetjax.cli"},
-    {"hetjax.launch", "hetjax.bench", "hetjax.export", "hetjax.tokenize"},
+    {"hetjax.launch", "hetjax.bench", "hetjax.export", "hetjax.tokenize", "hetjax.gpucheck"},
     {"hetjax.train", "hetjax.checkpoint", "hetjax.metrics"},
     {"hetjax.planning"},
     {"hetjax.runtime"},
