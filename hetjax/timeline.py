@@ -12,7 +12,8 @@ With ``train.trace_every=N`` every N-th step is recorded as spans on fixed lanes
 and written to ``<workdir>/trace/step_<n>.json`` (Chrome trace event format: open it in
 https://ui.perfetto.dev or chrome://tracing) and ``step_<n>.png`` (a Gantt chart), with
 the overlap figure ``step_over_busiest`` = step time / busiest lane's busy time (1.0:
-the step is as short as its busiest resource allows; higher: time lost to waiting).
+the step is as short as its busiest resource allows; higher: time lost to waiting), and
+the bytes each copy lane moved (``moved_bytes``: the sizes of the arrays copied).
 
 How spans are taken. JAX dispatch is asynchronous, so the time a call returns says
 nothing about when the device ran it. A traced operation is handed to :func:`watch`
@@ -53,6 +54,7 @@ LANE_TITLES = {
     "nvme_write": "NVMe write",
     "optimizer": "host optimizer",
 }
+COPY_LANES = ("host_to_device", "device_to_host")  # watch()'s arrays are what was copied
 
 _active: Recorder | None = None
 
@@ -105,6 +107,7 @@ class Recorder:
         self.step = step
         self.t0 = time.perf_counter()
         self._spans: dict[str, list[tuple[float, float, str]]] = {lane: [] for lane in LANES}
+        self._moved: dict[str, int] = dict.fromkeys(COPY_LANES, 0)
         self._lock = threading.Lock()
         self._closed = False  # no more spans are added
         self._stopping = False  # no more device work is watched
@@ -128,6 +131,8 @@ class Recorder:
         with self._lock:  # finish() may be stopping the watchers from another thread
             if self._stopping:  # e.g. the lock-free optimizer loop, at work after the step
                 return
+            if lane in self._moved:
+                self._moved[lane] += _nbytes(arrays)
             q = self._queues.get(lane)
             if q is None:
                 q = self._queues[lane] = queue.Queue()
@@ -172,7 +177,15 @@ class Recorder:
             self._closed = True
             end = time.perf_counter() - self.t0
             spans = {lane: merge_spans(s) for lane, s in self._spans.items()}
-        return Timeline(self.step, end, spans)
+            moved = dict(self._moved)
+        return Timeline(self.step, end, spans, moved)
+
+
+def _nbytes(arrays: Any) -> int:
+    """Bytes of a pytree of arrays (a sharded array counts its whole, global size)."""
+    import jax  # loaded by whoever dispatched the arrays: no start-up cost here
+
+    return sum(int(a.nbytes) for a in jax.tree.leaves(arrays))
 
 
 def merge_spans(spans: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
@@ -196,6 +209,8 @@ class Timeline:
     step: int
     duration_s: float  # the step's wall time, from the recorder's start to finish()
     spans: dict[str, list[tuple[float, float, str]]]  # lane -> disjoint (start, end, name), s
+    # COPY_LANES -> bytes copied during the step (NVMe bytes are the step's metrics)
+    moved_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def busy_s(self) -> dict[str, float]:
         return {lane: sum(e - s for s, e, _ in spans) for lane, spans in self.spans.items()}
@@ -244,7 +259,12 @@ class Timeline:
         return {
             "traceEvents": events,
             "displayTimeUnit": "ms",
-            "otherData": {"step": self.step, "step_s": self.duration_s, **self.overlap()},
+            "otherData": {
+                "step": self.step,
+                "step_s": self.duration_s,
+                "moved_bytes": self.moved_bytes,
+                **self.overlap(),
+            },
         }
 
     def write(self, directory: str | Path) -> tuple[Path, Path]:
@@ -270,7 +290,12 @@ class Timeline:
         for row, lane in enumerate(reversed(LANES)):
             bars = [(s * 1e3, (e - s) * 1e3) for s, e, _ in self.spans[lane]]
             ax.broken_barh(bars, (row - 0.4, 0.8), color=colors[LANES.index(lane)])
-        ax.set_yticks(range(len(LANES)), [LANE_TITLES[lane] for lane in reversed(LANES)])
+        titles = [
+            LANE_TITLES[lane]
+            + (f" ({self.moved_bytes[lane] / 2**20:.1f} MiB)" if lane in self.moved_bytes else "")
+            for lane in reversed(LANES)
+        ]
+        ax.set_yticks(range(len(LANES)), titles)
         ax.set_xlim(0, self.duration_s * 1e3)
         ax.set_xlabel("ms since the step began")
         o = self.overlap()
