@@ -251,3 +251,86 @@ def test_boundaries_read_from_nvme_land_in_pinned_memory(tmp_path):
             assert got.sharding.memory_kind == "pinned_host"
     assert swap.read_bytes == 3 * rows[0].nbytes
     swap.close()
+
+
+class _Fetches:
+    """A param store for :class:`PrefetchWindow` that records the stages copied."""
+
+    def __init__(self):
+        self.copied: list[str] = []
+
+    def prefetch(self, stage):
+        pass
+
+    def get(self, stage):
+        return stage
+
+
+def _window_copies(runtime, uses: list[str]) -> list[str]:
+    """The stages the runtime's prefetch window copies to the device for ``uses``, in
+    the order the step calls it (``get`` then ``done`` per use): the window's own logic
+    run on names, as the runtime runs it on pages."""
+    from hetjax.runtime.window import PrefetchWindow
+
+    store = _Fetches()
+    window = PrefetchWindow(
+        uses, runtime.plan.prefetch_depth, {}, store, lambda s: store.copied.append(s) or s
+    )
+    for j in range(len(uses)):
+        window.get(j)
+        window.done(j)
+    return store.copied
+
+
+@pytest.mark.parametrize(
+    "offload",
+    [
+        dict(mode="stream"),
+        dict(mode="stream", params="nvme", optimizer="nvme", prefetch_depth=1),
+        dict(mode="stream", activations="host", keep_blocks=1),
+        dict(mode="stream", optimizer_device_stages=2),
+    ],
+    ids=["host", "nvme-depth1", "activations-host-keep1", "device-cache"],
+)
+def test_every_transfer_is_planned_and_counted(tiny, offload):
+    """Under ``jax.transfer_guard("disallow")`` steps run with no implicit transfer
+    (each one a sync copy on a GPU; a Python scalar passed to a jit is one): every
+    host <-> device copy is an explicit ``device_put`` of the plan. The bytes a step
+    copies to the device are those of the plan: the stages the prefetch window copies
+    (forward, then backward's recomputed blocks), the resident stages refreshed after
+    the update unless device-cached, and the boundaries crossing back; to the host,
+    each stage's gradient (the device cache's stay) and the boundaries."""
+    from hetjax import timeline
+
+    model = dict(num_layers=4, d_model=32, num_heads=4, max_seq_len=32)
+    config = tiny(model=model, offload=offload, optimizer=CLIP, memory=PAGES)
+    runtime = StreamingRuntime(config)
+    try:
+        batches = training_batches(config, 3)
+        runtime.train_step(batches[0])  # compiles
+        with jax.transfer_guard("disallow"):
+            runtime.train_step(batches[1])
+            recorder = timeline.Recorder(2)
+            with timeline.recording(recorder):
+                runtime.train_step(batches[2])
+        moved = recorder.finish().moved_bytes
+
+        def nbytes(stage):
+            return sum(p.nbytes for p in runtime.param_store.get(stage))
+
+        L, kept = runtime.num_layers, config.offload.keep_blocks
+        names = runtime.block_names
+        resident = {"embed", "head", *names[: runtime.plan.resident_blocks]}
+        uses = names + names[: L - kept][::-1]
+        copied = [n for n in _window_copies(runtime, uses) if n not in resident]
+        refreshed = [n for n in resident if n not in runtime.device_stages]
+        boundary = 0
+        if config.offload.activations != "device":
+            (B, T) = (config.train.micro_batch_size, config.train.seq_len)
+            boundary = (L - kept) * B * T * model["d_model"] * 4
+        h2d = sum(map(nbytes, copied + refreshed)) + boundary
+        grads = sum(nbytes(n) for n in runtime.stage_names if n not in runtime.device_stages)
+        grads += nbytes("embed") if "embed" not in runtime.device_stages else 0  # tied head
+        assert moved == {"host_to_device": h2d, "device_to_host": grads + boundary}
+    finally:
+        runtime.close()

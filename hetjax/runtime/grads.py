@@ -22,7 +22,9 @@ class DeviceGradients:
         self.slab = jax.jit(
             lambda pages: jnp.concatenate([p.astype(F32) for p in pages]), out_shardings=device
         )
-        self.average = jax.jit(lambda g, d: (g / d, jnp.dot(g / d, g / d)))
+        # the divisor is static (one per run): a Python float argument would be an
+        # implicit host-to-device transfer every step
+        self.average = jax.jit(lambda g, d: (g / d, jnp.dot(g / d, g / d)), static_argnums=1)
 
 
 class StepGradients:

@@ -293,7 +293,8 @@ class StreamingRuntime:
             window.done(i)
             self._account(window, pending, x, kept)
 
-        seed = jnp.asarray(self._step.seed, F32)  # the loss is fp32; fp16 cannot hold scales
+        # the loss is fp32 (fp16 cannot hold scales); put explicitly: a planned transfer
+        seed = jax.device_put(np.float32(self._step.seed), self.shardings.device)
         loss, dh, de_head, dx = fns.head_fwd_bwd(head, embed, x, targets, seed)
         del x
         timeline.watch("compute", "head fwd+bwd", (loss, dx))
