@@ -130,6 +130,11 @@ class SingleDevice:
     def put_batch(self, rows: np.ndarray) -> jax.Array:
         return jax.device_put(rows, self.shardings.device)
 
+    def put_scalar(self, value: float) -> jax.Array:
+        """An fp32 scalar argument of the stage functions, put explicitly (passed as a
+        Python number it would be an implicit transfer, a sync copy on a GPU)."""
+        return jax.device_put(np.float32(value), self.shardings.device)
+
     def host_slab(self, grad) -> np.ndarray:
         """A gradient on the host (its pages) -> this process's flat numpy slab, aligned
         so the host optimizer reads it without a copy."""

@@ -294,7 +294,7 @@ class StreamingRuntime:
             self._account(window, pending, x, kept)
 
         # the loss is fp32 (fp16 cannot hold scales); put explicitly: a planned transfer
-        seed = jax.device_put(np.float32(self._step.seed), self.shardings.device)
+        seed = self.placement.put_scalar(self._step.seed)
         loss, dh, de_head, dx = fns.head_fwd_bwd(head, embed, x, targets, seed)
         del x
         timeline.watch("compute", "head fwd+bwd", (loss, dx))

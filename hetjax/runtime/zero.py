@@ -166,6 +166,10 @@ class Zero3:
         """This process's rows of a batch -> the global batch, rows over ``data``."""
         return jax.make_array_from_process_local_data(self.sharded.batch, rows)
 
+    def put_scalar(self, value: float) -> jax.Array:
+        """An fp32 scalar argument, replicated on every device of the mesh."""
+        return jax.device_put(np.float32(value), self.sharded.gathered)
+
     def host_slab(self, grad: jax.Array) -> np.ndarray:
         shards = sorted(grad.addressable_shards, key=lambda s: s.index[0].start or 0)
         return aligned_concatenate([s.data for s in shards])
