@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import jax
@@ -64,8 +65,15 @@ class StepGradients:
         self._sq = 0.0
         self.device_grads: dict[str, jax.Array] = {}  # device-cached stages' sums
         self._device_sq: list[jax.Array] = []
+        # seconds the dispatching thread spent here instead of dispatching device work
+        self.dispatch_outside_s = 0.0
 
     def add(self, name: str, pages) -> None:
+        t0 = time.perf_counter()
+        self._add(name, pages)
+        self.dispatch_outside_s += time.perf_counter() - t0
+
+    def _add(self, name: str, pages) -> None:
         g = self.host_slab(pages)  # waits for this slab only
         if name in self.grads:
             self.grads[name] += g

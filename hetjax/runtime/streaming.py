@@ -374,6 +374,8 @@ class StreamingRuntime:
             "host_bytes": int(host),
             "nvme_bytes": int(self.io.nvme_bytes),
             "optimizer_s": waited,  # optimizer time the step waited for
+            # the dispatching thread's time in forward and backward not spent dispatching
+            "dispatch_outside_s": step.dispatch_outside_s,
             "optimizer_busy_s": work.busy_s,  # time the loop worked (overlapped or not)
             "optimizer_params": work.params,  # parameters updated (padded slabs, redos too)
             "optimizer_device_params": work.device_params,  # of the device cache
