@@ -127,8 +127,9 @@ def load() -> ctypes.CDLL:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.HetjaxAdam), platform="cpu")
     f = handle.HetjaxAdamHost
     p = ctypes.c_void_p
-    f.argtypes = [p, p, p, p, p, ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                  ctypes.c_int, p, ctypes.c_int]  # fmt: skip
+    i64 = ctypes.c_int64
+    f.argtypes = [p, p, p, p, i64, ctypes.c_int, p, ctypes.c_float, i64, i64, i64, ctypes.c_int,
+                  p, ctypes.c_int]  # fmt: skip
     f.restype = ctypes.c_int
     return handle
 
@@ -136,9 +137,12 @@ def load() -> ctypes.CDLL:
 _OUT_KINDS = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 
+_GRAD_KINDS = {"float32": 0, "bfloat16": 1}
+
+
 def host_update(
     slabs: dict[str, np.ndarray],
-    grad: np.ndarray,
+    grad: list[np.ndarray],
     coef: np.ndarray,
     weight_decay: float,
     num_decay: int,
@@ -147,22 +151,36 @@ def host_update(
 ) -> None:
     """The kernel's pass over host buffers, in place, outside XLA: ``slabs`` (``master``,
     ``mu``, ``nu``: writable float32, one size) are updated, ``out`` (the same size, the
-    compute dtype) receives the new params. ``coef`` as the FFI call's operand. Releases
-    the GIL while it runs (ctypes)."""
-    n = grad.size
+    compute dtype) receives the new params. ``grad`` is the gradient as pages of one
+    size covering the slab (float32 or bfloat16, each contiguous; one page: a flat
+    slab), read where they are. ``coef`` as the FFI call's operand. Releases the GIL
+    while it runs (ctypes)."""
+    n = out.size
     arrays = [slabs["master"], slabs["mu"], slabs["nu"]]
     if any(a.dtype != np.float32 or a.size != n or not a.flags.writeable for a in arrays):
         raise ValueError("host_update: master, mu and nu must be writable float32 of one size")
-    grad = np.ascontiguousarray(grad, np.float32)
+    kind = _GRAD_KINDS.get(grad[0].dtype.name)
+    grad_page = grad[0].size
+    if (
+        kind is None
+        or any(g.dtype != grad[0].dtype or g.size != grad_page for g in grad)
+        or not all(g.flags.c_contiguous for g in grad)
+        or grad_page * len(grad) != n
+    ):
+        raise ValueError(
+            f"host_update: the gradient must be contiguous float32 or bfloat16 pages of one "
+            f"size covering {n} elements, not {len(grad)} of {grad_page} {grad[0].dtype}"
+        )
     coef = np.ascontiguousarray(coef, np.float32)
-    if out.size != n or n % page_elems:
-        raise ValueError(f"host_update: {n} elements, out {out.size}, pages of {page_elems}")
+    if n % page_elems:
+        raise ValueError(f"host_update: {n} elements, pages of {page_elems}")
     base = out.ctypes.data
     pointers = (ctypes.c_void_p * (n // page_elems))(
         *range(base, base + n * out.itemsize, page_elems * out.itemsize)
     )
+    grad_pointers = (ctypes.c_void_p * len(grad))(*(g.ctypes.data for g in grad))
     done = load().HetjaxAdamHost(
-        *(a.ctypes.data for a in arrays), grad.ctypes.data, coef.ctypes.data,
+        *(a.ctypes.data for a in arrays), grad_pointers, grad_page, kind, coef.ctypes.data,
         weight_decay, n, num_decay, page_elems, _OUT_KINDS[out.dtype.name], pointers,
         os.cpu_count() or 1,
     )  # fmt: skip

@@ -39,7 +39,7 @@ import optax
 from hetjax.config import OptimizerConfig
 from hetjax.optimizer import native
 from hetjax.optimizer.build import base_optimizer, learning_rate_schedule, state_kind_name
-from hetjax.storage.pages import SlabLayout, aligned_empty
+from hetjax.storage.pages import GradPages, SlabLayout, aligned_empty
 from hetjax.types import MASTER
 
 F32 = jnp.float32
@@ -189,10 +189,12 @@ class SlabOptimizer:
         self, slabs, spare, scalars, grad, clip, num_decay: int, page_elems: int, aliased=False
     ):
         del spare  # only its buffers are used: the outputs alias them (donated)
+        # ``grad``: the chunk's gradient as its pages (float32 or bfloat16)
         slabs, scalars, grad, clip = jax.device_put((slabs, scalars, grad, clip), self._compute)
         scale = _clip_scale(*clip)
-        if self.native:
+        if self.native:  # the kernel reads the pages as they are
             return self._native_chunk(slabs, scalars, grad, scale, num_decay, page_elems, aliased)
+        grad = jnp.concatenate([g.astype(F32) for g in grad])  # fused into the update
         clipped = grad * scale.astype(grad.dtype)
         master = slabs[MASTER]
         params = (master[:num_decay], master[num_decay:])
@@ -210,11 +212,12 @@ class SlabOptimizer:
     def _native_chunk(self, slabs, scalars, grad, scale, num_decay, page_elems, aliased):
         """``_update_chunk`` by the native kernel (``native.py``): optax computes the new
         scalars (step counts) on empty slabs; the kernel gets the step's coefficients
-        as optax derives them and updates the chunk in one pass. ``aliased``: the
-        results overwrite the operands (an update in place)."""
+        as optax derives them and updates the chunk in one pass, reading the gradient's
+        pages ``grad`` as they are (float32 or bfloat16). ``aliased``: the results
+        overwrite the operands (an update in place)."""
         coef, new_scalars = self._native_coef(scalars, scale)
         c = self.cfg
-        n = grad.shape[0]
+        n = slabs[MASTER].shape[0]
         f32 = jax.ShapeDtypeStruct((n,), F32)
         page = jax.ShapeDtypeStruct((page_elems,), self.compute_dtype)
         call = jax.ffi.ffi_call(
@@ -227,8 +230,8 @@ class SlabOptimizer:
             slabs[MASTER],
             slabs["mu"],
             slabs["nu"],
-            grad,
             coef,
+            *grad,
             num_decay=np.int64(num_decay if decay else 0),
             weight_decay=np.float32(decay),
         )
@@ -295,8 +298,10 @@ class SlabOptimizer:
     ) -> tuple[dict[str, list], list, list[jax.Array]]:
         """One optimizer step of one stage. ``slabs`` is its state by kind, each a list
         of chunks (numpy or JAX arrays) or a whole flat slab (numpy, split here);
-        ``scalars`` its scalars, ``grad`` the averaged fp32 gradient slab (numpy, or a
-        JAX array where it already is: a device-cached stage's, on the device) and ``clip``
+        ``scalars`` its scalars, ``grad`` the averaged gradient: as the pages it reached
+        the host in (:class:`~hetjax.storage.pages.GradPages`, float32 or bfloat16), a
+        flat numpy slab, or a JAX array where it already is (a device-cached stage's, on
+        the device); and ``clip``
         ``(global_norm, max_norm)``. Returns the new state (chunk lists, in
         ``sharding``), the new scalars and the refreshed compute-dtype params as pages.
 
@@ -322,14 +327,14 @@ class SlabOptimizer:
             update = self._update_into
             spares = [{k: spare[k][c] for k in self.kinds} for c in range(len(bounds))]
         clip_arr = (np.float32(clip[0]), np.float32(clip[1]))
-        if not isinstance(grad, jax.Array):
-            # Each chunk put explicitly: shared with JAX when aligned (the executor's
-            # slabs are, ``pages.aligned_concatenate``), where a numpy argument to the
-            # jitted update would be copied.
-            grad = np.asarray(grad, np.float32)
-            grad = jax.device_put([grad[a:b] for a, b in bounds], self.sharding)
+        if isinstance(grad, jax.Array):
+            grad = [[grad[a:b]] for a, b in bounds]
         else:
-            grad = [grad[a:b] for a, b in bounds]
+            # Each chunk's pages put explicitly: shared with JAX when aligned (the host
+            # buffers a gradient lands in are), where numpy arguments to the jitted
+            # update would be copied. Neither concatenated nor cast here: in the update.
+            pages = GradPages.of(grad)
+            grad = jax.device_put([pages.chunk(a, b) for a, b in bounds], self.sharding)
         new: dict[str, list] = {k: [] for k in self.kinds}
         pages: list[jax.Array] = []
         new_scalars = scalars
@@ -360,9 +365,10 @@ class SlabOptimizer:
     ) -> tuple[dict[str, np.ndarray], list, list[np.ndarray]]:
         """:meth:`update` by the native kernel straight on host buffers, in place, no XLA
         buffer involved: ``slabs`` (each kind a writable float32 numpy slab, e.g. the
-        NVMe tier's pooled I/O buffers) are the new state when it returns. The new params
-        are pages of one fresh compute-dtype slab (aligned: put without a copy). Equal
-        to the jitted path bit for bit (the same kernel on the same coefficients)."""
+        NVMe tier's pooled I/O buffers) are the new state when it returns; the gradient
+        is read where it is (its pages, float32 or bfloat16). The new params are pages of
+        one fresh compute-dtype slab (aligned: put without a copy). Equal to the jitted
+        path bit for bit (the same kernel on the same coefficients)."""
         layout = self.layouts[layout_name]
         coef, new_scalars = self._coef(scalars, (np.float32(clip[0]), np.float32(clip[1])))
         decay = self.cfg.weight_decay if self.cfg.name == "adamw" else 0.0
@@ -370,7 +376,7 @@ class SlabOptimizer:
         # in host RAM, the device on the CPU backend), not copied into buffers of its own
         out = aligned_empty(layout.padded_size, self.compute_dtype)
         native.host_update(
-            slabs, np.asarray(grad), np.asarray(coef), decay,
+            slabs, list(GradPages.of(grad).pages), np.asarray(coef), decay,
             layout.num_decay if decay else 0, out, layout.page_elems,
         )  # fmt: skip
         pages = list(out.reshape(-1, layout.page_elems))

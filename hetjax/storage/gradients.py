@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax.storage.nvme import PageStore, bound_writes
+from hetjax.storage.pages import GradPages
 
 
 class GradientStore:
@@ -51,9 +52,10 @@ class GradientStore:
         self._ram_bytes = self._io_bytes = 0  # ints: read without a lock by host_bytes
         self.read_bytes = self.write_bytes = 0
 
-    def keep(self, stage: str, grad: np.ndarray) -> None:
-        """After ``stage``'s speculative update: keeps its gradient (in RAM or written
-        to NVMe, asynchronously) until :meth:`clear`, or drops it (``keep`` False)."""
+    def keep(self, stage: str, grad: np.ndarray | GradPages) -> None:
+        """After ``stage``'s speculative update: keeps its gradient (a flat slab, or the
+        pages it reached the host in) in RAM or written to NVMe (asynchronously) until
+        :meth:`clear`, or drops it (``keep`` False)."""
         if not self.keep_grads:
             return
         if stage not in self.where:
@@ -61,7 +63,7 @@ class GradientStore:
             self._ram_bytes += grad.nbytes
             return
         kind, first, _ = self.where[stage]
-        data = np.asarray(grad)
+        data = grad.slab() if isinstance(grad, GradPages) else np.asarray(grad)
         self._writes.append((self.disk.write(kind, first, data), data))
         self.write_bytes += data.nbytes
         bound_writes(self._writes, self._write_window)
@@ -73,8 +75,9 @@ class GradientStore:
             kind, first, n = self.where[stage]
             self._reads[stage] = self.disk.read(kind, first, n)
 
-    def take(self, stage: str) -> np.ndarray:
-        """A kept gradient, once (for the redo); waits for its read."""
+    def take(self, stage: str) -> np.ndarray | GradPages:
+        """A kept gradient, once (for the redo), as it was kept or (spilled) a flat
+        slab; waits for its read."""
         if stage not in self.where:
             grad = self.ram.pop(stage)
             self._ram_bytes -= grad.nbytes

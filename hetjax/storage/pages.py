@@ -52,8 +52,9 @@ def aligned_concatenate(arrays: list) -> np.ndarray:
 
     On the CPU backend ``jax.device_put`` shares an aligned numpy buffer instead of
     copying it (a copy costs its bytes twice in memory traffic plus fresh pages); numpy's
-    own allocations are only 16-byte aligned. Host gradient slabs are built here so the
-    host optimizer reads them where they are (README, the NVMe table's notes)."""
+    own allocations are only 16-byte aligned. Host gradient slabs (sums over
+    micro-batches) are built here so the host optimizer reads them where they are
+    (README, the NVMe table's notes)."""
     arrays = [np.asarray(a).reshape(-1) for a in arrays]
     out = aligned_empty(sum(a.size for a in arrays), np.result_type(*arrays))
     return np.concatenate(arrays, out=out)
@@ -72,6 +73,61 @@ def pages_slab(pages: list) -> np.ndarray:
         if all(a.base is base and a.ctypes.data == start + i * step for i, a in enumerate(arrays)):
             return base.reshape(-1)
     return np.concatenate(arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradPages:
+    """A stage's gradient on the host as it left the device: its pages in slab order,
+    equal 1-D numpy arrays (float32 or bfloat16; views of the host buffers the copy
+    landed in, no copy), never concatenated into one slab. The host optimizer reads them
+    where they are: the native kernel takes their pointers, the jitted update a chunk's
+    pages. A flat slab is one page (:meth:`of`)."""
+
+    pages: tuple[np.ndarray, ...]
+
+    @classmethod
+    def of(cls, arrays) -> GradPages:
+        """Host arrays (numpy, or JAX arrays in host memory, which are viewed without a
+        copy on the CPU backend): 1-D pages, 2-D blocks of pages (rows: ZeRO-3's shards)
+        or one flat slab; a ``GradPages`` is returned as it is. Waits for JAX arrays to
+        be ready (this is where a device-to-host copy is waited for)."""
+        if isinstance(arrays, GradPages):
+            return arrays
+        if not isinstance(arrays, (list, tuple)):
+            arrays = [arrays]
+        pages = []
+        for a in arrays:
+            a = np.asarray(a)
+            pages += list(a) if a.ndim == 2 else [a.reshape(-1)]
+        return cls(tuple(pages))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.pages[0].dtype
+
+    @property
+    def page_elems(self) -> int:
+        return self.pages[0].size
+
+    @property
+    def size(self) -> int:
+        return len(self.pages) * self.page_elems
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def chunk(self, start: int, end: int) -> list[np.ndarray]:
+        """Elements ``[start, end)`` as the pages (or parts of a page) covering them."""
+        n = self.page_elems
+        return [
+            self.pages[k][max(start - k * n, 0) : min(end - k * n, n)]
+            for k in range(start // n, -(-end // n))
+        ]
+
+    def slab(self) -> np.ndarray:
+        """The gradient as one flat slab: the one page, or a concatenation (a copy)."""
+        return self.pages[0] if len(self.pages) == 1 else aligned_concatenate(self.pages)
 
 
 def aligned_empty(n: int, dtype) -> np.ndarray:

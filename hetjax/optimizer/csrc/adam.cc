@@ -14,13 +14,17 @@
 // Two entry points: ``HetjaxAdam`` (an XLA FFI handler) and ``HetjaxAdamHost`` (plain
 // C, for buffers outside XLA: see the end of this file).
 //
-// Operands: master, mu, nu, grad (f32[n]) and coef (f32[10]):
+// Operands: master, mu, nu (f32[n]), coef (f32[10]):
 //   [clip scale, 1 - b1, b1, 1 - b2, b2, bias correction 1, bias correction 2, eps,
 //    eps_root, step size (-lr)]
+// and the gradient as pages of one size covering n (f32 or bf16: a bf16 element is
+// widened exactly as it is read), so a gradient is read where it landed on the host,
+// never concatenated into one slab nor copied to float32 first.
 // Attributes: num_decay (elements [0, num_decay) get weight decay), weight_decay.
 // Results: master, mu, nu (f32[n]) and the new params in the compute dtype (f32, bf16
 // or f16) as n / page_elems pages.
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -51,6 +55,18 @@ inline uint16_t to_f16(float x) {
   return bits;
 }
 
+template <int kGrad>  // 0: f32, 1: bf16 (the high half of an f32: widened exactly)
+inline float load(const void* g, int64_t j) {
+  if constexpr (kGrad == 0) {
+    return static_cast<const float*>(g)[j];
+  } else {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(g)[j]) << 16;
+    float x;
+    std::memcpy(&x, &bits, 4);
+    return x;
+  }
+}
+
 struct Coef {
   float scale, c1, b1, c2, b2, bc1, bc2, eps, eps_root, step, wd;
 };
@@ -66,17 +82,17 @@ inline void store(void* out, int64_t j, float x) {
   }
 }
 
-// Elements [lo, hi) of one page, all decayed or none: a branch-free loop the compiler
-// vectorizes. ``out`` is the page's compute-dtype array, from element ``base``.
+// ``len`` elements within one page of the params and one of the gradient, all decayed
+// or none: a branch-free loop the compiler vectorizes. Every pointer starts at the
+// first element (``g`` in the gradient's dtype, ``out`` in the compute dtype).
 // The results may be the operands themselves (an update in place): element i reads
 // and writes index i only, so the loop has no dependence between iterations (ivdep).
-template <int kKind, bool kDecay>
-void adam_loop(const Coef& c, const float* p, const float* m, const float* v, const float* g,
-               float* po, float* mo, float* vo, void* out, int64_t base, int64_t lo,
-               int64_t hi) {
+template <int kKind, int kGrad, bool kDecay>
+void adam_loop(const Coef& c, const float* p, const float* m, const float* v, const void* g,
+               float* po, float* mo, float* vo, void* out, int64_t len) {
 #pragma GCC ivdep
-  for (int64_t i = lo; i < hi; ++i) {
-    const float gi = g[i] * c.scale;
+  for (int64_t i = 0; i < len; ++i) {
+    const float gi = load<kGrad>(g, i) * c.scale;
     const float mi = c.c1 * gi + c.b1 * m[i];
     const float vi = c.c2 * (gi * gi) + c.b2 * v[i];
     float u = (mi / c.bc1) / (std::sqrt(vi / c.bc2 + c.eps_root) + c.eps);
@@ -85,62 +101,81 @@ void adam_loop(const Coef& c, const float* p, const float* m, const float* v, co
     mo[i] = mi;
     vo[i] = vi;
     po[i] = pi;
-    store<kKind>(out, i - base, pi);
+    store<kKind>(out, i, pi);
   }
 }
 
 struct Chunk {
-  const float *p, *m, *v, *g;
+  const float *p, *m, *v;
+  const void* const* grads;  // the gradient's pages
+  int64_t grad_page;         // elements per gradient page
   float *po, *mo, *vo;
-  void* const* pages;
+  void* const* pages;  // the compute-dtype params' pages
   int64_t page, num_decay;
 };
 
-// Elements [lo, hi) of the chunk, page by page, split at num_decay.
-template <int kKind>
+constexpr int64_t kOutBytes[3] = {4, 2, 2};
+constexpr int64_t kGradBytes[2] = {4, 2};
+
+// Elements [lo, hi) of the chunk, split at the pages (params' and gradient's) and at
+// num_decay.
+template <int kKind, int kGrad>
 void adam_range(const Coef& c, const Chunk& k, int64_t lo, int64_t hi) {
   while (lo < hi) {
-    const int64_t page = lo / k.page;
-    int64_t end = std::min(hi, (page + 1) * k.page);
+    const int64_t page = lo / k.page, grad_page = lo / k.grad_page;
+    int64_t end = std::min({hi, (page + 1) * k.page, (grad_page + 1) * k.grad_page});
     const bool decay = lo < k.num_decay;
     if (decay) end = std::min(end, k.num_decay);
-    auto loop = decay ? adam_loop<kKind, true> : adam_loop<kKind, false>;
-    loop(c, k.p, k.m, k.v, k.g, k.po, k.mo, k.vo, k.pages[page], page * k.page, lo, end);
+    auto loop = decay ? adam_loop<kKind, kGrad, true> : adam_loop<kKind, kGrad, false>;
+    const void* g =
+        static_cast<const char*>(k.grads[grad_page]) + (lo - grad_page * k.grad_page) * kGradBytes[kGrad];
+    void* out = static_cast<char*>(k.pages[page]) + (lo - page * k.page) * kOutBytes[kKind];
+    loop(c, k.p + lo, k.m + lo, k.v + lo, g, k.po + lo, k.mo + lo, k.vo + lo, out, end - lo);
     lo = end;
   }
 }
 
+template <int kGrad>
 void adam_range(int kind, const Coef& c, const Chunk& k, int64_t lo, int64_t hi) {
-  if (kind == 0) adam_range<0>(c, k, lo, hi);
-  else if (kind == 1) adam_range<1>(c, k, lo, hi);
-  else adam_range<2>(c, k, lo, hi);
+  if (kind == 0) adam_range<0, kGrad>(c, k, lo, hi);
+  else if (kind == 1) adam_range<1, kGrad>(c, k, lo, hi);
+  else adam_range<2, kGrad>(c, k, lo, hi);
 }
 
+void adam_range(int kind, int grad_kind, const Coef& c, const Chunk& k, int64_t lo, int64_t hi) {
+  if (grad_kind == 0) adam_range<0>(kind, c, k, lo, hi);
+  else adam_range<1>(kind, c, k, lo, hi);
+}
+
+// The kind (0: f32, 1: bf16, 2: f16; -1: another) of an FFI buffer's elements.
+int kind_of(ffi::DataType t) {
+  return t == ffi::DataType::F32 ? 0 : t == ffi::DataType::BF16 ? 1 : t == ffi::DataType::F16 ? 2 : -1;
+}
+
+constexpr size_t kMaxPages = 4096;
+
 ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> m,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> g,
-                    ffi::Buffer<ffi::F32> coef, ffi::ResultBuffer<ffi::F32> po,
-                    ffi::ResultBuffer<ffi::F32> mo, ffi::ResultBuffer<ffi::F32> vo,
-                    ffi::RemainingRets pages, int64_t num_decay, float weight_decay) {
+                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> coef, ffi::RemainingArgs grads,
+                    ffi::ResultBuffer<ffi::F32> po, ffi::ResultBuffer<ffi::F32> mo,
+                    ffi::ResultBuffer<ffi::F32> vo, ffi::RemainingRets pages, int64_t num_decay,
+                    float weight_decay) {
   const int64_t n = p.element_count();
-  if (m.element_count() != n || v.element_count() != n || g.element_count() != n ||
-      coef.element_count() != 10) {
+  if (m.element_count() != n || v.element_count() != n || coef.element_count() != 10) {
     return ffi::Error::InvalidArgument("hetjax adam: operand sizes differ");
   }
-  const size_t num_pages = pages.size();
-  if (num_pages == 0 || num_pages > 4096) {
+  const size_t num_pages = pages.size(), num_grad_pages = grads.size();
+  if (num_pages == 0 || num_pages > kMaxPages || num_grad_pages == 0 ||
+      num_grad_pages > kMaxPages) {
     return ffi::Error::InvalidArgument("hetjax adam: 1 to 4096 pages");
   }
-  void* page_data[4096];
+  void* page_data[kMaxPages];
   int out_kind = -1;
   int64_t page = 0;
   for (size_t k = 0; k < num_pages; ++k) {
     auto r = pages.get<ffi::AnyBuffer>(k);
     if (!r.has_value()) return r.error();
     ffi::AnyBuffer b = **r;
-    int kind = b.element_type() == ffi::DataType::F32    ? 0
-               : b.element_type() == ffi::DataType::BF16 ? 1
-               : b.element_type() == ffi::DataType::F16  ? 2
-                                                         : -1;
+    const int kind = kind_of(b.element_type());
     if (kind < 0 || (out_kind >= 0 && kind != out_kind)) {
       return ffi::Error::InvalidArgument("hetjax adam: pages must be f32, bf16 or f16");
     }
@@ -154,12 +189,33 @@ ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<f
   if (page * static_cast<int64_t>(num_pages) != n) {
     return ffi::Error::InvalidArgument("hetjax adam: pages do not cover the chunk");
   }
+  const void* grad_data[kMaxPages];
+  int grad_kind = -1;
+  int64_t grad_page = 0;
+  for (size_t k = 0; k < num_grad_pages; ++k) {
+    auto r = grads.get<ffi::AnyBuffer>(k);
+    if (!r.has_value()) return r.error();
+    ffi::AnyBuffer b = *r;
+    const int kind = kind_of(b.element_type());
+    if (kind < 0 || kind > 1 || (grad_kind >= 0 && kind != grad_kind)) {
+      return ffi::Error::InvalidArgument("hetjax adam: gradient pages must be f32 or bf16");
+    }
+    if (k == 0) grad_page = static_cast<int64_t>(b.element_count());
+    if (static_cast<int64_t>(b.element_count()) != grad_page) {
+      return ffi::Error::InvalidArgument("hetjax adam: gradient pages of different sizes");
+    }
+    grad_kind = kind;
+    grad_data[k] = b.untyped_data();
+  }
+  if (grad_page * static_cast<int64_t>(num_grad_pages) != n) {
+    return ffi::Error::InvalidArgument("hetjax adam: gradient pages do not cover the chunk");
+  }
   const float* k = coef.typed_data();
   const Coef c{k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], weight_decay};
   const Chunk chunk{p.typed_data(),   m.typed_data(),   v.typed_data(),
-                    g.typed_data(),   po->typed_data(), mo->typed_data(),
-                    vo->typed_data(), page_data,        page,
-                    num_decay};
+                    grad_data,        grad_page,        po->typed_data(),
+                    mo->typed_data(), vo->typed_data(), page_data,
+                    page,             num_decay};
 
   // Split over the intra-op pool: parts of whole cache lines, the last one run here.
   int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n / 65536));
@@ -171,12 +227,12 @@ ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<f
   for (int64_t t = 0; t + 1 < parts; ++t) {
     const int64_t lo = t * step, hi = std::min(n, lo + step);
     pool.Schedule([&, lo, hi] {
-      adam_range(out_kind, c, chunk, lo, hi);
+      adam_range(out_kind, grad_kind, c, chunk, lo, hi);
       std::lock_guard<std::mutex> lock(mu);
       if (--left == 0) cv.notify_one();
     });
   }
-  adam_range(out_kind, c, chunk, (parts - 1) * step, n);
+  adam_range(out_kind, grad_kind, c, chunk, (parts - 1) * step, n);
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return left == 0; });
   return ffi::Error::Success();
@@ -191,7 +247,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HetjaxAdam, AdamImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -200,25 +256,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HetjaxAdam, AdamImpl,
                                   .Attr<float>("weight_decay"));
 
 // The same pass called directly on host buffers (ctypes; no XLA buffers): the update of
-// a streamed stage in the NVMe tier's pooled I/O buffers, in place. ``pages`` holds
-// ``n / page`` pointers to the compute-dtype pages (``out_kind`` 0: f32, 1: bf16, 2:
-// f16); the work is split over ``threads`` threads, the last part run by the caller.
-extern "C" int HetjaxAdamHost(float* p, float* m, float* v, const float* g, const float* coef,
+// a streamed stage in the NVMe tier's pooled I/O buffers, in place. ``grads`` holds
+// ``n / grad_page`` pointers to the gradient's pages (``grad_kind`` 0: f32, 1: bf16),
+// ``pages`` ``n / page`` pointers to the compute-dtype pages (``out_kind`` 0: f32, 1:
+// bf16, 2: f16); the work is split over ``threads`` threads, the last part run by the
+// caller.
+extern "C" int HetjaxAdamHost(float* p, float* m, float* v, const void* const* grads,
+                              int64_t grad_page, int grad_kind, const float* coef,
                               float weight_decay, int64_t n, int64_t num_decay, int64_t page,
                               int out_kind, void* const* pages, int threads) {
   if (n <= 0 || page <= 0 || n % page != 0 || out_kind < 0 || out_kind > 2) return 1;
+  if (grad_page <= 0 || n % grad_page != 0 || grad_kind < 0 || grad_kind > 1) return 2;
   const float* k = coef;
   const Coef c{k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], weight_decay};
-  const Chunk chunk{p, m, v, g, p, m, v, pages, page, num_decay};
+  const Chunk chunk{p, m, v, grads, grad_page, p, m, v, pages, page, num_decay};
   int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, n / 65536));
   const int64_t step = ((n + parts - 1) / parts + 15) / 16 * 16;
   parts = (n + step - 1) / step;
   std::vector<std::thread> workers;
   for (int64_t t = 0; t + 1 < parts; ++t) {
     const int64_t lo = t * step, hi = std::min(n, lo + step);
-    workers.emplace_back([&, lo, hi] { adam_range(out_kind, c, chunk, lo, hi); });
+    workers.emplace_back([&, lo, hi] { adam_range(out_kind, grad_kind, c, chunk, lo, hi); });
   }
-  adam_range(out_kind, c, chunk, (parts - 1) * step, n);
+  adam_range(out_kind, grad_kind, c, chunk, (parts - 1) * step, n);
   for (auto& w : workers) w.join();
   return 0;
 }
