@@ -65,11 +65,16 @@ DEVICE_GRAD_SLABS = 2  # gradient slabs on the device: one being produced, one t
 
 POLICIES = ("release", "keep", "accumulate", "lockfree")
 GRAD_QUEUE = 1  # stages the loop holds not yet updated (the one updating) before submit waits
+# Gradients handed by the dispatching thread to the step's gradient thread and not yet
+# taken (``runtime/grads.py``): device-to-host copies in flight; one more makes the
+# hand-off wait.
+HANDOFF_DEPTH = 2
 # Gradient slabs a bounded host holds besides the embed's and the kept ones: the
-# executor's two device-to-host copies in flight plus the one being turned into a host
-# slab (executor._send_grad), that slab (waiting for room in the loop), the GRAD_QUEUE
-# the loop holds and, when gradients are kept, one being written to NVMe.
-D2H_SLABS = 3
+# HANDOFF_DEPTH copies in flight plus the one the gradient thread holds (waiting for its
+# copy, or for room in the loop), a host slab made of it where one is (a loss-scaled
+# gradient is divided in a copy), the GRAD_QUEUE the loop holds and, when gradients are
+# kept, one being written to NVMe.
+D2H_SLABS = HANDOFF_DEPTH + 1
 
 
 def in_flight_slabs(keep: bool) -> int:

@@ -1,8 +1,9 @@
 """The host optimizer loop: a background thread that updates stages as gradients arrive.
 
 **Synchronous mode** (``optimizer.mode=sync``, the default). During the last
-micro-batch's backward the executor hands each stage's final gradient slab to
-:meth:`UpdateLoop.submit` the moment it reaches the host, in backward order (head,
+micro-batch's backward the step's gradient thread (``runtime/grads.py``) hands each
+stage's final gradient to :meth:`UpdateLoop.submit` the moment it reaches the host (as
+the pages it landed in, when nothing had to be summed), in backward order (head,
 block L-1 .. block 0, embed). The thread reads the stage's state ahead (the next
 ``readahead`` stages in that order are already being read from NVMe while this one
 computes), runs the optax update, stores the new state (written back to disk
@@ -70,6 +71,7 @@ import numpy as np
 from hetjax import faults, timeline
 from hetjax.faults import InjectedFault
 from hetjax.storage.gradients import GradientStore
+from hetjax.storage.pages import GradPages
 from hetjax.types import OptimizerWork, TrainingError
 
 
@@ -132,10 +134,11 @@ class UpdateLoop:
 
     # -- synchronous mode ---------------------------------------------------------------
 
-    def submit(self, stage: str, grad: np.ndarray) -> None:
-        """Stage ``stage``'s final, averaged gradient slab (never changed by the caller
-        after this; the loop keeps it for a redo or drops it). Waits while ``max_queued``
-        stages are not yet updated."""
+    def submit(self, stage: str, grad: np.ndarray | GradPages) -> None:
+        """Stage ``stage``'s final, averaged gradient: a flat slab, or the pages it
+        landed in on the host, which the update reads where they are (never changed by
+        the caller after this; the loop keeps it for a redo or drops it). Waits while
+        ``max_queued`` stages are not yet updated."""
         with self._cv:
             while self.max_queued and self._queued >= self.max_queued and self._error is None:
                 self._cv.wait(0.5)
@@ -337,7 +340,7 @@ class UpdateLoop:
     def _opt(self, stage: str):
         return self.device_opt if stage in self.device_stages else self.opt
 
-    def _update(self, stage: str, grad: np.ndarray, clip) -> None:
+    def _update(self, stage: str, grad: np.ndarray | GradPages, clip) -> None:
         if stage in self.device_stages:
             self._update_device(stage, grad, clip)
             return

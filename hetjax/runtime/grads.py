@@ -1,7 +1,23 @@
-"""One step's gradients, collected as they leave the device."""
+"""One step's gradients, collected as they leave the device.
+
+The thread that dispatches device work must not do host work on a gradient: on an
+accelerator that thread keeps the device busy, and numpy over a d=4096 block's
+gradient (concatenate, cast, norm: ~0.8 s per 1e9 parameters) takes longer than the
+block's backward. So the dispatching thread only hands each gradient (its pages, as the
+device-to-host copy will fill them, and its pages' squared norms, a device reduction
+inside the jitted backward) to a gradient thread of the step and goes on dispatching;
+the gradient thread waits for the copy and does what host work remains. A stage's one
+and only contribution (one micro-batch, sync mode, no loss scale) is handed to the
+optimizer loop as the pages it landed in, untouched: the optimizer reads them where
+they are (``optimizer/native.py``). Sums over micro-batches (and the embedding's two
+parts: the tied head's and its own) are accumulated there, in fp32 host slabs.
+"""
 
 from __future__ import annotations
 
+import collections
+import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -9,9 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetjax.memory import HANDOFF_DEPTH
 from hetjax.optimizer.update_loop import UpdateLoop
+from hetjax.storage.pages import GradPages, aligned_concatenate
 
 F32 = jnp.float32
+
+
+class StepAbandoned(RuntimeError):
+    """The step's dispatching thread failed: its gradient thread drops the rest."""
 
 
 class DeviceGradients:
@@ -29,17 +51,22 @@ class DeviceGradients:
 
 
 class StepGradients:
-    """One step's gradient slabs, accumulated on the host (fp32) over micro-batches.
+    """One step's gradients, from the device to the optimizer loop.
 
-    A stage's slab is final after its last contribution of the last micro-batch (embed
-    has two per micro-batch: the tied head and its own backward). It is then averaged
-    (loss scale removed), its squared norm added to the global norm, and, in sync mode,
-    handed to the optimizer ``loop`` at once, which owns it from then on
-    (``storage/gradients.py``): it is not held here. Lock-free mode (``loop`` None)
-    keeps them all for the loop's accumulator.
+    The dispatching thread calls :meth:`add` with a stage's gradient on its way to the
+    host and the per-page squared norms its backward computed; a gradient thread of the
+    step takes it from there, in the order given. A stage's gradient is final after its
+    last contribution of the last micro-batch (embed has two per micro-batch: the tied
+    head and its own backward). Its squared norm (the backward's, or for a sum the host's)
+    is added to the global norm and, in sync mode, the gradient is handed to the
+    optimizer ``loop`` at once, which owns it from then on (``storage/gradients.py``): it
+    is not held here. A single contribution with no loss scale goes as the pages it
+    landed in; sums are fp32 host slabs, averaged (loss scale removed). Lock-free mode
+    (``loop`` None) keeps them all, as fp32 slabs, for the loop's accumulator.
 
     Device-cached stages (sync mode) take the same steps on the device
-    (:meth:`add_device`): their squared norms stay device scalars until :meth:`norm`."""
+    (:meth:`add_device`, on the dispatching thread: it dispatches device work only):
+    their squared norms stay device scalars until :meth:`norm`."""
 
     def __init__(
         self,
@@ -48,7 +75,8 @@ class StepGradients:
         scale: float,
         seed: float,
         loop: UpdateLoop | None,
-        host_slab: Callable[[object], np.ndarray],
+        host_grad: Callable[[object], GradPages],
+        host_sq: Callable[[object], float],
         sum_over_processes: Callable[[float], float],
         device: DeviceGradients | None = None,
     ):
@@ -57,51 +85,55 @@ class StepGradients:
         self.scale = scale
         self.seed = seed  # the loss cotangent: the scale (NaN when a fault is injected)
         self.loop = loop
-        self.host_slab, self.sum_over_processes = host_slab, sum_over_processes
+        self.host_grad, self.host_sq = host_grad, host_sq
+        self.sum_over_processes = sum_over_processes
         self.device = device
         self.finite = True  # once a gradient is not finite, nothing more is submitted
-        self.grads: dict[str, np.ndarray] = {}
+        self.grads: dict[str, np.ndarray] = {}  # sums (and, lock-free, every stage)
         self.peak_bytes = 0  # gradient bytes held on the host (here and by the loop)
         self._sq = 0.0
+        self.stage_sq: dict[str, float] = {}  # each host stage's averaged squared norm
         self.device_grads: dict[str, jax.Array] = {}  # device-cached stages' sums
         self._device_sq: list[jax.Array] = []
         # seconds the dispatching thread spent here instead of dispatching device work
         self.dispatch_outside_s = 0.0
+        # The gradient thread's work: (stage, gradient on its way to the host, its pages'
+        # squared norms); at most HANDOFF_DEPTH wait (device-to-host copies in flight).
+        self._work: queue.Queue = queue.Queue(maxsize=HANDOFF_DEPTH)
+        # The micro-batch's last HANDOFF_DEPTH gradients handed over: counted (and held)
+        # as in flight, as the memory model counts them (memory.D2H_SLABS), whether or
+        # not the gradient thread has taken them yet.
+        self._recent: collections.deque = collections.deque(maxlen=HANDOFF_DEPTH)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hetjax-gradients", daemon=True)
+        self._thread.start()
 
-    def add(self, name: str, pages) -> None:
+    # -- the dispatching thread ---------------------------------------------------------
+
+    def add(self, name: str, grad, sq) -> None:
+        """Hands ``name``'s gradient over: ``grad`` its pages on the way to the host
+        (dispatched copies), ``sq`` its pages' squared norms (a device array). Returns at
+        once unless HANDOFF_DEPTH gradients are still waiting for the gradient thread."""
         t0 = time.perf_counter()
-        self._add(name, pages)
+        self._raise()
+        self._recent.append(grad)
+        self._work.put((name, grad, sq))
         self.dispatch_outside_s += time.perf_counter() - t0
 
-    def _add(self, name: str, pages) -> None:
-        g = self.host_slab(pages)  # waits for this slab only
-        if name in self.grads:
-            self.grads[name] += g
-        else:
-            self.grads[name] = g
-        self.remaining[name] -= 1
-        if self.remaining[name] == 0:
-            g = self.grads[name]
-            if self.divisor != 1:
-                g /= self.divisor
-            g32 = g if g.dtype == np.float32 else g.astype(np.float32)  # bf16: one block
-            sq = float(np.dot(g32, g32))
-            del g32
-            self._sq += sq
-            self.finite = self.finite and bool(np.isfinite(sq))
-        held = sum(a.nbytes for a in self.grads.values())
-        if self.loop is not None:
-            held += self.loop.grad_host_bytes()
-        self.peak_bytes = max(self.peak_bytes, held)
-        if self.remaining[name] == 0 and self.loop is not None:
-            g = self.grads.pop(name)
-            if self.finite:  # never write non-finite state
-                self.loop.submit(name, g)
+    def in_flight(self) -> list:
+        """The gradients in flight to the host (the ledger counts them): the last
+        HANDOFF_DEPTH handed over in this micro-batch."""
+        return list(self._recent)
+
+    def micro_batch_sent(self) -> None:
+        """The micro-batch's gradients are all handed over: none is held as in flight
+        through the next micro-batch's forward."""
+        self._recent.clear()
 
     def add_device(self, name: str, pages) -> None:
         """A device-cached stage's gradient pages: summed on the device over the
-        micro-batches (as :meth:`add` does on the host), then averaged, its squared norm
-        taken and its update dispatched, all without leaving the device."""
+        micro-batches (as the host does), then averaged, its squared norm taken and its
+        update dispatched, all without leaving the device."""
         g = self.device.slab(pages)
         if name in self.device_grads:
             g = self.device_grads[name] + g
@@ -113,6 +145,81 @@ class StepGradients:
             self.loop.submit_device(name, g)
 
     def norm(self) -> float:
+        """The global gradient norm, once every gradient is in: waits for the gradient
+        thread to finish the step (and raises what it raised)."""
+        self.close()
         assert not any(self.remaining.values()), self.remaining
         sq = self._sq + sum(float(s) for s in self._device_sq)  # waits for the device's
         return float(np.sqrt(self.sum_over_processes(sq)))
+
+    def close(self, abandon: bool = False) -> None:
+        """Ends the gradient thread after what it was handed (``abandon``: the step
+        failed; what is still waiting is dropped, nothing more goes to the loop)."""
+        if abandon and self._error is None:
+            self._error = StepAbandoned("the step failed on the dispatching thread")
+        if self._thread.is_alive():
+            self._work.put(None)
+            self._thread.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # -- the gradient thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            if self._error is None:  # after a failure, only drained
+                try:
+                    self._take(*item)
+                except BaseException as e:  # raised on the dispatching thread
+                    self._error = e
+            del item
+
+    def _take(self, name: str, grad, sq) -> None:
+        pages = self.host_grad(grad)  # waits for this gradient's copy only
+        del grad
+        self.remaining[name] -= 1
+        final = self.remaining[name] == 0
+        whole = final and name not in self.grads  # the stage's one contribution
+        if whole and self.loop is not None and self.divisor == 1:
+            g, stage_sq = pages, self.host_sq(sq)  # handed on as it landed
+        else:
+            if name in self.grads:
+                acc, n = self.grads[name], pages.page_elems
+                for k, page in enumerate(pages.pages):
+                    acc[k * n : (k + 1) * n] += page
+            else:  # a slab of its own: summed into, divided, kept past the step
+                self.grads[name] = aligned_concatenate(pages.pages)
+            del pages
+            if not final:
+                self._held()
+                return
+            g = self.grads[name]
+            if self.divisor != 1:
+                g /= self.divisor
+            if whole:  # the backward's norm, of the gradient before the division
+                stage_sq = self.host_sq(sq) / self.divisor**2
+            else:
+                g32 = g if g.dtype == np.float32 else g.astype(np.float32)
+                stage_sq = float(np.dot(g32, g32))
+                del g32
+            if self.loop is not None:
+                del self.grads[name]
+        self.stage_sq[name] = stage_sq
+        self._sq += stage_sq
+        self.finite = self.finite and bool(np.isfinite(stage_sq))
+        self._held(g if self.loop is not None else None)
+        if self.loop is not None and self.finite:  # never write non-finite state
+            self.loop.submit(name, g)
+
+    def _held(self, passing=None) -> None:
+        """Records the gradient bytes the host holds now (``passing``: one on its way
+        to the loop)."""
+        held = sum(a.nbytes for a in self.grads.values())
+        if passing is not None:
+            held += passing.nbytes
+        if self.loop is not None:
+            held += self.loop.grad_host_bytes()
+        self.peak_bytes = max(self.peak_bytes, held)

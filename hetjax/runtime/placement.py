@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import ConfigError
-from hetjax.storage.pages import SlabLayout, aligned_concatenate
+from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
 from hetjax.types import ParamStore
 
@@ -135,10 +135,15 @@ class SingleDevice:
         Python number it would be an implicit transfer, a sync copy on a GPU)."""
         return jax.device_put(np.float32(value), self.shardings.device)
 
-    def host_slab(self, grad) -> np.ndarray:
-        """A gradient on the host (its pages) -> this process's flat numpy slab, aligned
-        so the host optimizer reads it without a copy."""
-        return aligned_concatenate(grad)
+    def host_grad(self, grad) -> GradPages:
+        """A gradient copied to the host (its pages) -> this process's pages as numpy
+        views, no copy (waits for the copy)."""
+        return GradPages.of(grad)
+
+    def host_sq(self, sq: jax.Array) -> float:
+        """A gradient's per-page squared norms (``stages.page_squared_norms``, on the
+        device) -> the sum over this process's pages (waits for the backward)."""
+        return float(np.sum(np.asarray(sq), dtype=np.float64))
 
     def sum_over_processes(self, value: float) -> float:
         return value

@@ -36,6 +36,16 @@ def stage_layouts(model, page_size: int, page_multiple: int = 1) -> dict[str, Sl
     }
 
 
+def page_squared_norms(grad) -> jax.Array:
+    """Inside a backward's jit: the squared L2 norm (float32) of each page of a gradient
+    as ``grad_slab`` shapes it (a list of pages, or a ``(pages, page_elems)`` array: a
+    device's shard under ZeRO-3), as a ``(pages,)`` vector. One reduction fused with the
+    gradient's last pass, where a host would read the whole gradient again."""
+    if isinstance(grad, (list, tuple)):
+        return jnp.stack([jnp.sum(jnp.square(p.astype(F32))) for p in grad])
+    return jnp.sum(jnp.square(grad.astype(F32)), axis=-1)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageMemory:
     """Device bytes of one micro-batch's stage functions, as XLA compiles them."""
@@ -60,7 +70,10 @@ class StageFunctions:
 
     ``jit`` compiles a stage function (one device: ``jax.jit`` onto it; ZeRO-3: per
     device with collectives) and ``grad_slab(pages, dtype)`` shapes a gradient as it
-    leaves the device; block gradients leave in ``block_grad_dtype``.
+    leaves the device; block gradients leave in ``block_grad_dtype``. Every backward
+    returns each gradient as ``(gradient, its pages' squared norms)``
+    (:func:`page_squared_norms`): the host never takes a norm of a gradient the device
+    already holds (``grads.py``).
     """
 
     def __init__(
@@ -73,7 +86,12 @@ class StageFunctions:
         keep_level: str = "all",
     ):
         E, B, H = layouts["embed"], layouts["block"], layouts["head"]
-        cast = lambda pages: grad_slab(pages, block_grad_dtype)
+
+        def out(pages, dtype=F32):  # a gradient as it leaves the device, and its norms
+            grad = grad_slab(pages, dtype)
+            return grad, page_squared_norms(grad)
+
+        cast = lambda pages: out(pages, block_grad_dtype)
         self.layouts = layouts
         m = model
 
@@ -89,7 +107,7 @@ class StageFunctions:
         def head_fwd_bwd(h, e, x, targets, scale):
             loss, vjp = jax.vjp(lambda h, e, x: head_loss(h, e, x, targets), h, e, x)
             dh, de, dx = vjp(scale)  # scale: the fp16 loss scale, else 1
-            return loss, grad_slab(dh, F32), grad_slab(de, F32), dx
+            return loss, out(dh), out(de), dx
 
         def block_bwd(b, x, dy):  # recompute the block's inside, then its vjp
             _, vjp = jax.vjp(block_fwd, b, x)
@@ -102,7 +120,7 @@ class StageFunctions:
 
         def embed_bwd(e, tokens, dx):
             _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
-            return grad_slab(vjp(dx)[0], F32)
+            return out(vjp(dx)[0])
 
         self.embed_fwd = jit(embed_fwd)
         self.block_fwd = jit(block_fwd)

@@ -13,10 +13,12 @@ next ``offload.prefetch_depth`` slabs in while the current stage computes (JAX's
 dispatch overlaps them) and drops each slab after its last use. Block-boundary
 activations (*boundaries*) stay on the device, go to host RAM, or are swapped through
 host RAM to NVMe (``offload.activations``, ``storage/swap.py``). Each stage's gradient
-slab goes to the host as soon as its backward is dispatched
-(:class:`~hetjax.runtime.grads.StepGradients`); the host optimizer loop
-(``optimizer/update_loop.py``) updates the stage as soon as its final gradient is there,
-while backward goes on, and refreshes the param slabs for the next step.
+goes to the host as soon as its backward is dispatched, with its squared norm from the
+backward itself; this thread only dispatches, the step's gradient thread takes the
+gradient from there (:class:`~hetjax.runtime.grads.StepGradients`); the host optimizer
+loop (``optimizer/update_loop.py``) updates the stage as soon as its final gradient is
+there, reading its pages where they landed, while backward goes on, and refreshes the
+param slabs for the next step.
 
 With ``offload.optimizer_device_stages = N`` (host or NVMe optimizer) the first N stages
 in forward order are a device cache of optimizer state (Angel-PTM): their state and
@@ -33,7 +35,7 @@ step really held.
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import dataclasses
 import math
 import shutil
@@ -242,7 +244,9 @@ class StreamingRuntime:
         """Forward and backward of a global batch (A, B/A, T+1) with no update: each
         stage's averaged gradient slab on the host (the benchmarks time the step's parts
         with it)."""
-        return self._gradients(batch, 1.0, False, None).grads
+        step = self._gradients(batch, 1.0, False, None)
+        step.norm()  # the gradient thread is done
+        return step.grads
 
     def _gradients(self, batch, scale: float, poison: bool, loop) -> StepGradients:
         """Runs every micro-batch's forward and backward; the gradients go to a
@@ -254,17 +258,24 @@ class StreamingRuntime:
             scale,
             seed,
             loop,
-            self.placement.host_slab,
+            self.placement.host_grad,
+            self.placement.host_sq,
             self.placement.sum_over_processes,
             self.device_grads,
         )
         self._step = step
-        step.losses = [self._forward_backward(micro) for micro in batch]
-        self._step = None
+        try:
+            step.losses = [self._forward_backward(micro) for micro in batch]
+        except BaseException:
+            with contextlib.suppress(BaseException):  # the first error is the one raised
+                step.close(abandon=True)
+            raise
+        finally:
+            self._step = None
         return step
 
     def _forward_backward(self, tokens_np: np.ndarray):
-        """Forward and backward of one micro-batch (B, T+1); its gradient slabs go to
+        """Forward and backward of one micro-batch (B, T+1); its gradients go to
         ``self._step``. Returns the loss (a device scalar)."""
         L, fns, put = self.num_layers, self.fns, self.placement.put_batch
         tokens, targets = put(tokens_np[:, :-1]), put(tokens_np[:, 1:])
@@ -274,7 +285,6 @@ class StreamingRuntime:
         first_kept = L - self.config.offload.keep_blocks
         backward_uses = [self.block_names[i] for i in reversed(range(first_kept))]
         window = self._window(self.block_names + backward_uses)
-        pending: collections.deque = collections.deque()  # grads in flight to the host
         boundaries = self.boundaries
         boundaries.begin()
 
@@ -291,15 +301,15 @@ class StreamingRuntime:
             timeline.watch("compute", f"block{i} fwd", x, after=slab)
             del slab  # the window decides when a slab goes; hold no reference past it
             window.done(i)
-            self._account(window, pending, x, kept)
+            self._account(window, x, kept)
 
         # the loss is fp32 (fp16 cannot hold scales); put explicitly: a planned transfer
         seed = self.placement.put_scalar(self._step.seed)
         loss, dh, de_head, dx = fns.head_fwd_bwd(head, embed, x, targets, seed)
         del x
         timeline.watch("compute", "head fwd+bwd", (loss, dx))
-        self._grad_out("head", dh, pending)
-        self._grad_out("embed", de_head, pending)
+        self._grad_out("head", *dh)
+        self._grad_out("embed", *de_head)
         del dh, de_head
 
         next_x = boundaries.load(first_kept - 1) if first_kept else None
@@ -318,40 +328,38 @@ class StreamingRuntime:
                 boundaries.drop(i)
                 del x_in, slab
                 window.done(j)
-            self._grad_out(self.block_names[i], db, pending)
+            self._grad_out(self.block_names[i], *db)
             del db
-            self._account(window, pending, dx, kept)
+            self._account(window, dx, kept)
 
         de = fns.embed_bwd(embed, tokens, dx)
         timeline.watch("compute", "embed bwd", de)
-        self._grad_out("embed", de, pending)
+        self._grad_out("embed", *de)
         if self.device_stages:  # the device cache's updates are dispatched by now
-            self._account(window, pending, de)
+            self._account(window, de)
         del de
-        while pending:
-            self._step.add(*pending.popleft())
+        self._step.micro_batch_sent()
         return loss
 
-    def _grad_out(self, name: str, g, pending) -> None:
-        """Hands a stage's gradient on: summed and updated on the device (the
-        device-cached stages in sync mode), or copied to the host; older copies in
-        flight are handed to the step's gradients (at most two stay in flight)."""
+    def _grad_out(self, name: str, g, sq) -> None:
+        """Hands a stage's gradient and its pages' squared norms on: summed and updated
+        on the device (the device-cached stages in sync mode), or copied to the host and
+        handed to the step's gradient thread (nothing here waits for the copy)."""
         if name in self._device_grad_stages:
             self._step.add_device(name, g)
             return
         self.placement.sent_grad(g)
         host = jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), g)
-        pending.append((name, jax.device_put(g, host)))
-        timeline.watch("device_to_host", f"{name} grad", pending[-1][1], after=g)
-        while len(pending) > 2:
-            self._step.add(*pending.popleft())
+        on_host = jax.device_put(g, host)
+        timeline.watch("device_to_host", f"{name} grad", on_host, after=g)
+        self._step.add(name, on_host, sq)
 
-    def _account(self, window, pending, *transients) -> None:
+    def _account(self, window, *transients) -> None:
         held = [
             *self.resident.values(),
             *window.cache.values(),
             *self.boundaries.arrays(),
-            *(g for _, g in pending),
+            *self._step.in_flight(),  # gradients on their way to the host
             *transients,
         ]
         if self.device_stages:  # the device cache's params and gradients

@@ -12,10 +12,11 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   copies its own pages to device memory and a jitted all-gather makes them whole on
   every device; both are dispatched ahead of use like streaming's copies.
 * **Reduce-scatter of gradients.** Each stage function runs per device on its rows of
-  the global batch (``shard_map``); its gradient slab is ``psum_scatter``-ed, so each
-  device keeps only the summed gradient of its own pages, which go to the host as
-  before. (Left to XLA's automatic partitioner, the CPU backend lowers both collectives
-  as all-reduces, twice the bytes.)
+  the global batch (``shard_map``); its gradient slab is ``psum_scatter``-ed
+  (``grad_slab``), so each device keeps only the summed gradient of its own pages, which
+  go to the host as before, with their squared norms taken on the device. (Left to
+  XLA's automatic partitioner, the CPU backend lowers both collectives as all-reduces,
+  twice the bytes.)
 * **One optimizer per process, on its shards.** A process holds the pages of its own
   devices, a contiguous page range of every stage (devices of a process are
   contiguous in the mesh); its host optimizer loop (``update_loop.py``) updates only
@@ -42,7 +43,7 @@ from jax.sharding import PartitionSpec, SingleDeviceSharding
 from hetjax.config import Config
 from hetjax.distributed import DATA_AXIS, data_mesh
 from hetjax.runtime.placement import ShardedPlacement, Shardings
-from hetjax.storage.pages import SlabLayout, aligned_concatenate
+from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
 from hetjax.types import ParamStore
 
@@ -97,30 +98,29 @@ class Zero3:
         whole pages in, the device's rows of activations in and out; its loss is the
         mean over devices, its gradient slabs are reduce-scattered (``psum_scatter``).
         Arguments and results are told apart by rank: pages (1-D) and scalars are
-        replicated, batches (2-D tokens, 3-D activations) split by rows, 2-D results are
-        gradient slabs (see ``grad_slab``)."""
-        N = self.degree
+        replicated, batches (2-D tokens, 3-D activations) split by rows; results split
+        by their first axis, but for the loss: 2-D gradient slabs (reduce-scattered by
+        ``grad_slab``), 1-D their pages' squared norms, 3-D activations."""
 
         def reduce(out):
             if out.ndim == 0:  # the loss: the global batch's mean is the mean of means
                 return jax.lax.pmean(out, DATA_AXIS)
-            if out.ndim == 2:
-                # Seeded with the local mean, each device's gradient is N x its share
-                # of the global mean's (exact for a power-of-two N).
-                summed = jax.lax.psum_scatter(out, DATA_AXIS, scatter_dimension=0, tiled=True)
-                return summed / N
             return out
 
         def spec_in(a):
             return PartitionSpec(DATA_AXIS) if a.ndim >= 2 else PartitionSpec()
 
-        def spec_out(a):
-            if a.ndim == 0:
+        def spec_out(a):  # ``a``: the result on every device, stacked (a leading axis)
+            if a.ndim == 1:
                 return PartitionSpec()
-            return PartitionSpec(DATA_AXIS, None) if a.ndim == 2 else PartitionSpec(DATA_AXIS)
+            return PartitionSpec(DATA_AXIS, None) if a.ndim == 3 else PartitionSpec(DATA_AXIS)
 
         def run(*args):
-            results = jax.eval_shape(fn, *args)
+            # The results' ranks, with the data axis bound for fn's collectives (vmap
+            # binds it as the shard_map will); the arguments' shapes do not matter here.
+            results = jax.eval_shape(
+                jax.vmap(fn, in_axes=None, axis_size=self.degree, axis_name=DATA_AXIS), *args
+            )
             per_device = jax.shard_map(
                 lambda *a: jax.tree.map(reduce, fn(*a)),
                 mesh=self.mesh,
@@ -133,7 +133,13 @@ class Zero3:
         return jax.jit(run)
 
     def grad_slab(self, pages: list[jax.Array], dtype=F32) -> jax.Array:
-        return jnp.stack([p.astype(dtype) for p in pages])  # (pages, page_elems)
+        """Inside a stage function (per device): this device's gradient of the whole
+        pages -> the summed gradient of its own pages, ``(pages / N, page_elems)``."""
+        local = jnp.stack([p.astype(dtype) for p in pages])  # (pages, page_elems)
+        # Seeded with the local mean, each device's gradient is N x its share of the
+        # global mean's (exact for a power-of-two N).
+        summed = jax.lax.psum_scatter(local, DATA_AXIS, scatter_dimension=0, tiled=True)
+        return summed / self.degree
 
     def gather(self, num_pages: int):
         """The jitted all-gather of a ``num_pages``-page stage slab (sharded over the
@@ -170,9 +176,18 @@ class Zero3:
         """An fp32 scalar argument, replicated on every device of the mesh."""
         return jax.device_put(np.float32(value), self.sharded.gathered)
 
-    def host_slab(self, grad: jax.Array) -> np.ndarray:
+    def host_grad(self, grad: jax.Array) -> GradPages:
+        """A gradient slab copied to the host -> this process's pages (its devices'
+        shards, in page order) as numpy views, no copy."""
         shards = sorted(grad.addressable_shards, key=lambda s: s.index[0].start or 0)
-        return aligned_concatenate([s.data for s in shards])
+        return GradPages.of([s.data for s in shards])
+
+    def host_sq(self, sq: jax.Array) -> float:
+        """Per-page squared norms (sharded as the pages) -> the sum over this
+        process's pages."""
+        return float(
+            sum(np.sum(np.asarray(s.data), dtype=np.float64) for s in sq.addressable_shards)
+        )
 
     def sum_over_processes(self, value: float) -> float:
         if jax.process_count() == 1:
