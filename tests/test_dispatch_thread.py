@@ -30,9 +30,13 @@ def _layout(n, page):
     return SlabLayout((Leaf(("w",), (n,), 0, n),), None, (0,), 2 * page + 1000, n, page)
 
 
-@pytest.mark.parametrize("kernel", ["native", "optax"])
+# host buffers (the NVMe tier's in-place update) are the native kernel's alone
+KERNEL_MODES = [(k, m) for k in ("native", "optax") for m in ("fresh", "spare", "in place")]
+KERNEL_MODES.append(("native", "host"))
+
+
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mode", ["fresh", "spare", "in place", "host"])
+@pytest.mark.parametrize("kernel, mode", KERNEL_MODES)
 def test_update_from_pages_equals_update_from_a_slab(monkeypatch, kernel, grad_dtype, mode):
     """The optimizer fed a gradient as its pages (bf16 or f32, never concatenated) gives
     bit for bit what it gives fed the same gradient as one float32 slab, in every way
@@ -40,8 +44,6 @@ def test_update_from_pages_equals_update_from_a_slab(monkeypatch, kernel, grad_d
     NVMe tier) in place on host buffers."""
     if kernel == "native":
         require(native._compiler() is not None, "a C++ compiler: apt-get install g++")
-    elif mode == "host":
-        pytest.skip("host buffers are the native kernel's")
     import hetjax.optimizer.slab
 
     page, n = 4096, 6 * 4096
@@ -108,3 +110,56 @@ def test_host_update_reads_pages_of_any_size_and_refuses_bad_ones():
     for bad in ([g[:-page]], [g.astype(np.float16)], [g[: n // 2], g[n // 2 :].astype(np.float32)]):
         with pytest.raises(ValueError, match="gradient must be"):
             native.host_update(slabs, bad, coef, 0.0, 0, np.empty(n, BF16), page)
+
+
+# -- the dispatching thread ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        dict(offload=dict(mode="stream")),
+        dict(offload=dict(mode="stream", optimizer="nvme"), train=dict(grad_accum=2)),
+        dict(offload=dict(mode="stream"), optimizer=dict(grad_clip=0.05)),
+    ],
+    ids=["host", "nvme-accum2", "clipping"],
+)
+def test_the_dispatching_thread_does_no_host_work_on_a_gradient(tiny, monkeypatch, sections):
+    """Every wait for a gradient's copy, every read of its norms and every host sum of
+    its pages runs on the step's gradient thread, never on the thread that dispatches
+    the stage functions (the test's own); the step reports that thread's time outside
+    dispatch. Training still equals the in-memory runtime (the clipping case: the
+    global norm, summed from the backwards' per-page norms, binds every step)."""
+    import threading
+
+    from equivalence import assert_losses_close
+
+    from hetjax.runtime import grads, placement
+    from hetjax.runtime.in_memory import InMemoryRuntime
+    from hetjax.runtime.streaming import StreamingRuntime
+
+    callers: set[str] = set()
+
+    def recorded(fn):
+        def call(*args, **kwargs):
+            callers.add(threading.current_thread().name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name in ("host_grad", "host_sq"):
+        monkeypatch.setattr(
+            placement.SingleDevice, name, recorded(getattr(placement.SingleDevice, name))
+        )
+    monkeypatch.setattr(grads, "aligned_concatenate", recorded(grads.aligned_concatenate))
+    config = tiny(**sections)
+    runtime = StreamingRuntime(config)
+    try:
+        batches = [_batch(config, seed) for seed in range(3)]
+        stats = [runtime.train_step(b) for b in batches]
+    finally:
+        runtime.close()
+    assert callers == {"hetjax-gradients"}, callers
+    expected = InMemoryRuntime(config)
+    assert_losses_close([s.loss for s in stats], [expected.train_step(b).loss for b in batches])
+    assert all(s.metrics["dispatch_outside_s"] > 0 for s in stats)  # measured each step
