@@ -95,8 +95,15 @@ class StepGradients:
         self.stage_sq: dict[str, float] = {}  # each host stage's averaged squared norm
         self.device_grads: dict[str, jax.Array] = {}  # device-cached stages' sums
         self._device_sq: list[jax.Array] = []
-        # seconds the dispatching thread spent here instead of dispatching device work
+        # Seconds the dispatching thread spent here instead of dispatching device work,
+        # and the part of it waiting for room in the hand-off: the gradient thread was
+        # then waiting for a copy (the device behind the dispatching thread: it has work
+        # queued, nothing idles) or for the optimizer loop (a sync run's back-pressure);
+        # the gradient thread's two waits tell which.
         self.dispatch_outside_s = 0.0
+        self.handoff_wait_s = 0.0
+        self.copy_wait_s = 0.0  # the gradient thread waiting for gradients' copies
+        self.loop_wait_s = 0.0  # the gradient thread waiting to hand one to the loop
         # The gradient thread's work: (stage, gradient on its way to the host, its pages'
         # squared norms); at most HANDOFF_DEPTH wait (device-to-host copies in flight).
         self._work: queue.Queue = queue.Queue(maxsize=HANDOFF_DEPTH)
@@ -117,8 +124,11 @@ class StepGradients:
         t0 = time.perf_counter()
         self._raise()
         self._recent.append(grad)
+        t1 = time.perf_counter()
         self._work.put((name, grad, sq))
-        self.dispatch_outside_s += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        self.dispatch_outside_s += t2 - t0
+        self.handoff_wait_s += t2 - t1  # the hand-off full: see grad_copy_wait_s
 
     def in_flight(self) -> list:
         """The gradients in flight to the host (the ledger counts them): the last
@@ -178,7 +188,9 @@ class StepGradients:
             del item
 
     def _take(self, name: str, grad, sq) -> None:
+        t0 = time.perf_counter()
         pages = self.host_grad(grad)  # waits for this gradient's copy only
+        self.copy_wait_s += time.perf_counter() - t0
         del grad
         self.remaining[name] -= 1
         final = self.remaining[name] == 0
@@ -212,7 +224,9 @@ class StepGradients:
         self.finite = self.finite and bool(np.isfinite(stage_sq))
         self._held(g if self.loop is not None else None)
         if self.loop is not None and self.finite:  # never write non-finite state
+            t0 = time.perf_counter()
             self.loop.submit(name, g)
+            self.loop_wait_s += time.perf_counter() - t0
 
     def _held(self, passing=None) -> None:
         """Records the gradient bytes the host holds now (``passing``: one on its way

@@ -384,6 +384,9 @@ class StreamingRuntime:
             "optimizer_s": waited,  # optimizer time the step waited for
             # the dispatching thread's time in forward and backward not spent dispatching
             "dispatch_outside_s": step.dispatch_outside_s,
+            "dispatch_handoff_wait_s": step.handoff_wait_s,  # of it, the hand-off full
+            "grad_copy_wait_s": step.copy_wait_s,  # the gradient thread's waits ...
+            "grad_loop_wait_s": step.loop_wait_s,  # ... for copies, for the optimizer
             "optimizer_busy_s": work.busy_s,  # time the loop worked (overlapped or not)
             "optimizer_params": work.params,  # parameters updated (padded slabs, redos too)
             "optimizer_device_params": work.device_params,  # of the device cache
