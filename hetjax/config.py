@@ -58,6 +58,8 @@ from hetjax.config_values import (  # noqa: E402 (after CONFIGS_DIR: the values'
 
 DTYPES = ("float32", "bfloat16", "float16")
 FAMILIES = ("gpt", "llama", "custom")
+# model.attention: how the zoo's blocks compute attention (models/attention.py)
+ATTENTIONS = ("auto", "blockwise", "reference", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,11 @@ class ModelConfig:
     init_std: float = 0.02
     layer_norm_eps: float = 1e-5  # epsilon of every norm: LayerNorm (gpt), RMSNorm (llama)
     remat: bool = False  # offload.mode=none: recompute each block in backward (jax.checkpoint)
+    # gpt, llama: auto (cuDNN's fused kernel where it supports the shape and dtype, else
+    # blockwise), blockwise (online softmax over tiles, no T x T tensor), reference
+    # (the whole score matrix), fused (cuDNN); models/attention.py
+    attention: str = "auto"
+    attention_block: int = 0  # blockwise attention's tile side; 0: 256 (at most seq_len)
     # llama: grouped-query attention with num_kv_heads key/value heads (0: num_heads)
     num_kv_heads: int = 0
     rope_theta: float = 10000.0  # llama: rotary embedding base
@@ -95,6 +102,13 @@ class ModelConfig:
 
     def __post_init__(self):
         _choice("model", "family", self.family, FAMILIES)
+        _choice("model", "attention", self.attention, ATTENTIONS)
+        _check(
+            self.attention_block >= 0,
+            "model.attention_block",
+            "must be >= 0 (0 means 256)",
+            self.attention_block,
+        )
         for name in ("num_layers", "d_model", "num_heads", "vocab_size", "max_seq_len"):
             _check(getattr(self, name) >= 1, f"model.{name}", "must be >= 1", getattr(self, name))
         _check(self.d_ff >= 0, "model.d_ff", "must be >= 0 (0 means 4 * d_model)", self.d_ff)
@@ -332,9 +346,10 @@ class OffloadConfig:
     forward to backward instead of recomputing them from their input checkpoint;
     ``keep_level`` says which (hetjax/remat.py): ``all`` of them, or only those with the
     best recompute time saved per byte: ``matmuls`` (the matmul outputs; backward
-    recomputes the attention softmax and the elementwise ops) or ``probs`` (those and
-    the attention probabilities; backward recomputes the elementwise ops; only blocks
-    that tag them, as models/gpt.py and models/llama.py do).
+    recomputes the elementwise ops, and the attention forward where it is not the
+    blockwise one) or ``probs`` (those and the attention probabilities; backward
+    recomputes the elementwise ops; only blocks that tag them, as the zoo's reference
+    attention does, ``model.attention=reference``).
 
     ``optimizer_device_stages``: with ``optimizer`` host or nvme, the first N stages in
     forward order (embed, block 0, block 1, ..., head last) keep their fp32 master and

@@ -21,6 +21,12 @@ HELP: dict[str, str] = {
     "model.init_std": "standard deviation of the normal initialisation of the weights",
     "model.layer_norm_eps": "epsilon of every norm (LayerNorm for `gpt`, RMSNorm for `llama`)",
     "model.remat": "`none` mode: recompute each block in backward (`jax.checkpoint`)",
+    "model.attention": "`gpt`, `llama`: `auto` (cuDNN's fused kernel on a GPU in bf16/fp16, "
+    "else `blockwise`), `blockwise` (online softmax over tiles: no T x T tensor), "
+    "`reference` (the whole score matrix), `fused` (cuDNN); "
+    "[attention](models.md#attention)",
+    "model.attention_block": "`blockwise` attention's tile side in tokens; 0 means 256 "
+    "(at most `train.seq_len`)",
     "model.num_kv_heads": "`llama`: key/value heads of grouped-query attention; 0 means "
     "`num_heads`",
     "model.rope_theta": "`llama`: rotary embedding base",
@@ -97,9 +103,10 @@ HELP: dict[str, str] = {
     "offload.keep_blocks": "`stream`: the last N blocks keep their in-block activations on "
     "the device from forward to backward instead of recomputing them",
     "offload.keep_level": "`stream`: which in-block activations those blocks keep: `all`; "
-    "`probs` (matmul outputs and attention probabilities; backward recomputes the "
-    "elementwise ops); `matmuls` (matmul outputs; backward also recomputes the attention "
-    "softmax) ([offload](offload.md#activation-keeping))",
+    "`probs` (matmul outputs and attention probabilities, `model.attention=reference` "
+    "only; backward recomputes the elementwise ops); `matmuls` (matmul outputs, attention "
+    "output and logsumexp; backward recomputes the elementwise ops, and the softmax of "
+    "the reference attention) ([offload](offload.md#activation-keeping))",
     "offload.optimizer_device_stages": "`stream` with `offload.optimizer` `host` or `nvme`: "
     "the first N stages (embed, block 0, 1, ...) keep fp32 master and optimizer state on "
     "the device, are updated there and stay resident; `auto` lets the planner choose "

@@ -1,9 +1,10 @@
 """GPT-2 / GPT-3 in Flax, exposed as stages the runtime can run one at a time.
 
 Architecture: learned token and position embeddings, N pre-LayerNorm blocks (causal
-multi-head attention with a fused QKV projection, tanh-GELU MLP), a final LayerNorm and
-an output projection tied to the token embedding. Parameter names follow the HF GPT-2
-layout (``c_attn``, ``c_proj``, ``c_fc``, ``ln_1``...) so checkpoints map one-to-one.
+multi-head attention with a fused QKV projection, ``models/attention.py``; tanh-GELU
+MLP), a final LayerNorm and an output projection tied to the token embedding. Parameter
+names follow the HF GPT-2 layout (``c_attn``, ``c_proj``, ``c_fc``, ``ln_1``...) so
+checkpoints map one-to-one.
 
 Stages (see :class:`models.staged.StagedModel`):
   ``embed``  params {wte (V, D), wpe (S, D)}          tokens (B, T) -> x (B, T, D)
@@ -13,7 +14,7 @@ Stages (see :class:`models.staged.StagedModel`):
 Parameters are stored in ``param_dtype`` (fp32 master); every stage computes with its
 params cast to ``compute_dtype`` (LayerNorm scales and biases too: the streaming runtime
 holds them so), matmuls run in ``compute_dtype``; LayerNorm statistics, softmax and the
-loss are computed in fp32.
+loss are computed in fp32, and so are attention's scores and softmax.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from hetjax.config import ModelConfig
+from models.attention import attention
 from models.staged import FlaxStages
 
 
@@ -53,12 +54,7 @@ class Block(nn.Module):
         h = norm("ln_1")(x)
         qkv = dense(3 * D, "c_attn")(h)  # (B, T, 3D): q | k | v, heads contiguous
         q, k, v = (a.reshape(B, T, H, K) for a in jnp.split(qkv, 3, axis=-1))
-        scores = jnp.einsum("BTHK,BSHK->BHTS", q, k).astype(jnp.float32) / math.sqrt(K)
-        causal = jnp.tril(jnp.ones((T, T), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(dtype), "attn_probs")
-        attn = jnp.einsum("BHTS,BSHK->BTHK", probs, v).reshape(B, T, D)
-        attn = checkpoint_name(attn, "attn_out")
+        attn = attention(q[:, :, :, None], k, v, cfg)  # (B, T, D), one query per kv head
         x = x + dense(D, "c_proj", proj_init)(attn)
 
         h = norm("ln_2")(x)

@@ -27,9 +27,9 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from hetjax.config import ModelConfig
+from models.attention import attention
 from models.staged import FlaxStages
 
 
@@ -99,12 +99,7 @@ class LlamaBlock(nn.Module):
         cos, sin = rotary_tables(T, rotary_frequencies(cfg))  # (T, K)
         q = apply_rotary(q, cos[:, None, None], sin[:, None, None])
         k = apply_rotary(k, cos[:, None], sin[:, None])
-        scores = jnp.einsum("BTNGK,BSNK->BNGTS", q, k).astype(jnp.float32) / math.sqrt(K)
-        causal = jnp.tril(jnp.ones((T, T), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(dtype), "attn_probs")
-        attn = jnp.einsum("BNGTS,BSNK->BTNGK", probs, v).reshape(B, T, N * G * K)
-        attn = checkpoint_name(attn, "attn_out")
+        attn = attention(q, k, v, cfg)  # (B, T, N G K), models/attention.py
         x = x + dense(D, "o_proj")(attn)
 
         h = norm("post_attention_layernorm")(x)

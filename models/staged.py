@@ -33,8 +33,9 @@ Blocks the streaming executor keeps (``offload.keep_blocks``) may keep only some
 in-block activations (``offload.keep_level``, ``hetjax/remat.py``): ``matmuls`` works
 for any block (it keeps the outputs of its dots without batch dimensions); a block that
 tags its attention output ``jax.ad_checkpoint.checkpoint_name(attn, "attn_out")`` has it
-kept too, and ``probs`` needs the probabilities tagged ``"attn_probs"`` (as
-``models/gpt.py`` does). Tags are identities: they change no result.
+kept too (calling ``models.attention.attention`` does that), and ``probs`` needs the
+probabilities tagged ``"attn_probs"`` (as ``models/attention.py``'s reference attention
+does). Tags are identities: they change no result.
 """
 
 from __future__ import annotations

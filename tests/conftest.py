@@ -24,9 +24,12 @@ from hetjax.config import Config  # noqa: E402
 
 
 def tiny_config(**sections) -> Config:
-    """A very small GPT for fast tests: 2 layers, d 32, vocab 256, seq 16."""
+    """A very small GPT for fast tests: 2 layers, d 32, vocab 256, seq 16 (attention in
+    two tiles)."""
     base = Config().replace(
-        model=dict(num_layers=2, d_model=32, num_heads=4, max_seq_len=32),
+        # attention_block 8: T 16 in two tiles of the blockwise attention, the path of a
+        # real run's T above the default tile (256), not one tile alone
+        model=dict(num_layers=2, d_model=32, num_heads=4, max_seq_len=32, attention_block=8),
         train=dict(steps=5, batch_size=4, seq_len=16, log_every=1, eval_batches=2),
         optimizer=dict(warmup_steps=2, lr=3e-3),
         # The documented unshuffled order (data.shuffle's default is true since

@@ -19,7 +19,6 @@ def bench_keep(quick: bool) -> dict:
     for comparison. Functions are timed in interleaved rounds, the minimum of each."""
     import jax.numpy as jnp
 
-    from hetjax.config import KEEP_LEVELS
     from hetjax.runtime.stages import StageFunctions, stage_layouts
     from models import build_model
 
@@ -39,7 +38,8 @@ def bench_keep(quick: bool) -> dict:
     x = jax.random.normal(jax.random.key(1), (B, T, D), dtype)
     inputs = sum(a.nbytes for a in jax.tree.leaves((pages, x)))
     kept = fns.kept_bytes(B, T, dtype)
-    vjps = {level: fns.kept_forward(level)(pages, x)[1] for level in KEEP_LEVELS}
+    levels = tuple(kept)  # matmuls, all (probs: with model.attention=reference)
+    vjps = {level: fns.kept_forward(level)(pages, x)[1] for level in levels}
     runs = {level: (lambda v=vjp: fns.block_bwd_kept(v, x)) for level, vjp in vjps.items()}
     runs["recompute"] = lambda: fns.block_bwd(pages, x, x)
     runs["forward"] = lambda: fns.block_fwd(pages, x)
@@ -52,13 +52,13 @@ def bench_keep(quick: bool) -> dict:
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - t0)
     best = {name: min(ts) for name, ts in times.items()}
-    held = {level: kept[level] - inputs for level in KEEP_LEVELS}
+    held = {level: kept[level] - inputs for level in levels}
     held["recompute"] = 0
     print(f"GPT block d {D}, {H} heads, {B} x {T} tokens, {dtype.name}", end="")
     print(f"; forward {best['forward'] * 1e3:.1f} ms; held: beyond the inputs (params, x)")
     print(f"{'keep level':<12}{'held MiB':>10}{'/ all':>8}{'backward ms':>13}{'saved / all':>13}")
     saved_all = best["recompute"] - best["all"]
-    for name in ("all", *reversed(KEEP_LEVELS[:-1]), "recompute"):
+    for name in ("all", *reversed(levels[:-1]), "recompute"):
         saved = best["recompute"] - best[name]
         print(
             f"{name:<12}{held[name] / 2**20:>10.2f}{held[name] / held['all']:>8.3f}"
@@ -68,6 +68,6 @@ def bench_keep(quick: bool) -> dict:
     return {
         "shape": [B, T, D, H],
         "held_bytes": held,
-        "backward_s": {name: best[name] for name in (*KEEP_LEVELS, "recompute")},
+        "backward_s": {name: best[name] for name in (*levels, "recompute")},
         "forward_s": best["forward"],
     }

@@ -12,18 +12,26 @@ first (D model width, T sequence, K head width, per element held):
 
   ``matmuls``  the weight matmuls' outputs (2 D FLOPs each; every dot without batch
                dimensions: ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``,
-               so any block) and the attention output ``probs @ v`` (2 T FLOPs), where
-               the block tags it ``attn_out``. Backward recomputes the attention scores
-               and softmax and the elementwise ops (norms, GELU, rotary).
+               so any block) and what the block tags ``attn_out`` (the attention output,
+               2 T FLOPs) and ``attn_lse``. With the blockwise attention
+               (models/attention.py) the output and the logsumexp of each score row
+               (B, H, T) fp32 are all its backward needs besides q, k, v: the attention
+               forward is not recomputed, only the elementwise ops (norms, GELU, rotary).
+               The attention backward recomputes its tiles' scores at every level, as it
+               does in any block. With the reference attention backward recomputes the
+               scores and softmax; with cuDNN's fused one its forward (its softmax
+               statistics cannot be tagged).
   ``probs``    also the attention probabilities (B, H, T, T) (2 K FLOPs and a softmax),
-               where the block tags them ``attn_probs``. Backward recomputes only the
-               elementwise ops.
-  ``all``      also the elementwise intermediates (fp32 scores, mask, norm statistics,
-               GELU's): a few FLOPs each. Nothing is recomputed.
+               where the block tags them ``attn_probs``: only the reference attention
+               (``model.attention=reference``) has them as a tensor. Backward recomputes
+               only the elementwise ops.
+  ``all``      also the elementwise intermediates (norm statistics, GELU's, rotary q and
+               k; the reference attention's fp32 scores and mask): a few FLOPs each.
+               Nothing is recomputed.
 
 A block tags a value with ``jax.ad_checkpoint.checkpoint_name(value, "attn_out")`` in its
-forward, an identity that changes no result (models/gpt.py, models/llama.py). A block
-with no tags (e.g. a user's, models/staged.py) supports ``matmuls`` (its dots) and
+forward, an identity that changes no result (models/attention.py does for the zoo). A
+block with no tags (e.g. a user's, models/staged.py) supports ``matmuls`` (its dots) and
 ``all``; ``probs`` needs the ``attn_probs`` tag.
 """
 
@@ -38,7 +46,7 @@ from jax.extend.core import Jaxpr, subjaxprs
 from hetjax.config import KEEP_LEVELS
 
 # Named values a block may tag, and the level that starts keeping each.
-TAGS = {"attn_out": "matmuls", "attn_probs": "probs"}
+TAGS = {"attn_out": "matmuls", "attn_lse": "matmuls", "attn_probs": "probs"}
 
 
 def policy(level: str):
@@ -75,7 +83,7 @@ def tagged_names(block: Callable, *args) -> set[str]:
 
 def levels(block: Callable, *args) -> tuple[str, ...]:
     """The keep levels ``block`` supports, highest benefit factor first: ``probs`` only
-    where it tags ``attn_probs``."""
+    where it tags ``attn_probs`` (the reference attention)."""
     tags = tagged_names(block, *args)
     return tuple(lvl for lvl in KEEP_LEVELS if lvl != "probs" or "attn_probs" in tags)
 

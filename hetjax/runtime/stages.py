@@ -191,5 +191,7 @@ class StageFunctions:
                 f"model's block supports only {', '.join(levels)}: "
                 f"{offload.keep_level!r} keeps the values the block tags 'attn_probs' "
                 "(jax.ad_checkpoint.checkpoint_name(probs, 'attn_probs') in its "
-                "forward, as models/gpt.py does); tag them or choose another level"
+                "forward, as the zoo's reference attention does: model.attention="
+                "'reference'; the blockwise and fused ones have no probabilities tensor); "
+                "tag them or choose another level"
             )
