@@ -185,6 +185,18 @@ def test_keep_quick(tmp_path, capsys):
     assert "saved / all" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a benchmark smoke test
+def test_attention_quick(tmp_path, capsys):
+    out = tmp_path / "attention.json"
+    assert main(["attention", "--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["seq_len"] for r in rows] == [128, 256]
+    for r in rows:  # tiles of 32: the blockwise backward holds no T x T scores
+        assert 0 < r["blockwise_temp_bytes"] < r["reference_temp_bytes"]
+        assert r["blockwise_backward_s"] > 0 and r["reference_backward_s"] > 0
+    assert "blockwise / reference" in capsys.readouterr().out
+
+
 def test_scale_from_names_the_sizes_when_unknown(tmp_path):
     with pytest.raises(SystemExit, match="not one of the sizes: 2x32, 4x128"):
         main(["scale", "--quick", "--from", "3x99", "--out", str(tmp_path / "s.json")])

@@ -46,9 +46,9 @@ def test_everything_on_the_device_when_it_fits():
 def test_offloads_progressively_as_budgets_shrink(hardware):
     """Property over budgets: every plan fits every budget; as the device budget shrinks
     the plan never gets faster and moves state off the device: never more bytes there nor
-    more of the optimizer state, and once streaming never more resident blocks or
-    device-cached stages (none -> stream); as the host budget shrinks optimizer state
-    goes to NVMe."""
+    more of the optimizer state, and once streaming never more device-cached stages, nor
+    more resident blocks unless it gave up such a stage (none -> stream); as the host
+    budget shrinks optimizer state goes to NVMe."""
     hw = PROFILES[hardware]
     config = load_config(
         "gpt1p3b",
@@ -77,8 +77,11 @@ def test_offloads_progressively_as_budgets_shrink(hardware):
             if previous.candidate.mode == "stream":
                 c, before = plan.candidate, previous.candidate
                 assert c.mode == "stream"
-                assert c.resident_blocks <= before.resident_blocks
                 assert c.device_stages <= before.device_stages
+                # a device-cached stage given up (its fp32 state) may make room for
+                # more resident blocks (their compute-dtype params)
+                more_blocks = c.resident_blocks > before.resident_blocks
+                assert not more_blocks or c.device_stages < before.device_stages, (c, before)
         previous = plan
     assert modes[0] == "none" and "stream" in modes, modes
     # Host shrinking: the optimizer state leaves RAM for NVMe.
@@ -102,7 +105,8 @@ def test_checkpoints_move_to_nvme_as_host_shrinks():
             "train.batch_size": "32",
             "train.grad_accum": "4",
             "model.compute_dtype": "bfloat16",
-            "memory.device_budget": "24GiB",
+            # (with the fused attention's working set the checkpoints fit 24 GiB)
+            "memory.device_budget": "10GiB",
         },
     )
     w = Workload.from_config(config, backend="gpu")
@@ -133,9 +137,14 @@ def test_keep_level_between_its_budgets():
     shrinks and never gets faster; a compute-bound step keeps every block at the best
     level that fits (stage times set: each level's backward recomputes a little more)."""
     hw = PROFILES["h100"]
-    config = load_config(
+    config = load_config(  # the reference attention: the one with level probs
         "gpt2p7b",
-        {"train.batch_size": "4", "train.seq_len": "1024", "model.compute_dtype": "bfloat16"},
+        {
+            "train.batch_size": "4",
+            "train.seq_len": "1024",
+            "model.compute_dtype": "bfloat16",
+            "model.attention": "reference",
+        },
     )
     w = Workload.from_config(config, backend="gpu")
     kept_bwd = {"all": 2.0, "probs": 2.1, "matmuls": 2.3}  # s: compute-bound
@@ -245,13 +254,13 @@ FITS = {
     },
     "rtx4090": {  # in bf16 (the papers' half precision) up to Fuyou's 276B, as in its fig. 4
         *_TINY,
-        *("gpt2p7b", "gpt6p7b", "gpt13b"),
-        *("angel_gpt13b", "angel_gpt30b", "angel_gpt55b", "fuyou_gpt33b", "fuyou_gpt65b"),
-        *("fuyou_gpt135b", "fuyou_gpt276b"),
+        *("gpt2p7b", "gpt6p7b", "gpt13b", "llama_8b"),
+        *("angel_gpt13b", "angel_gpt30b", "angel_gpt55b", "angel_gpt175b"),
+        *("fuyou_gpt33b", "fuyou_gpt65b", "fuyou_gpt135b", "fuyou_gpt276b"),
     },
     "angel-a100-40g": {
         *_TINY,
-        *("gpt2p7b", "gpt6p7b", "gpt13b", "gpt175b", "llama_8b"),
+        *("gpt2p7b", "gpt6p7b", "gpt13b", "gpt175b", "llama_8b", "llama_70b"),
         *("angel_gpt13b", "angel_gpt30b", "angel_gpt55b", "angel_gpt175b"),
         *("fuyou_gpt33b", "fuyou_gpt65b", "fuyou_gpt135b"),
     },
@@ -303,23 +312,27 @@ def test_unknown_hardware_is_a_clear_error(capsys):
 
 
 # workload.estimate_working_set is fitted to within 0.73-1.27 of XLA:CPU's compiled sizes
-# over 33 shapes per family and dtype with at least 128 tokens a micro-batch.
+# over 33 shapes per family and dtype with at least 128 tokens a micro-batch (reference
+# attention), and the blockwise attention's block backward within 0.76-1.24 over 10.
 WORKING_SET_TOLERANCE = 0.3
 
 
 @pytest.mark.parametrize(  # bfloat16 with -m slow: float32 compiles the same stages
     "dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)]
 )
+@pytest.mark.parametrize("attention", ["blockwise", "reference"])
 @pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_untraced_sizes_match_the_compiled_ones(family, dtype):
+def test_untraced_sizes_match_the_compiled_ones(family, attention, dtype):
     """The planner's estimate from shapes alone (``--plan``, and ``auto`` deciding whether
     everything fits) against XLA's memory analysis of the compiled stage functions (what
-    the tracer and the executor use), at two small shapes: the working set within
-    WORKING_SET_TOLERANCE, the checkpoint exact, the kept residuals (page padding
-    included) within 0.1%."""
+    the tracer and the executor use), at two small shapes (blockwise attention in tiles
+    of 64): the working set within WORKING_SET_TOLERANCE, the checkpoint exact, the kept
+    residuals (page padding included) within 0.1%."""
     for d_model, seq_len, batch in ((64, 128, 2), (96, 256, 1)):
         overrides = {
             "model.family": family,
+            "model.attention": attention,
+            "model.attention_block": "64",
             "model.num_layers": "2",
             "model.d_model": str(d_model),
             "model.num_heads": "4",
@@ -338,7 +351,7 @@ def test_untraced_sizes_match_the_compiled_ones(family, dtype):
         )
         traced = fns.memory_sizes(batch, seq_len, jnp.dtype(dtype))
         w = Workload.from_config(config, backend="cpu")
-        shape = (family, dtype, d_model, seq_len, batch)
+        shape = (family, attention, dtype, d_model, seq_len, batch)
         assert w.working_set == pytest.approx(traced.working_set, rel=WORKING_SET_TOLERANCE), shape
         assert w.boundary == traced.boundary, shape
         assert w.kept.keys() == traced.kept.keys(), shape

@@ -6,6 +6,8 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
   overhead  streamed (``offload.mode=stream``) vs in-memory (``none``) step time on a
             compute-bound config
   slabs     moving one block's params host -> device as one page slab vs leaf by leaf
+  attention a GPT-2-small block's backward with the reference attention vs the
+            blockwise one at T 1024 and 2048: XLA's temporary bytes and the time
   keep      per offload.keep_level: the bytes a kept GPT block holds from forward to
             backward and its backward's time, vs keeping all and vs recomputing
   nvme      the NVMe tier and host optimizer against their limits, in one run:
@@ -41,6 +43,7 @@ from pathlib import Path
 import jax
 
 from hetjax.allocator import tune_host_allocator
+from hetjax.bench.attention import bench_attention
 from hetjax.bench.checkpoint import bench_checkpoint
 from hetjax.bench.gpu import bench_gpu
 from hetjax.bench.io import bench_io
@@ -69,6 +72,7 @@ BENCHMARKS = {
     "zero": bench_zero,
     "plan": bench_plan,
     "keep": bench_keep,
+    "attention": bench_attention,
 }
 
 

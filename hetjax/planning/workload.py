@@ -14,7 +14,7 @@ from hetjax.memory import Sizes, block_grad_dtype, grad_policy
 from hetjax.planning.hardware import Hardware
 from hetjax.runtime import remat
 from hetjax.storage.pages import fitted_page_elems
-from models import build_model
+from models import attention, build_model
 
 
 def kept_key(level: str) -> str:
@@ -46,6 +46,9 @@ class Workload:
     recompute_flops: dict[str, float]
     block_fwd_flops: float
     head_fwd_flops: float
+    # FLOPs a block's backward spends recomputing the attention scores tile by tile (the
+    # blockwise and fused attentions' fifth matmul, models/attention.py): at every level
+    attention_bwd_flops: float = 0.0
     measured: dict[str, float] | None = None  # stage seconds from :func:`trace`
     grad_policy: str = "keep"  # how long gradient buffers are held (memory.grad_policy)
 
@@ -72,16 +75,19 @@ class Workload:
             return self.measured
         f, bw = hw.device_flops, hw.device_memory_bw
         block, head = self.block_fwd_flops / f, self.head_fwd_flops / f
+        scores = self.attention_bwd_flops / f
         times = {
             "embed_fwd": 0.0,
             "block_fwd": block,
-            "block_bwd": 3 * block,
+            "block_bwd": 3 * block + scores,
             "head": 3 * head,
             "embed_bwd": 0.0,
         }
         for level, flops in self.recompute_flops.items():
             recomputed = self.kept["all"] - self.kept[level]
-            times[kept_key(level)] = 2 * block + flops / f + (recomputed / bw if bw else 0.0)
+            times[kept_key(level)] = (
+                2 * block + scores + flops / f + (recomputed / bw if bw else 0.0)
+            )
         return times
 
     @classmethod
@@ -109,6 +115,8 @@ class Workload:
         c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
         b, T, D = max(1, t.micro_batch_size // devices), t.seq_len, m.d_model
         tokens = b * T
+        backend = backend or jax.default_backend()
+        impl = block_attention(m, backend)
         if sizes is None:
             # The residuals of one block's vjp at each keep level, from abstract shapes
             # (its params unflattened, in the compute dtype).
@@ -120,15 +128,18 @@ class Workload:
             # Below level all the vjp holds the block's param pages, padding included
             # (at all, the unflattened weights).
             kept = {k: v + (0 if k == "all" else (block - block_used) * c) for k, v in kept.items()}
-            working = estimate_working_set(
-                m, b, T, block_used, count(shapes["embed"]), backend or jax.default_backend()
-            )
+            working = estimate_working_set(m, b, T, block_used, count(shapes["embed"]), backend)
             boundary = tokens * D * c
         else:
             kept, working, boundary = sizes.kept, sizes.working_set, sizes.boundary
-        # A kept block's backward recomputes, at level matmuls, the attention scores (its
-        # other FLOPs are elementwise: their cost is the bytes, see stage_times).
-        recompute = {"matmuls": 2 * tokens * T * D, "probs": 0.0, "all": 0.0}
+        # What a kept block's backward recomputes at level matmuls (its other FLOPs are
+        # elementwise: their cost is the bytes, see stage_times): the reference
+        # attention's scores; the fused attention's forward (its softmax statistics are
+        # not kept); nothing of the blockwise one's, whose output and logsumexp are kept.
+        # The blockwise and fused backwards recompute the scores at every level.
+        attention_matmuls = {"reference": 2, "fused": 4}.get(impl, 0) * tokens * T * D
+        recompute = {"matmuls": attention_matmuls, "probs": 0.0, "all": 0.0}
+        attention_bwd = 2 * tokens * T * D if impl in ("blockwise", "fused") else 0.0
         kinds = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1 if config.optimizer.momentum else 0}
         return cls(
             name=f"{m.family} {L} x {D}, {model.param_count() / 1e9:.3g}B params",
@@ -148,34 +159,60 @@ class Workload:
             recompute_flops={level: recompute[level] for level in kept},
             block_fwd_flops=tokens * (2 * block_used + 4 * T * D),
             head_fwd_flops=tokens * 2 * m.vocab_size * D,
+            attention_bwd_flops=attention_bwd,
             grad_policy=grad_policy(config),
         )
 
 
+def block_attention(m, backend: str) -> str:
+    """The attention a block of ``m`` (a ModelConfig) runs on ``backend``: reference,
+    blockwise or fused (models/attention.py); a custom family's counts as reference (its
+    scores, if any, are whole tensors for all we know)."""
+    if m.family not in ("gpt", "llama"):
+        return "reference"
+    return attention.resolve(m.attention, backend, m.compute_dtype, m.head_dim)
+
+
 # Device temporaries of the stage functions (XLA's temp_size_in_bytes), in bytes per
-# element of the block's (B, T, D) activations, its (B, H, T, T) attention scores and its
-# params, and of the head's (B, T, V) logits and (V, D) projection. Fitted (minimax
+# element of the block's (B, T, D) activations, its attention scores and its params, and
+# of the head's (B, T, V) logits and (V, D) projection.
+#
+# Reference attention (the (B, H, T, T) scores are whole tensors): fitted (minimax
 # relative error) to XLA:CPU's compiled memory analysis of the stage functions, per
 # family and dtype, over 33 shapes each (d 64-2048, T 64-1024, batch 1-8, d_ff 2-6 x d,
 # vocab 256-50257). Where a micro-batch has at least 128 tokens the whole working set
 # estimated is within 0.73-1.27 of the compiled one (fp32: GPT 0.76-1.23, Llama
 # 0.80-1.20; bf16: GPT 0.74-1.26, Llama 0.73-1.27); at 64 tokens the block's params
-# dominate and the compiled sizes jump with XLA's choice of weight copies (0.5-2.1). The
-# fp32-GPT fit this replaces, scaled by the compute dtype, was 0.50-2.2 (fp32) and
-# 0.46-1.05 (bf16) over the same shapes.
+# dominate and the compiled sizes jump with XLA's choice of weight copies (0.5-2.1).
+#
+# Blockwise attention (models/attention.py: one (B, H, b, b) tile of scores at a time):
+# the streamed block's backward (block_bwd, the largest block function) per element of
+# (B, T, D), of the MLP's (B, T, F), of one score tile (B, H, b, b) and of the params,
+# fitted (minimax relative error) to XLA:CPU's temp_size_in_bytes over 10 shapes per
+# family and dtype (d 64-256, heads 2-16, T 128-1024, batch 1-4, b 32-512, d_ff 2-6 x
+# d; 2 of them tile-dominated): block_bwd within 0.92-1.08 (GPT fp32), 0.83-1.17 (GPT
+# bf16), 0.76-1.24 (Llama fp32), 0.86-1.14 (Llama bf16). The tile term is what the loop
+# body holds at once (the scores, probabilities and their gradients in fp32); nothing
+# grows with T x T. Fused (cuDNN) attention: no score term (not measured, no GPU).
 #
 # A bf16 step's temporaries on XLA:CPU are nearly fp32-sized: the backend computes bf16
 # dots into fp32 outputs (then converts) and converts bf16 weights to fp32 copies for
-# them, hence the separate bf16 fit. On an accelerator the dots run in the compute dtype,
-# so the activation and param terms scale with it from the fp32 fit, while the attention
-# scores and softmax, the logits and the head's gradient stay fp32 (the models cast
-# them): that part is not measured (no GPU was at hand). A custom family takes the larger
-# of the two families' coefficients.
+# them, hence the separate bf16 fits. On an accelerator the dots run in the compute
+# dtype, so the activation and param terms scale with it from the fp32 fit, while the
+# attention scores and softmax, the logits and the head's gradient stay fp32 (the models
+# cast them): that part is not measured (no GPU was at hand). A custom family takes the
+# larger of the two families' reference coefficients.
 _BLOCK_TEMPS = {  # (family, compute bytes): per activation, score, param element
     ("gpt", 4): (79.1, 11.7, 1.66),
     ("gpt", 2): (87.6, 10.3, 2.25),
     ("llama", 4): (147.0, 8.9, 1.13),
     ("llama", 2): (73.9, 11.5, 3.1),
+}
+_BLOCKWISE_TEMPS = {  # (family, compute bytes): per activation, MLP, tile, param element
+    ("gpt", 4): (21.7, 22.9, 14.4, 0.59),
+    ("gpt", 2): (32.5, 16.6, 9.11, 5.07),
+    ("llama", 4): (7.58, 28.3, 10.9, 2.31),
+    ("llama", 2): (28.2, 21.1, 9.08, 3.03),
 }
 _HEAD_TEMPS = {4: (6.74, 6.27), 2: (7.22, 6.72)}  # per logit, per projection element
 
@@ -187,17 +224,25 @@ def estimate_working_set(
     ``StageFunctions.memory_sizes`` measures), from shapes: ``m`` a
     :class:`~hetjax.config.ModelConfig`, one micro-batch of ``batch`` x ``seq_len`` on one
     device, ``block_params`` / ``embed_params`` the stages' param counts, ``backend``
-    the XLA backend ("cpu": fitted per dtype; else the fp32 fit scaled, see above)."""
+    the XLA backend ("cpu": fitted per dtype; else the fp32 fit scaled, see above), which
+    also picks the attention (:func:`block_attention`)."""
     c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
     fitted = c if backend == "cpu" else 4
-    families = [m.family] if m.family in ("gpt", "llama") else ["gpt", "llama"]
-    fits = [_BLOCK_TEMPS[f, fitted] for f in families]
-    act, score, param = (max(fit[i] for fit in fits) for i in range(3))
+    scaled = c / 4 if backend != "cpu" else 1.0  # dots in the compute dtype; scores fp32
+    tokens, D, V, H = batch * seq_len, m.d_model, m.vocab_size, m.num_heads
+    impl = block_attention(m, backend)
+    if impl == "reference":
+        families = [m.family] if m.family in ("gpt", "llama") else ["gpt", "llama"]
+        fits = [_BLOCK_TEMPS[f, fitted] for f in families]
+        act, score, param = (max(fit[i] for fit in fits) for i in range(3))
+        scores = batch * H * seq_len**2 * score
+        block = tokens * D * act * scaled + scores + block_params * param * scaled
+    else:
+        act, mlp, tile, param = _BLOCKWISE_TEMPS[m.family, fitted]
+        b = attention.block_size(m.attention_block, seq_len) if impl == "blockwise" else 0
+        per_token = D * act + m.ff_dim * mlp
+        block = (tokens * per_token + block_params * param) * scaled + batch * H * b * b * tile
     logit, head = _HEAD_TEMPS[fitted]
-    if backend != "cpu":  # dots in the compute dtype; scores, logits, head grads fp32
-        act, param = act * c / 4, param * c / 4
-    tokens, D, V = batch * seq_len, m.d_model, m.vocab_size
-    block = tokens * D * act + batch * m.num_heads * seq_len**2 * score + block_params * param
     head_fwd_bwd = tokens * V * logit + V * D * head
     # the embedding's gradient, fp32, and before that in the compute dtype
     embed_bwd = embed_params * (4 + (c if c < 4 else 0))
