@@ -134,6 +134,31 @@ def test_compiled_stages_hold_no_score_matrix(family):
     assert temps["blockwise"] < temps["reference"], temps
 
 
+def _loops(jaxpr) -> int:
+    """Loops (scan and while) in a jaxpr, nested ones included."""
+    from jax.extend.core import subjaxprs
+
+    own = sum(eqn.primitive.name in ("scan", "while") for eqn in jaxpr.eqns)
+    return own + sum(_loops(sub) for sub in subjaxprs(jaxpr))
+
+
+def test_kept_matmuls_level_does_not_recompute_the_attention_forward():
+    """Keep level matmuls keeps the blockwise attention's output and logsumexp: the
+    kept block's backward runs the attention backward's two loops (key tiles, and query
+    tiles in each) and not the forward's two; recomputing the block (no keep) runs all
+    four."""
+    config = _config("gpt", "blockwise", seq_len=64)
+    model = build_model(config.model)
+    layouts = stages.stage_layouts(model, 4096)
+    fns = stages.StageFunctions(model, layouts, jax.jit, lambda pages, dt: pages)
+    args = fns.abstract_args(2, 64, jnp.float32)
+    x = args["block_fwd"][1]
+    _, vjp = jax.eval_shape(fns.kept_forward("matmuls"), *args["block_fwd"])
+    kept = jax.make_jaxpr(lambda v, dy: fns.block_bwd_kept(v, dy))(vjp, x).jaxpr
+    recomputed = jax.make_jaxpr(fns.block_bwd)(*args["block_bwd"]).jaxpr
+    assert (_loops(kept), _loops(recomputed)) == (2, 4)
+
+
 # -- training ----------------------------------------------------------------------------
 
 # T = 16 in tiles of 6: three tiles, the last padded.
