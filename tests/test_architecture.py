@@ -111,6 +111,7 @@ def test_the_bottom_modules_import_nothing_from_the_project():
     assert graph["hetjax.memory"] <= {"hetjax.config"}
     assert graph["models"] | graph["models.gpt"] <= {
         "hetjax.config",
+        "models.attention",
         "models.staged",
         "models.gpt",
         "models.llama",
