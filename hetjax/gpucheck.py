@@ -43,6 +43,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# the planner's measurements' timer and free-RAM reading (importing them starts no JAX)
+from hetjax.planning.hardware import _best_time, _mem_available
+
 ROOT = Path(__file__).resolve().parent.parent  # a source checkout: tests/ beside hetjax/
 GiB = 1 << 30
 
@@ -98,17 +101,6 @@ class Report:
 
 def _gbs(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
-
-
-def _best(fn, repeats: int = 3) -> float:
-    """Seconds of the fastest of ``repeats`` calls after a warm-up."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 # -- sections (each runs in its own child process) ---------------------------------------
@@ -197,14 +189,14 @@ def bandwidth(report: Report, quick: bool, emulate: bool) -> None:
     dev_slab, dev_pages = put(slab, place.device), put(pages, place.device)
     on_cpu_client = put(slab, place.optimizer)
     rate = {
-        "h2d_slab": _gbs(nbytes, _best(lambda: put(pinned_slab, place.device))),
-        "h2d_pages": _gbs(nbytes, _best(lambda: put(pinned_pages, place.device))),
-        "d2h_slab": _gbs(nbytes, _best(lambda: put(dev_slab, place.host))),
-        "d2h_pages": _gbs(nbytes, _best(lambda: put(dev_pages, place.host))),
-        "h2d_pageable": _gbs(nbytes, _best(lambda: put(slab, place.device))),
+        "h2d_slab": _gbs(nbytes, _best_time(lambda: put(pinned_slab, place.device))),
+        "h2d_pages": _gbs(nbytes, _best_time(lambda: put(pinned_pages, place.device))),
+        "d2h_slab": _gbs(nbytes, _best_time(lambda: put(dev_slab, place.host))),
+        "d2h_pages": _gbs(nbytes, _best_time(lambda: put(dev_pages, place.host))),
+        "h2d_pageable": _gbs(nbytes, _best_time(lambda: put(slab, place.device))),
         # a fresh array each time: an array caches its numpy value (the device-side copy
         # is ~1% of the transfer at HBM speed)
-        "d2h_pageable": _gbs(nbytes, _best(lambda: np.asarray(jnp.copy(dev_slab)))),
+        "d2h_pageable": _gbs(nbytes, _best_time(lambda: np.asarray(jnp.copy(dev_slab)))),
     }
 
     def both():
@@ -212,12 +204,12 @@ def bandwidth(report: Report, quick: bool, emulate: bool) -> None:
         down = jax.device_put(dev_slab, place.host)
         jax.block_until_ready((up, down))
 
-    rate["duplex"] = _gbs(2 * nbytes, _best(both))
+    rate["duplex"] = _gbs(2 * nbytes, _best_time(both))
     # The host optimizer's refreshed params -> the device's pinned_host memory: straight
     # across JAX clients (XLA goes through a Literal) vs through a numpy view.
-    rate["publish_cross_client"] = _gbs(nbytes, _best(lambda: put(on_cpu_client, place.host)))
+    rate["publish_cross_client"] = _gbs(nbytes, _best_time(lambda: put(on_cpu_client, place.host)))
     rate["publish_via_numpy"] = _gbs(
-        nbytes, _best(lambda: put(np.asarray(on_cpu_client), place.host))
+        nbytes, _best_time(lambda: put(np.asarray(on_cpu_client), place.host))
     )
     size = f"{nbytes >> 20} MiB"
     for way in ("h2d", "d2h"):
@@ -286,7 +278,7 @@ def overlap(report: Report, quick: bool, emulate: bool) -> None:
     host = jax.device_put(np.ones(nbytes // 4, np.float32), place.host)
     dev = jax.device_put(np.ones(nbytes // 4, np.float32), place.device)
     repeats = 8
-    alone = _best(lambda: jax.block_until_ready([chain(a) for _ in range(repeats)]))
+    alone = _best_time(lambda: jax.block_until_ready([chain(a) for _ in range(repeats)]))
 
     def with_copies():
         copies = [jax.device_put(host, place.device), jax.device_put(dev, place.host)]
@@ -297,8 +289,8 @@ def overlap(report: Report, quick: bool, emulate: bool) -> None:
     def copies_only():
         jax.block_until_ready([jax.device_put(host, place.device), jax.device_put(dev, place.host)])
 
-    busy = _best(lambda: jax.block_until_ready(with_copies()))
-    copy_time = _best(copies_only)
+    busy = _best_time(lambda: jax.block_until_ready(with_copies()))
+    copy_time = _best_time(copies_only)
     slowdown = busy / alone
     report.check(
         "compute_under_copies",
@@ -527,16 +519,10 @@ RUNNERS = {
 # -- the driver ----------------------------------------------------------------------------
 
 
-def _free_ram() -> int:
-    from hetjax.planning.hardware import _mem_available
-
-    return _mem_available()
-
-
 def _run_section(section: Section, args, out: Path) -> str:
     """Runs one section in a child under its time box; returns PASS, FAIL or SKIP."""
     report = Report(out, section.name)
-    ram, disk = _free_ram(), shutil.disk_usage(out).free
+    ram, disk = _mem_available(), shutil.disk_usage(out).free
     if ram < section.ram or disk < section.disk:
         report.check(
             "resources",
