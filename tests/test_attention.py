@@ -24,8 +24,8 @@ def _qkv(B, T, N, G, K, seed=0):
     "B, T, N, G, K, block",
     [
         (2, 40, 2, 3, 8, 16),  # GQA, T not a multiple of the block
-        (1, 64, 4, 1, 16, 16),  # multi-head, 4 x 4 tiles
-        (2, 17, 1, 2, 8, 32),  # one tile: block > T
+        pytest.param(1, 64, 4, 1, 16, 16, marks=pytest.mark.slow),  # multi-head, 4 x 4 tiles
+        pytest.param(2, 17, 1, 2, 8, 32, marks=pytest.mark.slow),  # one tile: block > T
         (1, 33, 2, 2, 8, 8),  # a last tile holding one real row
     ],
 )
@@ -59,7 +59,8 @@ def _config(family: str, impl: str, seq_len: int = 40, block: int = 16) -> Confi
     return Config().replace(model=model, train=dict(seq_len=seq_len, batch_size=2))
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+# default run: llama (GQA, rotary); gpt with -m slow
+@pytest.mark.parametrize("family", [pytest.param("gpt", marks=pytest.mark.slow), "llama"])
 def test_model_logits_and_gradients_equal_reference(family):
     """GPT and Llama (GQA: 4 query heads on 2 key/value heads), causal, T = 40 in tiles
     of 16: logits and the loss's gradient of every param within 1e-5."""
@@ -102,7 +103,8 @@ def _score_shapes(hlo: str, T: int) -> list[str]:
     return sorted(set(re.findall(rf"\w+\[[\d,]*\b{T},{T}\]", hlo)))
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+# default run: gpt; llama with -m slow
+@pytest.mark.parametrize("family", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_compiled_stages_hold_no_score_matrix(family):
     """The compiled block stage functions (forward, backward with recompute, kept
     forward at each level and backward from it): with blockwise attention at T = 112 in
@@ -196,6 +198,7 @@ def test_streamed_training_equals_none(blockwise_reference, tiny, tmp_path, offl
     assert_gpt_training_equal(result, blockwise_reference, model, check_tokens())
 
 
+@pytest.mark.slow  # the streamed equivalence tests above compare blockwise with none
 def test_blockwise_training_equals_reference_attention(tiny, tmp_path):
     """offload.mode=none trains the same with either attention, within 1e-5. With SGD:
     AdamW divides near-zero gradients by their own size and turns the two attentions'

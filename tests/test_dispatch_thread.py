@@ -119,7 +119,10 @@ def test_host_update_reads_pages_of_any_size_and_refuses_bad_ones():
     "sections",
     [
         dict(offload=dict(mode="stream")),
-        dict(offload=dict(mode="stream", optimizer="nvme"), train=dict(grad_accum=2)),
+        pytest.param(
+            dict(offload=dict(mode="stream", optimizer="nvme"), train=dict(grad_accum=2)),
+            marks=pytest.mark.slow,
+        ),
         dict(offload=dict(mode="stream"), optimizer=dict(grad_clip=0.05)),
     ],
     ids=["host", "nvme-accum2", "clipping"],

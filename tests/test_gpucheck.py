@@ -48,6 +48,7 @@ def test_sections_on_a_cpu_say_what_passes_and_what_needs_a_gpu(tmp_path):
     assert "gpucheck: 1 sections passed, 1 failed (environment), 1 skipped (memory)" in proc.stdout
 
 
+@pytest.mark.slow  # 12 s: the code paths of sections whose figures need a GPU
 def test_bandwidth_and_overlap_measure_every_path(tmp_path):
     """On a CPU the figures mean nothing (one memory, no copy engines); the code paths
     run and every check reports its figure."""

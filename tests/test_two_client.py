@@ -58,7 +58,14 @@ TIERS = {
 }
 
 
-@pytest.mark.parametrize("tier", list(TIERS))
+# default run: host, nvme, device-cache; the others with -m slow
+@pytest.mark.parametrize(
+    "tier",
+    [
+        t if t in ("host", "nvme", "device-cache") else pytest.param(t, marks=pytest.mark.slow)
+        for t in TIERS
+    ],
+)
 def test_stream_through_two_clients_equals_none(reference, tiny, tmp_path, tier):
     """Clipping at 2.0 binds in some steps: the speculative updates are redone."""
     kernel = "optax" if tier == "host-optax" else "auto"
@@ -286,8 +293,13 @@ def _window_copies(runtime, uses: list[str]) -> list[str]:
     "offload",
     [
         dict(mode="stream"),
-        dict(mode="stream", params="nvme", optimizer="nvme", prefetch_depth=1),
-        dict(mode="stream", activations="host", keep_blocks=1),
+        pytest.param(
+            dict(mode="stream", params="nvme", optimizer="nvme", prefetch_depth=1),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            dict(mode="stream", activations="host", keep_blocks=1), marks=pytest.mark.slow
+        ),
         dict(mode="stream", optimizer_device_stages=2),
     ],
     ids=["host", "nvme-depth1", "activations-host-keep1", "device-cache"],
@@ -336,7 +348,7 @@ def test_every_transfer_is_planned_and_counted(tiny, offload):
         runtime.close()
 
 
-@pytest.mark.parametrize("optimizer", ["host", "nvme"])
+@pytest.mark.parametrize("optimizer", ["host", pytest.param("nvme", marks=pytest.mark.slow)])
 def test_zero3_steps_have_no_implicit_transfers(tiny, optimizer):
     """ZeRO-3 over 2 devices: its scalars are put replicated, its batches as global
     arrays, its pages by explicit copies (``runtime/zero.py``)."""
