@@ -58,8 +58,9 @@ def test_offloads_progressively_as_budgets_shrink(hardware):
     everything = 16 * w.params + w.num_layers * w.kept_block + w.working_set
     previous = None
     modes = []
+    pool = hw.device_pool(config.memory.device_fraction)  # what JAX's allocator may take
     for fraction in (1.5, 0.8, 0.4, 0.2, 0.1, 0.05):
-        budget = int(min(everything * fraction, hw.device_memory))
+        budget = int(min(everything * fraction, pool))
         cfg = config.replace(memory=dict(device_budget=budget))
         try:
             plan = make_plan(cfg, hw, w)
