@@ -222,6 +222,9 @@ class TrainConfig:
     max_nonfinite: int = 10  # skip / rollback: stop after this many bad steps in a row
     # record every N-th step's timeline into <workdir>/trace (hetjax/timeline.py); 0: off
     trace_every: int = 0
+    # a run that streamed: time this many in-memory steps after it (the whole state on
+    # the device, no budgets), the run summary's reference step (hetjax/summary.py); 0: off
+    in_memory_steps: int = 0
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
@@ -229,6 +232,9 @@ class TrainConfig:
         _check(self.eval_batches >= 0, "train.eval_batches", "must be >= 0", self.eval_batches)
         _check(self.trace_every >= 0, "train.trace_every", "must be >= 0", self.trace_every)
         _check(self.eval_every >= 0, "train.eval_every", "must be >= 0", self.eval_every)
+        _check(
+            self.in_memory_steps >= 0, "train.in_memory_steps", "must be >= 0", self.in_memory_steps
+        )
         if self.batch_size % self.grad_accum:
             raise ConfigError(
                 f"config key 'train.batch_size' ({self.batch_size}) must be divisible by "
@@ -653,6 +659,12 @@ class Config:
             raise ConfigError(
                 "config key 'offload.activations': nvme checkpoints are not supported with "
                 "data parallelism (distributed.data_parallel != 1); use device or host"
+            )
+        if data != 1 and self.train.in_memory_steps:
+            raise ConfigError(
+                "config key 'train.in_memory_steps': the in-memory reference step runs on "
+                "one device, not with data parallelism (distributed.data_parallel != 1); "
+                "leave it 0"
             )
         if data != 1 and self.optimizer.mode == "lockfree":
             raise ConfigError(
