@@ -33,6 +33,7 @@ from hetjax.run_lock import LOCK_NAME, RunLocks
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.runtime.zero import Zero3
+from hetjax.summary import report as report_run
 from hetjax.types import Runtime, TrainingError
 from models import build_model
 
@@ -279,6 +280,17 @@ def _train(
             if losses and out.enabled:  # from metrics.jsonl, which a quiet run does not write
                 plot = plot_losses(workdir / "metrics.jsonl", workdir / "loss.png", val_loss)
                 out.log(f"loss curves: {plot}")
+            if losses and out.enabled:
+                report_run(
+                    config,
+                    runtime,
+                    records,
+                    workdir,
+                    train_data,
+                    ckpt.directory / str(last_saved) if ckpt is not None and last_saved else None,
+                    val_loss,
+                    log=out.log,
+                )
         params = runtime.params() if return_params else None
         if ckpt is not None:
             ckpt.wait()  # the last checkpoint is complete before the run says it is done
