@@ -1,6 +1,7 @@
 import importlib.util
 import json
 import struct
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,23 +13,48 @@ from equivalence import (
     check_fp16_overflow_skips_then_trains,
 )
 
-from hetjax.config import load_config
 from hetjax.launch import main
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.train import train
 from hetjax.types import LossScale
 
+PNG = b"\x89PNG\r\n\x1a\n"
 
-@pytest.mark.slow  # ~25 s: 30 steps of the default config
-def test_default_config_loss_falls_clearly(tmp_path):
-    # The default run (configs/gpt_tiny.py), cut to 30 of its steps to keep the suite fast
-    # (the thresholds below hold at 30 as at 60; 30 saves ~16 s of the default run).
-    config = load_config("gpt_tiny", {"train.steps": "30", "train.eval_batches": "4"})
-    result = train(config, tmp_path, verbose=False)
-    first, last = result.losses[0], np.mean(result.losses[-5:])  # first: before any update
-    assert first > 5.0  # untrained byte model: ~log(256) = 5.55
-    assert last < first - 2.0, (first, last)
-    assert result.val_loss < first - 1.5
+
+def _check_default_run(workdir, out):
+    """The default run's outputs: it streamed, kept the optimizer state on NVMe, printed
+    the plan, and wrote the timeline PNG, loss.png and the run summary."""
+    assert "offload.mode=stream" in out and "plan for gpt" in out, out
+    assert "summary: where the state lived" in out and "summary: outputs" in out, out
+    run = json.loads((workdir / "summary.json").read_text())["run"]
+    assert run["tiers"]["optimizer"] == "nvme" and run["tiers"]["params"] == "host"
+    assert run["moved_bytes"]["nvme_read"] > 0 and run["moved_bytes"]["host_to_device"] > 0
+    assert run["in_memory_step_s"] > 0
+    assert Path(run["paths"]["timeline"]).read_bytes()[:8] == PNG
+    assert (workdir / "loss.png").read_bytes()[:8] == PNG
+    assert any((workdir / "nvme").iterdir())
+    return run
+
+
+def test_default_config_streams_with_nvme(tmp_path, capsys):
+    # The default run (configs/gpt_tiny.py) cut to a few steps: auto picks streaming and
+    # NVMe from its budgets; the trace and the in-memory reference cut with it.
+    workdir = tmp_path / "run"
+    args = ["--workdir", str(workdir), "--config.train.steps=4", "--config.train.trace_every=4"]
+    rc = main([*args, "--config.train.in_memory_steps=1", "--config.train.eval_batches=1"])
+    assert rc == 0
+    _check_default_run(workdir, capsys.readouterr().out)
+
+
+@pytest.mark.slow  # the whole default run: ~3 min on 2 CPU cores
+def test_default_run_loss_falls_clearly(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    assert main(["--workdir", str(workdir)]) == 0
+    run = _check_default_run(workdir, capsys.readouterr().out)
+    loss = run["losses"]
+    assert loss["first"] > 5.0  # untrained byte model: ~log(256) = 5.55
+    assert loss["last_tenth_mean"] < 0.6 * loss["first"], loss
+    assert loss["val"] < 0.55 * loss["first"], loss
 
 
 def test_grad_accum_equals_full_batch(tmp_path, tiny):
