@@ -26,7 +26,7 @@ from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.types import Runtime
 
-TIER_NAMES = {"device": "the device", "host": "host RAM", "nvme": "NVMe"}
+TIER_NAMES = {"device": "on the device", "host": "in host RAM", "nvme": "on NVMe"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +210,7 @@ def _where(config: Config, runtime: StreamingRuntime) -> dict[str, str]:
     if runtime.device_stages:
         optimizer += f"; {', '.join(runtime.device_stages)} on the device"
     first_kept = L - o.keep_blocks
-    activations = f"block boundaries in {TIER_NAMES[o.activations]}, recomputed in backward"
+    activations = f"block boundaries {TIER_NAMES[o.activations]}, recomputed in backward"
     if not first_kept:
         activations = "every block keeps its activations on the device"
     elif o.keep_blocks:
