@@ -311,3 +311,31 @@ def test_planner_caches_what_fits_and_more_with_more_budget():
             overrides = plan.config_overrides()
             assert config.replace(**overrides).offload.optimizer_device_stages == c.device_stages
     assert counts == sorted(counts) and counts[-1] > 0, counts
+
+
+def test_device_update_in_one_chunk_per_stage_equals_none(reference, tiny, tmp_path, monkeypatch):
+    """On an accelerator the device-cached stages update in one dispatch per stage
+    (slab.chunk_elems), while the host optimizer keeps cache-sized chunks. Emulated on
+    CPU: the device memory kind's optimizer gets whole stages, the host's 2-page chunks;
+    training equals offload.mode=none (clipping redo included)."""
+    import hetjax.optimizer.slab as slab
+
+    page = 4096  # PAGES' 16 KiB of fp32
+    monkeypatch.setattr(slab, "CHUNK_ELEMS", 2 * page)
+    cpu_policy = slab.chunk_elems
+    monkeypatch.setattr(
+        slab, "chunk_elems", lambda s: 0 if s.memory_kind == "device" else cpu_policy(s)
+    )
+    config = _cached(tiny, 2, "host")
+    runtime = StreamingRuntime(config)
+    try:
+        device, host = runtime.device_optimizer, runtime.optimizer
+        for name in runtime.device_stages:
+            assert len(device.chunk_bounds(runtime.layout_name(name))) == 1
+        chunks = [len(host.chunk_bounds(runtime.layout_name(n))) for n in runtime.host_stages]
+        assert max(chunks) > 1, chunks  # the blocks' are
+    finally:
+        runtime.close()
+    result = train(config, tmp_path, verbose=False)
+    assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
+    assert result.records[-1]["optimizer_redo"] > 0

@@ -235,3 +235,14 @@ def test_slab_optimizer_equals_optax_on_the_pytree(tiny, monkeypatch, name, kind
             "head", slabs, scalars, layout.flatten_np(grads), (norm, 0.5)
         )
     assert_trees_close(layout.unflatten(flat(slabs["master"])), params, rtol=1e-6)
+
+
+def test_update_chunks_cache_sized_on_cpu_whole_stage_on_accelerators():
+    from types import SimpleNamespace
+
+    from hetjax.optimizer.slab import CHUNK_ELEMS, chunk_elems
+
+    on = lambda platform: SimpleNamespace(device_set=(SimpleNamespace(platform=platform),))
+    assert chunk_elems(Shardings.single_device().host) == CHUNK_ELEMS
+    assert chunk_elems(on("cpu")) == CHUNK_ELEMS
+    assert chunk_elems(on("gpu")) == chunk_elems(on("tpu")) == 0  # one chunk per stage
