@@ -328,6 +328,9 @@ OFFLOAD_MODES = ("auto", "none", "stream")
 # offload.keep_level, highest swap benefit factor first (each keeps what the one before
 # it keeps, and more): see hetjax/remat.py.
 KEEP_LEVELS = ("matmuls", "probs", "all")
+# offload.swap_level: the levels that leave the params out of what moves (``all`` holds
+# weight copies made in forward, which a swap would move for nothing)
+SWAP_LEVELS = KEEP_LEVELS[:2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +360,13 @@ class OffloadConfig:
     recomputes the elementwise ops; only blocks that tag them, as the zoo's reference
     attention does, ``model.attention=reference``).
 
+    ``swap_blocks``: the N blocks before the kept ones (or the last N, with none kept)
+    move the in-block activations of ``swap_level`` (``matmuls`` or ``probs``, as for
+    ``keep_level``) and their input to host memory (``pinned_host``) as forward makes
+    them, and back to the device ahead of their backward, which recomputes only what
+    the level did not save (Fuyou's activation swapping, section 4.4). Their params are
+    fetched again for backward, as for blocks that recompute.
+
     ``optimizer_device_stages``: with ``optimizer`` host or nvme, the first N stages in
     forward order (embed, block 0, block 1, ..., head last) keep their fp32 master and
     optimizer state on the device instead, are updated there by the same optax update,
@@ -377,6 +387,10 @@ class OffloadConfig:
     # forward to backward instead of recomputing them (more memory, less compute)
     keep_blocks: int = 0
     keep_level: str = "all"  # stream: which in-block activations kept blocks keep
+    # stream: the N blocks before the kept ones move the in-block activations of
+    # swap_level to host memory in forward and back for backward (Fuyou's swapping)
+    swap_blocks: int = 0
+    swap_level: str = "matmuls"  # stream: which in-block activations swapped blocks move
     # stream, optimizer host or nvme: the first N stages (embed, block 0, ...) keep their
     # optimizer state on the device, are updated there and stay resident there
     optimizer_device_stages: int = 0
@@ -404,6 +418,8 @@ class OffloadConfig:
         )
         _check(self.keep_blocks >= 0, "offload.keep_blocks", "must be >= 0", self.keep_blocks)
         _choice("offload", "keep_level", self.keep_level, KEEP_LEVELS)
+        _check(self.swap_blocks >= 0, "offload.swap_blocks", "must be >= 0", self.swap_blocks)
+        _choice("offload", "swap_level", self.swap_level, SWAP_LEVELS)
         if self.mode == "stream" and self.keep_level != "all" and not self.keep_blocks:
             raise ConfigError(
                 f"config key 'offload.keep_level' is {self.keep_level!r}, which applies to "
@@ -623,6 +639,13 @@ class Config:
                 f"'model.num_layers' ({self.model.num_layers}): at most every block keeps "
                 "its activations"
             )
+        kept_swapped = self.offload.keep_blocks + self.offload.swap_blocks
+        if kept_swapped > self.model.num_layers:
+            raise ConfigError(
+                f"config keys 'offload.keep_blocks' + 'offload.swap_blocks' ({kept_swapped}) "
+                f"exceed 'model.num_layers' ({self.model.num_layers}): a block keeps or "
+                "swaps its activations, not both; lower one of them"
+            )
         stages = self.model.num_layers + 2  # embed, the blocks, head
         if self.offload.optimizer_device_stages > stages:
             raise ConfigError(
@@ -654,6 +677,11 @@ class Config:
             raise ConfigError(
                 "config key 'offload.keep_blocks': kept activations are not supported with "
                 "data parallelism (distributed.data_parallel != 1); leave it 0"
+            )
+        if data != 1 and self.offload.swap_blocks:
+            raise ConfigError(
+                "config key 'offload.swap_blocks': swapped activations are not supported "
+                "with data parallelism (distributed.data_parallel != 1); leave it 0"
             )
         if data != 1 and self.offload.activations == "nvme":
             raise ConfigError(

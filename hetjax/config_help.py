@@ -110,6 +110,12 @@ HELP: dict[str, str] = {
     "only; backward recomputes the elementwise ops); `matmuls` (matmul outputs, attention "
     "output and logsumexp; backward recomputes the elementwise ops, and the softmax of "
     "the reference attention) ([offload](offload.md#activation-keeping))",
+    "offload.swap_blocks": "`stream`: the N blocks before the kept ones move the in-block "
+    "activations of `offload.swap_level` and their input to host memory in forward and "
+    "back ahead of backward (Fuyou's activation swapping) instead of recomputing them "
+    "([offload](offload.md#activation-swapping))",
+    "offload.swap_level": "`stream`: which in-block activations the swapped blocks move: "
+    "`matmuls` or `probs`, as `offload.keep_level`",
     "offload.optimizer_device_stages": "`stream` with `offload.optimizer` `host` or `nvme`: "
     "the first N stages (embed, block 0, 1, ...) keep fp32 master and optimizer state on "
     "the device, are updated there and stay resident; `auto` lets the planner choose "

@@ -251,6 +251,11 @@ class Sizes:
         """Bytes per element of fp32 master + optimizer state."""
         return 4 * (1 + self.state_kinds)
 
+    def swap_bytes(self, level: str) -> int:
+        """Bytes a swapped block moves to host memory and back: its kept residuals at
+        ``level`` without its param pages (``stages.SwappedBlock``)."""
+        return self.kept[level] - self.compute_bytes * self.block
+
     def stages(self) -> list[str]:
         return list(self._stages)
 
@@ -284,6 +289,8 @@ class Offload:
     keep_blocks: int = 0  # the last blocks keep their in-block activations to backward
     keep_level: str = "all"
     device_stages: int = 0  # the first stages' optimizer state cached on the device
+    swap_blocks: int = 0  # the blocks before the kept ones swap in-block activations
+    swap_level: str = "matmuls"
 
     @classmethod
     def from_config(cls, config: Config) -> Offload:
@@ -296,7 +303,14 @@ class Offload:
             o.keep_blocks,
             o.keep_level,
             o.optimizer_device_stages,
+            o.swap_blocks,
+            o.swap_level,
         )
+
+    def recomputed_blocks(self, num_layers: int) -> int:
+        """Blocks that store a boundary and recompute their inside in backward: those
+        that neither keep nor swap their in-block activations."""
+        return num_layers - self.keep_blocks - self.swap_blocks
 
     @property
     def uses_nvme(self) -> bool:
@@ -377,13 +391,16 @@ def device_parts(s: Sizes, o: Offload, depth: int, resident: int) -> dict[str, i
     ``resident`` blocks, by what they hold."""
     L, cb = s.num_layers, s.compute_bytes
     window = min(depth + 1, L - resident)  # the block computing and those prefetched
-    boundaries = (L - o.keep_blocks) if o.activations == "device" else 2
+    boundaries = o.recomputed_blocks(L) if o.activations == "device" else 2
     return {
         "embed+head": cb * (s.embed + s.head),
         "blocks": cb * s.block * (window + resident),
         "gradients": DEVICE_GRAD_SLABS * max(s.block_grad_bytes * s.block, 4 * s.embed),
         "boundaries": boundaries * s.boundary,
         "kept": o.keep_blocks * s.kept[o.keep_level] if o.keep_blocks else 0,
+        # a swapped block's residuals on their way out in forward; in backward the one
+        # computing and the next one's, copied in ahead of it
+        "swapped": min(2, o.swap_blocks) * s.swap_bytes(o.swap_level) if o.swap_blocks else 0,
         "working set": s.working_set,
         "optimizer": DeviceCache.of(s, o).device_bytes,
     }
@@ -433,7 +450,7 @@ def host_boundary_bytes(s: Sizes, o: Offload) -> int:
     """Host RAM of boundary activations: all of a micro-batch's with
     ``offload.activations=host``, the NVMe swap's staging with ``nvme``
     (:func:`swap_staging_bytes`)."""
-    slots = s.num_layers - o.keep_blocks
+    slots = o.recomputed_blocks(s.num_layers)
     if o.activations == "host":
         return slots * s.boundary
     if o.activations == "nvme":
@@ -473,6 +490,7 @@ class HostMemoryPlan:
     cached_stages: tuple[str, ...]
     grads: GradientPlan
     boundaries: int = 0  # boundary activations (host) or their NVMe staging (nvme)
+    swapped: int = 0  # swapped blocks' in-block activations, forward to backward
 
     @property
     def required(self) -> int:
@@ -481,9 +499,9 @@ class HostMemoryPlan:
     @property
     def pinned(self) -> int:
         """Bytes of it in the device's ``pinned_host`` memory: what moves to and from
-        the device (param slabs, gradient buffers, boundary activations). Optimizer
-        state and its I/O live in the host optimizer's own (pageable) memory."""
-        return self.param_slabs + self.gradients + self.boundaries
+        the device (param slabs, gradient buffers, boundary and swapped activations).
+        Optimizer state and its I/O live in the host optimizer's own (pageable) memory."""
+        return self.param_slabs + self.gradients + self.boundaries + self.swapped
 
     def check_pinned(self, limit: int) -> None:
         """Raises ConfigError when the pinned part exceeds ``limit`` (XLA's cap on a GPU
@@ -493,7 +511,8 @@ class HostMemoryPlan:
                 f"the host plan needs {format_bytes(self.pinned)} of pinned host memory "
                 f"(param slabs {format_bytes(self.param_slabs)}, gradient buffers "
                 f"{format_bytes(self.gradients)}, boundary activations "
-                f"{format_bytes(self.boundaries)}) and XLA allows {format_bytes(limit)}: "
+                f"{format_bytes(self.boundaries)}, swapped activations "
+                f"{format_bytes(self.swapped)}) and XLA allows {format_bytes(limit)}: "
                 f"short by {format_bytes(self.pinned - limit)}. Raise "
                 "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (python -m hetjax.launch sets it from "
                 "memory.host_budget), or set offload.params=nvme"
@@ -508,6 +527,7 @@ class HostMemoryPlan:
             "optimizer": self.optimizer_state,
             "optimizer I/O": self.optimizer_io,
             "boundaries": self.boundaries,
+            "swapped activations": self.swapped,
             "optimizer cache": self.cache,
         }
 
@@ -517,6 +537,8 @@ class HostMemoryPlan:
             parts.append(f"optimizer state {format_bytes(self.optimizer_state)}")
         if self.boundaries:
             parts.append(f"boundary activations {format_bytes(self.boundaries)}")
+        if self.swapped:
+            parts.append(f"swapped activations {format_bytes(self.swapped)}")
         if self.optimizer_io:
             parts.append(f"optimizer I/O buffers {format_bytes(self.optimizer_io)}")
             parts.append(
@@ -542,10 +564,11 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
     tier, policy = o.optimizer, s.grad_policy
     param_slabs = host_param_bytes(s, o)
     boundaries = host_boundary_bytes(s, o)
+    swapped = o.swap_blocks * s.swap_bytes(o.swap_level) if o.swap_blocks else 0
     state = 2 * sum(stage_state.values()) if tier == "host" else 0
     biggest = max(stage_state.values(), default=0)
     io = IO_SLOTS * biggest if tier == "nvme" else 0
-    others = param_slabs + state + io + boundaries
+    others = param_slabs + state + io + boundaries + swapped
     order = cache_of.grad_stages(s)
     sizes = {n: s.grad_bytes(n) for n in order}
     grads = plan_gradients(sizes, order, policy, budget - others if budget else None, o.uses_nvme)
@@ -561,6 +584,8 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
             hint += " (gradients kept for clipping then spill to NVMe) or optimizer.grad_clip=0"
         if o.activations == "host" and boundaries >= max(param_slabs, io, state):
             hint = "set offload.activations=nvme"
+        if swapped >= max(param_slabs, io, state, boundaries):
+            hint = "lower offload.swap_blocks"
         raise ConfigError(
             f"memory.host_budget {format_bytes(budget)} is too small for the minimum host "
             f"working set {format_bytes(required)} (param slabs {format_bytes(param_slabs)}, "
@@ -568,6 +593,7 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
             + (f", optimizer state {format_bytes(state)}" if state else "")
             + (f", optimizer I/O buffers {format_bytes(io)}" if io else "")
             + (f", boundary activations {format_bytes(boundaries)}" if boundaries else "")
+            + (f", swapped activations {format_bytes(swapped)}" if swapped else "")
             + f"); host is short by {format_bytes(required - budget)}. Raise "
             f"memory.host_budget or {hint}"
         )
@@ -577,7 +603,16 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
         cached = belady_cache([n for n in order if n in doubled], doubled, budget - required)
     cache = sum(2 * stage_state[n] for n in cached)
     return HostMemoryPlan(
-        budget, param_slabs, grads.ram_bytes, state, io, cache, tuple(cached), grads, boundaries
+        budget,
+        param_slabs,
+        grads.ram_bytes,
+        state,
+        io,
+        cache,
+        tuple(cached),
+        grads,
+        boundaries,
+        swapped,
     )
 
 
@@ -595,7 +630,7 @@ def nvme_parts(s: Sizes, o: Offload, host: HostMemoryPlan) -> dict[str, int]:
     of params (the committed one and the one being written), every boundary activation
     not kept in a block, and the gradients the host plan spills."""
     own = sum(s.own(n) for n in DeviceCache.of(s, o).host_stages(s))
-    slots = s.num_layers - o.keep_blocks
+    slots = o.recomputed_blocks(s.num_layers)
     return {
         "optimizer": 2 * s.state_bytes * own if o.optimizer == "nvme" else 0,
         "params": 2 * s.compute_bytes * own if o.params == "nvme" else 0,

@@ -42,6 +42,8 @@ def reference(tmp_path_factory):
         dict(mode="stream", keep_blocks=1),
         dict(mode="stream", keep_blocks=2, activations="host"),
         dict(mode="stream", keep_blocks=1, keep_level="matmuls"),
+        dict(mode="stream", keep_blocks=1, swap_blocks=1),
+        dict(mode="stream", swap_blocks=1, activations="host", prefetch_depth=1),
     ],
     ids=[
         "depth2",
@@ -51,6 +53,8 @@ def reference(tmp_path_factory):
         "keep1",
         "keep_all",
         "keep1_matmuls",
+        "keep1_swap1",
+        "swap1_recompute1",
     ],
 )
 def test_stream_equals_none(reference, tiny, tmp_path, offload):

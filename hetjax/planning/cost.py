@@ -30,6 +30,9 @@ class Candidate:
     # the first N stages (embed, block 0, ...) keep their optimizer state on the device
     # (offload.optimizer_device_stages); their blocks are resident
     device_stages: int = 0
+    # the blocks before the kept ones swap their in-block activations to host memory
+    swap_blocks: int = 0
+    swap_level: str = "matmuls"
 
     def offload(self) -> Offload:
         """The candidate's placement as the memory model takes it."""
@@ -41,6 +44,8 @@ class Candidate:
             self.keep_blocks,
             self.keep_level,
             self.device_stages,
+            self.swap_blocks,
+            self.swap_level,
         )
 
     @property
@@ -82,25 +87,29 @@ def lanes(
         dev_opt = _device_optimizer_s(hw, P)
         step = A * (fwd + compute_b) + dev_opt
         return step, {"compute": A * (fwd + compute_b), "optimizer": dev_opt}
-    kept, recomputed = c.keep_blocks, L - c.keep_blocks
+    kept, swapped = c.keep_blocks, c.swap_blocks
+    o = c.offload()
+    recomputed = o.recomputed_blocks(L)
     compute_b = st["head"] + recomputed * st["block_bwd"]
     compute_b += kept * st[kept_key(c.keep_level)] if kept else 0.0
+    compute_b += swapped * st[kept_key(c.swap_level)] if swapped else 0.0
     compute_b += st["embed_bwd"]
     frac = 1.0 / n
     sizes = memory_sizes(w, n)
-    cache = DeviceCache.of(sizes, c.offload())
+    cache = DeviceCache.of(sizes, o)
     resident = max(c.resident_blocks, cache.blocks)
     streamed_f = L - resident
-    streamed_b = max(0, recomputed - resident)
+    streamed_b = max(0, L - kept - resident)  # the swapped blocks' params come again
     # Boundaries on the host or NVMe cross to the host in forward and back in backward;
     # on NVMe, all but the last IO_READAHEAD (held in RAM for backward, which takes them
-    # first) are written and read back.
+    # first) are written and read back. Swapped blocks' activations cross both ways.
     bounds = recomputed * w.boundary if c.activations in ("host", "nvme") else 0
+    swap = swapped * sizes.swap_bytes(c.swap_level) if swapped else 0
     h2d_f = streamed_f * cb * Pb * frac
-    h2d_b = streamed_b * cb * Pb * frac + bounds
+    h2d_b = streamed_b * cb * Pb * frac + bounds + swap
     # per device; the device cache's gradients stay there
     grads = sum(sizes.grad_bytes(name) for name in cache.grad_stages(sizes))
-    d2h_f, d2h_b = bounds, grads
+    d2h_f, d2h_b = bounds + swap, grads
     comm_f = comm_b = 0.0
     # On the CPU backend the devices' memory is host RAM: a collective is copies.
     link = hw.interconnect_bw or (hw.h2d_bw if hw.shared_cores else 0.0)

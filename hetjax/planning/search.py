@@ -39,7 +39,7 @@ import dataclasses
 import itertools
 from typing import Any
 
-from hetjax.config import Config, ConfigError, format_bytes
+from hetjax.config import SWAP_LEVELS, Config, ConfigError, format_bytes
 from hetjax.memory import (
     DeviceCache,
     HostMemoryPlan,
@@ -97,6 +97,8 @@ class Plan:
                 prefetch_depth=c.prefetch_depth,
                 keep_blocks=c.keep_blocks,
                 keep_level=c.keep_level,
+                swap_blocks=c.swap_blocks,
+                swap_level=c.swap_level,
                 optimizer_device_stages=c.device_stages,
             )
         )
@@ -125,11 +127,12 @@ class Plan:
             rows: list[list] = []  # consecutive blocks placed alike share a row
             for i in range(L):
                 where = "device (resident)" if i < c.resident_blocks else f"{c.params}, streamed"
-                acts = (
-                    f"kept on device ({c.keep_level})"
-                    if i >= L - c.keep_blocks
-                    else f"{c.activations} boundary, recomputed"
-                )
+                if i >= L - c.keep_blocks:
+                    acts = f"kept on device ({c.keep_level})"
+                elif i >= L - c.keep_blocks - c.swap_blocks:
+                    acts = f"swapped to host ({c.swap_level})"
+                else:
+                    acts = f"{c.activations} boundary, recomputed"
                 row = [where, state(i < k - 1), acts]
                 if rows and rows[-1][2:] == row:
                     rows[-1][1] = i
@@ -246,19 +249,28 @@ def _candidates(w: Workload, one_device: bool):
         yield Candidate("none", remat=False)
         yield Candidate("none", remat=True)
     activations = ("device", "host", "nvme") if one_device else ("device", "host")
-    keeps = [(0, "all")]
+    # (kept blocks, their level, swapped blocks, their level): the last blocks keep, the
+    # ones before them swap, the rest recompute
+    keeps = [(0, "all", 0, "matmuls")]
     if one_device:
-        keeps += [
-            (keep, level)
-            for keep in sorted({1, 2, L // 4, L // 2, L} & set(range(1, L + 1)))
-            for level in w.kept  # the levels the block supports
+        counts = lambda most: sorted({1, 2, L // 4, L // 2, most} & set(range(1, most + 1)))
+        kept = [(0, "all")] + [(k, level) for k in counts(L) for level in w.kept]
+        swap_levels = [level for level in w.kept if level in SWAP_LEVELS]
+        keeps = [
+            (keep, level, swap, swap_level)
+            for keep, level in kept
+            for swap, swap_level in [(0, "matmuls")]
+            + [(n, sl) for n in counts(L - keep) for sl in swap_levels]
         ]
     for params, optimizer, acts in itertools.product(
         ("host", "nvme"), ("device", "host", "nvme"), activations
     ):
         for depth in (0, 1, 2, 3):
-            for keep, level in keeps:
-                yield Candidate("stream", False, params, optimizer, acts, depth, 0, keep, level)
+            for keep, level, swap, swap_level in keeps:
+                yield Candidate(
+                    "stream", False, params, optimizer, acts, depth, 0, keep, level,
+                    swap_blocks=swap, swap_level=swap_level,
+                )  # fmt: skip
 
 
 def _cache_variants(w: Workload, hw: Hardware, c: Candidate):

@@ -83,7 +83,7 @@ def nvme_directory(
     names = {
         "optimizer": "the optimizer state",
         "params": "the params",
-        "boundaries": f"{sizes.num_layers - offload.keep_blocks} boundary activations",
+        "boundaries": f"{offload.recomputed_blocks(sizes.num_layers)} boundary activations",
         "gradients": "spilled gradients",  # kept for a redo
     }
     needed = {names[k]: v for k, v in nvme_parts(sizes, offload, host).items()}
@@ -155,7 +155,7 @@ def make_boundary_swap(
     config: Config, nvme_dir: Path | None, boundary: jax.ShapeDtypeStruct, stage_to=None
 ) -> BoundarySwap | None:
     """The NVMe swap of boundary activations (``offload.activations=nvme``)."""
-    slots = config.model.num_layers - config.offload.keep_blocks
+    slots = memory.Offload.from_config(config).recomputed_blocks(config.model.num_layers)
     if config.offload.activations != "nvme" or not slots:
         return None
     itemsize = jnp.dtype(boundary.dtype).itemsize

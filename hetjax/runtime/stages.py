@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from hetjax.config import ConfigError
+from hetjax.config import SWAP_LEVELS, ConfigError
 from hetjax.runtime import remat
 from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems
 
@@ -55,6 +55,52 @@ class StageMemory:
     # one block's in-block activations kept from forward to backward (its vjp residuals,
     # inputs included), per offload.keep_level the block supports (remat.py)
     kept: dict[str, int]
+
+
+class SwappedBlock:
+    """A block whose in-block activations go to host memory between its forward and its
+    backward (Fuyou's activation swapping, section 4.4; ``offload.swap_blocks``).
+
+    ``forward(pages, x) -> (y, residuals)``: the vjp's residuals at the keep ``level``
+    (remat.py: the block's input and the activations the level saves) without the param
+    pages, which the window fetches again for backward instead of holding them. The
+    runtime copies the residuals to ``pinned_host`` as soon as forward made them and
+    back to the device ahead of backward. ``backward(pages, residuals, dy) -> ((db, its
+    norms), dx)`` rebuilds the vjp from the pages and the residuals and applies it: what
+    the level did not save is recomputed, as in a kept block at that level, so the
+    result is the kept block's."""
+
+    def __init__(self, block_fwd, level: str, cast):
+        fwd = remat.kept_forward(block_fwd, level)
+        # The vjp's structure and which of its leaves are the param pages (by identity
+        # with the traced pages): fixed by the forward's trace, used by the backward's.
+        self._structure: tuple | None = None
+
+        def forward(b, x):
+            y, vjp = jax.vjp(fwd, b, x)
+            leaves, tree = jax.tree.flatten(vjp)
+            page_of = {id(p): k for k, p in enumerate(b)}
+            where = tuple(page_of.get(id(leaf), -1) for leaf in leaves)
+            self._structure = (tree, where)
+            return y, [leaf for leaf, k in zip(leaves, where, strict=True) if k < 0]
+
+        def backward(b, residuals, dy):
+            if self._structure is None:  # traced before any forward (e.g. compiled ahead)
+                jax.eval_shape(forward, b, dy)
+            tree, where = self._structure
+            rest = iter(residuals)
+            leaves = [b[k] if k >= 0 else next(rest) for k in where]
+            db, dx = jax.tree.unflatten(tree, leaves)(dy)
+            return cast(db), dx
+
+        self._forward = forward
+        self.forward = jax.jit(forward)
+        self.backward = jax.jit(backward)
+
+    def residual_bytes(self, pages, x) -> int:
+        """Bytes of the residuals ``forward`` returns, from abstract shapes."""
+        _, residuals = jax.eval_shape(self._forward, pages, x)
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in residuals)
 
 
 class StageFunctions:
@@ -131,6 +177,7 @@ class StageFunctions:
         self.block_fwd_keep = self.kept_forward(keep_level)
         self.block_bwd_kept = jax.jit(block_bwd_kept)  # any level's vjp
         self.embed_bwd = jit(embed_bwd)
+        self._cast, self._swapped = cast, {}
 
     def kept_forward(self, level: str):
         """The jitted forward of a kept block at keep ``level``: (b, x) -> (y, the vjp
@@ -139,6 +186,20 @@ class StageFunctions:
             fwd = remat.kept_forward(self._block_fwd, level)
             self._kept_forward[level] = jax.jit(lambda b, x: jax.vjp(fwd, b, x))
         return self._kept_forward[level]
+
+    def swapped(self, level: str) -> SwappedBlock:
+        """The forward and backward of a block that swaps its in-block activations at
+        ``level`` to host memory (``offload.swap_blocks``). One device only."""
+        if level not in self._swapped:
+            self._swapped[level] = SwappedBlock(self._block_fwd, level, self._cast)
+        return self._swapped[level]
+
+    def swap_bytes(self, batch: int, seq_len: int, dtype) -> dict[str, int]:
+        """Bytes a swapped block moves to host memory and back (its input and the
+        activations its level saves), per level it supports, from abstract shapes."""
+        args = self.abstract_args(batch, seq_len, dtype)["block_fwd"]
+        levels = [lvl for lvl in remat.levels(self._block_fwd, *args) if lvl in SWAP_LEVELS]
+        return {lvl: self.swapped(lvl).residual_bytes(*args) for lvl in levels}
 
     def abstract_args(self, batch: int, seq_len: int, dtype) -> dict[str, tuple]:
         """Abstract arguments of each function for a micro-batch (batch, seq_len)."""
@@ -182,14 +243,19 @@ class StageFunctions:
     def check_keep_level(self, offload, batch: int, seq_len: int, dtype) -> None:
         """Raises ``ConfigError`` when ``offload.keep_level`` is one the block does not
         support (it must tag the values that level keeps)."""
-        if not offload.keep_blocks or offload.keep_level == "all":
+        asked = [("keep_level", offload.keep_level)] if offload.keep_blocks else []
+        asked += [("swap_level", offload.swap_level)] if offload.swap_blocks else []
+        asked = [(key, level) for key, level in asked if level != "all"]
+        if not asked:
             return
         levels = self.keep_levels(batch, seq_len, dtype)
-        if offload.keep_level not in levels:
+        for key, level in asked:
+            if level in levels:
+                continue
             raise ConfigError(
-                f"config key 'offload.keep_level' is {offload.keep_level!r}, but this "
+                f"config key 'offload.{key}' is {level!r}, but this "
                 f"model's block supports only {', '.join(levels)}: "
-                f"{offload.keep_level!r} keeps the values the block tags 'attn_probs' "
+                f"{level!r} keeps the values the block tags 'attn_probs' "
                 "(jax.ad_checkpoint.checkpoint_name(probs, 'attn_probs') in its "
                 "forward, as the zoo's reference attention does: model.attention="
                 "'reference'; the blockwise and fused ones have no probabilities tensor); "

@@ -119,8 +119,15 @@ class StreamingRuntime:
         # and tracing the stage functions) is measured once those checks passed.
         boundary = math.prod(self.boundary.shape) * self.boundary.dtype.itemsize
         kinds = len(self.optimizer.kinds) - 1
+        # (the swapped blocks' activations live in host RAM: their sizes, from abstract
+        # shapes, are the host plan's too)
+        kept = (
+            self.fns.kept_bytes(t.micro_batch_size, t.seq_len, self.compute_dtype)
+            if off.swap_blocks
+            else {}
+        )
         self.sizes = setup.memory_sizes(
-            config, self.layouts, self.state_layouts, StageMemory(boundary, 0, {}), kinds
+            config, self.layouts, self.state_layouts, StageMemory(boundary, 0, kept), kinds
         )
         self.offload = Offload.from_config(config)
         self.host_plan = plan_host(self.sizes, self.offload, mem.host_budget)
@@ -282,7 +289,14 @@ class StreamingRuntime:
         embed, head = self.resident["embed"], self.resident["head"]
         # Blocks first_kept .. L-1 keep their in-block activations from forward to
         # backward (offload.keep_blocks): no boundary, no recompute, no second fetch.
-        first_kept = L - self.config.offload.keep_blocks
+        # Blocks first_swap .. first_kept-1 move theirs to host memory and back
+        # (offload.swap_blocks): no boundary, recompute of what their level did not
+        # save, their params fetched again. The blocks below store a boundary and
+        # recompute their inside.
+        off = self.config.offload
+        first_kept = L - off.keep_blocks
+        first_swap = first_kept - off.swap_blocks
+        swap = fns.swapped(off.swap_level) if off.swap_blocks else None
         backward_uses = [self.block_names[i] for i in reversed(range(first_kept))]
         window = self._window(self.block_names + backward_uses)
         boundaries = self.boundaries
@@ -291,17 +305,22 @@ class StreamingRuntime:
         x = fns.embed_fwd(embed, tokens)  # (B, T, D)
         timeline.watch("compute", "embed fwd", x)
         kept: list[Any] = [None] * L  # the kept blocks' vjps (their residuals)
+        swapped: list[Any] = [None] * L  # the swapped blocks' residuals, on the host
         for i in range(L):
             slab = window.get(i)
             if i >= first_kept:
                 x, kept[i] = fns.block_fwd_keep(slab, x)
+            elif i >= first_swap:
+                x, residuals = swap.forward(slab, x)
+                swapped[i] = self._swap_out(i, residuals)
+                del residuals
             else:
                 boundaries.store(i, x)
                 x = fns.block_fwd(slab, x)
             timeline.watch("compute", f"block{i} fwd", x, after=slab)
             del slab  # the window decides when a slab goes; hold no reference past it
             window.done(i)
-            self._account(window, x, kept)
+            self._account(window, x, kept, swapped)
 
         # the loss is fp32 (fp16 cannot hold scales); put explicitly: a planned transfer
         seed = self.placement.put_scalar(self._step.seed)
@@ -312,7 +331,9 @@ class StreamingRuntime:
         self._grad_out("embed", *de_head)
         del dh, de_head
 
-        next_x = boundaries.load(first_kept - 1) if first_kept else None
+        if first_kept > first_swap:  # the first swapped block's residuals come back
+            swapped[first_kept - 1] = self._swap_in(first_kept - 1, swapped[first_kept - 1])
+        next_x = boundaries.load(first_swap - 1) if first_swap == first_kept > 0 else None
         for i in reversed(range(L)):
             if i >= first_kept:
                 db, dx = fns.block_bwd_kept(kept[i], dx)
@@ -320,17 +341,29 @@ class StreamingRuntime:
                 kept[i] = None
             else:
                 j = L + first_kept - 1 - i  # position in the window's use order
-                slab, x_in = window.get(j), next_x
-                if i > 0:  # prefetch the next boundary while this block computes
-                    next_x = boundaries.load(i - 1)
-                db, dx = fns.block_bwd(slab, x_in, dx)
-                timeline.watch("compute", f"block{i} bwd", (db, dx), after=(slab, x_in))
-                boundaries.drop(i)
-                del x_in, slab
+                slab = window.get(j)
+                if i >= first_swap:
+                    residuals, swapped[i] = swapped[i], None
+                    if i - 1 >= first_swap:  # the next one's come back while this computes
+                        swapped[i - 1] = self._swap_in(i - 1, swapped[i - 1])
+                    elif i > 0:  # the first recomputed block's boundary, likewise
+                        next_x = boundaries.load(i - 1)
+                    db, dx = swap.backward(slab, residuals, dx)
+                    timeline.watch("compute", f"block{i} bwd", (db, dx), after=(slab, residuals))
+                    del residuals
+                else:
+                    x_in = next_x
+                    if i > 0:  # prefetch the next boundary while this block computes
+                        next_x = boundaries.load(i - 1)
+                    db, dx = fns.block_bwd(slab, x_in, dx)
+                    timeline.watch("compute", f"block{i} bwd", (db, dx), after=(slab, x_in))
+                    boundaries.drop(i)
+                    del x_in
+                del slab
                 window.done(j)
             self._grad_out(self.block_names[i], *db)
             del db
-            self._account(window, dx, kept)
+            self._account(window, dx, kept, swapped)
 
         de = fns.embed_bwd(embed, tokens, dx)
         timeline.watch("compute", "embed bwd", de)
@@ -340,6 +373,21 @@ class StreamingRuntime:
         del de
         self._step.micro_batch_sent()
         return loss
+
+    def _swap_out(self, i: int, residuals: list) -> list:
+        """A swapped block's residuals copied to host memory (``pinned_host``) as
+        forward made them; the device's copies go once the copy has them."""
+        host = [a.sharding.with_memory_kind("pinned_host") for a in residuals]
+        out = jax.device_put(residuals, host)
+        timeline.watch("device_to_host", f"block{i} swap out", out, after=residuals)
+        return out
+
+    def _swap_in(self, i: int, residuals: list) -> list:
+        """A swapped block's residuals copied back to the device ahead of its backward."""
+        device = [a.sharding.with_memory_kind("device") for a in residuals]
+        out = jax.device_put(residuals, device)
+        timeline.watch("host_to_device", f"block{i} swap in", out, after=residuals)
+        return out
 
     def _grad_out(self, name: str, g, sq) -> None:
         """Hands a stage's gradient and its pages' squared norms on: summed and updated
