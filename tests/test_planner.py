@@ -3,6 +3,7 @@ for every config on every hardware profile, and `offload.mode=auto` training equ
 `offload.mode=none` under several budgets."""
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import jax
@@ -12,12 +13,12 @@ import pytest
 from equivalence import assert_gpt_training_equal, check_tokens
 
 from hetjax import launch, memory
-from hetjax.config import load_config
+from hetjax.config import Config, load_config
 from hetjax.memory import block_grad_dtype, device_parts
 from hetjax.planning.auto import resolve_auto
 from hetjax.planning.cost import lanes
 from hetjax.planning.hardware import PROFILES, get_profile
-from hetjax.planning.search import Candidate, PlanError, make_plan
+from hetjax.planning.search import TIE, Candidate, PlanError, make_plan
 from hetjax.planning.workload import Workload, kept_key, memory_sizes
 from hetjax.runtime import stages
 from hetjax.runtime.streaming import StreamingRuntime
@@ -33,7 +34,7 @@ def _fits(plan):
 
 
 def test_everything_on_the_device_when_it_fits():
-    plan = make_plan(load_config("gpt_tiny"), PROFILES["a100-80g"])
+    plan = make_plan(Config(), PROFILES["a100-80g"])  # the default model, no budgets
     assert plan.candidate.mode == "none" and not plan.candidate.remat
     assert plan.host == {} and plan.nvme == {}
     assert "offload.mode=none" in plan.table()
@@ -111,15 +112,20 @@ def test_checkpoints_move_to_nvme_as_host_shrinks():
         },
     )
     w = Workload.from_config(config, backend="gpu")
-    tiers = []
+    tiers, plans = [], []
     # (at 70 GiB, keeping two blocks' matmul outputs frees enough RAM for the rest)
     for host in ("200GiB", "80GiB", "66GiB"):
         plan = make_plan(config.replace(memory=dict(host_budget=host)), hw, w)
         _fits(plan)
         tiers.append(plan.candidate.activations)
-    assert tiers[0] == "host" and tiers[-1] == "nvme", tiers
+        plans.append(plan)
+    # With room in RAM the device keeps the checkpoints of the blocks that do not swap
+    # their activations (offload.swap_blocks) or puts them in RAM; short of RAM, on NVMe
+    assert tiers[0] in ("host", "device") and tiers[-1] == "nvme", tiers
+    first = plans[0].candidate
+    assert first.activations == "host" or first.swap_blocks > 0, first
     c = plan.candidate
-    slots = w.num_layers - c.keep_blocks
+    slots = c.offload().recomputed_blocks(w.num_layers)
     assert plan.nvme["boundaries"] == slots * w.boundary
     assert plan.host["boundaries"] == 3 * w.boundary < slots * w.boundary
     assert "nvme boundary, recomputed" in plan.table()
@@ -171,13 +177,18 @@ def test_keep_level_between_its_budgets():
         c = plan.candidate
         assert c.mode == "stream" and (c.keep_level != "all" or c.keep_blocks < L), c
         assert f"kept on device ({c.keep_level})" in plan.table()
-        assert config.replace(**plan.config_overrides()).offload.keep_level == c.keep_level
-    kept = [p.device["kept"] for p in plans]
-    assert kept == sorted(kept, reverse=True), kept
+        overrides = config.replace(**plan.config_overrides()).offload
+        assert (overrides.keep_level, overrides.swap_blocks) == (c.keep_level, c.swap_blocks)
+        # compute-bound with idle copy lanes: no block recomputes its inside; those
+        # that do not keep their activations swap them (offload.swap_blocks)
+        assert c.keep_blocks + c.swap_blocks == L, c
+        assert c.swap_level == "probs" or not c.swap_blocks, c  # the best the block has
     steps = [p.step_s for p in plans]
-    assert steps == sorted(steps), steps
-    picked = [(p.candidate.keep_blocks, p.candidate.keep_level) for p in plans]
-    assert picked == [(L, "probs"), (L, "probs"), (L, "matmuls"), (L, "matmuls")], picked
+    for larger, smaller in itertools.pairwise(steps):  # a larger budget is never slower
+        assert larger <= TIE * smaller, steps  # (than the planner's tie window allows)
+    # where every block keeping its probabilities fits, and the copy lanes are not
+    # needed, that is the plan (less offloaded than swapping at equal speed)
+    assert (plans[1].candidate.keep_blocks, plans[1].candidate.keep_level) == (L, "probs")
 
 
 def test_budget_too_small_names_the_tier_and_shortfall():
@@ -437,3 +448,23 @@ def test_plan_is_frozen():
     plan = make_plan(load_config("gpt_tiny"), PROFILES["h100"])
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.step_s = 0.0
+
+
+# Fuyou's measured TFLOP/s (fig. 5, batch 16, seq 1024, fp16; here bf16) per row.
+FUYOU_MEASURED = {
+    ("gpt175b", "a100-80g"): 172e12,
+    ("gpt13b", "a100-80g"): 202e12,
+    ("gpt13b", "rtx4090"): 156e12,
+}
+
+
+@pytest.mark.slow  # ~15 s: three paper-scale plans
+@pytest.mark.parametrize("name, hardware", list(FUYOU_MEASURED))
+def test_plans_predict_at_least_nine_tenths_of_fuyou(name, hardware):
+    """Issue #21's bar: with the profiles as Fuyou's paper gives them, the predicted
+    model TFLOP/s of the configs as Fuyou ran them reach 0.9x its measured figure (the
+    gain from the runtime's placements: blockwise attention, swapped and kept
+    activations). GPT-3 175B on the RTX 4090 does not fit yet (docs/results)."""
+    plan = make_plan(load_config(name), PROFILES[hardware])
+    _fits(plan)
+    assert plan.tflops >= 0.9 * FUYOU_MEASURED[name, hardware], plan.table()

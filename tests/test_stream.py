@@ -461,3 +461,95 @@ def test_stream_fp16_skips_overflow_then_trains(tiny, params):
     runtime = StreamingRuntime(config)
     batch = np.random.default_rng(0).integers(0, 256, (1, 4, 17)).astype(np.int32)
     check_fp16_overflow_skips_then_trains(runtime, batch)
+
+
+def test_swapped_block_moves_activations_not_params(tiny):
+    """A swapped block's residuals (stages.SwappedBlock) are its level's kept residuals
+    without the param pages (what memory.Sizes.swap_bytes counts), and its backward from
+    them, pages given again, equals a kept block's at that level."""
+    config = tiny(model=dict(attention="reference"))
+    model = build_model(config.model)
+    layouts = stages.stage_layouts(model, 4096)
+    fns = stages.StageFunctions(model, layouts, jax.jit, lambda pages, dtype: pages)
+    block = layouts["block"]
+    pages = block.to_pages(block.flatten(model.init_stage("block", jax.random.key(0))))
+    x = jax.random.normal(jax.random.key(1), (4, 16, 32))
+    kept = fns.kept_bytes(4, 16, x.dtype)
+    sizes = Sizes(2, 0, block.padded_size, 0, 0, 0, 0, 4, 4, 2, _nbytes(x), 0, kept, "keep")
+    for level in ("matmuls", "probs"):
+        swap = fns.swapped(level)
+        y, residuals = swap.forward(pages, x)
+        assert not any(r.shape == pages[0].shape for r in residuals)  # no param page
+        assert _nbytes(residuals) == swap.residual_bytes(pages, x) == sizes.swap_bytes(level)
+        assert _nbytes(residuals) > _nbytes(x)  # the input and what the level saves
+        y_kept, vjp = fns.kept_forward(level)(pages, x)
+        np.testing.assert_array_equal(y, y_kept)
+        dy = jax.random.normal(jax.random.key(2), x.shape)
+        (db, sq), dx = swap.backward(pages, residuals, dy)
+        (db_kept, sq_kept), dx_kept = fns.block_bwd_kept(vjp, dy)
+        assert_trees_close((db, dx), (db_kept, dx_kept))
+
+
+def test_swap_traffic_on_the_copy_lanes_and_in_the_host_ledger(tiny):
+    """Each swapped block's activations leave on the device->host lane in forward and
+    come back on host->device in backward; host RAM holds them in between (the ledger's
+    pinned_host peak counts them, within the host plan's swapped part)."""
+    config = tiny(
+        model=dict(num_layers=3),
+        offload=dict(mode="stream", swap_blocks=2, keep_blocks=1, swap_level="matmuls"),
+    )
+    runtime = StreamingRuntime(config)
+    try:
+        batch = np.random.default_rng(0).integers(0, 256, (1, 4, 17)).astype(np.int32)
+        recorder = timeline.Recorder()
+        with timeline.recording(recorder):
+            runtime.train_step(batch)
+        spans = recorder.finish().spans
+        out = [name for _, _, name in spans["device_to_host"] if "swap out" in name]
+        back = [name for _, _, name in spans["host_to_device"] if "swap in" in name]
+        assert sorted(out) == ["block0 swap out", "block1 swap out"], out
+        assert sorted(back) == ["block0 swap in", "block1 swap in"], back
+        swapped = runtime.host_plan.swapped
+        assert swapped == 2 * runtime.sizes.swap_bytes("matmuls") > 0
+        assert runtime.ledger.peak["pinned_host"] >= swapped // 2  # at least one block's
+        assert runtime.plan.parts["swapped"] == 2 * runtime.sizes.swap_bytes("matmuls")
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"offload.swap_blocks": "-1"}, r"'offload.swap_blocks' must be >= 0"),
+        ({"offload.swap_level": "all"}, r"'offload.swap_level'.*matmuls, probs"),
+        (
+            {"offload.swap_blocks": "2", "offload.keep_blocks": "1"},
+            r"'offload.keep_blocks' \+ 'offload.swap_blocks' \(3\) exceed 'model.num_layers' \(2\)",
+        ),
+    ],
+)
+def test_swap_config_errors(tiny, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny().override({"offload.mode": "stream", **overrides})
+
+
+def test_blockwise_attention_cannot_swap_probs(tiny, tmp_path):
+    config = tiny(offload=dict(mode="stream", swap_blocks=1, swap_level="probs"))
+    with pytest.raises(ConfigError, match=r"'offload.swap_level' is 'probs'.*supports only"):
+        train(config, tmp_path, verbose=False)
+
+
+@pytest.mark.slow  # ~10 s; keep1_swap1 and swap1_recompute1 cover swapping in the default run
+def test_reference_attention_swaps_probs_and_equals_none(tiny, tmp_path):
+    """offload.swap_level=probs (the attention probabilities move too) trains as
+    offload.mode=none with the reference attention."""
+    none, stream = (
+        train(
+            tiny(model=dict(attention="reference"), offload=offload),
+            tmp_path / offload["mode"],
+            verbose=False,
+        )
+        for offload in (dict(mode="none"), dict(mode="stream", swap_blocks=2, swap_level="probs"))
+    )
+    model = build_model(tiny(model=dict(attention="reference")).model)
+    assert_gpt_training_equal(stream, none, model, check_tokens())

@@ -60,6 +60,7 @@ class Candidate:
             + tiers[self.optimizer]
             + tiers[self.activations]
             + 0.1 * self.prefetch_depth
+            + (0.5 if self.swap_blocks else 0.0)  # activations offloaded, part way
         )
 
 

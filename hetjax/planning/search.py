@@ -55,6 +55,10 @@ from hetjax.planning.hardware import Hardware
 from hetjax.planning.workload import Workload, memory_sizes
 
 MARGIN = 0.9  # of a tier's capacity the planner may use when no budget is given
+# Plans predicted within this factor of the fastest tie: the least offloaded of them wins
+# (Candidate.rank). So a larger budget's plan is never slower than this factor times a
+# smaller one's (its fastest is no slower).
+TIE = 1.02
 
 
 class PlanError(ConfigError):
@@ -255,12 +259,16 @@ def _candidates(w: Workload, one_device: bool):
     if one_device:
         counts = lambda most: sorted({1, 2, L // 4, L // 2, most} & set(range(1, most + 1)))
         kept = [(0, "all")] + [(k, level) for k in counts(L) for level in w.kept]
+        # swapped blocks in eighths of the model: host RAM, not the device, bounds them
+        eighths = lambda most: sorted(
+            {1, 2, most, *range(max(1, L // 8), most + 1, max(1, L // 8))} & set(range(1, most + 1))
+        )
         swap_levels = [level for level in w.kept if level in SWAP_LEVELS]
         keeps = [
             (keep, level, swap, swap_level)
             for keep, level in kept
             for swap, swap_level in [(0, "matmuls")]
-            + [(n, sl) for n in counts(L - keep) for sl in swap_levels]
+            + [(n, sl) for n in eighths(L - keep) for sl in swap_levels]
         ]
     for params, optimizer, acts in itertools.product(
         ("host", "nvme"), ("device", "host", "nvme"), activations
@@ -331,7 +339,7 @@ def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) ->
         raise PlanError(_shortfall(config, w, hw, limit))
     fastest = min(b[0] for b in best)
     step, _, c, device, host, nvme, cache, lanes, clipped = min(
-        (b for b in best if b[0] <= 1.02 * fastest), key=lambda b: (b[1], b[0])
+        (b for b in best if b[0] <= TIE * fastest), key=lambda b: (b[1], b[0])
     )
     busiest = max(lanes, key=lanes.get)
     o = config.optimizer
