@@ -222,8 +222,9 @@ class TrainConfig:
     max_nonfinite: int = 10  # skip / rollback: stop after this many bad steps in a row
     # record every N-th step's timeline into <workdir>/trace (hetjax/timeline.py); 0: off
     trace_every: int = 0
-    # a run that streamed: time this many in-memory steps after it (the whole state on
-    # the device, no budgets), the run summary's reference step (hetjax/summary.py); 0: off
+    # a run that streamed on one device: time this many in-memory steps after it (the
+    # whole state on the device, no budgets), the run summary's reference step
+    # (hetjax/summary.py; data-parallel runs skip it); 0: off
     in_memory_steps: int = 0
 
     def __post_init__(self):
@@ -687,12 +688,6 @@ class Config:
             raise ConfigError(
                 "config key 'offload.activations': nvme checkpoints are not supported with "
                 "data parallelism (distributed.data_parallel != 1); use device or host"
-            )
-        if data != 1 and self.train.in_memory_steps:
-            raise ConfigError(
-                "config key 'train.in_memory_steps': the in-memory reference step runs on "
-                "one device, not with data parallelism (distributed.data_parallel != 1); "
-                "leave it 0"
             )
         if data != 1 and self.optimizer.mode == "lockfree":
             raise ConfigError(

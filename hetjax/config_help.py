@@ -66,9 +66,10 @@ HELP: dict[str, str] = {
     "train.max_nonfinite": "`skip`/`rollback`: stop after this many non-finite steps in a row",
     "train.trace_every": "record every N-th step's timeline into `<workdir>/trace/` "
     "([timelines](timelines.md)); 0 = off",
-    "train.in_memory_steps": "a run that streamed: time this many steps of the in-memory "
-    "runtime after it (the whole state on the device, no budgets) as the run summary's "
-    "reference step ([running](running.md#the-run-summary)); 0 = off",
+    "train.in_memory_steps": "a run that streamed on one device: time this many steps of "
+    "the in-memory runtime after it (the whole state on the device, no budgets) as the run "
+    "summary's reference step ([running](running.md#the-run-summary); data-parallel runs "
+    "skip it); 0 = off",
     # -- optimizer --------------------------------------------------------------------
     "optimizer.name": "`adamw`, `adam`, `lion`, `sgd` (optax)",
     "optimizer.lr": "peak learning rate (see `optimizer.schedule`)",

@@ -102,7 +102,12 @@ def report(
     streamed = isinstance(runtime, StreamingRuntime)
     in_memory_s = None
     n = config.train.in_memory_steps
-    if streamed and n:
+    if streamed and n and config.distributed.data_parallel != 1:
+        log(
+            "summary: no in-memory reference step (train.in_memory_steps times it on one "
+            "device; this run is data-parallel)"
+        )
+    elif streamed and n:
         log(f"summary: timing {n} in-memory steps (train.in_memory_steps) ...")
         in_memory_s = time_in_memory_steps(config, train_data, n)
     traced = [r["step"] for r in records if "trace_busiest_lane" in r]

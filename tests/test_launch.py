@@ -71,7 +71,7 @@ def test_launcher_bounds_the_allocator_with_a_host_budget_or_when_asked():
         rc, exported, err = _launch_exports(*args, **env)
         assert rc == 0 and exported == MALLOC_ENV, (args, env, err)
         assert "glibc's allocator returns freed buffers to the OS" in err
-    rc, exported, err = _launch_exports()
+    rc, exported, err = _launch_exports("--config", "gpt_small")  # no host budget
     assert rc == 0 and set(exported.values()) == {None} and "allocator" not in err
 
 

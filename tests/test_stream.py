@@ -432,6 +432,7 @@ def test_stream_through_launch_reports_memory(tmp_path):
             str(workdir),
             "--config.offload.mode=stream",
             "--config.memory.device_budget=64MiB",
+            "--config.memory.host_budget=1GiB",  # the default's 80 MiB is for NVMe state
             "--config.train.steps=2",
             "--config.train.batch_size=4",
             "--config.train.eval_batches=1",
