@@ -366,7 +366,10 @@ class OffloadConfig:
     ``keep_level``) and their input to host memory (``pinned_host``) as forward makes
     them, and back to the device ahead of their backward, which recomputes only what
     the level did not save (Fuyou's activation swapping, section 4.4). Their params are
-    fetched again for backward, as for blocks that recompute.
+    fetched again for backward, as for blocks that recompute. ``swap_tier``: ``host``
+    keeps them in host RAM, ``nvme`` writes them on through a few host buffers to a
+    TensorStore array under ``memory.nvme_path`` and reads them back ahead of backward
+    (as ``offload.activations=nvme`` does boundaries).
 
     ``optimizer_device_stages``: with ``optimizer`` host or nvme, the first N stages in
     forward order (embed, block 0, block 1, ..., head last) keep their fp32 master and
@@ -392,6 +395,7 @@ class OffloadConfig:
     # swap_level to host memory in forward and back for backward (Fuyou's swapping)
     swap_blocks: int = 0
     swap_level: str = "matmuls"  # stream: which in-block activations swapped blocks move
+    swap_tier: str = "host"  # stream: where they go: host RAM, or through it to NVMe
     # stream, optimizer host or nvme: the first N stages (embed, block 0, ...) keep their
     # optimizer state on the device, are updated there and stay resident there
     optimizer_device_stages: int = 0
@@ -421,6 +425,7 @@ class OffloadConfig:
         _choice("offload", "keep_level", self.keep_level, KEEP_LEVELS)
         _check(self.swap_blocks >= 0, "offload.swap_blocks", "must be >= 0", self.swap_blocks)
         _choice("offload", "swap_level", self.swap_level, SWAP_LEVELS)
+        _choice("offload", "swap_tier", self.swap_tier, ("host", "nvme"))
         if self.mode == "stream" and self.keep_level != "all" and not self.keep_blocks:
             raise ConfigError(
                 f"config key 'offload.keep_level' is {self.keep_level!r}, which applies to "
@@ -683,6 +688,11 @@ class Config:
             raise ConfigError(
                 "config key 'offload.swap_blocks': swapped activations are not supported "
                 "with data parallelism (distributed.data_parallel != 1); leave it 0"
+            )
+        if data != 1 and self.offload.swap_tier == "nvme" and self.offload.swap_blocks:
+            raise ConfigError(
+                "config key 'offload.swap_tier': nvme is not supported with data "
+                "parallelism (distributed.data_parallel != 1); use host"
             )
         if data != 1 and self.offload.activations == "nvme":
             raise ConfigError(

@@ -117,6 +117,9 @@ HELP: dict[str, str] = {
     "([offload](offload.md#activation-swapping))",
     "offload.swap_level": "`stream`: which in-block activations the swapped blocks move: "
     "`matmuls` or `probs`, as `offload.keep_level`",
+    "offload.swap_tier": "`stream`: where the swapped blocks' activations go: `host` "
+    "(pinned RAM) or `nvme` (through a few host buffers to a TensorStore array under "
+    "`memory.nvme_path`, read back ahead of backward)",
     "offload.optimizer_device_stages": "`stream` with `offload.optimizer` `host` or `nvme`: "
     "the first N stages (embed, block 0, 1, ...) keep fp32 master and optimizer state on "
     "the device, are updated there and stay resident; `auto` lets the planner choose "

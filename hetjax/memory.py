@@ -176,20 +176,20 @@ def belady_cache(order: list[str], sizes: dict[str, int], capacity: int) -> list
     two cycles: the second starts from the first one's end state."""
     n = len(order)
     trace = order * 2
+    position = {stage: k for k, stage in enumerate(order)}  # each stage once per cycle
     cache: set[str] = set()
+    held = 0
     for t, stage in enumerate(trace):
         if stage in cache:
             continue
         cache.add(stage)
-        while sum(sizes[s] for s in cache) > capacity:
-
-            def next_use(s, t=t):
-                for d in range(1, n + 1):
-                    if trace[(t + d) % len(trace)] == s:
-                        return d
-                return n + 1
-
-            cache.discard(max(cache, key=lambda s: (next_use(s), s == stage)))
+        held += sizes[stage]
+        while held > capacity:
+            # the next use of s after time t: the same position in the next cycle
+            next_use = lambda s, t=t: (position[s] - t) % n or n
+            evicted = max(cache, key=lambda s: (next_use(s), s == stage))
+            cache.discard(evicted)
+            held -= sizes[evicted]
     return [s for s in order if s in cache]
 
 
@@ -291,6 +291,7 @@ class Offload:
     device_stages: int = 0  # the first stages' optimizer state cached on the device
     swap_blocks: int = 0  # the blocks before the kept ones swap in-block activations
     swap_level: str = "matmuls"
+    swap_tier: str = "host"  # host | nvme: where swapped activations wait for backward
 
     @classmethod
     def from_config(cls, config: Config) -> Offload:
@@ -305,6 +306,7 @@ class Offload:
             o.optimizer_device_stages,
             o.swap_blocks,
             o.swap_level,
+            o.swap_tier,
         )
 
     def recomputed_blocks(self, num_layers: int) -> int:
@@ -314,7 +316,8 @@ class Offload:
 
     @property
     def uses_nvme(self) -> bool:
-        return "nvme" in (self.params, self.optimizer, self.activations)
+        swapped = self.swap_tier if self.swap_blocks else "host"
+        return "nvme" in (self.params, self.optimizer, self.activations, swapped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,6 +461,17 @@ def host_boundary_bytes(s: Sizes, o: Offload) -> int:
     return 0
 
 
+def host_swapped_bytes(s: Sizes, o: Offload) -> int:
+    """Host RAM of the swapped blocks' activations: all of a micro-batch's with
+    ``offload.swap_tier=host``, the NVMe swap's staging with ``nvme``."""
+    if not o.swap_blocks:
+        return 0
+    one = s.swap_bytes(o.swap_level)
+    if o.swap_tier == "nvme":
+        return swap_staging_bytes(one, o.swap_blocks, IO_READAHEAD)
+    return o.swap_blocks * one
+
+
 def swap_staging_bytes(boundary: int, slots: int, depth: int) -> int:
     """Host RAM the NVMe swap of boundaries holds at most: ``depth`` in flight to disk
     in forward; in backward, the one being taken plus ``depth`` read ahead."""
@@ -564,7 +578,7 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
     tier, policy = o.optimizer, s.grad_policy
     param_slabs = host_param_bytes(s, o)
     boundaries = host_boundary_bytes(s, o)
-    swapped = o.swap_blocks * s.swap_bytes(o.swap_level) if o.swap_blocks else 0
+    swapped = host_swapped_bytes(s, o)
     state = 2 * sum(stage_state.values()) if tier == "host" else 0
     biggest = max(stage_state.values(), default=0)
     io = IO_SLOTS * biggest if tier == "nvme" else 0
@@ -635,6 +649,11 @@ def nvme_parts(s: Sizes, o: Offload, host: HostMemoryPlan) -> dict[str, int]:
         "optimizer": 2 * s.state_bytes * own if o.optimizer == "nvme" else 0,
         "params": 2 * s.compute_bytes * own if o.params == "nvme" else 0,
         "boundaries": slots * s.boundary if o.activations == "nvme" else 0,
+        "swapped activations": (
+            o.swap_blocks * s.swap_bytes(o.swap_level)
+            if o.swap_blocks and o.swap_tier == "nvme"
+            else 0
+        ),
         "gradients": host.grads.spill_bytes,
     }
 

@@ -554,3 +554,28 @@ def test_reference_attention_swaps_probs_and_equals_none(tiny, tmp_path):
     )
     model = build_model(tiny(model=dict(attention="reference")).model)
     assert_gpt_training_equal(stream, none, model, check_tokens())
+
+
+# Default-run representative of the NVMe tier of swapped activations.
+def test_swapped_activations_through_nvme_equal_none(reference, tiny, tmp_path, monkeypatch):
+    """offload.swap_tier=nvme, read ahead one block: the last swapped block's
+    activations wait in RAM for backward (never written), the one before goes to its
+    TensorStore row and comes back; training equals offload.mode=none, and the step's
+    NVMe metrics count the row both ways."""
+    monkeypatch.setattr(memory, "IO_READAHEAD", 1)
+    config = tiny(
+        offload=dict(mode="stream", swap_blocks=2, swap_tier="nvme"),
+        memory=dict(nvme_path=str(tmp_path / "ssd")),
+    )
+    result = train(config, tmp_path / "run", verbose=False)
+    assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
+    runtime = StreamingRuntime(config)
+    try:
+        row = runtime.sizes.swap_bytes("matmuls")
+        assert runtime.residual_swap.disk.nbytes >= 2 * row  # a row per swapped block
+        assert runtime.host_plan.swapped == 2 * row  # staging: depth 1 + the one taken
+        assert runtime.plan.parts["swapped"] == 2 * row
+    finally:
+        runtime.close()
+    for r in result.records:  # one of the two written and read back per step
+        assert r["nvme_write_bytes"] == r["nvme_read_bytes"] == row, r

@@ -18,6 +18,7 @@ from equivalence import (
     without_key_bias,
 )
 
+from hetjax import memory
 from hetjax.runtime.placement import HOST_CLIENT_ENV, Shardings
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
@@ -126,12 +127,22 @@ FUNCTIONS = (
 )
 
 
-@pytest.mark.parametrize("offload", [dict(params="host"), dict(params="nvme", keep_blocks=1)])
-def test_no_stage_function_reads_pinned_host_memory(tiny, offload):
+@pytest.mark.parametrize(
+    "offload",
+    [
+        dict(params="host"),
+        dict(params="nvme", keep_blocks=1),
+        dict(params="nvme", swap_blocks=2, swap_tier="nvme"),  # read back through pinned
+    ],
+    ids=["host", "nvme_keep", "nvme_swap"],
+)
+def test_no_stage_function_reads_pinned_host_memory(tiny, offload, monkeypatch):
     """On a GPU an operand in ``pinned_host`` memory makes XLA read host RAM over PCIe
     inside the kernel: every stage function's array arguments must be in device memory
     (param pages copied in by the prefetcher, batches put on the device). Each stage
     function is wrapped to record the memory kinds it is called with over real steps."""
+    if offload.get("swap_blocks"):  # one of the two swapped blocks' rows goes to disk
+        monkeypatch.setattr(memory, "IO_READAHEAD", 1)
     config = tiny(offload=dict(mode="stream", **offload), memory=PAGES)
     runtime = StreamingRuntime(config)
     kinds: dict[str, set] = {}
@@ -148,11 +159,19 @@ def test_no_stage_function_reads_pinned_host_memory(tiny, offload):
     try:
         for name in FUNCTIONS:
             setattr(runtime.fns, name, recording(name, getattr(runtime.fns, name)))
+        swapped = runtime.fns.swapped(runtime.config.offload.swap_level)
+        for name in ("forward", "backward"):
+            setattr(swapped, name, recording(f"swapped {name}", getattr(swapped, name)))
         for batch in training_batches(config, 2):
             runtime.train_step(batch)
     finally:
         runtime.close()
-    assert {"embed_fwd", "block_fwd", "head_fwd_bwd", "block_bwd", "embed_bwd"} <= set(kinds)
+    assert {"embed_fwd", "head_fwd_bwd", "embed_bwd"} <= set(kinds)
+    if offload.get("swap_blocks"):
+        assert {"swapped forward", "swapped backward"} <= set(kinds)
+        assert runtime.residual_swap.read_bytes > 0  # staged through pinned memory
+    else:
+        assert {"block_fwd", "block_bwd"} & set(kinds)
     assert all(k == {"device"} for k in kinds.values()), kinds
 
 

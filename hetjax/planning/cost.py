@@ -33,6 +33,7 @@ class Candidate:
     # the blocks before the kept ones swap their in-block activations to host memory
     swap_blocks: int = 0
     swap_level: str = "matmuls"
+    swap_tier: str = "host"  # host | nvme
 
     def offload(self) -> Offload:
         """The candidate's placement as the memory model takes it."""
@@ -46,6 +47,7 @@ class Candidate:
             self.device_stages,
             self.swap_blocks,
             self.swap_level,
+            self.swap_tier,
         )
 
     @property
@@ -60,7 +62,7 @@ class Candidate:
             + tiers[self.optimizer]
             + tiers[self.activations]
             + 0.1 * self.prefetch_depth
-            + (0.5 if self.swap_blocks else 0.0)  # activations offloaded, part way
+            + ((0.5 + tiers[self.swap_tier] - 1) if self.swap_blocks else 0.0)  # part way
         )
 
 
@@ -125,6 +127,10 @@ def lanes(
     if c.activations == "nvme":
         disk_f += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_write_bw * n
         disk_b += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_read_bw * n
+    if swap and c.swap_tier == "nvme":  # likewise the swapped blocks' activations
+        one = sizes.swap_bytes(c.swap_level)
+        disk_f += max(0, swapped - IO_READAHEAD) * one / hw.nvme_write_bw * n
+        disk_b += max(0, swapped - IO_READAHEAD) * one / hw.nvme_read_bw * n
     if grad_spill:
         disk_step += grad_spill / hw.nvme_write_bw
     S = w.state_bytes_per_param

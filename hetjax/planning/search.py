@@ -103,6 +103,7 @@ class Plan:
                 keep_level=c.keep_level,
                 swap_blocks=c.swap_blocks,
                 swap_level=c.swap_level,
+                swap_tier=c.swap_tier,
                 optimizer_device_stages=c.device_stages,
             )
         )
@@ -134,7 +135,7 @@ class Plan:
                 if i >= L - c.keep_blocks:
                     acts = f"kept on device ({c.keep_level})"
                 elif i >= L - c.keep_blocks - c.swap_blocks:
-                    acts = f"swapped to host ({c.swap_level})"
+                    acts = f"swapped to {c.swap_tier} ({c.swap_level})"
                 else:
                     acts = f"{c.activations} boundary, recomputed"
                 row = [where, state(i < k - 1), acts]
@@ -255,7 +256,7 @@ def _candidates(w: Workload, one_device: bool):
     activations = ("device", "host", "nvme") if one_device else ("device", "host")
     # (kept blocks, their level, swapped blocks, their level): the last blocks keep, the
     # ones before them swap, the rest recompute
-    keeps = [(0, "all", 0, "matmuls")]
+    keeps = [(0, "all", 0, "matmuls", "host")]
     if one_device:
         counts = lambda most: sorted({1, 2, L // 4, L // 2, most} & set(range(1, most + 1)))
         kept = [(0, "all")] + [(k, level) for k in counts(L) for level in w.kept]
@@ -265,19 +266,26 @@ def _candidates(w: Workload, one_device: bool):
         )
         swap_levels = [level for level in w.kept if level in SWAP_LEVELS]
         keeps = [
-            (keep, level, swap, swap_level)
+            (keep, level, swap, swap_level, tier)
             for keep, level in kept
-            for swap, swap_level in [(0, "matmuls")]
-            + [(n, sl) for n in eighths(L - keep) for sl in swap_levels]
+            for swap, swap_level, tier in [(0, "matmuls", "host")]
+            + [
+                (n, sl, tier)
+                for n in eighths(L - keep)
+                for sl in swap_levels
+                for tier in ("host", "nvme")
+            ]
         ]
     for params, optimizer, acts in itertools.product(
         ("host", "nvme"), ("device", "host", "nvme"), activations
     ):
         for depth in (0, 1, 2, 3):
-            for keep, level, swap, swap_level in keeps:
+            for keep, level, swap, swap_level, tier in keeps:
+                if tier == "nvme" and acts != "nvme":  # RAM short for boundaries first
+                    continue
                 yield Candidate(
                     "stream", False, params, optimizer, acts, depth, 0, keep, level,
-                    swap_blocks=swap, swap_level=swap_level,
+                    swap_blocks=swap, swap_level=swap_level, swap_tier=tier,
                 )  # fmt: skip
 
 
@@ -325,7 +333,7 @@ def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) ->
     one_device = hw.num_devices == 1
     best = []
     for base in _candidates(w, one_device):
-        if "nvme" in (base.params, base.optimizer, base.activations) and not hw.nvme_capacity:
+        if base.offload().uses_nvme and not hw.nvme_capacity:
             continue
         options = _evaluate(w, hw, limit, base)
         for c in _cache_variants(w, hw, base):

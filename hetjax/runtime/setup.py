@@ -30,7 +30,7 @@ from hetjax.storage.nvme import check_nvme_path
 from hetjax.storage.pages import SlabLayout
 from hetjax.storage.params import DeviceParamStore, HostParamStore, NvmeParamStore, SplitParamStore
 from hetjax.storage.states import MemoryStateStore, NvmeStateStore, SplitStateStore
-from hetjax.storage.swap import BoundarySwap
+from hetjax.storage.swap import BoundarySwap, ResidualSwap
 
 
 def layout_name(stage: str) -> str:
@@ -84,6 +84,7 @@ def nvme_directory(
         "optimizer": "the optimizer state",
         "params": "the params",
         "boundaries": f"{offload.recomputed_blocks(sizes.num_layers)} boundary activations",
+        "swapped activations": f"{offload.swap_blocks} swapped blocks' activations",
         "gradients": "spilled gradients",  # kept for a redo
     }
     needed = {names[k]: v for k, v in nvme_parts(sizes, offload, host).items()}
@@ -250,6 +251,7 @@ class Stores:
     params: Any  # ParamStore, as the placement hands stages out
     grads: GradientStore
     swap: BoundarySwap | None
+    residual_swap: ResidualSwap | None = None  # swapped activations on NVMe
 
 
 def build_stores(
@@ -282,4 +284,21 @@ def build_stores(
         placement.param_store(params, layouts, on_nvme),
         make_grad_store(config, host, sizes, page_elems, nvme_dir),
         make_boundary_swap(config, nvme_dir, boundary, placement.shardings.pinned_staging()),
+        make_residual_swap(config, sizes, offload, nvme_dir, placement.shardings.pinned_staging()),
+    )
+
+
+def make_residual_swap(
+    config: Config, sizes: Sizes, offload: Offload, nvme_dir: Path | None, stage_to=None
+) -> ResidualSwap | None:
+    """The NVMe swap of the swapped blocks' activations (``offload.swap_tier=nvme``)."""
+    if not offload.swap_blocks or offload.swap_tier != "nvme":
+        return None
+    return ResidualSwap(
+        nvme_dir / "swapped",
+        offload.swap_blocks,
+        sizes.swap_bytes(offload.swap_level),
+        chunk_bytes=config.memory.page_size,
+        depth=memory.IO_READAHEAD,
+        stage_to=stage_to,
     )

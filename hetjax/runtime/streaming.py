@@ -144,6 +144,7 @@ class StreamingRuntime:
         self.nvme_dir, self._temporary_nvme = stores.nvme_dir, stores.temporary
         self.states, self.param_store = stores.states, stores.params
         self.grad_store, self.swap = stores.grads, stores.swap
+        self.residual_swap = stores.residual_swap  # offload.swap_tier=nvme
         setup.init_state(
             config, self.model, self.layouts, self.stage_names, self._opt_of,
             placement.own_slab, self.states, self.param_store, self.shardings.optimizer,
@@ -175,7 +176,9 @@ class StreamingRuntime:
         self._step: StepGradients | None = None
         self.boundaries = Boundaries(off.activations, L, self.swap, placement.put_batch)
         # NVMe I/O per step: initialisation's writes are no step's
-        self.io = IoMeter([self.states, self.param_store, self.grad_store, self.swap])
+        self.io = IoMeter(
+            [self.states, self.param_store, self.grad_store, self.swap, self.residual_swap]
+        )
         fp16 = config.model.compute_dtype == "float16"
         self.loss_scale = LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None
 
@@ -312,7 +315,7 @@ class StreamingRuntime:
                 x, kept[i] = fns.block_fwd_keep(slab, x)
             elif i >= first_swap:
                 x, residuals = swap.forward(slab, x)
-                swapped[i] = self._swap_out(i, residuals)
+                swapped[i] = self._swap_out(i, i - first_swap, residuals)
                 del residuals
             else:
                 boundaries.store(i, x)
@@ -332,7 +335,8 @@ class StreamingRuntime:
         del dh, de_head
 
         if first_kept > first_swap:  # the first swapped block's residuals come back
-            swapped[first_kept - 1] = self._swap_in(first_kept - 1, swapped[first_kept - 1])
+            last = first_kept - 1
+            swapped[last] = self._swap_in(last, last - first_swap, swapped[last])
         next_x = boundaries.load(first_swap - 1) if first_swap == first_kept > 0 else None
         for i in reversed(range(L)):
             if i >= first_kept:
@@ -345,7 +349,7 @@ class StreamingRuntime:
                 if i >= first_swap:
                     residuals, swapped[i] = swapped[i], None
                     if i - 1 >= first_swap:  # the next one's come back while this computes
-                        swapped[i - 1] = self._swap_in(i - 1, swapped[i - 1])
+                        swapped[i - 1] = self._swap_in(i - 1, i - 1 - first_swap, swapped[i - 1])
                     elif i > 0:  # the first recomputed block's boundary, likewise
                         next_x = boundaries.load(i - 1)
                     db, dx = swap.backward(slab, residuals, dx)
@@ -374,19 +378,28 @@ class StreamingRuntime:
         self._step.micro_batch_sent()
         return loss
 
-    def _swap_out(self, i: int, residuals: list) -> list:
+    def _swap_out(self, i: int, slot: int, residuals: list) -> list | None:
         """A swapped block's residuals copied to host memory (``pinned_host``) as
-        forward made them; the device's copies go once the copy has them."""
+        forward made them; the device's copies go once the copy has them. With
+        ``offload.swap_tier=nvme`` the NVMe swap takes the host copy (row ``slot``) and
+        this returns None."""
         host = [a.sharding.with_memory_kind("pinned_host") for a in residuals]
         out = jax.device_put(residuals, host)
         timeline.watch("device_to_host", f"block{i} swap out", out, after=residuals)
+        if self.residual_swap is not None:
+            self.residual_swap.put(slot, out)
+            return None
         return out
 
-    def _swap_in(self, i: int, residuals: list) -> list:
-        """A swapped block's residuals copied back to the device ahead of its backward."""
-        device = [a.sharding.with_memory_kind("device") for a in residuals]
-        out = jax.device_put(residuals, device)
-        timeline.watch("host_to_device", f"block{i} swap in", out, after=residuals)
+    def _swap_in(self, i: int, slot: int, residuals: list | None) -> list:
+        """A swapped block's residuals copied back to the device ahead of its backward
+        (from the NVMe swap's row ``slot`` when it holds them: read ahead there)."""
+        if residuals is None:
+            residuals = self.residual_swap.get(slot)  # waits for its read
+        device = self.shardings.device
+        out = jax.device_put(residuals, [device] * len(residuals))
+        held = [a for a in residuals if isinstance(a, jax.Array)] or None  # not numpy
+        timeline.watch("host_to_device", f"block{i} swap in", out, after=held)
         return out
 
     def _grad_out(self, name: str, g, sq) -> None:
@@ -414,6 +427,8 @@ class StreamingRuntime:
             held += self.param_store.device_arrays() + self.loop.device_grads()
             held += list(self._step.device_grads.values())
         staged = self.boundaries.staged_bytes()  # NVMe swap: host RAM outside JAX
+        if self.residual_swap is not None:
+            staged += self.residual_swap.host_bytes()
         # optimizer state on the device: a running sum (its chunks are many)
         self.ledger.record(held, staged, self.states.device_bytes())
         if self.probe is not None:
@@ -522,5 +537,7 @@ class StreamingRuntime:
         self.loop.close()
         if self.swap is not None:
             self.swap.close()
+        if self.residual_swap is not None:
+            self.residual_swap.close()
         if self.nvme_dir is not None and self._temporary_nvme:
             shutil.rmtree(self.nvme_dir, ignore_errors=True)

@@ -95,8 +95,16 @@ class BoundarySwap:
             self.write_bytes += self.boundary_bytes
         self._note_peak()
 
+    def _pack(self, host) -> np.ndarray:
+        """What is swapped out, as the row written (waits for the copy to land)."""
+        return _to_host(host)
+
+    def _unpack(self, data):
+        """A row read back (numpy), as ``get`` returns it; staged data is already."""
+        return data.reshape(self.shape) if isinstance(data, np.ndarray) else data
+
     def _write(self, slot: int, host) -> np.ndarray:  # on a worker thread
-        data = _to_host(host)
+        data = self._pack(host)
         del host
         self.disk.write(KIND, slot, data).result()
         return data
@@ -113,14 +121,14 @@ class BoundarySwap:
         future, from_disk = self._reads.pop(slot)
         data = future.result()
         if from_disk:
-            self.read_bytes += data.nbytes
-        return data.reshape(self.shape) if isinstance(data, np.ndarray) else data
+            self.read_bytes += self.boundary_bytes
+        return self._unpack(data)
 
     def _prefetch(self, slot: int) -> None:
         if slot in self._reads:
             return
         if slot in self._held:  # never written
-            self._reads[slot] = (self._pool.submit(_to_host, self._held.pop(slot)), False)
+            self._reads[slot] = (self._pool.submit(self._pack, self._held.pop(slot)), False)
         elif slot in self._writes:  # still in RAM: taken from there once written
             self._reads[slot] = (self._writes.pop(slot), False)
         elif self.stage_to is not None:
@@ -129,7 +137,7 @@ class BoundarySwap:
             self._reads[slot] = (self.disk.read(KIND, slot, 1), True)
 
     def _staged_read(self, slot: int):  # on a worker thread
-        data = self.disk.read(KIND, slot, 1).result().reshape(self.shape)
+        data = self._unpack(self.disk.read(KIND, slot, 1).result())
         return jax.block_until_ready(jax.device_put(data, self.stage_to))
 
     # -- accounting and shutdown ----------------------------------------------------------
@@ -160,3 +168,37 @@ class BoundarySwap:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown()
+
+
+class ResidualSwap(BoundarySwap):
+    """The swapped blocks' in-block activations on NVMe (``offload.swap_tier=nvme``):
+    one row per swapped block, its residuals (arrays of several shapes and dtypes, on
+    their way from ``pinned_host``) packed as ``nbytes`` bytes, with the boundaries'
+    write-behind and read-ahead (``get`` returns the arrays again: numpy views of the
+    row read, or pinned copies with ``stage_to``)."""
+
+    def __init__(self, path: Path, slots: int, nbytes: int, chunk_bytes: int, depth: int,
+                 stage_to=None):  # fmt: skip
+        super().__init__(path, slots, (nbytes,), np.uint8, chunk_bytes, depth, stage_to)
+        self._layout: list[tuple[tuple[int, ...], np.dtype]] | None = None
+
+    def _pack(self, host) -> np.ndarray:
+        arrays = [np.asarray(a) for a in host]
+        if self._layout is None:
+            self._layout = [(a.shape, a.dtype) for a in arrays]
+        row = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
+        if row.size != self.boundary_bytes:
+            raise ValueError(
+                f"residuals of {row.size} bytes, the swap's rows hold {self.boundary_bytes}"
+            )
+        return row.reshape(1, -1)
+
+    def _unpack(self, data):
+        if not isinstance(data, np.ndarray):
+            return data
+        row, arrays, start = data.reshape(-1), [], 0
+        for shape, dtype in self._layout:
+            end = start + math.prod(shape) * dtype.itemsize
+            arrays.append(row[start:end].view(dtype).reshape(shape))
+            start = end
+        return arrays
