@@ -94,6 +94,13 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     tie_embeddings: bool = True  # output head = token embedding; gpt always ties
+    # llama: mixture-of-experts MLP (Mixtral / Qwen-MoE style): num_experts SwiGLU experts
+    # of width d_ff each, 0 for the dense MLP
+    num_experts: int = 0
+    experts_per_token: int = 2  # llama MoE: experts each token is routed to (top-k)
+    # llama MoE: weight of the load-balancing auxiliary loss (transformers' Mixtral
+    # load_balancing_loss_func) added to the training loss; 0 disables it
+    router_aux_loss_coef: float = 0.0
     # "hf:<dir>": start from a Hugging Face checkpoint directory (hetjax/hf.py)
     init_from: str = ""
     # family=custom: "package.module:factory", factory(ModelConfig) -> a staged model
@@ -168,6 +175,25 @@ class ModelConfig:
                 "head to the token embedding (as GPT-2 does); set it true or use "
                 "model.family='llama'"
             )
+        _check(self.num_experts >= 0, "model.num_experts", "must be >= 0", self.num_experts)
+        if self.num_experts:
+            if self.family != "llama":
+                raise ConfigError(
+                    f"config key 'model.num_experts' ({self.num_experts}): only family "
+                    f"'llama' has a mixture-of-experts MLP, but model.family is {self.family!r}"
+                )
+            _check(
+                1 <= self.experts_per_token <= self.num_experts,
+                "model.experts_per_token",
+                f"must be between 1 and model.num_experts ({self.num_experts})",
+                self.experts_per_token,
+            )
+        _check(
+            self.router_aux_loss_coef >= 0,
+            "model.router_aux_loss_coef",
+            "must be >= 0 (0 disables the auxiliary loss)",
+            self.router_aux_loss_coef,
+        )
         if self.init_from and not self.init_from.startswith("hf:"):
             raise ConfigError(
                 f"config key 'model.init_from' must be empty or 'hf:<checkpoint dir>', "

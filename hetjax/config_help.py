@@ -39,6 +39,12 @@ HELP: dict[str, str] = {
     "model.rope_original_max_len": "`llama3` rotary rescaling: the original context length "
     "the two thresholds above divide",
     "model.tie_embeddings": "output head tied to the token embedding (`gpt` always ties)",
+    "model.num_experts": "`llama`: mixture-of-experts MLP of this many SwiGLU experts "
+    "(each `d_ff` wide); 0 = the dense MLP ([models](models.md#mixture-of-experts))",
+    "model.experts_per_token": "`llama` MoE: experts each token is routed to (top-k of a "
+    "softmax router, weights renormalised, dropless)",
+    "model.router_aux_loss_coef": "`llama` MoE: weight of the load-balancing auxiliary loss "
+    "(transformers' Mixtral formula) added to the training loss; 0 disables it",
     "model.init_from": "`hf:<dir>`: start from a Hugging Face checkpoint "
     "([models](models.md#hugging-face-checkpoints))",
     "model.custom": "`family=custom`: `package.module:factory` building a user-defined model "

@@ -16,6 +16,13 @@ Stages (see :class:`models.staged.StagedModel`):
               post_attention_layernorm, gate_proj, up_proj, down_proj}, stacked on L
   ``head``   {norm, lm_head (D, V)} (no lm_head when tied to embed_tokens)
 
+With ``model.num_experts`` E > 0 the MLP is Mixtral's mixture of experts
+(:class:`MixtureOfExperts`): the block's gate/up/down_proj are replaced by
+``moe/{router (D, E), gate_proj (E, D, F), up_proj (E, D, F), down_proj (E, F, D)}``,
+and, with ``model.router_aux_loss_coef`` > 0, the block also returns its router
+statistics, from which the model's load-balancing loss is computed
+(:meth:`Llama.aux_loss`, the staged interface's auxiliary loss).
+
 Shape letters: B batch, T/S query/key positions, D model width, N key/value heads,
 G query heads per key/value head (H = N G), K head width, F MLP width, V vocabulary.
 """
@@ -103,8 +110,64 @@ class LlamaBlock(nn.Module):
         x = x + dense(D, "o_proj")(attn)
 
         h = norm("post_attention_layernorm")(x)
+        if cfg.num_experts:
+            out, stats = MixtureOfExperts(cfg, name="moe")(h)
+            return (x + out, stats) if router_stats_size(cfg) else x + out
         h = nn.silu(dense(cfg.ff_dim, "gate_proj")(h)) * dense(cfg.ff_dim, "up_proj")(h)
         return x + dense(D, "down_proj")(h)  # h (B, T, F)
+
+
+def router_stats_size(config: ModelConfig) -> int:
+    """Length of the router statistics a MoE block returns for the auxiliary loss: the
+    fraction of tokens routed to each expert and its mean router probability (2 E), or 0
+    (a dense block, or a MoE whose ``router_aux_loss_coef`` is 0: no statistics)."""
+    return 2 * config.num_experts if config.num_experts and config.router_aux_loss_coef else 0
+
+
+class MixtureOfExperts(nn.Module):
+    """Mixtral's sparse MLP: a softmax router over E SwiGLU experts, each token sent to
+    its top k, their outputs weighted by the top-k probabilities renormalised to sum 1.
+    Dropless: the (token, expert) pairs are sorted by expert and each expert multiplies
+    its own rows (``jax.lax.ragged_dot``), so no token is dropped and no expert computes
+    a token it was not routed to.
+
+    h (B, T, D) -> (out (B, T, D), stats (2 E,) fp32): ``stats`` holds, per expert, the
+    fraction of top-k slots routed to it (summing to k over experts) and its mean router
+    probability over the tokens, the two factors of the load-balancing loss."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        cfg = self.config
+        dtype = jnp.dtype(cfg.compute_dtype)
+        init = nn.initializers.normal(cfg.init_std)
+        B, T, D = h.shape
+        E, k, F = cfg.num_experts, cfg.experts_per_token, cfg.ff_dim
+        router = self.param("router", init, (D, E), cfg.param_dtype)
+        gate = self.param("gate_proj", init, (E, D, F), cfg.param_dtype).astype(dtype)
+        up = self.param("up_proj", init, (E, D, F), cfg.param_dtype).astype(dtype)
+        down = self.param("down_proj", init, (E, F, D), cfg.param_dtype).astype(dtype)
+
+        tokens = h.reshape(B * T, D)  # (M, D), M = B T
+        logits = jnp.einsum("MD,DE->ME", tokens, router.astype(dtype)).astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)  # (M, E)
+        top_p, top_e = jax.lax.top_k(probs, k)  # (M, k)
+        weights = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+
+        expert = top_e.reshape(-1)  # (M k,) the expert of each (token, slot) pair
+        order = jnp.argsort(expert, stable=True)  # pairs grouped by expert
+        token = order // k  # (M k,) the token of each sorted pair
+        sizes = jnp.bincount(expert, length=E).astype(jnp.int32)  # (E,) pairs per expert
+        rows = tokens[token]  # (M k, D)
+        act = nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
+        y = jax.lax.ragged_dot(act, down, sizes)  # (M k, D)
+        y = y * weights.reshape(-1)[order][:, None].astype(dtype)
+        out = jnp.zeros((B * T, D), dtype).at[token].add(y).reshape(B, T, D)
+
+        routed = jnp.mean(jnp.sum(jax.nn.one_hot(top_e, E, dtype=jnp.float32), axis=1), axis=0)
+        stats = jnp.concatenate([routed, jnp.mean(probs, axis=0)])  # (2 E,)
+        return out, stats
 
 
 class LlamaEmbed(nn.Module):
@@ -156,3 +219,29 @@ class Llama(FlaxStages):
             head=LlamaHead(config),
             tied="embed_tokens" if config.tie_embeddings else None,
         )
+        self.stats_size = router_stats_size(config)
+
+    def aux_loss(self, stats: jax.Array) -> jax.Array:
+        """``router_aux_loss_coef`` x the load-balancing loss of transformers' Mixtral
+        (``load_balancing_loss_func``): E sum_e f_e P_e, with f_e the fraction of top-k
+        slots routed to expert e and P_e its mean router probability, both pooled over
+        every layer's tokens. ``stats`` (2 E,) is the sum over layers of the blocks'
+        router statistics; fp32 scalar (0 without statistics)."""
+        if not self.stats_size:
+            return jnp.float32(0)
+        return self.config.router_aux_loss_coef * router_balance_loss(stats, self.config)
+
+    def block_active_params(self) -> int:
+        """Params of one block a token's forward uses: all but the experts it is not
+        routed to (E - k of them)."""
+        cfg = self.config
+        unused = (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.ff_dim
+        return super().block_active_params() - (unused if cfg.num_experts else 0)
+
+
+def router_balance_loss(stats: jax.Array, config: ModelConfig) -> jax.Array:
+    """The unweighted load-balancing loss (transformers' ``outputs.aux_loss``) from the
+    sum over layers of the blocks' router statistics (2 E,)."""
+    E, L = config.num_experts, config.num_layers
+    routed, prob = stats[:E] / L, stats[E:] / L
+    return E * jnp.sum(routed * prob)

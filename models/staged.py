@@ -25,9 +25,13 @@ and the run config names the factory: ``model.family = "custom"``,
 embed module is called as ``embed(tokens)``; the block as ``block(x)``; the head as
 ``head(x)`` returning fp32 logits (B, T, V), or ``head(x, embedding)`` with
 ``tied="<embed param name>"``, which hands it that embed-stage param (an output layer
-tied to the token embedding). Blocks must not depend on the layer index (every layer
-has the same params structure and the same function). Parameter leaves named ``bias``
-or ``scale`` are not weight-decayed (``hetjax/optim.py``); everything else is.
+tied to the token embedding). A block with an auxiliary loss (a mixture of experts'
+load balancing, models/llama.py) returns ``(x, stats)``, fp32 statistics of fixed length
+``stats_size`` (means over its tokens); the model's ``aux_loss(sum of the blocks'
+stats)`` is added to the loss, by every runtime, gradients included. Blocks must not
+depend on the layer index (every layer has the same params structure and the same
+function). Parameter leaves named ``bias`` or ``scale`` are not weight-decayed
+(``hetjax/optim.py``); everything else is.
 
 Blocks the streaming executor keeps (``offload.keep_blocks``) may keep only some
 in-block activations (``offload.keep_level``, ``hetjax/remat.py``): ``matmuls`` works
@@ -74,6 +78,16 @@ class StagedModel(Protocol):
     def block(self, block_params: Params, x: jax.Array) -> jax.Array:
         """One block with unstacked params: (B, T, D) -> (B, T, D)."""
 
+    stats_size: int  # length of the statistics each block returns for the auxiliary loss
+
+    def block_stats(self, block_params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """One block and its auxiliary-loss statistics: (B, T, D) -> ((B, T, D), stats
+        (stats_size,) fp32, means over the block's tokens)."""
+
+    def aux_loss(self, stats: jax.Array) -> jax.Array:
+        """The auxiliary loss (fp32 scalar, added to the token cross-entropy) from the sum
+        over blocks of their statistics (stats_size,); 0 when stats_size is 0."""
+
     def head_loss(
         self, head_params: Params, embed_params: Params, x: jax.Array, targets: jax.Array
     ) -> jax.Array:
@@ -88,6 +102,10 @@ class StagedModel(Protocol):
         """The whole model's mean token cross-entropy (stages as in :meth:`logits`)."""
 
     def param_count(self) -> int: ...
+
+    def block_active_params(self) -> int:
+        """Params of one block that a token's forward uses (a MoE block: its router,
+        attention and only the experts the token is routed to)."""
 
     def flops_per_token(self, seq_len: int) -> float: ...
 
@@ -106,6 +124,7 @@ class FlaxStages:
     argument, or None for a head with its own output layer."""
 
     stage_names = ("embed", "blocks", "head")
+    stats_size = 0  # no auxiliary loss: blocks return x alone
 
     def __init__(
         self,
@@ -154,7 +173,16 @@ class FlaxStages:
         return self._embed.apply({"params": embed_params}, tokens)
 
     def block(self, block_params: Params, x: jax.Array) -> jax.Array:
-        return self._block.apply({"params": block_params}, x)
+        return self.block_stats(block_params, x)[0]
+
+    def block_stats(self, block_params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        out = self._block.apply({"params": block_params}, x)
+        if self.stats_size:
+            return out
+        return out, jnp.zeros((0,), jnp.float32)
+
+    def aux_loss(self, stats: jax.Array) -> jax.Array:
+        return jnp.float32(0)
 
     def head_logits(self, head_params: Params, embed_params: Params, x: jax.Array) -> jax.Array:
         """x (B, T, D) -> fp32 logits (B, T, V)."""
@@ -180,24 +208,33 @@ class FlaxStages:
 
     def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
         c = self._compute
-        x = self._run_blocks(c(params["blocks"]), self.embed(c(params["embed"]), tokens))
+        x, _ = self._run_blocks(c(params["blocks"]), self.embed(c(params["embed"]), tokens))
         return self.head_logits(c(params["head"]), c(params["embed"]), x)
 
     def loss(self, params: Params, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         c = self._compute
-        x = self._run_blocks(c(params["blocks"]), self.embed(c(params["embed"]), tokens))
-        return self.head_loss(c(params["head"]), c(params["embed"]), x, targets)
+        x, stats = self._run_blocks(c(params["blocks"]), self.embed(c(params["embed"]), tokens))
+        loss = self.head_loss(c(params["head"]), c(params["embed"]), x, targets)
+        return loss + self.aux_loss(stats) if self.stats_size else loss
 
     def _compute(self, params: Params) -> Params:
         """Params (fp32 masters) as a stage computes with them: in ``compute_dtype``."""
         return jax.tree.map(lambda a: a.astype(self.config.compute_dtype), params)
 
-    def _run_blocks(self, blocks: Params, x: jax.Array) -> jax.Array:
+    def _run_blocks(self, blocks: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x (B, T, D) through every block -> (x, the sum of the blocks' statistics)."""
         # remat: keep only block-boundary activations and recompute each block's inside
         # in backward, as the streaming executor does.
-        block = jax.checkpoint(self.block) if self.config.remat else self.block
-        x, _ = jax.lax.scan(lambda h, p: (block(p, h), None), x, blocks)
-        return x
+        block = jax.checkpoint(self.block_stats) if self.config.remat else self.block_stats
+
+        def step(carry, p):
+            h, total = carry
+            h, stats = block(p, h)
+            return (h, total + stats), None
+
+        stats = jnp.zeros((self.stats_size,), jnp.float32)
+        (x, stats), _ = jax.lax.scan(step, (x, stats), blocks)
+        return x, stats
 
     # -- accounting -----------------------------------------------------------------------
 
@@ -206,12 +243,22 @@ class FlaxStages:
         shapes = jax.eval_shape(self.init, jax.random.key(0))
         return sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
 
+    def block_param_count(self) -> int:
+        """Params of one block, from shapes alone."""
+        shapes = jax.eval_shape(lambda k: self.init_stage("block", k), jax.random.key(0))
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
+
+    def block_active_params(self) -> int:
+        return self.block_param_count()
+
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of forward + backward per token (PaLM appendix B): 6 N for the
         parameters used in matmuls (the embed stage's are lookups, so excluded unless the
-        head is tied to them) plus 12 L T D for attention."""
+        head is tied to them; a MoE block's experts a token is not routed to, too) plus
+        12 L T D for attention."""
         cfg = self.config
         n = self.param_count()
+        n -= cfg.num_layers * (self.block_param_count() - self.block_active_params())
         if self.tied is None:
             shapes = jax.eval_shape(lambda k: self.init_stage("embed", k), jax.random.key(0))
             n -= sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))

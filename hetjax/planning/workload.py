@@ -157,7 +157,8 @@ class Workload:
             working_set=int(working),
             kept=dict(kept),
             recompute_flops={level: recompute[level] for level in kept},
-            block_fwd_flops=tokens * (2 * block_used + 4 * T * D),
+            # a MoE block's matmuls use the experts a token is routed to, not all
+            block_fwd_flops=tokens * (2 * model.block_active_params() + 4 * T * D),
             head_fwd_flops=tokens * 2 * m.vocab_size * D,
             attention_bwd_flops=attention_bwd,
             grad_policy=grad_policy(config),
