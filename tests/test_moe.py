@@ -5,9 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from equivalence import assert_training_equal, check_tokens
 from hf_models import VOCAB
 
 from hetjax.config import Config, ConfigError
+from hetjax.train import train
 from models import build_model
 from models.llama import router_balance_loss
 from models.staged import token_loss
@@ -128,3 +130,91 @@ def test_logits_and_aux_loss_equal_transformers():
     logits = model.logits(params, ids)
     ce = token_loss(logits[:, :-1], jnp.asarray(ids[:, 1:]))
     np.testing.assert_allclose(float(ce + model.aux_loss(stats)), float(out.loss), rtol=1e-5)
+
+
+# -- training under every runtime, the auxiliary loss on ------------------------------------
+
+TRAIN_MOE = dict(MOE, max_seq_len=32)
+SHORT = dict(steps=4, eval_batches=1)  # the validation loss is compared too
+# SGD: ZeRO-3 sums gradients over devices in another order than one device does, which
+# AdamW's first steps amplify beyond 1e-5 (tests/test_zero.py's docstring); SGD compares
+# the gradients themselves, so one offload.mode=none reference serves every runtime.
+SGD = dict(name="sgd", lr=0.1)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from conftest import tiny_config
+
+    config = tiny_config(model=TRAIN_MOE, train=SHORT, optimizer=SGD)
+    return train(config, tmp_path_factory.mktemp("ref"), verbose=False)
+
+
+# Default-run representatives: test_logits_and_aux_loss_equal_transformers (in memory),
+# test_stream_nvme_equals_none and test_zero3_on_4_devices_equals_single_device (sharing
+# the reference); the others are slow.
+
+
+def test_stream_nvme_equals_none(reference, tiny, tmp_path):
+    """offload.mode=stream with the optimizer on NVMe, the last block kept (its vjp from
+    forward) and the other swapped (its activations to host memory and back) trains as
+    offload.mode=none: the aux loss and its gradients are in both (the statistics'
+    cotangent through a kept block's backward and a swapped one's; a recomputed one's in
+    the ZeRO-3 test and, slow, with AdamW)."""
+    offload = dict(mode="stream", optimizer="nvme", params="nvme", keep_blocks=1, swap_blocks=1)
+    config = tiny(model=TRAIN_MOE, train=SHORT, optimizer=SGD, offload=offload)
+    result = train(config, tmp_path, verbose=False)
+    assert reference.losses[-1] < reference.losses[0]
+    assert_training_equal(result, reference, build_model(config.model), check_tokens())
+
+
+def test_zero3_on_4_devices_equals_single_device(reference, tiny, tmp_path):
+    """ZeRO-3 over 4 devices: each device's router statistics are averaged over the
+    devices before the aux loss (stages.batch_means), so it equals one device's on the
+    whole micro-batch, while the gradients' per-page squared norms stay split over the
+    devices as the gradients: the step's gradient norm (their sum) equals the reference's."""
+    config = tiny(
+        model=TRAIN_MOE,
+        train=SHORT,
+        optimizer=SGD,
+        offload=dict(mode="stream"),
+        memory=dict(page_size="16KiB"),
+        distributed=dict(data_parallel=4),
+    )
+    result = train(config, tmp_path / "zero", verbose=False)
+    assert_training_equal(result, reference, build_model(config.model), check_tokens())
+    norms = [[r["grad_norm"] for r in run.records] for run in (result, reference)]
+    np.testing.assert_allclose(*norms, rtol=1e-5)
+
+
+@pytest.mark.slow  # ~30 s on 2 cores with a cold compilation cache (its own reference)
+def test_stream_nvme_equals_none_with_adamw(tiny, tmp_path):
+    """As test_stream_nvme_equals_none, with AdamW (the config's optimizer): one device
+    sums as offload.mode=none does, so AdamW's amplification is no concern."""
+    offload = dict(mode="stream", optimizer="nvme", params="nvme", keep_blocks=1)
+    none, stream = (
+        train(tiny(model=TRAIN_MOE, train=SHORT, offload=o), tmp_path / o["mode"], verbose=False)
+        for o in (dict(mode="none"), offload)
+    )
+    assert none.losses[-1] < none.losses[0]
+    assert_training_equal(stream, none, build_model(tiny(model=TRAIN_MOE).model), check_tokens())
+
+
+@pytest.mark.slow  # ~25 s on 2 cores with a cold compilation cache (un-jitted gradients)
+def test_aux_loss_is_in_the_loss_and_gradients(tiny):
+    """The training loss is the cross-entropy plus coef x the balance loss, and the
+    router's gradient changes with the coefficient."""
+    config = tiny(model=TRAIN_MOE)
+    model = build_model(config.model)
+    off = build_model(tiny(model={**TRAIN_MOE, "router_aux_loss_coef": 0.0}).model)
+    params = model.init(jax.random.key(0))
+    ids = tokens()
+    loss = model.loss(params, ids[:, :-1], ids[:, 1:])
+    x, stats = model._run_blocks(params["blocks"], model.embed(params["embed"], ids[:, :-1]))
+    ce = model.head_loss(params["head"], params["embed"], x, ids[:, 1:])
+    aux = router_balance_loss(stats, model.config)
+    np.testing.assert_allclose(loss, ce + 0.02 * aux, rtol=1e-6)
+    np.testing.assert_allclose(off.loss(params, ids[:, :-1], ids[:, 1:]), ce, rtol=1e-6)
+    g_on = jax.grad(model.loss)(params, ids[:, :-1], ids[:, 1:])["blocks"]["moe"]["router"]
+    g_off = jax.grad(off.loss)(params, ids[:, :-1], ids[:, 1:])["blocks"]["moe"]["router"]
+    assert not np.allclose(g_on, g_off)

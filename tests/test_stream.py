@@ -91,11 +91,11 @@ def test_keep_levels_hold_less_and_change_nothing(tiny, attention, levels):
     assert list(kept) == levels
     sizes = [_nbytes((pages, x))] + [kept[level] for level in levels]
     assert sizes == sorted(set(sizes)), kept
-    y_all, vjp_all = fns.kept_forward("all")(pages, x)
+    (y_all, _), vjp_all = fns.kept_forward("all")(pages, x)
     assert _nbytes(vjp_all) == kept["all"]
     expected = fns.block_bwd_kept(vjp_all, x)
     for level in levels[:-1]:
-        y, vjp = fns.kept_forward(level)(pages, x)
+        (y, _), vjp = fns.kept_forward(level)(pages, x)
         assert _nbytes(vjp) == kept[level]
         np.testing.assert_array_equal(y, y_all)
         assert_trees_close(fns.block_bwd_kept(vjp, x), expected)
@@ -299,7 +299,7 @@ def test_nvme_checkpoints_are_files_and_change_nothing(tiny, tmp_path):
     inputs = []
     for i in range(3):
         inputs.append(np.asarray(x).reshape(-1))
-        x = nvme.fns.block_fwd(nvme.placement.to_device(nvme.param_store.get(f"block{i}")), x)
+        x, _ = nvme.fns.block_fwd(nvme.placement.to_device(nvme.param_store.get(f"block{i}")), x)
 
     recorder = timeline.Recorder()
     with timeline.recording(recorder):
@@ -479,11 +479,11 @@ def test_swapped_block_moves_activations_not_params(tiny):
     sizes = Sizes(2, 0, block.padded_size, 0, 0, 0, 0, 4, 4, 2, _nbytes(x), 0, kept, "keep")
     for level in ("matmuls", "probs"):
         swap = fns.swapped(level)
-        y, residuals = swap.forward(pages, x)
+        (y, _), residuals = swap.forward(pages, x)
         assert not any(r.shape == pages[0].shape for r in residuals)  # no param page
         assert _nbytes(residuals) == swap.residual_bytes(pages, x) == sizes.swap_bytes(level)
         assert _nbytes(residuals) > _nbytes(x)  # the input and what the level saves
-        y_kept, vjp = fns.kept_forward(level)(pages, x)
+        (y_kept, _), vjp = fns.kept_forward(level)(pages, x)
         np.testing.assert_array_equal(y, y_kept)
         dy = jax.random.normal(jax.random.key(2), x.shape)
         (db, sq), dx = swap.backward(pages, residuals, dy)

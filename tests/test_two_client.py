@@ -123,6 +123,7 @@ FUNCTIONS = (
     "head_fwd_bwd",
     "block_bwd",
     "block_bwd_kept",
+    "aux_fwd_bwd",
     "embed_bwd",
 )
 

@@ -46,6 +46,29 @@ def page_squared_norms(grad) -> jax.Array:
     return jnp.sum(jnp.square(grad.astype(F32)), axis=-1)
 
 
+def batch_means(*positions: int):
+    """Declares results of a stage function (positions in the tuple it returns) to be
+    means over its micro-batch's rows that every row's backward needs whole: a block's
+    auxiliary-loss statistics (a mixture of experts' router statistics pool the whole
+    micro-batch), and what is computed from them alone. A data-parallel ``jit``
+    (ZeRO-3's, ``zero.py``) averages them over its devices and returns them whole on
+    every device, as the loss; a one-device ``jit`` has nothing to do. Results not
+    declared keep the placement's rule (ZeRO-3: a backward's per-page squared norms,
+    1-D too, are split over devices as its gradient). The declaration is an attribute of
+    the function (:func:`declared_batch_means`), so any ``jit`` takes it unchanged."""
+
+    def declare(fn):
+        fn.batch_means = frozenset(positions)
+        return fn
+
+    return declare
+
+
+def declared_batch_means(fn) -> frozenset[int]:
+    """The result positions ``fn`` declares with :func:`batch_means` (none if it does not)."""
+    return getattr(fn, "batch_means", frozenset())
+
+
 @dataclasses.dataclass(frozen=True)
 class StageMemory:
     """Device bytes of one micro-batch's stage functions, as XLA compiles them."""
@@ -65,12 +88,13 @@ class SwappedBlock:
     (remat.py: the block's input and the activations the level saves) without the param
     pages, which the window fetches again for backward instead of holding them. The
     runtime copies the residuals to ``pinned_host`` as soon as forward made them and
-    back to the device ahead of backward. ``backward(pages, residuals, dy) -> ((db, its
-    norms), dx)`` rebuilds the vjp from the pages and the residuals and applies it: what
-    the level did not save is recomputed, as in a kept block at that level, so the
-    result is the kept block's."""
+    back to the device ahead of backward. ``backward(pages, residuals, dy, dstats=None)
+    -> ((db, its norms), dx)`` rebuilds the vjp from the pages and the residuals and
+    applies it to dy and the auxiliary-loss statistics' cotangent (``cotangent``, as
+    ``StageFunctions``' other backwards): what the level did not save is recomputed, as
+    in a kept block at that level, so the result is the kept block's."""
 
-    def __init__(self, block_fwd, level: str, cast):
+    def __init__(self, block_fwd, level: str, cast, cotangent):
         fwd = remat.kept_forward(block_fwd, level)
         # The vjp's structure and which of its leaves are the param pages (by identity
         # with the traced pages): fixed by the forward's trace, used by the backward's.
@@ -84,13 +108,13 @@ class SwappedBlock:
             self._structure = (tree, where)
             return y, [leaf for leaf, k in zip(leaves, where, strict=True) if k < 0]
 
-        def backward(b, residuals, dy):
+        def backward(b, residuals, dy, dstats=None):
             if self._structure is None:  # traced before any forward (e.g. compiled ahead)
                 jax.eval_shape(forward, b, dy)
             tree, where = self._structure
             rest = iter(residuals)
             leaves = [b[k] if k >= 0 else next(rest) for k in where]
-            db, dx = jax.tree.unflatten(tree, leaves)(dy)
+            db, dx = jax.tree.unflatten(tree, leaves)(cotangent(dy, dstats))
             return cast(db), dx
 
         self._forward = forward
@@ -107,9 +131,15 @@ class StageFunctions:
     """The jitted per-stage functions the streaming runtime runs (and the tracer times). Each takes
     its stage's params as a list of pages and unflattens them inside the jit.
 
-    ``block_bwd`` recomputes the block's inside from its input boundary, then runs its
-    vjp. ``block_fwd_keep`` instead returns the vjp (its residuals: the in-block
-    activations ``keep_level`` keeps, ``remat.py``) with the output, and
+    ``block_fwd`` returns the block's output and its auxiliary-loss statistics
+    (``models/staged.py``; length 0 for a block without), ``aux_fwd_bwd`` adds the
+    auxiliary loss of their sum over blocks to the loss and returns the statistics'
+    cotangent, which every block's backward takes besides dy (a model without an
+    auxiliary loss, ``stats_size`` 0, needs neither). Both declare those results
+    means over the batch (:func:`batch_means`). ``block_bwd`` recomputes
+    the block's inside from its input boundary, then runs its vjp. ``block_fwd_keep``
+    instead returns the vjp (its residuals: the in-block activations ``keep_level``
+    keeps, ``remat.py``) with the output, and
     ``block_bwd_kept`` applies it, recomputing only what the level did not keep, for the
     cost of holding the residuals on the device until backward (``offload.keep_blocks``).
     ``kept_forward(level)`` is ``block_fwd_keep`` at any level (the tracer times each).
@@ -140,12 +170,14 @@ class StageFunctions:
         cast = lambda pages: out(pages, block_grad_dtype)
         self.layouts = layouts
         m = model
+        self.stats_size = m.stats_size  # 0: no auxiliary loss (aux_fwd_bwd is not needed)
 
         def embed_fwd(e, tokens):  # (B, T) -> (B, T, D)
             return m.embed(E.unflatten_pages(e), tokens)
 
-        def block_fwd(b, x):  # (B, T, D) -> (B, T, D)
-            return m.block(B.unflatten_pages(b), x)
+        @batch_means(1)  # the statistics: means over the block's tokens
+        def block_fwd(b, x):  # (B, T, D) -> ((B, T, D), aux statistics (S,))
+            return m.block_stats(B.unflatten_pages(b), x)
 
         def head_loss(h, e, x, targets):
             return m.head_loss(H.unflatten_pages(h), E.unflatten_pages(e), x, targets)
@@ -155,14 +187,24 @@ class StageFunctions:
             dh, de, dx = vjp(scale)  # scale: the fp16 loss scale, else 1
             return loss, out(dh), out(de), dx
 
-        def block_bwd(b, x, dy):  # recompute the block's inside, then its vjp
+        def cotangent(dy, dstats=None):  # of block_fwd's results; None: no auxiliary loss
+            return dy, jnp.zeros((m.stats_size,), F32) if dstats is None else dstats
+
+        def block_bwd(b, x, dy, dstats=None):  # recompute the block's inside, then its vjp
             _, vjp = jax.vjp(block_fwd, b, x)
-            db, dx = vjp(dy)
+            db, dx = vjp(cotangent(dy, dstats))
             return cast(db), dx
 
-        def block_bwd_kept(vjp, dy):
-            db, dx = vjp(dy)
+        def block_bwd_kept(vjp, dy, dstats=None):
+            db, dx = vjp(cotangent(dy, dstats))
             return cast(db), dx
+
+        @batch_means(0, 1)  # from the (already averaged) loss and statistics alone
+        def aux_fwd_bwd(loss, stats, seed):
+            # The auxiliary loss of the blocks' summed statistics, added to the loss, and
+            # its gradient: every block's statistics get the same cotangent.
+            aux, dstats = jax.value_and_grad(m.aux_loss)(sum(stats, jnp.zeros(m.stats_size, F32)))
+            return loss + aux, dstats * seed
 
         def embed_bwd(e, tokens, dx):
             _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
@@ -176,8 +218,9 @@ class StageFunctions:
         self._block_fwd, self._kept_forward = block_fwd, {}
         self.block_fwd_keep = self.kept_forward(keep_level)
         self.block_bwd_kept = jax.jit(block_bwd_kept)  # any level's vjp
+        self.aux_fwd_bwd = jit(aux_fwd_bwd)
         self.embed_bwd = jit(embed_bwd)
-        self._cast, self._swapped = cast, {}
+        self._cast, self._cotangent, self._swapped = cast, cotangent, {}
 
     def kept_forward(self, level: str):
         """The jitted forward of a kept block at keep ``level``: (b, x) -> (y, the vjp
@@ -191,7 +234,7 @@ class StageFunctions:
         """The forward and backward of a block that swaps its in-block activations at
         ``level`` to host memory (``offload.swap_blocks``). One device only."""
         if level not in self._swapped:
-            self._swapped[level] = SwappedBlock(self._block_fwd, level, self._cast)
+            self._swapped[level] = SwappedBlock(self._block_fwd, level, self._cast, self._cotangent)
         return self._swapped[level]
 
     def swap_bytes(self, batch: int, seq_len: int, dtype) -> dict[str, int]:
@@ -207,11 +250,12 @@ class StageFunctions:
         slab = lambda n: [sds((self.layouts[n].page_elems,), dtype)] * self.layouts[n].num_pages
         tokens = sds((batch, seq_len), jnp.int32)
         x = jax.eval_shape(self.embed_fwd, slab("embed"), tokens)
+        stats = jax.eval_shape(self.block_fwd, slab("block"), x)[1]
         return {
             "embed_fwd": (slab("embed"), tokens),
             "block_fwd": (slab("block"), x),
             "head_fwd_bwd": (slab("head"), slab("embed"), x, tokens, sds((), F32)),
-            "block_bwd": (slab("block"), x, x),
+            "block_bwd": (slab("block"), x, x, stats),
             "embed_bwd": (slab("embed"), tokens, x),
         }
 

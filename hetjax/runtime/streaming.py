@@ -309,17 +309,18 @@ class StreamingRuntime:
         timeline.watch("compute", "embed fwd", x)
         kept: list[Any] = [None] * L  # the kept blocks' vjps (their residuals)
         swapped: list[Any] = [None] * L  # the swapped blocks' residuals, on the host
+        stats: list[Any] = [None] * L  # the blocks' auxiliary-loss statistics
         for i in range(L):
             slab = window.get(i)
             if i >= first_kept:
-                x, kept[i] = fns.block_fwd_keep(slab, x)
+                (x, stats[i]), kept[i] = fns.block_fwd_keep(slab, x)
             elif i >= first_swap:
-                x, residuals = swap.forward(slab, x)
+                (x, stats[i]), residuals = swap.forward(slab, x)
                 swapped[i] = self._swap_out(i, i - first_swap, residuals)
                 del residuals
             else:
                 boundaries.store(i, x)
-                x = fns.block_fwd(slab, x)
+                x, stats[i] = fns.block_fwd(slab, x)
             timeline.watch("compute", f"block{i} fwd", x, after=slab)
             del slab  # the window decides when a slab goes; hold no reference past it
             window.done(i)
@@ -328,7 +329,10 @@ class StreamingRuntime:
         # the loss is fp32 (fp16 cannot hold scales); put explicitly: a planned transfer
         seed = self.placement.put_scalar(self._step.seed)
         loss, dh, de_head, dx = fns.head_fwd_bwd(head, embed, x, targets, seed)
-        del x
+        dstats = None  # the statistics' cotangent: none without an auxiliary loss
+        if fns.stats_size:  # + the blocks' auxiliary loss
+            loss, dstats = fns.aux_fwd_bwd(loss, stats, seed)
+        del x, stats
         timeline.watch("compute", "head fwd+bwd", (loss, dx))
         self._grad_out("head", *dh)
         self._grad_out("embed", *de_head)
@@ -340,7 +344,7 @@ class StreamingRuntime:
         next_x = boundaries.load(first_swap - 1) if first_swap == first_kept > 0 else None
         for i in reversed(range(L)):
             if i >= first_kept:
-                db, dx = fns.block_bwd_kept(kept[i], dx)
+                db, dx = fns.block_bwd_kept(kept[i], dx, dstats)
                 timeline.watch("compute", f"block{i} bwd", (db, dx), after=kept[i])
                 kept[i] = None
             else:
@@ -352,14 +356,14 @@ class StreamingRuntime:
                         swapped[i - 1] = self._swap_in(i - 1, i - 1 - first_swap, swapped[i - 1])
                     elif i > 0:  # the first recomputed block's boundary, likewise
                         next_x = boundaries.load(i - 1)
-                    db, dx = swap.backward(slab, residuals, dx)
+                    db, dx = swap.backward(slab, residuals, dx, dstats)
                     timeline.watch("compute", f"block{i} bwd", (db, dx), after=(slab, residuals))
                     del residuals
                 else:
                     x_in = next_x
                     if i > 0:  # prefetch the next boundary while this block computes
                         next_x = boundaries.load(i - 1)
-                    db, dx = fns.block_bwd(slab, x_in, dx)
+                    db, dx = fns.block_bwd(slab, x_in, dx, dstats)
                     timeline.watch("compute", f"block{i} bwd", (db, dx), after=(slab, x_in))
                     boundaries.drop(i)
                     del x_in
@@ -470,11 +474,15 @@ class StreamingRuntime:
         tokens, targets = put(batch[:, :-1]), put(batch[:, 1:])
         window = self._window(self.block_names)
         x = self.fns.embed_fwd(self.resident["embed"], tokens)
+        stats = [None] * self.num_layers
         for i in range(self.num_layers):
-            x = self.fns.block_fwd(window.get(i), x)
+            x, stats[i] = self.fns.block_fwd(window.get(i), x)
             window.done(i)
         embed, head = self.resident["embed"], self.resident["head"]
-        return float(self.fns.head_loss(head, embed, x, targets))
+        loss = self.fns.head_loss(head, embed, x, targets)
+        if self.fns.stats_size:  # + the blocks' auxiliary loss
+            loss = self.fns.aux_fwd_bwd(loss, stats, self.placement.put_scalar(1.0))[0]
+        return float(loss)
 
     def params(self) -> Any:
         """The fp32 master params as the model's pytree (host numpy)."""

@@ -25,7 +25,10 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
 
 The mean over the global batch is computed as the mean of the devices' means, the sum
 single-device training with ``train.grad_accum = N`` micro-batches does (tested at
-1e-5 in ``tests/test_zero.py``). Per step and device the all-gathers move
+1e-5 in ``tests/test_zero.py``). A block's auxiliary-loss statistics (a mixture of
+experts' router statistics, declared with ``stages.batch_means``) are means over the
+devices too, so the auxiliary loss pools the whole micro-batch, as one device running
+it does (``tests/test_moe.py``). Per step and device the all-gathers move
 (N-1)/N of the stage slabs fetched and the reduce-scatters (N-1)/N of the gradient
 slabs: PatrickStar's 6(p-1)/p M bytes with fp16 params and gradients.
 """
@@ -33,6 +36,7 @@ slabs: PatrickStar's 6(p-1)/p M bytes with fp16 params and gradients.
 from __future__ import annotations
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +47,7 @@ from jax.sharding import PartitionSpec, SingleDeviceSharding
 from hetjax.config import Config
 from hetjax.distributed import DATA_AXIS, data_mesh
 from hetjax.runtime.placement import ShardedPlacement, Shardings
+from hetjax.runtime.stages import declared_batch_means
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
 from hetjax.types import ParamStore
@@ -100,12 +105,19 @@ class Zero3:
         Arguments and results are told apart by rank: pages (1-D) and scalars are
         replicated, batches (2-D tokens, 3-D activations) split by rows; results split
         by their first axis, but for the loss: 2-D gradient slabs (reduce-scattered by
-        ``grad_slab``), 1-D their pages' squared norms, 3-D activations."""
+        ``grad_slab``), 1-D their pages' squared norms, 3-D activations. Results the
+        function declares means over its batch (``stages.batch_means``: a block's
+        auxiliary-loss statistics, any rank) are, as the loss, means over devices,
+        whole on each."""
+        means = declared_batch_means(fn)  # result positions, not ranks
 
         def reduce(out):
             if out.ndim == 0:  # the loss: the global batch's mean is the mean of means
                 return jax.lax.pmean(out, DATA_AXIS)
             return out
+
+        def mean(out):  # a declared batch mean: the mean of the devices' means
+            return jax.lax.pmean(out, DATA_AXIS)
 
         def spec_in(a):
             return PartitionSpec(DATA_AXIS) if a.ndim >= 2 else PartitionSpec()
@@ -115,20 +127,30 @@ class Zero3:
                 return PartitionSpec()
             return PartitionSpec(DATA_AXIS, None) if a.ndim == 3 else PartitionSpec(DATA_AXIS)
 
-        def run(*args):
-            # The results' ranks, with the data axis bound for fn's collectives (vmap
-            # binds it as the shard_map will); the arguments' shapes do not matter here.
-            results = jax.eval_shape(
-                jax.vmap(fn, in_axes=None, axis_size=self.degree, axis_name=DATA_AXIS), *args
+        def by_result(rule, mean_rule, results):
+            """``rule`` on every leaf of the results, ``mean_rule`` on the declared means'."""
+            if not means:
+                return jax.tree.map(rule, results)
+            assert isinstance(results, tuple) and max(means) < len(results), (fn, means)
+            return tuple(
+                jax.tree.map(mean_rule if i in means else rule, r) for i, r in enumerate(results)
             )
-            per_device = jax.shard_map(
-                lambda *a: jax.tree.map(reduce, fn(*a)),
+
+        def run(*args):
+            per_device = functools.partial(
+                jax.shard_map,
                 mesh=self.mesh,
                 in_specs=jax.tree.map(spec_in, args),
-                out_specs=jax.tree.map(spec_out, results),
                 check_vma=False,
             )
-            return per_device(*args)
+            # The results' ranks: every device's results stacked, traced as the shard_map
+            # below runs fn (its collectives bound to the data axis; not under vmap,
+            # which some primitives do not support: jax.lax.ragged_dot's MoE experts).
+            stacked = lambda *a: jax.tree.map(lambda o: o[None], fn(*a))
+            results = jax.eval_shape(per_device(stacked, out_specs=PartitionSpec(DATA_AXIS)), *args)
+            out_specs = by_result(spec_out, lambda a: PartitionSpec(), results)
+            reduced = lambda *a: by_result(reduce, mean, fn(*a))
+            return per_device(reduced, out_specs=out_specs)(*args)
 
         return jax.jit(run)
 
