@@ -59,6 +59,11 @@ def stage_tensor_names(
     """The HF tensors of one stage (``embed``, ``block`` with ``layer``, or ``head``).
     ``prefix``: GPT-2's module prefix, ``"transformer."`` (GPT2LMHeadModel, the
     default) or ``""`` (a bare GPT2Model)."""
+    if config.num_experts:  # Mixtral's mapping (issue #22 item 6) is not written yet
+        raise ConfigError(
+            f"model.num_experts is {config.num_experts}: HF import and export of "
+            "mixture-of-experts models (MixtralForCausalLM) is not supported yet"
+        )
     if config.family == "gpt":
         p = "transformer." if prefix is None else prefix
         norm = lambda hf, ours: [
