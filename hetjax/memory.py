@@ -264,7 +264,7 @@ class Sizes:
         return ("embed", *(f"block{i}" for i in range(self.num_layers)), "head")
 
     @functools.cached_property
-    def device_caches(self) -> dict[Offload, DeviceCache]:
+    def device_caches(self) -> dict[tuple, DeviceCache]:
         """:meth:`DeviceCache.of` of each placement asked for, kept (the planner asks
         for the same ones again and again)."""
         return {}
@@ -332,12 +332,31 @@ class DeviceCache:
     blocks: int  # cached blocks: resident on the device
     params: int  # elements of this process's slabs of the cached stages
     device_bytes: int
+    # derived from the sizes once (the planner asks thousands of times; set by ``of``):
+    host_grad_bytes: int = 0  # per step: the other stages' gradients, to the host
+    host: tuple[str, ...] = ()  # host_stages
+    host_own: int = 0  # elements of the host stages' slabs this process holds
+    host_biggest: int = 0  # of the largest host stage's
+    grad_order: tuple[str, ...] = ()  # grad_stages
+    grad_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # bytes by stage
 
     @classmethod
     def of(cls, s: Sizes, o: Offload) -> DeviceCache:
-        if o not in s.device_caches:
-            s.device_caches[o] = cls._of(s, o)
-        return s.device_caches[o]
+        key = (o.optimizer, o.device_stages)  # all it depends on besides the sizes
+        if key not in s.device_caches:
+            cache = cls._of(s, o)
+            host, order = tuple(cache.host_stages(s)), tuple(cache.grad_stages(s))
+            grads = {n: s.grad_bytes(n) for n in order}
+            s.device_caches[key] = dataclasses.replace(
+                cache,
+                host_grad_bytes=sum(grads.values()),
+                host=host,
+                host_own=sum(s.own(n) for n in host),
+                host_biggest=max((s.own(n) for n in host), default=0),
+                grad_order=order,
+                grad_sizes=grads,
+            )
+        return s.device_caches[key]
 
     @classmethod
     def _of(cls, s: Sizes, o: Offload) -> DeviceCache:
@@ -481,13 +500,12 @@ def swap_staging_bytes(boundary: int, slots: int, depth: int) -> int:
 def host_param_bytes(s: Sizes, o: Offload) -> int:
     """Host RAM of compute-dtype params: every off-device stage's (``params=host``), or
     the NVMe read-ahead window (``nvme``)."""
-    host = DeviceCache.of(s, o).host_stages(s)
-    if not host:
+    cache = DeviceCache.of(s, o)
+    if not cache.host:
         return 0
     if o.params == "host":
-        return sum(s.compute_bytes * s.own(n) for n in host)
-    biggest = max(s.compute_bytes * s.own(n) for n in host)
-    return (o.prefetch_depth + IO_READAHEAD + 1) * biggest
+        return s.compute_bytes * cache.host_own
+    return (o.prefetch_depth + IO_READAHEAD + 1) * s.compute_bytes * cache.host_biggest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -573,18 +591,15 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
     Raises ``ConfigError`` naming the shortfall when the minimum does not fit (unless
     ``strict`` is False: then the plan is returned, over budget)."""
     cache_of = DeviceCache.of(s, o)
-    host = cache_of.host_stages(s)
-    stage_state = {n: s.state_bytes * s.own(n) for n in host}
     tier, policy = o.optimizer, s.grad_policy
     param_slabs = host_param_bytes(s, o)
     boundaries = host_boundary_bytes(s, o)
     swapped = host_swapped_bytes(s, o)
-    state = 2 * sum(stage_state.values()) if tier == "host" else 0
-    biggest = max(stage_state.values(), default=0)
+    state = 2 * s.state_bytes * cache_of.host_own if tier == "host" else 0
+    biggest = s.state_bytes * cache_of.host_biggest
     io = IO_SLOTS * biggest if tier == "nvme" else 0
     others = param_slabs + state + io + boundaries + swapped
-    order = cache_of.grad_stages(s)
-    sizes = {n: s.grad_bytes(n) for n in order}
+    order, sizes = list(cache_of.grad_order), cache_of.grad_sizes
     grads = plan_gradients(sizes, order, policy, budget - others if budget else None, o.uses_nvme)
     required = others + grads.ram_bytes
     if strict and budget and required > budget:
@@ -613,9 +628,10 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
         )
     cached: list[str] = []
     if tier == "nvme" and budget and required < budget:
+        stage_state = {n: s.state_bytes * s.own(n) for n in cache_of.host}
         doubled = {n: 2 * b for n, b in stage_state.items()}
         cached = belady_cache([n for n in order if n in doubled], doubled, budget - required)
-    cache = sum(2 * stage_state[n] for n in cached)
+    cache = sum(2 * s.state_bytes * s.own(n) for n in cached)
     return HostMemoryPlan(
         budget,
         param_slabs,
@@ -643,7 +659,7 @@ def nvme_parts(s: Sizes, o: Offload, host: HostMemoryPlan) -> dict[str, int]:
     """NVMe bytes per process, by what they hold: two generations of optimizer state and
     of params (the committed one and the one being written), every boundary activation
     not kept in a block, and the gradients the host plan spills."""
-    own = sum(s.own(n) for n in DeviceCache.of(s, o).host_stages(s))
+    own = DeviceCache.of(s, o).host_own
     slots = o.recomputed_blocks(s.num_layers)
     return {
         "optimizer": 2 * s.state_bytes * own if o.optimizer == "nvme" else 0,

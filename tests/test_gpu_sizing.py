@@ -59,6 +59,9 @@ def test_launch_sets_them_before_jax_starts(tmp_path):
     env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = "3"
     args = ["--config", "configs/gpt_tiny.py", "--workdir", str(tmp_path), "--config.train.steps=1"]
     args += ["--config.memory.device_fraction=0.7", "--config.checkpoint.at_end=false"]
+    # the default's placement without measuring the machine, and no summary extras
+    args += ["--config.offload.mode=stream", "--config.offload.optimizer=nvme"]
+    args += ["--config.train.in_memory_steps=0", "--config.train.trace_every=0"]
     out = subprocess.run(
         [sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True
     )

@@ -168,6 +168,7 @@ def test_stream_nvme_equals_none(reference, tiny, tmp_path):
     assert_training_equal(result, reference, build_model(config.model), check_tokens())
 
 
+@pytest.mark.slow  # ~17 s; Zero3.jit's batch means: tests/test_zero.py in the default run
 def test_zero3_on_4_devices_equals_single_device(reference, tiny, tmp_path):
     """ZeRO-3 over 4 devices: each device's router statistics are averaged over the
     devices before the aux loss (stages.batch_means), so it equals one device's on the

@@ -36,8 +36,8 @@ def reference(tmp_path_factory):
     "offload",
     [
         dict(mode="stream", prefetch_depth=2),
-        dict(mode="stream", prefetch_depth=1),
-        dict(mode="stream", prefetch_depth=3),
+        pytest.param(dict(mode="stream", prefetch_depth=1), marks=pytest.mark.slow),
+        pytest.param(dict(mode="stream", prefetch_depth=3), marks=pytest.mark.slow),
         dict(mode="stream", activations="host"),
         dict(mode="stream", keep_blocks=1),
         dict(mode="stream", keep_blocks=2, activations="host"),

@@ -111,7 +111,7 @@ def lanes(
     h2d_f = streamed_f * cb * Pb * frac
     h2d_b = streamed_b * cb * Pb * frac + bounds + swap
     # per device; the device cache's gradients stay there
-    grads = sum(sizes.grad_bytes(name) for name in cache.grad_stages(sizes))
+    grads = cache.host_grad_bytes
     d2h_f, d2h_b = bounds + swap, grads
     comm_f = comm_b = 0.0
     # On the CPU backend the devices' memory is host RAM: a collective is copies.

@@ -250,10 +250,28 @@ def estimate_working_set(
     return int(max(block, head_fwd_bwd, embed_bwd) + 3 * tokens * D * c)
 
 
+# memory_sizes' results by (id(workload), devices), with the workload they came from: the
+# planner asks for the same ones for every candidate, and a Sizes keeps what the memory
+# model derives from it (its device caches).
+_SIZES: dict[tuple[int, int], tuple[Workload, Sizes]] = {}
+
+
 def memory_sizes(w: Workload, devices: int = 1) -> Sizes:
     """The workload's sizes as the memory model takes them, on ``devices`` data-parallel
     devices (ZeRO-3: each process holds 1/devices of every stage's pages; the workload's
-    slabs are whole pages of a multiple of ``devices``)."""
+    slabs are whole pages of a multiple of ``devices``). The same object for the same
+    workload."""
+    cached = _SIZES.get((id(w), devices))
+    if cached is not None and cached[0] is w:
+        return cached[1]
+    if len(_SIZES) > 64:
+        _SIZES.clear()
+    sizes = _memory_sizes(w, devices)
+    _SIZES[id(w), devices] = (w, sizes)
+    return sizes
+
+
+def _memory_sizes(w: Workload, devices: int) -> Sizes:
     return Sizes(
         num_layers=w.num_layers,
         embed=w.embed_params,
