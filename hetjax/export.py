@@ -59,6 +59,8 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
             "eos_token_id": None,
             "dtype": "float32",
         }
+    if config.family == "llama" and config.num_experts:
+        return _mixtral_config_json(config)
     if config.family == "llama":
         return {
             "architectures": ["LlamaForCausalLM"],
@@ -84,6 +86,39 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         }
     stage_tensor_names(config, "embed")  # raises the unsupported-family ConfigError
     raise AssertionError(config.family)
+
+
+def _mixtral_config_json(config: ModelConfig) -> dict[str, Any]:
+    """A MoE llama's ``config.json``: transformers' MixtralForCausalLM. With
+    ``output_router_logits`` as ``router_aux_loss_coef`` > 0, transformers' loss is
+    hetjax's: the cross-entropy plus the weighted load-balancing loss."""
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_hidden_layers": config.num_layers,
+        "hidden_size": config.d_model,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.ff_dim,
+        "num_local_experts": config.num_experts,
+        "num_experts_per_tok": config.experts_per_token,
+        "router_aux_loss_coef": config.router_aux_loss_coef,
+        "output_router_logits": config.router_aux_loss_coef > 0,
+        "router_jitter_noise": 0.0,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.layer_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": _rope_parameters(config),
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "dtype": "float32",
+    }
 
 
 def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
@@ -121,8 +156,8 @@ def export_hf(
     size = 0
     for kind, stage_params, layer in stages:
         for n in stage_tensor_names(config, kind, layer):
-            array = np.asarray(param_at(stage_params, n.path), np.float32)
-            array = np.ascontiguousarray(array.T if n.transpose else array)
+            array = np.asarray(n.from_leaf(param_at(stage_params, n.path)), np.float32)
+            array = np.ascontiguousarray(array)
             if size and size + array.nbytes > max_shard_bytes:
                 shards.append({})
                 size = 0

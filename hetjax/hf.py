@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: import a stage at a time, and export, for GPT-2 and Llama.
+"""Hugging Face checkpoints: import a stage at a time, and export, for GPT-2, Llama and
+Mixtral.
 
 A checkpoint directory is what ``save_pretrained`` writes: ``config.json`` plus either
 ``model.safetensors`` or shards ``model-0000k-of-0000n.safetensors`` listed in
@@ -17,6 +18,14 @@ The name mapping, one table per family used both ways (import and export):
   Llama   ``model.layers.{i}.self_attn.q_proj.weight`` (out, in) <-> block
           ``q_proj/kernel`` (in, out), transposed; RMSNorm ``weight`` is ``scale``;
           ``lm_head.weight`` (V, D) <-> head ``lm_head/kernel`` (D, V).
+  Mixtral Llama's names, the MLP replaced by ``block_sparse_moe.gate.weight`` (E, D) <->
+          ``moe/router`` (D, E), and per expert e ``block_sparse_moe.experts.{e}.w1``,
+          ``w3``, ``w2`` (out, in) <-> row e of ``moe/gate_proj``, ``up_proj`` (E, D, F),
+          ``down_proj`` (E, F, D), transposed: the layout of the Hub's checkpoints, which
+          transformers' ``save_pretrained`` writes and export writes. Import also reads
+          transformers 5's fused layout (``save_pretrained(save_original_format=False)``):
+          ``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` (E, 2F, D) holding gate then
+          up, ``mlp.experts.down_proj`` (E, D, F).
 
 Tied output heads have no tensor of their own (HF drops ``lm_head.weight`` too).
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +49,7 @@ from models import build_model
 
 Params = dict[str, Any]
 
-SUPPORTED_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama"}
+SUPPORTED_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama", "mixtral": "llama"}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -50,20 +60,50 @@ class TensorName:
 
     hf: str  # e.g. "model.layers.3.self_attn.q_proj.weight"
     path: tuple[str, ...]  # e.g. ("q_proj", "kernel")
-    transpose: bool  # HF (out, in) vs Flax (in, out)
+    transpose: bool  # HF (..., out, in) vs Flax (..., in, out): the last two axes swapped
+    # Mixtral's per-expert tensors: this tensor is row ``expert`` of the leaf (E, ...)
+    expert: int | None = None
+    # transformers 5's fused experts: the leaf is slice k of n equal slices of the
+    # tensor's axis -2, (k, n) (gate_up_proj (E, 2F, D) holds gate_proj, then up_proj)
+    split: tuple[int, int] | None = None
+
+    def hf_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this tensor when its leaf has ``leaf_shape``."""
+        shape = list(leaf_shape[1:] if self.expert is not None else leaf_shape)
+        if self.transpose:
+            shape[-2], shape[-1] = shape[-1], shape[-2]
+        if self.split:
+            shape[-2] *= self.split[1]
+        return tuple(shape)
+
+    def to_leaf(self, array: np.ndarray) -> np.ndarray:
+        """This tensor as (the row ``expert`` of) its leaf: import's direction."""
+        if self.split:
+            k, n = self.split
+            rows = array.shape[-2] // n
+            array = array[..., k * rows : (k + 1) * rows, :]
+        return np.swapaxes(array, -1, -2) if self.transpose else array
+
+    def from_leaf(self, leaf: np.ndarray) -> np.ndarray:
+        """This tensor taken from its leaf: export's direction (export writes no split
+        tensors: it writes Mixtral's per-expert layout)."""
+        if self.split:
+            raise ValueError(f"{self.hf}: a split tensor is read, never written")
+        array = leaf[self.expert] if self.expert is not None else leaf
+        return np.swapaxes(array, -1, -2) if self.transpose else array
 
 
 def stage_tensor_names(
-    config: ModelConfig, stage: str, layer: int = 0, prefix: str | None = None
+    config: ModelConfig,
+    stage: str,
+    layer: int = 0,
+    prefix: str | None = None,
+    fused_experts: bool = False,
 ) -> list[TensorName]:
     """The HF tensors of one stage (``embed``, ``block`` with ``layer``, or ``head``).
     ``prefix``: GPT-2's module prefix, ``"transformer."`` (GPT2LMHeadModel, the
-    default) or ``""`` (a bare GPT2Model)."""
-    if config.num_experts:  # Mixtral's mapping (issue #22 item 6) is not written yet
-        raise ConfigError(
-            f"model.num_experts is {config.num_experts}: HF import and export of "
-            "mixture-of-experts models (MixtralForCausalLM) is not supported yet"
-        )
+    default) or ``""`` (a bare GPT2Model). ``fused_experts``: a Mixtral's experts in
+    transformers 5's fused layout instead of the per-expert one."""
     if config.family == "gpt":
         p = "transformer." if prefix is None else prefix
         norm = lambda hf, ours: [
@@ -101,7 +141,11 @@ def stage_tensor_names(
                 *(linear(f"{h}.self_attn.{n}", n) for n in ("q_proj", "k_proj", "v_proj")),
                 linear(f"{h}.self_attn.o_proj", "o_proj"),
                 rms(f"{h}.post_attention_layernorm", "post_attention_layernorm"),
-                *(linear(f"{h}.mlp.{n}", n) for n in ("gate_proj", "up_proj", "down_proj")),
+                *(
+                    _expert_tensor_names(config, h, fused_experts)
+                    if config.num_experts
+                    else (linear(f"{h}.mlp.{n}", n) for n in ("gate_proj", "up_proj", "down_proj"))
+                ),
             ]
         if stage == "head":
             names = [rms("model.norm", "norm")]
@@ -114,6 +158,26 @@ def stage_tensor_names(
             f"export support {', '.join(sorted(set(SUPPORTED_MODEL_TYPES.values())))}"
         )
     raise ValueError(f"unknown stage {stage!r}")
+
+
+def _expert_tensor_names(config: ModelConfig, h: str, fused: bool) -> list[TensorName]:
+    """A Mixtral block's router and experts (``h``: the layer's prefix)."""
+    if fused:
+        experts = f"{h}.mlp.experts"
+        return [
+            TensorName(f"{h}.mlp.gate.weight", ("moe", "router"), True),
+            TensorName(f"{experts}.gate_up_proj", ("moe", "gate_proj"), True, split=(0, 2)),
+            TensorName(f"{experts}.gate_up_proj", ("moe", "up_proj"), True, split=(1, 2)),
+            TensorName(f"{experts}.down_proj", ("moe", "down_proj"), True),
+        ]
+    moe = f"{h}.block_sparse_moe"
+    names = [TensorName(f"{moe}.gate.weight", ("moe", "router"), True)]
+    for e in range(config.num_experts):
+        names += [
+            TensorName(f"{moe}.experts.{e}.{w}.weight", ("moe", ours), True, expert=e)
+            for w, ours in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))
+        ]
+    return names
 
 
 # -- config.json <-> ModelConfig ---------------------------------------------------------
@@ -159,8 +223,28 @@ def hf_model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str,
             layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
             num_kv_heads=0,
             tie_embeddings=True,
+            num_experts=0,
         )
-    # llama; transformers >= 5 writes rope_parameters, older versions rope_theta/rope_scaling
+    return _llama_fields(hf, where, model_type, unsupported)
+
+
+def _llama_fields(
+    hf: dict[str, Any], where: str, model_type: str, unsupported: Callable[[str, Any, Any], None]
+) -> dict[str, Any]:
+    """hf_model_fields of a ``llama`` or ``mixtral`` config.json. A field config.json
+    leaves out has transformers' default for the model type, as from_pretrained gives it;
+    the shape fields must be there."""
+    mixtral = model_type == "mixtral"
+
+    def need(key: str) -> Any:
+        if key not in hf:
+            raise ConfigError(
+                f"{where}: {key} is missing; a {model_type} config.json (as save_pretrained "
+                "writes it) states the model's shape"
+            )
+        return hf[key]
+
+    # transformers >= 5 writes rope_parameters, older versions rope_theta/rope_scaling
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in ("default", "llama3"):
@@ -179,22 +263,51 @@ def hf_model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str,
     unsupported("hidden_act", hf.get("hidden_act", "silu"), "silu")
     unsupported("attention_bias", hf.get("attention_bias", False), False)
     unsupported("mlp_bias", hf.get("mlp_bias", False), False)
-    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    unsupported("attention_dropout", float(hf.get("attention_dropout", 0.0)), 0.0)
+    d, heads = need("hidden_size"), need("num_attention_heads")
     if hf.get("head_dim") not in (None, d // heads):
         unsupported("head_dim", hf["head_dim"], d // heads)
-    return dict(
+    fields = dict(
         family="llama",
-        num_layers=hf["num_hidden_layers"],
+        num_layers=need("num_hidden_layers"),
         d_model=d,
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        d_ff=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
-        layer_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+        num_kv_heads=hf.get("num_key_value_heads", 8 if mixtral else None) or heads,
+        d_ff=need("intermediate_size"),
+        vocab_size=need("vocab_size"),
+        layer_norm_eps=hf.get("rms_norm_eps", 1e-5 if mixtral else 1e-6),
+        rope_theta=float(
+            rope.get("rope_theta") or hf.get("rope_theta") or (1e6 if mixtral else 10000.0)
+        ),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        num_experts=0,
         **scaling,
     )
+    if not mixtral:
+        return fields
+    window = hf.get("sliding_window")
+    if window is not None:
+        raise ConfigError(
+            f"{where}: sliding_window = {window!r} is not supported: hetjax's attention "
+            "reads every earlier position. A window at least as long as the sequences "
+            f"changes nothing: to train on at most {window} tokens (train.seq_len <= "
+            f'{window}), set "sliding_window": null in config.json'
+        )
+    jitter = hf.get("router_jitter_noise", 0.0)
+    if jitter:
+        raise ConfigError(
+            f"{where}: router_jitter_noise = {jitter!r} is not supported: hetjax's router "
+            "has no jitter (transformers scales its inputs by random factors in training); "
+            'set "router_jitter_noise": 0.0 in config.json to train without it'
+        )
+    # output_router_logits is not read: it decides whether transformers' forward adds
+    # the load-balancing loss at all; hetjax adds it whenever router_aux_loss_coef > 0.
+    fields.update(
+        num_experts=need("num_local_experts"),
+        experts_per_token=need("num_experts_per_tok"),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
+    return fields
 
 
 def _effective(config: ModelConfig, field: str) -> Any:
@@ -265,10 +378,13 @@ class HFCheckpoint:
         spec = f"hf:{directory}"
         hf = _read_config_json(self.directory, spec)
         check_model_config(config, hf, str(self.directory / "config.json"))
+        self.model_type = hf["model_type"]
         self.files = self._tensor_files(spec)  # HF tensor name -> safetensors file
         self.prefix = None
         if config.family == "gpt":  # GPT2LMHeadModel vs a bare GPT2Model
             self.prefix = "" if "wte.weight" in self.files else "transformer."
+        # Mixtral: the Hub's per-expert tensors, or transformers 5's fused ones
+        self.fused_experts = "model.layers.0.mlp.experts.gate_up_proj" in self.files
         model = build_model(config)
         # Expected param shapes of each stage kind: structure and shape checks.
         self.expected = {
@@ -295,29 +411,40 @@ class HFCheckpoint:
         """fp32 numpy params of stage ``name``: ``embed``, ``block{i}`` or ``head``,
         structured like ``model.init_stage``; reads only that stage's tensors."""
         kind, layer = ("block", int(name[5:])) if name.startswith("block") else (name, 0)
-        names = stage_tensor_names(self.config, kind, layer, self.prefix)
-        arrays = self._read([n.hf for n in names], name)
+        names = stage_tensor_names(self.config, kind, layer, self.prefix, self.fused_experts)
+        arrays = self._read(list(dict.fromkeys(n.hf for n in names)), name)
+        expected = self.expected[kind]
+        for n in names:
+            want = param_at(expected, n.path).shape
+            got = tuple(arrays[n.hf].shape)
+            if got != n.hf_shape(want):
+                how = []  # how the leaf comes from the tensor
+                if n.expert is not None:
+                    how.append(f"its row {n.expert}")
+                if n.split:
+                    how.append(f"{n.split[0] + 1} of {n.split[1]} slices of axis -2")
+                if n.transpose:
+                    how.append("transposed")
+                tensor_shape = f" ({', '.join(how)}: {n.hf_shape(want)})" if how else ""
+                raise ConfigError(
+                    f"model.init_from hf:{self.directory}: tensor {n.hf!r} in "
+                    f"{self.files[n.hf].name} has shape {got}, but {name} "
+                    f"{'/'.join(n.path)} needs {want}{tensor_shape}; the checkpoint does "
+                    "not match its config.json or the model config"
+                )
         params: Params = {}
         for n in names:
-            array = arrays[n.hf].T if n.transpose else arrays[n.hf]
             node = params
             for key in n.path[:-1]:
                 node = node.setdefault(key, {})
-            node[n.path[-1]] = np.ascontiguousarray(array, dtype=np.float32)
-        expected = self.expected[kind]
+            if n.expert is None:
+                node[n.path[-1]] = np.ascontiguousarray(n.to_leaf(arrays[n.hf]), np.float32)
+            else:  # filled row by row, where np.stack would make a third copy
+                if n.path[-1] not in node:
+                    node[n.path[-1]] = np.empty(param_at(expected, n.path).shape, np.float32)
+                node[n.path[-1]][n.expert] = n.to_leaf(arrays[n.hf])
         if jax.tree.structure(params) != jax.tree.structure(expected):
             raise AssertionError(f"{name}: mapping gives {jax.tree.structure(params)}")
-        for n in names:
-            got = param_at(params, n.path).shape
-            want = param_at(expected, n.path).shape
-            if got != want:
-                raise ConfigError(
-                    f"model.init_from hf:{self.directory}: tensor {n.hf!r} in "
-                    f"{self.files[n.hf].name} has shape {tuple(arrays[n.hf].shape)}, but "
-                    f"{name} {'/'.join(n.path)} needs {want}"
-                    f"{' transposed' if n.transpose else ''}; the checkpoint does not "
-                    "match its config.json or the model config"
-                )
         return params
 
     def _read(self, hf_names: list[str], stage: str) -> dict[str, np.ndarray]:
@@ -327,7 +454,7 @@ class HFCheckpoint:
                 f"model.init_from hf:{self.directory}: the checkpoint has no tensor "
                 f"{missing[0]!r} (needed for {stage}"
                 f"{f', and {len(missing) - 1} more' if len(missing) > 1 else ''}); it is "
-                f"incomplete or not a {self.config.family} checkpoint of this shape"
+                f"incomplete or not a {self.model_type} checkpoint of this shape"
             )
         by_file: dict[Path, list[str]] = {}
         for n in hf_names:

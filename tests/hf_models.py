@@ -16,8 +16,10 @@ VOCAB, SEQ = 256, 64
 def build_hf_model(
     family: str, tied: bool = False, rope_scaling: bool = False, seed: int = 0, norm_eps=1e-5
 ):
-    """A 2-layer, d 64 GPT-2 or Llama with random weights, every norm weight and bias
-    perturbed too (so a mapping mistake anywhere shows in the logits), fp32, eval mode.
+    """A 2-layer, d 64 GPT-2, Llama or Mixtral (4 experts, top 2, aux loss weighted
+    0.02 and on in transformers' loss: output_router_logits) with random weights, every
+    norm weight and bias perturbed too (so a mapping mistake anywhere shows in the
+    logits), fp32, eval mode.
     ``rope_scaling``: Llama 3.1's, with an original context of 16 so that the 16-wide
     heads have stretched, interpolated and kept frequencies. ``norm_eps``: every norm's
     epsilon (``layer_norm_epsilon``, ``rms_norm_eps``)."""
@@ -29,6 +31,16 @@ def build_hf_model(
             layer_norm_epsilon=norm_eps,
         )  # fmt: skip
         model = transformers.GPT2LMHeadModel(config)
+    elif family == "mixtral":
+        config = transformers.MixtralConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+            router_aux_loss_coef=0.02, output_router_logits=True, vocab_size=VOCAB,
+            max_position_embeddings=SEQ, rms_norm_eps=norm_eps, rope_theta=5000.0,
+            tie_word_embeddings=tied, sliding_window=None, initializer_range=0.1,
+            bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        model = transformers.MixtralForCausalLM(config)
     else:
         config = transformers.LlamaConfig(
             num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -47,6 +59,8 @@ def build_hf_model(
         for p in model.parameters():
             if p.ndim == 1:  # norm weights (ones) and biases (zeros)
                 p.add_(0.1 * torch.randn_like(p))
+            elif p.ndim == 3:  # Mixtral's fused experts: not every version initialises them
+                p.copy_(0.1 * torch.randn_like(p))
     return model.float().eval()
 
 
@@ -57,13 +71,20 @@ def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 
 def hf_sgd_losses(model, batch: np.ndarray, lr: float) -> tuple[float, float]:
-    """Loss of a (B, T+1) batch, one plain SGD step on it, and the loss after."""
+    """Loss of a (B, T+1) batch, one plain SGD step on it, and the loss after. A
+    Mixtral's loss (output_router_logits) adds its weighted load-balancing loss over the
+    tokens it reads: it reads the first T, as hetjax's model does, and predicts the last
+    T (shift_labels: transformers does not shift them)."""
     ids = torch.from_numpy(batch).long()
-    loss = model(input_ids=ids, labels=ids).loss  # HF shifts the labels by one
+    inputs = dict(input_ids=ids, labels=ids)  # HF shifts the labels by one
+    if getattr(model.config, "num_local_experts", 0):
+        targets = ids[:, 1:].contiguous()
+        inputs = dict(input_ids=ids[:, :-1], labels=targets, shift_labels=targets)
+    loss = model(**inputs).loss
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
             p -= lr * p.grad
             p.grad = None
-        after = model(input_ids=ids, labels=ids).loss
+        after = model(**inputs).loss
     return float(loss.detach()), float(after)
