@@ -8,7 +8,8 @@ The params come from the run config: without ``--train``, the initial params (th
 ``model.init_from`` checkpoint, else the random init of ``train.seed``); with
 ``--train``, the params at the end of ``hetjax.train.train`` on that config (metrics in
 ``--workdir``). The output loads with ``transformers``' ``from_pretrained`` and with
-``model.init_from=hf:<out>``. :func:`export_hf` is the same from Python, for any params
+``model.init_from=hf:<out>``; a ``model.num_experts`` config writes a MixtralForCausalLM
+(the Hub's per-expert layout). :func:`export_hf` is the same from Python, for any params
 tree (e.g. ``hetjax.train.train(...).params``); the tensor names are
 ``hetjax.hf.stage_tensor_names``, the mapping import uses.
 """

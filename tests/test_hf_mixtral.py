@@ -17,7 +17,13 @@ from safetensors.numpy import load_file, save_file
 from hetjax import export
 from hetjax.config import ConfigError, ModelConfig, load_config
 from hetjax.export import export_hf
-from hetjax.hf import HFCheckpoint, hf_model_fields, model_config_from_hf, open_checkpoint
+from hetjax.hf import (
+    HFCheckpoint,
+    check_model_config,
+    hf_model_fields,
+    model_config_from_hf,
+    open_checkpoint,
+)
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime
 from models import build_model
@@ -107,6 +113,23 @@ def test_config_json_fields_map_to_non_default_values(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_JSON))
     config = model_config_from_hf(tmp_path)
     assert {k: getattr(config, k) for k in MIXTRAL_FIELDS} == MIXTRAL_FIELDS
+
+
+# mistralai/Mixtral-8x7B-v0.1's config.json on the Hub (written by transformers 4.36)
+MIXTRAL_8X7B_JSON = dict(
+    architectures=["MixtralForCausalLM"], attention_dropout=0.0, bos_token_id=1,
+    eos_token_id=2, hidden_act="silu", hidden_size=4096, initializer_range=0.02,
+    intermediate_size=14336, max_position_embeddings=32768, model_type="mixtral",
+    num_attention_heads=32, num_experts_per_tok=2, num_hidden_layers=32,
+    num_key_value_heads=8, num_local_experts=8, output_router_logits=False,
+    rms_norm_eps=1e-05, rope_theta=1000000.0, router_aux_loss_coef=0.02,
+    sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
+    use_cache=True, vocab_size=32000,
+)  # fmt: skip
+
+
+def test_mixtral_8x7b_config_describes_the_hub_checkpoint():
+    check_model_config(load_config("mixtral_8x7b").model, MIXTRAL_8X7B_JSON, "config.json")
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "llama"])
