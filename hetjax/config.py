@@ -57,7 +57,11 @@ from hetjax.config_values import (  # noqa: E402 (after CONFIGS_DIR: the values'
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
-FAMILIES = ("gpt", "llama", "custom")
+FAMILIES = ("gpt", "llama", "t5", "custom")
+ENCODER_DECODER = ("t5",)  # families whose model is an encoder and a decoder stack
+FEED_FORWARDS = ("gated-gelu", "relu")  # t5: HF's feed_forward_proj
+# data.objective: what a window of tokens trains (hetjax/data.py)
+OBJECTIVES = ("lm", "prefix_lm")
 # model.attention: how the zoo's blocks compute attention (models/attention.py)
 ATTENTIONS = ("auto", "blockwise", "reference", "fused")
 
@@ -66,8 +70,10 @@ ATTENTIONS = ("auto", "blockwise", "reference", "fused")
 class ModelConfig:
     """Transformer shape and numerics."""
 
-    family: str = "gpt"  # model family in the zoo (models/): gpt, llama, or custom
-    num_layers: int = 4
+    family: str = "gpt"  # model family in the zoo (models/): gpt, llama, t5, or custom
+    num_layers: int = 4  # blocks; t5: the encoder's
+    # t5: the decoder's blocks (0: num_layers, as HF's num_decoder_layers=None)
+    num_decoder_layers: int = 0
     d_model: int = 256
     num_heads: int = 4
     d_ff: int = 0  # 0 means 4 * d_model
@@ -75,12 +81,14 @@ class ModelConfig:
     max_seq_len: int = 256
     param_dtype: str = "float32"  # master copy of the parameters
     compute_dtype: str = "float32"  # matmuls; fp32 is the fast path on CPU, bf16 on GPU
-    init_std: float = 0.02
-    layer_norm_eps: float = 1e-5  # epsilon of every norm: LayerNorm (gpt), RMSNorm (llama)
+    init_std: float = 0.02  # gpt, llama, custom (t5 initialises as HF's T5 does)
+    # epsilon of every norm: LayerNorm (gpt), RMSNorm (llama, t5; T5 uses 1e-6)
+    layer_norm_eps: float = 1e-5
     remat: bool = False  # offload.mode=none: recompute each block in backward (jax.checkpoint)
     # gpt, llama: auto (cuDNN's fused kernel where it supports the shape and dtype, else
     # blockwise), blockwise (online softmax over tiles, no T x T tensor), reference
-    # (the whole score matrix), fused (cuDNN); models/attention.py
+    # (the whole score matrix), fused (cuDNN); models/attention.py. t5: auto or
+    # reference (its position bias is added to the whole score matrix)
     attention: str = "auto"
     attention_block: int = 0  # blockwise attention's tile side; 0: 256 (at most seq_len)
     # llama: grouped-query attention with num_kv_heads key/value heads (0: num_heads)
@@ -101,6 +109,12 @@ class ModelConfig:
     # llama MoE: weight of the load-balancing auxiliary loss (transformers' Mixtral
     # load_balancing_loss_func) added to the training loss; 0 disables it
     router_aux_loss_coef: float = 0.0
+    # t5: the feed-forward layer, HF's feed_forward_proj: gated-gelu (T5 v1.1: tanh-GELU
+    # gate times a linear unit) or relu (T5 v1.0, Switch Transformer)
+    feed_forward_proj: str = "gated-gelu"
+    relative_attention_num_buckets: int = 32  # t5: relative position buckets per stack
+    relative_attention_max_distance: int = 128  # t5: distance from which buckets are shared
+    decoder_start_token: int = 0  # t5: the decoder's first input token (T5's pad id)
     # "hf:<dir>": start from a Hugging Face checkpoint directory (hetjax/hf.py)
     init_from: str = ""
     # family=custom: "package.module:factory", factory(ModelConfig) -> a staged model
@@ -194,6 +208,7 @@ class ModelConfig:
             "must be >= 0 (0 disables the auxiliary loss)",
             self.router_aux_loss_coef,
         )
+        self._check_encoder_decoder()
         if self.init_from and not self.init_from.startswith("hf:"):
             raise ConfigError(
                 f"config key 'model.init_from' must be empty or 'hf:<checkpoint dir>', "
@@ -210,6 +225,65 @@ class ModelConfig:
                 f"config key 'model.custom' ({self.custom!r}) is used only with "
                 f"model.family='custom', but model.family is {self.family!r}"
             )
+
+    def _check_encoder_decoder(self) -> None:
+        _check(
+            self.num_decoder_layers >= 0,
+            "model.num_decoder_layers",
+            "must be >= 0 (0 means num_layers)",
+            self.num_decoder_layers,
+        )
+        _choice("model", "feed_forward_proj", self.feed_forward_proj, FEED_FORWARDS)
+        for name in ("relative_attention_num_buckets", "relative_attention_max_distance"):
+            _check(getattr(self, name) >= 2, f"model.{name}", "must be >= 2", getattr(self, name))
+        _check(
+            0 <= self.decoder_start_token < self.vocab_size,
+            "model.decoder_start_token",
+            f"must be a token id below model.vocab_size ({self.vocab_size})",
+            self.decoder_start_token,
+        )
+        if self.family not in ENCODER_DECODER:
+            if self.num_decoder_layers:
+                raise ConfigError(
+                    f"config key 'model.num_decoder_layers' ({self.num_decoder_layers}): "
+                    f"family {self.family!r} is decoder-only (model.num_layers counts its "
+                    "blocks); leave it 0 or use model.family='t5'"
+                )
+            return
+        if self.attention not in ("auto", "reference"):
+            raise ConfigError(
+                f"config key 'model.attention' is {self.attention!r}, but family "
+                f"{self.family!r} adds a relative position bias to the whole score matrix, "
+                "which only the reference attention takes; set model.attention=auto"
+            )
+        if self.num_kv_heads and self.num_kv_heads != self.num_heads:
+            raise ConfigError(
+                f"config key 'model.num_kv_heads' ({self.num_kv_heads}): family "
+                f"{self.family!r} has multi-head attention only; leave it 0"
+            )
+        if self.rope_scaling_factor:
+            raise ConfigError(
+                "config key 'model.rope_scaling_factor': family 't5' has relative position "
+                "buckets, not rotary embeddings; leave it 0"
+            )
+
+    @property
+    def encoder_decoder(self) -> bool:
+        """Whether the model is an encoder and a decoder stack (``data.objective``
+        prefix_lm) rather than a decoder alone."""
+        return self.family in ENCODER_DECODER
+
+    @property
+    def decoder_layers(self) -> int:
+        """An encoder-decoder model's decoder blocks (``num_decoder_layers``, or
+        ``num_layers`` when 0); 0 for a decoder-only one."""
+        return (self.num_decoder_layers or self.num_layers) if self.encoder_decoder else 0
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in every stack: ``num_layers``, plus the decoder's of an
+        encoder-decoder model."""
+        return self.num_layers + self.decoder_layers
 
     @property
     def ff_dim(self) -> int:
@@ -532,8 +606,13 @@ class DataConfig:
     shuffle: bool = True
     val_fraction: float = 0.05  # held-out tail of the token stream
     corpus_bytes: int = 8_000_000  # size cap of the embedded corpus
+    # lm: windows of seq_len + 1 tokens, the next token of each predicted (decoder-only
+    # models); prefix_lm: windows of 2 seq_len, the encoder reads the first half and the
+    # decoder predicts the second (encoder-decoder models). See running.md#data-order
+    objective: str = "lm"
 
     def __post_init__(self):
+        _choice("data", "objective", self.objective, OBJECTIVES)
         _check(
             0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)", self.val_fraction
         )
@@ -665,26 +744,32 @@ class Config:
                 f"'model.max_seq_len' ({self.model.max_seq_len}); raise model.max_seq_len "
                 "or shorten train.seq_len"
             )
-        if self.offload.keep_blocks > self.model.num_layers:
+        self._check_objective()
+        blocks = self.model.num_blocks
+        counted = (
+            f"'model.num_layers' + 'model.num_decoder_layers' ({blocks} blocks)"
+            if self.model.encoder_decoder
+            else f"'model.num_layers' ({blocks})"
+        )
+        if self.offload.keep_blocks > blocks:
             raise ConfigError(
                 f"config key 'offload.keep_blocks' ({self.offload.keep_blocks}) exceeds "
-                f"'model.num_layers' ({self.model.num_layers}): at most every block keeps "
-                "its activations"
+                f"{counted}: at most every block keeps its activations"
             )
         kept_swapped = self.offload.keep_blocks + self.offload.swap_blocks
-        if kept_swapped > self.model.num_layers:
+        if kept_swapped > blocks:
             raise ConfigError(
                 f"config keys 'offload.keep_blocks' + 'offload.swap_blocks' ({kept_swapped}) "
-                f"exceed 'model.num_layers' ({self.model.num_layers}): a block keeps or "
-                "swaps its activations, not both; lower one of them"
+                f"exceed {counted}: a block keeps or swaps its activations, not both; lower "
+                "one of them"
             )
-        stages = self.model.num_layers + 2  # embed, the blocks, head
+        stages = blocks + 2  # embed, the blocks, head
         if self.offload.optimizer_device_stages > stages:
             raise ConfigError(
                 f"config key 'offload.optimizer_device_stages' "
                 f"({self.offload.optimizer_device_stages}) exceeds the number of stages, "
-                f"{stages} (embed, model.num_layers={self.model.num_layers} blocks, head); "
-                f"at most every stage keeps its optimizer state on the device"
+                f"{stages} (embed, {counted}, head); at most every stage keeps its "
+                "optimizer state on the device"
             )
         data = self.distributed.data_parallel
         if data != 1 and self.offload.optimizer_device_stages:
@@ -729,6 +814,21 @@ class Config:
             raise ConfigError(
                 "config key 'optimizer.mode': lockfree is not supported with data "
                 "parallelism (distributed.data_parallel != 1); use optimizer.mode=sync"
+            )
+
+    def _check_objective(self) -> None:
+        family, objective = self.model.family, self.data.objective
+        if objective == "prefix_lm" and not self.model.encoder_decoder:
+            raise ConfigError(
+                f"config key 'data.objective' is 'prefix_lm', whose windows' first half is "
+                f"an encoder's input, but model.family {family!r} is decoder-only; set "
+                "data.objective=lm, or model.family=t5"
+            )
+        if objective == "lm" and self.model.encoder_decoder:
+            raise ConfigError(
+                f"config key 'data.objective' is 'lm', but model.family {family!r} is an "
+                "encoder-decoder model, whose encoder reads a prefix; set "
+                "data.objective=prefix_lm"
             )
 
     # -- building ---------------------------------------------------------------------

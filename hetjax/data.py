@@ -1,11 +1,20 @@
 """Token data: the embedded corpus and user token files, batched deterministically.
 
-Order (``data.shuffle=false``): the training split is cut into windows of ``T + 1``
-tokens starting every ``T`` tokens; batch ``i`` row ``r`` is window
-``k = (i * B + r) mod num_windows``, i.e. tokens ``[k*T, k*T + T + 1)``: inputs are the
-first ``T``, targets the same shifted by one. With ``data.shuffle=true`` the windows of
-each pass over the data are visited in a permutation drawn from ``train.seed`` and the
-pass number, so a run is still reproducible.
+Order (``data.shuffle=false``): the training split is cut into windows of W tokens
+starting every ``T`` tokens; batch ``i`` row ``r`` is window
+``k = (i * B + r) mod num_windows``, i.e. tokens ``[k*T, k*T + W)``. What a window
+trains is ``data.objective`` (:func:`split_window`):
+
+* ``lm`` (decoder-only models): W = T + 1; inputs are the first ``T`` tokens, targets
+  the same shifted by one.
+* ``prefix_lm`` (encoder-decoder models): W = 2 T; the encoder reads the first ``T``
+  tokens, the decoder predicts the next ``T`` (its input is them shifted right behind
+  ``model.decoder_start_token``, teacher forcing). Windows overlap by half: every
+  ``T`` tokens are the targets of one window and the prefix of the next.
+
+With ``data.shuffle=true`` the windows of each pass over the data are visited in a
+permutation drawn from ``train.seed`` and the pass number, so a run is still
+reproducible.
 
 The validation split is the last ``data.val_fraction`` of the token stream.
 
@@ -25,6 +34,23 @@ from pathlib import Path
 import numpy as np
 
 from hetjax.config import Config, ConfigError
+
+
+def window_length(objective: str, seq_len: int) -> int:
+    """Tokens of one window (a batch row) for ``data.objective`` and ``train.seq_len``:
+    ``T + 1`` (lm) or ``2 T`` (prefix_lm)."""
+    return 2 * seq_len if objective == "prefix_lm" else seq_len + 1
+
+
+def split_window(objective: str, windows):
+    """Batch rows (..., W) -> (tokens (..., T), targets (..., T)): for ``lm`` the inputs
+    and the next tokens; for ``prefix_lm`` the encoder's input and the decoder's targets
+    (the decoder's input is made from the targets by the model, as HF's T5 does from its
+    labels). Works on numpy and JAX arrays alike."""
+    if objective == "prefix_lm":
+        T = windows.shape[-1] // 2
+        return windows[..., :T], windows[..., T:]
+    return windows[..., :-1], windows[..., 1:]
 
 
 def embedded_corpus(max_bytes: int) -> np.ndarray:
@@ -78,7 +104,8 @@ def load_tokens(path: str) -> np.ndarray:
 
 @dataclass
 class TokenWindows:
-    """Batches of ``(B, T + 1)`` token windows over one split of a token stream."""
+    """Batches of ``(B, W)`` token windows (W = ``window``, ``T + 1`` when 0) starting
+    every ``T`` tokens, over one split of a token stream."""
 
     tokens: np.ndarray
     seq_len: int
@@ -88,6 +115,7 @@ class TokenWindows:
     process_index: int = 0  # this process reads its share of each micro-batch's rows
     process_count: int = 1
     grad_accum: int = 1
+    window: int = 0  # tokens per window; 0: seq_len + 1 (data.objective=lm)
 
     def __post_init__(self):
         if self.batch_size % (self.grad_accum * self.process_count):
@@ -95,11 +123,13 @@ class TokenWindows:
                 f"config key 'train.batch_size' ({self.batch_size}) must split evenly into "
                 f"{self.grad_accum} micro-batch(es) over {self.process_count} processes"
             )
-        self.num_windows = (len(self.tokens) - 1) // self.seq_len
-        if self.num_windows < 1:
+        self.window = self.window or self.seq_len + 1
+        self.num_windows = (len(self.tokens) - self.window) // self.seq_len + 1
+        if len(self.tokens) < self.window:
             raise ConfigError(
                 f"the data split has {len(self.tokens)} tokens, fewer than one window of "
-                f"train.seq_len + 1 = {self.seq_len + 1}; use more data or a shorter seq_len"
+                f"{self.window} (train.seq_len={self.seq_len}, data.objective); use more "
+                "data or a shorter seq_len"
             )
         self._perm_pass, self._perm = -1, None
 
@@ -121,10 +151,10 @@ class TokenWindows:
         return [a * micro + first + j for a in range(self.grad_accum) for j in range(share)]
 
     def batch(self, i: int) -> np.ndarray:
-        """This process's rows of batch ``i`` as int32 ``(B / processes, T + 1)``."""
-        T = self.seq_len
+        """This process's rows of batch ``i`` as int32 ``(B / processes, W)``."""
+        T, W = self.seq_len, self.window
         rows = [
-            np.asarray(self.tokens[(k := self.window_index(i, r)) * T : k * T + T + 1])
+            np.asarray(self.tokens[(k := self.window_index(i, r)) * T : k * T + W])
             for r in self.own_rows()
         ]
         return np.stack(rows).astype(np.int32)
@@ -145,7 +175,8 @@ def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
                 f"data holds token id {top} but model.vocab_size is {config.model.vocab_size}; "
                 "raise model.vocab_size to at least max id + 1"
             )
-    n_val = max(int(len(tokens) * d.val_fraction), t.seq_len + 1)
+    window = window_length(d.objective, t.seq_len)
+    n_val = max(int(len(tokens) * d.val_fraction), window)
     import jax
 
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
@@ -157,7 +188,10 @@ def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
         t.seed,
         **shard,
         grad_accum=t.grad_accum,
+        window=window,
     )
-    val = TokenWindows(tokens[-n_val:], t.seq_len, t.batch_size, False, t.seed, **shard)
+    val = TokenWindows(
+        tokens[-n_val:], t.seq_len, t.batch_size, False, t.seed, **shard, window=window
+    )
     desc = f"{source}: {len(tokens):,} tokens ({len(tokens) - n_val:,} train, {n_val:,} val)"
     return train, val, desc

@@ -158,7 +158,8 @@ def time_in_memory_steps(config: Config, train_data, steps: int) -> float:
     times = []
     try:
         for i in range(steps + 1):
-            batch = train_data.batch(i).reshape(t.grad_accum, -1, t.seq_len + 1)
+            batch = train_data.batch(i)
+            batch = batch.reshape(t.grad_accum, -1, batch.shape[-1])
             t0 = time.perf_counter()
             runtime.train_step(batch)  # its float(loss) waits for the step
             times.append(time.perf_counter() - t0)

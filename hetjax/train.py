@@ -199,8 +199,8 @@ def _train(
             if due and last_saved != step:
                 save(step)
             step += 1
-            batch = train_data.batch(step - 1 + data_offset)  # (B, T+1)
-            batch = batch.reshape(t.grad_accum, -1, t.seq_len + 1)  # this process's rows
+            batch = train_data.batch(step - 1 + data_offset)  # (B, W): data.objective's windows
+            batch = batch.reshape(t.grad_accum, -1, batch.shape[-1])  # this process's rows
             sig = faults.mid_step_signal(step)
             killer = (
                 _signal_later(0.5 * (records[-1]["step_time_s"] if records else 0.05), sig)

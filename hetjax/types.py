@@ -94,8 +94,44 @@ class LossScale:
 # -- the placement-free state -----------------------------------------------------------
 
 
-def stage_names(num_layers: int) -> list[str]:
-    return ["embed", *(f"block{i}" for i in range(num_layers)), "head"]
+# A model's stages are embed, the blocks of each of its stage groups in forward order, and
+# head (models/staged.py). A group's blocks are stages "<name><i>" whose slabs have layout
+# "<name>"; its params are stacked in the model's tree under group_key(name): a
+# decoder-only model's one group is "block" (key "blocks"), an encoder-decoder model's
+# "encoder" and "decoder".
+
+
+def group_key(name: str) -> str:
+    """The params-tree key of the group whose blocks are stages ``<name><i>``."""
+    return "blocks" if name == "block" else name
+
+
+def stage_layout(stage: str) -> str:
+    """The slab layout of a stage: ``embed``, ``head``, or its group's name
+    (``block3`` -> ``block``, ``decoder0`` -> ``decoder``)."""
+    return stage.rstrip("0123456789")
+
+
+def is_block(stage: str) -> bool:
+    """Whether ``stage`` is a block of some group (not embed or head)."""
+    return stage not in ("embed", "head")
+
+
+def stage_names(groups: list[tuple[str, int]]) -> list[str]:
+    """embed, ``(name, num_layers)`` groups' blocks in order, head."""
+    blocks = [f"{name}{i}" for name, layers in groups for i in range(layers)]
+    return ["embed", *blocks, "head"]
+
+
+def stages_tree(stages: dict[str, Any]) -> dict[str, Any]:
+    """Per-stage trees (``{"embed": ..., "block0": ..., "head": ...}``) -> the model's
+    tree, each group's blocks stacked on a leading axis under its key."""
+    groups: dict[str, list] = {}
+    for name, tree in stages.items():
+        if is_block(name):
+            groups.setdefault(group_key(stage_layout(name)), []).append(tree)
+    stacked = {k: jax.tree.map(lambda *xs: np.stack(xs), *v) for k, v in groups.items()}
+    return {"embed": stages["embed"], **stacked, "head": stages["head"]}
 
 
 @dataclasses.dataclass
@@ -119,27 +155,26 @@ class RuntimeState:
         return self.kind_tree(MASTER)
 
     def kind_tree(self, kind: str) -> dict[str, Any]:
-        blocks = [v[kind] for k, v in self.stages.items() if k.startswith("block")]
-        return {
-            "embed": self.stages["embed"][kind],
-            "blocks": jax.tree.map(lambda *xs: np.stack(xs), *blocks),
-            "head": self.stages["head"][kind],
-        }
+        return stages_tree({name: state[kind] for name, state in self.stages.items()})
 
     @classmethod
     def from_trees(
-        cls, trees: dict[str, Any], scalars: list[np.ndarray], loss_scale=None
+        cls, trees: dict[str, Any], scalars: list[np.ndarray], loss_scale=None, groups=None
     ) -> RuntimeState:
-        """From whole-model trees by kind (``{"master": params, "mu": ...}``, blocks
-        stacked) and one set of scalars shared by every stage."""
-        num_layers = jax.tree.leaves(trees[MASTER]["blocks"])[0].shape[0]
+        """From whole-model trees by kind (``{"master": params, "mu": ...}``, each
+        group's blocks stacked) and one set of scalars shared by every stage. ``groups``:
+        the model's stage groups in forward order (``models.staged.StageGroup``, their
+        ``name``), by default the one group ``block``."""
+        names = [g.name for g in groups] if groups is not None else ["block"]
+        layers = {n: jax.tree.leaves(trees[MASTER][group_key(n)])[0].shape[0] for n in names}
         stages: dict[str, dict[str, Any]] = {}
-        for name in stage_names(num_layers):
+        for name in stage_names([(n, layers[n]) for n in names]):
             stages[name] = {}
             for kind, tree in trees.items():
-                if name.startswith("block"):
-                    i = int(name[5:])
-                    stages[name][kind] = jax.tree.map(lambda a, i=i: np.array(a[i]), tree["blocks"])
+                if is_block(name):
+                    i = int(name[len(stage_layout(name)) :])
+                    blocks = tree[group_key(stage_layout(name))]
+                    stages[name][kind] = jax.tree.map(lambda a, i=i: np.array(a[i]), blocks)
                 else:
                     stages[name][kind] = jax.tree.map(np.array, tree[name])
         per_stage = {name: [np.array(s) for s in scalars] for name in stages}
@@ -162,12 +197,13 @@ class RuntimeState:
 
 class Runtime(Protocol):
     def train_step(self, batch: np.ndarray, poison: bool = False) -> StepReport:
-        """One optimizer step on a global batch of shape (A, B/A, T+1) int32. A step
+        """One optimizer step on a global batch of shape (A, B/A, W) int32 (windows of
+        ``data.objective``, ``hetjax/data.py``: W = T+1 for ``lm``). A step
         whose loss or gradient is not finite changes no state. ``poison`` (fault
         injection for tests) makes the step's gradients NaN."""
 
     def eval_loss(self, batch: np.ndarray) -> float:
-        """Mean token loss of a (B, T+1) batch with the current params."""
+        """Mean token loss of a (B, W) batch with the current params."""
 
     def params(self) -> Any:
         """The current fp32 params as a host (numpy) pytree."""

@@ -1,7 +1,7 @@
 """The hetjax model zoo: Flax models exposed as stages (embed, stacked blocks, head).
 
 ``model.family`` picks the model: ``gpt`` (models/gpt.py), ``llama`` (models/llama.py),
-or ``custom``: the factory named by ``model.custom`` (``"package.module:function"``,
+``t5`` (models/t5.py, an encoder and a decoder group), or ``custom``: the factory named by ``model.custom`` (``"package.module:function"``,
 called with the ModelConfig), for user-defined Flax blocks (models/staged.py).
 """
 
@@ -12,9 +12,10 @@ import importlib
 from hetjax.config import ConfigError, ModelConfig
 from models.gpt import GPT
 from models.llama import Llama
-from models.staged import FlaxStages, StagedModel
+from models.staged import FlaxStages, StagedModel, StageGroup
+from models.t5 import T5
 
-__all__ = ["GPT", "FlaxStages", "Llama", "StagedModel", "build_model"]
+__all__ = ["GPT", "T5", "FlaxStages", "Llama", "StageGroup", "StagedModel", "build_model"]
 
 
 def build_model(config: ModelConfig) -> StagedModel:
@@ -23,6 +24,8 @@ def build_model(config: ModelConfig) -> StagedModel:
         return GPT(config)
     if config.family == "llama":
         return Llama(config)
+    if config.family == "t5":
+        return T5(config)
     if config.family == "custom":
         return _custom_model(config)
     raise AssertionError(config.family)  # validated by ModelConfig
@@ -46,9 +49,14 @@ def _custom_model(config: ModelConfig) -> StagedModel:
     model = factory(config)
     missing = [
         name
-        for name in ("stage_keys", "init_stage", "embed", "block", "head_loss", "loss", "init")
+        for name in (
+            *("stage_keys", "init_stage", "group_input", "group_block", "head_loss"),
+            *("loss", "init"),
+        )
         if not callable(getattr(model, name, None))
     ]
+    if not missing and not getattr(model, "groups", None):
+        missing = ["groups"]
     if missing:
         raise ConfigError(
             f"config key 'model.custom' ({config.custom!r}): the factory returned "

@@ -1,15 +1,30 @@
 """The staged-model interface every runtime trains, and a base to plug in any Flax blocks.
 
-A model is three *stages* the streaming executor can run one at a time:
+A model is *stages* the streaming executor can run one at a time: ``embed``, one or more
+*stage groups*, each a stack of identical blocks, and ``head``:
 
-  ``embed``   tokens (B, T) int32      -> x (B, T, D) in compute dtype
-  ``block``   x (B, T, D)              -> x (B, T, D); ``num_layers`` of them, one
-              params structure, stored stacked on a leading layer axis L
+  ``embed``   params shared by the groups: the token embedding (and whatever else every
+              group's input is made from)
+  groups      ``group_input(g, embed params, previous group's output, tokens, targets)
+              -> (x (B, T, D), context)`` starts group g; then each of its
+              ``num_layers`` blocks maps ``(x, context) -> (x, stats)``. Its params are
+              stored stacked on a leading layer axis under the group's key
   ``head``    x (B, T, D), targets (B, T) -> mean token cross-entropy (fp32 scalar)
 
-:class:`StagedModel` is the protocol (``models.gpt.GPT`` implements it by hand).
-:class:`FlaxStages` implements all of it from three Flax modules, so a user-defined
-model is a few lines::
+A decoder-only model (GPT, Llama, any :class:`FlaxStages`) has one group, ``blocks``
+(stages ``block0`` .. ``block{L-1}``), whose input is the token embedding and whose
+context is empty: the block is ``(B, T, D) -> (B, T, D)``. An encoder-decoder model
+(``models/t5.py``) has two: ``encoder`` reads the input tokens; ``decoder`` reads its
+own tokens (the targets shifted right) and, in every block, the encoder's output: that
+output is part of the decoder's *context*, which every block of the group reads and
+whose gradient is the sum over the group's blocks. A group's context may hold params
+too (T5's relative position bias table, one per stack, lives in the embed stage and is
+handed to every block of its stack); the runtimes only carry it, and add its gradients.
+
+:class:`StagedModel` is the protocol; :class:`Stages` computes the whole model from the
+stage functions (the in-memory reference) for any number of groups. :class:`FlaxStages`
+implements the one-group case from three Flax modules, so a user-defined model is a few
+lines::
 
     class MyBlock(nn.Module):            # (B, T, D) -> (B, T, D)
         config: ModelConfig
@@ -29,8 +44,8 @@ tied to the token embedding). A block with an auxiliary loss (a mixture of exper
 load balancing, models/llama.py) returns ``(x, stats)``, fp32 statistics of fixed length
 ``stats_size`` (means over its tokens); the model's ``aux_loss(sum of the blocks'
 stats)`` is added to the loss, by every runtime, gradients included. Blocks must not
-depend on the layer index (every layer has the same params structure and the same
-function). Parameter leaves named ``bias`` or ``scale`` are not weight-decayed
+depend on the layer index (every layer of a group has the same params structure and the
+same function). Parameter leaves named ``bias`` or ``scale`` are not weight-decayed
 (``hetjax/optim.py``); everything else is.
 
 Blocks the streaming executor keeps (``offload.keep_blocks``) may keep only some
@@ -44,6 +59,7 @@ does). Tags are identities: they change no result.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Protocol
 
@@ -52,37 +68,59 @@ import jax
 import jax.numpy as jnp
 
 from hetjax.config import ModelConfig
+from hetjax.types import group_key
 
 Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageGroup:
+    """A stack of ``num_layers`` identical blocks: stages ``{name}0`` .. , slab layout
+    ``name``, params under :attr:`key` in the model's tree, stacked on a leading axis."""
+
+    name: str  # "block" (a decoder-only model's one group), "encoder", "decoder"
+    num_layers: int
+
+    @property
+    def key(self) -> str:
+        """The group's params in the model's tree: ``blocks`` for ``block``, else the
+        name (``hetjax.types.group_key``)."""
+        return group_key(self.name)
+
+    def stage(self, i: int) -> str:
+        return f"{self.name}{i}"
 
 
 class StagedModel(Protocol):
     """What the runtimes need from a model. All methods are pure functions of params."""
 
     config: ModelConfig
-    stage_names: tuple[str, ...]  # ("embed", "blocks", "head")
-
-    def init(self, rng: jax.Array) -> Params:
-        """``{'embed': ..., 'blocks': (each leaf stacked on axis 0, L), 'head': ...}``,
-        equal to initialising each stage with its key from :meth:`stage_keys`."""
-
-    def stage_keys(self, rng: jax.Array) -> dict[str, jax.Array]:
-        """The init key of each stage; ``blocks`` holds one key per layer (L,)."""
-
-    def init_stage(self, stage: str, key: jax.Array) -> Params:
-        """Params of one stage, ``embed``, ``block`` (unstacked) or ``head``."""
-
-    def embed(self, embed_params: Params, tokens: jax.Array) -> jax.Array:
-        """tokens (B, T) int32 -> activations (B, T, D) in compute dtype."""
-
-    def block(self, block_params: Params, x: jax.Array) -> jax.Array:
-        """One block with unstacked params: (B, T, D) -> (B, T, D)."""
-
+    groups: tuple[StageGroup, ...]  # in forward order
     stats_size: int  # length of the statistics each block returns for the auxiliary loss
 
-    def block_stats(self, block_params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """One block and its auxiliary-loss statistics: (B, T, D) -> ((B, T, D), stats
-        (stats_size,) fp32, means over the block's tokens)."""
+    def init(self, rng: jax.Array) -> Params:
+        """``{'embed': ..., <each group's key>: (each leaf stacked on axis 0, L), 'head':
+        ...}``, equal to initialising each stage with its key from :meth:`stage_keys`."""
+
+    def stage_keys(self, rng: jax.Array) -> dict[str, jax.Array]:
+        """The init key of each stage; a group's key holds one key per layer (L,)."""
+
+    def init_stage(self, stage: str, key: jax.Array) -> Params:
+        """Params of one stage: ``embed``, one block of a group (by the group's name,
+        unstacked) or ``head``."""
+
+    def group_input(
+        self, g: int, embed_params: Params, prev: jax.Array | None, tokens, targets
+    ) -> tuple[jax.Array, Any]:
+        """Group g's input (B, T, D) in compute dtype and its context (a pytree every
+        block of the group reads), from the embed params, the previous group's output
+        ``prev`` (None for the first group), tokens and targets (B, T) int32."""
+
+    def group_block(
+        self, g: int, block_params: Params, x: jax.Array, context: Any
+    ) -> tuple[jax.Array, jax.Array]:
+        """One block of group g with unstacked params: x (B, T, D) and the group's
+        context -> ((B, T, D), stats (stats_size,) fp32, means over the block's tokens)."""
 
     def aux_loss(self, stats: jax.Array) -> jax.Array:
         """The auxiliary loss (fp32 scalar, added to the token cross-entropy) from the sum
@@ -94,18 +132,19 @@ class StagedModel(Protocol):
         """x (B, T, D), targets (B, T) -> mean token cross-entropy (fp32 scalar).
         ``embed_params`` is there for heads tied to the embedding; others ignore it."""
 
-    def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
-        """The whole model: tokens (B, T) -> fp32 logits (B, T, V). Each stage computes
-        with its params cast to the compute dtype, as the streaming runtime runs it."""
+    def logits(self, params: Params, tokens: jax.Array, targets: jax.Array | None = None):
+        """The whole model: tokens (B, T) -> fp32 logits (B, T, V) (an encoder-decoder
+        model's decoder reads the targets shifted right). Each stage computes with its
+        params cast to the compute dtype, as the streaming runtime runs it."""
 
     def loss(self, params: Params, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         """The whole model's mean token cross-entropy (stages as in :meth:`logits`)."""
 
     def param_count(self) -> int: ...
 
-    def block_active_params(self) -> int:
-        """Params of one block that a token's forward uses (a MoE block: its router,
-        attention and only the experts the token is routed to)."""
+    def group_active_params(self, g: int) -> int:
+        """Params of one block of group g that a token's forward uses (a MoE block: its
+        router, attention and only the experts the token is routed to)."""
 
     def flops_per_token(self, seq_len: int) -> float: ...
 
@@ -117,14 +156,160 @@ def token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(logz - picked)
 
 
-class FlaxStages:
-    """A :class:`StagedModel` made of three Flax modules (see the module docstring).
+class Stages:
+    """The whole model from its stage functions, for any stage groups: init, the
+    in-memory reference's logits and loss, and accounting. A subclass sets ``config``,
+    ``groups`` and ``tied`` (the embed-stage param a tied head reads, or None) and
+    implements ``init_stage``, ``group_input``, ``group_block`` and ``head_logits``."""
+
+    groups: tuple[StageGroup, ...]
+    stats_size = 0  # no auxiliary loss: blocks return empty statistics
+    tied: str | None = None
+
+    # -- init -----------------------------------------------------------------------------
+
+    def init(self, rng: jax.Array) -> Params:
+        keys = self.stage_keys(rng)
+        params = {"embed": self.init_stage("embed", keys["embed"])}
+        for group in self.groups:
+            init_block = lambda k, name=group.name: self.init_stage(name, k)
+            params[group.key] = jax.vmap(init_block)(keys[group.key])
+        params["head"] = self.init_stage("head", keys["head"])
+        return params
+
+    def stage_keys(self, rng: jax.Array) -> dict[str, jax.Array]:
+        k_embed, *k_groups, k_head = jax.random.split(rng, 2 + len(self.groups))
+        keys = {"embed": k_embed}
+        for group, key in zip(self.groups, k_groups, strict=True):
+            keys[group.key] = jax.random.split(key, group.num_layers)
+        keys["head"] = k_head
+        return keys
+
+    # -- stages ---------------------------------------------------------------------------
+
+    def aux_loss(self, stats: jax.Array) -> jax.Array:
+        return jnp.float32(0)
+
+    def head_loss(
+        self, head_params: Params, embed_params: Params, x: jax.Array, targets: jax.Array
+    ) -> jax.Array:
+        return token_loss(self.head_logits(head_params, embed_params, x), targets)
+
+    # -- whole model (the in-memory reference) --------------------------------------------
+    #
+    # The stages compute the same function here as under the streaming runtime, which
+    # holds every stage's params in the compute dtype: each stage gets its params cast to
+    # ``compute_dtype`` (LayerNorm scales and embeddings too, not only the matmul weights
+    # a Flax ``dtype`` casts). Each use of the embed stage (every group's input, a head
+    # tied to it) gets a cast of its own, so their gradients add in fp32 (the streaming
+    # runtime adds them on the host), not in the compute dtype. Casts to fp32 are no-ops.
+
+    def logits(self, params: Params, tokens: jax.Array, targets: jax.Array | None = None):
+        x, _ = self._forward(params, tokens, targets)
+        c = self._compute
+        return self.head_logits(c(params["head"]), c(params["embed"]), x)
+
+    def loss(self, params: Params, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+        x, stats = self._forward(params, tokens, targets)
+        c = self._compute
+        loss = self.head_loss(c(params["head"]), c(params["embed"]), x, targets)
+        return loss + self.aux_loss(stats) if self.stats_size else loss
+
+    def _forward(self, params: Params, tokens, targets) -> tuple[jax.Array, jax.Array]:
+        """Every group in turn -> (the last group's output (B, T, D), the sum of every
+        block's statistics)."""
+        c = self._compute
+        x, stats = None, jnp.zeros((self.stats_size,), jnp.float32)
+        for g, group in enumerate(self.groups):
+            x, context = self.group_input(g, c(params["embed"]), x, tokens, targets)
+            x, group_stats = self._run_group(g, c(params[group.key]), x, context)
+            stats = stats + group_stats
+        return x, stats
+
+    def _compute(self, params: Params) -> Params:
+        """Params (fp32 masters) as a stage computes with them: in ``compute_dtype``."""
+        return jax.tree.map(lambda a: a.astype(self.config.compute_dtype), params)
+
+    def _run_group(
+        self, g: int, blocks: Params, x: jax.Array, context
+    ) -> tuple[jax.Array, jax.Array]:
+        """x (B, T, D) through every block of group g -> (x, the sum of the blocks'
+        statistics). The context is a constant of the loop: its gradient is the sum of
+        the blocks'."""
+        # remat: keep only block-boundary activations and recompute each block's inside
+        # in backward, as the streaming executor does.
+        block = lambda p, h: self.group_block(g, p, h, context)
+        block = jax.checkpoint(block) if self.config.remat else block
+
+        def step(carry, p):
+            h, total = carry
+            h, stats = block(p, h)
+            return (h, total + stats), None
+
+        stats = jnp.zeros((self.stats_size,), jnp.float32)
+        (x, stats), _ = jax.lax.scan(step, (x, stats), blocks)
+        return x, stats
+
+    def abstract_inputs(self, batch: int, seq_len: int) -> list[tuple[Any, Any]]:
+        """Each group's (x, context) for a micro-batch (batch, seq_len), as abstract
+        shapes in the compute dtype (``jax.eval_shape``): nothing is allocated."""
+        dtype = jnp.dtype(self.config.compute_dtype)
+        embed = jax.eval_shape(lambda k: self.init_stage("embed", k), jax.random.key(0))
+        embed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), embed)
+        tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+        x, inputs = None, []
+        for g in range(len(self.groups)):
+            x, context = jax.eval_shape(
+                lambda e, p, t, g=g: self.group_input(g, e, p, t, t), embed, x, tokens
+            )
+            inputs.append((x, context))
+        return inputs
+
+    # -- accounting -----------------------------------------------------------------------
+
+    def param_count(self) -> int:
+        """Exact number of parameters, from shapes alone (no allocation)."""
+        shapes = jax.eval_shape(self.init, jax.random.key(0))
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
+
+    def stage_param_count(self, stage: str) -> int:
+        """Params of one stage (``embed``, one block of a group by its name, ``head``),
+        from shapes alone."""
+        shapes = jax.eval_shape(lambda k: self.init_stage(stage, k), jax.random.key(0))
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
+
+    def block_param_count(self, g: int = 0) -> int:
+        """Params of one block of group g, from shapes alone."""
+        return self.stage_param_count(self.groups[g].name)
+
+    def group_active_params(self, g: int) -> int:
+        return self.block_param_count(g)
+
+    def attention_layers(self) -> int:
+        """Attention layers a token passes through (each of a block's attentions, over
+        every group), for the FLOPs' attention term."""
+        return sum(group.num_layers for group in self.groups)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of forward + backward per token (PaLM appendix B): 6 N for the
+        parameters used in matmuls (the embed stage's are lookups, so excluded unless the
+        head is tied to them; a MoE block's experts a token is not routed to, too) plus
+        12 T D per attention layer (each of a block's attentions)."""
+        cfg = self.config
+        n = self.param_count()
+        for g, group in enumerate(self.groups):
+            n -= group.num_layers * (self.block_param_count(g) - self.group_active_params(g))
+        if self.tied is None:
+            n -= self.stage_param_count("embed")
+        return 6.0 * n + 12.0 * self.attention_layers() * seq_len * cfg.d_model
+
+
+class FlaxStages(Stages):
+    """A :class:`StagedModel` made of three Flax modules (see the module docstring): one
+    group of blocks, ``blocks``, whose input is the embedding and whose context is empty.
 
     ``tied``: the name of the embed-stage param (V, D) the head receives as its second
     argument, or None for a head with its own output layer."""
-
-    stage_names = ("embed", "blocks", "head")
-    stats_size = 0  # no auxiliary loss: blocks return x alone
 
     def __init__(
         self,
@@ -137,21 +322,7 @@ class FlaxStages:
         self.config = config
         self._embed, self._block, self._head = embed, block, head
         self.tied = tied
-
-    # -- init -----------------------------------------------------------------------------
-
-    def init(self, rng: jax.Array) -> Params:
-        keys = self.stage_keys(rng)
-        return {
-            "embed": self.init_stage("embed", keys["embed"]),
-            "blocks": jax.vmap(lambda k: self.init_stage("block", k))(keys["blocks"]),
-            "head": self.init_stage("head", keys["head"]),
-        }
-
-    def stage_keys(self, rng: jax.Array) -> dict[str, jax.Array]:
-        k_embed, k_blocks, k_head = jax.random.split(rng, 3)
-        blocks = jax.random.split(k_blocks, self.config.num_layers)
-        return {"embed": k_embed, "blocks": blocks, "head": k_head}
+        self.groups = (StageGroup("block", config.num_layers),)
 
     def init_stage(self, stage: str, key: jax.Array) -> Params:
         cfg = self.config
@@ -170,19 +341,26 @@ class FlaxStages:
     # -- stages ---------------------------------------------------------------------------
 
     def embed(self, embed_params: Params, tokens: jax.Array) -> jax.Array:
+        """tokens (B, T) int32 -> activations (B, T, D) in compute dtype."""
         return self._embed.apply({"params": embed_params}, tokens)
 
+    def group_input(self, g: int, embed_params: Params, prev, tokens, targets):
+        return self.embed(embed_params, tokens), ()
+
     def block(self, block_params: Params, x: jax.Array) -> jax.Array:
+        """One block with unstacked params: (B, T, D) -> (B, T, D)."""
         return self.block_stats(block_params, x)[0]
 
     def block_stats(self, block_params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """One block and its auxiliary-loss statistics: (B, T, D) -> ((B, T, D), stats
+        (stats_size,) fp32, means over the block's tokens)."""
         out = self._block.apply({"params": block_params}, x)
         if self.stats_size:
             return out
         return out, jnp.zeros((0,), jnp.float32)
 
-    def aux_loss(self, stats: jax.Array) -> jax.Array:
-        return jnp.float32(0)
+    def group_block(self, g: int, block_params: Params, x: jax.Array, context):
+        return self.block_stats(block_params, x)
 
     def head_logits(self, head_params: Params, embed_params: Params, x: jax.Array) -> jax.Array:
         """x (B, T, D) -> fp32 logits (B, T, V)."""
@@ -192,74 +370,14 @@ class FlaxStages:
             logits = self._head.apply({"params": head_params}, x, embed_params[self.tied])
         return logits.astype(jnp.float32)
 
-    def head_loss(
-        self, head_params: Params, embed_params: Params, x: jax.Array, targets: jax.Array
-    ) -> jax.Array:
-        return token_loss(self.head_logits(head_params, embed_params, x), targets)
+    def block_active_params(self) -> int:
+        """Params of one block that a token's forward uses (a MoE block: its router,
+        attention and only the experts the token is routed to)."""
+        return self.block_param_count()
 
-    # -- whole model (the in-memory reference) --------------------------------------------
-    #
-    # The stages compute the same function here as under the streaming runtime, which
-    # holds every stage's params in the compute dtype: each stage gets its params cast to
-    # ``compute_dtype`` (LayerNorm scales and embeddings too, not only the matmul weights
-    # a Flax ``dtype`` casts), and a head tied to the embedding gets a cast of its own, so
-    # the two gradients of the tied weight add in fp32 (the streaming runtime adds them on
-    # the host), not in the compute dtype. Casts to fp32 are no-ops.
-
-    def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
-        c = self._compute
-        x, _ = self._run_blocks(c(params["blocks"]), self.embed(c(params["embed"]), tokens))
-        return self.head_logits(c(params["head"]), c(params["embed"]), x)
-
-    def loss(self, params: Params, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-        c = self._compute
-        x, stats = self._run_blocks(c(params["blocks"]), self.embed(c(params["embed"]), tokens))
-        loss = self.head_loss(c(params["head"]), c(params["embed"]), x, targets)
-        return loss + self.aux_loss(stats) if self.stats_size else loss
-
-    def _compute(self, params: Params) -> Params:
-        """Params (fp32 masters) as a stage computes with them: in ``compute_dtype``."""
-        return jax.tree.map(lambda a: a.astype(self.config.compute_dtype), params)
+    def group_active_params(self, g: int) -> int:
+        return self.block_active_params()
 
     def _run_blocks(self, blocks: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x (B, T, D) through every block -> (x, the sum of the blocks' statistics)."""
-        # remat: keep only block-boundary activations and recompute each block's inside
-        # in backward, as the streaming executor does.
-        block = jax.checkpoint(self.block_stats) if self.config.remat else self.block_stats
-
-        def step(carry, p):
-            h, total = carry
-            h, stats = block(p, h)
-            return (h, total + stats), None
-
-        stats = jnp.zeros((self.stats_size,), jnp.float32)
-        (x, stats), _ = jax.lax.scan(step, (x, stats), blocks)
-        return x, stats
-
-    # -- accounting -----------------------------------------------------------------------
-
-    def param_count(self) -> int:
-        """Exact number of parameters, from shapes alone (no allocation)."""
-        shapes = jax.eval_shape(self.init, jax.random.key(0))
-        return sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
-
-    def block_param_count(self) -> int:
-        """Params of one block, from shapes alone."""
-        shapes = jax.eval_shape(lambda k: self.init_stage("block", k), jax.random.key(0))
-        return sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
-
-    def block_active_params(self) -> int:
-        return self.block_param_count()
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs of forward + backward per token (PaLM appendix B): 6 N for the
-        parameters used in matmuls (the embed stage's are lookups, so excluded unless the
-        head is tied to them; a MoE block's experts a token is not routed to, too) plus
-        12 L T D for attention."""
-        cfg = self.config
-        n = self.param_count()
-        n -= cfg.num_layers * (self.block_param_count() - self.block_active_params())
-        if self.tied is None:
-            shapes = jax.eval_shape(lambda k: self.init_stage("embed", k), jax.random.key(0))
-            n -= sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
-        return 6.0 * n + 12.0 * cfg.num_layers * seq_len * cfg.d_model
+        return self._run_group(0, blocks, x, ())

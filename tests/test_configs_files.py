@@ -27,8 +27,10 @@ def test_config_parses_and_eval_shape_matches_nominal(path):
     n = sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
     assert n == model.param_count()
     assert abs(n / module.NOMINAL_PARAMS - 1) < 0.02, (path.stem, n, module.NOMINAL_PARAMS)
-    blocks = shapes["blocks"]
-    assert all(a.shape[0] == config.model.num_layers for a in jax.tree.leaves(blocks))
+    for group in model.groups:  # each group's blocks stacked on their layer axis
+        blocks = shapes[group.key]
+        assert all(a.shape[0] == group.num_layers for a in jax.tree.leaves(blocks))
+    assert sum(g.num_layers for g in model.groups) == config.model.num_blocks
 
 
 def test_gpt175b_shape():

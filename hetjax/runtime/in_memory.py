@@ -15,6 +15,7 @@ import optax
 
 from hetjax import timeline
 from hetjax.config import Config, ConfigError
+from hetjax.data import split_window, window_length
 from hetjax.hf import open_checkpoint
 from hetjax.optimizer.build import build_optimizer, optax_tree_slots
 from hetjax.types import MASTER, LossScale, RuntimeState, StepReport
@@ -49,8 +50,10 @@ class InMemoryRuntime:
             opt_state=self.tx.init(params),
             loss_scale=LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None,
         )
-        self._step = jax.jit(functools.partial(step_fn, self.model, self.tx), donate_argnums=0)
-        self._eval = jax.jit(lambda p, b: self.model.loss(p, b[:, :-1], b[:, 1:]))
+        objective = config.data.objective
+        step = functools.partial(step_fn, self.model, self.tx, objective=objective)
+        self._step = jax.jit(step, donate_argnums=0)
+        self._eval = jax.jit(lambda p, b: self.model.loss(p, *split_window(objective, b)))
 
     def train_step(self, batch: np.ndarray, poison: bool = False) -> StepReport:
         self.state, (loss, grad_norm, skipped, scale) = self._step(
@@ -95,7 +98,7 @@ class InMemoryRuntime:
                 i += n
         ls = self.state.loss_scale
         loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
-        return RuntimeState.from_trees(trees, scalars, loss_scale)
+        return RuntimeState.from_trees(trees, scalars, loss_scale, self.model.groups)
 
     def load_state(self, state: RuntimeState) -> None:
         slots = self._opt_slots()
@@ -133,15 +136,20 @@ class InMemoryRuntime:
         )
 
 
-def step_fn(model, tx, state: TrainState, batch: jax.Array, poison: jax.Array):
-    """One optimizer step of ``model`` with optax ``tx`` on a global batch (A, B/A, T+1):
-    gradients summed over the A micro-batches, averaged, applied unless not finite."""
+def step_fn(
+    model, tx, state: TrainState, batch: jax.Array, poison: jax.Array, objective: str = "lm"
+):
+    """One optimizer step of ``model`` with optax ``tx`` on a global batch (A, B/A, W) of
+    windows (``data.objective``'s, ``hetjax/data.py``): gradients summed over the A
+    micro-batches, averaged, applied unless not finite."""
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
     seed = scale * poison  # the loss cotangent; poison is 1, or NaN to inject a fault
 
-    def micro(grad_sum, tokens):  # tokens (B/A, T+1)
+    def micro(grad_sum, windows):  # windows (B/A, W)
+        tokens, targets = split_window(objective, windows)
+
         def loss_fn(p):
-            loss = model.loss(p, tokens[:, :-1], tokens[:, 1:])
+            loss = model.loss(p, tokens, targets)
             return loss * seed, loss
 
         (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -179,8 +187,10 @@ def step_device_bytes(config: Config) -> int:
         jax.ShapeDtypeStruct((), np.int32), params, jax.eval_shape(tx.init, params), None
     )
     t = config.train
-    batch = jax.ShapeDtypeStruct((t.grad_accum, t.micro_batch_size, t.seq_len + 1), np.int32)
-    step = jax.jit(functools.partial(step_fn, model, tx), donate_argnums=0)
+    window = window_length(config.data.objective, t.seq_len)
+    batch = jax.ShapeDtypeStruct((t.grad_accum, t.micro_batch_size, window), np.int32)
+    step = functools.partial(step_fn, model, tx, objective=config.data.objective)
+    step = jax.jit(step, donate_argnums=0)
     a = step.lower(state, batch, jax.ShapeDtypeStruct((), np.float32)).compile().memory_analysis()
     return int(
         a.argument_size_in_bytes

@@ -1,0 +1,302 @@
+"""T5 (Raffel et al. 2020; the v1.1 recipe) in Flax, as an encoder and a decoder stage group.
+
+Architecture, as HF's ``T5ForConditionalGeneration``: a token embedding shared by both
+stacks; pre-RMSNorm blocks (a norm that scales without subtracting the mean, no biases
+anywhere); attention whose scores are not scaled by 1/sqrt(K) and get a learned
+relative position bias: each stack has one table (buckets, H), indexed by the bucket of
+``key position - query position`` (bidirectional buckets in the encoder, causal ones in
+the decoder; :func:`relative_position_buckets`), and every block of the stack adds the
+same bias (HF computes it in the stack's first block and passes it on); a feed-forward
+layer that is T5 v1.1's gated GELU, ``wo(gelu_tanh(wi_0 h) * wi_1 h)``, or T5 v1.0's
+``wo(relu(wi h))`` (``model.feed_forward_proj``). The encoder's output goes through its
+final norm; every decoder block attends to it (cross-attention, no position bias) after
+its causal self-attention. The decoder's final norm and an untied output projection
+(tied with ``model.tie_embeddings``, as T5 v1.0, which then scales the decoder's output
+by D^-0.5) make the logits. Init is HF's ``_init_weights`` (``model.init_std`` is not
+used). Dropout is not implemented (hetjax trains without it).
+
+The decoder's input is the targets shifted right behind ``model.decoder_start_token``
+(teacher forcing; HF's ``_shift_right`` of its labels), so the model's ``loss(params,
+tokens, targets)`` takes what ``data.objective=prefix_lm`` cuts from a window: the
+encoder's tokens and the decoder's targets (``hetjax/data.py``).
+
+Stages (see :class:`models.staged.StagedModel`):
+  ``embed``    {shared (V, D), encoder_relative_attention_bias (NB, H),
+               decoder_relative_attention_bias (NB, H), encoder_final_layer_norm}: what
+               both stacks read. The encoder's input is the embedded tokens, its context
+               its bias table; the decoder's input the embedded shifted targets, its
+               context the encoder's output after its final norm (B, T, D) and the
+               decoder's bias table
+  ``encoder``  {self_attention_layer_norm, SelfAttention/{q,k,v,o}, ff_layer_norm,
+               DenseReluDense/{wi_0,wi_1,wo} (or wi,wo)}, stacked on L
+  ``decoder``  the encoder block's and {cross_attention_layer_norm,
+               EncDecAttention/{q,k,v,o}}, stacked on L_dec (``model.num_decoder_layers``)
+  ``head``     {final_layer_norm, lm_head (D, V)} (no lm_head when tied to shared)
+
+Parameter names follow HF's (``encoder.block.{i}.layer.0.SelfAttention.q.weight`` is
+encoder block ``SelfAttention/q/kernel``, transposed to (in, out)).
+
+Shape letters: B batch, T query positions, S key positions, D model width, H heads, K
+head width (D / H), F feed-forward width, V vocabulary, NB position buckets.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetjax.config import ModelConfig
+from models.attention import biased_attention
+from models.staged import Params, Stages, StageGroup
+
+
+def relative_position_buckets(
+    query_len: int, key_len: int, bidirectional: bool, num_buckets: int, max_distance: int
+) -> np.ndarray:
+    """The bucket of each (query, key) pair's relative position ``key - query``, (T, S)
+    int32, as HF's ``T5Attention._relative_position_bucket`` computes it (float32 logs,
+    truncated): half the buckets are exact distances, the others logarithmically wider
+    up to ``max_distance``; bidirectional buckets split them between the two directions,
+    causal ones map every later key to bucket 0. Static shapes: a numpy constant."""
+    relative = np.arange(key_len)[None, :] - np.arange(query_len)[:, None]  # (T, S)
+    buckets = np.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative > 0) * num_buckets
+        relative = np.abs(relative)
+    else:
+        relative = -np.minimum(relative, 0)
+    max_exact = num_buckets // 2
+    is_small = relative < max_exact
+    ratio = np.maximum(relative, 1).astype(np.float32) / np.float32(max_exact)
+    scaled = (
+        np.log(ratio)
+        / np.float32(np.log(max_distance / max_exact))
+        * np.float32(num_buckets - max_exact)
+    )
+    large = np.minimum(max_exact + scaled.astype(np.int64), num_buckets - 1)
+    return (buckets + np.where(is_small, relative, large)).astype(np.int32)
+
+
+def position_bias(table: jax.Array, query_len: int, key_len: int, causal: bool, config):
+    """The relative position bias (H, T, S) of a stack's ``table`` (NB, H)."""
+    buckets = relative_position_buckets(
+        query_len,
+        key_len,
+        not causal,
+        config.relative_attention_num_buckets,
+        config.relative_attention_max_distance,
+    )
+    return jnp.transpose(table[buckets], (2, 0, 1))
+
+
+def _dense(config: ModelConfig, features: int, std: float, name: str) -> nn.Dense:
+    return nn.Dense(
+        features,
+        use_bias=False,
+        dtype=jnp.dtype(config.compute_dtype),
+        param_dtype=config.param_dtype,
+        kernel_init=nn.initializers.normal(std),
+        name=name,
+    )
+
+
+def _norm(config: ModelConfig, name: str) -> nn.RMSNorm:
+    """T5's layer norm: RMS without mean subtraction, a scale, no bias."""
+    return nn.RMSNorm(
+        epsilon=config.layer_norm_eps,
+        dtype=jnp.dtype(config.compute_dtype),
+        param_dtype=config.param_dtype,
+        name=name,
+    )
+
+
+class T5Attention(nn.Module):
+    """Multi-head attention of x (B, T, D) over kv (B, S, D), with an optional position
+    bias (H, T, S) and causal mask; q, k, v, o initialised as HF's T5."""
+
+    config: ModelConfig
+    causal: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array, kv: jax.Array, bias: jax.Array | None) -> jax.Array:
+        cfg = self.config
+        D, H, K = cfg.d_model, cfg.num_heads, cfg.head_dim
+        B, T, _ = x.shape
+        S = kv.shape[1]
+        q = _dense(cfg, H * K, (D * K) ** -0.5, "q")(x).reshape(B, T, H, K)
+        k = _dense(cfg, H * K, D**-0.5, "k")(kv).reshape(B, S, H, K)
+        v = _dense(cfg, H * K, D**-0.5, "v")(kv).reshape(B, S, H, K)
+        out = biased_attention(q, k, v, bias, self.causal)  # (B, T, H K)
+        return _dense(cfg, D, (H * K) ** -0.5, "o")(out)
+
+
+class T5FeedForward(nn.Module):
+    """Gated GELU (v1.1) or ReLU (v1.0) feed-forward: (B, T, D) -> (B, T, D)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        cfg = self.config
+        D, F = cfg.d_model, cfg.ff_dim
+        if cfg.feed_forward_proj == "gated-gelu":
+            gate = nn.gelu(_dense(cfg, F, D**-0.5, "wi_0")(h), approximate=True)
+            h = gate * _dense(cfg, F, D**-0.5, "wi_1")(h)  # (B, T, F)
+        else:
+            h = nn.relu(_dense(cfg, F, D**-0.5, "wi")(h))
+        return _dense(cfg, D, F**-0.5, "wo")(h)
+
+
+class T5EncoderBlock(nn.Module):
+    """x + attn(rms(x)) with the encoder's bidirectional bias; x + ff(rms(x))."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, table: jax.Array) -> jax.Array:  # (B, T, D)
+        cfg = self.config
+        T = x.shape[1]
+        h = _norm(cfg, "self_attention_layer_norm")(x)
+        bias = position_bias(table, T, T, False, cfg)
+        x = x + T5Attention(cfg, causal=False, name="SelfAttention")(h, h, bias)
+        return x + T5FeedForward(cfg, name="DenseReluDense")(_norm(cfg, "ff_layer_norm")(x))
+
+
+class T5DecoderBlock(nn.Module):
+    """x + causal attn(rms(x)) with the decoder's bias; x + attn(rms(x)) over the
+    encoder's output ``memory`` (B, S, D); x + ff(rms(x))."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, memory: jax.Array, table: jax.Array) -> jax.Array:
+        cfg = self.config
+        T = x.shape[1]
+        h = _norm(cfg, "self_attention_layer_norm")(x)
+        bias = position_bias(table, T, T, True, cfg)
+        x = x + T5Attention(cfg, causal=True, name="SelfAttention")(h, h, bias)
+        h = _norm(cfg, "cross_attention_layer_norm")(x)
+        x = x + T5Attention(cfg, causal=False, name="EncDecAttention")(h, memory, None)
+        return x + T5FeedForward(cfg, name="DenseReluDense")(_norm(cfg, "ff_layer_norm")(x))
+
+
+def shift_right(targets: jax.Array, start: int) -> jax.Array:
+    """The decoder's input (B, T): the targets shifted one right behind ``start``."""
+    return jnp.concatenate([jnp.full_like(targets[:, :1], start), targets[:, :-1]], axis=1)
+
+
+class T5Shared(nn.Module):
+    """The embed stage: what both stacks' inputs are made of (see the module docstring)."""
+
+    config: ModelConfig
+
+    def setup(self):
+        cfg = self.config
+        D, V = cfg.d_model, cfg.vocab_size
+        table = lambda name: self.param(
+            name,
+            nn.initializers.normal(D**-0.5),
+            (cfg.relative_attention_num_buckets, cfg.num_heads),
+            cfg.param_dtype,
+        )
+        self.shared = self.param("shared", nn.initializers.normal(1.0), (V, D), cfg.param_dtype)
+        self.encoder_relative_attention_bias = table("encoder_relative_attention_bias")
+        self.decoder_relative_attention_bias = table("decoder_relative_attention_bias")
+        self.encoder_final_layer_norm = _norm(cfg, "encoder_final_layer_norm")
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, D)
+        return jnp.take(self.shared, tokens, axis=0).astype(self.config.compute_dtype)
+
+    def encoder_input(self, tokens: jax.Array):
+        """-> (x (B, T, D), the encoder's context: its bias table)."""
+        return self._embed(tokens), (self.encoder_relative_attention_bias,)
+
+    def decoder_input(self, encoder_out: jax.Array, targets: jax.Array):
+        """-> (x (B, T, D), the decoder's context: the encoder's normed output and the
+        decoder's bias table)."""
+        x = self._embed(shift_right(targets, self.config.decoder_start_token))
+        memory = self.encoder_final_layer_norm(encoder_out)
+        return x, (memory, self.decoder_relative_attention_bias)
+
+    def __call__(self, tokens: jax.Array):  # init: every param
+        x, _ = self.encoder_input(tokens)
+        return self.decoder_input(x, tokens)
+
+
+class T5Head(nn.Module):
+    """The decoder's final norm and the output projection: (B, T, D) -> logits (B, T, V).
+    With ``embedding`` (V, D) given, the projection is tied to it (and the decoder's
+    output scaled by D^-0.5 first, as T5 v1.0)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, embedding: jax.Array | None = None) -> jax.Array:
+        cfg = self.config
+        x = _norm(cfg, "final_layer_norm")(x)
+        if embedding is not None:
+            x = x * cfg.d_model**-0.5
+            return jnp.einsum("BTD,VD->BTV", x, embedding.astype(x.dtype))
+        return _dense(cfg, cfg.vocab_size, 1.0, "lm_head")(x)
+
+
+class T5(Stages):
+    """T5 as stages: embed, the encoder group, the decoder group, head (see the module
+    docstring); the whole-model functions are :class:`models.staged.Stages`'."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.groups = (
+            StageGroup("encoder", config.num_layers),
+            StageGroup("decoder", config.decoder_layers),
+        )
+        self.tied = "shared" if config.tie_embeddings else None
+        self._shared, self._head = T5Shared(config), T5Head(config)
+        self._blocks = (T5EncoderBlock(config), T5DecoderBlock(config))
+
+    def init_stage(self, stage: str, key: jax.Array) -> Params:
+        cfg = self.config
+        tokens = jnp.zeros((1, 1), jnp.int32)
+        x = jnp.zeros((1, 1, cfg.d_model), cfg.compute_dtype)
+        table = jnp.zeros((cfg.relative_attention_num_buckets, cfg.num_heads), cfg.param_dtype)
+        if stage == "embed":
+            return self._shared.init(key, tokens)["params"]
+        if stage == "encoder":
+            return self._blocks[0].init(key, x, table)["params"]
+        if stage == "decoder":
+            return self._blocks[1].init(key, x, x, table)["params"]
+        if stage == "head":
+            if self.tied is None:
+                return self._head.init(key, x)["params"]
+            embedding = jnp.zeros((cfg.vocab_size, cfg.d_model), cfg.param_dtype)
+            return self._head.init(key, x, embedding)["params"]
+        raise ValueError(f"unknown stage {stage!r}")
+
+    def group_input(self, g: int, embed_params: Params, prev, tokens, targets):
+        shared = {"params": embed_params}
+        if g == 0:
+            return self._shared.apply(shared, tokens, method=T5Shared.encoder_input)
+        return self._shared.apply(shared, prev, targets, method=T5Shared.decoder_input)
+
+    def group_block(self, g: int, block_params: Params, x: jax.Array, context):
+        out = self._blocks[g].apply({"params": block_params}, x, *context)
+        return out, jnp.zeros((0,), jnp.float32)
+
+    def head_logits(self, head_params: Params, embed_params: Params, x: jax.Array) -> jax.Array:
+        """x (B, T, D) -> fp32 logits (B, T, V)."""
+        embedding = None if self.tied is None else embed_params[self.tied]
+        return self._head.apply({"params": head_params}, x, embedding).astype(jnp.float32)
+
+    def logits(self, params: Params, tokens: jax.Array, targets: jax.Array | None = None):
+        """tokens (B, T) the encoder's, targets (B, T) whose shift is the decoder's input
+        -> fp32 logits (B, T, V)."""
+        if targets is None:
+            raise ValueError("T5.logits needs the targets: the decoder reads them shifted right")
+        return super().logits(params, tokens, targets)
+
+    def attention_layers(self) -> int:
+        """The encoder's self-attentions and the decoder's self- and cross-attentions."""
+        return self.config.num_layers + 2 * self.config.decoder_layers
