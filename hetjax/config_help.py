@@ -7,9 +7,10 @@ the table (and ``tests/test_docs.py``). Links are relative to ``docs/guide/``.
 
 HELP: dict[str, str] = {
     # -- model ------------------------------------------------------------------------
-    "model.family": "model in the zoo (`models/`): `gpt`, `llama`, or `custom` "
-    "([models](models.md#custom-blocks))",
-    "model.num_layers": "shape: the number of stacked blocks",
+    "model.family": "model in the zoo (`models/`): `gpt`, `llama`, `t5` (encoder-decoder, "
+    "[T5](models.md#t5)) or `custom` ([models](models.md#custom-blocks))",
+    "model.num_layers": "shape: the number of stacked blocks (`t5`: the encoder's)",
+    "model.num_decoder_layers": "`t5`: the decoder's blocks; 0 means `model.num_layers`",
     "model.d_model": "shape: the model width",
     "model.num_heads": "shape: attention heads; must divide `model.d_model`",
     "model.d_ff": "MLP width; 0 means 4 x d_model",
@@ -18,13 +19,16 @@ HELP: dict[str, str] = {
     "model.param_dtype": "master parameters (`float32` only)",
     "model.compute_dtype": "`float32`, `bfloat16` or `float16` (fp16: dynamic loss scaling, "
     "overflowing steps skipped). fp32 is the fast path on CPU, bf16 on GPU",
-    "model.init_std": "standard deviation of the normal initialisation of the weights",
-    "model.layer_norm_eps": "epsilon of every norm (LayerNorm for `gpt`, RMSNorm for `llama`)",
+    "model.init_std": "standard deviation of the normal initialisation of the weights "
+    "(`t5` initialises as HF's T5)",
+    "model.layer_norm_eps": "epsilon of every norm (LayerNorm for `gpt`, RMSNorm for `llama` "
+    "and `t5`; T5 uses 1e-6)",
     "model.remat": "`none` mode: recompute each block in backward (`jax.checkpoint`)",
     "model.attention": "`gpt`, `llama`: `auto` (cuDNN's fused kernel on a GPU in bf16/fp16, "
     "else `blockwise`), `blockwise` (online softmax over tiles: no T x T tensor), "
     "`reference` (the whole score matrix), `fused` (cuDNN); "
-    "[attention](models.md#attention)",
+    "[attention](models.md#attention). `t5`: `auto` or `reference` (its position bias is "
+    "added to the whole score matrix)",
     "model.attention_block": "`blockwise` attention's tile side in tokens; 0 means 256 "
     "(at most `train.seq_len`)",
     "model.num_kv_heads": "`llama`: key/value heads of grouped-query attention; 0 means "
@@ -45,6 +49,11 @@ HELP: dict[str, str] = {
     "softmax router, weights renormalised, dropless)",
     "model.router_aux_loss_coef": "`llama` MoE: weight of the load-balancing auxiliary loss "
     "(transformers' Mixtral formula) added to the training loss; 0 disables it",
+    "model.feed_forward_proj": "`t5`: `gated-gelu` (T5 v1.1) or `relu` (T5 v1.0, Switch)",
+    "model.relative_attention_num_buckets": "`t5`: relative position buckets of each stack",
+    "model.relative_attention_max_distance": "`t5`: distance from which positions share the "
+    "last bucket",
+    "model.decoder_start_token": "`t5`: the decoder's first input token (T5's pad id, 0)",
     "model.init_from": "`hf:<dir>`: start from a Hugging Face checkpoint "
     "([models](models.md#hugging-face-checkpoints))",
     "model.custom": "`family=custom`: `package.module:factory` building a user-defined model "
@@ -148,6 +157,9 @@ HELP: dict[str, str] = {
     "data.shuffle": "see [data order](running.md#data-order)",
     "data.val_fraction": "held-out tail of the token stream",
     "data.corpus_bytes": "embedded corpus size",
+    "data.objective": "`lm` (windows of T+1, next-token; decoder-only models) or `prefix_lm` "
+    "(windows of 2T: the encoder reads the first T, the decoder predicts the next T; "
+    "`t5`); see [data order](running.md#data-order)",
     # -- checkpoint -------------------------------------------------------------------
     "checkpoint.every_steps": "complete-state checkpoint every N steps; 0: none periodic",
     "checkpoint.every_minutes": "also a checkpoint when this many minutes have passed since "

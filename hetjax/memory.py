@@ -23,6 +23,7 @@ import ml_dtypes  # numpy's bfloat16 (a jax dependency)
 import numpy as np
 
 from hetjax.config import Config, ConfigError, format_bytes
+from hetjax.types import is_block, stage_layout
 
 # -- policy constants ----------------------------------------------------------------------
 
@@ -229,7 +230,14 @@ class Sizes:
     """A run's sizes as the memory model takes them. Slab sizes are elements of whole
     pages: ``embed``/``block``/``head`` the whole stage (what the device computes on),
     ``own_*`` the part of it this process stores and updates (ZeRO-3: its shards; else
-    the whole)."""
+    the whole).
+
+    A model of several stage groups (an encoder and a decoder, ``models/staged.py``)
+    lists them in ``groups``: ``(name, blocks, slab elements, own elements)`` each, in
+    forward order; ``num_layers`` counts the blocks of all of them and ``block`` /
+    ``own_block`` are the largest group's slab, which the device's window and gradient
+    slabs are planned for (any block fits where the largest does). Empty ``groups``:
+    one group ``block`` of ``num_layers`` blocks of ``block`` elements."""
 
     num_layers: int
     embed: int
@@ -245,6 +253,10 @@ class Sizes:
     working_set: int  # device temporaries of the largest stage function, with x / dx
     kept: dict[str, int]  # one kept block's in-block activations, per keep level
     grad_policy: str  # grad_policy(config)
+    groups: tuple[tuple[str, int, int, int], ...] = ()  # (name, blocks, elements, own)
+    # device bytes of the stage groups' contexts through a micro-batch (an encoder's
+    # output, read by every decoder block, with its gradient; ``stages.context_bytes``)
+    context: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -260,8 +272,23 @@ class Sizes:
         return list(self._stages)
 
     @functools.cached_property
+    def _groups(self) -> tuple[tuple[str, int, int, int], ...]:
+        return self.groups or (("block", self.num_layers, self.block, self.own_block),)
+
+    @functools.cached_property
     def _stages(self) -> tuple[str, ...]:  # the planner asks thousands of times
-        return ("embed", *(f"block{i}" for i in range(self.num_layers)), "head")
+        blocks = (f"{name}{i}" for name, layers, _, _ in self._groups for i in range(layers))
+        return ("embed", *blocks, "head")
+
+    @functools.cached_property
+    def _own(self) -> dict[str, int]:  # by slab layout
+        groups = {name: own for name, _, _, own in self._groups}
+        return {"embed": self.own_embed, "head": self.own_head, **groups}
+
+    @property
+    def blocks_total(self) -> int:
+        """Elements of every block's slab, all groups."""
+        return sum(layers * size for _, layers, size, _ in self._groups)
 
     @functools.cached_property
     def device_caches(self) -> dict[tuple, DeviceCache]:
@@ -271,11 +298,11 @@ class Sizes:
 
     def own(self, stage: str) -> int:
         """Elements of ``stage``'s slab this process holds."""
-        return self.own_block if stage.startswith("block") else getattr(self, f"own_{stage}")
+        return self._own[stage_layout(stage)]
 
     def grad_bytes(self, stage: str) -> int:
         """Bytes of this process's gradient slab of ``stage`` on the host."""
-        return self.own(stage) * (self.block_grad_bytes if stage.startswith("block") else 4)
+        return self.own(stage) * (self.block_grad_bytes if is_block(stage) else 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,7 +396,7 @@ class DeviceCache:
         kept = s.grad_policy in ("keep", "accumulate")
         grads = (sum(sizes) if kept else max(sizes, default=0)) if on_device_grads else 0
         state = (2 * s.state_bytes + s.compute_bytes) * sum(sizes)
-        blocks = sum(n.startswith("block") for n in stages)
+        blocks = sum(is_block(n) for n in stages)
         return cls(stages, blocks, sum(sizes), state + 4 * grads)
 
     def host_stages(self, s: Sizes) -> list[str]:
@@ -419,6 +446,7 @@ def device_parts(s: Sizes, o: Offload, depth: int, resident: int) -> dict[str, i
         "blocks": cb * s.block * (window + resident),
         "gradients": DEVICE_GRAD_SLABS * max(s.block_grad_bytes * s.block, 4 * s.embed),
         "boundaries": boundaries * s.boundary,
+        "contexts": s.context,
         "kept": o.keep_blocks * s.kept[o.keep_level] if o.keep_blocks else 0,
         # a swapped block's residuals on their way out in forward; in backward the one
         # computing and the next one's, copied in ahead of it
@@ -680,9 +708,9 @@ def nvme_parts(s: Sizes, o: Offload, host: HostMemoryPlan) -> dict[str, int]:
 def in_memory_parts(s: Sizes, remat: bool) -> dict[str, int]:
     """Device bytes of ``offload.mode=none`` (everything on the device, fp32), by what
     they hold: with ``remat`` the blocks keep their boundaries only."""
-    params = s.embed + s.num_layers * s.block + s.head
+    params = s.embed + s.blocks_total + s.head
     L = s.num_layers
-    acts = (L * s.boundary if remat else L * s.kept["all"]) + s.working_set
+    acts = (L * s.boundary if remat else L * s.kept["all"]) + s.working_set + s.context
     return {
         "params": 4 * params,
         "gradients": 4 * params,

@@ -49,7 +49,7 @@ import numpy as np
 
 from hetjax.config import ModelConfig
 from models.attention import biased_attention
-from models.staged import Params, Stages, StageGroup
+from models.staged import Params, StageGroup, Stages
 
 
 def relative_position_buckets(

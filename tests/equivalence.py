@@ -21,12 +21,13 @@ def check_tokens() -> np.ndarray:
 
 def training_batches(config, steps: int) -> list[np.ndarray]:
     """The first ``steps`` training batches of ``config``'s data, shaped for a runtime's
-    ``train_step``: (grad_accum, micro-batch, seq_len + 1)."""
-    from hetjax.data import make_datasets
+    ``train_step``: (grad_accum, micro-batch, W), W the window of ``data.objective``
+    (seq_len + 1 for lm)."""
+    from hetjax.data import make_datasets, window_length
 
     data, _, _ = make_datasets(config)
     t = config.train
-    shape = (t.grad_accum, t.micro_batch_size, t.seq_len + 1)
+    shape = (t.grad_accum, t.micro_batch_size, window_length(config.data.objective, t.seq_len))
     return [data.batch(s).reshape(shape) for s in range(steps)]
 
 

@@ -82,7 +82,8 @@ def lanes(
     gradients read back; ``update_loop.py``) instead of overlapped with backward."""
     st = w.stage_times(hw)
     n, A, L = hw.num_devices, w.micro_batches, w.num_layers
-    P, Pb, cb = w.params, w.block_params, w.compute_bytes
+    # a streamed block's params: the mean block's (the groups' blocks differ in size)
+    P, Pb, cb = w.params, w.mean_block_params, w.compute_bytes
     fwd = st["embed_fwd"] + L * st["block_fwd"]
     if c.mode == "none":
         bwd_blocks = L * (st["block_bwd"] if c.remat else st["block_bwd_kept"])

@@ -129,8 +129,9 @@ class Plan:
             else:
                 lines.append(f"  {'embed':<16}{'device':<22}{state(True):<25}device")
                 lines.append(f"  {'head':<16}{'device':<22}{state(False):<25}device")
-            rows: list[list] = []  # consecutive blocks placed alike share a row
-            for i in range(L):
+            rows: list[list] = []  # consecutive blocks of a group placed alike share a row
+            labels = [(name, j) for name, n in self.groups or (("block", L),) for j in range(n)]
+            for i, (group, j) in enumerate(labels):
                 where = "device (resident)" if i < c.resident_blocks else f"{c.params}, streamed"
                 if i >= L - c.keep_blocks:
                     acts = f"kept on device ({c.keep_level})"
@@ -138,13 +139,14 @@ class Plan:
                     acts = f"swapped to {c.swap_tier} ({c.swap_level})"
                 else:
                     acts = f"{c.activations} boundary, recomputed"
-                row = [where, state(i < k - 1), acts]
+                row = [group, where, state(i < k - 1), acts]
                 if rows and rows[-1][2:] == row:
-                    rows[-1][1] = i
+                    rows[-1][1] = j
                 else:
-                    rows.append([i, i, *row])
-            for first, last, where, opt, acts in rows:
-                name = f"block {first}" if first == last else f"blocks {first}-{last}"
+                    rows.append([j, j, *row])
+            for first, last, group, where, opt, acts in rows:
+                plural = "s" if group == "block" else ""  # "blocks 0-3", "decoder 0-3"
+                name = f"{group} {first}" if first == last else f"{group}{plural} {first}-{last}"
                 lines.append(f"  {name:<16}{where:<22}{opt:<25}{acts}")
             if k:
                 lines.append(
@@ -182,6 +184,7 @@ class Plan:
         return "\n".join(lines)
 
     num_layers: int = 0
+    groups: tuple[tuple[str, int], ...] = ()  # stage groups' (name, blocks); () one group
 
 
 # -- evaluating one candidate ------------------------------------------------------------
@@ -368,6 +371,7 @@ def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) ->
         step_clipped_s=clipped if o.grad_clip > 0 and o.mode == "sync" else step,
         num_devices=hw.num_devices,
         num_layers=w.num_layers,
+        groups=tuple((name, n) for name, n, _ in w.groups),
     )
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from hetjax.config import Config
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy
 from hetjax.planning.hardware import Hardware
-from hetjax.runtime import remat
+from hetjax.runtime import remat, stages
 from hetjax.storage.pages import fitted_page_elems
 from models import attention, build_model
 
@@ -28,9 +28,9 @@ class Workload:
     micro-batch unless named otherwise)."""
 
     name: str
-    num_layers: int
+    num_layers: int  # blocks, every stage group's
     embed_params: int
-    block_params: int
+    block_params: int  # the largest group's block (one group: every block's)
     head_params: int
     compute_bytes: int  # bytes per compute-dtype element
     block_grad_bytes: int  # bytes per element of block gradient slabs (memory.block_grad_dtype)
@@ -51,6 +51,12 @@ class Workload:
     attention_bwd_flops: float = 0.0
     measured: dict[str, float] | None = None  # stage seconds from :func:`trace`
     grad_policy: str = "keep"  # how long gradient buffers are held (memory.grad_policy)
+    # a model of several stage groups (encoder, decoder): (name, blocks, padded params of
+    # one block) each, in forward order; empty: one group of num_layers x block_params.
+    # Block FLOPs and stage times are then means over every block, the kept activations
+    # the largest group's
+    groups: tuple[tuple[str, int, int], ...] = ()
+    context: int = 0  # device bytes of the groups' contexts (stages.context_bytes)
 
     @property
     def kept_block(self) -> int:
@@ -58,8 +64,23 @@ class Workload:
         return self.kept["all"]
 
     @property
+    def block_groups(self) -> tuple[tuple[str, int, int], ...]:
+        return self.groups or (("block", self.num_layers, self.block_params),)
+
+    @property
+    def blocks_params(self) -> int:
+        """Padded params of every block, all groups."""
+        return sum(layers * size for _, layers, size in self.block_groups)
+
+    @property
+    def mean_block_params(self) -> float:
+        """Padded params of a block, averaged over every block (what L streamed blocks
+        move is L times it)."""
+        return self.blocks_params / self.num_layers
+
+    @property
     def params(self) -> int:
-        return self.embed_params + self.num_layers * self.block_params + self.head_params
+        return self.embed_params + self.blocks_params + self.head_params
 
     @property
     def state_bytes_per_param(self) -> int:
@@ -104,10 +125,11 @@ class Workload:
         model = build_model(m)
         shapes = jax.eval_shape(model.init, jax.random.key(0))
         count = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
-        L = m.num_layers
-        # slabs are whole pages of fp32 elements (fitted to the block), a multiple of
-        # the devices' (ZeRO-3 shards)
-        block_used = count(shapes["blocks"]) // L
+        L = m.num_blocks
+        # slabs are whole pages of fp32 elements (fitted to the largest block), a
+        # multiple of the devices' (ZeRO-3 shards)
+        used = {g.name: count(shapes[g.key]) // g.num_layers for g in model.groups}
+        block_used = max(used.values())
         page = fitted_page_elems(block_used, config.memory.page_size // 4, devices) * devices
         padded = lambda n: -(-n // page) * page
         embed, head = padded(count(shapes["embed"])), padded(count(shapes["head"]))
@@ -117,32 +139,53 @@ class Workload:
         tokens = b * T
         backend = backend or jax.default_backend()
         impl = block_attention(m, backend)
+        # attention layers per block, averaged over every block (a T5 decoder block has
+        # two: self and cross)
+        attentions = model.attention_layers() / L
         if sizes is None:
             # The residuals of one block's vjp at each keep level, from abstract shapes
-            # (its params unflattened, in the compute dtype).
+            # (its params unflattened, in the compute dtype): the largest group's at
+            # each level.
             dtype = jnp.dtype(m.compute_dtype)
-            one_block = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape[1:], dtype), shapes["blocks"]
+            kept: dict[str, int] = {}
+            inputs = model.abstract_inputs(b, T)
+            for g, group in enumerate(model.groups):
+                one_block = jax.tree.map(
+                    lambda a: jax.ShapeDtypeStruct(a.shape[1:], dtype), shapes[group.key]
+                )
+                x, context = inputs[g]  # the context is an argument, as in the runtime
+                fn = lambda pc, x, g=g: model.group_block(g, pc[0], x, pc[1])[0]
+                for level, n in remat.kept_bytes(fn, (one_block, context), x).items():
+                    # Below level all the vjp holds the block's param pages, padding
+                    # included (at all, the unflattened weights).
+                    n += 0 if level == "all" else (block - used[group.name]) * c
+                    kept[level] = max(kept.get(level, 0), n)
+            working = estimate_working_set(
+                m, b, T, block_used, count(shapes["embed"]), backend, math.ceil(attentions)
             )
-            kept = remat.kept_bytes(model.block, one_block, jax.ShapeDtypeStruct((b, T, D), dtype))
-            # Below level all the vjp holds the block's param pages, padding included
-            # (at all, the unflattened weights).
-            kept = {k: v + (0 if k == "all" else (block - block_used) * c) for k, v in kept.items()}
-            working = estimate_working_set(m, b, T, block_used, count(shapes["embed"]), backend)
             boundary = tokens * D * c
+            context = stages.context_bytes(model, b, T)
         else:
             kept, working, boundary = sizes.kept, sizes.working_set, sizes.boundary
+            context = sizes.context
         # What a kept block's backward recomputes at level matmuls (its other FLOPs are
         # elementwise: their cost is the bytes, see stage_times): the reference
         # attention's scores; the fused attention's forward (its softmax statistics are
         # not kept); nothing of the blockwise one's, whose output and logsumexp are kept.
         # The blockwise and fused backwards recompute the scores at every level.
-        attention_matmuls = {"reference": 2, "fused": 4}.get(impl, 0) * tokens * T * D
+        attention_matmuls = {"reference": 2, "fused": 4}.get(impl, 0) * tokens * T * D * attentions
         recompute = {"matmuls": attention_matmuls, "probs": 0.0, "all": 0.0}
-        attention_bwd = 2 * tokens * T * D if impl in ("blockwise", "fused") else 0.0
+        attention_bwd = 2 * tokens * T * D * attentions if impl in ("blockwise", "fused") else 0.0
         kinds = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1 if config.optimizer.momentum else 0}
+        # a MoE block's matmuls use the experts a token is routed to, not all
+        active = sum(
+            g.num_layers * model.group_active_params(i) for i, g in enumerate(model.groups)
+        )
+        shape = f"{L} x {D}" if len(model.groups) == 1 else (
+            " + ".join(f"{g.num_layers} {g.name}" for g in model.groups) + f" x {D}"
+        )  # fmt: skip
         return cls(
-            name=f"{m.family} {L} x {D}, {model.param_count() / 1e9:.3g}B params",
+            name=f"{m.family} {shape}, {model.param_count() / 1e9:.3g}B params",
             num_layers=L,
             embed_params=embed,
             block_params=block,
@@ -157,11 +200,16 @@ class Workload:
             working_set=int(working),
             kept=dict(kept),
             recompute_flops={level: recompute[level] for level in kept},
-            # a MoE block's matmuls use the experts a token is routed to, not all
-            block_fwd_flops=tokens * (2 * model.block_active_params() + 4 * T * D),
+            block_fwd_flops=tokens * (2 * active / L + 4 * T * D * attentions),
             head_fwd_flops=tokens * 2 * m.vocab_size * D,
             attention_bwd_flops=attention_bwd,
             grad_policy=grad_policy(config),
+            groups=(
+                tuple((g.name, g.num_layers, padded(used[g.name])) for g in model.groups)
+                if len(model.groups) > 1
+                else ()
+            ),
+            context=context,
         )
 
 
@@ -219,14 +267,21 @@ _HEAD_TEMPS = {4: (6.74, 6.27), 2: (7.22, 6.72)}  # per logit, per projection el
 
 
 def estimate_working_set(
-    m, batch: int, seq_len: int, block_params: int, embed_params: int, backend: str
+    m,
+    batch: int,
+    seq_len: int,
+    block_params: int,
+    embed_params: int,
+    backend: str,
+    attentions: int = 1,
 ) -> int:
     """Device bytes of the largest stage function's temporaries plus x / dx (what
     ``StageFunctions.memory_sizes`` measures), from shapes: ``m`` a
     :class:`~hetjax.config.ModelConfig`, one micro-batch of ``batch`` x ``seq_len`` on one
     device, ``block_params`` / ``embed_params`` the stages' param counts, ``backend``
     the XLA backend ("cpu": fitted per dtype; else the fp32 fit scaled, see above), which
-    also picks the attention (:func:`block_attention`)."""
+    also picks the attention (:func:`block_attention`); ``attentions``: a block's
+    attention layers (a T5 decoder block's two hold two score matrices)."""
     c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
     fitted = c if backend == "cpu" else 4
     scaled = c / 4 if backend != "cpu" else 1.0  # dots in the compute dtype; scores fp32
@@ -236,7 +291,7 @@ def estimate_working_set(
         families = [m.family] if m.family in ("gpt", "llama") else ["gpt", "llama"]
         fits = [_BLOCK_TEMPS[f, fitted] for f in families]
         act, score, param = (max(fit[i] for fit in fits) for i in range(3))
-        scores = batch * H * seq_len**2 * score
+        scores = attentions * batch * H * seq_len**2 * score
         block = tokens * D * act * scaled + scores + block_params * param * scaled
     else:
         act, mlp, tile, param = _BLOCKWISE_TEMPS[m.family, fitted]
@@ -287,4 +342,6 @@ def _memory_sizes(w: Workload, devices: int) -> Sizes:
         working_set=w.working_set,
         kept=w.kept,
         grad_policy=w.grad_policy,
+        groups=tuple((name, n, size, size // devices) for name, n, size in w.groups),
+        context=w.context,
     )

@@ -20,20 +20,40 @@ F32 = jnp.float32
 
 
 def stage_layouts(model, page_size: int, page_multiple: int = 1) -> dict[str, SlabLayout]:
-    """The slab layouts of a model's stages (``embed``, one ``block``, ``head``), from
-    abstract shapes: nothing is allocated. Pages are at most ``page_size`` bytes, fitted
-    to the block (``pages.fitted_page_elems``); slabs pad to a multiple of
-    ``page_multiple`` pages (ZeRO-3: one equal share per device)."""
+    """The slab layouts of a model's stages (``embed``, one block of each stage group by
+    its name, e.g. ``block``, ``head``), from abstract shapes: nothing is allocated.
+    Pages are at most ``page_size`` bytes, fitted to the largest block
+    (``pages.fitted_page_elems``); slabs pad to a multiple of ``page_multiple`` pages
+    (ZeRO-3: one equal share per device)."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
-    one_block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"])
-    block_elems = sum(math.prod(a.shape) for a in jax.tree.leaves(one_block))
+    blocks = {
+        g.name: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes[g.key])
+        for g in model.groups
+    }
+    block_elems = max(
+        sum(math.prod(a.shape) for a in jax.tree.leaves(one)) for one in blocks.values()
+    )
     elems = fitted_page_elems(block_elems, page_size // MASTER_ITEMSIZE, page_multiple)
     page_size = elems * MASTER_ITEMSIZE
+    layout = lambda params: SlabLayout.from_params(params, page_size, page_multiple)
     return {
-        "embed": SlabLayout.from_params(shapes["embed"], page_size, page_multiple),
-        "block": SlabLayout.from_params(one_block, page_size, page_multiple),
-        "head": SlabLayout.from_params(shapes["head"], page_size, page_multiple),
+        "embed": layout(shapes["embed"]),
+        **{name: layout(one) for name, one in blocks.items()},
+        "head": layout(shapes["head"]),
     }
+
+
+def context_bytes(model, batch: int, seq_len: int) -> int:
+    """Device bytes a streamed micro-batch holds for its stage groups' contexts
+    (``models/staged.py``): each group's context and the sum of its blocks' gradients
+    of it, and each group's output that the next group's input reads (kept for that
+    input's backward). 0 for one group with an empty context (GPT, Llama)."""
+    nbytes = lambda tree: sum(
+        math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)
+    )
+    inputs = model.abstract_inputs(batch, seq_len)
+    total = sum(2 * nbytes(context) for _, context in inputs)
+    return total + sum(nbytes(x) for x, _ in inputs[1:])  # the previous groups' outputs
 
 
 def page_squared_norms(grad) -> jax.Array:
@@ -78,6 +98,7 @@ class StageMemory:
     # one block's in-block activations kept from forward to backward (its vjp residuals,
     # inputs included), per offload.keep_level the block supports (remat.py)
     kept: dict[str, int]
+    context: int = 0  # the stage groups' contexts and their gradients (context_bytes)
 
 
 class SwappedBlock:
