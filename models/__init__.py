@@ -1,8 +1,10 @@
-"""The hetjax model zoo: Flax models exposed as stages (embed, stacked blocks, head).
+"""The hetjax model zoo: Flax models exposed as stages (embed, groups of stacked blocks,
+head).
 
 ``model.family`` picks the model: ``gpt`` (models/gpt.py), ``llama`` (models/llama.py),
-``t5`` (models/t5.py, an encoder and a decoder group), or ``custom``: the factory named by ``model.custom`` (``"package.module:function"``,
-called with the ModelConfig), for user-defined Flax blocks (models/staged.py).
+``t5`` (models/t5.py, an encoder and a decoder group), or ``custom``: the factory named
+by ``model.custom`` (``"package.module:function"``, called with the ModelConfig), for
+user-defined Flax blocks (models/staged.py).
 """
 
 from __future__ import annotations
