@@ -194,7 +194,7 @@ def _blocks(first: int, last: int) -> str:
 
 def _where(config: Config, runtime: StreamingRuntime) -> dict[str, str]:
     """How each kind of state lived under the streaming runtime's plans."""
-    o, L = config.offload, config.model.num_layers
+    o, L = config.offload, config.model.num_blocks
     device_plan, host_plan = runtime.plan, runtime.host_plan
     nvme = f"NVMe ({runtime.nvme_dir})"
     dtype = config.model.compute_dtype

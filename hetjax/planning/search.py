@@ -267,7 +267,8 @@ def _candidates(w: Workload, one_device: bool):
         eighths = lambda most: sorted(
             {1, 2, most, *range(max(1, L // 8), most + 1, max(1, L // 8))} & set(range(1, most + 1))
         )
-        swap_levels = [level for level in w.kept if level in SWAP_LEVELS]
+        # (swapped activations: one group's blocks only, streaming.py)
+        swap_levels = [level for level in w.kept if level in SWAP_LEVELS and not w.groups]
         keeps = [
             (keep, level, swap, swap_level, tier)
             for keep, level in kept

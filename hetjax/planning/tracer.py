@@ -45,9 +45,8 @@ def trace(config: Config, repeats: int = 5, devices: int = 1) -> Workload:
             dev,
         )
 
-    e, b, h = slab("embed"), slab("block"), slab("head")
+    e, h = slab("embed"), slab("head")
     tokens = jax.device_put(rng.integers(0, m.vocab_size, (rows, t.seq_len)).astype(np.int32), dev)
-    x = fns.embed_fwd(e, tokens)
     one = jnp.asarray(1.0, jnp.float32)
 
     def best(fn):
@@ -59,17 +58,29 @@ def trace(config: Config, repeats: int = 5, devices: int = 1) -> Workload:
             times.append(time.perf_counter() - t1)
         return float(np.median(times))
 
-    measured = {
-        "embed_fwd": best(lambda: fns.embed_fwd(e, tokens)),
-        "block_fwd": best(lambda: fns.block_fwd(b, x)),
-        "block_bwd": best(lambda: fns.block_bwd(b, x, x)),
-        "head": best(lambda: fns.head_fwd_bwd(h, e, x, tokens, one)),
-        "embed_bwd": best(lambda: fns.embed_bwd(e, tokens, x)),
-    }
-    for level in sizes.kept:  # a kept block's backward from each level's residuals
-        vjp = fns.kept_forward(level)(b, x)[1]
-        measured[kept_key(level)] = best(lambda vjp=vjp: fns.block_bwd_kept(vjp, x))
-        del vjp
+    # Each stage group's input and blocks (a model of several, T5's encoder and decoder:
+    # a block's times are the mean over every block, the inputs' add to the embed's).
+    L = sum(g.num_layers for g in model.groups)
+    measured = dict.fromkeys(("embed_fwd", "block_fwd", "block_bwd", "embed_bwd"), 0.0)
+    measured |= {kept_key(level): 0.0 for level in sizes.kept}
+    x = None
+    for group in fns.groups:
+        share = group.group.num_layers / L
+        b = slab(group.group.name)
+        prev = x
+        x, c = group.input_fwd(e, prev, tokens, tokens)
+        dc = group.zero_context(c) if jax.tree.leaves(c) else ()
+        measured["embed_fwd"] += best(lambda: group.input_fwd(e, prev, tokens, tokens))
+        measured["block_fwd"] += share * best(lambda: group.block_fwd(b, x, c))
+        measured["block_bwd"] += share * best(lambda: group.block_bwd(b, x, x, None, c, dc))
+        measured["embed_bwd"] += best(lambda: group.input_bwd(e, prev, tokens, tokens, x, dc))
+        for level in sizes.kept:  # a kept block's backward from each level's residuals
+            vjp = group.kept_forward(level)(b, x, c)[1]
+            run = lambda vjp=vjp: group.block_bwd_kept(vjp, x, None, dc)
+            measured[kept_key(level)] += share * best(run)
+            del vjp
+        del b
+    measured["head"] = best(lambda: fns.head_fwd_bwd(h, e, x, tokens, one))
     w = Workload.from_config(config, sizes, devices)
     w = dataclasses.replace(w, measured=measured)
     return w

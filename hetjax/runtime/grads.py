@@ -56,8 +56,8 @@ class StepGradients:
     The dispatching thread calls :meth:`add` with a stage's gradient on its way to the
     host and the per-page squared norms its backward computed; a gradient thread of the
     step takes it from there, in the order given. A stage's gradient is final after its
-    last contribution of the last micro-batch (embed has two per micro-batch: the tied
-    head and its own backward). Its squared norm (the backward's, or for a sum the host's)
+    last contribution of the last micro-batch (embed has one per micro-batch from the
+    head, tied or not, and one from each stage group's input's backward). Its squared norm (the backward's, or for a sum the host's)
     is added to the global norm and, in sync mode, the gradient is handed to the
     optimizer ``loop`` at once, which owns it from then on (``storage/gradients.py``): it
     is not held here. A single contribution with no loss scale goes as the pages it
@@ -71,6 +71,7 @@ class StepGradients:
     def __init__(
         self,
         stage_names: list[str],
+        groups: int,
         micro_batches: int,
         scale: float,
         seed: float,
@@ -80,7 +81,10 @@ class StepGradients:
         sum_over_processes: Callable[[float], float],
         device: DeviceGradients | None = None,
     ):
-        self.remaining = {n: micro_batches * (2 if n == "embed" else 1) for n in stage_names}
+        embed_uses = 1 + groups  # the head's and each group input's backward
+        self.remaining = {
+            n: micro_batches * (embed_uses if n == "embed" else 1) for n in stage_names
+        }
         self.divisor = micro_batches * scale
         self.scale = scale
         self.seed = seed  # the loss cotangent: the scale (NaN when a fault is injected)

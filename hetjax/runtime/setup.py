@@ -31,28 +31,30 @@ from hetjax.storage.pages import SlabLayout
 from hetjax.storage.params import DeviceParamStore, HostParamStore, NvmeParamStore, SplitParamStore
 from hetjax.storage.states import MemoryStateStore, NvmeStateStore, SplitStateStore
 from hetjax.storage.swap import BoundarySwap, ResidualSwap
+from hetjax.types import group_key, is_block, stage_layout
 
-
-def layout_name(stage: str) -> str:
-    """The layout a stage's slab has: ``embed``, ``block`` or ``head``."""
-    return "block" if stage.startswith("block") else stage
+# The layout a stage's slab has: ``embed``, ``head`` or its group's (``block``, ...).
+layout_name = stage_layout
 
 
 def memory_sizes(
     config: Config,
+    groups,
     layouts: dict[str, SlabLayout],
     state_layouts: dict[str, SlabLayout],
     stage_memory: StageMemory,
     state_kinds: int,
 ) -> Sizes:
-    """The run's sizes as the memory model takes them (``hetjax/memory.py``)."""
+    """The run's sizes as the memory model takes them (``hetjax/memory.py``); ``groups``
+    the model's stage groups (``models.staged.StageGroup``)."""
+    largest = max(groups, key=lambda g: layouts[g.name].padded_size).name
     return Sizes(
-        num_layers=config.model.num_layers,
+        num_layers=config.model.num_blocks,
         embed=layouts["embed"].padded_size,
-        block=layouts["block"].padded_size,
+        block=layouts[largest].padded_size,
         head=layouts["head"].padded_size,
         own_embed=state_layouts["embed"].padded_size,
-        own_block=state_layouts["block"].padded_size,
+        own_block=state_layouts[largest].padded_size,
         own_head=state_layouts["head"].padded_size,
         compute_bytes=jnp.dtype(config.model.compute_dtype).itemsize,
         block_grad_bytes=memory.block_grad_dtype(config).itemsize,
@@ -61,6 +63,20 @@ def memory_sizes(
         working_set=stage_memory.working_set,
         kept=stage_memory.kept,
         grad_policy=grad_policy(config),
+        groups=(
+            tuple(
+                (
+                    g.name,
+                    g.num_layers,
+                    layouts[g.name].padded_size,
+                    state_layouts[g.name].padded_size,
+                )
+                for g in groups
+            )
+            if len(groups) > 1
+            else ()
+        ),  # fmt: skip
+        context=stage_memory.context,
     )
 
 
@@ -145,7 +161,7 @@ def make_grad_store(
 ) -> GradientStore:
     """Where gradients wait for a possible clipping redo (``storage/gradients.py``):
     the stages the host plan spills go to ``<nvme>/gradients``, one array per dtype."""
-    grad_dtype = lambda n: memory.block_grad_dtype(config) if n.startswith("block") else jnp.float32
+    grad_dtype = lambda n: memory.block_grad_dtype(config) if is_block(n) else jnp.float32
     spilled = {n: (sizes.own(n) // page_elems, grad_dtype(n)) for n in host.grads.spilled}
     path = nvme_dir / "gradients" if spilled else None
     redo = config.optimizer.grad_clip > 0  # the sync loop may redo the updates
@@ -156,7 +172,7 @@ def make_boundary_swap(
     config: Config, nvme_dir: Path | None, boundary: jax.ShapeDtypeStruct, stage_to=None
 ) -> BoundarySwap | None:
     """The NVMe swap of boundary activations (``offload.activations=nvme``)."""
-    slots = memory.Offload.from_config(config).recomputed_blocks(config.model.num_layers)
+    slots = memory.Offload.from_config(config).recomputed_blocks(config.model.num_blocks)
     if config.offload.activations != "nvme" or not slots:
         return None
     itemsize = jnp.dtype(boundary.dtype).itemsize
@@ -220,7 +236,7 @@ def init_state(
     for name in progress(stage_names, f"initialising state ({config.offload.optimizer})"):
         kind = layout_name(name)
         layout = layouts[kind]
-        key = keys["blocks"][int(name[5:])] if kind == "block" else keys[kind]
+        key = keys[group_key(kind)][int(name[len(kind) :])] if is_block(name) else keys[kind]
         if checkpoint is None:
             init = jax.jit(
                 lambda k, kind=kind, layout=layout: layout.flatten(model.init_stage(kind, k)),
@@ -271,7 +287,7 @@ def build_stores(
     nvme_dir, temporary = nvme_directory(
         config, sizes, offload, host, workdir, placement.nvme_subdir
     )
-    page_elems = layouts["block"].page_elems
+    page_elems = layouts["embed"].page_elems  # every stage's
     pages = stage_pages(sizes, offload, page_elems)
     states, params = make_stores(
         config, nvme_dir, pages, page_elems, kinds, host, placement.shardings, device_stages

@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from hetjax.config import SWAP_LEVELS, ConfigError
+from hetjax.config import KEEP_LEVELS, SWAP_LEVELS, ConfigError
 from hetjax.runtime import remat
 from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems
 
@@ -105,65 +105,145 @@ class SwappedBlock:
     """A block whose in-block activations go to host memory between its forward and its
     backward (Fuyou's activation swapping, section 4.4; ``offload.swap_blocks``).
 
-    ``forward(pages, x) -> (y, residuals)``: the vjp's residuals at the keep ``level``
-    (remat.py: the block's input and the activations the level saves) without the param
-    pages, which the window fetches again for backward instead of holding them. The
-    runtime copies the residuals to ``pinned_host`` as soon as forward made them and
-    back to the device ahead of backward. ``backward(pages, residuals, dy, dstats=None)
-    -> ((db, its norms), dx)`` rebuilds the vjp from the pages and the residuals and
-    applies it to dy and the auxiliary-loss statistics' cotangent (``cotangent``, as
-    ``StageFunctions``' other backwards): what the level did not save is recomputed, as
-    in a kept block at that level, so the result is the kept block's."""
+    ``forward(pages, x, context=()) -> (y, residuals)``: the vjp's residuals at the keep
+    ``level`` (remat.py: the block's input and the activations the level saves) without
+    the param pages, which the window fetches again for backward instead of holding
+    them, and without its group's context, which stays on the device. The runtime copies
+    the residuals to ``pinned_host`` as soon as forward made them and back to the device
+    ahead of backward. ``backward(pages, residuals, dy, dstats=None, context=(),
+    dcontext=()) -> ((db, its norms), dx, dcontext + the block's)`` rebuilds the vjp from
+    the pages, the context and the residuals and applies it to dy and the
+    auxiliary-loss statistics' cotangent (``cotangent``, as :class:`GroupFunctions`'
+    other backwards): what the level did not save is recomputed, as in a kept block at
+    that level, so the result is the kept block's."""
 
     def __init__(self, block_fwd, level: str, cast, cotangent):
         fwd = remat.kept_forward(block_fwd, level)
-        # The vjp's structure and which of its leaves are the param pages (by identity
-        # with the traced pages): fixed by the forward's trace, used by the backward's.
+        # The vjp's structure and which of its leaves are the param pages or the context
+        # (by identity with the traced arguments): fixed by the forward's trace, used by
+        # the backward's.
         self._structure: tuple | None = None
 
-        def forward(b, x):
-            y, vjp = jax.vjp(fwd, b, x)
+        def forward(b, x, context=()):
+            y, vjp = jax.vjp(fwd, b, x, context)
             leaves, tree = jax.tree.flatten(vjp)
-            page_of = {id(p): k for k, p in enumerate(b)}
-            where = tuple(page_of.get(id(leaf), -1) for leaf in leaves)
+            given = [*b, *jax.tree.leaves(context)]
+            given_at = {id(a): k for k, a in enumerate(given)}
+            where = tuple(given_at.get(id(leaf), -1) for leaf in leaves)
             self._structure = (tree, where)
             return y, [leaf for leaf, k in zip(leaves, where, strict=True) if k < 0]
 
-        def backward(b, residuals, dy, dstats=None):
+        def backward(b, residuals, dy, dstats=None, context=(), dcontext=()):
             if self._structure is None:  # traced before any forward (e.g. compiled ahead)
-                jax.eval_shape(forward, b, dy)
+                jax.eval_shape(forward, b, dy, context)
             tree, where = self._structure
+            given = [*b, *jax.tree.leaves(context)]
             rest = iter(residuals)
-            leaves = [b[k] if k >= 0 else next(rest) for k in where]
-            db, dx = jax.tree.unflatten(tree, leaves)(cotangent(dy, dstats))
-            return cast(db), dx
+            leaves = [given[k] if k >= 0 else next(rest) for k in where]
+            db, dx, dc = jax.tree.unflatten(tree, leaves)(cotangent(dy, dstats))
+            return cast(db), dx, jax.tree.map(jnp.add, dcontext, dc)
 
         self._forward = forward
         self.forward = jax.jit(forward)
         self.backward = jax.jit(backward)
 
-    def residual_bytes(self, pages, x) -> int:
+    def residual_bytes(self, pages, x, context=()) -> int:
         """Bytes of the residuals ``forward`` returns, from abstract shapes."""
-        _, residuals = jax.eval_shape(self._forward, pages, x)
+        _, residuals = jax.eval_shape(self._forward, pages, x, context)
         return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in residuals)
 
 
-class StageFunctions:
-    """The jitted per-stage functions the streaming runtime runs (and the tracer times). Each takes
-    its stage's params as a list of pages and unflattens them inside the jit.
+class GroupFunctions:
+    """The jitted functions of one stage group (``models/staged.py``): its input and its
+    blocks. ``context`` is the group's context (empty for GPT's and Llama's one group),
+    an argument of every block function; backwards take the sum of the blocks'
+    gradients of it so far (``dcontext``, backward order) and return it with theirs
+    added, so that after the group's first block it is the whole sum the input's
+    backward needs.
 
-    ``block_fwd`` returns the block's output and its auxiliary-loss statistics
-    (``models/staged.py``; length 0 for a block without), ``aux_fwd_bwd`` adds the
-    auxiliary loss of their sum over blocks to the loss and returns the statistics'
-    cotangent, which every block's backward takes besides dy (a model without an
-    auxiliary loss, ``stats_size`` 0, needs neither). Both declare those results
-    means over the batch (:func:`batch_means`). ``block_bwd`` recomputes
-    the block's inside from its input boundary, then runs its vjp. ``block_fwd_keep``
-    instead returns the vjp (its residuals: the in-block activations ``keep_level``
-    keeps, ``remat.py``) with the output, and
-    ``block_bwd_kept`` applies it, recomputing only what the level did not keep, for the
-    cost of holding the residuals on the device until backward (``offload.keep_blocks``).
-    ``kept_forward(level)`` is ``block_fwd_keep`` at any level (the tracer times each).
+    ``input_fwd(e, prev, tokens, targets) -> (x, context)`` makes the group's input
+    from the embed pages and the previous group's output ``prev`` (None for the first
+    group); ``input_bwd(e, prev, tokens, targets, dx, dcontext) -> ((de, its norms),
+    dprev)`` its backward, a gradient of the embed stage. ``block_fwd(b, x, context)``
+    returns the block's output and its auxiliary-loss statistics; ``block_bwd``
+    recomputes the block's inside from its input boundary, then runs its vjp;
+    ``block_fwd_keep`` instead returns the vjp (its residuals: the in-block activations
+    ``keep_level`` keeps, ``remat.py``) with the output, and ``block_bwd_kept`` applies
+    it, recomputing only what the level did not keep, for the cost of holding the
+    residuals on the device until backward (``offload.keep_blocks``).
+    ``kept_forward(level)`` is ``block_fwd_keep`` at any level (the tracer times each)."""
+
+    def __init__(self, model, g: int, layouts, jit, out, cast, keep_level: str):
+        m, group = model, model.groups[g]
+        E, B = layouts["embed"], layouts[group.name]
+        self.group, self.index, self.layout = group, g, B
+        F32_stats = lambda: jnp.zeros((m.stats_size,), F32)
+
+        def input_fwd(e, prev, tokens, targets):  # -> ((B, T, D), context)
+            return m.group_input(g, E.unflatten_pages(e), prev, tokens, targets)
+
+        def input_bwd(e, prev, tokens, targets, dx, dcontext):
+            _, vjp = jax.vjp(lambda e, prev: input_fwd(e, prev, tokens, targets), e, prev)
+            de, dprev = vjp((dx, dcontext))
+            return out(de), dprev
+
+        @batch_means(1)  # the statistics: means over the block's tokens
+        def block_fwd(b, x, context=()):  # (B, T, D) -> ((B, T, D), aux statistics (S,))
+            return m.group_block(g, B.unflatten_pages(b), x, context)
+
+        def cotangent(dy, dstats=None):  # of block_fwd's results; None: no auxiliary loss
+            return dy, F32_stats() if dstats is None else dstats
+
+        def block_bwd(b, x, dy, dstats=None, context=(), dcontext=()):
+            _, vjp = jax.vjp(block_fwd, b, x, context)  # recompute the inside, then its vjp
+            db, dx, dc = vjp(cotangent(dy, dstats))
+            return cast(db), dx, jax.tree.map(jnp.add, dcontext, dc)
+
+        def block_bwd_kept(vjp, dy, dstats=None, dcontext=()):
+            db, dx, dc = vjp(cotangent(dy, dstats))
+            return cast(db), dx, jax.tree.map(jnp.add, dcontext, dc)
+
+        self.input_fwd = jit(input_fwd)
+        self.input_bwd = jit(input_bwd)
+        self.block_fwd = jit(block_fwd)
+        self.block_bwd = jit(block_bwd)
+        self.block_bwd_kept = jax.jit(block_bwd_kept)  # any level's vjp
+        # the first backward's sum so far: zeros shaped as the context
+        self.zero_context = jit(lambda context: jax.tree.map(jnp.zeros_like, context))
+        self._block_fwd, self._kept_forward, self._swapped = block_fwd, {}, {}
+        self._cast, self._cotangent = cast, cotangent
+        self.block_fwd_keep = self.kept_forward(keep_level)
+
+    def kept_forward(self, level: str):
+        """The jitted forward of a kept block at keep ``level``: (b, x, context=()) ->
+        (y, the vjp holding the residuals). One device only (kept blocks are not
+        ZeRO-3's)."""
+        if level not in self._kept_forward:
+            fwd = remat.kept_forward(self._block_fwd, level)
+            self._kept_forward[level] = jax.jit(lambda b, x, c=(): jax.vjp(fwd, b, x, c))
+        return self._kept_forward[level]
+
+    def swapped(self, level: str) -> SwappedBlock:
+        """The forward and backward of a block that swaps its in-block activations at
+        ``level`` to host memory (``offload.swap_blocks``). One device only."""
+        if level not in self._swapped:
+            self._swapped[level] = SwappedBlock(self._block_fwd, level, self._cast, self._cotangent)
+        return self._swapped[level]
+
+
+class StageFunctions:
+    """The jitted per-stage functions the streaming runtime runs (and the tracer times).
+    Each takes its stage's params as a list of pages and unflattens them inside the jit.
+
+    ``groups[g]`` are stage group g's input and block functions (:class:`GroupFunctions`);
+    ``block_fwd``, ``block_bwd``, ``embed_fwd`` and the like are the first group's, the
+    one group of GPT and Llama (``embed_fwd(e, tokens)`` its input, ``embed_bwd(e,
+    tokens, dx)`` that input's backward with an empty context). Blocks return their
+    auxiliary-loss statistics (``models/staged.py``; length 0 for a block without),
+    ``aux_fwd_bwd`` adds the auxiliary loss of their sum over blocks to the loss and
+    returns the statistics' cotangent, which every block's backward takes besides dy (a
+    model without an auxiliary loss, ``stats_size`` 0, needs neither). Both declare those
+    results means over the batch (:func:`batch_means`).
 
     ``jit`` compiles a stage function (one device: ``jax.jit`` onto it; ZeRO-3: per
     device with collectives) and ``grad_slab(pages, dtype)`` shapes a gradient as it
@@ -182,23 +262,20 @@ class StageFunctions:
         block_grad_dtype=F32,
         keep_level: str = "all",
     ):
-        E, B, H = layouts["embed"], layouts["block"], layouts["head"]
+        E, H = layouts["embed"], layouts["head"]
 
         def out(pages, dtype=F32):  # a gradient as it leaves the device, and its norms
             grad = grad_slab(pages, dtype)
             return grad, page_squared_norms(grad)
 
         cast = lambda pages: out(pages, block_grad_dtype)
-        self.layouts = layouts
+        self.layouts, self.model = layouts, model
         m = model
         self.stats_size = m.stats_size  # 0: no auxiliary loss (aux_fwd_bwd is not needed)
-
-        def embed_fwd(e, tokens):  # (B, T) -> (B, T, D)
-            return m.embed(E.unflatten_pages(e), tokens)
-
-        @batch_means(1)  # the statistics: means over the block's tokens
-        def block_fwd(b, x):  # (B, T, D) -> ((B, T, D), aux statistics (S,))
-            return m.block_stats(B.unflatten_pages(b), x)
+        self.groups = [
+            GroupFunctions(m, g, layouts, jit, out, cast, keep_level) for g in range(len(m.groups))
+        ]
+        first = self.groups[0]
 
         def head_loss(h, e, x, targets):
             return m.head_loss(H.unflatten_pages(h), E.unflatten_pages(e), x, targets)
@@ -208,18 +285,6 @@ class StageFunctions:
             dh, de, dx = vjp(scale)  # scale: the fp16 loss scale, else 1
             return loss, out(dh), out(de), dx
 
-        def cotangent(dy, dstats=None):  # of block_fwd's results; None: no auxiliary loss
-            return dy, jnp.zeros((m.stats_size,), F32) if dstats is None else dstats
-
-        def block_bwd(b, x, dy, dstats=None):  # recompute the block's inside, then its vjp
-            _, vjp = jax.vjp(block_fwd, b, x)
-            db, dx = vjp(cotangent(dy, dstats))
-            return cast(db), dx
-
-        def block_bwd_kept(vjp, dy, dstats=None):
-            db, dx = vjp(cotangent(dy, dstats))
-            return cast(db), dx
-
         @batch_means(0, 1)  # from the (already averaged) loss and statistics alone
         def aux_fwd_bwd(loss, stats, seed):
             # The auxiliary loss of the blocks' summed statistics, added to the loss, and
@@ -227,83 +292,114 @@ class StageFunctions:
             aux, dstats = jax.value_and_grad(m.aux_loss)(sum(stats, jnp.zeros(m.stats_size, F32)))
             return loss + aux, dstats * seed
 
+        def embed_fwd(e, tokens):  # the first group's input: (B, T) -> (B, T, D)
+            return m.group_input(0, E.unflatten_pages(e), None, tokens, tokens)[0]
+
         def embed_bwd(e, tokens, dx):
             _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
             return out(vjp(dx)[0])
 
-        self.embed_fwd = jit(embed_fwd)
-        self.block_fwd = jit(block_fwd)
         self.head_loss = jit(head_loss)
         self.head_fwd_bwd = jit(head_fwd_bwd)
-        self.block_bwd = jit(block_bwd)
-        self._block_fwd, self._kept_forward = block_fwd, {}
-        self.block_fwd_keep = self.kept_forward(keep_level)
-        self.block_bwd_kept = jax.jit(block_bwd_kept)  # any level's vjp
         self.aux_fwd_bwd = jit(aux_fwd_bwd)
+        self.embed_fwd = jit(embed_fwd)
         self.embed_bwd = jit(embed_bwd)
-        self._cast, self._cotangent, self._swapped = cast, cotangent, {}
-
-    def kept_forward(self, level: str):
-        """The jitted forward of a kept block at keep ``level``: (b, x) -> (y, the vjp
-        holding the residuals). One device only (kept blocks are not ZeRO-3's)."""
-        if level not in self._kept_forward:
-            fwd = remat.kept_forward(self._block_fwd, level)
-            self._kept_forward[level] = jax.jit(lambda b, x: jax.vjp(fwd, b, x))
-        return self._kept_forward[level]
-
-    def swapped(self, level: str) -> SwappedBlock:
-        """The forward and backward of a block that swaps its in-block activations at
-        ``level`` to host memory (``offload.swap_blocks``). One device only."""
-        if level not in self._swapped:
-            self._swapped[level] = SwappedBlock(self._block_fwd, level, self._cast, self._cotangent)
-        return self._swapped[level]
+        self.block_fwd, self.block_bwd = first.block_fwd, first.block_bwd
+        self.block_fwd_keep, self.block_bwd_kept = first.block_fwd_keep, first.block_bwd_kept
+        self.kept_forward, self.swapped = first.kept_forward, first.swapped
 
     def swap_bytes(self, batch: int, seq_len: int, dtype) -> dict[str, int]:
         """Bytes a swapped block moves to host memory and back (its input and the
-        activations its level saves), per level it supports, from abstract shapes."""
-        args = self.abstract_args(batch, seq_len, dtype)["block_fwd"]
-        levels = [lvl for lvl in remat.levels(self._block_fwd, *args) if lvl in SWAP_LEVELS]
-        return {lvl: self.swapped(lvl).residual_bytes(*args) for lvl in levels}
+        activations its level saves), per level every group's block supports: the
+        largest group's."""
+        out: dict[str, int] = {}
+        for g, args in enumerate(self.block_args(batch, seq_len, dtype)):
+            fns = self.groups[g]
+            for lvl in remat.levels(fns._block_fwd, *args):
+                if lvl in SWAP_LEVELS:
+                    out[lvl] = max(out.get(lvl, 0), fns.swapped(lvl).residual_bytes(*args))
+        return out
+
+    def block_args(self, batch: int, seq_len: int, dtype) -> list[tuple]:
+        """Abstract (pages, x, context) of each group's block for a micro-batch."""
+        sds = jax.ShapeDtypeStruct
+        inputs = self.model.abstract_inputs(batch, seq_len)
+        return [
+            (self._slab(fns.group.name, dtype), sds(x.shape, dtype), context)
+            for fns, (x, context) in zip(self.groups, inputs, strict=True)
+        ]
+
+    def _slab(self, name: str, dtype) -> list:
+        layout = self.layouts[name]
+        return [jax.ShapeDtypeStruct((layout.page_elems,), dtype)] * layout.num_pages
 
     def abstract_args(self, batch: int, seq_len: int, dtype) -> dict[str, tuple]:
-        """Abstract arguments of each function for a micro-batch (batch, seq_len)."""
+        """Abstract arguments of each function of the first group (and the head) for a
+        micro-batch (batch, seq_len)."""
+        return self.group_args(0, batch, seq_len, dtype)
+
+    def group_args(self, g: int, batch: int, seq_len: int, dtype) -> dict[str, tuple]:
+        """Abstract arguments of group g's functions and the head's for a micro-batch."""
         sds = jax.ShapeDtypeStruct
-        slab = lambda n: [sds((self.layouts[n].page_elems,), dtype)] * self.layouts[n].num_pages
         tokens = sds((batch, seq_len), jnp.int32)
-        x = jax.eval_shape(self.embed_fwd, slab("embed"), tokens)
-        stats = jax.eval_shape(self.block_fwd, slab("block"), x)[1]
+        slab, x, context = self.block_args(batch, seq_len, dtype)[g]
+        prev = None if g == 0 else x
+        stats = jax.eval_shape(self.groups[g].block_fwd, slab, x, context)[1]
         return {
-            "embed_fwd": (slab("embed"), tokens),
-            "block_fwd": (slab("block"), x),
-            "head_fwd_bwd": (slab("head"), slab("embed"), x, tokens, sds((), F32)),
-            "block_bwd": (slab("block"), x, x, stats),
-            "embed_bwd": (slab("embed"), tokens, x),
-        }
+            "embed_fwd": (self._slab("embed", dtype), tokens),
+            "input_fwd": (self._slab("embed", dtype), prev, tokens, tokens),
+            "block_fwd": (slab, x, context),
+            "head_fwd_bwd": (self._slab("head", dtype), self._slab("embed", dtype), x, tokens,
+                             sds((), F32)),
+            "block_bwd": (slab, x, x, stats, context, context),
+            "embed_bwd": (self._slab("embed", dtype), tokens, x),
+            "input_bwd": (self._slab("embed", dtype), prev, tokens, tokens, x, context),
+        }  # fmt: skip
 
     def memory_sizes(self, batch: int, seq_len: int, dtype) -> StageMemory:
-        """XLA's own measure of the stage functions' temporaries (by compiling them)."""
-        args = self.abstract_args(batch, seq_len, dtype)
-        x = args["block_fwd"][1]
-        act = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        """XLA's own measure of the stage functions' temporaries (by compiling them): the
+        largest of every group's block backward, the head's, the embedding's backward and
+        the later groups' inputs' backwards."""
+        first = self.abstract_args(batch, seq_len, dtype)
+        compiled = [
+            (self.head_fwd_bwd, first["head_fwd_bwd"]),
+            (self.embed_bwd, first["embed_bwd"]),
+        ]
+        for g, fns in enumerate(self.groups):
+            args = self.group_args(g, batch, seq_len, dtype)
+            compiled.append((fns.block_bwd, args["block_bwd"]))
+            if g:
+                compiled.append((fns.input_bwd, args["input_bwd"]))
         temps = []
-        for name in ("block_bwd", "head_fwd_bwd", "embed_bwd"):
-            analysis = getattr(self, name).lower(*args[name]).compile().memory_analysis()
+        for fn, args in compiled:
+            analysis = fn.lower(*args).compile().memory_analysis()
             temps.append(getattr(analysis, "temp_size_in_bytes", 0) if analysis else 0)
-        return StageMemory(act, max(temps) + 3 * act, self.kept_bytes(batch, seq_len, dtype))
+        x = first["block_fwd"][1]
+        act = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        context = context_bytes(self.model, batch, seq_len)
+        kept = self.kept_bytes(batch, seq_len, dtype)
+        return StageMemory(act, max(temps) + 3 * act, kept, context)
 
     def keep_levels(self, batch: int, seq_len: int, dtype) -> tuple[str, ...]:
-        """The keep levels the block supports (``remat.levels``)."""
-        return remat.levels(
-            self._block_fwd, *self.abstract_args(batch, seq_len, dtype)["block_fwd"]
-        )
+        """The keep levels every group's block supports (``remat.levels``)."""
+        args = self.block_args(batch, seq_len, dtype)
+        supported = [set(remat.levels(f._block_fwd, *a)) for f, a in zip(self.groups, args)]
+        return tuple(lvl for lvl in KEEP_LEVELS if all(lvl in s for s in supported))
 
     def kept_bytes(self, batch: int, seq_len: int, dtype) -> dict[str, int]:
         """Bytes a kept block holds from forward to backward (its vjp's residuals: the
-        kept activations, its param pages and input), per keep level the block
-        supports, from abstract shapes."""
-        return remat.kept_bytes(
-            self._block_fwd, *self.abstract_args(batch, seq_len, dtype)["block_fwd"]
-        )
+        kept activations, its param pages and input), per keep level every group's block
+        supports: the largest group's, from abstract shapes."""
+        levels = self.keep_levels(batch, seq_len, dtype)
+        out = dict.fromkeys(levels, 0)
+        for fns, (slab, x, context) in zip(
+            self.groups, self.block_args(batch, seq_len, dtype), strict=True
+        ):
+            block = lambda pc, x, fns=fns: fns._block_fwd(pc[0], x, pc[1])
+            for lvl, n in remat.kept_bytes(block, (slab, context), x).items():
+                if lvl in out:
+                    out[lvl] = max(out[lvl], n)
+        return out
 
     def check_keep_level(self, offload, batch: int, seq_len: int, dtype) -> None:
         """Raises ``ConfigError`` when ``offload.keep_level`` is one the block does not

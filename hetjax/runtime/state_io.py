@@ -11,7 +11,7 @@ import numpy as np
 from hetjax.checkpoint_state import StagePart, StateSource, StoredState
 from hetjax.runtime.setup import layout_name
 from hetjax.storage.pages import SlabLayout
-from hetjax.types import MASTER, RuntimeState, StateStore
+from hetjax.types import MASTER, RuntimeState, StateStore, stages_tree
 
 
 def master_params(
@@ -22,12 +22,7 @@ def master_params(
     unflat = lambda name: jax.tree.map(
         np.array, layouts[layout_name(name)].unflatten(whole_slab(states.master(name)))
     )
-    blocks = [unflat(n) for n in stage_names if n.startswith("block")]
-    return {
-        "embed": unflat("embed"),
-        "blocks": jax.tree.map(lambda *xs: np.stack(xs), *blocks),
-        "head": unflat("head"),
-    }
+    return stages_tree({name: unflat(name) for name in stage_names})
 
 
 def source(

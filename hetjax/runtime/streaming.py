@@ -8,6 +8,15 @@ through a window of device memory:
     forward   embed, block 0 .. block L-1, head + loss (and the head's backward)
     backward  block L-1 .. block 0 (each recomputes its inside with jax.vjp), embed
 
+A model of several stage groups (T5's encoder and decoder, ``models/staged.py``) runs
+them in turn: each group's input is made from the embed stage (resident) and the
+previous group's output, which stays on the device until that input's backward, as does
+the group's context (T5's decoder: the encoder's output), read by every block of the
+group. Backward sums the blocks' gradients of the context on the device, block by
+block, and the group input's backward turns the sum into the embed stage's gradient and
+the previous group's output gradient (T5: the encoder output's, the sum over every
+decoder block's cross-attention).
+
 The access order is known, so :class:`~hetjax.runtime.window.PrefetchWindow` copies the
 next ``offload.prefetch_depth`` slabs in while the current stage computes (JAX's async
 dispatch overlaps them) and drops each slab after its last use. Block-boundary
@@ -51,6 +60,7 @@ from hetjax import memory, timeline
 from hetjax.allocator import tune_host_allocator
 from hetjax.checkpoint_state import StateSource, StoredState
 from hetjax.config import Config, ConfigError
+from hetjax.data import split_window
 from hetjax.memory import DeviceCache, Offload, plan_device, plan_host
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.update_loop import UpdateLoop
@@ -83,12 +93,16 @@ class StreamingRuntime:
         self.shardings = placement.shardings
         self.model = build_model(config.model)
         self.compute_dtype = jnp.dtype(config.model.compute_dtype)
-        self.num_layers = L = config.model.num_layers
+        self.num_layers = L = config.model.num_blocks  # every group's blocks
         self.ledger = Ledger()
         t, off, mem = config.train, config.offload, config.memory
         self.layouts = stage_layouts(self.model, mem.page_size, placement.page_multiple)
         self.state_layouts = placement.state_layouts(self.layouts)  # what this process holds
-        self.block_names = [f"block{i}" for i in range(L)]
+        groups = self.model.groups
+        self.block_names = [g.stage(i) for g in groups for i in range(g.num_layers)]
+        # each block's group, and the first block of each group, in forward order
+        self.group_of = [g for g, group in enumerate(groups) for _ in range(group.num_layers)]
+        self.group_start = [self.group_of.index(g) for g in range(len(groups))]
         self.stage_names = ["embed", *self.block_names, "head"]
         self.update_order = ["head", *reversed(self.block_names), "embed"]  # backward order
         # The device cache of optimizer state: the first stages in forward order, the
@@ -110,6 +124,12 @@ class StreamingRuntime:
             off.keep_level,
         )
         self.fns.check_keep_level(off, t.micro_batch_size, t.seq_len, self.compute_dtype)
+        if off.swap_blocks and len(groups) > 1:
+            raise ConfigError(
+                f"config key 'offload.swap_blocks' ({off.swap_blocks}): swapped activations "
+                f"are not supported for a model of several stage groups (model.family="
+                f"{config.model.family!r}); leave it 0 (keep_blocks keeps activations instead)"
+            )
         args = self.fns.abstract_args(t.micro_batch_size, t.seq_len, self.compute_dtype)
         self.boundary = args["block_fwd"][1]  # one block-boundary activation (B, T, D)
 
@@ -127,7 +147,7 @@ class StreamingRuntime:
             else {}
         )
         self.sizes = setup.memory_sizes(
-            config, self.layouts, self.state_layouts, StageMemory(boundary, 0, kept), kinds
+            config, groups, self.layouts, self.state_layouts, StageMemory(boundary, 0, kept), kinds
         )
         self.offload = Offload.from_config(config)
         self.host_plan = plan_host(self.sizes, self.offload, mem.host_budget)
@@ -168,8 +188,9 @@ class StreamingRuntime:
         self.device_grads = DeviceGradients(self.shardings.device) if self.device_stages else None
         measured = self.fns.memory_sizes(t.micro_batch_size, t.seq_len, self.compute_dtype)
         self.sizes = dataclasses.replace(
-            self.sizes, working_set=measured.working_set, kept=measured.kept
-        )
+            self.sizes, working_set=measured.working_set, kept=measured.kept,
+            context=measured.context,
+        )  # fmt: skip
         self.plan = plan_device(self.sizes, self.offload, mem.device_budget)
         self.resident: dict[str, jax.Array] = {}
         self._refresh_resident()
@@ -264,6 +285,7 @@ class StreamingRuntime:
         seed = scale * (np.nan if poison else 1.0)  # the loss cotangent (NaN: a fault)
         step = StepGradients(
             self.stage_names,
+            len(self.model.groups),
             batch.shape[0],
             scale,
             seed,
@@ -284,11 +306,12 @@ class StreamingRuntime:
             self._step = None
         return step
 
-    def _forward_backward(self, tokens_np: np.ndarray):
-        """Forward and backward of one micro-batch (B, T+1); its gradients go to
-        ``self._step``. Returns the loss (a device scalar)."""
+    def _forward_backward(self, window_np: np.ndarray):
+        """Forward and backward of one micro-batch (B, W) of ``data.objective``'s
+        windows; its gradients go to ``self._step``. Returns the loss (a device scalar)."""
         L, fns, put = self.num_layers, self.fns, self.placement.put_batch
-        tokens, targets = put(tokens_np[:, :-1]), put(tokens_np[:, 1:])
+        tokens_np, targets_np = split_window(self.config.data.objective, window_np)
+        tokens, targets = put(tokens_np), put(targets_np)
         embed, head = self.resident["embed"], self.resident["head"]
         # Blocks first_kept .. L-1 keep their in-block activations from forward to
         # backward (offload.keep_blocks): no boundary, no recompute, no second fetch.
@@ -299,32 +322,43 @@ class StreamingRuntime:
         off = self.config.offload
         first_kept = L - off.keep_blocks
         first_swap = first_kept - off.swap_blocks
-        swap = fns.swapped(off.swap_level) if off.swap_blocks else None
+        swap = lambda i: fns.groups[self.group_of[i]].swapped(off.swap_level)
         backward_uses = [self.block_names[i] for i in reversed(range(first_kept))]
         window = self._window(self.block_names + backward_uses)
         boundaries = self.boundaries
         boundaries.begin()
 
-        x = fns.embed_fwd(embed, tokens)  # (B, T, D)
-        timeline.watch("compute", "embed fwd", x)
+        # each group's input's source (the previous group's output; None for the first),
+        # its context, and the sum of its blocks' gradients of the context
+        prev: list[Any] = [None] * len(fns.groups)
+        context: list[Any] = [()] * len(fns.groups)
+        dcontext: list[Any] = [()] * len(fns.groups)
+        x = None
         kept: list[Any] = [None] * L  # the kept blocks' vjps (their residuals)
         swapped: list[Any] = [None] * L  # the swapped blocks' residuals, on the host
         stats: list[Any] = [None] * L  # the blocks' auxiliary-loss statistics
         for i in range(L):
+            g = self.group_of[i]
+            group = fns.groups[g]
+            if i == self.group_start[g]:  # the group's input and context
+                prev[g] = x
+                x, context[g] = group.input_fwd(embed, x, tokens, targets)  # (B, T, D)
+                timeline.watch("compute", "embed fwd" if g == 0 else f"group{g} input", x)
+            c = context[g]
             slab = window.get(i)
             if i >= first_kept:
-                (x, stats[i]), kept[i] = fns.block_fwd_keep(slab, x)
+                (x, stats[i]), kept[i] = group.block_fwd_keep(slab, x, c)
             elif i >= first_swap:
-                (x, stats[i]), residuals = swap.forward(slab, x)
+                (x, stats[i]), residuals = swap(i).forward(slab, x, c)
                 swapped[i] = self._swap_out(i, i - first_swap, residuals)
                 del residuals
             else:
                 boundaries.store(i, x)
-                x, stats[i] = fns.block_fwd(slab, x)
-            timeline.watch("compute", f"block{i} fwd", x, after=slab)
+                x, stats[i] = group.block_fwd(slab, x, c)
+            timeline.watch("compute", f"{self.block_names[i]} fwd", x, after=slab)
             del slab  # the window decides when a slab goes; hold no reference past it
             window.done(i)
-            self._account(window, x, kept, swapped)
+            self._account(window, x, kept, swapped, prev, context)
 
         # the loss is fp32 (fp16 cannot hold scales); put explicitly: a planned transfer
         seed = self.placement.put_scalar(self._step.seed)
@@ -343,9 +377,13 @@ class StreamingRuntime:
             swapped[last] = self._swap_in(last, last - first_swap, swapped[last])
         next_x = boundaries.load(first_swap - 1) if first_swap == first_kept > 0 else None
         for i in reversed(range(L)):
+            g = self.group_of[i]
+            group, c = fns.groups[g], context[g]
+            if i == L - 1 or self.group_of[i + 1] != g:  # the group's last block
+                dcontext[g] = group.zero_context(c) if jax.tree.leaves(c) else ()
             if i >= first_kept:
-                db, dx = fns.block_bwd_kept(kept[i], dx, dstats)
-                timeline.watch("compute", f"block{i} bwd", (db, dx), after=kept[i])
+                db, dx, dcontext[g] = group.block_bwd_kept(kept[i], dx, dstats, dcontext[g])
+                timeline.watch("compute", f"{self.block_names[i]} bwd", (db, dx), after=kept[i])
                 kept[i] = None
             else:
                 j = L + first_kept - 1 - i  # position in the window's use order
@@ -356,29 +394,34 @@ class StreamingRuntime:
                         swapped[i - 1] = self._swap_in(i - 1, i - 1 - first_swap, swapped[i - 1])
                     elif i > 0:  # the first recomputed block's boundary, likewise
                         next_x = boundaries.load(i - 1)
-                    db, dx = swap.backward(slab, residuals, dx, dstats)
-                    timeline.watch("compute", f"block{i} bwd", (db, dx), after=(slab, residuals))
+                    db, dx, dcontext[g] = swap(i).backward(
+                        slab, residuals, dx, dstats, c, dcontext[g]
+                    )
+                    watched = (slab, residuals)
                     del residuals
                 else:
                     x_in = next_x
                     if i > 0:  # prefetch the next boundary while this block computes
                         next_x = boundaries.load(i - 1)
-                    db, dx = fns.block_bwd(slab, x_in, dx, dstats)
-                    timeline.watch("compute", f"block{i} bwd", (db, dx), after=(slab, x_in))
+                    db, dx, dcontext[g] = group.block_bwd(slab, x_in, dx, dstats, c, dcontext[g])
                     boundaries.drop(i)
+                    watched = (slab, x_in)
                     del x_in
-                del slab
+                timeline.watch("compute", f"{self.block_names[i]} bwd", (db, dx), after=watched)
+                del slab, watched
                 window.done(j)
             self._grad_out(self.block_names[i], *db)
             del db
-            self._account(window, dx, kept, swapped)
-
-        de = fns.embed_bwd(embed, tokens, dx)
-        timeline.watch("compute", "embed bwd", de)
-        self._grad_out("embed", *de)
-        if self.device_stages:  # the device cache's updates are dispatched by now
-            self._account(window, de)
-        del de
+            self._account(window, dx, kept, swapped, prev, context, dcontext)
+            if i == self.group_start[g]:  # the group's input: a gradient of the embed
+                de, dx = group.input_bwd(embed, prev[g], tokens, targets, dx, dcontext[g])
+                timeline.watch("compute", "embed bwd" if g == 0 else f"group{g} input bwd", de)
+                self._grad_out("embed", *de)
+                prev[g] = context[g] = dcontext[g] = None
+                # (the first group's: the device cache's updates are dispatched by now)
+                if g or self.device_stages:
+                    self._account(window, dx, de, kept, swapped, prev, context, dcontext)
+                del de
         self._step.micro_batch_sent()
         return loss
 
@@ -471,14 +514,17 @@ class StreamingRuntime:
 
     def eval_loss(self, batch: np.ndarray) -> float:
         put = self.placement.put_batch
-        tokens, targets = put(batch[:, :-1]), put(batch[:, 1:])
+        tokens, targets = (put(a) for a in split_window(self.config.data.objective, batch))
         window = self._window(self.block_names)
-        x = self.fns.embed_fwd(self.resident["embed"], tokens)
+        embed, head = self.resident["embed"], self.resident["head"]
+        x, context = None, ()
         stats = [None] * self.num_layers
         for i in range(self.num_layers):
-            x, stats[i] = self.fns.block_fwd(window.get(i), x)
+            group = self.fns.groups[self.group_of[i]]
+            if i == self.group_start[self.group_of[i]]:
+                x, context = group.input_fwd(embed, x, tokens, targets)
+            x, stats[i] = group.block_fwd(window.get(i), x, context)
             window.done(i)
-        embed, head = self.resident["embed"], self.resident["head"]
         loss = self.fns.head_loss(head, embed, x, targets)
         if self.fns.stats_size:  # + the blocks' auxiliary loss
             loss = self.fns.aux_fwd_bwd(loss, stats, self.placement.put_scalar(1.0))[0]

@@ -50,7 +50,7 @@ from hetjax.runtime.placement import ShardedPlacement, Shardings
 from hetjax.runtime.stages import declared_batch_means
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
-from hetjax.types import ParamStore
+from hetjax.types import ParamStore, is_block, stage_layout
 
 F32 = jnp.float32
 
@@ -225,7 +225,7 @@ class Zero3:
         return ShardedParamStore(self, layouts, store if on_nvme else None)
 
     def describe(self, layouts: dict[str, SlabLayout]) -> list[str]:
-        lay = layouts["block"]
+        lay = max((v for k, v in layouts.items() if is_block(k)), key=lambda v: v.num_pages)
         first, n = self.own_pages(lay)
         return [
             f"zero-3: {self.degree} devices on the data axis ({jax.process_count()} "
@@ -257,7 +257,7 @@ class ShardedParamStore:
         ]
 
     def _assemble(self, stage: str, pages: list) -> jax.Array:
-        layout = self.layouts["block" if stage.startswith("block") else stage]
+        layout = self.layouts[stage_layout(stage)]
         rows = np.stack([np.asarray(p) for p in pages])  # (own pages, page_elems)
         per_device = np.split(rows, len(self._host))
         arrays = jax.device_put(per_device, self._host)
