@@ -63,11 +63,10 @@ def trace(config: Config, repeats: int = 5, devices: int = 1) -> Workload:
     L = sum(g.num_layers for g in model.groups)
     measured = dict.fromkeys(("embed_fwd", "block_fwd", "block_bwd", "embed_bwd"), 0.0)
     measured |= {kept_key(level): 0.0 for level in sizes.kept}
-    x = None
-    for group in fns.groups:
-        share = group.group.num_layers / L
+
+    def time_group(group, prev, share: float):
+        """Adds group's input and (its share of) block times; returns its output."""
         b = slab(group.group.name)
-        prev = x
         x, c = group.input_fwd(e, prev, tokens, tokens)
         dc = group.zero_context(c) if jax.tree.leaves(c) else ()
         measured["embed_fwd"] += best(lambda: group.input_fwd(e, prev, tokens, tokens))
@@ -79,7 +78,11 @@ def trace(config: Config, repeats: int = 5, devices: int = 1) -> Workload:
             run = lambda vjp=vjp: group.block_bwd_kept(vjp, x, None, dc)
             measured[kept_key(level)] += share * best(run)
             del vjp
-        del b
+        return x
+
+    x = None
+    for group in fns.groups:
+        x = time_group(group, x, group.group.num_layers / L)
     measured["head"] = best(lambda: fns.head_fwd_bwd(h, e, x, tokens, one))
     w = Workload.from_config(config, sizes, devices)
     w = dataclasses.replace(w, measured=measured)

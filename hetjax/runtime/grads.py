@@ -57,12 +57,13 @@ class StepGradients:
     host and the per-page squared norms its backward computed; a gradient thread of the
     step takes it from there, in the order given. A stage's gradient is final after its
     last contribution of the last micro-batch (embed has one per micro-batch from the
-    head, tied or not, and one from each stage group's input's backward). Its squared norm (the backward's, or for a sum the host's)
-    is added to the global norm and, in sync mode, the gradient is handed to the
-    optimizer ``loop`` at once, which owns it from then on (``storage/gradients.py``): it
-    is not held here. A single contribution with no loss scale goes as the pages it
-    landed in; sums are fp32 host slabs, averaged (loss scale removed). Lock-free mode
-    (``loop`` None) keeps them all, as fp32 slabs, for the loop's accumulator.
+    head, tied or not, and one from each stage group's input's backward). Its squared
+    norm (the backward's, or for a sum the host's) is added to the global norm and, in
+    sync mode, the gradient is handed to the optimizer ``loop`` at once, which owns it
+    from then on (``storage/gradients.py``): it is not held here. A single contribution
+    with no loss scale goes as the pages it landed in; sums are fp32 host slabs, averaged
+    (loss scale removed). Lock-free mode (``loop`` None) keeps them all, as fp32 slabs,
+    for the loop's accumulator.
 
     Device-cached stages (sync mode) take the same steps on the device
     (:meth:`add_device`, on the dispatching thread: it dispatches device work only):

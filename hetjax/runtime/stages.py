@@ -383,7 +383,9 @@ class StageFunctions:
     def keep_levels(self, batch: int, seq_len: int, dtype) -> tuple[str, ...]:
         """The keep levels every group's block supports (``remat.levels``)."""
         args = self.block_args(batch, seq_len, dtype)
-        supported = [set(remat.levels(f._block_fwd, *a)) for f, a in zip(self.groups, args)]
+        supported = [
+            set(remat.levels(f._block_fwd, *a)) for f, a in zip(self.groups, args, strict=True)
+        ]
         return tuple(lvl for lvl in KEEP_LEVELS if all(lvl in s for s in supported))
 
     def kept_bytes(self, batch: int, seq_len: int, dtype) -> dict[str, int]:
