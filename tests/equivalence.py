@@ -144,9 +144,12 @@ def assert_logits_close(model, actual_params, expected_params, tokens, rtol: flo
     """The model's logits on ``tokens`` with both params within ``rtol`` of the largest,
     or within one rounding of the model's compute dtype if that is coarser: the logits
     are compute-dtype values, so params that differ in their last fp32 bits may flip a
-    logit's rounding, by one ulp (at most eps times the logit; bf16 2^-7, fp16 2^-10)."""
+    logit's rounding, by one ulp (at most eps times the logit; bf16 2^-7, fp16 2^-10).
+    ``tokens``: the model's input, or a tuple of its inputs (an encoder-decoder model's
+    tokens and targets)."""
     eps = float(jnp.finfo(jnp.dtype(model.config.compute_dtype)).eps)
-    a = np.asarray(model.logits(actual_params, tokens), np.float64)
-    e = np.asarray(model.logits(expected_params, tokens), np.float64)
+    inputs = tokens if isinstance(tokens, tuple) else (tokens,)
+    a = np.asarray(model.logits(actual_params, *inputs), np.float64)
+    e = np.asarray(model.logits(expected_params, *inputs), np.float64)
     tol = max(rtol, eps) * np.abs(e).max()
     assert np.abs(a - e).max() <= tol, (np.abs(a - e).max(), tol)

@@ -6,23 +6,90 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from equivalence import assert_losses_close, assert_trees_close, training_batches
+from equivalence import (
+    assert_losses_close,
+    assert_training_equal,
+    assert_trees_close,
+    check_tokens,
+    training_batches,
+)
 
 from hetjax.config import ConfigError
 from hetjax.data import TokenWindows, split_window
 from hetjax.runtime.in_memory import InMemoryRuntime
+from hetjax.train import train
 from models import build_model
+
+SHAPE = dict(
+    family="t5", num_layers=2, num_decoder_layers=3, d_model=32, num_heads=4, d_ff=64,
+    layer_norm_eps=1e-6, tie_embeddings=False, relative_attention_num_buckets=8,
+    relative_attention_max_distance=12,
+)  # fmt: skip
+SHORT = dict(steps=4, eval_batches=1)  # the validation loss is compared too
+# SGD compares the gradients themselves: AdamW's first steps amplify a gradient's
+# last-bit differences (the context's gradient is summed over the decoder blocks in
+# another order than the in-memory scan sums it) beyond 1e-5 on near-zero elements.
+SGD = dict(name="sgd", lr=0.1)
 
 
 def t5_config(tiny, **model):
     """A tiny T5: 2 encoder and 3 decoder blocks (unequal, so a mix-up shows), d 32,
     8 position buckets (T 16 reaches the logarithmic ones)."""
-    shape = dict(
-        family="t5", num_layers=2, num_decoder_layers=3, d_model=32, num_heads=4, d_ff=64,
-        layer_norm_eps=1e-6, tie_embeddings=False, relative_attention_num_buckets=8,
-        relative_attention_max_distance=12,
-    )  # fmt: skip
-    return tiny(model={**shape, **model}, data=dict(objective="prefix_lm"))
+    return tiny(model={**SHAPE, **model}, data=dict(objective="prefix_lm"))
+
+
+def t5_tokens():
+    """The encoder's tokens and the decoder's targets the logits are compared on."""
+    tokens = check_tokens()
+    return tokens, tokens[::-1, ::-1].copy()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from conftest import tiny_config
+
+    config = t5_config(tiny_config).replace(train=SHORT, optimizer=SGD, offload=dict(mode="none"))
+    return train(config, tmp_path_factory.mktemp("ref"), verbose=False)
+
+
+def test_stream_nvme_equals_none(reference, tiny, tmp_path):
+    """offload.mode=stream with the optimizer and params on NVMe trains as
+    offload.mode=none: the decoder's context (the encoder's output after its final norm,
+    and the decoder's bias table) is read by every decoder block, and its gradient, summed
+    over them on the device, goes back through the encoder; the last two blocks keep
+    their activations (kept vjps with a context), the others recompute."""
+    offload = dict(mode="stream", optimizer="nvme", params="nvme", keep_blocks=2)
+    config = t5_config(tiny).replace(train=SHORT, optimizer=SGD, offload=offload)
+    result = train(config, tmp_path, verbose=False)
+    assert reference.losses[-1] < reference.losses[0]
+    assert_training_equal(result, reference, build_model(config.model), t5_tokens())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "offload",
+    [
+        # the device cache: embed, both encoder blocks and the first decoder block
+        dict(optimizer="host", optimizer_device_stages=4, prefetch_depth=1),
+        dict(optimizer="host", activations="host", keep_blocks=4),  # kept across groups
+        dict(optimizer="nvme", activations="nvme", prefetch_depth=0),
+    ],
+    ids=["device_cache", "host_kept_across", "nvme_boundaries"],
+)
+def test_stream_placements_equal_none(reference, tiny, tmp_path, offload):
+    config = t5_config(tiny).replace(
+        train=SHORT, optimizer=SGD, offload=dict(mode="stream", **offload)
+    )
+    result = train(config, tmp_path, verbose=False)
+    assert_training_equal(result, reference, build_model(config.model), t5_tokens())
+
+
+def test_swapped_activations_refused(tiny):
+    config = t5_config(tiny).replace(offload=dict(mode="stream", swap_blocks=1))
+    with pytest.raises(ConfigError, match="offload.swap_blocks"):
+        from hetjax.runtime.streaming import StreamingRuntime
+
+        StreamingRuntime(config)
 
 
 @pytest.mark.parametrize(
