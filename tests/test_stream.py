@@ -505,8 +505,8 @@ def test_swapped_block_moves_activations_not_params(tiny):
         (y_kept, _), vjp = fns.kept_forward(level)(pages, x)
         np.testing.assert_array_equal(y, y_kept)
         dy = jax.random.normal(jax.random.key(2), x.shape)
-        (db, sq), dx = swap.backward(pages, residuals, dy)
-        (db_kept, sq_kept), dx_kept = fns.block_bwd_kept(vjp, dy)
+        (db, sq), dx, _ = swap.backward(pages, residuals, dy)
+        (db_kept, sq_kept), dx_kept, _ = fns.block_bwd_kept(vjp, dy)
         assert_trees_close((db, dx), (db_kept, dx_kept))
 
 

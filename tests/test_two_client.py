@@ -116,15 +116,16 @@ def test_fp16_overflow_skips_across_clients(tiny):
         runtime.close()
 
 
-FUNCTIONS = (
-    "embed_fwd",
+# the stage functions the runtime calls: the head's, and each stage group's
+FUNCTIONS = ("head_loss", "head_fwd_bwd", "aux_fwd_bwd")
+GROUP_FUNCTIONS = (
+    "input_fwd",
     "block_fwd",
-    "head_loss",
-    "head_fwd_bwd",
+    "block_fwd_keep",
     "block_bwd",
     "block_bwd_kept",
-    "aux_fwd_bwd",
-    "embed_bwd",
+    "input_bwd",
+    "zero_context",
 )
 
 
@@ -160,6 +161,9 @@ def test_no_stage_function_reads_pinned_host_memory(tiny, offload, monkeypatch):
     try:
         for name in FUNCTIONS:
             setattr(runtime.fns, name, recording(name, getattr(runtime.fns, name)))
+        for group in runtime.fns.groups:
+            for name in GROUP_FUNCTIONS:
+                setattr(group, name, recording(name, getattr(group, name)))
         swapped = runtime.fns.swapped(runtime.config.offload.swap_level)
         for name in ("forward", "backward"):
             setattr(swapped, name, recording(f"swapped {name}", getattr(swapped, name)))
@@ -167,7 +171,7 @@ def test_no_stage_function_reads_pinned_host_memory(tiny, offload, monkeypatch):
             runtime.train_step(batch)
     finally:
         runtime.close()
-    assert {"embed_fwd", "head_fwd_bwd", "embed_bwd"} <= set(kinds)
+    assert {"input_fwd", "head_fwd_bwd", "input_bwd"} <= set(kinds)
     if offload.get("swap_blocks"):
         assert {"swapped forward", "swapped backward"} <= set(kinds)
         assert runtime.residual_swap.read_bytes > 0  # staged through pinned memory
