@@ -321,13 +321,17 @@ class StageFunctions:
         return out
 
     def block_args(self, batch: int, seq_len: int, dtype) -> list[tuple]:
-        """Abstract (pages, x, context) of each group's block for a micro-batch."""
-        sds = jax.ShapeDtypeStruct
-        inputs = self.model.abstract_inputs(batch, seq_len)
-        return [
-            (self._slab(fns.group.name, dtype), sds(x.shape, dtype), context)
-            for fns, (x, context) in zip(self.groups, inputs, strict=True)
-        ]
+        """Abstract (pages, x, context) of each group's block for a micro-batch: x and
+        the context as the group's jitted input function returns them (so in the
+        placement's layout: ZeRO-3 holds a context's params once per device)."""
+        tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+        x, args = None, []
+        for fns in self.groups:
+            x, context = jax.eval_shape(
+                fns.input_fwd, self._slab("embed", dtype), x, tokens, tokens
+            )
+            args.append((self._slab(fns.group.name, dtype), x, context))
+        return args
 
     def _slab(self, name: str, dtype) -> list:
         layout = self.layouts[name]

@@ -23,6 +23,14 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   that range (``SlabLayout.shard``: the decay split point moves with it). The global
   gradient norm for clipping is the sum of every process's part.
 
+A stage group's context (``models/staged.py``; T5's decoder reads the encoder's output
+and a position-bias table) goes by the same rank rules: its activations are split by
+rows like x; a 2-D param in it (the table) is a result of the group's input function on
+every device, so it is held once per device, stacked on the data axis, and handed back
+split: each device reads its own copy, and its gradient stays each device's partial
+sum until the group input's backward turns it into the embed stage's gradient slab,
+reduce-scattered with the rest of that stage (``tests/test_t5.py``).
+
 The mean over the global batch is computed as the mean of the devices' means, the sum
 single-device training with ``train.grad_accum = N`` micro-batches does (tested at
 1e-5 in ``tests/test_zero.py``). A block's auxiliary-loss statistics (a mixture of
