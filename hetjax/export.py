@@ -9,8 +9,9 @@ The params come from the run config: without ``--train``, the initial params (th
 ``--train``, the params at the end of ``hetjax.train.train`` on that config (metrics in
 ``--workdir``). The output loads with ``transformers``' ``from_pretrained`` and with
 ``model.init_from=hf:<out>``; a ``model.num_experts`` config writes a MixtralForCausalLM
-(the Hub's per-expert layout). :func:`export_hf` is the same from Python, for any params
-tree (e.g. ``hetjax.train.train(...).params``); the tensor names are
+(the Hub's per-expert layout), a ``model.family=t5`` one a T5ForConditionalGeneration.
+:func:`export_hf` is the same from Python, for any params tree (e.g.
+``hetjax.train.train(...).params``); the tensor names are
 ``hetjax.hf.stage_tensor_names``, the mapping import uses.
 """
 
@@ -62,6 +63,8 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         }
     if config.family == "llama" and config.num_experts:
         return _mixtral_config_json(config)
+    if config.family == "t5":
+        return _t5_config_json(config)
     if config.family == "llama":
         return {
             "architectures": ["LlamaForCausalLM"],
@@ -122,6 +125,37 @@ def _mixtral_config_json(config: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _t5_config_json(config: ModelConfig) -> dict[str, Any]:
+    """A T5's ``config.json``: transformers' T5ForConditionalGeneration without dropout
+    (hetjax trains without), its tied-and-scaled (T5 v1.0) or untied (v1.1) head said
+    both ways (``tie_word_embeddings`` for transformers < 5, ``scale_decoder_outputs``
+    for 5, which always ties unless both tensors are saved, as export does untied)."""
+    return {
+        "architectures": ["T5ForConditionalGeneration"],
+        "model_type": "t5",
+        "vocab_size": config.vocab_size,
+        "d_model": config.d_model,
+        "d_kv": config.head_dim,
+        "d_ff": config.ff_dim,
+        "num_layers": config.num_layers,
+        "num_decoder_layers": config.decoder_layers,
+        "num_heads": config.num_heads,
+        "relative_attention_num_buckets": config.relative_attention_num_buckets,
+        "relative_attention_max_distance": config.relative_attention_max_distance,
+        "dropout_rate": 0.0,
+        "layer_norm_epsilon": config.layer_norm_eps,
+        "initializer_factor": 1.0,
+        "feed_forward_proj": config.feed_forward_proj,
+        "is_encoder_decoder": True,
+        "tie_word_embeddings": config.tie_embeddings,
+        "scale_decoder_outputs": config.tie_embeddings,
+        "decoder_start_token_id": config.decoder_start_token,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "dtype": "float32",
+    }
+
+
 def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
     if not config.rope_scaling_factor:
         return {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -138,7 +172,7 @@ def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
 def export_hf(
     config: ModelConfig, params: Params, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30
 ) -> Path:
-    """Writes ``params`` (``{'embed', 'blocks' (L, ...), 'head'}``, fp32) as a HF
+    """Writes ``params`` (``{'embed', each group's blocks (L, ...), 'head'}``, fp32) as a HF
     checkpoint directory: ``config.json`` and ``model.safetensors``, or shards of at
     most ``max_shard_bytes`` with ``model.safetensors.index.json`` (as save_pretrained
     does). Returns ``out_dir``."""
@@ -148,10 +182,11 @@ def export_hf(
     config_json = hf_config_json(config)
     out.mkdir(parents=True, exist_ok=True)
     stages = [("embed", params["embed"], 0)]
-    stages += [
-        ("block", jax.tree.map(lambda a, i=i: a[i], params["blocks"]), i)
-        for i in range(config.num_layers)
-    ]
+    for group in build_model(config).groups:
+        stages += [
+            (group.name, jax.tree.map(lambda a, i=i: a[i], params[group.key]), i)
+            for i in range(group.num_layers)
+        ]
     stages.append(("head", params["head"], 0))
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

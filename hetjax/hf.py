@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints: import a stage at a time, and export, for GPT-2, Llama and
-Mixtral.
+"""Hugging Face checkpoints: import a stage at a time, and export, for GPT-2, Llama,
+Mixtral and T5.
 
 A checkpoint directory is what ``save_pretrained`` writes: ``config.json`` plus either
 ``model.safetensors`` or shards ``model-0000k-of-0000n.safetensors`` listed in
@@ -26,6 +26,19 @@ The name mapping, one table per family used both ways (import and export):
           transformers 5's fused layout (``save_pretrained(save_original_format=False)``):
           ``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` (E, 2F, D) holding gate then
           up, ``mlp.experts.down_proj`` (E, D, F).
+  T5      ``shared.weight`` <-> embed ``shared``; each stack's
+          ``{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight`` (NB, H)
+          <-> embed ``{stack}_relative_attention_bias`` (HF keeps the table in the first
+          block, hetjax in the embed stage that hands it to every block);
+          ``encoder.final_layer_norm`` <-> embed ``encoder_final_layer_norm``;
+          ``{stack}.block.{i}.layer.{j}`` <-> block i of group ``{stack}``, layer j being
+          the self-attention (``SelfAttention``, ``layer_norm`` -> ``self_attention_layer_norm``),
+          the decoder's cross-attention (``EncDecAttention``, ``cross_attention_layer_norm``)
+          and the feed-forward layer (``DenseReluDense``, ``ff_layer_norm``); Linear
+          weights transposed; ``decoder.final_layer_norm`` and ``lm_head`` <-> head.
+          transformers 5 writes ``tie_word_embeddings: true`` for every T5 and says
+          whether the head is T5 v1.0's (tied to ``shared``, the decoder's output scaled
+          by D^-0.5) in ``scale_decoder_outputs``: that is what import reads.
 
 Tied output heads have no tensor of their own (HF drops ``lm_head.weight`` too).
 """
@@ -45,11 +58,12 @@ import numpy as np
 from safetensors import safe_open
 
 from hetjax.config import ConfigError, ModelConfig
+from hetjax.types import is_block, stage_layout, stage_names, stages_tree
 from models import build_model
 
 Params = dict[str, Any]
 
-SUPPORTED_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama", "mixtral": "llama"}
+SUPPORTED_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama", "mixtral": "llama", "t5": "t5"}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -100,7 +114,8 @@ def stage_tensor_names(
     prefix: str | None = None,
     fused_experts: bool = False,
 ) -> list[TensorName]:
-    """The HF tensors of one stage (``embed``, ``block`` with ``layer``, or ``head``).
+    """The HF tensors of one stage (``embed``, a block of a stage group by the group's
+    name with ``layer``: ``block``, T5's ``encoder`` and ``decoder``; or ``head``).
     ``prefix``: GPT-2's module prefix, ``"transformer."`` (GPT2LMHeadModel, the
     default) or ``""`` (a bare GPT2Model). ``fused_experts``: a Mixtral's experts in
     transformers 5's fused layout instead of the per-expert one."""
@@ -152,12 +167,49 @@ def stage_tensor_names(
             if not config.tie_embeddings:
                 names.append(linear("lm_head", "lm_head"))
             return names
+    elif config.family == "t5":
+        return _t5_tensor_names(config, stage, layer)
     else:
         raise ConfigError(
             f"model.family {config.family!r} has no Hugging Face mapping; HF import and "
             f"export support {', '.join(sorted(set(SUPPORTED_MODEL_TYPES.values())))}"
         )
     raise ValueError(f"unknown stage {stage!r}")
+
+
+def _t5_tensor_names(config: ModelConfig, stage: str, layer: int) -> list[TensorName]:
+    """A T5 stage's tensors (the table in the module docstring)."""
+    norm = lambda hf, ours: TensorName(f"{hf}.weight", (ours, "scale"), False)
+    linear = lambda hf, ours: TensorName(f"{hf}.weight", (*ours, "kernel"), True)
+    table = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    if stage == "embed":
+        return [
+            TensorName("shared.weight", ("shared",), False),
+            TensorName(f"encoder.{table}", ("encoder_relative_attention_bias",), False),
+            TensorName(f"decoder.{table}", ("decoder_relative_attention_bias",), False),
+            norm("encoder.final_layer_norm", "encoder_final_layer_norm"),
+        ]
+    if stage == "head":
+        names = [norm("decoder.final_layer_norm", "final_layer_norm")]
+        if not config.tie_embeddings:
+            names.append(linear("lm_head", ("lm_head",)))
+        return names
+    if stage not in ("encoder", "decoder"):
+        raise ValueError(f"unknown stage {stage!r}")
+    h = f"{stage}.block.{layer}.layer"
+    attention = lambda j, module: [
+        linear(f"{h}.{j}.{module}.{p}", (module, p)) for p in ("q", "k", "v", "o")
+    ]
+    names = [norm(f"{h}.0.layer_norm", "self_attention_layer_norm"), *attention(0, "SelfAttention")]
+    ff = 1
+    if stage == "decoder":
+        names += [norm(f"{h}.1.layer_norm", "cross_attention_layer_norm")]
+        names += attention(1, "EncDecAttention")
+        ff = 2
+    ffn = ("wi_0", "wi_1", "wo") if config.feed_forward_proj == "gated-gelu" else ("wi", "wo")
+    names.append(norm(f"{h}.{ff}.layer_norm", "ff_layer_norm"))
+    names += [linear(f"{h}.{ff}.DenseReluDense.{w}", ("DenseReluDense", w)) for w in ffn]
+    return names
 
 
 def _expert_tensor_names(config: ModelConfig, h: str, fused: bool) -> list[TensorName]:
@@ -190,7 +242,8 @@ def hf_model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str,
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{where}: model_type {model_type!r} is not supported; hetjax imports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints (models/gpt.py, models/llama.py)"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints (models/gpt.py, models/llama.py, "
+            "models/t5.py)"
         )
 
     def unsupported(key: str, value: Any, expected: Any) -> None:
@@ -200,6 +253,8 @@ def hf_model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str,
                 f"{expected!r})"
             )
 
+    if model_type == "t5":
+        return _t5_fields(hf, where, unsupported)
     if model_type == "gpt2":
         activation = hf.get("activation_function", "gelu_new")
         if activation not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -310,8 +365,56 @@ def _llama_fields(
     return fields
 
 
+def _t5_fields(
+    hf: dict[str, Any], where: str, unsupported: Callable[[str, Any, Any], None]
+) -> dict[str, Any]:
+    """hf_model_fields of a ``t5`` config.json, with T5Config's defaults for the fields
+    it leaves out (the shape ones must be there)."""
+
+    def need(key: str) -> Any:
+        if key not in hf:
+            raise ConfigError(f"{where}: {key} is missing; a t5 config.json states the shape")
+        return hf[key]
+
+    d, heads = need("d_model"), need("num_heads")
+    if need("d_kv") != d // heads:
+        raise ConfigError(
+            f"{where}: d_kv = {hf['d_kv']} is not supported: hetjax's T5 has heads of "
+            f"d_model / num_heads = {d // heads} (T5 v1.1 and Angel-PTM's shapes); a "
+            "checkpoint with wider heads (t5-3b, t5-11b) cannot be imported"
+        )
+    projection = hf.get("feed_forward_proj", "relu")
+    if projection not in ("gated-gelu", "relu"):
+        unsupported("feed_forward_proj", projection, "gated-gelu or relu")
+    if projection == "gated-gelu" and hf.get("dense_act_fn", "gelu_new") != "gelu_new":
+        unsupported("dense_act_fn", hf["dense_act_fn"], "gelu_new")
+    layers = need("num_layers")
+    # transformers >= 5 always writes tie_word_embeddings true and keeps T5 v1.0's tied,
+    # scaled head apart from v1.1's in scale_decoder_outputs; older ones wrote false for v1.1
+    tied = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True))
+    return dict(
+        family="t5",
+        num_layers=layers,
+        num_decoder_layers=hf.get("num_decoder_layers") or layers,
+        d_model=d,
+        num_heads=heads,
+        num_kv_heads=0,
+        d_ff=need("d_ff"),
+        vocab_size=need("vocab_size"),
+        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-6),
+        feed_forward_proj=projection,
+        relative_attention_num_buckets=hf.get("relative_attention_num_buckets", 32),
+        relative_attention_max_distance=hf.get("relative_attention_max_distance", 128),
+        decoder_start_token=hf.get("decoder_start_token_id", hf.get("pad_token_id", 0)),
+        tie_embeddings=bool(tied),
+        num_experts=0,
+    )
+
+
 def _effective(config: ModelConfig, field: str) -> Any:
     """A ModelConfig field with its 0-means-default resolved, for comparison."""
+    if field == "num_decoder_layers":
+        return config.decoder_layers
     if field == "d_ff":
         return config.ff_dim
     if field == "num_kv_heads":
@@ -380,16 +483,24 @@ class HFCheckpoint:
         check_model_config(config, hf, str(self.directory / "config.json"))
         self.model_type = hf["model_type"]
         self.files = self._tensor_files(spec)  # HF tensor name -> safetensors file
+        self.aliases: dict[str, str] = {}  # a tensor read under another name
         self.prefix = None
         if config.family == "gpt":  # GPT2LMHeadModel vs a bare GPT2Model
             self.prefix = "" if "wte.weight" in self.files else "transformer."
         # Mixtral: the Hub's per-expert tensors, or transformers 5's fused ones
         self.fused_experts = "model.layers.0.mlp.experts.gate_up_proj" in self.files
+        untied_t5 = config.family == "t5" and not config.tie_embeddings
+        if untied_t5 and "lm_head.weight" not in self.files and "shared.weight" in self.files:
+            # transformers 5 ties a T5's lm_head to shared unless both are saved: an
+            # unscaled head reading the embedding is an untied one equal to it here
+            self.files["lm_head.weight"] = self.files["shared.weight"]
+            self.aliases["lm_head.weight"] = "shared.weight"
         model = build_model(config)
+        self.stage_names = stage_names([(g.name, g.num_layers) for g in model.groups])
         # Expected param shapes of each stage kind: structure and shape checks.
         self.expected = {
             kind: jax.eval_shape(lambda k, kind=kind: model.init_stage(kind, k), jax.random.key(0))
-            for kind in ("embed", "block", "head")
+            for kind in ("embed", *(g.name for g in model.groups), "head")
         }
 
     def _tensor_files(self, spec: str) -> dict[str, Path]:
@@ -408,9 +519,11 @@ class HFCheckpoint:
         )
 
     def stage(self, name: str) -> Params:
-        """fp32 numpy params of stage ``name``: ``embed``, ``block{i}`` or ``head``,
-        structured like ``model.init_stage``; reads only that stage's tensors."""
-        kind, layer = ("block", int(name[5:])) if name.startswith("block") else (name, 0)
+        """fp32 numpy params of stage ``name``: ``embed``, a block (``block{i}``,
+        ``encoder{i}``, ...) or ``head``, structured like ``model.init_stage``; reads only
+        that stage's tensors."""
+        kind = stage_layout(name)
+        layer = int(name[len(kind) :]) if is_block(name) else 0
         names = stage_tensor_names(self.config, kind, layer, self.prefix, self.fused_experts)
         arrays = self._read(list(dict.fromkeys(n.hf for n in names)), name)
         expected = self.expected[kind]
@@ -468,18 +581,13 @@ class HFCheckpoint:
                 )
             with safe_open(path, framework="numpy") as f:
                 for n in names:
-                    arrays[n] = _read_tensor(f, path, n)
+                    arrays[n] = _read_tensor(f, path, self.aliases.get(n, n))
         return arrays
 
     def params(self) -> Params:
-        """The whole model as fp32 numpy params, blocks stacked on axis 0 (L, ...)."""
-        L = self.config.num_layers
-        blocks = [self.stage(f"block{i}") for i in range(L)]
-        return {
-            "embed": self.stage("embed"),
-            "blocks": jax.tree.map(lambda *a: np.stack(a), *blocks),
-            "head": self.stage("head"),
-        }
+        """The whole model as fp32 numpy params, each group's blocks stacked on axis 0
+        (L, ...)."""
+        return stages_tree({name: self.stage(name) for name in self.stage_names})
 
 
 def param_at(tree: Params, path: tuple[str, ...]) -> Any:

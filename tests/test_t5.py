@@ -169,11 +169,12 @@ def test_remat_changes_nothing(tiny):
     assert_losses_close(checked.loss(params, tokens, targets), model.loss(params, tokens, targets))
 
 
-def _hf_t5(config, seed=0):
-    """A random-weight transformers T5ForConditionalGeneration of ``config``'s shape
-    (fp32, eval mode; norm weights perturbed so that a mapping mistake shows) and its
-    params mapped to ours by hand (the HF names in models/t5.py's docstring)."""
-    from hf_models import torch, transformers  # noqa: F401 (offline settings first)
+def _hf_t5(config, directory, seed=0):
+    """A random-weight transformers T5ForConditionalGeneration of ``config``'s shape (fp32,
+    eval mode; norm weights perturbed so that a mapping mistake shows), untied (its own
+    ``lm_head``) unless ``model.tie_embeddings``, saved with save_pretrained to
+    ``directory``."""
+    from hf_models import torch, transformers
 
     m = config.model
     torch.manual_seed(seed)
@@ -184,85 +185,190 @@ def _hf_t5(config, seed=0):
         relative_attention_max_distance=m.relative_attention_max_distance,
         dropout_rate=0.0, layer_norm_epsilon=m.layer_norm_eps,
         feed_forward_proj=m.feed_forward_proj, tie_word_embeddings=m.tie_embeddings,
-        decoder_start_token_id=m.decoder_start_token, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=m.decoder_start_token,
     )  # fmt: skip
     hf = transformers.T5ForConditionalGeneration(hf_config)
     with torch.no_grad():
+        if not m.tie_embeddings:  # transformers 5 ties every T5 it builds
+            hf.lm_head.weight = torch.nn.Parameter(torch.randn_like(hf.shared.weight))
         for p in hf.parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
     hf = hf.float().eval()
-    sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-    kernel = lambda name: {"kernel": sd[f"{name}.weight"].T}
-    attention = lambda name: {p: kernel(f"{name}.{p}") for p in "qkvo"}
-    norm = lambda name: {"scale": sd[f"{name}.weight"]}
-    ff_names = ("wi_0", "wi_1", "wo") if m.feed_forward_proj == "gated-gelu" else ("wi", "wo")
-    ff = lambda layer: {n: kernel(f"{layer}.DenseReluDense.{n}") for n in ff_names}
+    hf.save_pretrained(directory)
+    return hf
 
-    def block(stack, i):
-        layer = f"{stack}.block.{i}.layer"
-        out = {
-            "self_attention_layer_norm": norm(f"{layer}.0.layer_norm"),
-            "SelfAttention": attention(f"{layer}.0.SelfAttention"),
-        }
-        last = 1
-        if stack == "decoder":
-            out["cross_attention_layer_norm"] = norm(f"{layer}.1.layer_norm")
-            out["EncDecAttention"] = attention(f"{layer}.1.EncDecAttention")
-            last = 2
-        out["ff_layer_norm"] = norm(f"{layer}.{last}.layer_norm")
-        out["DenseReluDense"] = ff(f"{layer}.{last}")
-        return out
 
-    stack = lambda blocks: jax.tree.map(lambda *a: np.stack(a), *blocks)
-    bias = lambda s: sd[f"{s}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
-    params = {
-        "embed": {
-            "shared": sd["shared.weight"],
-            "encoder_relative_attention_bias": bias("encoder"),
-            "decoder_relative_attention_bias": bias("decoder"),
-            "encoder_final_layer_norm": norm("encoder.final_layer_norm"),
-        },
-        "encoder": stack([block("encoder", i) for i in range(m.num_layers)]),
-        "decoder": stack([block("decoder", i) for i in range(m.decoder_layers)]),
-        "head": {"final_layer_norm": norm("decoder.final_layer_norm")},
-    }
-    if not m.tie_embeddings:
-        params["head"]["lm_head"] = kernel("lm_head")
-    return hf, params
+def _hf_outputs(hf, tokens, targets):
+    from hf_models import torch
+
+    with torch.no_grad():
+        out = hf(input_ids=torch.from_numpy(tokens).long(), labels=torch.from_numpy(targets).long())
+    return out.logits.numpy(), float(out.loss)
+
+
+def _imported(tiny, directory, **sections):
+    """t5_config's run with the model read off the checkpoint's config.json."""
+    from hetjax.hf import model_config_from_hf
+
+    model = model_config_from_hf(directory, t5_config(tiny).model)
+    return t5_config(tiny).replace(model=dataclasses.asdict(model), **sections)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """ff -> (transformers model, its save_pretrained directory): T5 v1.1 (gated GELU,
+    untied head) and v1.0 (ReLU, head tied to the embedding and the output scaled)."""
+    from conftest import tiny_config
+
+    out = {}
+    for ff, tied in (("gated-gelu", False), ("relu", True)):
+        directory = tmp_path_factory.mktemp(ff)
+        config = t5_config(tiny_config, feed_forward_proj=ff, tie_embeddings=tied)
+        out[ff] = (_hf_t5(config, directory), directory)
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ff, tied", [("gated-gelu", False), ("relu", True)])
-def test_logits_and_buckets_equal_transformers(tiny, ff, tied):
-    """Random-weight HF T5 (v1.1 untied, v1.0 tied): our logits and loss within 1e-4 in
-    fp32 (T 24 reaches the logarithmic buckets), and the position buckets exact."""
+@pytest.mark.parametrize("ff", ["gated-gelu", "relu"])
+def test_import_logits_equal_transformers(checkpoints, tiny, ff):
+    """Random-weight HF T5 (v1.1 untied, v1.0 tied) imported: logits and loss within
+    1e-4 in fp32 (T 24 reaches the logarithmic position buckets)."""
+    from hetjax.hf import open_checkpoint
+
+    hf, directory = checkpoints[ff]
+    config = _imported(tiny, directory)
+    assert config.model.feed_forward_proj == ff and config.model.decoder_layers == 3
+    model = build_model(config.model)
+    params = open_checkpoint(config.model).params()
+    rng = np.random.default_rng(3)
+    tokens, targets = (rng.integers(0, 256, (2, 24)).astype(np.int32) for _ in range(2))
+    logits, loss = _hf_outputs(hf, tokens, targets)
+    ours = np.asarray(jax.jit(model.logits)(params, tokens, targets))
+    np.testing.assert_allclose(ours, logits, rtol=1e-4, atol=1e-4 * np.abs(ours).max())
+    assert_losses_close(jax.jit(model.loss)(params, tokens, targets), loss, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_position_buckets_equal_transformers():
     from hf_models import torch
+    from transformers.models.t5.modeling_t5 import T5Attention
 
     from models.t5 import relative_position_buckets
 
-    config = t5_config(tiny, feed_forward_proj=ff, tie_embeddings=tied)
-    model = build_model(config.model)
-    hf, params = _hf_t5(config)
-    assert jax.tree.structure(params) == jax.tree.structure(
-        jax.eval_shape(model.init, jax.random.key(0))
-    )
-    rng = np.random.default_rng(3)
-    tokens, targets = (rng.integers(0, 256, (2, 24)).astype(np.int32) for _ in range(2))
-    with torch.no_grad():
-        out = hf(input_ids=torch.from_numpy(tokens).long(), labels=torch.from_numpy(targets).long())
-    ours = np.asarray(jax.jit(model.logits)(params, tokens, targets))
-    np.testing.assert_allclose(ours, out.logits.numpy(), rtol=1e-4, atol=1e-4 * np.abs(ours).max())
-    assert_losses_close(jax.jit(model.loss)(params, tokens, targets), float(out.loss), rtol=1e-4)
-
-    transformers_bucket = hf.encoder.block[0].layer[0].SelfAttention._relative_position_bucket
     for T in (7, 64, 300):
         relative = torch.arange(T)[None, :] - torch.arange(T)[:, None]
         for bidirectional in (True, False):
             for buckets, distance in ((32, 128), (8, 12)):
-                expected = transformers_bucket(relative, bidirectional, buckets, distance).numpy()
+                expected = T5Attention._relative_position_bucket(
+                    relative, bidirectional, buckets, distance
+                ).numpy()
                 ours = relative_position_buckets(T, T, bidirectional, buckets, distance)
                 np.testing.assert_array_equal(ours, expected)
+
+
+@pytest.mark.slow
+def test_one_sgd_step_equals_transformers(checkpoints, tiny):
+    """Loss before and after one SGD step on the same window, hetjax vs PyTorch."""
+    import copy
+
+    from hf_models import torch
+
+    hf, directory = checkpoints["gated-gelu"]
+    lr = 0.5
+    optimizer = dict(
+        name="sgd", momentum=0.0, lr=lr, grad_clip=0.0, warmup_steps=0, schedule="constant"
+    )
+    runtime = InMemoryRuntime(_imported(tiny, directory, optimizer=optimizer))
+    window = np.random.default_rng(5).integers(0, 256, (2, 32)).astype(np.int32)
+    loss = runtime.train_step(window[None]).loss
+    after = runtime.eval_loss(window)
+    torch_model = copy.deepcopy(hf)
+    inputs = dict(
+        input_ids=torch.from_numpy(window[:, :16]).long(),
+        labels=torch.from_numpy(window[:, 16:]).long(),
+    )
+    torch_loss = torch_model(**inputs).loss
+    torch_loss.backward()
+    with torch.no_grad():
+        for p in torch_model.parameters():
+            p -= lr * p.grad
+        torch_after = float(torch_model(**inputs).loss)
+    assert after < loss - 0.01  # the step did something
+    torch_loss = float(torch_loss.detach())
+    np.testing.assert_allclose([loss, after], [torch_loss, torch_after], rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ff", ["gated-gelu", "relu"])
+def test_export_round_trip_and_transformers_load(checkpoints, tiny, tmp_path, ff):
+    """Export writes the tensor names save_pretrained writes, re-imports exactly, and
+    transformers loads it as the model it came from (its head untied or tied alike)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForSeq2SeqLM, T5ForConditionalGeneration
+
+    from hetjax.export import export_hf
+    from hetjax.hf import model_config_from_hf, open_checkpoint
+
+    hf, directory = checkpoints[ff]
+    config = _imported(tiny, directory)
+    params = open_checkpoint(config.model).params()
+    export_hf(config.model, params, tmp_path)
+    names = lambda d: set(safe_open(d / "model.safetensors", framework="numpy").keys())
+    assert names(tmp_path) == names(directory)
+    again = model_config_from_hf(tmp_path, config.model)
+    assert dataclasses.replace(again, init_from="") == dataclasses.replace(
+        config.model, init_from=""
+    )
+    jax.tree.map(np.testing.assert_array_equal, open_checkpoint(again).params(), params)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).float().eval()
+    assert isinstance(loaded, T5ForConditionalGeneration)
+    tokens, targets = t5_tokens()
+    np.testing.assert_allclose(
+        _hf_outputs(loaded, tokens, targets)[0], _hf_outputs(hf, tokens, targets)[0], atol=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_stream_nvme_import_equals_in_memory(checkpoints, tiny, tmp_path):
+    """A T5 imported stage by stage into params and optimizer state on NVMe holds the
+    params the in-memory import does."""
+    from hetjax.hf import open_checkpoint
+    from hetjax.runtime.streaming import StreamingRuntime
+
+    directory = checkpoints["gated-gelu"][1]
+    offload = dict(mode="stream", optimizer="nvme", params="nvme")
+    stream = StreamingRuntime(_imported(tiny, directory, offload=offload), workdir=tmp_path)
+    try:
+        expected = open_checkpoint(_imported(tiny, directory).model).params()
+        jax.tree.map(np.testing.assert_array_equal, stream.params(), expected)
+    finally:
+        stream.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (dict(d_kv=16), "d_kv = 16 is not supported"),
+        (dict(feed_forward_proj="gated-silu"), "feed_forward_proj"),
+        (dict(num_decoder_layers=2), "model.num_decoder_layers is 3 but the checkpoint has 2"),
+    ],
+)
+def test_import_errors_name_the_field(checkpoints, tiny, tmp_path, edit, message):
+    import json
+    import shutil
+
+    from hetjax.hf import open_checkpoint
+
+    directory = checkpoints["gated-gelu"][1]
+    for f in directory.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    config_json = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config_json, **edit}))
+    config = t5_config(tiny).replace(model=dict(init_from=f"hf:{tmp_path}"))
+    with pytest.raises(ConfigError, match=message):
+        open_checkpoint(config.model)
 
 
 @pytest.mark.slow
