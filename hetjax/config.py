@@ -103,11 +103,13 @@ class ModelConfig:
     rope_original_max_len: int = 8192
     tie_embeddings: bool = True  # output head = token embedding; gpt always ties
     # llama: mixture-of-experts MLP (Mixtral / Qwen-MoE style): num_experts SwiGLU experts
-    # of width d_ff each, 0 for the dense MLP
+    # of width d_ff each, 0 for the dense MLP. t5: Switch Transformer's, every other
+    # layer's feed-forward layer num_experts experts (T5-MoE)
     num_experts: int = 0
-    experts_per_token: int = 2  # llama MoE: experts each token is routed to (top-k)
-    # llama MoE: weight of the load-balancing auxiliary loss (transformers' Mixtral
-    # load_balancing_loss_func) added to the training loss; 0 disables it
+    experts_per_token: int = 2  # MoE: experts each token is routed to (top-k; t5: 1)
+    # MoE: weight of the load-balancing auxiliary loss (transformers' Mixtral
+    # load_balancing_loss_func; t5: Switch's, per stack) added to the training loss; 0
+    # disables it
     router_aux_loss_coef: float = 0.0
     # t5: the feed-forward layer, HF's feed_forward_proj: gated-gelu (T5 v1.1: tanh-GELU
     # gate times a linear unit) or relu (T5 v1.0, Switch Transformer)
@@ -191,10 +193,11 @@ class ModelConfig:
             )
         _check(self.num_experts >= 0, "model.num_experts", "must be >= 0", self.num_experts)
         if self.num_experts:
-            if self.family != "llama":
+            if self.family not in ("llama", "t5"):
                 raise ConfigError(
-                    f"config key 'model.num_experts' ({self.num_experts}): only family "
-                    f"'llama' has a mixture-of-experts MLP, but model.family is {self.family!r}"
+                    f"config key 'model.num_experts' ({self.num_experts}): only families "
+                    f"'llama' and 't5' have a mixture-of-experts MLP, but model.family is "
+                    f"{self.family!r}"
                 )
             _check(
                 1 <= self.experts_per_token <= self.num_experts,
@@ -266,6 +269,22 @@ class ModelConfig:
                 "config key 'model.rope_scaling_factor': family 't5' has relative position "
                 "buckets, not rotary embeddings; leave it 0"
             )
+        if self.num_experts and self.experts_per_token != 1:
+            raise ConfigError(
+                f"config key 'model.experts_per_token' ({self.experts_per_token}): family "
+                "'t5''s mixture of experts routes each token to its top expert (the Switch "
+                "Transformer's top-1 routing); set model.experts_per_token=1"
+            )
+        for key, layers in (
+            ("num_layers", self.num_layers),
+            ("num_decoder_layers", self.decoder_layers),
+        ):
+            if self.num_experts and layers % 2:
+                raise ConfigError(
+                    f"config key 'model.{key}' ({layers}): a T5 with experts (Switch) makes "
+                    "every other layer's feed-forward layer experts, so each block is a "
+                    "dense and a sparse layer and a stack's layers must be even"
+                )
 
     @property
     def encoder_decoder(self) -> bool:
@@ -280,10 +299,16 @@ class ModelConfig:
         return (self.num_decoder_layers or self.num_layers) if self.encoder_decoder else 0
 
     @property
+    def layers_per_block(self) -> int:
+        """Layers one block (a stage) holds: 2 for a T5 with experts (a dense and a
+        sparse layer, Switch's every other layer), else 1."""
+        return 2 if self.encoder_decoder and self.num_experts else 1
+
+    @property
     def num_blocks(self) -> int:
-        """Blocks in every stack: ``num_layers``, plus the decoder's of an
-        encoder-decoder model."""
-        return self.num_layers + self.decoder_layers
+        """Blocks (stages) in every stack: ``num_layers``, plus the decoder's of an
+        encoder-decoder model, over ``layers_per_block``."""
+        return (self.num_layers + self.decoder_layers) // self.layers_per_block
 
     @property
     def ff_dim(self) -> int:

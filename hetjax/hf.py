@@ -179,6 +179,12 @@ def stage_tensor_names(
 
 def _t5_tensor_names(config: ModelConfig, stage: str, layer: int) -> list[TensorName]:
     """A T5 stage's tensors (the table in the module docstring)."""
+    if config.num_experts:
+        raise ConfigError(
+            f"model.num_experts ({config.num_experts}): a T5 with experts (the Switch "
+            "Transformer's) has no Hugging Face mapping in hetjax (transformers' "
+            "SwitchTransformers is not imported or exported); set model.num_experts=0"
+        )
     norm = lambda hf, ours: TensorName(f"{hf}.weight", (ours, "scale"), False)
     linear = lambda hf, ours: TensorName(f"{hf}.weight", (*ours, "kernel"), True)
     table = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"

@@ -51,6 +51,8 @@ from hetjax.config import ModelConfig
 from models.attention import biased_attention
 from models.staged import Params, StageGroup, Stages
 
+F32 = jnp.float32
+
 
 def relative_position_buckets(
     query_len: int, key_len: int, bidirectional: bool, num_buckets: int, max_distance: int
@@ -150,29 +152,85 @@ class T5FeedForward(nn.Module):
         return _dense(cfg, D, F**-0.5, "wo")(h)
 
 
-class T5EncoderBlock(nn.Module):
-    """x + attn(rms(x)) with the encoder's bidirectional bias; x + ff(rms(x))."""
+class SwitchFeedForward(nn.Module):
+    """The Switch Transformer's sparse feed-forward layer (Fedus et al. 2022): a softmax
+    router over E experts, each of them the dense layer's shape (``T5FeedForward``'s
+    gated GELU or ReLU, stacked on a leading E axis), each token sent to its top expert
+    and its output scaled by that expert's router probability. Dropless (no capacity, no
+    dropped token): the tokens are sorted by expert and each expert multiplies its own
+    rows (``jax.lax.ragged_dot``), as ``models/llama.py``'s Mixtral does. The router
+    computes in fp32 (Switch's selective precision).
+
+    h (B, T, D) -> (out (B, T, D), stats (2 E,) fp32): per expert the fraction of tokens
+    routed to it and its mean router probability, the two factors of the
+    load-balancing loss."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, table: jax.Array) -> jax.Array:  # (B, T, D)
+    def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        cfg = self.config
+        dtype = jnp.dtype(cfg.compute_dtype)
+        B, T, D = h.shape
+        E, F = cfg.num_experts, cfg.ff_dim
+        expert = lambda name, shape, std: self.param(
+            name, nn.initializers.normal(std), (E, *shape), cfg.param_dtype
+        ).astype(dtype)
+        router = self.param("router", nn.initializers.normal(D**-0.5), (D, E), cfg.param_dtype)
+        gated = cfg.feed_forward_proj == "gated-gelu"
+        wi = expert("wi_0" if gated else "wi", (D, F), D**-0.5)
+        wi_1 = expert("wi_1", (D, F), D**-0.5) if gated else None
+        wo = expert("wo", (F, D), F**-0.5)
+
+        tokens = h.reshape(B * T, D)  # (M, D)
+        logits = jnp.einsum("MD,DE->ME", tokens.astype(F32), router.astype(F32))
+        probs = jax.nn.softmax(logits, axis=-1)  # (M, E)
+        chosen = jnp.argmax(probs, axis=-1)  # (M,) each token's top expert
+        order = jnp.argsort(chosen, stable=True)  # tokens grouped by expert
+        sizes = jnp.bincount(chosen, length=E).astype(jnp.int32)  # (E,) tokens per expert
+        rows = tokens[order]  # (M, D)
+        act = jax.lax.ragged_dot(rows, wi, sizes)  # (M, F)
+        if gated:
+            act = nn.gelu(act, approximate=True) * jax.lax.ragged_dot(rows, wi_1, sizes)
+        else:
+            act = nn.relu(act)
+        y = jax.lax.ragged_dot(act, wo, sizes)  # (M, D)
+        gate = jnp.take_along_axis(probs, chosen[:, None], axis=-1)  # (M, 1)
+        y = y * gate[order].astype(dtype)
+        out = jnp.zeros((B * T, D), dtype).at[order].set(y).reshape(B, T, D)
+
+        routed = jnp.mean(jax.nn.one_hot(chosen, E, dtype=F32), axis=0)
+        stats = jnp.concatenate([routed, jnp.mean(probs, axis=0)])  # (2 E,)
+        return out, stats
+
+
+class T5EncoderBlock(nn.Module):
+    """x + attn(rms(x)) with the encoder's bidirectional bias; x + ff(rms(x)). A
+    ``sparse`` layer's feed-forward layer is experts (:class:`SwitchFeedForward`,
+    ``moe``): it returns its router statistics too."""
+
+    config: ModelConfig
+    sparse: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, table: jax.Array):  # (B, T, D)
         cfg = self.config
         T = x.shape[1]
         h = _norm(cfg, "self_attention_layer_norm")(x)
         bias = position_bias(table, T, T, False, cfg)
         x = x + T5Attention(cfg, causal=False, name="SelfAttention")(h, h, bias)
-        return x + T5FeedForward(cfg, name="DenseReluDense")(_norm(cfg, "ff_layer_norm")(x))
+        return _feed_forward(cfg, self.sparse, x)
 
 
 class T5DecoderBlock(nn.Module):
     """x + causal attn(rms(x)) with the decoder's bias; x + attn(rms(x)) over the
-    encoder's output ``memory`` (B, S, D); x + ff(rms(x))."""
+    encoder's output ``memory`` (B, S, D); x + ff(rms(x)) (experts when ``sparse``)."""
 
     config: ModelConfig
+    sparse: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, memory: jax.Array, table: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, memory: jax.Array, table: jax.Array):
         cfg = self.config
         T = x.shape[1]
         h = _norm(cfg, "self_attention_layer_norm")(x)
@@ -180,7 +238,32 @@ class T5DecoderBlock(nn.Module):
         x = x + T5Attention(cfg, causal=True, name="SelfAttention")(h, h, bias)
         h = _norm(cfg, "cross_attention_layer_norm")(x)
         x = x + T5Attention(cfg, causal=False, name="EncDecAttention")(h, memory, None)
-        return x + T5FeedForward(cfg, name="DenseReluDense")(_norm(cfg, "ff_layer_norm")(x))
+        return _feed_forward(cfg, self.sparse, x)
+
+
+def _feed_forward(cfg: ModelConfig, sparse: bool, x: jax.Array):
+    """x + ff(rms(x)), called in a block's compact scope (its modules are the block's);
+    with ``sparse`` the experts', with their router statistics: ``(x, stats)``."""
+    h = _norm(cfg, "ff_layer_norm")(x)
+    if not sparse:
+        return x + T5FeedForward(cfg, name="DenseReluDense")(h)
+    out, stats = SwitchFeedForward(cfg, name="moe")(h)
+    return x + out, stats
+
+
+class T5SwitchBlock(nn.Module):
+    """Two T5 layers, a dense one then a sparse one (the Switch Transformer's experts in
+    every other layer, HF's ``sparse_step`` 2): the block of a T5 with experts, so that a
+    stack's blocks are identical. -> (x, the sparse layer's router statistics)."""
+
+    config: ModelConfig
+    decoder: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *context):
+        layer = T5DecoderBlock if self.decoder else T5EncoderBlock
+        x = layer(self.config, name="dense")(x, *context)
+        return layer(self.config, sparse=True, name="sparse")(x, *context)
 
 
 def shift_right(targets: jax.Array, start: int) -> jax.Array:
@@ -249,13 +332,20 @@ class T5(Stages):
 
     def __init__(self, config: ModelConfig):
         self.config = config
+        per_block = config.layers_per_block  # a T5 with experts: a dense and a sparse layer
         self.groups = (
-            StageGroup("encoder", config.num_layers),
-            StageGroup("decoder", config.decoder_layers),
+            StageGroup("encoder", config.num_layers // per_block),
+            StageGroup("decoder", config.decoder_layers // per_block),
         )
         self.tied = "shared" if config.tie_embeddings else None
         self._shared, self._head = T5Shared(config), T5Head(config)
-        self._blocks = (T5EncoderBlock(config), T5DecoderBlock(config))
+        if config.num_experts:
+            self._blocks = (T5SwitchBlock(config, False), T5SwitchBlock(config, True))
+        else:
+            self._blocks = (T5EncoderBlock(config), T5DecoderBlock(config))
+        # the encoder's, then the decoder's router statistics (each stack's loss apart)
+        experts = 2 * config.num_experts if config.num_experts else 0
+        self.stats_size = 2 * experts if config.router_aux_loss_coef else 0
 
     def init_stage(self, stage: str, key: jax.Array) -> Params:
         cfg = self.config
@@ -283,7 +373,37 @@ class T5(Stages):
 
     def group_block(self, g: int, block_params: Params, x: jax.Array, context):
         out = self._blocks[g].apply({"params": block_params}, x, *context)
-        return out, jnp.zeros((0,), jnp.float32)
+        if not self.config.num_experts:
+            return out, jnp.zeros((0,), F32)
+        x, stats = out
+        if not self.stats_size:
+            return x, jnp.zeros((0,), F32)
+        half = self.stats_size // 2  # the group's slot: encoder first, decoder second
+        return x, jnp.concatenate([jnp.zeros(g * half, F32), stats, jnp.zeros((1 - g) * half, F32)])
+
+    def aux_loss(self, stats: jax.Array) -> jax.Array:
+        """``router_aux_loss_coef`` x the Switch Transformer's load-balancing loss of
+        each stack, summed (HF's SwitchTransformers adds the encoder's and the
+        decoder's): E sum_e f_e P_e, with f_e the fraction of the stack's tokens routed
+        to expert e and P_e its mean router probability, pooled over the stack's sparse
+        layers and the micro-batch. ``stats`` (4 E,): the sum over blocks of their
+        statistics, in their group's slot; fp32 scalar."""
+        if not self.stats_size:
+            return jnp.float32(0)
+        E, loss = self.config.num_experts, jnp.float32(0)
+        for g, group in enumerate(self.groups):
+            part = stats[2 * E * g : 2 * E * (g + 1)] / group.num_layers
+            loss += E * jnp.sum(part[:E] * part[E:])
+        return self.config.router_aux_loss_coef * loss
+
+    def group_active_params(self, g: int) -> int:
+        """Params of one block a token's forward uses: all but the experts of its
+        sparse layer it is not routed to (E - 1 of them)."""
+        cfg = self.config
+        if not cfg.num_experts:
+            return self.block_param_count(g)
+        expert = (3 if cfg.feed_forward_proj == "gated-gelu" else 2) * cfg.d_model * cfg.ff_dim
+        return self.block_param_count(g) - (cfg.num_experts - 1) * expert
 
     def head_logits(self, head_params: Params, embed_params: Params, x: jax.Array) -> jax.Array:
         """x (B, T, D) -> fp32 logits (B, T, V)."""

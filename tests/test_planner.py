@@ -256,7 +256,11 @@ def test_clipping_that_binds_is_predicted_without_overlap():
 # exits 1 with "does not fit"), as the planner decides today. A change that makes a config
 # stop fitting (or start) fails here until this table says so on purpose.
 _TINY = {"gpt_tiny", "gpt_small", "gpt310m_peer", "llama_tiny", "llama_1b", "gpt1p3b"}
-_TINY |= {"mixtral_tiny", "t5_tiny", "angel_t5_1p4b"}
+_TINY |= {"mixtral_tiny", "t5_tiny", "angel_t5_1p4b", "t5_moe_tiny"}
+# Fits no profile: one of its blocks (a dense T5 layer and 2304 experts) is 77B params,
+# streamed through one device's memory; Angel-PTM trained it with expert parallelism over
+# 128 GPUs and more.
+NOWHERE = {"angel_t5_moe_1p2t"}
 _T5 = ("angel_t5_27b", "angel_t5_58b")
 FITS = {
     "a100-80g": {  # Fuyou's server: 768 GB RAM, 12 SSDs
@@ -291,7 +295,7 @@ FITS = {
 
 def test_fits_table_names_every_config():
     assert FITS.keys() == PROFILES.keys()
-    assert FITS["a100-80g"] == set(CONFIGS)  # so every config has an expectation
+    assert FITS["a100-80g"] | NOWHERE == set(CONFIGS)  # so every config has an expectation
 
 
 # One fixed profile in the default run (the cheapest to plan); the others are slow.

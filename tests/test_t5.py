@@ -388,3 +388,89 @@ def test_zero3_on_4_devices_equals_single_device(reference, tiny, tmp_path):
     assert_training_equal(result, reference, build_model(config.model), t5_tokens())
     norms = [[r["grad_norm"] for r in run.records] for run in (result, reference)]
     np.testing.assert_allclose(*norms, rtol=1e-5)
+
+
+# -- T5-MoE (Switch): every other layer's feed-forward layer experts, top-1 routing --------
+
+# 2 encoder layers (one block: a dense and a sparse layer), 4 decoder layers (two blocks)
+MOE = dict(
+    num_layers=2, num_decoder_layers=4, num_experts=4, experts_per_token=1,
+    router_aux_loss_coef=0.02, feed_forward_proj="relu",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    from conftest import tiny_config
+
+    config = t5_config(tiny_config, **MOE).replace(
+        train=SHORT, optimizer=SGD, offload=dict(mode="none")
+    )
+    return train(config, tmp_path_factory.mktemp("moe_ref"), verbose=False)
+
+
+@pytest.mark.slow
+def test_moe_blocks_and_aux_loss(tiny):
+    """A block is a dense and a sparse layer (Switch's every other layer); the loss is
+    the cross-entropy plus coef x each stack's load-balancing loss (E sum_e f_e P_e over
+    the stack's sparse layers), and the router's gradient has it."""
+    from models.staged import token_loss
+
+    config = t5_config(tiny, **MOE)
+    model = build_model(config.model)
+    assert [(g.name, g.num_layers) for g in model.groups] == [("encoder", 1), ("decoder", 2)]
+    assert config.model.num_blocks == 3
+    params = model.init(jax.random.key(0))
+    assert params["decoder"]["sparse"]["moe"]["wi"].shape == (2, 4, 32, 64)  # (L, E, D, F)
+    assert "DenseReluDense" in params["decoder"]["dense"]
+    tokens, targets = t5_tokens()
+    c = model._compute
+    e = c(params["embed"])
+    x, context = model.group_input(0, e, None, tokens, targets)
+    x, enc = model._run_group(0, c(params["encoder"]), x, context)
+    y, context = model.group_input(1, e, x, tokens, targets)
+    y, dec = model._run_group(1, c(params["decoder"]), y, context)
+    ce = token_loss(model.head_logits(c(params["head"]), e, y), targets)
+    E = 4
+    for stats, layers, slot in ((enc, 1, 0), (dec, 2, 1)):
+        part = stats[2 * E * slot : 2 * E * (slot + 1)] / layers
+        np.testing.assert_allclose(part[:E].sum(), 1.0, rtol=1e-6)  # every token routed once
+        assert not np.any(stats[2 * E * (1 - slot) : 2 * E * (2 - slot)])  # the other slot
+    balance = sum(
+        E * np.sum(s[2 * E * k : 2 * E * k + E] / n * s[2 * E * k + E : 2 * E * (k + 1)] / n)
+        for s, n, k in ((enc, 1, 0), (dec, 2, 1))
+    )
+    np.testing.assert_allclose(model.loss(params, tokens, targets), ce + 0.02 * balance, rtol=1e-6)
+    off = build_model(t5_config(tiny, **{**MOE, "router_aux_loss_coef": 0.0}).model)
+    router = lambda m: jax.grad(m.loss)(params, tokens, targets)["encoder"]["sparse"]["moe"]
+    assert not np.allclose(router(model)["router"], router(off)["router"])
+    # a token's forward uses one expert of the four
+    expert = 2 * 32 * 64
+    assert model.group_active_params(1) == model.block_param_count(1) - 3 * expert
+
+
+@pytest.mark.slow
+def test_moe_stream_nvme_equals_none(moe_reference, tiny, tmp_path):
+    """T5-MoE streamed with the optimizer and params on NVMe (the last block kept)
+    equals offload.mode=none: the router statistics of every block, in their stack's
+    slot, make the auxiliary loss, whose cotangent every block's backward takes."""
+    offload = dict(mode="stream", optimizer="nvme", params="nvme", keep_blocks=1)
+    config = t5_config(tiny, **MOE).replace(train=SHORT, optimizer=SGD, offload=offload)
+    result = train(config, tmp_path, verbose=False)
+    assert moe_reference.losses[-1] < moe_reference.losses[0]
+    assert_training_equal(result, moe_reference, build_model(config.model), t5_tokens())
+
+
+@pytest.mark.slow
+def test_moe_zero3_on_4_devices_equals_single_device(moe_reference, tiny, tmp_path):
+    """ZeRO-3 over 4 devices: the router statistics are averaged over the devices
+    (batch means), so the auxiliary loss pools the whole micro-batch as one device's."""
+    config = t5_config(tiny, **MOE).replace(
+        train=SHORT,
+        optimizer=SGD,
+        offload=dict(mode="stream"),
+        memory=dict(page_size="16KiB"),
+        distributed=dict(data_parallel=4),
+    )
+    result = train(config, tmp_path, verbose=False)
+    assert_training_equal(result, moe_reference, build_model(config.model), t5_tokens())

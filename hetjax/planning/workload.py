@@ -185,7 +185,7 @@ class Workload:
             " + ".join(f"{g.num_layers} {g.name}" for g in model.groups) + f" x {D}"
         )  # fmt: skip
         return cls(
-            name=f"{m.family} {shape}, {model.param_count() / 1e9:.3g}B params",
+            name=f"{m.family} {shape}, {_count(model.param_count())} params",
             num_layers=L,
             embed_params=embed,
             block_params=block,
@@ -211,6 +211,11 @@ class Workload:
             ),
             context=context,
         )
+
+
+def _count(params: int) -> str:
+    """A parameter count: ``13.4B``, ``1.24T``."""
+    return f"{params / 1e12:.3g}T" if params >= 1e12 else f"{params / 1e9:.3g}B"
 
 
 def block_attention(m, backend: str) -> str:
