@@ -44,11 +44,13 @@ HELP: dict[str, str] = {
     "the two thresholds above divide",
     "model.tie_embeddings": "output head tied to the token embedding (`gpt` always ties)",
     "model.num_experts": "`llama`: mixture-of-experts MLP of this many SwiGLU experts "
-    "(each `d_ff` wide); 0 = the dense MLP ([models](models.md#mixture-of-experts))",
+    "(each `d_ff` wide); 0 = the dense MLP ([models](models.md#mixture-of-experts)). "
+    "`t5`: Switch's experts in every other layer ([T5](models.md#t5))",
     "model.experts_per_token": "`llama` MoE: experts each token is routed to (top-k of a "
-    "softmax router, weights renormalised, dropless)",
-    "model.router_aux_loss_coef": "`llama` MoE: weight of the load-balancing auxiliary loss "
-    "(transformers' Mixtral formula) added to the training loss; 0 disables it",
+    "softmax router, weights renormalised, dropless); `t5`: 1 (Switch's top-1)",
+    "model.router_aux_loss_coef": "MoE: weight of the load-balancing auxiliary loss "
+    "(transformers' Mixtral formula; `t5`: Switch's, per stack) added to the training "
+    "loss; 0 disables it",
     "model.feed_forward_proj": "`t5`: `gated-gelu` (T5 v1.1) or `relu` (T5 v1.0, Switch)",
     "model.relative_attention_num_buckets": "`t5`: relative position buckets of each stack",
     "model.relative_attention_max_distance": "`t5`: distance from which positions share the "
