@@ -474,3 +474,21 @@ def test_moe_zero3_on_4_devices_equals_single_device(moe_reference, tiny, tmp_pa
     )
     result = train(config, tmp_path, verbose=False)
     assert_training_equal(result, moe_reference, build_model(config.model), t5_tokens())
+
+
+@pytest.mark.slow
+def test_streamed_checkpoint_resumes_from_in_memory_one(reference, tiny, tmp_path):
+    """A T5 checkpoint written by offload.mode=none after 2 steps (stages encoder{i},
+    decoder{i}) resumes under offload.mode=stream with NVMe state; the 4 steps equal the
+    uninterrupted in-memory run."""
+    sections = dict(optimizer=SGD, checkpoint=dict(every_steps=0, at_end=True))
+    first = t5_config(tiny).replace(
+        train=dict(SHORT, steps=2), offload=dict(mode="none"), **sections
+    )
+    train(first, tmp_path, verbose=False)
+    offload = dict(mode="stream", optimizer="nvme", params="nvme")
+    resumed = train(
+        t5_config(tiny).replace(train=SHORT, offload=offload, **sections), tmp_path, verbose=False
+    )
+    assert_losses_close(resumed.losses, reference.losses[2:])
+    assert_trees_close(resumed.params, reference.params)
