@@ -189,12 +189,17 @@ def block_attention(m, backend: str) -> str:
 # Blockwise attention (models/attention.py: one (B, H, b, b) tile of scores at a time):
 # the streamed block's backward (block_bwd, the largest block function) per element of
 # (B, T, D), of the MLP's (B, T, F), of one score tile (B, H, b, b) and of the params,
-# fitted (minimax relative error) to XLA:CPU's temp_size_in_bytes over 10 shapes per
-# family and dtype (d 64-256, heads 2-16, T 128-1024, batch 1-4, b 32-512, d_ff 2-6 x
-# d; 2 of them tile-dominated): block_bwd within 0.92-1.08 (GPT fp32), 0.83-1.17 (GPT
-# bf16), 0.76-1.24 (Llama fp32), 0.86-1.14 (Llama bf16). The tile term is what the loop
-# body holds at once (the scores, probabilities and their gradients in fp32); nothing
-# grows with T x T. Fused (cuDNN) attention: no score term (not measured, no GPU).
+# fitted (minimax relative error, 2026-11-24) to XLA:CPU's temp_size_in_bytes over 23
+# shapes per family and dtype: 15 activation-heavy (d 64-256, heads 2-16, T 128-1024,
+# batch 1-8, b 32-256, d_ff 2-6 x d; the default config's and the tests' among them) and
+# 8 param-heavy (d 512-2048, 128-1024 tokens): within 0.85-1.15 (GPT fp32), 0.75-1.25
+# (GPT bf16), 0.81-1.19 (Llama fp32), 0.83-1.17 (Llama bf16). The previous fit (10
+# activation-heavy shapes) gave 0.37 of the compiled size at d 1024 with 128 tokens:
+# the block's temporaries of its own params (about 3 bytes a param: page-spanning
+# weights concatenated, gradients flattened into pages) were missing. The shapes and
+# the fit: docs/results/2026-11-24.md. The tile term is what the loop body holds at once
+# (the scores, probabilities and their gradients in fp32); nothing grows with T x T.
+# Fused (cuDNN) attention: no score term (not measured, no GPU).
 #
 # A bf16 step's temporaries on XLA:CPU are nearly fp32-sized: the backend computes bf16
 # dots into fp32 outputs (then converts) and converts bf16 weights to fp32 copies for
@@ -210,10 +215,10 @@ _BLOCK_TEMPS = {  # (family, compute bytes): per activation, score, param elemen
     ("llama", 2): (73.9, 11.5, 3.1),
 }
 _BLOCKWISE_TEMPS = {  # (family, compute bytes): per activation, MLP, tile, param element
-    ("gpt", 4): (21.7, 22.9, 14.4, 0.59),
-    ("gpt", 2): (32.5, 16.6, 9.11, 5.07),
-    ("llama", 4): (7.58, 28.3, 10.9, 2.31),
-    ("llama", 2): (28.2, 21.1, 9.08, 3.03),
+    ("gpt", 4): (68.53, 11.87, 7.67, 2.86),
+    ("gpt", 2): (89.12, 3.73, 12.77, 3.69),
+    ("llama", 4): (30.86, 26.06, 6.88, 2.77),
+    ("llama", 2): (63.84, 12.89, 11.54, 3.21),
 }
 _HEAD_TEMPS = {4: (6.74, 6.27), 2: (7.22, 6.72)}  # per logit, per projection element
 
