@@ -9,12 +9,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from hetjax.config import Config
+from hetjax.config import Config, ConfigError
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy
 from hetjax.planning.hardware import Hardware
 from hetjax.runtime import remat
-from hetjax.storage.pages import fitted_page_elems
+from hetjax.runtime.stages import stage_layouts
 from models import attention, build_model
+from models.llama import split_experts
 
 
 def kept_key(level: str) -> str:
@@ -30,7 +31,7 @@ class Workload:
     name: str
     num_layers: int
     embed_params: int
-    block_params: int
+    block_params: int  # the block slab a device computes with (expert parallelism: its experts)
     head_params: int
     compute_bytes: int  # bytes per compute-dtype element
     block_grad_bytes: int  # bytes per element of block gradient slabs (memory.block_grad_dtype)
@@ -51,6 +52,14 @@ class Workload:
     attention_bwd_flops: float = 0.0
     measured: dict[str, float] | None = None  # stage seconds from :func:`trace`
     grad_policy: str = "keep"  # how long gradient buffers are held (memory.grad_policy)
+    # Expert parallelism: the whole block slab the devices store (every expert; ZeRO-3
+    # gives each 1/devices of it) and what one block's gather brings a device from the
+    # others (the dense pages' (n-1)/n, its experts' share of their group's); 0: none,
+    # the block slab is whole on every device (stored = block_params, gathered its
+    # (n-1)/n). And the bytes a device sends by all-to-all in one block's forward.
+    stored_block_params: int = 0
+    gathered_block_params: int = 0
+    exchange_bytes: int = 0
 
     @property
     def kept_block(self) -> int:
@@ -59,7 +68,17 @@ class Workload:
 
     @property
     def params(self) -> int:
-        return self.embed_params + self.num_layers * self.block_params + self.head_params
+        """Params stored (padded slabs; every expert)."""
+        return self.embed_params + self.num_layers * self.stored_block + self.head_params
+
+    @property
+    def stored_block(self) -> int:
+        """Params of the block slab the devices store (ZeRO-3: 1/devices each)."""
+        return self.stored_block_params or self.block_params
+
+    def gathered_block(self, devices: int) -> int:
+        """Params one block's all-gather brings a device from the other ``devices``."""
+        return self.gathered_block_params or self.block_params * (devices - 1) // devices
 
     @property
     def state_bytes_per_param(self) -> int:
@@ -96,7 +115,8 @@ class Workload:
     ) -> Workload:
         """From abstract shapes only (``jax.eval_shape``): nothing is allocated.
         ``sizes``: a measured :class:`hetjax.runtime.stages.StageMemory`, else estimated.
-        ``devices``: data-parallel devices sharing the batch (per-device sizes).
+        ``devices``: data-parallel devices sharing the batch (per-device sizes), of which
+        ``distributed.expert_parallel`` split a mixture of experts' experts.
         ``backend``: the XLA backend the stage functions would compile for ("cpu",
         "gpu", ...; default this process's), which sizes the estimated working set
         (:func:`estimate_working_set`)."""
@@ -105,13 +125,22 @@ class Workload:
         shapes = jax.eval_shape(model.init, jax.random.key(0))
         count = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
         L = m.num_layers
-        # slabs are whole pages of fp32 elements (fitted to the block), a multiple of
-        # the devices' (ZeRO-3 shards)
+        G = config.distributed.expert_parallel
+        if devices % G:
+            raise ConfigError(
+                f"config key 'distributed.expert_parallel' ({G}) must divide the device "
+                f"count ({devices}{' of the hardware profile' if devices > 1 else ''}); "
+                "plan for a machine with a multiple of it, or lower it"
+            )
+        # The slabs as the runtime lays them out (whole pages of fp32 elements, fitted
+        # to the block, a multiple of the devices': ZeRO-3 shards; the experts in groups)
+        layouts = stage_layouts(model, config.memory.page_size, devices, G)
+        embed, head = layouts["embed"].padded_size, layouts["head"].padded_size
+        block = layouts["block"].compute_size  # a device's experts only
+        # the block's params a device computes with (a MoE's: its E/G experts)
         block_used = count(shapes["blocks"]) // L
-        page = fitted_page_elems(block_used, config.memory.page_size // 4, devices) * devices
-        padded = lambda n: -(-n // page) * page
-        embed, head = padded(count(shapes["embed"])), padded(count(shapes["head"]))
-        block = padded(block_used)
+        if G > 1:
+            block_used -= count(split_experts(shapes["blocks"])[1]) // L * (G - 1) // G
         c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
         b, T, D = max(1, t.micro_batch_size // devices), t.seq_len, m.d_model
         tokens = b * T
@@ -129,6 +158,11 @@ class Workload:
             # (at all, the unflattened weights).
             kept = {k: v + (0 if k == "all" else (block - block_used) * c) for k, v in kept.items()}
             working = estimate_working_set(m, b, T, block_used, count(shapes["embed"]), backend)
+            if G > 1:  # the exchange's fixed-capacity rows: G x a device's (token, expert)
+                # pairs, through the send and receive buffers, their sorted copy and
+                # result (D wide) and the experts' gate, up and activation (F wide); an
+                # estimate from the buffers' shapes (not fitted), the runtime measures
+                working += G * tokens * m.experts_per_token * (4 * D + 3 * m.ff_dim) * c
             boundary = tokens * D * c
         else:
             kept, working, boundary = sizes.kept, sizes.working_set, sizes.boundary
@@ -162,6 +196,11 @@ class Workload:
             head_fwd_flops=tokens * 2 * m.vocab_size * D,
             attention_bwd_flops=attention_bwd,
             grad_policy=grad_policy(config),
+            stored_block_params=layouts["block"].padded_size if G > 1 else 0,
+            gathered_block_params=layouts["block"].gathered_size if G > 1 else 0,
+            # a block's forward sends and gets back its (token, expert) rows, at the
+            # capacity that drops none (models/llama.py: exchange_with_experts)
+            exchange_bytes=2 * G * tokens * m.experts_per_token * D * c * (G - 1) // G,
         )
 
 
@@ -283,7 +322,7 @@ def _memory_sizes(w: Workload, devices: int) -> Sizes:
         block=w.block_params,
         head=w.head_params,
         own_embed=w.embed_params // devices,
-        own_block=w.block_params // devices,
+        own_block=w.stored_block // devices,
         own_head=w.head_params // devices,
         compute_bytes=w.compute_bytes,
         block_grad_bytes=w.block_grad_bytes,

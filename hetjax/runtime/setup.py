@@ -49,7 +49,7 @@ def memory_sizes(
     return Sizes(
         num_layers=config.model.num_layers,
         embed=layouts["embed"].padded_size,
-        block=layouts["block"].padded_size,
+        block=layouts["block"].compute_size,  # expert parallelism: its device's experts
         head=layouts["head"].padded_size,
         own_embed=state_layouts["embed"].padded_size,
         own_block=state_layouts["block"].padded_size,

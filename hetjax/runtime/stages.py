@@ -14,24 +14,35 @@ import jax.numpy as jnp
 
 from hetjax.config import SWAP_LEVELS, ConfigError
 from hetjax.runtime import remat
+from hetjax.runtime.experts import ExpertSlabLayout
 from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems
 
 F32 = jnp.float32
 
 
-def stage_layouts(model, page_size: int, page_multiple: int = 1) -> dict[str, SlabLayout]:
+def stage_layouts(
+    model, page_size: int, page_multiple: int = 1, expert_parallel: int = 1
+) -> dict[str, SlabLayout | ExpertSlabLayout]:
     """The slab layouts of a model's stages (``embed``, one ``block``, ``head``), from
     abstract shapes: nothing is allocated. Pages are at most ``page_size`` bytes, fitted
     to the block (``pages.fitted_page_elems``); slabs pad to a multiple of
-    ``page_multiple`` pages (ZeRO-3: one equal share per device)."""
+    ``page_multiple`` pages (ZeRO-3: one equal share per device). With
+    ``expert_parallel`` > 1 (of the ``page_multiple`` devices) the block's experts are
+    laid out in that many groups (``experts.ExpertSlabLayout``). The layouts are where
+    both the runtime and the planner take the stages' sizes from."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     one_block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes["blocks"])
     block_elems = sum(math.prod(a.shape) for a in jax.tree.leaves(one_block))
     elems = fitted_page_elems(block_elems, page_size // MASTER_ITEMSIZE, page_multiple)
     page_size = elems * MASTER_ITEMSIZE
+    if expert_parallel > 1:
+        shares = page_multiple // expert_parallel
+        block = ExpertSlabLayout.of(one_block, page_size, expert_parallel, shares)
+    else:
+        block = SlabLayout.from_params(one_block, page_size, page_multiple)
     return {
         "embed": SlabLayout.from_params(shapes["embed"], page_size, page_multiple),
-        "block": SlabLayout.from_params(one_block, page_size, page_multiple),
+        "block": block,
         "head": SlabLayout.from_params(shapes["head"], page_size, page_multiple),
     }
 
@@ -146,7 +157,9 @@ class StageFunctions:
 
     ``jit`` compiles a stage function (one device: ``jax.jit`` onto it; ZeRO-3: per
     device with collectives) and ``grad_slab(pages, dtype)`` shapes a gradient as it
-    leaves the device; block gradients leave in ``block_grad_dtype``. Every backward
+    leaves the device; block gradients leave in ``block_grad_dtype``. ``kept_blocks``
+    false: no block keeps or swaps its activations (ZeRO-3's; an expert-parallel block
+    runs only inside its ``jit``), so :meth:`memory_sizes` does not size them. Every backward
     returns each gradient as ``(gradient, its pages' squared norms)``
     (:func:`page_squared_norms`): the host never takes a norm of a gradient the device
     already holds (``grads.py``).
@@ -160,8 +173,10 @@ class StageFunctions:
         grad_slab,
         block_grad_dtype=F32,
         keep_level: str = "all",
+        kept_blocks: bool = True,
     ):
         E, B, H = layouts["embed"], layouts["block"], layouts["head"]
+        self.kept_blocks = kept_blocks
 
         def out(pages, dtype=F32):  # a gradient as it leaves the device, and its norms
             grad = grad_slab(pages, dtype)
@@ -247,7 +262,7 @@ class StageFunctions:
     def abstract_args(self, batch: int, seq_len: int, dtype) -> dict[str, tuple]:
         """Abstract arguments of each function for a micro-batch (batch, seq_len)."""
         sds = jax.ShapeDtypeStruct
-        slab = lambda n: [sds((self.layouts[n].page_elems,), dtype)] * self.layouts[n].num_pages
+        slab = lambda n: self.layouts[n].device_pages(dtype)
         tokens = sds((batch, seq_len), jnp.int32)
         x = jax.eval_shape(self.embed_fwd, slab("embed"), tokens)
         stats = jax.eval_shape(self.block_fwd, slab("block"), x)[1]
@@ -268,7 +283,8 @@ class StageFunctions:
         for name in ("block_bwd", "head_fwd_bwd", "embed_bwd"):
             analysis = getattr(self, name).lower(*args[name]).compile().memory_analysis()
             temps.append(getattr(analysis, "temp_size_in_bytes", 0) if analysis else 0)
-        return StageMemory(act, max(temps) + 3 * act, self.kept_bytes(batch, seq_len, dtype))
+        kept = self.kept_bytes(batch, seq_len, dtype) if self.kept_blocks else {}
+        return StageMemory(act, max(temps) + 3 * act, kept)
 
     def keep_levels(self, batch: int, seq_len: int, dtype) -> tuple[str, ...]:
         """The keep levels the block supports (``remat.levels``)."""
