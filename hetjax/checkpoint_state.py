@@ -33,6 +33,7 @@ import dataclasses
 import errno
 import functools
 import json
+import math
 import os
 import time
 import zlib
@@ -122,14 +123,23 @@ def _flatten(layout: SlabLayout, trees: dict[str, Any]) -> dict[str, np.ndarray]
 
 
 def layout_meta(layouts: dict[str, SlabLayout]) -> dict[str, Any]:
-    """Each stage's leaves (path, shape, offset) and size: the canonical slab."""
+    """Each stage's leaves (path, shape, offset) and size: the canonical slab. A layout
+    that cuts leaves into pieces (expert parallelism's, ``runtime/experts.py``) lists
+    each piece as (path, the leaf's shape, offset, size, where it starts in the leaf)."""
+
+    def entry(leaf) -> list:
+        whole = [list(leaf.path), list(leaf.shape), leaf.offset]
+        return whole if leaf.size == math.prod(leaf.shape) else [*whole, leaf.size, leaf.start]
+
     return {
-        stage: {
-            "size": lay.size,
-            "leaves": [[list(leaf.path), list(leaf.shape), leaf.offset] for leaf in lay.leaves],
-        }
+        stage: {"size": lay.size, "leaves": [entry(leaf) for leaf in lay.leaves]}
         for stage, lay in layouts.items()
     }
+
+
+def _param_shapes(leaves: list) -> dict[tuple, tuple]:
+    """The params a stage's layout meta describes: each leaf's shape by path."""
+    return {tuple(entry[0]): tuple(entry[1]) for entry in leaves}
 
 
 def scalars_meta(scalars: dict[str, list]) -> dict[str, Any]:
@@ -430,16 +440,22 @@ class StoredState:
     def size(self, stage: str) -> int:
         return self.meta["layouts"][stage]["size"]
 
-    def check_layout(self, stage: str, layout: SlabLayout) -> None:
-        """Refuses to restore ``stage`` into a layout whose leaves differ."""
+    def same_layout(self, stage: str, layout: SlabLayout) -> bool:
+        """Whether ``stage`` was saved in ``layout`` (its ranges read as they are:
+        :meth:`read`). False when it holds the same params laid out otherwise (one saved
+        or restored with expert parallelism, whose block slabs are laid out by device):
+        restore it from :meth:`stage_tree`. Refuses other params (another model)."""
         saved = self.meta["layouts"][stage]["leaves"]
         now = layout_meta({stage: layout})[stage]["leaves"]
-        if saved != now:
+        if saved == now:
+            return True
+        if _param_shapes(saved) != _param_shapes(now):
             raise CheckpointError(
                 f"checkpoint {self.directory.parent} holds stage {stage} with other leaves "
-                f"than this model's ({len(saved)} saved, {len(now)} here): restore it into "
-                "the model that wrote it"
+                f"than this model's ({len(_param_shapes(saved))} saved, "
+                f"{len(_param_shapes(now))} here): restore it into the model that wrote it"
             )
+        return False
 
     # -- reading ------------------------------------------------------------------------
 
@@ -489,14 +505,24 @@ class StoredState:
         return self._arrays[p, kind]
 
     def stage_tree(self, stage: str, kind: str) -> Any:
-        """A stage's state of ``kind`` as its params pytree (nested dicts by leaf path)."""
+        """A stage's state of ``kind`` as its params pytree (nested dicts by leaf path):
+        views of the slab read, and leaves saved in pieces assembled from them."""
         flat = self.read(stage, kind, 0, self.size(stage))
+        leaves: dict[tuple, np.ndarray] = {}
+        for path, shape, offset, *piece in self.meta["layouts"][stage]["leaves"]:
+            n = math.prod(shape)
+            if not piece:  # a whole leaf
+                leaves[tuple(path)] = flat[offset : offset + n].reshape(shape)
+                continue
+            size, start = piece
+            whole = leaves.setdefault(tuple(path), np.zeros(shape, flat.dtype))
+            whole.reshape(-1)[start : start + size] = flat[offset : offset + size]
         tree: dict[str, Any] = {}
-        for path, shape, offset in self.meta["layouts"][stage]["leaves"]:
+        for path, leaf in leaves.items():
             node = tree
             for key in path[:-1]:
                 node = node.setdefault(key, {})
-            node[path[-1]] = flat[offset : offset + int(np.prod(shape))].reshape(shape)
+            node[path[-1]] = leaf
         return tree
 
     # -- the RuntimeState interface (whole state in RAM) --------------------------------

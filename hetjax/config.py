@@ -687,17 +687,24 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    """Data parallelism (ZeRO-3, hetjax/zero.py) and the processes of a multi-host run
-    (hetjax/distributed.py).
+    """Data and expert parallelism (ZeRO-3, hetjax/runtime/zero.py) and the processes of
+    a multi-host run (hetjax/distributed.py).
 
     ``data_parallel`` devices share every stage's pages, one 1/N shard each; 1 is the
-    single-device streaming runtime, 0 every device of every process. ``coordinator``,
+    single-device streaming runtime, 0 every device of every process. With
+    ``expert_parallel`` E > 1 a mixture-of-experts model's experts are split over E
+    devices (each holds model.num_experts / E of every block's experts, and tokens go to
+    their experts' devices and back with all-to-alls), composed with ``data_parallel``
+    over the remaining devices: data_parallel x expert_parallel devices in all
+    (data_parallel 0: every device); every other param is ZeRO-3 over all of them.
+    ``coordinator``,
     ``num_processes`` and ``process_id`` start ``jax.distributed``: empty / 0 / -1 read
     them from the environment (``HETJAX_COORDINATOR``, ``HETJAX_NUM_PROCESSES``,
     ``HETJAX_PROCESS_ID``, else SLURM's variables); with none set the run is one process.
     """
 
     data_parallel: int = 1
+    expert_parallel: int = 1  # devices the experts are split over (1: none)
     coordinator: str = ""  # host:port of process 0's coordination service
     num_processes: int = 0  # 0: from the environment, else 1
     process_id: int = -1  # -1: from the environment
@@ -711,6 +718,12 @@ class DistributedConfig:
             "distributed.data_parallel",
             "must be >= 0 (0: every device, 1: no data parallelism)",
             self.data_parallel,
+        )
+        _check(
+            self.expert_parallel >= 1,
+            "distributed.expert_parallel",
+            "must be >= 1 (1: no expert parallelism)",
+            self.expert_parallel,
         )
         _check(
             self.num_processes >= 0,
@@ -735,6 +748,16 @@ class DistributedConfig:
                 f"address and a free port), got {self.coordinator!r}"
             )
         _check(self.timeout_s >= 1, "distributed.timeout_s", "must be >= 1", self.timeout_s)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the run spreads its state over devices (ZeRO-3, experts or both)."""
+        return self.data_parallel != 1 or self.expert_parallel != 1
+
+    @property
+    def devices(self) -> int:
+        """Devices of the run's mesh: data_parallel x expert_parallel (0: every device)."""
+        return self.data_parallel * self.expert_parallel
 
 
 _SECTIONS = {
@@ -796,49 +819,77 @@ class Config:
                 f"{stages} (embed, {counted}, head); at most every stage keeps its "
                 "optimizer state on the device"
             )
-        data = self.distributed.data_parallel
-        if data != 1 and self.offload.optimizer_device_stages:
+        dist = self.distributed
+        data, experts = dist.data_parallel, dist.expert_parallel
+        if experts > 1 and not self.model.num_experts:
+            raise ConfigError(
+                f"config key 'distributed.expert_parallel' ({experts}): expert parallelism "
+                "splits a mixture of experts' experts, and this model has none "
+                "(model.num_experts is 0); leave it 1"
+            )
+        if experts > 1 and self.model.family != "llama":
+            raise ConfigError(
+                f"config key 'distributed.expert_parallel' ({experts}): expert parallelism "
+                f"is implemented for family 'llama''s mixture of experts, not "
+                f"{self.model.family!r}'s (a T5's Switch experts are not split); leave it 1"
+            )
+        if experts > 1 and self.model.num_experts % experts:
+            raise ConfigError(
+                f"config key 'distributed.expert_parallel' ({experts}) must divide "
+                f"model.num_experts ({self.model.num_experts}): each device holds an equal "
+                "share of every block's experts"
+            )
+        # the not-yet-supported combinations below name the kind of parallelism asked for
+        parallel = (
+            "expert parallelism (distributed.expert_parallel > 1)"
+            if experts > 1
+            else "data parallelism (distributed.data_parallel != 1)"
+        )
+        if dist.sharded and self.offload.optimizer_device_stages:
             raise ConfigError(
                 "config key 'offload.optimizer_device_stages': a device cache of optimizer "
-                "state is not supported with data parallelism (distributed.data_parallel "
-                "!= 1, where each device updates its shard on the host); leave it 0"
+                f"state is not supported with {parallel}, where each device updates its "
+                "shard on the host; leave it 0"
             )
-        if data != 1 and self.offload.mode == "none":
+        if dist.sharded and self.offload.mode == "none":
+            key = "expert_parallel" if experts > 1 else "data_parallel"
             raise ConfigError(
-                f"config key 'distributed.data_parallel' ({data}): data parallelism (ZeRO-3) "
-                "is built on the streaming runtime; set offload.mode=stream (or auto)"
+                f"config key 'distributed.{key}' ({getattr(dist, key)}): {parallel} is "
+                "built on the streaming runtime (ZeRO-3); set offload.mode=stream (or auto)"
             )
-        if data > 1 and self.train.micro_batch_size % data:
+        if dist.devices > 1 and self.train.micro_batch_size % dist.devices:
+            over = f"distributed.data_parallel={data}"
+            if experts > 1:
+                over += f" x distributed.expert_parallel={experts}"
             raise ConfigError(
                 f"config key 'train.batch_size' ({self.train.batch_size}) split into "
                 f"{self.train.grad_accum} micro-batches of {self.train.micro_batch_size} rows "
-                f"must divide evenly over distributed.data_parallel={data} devices; make "
-                "batch_size / grad_accum a multiple of it"
+                f"must divide evenly over {over} devices; make batch_size / grad_accum a "
+                f"multiple of it ({dist.devices})"
             )
-        if data != 1 and self.offload.keep_blocks:
+        if dist.sharded and self.offload.keep_blocks:
             raise ConfigError(
                 "config key 'offload.keep_blocks': kept activations are not supported with "
-                "data parallelism (distributed.data_parallel != 1); leave it 0"
+                f"{parallel}; leave it 0"
             )
-        if data != 1 and self.offload.swap_blocks:
+        if dist.sharded and self.offload.swap_blocks:
             raise ConfigError(
                 "config key 'offload.swap_blocks': swapped activations are not supported "
-                "with data parallelism (distributed.data_parallel != 1); leave it 0"
+                f"with {parallel}; leave it 0"
             )
-        if data != 1 and self.offload.swap_tier == "nvme" and self.offload.swap_blocks:
+        if dist.sharded and self.offload.swap_tier == "nvme" and self.offload.swap_blocks:
             raise ConfigError(
-                "config key 'offload.swap_tier': nvme is not supported with data "
-                "parallelism (distributed.data_parallel != 1); use host"
+                f"config key 'offload.swap_tier': nvme is not supported with {parallel}; use host"
             )
-        if data != 1 and self.offload.activations == "nvme":
+        if dist.sharded and self.offload.activations == "nvme":
             raise ConfigError(
                 "config key 'offload.activations': nvme checkpoints are not supported with "
-                "data parallelism (distributed.data_parallel != 1); use device or host"
+                f"{parallel}; use device or host"
             )
-        if data != 1 and self.optimizer.mode == "lockfree":
+        if dist.sharded and self.optimizer.mode == "lockfree":
             raise ConfigError(
-                "config key 'optimizer.mode': lockfree is not supported with data "
-                "parallelism (distributed.data_parallel != 1); use optimizer.mode=sync"
+                f"config key 'optimizer.mode': lockfree is not supported with {parallel}; "
+                "use optimizer.mode=sync"
             )
 
     def _check_objective(self) -> None:

@@ -181,6 +181,10 @@ HELP: dict[str, str] = {
     "distributed.data_parallel": "ZeRO-3 data-parallel degree (`offload.mode=stream`): "
     "devices sharing every stage's pages; 1 = none, 0 = every device of every process "
     "([distributed](distributed.md))",
+    "distributed.expert_parallel": "devices a mixture-of-experts model's experts are split "
+    "over (each holds `model.num_experts` / N of every block's experts; tokens move by "
+    "all-to-all), times `data_parallel` devices in all; 1 = none "
+    "([distributed](distributed.md#expert-parallelism))",
     "distributed.coordinator": "`host:port` of process 0; empty: `HETJAX_COORDINATOR`, else "
     "the first SLURM node",
     "distributed.num_processes": "0: from `HETJAX_NUM_PROCESSES`, else `SLURM_NTASKS`, else "

@@ -1,4 +1,4 @@
-"""Processes of a multi-host run: ``jax.distributed`` start-up, the data mesh, process 0.
+"""Processes of a multi-host run: ``jax.distributed`` start-up, the device mesh, process 0.
 
 Every process runs the same ``python -m hetjax.launch`` command; what differs is in the
 environment (or the ``distributed.*`` config keys, which win):
@@ -33,6 +33,8 @@ import time
 from hetjax.config import Config, ConfigError, DistributedConfig
 
 DATA_AXIS = "data"
+EXPERT_AXIS = "expert"  # the mesh axis a mixture of experts' experts are split over
+MESH_AXES = (DATA_AXIS, EXPERT_AXIS)  # the batch and ZeRO-3's pages split over both
 DEFAULT_PORT = 12355
 
 
@@ -107,7 +109,7 @@ def initialize(config: Config) -> ProcessGroup:
     group = process_group(cfg)
     if group.num_processes == 1:
         return group
-    if config.offload.mode != "stream" or cfg.data_parallel == 1:
+    if config.offload.mode != "stream" or not cfg.sharded:
         raise ConfigError(
             f"{group.num_processes} processes train one model only with ZeRO-3 data "
             "parallelism: set offload.mode=stream and distributed.data_parallel=0 (every "
@@ -194,25 +196,35 @@ def any_process(*flags: bool) -> tuple[bool, ...]:
     return tuple(bool(f) for f in np.asarray(every).reshape(-1, len(flags)).any(axis=0))
 
 
-def data_mesh(degree: int):
-    """A 1-D mesh over ``degree`` devices (0: every device of every process), axis
-    ``data``. Each process's devices are contiguous in it."""
+def data_mesh(degree: int, expert_parallel: int = 1):
+    """A 2-D mesh (axes ``data``, ``expert``) of ``degree`` x ``expert_parallel``
+    devices (``degree`` 0: every device of every process, ``expert_parallel`` of them
+    on each row). The devices are taken in process order, row by row, so each process's
+    devices are contiguous in the mesh's flat order."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
     devices = jax.devices()  # ordered by process
-    n = degree or len(devices)
-    if n > len(devices):
+    experts = expert_parallel
+    if not degree and len(devices) % experts:
         raise ConfigError(
-            f"config key 'distributed.data_parallel' asks for {n} devices but "
-            f"{len(devices)} exist; lower it, or on CPU start with "
+            f"config key 'distributed.expert_parallel' ({experts}) must divide the device "
+            f"count ({len(devices)}) when distributed.data_parallel is 0 (every device); "
+            "change one of them"
+        )
+    n = degree * experts or len(devices)
+    if n > len(devices):
+        key = "data_parallel" if experts == 1 else "data_parallel x expert_parallel"
+        raise ConfigError(
+            f"config key 'distributed.{key}' asks for {n} devices but {len(devices)} "
+            f"exist; lower it, or on CPU start with "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={n}"
         )
     if jax.process_count() > 1 and n != len(devices):
         raise ConfigError(
             f"config key 'distributed.data_parallel' ({degree}): with "
             f"{jax.process_count()} processes every device takes part; set it to 0 or "
-            f"{len(devices)}"
+            f"{len(devices) // experts}"
         )
-    return Mesh(np.array(devices[:n]), (DATA_AXIS,))
+    return Mesh(np.array(devices[:n]).reshape(n // experts, experts), MESH_AXES)

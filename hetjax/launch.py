@@ -172,6 +172,9 @@ def _plan(config, hardware: str) -> int:
     except PlanError as e:
         print(f"hetjax: does not fit: {e}", file=sys.stderr)
         return 1
+    except ConfigError as e:  # e.g. distributed.expert_parallel against the profile's devices
+        print(f"hetjax: config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -216,7 +216,7 @@ def block_grad_dtype(config: Config) -> np.dtype:
         config.model.compute_dtype == "bfloat16"
         and config.train.grad_accum == 1
         and config.optimizer.mode == "sync"
-        and config.distributed.data_parallel == 1  # ZeRO-3 sums gradients over devices
+        and not config.distributed.sharded  # ZeRO-3 sums gradients over devices
     ):
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(np.float32)

@@ -102,7 +102,7 @@ def report(
     streamed = isinstance(runtime, StreamingRuntime)
     in_memory_s = None
     n = config.train.in_memory_steps
-    if streamed and n and config.distributed.data_parallel != 1:
+    if streamed and n and config.distributed.sharded:
         log(
             "summary: no in-memory reference step (train.in_memory_steps times it on one "
             "device; this run is data-parallel)"

@@ -45,7 +45,7 @@ def build_runtime(config: Config, workdir: str | Path | None = None) -> Runtime:
         config = resolve_auto(config, workdir)
     if config.offload.mode == "none":
         return InMemoryRuntime(config)
-    if config.offload.mode == "stream" and config.distributed.data_parallel != 1:
+    if config.offload.mode == "stream" and config.distributed.sharded:
         return StreamingRuntime(config, workdir=workdir, placement=Zero3(config))
     if config.offload.mode == "stream":
         return StreamingRuntime(config, workdir=workdir)

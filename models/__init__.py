@@ -20,12 +20,15 @@ from models.t5 import T5
 __all__ = ["GPT", "T5", "FlaxStages", "Llama", "StageGroup", "StagedModel", "build_model"]
 
 
-def build_model(config: ModelConfig) -> StagedModel:
-    """The model for ``config.family``."""
+def build_model(config: ModelConfig, expert_axis: str | None = None) -> StagedModel:
+    """The model for ``config.family``. ``expert_axis``: the mesh axis a mixture of
+    experts' experts are split over (expert parallelism: only ``llama`` has experts,
+    ``models/llama.py``; ``distributed.expert_parallel`` is refused for any other
+    model), for the stage functions run inside a ``shard_map``."""
     if config.family == "gpt":
         return GPT(config)
     if config.family == "llama":
-        return Llama(config)
+        return Llama(config, expert_axis)
     if config.family == "t5":
         return T5(config)
     if config.family == "custom":

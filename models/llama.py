@@ -21,10 +21,15 @@ With ``model.num_experts`` E > 0 the MLP is Mixtral's mixture of experts
 ``moe/{router (D, E), gate_proj (E, D, F), up_proj (E, D, F), down_proj (E, F, D)}``,
 and, with ``model.router_aux_loss_coef`` > 0, the block also returns its router
 statistics, from which the model's load-balancing loss is computed
-(:meth:`Llama.aux_loss`, the staged interface's auxiliary loss).
+(:meth:`Llama.aux_loss`, the staged interface's auxiliary loss). Built with an
+``expert_axis`` (a mesh axis name: ``Llama(config, expert_axis=...)``, run inside a
+``shard_map`` over that axis), a block holds only its device's share of the experts
+and sends each token to the device of its experts and back (expert parallelism,
+``distributed.expert_parallel``; :func:`exchange_with_experts`).
 
 Shape letters: B batch, T/S query/key positions, D model width, N key/value heads,
-G query heads per key/value head (H = N G), K head width, F MLP width, V vocabulary.
+G query heads per key/value head (H = N G), K head width, F MLP width, V vocabulary,
+E experts, X devices the experts are split over.
 """
 
 from __future__ import annotations
@@ -75,9 +80,11 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class LlamaBlock(nn.Module):
-    """x + attn(rms(x)); x + down(silu(gate(rms(x))) * up(rms(x)))."""
+    """x + attn(rms(x)); x + down(silu(gate(rms(x))) * up(rms(x))). ``expert_axis``:
+    see :class:`MixtureOfExperts`."""
 
     config: ModelConfig
+    expert_axis: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, D)
@@ -111,7 +118,7 @@ class LlamaBlock(nn.Module):
 
         h = norm("post_attention_layernorm")(x)
         if cfg.num_experts:
-            out, stats = MixtureOfExperts(cfg, name="moe")(h)
+            out, stats = MixtureOfExperts(cfg, self.expert_axis, name="moe")(h)
             return (x + out, stats) if router_stats_size(cfg) else x + out
         h = nn.silu(dense(cfg.ff_dim, "gate_proj")(h)) * dense(cfg.ff_dim, "up_proj")(h)
         return x + dense(D, "down_proj")(h)  # h (B, T, F)
@@ -133,9 +140,16 @@ class MixtureOfExperts(nn.Module):
 
     h (B, T, D) -> (out (B, T, D), stats (2 E,) fp32): ``stats`` holds, per expert, the
     fraction of top-k slots routed to it (summing to k over experts) and its mean router
-    probability over the tokens, the two factors of the load-balancing loss."""
+    probability over the tokens, the two factors of the load-balancing loss.
+
+    ``expert_axis``: the mesh axis (inside a ``shard_map``) the experts are split over.
+    On device n of its X devices this module holds experts [n E/X, (n+1) E/X) (their
+    params have E/X rows), routes its own tokens as above, and computes the pairs on the
+    experts' devices (:func:`exchange_with_experts`): the same function of the tokens,
+    the router and every expert's params."""
 
     config: ModelConfig
+    expert_axis: str | None = None
 
     @nn.compact
     def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -144,10 +158,15 @@ class MixtureOfExperts(nn.Module):
         init = nn.initializers.normal(cfg.init_std)
         B, T, D = h.shape
         E, k, F = cfg.num_experts, cfg.experts_per_token, cfg.ff_dim
+        local = E // (jax.lax.axis_size(self.expert_axis) if self.expert_axis else 1)
         router = self.param("router", init, (D, E), cfg.param_dtype)
-        gate = self.param("gate_proj", init, (E, D, F), cfg.param_dtype).astype(dtype)
-        up = self.param("up_proj", init, (E, D, F), cfg.param_dtype).astype(dtype)
-        down = self.param("down_proj", init, (E, F, D), cfg.param_dtype).astype(dtype)
+        gate = self.param("gate_proj", init, (local, D, F), cfg.param_dtype).astype(dtype)
+        up = self.param("up_proj", init, (local, D, F), cfg.param_dtype).astype(dtype)
+        down = self.param("down_proj", init, (local, F, D), cfg.param_dtype).astype(dtype)
+
+        def experts(rows, sizes):  # rows (R, D) grouped by expert, sizes (local,) -> (R, D)
+            act = nn.silu(jax.lax.ragged_dot(rows, gate, sizes))
+            return jax.lax.ragged_dot(act * jax.lax.ragged_dot(rows, up, sizes), down, sizes)
 
         tokens = h.reshape(B * T, D)  # (M, D), M = B T
         logits = jnp.einsum("MD,DE->ME", tokens, router.astype(dtype)).astype(jnp.float32)
@@ -160,14 +179,49 @@ class MixtureOfExperts(nn.Module):
         token = order // k  # (M k,) the token of each sorted pair
         sizes = jnp.bincount(expert, length=E).astype(jnp.int32)  # (E,) pairs per expert
         rows = tokens[token]  # (M k, D)
-        act = nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-        y = jax.lax.ragged_dot(act, down, sizes)  # (M k, D)
+        if self.expert_axis is None:
+            y = experts(rows, sizes)  # (M k, D)
+        else:
+            y = exchange_with_experts(rows, sizes, experts, self.expert_axis)
         y = y * weights.reshape(-1)[order][:, None].astype(dtype)
         out = jnp.zeros((B * T, D), dtype).at[token].add(y).reshape(B, T, D)
 
         routed = jnp.mean(jnp.sum(jax.nn.one_hot(top_e, E, dtype=jnp.float32), axis=1), axis=0)
         stats = jnp.concatenate([routed, jnp.mean(probs, axis=0)])  # (2 E,)
         return out, stats
+
+
+def exchange_with_experts(rows: jax.Array, sizes: jax.Array, experts, axis: str) -> jax.Array:
+    """Expert parallelism's dispatch and return, inside a ``shard_map`` over ``axis``
+    (X devices, device n holding experts [n E/X, (n+1) E/X)): this device's (token,
+    expert) rows (R, D), grouped by expert, ``sizes`` (E,) rows per expert, go to their
+    experts' devices (an all-to-all), each device runs ``experts(rows, local sizes)``
+    on the rows it received (grouped by its local expert) and the results come back
+    (a second all-to-all): (R, D), in the order of ``rows``.
+
+    Dropless at a fixed capacity: a device may send all its R rows to one device, so
+    each of the X slots of the send buffer holds R rows, and each device receives X R
+    rows, most of them empty (the CPU backend has no ragged all-to-all). That is X x
+    the rows of one device's own routing in each buffer and each exchange; empty rows
+    cost no expert FLOPs where ``ragged_dot`` skips rows past its groups (on the CPU
+    it multiplies every row by every group, masked)."""
+    X = jax.lax.axis_size(axis)
+    R, D = rows.shape
+    local = sizes.shape[0] // X  # experts per device
+    expert = jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=R)  # (R,)
+    device = expert // local  # where each row goes
+    per_device = jnp.sum(sizes.reshape(X, local), axis=1)  # (X,)
+    slot = jnp.arange(R) - (jnp.cumsum(per_device) - per_device)[device]  # its place there
+    send = jnp.zeros((X, R, D), rows.dtype).at[device, slot].set(rows)
+    # each slot's expert on the device it goes to; ``local`` marks an empty slot
+    ids = jnp.full((X, R), local, jnp.int32).at[device, slot].set(expert % local)
+    received = jax.lax.all_to_all(send, axis, 0, 0).reshape(X * R, D)  # [source, slot]
+    received_ids = jax.lax.all_to_all(ids, axis, 0, 0).reshape(X * R)
+    order = jnp.argsort(received_ids, stable=True)  # by local expert, empty slots last
+    local_sizes = jnp.bincount(received_ids, length=local + 1)[:local].astype(jnp.int32)
+    y = jnp.zeros_like(received).at[order].set(experts(received[order], local_sizes))
+    back = jax.lax.all_to_all(y.reshape(X, R, D), axis, 0, 0)  # [destination, slot]
+    return back[device, slot]
 
 
 class LlamaEmbed(nn.Module):
@@ -209,13 +263,16 @@ class LlamaHead(nn.Module):
 
 
 class Llama(FlaxStages):
-    """A Llama model as three stages; the interface is :class:`models.staged.FlaxStages`'s."""
+    """A Llama model as three stages; the interface is :class:`models.staged.FlaxStages`'s.
+    ``expert_axis``: a MoE model's blocks hold their device's share of the experts
+    (:class:`MixtureOfExperts`); its stages are then run inside a ``shard_map`` over that
+    axis, and the model is initialised without one (init sees every expert)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, expert_axis: str | None = None):
         super().__init__(
             config,
             embed=LlamaEmbed(config),
-            block=LlamaBlock(config),
+            block=LlamaBlock(config, expert_axis),
             head=LlamaHead(config),
             tied="embed_tokens" if config.tie_embeddings else None,
         )
@@ -245,3 +302,20 @@ def router_balance_loss(stats: jax.Array, config: ModelConfig) -> jax.Array:
     E, L = config.num_experts, config.num_layers
     routed, prob = stats[:E] / L, stats[E:] / L
     return E * jnp.sum(routed * prob)
+
+
+EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")  # a MoE block's, under "moe": (E, ...)
+
+
+def split_experts(block: dict) -> tuple[dict, dict]:
+    """A MoE block's params -> (the rest, the experts ``{"moe": {gate_proj, up_proj,
+    down_proj}}``, each with the experts on its leading axis). Works on any pytree
+    leaves (arrays, shapes)."""
+    moe = block["moe"]
+    rest = {**block, "moe": {k: v for k, v in moe.items() if k not in EXPERT_PARAMS}}
+    return rest, {"moe": {k: moe[k] for k in EXPERT_PARAMS}}
+
+
+def join_experts(rest: dict, experts: dict) -> dict:
+    """The inverse of :func:`split_experts`."""
+    return {**rest, "moe": {**rest["moe"], **experts["moe"]}}

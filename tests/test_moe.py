@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from equivalence import assert_training_equal, check_tokens
+from equivalence import assert_training_equal, assert_trees_close, check_tokens
 from hf_models import VOCAB
 
 from hetjax.config import Config, ConfigError
@@ -219,3 +219,251 @@ def test_aux_loss_is_in_the_loss_and_gradients(tiny):
     g_on = jax.grad(model.loss)(params, ids[:, :-1], ids[:, 1:])["blocks"]["moe"]["router"]
     g_off = jax.grad(off.loss)(params, ids[:, :-1], ids[:, 1:])["blocks"]["moe"]["router"]
     assert not np.allclose(g_on, g_off)
+
+
+# -- expert parallelism (distributed.expert_parallel) -----------------------------------
+
+
+def ep_config(tiny, data: int, experts: int, **model):
+    """The tiny MoE's training run on ``data`` x ``experts`` devices, SGD (as the
+    reference fixture's); ``model``: changes to its shape."""
+    return tiny(
+        model={**TRAIN_MOE, **model},
+        train=SHORT,
+        optimizer=SGD,
+        offload=dict(mode="stream"),
+        memory=dict(page_size="16KiB"),
+        distributed=dict(data_parallel=data, expert_parallel=experts),
+    )
+
+
+@pytest.mark.parametrize(
+    "data,experts",
+    [(2, 2), pytest.param(1, 4, marks=pytest.mark.slow)],  # ~20 s each on 2 cores
+    ids=["data2xexpert2", "expert4"],
+)
+def test_expert_parallel_on_4_devices_equals_single_device(
+    reference, tiny, tmp_path, data, experts
+):
+    """Experts split over the expert axis (each device holds 4 / experts of every block's
+    experts and exchanges its tokens' rows by all-to-all), ZeRO-3 over the rest: losses,
+    the validation loss, every final param (experts included, gathered back from their
+    devices) and the gradient norms equal one device's at 1e-5 (fp32, SGD)."""
+    config = ep_config(tiny, data, experts)
+    result = train(config, tmp_path, verbose=False)
+    assert_training_equal(result, reference, build_model(config.model), check_tokens())
+    norms = [[r["grad_norm"] for r in run.records] for run in (result, reference)]
+    np.testing.assert_allclose(*norms, rtol=1e-5)
+
+
+def test_expert_slab_shares_hold_their_devices_experts(tiny):
+    """A block's slab under expert parallelism (2 x 2 devices): device (s, g)'s share
+    holds a share of its group g's experts (experts 2g, 2g + 1) and no other's; the
+    gather gives each device the dense params whole and its group's experts whole,
+    and none of the other group's; flatten / unflatten round-trip the block exactly."""
+    from hetjax.runtime.experts import ExpertSlabLayout
+    from hetjax.runtime.zero import Zero3
+
+    config = ep_config(tiny, 2, 2)
+    zero = Zero3(config)
+    model = build_model(config.model)
+    layout = zero.stage_layouts(model, config.memory.page_size)["block"]
+    assert isinstance(layout, ExpertSlabLayout) and (layout.groups, layout.shares) == (2, 2)
+    block = jax.tree.map(np.asarray, model.init_stage("block", jax.random.key(0)))
+    E = config.model.num_experts
+    for name in ("gate_proj", "up_proj", "down_proj"):  # expert e's entries all e + 1
+        shape = block["moe"][name].shape
+        block["moe"][name] = np.broadcast_to(np.arange(1, E + 1.0)[:, None, None], shape).copy()
+    slab = layout.flatten_np(block)
+    jax.tree.map(np.testing.assert_array_equal, layout.unflatten(slab), block)
+    P = layout.page_elems
+    shares = slab.reshape(layout.devices, layout.share * P)
+    for n, share in enumerate(shares):
+        g = n % layout.groups  # the mesh is (data, expert): device n = (n // 2, n % 2)
+        experts = set(np.unique(share[: layout.expert_share * P])) - {0.0}
+        assert experts and experts <= {2.0 * g + 1, 2.0 * g + 2}, (n, experts)
+    host = jax.device_put(slab.reshape(-1, P), zero.sharded.slab_host)
+    pages = zero.to_device(host, layout)
+    for shard in pages.experts.addressable_shards:
+        g = int(np.argwhere(zero.mesh.devices == shard.device)[0][1])
+        assert shard.data.shape == (layout.experts.num_pages, P)  # one group's pages
+        mine = layout.experts.unflatten(np.asarray(shard.data).reshape(-1))
+        for name, value in mine["moe"].items():
+            np.testing.assert_array_equal(value, block["moe"][name][2 * g : 2 * g + 2])
+    dense = np.concatenate([np.asarray(p) for p in pages.dense])
+    rest = layout.dense.unflatten(dense[layout.dense.padded_size - layout.dense.size :])
+    np.testing.assert_array_equal(rest["q_proj"]["kernel"], block["q_proj"]["kernel"])
+    np.testing.assert_array_equal(rest["moe"]["router"], block["moe"]["router"])
+
+
+def test_planner_counts_a_devices_share_of_the_experts(tiny):
+    """The planner's per-device block (what the device window holds) is the dense params
+    and 1/expert_parallel of the experts, padded to whole pages; what each device stores
+    and updates is 1/devices of the whole block either way."""
+    from hetjax.planning.workload import Workload, memory_sizes
+
+    config = ep_config(tiny, 1, 4)
+    dense_config = ep_config(tiny, 4, 1)
+    model = build_model(config.model)
+    shapes = jax.eval_shape(lambda key: model.init_stage("block", key), jax.random.key(0))
+    count = lambda tree: sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree))
+    experts = count({k: shapes["moe"][k] for k in ("gate_proj", "up_proj", "down_proj")})
+    whole = count(shapes)
+    sizes = memory_sizes(Workload.from_config(config, devices=4), 4)
+    zero3 = memory_sizes(Workload.from_config(dense_config, devices=4), 4)
+    page = 16 * 1024 // 4
+    assert whole - experts + experts // 4 <= sizes.block < whole - experts + experts // 4 + 8 * page
+    assert zero3.block >= whole > sizes.block
+    assert 4 * sizes.own_block >= whole and 4 * zero3.own_block >= whole
+
+
+def test_mixtral_8x7b_plans_with_its_experts_over_8_devices():
+    """``--plan`` of configs/mixtral_8x7b.py with expert_parallel=8 on an 8-GPU profile:
+    a device computes with a block of its one expert and the dense params (under a
+    sixth of the whole block), stores 1/8 of every whole block as ZeRO-3 does, and the
+    all-to-alls enter the collectives lane; a 1-GPU profile is refused naming the key."""
+    from hetjax.config import load_config
+    from hetjax.planning.hardware import get_profile
+    from hetjax.planning.search import make_plan
+    from hetjax.planning.workload import Workload
+
+    dist = {"distributed.data_parallel": "0", "offload.mode": "stream"}
+    experts = load_config("mixtral_8x7b", {**dist, "distributed.expert_parallel": "8"})
+    zero3 = load_config("mixtral_8x7b", dist)
+    w8, w1 = (Workload.from_config(c, devices=8) for c in (experts, zero3))
+    assert w8.block_params < w1.block_params / 6
+    # every param stored, padded to whole pages twice a block (the dense part, a group)
+    assert w1.params <= w8.params < 1.01 * w1.params
+    assert w8.exchange_bytes > 0 == w1.exchange_bytes
+    plans = [make_plan(c, get_profile("angel-a100-40g")) for c in (experts, zero3)]
+    assert all(p.lanes["collectives"] > 0 for p in plans)
+    with pytest.raises(ConfigError, match="'distributed.expert_parallel' .8. must divide"):
+        make_plan(experts, get_profile("a100-80g"))
+
+
+def test_bad_expert_parallel_settings_are_named(tiny):
+    from hetjax.runtime.zero import Zero3
+
+    with pytest.raises(ConfigError, match="'distributed.expert_parallel' .3. must divide"):
+        ep_config(tiny, 1, 3)  # 4 experts
+    with pytest.raises(ConfigError, match="'distributed.expert_parallel'.*has none"):
+        tiny(offload=dict(mode="stream"), distributed=dict(expert_parallel=2))  # a GPT
+    with pytest.raises(ConfigError, match="'distributed.expert_parallel'.*offload.mode=stream"):
+        tiny(model=TRAIN_MOE, offload=dict(mode="none"), distributed=dict(expert_parallel=2))
+    with pytest.raises(ConfigError, match="'train.batch_size'.*expert_parallel=4 devices"):
+        ep_config(tiny, 2, 4)  # 4 rows over 8 devices
+    # the device count is known when the mesh is made: 8 virtual devices here
+    every = dict(data_parallel=0, expert_parallel=3)
+    config = tiny(model={**TRAIN_MOE, "num_experts": 6}, offload=dict(mode="stream"))
+    with pytest.raises(ConfigError, match="'distributed.expert_parallel' .3. must divide the dev"):
+        Zero3(config.replace(distributed=every))
+    with pytest.raises(ConfigError, match="'train.batch_size' .4.*the mesh's 8 devices"):
+        Zero3(config.replace(distributed=dict(data_parallel=0, expert_parallel=2)))
+    # The norm scales (not weight-decayed) must end the slab, in the last device's share
+    # of the dense pages: 2 D of them, against a share of at least a page and 1/N of
+    # the dense params (4 D^2 and more), so only some thousand devices cut them: 4096
+    # devices (shapes alone), 1024-element pages, d 1024.
+    from hetjax.runtime.stages import stage_layouts
+
+    wide = build_model(tiny(model={**TRAIN_MOE, "d_model": 1024, "d_ff": 16}).model)
+    with pytest.raises(ConfigError, match="'memory.page_size': a block's 2048 norm-scale"):
+        stage_layouts(wide, 4096, page_multiple=4096, expert_parallel=2)
+
+
+@pytest.mark.slow  # ~25 s: two runtimes built and stepped on 4 devices
+def test_expert_parallel_runtime_holds_a_devices_share_of_the_experts(tiny):
+    """The runtime's slab sizes are the planner's (one memory model: the block a device
+    computes with has its share of the experts, the one it stores every expert), and what the
+    device really held in a step (the ledger: the window's slabs, gradients in flight)
+    is less with the experts split over 2 devices than with ZeRO-3 over 4, whose
+    window gathers every expert."""
+    from hetjax.data import make_datasets
+    from hetjax.planning.workload import Workload, memory_sizes
+    from hetjax.runtime.streaming import StreamingRuntime
+    from hetjax.runtime.zero import Zero3
+
+    peak, blocks = {}, {}
+    for data, experts in ((2, 2), (4, 1)):
+        # experts 4 x wider than the tiny MoE's: in its pages padding hides the saving
+        config = ep_config(tiny, data, experts, d_ff=192)
+        runtime = StreamingRuntime(config, placement=Zero3(config))
+        planned = memory_sizes(Workload.from_config(config, devices=4), 4)
+        fields = ("embed", "block", "head")
+        assert [getattr(planned, f) for f in fields] == [getattr(runtime.sizes, f) for f in fields]
+        # the planner's process holds one device's shares, this one all 4 devices'
+        assert 4 * planned.own_block == runtime.sizes.own_block
+        data_batch, _, _ = make_datasets(config)
+        runtime.train_step(data_batch.batch(0).reshape(1, 4, -1))
+        peak[experts], blocks[experts] = runtime.ledger.peak["device"], runtime.sizes.block
+        runtime.close()
+    assert blocks[2] < blocks[1]
+    assert peak[2] < peak[1], peak
+
+
+@pytest.mark.slow  # ~10 s
+def test_expert_parallel_steps_have_no_implicit_transfers(tiny):
+    """Under ``jax.transfer_guard("disallow")`` an expert-parallel step (2 x 2 devices)
+    copies nothing implicitly: its block pages' gather and its all-to-alls stay on the
+    devices, its batches and scalars are put explicitly (as ZeRO-3's,
+    tests/test_two_client.py)."""
+    from equivalence import training_batches
+
+    from hetjax.train import build_runtime
+
+    config = ep_config(tiny, 2, 2)
+    runtime = build_runtime(config)
+    try:
+        batches = training_batches(config, 2)
+        runtime.train_step(batches[0])
+        with jax.transfer_guard("disallow"):
+            assert np.isfinite(runtime.train_step(batches[1]).loss)
+    finally:
+        runtime.close()
+
+
+@pytest.mark.slow  # ~45 s: five short runs
+def test_expert_parallel_checkpoint_restores_into_any_placement(tiny, tmp_path):
+    """A checkpoint of an expert-parallel run (its block slabs laid out by device)
+    resumes in the same placement reading its pages as they are, and in another
+    expert_parallel, or on one device in memory, from the params reassembled from its
+    pieces: each ends where the uninterrupted run does."""
+    import shutil
+
+    def run(steps, workdir, data=2, experts=2, offload="stream"):
+        config = ep_config(tiny, data, experts).replace(
+            train=dict(steps=steps),
+            offload=dict(mode=offload),
+            checkpoint=dict(every_steps=2, at_end=False),
+        )
+        return train(config, tmp_path / workdir, verbose=False)
+
+    straight = run(4, "straight")
+    run(2, "saved")
+    legs = [("same", 2, 2, "stream"), ("expert4", 1, 4, "stream"), ("memory", 1, 1, "none")]
+    for workdir, data, experts, offload in legs:
+        shutil.copytree(tmp_path / "saved" / "checkpoints", tmp_path / workdir / "checkpoints")
+        resumed = run(4, workdir, data, experts, offload)
+        np.testing.assert_allclose(resumed.losses, straight.losses[2:], rtol=1e-5)
+        assert_trees_close(resumed.params, straight.params)
+
+
+@pytest.mark.slow  # two child processes compile everything anew (~60 s on 2 cores)
+def test_expert_parallel_across_two_processes_equals_single_device(reference, tmp_path):
+    """2 processes x 2 CPU devices over gloo, the experts split over all 4 (each
+    all-to-all crosses the processes): losses, validation loss and final params equal
+    one device's."""
+    from test_zero import _params_like, _run_two_processes
+
+    model = [f"model.{k}={v}" for k, v in TRAIN_MOE.items()]
+    saved = _run_two_processes(
+        tmp_path,
+        *model,
+        "train.steps=4",
+        "train.eval_batches=1",
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        "distributed.expert_parallel=4",
+    )
+    np.testing.assert_allclose(saved["losses"], reference.losses, rtol=1e-5)
+    np.testing.assert_allclose(saved["val_loss"], reference.val_loss, rtol=1e-5)
+    assert_trees_close(_params_like(saved, reference.params), reference.params)

@@ -282,6 +282,7 @@ def test_stream_equals_none_in_compute_dtype(dtype_reference, tmp_path, dtype, t
         raise
 
 
+@pytest.mark.slow  # a known difference, kept in view with -m slow
 @pytest.mark.xfail(reason="blockwise attention in fp16: stream vs none differ by ~1 fp16 ulp")
 def test_blockwise_fp16_stream_equals_none(tmp_path):
     """test_stream_equals_none_in_compute_dtype[float16-nvme] with the blockwise attention

@@ -305,7 +305,7 @@ def _window_copies(runtime, uses: list[str]) -> list[str]:
 
     store = _Fetches()
     window = PrefetchWindow(
-        uses, runtime.plan.prefetch_depth, {}, store, lambda s: store.copied.append(s) or s
+        uses, runtime.plan.prefetch_depth, {}, store, lambda n, s: store.copied.append(s) or s
     )
     for j in range(len(uses)):
         window.get(j)

@@ -28,8 +28,8 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     them)."""
     if config.offload.mode != "auto":
         return config, None
-    if config.distributed.data_parallel != 1:  # ZeRO-3 is the streaming runtime's
-        log("offload.mode=auto: data parallelism (ZeRO-3) streams: offload.mode=stream")
+    if config.distributed.sharded:  # ZeRO-3 is the streaming runtime's
+        log("offload.mode=auto: data or expert parallelism (ZeRO-3) streams: offload.mode=stream")
         return config.replace(offload=dict(mode="stream")), None
     w = Workload.from_config(config)
     budget = config.memory.device_budget or int(MARGIN * device_capacity())

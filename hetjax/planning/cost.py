@@ -82,8 +82,7 @@ def lanes(
     gradients read back; ``update_loop.py``) instead of overlapped with backward."""
     st = w.stage_times(hw)
     n, A, L = hw.num_devices, w.micro_batches, w.num_layers
-    # a streamed block's params: the mean block's (the groups' blocks differ in size)
-    P, Pb, cb = w.params, w.mean_block_params, w.compute_bytes
+    P, cb = w.params, w.compute_bytes
     fwd = st["embed_fwd"] + L * st["block_fwd"]
     if c.mode == "none":
         bwd_blocks = L * (st["block_bwd"] if c.remat else st["block_bwd_kept"])
@@ -109,17 +108,23 @@ def lanes(
     # first) are written and read back. Swapped blocks' activations cross both ways.
     bounds = recomputed * w.boundary if c.activations in ("host", "nvme") else 0
     swap = swapped * sizes.swap_bytes(c.swap_level) if swapped else 0
-    h2d_f = streamed_f * cb * Pb * frac
-    h2d_b = streamed_b * cb * Pb * frac + bounds + swap
+    # each device copies in its share of the stored block (expert parallelism: every
+    # expert's), then gathers the rest of what it computes with from the others
+    Ps, Pg = w.stored_block, w.gathered_block(n)
+    h2d_f = streamed_f * cb * Ps * frac
+    h2d_b = streamed_b * cb * Ps * frac + bounds + swap
     # per device; the device cache's gradients stay there
     grads = cache.host_grad_bytes
     d2h_f, d2h_b = bounds + swap, grads
     comm_f = comm_b = 0.0
     # On the CPU backend the devices' memory is host RAM: a collective is copies.
     link = hw.interconnect_bw or (hw.h2d_bw if hw.shared_cores else 0.0)
-    if n > 1 and link:  # all-gather params, reduce-scatter gradients
-        comm_f = L * cb * Pb * (n - 1) / n / link
-        comm_b = (recomputed * cb * Pb + 4 * P) * (n - 1) / n / link
+    if n > 1 and link:  # all-gather params, reduce-scatter gradients (fp32) the same way
+        # and, with expert parallelism, each block's all-to-alls (its backward recomputes
+        # the forward's, then sends their cotangents)
+        grads = 4 * ((P - L * Ps) * (n - 1) / n + L * Pg)
+        comm_f = L * (cb * Pg + w.exchange_bytes) / link
+        comm_b = (recomputed * (cb * Pg + 2 * w.exchange_bytes) + grads) / link
     disk_f = disk_b = disk_step = 0.0
     if c.params == "nvme":
         disk_f = h2d_f / hw.nvme_read_bw * n  # the machine's disks serve n processes

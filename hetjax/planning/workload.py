@@ -9,12 +9,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from hetjax.config import Config
+from hetjax.config import Config, ConfigError
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy
 from hetjax.planning.hardware import Hardware
 from hetjax.runtime import remat, stages
-from hetjax.storage.pages import fitted_page_elems
+from hetjax.runtime.stages import stage_layouts
 from models import attention, build_model
+from models.llama import split_experts
 
 
 def kept_key(level: str) -> str:
@@ -30,7 +31,9 @@ class Workload:
     name: str
     num_layers: int  # blocks, every stage group's
     embed_params: int
-    block_params: int  # the largest group's block (one group: every block's)
+    # the block slab a device computes with (expert parallelism: its experts; several
+    # stage groups: the largest group's)
+    block_params: int
     head_params: int
     compute_bytes: int  # bytes per compute-dtype element
     block_grad_bytes: int  # bytes per element of block gradient slabs (memory.block_grad_dtype)
@@ -57,6 +60,14 @@ class Workload:
     # the largest group's
     groups: tuple[tuple[str, int, int], ...] = ()
     context: int = 0  # device bytes of the groups' contexts (stages.context_bytes)
+    # Expert parallelism: the whole block slab the devices store (every expert; ZeRO-3
+    # gives each 1/devices of it) and what one block's gather brings a device from the
+    # others (the dense pages' (n-1)/n, its experts' share of their group's); 0: none,
+    # the block slab is whole on every device (stored = block_params, gathered its
+    # (n-1)/n). And the bytes a device sends by all-to-all in one block's forward.
+    stored_block_params: int = 0
+    gathered_block_params: int = 0
+    exchange_bytes: int = 0
 
     @property
     def kept_block(self) -> int:
@@ -68,19 +79,28 @@ class Workload:
         return self.groups or (("block", self.num_layers, self.block_params),)
 
     @property
-    def blocks_params(self) -> int:
-        """Padded params of every block, all groups."""
-        return sum(layers * size for _, layers, size in self.block_groups)
-
-    @property
-    def mean_block_params(self) -> float:
-        """Padded params of a block, averaged over every block (what L streamed blocks
-        move is L times it)."""
-        return self.blocks_params / self.num_layers
-
-    @property
     def params(self) -> int:
-        return self.embed_params + self.blocks_params + self.head_params
+        """Params stored (padded slabs; every expert)."""
+        if self.stored_block_params:
+            blocks = self.num_layers * self.stored_block_params
+        else:
+            blocks = sum(layers * size for _, layers, size in self.block_groups)
+        return self.embed_params + blocks + self.head_params
+
+    @property
+    def stored_block(self) -> float:
+        """Params of a block slab the devices store (ZeRO-3: 1/devices each); of several
+        stage groups' blocks, the mean over every block (what L streamed blocks move is
+        L times it)."""
+        if self.stored_block_params or not self.groups:
+            return self.stored_block_params or self.block_params
+        return (self.params - self.embed_params - self.head_params) / self.num_layers
+
+    def gathered_block(self, devices: int) -> float:
+        """Params one block's all-gather brings a device from the other ``devices``."""
+        if self.gathered_block_params or not self.groups:
+            return self.gathered_block_params or self.block_params * (devices - 1) // devices
+        return self.stored_block * (devices - 1) / devices
 
     @property
     def state_bytes_per_param(self) -> int:
@@ -117,7 +137,8 @@ class Workload:
     ) -> Workload:
         """From abstract shapes only (``jax.eval_shape``): nothing is allocated.
         ``sizes``: a measured :class:`hetjax.runtime.stages.StageMemory`, else estimated.
-        ``devices``: data-parallel devices sharing the batch (per-device sizes).
+        ``devices``: data-parallel devices sharing the batch (per-device sizes), of which
+        ``distributed.expert_parallel`` split a mixture of experts' experts.
         ``backend``: the XLA backend the stage functions would compile for ("cpu",
         "gpu", ...; default this process's), which sizes the estimated working set
         (:func:`estimate_working_set`)."""
@@ -126,14 +147,25 @@ class Workload:
         shapes = jax.eval_shape(model.init, jax.random.key(0))
         count = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
         L = m.num_blocks
-        # slabs are whole pages of fp32 elements (fitted to the largest block), a
-        # multiple of the devices' (ZeRO-3 shards)
+        G = config.distributed.expert_parallel
+        if devices % G:
+            raise ConfigError(
+                f"config key 'distributed.expert_parallel' ({G}) must divide the device "
+                f"count ({devices}{' of the hardware profile' if devices > 1 else ''}); "
+                "plan for a machine with a multiple of it, or lower it"
+            )
+        # The slabs as the runtime lays them out (whole pages of fp32 elements, fitted
+        # to the largest block, a multiple of the devices': ZeRO-3 shards; the experts in
+        # groups)
+        layouts = stage_layouts(model, config.memory.page_size, devices, G)
+        embed, head = layouts["embed"].padded_size, layouts["head"].padded_size
+        # the block params a device computes with (a MoE's: its E/G experts), each group's
         used = {g.name: count(shapes[g.key]) // g.num_layers for g in model.groups}
-        block_used = max(used.values())
-        page = fitted_page_elems(block_used, config.memory.page_size // 4, devices) * devices
-        padded = lambda n: -(-n // page) * page
-        embed, head = padded(count(shapes["embed"])), padded(count(shapes["head"]))
-        block = padded(block_used)
+        if G > 1:  # (expert parallelism: a llama's one group of blocks)
+            used["block"] -= count(split_experts(shapes["blocks"])[1]) // L * (G - 1) // G
+        largest = max(model.groups, key=lambda g: layouts[g.name].compute_size).name
+        block = layouts[largest].compute_size  # a device's experts only
+        block_used = used[largest]
         c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
         b, T, D = max(1, t.micro_batch_size // devices), t.seq_len, m.d_model
         tokens = b * T
@@ -158,11 +190,17 @@ class Workload:
                 for level, n in remat.kept_bytes(fn, (one_block, context), x).items():
                     # Below level all the vjp holds the block's param pages, padding
                     # included (at all, the unflattened weights).
-                    n += 0 if level == "all" else (block - used[group.name]) * c
+                    pad = layouts[group.name].compute_size - used[group.name]
+                    n += 0 if level == "all" else pad * c
                     kept[level] = max(kept.get(level, 0), n)
             working = estimate_working_set(
                 m, b, T, block_used, count(shapes["embed"]), backend, math.ceil(attentions)
             )
+            if G > 1:  # the exchange's fixed-capacity rows: G x a device's (token, expert)
+                # pairs, through the send and receive buffers, their sorted copy and
+                # result (D wide) and the experts' gate, up and activation (F wide); an
+                # estimate from the buffers' shapes (not fitted), the runtime measures
+                working += G * tokens * m.experts_per_token * (4 * D + 3 * m.ff_dim) * c
             boundary = tokens * D * c
             context = stages.context_bytes(model, b, T)
         else:
@@ -205,11 +243,16 @@ class Workload:
             attention_bwd_flops=attention_bwd,
             grad_policy=grad_policy(config),
             groups=(
-                tuple((g.name, g.num_layers, padded(used[g.name])) for g in model.groups)
+                tuple((g.name, g.num_layers, layouts[g.name].padded_size) for g in model.groups)
                 if len(model.groups) > 1
                 else ()
             ),
             context=context,
+            stored_block_params=layouts["block"].padded_size if G > 1 else 0,
+            gathered_block_params=layouts["block"].gathered_size if G > 1 else 0,
+            # a block's forward sends and gets back its (token, expert) rows, at the
+            # capacity that drops none (models/llama.py: exchange_with_experts)
+            exchange_bytes=2 * G * tokens * m.experts_per_token * D * c * (G - 1) // G,
         )
 
 
@@ -242,12 +285,17 @@ def block_attention(m, backend: str) -> str:
 # Blockwise attention (models/attention.py: one (B, H, b, b) tile of scores at a time):
 # the streamed block's backward (block_bwd, the largest block function) per element of
 # (B, T, D), of the MLP's (B, T, F), of one score tile (B, H, b, b) and of the params,
-# fitted (minimax relative error) to XLA:CPU's temp_size_in_bytes over 10 shapes per
-# family and dtype (d 64-256, heads 2-16, T 128-1024, batch 1-4, b 32-512, d_ff 2-6 x
-# d; 2 of them tile-dominated): block_bwd within 0.92-1.08 (GPT fp32), 0.83-1.17 (GPT
-# bf16), 0.76-1.24 (Llama fp32), 0.86-1.14 (Llama bf16). The tile term is what the loop
-# body holds at once (the scores, probabilities and their gradients in fp32); nothing
-# grows with T x T. Fused (cuDNN) attention: no score term (not measured, no GPU).
+# fitted (minimax relative error, 2026-11-24) to XLA:CPU's temp_size_in_bytes over 23
+# shapes per family and dtype: 15 activation-heavy (d 64-256, heads 2-16, T 128-1024,
+# batch 1-8, b 32-256, d_ff 2-6 x d; the default config's and the tests' among them) and
+# 8 param-heavy (d 512-2048, 128-1024 tokens): within 0.85-1.15 (GPT fp32), 0.75-1.25
+# (GPT bf16), 0.81-1.19 (Llama fp32), 0.83-1.17 (Llama bf16). The previous fit (10
+# activation-heavy shapes) gave 0.37 of the compiled size at d 1024 with 128 tokens:
+# the block's temporaries of its own params (about 3 bytes a param: page-spanning
+# weights concatenated, gradients flattened into pages) were missing. The shapes and
+# the fit: docs/results/2026-11-24.md. The tile term is what the loop body holds at once
+# (the scores, probabilities and their gradients in fp32); nothing grows with T x T.
+# Fused (cuDNN) attention: no score term (not measured, no GPU).
 #
 # A bf16 step's temporaries on XLA:CPU are nearly fp32-sized: the backend computes bf16
 # dots into fp32 outputs (then converts) and converts bf16 weights to fp32 copies for
@@ -263,10 +311,10 @@ _BLOCK_TEMPS = {  # (family, compute bytes): per activation, score, param elemen
     ("llama", 2): (73.9, 11.5, 3.1),
 }
 _BLOCKWISE_TEMPS = {  # (family, compute bytes): per activation, MLP, tile, param element
-    ("gpt", 4): (21.7, 22.9, 14.4, 0.59),
-    ("gpt", 2): (32.5, 16.6, 9.11, 5.07),
-    ("llama", 4): (7.58, 28.3, 10.9, 2.31),
-    ("llama", 2): (28.2, 21.1, 9.08, 3.03),
+    ("gpt", 4): (68.53, 11.87, 7.67, 2.86),
+    ("gpt", 2): (89.12, 3.73, 12.77, 3.69),
+    ("llama", 4): (30.86, 26.06, 6.88, 2.77),
+    ("llama", 2): (63.84, 12.89, 11.54, 3.21),
 }
 _HEAD_TEMPS = {4: (6.74, 6.27), 2: (7.22, 6.72)}  # per logit, per projection element
 
@@ -338,7 +386,7 @@ def _memory_sizes(w: Workload, devices: int) -> Sizes:
         block=w.block_params,
         head=w.head_params,
         own_embed=w.embed_params // devices,
-        own_block=w.block_params // devices,
+        own_block=(w.stored_block_params or max(n for _, _, n in w.block_groups)) // devices,
         own_head=w.head_params // devices,
         compute_bytes=w.compute_bytes,
         block_grad_bytes=w.block_grad_bytes,

@@ -31,6 +31,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import ConfigError
+from hetjax.distributed import EXPERT_AXIS
+from hetjax.runtime.experts import ExpertPages
+from hetjax.runtime.stages import stage_layouts
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
 from hetjax.types import ParamStore
@@ -93,11 +96,15 @@ class SingleDevice:
     this process. The data-parallel strategy (``zero.py``) has the same methods; the
     runtime is handed one and never asks which."""
 
-    page_multiple = 1  # stage slabs pad to a multiple of this many pages
     nvme_subdir = ""  # this process's directory under the NVMe path ("": the path)
+    expert_axis = None  # the mesh axis a MoE's experts are split over (zero.py)
 
     def __init__(self, device: jax.Device | None = None):
         self.shardings = Shardings.single_device(device)
+
+    def stage_layouts(self, model, page_size: int) -> dict[str, SlabLayout]:
+        """The stages' slab layouts (``stages.stage_layouts``): whole slabs."""
+        return stage_layouts(model, page_size)
 
     def state_layouts(self, layouts: dict[str, SlabLayout]) -> dict[str, SlabLayout]:
         """Layouts of the slabs this process's optimizer and stores hold: whole slabs."""
@@ -123,8 +130,9 @@ class SingleDevice:
         """Inside a stage's jit: the gradient of its pages as it leaves the device."""
         return [p.astype(dtype) for p in pages]
 
-    def to_device(self, pages):
-        """A stage's params from the param store -> pages on the device for compute."""
+    def to_device(self, pages, layout=None):
+        """A stage's params from the param store -> pages on the device for compute
+        (``layout``: the stage's, which a sharded placement gathers by)."""
         return jax.device_put(pages, self.shardings.device)
 
     def put_batch(self, rows: np.ndarray) -> jax.Array:
@@ -154,8 +162,9 @@ class SingleDevice:
         """The param store the runtime reads stages from: ``store`` itself."""
         return store
 
-    def sent_grad(self, grad: jax.Array) -> None:
-        """A gradient slab left the device (ZeRO-3 counts its reduce-scatter)."""
+    def sent_grad(self, grad: jax.Array, layout=None) -> None:
+        """A gradient slab of a stage with ``layout`` left the device (ZeRO-3 counts its
+        reduce-scatter)."""
 
     def describe(self, layouts: dict[str, SlabLayout]) -> list[str]:
         return []
@@ -179,9 +188,9 @@ def live_bytes_by_kind() -> dict[str, int]:
 @dataclasses.dataclass(frozen=True)
 class ShardedPlacement:
     """ZeRO-3 (``zero.py``): a stage's slab is a ``(pages, page_elems)`` array whose
-    pages are split evenly over the ``data`` axis of ``mesh``; the batch is split over
-    the same axis. Storage layout (sharded) and compute layout (gathered) are separate
-    shardings."""
+    pages are split evenly over the ``axes`` of ``mesh`` (every device); the batch is
+    split over the same axes. Storage layout (sharded) and compute layout (gathered)
+    are separate shardings."""
 
     mesh: Mesh
     slab_host: NamedSharding  # each device's pages, in its host memory
@@ -189,15 +198,26 @@ class ShardedPlacement:
     gathered: NamedSharding  # replicated on every device: the all-gathered pages
     grad: NamedSharding  # gradient pages reduce-scattered back to their owners
     batch: NamedSharding  # rows of the batch over the data axis
+    # expert parallelism: a group's expert pages on each device of the group
+    experts: NamedSharding | None = None
 
     @classmethod
-    def over(cls, mesh: Mesh, axis: str = "data") -> ShardedPlacement:
-        pages = PartitionSpec(axis, None)
+    def over(cls, mesh: Mesh, axes: str | tuple[str, ...] = "data") -> ShardedPlacement:
+        pages = PartitionSpec(axes, None)
+        experts = None
+        if EXPERT_AXIS in mesh.axis_names:
+            experts = NamedSharding(mesh, PartitionSpec(EXPERT_AXIS, None), memory_kind="device")
         return cls(
             mesh,
             NamedSharding(mesh, pages, memory_kind="pinned_host"),
             NamedSharding(mesh, pages, memory_kind="device"),
             NamedSharding(mesh, PartitionSpec(), memory_kind="device"),
             NamedSharding(mesh, pages, memory_kind="device"),
-            NamedSharding(mesh, PartitionSpec(axis), memory_kind="device"),
+            NamedSharding(mesh, PartitionSpec(axes), memory_kind="device"),
+            experts,
         )
+
+    def expert_pages(self, dense_pages: int):
+        """Shardings of an expert-parallel block's pages on the device
+        (``experts.ExpertPages``: the dense pages gathered, the experts by group)."""
+        return ExpertPages([self.gathered] * dense_pages, self.experts)

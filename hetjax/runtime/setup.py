@@ -51,7 +51,7 @@ def memory_sizes(
     return Sizes(
         num_layers=config.model.num_blocks,
         embed=layouts["embed"].padded_size,
-        block=layouts[largest].padded_size,
+        block=layouts[largest].compute_size,  # expert parallelism: its device's experts
         head=layouts["head"].padded_size,
         own_embed=state_layouts["embed"].padded_size,
         own_block=state_layouts[largest].padded_size,

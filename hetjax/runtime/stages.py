@@ -14,17 +14,23 @@ import jax.numpy as jnp
 
 from hetjax.config import KEEP_LEVELS, SWAP_LEVELS, ConfigError
 from hetjax.runtime import remat
+from hetjax.runtime.experts import ExpertSlabLayout
 from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems
 
 F32 = jnp.float32
 
 
-def stage_layouts(model, page_size: int, page_multiple: int = 1) -> dict[str, SlabLayout]:
+def stage_layouts(
+    model, page_size: int, page_multiple: int = 1, expert_parallel: int = 1
+) -> dict[str, SlabLayout | ExpertSlabLayout]:
     """The slab layouts of a model's stages (``embed``, one block of each stage group by
     its name, e.g. ``block``, ``head``), from abstract shapes: nothing is allocated.
     Pages are at most ``page_size`` bytes, fitted to the largest block
     (``pages.fitted_page_elems``); slabs pad to a multiple of ``page_multiple`` pages
-    (ZeRO-3: one equal share per device)."""
+    (ZeRO-3: one equal share per device). With ``expert_parallel`` > 1 (of the
+    ``page_multiple`` devices) a block's experts are laid out in that many groups
+    (``experts.ExpertSlabLayout``). The layouts are where both the runtime and the
+    planner take the stages' sizes from."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     blocks = {
         g.name: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes[g.key])
@@ -36,9 +42,14 @@ def stage_layouts(model, page_size: int, page_multiple: int = 1) -> dict[str, Sl
     elems = fitted_page_elems(block_elems, page_size // MASTER_ITEMSIZE, page_multiple)
     page_size = elems * MASTER_ITEMSIZE
     layout = lambda params: SlabLayout.from_params(params, page_size, page_multiple)
+    if expert_parallel > 1:
+        shares = page_multiple // expert_parallel
+        block = lambda one: ExpertSlabLayout.of(one, page_size, expert_parallel, shares)
+    else:
+        block = layout
     return {
         "embed": layout(shapes["embed"]),
-        **{name: layout(one) for name, one in blocks.items()},
+        **{name: block(one) for name, one in blocks.items()},
         "head": layout(shapes["head"]),
     }
 
@@ -247,7 +258,9 @@ class StageFunctions:
 
     ``jit`` compiles a stage function (one device: ``jax.jit`` onto it; ZeRO-3: per
     device with collectives) and ``grad_slab(pages, dtype)`` shapes a gradient as it
-    leaves the device; block gradients leave in ``block_grad_dtype``. Every backward
+    leaves the device; block gradients leave in ``block_grad_dtype``. ``kept_blocks``
+    false: no block keeps or swaps its activations (ZeRO-3's; an expert-parallel block
+    runs only inside its ``jit``), so :meth:`memory_sizes` does not size them. Every backward
     returns each gradient as ``(gradient, its pages' squared norms)``
     (:func:`page_squared_norms`): the host never takes a norm of a gradient the device
     already holds (``grads.py``).
@@ -261,8 +274,10 @@ class StageFunctions:
         grad_slab,
         block_grad_dtype=F32,
         keep_level: str = "all",
+        kept_blocks: bool = True,
     ):
         E, H = layouts["embed"], layouts["head"]
+        self.kept_blocks = kept_blocks
 
         def out(pages, dtype=F32):  # a gradient as it leaves the device, and its norms
             grad = grad_slab(pages, dtype)
@@ -334,8 +349,7 @@ class StageFunctions:
         return args
 
     def _slab(self, name: str, dtype) -> list:
-        layout = self.layouts[name]
-        return [jax.ShapeDtypeStruct((layout.page_elems,), dtype)] * layout.num_pages
+        return self.layouts[name].device_pages(dtype)
 
     def abstract_args(self, batch: int, seq_len: int, dtype) -> dict[str, tuple]:
         """Abstract arguments of each function of the first group (and the head) for a
@@ -381,7 +395,7 @@ class StageFunctions:
         x = first["block_fwd"][1]
         act = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
         context = context_bytes(self.model, batch, seq_len)
-        kept = self.kept_bytes(batch, seq_len, dtype)
+        kept = self.kept_bytes(batch, seq_len, dtype) if self.kept_blocks else {}
         return StageMemory(act, max(temps) + 3 * act, kept, context)
 
     def keep_levels(self, batch: int, seq_len: int, dtype) -> tuple[str, ...]:

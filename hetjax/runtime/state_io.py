@@ -72,9 +72,10 @@ def restore(
         layout, opt = layouts[kind], optimizer_of(name)
         first, n = own_pages(layout)
         start, stop = first * layout.page_elems, (first + n) * layout.page_elems
-        if isinstance(state, StoredState):
-            state.check_layout(name, layout)
+        if isinstance(state, StoredState) and state.same_layout(name, layout):
             own = {k: state.read(name, k, start, stop) for k in opt.kinds}
+        elif isinstance(state, StoredState):  # laid out otherwise: from its params, whole
+            own = {k: layout.flatten_np(state.stage_tree(name, k))[start:stop] for k in opt.kinds}
         else:
             own = {k: layout.flatten_np(state.stages[name][k])[start:stop] for k in opt.kinds}
         slabs = {k: opt.as_chunks(kind, own[k]) for k in opt.kinds}

@@ -70,7 +70,7 @@ from hetjax.runtime.grads import DeviceGradients, StepGradients
 from hetjax.runtime.ledger import IoMeter, Ledger
 from hetjax.runtime.placement import SingleDevice
 from hetjax.runtime.setup import layout_name
-from hetjax.runtime.stages import StageFunctions, StageMemory, stage_layouts
+from hetjax.runtime.stages import StageFunctions, StageMemory
 from hetjax.runtime.window import PrefetchWindow
 from hetjax.types import LossScale, RuntimeState, StepReport
 from hetjax.xla_env import pinned_limit
@@ -96,7 +96,7 @@ class StreamingRuntime:
         self.num_layers = L = config.model.num_blocks  # every group's blocks
         self.ledger = Ledger()
         t, off, mem = config.train, config.offload, config.memory
-        self.layouts = stage_layouts(self.model, mem.page_size, placement.page_multiple)
+        self.layouts = placement.stage_layouts(self.model, mem.page_size)
         self.state_layouts = placement.state_layouts(self.layouts)  # what this process holds
         groups = self.model.groups
         self.block_names = [g.stage(i) for g in groups for i in range(g.num_layers)]
@@ -115,13 +115,17 @@ class StreamingRuntime:
         on_device = off.optimizer == "device"
         self.optimizer = opt(self.shardings.device if on_device else self.shardings.optimizer)
         self.device_optimizer = opt(self.shardings.device) if self.device_stages else None
+        # The model the stage functions run: with expert parallelism, blocks that hold
+        # their device's experts and exchange tokens over the placement's expert axis.
+        compute_model = build_model(config.model, placement.expert_axis)
         self.fns = StageFunctions(
-            self.model,
+            compute_model,
             self.layouts,
             placement.jit,
             placement.grad_slab,
             memory.block_grad_dtype(config),
             off.keep_level,
+            kept_blocks=not config.distributed.sharded,
         )
         self.fns.check_keep_level(off, t.micro_batch_size, t.seq_len, self.compute_dtype)
         if off.swap_blocks and len(groups) > 1:
@@ -218,15 +222,18 @@ class StreamingRuntime:
             self.param_store.prefetch(n)
         self.resident = {}
         for n in names:
-            self.resident[n] = self.placement.to_device(self.param_store.get(n))
+            self.resident[n] = self._to_device(n, self.param_store.get(n))
             if n not in self.device_stages:
                 timeline.watch("host_to_device", n, self.resident[n])
 
+    def _to_device(self, stage: str, slab):
+        """A stage's params from the param store -> as its functions compute with them."""
+        return self.placement.to_device(slab, self.layouts[layout_name(stage)])
+
     def _window(self, uses: list[str]) -> PrefetchWindow:
         return PrefetchWindow(
-            uses, self.plan.prefetch_depth, self.resident, self.param_store,
-            self.placement.to_device,
-        )  # fmt: skip
+            uses, self.plan.prefetch_depth, self.resident, self.param_store, self._to_device
+        )
 
     # -- the step -----------------------------------------------------------------------
 
@@ -456,7 +463,7 @@ class StreamingRuntime:
         if name in self._device_grad_stages:
             self._step.add_device(name, g)
             return
-        self.placement.sent_grad(g)
+        self.placement.sent_grad(g, self.layouts[layout_name(name)])
         host = jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), g)
         on_host = jax.device_put(g, host)
         timeline.watch("device_to_host", f"{name} grad", on_host, after=g)

@@ -15,7 +15,7 @@ class PrefetchWindow:
     step computes them) to the device, and drops a slab after a use unless it is used
     again within the window. Stages in ``resident`` are served from there and never
     dropped. With params on NVMe, disk reads start ``IO_READAHEAD`` uses before the
-    device copies."""
+    device copies. ``to_device(stage, slab)`` copies a stage's slab in."""
 
     def __init__(
         self,
@@ -33,7 +33,7 @@ class PrefetchWindow:
         if name in self.resident:
             return self.resident[name]
         if name not in self.cache:
-            self.cache[name] = self.to_device(self.params.get(name))
+            self.cache[name] = self.to_device(name, self.params.get(name))
             timeline.watch("host_to_device", name, self.cache[name])
         return self.cache[name]
 

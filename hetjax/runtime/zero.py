@@ -23,6 +23,15 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   that range (``SlabLayout.shard``: the decay split point moves with it). The global
   gradient norm for clipping is the sum of every process's part.
 
+* **Expert parallelism** (``distributed.expert_parallel`` G > 1). The mesh is 2-D,
+  ``data`` x ``expert`` (S x G devices); pages and batch rows split over both axes as
+  above, but a mixture of experts' block slab is laid out so that each device's share
+  holds a share of its own group of experts (``experts.py``): its gather all-gathers
+  the dense pages over every device and the experts over ``data`` only, so a device
+  computes with E/G experts, and its tokens reach the other experts by all-to-all
+  inside the block (``models/llama.py``). The experts' gradients are reduce-scattered
+  over ``data`` only (the devices holding the same experts).
+
 A stage group's context (``models/staged.py``; T5's decoder reads the encoder's output
 and a position-bias table) goes by the same rank rules: its activations are split by
 rows like x; a 2-D param in it (the table) is a result of the group's input function on
@@ -52,10 +61,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec, SingleDeviceSharding
 
-from hetjax.config import Config
-from hetjax.distributed import DATA_AXIS, data_mesh
+from hetjax.config import Config, ConfigError
+from hetjax.distributed import DATA_AXIS, EXPERT_AXIS, MESH_AXES, data_mesh
+from hetjax.runtime.experts import ExpertPages, ExpertSlabLayout
 from hetjax.runtime.placement import ShardedPlacement, Shardings
-from hetjax.runtime.stages import declared_batch_means
+from hetjax.runtime.stages import declared_batch_means, stage_layouts
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
 from hetjax.types import ParamStore, is_block, stage_layout
@@ -63,24 +73,42 @@ from hetjax.types import ParamStore, is_block, stage_layout
 F32 = jnp.float32
 
 
+AXES = MESH_AXES  # pages and batch rows split over every device of the mesh
+
+
 class Zero3:
     """The streaming runtime's placement strategy with every stage's pages sharded over
-    the ``data`` axis of ``distributed.data_parallel`` devices."""
+    the ``distributed.data_parallel`` x ``distributed.expert_parallel`` devices of the
+    mesh (a MoE block's experts split over the ``expert`` axis)."""
 
     def __init__(self, config: Config):
-        self.mesh = data_mesh(config.distributed.data_parallel)
+        dist = config.distributed
+        self.mesh = data_mesh(dist.data_parallel, dist.expert_parallel)
         self.degree = self.mesh.size
-        self.sharded = ShardedPlacement.over(self.mesh, DATA_AXIS)
+        self.expert_parallel = dist.expert_parallel
+        self.expert_axis = EXPERT_AXIS if dist.expert_parallel > 1 else None
+        if config.train.micro_batch_size % self.degree:  # data_parallel 0: known only now
+            raise ConfigError(
+                f"config key 'train.batch_size' ({config.train.batch_size}): its "
+                f"micro-batches of {config.train.micro_batch_size} rows must divide evenly "
+                f"over the mesh's {self.degree} devices; make batch_size / grad_accum a "
+                "multiple of it"
+            )
+        self.sharded = ShardedPlacement.over(self.mesh, AXES)
         me = jax.process_index()
         slots = [i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == me]
         self.local_devices = [self.mesh.devices.flat[i] for i in slots]
         self.first_slot = slots[0]  # this process's first device on the data axis
-        self.page_multiple = self.degree  # stage slabs pad to one equal share per device
         self.nvme_subdir = f"proc{me}"
         # this process's optimizer and stores, on its first device's host side
         self.shardings = Shardings.single_device(self.local_devices[0])
         self.comm = collections.Counter()  # bytes per device moved by collectives
-        self._gathers: dict[int, object] = {}
+        self._gathers: dict[tuple, object] = {}
+
+    def stage_layouts(self, model, page_size: int) -> dict[str, SlabLayout]:
+        """The stages' slab layouts: one equal share of pages per device; with expert
+        parallelism, the block's experts in groups (``experts.py``)."""
+        return stage_layouts(model, page_size, self.degree, self.expert_parallel)
 
     def own_pages(self, layout: SlabLayout) -> tuple[int, int]:
         """(first page, number of pages) of a stage slab that this process holds."""
@@ -121,19 +149,23 @@ class Zero3:
 
         def reduce(out):
             if out.ndim == 0:  # the loss: the global batch's mean is the mean of means
-                return jax.lax.pmean(out, DATA_AXIS)
+                return jax.lax.pmean(out, AXES)
             return out
 
         def mean(out):  # a declared batch mean: the mean of the devices' means
-            return jax.lax.pmean(out, DATA_AXIS)
+            return jax.lax.pmean(out, AXES)
 
         def spec_in(a):
-            return PartitionSpec(DATA_AXIS) if a.ndim >= 2 else PartitionSpec()
+            if isinstance(a, ExpertPages):  # a block's pages under expert parallelism
+                return ExpertPages([PartitionSpec()] * len(a.dense), PartitionSpec(EXPERT_AXIS))
+            return PartitionSpec(AXES) if a.ndim >= 2 else PartitionSpec()
 
         def spec_out(a):  # ``a``: the result on every device, stacked (a leading axis)
             if a.ndim == 1:
                 return PartitionSpec()
-            return PartitionSpec(DATA_AXIS, None) if a.ndim == 3 else PartitionSpec(DATA_AXIS)
+            return PartitionSpec(AXES, None) if a.ndim == 3 else PartitionSpec(AXES)
+
+        pages = lambda a: isinstance(a, ExpertPages)
 
         def by_result(rule, mean_rule, results):
             """``rule`` on every leaf of the results, ``mean_rule`` on the declared means'."""
@@ -148,55 +180,92 @@ class Zero3:
             per_device = functools.partial(
                 jax.shard_map,
                 mesh=self.mesh,
-                in_specs=jax.tree.map(spec_in, args),
+                in_specs=jax.tree.map(spec_in, args, is_leaf=pages),
                 check_vma=False,
             )
             # The results' ranks: every device's results stacked, traced as the shard_map
-            # below runs fn (its collectives bound to the data axis; not under vmap,
+            # below runs fn (its collectives bound to the mesh axes; not under vmap,
             # which some primitives do not support: jax.lax.ragged_dot's MoE experts).
             stacked = lambda *a: jax.tree.map(lambda o: o[None], fn(*a))
-            results = jax.eval_shape(per_device(stacked, out_specs=PartitionSpec(DATA_AXIS)), *args)
+            results = jax.eval_shape(per_device(stacked, out_specs=PartitionSpec(AXES)), *args)
             out_specs = by_result(spec_out, lambda a: PartitionSpec(), results)
             reduced = lambda *a: by_result(reduce, mean, fn(*a))
             return per_device(reduced, out_specs=out_specs)(*args)
 
         return jax.jit(run)
 
-    def grad_slab(self, pages: list[jax.Array], dtype=F32) -> jax.Array:
-        """Inside a stage function (per device): this device's gradient of the whole
-        pages -> the summed gradient of its own pages, ``(pages / N, page_elems)``."""
-        local = jnp.stack([p.astype(dtype) for p in pages])  # (pages, page_elems)
+    def grad_slab(self, pages: list[jax.Array] | ExpertPages, dtype=F32) -> jax.Array:
+        """Inside a stage function (per device): this device's gradient of the pages it
+        computed with -> the summed gradient of its own pages, ``(pages / N,
+        page_elems)``. Under expert parallelism (``ExpertPages``) the gradient of its
+        group's experts is summed over the devices holding them (the ``data`` axis)
+        and makes the first pages of its share, as they are laid out."""
         # Seeded with the local mean, each device's gradient is N x its share of the
         # global mean's (exact for a power-of-two N).
-        summed = jax.lax.psum_scatter(local, DATA_AXIS, scatter_dimension=0, tiled=True)
+        scatter = lambda g, axes: jax.lax.psum_scatter(g, axes, scatter_dimension=0, tiled=True)
+        if isinstance(pages, ExpertPages):
+            dense = jnp.stack([p.astype(dtype) for p in pages.dense])  # (pages, page_elems)
+            experts = scatter(pages.experts.astype(dtype), DATA_AXIS)
+            summed = jnp.concatenate([experts, scatter(dense, AXES)])
+        else:
+            summed = scatter(jnp.stack([p.astype(dtype) for p in pages]), AXES)
         return summed / self.degree
 
-    def gather(self, num_pages: int):
-        """The jitted all-gather of a ``num_pages``-page stage slab (sharded over the
-        data axis, in device memory) into its pages whole on every device."""
-        if num_pages not in self._gathers:
-            # shard_map: XLA's CPU partitioner would lower an automatic gather as an
-            # all-reduce of zero-padded copies, twice the bytes on the wire.
-            all_gather = jax.shard_map(
-                lambda s: jax.lax.all_gather(s, DATA_AXIS, tiled=True),
-                mesh=self.mesh,
-                in_specs=PartitionSpec(DATA_AXIS, None),
-                out_specs=PartitionSpec(),
-                check_vma=False,  # all_gather's output is replicated
+    def gather(self, num_pages: int, layout: ExpertSlabLayout | None = None):
+        """The jitted all-gather of a ``num_pages``-page stage slab (sharded over every
+        device, in device memory) into its pages whole on every device; with an
+        expert-parallel block ``layout``, into its :class:`ExpertPages` (the dense pages
+        whole, the experts whole on each device of their group)."""
+        key = (num_pages, layout)
+        if key in self._gathers:
+            return self._gathers[key]
+        # shard_map: XLA's CPU partitioner would lower an automatic gather as an
+        # all-reduce of zero-padded copies, twice the bytes on the wire.
+        per_device = functools.partial(
+            jax.shard_map,
+            mesh=self.mesh,
+            in_specs=PartitionSpec(AXES, None),
+            check_vma=False,  # all_gather's output is replicated
+        )
+        if layout is None:
+            all_gather = per_device(
+                lambda s: jax.lax.all_gather(s, AXES, tiled=True), out_specs=PartitionSpec()
             )
-            self._gathers[num_pages] = jax.jit(
-                lambda s: list(all_gather(s)), out_shardings=self.sharded.gathered
+            gather = jax.jit(lambda s: list(all_gather(s)), out_shardings=self.sharded.gathered)
+        else:
+
+            def split(share):  # (share, page_elems): its experts' pages, then the dense
+                experts, dense = share[: layout.expert_share], share[layout.expert_share :]
+                experts = jax.lax.all_gather(experts, DATA_AXIS, tiled=True)
+                return experts, jax.lax.all_gather(dense, AXES, tiled=True)
+
+            split = per_device(split, out_specs=(PartitionSpec(EXPERT_AXIS), PartitionSpec()))
+
+            def gather(s):
+                experts, dense = split(s)
+                return ExpertPages(list(dense), experts)
+
+            gather = jax.jit(
+                gather, out_shardings=self.sharded.expert_pages(layout.dense.num_pages)
             )
-        return self._gathers[num_pages]
+        self._gathers[key] = gather
+        return gather
 
-    def to_device(self, slab: jax.Array) -> list[jax.Array]:
-        """A stage's sharded host slab -> its pages whole on every device: each device
-        copies its own pages in, then one all-gather (both asynchronous)."""
-        self.comm["all_gather"] += slab.nbytes * (self.degree - 1) // self.degree
-        return self.gather(slab.shape[0])(jax.device_put(slab, self.sharded.slab_device))
+    def to_device(self, slab: jax.Array, layout: SlabLayout | ExpertSlabLayout):
+        """A stage's sharded host slab (of ``layout``) -> its pages on every device as
+        the stage computes with them (whole; an expert-parallel block's experts, their
+        group's): each device copies its own pages in, then all-gathers (both
+        asynchronous)."""
+        self.comm["all_gather"] += layout.gathered_size * slab.dtype.itemsize
+        expert_layout = layout if isinstance(layout, ExpertSlabLayout) else None
+        return self.gather(slab.shape[0], expert_layout)(
+            jax.device_put(slab, self.sharded.slab_device)
+        )
 
-    def sent_grad(self, grad: jax.Array) -> None:
-        self.comm["reduce_scatter"] += grad.nbytes * (self.degree - 1) // self.degree
+    def sent_grad(self, grad: jax.Array, layout: SlabLayout | ExpertSlabLayout) -> None:
+        """A gradient of a stage of ``layout`` left the device: its reduce-scatter moved
+        what the stage's gather does, the other way."""
+        self.comm["reduce_scatter"] += layout.gathered_size * grad.dtype.itemsize
 
     def put_batch(self, rows: np.ndarray) -> jax.Array:
         """This process's rows of a batch -> the global batch, rows over ``data``."""
@@ -235,11 +304,18 @@ class Zero3:
     def describe(self, layouts: dict[str, SlabLayout]) -> list[str]:
         lay = max((v for k, v in layouts.items() if is_block(k)), key=lambda v: v.num_pages)
         first, n = self.own_pages(lay)
-        return [
-            f"zero-3: {self.degree} devices on the data axis ({jax.process_count()} "
-            f"processes); a block's {lay.num_pages} pages split {lay.num_pages // self.degree} "
-            f"per device; this process holds pages [{first}, {first + n}) of each stage"
+        lines = [
+            f"zero-3: {self.degree} devices ({jax.process_count()} processes); a block's "
+            f"{lay.num_pages} pages split {lay.num_pages // self.degree} per device; this "
+            f"process holds pages [{first}, {first + n}) of each stage"
         ]
+        if isinstance(lay, ExpertSlabLayout):
+            lines.append(
+                f"expert parallelism: {lay.groups} groups of experts over the expert axis x "
+                f"{lay.shares} on the data axis; a device computes with {lay.dense.num_pages} "
+                f"dense pages and its group's {lay.experts.num_pages}"
+            )
+        return lines
 
     def step_metrics(self) -> dict[str, int]:
         """This step's collective traffic (called by the step, on its own thread)."""

@@ -155,6 +155,9 @@ class Leaf:
     shape: tuple[int, ...]
     offset: int  # in elements
     size: int
+    # A piece of a leaf (an expert-parallel slab, ``runtime/experts.py``, cuts leaves by
+    # device): where its ``size`` elements start in the leaf's, row-major.
+    start: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +219,22 @@ class SlabLayout:
     def padded_size(self) -> int:
         return self.num_pages * self.page_elems
 
+    @property
+    def compute_size(self) -> int:
+        """Elements a device computes with: the whole slab (an expert-parallel block's
+        layout, ``runtime/experts.py``, has its device's experts only)."""
+        return self.padded_size
+
+    @property
+    def gathered_size(self) -> int:
+        """Elements an all-gather of the slab brings each device from the others when it
+        is split evenly over ``page_multiple`` devices (ZeRO-3); 0 on one device."""
+        return self.padded_size * (self.page_multiple - 1) // self.page_multiple
+
+    def device_pages(self, dtype: Any) -> list[jax.ShapeDtypeStruct]:
+        """The abstract pages a stage function takes."""
+        return [jax.ShapeDtypeStruct((self.page_elems,), dtype)] * self.num_pages
+
     def nbytes(self, dtype: Any) -> int:
         return self.padded_size * jnp.dtype(dtype).itemsize
 
@@ -242,14 +261,15 @@ class SlabLayout:
         P = self.page_elems
         return [slab[k * P : (k + 1) * P] for k in range(self.num_pages)]
 
-    def unflatten_pages(self, pages: list[jax.Array]) -> Any:
+    def unflatten_pages(self, pages: list[jax.Array], offset: int = 0) -> Any:
         """The pages of a slab -> params pytree (inside jit). Each leaf is cut from just
-        the pages it spans, so no copy of the whole slab is ever materialised."""
+        the pages it spans, so no copy of the whole slab is ever materialised.
+        ``offset``: elements before the slab's first leaf in the pages."""
         P = self.page_elems
         flat = []
         for slab_index in self.tree_order:
             leaf = self.leaves[slab_index]
-            start, end = leaf.offset, leaf.offset + leaf.size
+            start, end = offset + leaf.offset, offset + leaf.offset + leaf.size
             parts = [
                 pages[k][max(start - k * P, 0) : min(end - k * P, P)]
                 for k in range(start // P, (end - 1) // P + 1)
