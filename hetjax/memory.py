@@ -257,6 +257,9 @@ class Sizes:
     # device bytes of the stage groups' contexts through a micro-batch (an encoder's
     # output, read by every decoder block, with its gradient; ``stages.context_bytes``)
     context: int = 0
+    # what a swapped block moves, per level, where measured (the runtime:
+    # stages.StageFunctions.swap_bytes); else derived from ``kept`` (swap_bytes)
+    swapped: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def state_bytes(self) -> int:
@@ -264,8 +267,12 @@ class Sizes:
         return 4 * (1 + self.state_kinds)
 
     def swap_bytes(self, level: str) -> int:
-        """Bytes a swapped block moves to host memory and back: its kept residuals at
-        ``level`` without its param pages (``stages.SwappedBlock``)."""
+        """Bytes a swapped block moves to host memory and back: as measured, or its kept
+        residuals at ``level`` without its param pages (``stages.SwappedBlock``; a
+        device that takes the params leaf by leaf holds only those its backward uses, so
+        the runtime measures)."""
+        if level in self.swapped:
+            return self.swapped[level]
         return self.kept[level] - self.compute_bytes * self.block
 
     def stages(self) -> list[str]:

@@ -351,8 +351,12 @@ def test_every_transfer_is_planned_and_counted(tiny, offload):
                 runtime.train_step(batches[2])
         moved = recorder.finish().moved_bytes
 
-        def nbytes(stage):
+        def nbytes(stage):  # params as the device takes them (leaf buffers: unpadded)
             return sum(p.nbytes for p in runtime.param_store.get(stage))
+
+        def grad_nbytes(stage):  # a gradient leaves as its slab's pages, padding included
+            layout = runtime.layouts[runtime.layout_name(stage)]
+            return layout.padded_size * runtime.compute_dtype.itemsize
 
         L, kept = runtime.num_layers, config.offload.keep_blocks
         names = runtime.block_names
@@ -365,8 +369,8 @@ def test_every_transfer_is_planned_and_counted(tiny, offload):
             (B, T) = (config.train.micro_batch_size, config.train.seq_len)
             boundary = (L - kept) * B * T * model["d_model"] * 4
         h2d = sum(map(nbytes, copied + refreshed)) + boundary
-        grads = sum(nbytes(n) for n in runtime.stage_names if n not in runtime.device_stages)
-        grads += nbytes("embed") if "embed" not in runtime.device_stages else 0  # tied head
+        grads = sum(grad_nbytes(n) for n in runtime.stage_names if n not in runtime.device_stages)
+        grads += grad_nbytes("embed") if "embed" not in runtime.device_stages else 0  # tied head
         assert moved == {"host_to_device": h2d, "device_to_host": grads + boundary}
     finally:
         runtime.close()

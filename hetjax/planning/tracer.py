@@ -12,8 +12,8 @@ import numpy as np
 
 from hetjax.config import Config
 from hetjax.planning.workload import Workload, kept_key
-from hetjax.runtime.placement import Shardings
-from hetjax.runtime.stages import StageFunctions, stage_layouts
+from hetjax.runtime.placement import Shardings, SingleDevice
+from hetjax.runtime.stages import StageFunctions
 from models import build_model
 
 
@@ -26,7 +26,7 @@ def trace(config: Config, repeats: int = 5, devices: int = 1) -> Workload:
     m, t = config.model, config.train
     model = build_model(m)
     dtype = jnp.dtype(m.compute_dtype)
-    layouts = stage_layouts(model, config.memory.page_size)
+    layouts = SingleDevice().stage_layouts(model, config.memory.page_size)  # as it runs
     dev = Shardings.single_device().device
     fns = StageFunctions(
         model,
@@ -38,12 +38,10 @@ def trace(config: Config, repeats: int = 5, devices: int = 1) -> Workload:
     sizes = fns.memory_sizes(rows, t.seq_len, dtype)
     rng = np.random.default_rng(0)
 
-    def slab(name):
+    def slab(name):  # a stage's params as the device takes them
         L = layouts[name]
-        return jax.device_put(
-            [jnp.asarray(rng.normal(0, 0.02, L.page_elems), dtype) for _ in range(L.num_pages)],
-            dev,
-        )
+        flat = rng.normal(0, 0.02, L.padded_size).astype(dtype)
+        return jax.device_put(L.leaf_views(flat), dev)
 
     e, h = slab("embed"), slab("head")
     tokens = jax.device_put(rng.integers(0, m.vocab_size, (rows, t.seq_len)).astype(np.int32), dev)

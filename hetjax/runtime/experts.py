@@ -221,6 +221,12 @@ class ExpertSlabLayout:
         rest = self.dense.unflatten_pages(pages.dense, offset=self._shift)
         return join_experts(rest, self.experts.unflatten(pages.experts.reshape(-1)))
 
+    leaf_buffers = False  # the device takes pages (ZeRO-3's): pages.SlabLayout's flag
+
+    def grad_pages(self, grad: ExpertPages) -> ExpertPages:
+        """A gradient as the block's pages: they are (the device takes pages here)."""
+        return grad
+
     def device_pages(self, dtype: Any) -> ExpertPages:
         """The abstract pages a device computes with (global shapes)."""
         sds, P = jax.ShapeDtypeStruct, self.page_elems

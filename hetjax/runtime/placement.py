@@ -103,8 +103,10 @@ class SingleDevice:
         self.shardings = Shardings.single_device(device)
 
     def stage_layouts(self, model, page_size: int) -> dict[str, SlabLayout]:
-        """The stages' slab layouts (``stages.stage_layouts``): whole slabs."""
-        return stage_layouts(model, page_size)
+        """The stages' slab layouts (``stages.stage_layouts``): whole slabs, which the
+        device takes leaf by leaf (``pages.LeafBuffers``: every weight a buffer of its
+        own, none cut out of the pages it spans at each use)."""
+        return stage_layouts(model, page_size, leaf_buffers=True)
 
     def state_layouts(self, layouts: dict[str, SlabLayout]) -> dict[str, SlabLayout]:
         """Layouts of the slabs this process's optimizer and stores hold: whole slabs."""
@@ -131,8 +133,8 @@ class SingleDevice:
         return [p.astype(dtype) for p in pages]
 
     def to_device(self, pages, layout=None):
-        """A stage's params from the param store -> pages on the device for compute
-        (``layout``: the stage's, which a sharded placement gathers by)."""
+        """A stage's params from the param store (its leaf buffers) -> on the device for
+        compute (``layout``: the stage's, which a sharded placement gathers by)."""
         return jax.device_put(pages, self.shardings.device)
 
     def put_batch(self, rows: np.ndarray) -> jax.Array:

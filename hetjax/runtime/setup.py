@@ -28,7 +28,13 @@ from hetjax.runtime.stages import StageMemory
 from hetjax.storage.gradients import GradientStore
 from hetjax.storage.nvme import check_nvme_path
 from hetjax.storage.pages import SlabLayout
-from hetjax.storage.params import DeviceParamStore, HostParamStore, NvmeParamStore, SplitParamStore
+from hetjax.storage.params import (
+    DeviceParamStore,
+    HostParamStore,
+    LeafViews,
+    NvmeParamStore,
+    SplitParamStore,
+)
 from hetjax.storage.states import MemoryStateStore, NvmeStateStore, SplitStateStore
 from hetjax.storage.swap import BoundarySwap, ResidualSwap
 from hetjax.types import group_key, is_block, stage_layout
@@ -62,6 +68,7 @@ def memory_sizes(
         boundary=stage_memory.boundary,
         working_set=stage_memory.working_set,
         kept=stage_memory.kept,
+        swapped=stage_memory.swapped,
         grad_policy=grad_policy(config),
         groups=(
             tuple(
@@ -125,9 +132,11 @@ def make_stores(
     host: HostMemoryPlan,
     shardings,
     device_stages: tuple[str, ...],
+    views: LeafViews | None = None,
 ):
     """The state store and the param store of the offload tiers: NVMe arrays, host RAM
-    or device memory, with the device-cached stages routed to device stores."""
+    or device memory, with the device-cached stages routed to device stores. ``views``:
+    the param stores hand stages out as leaf buffers (one device), else as pages."""
     off = config.offload
     opt_sharding = shardings.device if off.optimizer == "device" else shardings.optimizer
     if off.optimizer == "nvme" and pages:
@@ -145,14 +154,20 @@ def make_stores(
     if off.params == "nvme" and pages:
         dtype = jnp.dtype(config.model.compute_dtype)
         params = NvmeParamStore(
-            nvme_dir / "params", dtype, pages, page_elems, stage_to=shardings.pinned_staging()
+            nvme_dir / "params",
+            dtype,
+            pages,
+            page_elems,
+            stage_to=shardings.pinned_staging(),
+            views=views,
         )
     else:
-        params = HostParamStore(shardings.host)
+        params = HostParamStore(shardings.host, views)
     if device_stages:
         device_states = MemoryStateStore(shardings.device, on_device=True)
         states = SplitStateStore(device_states, states, device_stages)
-        params = SplitParamStore(DeviceParamStore(shardings.device), params, device_stages)
+        device_params = DeviceParamStore(shardings.device, views)
+        params = SplitParamStore(device_params, params, device_stages)
     return states, params
 
 
@@ -289,9 +304,12 @@ def build_stores(
     )
     page_elems = layouts["embed"].page_elems  # every stage's
     pages = stage_pages(sizes, offload, page_elems)
+    # the placement's layouts say how the device takes a stage: leaf by leaf, or pages
+    views = LeafViews(layouts) if layouts["embed"].leaf_buffers else None
     states, params = make_stores(
-        config, nvme_dir, pages, page_elems, kinds, host, placement.shardings, device_stages
-    )
+        config, nvme_dir, pages, page_elems, kinds, host, placement.shardings, device_stages,
+        views,
+    )  # fmt: skip
     on_nvme = config.offload.params == "nvme"
     return Stores(
         nvme_dir,

@@ -21,7 +21,11 @@ F32 = jnp.float32
 
 
 def stage_layouts(
-    model, page_size: int, page_multiple: int = 1, expert_parallel: int = 1
+    model,
+    page_size: int,
+    page_multiple: int = 1,
+    expert_parallel: int = 1,
+    leaf_buffers: bool = False,
 ) -> dict[str, SlabLayout | ExpertSlabLayout]:
     """The slab layouts of a model's stages (``embed``, one block of each stage group by
     its name, e.g. ``block``, ``head``), from abstract shapes: nothing is allocated.
@@ -29,8 +33,9 @@ def stage_layouts(
     (``pages.fitted_page_elems``); slabs pad to a multiple of ``page_multiple`` pages
     (ZeRO-3: one equal share per device). With ``expert_parallel`` > 1 (of the
     ``page_multiple`` devices) a block's experts are laid out in that many groups
-    (``experts.ExpertSlabLayout``). The layouts are where both the runtime and the
-    planner take the stages' sizes from."""
+    (``experts.ExpertSlabLayout``). ``leaf_buffers``: the device takes each stage's
+    params leaf by leaf (one device: ``pages.LeafBuffers``), not as its pages. The
+    layouts are where both the runtime and the planner take the stages' sizes from."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     blocks = {
         g.name: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes[g.key])
@@ -41,7 +46,7 @@ def stage_layouts(
     )
     elems = fitted_page_elems(block_elems, page_size // MASTER_ITEMSIZE, page_multiple)
     page_size = elems * MASTER_ITEMSIZE
-    layout = lambda params: SlabLayout.from_params(params, page_size, page_multiple)
+    layout = lambda params: SlabLayout.from_params(params, page_size, page_multiple, leaf_buffers)
     if expert_parallel > 1:
         shares = page_multiple // expert_parallel
         block = lambda one: ExpertSlabLayout.of(one, page_size, expert_parallel, shares)
@@ -110,6 +115,8 @@ class StageMemory:
     # inputs included), per offload.keep_level the block supports (remat.py)
     kept: dict[str, int]
     context: int = 0  # the stage groups' contexts and their gradients (context_bytes)
+    # what a swapped block moves per level (StageFunctions.swap_bytes), where asked for
+    swapped: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class SwappedBlock:
@@ -196,7 +203,9 @@ class GroupFunctions:
         def input_bwd(e, prev, tokens, targets, dx, dcontext):
             _, vjp = jax.vjp(lambda e, prev: input_fwd(e, prev, tokens, targets), e, prev)
             de, dprev = vjp((dx, dcontext))
-            return out(de), dprev
+            return out(E.grad_pages(de)), dprev
+
+        block_grad = lambda db: cast(B.grad_pages(db))  # pages, whichever way b came
 
         @batch_means(1)  # the statistics: means over the block's tokens
         def block_fwd(b, x, context=()):  # (B, T, D) -> ((B, T, D), aux statistics (S,))
@@ -208,11 +217,11 @@ class GroupFunctions:
         def block_bwd(b, x, dy, dstats=None, context=(), dcontext=()):
             _, vjp = jax.vjp(block_fwd, b, x, context)  # recompute the inside, then its vjp
             db, dx, dc = vjp(cotangent(dy, dstats))
-            return cast(db), dx, jax.tree.map(jnp.add, dcontext, dc)
+            return block_grad(db), dx, jax.tree.map(jnp.add, dcontext, dc)
 
         def block_bwd_kept(vjp, dy, dstats=None, dcontext=()):
             db, dx, dc = vjp(cotangent(dy, dstats))
-            return cast(db), dx, jax.tree.map(jnp.add, dcontext, dc)
+            return block_grad(db), dx, jax.tree.map(jnp.add, dcontext, dc)
 
         self.input_fwd = jit(input_fwd)
         self.input_bwd = jit(input_bwd)
@@ -222,7 +231,7 @@ class GroupFunctions:
         # the first backward's sum so far: zeros shaped as the context
         self.zero_context = jit(lambda context: jax.tree.map(jnp.zeros_like, context))
         self._block_fwd, self._kept_forward, self._swapped = block_fwd, {}, {}
-        self._cast, self._cotangent = cast, cotangent
+        self._cast, self._cotangent = block_grad, cotangent
         self.block_fwd_keep = self.kept_forward(keep_level)
 
     def kept_forward(self, level: str):
@@ -298,7 +307,7 @@ class StageFunctions:
         def head_fwd_bwd(h, e, x, targets, scale):
             loss, vjp = jax.vjp(lambda h, e, x: head_loss(h, e, x, targets), h, e, x)
             dh, de, dx = vjp(scale)  # scale: the fp16 loss scale, else 1
-            return loss, out(dh), out(de), dx
+            return loss, out(H.grad_pages(dh)), out(E.grad_pages(de)), dx
 
         @batch_means(0, 1)  # from the (already averaged) loss and statistics alone
         def aux_fwd_bwd(loss, stats, seed):
@@ -312,7 +321,7 @@ class StageFunctions:
 
         def embed_bwd(e, tokens, dx):
             _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
-            return out(vjp(dx)[0])
+            return out(E.grad_pages(vjp(dx)[0]))
 
         self.head_loss = jit(head_loss)
         self.head_fwd_bwd = jit(head_fwd_bwd)

@@ -145,13 +145,13 @@ class StreamingRuntime:
         kinds = len(self.optimizer.kinds) - 1
         # (the swapped blocks' activations live in host RAM: their sizes, from abstract
         # shapes, are the host plan's too)
-        kept = (
-            self.fns.kept_bytes(t.micro_batch_size, t.seq_len, self.compute_dtype)
-            if off.swap_blocks
-            else {}
-        )
+        kept, swapped = {}, {}
+        if off.swap_blocks:
+            batch = (t.micro_batch_size, t.seq_len, self.compute_dtype)
+            kept, swapped = self.fns.kept_bytes(*batch), self.fns.swap_bytes(*batch)
+        stage_memory = StageMemory(boundary, 0, kept, swapped=swapped)
         self.sizes = setup.memory_sizes(
-            config, groups, self.layouts, self.state_layouts, StageMemory(boundary, 0, kept), kinds
+            config, groups, self.layouts, self.state_layouts, stage_memory, kinds
         )
         self.offload = Offload.from_config(config)
         self.host_plan = plan_host(self.sizes, self.offload, mem.host_budget)

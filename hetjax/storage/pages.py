@@ -10,9 +10,12 @@ jitted stage functions slice the slab back into the pytree at no runtime cost.
 Slabs vs per-leaf transfers, measured with ``python -m hetjax.bench slabs`` (numbers in
 the README): on the CPU backend one ``device_put`` of a whole 48 MiB block slab copies on
 one thread (~2 GB/s), leaf by leaf runs ~4x faster, and the slab moved as its list of
-pages in one ``device_put`` is as fast as per-leaf. So the executor keeps the slab
-layout and moves it as pages: one transfer call per stage, uniform page-sized copies
-that run in parallel; under jit each leaf is sliced from the pages it spans.
+pages in one ``device_put`` is as fast as per-leaf. Storage keeps the slab layout and its
+pages. What one device takes is the stage's leaves (:class:`LeafBuffers`, views of the
+host slab, one ``device_put`` per stage): a stage function taking pages must cut every
+weight that spans pages out of them, a device copy of it at every use (forward and the
+backward's recompute); leaf buffers are read where they lie. ZeRO-3 takes pages, which
+it shards and gathers. Gradients leave the device as pages either way.
 """
 
 from __future__ import annotations
@@ -149,6 +152,23 @@ def weight_decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
+@jax.tree_util.register_pytree_node_class
+class LeafBuffers(tuple):
+    """A stage's params as one device takes them: each leaf its own buffer, shaped, in
+    slab order (:attr:`SlabLayout.leaf_buffers`). The stage functions then read every
+    weight where it lies; from a list of pages they cut each weight from the pages it
+    spans, a device copy of every weight that spans pages at every use (forward, and
+    again in the backward's recompute). A pytree of its own type, so a function tells the
+    two apart when it is traced."""
+
+    def tree_flatten(self):
+        return tuple(self), None
+
+    @classmethod
+    def tree_unflatten(cls, _aux, children) -> LeafBuffers:
+        return cls(children)
+
+
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     path: tuple[str, ...]
@@ -171,12 +191,18 @@ class SlabLayout:
     size: int  # elements in use
     page_elems: int
     page_multiple: int = 1  # pages pad to a multiple of this (ZeRO-3: the data degree)
+    # The device takes the stage's params leaf by leaf (LeafBuffers: one device; the
+    # runtime's stores hand them out so, :meth:`leaf_views`) rather than as pages
+    # (ZeRO-3, whose pages are what it shards and gathers). Storage is pages either way.
+    leaf_buffers: bool = False
 
     @classmethod
-    def from_params(cls, params: Any, page_bytes: int, page_multiple: int = 1) -> SlabLayout:
+    def from_params(
+        cls, params: Any, page_bytes: int, page_multiple: int = 1, leaf_buffers: bool = False
+    ) -> SlabLayout:
         """Builds the layout from a params pytree (arrays or ShapeDtypeStructs); the
         slab pads to a multiple of ``page_multiple`` pages (one equal share per device
-        under ZeRO-3)."""
+        under ZeRO-3). ``leaf_buffers``: the device takes the params leaf by leaf."""
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         decay = jax.tree.leaves(weight_decay_mask(params))
         order = sorted(range(len(paths_leaves)), key=lambda k: (not decay[k], k))
@@ -199,6 +225,7 @@ class SlabLayout:
             offset,
             page_bytes // MASTER_ITEMSIZE,
             page_multiple,
+            leaf_buffers,
         )
 
     def shard(self, first_page: int, num_pages: int) -> SlabLayout:
@@ -231,9 +258,49 @@ class SlabLayout:
         is split evenly over ``page_multiple`` devices (ZeRO-3); 0 on one device."""
         return self.padded_size * (self.page_multiple - 1) // self.page_multiple
 
-    def device_pages(self, dtype: Any) -> list[jax.ShapeDtypeStruct]:
-        """The abstract pages a stage function takes."""
+    def device_pages(self, dtype: Any) -> list[jax.ShapeDtypeStruct] | LeafBuffers:
+        """The abstract params a stage function takes: its leaves (``leaf_buffers``), or
+        its pages."""
+        if self.leaf_buffers:
+            return LeafBuffers(jax.ShapeDtypeStruct(leaf.shape, dtype) for leaf in self.leaves)
         return [jax.ShapeDtypeStruct((self.page_elems,), dtype)] * self.num_pages
+
+    def leaf_views(self, slab: np.ndarray) -> LeafBuffers:
+        """A flat host slab (numpy) -> its leaves as shaped views of it (no copy), for a
+        ``device_put`` that gives each leaf a buffer of its own."""
+        return LeafBuffers(
+            slab[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape) for leaf in self.leaves
+        )
+
+    def leaves_of_pages(self, pages: list[jax.Array]) -> LeafBuffers:
+        """Pages -> the leaves, each cut from the pages it spans (inside jit: a device
+        copy of the stage, made once where the pages are updated, not at every use)."""
+        return LeafBuffers(
+            self._cut(pages, leaf.offset, leaf.size).reshape(leaf.shape) for leaf in self.leaves
+        )
+
+    def grad_pages(self, grad: list[jax.Array] | LeafBuffers) -> list[jax.Array]:
+        """Inside a backward's jit: the gradient of a stage's params as pages, whichever
+        way the params came (the gradient leaves the device as pages, as the optimizer
+        and the stores take them)."""
+        if not isinstance(grad, LeafBuffers):
+            return grad
+        # Each page from just the leaf pieces it covers: a concatenation of the whole
+        # slab before cutting it into pages would be one more stage-sized temporary.
+        P, flat = self.page_elems, [jnp.ravel(g) for g in grad]
+        pages = []
+        for k in range(self.num_pages):
+            start, end = k * P, (k + 1) * P
+            parts = [
+                g[max(start - leaf.offset, 0) : min(end - leaf.offset, leaf.size)]
+                for leaf, g in zip(self.leaves, flat, strict=True)
+                if leaf.offset < end and leaf.offset + leaf.size > start
+            ]
+            filled = sum(p.shape[0] for p in parts)
+            if filled < P:  # the slab's padding
+                parts.append(jnp.zeros(P - filled, flat[0].dtype))
+            pages.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+        return pages
 
     def nbytes(self, dtype: Any) -> int:
         return self.padded_size * jnp.dtype(dtype).itemsize
@@ -261,22 +328,29 @@ class SlabLayout:
         P = self.page_elems
         return [slab[k * P : (k + 1) * P] for k in range(self.num_pages)]
 
-    def unflatten_pages(self, pages: list[jax.Array], offset: int = 0) -> Any:
-        """The pages of a slab -> params pytree (inside jit). Each leaf is cut from just
-        the pages it spans, so no copy of the whole slab is ever materialised.
+    def unflatten_pages(self, pages: list[jax.Array] | LeafBuffers, offset: int = 0) -> Any:
+        """A stage's params as the device took them -> params pytree (inside jit): its
+        :class:`LeafBuffers` as they are, or its pages, each leaf cut from just the pages
+        it spans (no copy of the whole slab; a copy of each leaf that spans pages).
         ``offset``: elements before the slab's first leaf in the pages."""
-        P = self.page_elems
+        if isinstance(pages, LeafBuffers):
+            assert offset == 0, "leaf buffers hold one slab's leaves"
+            flat = [pages[slab_index] for slab_index in self.tree_order]
+            return jax.tree.unflatten(self.treedef, flat)
         flat = []
         for slab_index in self.tree_order:
             leaf = self.leaves[slab_index]
-            start, end = offset + leaf.offset, offset + leaf.offset + leaf.size
-            parts = [
-                pages[k][max(start - k * P, 0) : min(end - k * P, P)]
-                for k in range(start // P, (end - 1) // P + 1)
-            ]
-            data = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-            flat.append(data.reshape(leaf.shape))
+            flat.append(self._cut(pages, offset + leaf.offset, leaf.size).reshape(leaf.shape))
         return jax.tree.unflatten(self.treedef, flat)
+
+    def _cut(self, pages: list[jax.Array], start: int, size: int) -> jax.Array:
+        """Elements ``[start, start + size)`` of the pages, flat (inside jit)."""
+        P, end = self.page_elems, start + size
+        parts = [
+            pages[k][max(start - k * P, 0) : min(end - k * P, P)]
+            for k in range(start // P, (end - 1) // P + 1)
+        ]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
     def unflatten(self, slab: jax.Array) -> Any:
         """slab -> params pytree (static slices; cheap inside jit)."""

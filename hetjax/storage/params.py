@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
-from hetjax.storage.pages import pages_slab
+from hetjax.storage.pages import LeafBuffers, SlabLayout, pages_slab
+from hetjax.types import stage_layout
 
 
 def same_client(pages: list, sharding: jax.sharding.Sharding) -> list:
@@ -34,15 +35,46 @@ def same_client(pages: list, sharding: jax.sharding.Sharding) -> list:
     return [np.asarray(p) if crosses(p) else p for p in pages]
 
 
-class HostParamStore:
-    """Compute-dtype param pages of every stage in the host memory kind."""
+class LeafViews:
+    """How the stores hand a stage's params to one device: leaf by leaf
+    (``pages.LeafBuffers``, for layouts with ``leaf_buffers``), so that each weight gets
+    a device buffer of its own and no stage function copies it out of the pages it
+    spans. The stores keep pages where pages are what they store (NVMe, the optimizer's
+    output): a host slab is cut into leaf views (no copy) where it becomes device-bound
+    (:meth:`host`); the device cache's pages are cut on the device once per update
+    (:meth:`device`)."""
 
-    def __init__(self, sharding: jax.sharding.Sharding):
+    def __init__(self, layouts: dict[str, SlabLayout]):
+        self.layouts = layouts
+        self._cut: dict[str, object] = {}
+
+    def host(self, stage: str, pages) -> LeafBuffers:
+        """A stage's pages (numpy, or views of the host memory they are in) -> its leaves
+        as views of the slab the pages are (a concatenation where they are not one)."""
+        return self.layouts[stage_layout(stage)].leaf_views(pages_slab(list(pages)))
+
+    def device(self, stage: str, pages: list[jax.Array]) -> LeafBuffers:
+        """A stage's pages on the device -> its leaves, copied out on the device."""
+        name = stage_layout(stage)
+        if name not in self._cut:
+            self._cut[name] = jax.jit(self.layouts[name].leaves_of_pages)
+        return self._cut[name](pages)
+
+
+class HostParamStore:
+    """Compute-dtype params of every stage in the host memory kind: pages, or (``views``)
+    the leaf buffers one device takes."""
+
+    def __init__(self, sharding: jax.sharding.Sharding, views: LeafViews | None = None):
         self.sharding = sharding
-        self.pages: dict[str, list[jax.Array]] = {}
+        self.views = views
+        self.pages: dict[str, list[jax.Array] | LeafBuffers] = {}
 
     def publish(self, stage: str, pages: list) -> None:
-        self.pages[stage] = jax.device_put(same_client(pages, self.sharding), self.sharding)
+        pages = same_client(pages, self.sharding)
+        if self.views is not None:
+            pages = self.views.host(stage, pages)
+        self.pages[stage] = jax.device_put(pages, self.sharding)
 
     def prefetch(self, stage: str) -> None:
         pass
@@ -67,7 +99,13 @@ class HostParamStore:
 class DeviceParamStore(HostParamStore):
     """Compute-dtype param pages of the device-cached stages, in device memory: their
     update runs there and publishes in place; the executor reads them as resident
-    stages without a copy."""
+    stages without a copy (``views``: cut into leaf buffers on the device, once per
+    update)."""
+
+    def publish(self, stage: str, pages: list) -> None:
+        if self.views is not None:
+            pages = self.views.device(stage, pages)
+        self.pages[stage] = jax.device_put(pages, self.sharding)
 
     def host_bytes(self) -> int:
         return 0
@@ -109,21 +147,22 @@ class SplitParamStore(BaseCounters):
 
 class _Staged:
     """A read of pages from disk, copied into ``sharding`` (``pinned_host``) by the
-    thread that completes the read; ``result()`` is the list of pinned pages."""
+    thread that completes the read, as ``pieces`` hands them out (pages, or leaf
+    buffers); ``result()`` is what was copied."""
 
-    def __init__(self, read, sharding: jax.sharding.Sharding):
+    def __init__(self, read, sharding: jax.sharding.Sharding, pieces):
         self._done: concurrent.futures.Future = concurrent.futures.Future()
-        self._sharding = sharding
+        self._sharding, self._pieces = sharding, pieces
         read.add_done_callback(self._land)
 
     def _land(self, read) -> None:
         try:
-            pinned = jax.device_put(list(read.result()), self._sharding)
+            pinned = jax.device_put(self._pieces(read.result()), self._sharding)
             self._done.set_result(jax.block_until_ready(pinned))
         except BaseException as e:  # noqa: BLE001 — raised by result(), on the caller
             self._done.set_exception(e)
 
-    def result(self) -> list[jax.Array]:
+    def result(self) -> list[jax.Array] | LeafBuffers:
         return self._done.result()
 
 
@@ -138,14 +177,17 @@ class NvmeParamStore:
         stage_pages: dict[str, tuple[int, int]],
         page_elems: int,
         stage_to: jax.sharding.Sharding | None = None,
+        views: LeafViews | None = None,
     ):
         """``stage_to``: the device's ``pinned_host`` memory, where pages read from disk
         are copied as soon as they land (by the thread completing the read, not the
         dispatch thread), so the copy to the device is a DMA from pinned memory, not a
         copy from pageable memory through a bounce buffer. None: pages stay numpy (a
-        CPU, where the two memories are one)."""
+        CPU, where the two memories are one). ``views``: stages are handed out as leaf
+        buffers (cut where the read lands), else as pages."""
         self.stage_pages = stage_pages
         self.stage_to = stage_to
+        self.views = views
         num_pages = sum(n for _, n in stage_pages.values())
         kinds = {"params": np.dtype(dtype).name}
         self.disk = [
@@ -174,21 +216,30 @@ class NvmeParamStore:
         self.write_bytes += data.nbytes
         bound_writes(self._writes, self._write_window)
 
+    def _pieces(self, stage: str, data: np.ndarray) -> list | LeafBuffers:
+        """A stage's data on the host (its pages, or one flat slab) -> as it is handed
+        out: its leaf buffers (views) or its pages."""
+        if self.views is not None:
+            return self.views.host(stage, list(data.reshape(-1, self.disk[0].page_elems)))
+        return list(data.reshape(-1, self.disk[0].page_elems))
+
     def prefetch(self, stage: str) -> None:
         if stage not in self._reads and stage not in self._landing:
             first, n = self.stage_pages[stage]
             read = self.disk[self.gen].read("params", first, n)
-            self._reads[stage] = _Staged(read, self.stage_to) if self.stage_to else read
+            if self.stage_to:
+                read = _Staged(read, self.stage_to, lambda data: self._pieces(stage, data))
+            self._reads[stage] = read
 
-    def get(self, stage: str) -> list:
+    def get(self, stage: str) -> list | LeafBuffers:
         if stage in self._landing:  # written last step, maybe still in flight: in RAM
             self._reads.pop(stage, None)  # one issued before the commit: stale
-            data = self._landing[stage][1]
-            return list(data.reshape(-1, self.disk[0].page_elems))
+            return self._pieces(stage, self._landing[stage][1])
         self.prefetch(stage)
-        pages = self._reads.pop(stage).result()
-        self.read_bytes += sum(p.nbytes for p in pages)
-        return list(pages)
+        data = self._reads.pop(stage).result()
+        _, n = self.stage_pages[stage]
+        self.read_bytes += n * self.disk[0].page_elems * self.disk[0].dtypes["params"].itemsize
+        return data if self.stage_to else self._pieces(stage, data)
 
     def commit(self) -> None:
         """Makes the step's params current without waiting for the writes still in
