@@ -19,14 +19,24 @@ def test_overhead_quick(tmp_path, capsys):
     out = tmp_path / "overhead.json"
     assert main(["overhead", "--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    for key in ("none_s", "stream_s", "stream_keep_s", "traced_step_s", "untraced_step_s"):
-        assert result[key] > 0, key
+    for key in (
+        "none_s",
+        "stream_s",
+        "stream_swap_s",
+        "stream_keep_s",
+        "traced_step_s",
+        "untraced_step_s",
+    ):
+        assert math.isfinite(result[key]) and result[key] > 0, key
     assert result["trace_step_over_busiest"] >= 1.0  # a step is never shorter than a lane
     text = capsys.readouterr().out
     assert "params host, opt NVMe" in text
     # the ratios saved are the ones printed
     assert f"stream / none step time: {result['ratio']:.3f}" in text, text
     assert f"all blocks kept / none: {result['ratio_keep']:.3f}" in text, text
+    ratios = f"{result['ratio']:.3f} / {result['ratio_swap']:.3f} / {result['ratio_keep']:.3f}"
+    assert f"recompute / swap / keep: {result['stream_s']:.4f} / " in text, text
+    assert f"s/step; / none: {ratios}" in text, text
     assert f"traced / untraced steps of one run: {result['trace_cost']:.3f}" in text, text
 
 

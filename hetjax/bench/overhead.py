@@ -16,7 +16,10 @@ def bench_overhead(quick: bool) -> dict:
     """Step time of the offloaded runtime (``stream``: params on the host, optimizer
     state on NVMe, prefetch depth 2) vs ``none`` on a compute-bound shape: a batch large
     enough that matmuls dominate transfers. Also: the same with prefetch off, and with
-    every step traced (``train.trace_every=1``: what the timeline costs)."""
+    every step traced (``train.trace_every=1``: what the timeline costs); and the three
+    ways a streamed block can get its in-block activations back for backward, in one run
+    so that load changes hit them alike: recompute them (``stream``), swap them to host
+    memory and back (``stream_swap``), keep them on the device (``stream_keep``)."""
     from hetjax.train import train
 
     steps, skip = (3, 1) if quick else (12, 3)
@@ -34,31 +37,42 @@ def bench_overhead(quick: bool) -> dict:
     )
     layers = model["num_layers"]
     # name -> (offload.mode, model.remat, offload.prefetch_depth, train.trace_every,
-    #          offload.keep_blocks)
+    #          offload.keep_blocks, offload.swap_blocks)
     runs = {
-        "none": ("none", False, 2, 0, 0),
-        "none_remat": ("none", True, 2, 0, 0),  # the same block recompute as streaming
-        "stream": ("stream", False, 2, 0, 0),
+        "none": ("none", False, 2, 0, 0, 0),
+        "none_remat": ("none", True, 2, 0, 0, 0),  # the same block recompute as streaming
+        "stream": ("stream", False, 2, 0, 0, 0),
+        # every block swaps its in-block activations (offload.swap_level's default,
+        # matmuls) to host memory in forward and back for backward: host traffic and the
+        # elementwise recompute instead of recomputing the matmuls, params fetched again
+        "stream_swap": ("stream", False, 2, 0, 0, layers),
         # every block keeps its in-block activations: the same FLOPs as `none`, so the
         # difference is streaming's own cost (params in, gradients out, host optimizer)
-        "stream_keep": ("stream", False, 2, 0, layers),
-        "stream_depth0": ("stream", False, 0, 0, 0),  # no prefetch: what overlap buys
+        "stream_keep": ("stream", False, 2, 0, layers, 0),
+        "stream_depth0": ("stream", False, 0, 0, 0, 0),  # no prefetch: what overlap buys
         # every other step traced: traced vs untraced steps of one run, the timeline's cost
-        "stream_traced": ("stream", False, 2, 2, 0),
+        "stream_traced": ("stream", False, 2, 2, 0, 0),
     }
     labels = {
         "none": "none (in memory)",
         "none_remat": "none, remat per block",
         "stream": "stream (params host, opt NVMe)",
+        "stream_swap": "stream, all blocks swapped",
         "stream_keep": "stream, all blocks kept",
         "stream_depth0": "stream, prefetch depth 0",
         "stream_traced": "stream, every 2nd step traced",
     }
     results = {}
     with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # NVMe state: the local disk
-        for name, (mode, remat, depth, trace_every, keep) in runs.items():
+        for name, (mode, remat, depth, trace_every, keep, swap) in runs.items():
             config = base.replace(
-                offload=dict(mode=mode, prefetch_depth=depth, optimizer="nvme", keep_blocks=keep),
+                offload=dict(
+                    mode=mode,
+                    prefetch_depth=depth,
+                    optimizer="nvme",
+                    keep_blocks=keep,
+                    swap_blocks=swap,
+                ),
                 model=dict(model, remat=remat),
                 train=dict(trace_every=trace_every),
             )
@@ -87,6 +101,7 @@ def bench_overhead(quick: bool) -> dict:
     ratio = results["stream"] / results["none"]
     ratio_remat = results["stream"] / results["none_remat"]
     ratio_keep = results["stream_keep"] / results["none"]
+    ratio_swap = results["stream_swap"] / results["none"]
     print(f"{'mode':<32}{'s/step':>10}{'TFLOP/s':>10}{'optimizer s':>13}{'outside dispatch s':>20}")
     for name, label in labels.items():
         opt, outside = results.get(f"{name}_optimizer"), results.get(f"{name}_outside")
@@ -104,6 +119,11 @@ def bench_overhead(quick: bool) -> dict:
     print(
         f"stream, all blocks kept / none: {ratio_keep:.3f} ({(ratio_keep - 1) * 100:+.1f}%)"
         "  (the same FLOPs: params streamed in, gradients out, optimizer on the host)"
+    )
+    print(
+        f"stream, recompute / swap / keep: {results['stream']:.4f} / "
+        f"{results['stream_swap']:.4f} / {results['stream_keep']:.4f} s/step; / none: "
+        f"{ratio:.3f} / {ratio_swap:.3f} / {ratio_keep:.3f}  (one run)"
     )
     print(
         f"stream: host optimizer {results['stream_optimizer'] / results['stream'] * 100:.1f}% "
@@ -138,6 +158,7 @@ def bench_overhead(quick: bool) -> dict:
         "ratio": ratio,
         "ratio_vs_remat": ratio_remat,
         "ratio_keep": ratio_keep,
+        "ratio_swap": ratio_swap,
         "traced_step_s": results["traced_step_s"],
         "untraced_step_s": results["untraced_step_s"],
         "trace_cost": trace_cost,
