@@ -12,6 +12,11 @@ def test_slabs_quick(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["slab_s"] > 0 and result["per_leaf_s"] > 0 and result["pages_s"] > 0
     assert "pages" in capsys.readouterr().out
+    # a block's forward copies no weight out of pages when it takes leaf buffers
+    for dtype in ("float32", "bfloat16"):
+        assert result[f"{dtype}_block_fwd_leaves_concatenates"] == 0
+        assert result[f"{dtype}_block_fwd_pages_concatenates"] > 0
+        assert result[f"{dtype}_block_bwd_leaves_temp_bytes"] > 0
 
 
 @pytest.mark.slow  # 11-18 s warm, twice that with a cold compilation cache

@@ -104,6 +104,8 @@ def test_every_store_hands_one_device_leaf_buffers(tiny, offload, emulate, monke
     runtime = StreamingRuntime(config)
     try:
         runtime.train_step(training_batches(config, 1)[0])
+        if "nvme" in offload.values():  # the step's writes landed: every stage read back
+            runtime.param_store.wait()  # (one still being written is served from RAM)
         params = runtime.params()  # the fp32 masters, which fp32 compute params equal
         of = lambda stage: (
             params[stage]

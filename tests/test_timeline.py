@@ -216,13 +216,23 @@ def test_log_lines_show_the_mean_loss_since_the_last_line(tmp_path, capsys):
 def test_trace_counts_the_bytes_each_copy_lane_moved(traced_run):
     # No device budget: no resident blocks and a prefetch window of depth 2 over the use
     # order block0 block1 | block1 block0, so a step copies embed and head once (after
-    # the update), block 1 once (its forward and backward are adjacent) and block 0 twice;
-    # each stage's gradient goes to the host once, the embedding's twice (the tied
-    # head's part and its own backward). All fp32, in whole pages (TINY_SLAB_ELEMS).
+    # the update), block 1 once (its forward and backward are adjacent) and block 0 twice,
+    # leaf by leaf (the params alone: pages.LeafBuffers); each stage's gradient goes to
+    # the host once, the embedding's twice (the tied head's part and its own backward),
+    # in whole pages (TINY_SLAB_ELEMS). All fp32.
+    from conftest import tiny_config
+
+    from hetjax.runtime.placement import SingleDevice
+    from models import build_model
+
     workdir, _ = traced_run
     moved = json.loads((workdir / "trace" / "step_4.json").read_text())["otherData"]["moved_bytes"]
+    config = _offloaded(tiny_config)
+    layouts = SingleDevice().stage_layouts(build_model(config.model), config.memory.page_size)
+    params = {name: layout.size for name, layout in layouts.items()}
+    assert params["embed"] < 12288 and params["block"] < 16384  # padding left out
     embed, block, head = 12288, 16384, 4096
     assert moved == {
-        "host_to_device": 4 * (embed + head + 3 * block),
+        "host_to_device": 4 * (params["embed"] + params["head"] + 3 * params["block"]),
         "device_to_host": 4 * (2 * embed + 2 * block + head),
     }

@@ -46,8 +46,12 @@ def _step_parts(runtime, batch) -> dict:
             for ahead in names[i : i + 1 + IO_READAHEAD]:
                 states.prefetch(ahead)
             states.put(n, *states.get(n))
-            if nvme_params:
-                params.publish(n, params.get(n))
+            if nvme_params:  # read as the device takes it; written as a new slab's pages
+                layout = runtime.layouts[runtime.layout_name(n)]
+                slab = layout.flatten_np(
+                    layout.unflatten_pages(params.get(n)), runtime.compute_dtype
+                )
+                params.publish(n, list(slab.reshape(-1, layout.page_elems)))
         states.abort()  # waits for the writes (into the uncommitted generation)
         if nvme_params:
             params.abort()

@@ -1,5 +1,6 @@
 """``python -m hetjax.bench slabs``: moving one block's params host -> device as one page
-slab vs leaf by leaf."""
+slab vs leaf by leaf, and what the compiled block functions hold and copy when they take
+the block's params as pages vs as leaf buffers (``pages.LeafBuffers``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ def bench_slabs(quick: bool) -> dict:
     from models import build_model
 
     d = 256 if quick else 1024
-    config = Config().replace(model=dict(num_layers=1, d_model=d, num_heads=8))
+    config = Config().replace(
+        model=dict(num_layers=1, d_model=d, num_heads=8),
+        memory=dict(page_size="64KiB" if quick else "4MiB"),  # weights spanning pages
+    )
     model = build_model(config.model)
     params = jax.device_get(model.init_stage("block", jax.random.key(0)))
     layout = SlabLayout.from_params(params, config.memory.page_size)
@@ -48,10 +52,55 @@ def bench_slabs(quick: bool) -> dict:
     print(
         f"time relative to one slab: per leaf {t_leaves / t_slab:.2f}, pages {t_pages / t_slab:.2f}"
     )
+    compiled = _compiled_block(config, quick)
     return {
         "bytes": nbytes,
         "pages": layout.num_pages,
         "slab_s": t_slab,
         "per_leaf_s": t_leaves,
         "pages_s": t_pages,
+        **compiled,
     }
+
+
+def _compiled_block(config: Config, quick: bool) -> dict:
+    """A GPT block's forward and backward (recompute + vjp), compiled taking its params
+    as pages (``stages.stage_layouts``, ZeRO-3's) and as leaf buffers (the one-device
+    placement's): XLA's temporary bytes and the concatenates in the optimized HLO (a
+    weight cut out of the pages it spans, a copy at every use; the backward's also build
+    the gradient's pages), in fp32 and bf16."""
+    import jax.numpy as jnp
+
+    from hetjax.runtime.placement import SingleDevice
+    from hetjax.runtime.stages import StageFunctions, stage_layouts
+    from models import build_model
+
+    B, T = (1, 64) if quick else (1, 128)
+    out = {}
+    print(
+        f"a block's compiled functions, batch {B} x {T} tokens (XLA temporaries MiB, concatenates):"
+    )
+    print(f"{'dtype':<10}{'function':<10}{'pages':>16}{'leaf buffers':>16}")
+    for dtype in ("float32", "bfloat16"):
+        cfg = config.replace(model=dict(compute_dtype=dtype, max_seq_len=T), train=dict(seq_len=T))
+        model = build_model(cfg.model)
+        page = cfg.memory.page_size
+        for name, layouts in (
+            ("pages", stage_layouts(model, page)),
+            ("leaves", SingleDevice().stage_layouts(model, page)),
+        ):
+            fns = StageFunctions(model, layouts, jax.jit, lambda pages, dt: pages, jnp.dtype(dtype))
+            args = fns.abstract_args(B, T, jnp.dtype(dtype))
+            for fn in ("block_fwd", "block_bwd"):
+                compiled = getattr(fns, fn).lower(*args[fn]).compile()
+                temps = compiled.memory_analysis().temp_size_in_bytes
+                out[f"{dtype}_{fn}_{name}_temp_bytes"] = temps
+                out[f"{dtype}_{fn}_{name}_concatenates"] = compiled.as_text().count(" concatenate(")
+        for fn in ("block_fwd", "block_bwd"):
+            cells = "".join(
+                f"{out[f'{dtype}_{fn}_{n}_temp_bytes'] / 2**20:>9.1f}"
+                f"{out[f'{dtype}_{fn}_{n}_concatenates']:>7d}"
+                for n in ("pages", "leaves")
+            )
+            print(f"{dtype:<10}{fn:<10}{cells}")
+    return out
