@@ -596,6 +596,7 @@ class StreamingRuntime:
 
     def close(self) -> None:
         self.loop.close()
+        self.param_store.close()  # its read-ahead for a next step: landed, dropped
         if self.swap is not None:
             self.swap.close()
         if self.residual_swap is not None:

@@ -370,6 +370,10 @@ class ShardedParamStore:
     def abort(self) -> bool:
         return True if self.inner is None else self.inner.abort()
 
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
     def host_bytes(self) -> int:
         own = sum(s.data.nbytes for a in self.slabs.values() for s in a.addressable_shards)
         return own + (self.inner.host_bytes() if self.inner is not None else 0)

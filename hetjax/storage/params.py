@@ -11,6 +11,7 @@ speculative until committed, as for optimizer state (``states.py``).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,9 @@ class HostParamStore:
         needs them republished from the committed masters."""
         return True
 
+    def close(self) -> None:
+        pass
+
     def host_bytes(self) -> int:
         return sum(a.nbytes for a in jax.tree.leaves(self.pages))
 
@@ -140,6 +144,10 @@ class SplitParamStore(BaseCounters):
         that rewrites the uncommitted generation, which the next step overwrites)."""
         self.base.abort()
         return self.device.abort()
+
+    def close(self) -> None:
+        self.device.close()
+        self.base.close()
 
     def device_arrays(self) -> list:
         return list(self.device.pages.values())
@@ -260,6 +268,16 @@ class NvmeParamStore:
         them. Returns False: the committed generation was never touched."""
         self.wait()
         return False
+
+    def close(self) -> None:
+        """Waits for the reads and writes in flight: a read ahead for a step that never
+        comes would land after the run closed (in pinned memory, arrays of no one's),
+        and its files may be about to go."""
+        for read in self._reads.values():
+            with contextlib.suppress(Exception):  # a failed read: no one asks for it now
+                read.result()
+        self._reads.clear()
+        self.wait()
 
     def wait(self) -> None:
         for future, _ in self._writes:
