@@ -229,7 +229,9 @@ def test_device_cache_is_counted_on_the_device(tiny):
         assert deferred == [0, 1, 2]
         # committed, and the generation it replaced (the next update's output buffers)
         assert runtime.states.host_bytes() == 2 * _state_bytes(runtime, runtime.host_stages)
-        compute = lambda n: runtime.layouts[runtime.layout_name(n)].nbytes(runtime.compute_dtype)
+        # their params as the device takes them: leaf buffers, without the slab's padding
+        layout = lambda n: runtime.layouts[runtime.layout_name(n)]
+        compute = lambda n: layout(n).size * runtime.compute_dtype.itemsize
         assert runtime.param_store.host_bytes() == sum(compute(n) for n in runtime.host_stages)
     finally:
         runtime.close()

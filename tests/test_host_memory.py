@@ -32,6 +32,12 @@ MODEL = [
     "--config.train.eval_batches=0",
     "--config.checkpoint.every_steps=0",
     "--config.checkpoint.at_end=false",
+    # configs/gpt_tiny.py sets budgets and in-memory reference steps after the run (the
+    # run summary's, which would train the model in memory in the offloaded process too)
+    # for the embedded default's run: none here
+    "--config.memory.device_budget=0",
+    "--config.memory.host_budget=0",
+    "--config.train.in_memory_steps=0",
 ]
 ON_NVME = ["--config.offload.mode=stream", "--config.offload.optimizer=nvme"]
 ON_NVME += ["--config.offload.params=nvme"]
