@@ -558,6 +558,10 @@ class HostMemoryPlan:
     grads: GradientPlan
     boundaries: int = 0  # boundary activations (host) or their NVMe staging (nvme)
     swapped: int = 0  # swapped blocks' in-block activations, forward to backward
+    # params on NVMe: blocks whose forward read is kept in RAM for their backward, which
+    # then reads nothing (:func:`kept_param_blocks`), and their bytes
+    kept_param_blocks: int = 0
+    kept_params: int = 0
 
     @property
     def required(self) -> int:
@@ -568,7 +572,7 @@ class HostMemoryPlan:
         """Bytes of it in the device's ``pinned_host`` memory: what moves to and from
         the device (param slabs, gradient buffers, boundary and swapped activations).
         Optimizer state and its I/O live in the host optimizer's own (pageable) memory."""
-        return self.param_slabs + self.gradients + self.boundaries + self.swapped
+        return self.param_slabs + self.kept_params + self.gradients + self.boundaries + self.swapped
 
     def check_pinned(self, limit: int) -> None:
         """Raises ConfigError when the pinned part exceeds ``limit`` (XLA's cap on a GPU
@@ -590,6 +594,7 @@ class HostMemoryPlan:
         """Bytes by what they hold."""
         return {
             "params": self.param_slabs,
+            "params kept for backward": self.kept_params,
             "gradients": self.gradients,
             "optimizer": self.optimizer_state,
             "optimizer I/O": self.optimizer_io,
@@ -600,6 +605,11 @@ class HostMemoryPlan:
 
     def describe(self) -> str:
         parts = [f"param slabs {format_bytes(self.param_slabs)}", self.grads.describe()]
+        if self.kept_params:
+            parts.append(
+                f"params kept for backward {format_bytes(self.kept_params)} "
+                f"({self.kept_param_blocks} blocks)"
+            )
         if self.optimizer_state:
             parts.append(f"optimizer state {format_bytes(self.optimizer_state)}")
         if self.boundaries:
@@ -661,11 +671,14 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
             + f"); host is short by {format_bytes(required - budget)}. Raise "
             f"memory.host_budget or {hint}"
         )
+    kept_blocks = kept_param_blocks(s, o, budget - required if budget else 0)
+    kept = kept_blocks * s.compute_bytes * s.own_block
     cached: list[str] = []
-    if tier == "nvme" and budget and required < budget:
+    if tier == "nvme" and budget and required + kept < budget:
         stage_state = {n: s.state_bytes * s.own(n) for n in cache_of.host}
         doubled = {n: 2 * b for n, b in stage_state.items()}
-        cached = belady_cache([n for n in order if n in doubled], doubled, budget - required)
+        room = budget - required - kept
+        cached = belady_cache([n for n in order if n in doubled], doubled, room)
     cache = sum(2 * s.state_bytes * s.own(n) for n in cached)
     return HostMemoryPlan(
         budget,
@@ -678,7 +691,25 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
         grads,
         boundaries,
         swapped,
+        kept_blocks,
+        kept,
     )
+
+
+def kept_param_blocks(s: Sizes, o: Offload, room: int) -> int:
+    """With params on NVMe, how many blocks keep in RAM the params their forward read,
+    for their backward: those blocks' params are read from disk once a step instead of
+    twice. The blocks fetched again for backward are the ones neither kept on the
+    device (``offload.keep_blocks``) nor device-cached; ``room`` (bytes of the host
+    budget left over) bounds them. No budget (``room`` 0) keeps none, as it caches no
+    optimizer state: without one the plan does not know how much RAM there is. They
+    come before the optimizer state cache: a block kept saves a read of its params per
+    byte of RAM, as a cached stage saves a read and a write of its state per two (its
+    old and new state)."""
+    if o.params != "nvme" or room <= 0:
+        return 0
+    fetched_again = max(0, s.num_layers - o.keep_blocks - DeviceCache.of(s, o).blocks)
+    return min(fetched_again, room // (s.compute_bytes * s.own_block))
 
 
 def host_minimum(s: Sizes, o: Offload) -> HostMemoryPlan:

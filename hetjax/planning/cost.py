@@ -73,10 +73,13 @@ def lanes(
     cached: float,
     grad_spill: int = 0,
     after_backward: bool = False,
+    kept_params: int = 0,
 ) -> tuple[float, dict]:
     """Predicted seconds per step and per lane (Fuyou's equations 1-8, our tiers).
     ``cached``: the fraction of NVMe optimizer state cached in host RAM; ``grad_spill``:
     gradient bytes written to NVMe per step (read back only by a clipping redo).
+    ``kept_params``: bytes of params on NVMe that forward's reads keep in RAM for
+    backward (the host plan's ``kept_params``), which backward then does not read.
     ``after_backward``: the step of a sync run whose clipping binds (the update loop's
     adaptive speculation then updates every stage once backward has ended, the spilled
     gradients read back; ``update_loop.py``) instead of overlapped with backward."""
@@ -128,7 +131,7 @@ def lanes(
     disk_f = disk_b = disk_step = 0.0
     if c.params == "nvme":
         disk_f = h2d_f / hw.nvme_read_bw * n  # the machine's disks serve n processes
-        disk_b = (h2d_b - bounds) / hw.nvme_read_bw * n
+        disk_b = max(0.0, h2d_b - bounds - kept_params) / hw.nvme_read_bw * n
         disk_step += cb * (P - cache.params) / hw.nvme_write_bw
     if c.activations == "nvme":
         disk_f += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_write_bw * n

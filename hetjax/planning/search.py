@@ -321,8 +321,9 @@ def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) ->
     cache = host.get("optimizer cache", 0)
     cached = cache / nvme["optimizer"] if nvme.get("optimizer") else 0.0
     spill = nvme.get("gradients", 0)
-    step, by_lane = lanes(w, hw, c, cached, spill)
-    clipped, _ = lanes(w, hw, c, cached, spill, after_backward=True)
+    kept = host.get("params kept for backward", 0)
+    step, by_lane = lanes(w, hw, c, cached, spill, kept_params=kept)
+    clipped, _ = lanes(w, hw, c, cached, spill, after_backward=True, kept_params=kept)
     return [(step, c.rank, c, f.device, host, nvme, cache, by_lane, clipped)]
 
 

@@ -232,7 +232,12 @@ class StreamingRuntime:
 
     def _window(self, uses: list[str]) -> PrefetchWindow:
         return PrefetchWindow(
-            uses, self.plan.prefetch_depth, self.resident, self.param_store, self._to_device
+            uses,
+            self.plan.prefetch_depth,
+            self.resident,
+            self.param_store,
+            self._to_device,
+            keep=self.host_plan.kept_param_blocks,
         )
 
     # -- the step -----------------------------------------------------------------------

@@ -15,7 +15,10 @@ class PrefetchWindow:
     step computes them) to the device, and drops a slab after a use unless it is used
     again within the window. Stages in ``resident`` are served from there and never
     dropped. With params on NVMe, disk reads start ``IO_READAHEAD`` uses before the
-    device copies. ``to_device(stage, slab)`` copies a stage's slab in."""
+    device copies, and the ``keep`` stages whose device copy is dropped between two uses
+    soonest get their first read kept in host RAM for the second (the host plan's
+    ``kept_param_blocks``): read once. ``to_device(stage, slab)`` copies a stage's slab
+    in."""
 
     def __init__(
         self,
@@ -24,16 +27,32 @@ class PrefetchWindow:
         resident: dict[str, jax.Array],
         params: ParamStore,
         to_device: Callable,
+        keep: int = 0,
     ):
         self.uses, self.depth = uses, depth
         self.resident, self.params, self.to_device = resident, params, to_device
         self.cache: dict[str, jax.Array] = {}
+        self.kept = self._kept(keep)
+
+    def _kept(self, keep: int) -> frozenset[str]:
+        """The ``keep`` stages fetched again after their device copy was dropped (a use
+        farther than the window ahead), the nearest second uses first."""
+        first: dict[str, int] = {}
+        gaps = []
+        for j, name in enumerate(self.uses):
+            if name in self.resident:
+                continue
+            if name in first and j - first[name] > max(self.depth, 1):
+                gaps.append((j - first[name], name))
+            first[name] = j
+        return frozenset(name for _, name in sorted(gaps)[:keep])
 
     def _fetch(self, name: str) -> jax.Array:
         if name in self.resident:
             return self.resident[name]
         if name not in self.cache:
-            self.cache[name] = self.to_device(name, self.params.get(name))
+            got = self.params.get(name, keep=name in self.kept)
+            self.cache[name] = self.to_device(name, got)
             timeline.watch("host_to_device", name, self.cache[name])
         return self.cache[name]
 

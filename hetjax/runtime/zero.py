@@ -358,10 +358,10 @@ class ShardedParamStore:
         if self.inner is not None:
             self.inner.prefetch(stage)
 
-    def get(self, stage: str) -> jax.Array:
+    def get(self, stage: str, keep: bool = False) -> jax.Array:
         if self.inner is None:
             return self.slabs[stage]
-        return self._assemble(stage, self.inner.get(stage))
+        return self._assemble(stage, self.inner.get(stage, keep))
 
     def commit(self) -> None:
         if self.inner is not None:

@@ -80,8 +80,8 @@ class HostParamStore:
     def prefetch(self, stage: str) -> None:
         pass
 
-    def get(self, stage: str) -> list:
-        return self.pages[stage]
+    def get(self, stage: str, keep: bool = False) -> list:
+        return self.pages[stage]  # (``keep``: held anyway)
 
     def commit(self) -> None:
         pass
@@ -131,8 +131,8 @@ class SplitParamStore(BaseCounters):
     def prefetch(self, stage: str) -> None:
         self._of(stage).prefetch(stage)
 
-    def get(self, stage: str) -> list:
-        return self._of(stage).get(stage)
+    def get(self, stage: str, keep: bool = False) -> list:
+        return self._of(stage).get(stage, keep)
 
     def commit(self) -> None:
         self.device.commit()
@@ -206,6 +206,9 @@ class NvmeParamStore:
         self._writes: list = []
         self._write_window = max(n for _, n in stage_pages.values()) * page_elems * 4
         self._reads: dict[str, Any] = {}
+        # stage -> what ``get(stage, keep=True)`` handed out, for its next get (a block's
+        # backward): served from RAM, no second read (memory.kept_param_blocks)
+        self._kept: dict[str, Any] = {}
         self._published: dict[str, tuple] = {}  # stage -> (future, data): this step's
         # stage -> (future, data): writes into the committed generation a commit left in
         # flight; ``get`` serves these stages from that data, no read needed
@@ -232,27 +235,38 @@ class NvmeParamStore:
         return list(data.reshape(-1, self.disk[0].page_elems))
 
     def prefetch(self, stage: str) -> None:
-        if stage not in self._reads and stage not in self._landing:
+        if stage not in self._reads and stage not in self._landing and stage not in self._kept:
             first, n = self.stage_pages[stage]
             read = self.disk[self.gen].read("params", first, n)
             if self.stage_to:
                 read = _Staged(read, self.stage_to, lambda data: self._pieces(stage, data))
             self._reads[stage] = read
 
-    def get(self, stage: str) -> list | LeafBuffers:
+    def get(self, stage: str, keep: bool = False) -> list | LeafBuffers:
+        """A stage's params as the device takes them. ``keep``: hold them for the
+        stage's next get too (a block's backward after its forward), which then reads
+        nothing; that get hands them over and lets them go."""
+        if stage in self._kept:
+            return self._kept.pop(stage)
         if stage in self._landing:  # written last step, maybe still in flight: in RAM
             self._reads.pop(stage, None)  # one issued before the commit: stale
-            return self._pieces(stage, self._landing[stage][1])
-        self.prefetch(stage)
-        data = self._reads.pop(stage).result()
-        _, n = self.stage_pages[stage]
-        self.read_bytes += n * self.disk[0].page_elems * self.disk[0].dtypes["params"].itemsize
-        return data if self.stage_to else self._pieces(stage, data)
+            data = self._pieces(stage, self._landing[stage][1])
+        else:
+            self.prefetch(stage)
+            data = self._reads.pop(stage).result()
+            _, n = self.stage_pages[stage]
+            itemsize = self.disk[0].dtypes["params"].itemsize
+            self.read_bytes += n * self.disk[0].page_elems * itemsize
+            data = data if self.stage_to else self._pieces(stage, data)
+        if keep:
+            self._kept[stage] = data
+        return data
 
     def commit(self) -> None:
         """Makes the step's params current without waiting for the writes still in
         flight (the stages updated last, which the next forward needs first): those
         stages are served from the written data until the next commit."""
+        self._kept.clear()  # the step's; a failed one may leave some
         self._land()  # the previous step's: long done
         self._landing = {s: w for s, w in self._published.items() if not w[0].done()}
         self._published = {}
@@ -280,6 +294,7 @@ class NvmeParamStore:
         self.wait()
 
     def wait(self) -> None:
+        self._kept.clear()
         for future, _ in self._writes:
             future.result()
         self._writes.clear()
@@ -293,7 +308,8 @@ class NvmeParamStore:
 
     def host_bytes(self) -> int:
         held = {id(d): d.nbytes for _, d in [*self._writes, *self._landing.values()]}
-        return sum(held.values())
+        kept = sum(a.nbytes for a in jax.tree.leaves(list(self._kept.values())))
+        return sum(held.values()) + kept
 
     @property
     def nvme_bytes(self) -> int:
