@@ -671,15 +671,14 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
             + f"); host is short by {format_bytes(required - budget)}. Raise "
             f"memory.host_budget or {hint}"
         )
-    kept_blocks = kept_param_blocks(s, o, budget - required if budget else 0)
-    kept = kept_blocks * s.compute_bytes * s.own_block
     cached: list[str] = []
-    if tier == "nvme" and budget and required + kept < budget:
+    if tier == "nvme" and budget and required < budget:
         stage_state = {n: s.state_bytes * s.own(n) for n in cache_of.host}
         doubled = {n: 2 * b for n, b in stage_state.items()}
-        room = budget - required - kept
-        cached = belady_cache([n for n in order if n in doubled], doubled, room)
+        cached = belady_cache([n for n in order if n in doubled], doubled, budget - required)
     cache = sum(2 * s.state_bytes * s.own(n) for n in cached)
+    kept_blocks = kept_param_blocks(s, o, budget - required - cache if budget else 0)
+    kept = kept_blocks * s.compute_bytes * s.own_block
     return HostMemoryPlan(
         budget,
         param_slabs,
@@ -701,11 +700,13 @@ def kept_param_blocks(s: Sizes, o: Offload, room: int) -> int:
     for their backward: those blocks' params are read from disk once a step instead of
     twice. The blocks fetched again for backward are the ones neither kept on the
     device (``offload.keep_blocks``) nor device-cached; ``room`` (bytes of the host
-    budget left over) bounds them. No budget (``room`` 0) keeps none, as it caches no
-    optimizer state: without one the plan does not know how much RAM there is. They
-    come before the optimizer state cache: a block kept saves a read of its params per
-    byte of RAM, as a cached stage saves a read and a write of its state per two (its
-    old and new state)."""
+    budget the optimizer state cache left) bounds them. No budget (``room`` 0) keeps
+    none, as it caches no optimizer state: without one the plan does not know how much
+    RAM there is. They come after the state cache: per byte of RAM a cached stage saves
+    half a byte of state read and half a byte written (it holds its old and new state),
+    a kept block a byte of params read, and writes are a disk's slower direction
+    (measured at 310.8M with a 6 GiB budget, kept blocks first: 0.55 GB/step less read,
+    0.60 GB more written, the same step; docs/results/2026-11-25.md)."""
     if o.params != "nvme" or room <= 0:
         return 0
     fetched_again = max(0, s.num_layers - o.keep_blocks - DeviceCache.of(s, o).blocks)
