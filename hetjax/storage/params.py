@@ -50,9 +50,11 @@ class LeafViews:
         self._cut: dict[str, object] = {}
 
     def host(self, stage: str, pages) -> LeafBuffers:
-        """A stage's pages (numpy, or views of the host memory they are in) -> its leaves
-        as views of the slab the pages are (a concatenation where they are not one)."""
-        return self.layouts[stage_layout(stage)].leaf_views(pages_slab(list(pages)))
+        """A stage's pages (numpy, or views of the host memory they are in) or its flat
+        slab -> its leaves as views of the slab (of the one the pages are views of; a
+        concatenation where they are not)."""
+        slab = pages.reshape(-1) if isinstance(pages, np.ndarray) else pages_slab(list(pages))
+        return self.layouts[stage_layout(stage)].leaf_views(slab)
 
     def device(self, stage: str, pages: list[jax.Array]) -> LeafBuffers:
         """A stage's pages on the device -> its leaves, copied out on the device."""
@@ -231,7 +233,7 @@ class NvmeParamStore:
         """A stage's data on the host (its pages, or one flat slab) -> as it is handed
         out: its leaf buffers (views) or its pages."""
         if self.views is not None:
-            return self.views.host(stage, list(data.reshape(-1, self.disk[0].page_elems)))
+            return self.views.host(stage, data)
         return list(data.reshape(-1, self.disk[0].page_elems))
 
     def prefetch(self, stage: str) -> None:
