@@ -184,7 +184,8 @@ def test_plan_data_parallel_row():
     """bench plan's ``tiny dp2`` row: ZeRO-3 on 2 virtual CPU devices, a child process."""
     from hetjax.bench.plan import _plan_row_on_cpu_devices
 
-    row = _plan_row_on_cpu_devices(2, "gpt_tiny", {"memory.device_budget": "88MiB"}, 4)
+    overrides = {"memory.device_budget": "88MiB", "memory.host_budget": "0"}  # as the bench
+    row = _plan_row_on_cpu_devices(2, "gpt_tiny", overrides, 4)
     _check_plan_row(row, 2)
 
 
