@@ -270,6 +270,7 @@ def _fits(plan):
         assert sum(getattr(plan, tier).values()) <= plan.budgets[tier], (tier, plan.table())
 
 
+@pytest.mark.slow  # 15 s: the default run stayed over 10 minutes from a cold cache
 def test_planner_caches_what_fits_and_more_with_more_budget():
     """While the plan streams with the optimizer on the host: every plan fits every
     budget, the cache counted on the device as the executor holds it; more device budget

@@ -137,6 +137,7 @@ def test_checkpoints_move_to_nvme_as_host_shrinks():
     assert plan.lanes["nvme"] - on_host["nvme"] >= swapped / max(hw.nvme_read_bw, hw.nvme_write_bw)
 
 
+@pytest.mark.slow  # 20 s: the default run stayed over 10 minutes from a cold cache
 def test_keep_level_between_its_budgets():
     """offload.keep_level: with a device budget between what every block keeping all its
     in-block activations needs and what keeping only their matmul outputs needs, the
