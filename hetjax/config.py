@@ -505,6 +505,12 @@ class OffloadConfig:
     backward that produced their gradient, which never leaves the device, and their
     params are already where the forward reads them. 0: none (``offload.mode=auto``
     lets the planner choose).
+
+    ``expert_fetch``: how a streamed mixture-of-experts block (Llama/Mixtral family, one
+    device) fetches its experts. ``routed``: the block's attention and router run first,
+    the host reads which experts got tokens, and only those are copied to the device,
+    for forward and again for backward (``hetjax/runtime/routed.py``); equal to
+    ``all``, which copies every expert with the rest of the block.
     """
 
     mode: str = "auto"
@@ -524,6 +530,8 @@ class OffloadConfig:
     # stream, optimizer host or nvme: the first N stages (embed, block 0, ...) keep their
     # optimizer state on the device, are updated there and stay resident there
     optimizer_device_stages: int = 0
+    # stream, a MoE block: copy only the experts its tokens were routed to, or all
+    expert_fetch: str = "routed"
 
     def __post_init__(self):
         _choice("offload", "mode", self.mode, OFFLOAD_MODES)
@@ -551,6 +559,7 @@ class OffloadConfig:
         _check(self.swap_blocks >= 0, "offload.swap_blocks", "must be >= 0", self.swap_blocks)
         _choice("offload", "swap_level", self.swap_level, SWAP_LEVELS)
         _choice("offload", "swap_tier", self.swap_tier, ("host", "nvme"))
+        _choice("offload", "expert_fetch", self.expert_fetch, ("routed", "all"))
         if self.mode == "stream" and self.keep_level != "all" and not self.keep_blocks:
             raise ConfigError(
                 f"config key 'offload.keep_level' is {self.keep_level!r}, which applies to "

@@ -141,6 +141,10 @@ HELP: dict[str, str] = {
     "the first N stages (embed, block 0, 1, ...) keep fp32 master and optimizer state on "
     "the device, are updated there and stay resident; `auto` lets the planner choose "
     "([offload](offload.md#device-cache-of-optimizer-state))",
+    "offload.expert_fetch": "`stream`, a Llama-family mixture of experts on one device: "
+    "`routed` copies a streamed block's experts only once its router has chosen them, "
+    "only those with tokens (forward and backward); `all` copies every expert with the "
+    "block ([offload](offload.md#expert-aware-streaming))",
     # -- memory -----------------------------------------------------------------------
     "memory.page_size": "largest page of state slabs (sized in fp32 master elements); "
     "pages shrink to fit a block in whole pages (less padding to move every step)",

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
     if args.plan:
-        return _plan(config, args.hardware)
+        return _plan(config, args.hardware, workdir)
 
     from hetjax.distributed import DistributedError, initialize
     from hetjax.train import train
@@ -157,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _plan(config, hardware: str) -> int:
+def _plan(config, hardware: str, workdir: Path) -> int:
     from hetjax.planning.hardware import HardwareError, get_profile
     from hetjax.planning.search import PlanError, make_plan
+    from hetjax.planning.workload import measured_expert_fraction
 
     try:
         hw = get_profile(hardware, config.memory.nvme_path, config.model.compute_dtype)
@@ -168,7 +169,8 @@ def _plan(config, hardware: str) -> int:
         return 2
     print(hw.describe())
     try:
-        print(make_plan(config, hw).table())
+        # a MoE's routing as the workdir's last run measured it, if one did
+        print(make_plan(config, hw, expert_fraction=measured_expert_fraction(workdir)).table())
     except PlanError as e:
         print(f"hetjax: does not fit: {e}", file=sys.stderr)
         return 1

@@ -85,9 +85,14 @@ class LlamaBlock(nn.Module):
 
     config: ModelConfig
     expert_axis: str | None = None
+    # Expert-aware streaming (:class:`MixtureOfExperts`'s ``held``; ``part``: "all";
+    # "attention", which returns the residual stream after attention and the routing
+    # decision; "mlp", which takes that residual stream and runs the rest).
+    held: int | None = None
+    part: str = "all"
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, D)
+    def __call__(self, x: jax.Array, routing=None):  # (B, T, D) -> (B, T, D)
         cfg = self.config
         dtype = jnp.dtype(cfg.compute_dtype)
         dense = lambda features, name: nn.Dense(
@@ -101,10 +106,24 @@ class LlamaBlock(nn.Module):
         norm = lambda name: nn.RMSNorm(
             epsilon=cfg.layer_norm_eps, dtype=dtype, param_dtype=cfg.param_dtype, name=name
         )
+        if self.part != "mlp":
+            x = self._attention(x, dense, norm)
+        h = norm("post_attention_layernorm")(x)
+        if self.part == "attention":  # the routing decision, made once (MixtureOfExperts)
+            return x, MixtureOfExperts(cfg, route_only=True, name="moe")(h)
+        if cfg.num_experts:
+            moe = MixtureOfExperts(cfg, self.expert_axis, self.held, name="moe")
+            out, stats = moe(h, routing)
+            return (x + out, stats) if router_stats_size(cfg) else x + out
+        h = nn.silu(dense(cfg.ff_dim, "gate_proj")(h)) * dense(cfg.ff_dim, "up_proj")(h)
+        return x + dense(x.shape[-1], "down_proj")(h)  # h (B, T, F)
+
+    def _attention(self, x: jax.Array, dense, norm) -> jax.Array:
+        """x + attn(rms(x))."""
+        cfg = self.config
         B, T, D = x.shape
         N, K = cfg.kv_heads, cfg.head_dim
         G = cfg.num_heads // N
-
         h = norm("input_layernorm")(x)
         # Query head n * G + g uses key/value head n (HF's repeat_kv order).
         q = dense(N * G * K, "q_proj")(h).reshape(B, T, N, G, K)
@@ -114,14 +133,7 @@ class LlamaBlock(nn.Module):
         q = apply_rotary(q, cos[:, None, None], sin[:, None, None])
         k = apply_rotary(k, cos[:, None], sin[:, None])
         attn = attention(q, k, v, cfg)  # (B, T, N G K), models/attention.py
-        x = x + dense(D, "o_proj")(attn)
-
-        h = norm("post_attention_layernorm")(x)
-        if cfg.num_experts:
-            out, stats = MixtureOfExperts(cfg, self.expert_axis, name="moe")(h)
-            return (x + out, stats) if router_stats_size(cfg) else x + out
-        h = nn.silu(dense(cfg.ff_dim, "gate_proj")(h)) * dense(cfg.ff_dim, "up_proj")(h)
-        return x + dense(D, "down_proj")(h)  # h (B, T, F)
+        return x + dense(D, "o_proj")(attn)
 
 
 def router_stats_size(config: ModelConfig) -> int:
@@ -146,20 +158,47 @@ class MixtureOfExperts(nn.Module):
     On device n of its X devices this module holds experts [n E/X, (n+1) E/X) (their
     params have E/X rows), routes its own tokens as above, and computes the pairs on the
     experts' devices (:func:`exchange_with_experts`): the same function of the tokens,
-    the router and every expert's params."""
+    the router and every expert's params.
+
+    Expert-aware streaming (``offload.expert_fetch=routed``) splits the decision from
+    the experts: with ``route_only`` the module returns the routing, ``(top_e (M, k)
+    int32, pairs per expert (E,) int32)``, from the router alone; called with
+    ``routing=(top_e, slots)`` it uses that decision instead of making one, and holds
+    only ``held`` experts (the ones that got pairs, in increasing order: ``slots`` (E,)
+    maps an expert to its row among them). The top-k probabilities are then gathered at
+    ``top_e``: the values ``top_k`` returns, and the gradient it passes back."""
 
     config: ModelConfig
     expert_axis: str | None = None
+    held: int | None = None
+    route_only: bool = False
 
     @nn.compact
-    def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, h: jax.Array, routing=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.compute_dtype)
         init = nn.initializers.normal(cfg.init_std)
         B, T, D = h.shape
         E, k, F = cfg.num_experts, cfg.experts_per_token, cfg.ff_dim
-        local = E // (jax.lax.axis_size(self.expert_axis) if self.expert_axis else 1)
         router = self.param("router", init, (D, E), cfg.param_dtype)
+        tokens = h.reshape(B * T, D)  # (M, D), M = B T
+        logits = jnp.einsum("MD,DE->ME", tokens, router.astype(dtype)).astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)  # (M, E)
+        if routing is None:
+            top_p, top_e = jax.lax.top_k(probs, k)  # (M, k)
+        else:
+            top_e = routing[0]
+            top_p = jnp.take_along_axis(probs, top_e, axis=-1)
+        expert = top_e.reshape(-1)  # (M k,) the expert of each (token, slot) pair
+        if self.route_only:
+            return top_e, jnp.bincount(expert, length=E).astype(jnp.int32)
+        weights = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+
+        local = E // (jax.lax.axis_size(self.expert_axis) if self.expert_axis else 1)
+        group = expert  # the row among the held experts of each pair's expert
+        if self.held is not None:
+            assert self.expert_axis is None and routing is not None
+            local, group = self.held, routing[1][expert]
         gate = self.param("gate_proj", init, (local, D, F), cfg.param_dtype).astype(dtype)
         up = self.param("up_proj", init, (local, D, F), cfg.param_dtype).astype(dtype)
         down = self.param("down_proj", init, (local, F, D), cfg.param_dtype).astype(dtype)
@@ -168,16 +207,10 @@ class MixtureOfExperts(nn.Module):
             act = nn.silu(jax.lax.ragged_dot(rows, gate, sizes))
             return jax.lax.ragged_dot(act * jax.lax.ragged_dot(rows, up, sizes), down, sizes)
 
-        tokens = h.reshape(B * T, D)  # (M, D), M = B T
-        logits = jnp.einsum("MD,DE->ME", tokens, router.astype(dtype)).astype(jnp.float32)
-        probs = jax.nn.softmax(logits, axis=-1)  # (M, E)
-        top_p, top_e = jax.lax.top_k(probs, k)  # (M, k)
-        weights = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-
-        expert = top_e.reshape(-1)  # (M k,) the expert of each (token, slot) pair
         order = jnp.argsort(expert, stable=True)  # pairs grouped by expert
         token = order // k  # (M k,) the token of each sorted pair
-        sizes = jnp.bincount(expert, length=E).astype(jnp.int32)  # (E,) pairs per expert
+        # (E,) pairs per expert (held: per held expert, in the same order)
+        sizes = jnp.bincount(group, length=E if self.held is None else local).astype(jnp.int32)
         rows = tokens[token]  # (M k, D)
         if self.expert_axis is None:
             y = experts(rows, sizes)  # (M k, D)
@@ -277,6 +310,26 @@ class Llama(FlaxStages):
             tied="embed_tokens" if config.tie_embeddings else None,
         )
         self.stats_size = router_stats_size(config)
+        # expert-aware streaming needs every expert in the block (none split over devices)
+        self.expert_routing = bool(config.num_experts) and expert_axis is None
+
+    def route(self, block_params: dict, x: jax.Array):
+        """Expert-aware streaming's first half of a MoE block: x (B, T, D) -> (the
+        residual stream after attention (B, T, D), the routing decision (top_e (B T, k)
+        int32), pairs per expert (E,) int32). Reads no expert weight."""
+        x, (top_e, counts) = self._block.clone(part="attention").apply({"params": block_params}, x)
+        return x, top_e, counts
+
+    def routed_block(self, block_params: dict, x: jax.Array, routing, part: str = "all"):
+        """A MoE block that takes its routing decision ``(top_e, slots)`` and holds only
+        the routed experts (``block_params``' expert leaves have one row each, in
+        increasing expert order; ``slots`` (E,) maps an expert to its row): equal to
+        the whole block for tokens routed so. ``part="mlp"``: x is :meth:`route`'s
+        residual stream and only the rest of the block runs. -> (y, statistics)."""
+        held = block_params["moe"]["gate_proj"].shape[0]
+        block = self._block.clone(part=part, held=held)
+        out = block.apply({"params": block_params}, x, routing)
+        return out if self.stats_size else (out, jnp.zeros((0,), jnp.float32))
 
     def aux_loss(self, stats: jax.Array) -> jax.Array:
         """``router_aux_loss_coef`` x the load-balancing loss of transformers' Mixtral

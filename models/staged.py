@@ -164,6 +164,9 @@ class Stages:
 
     groups: tuple[StageGroup, ...]
     stats_size = 0  # no auxiliary loss: blocks return empty statistics
+    # blocks can stream only the experts their tokens are routed to (models/llama.py's
+    # route and routed_block; hetjax/runtime/routed.py)
+    expert_routing = False
     tied: str | None = None
 
     # -- init -----------------------------------------------------------------------------

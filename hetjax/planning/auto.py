@@ -11,7 +11,7 @@ from hetjax.memory import in_memory_parts
 from hetjax.planning.hardware import device_capacity, measure_local
 from hetjax.planning.search import MARGIN, Plan, make_plan
 from hetjax.planning.tracer import trace
-from hetjax.planning.workload import Workload, memory_sizes
+from hetjax.planning.workload import Workload, measured_expert_fraction, memory_sizes
 
 
 def resolve_auto(config: Config, workdir=None, log=print) -> Config:
@@ -46,7 +46,7 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     t0 = time.perf_counter()
     nvme = config.memory.nvme_path or (Path(workdir) / "nvme" if workdir else "")
     hw = measure_local(str(nvme), config.model.compute_dtype)
-    plan = make_plan(config, hw, trace(config))
+    plan = make_plan(config, hw, trace(config, expert_fraction=measured_expert_fraction(workdir)))
     log(f"planned in {time.perf_counter() - t0:.1f} s")
     for line in plan.table().splitlines():
         log(line)

@@ -114,8 +114,13 @@ def lanes(
     # each device copies in its share of the stored block (expert parallelism: every
     # expert's), then gathers the rest of what it computes with from the others
     Ps, Pg = w.stored_block, w.gathered_block(n)
-    h2d_f = streamed_f * cb * Ps * frac
-    h2d_b = streamed_b * cb * Ps * frac + bounds + swap
+    # expert-aware streaming (runtime/routed.py): the streamed blocks that recompute copy
+    # only their routed experts; kept and swapped blocks copy them all. The disk still
+    # reads whole blocks.
+    routed = max(0, recomputed - resident) if w.routed_expert_params else 0
+    skipped = routed * cb * w.routed_expert_params * (1 - w.expert_fetch_fraction)
+    h2d_f = streamed_f * cb * Ps * frac - skipped
+    h2d_b = streamed_b * cb * Ps * frac - skipped + bounds + swap
     # per device; the device cache's gradients stay there
     grads = cache.host_grad_bytes
     d2h_f, d2h_b = bounds + swap, grads
@@ -130,8 +135,8 @@ def lanes(
         comm_b = (recomputed * (cb * Pg + 2 * w.exchange_bytes) + grads) / link
     disk_f = disk_b = disk_step = 0.0
     if c.params == "nvme":
-        disk_f = h2d_f / hw.nvme_read_bw * n  # the machine's disks serve n processes
-        disk_b = max(0.0, h2d_b - bounds - kept_params) / hw.nvme_read_bw * n
+        disk_f = (h2d_f + skipped) / hw.nvme_read_bw * n  # the disks serve n processes
+        disk_b = max(0.0, h2d_b + skipped - bounds - kept_params) / hw.nvme_read_bw * n
         disk_step += cb * (P - cache.params) / hw.nvme_write_bw
     if c.activations == "nvme":
         disk_f += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_write_bw * n

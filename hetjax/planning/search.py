@@ -159,6 +159,12 @@ class Plan:
                 lines.append(
                     f"  optimizer state cached in host RAM: {format_bytes(self.optimizer_cache)}"
                 )
+            if self.expert_source:
+                lines.append(
+                    f"  experts: a streamed block that recomputes copies "
+                    f"{self.expert_fraction:.0%} of its experts in (offload.expert_fetch="
+                    f"routed; {self.expert_source})"
+                )
         per = " per device" if self.num_devices > 1 else ""
         for tier in ("device", "host", "nvme"):
             held = getattr(self, tier)
@@ -185,6 +191,10 @@ class Plan:
 
     num_layers: int = 0
     groups: tuple[tuple[str, int], ...] = ()  # stage groups' (name, blocks); () one group
+    # expert-aware streaming: the share of a routed block's experts a copy moves, and
+    # where that share comes from ("": no routed blocks)
+    expert_fraction: float = 1.0
+    expert_source: str = ""
 
 
 # -- evaluating one candidate ------------------------------------------------------------
@@ -327,12 +337,19 @@ def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) ->
     return [(step, c.rank, c, f.device, host, nvme, cache, by_lane, clipped)]
 
 
-def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) -> Plan:
+def make_plan(
+    config: Config,
+    hw: Hardware,
+    workload: Workload | None = None,
+    expert_fraction: float | None = None,
+) -> Plan:
     """The fastest placement of ``config``'s model that fits every tier of ``hw`` (and
     the config's budgets). Raises :class:`PlanError` naming the short tier and by how
-    much when nothing fits."""
+    much when nothing fits. ``expert_fraction``: as :meth:`Workload.from_config`'s."""
     backend = "cpu" if hw.shared_cores else "gpu"  # the profile's, not this process's
-    w = workload or Workload.from_config(config, devices=hw.num_devices, backend=backend)
+    w = workload or Workload.from_config(
+        config, devices=hw.num_devices, backend=backend, expert_fraction=expert_fraction
+    )
     limit = budgets(config, hw)
     # ZeRO-3 sharding needs the data-parallel runtime; one device keeps the whole state.
     one_device = hw.num_devices == 1
@@ -374,6 +391,8 @@ def make_plan(config: Config, hw: Hardware, workload: Workload | None = None) ->
         num_devices=hw.num_devices,
         num_layers=w.num_layers,
         groups=tuple((name, n) for name, n, _ in w.groups),
+        expert_fraction=w.expert_fetch_fraction,
+        expert_source=w.expert_fetch_source,
     )
 
 

@@ -68,6 +68,12 @@ class Workload:
     stored_block_params: int = 0
     gathered_block_params: int = 0
     exchange_bytes: int = 0
+    # Expert-aware streaming (offload.expert_fetch=routed, one device): the params of one
+    # block's experts, of which a streamed block that recomputes copies only the routed
+    # ones, the expected share ``expert_fetch_fraction`` of them (0: not routed)
+    routed_expert_params: int = 0
+    expert_fetch_fraction: float = 1.0
+    expert_fetch_source: str = ""  # where that share comes from (the plan table says)
 
     @property
     def kept_block(self) -> int:
@@ -133,7 +139,12 @@ class Workload:
 
     @classmethod
     def from_config(
-        cls, config: Config, sizes=None, devices: int = 1, backend: str | None = None
+        cls,
+        config: Config,
+        sizes=None,
+        devices: int = 1,
+        backend: str | None = None,
+        expert_fraction: float | None = None,
     ) -> Workload:
         """From abstract shapes only (``jax.eval_shape``): nothing is allocated.
         ``sizes``: a measured :class:`hetjax.runtime.stages.StageMemory`, else estimated.
@@ -141,7 +152,9 @@ class Workload:
         ``distributed.expert_parallel`` split a mixture of experts' experts.
         ``backend``: the XLA backend the stage functions would compile for ("cpu",
         "gpu", ...; default this process's), which sizes the estimated working set
-        (:func:`estimate_working_set`)."""
+        (:func:`estimate_working_set`). ``expert_fraction``: the share of a routed
+        block's experts a run measured copying (:func:`measured_expert_fraction`), else
+        uniform routing's expectation (:func:`expected_expert_fraction`)."""
         m, t = config.model, config.train
         model = build_model(m)
         shapes = jax.eval_shape(model.init, jax.random.key(0))
@@ -219,6 +232,15 @@ class Workload:
         active = sum(
             g.num_layers * model.group_active_params(i) for i, g in enumerate(model.groups)
         )
+        # expert-aware streaming: one device (ZeRO-3 gathers whole pages)
+        routed = model.expert_routing and config.offload.expert_fetch == "routed"
+        routed_experts = count(split_experts(shapes["blocks"])[1]) // L if routed else 0
+        routed_experts = routed_experts if devices == 1 else 0
+        if expert_fraction is None:
+            fraction = expected_expert_fraction(m.num_experts, m.experts_per_token, tokens)
+            source = f"uniform routing of {tokens} tokens"
+        else:
+            fraction, source = expert_fraction, "measured by the last run in the workdir"
         shape = f"{L} x {D}" if len(model.groups) == 1 else (
             " + ".join(f"{g.num_layers} {g.name}" for g in model.groups) + f" x {D}"
         )  # fmt: skip
@@ -253,7 +275,41 @@ class Workload:
             # a block's forward sends and gets back its (token, expert) rows, at the
             # capacity that drops none (models/llama.py: exchange_with_experts)
             exchange_bytes=2 * G * tokens * m.experts_per_token * D * c * (G - 1) // G,
+            routed_expert_params=routed_experts,
+            expert_fetch_fraction=fraction if routed_experts else 1.0,
+            expert_fetch_source=source if routed_experts else "",
         )
+
+
+def expected_expert_fraction(num_experts: int, per_token: int, tokens: int) -> float:
+    """The expected share of E experts that get at least one of ``tokens`` tokens, each
+    routed to k distinct experts uniformly: 1 - (1 - k/E)^tokens. Near 1 once tokens are
+    many times E/k; a skewed router leaves more experts out."""
+    if not num_experts:
+        return 1.0
+    return 1.0 - (1.0 - per_token / num_experts) ** tokens
+
+
+def measured_expert_fraction(workdir) -> float | None:
+    """The share of the routed blocks' experts the run in ``workdir`` copied per block
+    copy (its metrics' ``experts_fetched_fraction``, the median over its steps), or None
+    where no run measured one."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    path = Path(workdir) / "metrics.jsonl" if workdir else None
+    if path is None or not path.is_file():
+        return None
+    values = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line a crash cut short
+            continue
+        if "experts_fetched_fraction" in record:
+            values.append(float(record["experts_fetched_fraction"]))
+    return statistics.median(values) if values else None
 
 
 def _count(params: int) -> str:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from hetjax.config import KEEP_LEVELS, SWAP_LEVELS, ConfigError
 from hetjax.runtime import remat
 from hetjax.runtime.experts import ExpertSlabLayout
+from hetjax.runtime.routed import RoutedBlock
 from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems
 
 F32 = jnp.float32
@@ -232,6 +233,7 @@ class GroupFunctions:
         self.zero_context = jit(lambda context: jax.tree.map(jnp.zeros_like, context))
         self._block_fwd, self._kept_forward, self._swapped = block_fwd, {}, {}
         self._cast, self._cotangent = block_grad, cotangent
+        self._model, self._jit, self._routed = m, jit, None
         self.block_fwd_keep = self.kept_forward(keep_level)
 
     def kept_forward(self, level: str):
@@ -249,6 +251,15 @@ class GroupFunctions:
         if level not in self._swapped:
             self._swapped[level] = SwappedBlock(self._block_fwd, level, self._cast, self._cotangent)
         return self._swapped[level]
+
+    def routed(self) -> RoutedBlock:
+        """The functions of this group's block streamed expert-aware (``routed.py``):
+        one device, a model with ``expert_routing``."""
+        if self._routed is None:
+            self._routed = RoutedBlock(
+                self._model, self.layout, self._jit, self._cast, self._cotangent
+            )
+        return self._routed
 
 
 class StageFunctions:

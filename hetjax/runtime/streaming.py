@@ -69,6 +69,7 @@ from hetjax.runtime.boundaries import Boundaries
 from hetjax.runtime.grads import DeviceGradients, StepGradients
 from hetjax.runtime.ledger import IoMeter, Ledger
 from hetjax.runtime.placement import SingleDevice
+from hetjax.runtime.routed import ExpertFetcher, Routing
 from hetjax.runtime.setup import layout_name
 from hetjax.runtime.stages import StageFunctions, StageMemory
 from hetjax.runtime.window import PrefetchWindow
@@ -196,6 +197,13 @@ class StreamingRuntime:
             context=measured.context,
         )  # fmt: skip
         self.plan = plan_device(self.sizes, self.offload, mem.device_budget)
+        # expert-aware streaming (routed.py): the MoE blocks that stream and recompute
+        self.routed = self._routed_blocks(compute_model)
+        self.experts = None
+        if self.routed:
+            fns = self.fns.groups[0].routed()
+            E = config.model.num_experts
+            self.experts = ExpertFetcher(fns, self.compute_dtype, self.shardings.device, E)
         self.resident: dict[str, jax.Array] = {}
         self._refresh_resident()
         self._step: StepGradients | None = None
@@ -208,6 +216,20 @@ class StreamingRuntime:
         self.loss_scale = LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None
 
     layout_name = staticmethod(layout_name)
+
+    def _routed_blocks(self, compute_model) -> frozenset[str]:
+        """The blocks streamed expert-aware (``offload.expert_fetch=routed``, a model
+        whose blocks support it, one device taking leaf buffers): those that stream and
+        recompute; resident, device-cached, kept and swapped blocks are whole on the
+        device anyway."""
+        off = self.config.offload
+        if off.expert_fetch != "routed" or not compute_model.expert_routing:
+            return frozenset()
+        if not self.layouts[layout_name(self.block_names[0])].leaf_buffers:  # ZeRO-3: pages
+            return frozenset()
+        first_swap = self.num_layers - off.keep_blocks - off.swap_blocks
+        whole = {*self.block_names[: self.plan.resident_blocks], *self.device_stages}
+        return frozenset(n for n in self.block_names[:first_swap] if n not in whole)
 
     def _opt_of(self, stage: str) -> SlabOptimizer:
         """The optimizer updating ``stage``: on the device for device-cached stages."""
@@ -227,8 +249,23 @@ class StreamingRuntime:
                 timeline.watch("host_to_device", n, self.resident[n])
 
     def _to_device(self, stage: str, slab):
-        """A stage's params from the param store -> as its functions compute with them."""
+        """A stage's params from the param store -> as its functions compute with them
+        (a routed block: its leaves but the experts, ``routed.RoutedSlab``)."""
+        if stage in self.routed:
+            return self.experts.dense(slab)
         return self.placement.to_device(slab, self.layouts[layout_name(stage)])
+
+    def _routed_forward(self, group, slab, x):
+        """A routed block's forward (``routed.py``): attention and the router, the host
+        reads which experts got tokens, only those are copied in, the rest of the block
+        runs. -> (y, statistics, the routing, for the block's backward)."""
+        fns = group.routed()
+        x_mid, top_e, counts = fns.route(slab.dense, x)
+        routing = Routing.of(np.asarray(counts), top_e, self.placement.put_batch)
+        held, copied = self.experts.experts(slab, routing)
+        timeline.watch("host_to_device", "experts", copied)
+        y, stats = fns.mlp(held, x_mid, routing.top_e, routing.slots)
+        return y, stats, routing
 
     def _window(self, uses: list[str]) -> PrefetchWindow:
         return PrefetchWindow(
@@ -256,6 +293,8 @@ class StreamingRuntime:
             self._refresh_resident()
         self.ledger.reset_peak()
         self.boundaries.reset_peak()
+        if self.experts:  # the step's count starts here (not an evaluation's)
+            self.experts.take()
         step = self._gradients(batch, scale, poison, self.loop if sync else None)
         loss = float(np.mean([float(v) for v in step.losses]))
         grad_norm = step.norm()
@@ -349,6 +388,7 @@ class StreamingRuntime:
         kept: list[Any] = [None] * L  # the kept blocks' vjps (their residuals)
         swapped: list[Any] = [None] * L  # the swapped blocks' residuals, on the host
         stats: list[Any] = [None] * L  # the blocks' auxiliary-loss statistics
+        routing: list[Any] = [None] * L  # the routed blocks' decisions (routed.py)
         for i in range(L):
             g = self.group_of[i]
             group = fns.groups[g]
@@ -366,11 +406,14 @@ class StreamingRuntime:
                 del residuals
             else:
                 boundaries.store(i, x)
-                x, stats[i] = group.block_fwd(slab, x, c)
+                if self.block_names[i] in self.routed:
+                    x, stats[i], routing[i] = self._routed_forward(group, slab, x)
+                else:
+                    x, stats[i] = group.block_fwd(slab, x, c)
             timeline.watch("compute", f"{self.block_names[i]} fwd", x, after=slab)
             del slab  # the window decides when a slab goes; hold no reference past it
             window.done(i)
-            self._account(window, x, kept, swapped, prev, context)
+            self._account(window, x, kept, swapped, routing, prev, context)
 
         # the loss is fp32 (fp16 cannot hold scales); put explicitly: a planned transfer
         seed = self.placement.put_scalar(self._step.seed)
@@ -415,7 +458,17 @@ class StreamingRuntime:
                     x_in = next_x
                     if i > 0:  # prefetch the next boundary while this block computes
                         next_x = boundaries.load(i - 1)
-                    db, dx, dcontext[g] = group.block_bwd(slab, x_in, dx, dstats, c, dcontext[g])
+                    if self.block_names[i] in self.routed:  # its experts copied in again
+                        r, routing[i] = routing[i], None
+                        held, copied = self.experts.experts(slab, r)
+                        timeline.watch("host_to_device", "experts", copied)
+                        bwd = group.routed().backward
+                        db, dx = bwd(held, r.ids_device, r.top_e, r.slots, x_in, dx, dstats)
+                        del held, copied, r, bwd
+                    else:
+                        db, dx, dcontext[g] = group.block_bwd(
+                            slab, x_in, dx, dstats, c, dcontext[g]
+                        )
                     boundaries.drop(i)
                     watched = (slab, x_in)
                     del x_in
@@ -424,7 +477,7 @@ class StreamingRuntime:
                 window.done(j)
             self._grad_out(self.block_names[i], *db)
             del db
-            self._account(window, dx, kept, swapped, prev, context, dcontext)
+            self._account(window, dx, kept, swapped, routing, prev, context, dcontext)
             if i == self.group_start[g]:  # the group's input: a gradient of the embed
                 de, dx = group.input_bwd(embed, prev[g], tokens, targets, dx, dcontext[g])
                 timeline.watch("compute", "embed bwd" if g == 0 else f"group{g} input bwd", de)
@@ -517,6 +570,7 @@ class StreamingRuntime:
             "optimizer_redo": work.redo,
             "optimizer_deferred": work.deferred,
             **self.placement.step_metrics(),
+            **(self.experts.take() if self.experts else {}),
         }
         if self.config.optimizer.mode == "lockfree":
             metrics["optimizer_lag_steps"] = self.loop.unapplied
@@ -535,7 +589,10 @@ class StreamingRuntime:
             group = self.fns.groups[self.group_of[i]]
             if i == self.group_start[self.group_of[i]]:
                 x, context = group.input_fwd(embed, x, tokens, targets)
-            x, stats[i] = group.block_fwd(window.get(i), x, context)
+            if self.block_names[i] in self.routed:
+                x, stats[i], _ = self._routed_forward(group, window.get(i), x)
+            else:
+                x, stats[i] = group.block_fwd(window.get(i), x, context)
             window.done(i)
         loss = self.fns.head_loss(head, embed, x, targets)
         if self.fns.stats_size:  # + the blocks' auxiliary loss

@@ -1,0 +1,213 @@
+"""Expert-aware streaming (``offload.expert_fetch=routed``): a streamed mixture-of-experts
+block copies to the device only the experts its tokens were routed to.
+
+A Mixtral-style block's experts are most of its bytes (Mixtral 8x7B: 96%), and a streamed
+block is copied in twice a micro-batch (forward, and backward's recompute). With the
+routing known, only the experts that got a (token, expert) pair need to cross: a skewed
+router, a short micro-batch or many fine-grained experts leave experts without one. The
+window (``window.py``) copies a routed block's dense leaves (attention, norms, router)
+ahead as for any block, as a :class:`RoutedSlab` that keeps the host's leaves beside
+them. Forward then runs the block in two halves (:class:`RoutedBlock`):
+
+    route    attention and the router -> the residual stream, the routing decision
+             (top_e), pairs per expert (E,); the host reads the counts (a sync)
+    experts  copied in: the rows of the expert leaves with pairs, in expert order
+    mlp      the rest of the block over those experts (``ragged_dot`` over the held
+             experts only), with the decision from ``route``
+
+Backward recomputes the block from its boundary with the same decision (kept on the
+device from forward, (B T, k) int32) and the same experts, copied in again ahead of it
+(the dispatch runs ahead: the copy overlaps the previous block's backward). The
+gradient of an expert that got no pair is zero, as when every expert is fetched; the
+device writes it into the full gradient's pages, so the optimizer and the stores see
+the stage as before, and the step equals ``expert_fetch=all`` (the decision is made
+once, so no recompute can route a token differently). What it costs: one host sync per
+routed block per forward, at which the device waits for the copy of the experts.
+
+Used for the blocks that recompute (boundary blocks), on one device, for models with
+``expert_routing`` (``models/llama.py``); kept, swapped, resident and device-cached
+blocks are whole on the device anyway, and expert parallelism splits the experts over
+devices instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetjax.storage.pages import LeafBuffers, SlabLayout
+from models.llama import EXPERT_PARAMS
+
+F32 = jnp.float32
+
+
+def expert_leaves(layout: SlabLayout) -> tuple[int, ...]:
+    """Slab indices of a MoE block's expert leaves (``moe/{gate,up,down}_proj``, the
+    experts on their first axis)."""
+    return tuple(
+        k
+        for k, leaf in enumerate(layout.leaves)
+        if len(leaf.path) >= 2 and leaf.path[-2] == "moe" and leaf.path[-1] in EXPERT_PARAMS
+    )
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass
+class RoutedSlab:
+    """A routed block's params as the window holds them: ``dense``, its leaf buffers on
+    the device with each expert leaf an empty (0, ...) placeholder, and ``host``, every
+    leaf as the param store handed it out (views of its host slab), from which the
+    routed experts are copied. A pytree of its device arrays only (what the ledger and
+    the timeline count)."""
+
+    dense: LeafBuffers
+    host: LeafBuffers
+    # the last routing's experts on the device, (routing, their rows per expert leaf):
+    # a backward that finds the slab still in the window (the last block's, used again
+    # right after its forward) copies nothing again
+    held: tuple | None = None
+
+    def tree_flatten(self):
+        held = list(self.held[1]) if self.held else []
+        return (*self.dense, *held), (self.host, len(self.dense), self.held)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children) -> RoutedSlab:
+        host, n, held = aux
+        return cls(LeafBuffers(children[:n]), host, held)
+
+    def with_experts(self, experts: list[jax.Array], at: tuple[int, ...]) -> LeafBuffers:
+        """The leaf buffers with the held experts' rows at the expert leaves ``at``."""
+        leaves = list(self.dense)
+        for k, rows in zip(at, experts, strict=True):
+            leaves[k] = rows
+        return LeafBuffers(leaves)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """One routed block's decision for one micro-batch, from its forward to its backward:
+    ``ids`` the experts with pairs (host, increasing), and on the device the decision
+    ``top_e`` (B T, k), ``slots`` (E,) each expert's row among the held, and ``ids``."""
+
+    ids: np.ndarray
+    top_e: jax.Array
+    slots: jax.Array
+    ids_device: jax.Array
+
+    @classmethod
+    def of(cls, counts: np.ndarray, top_e: jax.Array, put) -> Routing:
+        ids = np.flatnonzero(counts).astype(np.int32)
+        slots = np.zeros(counts.shape[0], np.int32)
+        slots[ids] = np.arange(ids.size, dtype=np.int32)
+        return cls(ids, top_e, put(slots), put(ids))
+
+    def tree_flatten(self):  # a pytree of its device arrays (the ledger counts them)
+        return (self.top_e, self.slots, self.ids_device), self.ids
+
+    @classmethod
+    def tree_unflatten(cls, ids, children) -> Routing:
+        return cls(ids, *children)
+
+
+def held_rows(leaf, ids: np.ndarray) -> np.ndarray:
+    """The rows ``ids`` (increasing) of a host expert leaf (E, ...): a view when they are
+    a run, else a copy of just those rows."""
+    leaf = np.asarray(leaf)  # (a pinned JAX array on a GPU: its host buffer)
+    if ids.size and ids[-1] - ids[0] + 1 == ids.size:
+        return leaf[ids[0] : ids[-1] + 1]
+    return np.take(leaf, ids, axis=0)
+
+
+class RoutedBlock:
+    """The jitted functions of a routed block (module docstring); ``b``: a block's leaf
+    buffers with the expert leaves holding the routed experts' rows (``route``: any
+    rows, it reads none). ``route(b, x) -> (x after attention, top_e, counts)``;
+    ``mlp(b, x_mid, top_e, slots) -> (y, statistics)``; ``backward(b, ids, top_e, slots,
+    x, dy, dstats=None) -> ((db, its norms), dx)``, db the whole block's gradient pages
+    (zero for the experts not held). ``cast``: a block gradient (leaf buffers) -> its
+    pages as they leave the device, and their norms; ``cotangent``: of the forward's
+    results (``stages.GroupFunctions``)."""
+
+    def __init__(self, model, layout: SlabLayout, jit, cast, cotangent):
+        at = expert_leaves(layout)
+        self.expert_leaves = at
+        unflatten = layout.unflatten_pages
+
+        def route(b, x):
+            return model.route(unflatten(b), x)
+
+        def mlp(b, x_mid, top_e, slots):
+            return model.routed_block(unflatten(b), x_mid, (top_e, slots), part="mlp")
+
+        def backward(b, ids, top_e, slots, x, dy, dstats=None):
+            fwd = lambda b, x: model.routed_block(unflatten(b), x, (top_e, slots))
+            _, vjp = jax.vjp(fwd, b, x)
+            db, dx = vjp(cotangent(dy, dstats))
+            whole = list(db)
+            for k in at:  # the held experts' rows into the whole leaf's gradient
+                leaf = layout.leaves[k]
+                whole[k] = jnp.zeros(leaf.shape, db[k].dtype).at[ids].set(db[k])
+            return cast(LeafBuffers(whole)), dx
+
+        self.route, self.mlp, self.backward = jit(route), jit(mlp), jit(backward)
+        self.layout = layout
+
+    def placeholders(self, dtype: Any, sharding) -> dict[int, jax.Array]:
+        """The empty (0, ...) arrays standing for the expert leaves in a routed slab's
+        dense leaf buffers."""
+        return {
+            k: jax.device_put(np.zeros((0, *self.layout.leaves[k].shape[1:]), dtype), sharding)
+            for k in self.expert_leaves
+        }
+
+
+class ExpertFetcher:
+    """Copies routed blocks' params to the device: :meth:`dense` the leaves but the
+    experts (the window's copy), :meth:`experts` the routed experts' rows; counts the
+    experts copied and the bytes (for the step's metrics)."""
+
+    def __init__(self, block: RoutedBlock, dtype: Any, device, num_experts: int):
+        self.block, self.device, self.num_experts = block, device, num_experts
+        self._empty = block.placeholders(dtype, device)
+        self.fetched = self.offered = self.bytes = 0
+
+    def dense(self, leaves: LeafBuffers) -> RoutedSlab:
+        at = self._empty
+        on_device = jax.device_put(
+            [leaf for k, leaf in enumerate(leaves) if k not in at], self.device
+        )
+        it = iter(on_device)
+        dense = LeafBuffers(at[k] if k in at else next(it) for k in range(len(leaves)))
+        return RoutedSlab(dense, leaves)
+
+    def experts(self, slab: RoutedSlab, routing: Routing) -> tuple[LeafBuffers, list]:
+        """The slab's leaf buffers with the routed experts' rows, and the rows copied in
+        for them (none when the slab holds them from this routing's forward)."""
+        at = self.block.expert_leaves
+        if slab.held is not None and slab.held[0] is routing:
+            return slab.with_experts(slab.held[1], at), []
+        rows = [held_rows(slab.host[k], routing.ids) for k in at]
+        self.fetched += routing.ids.size
+        self.offered += self.num_experts
+        self.bytes += sum(r.nbytes for r in rows)
+        copied = jax.device_put(rows, self.device)
+        slab.held = (routing, copied)
+        return slab.with_experts(copied, at), copied
+
+    def take(self) -> dict[str, float | int]:
+        """The step's counts (and resets them): experts copied in (each copy of a block's
+        routed experts, forward and backward), their share of every expert of those
+        copies, and the bytes of expert rows copied."""
+        out = {
+            "experts_fetched": self.fetched,
+            "experts_fetched_fraction": self.fetched / self.offered if self.offered else 1.0,
+            "expert_bytes_fetched": self.bytes,
+        }
+        self.fetched = self.offered = self.bytes = 0
+        return out

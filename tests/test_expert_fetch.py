@@ -1,0 +1,140 @@
+"""Expert-aware streaming (offload.expert_fetch=routed, hetjax/runtime/routed.py): a
+streamed MoE block copies only the experts its tokens were routed to, and trains exactly
+as copying every expert does."""
+
+import jax
+import numpy as np
+import pytest
+from equivalence import assert_training_equal, check_tokens
+from test_moe import MOE
+
+from hetjax import timeline
+from hetjax.config import ConfigError
+from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.train import train
+from hetjax.types import RuntimeState
+from models import build_model
+
+# 16 experts, top-1, 1 x 8 tokens a micro-batch: at most 8 experts of 16 get a token, so
+# a routed block copies at most half its experts, whatever the router
+SPARSE = dict(MOE, num_experts=16, experts_per_token=1, max_seq_len=32)
+SHORT = dict(steps=3, eval_batches=1, batch_size=2, grad_accum=2, seq_len=8)
+
+
+def _config(tiny, fetch: str, **offload):
+    offload = dict(mode="stream", expert_fetch=fetch, **offload)
+    return tiny(model=SPARSE, train=SHORT, optimizer=dict(name="adamw"), offload=offload)
+
+
+def test_routed_streaming_equals_fetching_every_expert(tiny, tmp_path):
+    """AdamW with weight decay, optimizer state and params on NVMe, both blocks routed:
+    the losses, the validation loss and every param equal expert_fetch=all's (AdamW moves
+    an expert with no token too, which both do: the gradient is zero in both), and the
+    metrics say how many experts were copied."""
+    nvme = dict(optimizer="nvme", params="nvme")
+    routed, every = (
+        train(_config(tiny, f, **nvme), tmp_path / f, verbose=False) for f in ("routed", "all")
+    )
+    assert_training_equal(routed, every, build_model(tiny(model=SPARSE).model), check_tokens())
+    for record in routed.records:
+        # 2 micro-batches x 3 block copies (block0 forward and backward, block1 once:
+        # the window keeps it to its backward), each at most 8 experts of 16
+        assert 0 < record["experts_fetched"] <= 8 * 2 * 3
+        assert 0 < record["experts_fetched_fraction"] <= 0.5
+    assert not any("experts_fetched" in r for r in every.records)
+
+
+def _skewed(runtime: StreamingRuntime, used: int) -> RuntimeState:
+    """The runtime's params with every block's router sending each token to one of the
+    first ``used`` experts: their columns are +/- a large multiple of one direction
+    each, the other experts' zero, so a token's top expert is always one of the first
+    ones (top-1; a logit of 0 never wins over the +|a| one of a pair)."""
+    params = jax.tree.map(np.array, runtime.params())
+    router = params["blocks"]["moe"]["router"]  # (L, D, E)
+    rng = np.random.default_rng(0)
+    router[...] = 0
+    for e in range(0, used, 2):
+        direction = rng.standard_normal(router.shape[1]) * 10
+        router[:, :, e], router[:, :, e + 1] = direction, -direction
+    trace = jax.tree.map(np.zeros_like, params)  # SGD's momentum, before any step
+    return RuntimeState.from_trees({"master": params, "trace": trace}, [np.zeros((), np.int32)])
+
+
+def test_a_skewed_router_copies_fewer_bytes(tiny):
+    """With a router that sends every token to 4 of 16 experts, a routed step copies
+    exactly the other 12 experts' bytes less host -> device than copying every expert
+    (the timeline's count of the step's copies), for the same loss."""
+    moved, losses = {}, {}
+    batch = np.random.default_rng(1).integers(0, 256, (2, 1, 9), dtype=np.int32)
+    for fetch in ("routed", "all"):
+        config = _config(tiny, fetch).replace(optimizer=dict(name="sgd", lr=0.1))
+        runtime = StreamingRuntime(config)
+        try:
+            runtime.load_state(_skewed(runtime, 4))
+            runtime.train_step(batch)  # compiled; its copies are not counted
+            with timeline.recording(timeline.Recorder()) as rec:
+                report = runtime.train_step(batch)
+            moved[fetch] = rec.finish().moved_bytes["host_to_device"]
+            losses[fetch] = report.loss
+            if fetch == "routed":
+                fetched = report.metrics["experts_fetched"]
+            layout = runtime.layouts["block"]
+        finally:
+            runtime.close()
+    np.testing.assert_allclose(losses["routed"], losses["all"], rtol=1e-6)
+    cfg = config.model
+    expert = 3 * cfg.d_model * cfg.d_ff * 4  # one expert's gate, up and down, fp32
+    # block copies: per micro-batch, block0's forward and backward and block1's forward
+    # (the window keeps the last block from its forward to its backward)
+    copies = 2 * 3
+    assert 0 < fetched <= 4 * copies
+    assert moved["all"] - moved["routed"] == (16 * copies - fetched) * expert
+    assert layout.leaf_buffers
+
+
+def test_routed_applies_to_streamed_recomputed_blocks_only(tiny):
+    """Kept blocks (whole on the device from forward to backward) and expert-parallel
+    or dense models are not routed; a bad expert_fetch value is named."""
+    runtime = StreamingRuntime(_config(tiny, "routed", keep_blocks=1))
+    try:
+        assert runtime.routed == {"block0"}
+    finally:
+        runtime.close()
+    dense = StreamingRuntime(tiny(offload=dict(mode="stream")))
+    try:
+        assert not dense.routed and dense.experts is None
+    finally:
+        dense.close()
+    with pytest.raises(ConfigError, match="offload.expert_fetch"):
+        tiny(offload=dict(expert_fetch="some"))
+
+
+def test_the_planner_expects_the_routed_share_or_reads_the_measured_one(tmp_path):
+    """The plan's host->device lane counts only the routed share of the streamed blocks'
+    experts: uniform routing's expectation 1 - (1 - k/E)^tokens, or the share the
+    workdir's last run measured (its metrics' median), which the table names."""
+    from hetjax.config import load_config
+    from hetjax.planning.hardware import get_profile
+    from hetjax.planning.search import make_plan
+    from hetjax.planning.workload import measured_expert_fraction
+
+    short = dict(batch_size=1, seq_len=4)  # 4 tokens, top-8 of 64 experts: 41% expected
+    config = load_config("configs/moe_fine_7b.py").replace(train=short)
+    hw = get_profile("rtx4090", "", config.model.compute_dtype)
+    every = make_plan(config.replace(offload=dict(expert_fetch="all")), hw)
+    routed = make_plan(config, hw)
+    assert routed.candidate.mode == every.candidate.mode == "stream"
+    assert routed.expert_fraction == pytest.approx(1 - (1 - 8 / 64) ** 4)
+    assert "41% of its experts" in routed.table() and "experts:" not in every.table()
+    assert routed.candidate == every.candidate  # the same placement, fewer bytes moved:
+    # 7 streamed blocks' experts, 59% of them not copied, forward and backward
+    assert routed.lanes["host->device"] < 0.5 * every.lanes["host->device"]
+
+    assert measured_expert_fraction(tmp_path) is None
+    lines = ['{"step": 1, "experts_fetched_fraction": 0.25}', '{"step": 2}', "{cut",
+             '{"step": 3, "experts_fetched_fraction": 0.75}',
+             '{"step": 4, "experts_fetched_fraction": 0.5}']  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    assert measured_expert_fraction(tmp_path) == 0.5
+    measured = make_plan(config, hw, expert_fraction=measured_expert_fraction(tmp_path))
+    assert "50% of its experts" in measured.table() and "measured" in measured.table()
