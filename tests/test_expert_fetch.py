@@ -23,14 +23,21 @@ SHORT = dict(steps=3, eval_batches=1, batch_size=2, grad_accum=2, seq_len=8)
 
 def _config(tiny, fetch: str, **offload):
     offload = dict(mode="stream", expert_fetch=fetch, **offload)
-    return tiny(model=SPARSE, train=SHORT, optimizer=dict(name="adamw"), offload=offload)
+    return tiny(
+        model=SPARSE,
+        train=SHORT,
+        optimizer=dict(name="adamw"),
+        offload=offload,
+        memory=dict(page_size="4KiB"),  # an expert's rows span pages: some stay behind
+    )
 
 
 def test_routed_streaming_equals_fetching_every_expert(tiny, tmp_path):
     """AdamW with weight decay, optimizer state and params on NVMe, both blocks routed:
     the losses, the validation loss and every param equal expert_fetch=all's (AdamW moves
-    an expert with no token too, which both do: the gradient is zero in both), and the
-    metrics say how many experts were copied."""
+    an expert with no token too, which both do: the gradient is zero in both, whether
+    its pages came from the device or were known zero), and the metrics say how many
+    experts were copied."""
     nvme = dict(optimizer="nvme", params="nvme")
     routed, every = (
         train(_config(tiny, f, **nvme), tmp_path / f, verbose=False) for f in ("routed", "all")
@@ -62,8 +69,9 @@ def _skewed(runtime: StreamingRuntime, used: int) -> RuntimeState:
 
 def test_a_skewed_router_copies_fewer_bytes(tiny):
     """With a router that sends every token to 4 of 16 experts, a routed step copies
-    exactly the other 12 experts' bytes less host -> device than copying every expert
-    (the timeline's count of the step's copies), for the same loss."""
+    exactly the other 12 experts' bytes less host -> device than copying every expert,
+    and their gradients' pages do not come back (the timeline's count of the step's
+    copies), for the same loss (small pages: an expert's rows span several)."""
     moved, losses = {}, {}
     batch = np.random.default_rng(1).integers(0, 256, (2, 1, 9), dtype=np.int32)
     for fetch in ("routed", "all"):
@@ -74,11 +82,11 @@ def test_a_skewed_router_copies_fewer_bytes(tiny):
             runtime.train_step(batch)  # compiled; its copies are not counted
             with timeline.recording(timeline.Recorder()) as rec:
                 report = runtime.train_step(batch)
-            moved[fetch] = rec.finish().moved_bytes["host_to_device"]
+            moved[fetch] = rec.finish().moved_bytes
             losses[fetch] = report.loss
             if fetch == "routed":
                 fetched = report.metrics["experts_fetched"]
-            layout = runtime.layouts["block"]
+            P = runtime.layouts["block"].page_elems
         finally:
             runtime.close()
     np.testing.assert_allclose(losses["routed"], losses["all"], rtol=1e-6)
@@ -88,8 +96,14 @@ def test_a_skewed_router_copies_fewer_bytes(tiny):
     # (the window keeps the last block from its forward to its backward)
     copies = 2 * 3
     assert 0 < fetched <= 4 * copies
-    assert moved["all"] - moved["routed"] == (16 * copies - fetched) * expert
-    assert layout.leaf_buffers
+    h2d = {f: m["host_to_device"] for f, m in moved.items()}
+    assert h2d["all"] - h2d["routed"] == (16 * copies - fetched) * expert
+    # Gradients: the pages wholly inside experts 4-15's rows of each expert leaf stay on
+    # the device (zero); at most two pages of a leaf's run of them are partly outside
+    d2h = {f: m["device_to_host"] for f, m in moved.items()}
+    rows = cfg.d_model * cfg.d_ff  # one expert's elements in one leaf
+    grads = 2 * 2  # blocks x micro-batches
+    assert d2h["all"] - d2h["routed"] >= grads * 3 * (12 * rows - 2 * P) * 4 > 0
 
 
 def test_routed_applies_to_streamed_recomputed_blocks_only(tiny):

@@ -36,7 +36,7 @@ class Ledger:
             totals["device"] = device_buffers
         seen = set()
         for a in jax.tree.leaves(arrays):
-            if id(a) in seen:
+            if id(a) in seen or not isinstance(a, jax.Array):  # (host zeros: no JAX's)
                 continue
             seen.add(id(a))
             totals[a.sharding.memory_kind or "device"] += device_bytes(a)

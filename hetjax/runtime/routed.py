@@ -19,9 +19,12 @@ Backward recomputes the block from its boundary with the same decision (kept on 
 device from forward, (B T, k) int32) and the same experts, copied in again ahead of it
 (the dispatch runs ahead: the copy overlaps the previous block's backward). The
 gradient of an expert that got no pair is zero, as when every expert is fetched; the
-device writes it into the full gradient's pages, so the optimizer and the stores see
-the stage as before, and the step equals ``expert_fetch=all`` (the decision is made
-once, so no recompute can route a token differently). What it costs: one host sync per
+device writes it into the full gradient's pages, of which those wholly in such experts
+do not leave the device (:meth:`ExpertFetcher.zero_pages`: the host takes zeros of its
+own), so the optimizer and the stores see the stage as before, and the step equals
+``expert_fetch=all`` (the decision is made once, so no recompute can route a token
+differently). The optimizer still updates every expert: AdamW moves an expert with a
+zero gradient too (docs/guide/offload.md, expert-aware streaming). What it costs: one host sync per
 routed block per forward, at which the device waits for the copy of the experts.
 
 Used for the blocks that recompute (boundary blocks), on one device, for models with
@@ -175,6 +178,7 @@ class ExpertFetcher:
     def __init__(self, block: RoutedBlock, dtype: Any, device, num_experts: int):
         self.block, self.device, self.num_experts = block, device, num_experts
         self._empty = block.placeholders(dtype, device)
+        self._zero_pages: dict[bytes, frozenset[int]] = {}  # by the routed experts
         self.fetched = self.offered = self.bytes = 0
 
     def dense(self, leaves: LeafBuffers) -> RoutedSlab:
@@ -199,6 +203,31 @@ class ExpertFetcher:
         copied = jax.device_put(rows, self.device)
         slab.held = (routing, copied)
         return slab.with_experts(copied, at), copied
+
+    def zero_pages(self, ids: np.ndarray) -> frozenset[int]:
+        """The pages of the block's gradient that lie wholly in experts not in ``ids``
+        (zero: those experts got no token), which need not leave the device."""
+        key = ids.tobytes()
+        if len(self._zero_pages) > 4096:  # routings seen: a bounded cache
+            self._zero_pages.clear()
+        if key not in self._zero_pages:
+            layout, P = self.block.layout, self.block.layout.page_elems
+            skipped = np.ones(self.num_experts, bool)
+            skipped[ids] = False
+            touched = np.zeros(layout.num_pages, bool)
+            start = 0  # the elements between skipped experts' rows are touched
+            for k in self.block.expert_leaves:  # (in slab order: offsets increase)
+                leaf = layout.leaves[k]
+                rows = leaf.size // self.num_experts
+                for e in np.flatnonzero(skipped):
+                    lo = leaf.offset + e * rows
+                    if lo > start:
+                        touched[start // P : (lo - 1) // P + 1] = True
+                    start = lo + rows
+            if layout.size > start:  # the padding after the leaves is zero too
+                touched[start // P : (layout.size - 1) // P + 1] = True
+            self._zero_pages[key] = frozenset(np.flatnonzero(~touched).tolist())
+        return self._zero_pages[key]
 
     def take(self) -> dict[str, float | int]:
         """The step's counts (and resets them): experts copied in (each copy of a block's

@@ -431,6 +431,7 @@ class StreamingRuntime:
             last = first_kept - 1
             swapped[last] = self._swap_in(last, last - first_swap, swapped[last])
         next_x = boundaries.load(first_swap - 1) if first_swap == first_kept > 0 else None
+        zero_pages: frozenset[int] = frozenset()  # of a routed block's gradient
         for i in reversed(range(L)):
             g = self.group_of[i]
             group, c = fns.groups[g], context[g]
@@ -464,6 +465,7 @@ class StreamingRuntime:
                         timeline.watch("host_to_device", "experts", copied)
                         bwd = group.routed().backward
                         db, dx = bwd(held, r.ids_device, r.top_e, r.slots, x_in, dx, dstats)
+                        zero_pages = self.experts.zero_pages(r.ids)
                         del held, copied, r, bwd
                     else:
                         db, dx, dcontext[g] = group.block_bwd(
@@ -475,8 +477,9 @@ class StreamingRuntime:
                 timeline.watch("compute", f"{self.block_names[i]} bwd", (db, dx), after=watched)
                 del slab, watched
                 window.done(j)
-            self._grad_out(self.block_names[i], *db)
+            self._grad_out(self.block_names[i], *db, zero_pages)
             del db
+            zero_pages = frozenset()
             self._account(window, dx, kept, swapped, routing, prev, context, dcontext)
             if i == self.group_start[g]:  # the group's input: a gradient of the embed
                 de, dx = group.input_bwd(embed, prev[g], tokens, targets, dx, dcontext[g])
@@ -514,17 +517,28 @@ class StreamingRuntime:
         timeline.watch("host_to_device", f"block{i} swap in", out, after=held)
         return out
 
-    def _grad_out(self, name: str, g, sq) -> None:
+    def _grad_out(self, name: str, g, sq, zero_pages: frozenset[int] = frozenset()) -> None:
         """Hands a stage's gradient and its pages' squared norms on: summed and updated
         on the device (the device-cached stages in sync mode), or copied to the host and
-        handed to the step's gradient thread (nothing here waits for the copy)."""
+        handed to the step's gradient thread (nothing here waits for the copy).
+        ``zero_pages``: pages known to be zero (a routed block's experts that got no
+        token), not copied: the host takes zeros of its own for them."""
         if name in self._device_grad_stages:
             self._step.add_device(name, g)
             return
         self.placement.sent_grad(g, self.layouts[layout_name(name)])
         host = jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), g)
-        on_host = jax.device_put(g, host)
-        timeline.watch("device_to_host", f"{name} grad", on_host, after=g)
+        if zero_pages:
+            sent = [k for k in range(len(g)) if k not in zero_pages]
+            copied = iter(jax.device_put([g[k] for k in sent], [host[k] for k in sent]))
+            on_host = [
+                np.zeros(p.shape, p.dtype) if k in zero_pages else next(copied)
+                for k, p in enumerate(g)
+            ]
+            watched = [on_host[k] for k in sent]
+        else:
+            on_host = watched = jax.device_put(g, host)
+        timeline.watch("device_to_host", f"{name} grad", watched, after=g)
         self._step.add(name, on_host, sq)
 
     def _account(self, window, *transients) -> None:
