@@ -13,7 +13,9 @@ them. Forward then runs the block in two halves (:class:`RoutedBlock`):
              (top_e), pairs per expert (E,); the host reads the counts (a sync)
     experts  copied in: the rows of the expert leaves with pairs, in expert order
     mlp      the rest of the block over those experts (``ragged_dot`` over the held
-             experts only), with the decision from ``route``
+             experts only: the routed ones, and zero rows up to a multiple of E/8, so
+             that the functions compile for at most 8 sizes), with the decision from
+             ``route``
 
 Backward recomputes the block from its boundary with the same decision (kept on the
 device from forward, (B T, k) int32) and the same experts, copied in again ahead of it
@@ -36,6 +38,7 @@ devices instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -96,7 +99,8 @@ class RoutedSlab:
 class Routing:
     """One routed block's decision for one micro-batch, from its forward to its backward:
     ``ids`` the experts with pairs (host, increasing), and on the device the decision
-    ``top_e`` (B T, k), ``slots`` (E,) each expert's row among the held, and ``ids``."""
+    ``top_e`` (B T, k), ``slots`` (E,) each expert's row among the held, and ``ids``
+    padded with E to the held count (:func:`held_experts`)."""
 
     ids: np.ndarray
     top_e: jax.Array
@@ -105,10 +109,13 @@ class Routing:
 
     @classmethod
     def of(cls, counts: np.ndarray, top_e: jax.Array, put) -> Routing:
+        E = counts.shape[0]
         ids = np.flatnonzero(counts).astype(np.int32)
-        slots = np.zeros(counts.shape[0], np.int32)
+        slots = np.zeros(E, np.int32)
         slots[ids] = np.arange(ids.size, dtype=np.int32)
-        return cls(ids, top_e, put(slots), put(ids))
+        padded = np.full(held_experts(ids.size, E), E, np.int32)  # E: a padding row
+        padded[: ids.size] = ids
+        return cls(ids, top_e, put(slots), put(padded))
 
     def tree_flatten(self):  # a pytree of its device arrays (the ledger counts them)
         return (self.top_e, self.slots, self.ids_device), self.ids
@@ -118,13 +125,37 @@ class Routing:
         return cls(ids, *children)
 
 
-def held_rows(leaf, ids: np.ndarray) -> np.ndarray:
-    """The rows ``ids`` (increasing) of a host expert leaf (E, ...): a view when they are
-    a run, else a copy of just those rows."""
+def held_experts(routed: int, num_experts: int) -> int:
+    """The experts a routed block holds on the device for ``routed`` experts with pairs:
+    rounded up to a multiple of E/8, so that its functions compile for at most 8 sizes
+    (each distinct size is an XLA compilation); the extra rows are zeros made on the
+    device, which no pair uses."""
+    step = max(1, num_experts // 8)
+    return min(num_experts, -(-routed // step) * step)
+
+
+def expert_rows(leaf, ids: np.ndarray) -> list[np.ndarray]:
+    """Each routed expert's rows of a host expert leaf (E, ...), as views of it (no host
+    copy: each copies to the device from where it lies)."""
     leaf = np.asarray(leaf)  # (a pinned JAX array on a GPU: its host buffer)
-    if ids.size and ids[-1] - ids[0] + 1 == ids.size:
-        return leaf[ids[0] : ids[-1] + 1]
-    return np.take(leaf, ids, axis=0)
+    return [leaf[e : e + 1] for e in ids]
+
+
+@functools.cache
+def zero_page(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A read-only page of zeros, one per shape and dtype: what the host takes for a
+    gradient page known to be zero (allocating one per page would churn the allocator
+    with page-sized blocks freed on another thread)."""
+    page = np.zeros(shape, dtype)
+    page.flags.writeable = False
+    return page
+
+
+def _assemble(rows: list[list[jax.Array]]) -> list[jax.Array]:
+    """On the device: each expert leaf's held rows (one (1, ...) array each) -> one
+    (held, ...) array. Compiled once per held count, not per routed count: the padding
+    rows are one zero row passed again."""
+    return [jnp.concatenate(leaf) for leaf in rows]
 
 
 class RoutedBlock:
@@ -155,7 +186,8 @@ class RoutedBlock:
             whole = list(db)
             for k in at:  # the held experts' rows into the whole leaf's gradient
                 leaf = layout.leaves[k]
-                whole[k] = jnp.zeros(leaf.shape, db[k].dtype).at[ids].set(db[k])
+                zeros = jnp.zeros(leaf.shape, db[k].dtype)
+                whole[k] = zeros.at[ids].set(db[k], mode="drop")  # (padding rows: id E)
             return cast(LeafBuffers(whole)), dx
 
         self.route, self.mlp, self.backward = jit(route), jit(mlp), jit(backward)
@@ -179,6 +211,10 @@ class ExpertFetcher:
         self.block, self.device, self.num_experts = block, device, num_experts
         self._empty = block.placeholders(dtype, device)
         self._zero_pages: dict[bytes, frozenset[int]] = {}  # by the routed experts
+        self._assemble = jax.jit(_assemble)
+        # one zero expert row per expert leaf, on the device: the held rows' padding
+        shapes = [(1, *block.layout.leaves[k].shape[1:]) for k in block.expert_leaves]
+        self._zero = [jax.device_put(np.zeros(s, dtype), device) for s in shapes]
         self.fetched = self.offered = self.bytes = 0
 
     def dense(self, leaves: LeafBuffers) -> RoutedSlab:
@@ -196,13 +232,16 @@ class ExpertFetcher:
         at = self.block.expert_leaves
         if slab.held is not None and slab.held[0] is routing:
             return slab.with_experts(slab.held[1], at), []
-        rows = [held_rows(slab.host[k], routing.ids) for k in at]
+        rows = [expert_rows(slab.host[k], routing.ids) for k in at]
         self.fetched += routing.ids.size
         self.offered += self.num_experts
-        self.bytes += sum(r.nbytes for r in rows)
+        self.bytes += sum(r.nbytes for leaf in rows for r in leaf)
         copied = jax.device_put(rows, self.device)
-        slab.held = (routing, copied)
-        return slab.with_experts(copied, at), copied
+        pad = held_experts(routing.ids.size, self.num_experts) - routing.ids.size
+        padded = zip(copied, self._zero, strict=True)
+        held = self._assemble([[*leaf, *[zero] * pad] for leaf, zero in padded])
+        slab.held = (routing, held)
+        return slab.with_experts(held, at), copied
 
     def zero_pages(self, ids: np.ndarray) -> frozenset[int]:
         """The pages of the block's gradient that lie wholly in experts not in ``ids``

@@ -69,7 +69,7 @@ from hetjax.runtime.boundaries import Boundaries
 from hetjax.runtime.grads import DeviceGradients, StepGradients
 from hetjax.runtime.ledger import IoMeter, Ledger
 from hetjax.runtime.placement import SingleDevice
-from hetjax.runtime.routed import ExpertFetcher, Routing
+from hetjax.runtime.routed import ExpertFetcher, Routing, zero_page
 from hetjax.runtime.setup import layout_name
 from hetjax.runtime.stages import StageFunctions, StageMemory
 from hetjax.runtime.window import PrefetchWindow
@@ -532,7 +532,7 @@ class StreamingRuntime:
             sent = [k for k in range(len(g)) if k not in zero_pages]
             copied = iter(jax.device_put([g[k] for k in sent], [host[k] for k in sent]))
             on_host = [
-                np.zeros(p.shape, p.dtype) if k in zero_pages else next(copied)
+                zero_page(p.shape, p.dtype) if k in zero_pages else next(copied)
                 for k, p in enumerate(g)
             ]
             watched = [on_host[k] for k in sent]
