@@ -108,9 +108,13 @@ def uninterrupted_nvme(tmp_path_factory):
 # -- crash and resume ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # right-after-save with -m slow: the default run's 10 minutes
     "fault",
-    ["kill_mid_step@5", "kill_saving@4", "kill_saved@4"],
+    [
+        "kill_mid_step@5",
+        "kill_saving@4",
+        pytest.param("kill_saved@4", marks=pytest.mark.slow),
+    ],
     ids=["mid-step", "during-background-save", "right-after-save"],
 )
 def test_sigkill_then_resume_equals_uninterrupted(fault, uninterrupted_nvme, tmp_path):
@@ -333,6 +337,7 @@ def test_resume_never_refuses_then_overwrites(tmp_path):
     assert len(fresh.losses) == 2  # started over
 
 
+@pytest.mark.slow  # ~12 s; test_resume_never_refuses_then_overwrites in the default run
 def test_launch_resume_flag_refuses(tmp_path):
     cfg = config(train=dict(steps=2, eval_batches=1))
     train(cfg, tmp_path, verbose=False)
