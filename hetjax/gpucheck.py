@@ -319,9 +319,10 @@ def equivalence(report: Report, quick: bool, emulate: bool) -> None:
 
             env["JAX_PLATFORMS"] = f"{jax.devices()[0].platform},cpu"
             files = ["tests/test_two_client.py", "tests/test_stream.py", "tests/test_offload.py"]
+            files.append("tests/test_expert_fetch.py")  # routed experts' copies, both ways
             if quick:
                 files = files[:1]
-        select = [] if emulate else ["-k", "equal or two_client or pinned"]
+        select = [] if emulate else ["-k", "equal or two_client or pinned or fewer_bytes"]
         args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n0"]
         t0 = time.perf_counter()
         proc = subprocess.run(

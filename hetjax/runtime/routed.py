@@ -137,7 +137,6 @@ def held_experts(routed: int, num_experts: int) -> int:
 def expert_rows(leaf, ids: np.ndarray) -> list[np.ndarray]:
     """Each routed expert's rows of a host expert leaf (E, ...), as views of it (no host
     copy: each copies to the device from where it lies)."""
-    leaf = np.asarray(leaf)  # (a pinned JAX array on a GPU: its host buffer)
     return [leaf[e : e + 1] for e in ids]
 
 
@@ -218,13 +217,17 @@ class ExpertFetcher:
         self.fetched = self.offered = self.bytes = 0
 
     def dense(self, leaves: LeafBuffers) -> RoutedSlab:
+        """The window's copy of a routed block: its leaves but the experts, and the host
+        leaves the experts' rows are copied from later (numpy: a pinned JAX array, as the
+        NVMe store stages reads on a GPU, becomes one once, not at every expert copy)."""
         at = self._empty
         on_device = jax.device_put(
             [leaf for k, leaf in enumerate(leaves) if k not in at], self.device
         )
         it = iter(on_device)
         dense = LeafBuffers(at[k] if k in at else next(it) for k in range(len(leaves)))
-        return RoutedSlab(dense, leaves)
+        host = LeafBuffers(np.asarray(leaf) if k in at else leaf for k, leaf in enumerate(leaves))
+        return RoutedSlab(dense, host)
 
     def experts(self, slab: RoutedSlab, routing: Routing) -> tuple[LeafBuffers, list]:
         """The slab's leaf buffers with the routed experts' rows, and the rows copied in
