@@ -245,7 +245,8 @@ class OffloadConfig:
     device) fetches its experts. ``routed``: the block's attention and router run first,
     the host reads which experts got tokens, and only those are copied to the device,
     for forward and again for backward (``hetjax/runtime/routed.py``); equal to
-    ``all``, which copies every expert with the rest of the block.
+    ``all``, which copies every expert with the rest of the block. ``offload.mode=auto``
+    routes only where the planner predicts a gain (``planning/cost.py``).
     """
 
     mode: str = "auto"

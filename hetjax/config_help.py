@@ -143,8 +143,9 @@ HELP: dict[str, str] = {
     "([offload](offload.md#device-cache-of-optimizer-state))",
     "offload.expert_fetch": "`stream`, a Llama-family mixture of experts on one device: "
     "`routed` copies a streamed block's experts only once its router has chosen them, "
-    "only those with tokens (forward and backward); `all` copies every expert with the "
-    "block ([offload](offload.md#expert-aware-streaming))",
+    "only those with tokens (forward and backward; with `offload.mode=auto` where the "
+    "planner predicts a gain); `all` copies every expert with the block "
+    "([offload](offload.md#expert-aware-streaming))",
     # -- memory -----------------------------------------------------------------------
     "memory.page_size": "largest page of state slabs (sized in fp32 master elements); "
     "pages shrink to fit a block in whole pages (less padding to move every step)",

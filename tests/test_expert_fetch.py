@@ -2,6 +2,8 @@
 streamed MoE block copies only the experts its tokens were routed to, and trains exactly
 as copying every expert does."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -126,7 +128,8 @@ def test_routed_applies_to_streamed_recomputed_blocks_only(tiny):
 def test_the_planner_expects_the_routed_share_or_reads_the_measured_one(tmp_path):
     """The plan's host->device lane counts only the routed share of the streamed blocks'
     experts: uniform routing's expectation 1 - (1 - k/E)^tokens, or the share the
-    workdir's last run measured (its metrics' median), which the table names."""
+    workdir's last run measured (its metrics' median), which the table names; where
+    routing saves nothing the planner copies the experts whole."""
     from hetjax.config import load_config
     from hetjax.planning.hardware import get_profile
     from hetjax.planning.search import make_plan
@@ -140,9 +143,19 @@ def test_the_planner_expects_the_routed_share_or_reads_the_measured_one(tmp_path
     assert routed.candidate.mode == every.candidate.mode == "stream"
     assert routed.expert_fraction == pytest.approx(1 - (1 - 8 / 64) ** 4)
     assert "41% of its experts" in routed.table() and "experts:" not in every.table()
-    assert routed.candidate == every.candidate  # the same placement, fewer bytes moved:
-    # 7 streamed blocks' experts, 59% of them not copied, forward and backward
+    assert routed.candidate.expert_fetch == "routed" and every.candidate.expert_fetch == "all"
+    # the same placement, fewer bytes moved: 7 streamed blocks' experts, 59% of them not
+    # copied, forward and backward
+    assert dataclasses.replace(routed.candidate, expert_fetch="all") == every.candidate
     assert routed.lanes["host->device"] < 0.5 * every.lanes["host->device"]
+    assert routed.config_overrides()["offload"]["expert_fetch"] == "routed"
+
+    # 4 x 4096 tokens: uniform routing reaches every expert, routing would only add the
+    # forward's wait, and the planner copies the experts whole
+    whole = make_plan(load_config("configs/moe_fine_7b.py"), hw)
+    assert whole.candidate.expert_fetch == "all" and whole.expert_fraction == 1.0
+    assert "copied whole" in whole.table()
+    assert whole.config_overrides()["offload"]["expert_fetch"] == "all"
 
     assert measured_expert_fraction(tmp_path) is None
     lines = ['{"step": 1, "experts_fetched_fraction": 0.25}', '{"step": 2}', "{cut",

@@ -34,6 +34,8 @@ class Candidate:
     swap_blocks: int = 0
     swap_level: str = "matmuls"
     swap_tier: str = "host"  # host | nvme
+    # a MoE's streamed blocks copy only their routed experts (offload.expert_fetch)
+    expert_fetch: str = "all"
 
     def offload(self) -> Offload:
         """The candidate's placement as the memory model takes it."""
@@ -116,9 +118,13 @@ def lanes(
     Ps, Pg = w.stored_block, w.gathered_block(n)
     # expert-aware streaming (runtime/routed.py): the streamed blocks that recompute copy
     # only their routed experts; kept and swapped blocks copy them all. The disk still
-    # reads whole blocks.
-    routed = max(0, recomputed - resident) if w.routed_expert_params else 0
-    skipped = routed * cb * w.routed_expert_params * (1 - w.expert_fetch_fraction)
+    # reads whole blocks. In forward the routed experts' copy waits for the routing (a
+    # host sync), so the device waits for it: ``serial_f``; backward's is known ahead.
+    routing = w.routed_expert_params and c.expert_fetch == "routed"
+    routed = max(0, recomputed - resident) if routing else 0
+    experts = routed * cb * w.routed_expert_params  # the routed blocks' experts, whole
+    skipped = experts * (1 - w.expert_fetch_fraction)
+    serial_f = experts * w.expert_fetch_fraction / hw.h2d_bw
     h2d_f = streamed_f * cb * Ps * frac - skipped
     h2d_b = streamed_b * cb * Ps * frac - skipped + bounds + swap
     # per device; the device cache's gradients stay there
@@ -167,7 +173,8 @@ def lanes(
         t_b = max(n * (compute_b + copy_b + comm_b), disk_b)
         t_last = max(n * (compute_b + copy_b + comm_b) + opt + dev_opt, disk_b + disk_step)
     else:
-        t_f = max(fwd, h2d_f / hw.h2d_bw, d2h_f / hw.d2h_bw, comm_f, disk_f)
+        overlapped = h2d_f / hw.h2d_bw - serial_f
+        t_f = max(fwd, overlapped, d2h_f / hw.d2h_bw, comm_f, disk_f) + serial_f
         t_b = max(compute_b, h2d_b / hw.h2d_bw, d2h_b / hw.d2h_bw, comm_b, disk_b)
         if c.optimizer == "device":  # the update shares the device with backward
             t_last = max(t_b, compute_b + opt, disk_b + disk_step)

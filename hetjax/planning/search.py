@@ -105,6 +105,7 @@ class Plan:
                 swap_level=c.swap_level,
                 swap_tier=c.swap_tier,
                 optimizer_device_stages=c.device_stages,
+                expert_fetch=c.expert_fetch,
             )
         )
 
@@ -159,11 +160,17 @@ class Plan:
                 lines.append(
                     f"  optimizer state cached in host RAM: {format_bytes(self.optimizer_cache)}"
                 )
-            if self.expert_source:
+            if self.expert_source and c.expert_fetch == "routed":
                 lines.append(
                     f"  experts: a streamed block that recomputes copies "
                     f"{self.expert_fraction:.0%} of its experts in (offload.expert_fetch="
                     f"routed; {self.expert_source})"
+                )
+            elif self.expert_source:
+                lines.append(
+                    f"  experts: copied whole (offload.expert_fetch=all): routing would copy "
+                    f"{self.expert_fraction:.0%} of them ({self.expert_source}), not worth "
+                    "the forward's wait for each block's routing"
                 )
         per = " per device" if self.num_devices > 1 else ""
         for tier in ("device", "host", "nvme"):
@@ -363,6 +370,12 @@ def make_plan(
             if not cached:
                 break  # a larger cache needs more device memory still
             options += cached
+        if w.routed_expert_params and base.mode == "stream":  # or routed experts
+            options += [
+                b
+                for o in options
+                for b in _evaluate(w, hw, limit, dataclasses.replace(o[2], expert_fetch="routed"))
+            ]
         if options:  # this placement's fastest split of device memory
             best.append(min(options, key=lambda b: b[0]))
     if not best:
