@@ -335,8 +335,10 @@ class MemoryConfig:
 
     page_size: int | str = "4MiB"
     device_budget: int | str = 0  # device bytes the streaming runtime may hold; 0: no limit
-    # host RAM the streaming runtime may hold (param slabs, gradient buffers, optimizer
-    # state or its cache); 0: no limit, and with offload.optimizer=nvme no state cache
+    # host RAM the streaming runtime's process may hold (param slabs, gradient buffers,
+    # optimizer state or its cache), for every device it drives (the planner gives a
+    # profile's devices an equal share: one process a machine); 0: no limit, and with
+    # offload.optimizer=nvme no state cache
     host_budget: int | str = 0
     nvme_path: str = ""  # offload.*=nvme: directory on a local SSD; "": <workdir>/nvme
     # of each accelerator's memory JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION, set by

@@ -151,9 +151,10 @@ HELP: dict[str, str] = {
     "pages shrink to fit a block in whole pages (less padding to move every step)",
     "memory.device_budget": "`stream`: device bytes the executor may hold, e.g. `512MiB`; "
     "0 = no limit",
-    "memory.host_budget": "`stream`: host RAM the runtime may hold (param slabs, gradient "
-    "buffers, optimizer state or its cache, boundary activations or their NVMe staging); "
-    "0 = no limit, and with `offload.optimizer=nvme` no cache",
+    "memory.host_budget": "`stream`: host RAM the runtime's process may hold (param slabs, "
+    "gradient buffers, optimizer state or its cache, boundary activations or their NVMe "
+    "staging), for all the devices it drives (the planner gives each device of a machine "
+    "an equal share); 0 = no limit, and with `offload.optimizer=nvme` no cache",
     "memory.nvme_path": "directory on a local SSD for NVMe state and boundary activations; "
     "empty: `<workdir>/nvme`",
     "memory.device_fraction": "of each accelerator's memory JAX may take "

@@ -481,3 +481,16 @@ def test_plans_predict_at_least_nine_tenths_of_fuyou(name, hardware):
     plan = make_plan(load_config(name), PROFILES[hardware])
     _fits(plan)
     assert plan.tflops >= 0.9 * FUYOU_MEASURED[name, hardware], plan.table()
+
+
+def test_a_host_budget_is_the_process_s_shared_by_its_devices():
+    """memory.host_budget bounds the runtime's process, which drives all 8 devices of
+    the profile's machine: each device is planned within an eighth of it, and the budget
+    a run of the plan is given back is the process's whole."""
+    from hetjax.planning.search import process_host_budget
+
+    config = load_config("configs/gpt13b.py").replace(memory=dict(host_budget="160GiB"))
+    plan = make_plan(config, PROFILES["angel-a100-40g"])
+    assert plan.num_devices == 8 and plan.budgets["host"] == 160 * 2**30 // 8
+    assert 0 < sum(plan.host.values()) <= plan.budgets["host"]
+    assert process_host_budget(plan) == 160 * 2**30

@@ -9,7 +9,7 @@ from pathlib import Path
 from hetjax.config import Config, format_bytes
 from hetjax.memory import in_memory_parts
 from hetjax.planning.hardware import device_capacity, measure_local
-from hetjax.planning.search import MARGIN, Plan, make_plan
+from hetjax.planning.search import MARGIN, Plan, make_plan, process_host_budget
 from hetjax.planning.tracer import trace
 from hetjax.planning.workload import Workload, measured_expert_fraction, memory_sizes
 
@@ -53,6 +53,6 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     overrides = plan.config_overrides()
     if plan.candidate.mode == "stream":
         overrides["memory"] = dict(
-            device_budget=plan.budgets["device"], host_budget=plan.budgets["host"]
+            device_budget=plan.budgets["device"], host_budget=process_host_budget(plan)
         )
     return config.replace(**overrides), plan

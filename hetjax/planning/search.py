@@ -243,10 +243,13 @@ def footprint(w: Workload, c: Candidate, limit: dict[str, int], n: int = 1) -> F
 
 
 def budgets(config: Config, hw: Hardware) -> dict[str, int]:
-    """Bytes the plan may use per tier: the config's budgets, else the profile's
-    capacity: the device's allocator pool (``memory.device_fraction`` of an
+    """Bytes the plan may use per tier and device: the config's budgets, else the
+    profile's capacity: the device's allocator pool (``memory.device_fraction`` of an
     accelerator's memory; ``MARGIN`` of free RAM on the CPU backend), host RAM and disks
-    with a margin (shared by the machine's devices)."""
+    with a margin, shared by the machine's devices. ``memory.host_budget`` is the
+    process's, which drives every device of the machine (one process a machine): each
+    device gets its share, and what is written back for the runtime is the process's
+    (:func:`process_host_budget`)."""
     mem, n = config.memory, hw.num_devices
     pool = hw.device_pool(mem.device_fraction)
     if not pool and not mem.device_budget:
@@ -260,9 +263,15 @@ def budgets(config: Config, hw: Hardware) -> dict[str, int]:
         "device": min(mem.device_budget, pool or mem.device_budget)
         if mem.device_budget
         else device,
-        "host": min(mem.host_budget, hw.host_memory) if mem.host_budget else host,
+        "host": min(mem.host_budget, hw.host_memory) // n if mem.host_budget else host,
         "nvme": int(MARGIN * hw.nvme_capacity / n),
     }
+
+
+def process_host_budget(plan: Plan) -> int:
+    """The ``memory.host_budget`` a run of ``plan`` is given: its host budget per device
+    for every device of the process (:func:`budgets`)."""
+    return plan.budgets["host"] * plan.num_devices
 
 
 def _candidates(w: Workload, one_device: bool):
