@@ -31,7 +31,13 @@ LAYERS = [
         "hetjax.run_lock",
         "hetjax.xla_env",
     },
-    {"hetjax.config", "hetjax.config_help", "hetjax.config_values", "hetjax.types"},
+    {
+        "hetjax.config",
+        "hetjax.config_model",
+        "hetjax.config_help",
+        "hetjax.config_values",
+        "hetjax.types",
+    },
 ]
 
 
