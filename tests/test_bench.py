@@ -184,7 +184,7 @@ def test_plan_data_parallel_row():
     """bench plan's ``tiny dp2`` row: ZeRO-3 on 2 virtual CPU devices, a child process."""
     from hetjax.bench.plan import _plan_row_on_cpu_devices
 
-    overrides = {"memory.device_budget": "88MiB", "memory.host_budget": "0"}  # as the bench
+    overrides = {"memory.device_budget": "88MiB"}  # as the bench: gpt_tiny's host budget
     row = _plan_row_on_cpu_devices(2, "gpt_tiny", overrides, 4)
     _check_plan_row(row, 2)
 
