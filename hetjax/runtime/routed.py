@@ -48,8 +48,6 @@ import numpy as np
 from hetjax.storage.pages import LeafBuffers, SlabLayout
 from models.llama import EXPERT_PARAMS
 
-F32 = jnp.float32
-
 
 def expert_leaves(layout: SlabLayout) -> tuple[int, ...]:
     """Slab indices of a MoE block's expert leaves (``moe/{gate,up,down}_proj``, the
