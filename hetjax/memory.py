@@ -32,6 +32,11 @@ IO_READAHEAD = 2  # stages (state, params) or boundaries read from NVMe ahead of
 # those read ahead, the one updating and the one being written back.
 IO_SLOTS = IO_READAHEAD + 2
 DEVICE_GRAD_SLABS = 2  # gradient slabs on the device: one being produced, one to the host
+# Stages' worth of the host optimizer's refreshed compute-dtype params on their way to
+# the param store (``optimizer.SlabOptimizer.update_host``): the one updating, and the
+# one before it still being written to NVMe (or, in RAM, the one it replaces, until no
+# forward holds it). They come from the param store's pool (``iopool.SlabPool``).
+PUBLISH_SLABS = 2
 
 # -- gradient buffers on the host -------------------------------------------------------
 #
@@ -534,13 +539,17 @@ def swap_staging_bytes(boundary: int, slots: int, depth: int) -> int:
 
 def host_param_bytes(s: Sizes, o: Offload) -> int:
     """Host RAM of compute-dtype params: every off-device stage's (``params=host``), or
-    the NVMe read-ahead window (``nvme``)."""
+    the NVMe read-ahead window (``nvme``), and the host
+    optimizer's refreshed ones in flight (:data:`PUBLISH_SLABS`)."""
     cache = DeviceCache.of(s, o)
     if not cache.host:
         return 0
+    publish = PUBLISH_SLABS * s.compute_bytes * cache.host_biggest
     if o.params == "host":
-        return s.compute_bytes * cache.host_own
-    return (o.prefetch_depth + IO_READAHEAD + 1) * s.compute_bytes * cache.host_biggest
+        return s.compute_bytes * cache.host_own + publish
+    # those read ahead, and those the window's device copies were made from (on the CPU
+    # backend the device array is the host slab itself)
+    return (o.prefetch_depth + IO_READAHEAD + 1) * s.compute_bytes * cache.host_biggest + publish
 
 
 @dataclasses.dataclass(frozen=True)

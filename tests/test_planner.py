@@ -412,7 +412,7 @@ def reference(tmp_path_factory):
             marks=pytest.mark.slow,
         ),
         (
-            dict(device_budget="540KiB", host_budget="1100KiB", page_size="4KiB"),
+            dict(device_budget="540KiB", host_budget="1300KiB", page_size="4KiB"),
             ("stream", "nvme"),  # params and optimizer state on NVMe
         ),
     ],

@@ -143,6 +143,9 @@ class SlabOptimizer:
             next(iter(sharding.device_set)), memory_kind="device"
         )
         self.compute_dtype = jnp.dtype(compute_dtype)
+        # where update_host's refreshed params go (a SlabPool the param store shares,
+        # ``iopool.py``), or None: a fresh slab per stage and step
+        self.param_buffers = None
         self.tx = base_optimizer(cfg, total_steps, mask=(True, False))
         self._lr = learning_rate_schedule(cfg, total_steps)
         platform = next(iter(sharding.device_set)).platform
@@ -388,7 +391,11 @@ class SlabOptimizer:
         decay = self.cfg.weight_decay if self.cfg.name == "adamw" else 0.0
         # aligned: the pages are then shared with JAX where they are put (a params store
         # in host RAM, the device on the CPU backend), not copied into buffers of its own
-        out = aligned_empty(layout.padded_size, self.compute_dtype)
+        pool = self.param_buffers
+        if pool is not None:
+            out = pool.take(layout.padded_size, self.compute_dtype)
+        else:
+            out = aligned_empty(layout.padded_size, self.compute_dtype)
         native.host_update(
             slabs, list(GradPages.of(grad).pages), np.asarray(coef), decay,
             layout.num_decay if decay else 0, out, layout.page_elems,

@@ -26,6 +26,7 @@ from hetjax.memory import (
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.runtime.stages import StageMemory
 from hetjax.storage.gradients import GradientStore
+from hetjax.storage.iopool import SlabPool
 from hetjax.storage.nvme import check_nvme_path
 from hetjax.storage.pages import SlabLayout
 from hetjax.storage.params import (
@@ -133,6 +134,7 @@ def make_stores(
     shardings,
     device_stages: tuple[str, ...],
     views: LeafViews | None = None,
+    slabs: SlabPool | None = None,
 ):
     """The state store and the param store of the offload tiers: NVMe arrays, host RAM
     or device memory, with the device-cached stages routed to device stores. ``views``:
@@ -160,6 +162,7 @@ def make_stores(
             page_elems,
             stage_to=shardings.pinned_staging(),
             views=views,
+            slabs=slabs,
         )
     else:
         params = HostParamStore(shardings.host, views)
@@ -283,6 +286,9 @@ class Stores:
     grads: GradientStore
     swap: BoundarySwap | None
     residual_swap: ResidualSwap | None = None  # swapped activations on NVMe
+    # the host slabs of compute-dtype params, shared by the NVMe param reads and the host
+    # optimizer's refreshed params (``SlabOptimizer.param_buffers``)
+    param_buffers: SlabPool | None = None
 
 
 def build_stores(
@@ -306,9 +312,10 @@ def build_stores(
     pages = stage_pages(sizes, offload, page_elems)
     # the placement's layouts say how the device takes a stage: leaf by leaf, or pages
     views = LeafViews(layouts) if layouts["embed"].leaf_buffers else None
+    slabs = SlabPool(host.param_slabs + host.kept_params)  # what the host plan counts
     states, params = make_stores(
         config, nvme_dir, pages, page_elems, kinds, host, placement.shardings, device_stages,
-        views,
+        views, slabs,
     )  # fmt: skip
     on_nvme = config.offload.params == "nvme"
     return Stores(
@@ -319,7 +326,9 @@ def build_stores(
         make_grad_store(config, host, sizes, page_elems, nvme_dir),
         make_boundary_swap(config, nvme_dir, boundary, placement.shardings.pinned_staging()),
         make_residual_swap(config, sizes, offload, nvme_dir, placement.shardings.pinned_staging()),
+        slabs,
     )
+
 
 
 def make_residual_swap(

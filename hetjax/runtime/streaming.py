@@ -170,6 +170,7 @@ class StreamingRuntime:
         self.states, self.param_store = stores.states, stores.params
         self.grad_store, self.swap = stores.grads, stores.swap
         self.residual_swap = stores.residual_swap  # offload.swap_tier=nvme
+        self.optimizer.param_buffers = stores.param_buffers
         setup.init_state(
             config, self.model, self.layouts, self.stage_names, self._opt_of,
             placement.own_slab, self.states, self.param_store, self.shardings.optimizer,

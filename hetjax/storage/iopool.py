@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import sys
+import threading
 
 import numpy as np
 
-from hetjax.storage.pages import aligned_empty
+from hetjax.storage.pages import DIRECT_ALIGN, aligned_empty
 
 
 @dataclasses.dataclass(eq=False)
@@ -92,7 +95,7 @@ class IoPool:
     def _allocate(self) -> Slot | None:
         if len(self._slots) >= self.size:
             return None
-        slot = Slot({k: aligned_empty(self.elems, np.float32) for k in self.kinds})
+        slot = Slot({k: aligned_empty(self.elems, np.float32, DIRECT_ALIGN) for k in self.kinds})
         self._slots.append(slot)
         return slot
 
@@ -101,3 +104,73 @@ def _wait(futures) -> None:
     for future in futures:
         with contextlib.suppress(Exception):  # the future's owner raises its error
             future.result()
+
+
+class SlabPool:
+    """Flat aligned host slabs reused by size and dtype: the compute-dtype params the NVMe
+    tier reads and the host optimizer writes, one stage's worth at a time, every step.
+
+    Allocated afresh, each such slab is a fresh mapping under a host budget's allocator
+    settings (``allocator.MALLOC_ENV``: every block over 1 MiB mapped and unmapped), a
+    page fault per 4 KiB of it; without them glibc keeps the freed slabs in its heaps,
+    fragmented between the step's other buffers, above the budget. Reused, they fault
+    once. A slab has no single owner to give it back: it is handed to the window, cut
+    into leaf views, put on the device (on the CPU backend JAX aliases an aligned numpy
+    array instead of copying it, and holds a reference to its memory while it does),
+    read into and written from by TensorStore. So a slab is free again when nothing but
+    the pool refers to it or to its memory (CPython reference counts: every view, JAX
+    alias and TensorStore transfer holds one). The pool keeps at most ``max_bytes`` of
+    slabs (what the host plan counts as param slabs); past that :meth:`take` allocates
+    slabs the pool does not keep (what the allocator did before), so a holder the plan
+    did not foresee costs speed, not RAM."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._slabs: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+        self.reused = self.allocated = 0  # slabs handed out from the pool / new
+
+    def take(self, elems: int, dtype) -> np.ndarray:
+        """A flat slab of ``elems`` elements of ``dtype`` that nothing else refers to
+        (contents undefined)."""
+        key = (elems, np.dtype(dtype))
+        with self._lock:
+            slabs = self._slabs.setdefault(key, [])
+            for collect in (False, True):
+                if collect and slabs:
+                    # A JAX array lets go of the host memory it aliased only when the
+                    # cyclic collector frees it (it sits in a young reference cycle)
+                    gc.collect(0)
+                for slab in slabs:
+                    if _unreferenced(slab):
+                        self.reused += 1
+                        return slab
+            self.allocated += 1
+            slab = aligned_empty(elems, dtype, DIRECT_ALIGN)
+            if self.nbytes + slab.nbytes <= self.max_bytes:
+                slabs.append(slab)
+            return slab
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slabs the pool keeps (free or handed out)."""
+        return sum(s.nbytes for slabs in self._slabs.values() for s in slabs)
+
+    def holds(self, array: np.ndarray) -> bool:
+        """Whether ``array`` lies in one of the pool's slabs."""
+        slabs = [s for group in self._slabs.values() for s in group]
+        return any(np.may_share_memory(array, s) for s in slabs)
+
+
+# References to a pooled slab when only the pool holds it, as sys.getrefcount sees them
+# from _unreferenced: the pool's list (1), the loop's name (1), the call's argument (1),
+# getrefcount's own (1); and to the memory it is a view of (``aligned_empty``'s raw
+# buffer): the slab's (1), getrefcount's (1). A view of the slab refers to the raw buffer,
+# TensorStore and JAX to the array they were given (a view or the slab).
+_FREE_SLAB_REFS, _FREE_RAW_REFS = 4, 2
+
+
+def _unreferenced(slab: np.ndarray) -> bool:
+    return (
+        sys.getrefcount(slab) == _FREE_SLAB_REFS and sys.getrefcount(slab.base) == _FREE_RAW_REFS
+    )

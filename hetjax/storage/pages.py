@@ -48,6 +48,9 @@ def fitted_page_elems(block_elems: int, page_elems: int, multiple: int = 1) -> i
 
 
 HOST_ALIGN = 64  # bytes: a numpy array this aligned is shared with JAX, not copied
+# bytes: what O_DIRECT transfers are aligned to (buffer address, file offset, length);
+# the NVMe tier's pooled buffers are, so that pages are read straight into them
+DIRECT_ALIGN = 4096
 
 
 def aligned_concatenate(arrays: list) -> np.ndarray:
@@ -64,17 +67,23 @@ def aligned_concatenate(arrays: list) -> np.ndarray:
 
 
 def pages_slab(pages: list) -> np.ndarray:
-    """Pages as one flat numpy slab: the array they are consecutive views of, when they
-    are (no copy), else a concatenation."""
+    """Pages as one flat numpy slab: a view of the memory they are consecutive views of,
+    when they are (no copy; an ``aligned_empty`` slab's pages too, whose base is the raw
+    bytes around it), else a concatenation."""
     arrays = [p if isinstance(p, np.ndarray) else np.asarray(p) for p in pages]
-    base = arrays[0].base
-    n = sum(a.size for a in arrays)
-    whole = isinstance(base, np.ndarray) and base.size == n and base.dtype == arrays[0].dtype
-    if whole and base.flags.c_contiguous:
-        start = base.reshape(-1).ctypes.data
-        step = arrays[0].nbytes
-        if all(a.base is base and a.ctypes.data == start + i * step for i, a in enumerate(arrays)):
-            return base.reshape(-1)
+    first, base = arrays[0], arrays[0].base
+    if isinstance(base, np.ndarray) and base.flags.c_contiguous:
+        end = first.ctypes.data
+        for a in arrays:
+            if a.base is not base or a.dtype != first.dtype or not a.flags.c_contiguous:
+                break
+            if a.ctypes.data != end:
+                break
+            end += a.nbytes
+        else:
+            raw = base.reshape(-1).view(np.uint8)
+            start = first.ctypes.data - base.ctypes.data
+            return raw[start : start + end - first.ctypes.data].view(first.dtype)
     return np.concatenate(arrays)
 
 
@@ -133,11 +142,12 @@ class GradPages:
         return self.pages[0] if len(self.pages) == 1 else aligned_concatenate(self.pages)
 
 
-def aligned_empty(n: int, dtype) -> np.ndarray:
-    """``np.empty(n, dtype)`` aligned to ``HOST_ALIGN`` bytes (see aligned_concatenate)."""
+def aligned_empty(n: int, dtype, align: int = HOST_ALIGN) -> np.ndarray:
+    """``np.empty(n, dtype)`` aligned to ``align`` bytes (``HOST_ALIGN``: see
+    aligned_concatenate; ``DIRECT_ALIGN``: for O_DIRECT reads)."""
     dtype = np.dtype(dtype)
-    raw = np.empty(n * dtype.itemsize + HOST_ALIGN, np.uint8)
-    skip = -raw.ctypes.data % HOST_ALIGN
+    raw = np.empty(n * dtype.itemsize + align, np.uint8)
+    skip = -raw.ctypes.data % align
     return raw[skip : skip + n * dtype.itemsize].view(dtype)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from hetjax.storage.iopool import SlabPool
 from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
 from hetjax.storage.pages import LeafBuffers, SlabLayout, pages_slab
 from hetjax.types import stage_layout
@@ -155,6 +156,21 @@ class SplitParamStore(BaseCounters):
         return list(self.device.pages.values())
 
 
+class _ReadInto:
+    """A read of pages from disk into a pooled slab, as ``PageStore.read`` returns one: a
+    future whose result is the pages (num_pages, page_elems)."""
+
+    def __init__(self, write, slab: np.ndarray, page_elems: int):
+        self._write, self._slab, self._page_elems = write, slab, page_elems
+
+    def add_done_callback(self, callback) -> None:
+        self._write.add_done_callback(lambda _: callback(self))
+
+    def result(self) -> np.ndarray:
+        self._write.result()
+        return self._slab.reshape(-1, self._page_elems)
+
+
 class _Staged:
     """A read of pages from disk, copied into ``sharding`` (``pinned_host``) by the
     thread that completes the read, as ``pieces`` hands them out (pages, or leaf
@@ -188,14 +204,18 @@ class NvmeParamStore:
         page_elems: int,
         stage_to: jax.sharding.Sharding | None = None,
         views: LeafViews | None = None,
+        slabs: SlabPool | None = None,
     ):
         """``stage_to``: the device's ``pinned_host`` memory, where pages read from disk
         are copied as soon as they land (by the thread completing the read, not the
         dispatch thread), so the copy to the device is a DMA from pinned memory, not a
         copy from pageable memory through a bounce buffer. None: pages stay numpy (a
         CPU, where the two memories are one). ``views``: stages are handed out as leaf
-        buffers (cut where the read lands), else as pages."""
+        buffers (cut where the read lands), else as pages. ``slabs``: the pool the reads
+        land in (and the host optimizer's refreshed params come from), else each read
+        gets a fresh buffer."""
         self.stage_pages = stage_pages
+        self.slabs = slabs
         self.stage_to = stage_to
         self.views = views
         num_pages = sum(n for _, n in stage_pages.values())
@@ -239,7 +259,12 @@ class NvmeParamStore:
     def prefetch(self, stage: str) -> None:
         if stage not in self._reads and stage not in self._landing and stage not in self._kept:
             first, n = self.stage_pages[stage]
-            read = self.disk[self.gen].read("params", first, n)
+            if self.slabs is not None:
+                disk = self.disk[self.gen]
+                slab = self.slabs.take(n * disk.page_elems, disk.dtypes["params"])
+                read = _ReadInto(disk.read_into("params", first, slab), slab, disk.page_elems)
+            else:
+                read = self.disk[self.gen].read("params", first, n)
             if self.stage_to:
                 read = _Staged(read, self.stage_to, lambda data: self._pieces(stage, data))
             self._reads[stage] = read
@@ -309,9 +334,13 @@ class NvmeParamStore:
         self._landing = {}
 
     def host_bytes(self) -> int:
-        held = {id(d): d.nbytes for _, d in [*self._writes, *self._landing.values()]}
-        kept = sum(a.nbytes for a in jax.tree.leaves(list(self._kept.values())))
-        return sum(held.values()) + kept
+        pooled = self.slabs.holds if self.slabs is not None else lambda a: False
+        writes = [d for _, d in [*self._writes, *self._landing.values()] if not pooled(d)]
+        held = {id(d): d.nbytes for d in writes}
+        kept = jax.tree.leaves(list(self._kept.values()))
+        kept = [a for a in kept if not (isinstance(a, np.ndarray) and pooled(a))]
+        slabs = self.slabs.nbytes if self.slabs is not None else 0  # free or handed out
+        return sum(held.values()) + sum(a.nbytes for a in kept) + slabs
 
     @property
     def nvme_bytes(self) -> int:
