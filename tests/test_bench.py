@@ -79,7 +79,7 @@ def test_io_quick(tmp_path, capsys):
     out = tmp_path / "io.json"
     assert main(["io", "--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    for key in ("raw_write", "raw_read", "ts_write", "ts_read"):
+    for key in ("raw_write", "raw_read", "ts_write", "ts_read", "tier_read"):
         assert result[key] > 0, key
     # the bandwidths and ratios saved are the ones printed
     rows = {line[:33].strip(): line[33:].split() for line in capsys.readouterr().out.splitlines()}
