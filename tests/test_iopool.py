@@ -2,6 +2,8 @@
 from them without a copy, the native kernel's update in place on them, and a streaming
 run holding no more of them than the host plan counts."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -234,3 +236,70 @@ def test_pages_slab_is_the_slab_the_pages_view():
     got = pages_slab(shuffled)
     assert not np.shares_memory(got, slab)
     np.testing.assert_array_equal(got, np.concatenate(shuffled))
+
+
+def test_direct_writes_are_tensorstore_s_pages_and_keep_linked_ones(tmp_path):
+    """A borrowed write from an aligned buffer goes straight to the chunk files, which
+    TensorStore then reads as the pages written; each page is a new file renamed over
+    the old one, so a hard link to the old file (a checkpoint's) keeps the old page. A
+    write that is not borrowed (the caller may change its buffer) goes through
+    TensorStore."""
+    P = 1024
+    store = PageStore(tmp_path / "s", ["master"], num_pages=4, page_elems=P)
+    first = aligned_empty(4 * P, np.float32, DIRECT_ALIGN)
+    first[:] = np.arange(4 * P)
+    store.write("master", 0, first, borrowed=True).result()
+    np.testing.assert_array_equal(store.read("master", 0, 4).result().reshape(-1), first)
+    linked = tmp_path / "linked"
+    os.link(store._chunk_file("master", 1), linked)
+    second = aligned_empty(2 * P, np.float32, DIRECT_ALIGN)
+    second[:] = -1
+    store.write("master", 1, second, borrowed=True).result()
+    np.testing.assert_array_equal(np.fromfile(linked, np.float32), first[P : 2 * P])
+    got = store.read("master", 0, 4).result().reshape(-1)
+    np.testing.assert_array_equal(got, np.concatenate([first[:P], second, first[3 * P :]]))
+    assert not list((tmp_path / "s" / "master").rglob("*.tmp"))  # no temporary left
+    # not borrowed: through TensorStore, to the same files
+    third = aligned_empty(P, np.float32, DIRECT_ALIGN)
+    third[:] = 5
+    store.write("master", 3, third).result()
+    np.testing.assert_array_equal(store.read("master", 3, 1).result().reshape(-1), 5)
+    out = aligned_empty(4 * P, np.float32, DIRECT_ALIGN)
+    store.read_into("master", 0, out).result()
+    np.testing.assert_array_equal(out[3 * P :], 5)
+
+
+def test_the_device_runs_at_most_one_use_behind(monkeypatch):
+    """The window waits for the previous use's result before it copies anything more in:
+    a dropped slab lives on until the computations queued on it ran, so a dispatching
+    thread running ahead would hold every block of the pass."""
+    from hetjax.runtime import window as window_module
+
+    events = []
+    monkeypatch.setattr(
+        window_module.jax, "block_until_ready", lambda x: events.append(("wait", x)) or x
+    )
+
+    class Store:
+        def prefetch(self, stage):
+            pass
+
+        def get(self, stage, keep=False):
+            return stage
+
+    uses = ["b0", "b1", "b2", "b2", "b1", "b0"]
+    win = window_module.PrefetchWindow(
+        uses, 1, {}, Store(), lambda name, slab: events.append(("copy", name)) or slab
+    )
+    for j in range(len(uses)):
+        win.get(j)
+        win.done(j, after=f"out{j}")
+    # depth 1: each get copies the next use in, after the previous use's result
+    assert events == [
+        ("copy", "b0"), ("copy", "b1"),
+        ("wait", "out0"), ("copy", "b2"),
+        ("wait", "out1"),
+        ("wait", "out2"), ("copy", "b1"),  # b2 was kept between its two uses
+        ("wait", "out3"), ("copy", "b0"),
+        ("wait", "out4"),
+    ]  # fmt: skip

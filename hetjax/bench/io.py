@@ -35,27 +35,25 @@ def _raw_disk_bandwidth(directory: Path, nbytes: int, block: int = 4 << 20) -> t
     n = nbytes // block
     pool = concurrent.futures.ThreadPoolExecutor(IO_CONCURRENCY)
     best_w = best_r = 0.0
+
+    def run(call, fd: int, in_flight: int) -> float:  # GB/s of n requests, in_flight at once
+        t0 = time.perf_counter()
+        if in_flight == 1:
+            for i in range(n):
+                call(fd, bufs[0], i)
+        else:
+            list(pool.map(lambda i: call(fd, bufs[i % in_flight], i), range(n)))
+        os.fsync(fd)
+        return nbytes / (time.perf_counter() - t0) / 1e9
+
+    write = lambda fd, buf, i: os.pwrite(fd, buf, i * block)
+    read = lambda fd, buf, i: os.preadv(fd, [buf], i * block)
     try:
         for in_flight in (1, IO_CONCURRENCY):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | direct, 0o600)
             try:
-                if in_flight == 1:
-                    write = lambda: [os.pwrite(fd, bufs[0], i * block) for i in range(n)]
-                    read = lambda: [os.preadv(fd, [bufs[0]], i * block) for i in range(n)]
-                else:
-                    write = lambda: list(
-                        pool.map(lambda i: os.pwrite(fd, bufs[i % in_flight], i * block), range(n))
-                    )
-                    read = lambda: list(
-                        pool.map(lambda i: os.preadv(fd, [bufs[i % in_flight]], i * block), range(n))
-                    )
-                t0 = time.perf_counter()
-                write()
-                os.fsync(fd)
-                best_w = max(best_w, nbytes / (time.perf_counter() - t0) / 1e9)
-                t0 = time.perf_counter()
-                read()
-                best_r = max(best_r, nbytes / (time.perf_counter() - t0) / 1e9)
+                best_w = max(best_w, run(write, fd, in_flight))
+                best_r = max(best_r, run(read, fd, in_flight))
             finally:
                 os.close(fd)
     finally:
@@ -109,7 +107,7 @@ def _tensorstore_bandwidth(
         r.result()
     read = nbytes / (time.perf_counter() - t0) / 1e9
     del reads
-    # the tier's read: whole pages into its aligned buffers (``DirectReader`` where the
+    # the tier's read: whole pages into its aligned buffers (``DirectIO`` where the
     # store allows it), as the optimizer state and param reads run
     out = aligned_empty(pages * elems, np.float32, DIRECT_ALIGN)
     drop_page_cache(directory / "ts")
@@ -166,7 +164,9 @@ def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
     print(f"{pad}  (the better of 1 and {IO_CONCURRENCY} requests in flight)")
     print(f"{pad}TensorStore PageStore            {ts_w:>10.2f} {ts_r:>10.2f}")
     print(f"{pad}achieved / raw                   {ts_w / raw_w:>10.2f} {ts_r / raw_r:>10.2f}")
-    print(f"{pad}the tier's read, direct           {'-':>10} {tier_r:>10.2f} ({tier_r / raw_r:.2f} x raw)")
+    print(
+        f"{pad}the tier's read, direct           {'-':>10} {tier_r:>10.2f} ({tier_r / raw_r:.2f} x raw)"
+    )
     print(f"{pad}(the process's first write pass, new files: {first_w:.2f} GB/s)")
     return {
         "disk_bytes": disk_bytes,
@@ -175,7 +175,7 @@ def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
         "ts_write": ts_w,
         "ts_read": ts_r,
         "ts_first_write": first_w,
-        "tier_read": tier_r,  # O_DIRECT pread into the tier's buffers (nvme.DirectReader)
+        "tier_read": tier_r,  # O_DIRECT pread into the tier's buffers (nvme.DirectIO)
         "write_vs_raw": ts_w / raw_w,
         "read_vs_raw": ts_r / raw_r,
     }

@@ -330,7 +330,6 @@ def build_stores(
     )
 
 
-
 def make_residual_swap(
     config: Config, sizes: Sizes, offload: Offload, nvme_dir: Path | None, stage_to=None
 ) -> ResidualSwap | None:

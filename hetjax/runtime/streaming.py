@@ -413,7 +413,7 @@ class StreamingRuntime:
                     x, stats[i] = group.block_fwd(slab, x, c)
             timeline.watch("compute", f"{self.block_names[i]} fwd", x, after=slab)
             del slab  # the window decides when a slab goes; hold no reference past it
-            window.done(i)
+            window.done(i, after=x)
             self._account(window, x, kept, swapped, routing, prev, context)
 
         # the loss is fp32 (fp16 cannot hold scales); put explicitly: a planned transfer
@@ -477,7 +477,7 @@ class StreamingRuntime:
                     del x_in
                 timeline.watch("compute", f"{self.block_names[i]} bwd", (db, dx), after=watched)
                 del slab, watched
-                window.done(j)
+                window.done(j, after=dx)
             self._grad_out(self.block_names[i], *db, zero_pages)
             del db
             zero_pages = frozenset()
@@ -608,7 +608,7 @@ class StreamingRuntime:
                 x, stats[i], _ = self._routed_forward(group, window.get(i), x)
             else:
                 x, stats[i] = group.block_fwd(window.get(i), x, context)
-            window.done(i)
+            window.done(i, after=x)
         loss = self.fns.head_loss(head, embed, x, targets)
         if self.fns.stats_size:  # + the blocks' auxiliary loss
             loss = self.fns.aux_fwd_bwd(loss, stats, self.placement.put_scalar(1.0))[0]

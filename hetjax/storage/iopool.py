@@ -171,6 +171,4 @@ _FREE_SLAB_REFS, _FREE_RAW_REFS = 4, 2
 
 
 def _unreferenced(slab: np.ndarray) -> bool:
-    return (
-        sys.getrefcount(slab) == _FREE_SLAB_REFS and sys.getrefcount(slab.base) == _FREE_RAW_REFS
-    )
+    return sys.getrefcount(slab) == _FREE_SLAB_REFS and sys.getrefcount(slab.base) == _FREE_RAW_REFS

@@ -147,8 +147,8 @@ class PageStore:
         ]
         for kind, future in zip(self.kinds, opened, strict=True):
             self.arrays[kind] = future.result()
-        # Reads of whole pages bypass TensorStore where a chunk file is the page's raw
-        # bytes (:class:`DirectReader`); ``io_mode`` other than direct keeps its reads.
+        # Reads and borrowed writes of whole pages bypass TensorStore where a chunk file
+        # is the page's raw bytes (:class:`DirectIO`); another ``io_mode`` keeps its I/O.
         self._direct = io_mode == "direct" and all(
             self.chunk_elems == self.page_elems
             and self.page_elems * d.itemsize % DIRECT_ALIGN == 0
@@ -183,21 +183,21 @@ class PageStore:
         timeline.watch_future("nvme_read", self._span_name(kind, first_page, num_pages), future)
         return future
 
-    def read_into(self, kind: str, first_page: int, out: np.ndarray) -> PagesRead:
+    def read_into(self, kind: str, first_page: int, out: np.ndarray) -> PageFutures:
         """Starts reading whole pages from ``first_page`` into ``out`` (a flat, writable
         array of the kind's dtype, a whole number of pages): no buffer allocated. Where
         ``out`` is aligned for O_DIRECT (``DIRECT_ALIGN``) each page's chunk file is read
-        straight into it (:class:`DirectReader`); else through TensorStore, which reads
+        straight into it (:class:`DirectIO`); else through TensorStore, which reads
         each chunk into a buffer of its own and copies it over."""
         pages = out.reshape(-1, self.page_elems)
         n = len(pages)
         if self._direct and out.ctypes.data % DIRECT_ALIGN == 0:
             files = [self._chunk_file(kind, first_page + i) for i in range(n)]
-            future = PagesRead(direct_reader().read(files, pages))
+            future = PageFutures(direct_io().read(files, pages))
         else:
             target = ts.array(pages, copy=False, write=True)
             write = target.write(self.arrays[kind][first_page : first_page + n])
-            future = PagesRead([_commit_future(write)])
+            future = PageFutures([_commit_future(write)])
         timeline.watch_future("nvme_read", self._span_name(kind, first_page, n), future)
         return future
 
@@ -207,14 +207,20 @@ class PageStore:
 
     def write(
         self, kind: str, first_page: int, data: np.ndarray, borrowed: bool = False
-    ) -> ts.WriteFutures:
+    ) -> PageFutures:
         """Starts writing a flat slab of whole pages at ``first_page``. ``data`` must
-        not change until the write completes. ``borrowed``: TensorStore writes from
-        ``data`` itself instead of a copy of it (a pooled buffer, ``iopool.py``, kept
-        unchanged until the write is done)."""
+        not change until the write completes. ``borrowed``: written from ``data`` itself
+        instead of a copy of it (a pooled buffer, ``iopool.py``, kept unchanged until
+        the write is done): where it is aligned for O_DIRECT, each page straight from
+        it into its chunk file (:class:`DirectIO`), else by TensorStore."""
         pages = np.asarray(data, self.dtypes[kind]).reshape(-1, self.page_elems)
-        target = self.arrays[kind][first_page : first_page + len(pages)]
-        future = target.write(pages, can_reference_source_data_indefinitely=borrowed)
+        if borrowed and self._direct and pages.ctypes.data % DIRECT_ALIGN == 0:
+            files = [self._chunk_file(kind, first_page + i) for i in range(len(pages))]
+            future = PageFutures(direct_io().write(files, pages))
+        else:
+            target = self.arrays[kind][first_page : first_page + len(pages)]
+            write = target.write(pages, can_reference_source_data_indefinitely=borrowed)
+            future = PageFutures([_commit_future(write)])
         name = self._span_name(kind, first_page, len(pages))
         if faults.fire("nvme_write_fail"):
             what = f"NVMe write of {name} failed (HETJAX_FAULTS nvme_write_fail)"
@@ -256,8 +262,8 @@ def _commit_future(write: ts.WriteFutures) -> concurrent.futures.Future:
     return done
 
 
-class PagesRead:
-    """The reads of a run of pages: a future of them all (``result`` raises the first
+class PageFutures:
+    """The reads or writes of a run of pages: a future of them all (``result`` raises the first
     failure; ``add_done_callback`` once every one is done)."""
 
     def __init__(self, futures: list[concurrent.futures.Future]):
@@ -287,23 +293,44 @@ class PagesRead:
             f.add_done_callback(one)
 
 
-class DirectReader:
-    """Reads page chunk files straight into the caller's buffers: ``pread`` with O_DIRECT
-    (no page cache) into the aligned buffer the page is for, on
-    :data:`IO_CONCURRENCY` threads (a disk serves many requests in flight faster than
-    one). TensorStore's own read of a chunk allocates a buffer for the file's bytes and
-    copies them into the target: at 310M params that is 5.6 GB a step allocated and
-    copied again, a page fault per 4 KiB under a host budget's allocator (measured:
-    ``python -m hetjax.bench io``; docs/results). The files stay TensorStore's: it
-    writes every chunk (to a new file, renamed over the old one, so a read sees one
-    whole version), and a missing file is a chunk of zeros."""
+class DirectIO:
+    """Reads and writes page chunk files straight from and into the caller's aligned
+    buffers with O_DIRECT (no page cache), on :data:`IO_CONCURRENCY` threads (a disk
+    serves many requests in flight faster than one). TensorStore's own read of a chunk
+    allocates a buffer for the file's bytes and copies them into the target (at 310M
+    params 5.6 GB a step, a page fault per 4 KiB under a host budget's allocator), and
+    its write costs 0.7-0.9 CPU seconds per GB where ``pwrite`` costs 0.1
+    (docs/results/2026-11-25.md): CPU the device's dispatch and the host optimizer
+    share. The files stay TensorStore's array's: a chunk file is the page's raw bytes
+    (checked when the array opens), a missing file is a chunk of zeros, and a write goes
+    to a new file renamed over the old one, as TensorStore writes, so a read sees one
+    whole version and a checkpoint's hard link to the old file keeps the old page."""
 
     def __init__(self, threads: int = IO_CONCURRENCY):
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, "hetjax-nvme-read")
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, "hetjax-nvme")
         self._buffered: set[Path] = set()  # directories without O_DIRECT (tmpfs)
 
     def read(self, files: list[Path], pages: np.ndarray) -> list[concurrent.futures.Future]:
         return [self._pool.submit(self._read, f, page) for f, page in zip(files, pages)]
+
+    def write(self, files: list[Path], pages: np.ndarray) -> list[concurrent.futures.Future]:
+        return [self._pool.submit(self._write, f, page) for f, page in zip(files, pages)]
+
+    def _write(self, path: Path, page: np.ndarray) -> None:
+        view = memoryview(page).cast("B")
+        tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
+        try:
+            fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        except FileNotFoundError:  # a page never written: no directory yet
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], done)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
 
     def _read(self, path: Path, page: np.ndarray) -> None:
         view = memoryview(page).cast("B")
@@ -324,21 +351,22 @@ class DirectReader:
         finally:
             os.close(fd)
 
-    def _open(self, path: Path) -> int:
-        if path.parent.parent.parent not in self._buffered:
+    def _open(self, path: Path, flags: int = os.O_RDONLY) -> int:
+        array = path.parent.parent.parent  # <array>/c/<page>/<file>
+        if array not in self._buffered:
             try:
-                return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+                return os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                self._buffered.add(path.parent.parent.parent)  # no O_DIRECT there
-        return os.open(path, os.O_RDONLY)
+                self._buffered.add(array)  # no O_DIRECT there (tmpfs)
+        return os.open(path, flags, 0o644)
 
 
 @functools.cache
-def direct_reader() -> DirectReader:
-    """The process's reader threads, shared by every store."""
-    return DirectReader()
+def direct_io() -> DirectIO:
+    """The process's I/O threads, shared by every store."""
+    return DirectIO()
 
 
 def _fails_when_done(write: ts.WriteFutures, error: OSError) -> ts.Future:

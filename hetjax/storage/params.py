@@ -245,6 +245,9 @@ class NvmeParamStore:
         first, _ = self.stage_pages[stage]
         future = self.disk[self._target].write("params", first, data, borrowed=True)
         self._writes.append((future, data))
+        # the step's writes still in flight (a commit serves those stages from their
+        # data); a landed one's data is let go (a pooled slab: free again)
+        self._published = {s: w for s, w in self._published.items() if not w[0].done()}
         self._published[stage] = (future, data)
         self.write_bytes += data.nbytes
         bound_writes(self._writes, self._write_window)
