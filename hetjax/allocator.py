@@ -1,5 +1,14 @@
-"""The host allocator (glibc ``malloc``) settings: keep freed blocks for reuse when no
-host budget is set (the faster setting), or bound the process's RSS when one is."""
+"""The host allocator (glibc ``malloc``) settings: keep freed blocks for reuse (the
+faster setting, the default, with or without a host budget), or, with
+``HETJAX_MALLOC=1``, return them to the system (a smaller RSS, slower steps).
+
+A host budget used to switch to the second: the runtime's own buffers were allocated
+afresh every step (NVMe reads, refreshed params) and a dispatching thread running ahead
+held every block's, so kept freed blocks left the process 1.2x over its bound. With
+those pooled at their source (``storage/iopool.py``) and the device at most one use
+behind (``runtime/window.py``), the fast settings hold the bound: at 310.8M params with
+a 3 GiB budget 3.90 GiB peak RSS (bound 4.4) at 8.29 s/step, where returning freed
+blocks cost 10.19 s/step for 2.66 GiB (docs/results/2026-11-25.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +24,7 @@ import platform
 # Any fixed threshold costs that (it turns off glibc's adaptive mmap threshold; measured
 # through the command line at 57M: MALLOC_ARENA_MAX=2 alone, or with a 64 MiB mmap
 # threshold, kept 4.3 GiB RSS at ~1.1 s/step; a 512 MiB trim threshold alone went to
-# 2.4 GiB and 3.7 s/step), so it is applied only when a host budget asks for it.
+# 2.4 GiB and 3.7 s/step), so it is applied only when HETJAX_MALLOC=1 asks for it.
 # Heaps (arenas) the threads share: glibc's default, eight per core, keeps a high-water
 # mark in each thread's heap. Two cost no measurable speed and cut a streaming run's peak
 # RSS by a fifth (8 layers of configs/gpt310m_peer.py, params and state on NVMe, pooled
@@ -45,7 +54,7 @@ def tune_malloc(environ=os.environ) -> dict[str, str]:
     return applied
 
 
-def tune_host_allocator(bounded: bool = False) -> bool:
+def tune_host_allocator() -> bool:
     """Keeps freed host memory in the process for reuse (glibc ``mallopt``: no ``mmap``
     per large block, no trimming), as PyTorch's caching allocator keeps its blocks, in
     :data:`ARENAS` heaps.
@@ -56,13 +65,12 @@ def tune_host_allocator(bounded: bool = False) -> bool:
     optimizer took ~10k faults per 32M-param update: with them gone it runs 1.4x as fast
     with state streamed from NVMe (``bench optimizer``, README).
 
-    Called when a runtime starts. Not applied when ``bounded`` (a host budget asks for a
-    bounded process: ``python -m hetjax.launch`` then applies the opposite settings,
-    :data:`MALLOC_ENV`), when any of those variables is set (the user's or the
-    launcher's choice), with ``HETJAX_MALLOC=0`` (glibc's defaults), or without glibc.
-    Returns whether it applied."""
+    Called when a runtime starts. Not applied when any of those variables is set (the
+    user's choice, or the launcher's with ``HETJAX_MALLOC=1``: :data:`MALLOC_ENV`), with
+    ``HETJAX_MALLOC=0`` (glibc's defaults) or ``1``, or without glibc. Returns whether it
+    applied."""
     env = os.environ
-    if bounded or env.get("HETJAX_MALLOC") in ("0", "1") or any(k in env for k in MALLOC_ENV):
+    if env.get("HETJAX_MALLOC") in ("0", "1") or any(k in env for k in MALLOC_ENV):
         return False
     if platform.libc_ver()[0] != "glibc":
         return False

@@ -16,8 +16,8 @@ Every config key can be overridden as ``--config.<section>.<name>=<value>`` (or 
 the value as the next argument). With no ``--config`` the embedded default,
 ``configs/gpt_tiny.py``, trains a small GPT on the bundled corpus.
 
-Run from the command line with ``memory.host_budget`` set, it tunes glibc's allocator
-(:func:`tune_malloc`).
+Run from the command line with ``HETJAX_MALLOC=1``, it sets glibc's allocator to return
+freed buffers to the system (:func:`tune_malloc`).
 """
 
 from __future__ import annotations
@@ -117,13 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hetjax: config error: {e}", file=sys.stderr)
         return 2
-    # A host RAM budget asks for a bounded process: trade step time for RSS (MALLOC_ENV).
-    wanted = config.memory.host_budget or os.environ.get("HETJAX_MALLOC") == "1"
-    if command_line and wanted and tune_malloc():
+    # HETJAX_MALLOC=1 trades step time for a smaller RSS (MALLOC_ENV); a host budget is
+    # held without it (hetjax/allocator.py)
+    if command_line and os.environ.get("HETJAX_MALLOC") == "1" and tune_malloc():
         print(
-            "hetjax: memory.host_budget is set, so glibc's allocator returns freed buffers "
-            "to the OS (about half the peak RSS, slower steps; HETJAX_MALLOC=0 keeps its "
-            "defaults)",
+            "hetjax: HETJAX_MALLOC=1, so glibc's allocator returns freed buffers to the OS "
+            "(a smaller peak RSS, slower steps)",
             file=sys.stderr,
         )
     if args.print_config:

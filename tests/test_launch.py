@@ -64,25 +64,24 @@ def _launch_exports(*args: str, **env: str) -> tuple[int, dict, str]:
 
 
 @glibc
-def test_launcher_bounds_the_allocator_with_a_host_budget_or_when_asked():
-    """memory.host_budget (or HETJAX_MALLOC=1) makes the launcher apply MALLOC_ENV, which
-    child processes inherit, and say so; without either it leaves glibc's defaults."""
-    for args, env in ((["--config.memory.host_budget=8GiB"], {}), ([], {"HETJAX_MALLOC": "1"})):
-        rc, exported, err = _launch_exports(*args, **env)
-        assert rc == 0 and exported == MALLOC_ENV, (args, env, err)
-        assert "glibc's allocator returns freed buffers to the OS" in err
-    rc, exported, err = _launch_exports("--config", "gpt_small")  # no host budget
-    assert rc == 0 and set(exported.values()) == {None} and "allocator" not in err
+def test_launcher_bounds_the_allocator_when_asked():
+    """HETJAX_MALLOC=1 makes the launcher apply MALLOC_ENV, which child processes
+    inherit, and say so; without it, host budget or not, it leaves the allocator to the
+    runtime (tune_host_allocator)."""
+    rc, exported, err = _launch_exports(HETJAX_MALLOC="1")
+    assert rc == 0 and exported == MALLOC_ENV, err
+    assert "glibc's allocator returns freed buffers to the OS" in err
+    for args in (["--config", "gpt_small"], ["--config.memory.host_budget=8GiB"]):
+        rc, exported, err = _launch_exports(*args)
+        assert rc == 0 and set(exported.values()) == {None} and "allocator" not in err, args
 
 
 @glibc
 def test_training_keeps_freed_host_memory_unless_bounded(monkeypatch):
-    """train() keeps freed buffers for reuse (tune_host_allocator) only when nothing asks
-    for a bounded process: not with a host budget, HETJAX_MALLOC set, or a MALLOC_*
-    variable of the user's or the launcher's."""
+    """train() keeps freed buffers for reuse (tune_host_allocator) unless asked not to:
+    HETJAX_MALLOC set, or a MALLOC_* variable of the user's or the launcher's."""
     for name in (*MALLOC_ENV, "HETJAX_MALLOC"):
         monkeypatch.delenv(name, raising=False)
-    assert tune_host_allocator(bounded=True) is False
     for name, value in (("HETJAX_MALLOC", "1"), ("HETJAX_MALLOC", "0"), ("MALLOC_ARENA_MAX", "2")):
         with monkeypatch.context() as m:
             m.setenv(name, value)

@@ -88,7 +88,7 @@ class StreamingRuntime:
     def __init__(
         self, config: Config, probe=None, workdir: str | Path | None = None, placement=None
     ):
-        tune_host_allocator(bounded=bool(config.memory.host_budget))
+        tune_host_allocator()
         self.config, self.probe = config, probe
         self.placement = placement = placement or SingleDevice()
         self.shardings = placement.shardings
