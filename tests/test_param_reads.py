@@ -71,8 +71,8 @@ def test_blocks_read_once_when_the_budget_has_room(tiny, budget):
             stage_at = {first: stage for stage, (first, _) in store.stage_pages.items()}
             read: list[str] = []  # the stages read from disk, as the reads start
             for disk in store.disk:  # (reads land in the store's pooled slabs)
-                disk.read_into = lambda kind, first, out, r=disk.read_into, at=stage_at: (
-                    read.append(at[first]) or r(kind, first, out)
+                disk.read_into = lambda k, first, out, r=disk.read_into, log=read, at=stage_at: (
+                    log.append(at[first]) or r(k, first, out)
                 )
             blocks_read = []
             for batch in training_batches(config, 3):

@@ -164,9 +164,8 @@ def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
     print(f"{pad}  (the better of 1 and {IO_CONCURRENCY} requests in flight)")
     print(f"{pad}TensorStore PageStore            {ts_w:>10.2f} {ts_r:>10.2f}")
     print(f"{pad}achieved / raw                   {ts_w / raw_w:>10.2f} {ts_r / raw_r:>10.2f}")
-    print(
-        f"{pad}the tier's read, direct           {'-':>10} {tier_r:>10.2f} ({tier_r / raw_r:.2f} x raw)"
-    )
+    tier = f"{'-':>10} {tier_r:>10.2f} ({tier_r / raw_r:.2f} x raw)"
+    print(f"{pad}the tier's read, direct           {tier}")
     print(f"{pad}(the process's first write pass, new files: {first_w:.2f} GB/s)")
     return {
         "disk_bytes": disk_bytes,

@@ -25,8 +25,8 @@ import errno
 import functools
 import os
 import shutil
-import threading
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -311,10 +311,10 @@ class DirectIO:
         self._buffered: set[Path] = set()  # directories without O_DIRECT (tmpfs)
 
     def read(self, files: list[Path], pages: np.ndarray) -> list[concurrent.futures.Future]:
-        return [self._pool.submit(self._read, f, page) for f, page in zip(files, pages)]
+        return [self._pool.submit(self._read, f, p) for f, p in zip(files, pages, strict=True)]
 
     def write(self, files: list[Path], pages: np.ndarray) -> list[concurrent.futures.Future]:
-        return [self._pool.submit(self._write, f, page) for f, page in zip(files, pages)]
+        return [self._pool.submit(self._write, f, p) for f, p in zip(files, pages, strict=True)]
 
     def _write(self, path: Path, page: np.ndarray) -> None:
         view = memoryview(page).cast("B")
