@@ -300,7 +300,7 @@ def test_fits_table_names_every_config():
 
 
 # Every profile with -m slow (22 s each: the default run's 10 minutes on 2 cores from a
-# cold cache has no room; the default run plans each config through make_plan elsewhere).
+# cold cache has no room; it took 622 s with patrickstar-v100's here).
 @pytest.mark.slow
 @pytest.mark.parametrize("hardware", list(PROFILES))
 def test_plan_cli_for_every_config(hardware, capsys):
