@@ -359,6 +359,13 @@ class Offload:
         return "nvme" in (self.params, self.optimizer, self.activations, swapped)
 
 
+def params_are_master(o: Offload, compute_bytes: int) -> bool:
+    """Whether the params on NVMe are the optimizer state's fp32 master, stored once: fp32
+    compute with both on NVMe (``storage/params.py``'s ``MasterPages``). A step then
+    writes them once, with the state, and reads a cached stage's from its state in RAM."""
+    return o.params == "nvme" and o.optimizer == "nvme" and compute_bytes == 4
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceCache:
     """The device cache of optimizer state of the first ``k`` stages in forward order
@@ -733,13 +740,18 @@ def host_minimum(s: Sizes, o: Offload) -> HostMemoryPlan:
 
 def nvme_parts(s: Sizes, o: Offload, host: HostMemoryPlan) -> dict[str, int]:
     """NVMe bytes per process, by what they hold: two generations of optimizer state and
-    of params (the committed one and the one being written), every boundary activation
+    of params (the committed one and the one being written; none of params that are the
+    master, :func:`params_are_master`), every boundary activation
     not kept in a block, and the gradients the host plan spills."""
     own = DeviceCache.of(s, o).host_own
     slots = o.recomputed_blocks(s.num_layers)
     return {
         "optimizer": 2 * s.state_bytes * own if o.optimizer == "nvme" else 0,
-        "params": 2 * s.compute_bytes * own if o.params == "nvme" else 0,
+        "params": (
+            2 * s.compute_bytes * own
+            if o.params == "nvme" and not params_are_master(o, s.compute_bytes)
+            else 0
+        ),
         "boundaries": slots * s.boundary if o.activations == "nvme" else 0,
         "swapped activations": (
             o.swap_blocks * s.swap_bytes(o.swap_level)

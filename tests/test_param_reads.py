@@ -58,8 +58,9 @@ def test_blocks_read_once_when_the_budget_has_room(tiny, budget):
     """Uses b0 b1 b2 b3 | b3 b2 b1 b0 with prefetch depth 1: b3's backward finds its
     device copy; b2, b1 and b0 were dropped and are read again from NVMe, unless the
     host plan keeps their forward reads. Each step reads three blocks less, and trains
-    the same params bit for bit."""
-    model = dict(num_layers=4, d_model=32, num_heads=4, max_seq_len=32)
+    the same params bit for bit. In bf16, so the params have files of their own (fp32
+    ones are the master, read from the state's: tests/test_master_params.py)."""
+    model = dict(num_layers=4, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="bfloat16")
     offload = dict(mode="stream", optimizer="nvme", params="nvme", prefetch_depth=1)
     runs = {}
     for name, host_budget in (("read twice", 0), ("read once", budget)):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hetjax.memory import IO_READAHEAD, DeviceCache, Offload
+from hetjax.memory import IO_READAHEAD, DeviceCache, Offload, params_are_master
 from hetjax.planning.hardware import Hardware
 from hetjax.planning.workload import Workload, kept_key, memory_sizes
 
@@ -141,9 +141,13 @@ def lanes(
         comm_b = (recomputed * (cb * Pg + 2 * w.exchange_bytes) + grads) / link
     disk_f = disk_b = disk_step = 0.0
     if c.params == "nvme":
-        disk_f = (h2d_f + skipped) / hw.nvme_read_bw * n  # the disks serve n processes
-        disk_b = max(0.0, h2d_b + skipped - bounds - kept_params) / hw.nvme_read_bw * n
-        disk_step += cb * (P - cache.params) / hw.nvme_write_bw
+        # params that are the fp32 master are written with the state, and a cached
+        # stage's come from its state in RAM
+        master = params_are_master(o, cb)
+        read = (1 - cached) if master else 1.0
+        disk_f = (h2d_f + skipped) * read / hw.nvme_read_bw * n  # the disks serve n processes
+        disk_b = max(0.0, h2d_b + skipped - bounds - kept_params) * read / hw.nvme_read_bw * n
+        disk_step += 0.0 if master else cb * (P - cache.params) / hw.nvme_write_bw
     if c.activations == "nvme":
         disk_f += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_write_bw * n
         disk_b += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_read_bw * n

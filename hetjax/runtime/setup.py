@@ -155,6 +155,7 @@ def make_stores(
         states = MemoryStateStore(opt_sharding, on_device=off.optimizer == "device")
     if off.params == "nvme" and pages:
         dtype = jnp.dtype(config.model.compute_dtype)
+        master = memory.params_are_master(Offload.from_config(config), dtype.itemsize)
         params = NvmeParamStore(
             nvme_dir / "params",
             dtype,
@@ -163,6 +164,7 @@ def make_stores(
             stage_to=shardings.pinned_staging(),
             views=views,
             slabs=slabs,
+            master_of=states if master else None,
         )
     else:
         params = HostParamStore(shardings.host, views)

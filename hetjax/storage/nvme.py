@@ -317,7 +317,7 @@ class DirectIO:
         return [self._pool.submit(self._write, f, p) for f, p in zip(files, pages, strict=True)]
 
     def _write(self, path: Path, page: np.ndarray) -> None:
-        view = memoryview(page).cast("B")
+        view = memoryview(page.view(np.uint8))  # (bf16: no buffer format of its own)
         tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
         try:
             fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -333,7 +333,7 @@ class DirectIO:
         os.replace(tmp, path)
 
     def _read(self, path: Path, page: np.ndarray) -> None:
-        view = memoryview(page).cast("B")
+        view = memoryview(page.view(np.uint8))  # (bf16: no buffer format of its own)
         try:
             fd = self._open(path)
         except FileNotFoundError:

@@ -19,8 +19,9 @@ import jax
 import numpy as np
 
 from hetjax.storage.iopool import SlabPool
-from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
+from hetjax.storage.nvme import BaseCounters, PageFutures, PageStore, bound_writes, forget_done
 from hetjax.storage.pages import LeafBuffers, SlabLayout, pages_slab
+from hetjax.storage.states import copy_chunks
 from hetjax.types import stage_layout
 
 
@@ -192,19 +193,89 @@ class _Staged:
         return self._done.result()
 
 
+class OwnPages:
+    """The param pages' own files: two generations of TensorStore arrays under ``path``
+    (the committed one, read, and the one the step's updates write)."""
+
+    kind = "params"
+
+    def __init__(self, path: Path, dtype: Any, num_pages: int, page_elems: int):
+        kinds = {self.kind: np.dtype(dtype).name}
+        self.disk = [
+            PageStore(Path(path) / f"gen{g}", kinds, num_pages, page_elems) for g in (0, 1)
+        ]
+        self.gen = 0
+        self._target = 0  # the generation publish writes into (the first commit keeps 0)
+
+    def committed(self) -> PageStore:
+        return self.disk[self.gen]
+
+    def cached(self, stage: str) -> None:
+        return None
+
+    def write(self, stage: str, first: int, data: np.ndarray) -> PageFutures:
+        return self.disk[self._target].write(self.kind, first, data, borrowed=True)
+
+    def commit(self) -> None:
+        if self._target != self.gen:
+            self.gen = self._target
+        self._target = 1 - self.gen
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes for d in self.disk)
+
+
+class MasterPages:
+    """fp32 params with the optimizer state on NVMe too are its fp32 master, bit for bit
+    (``memory.params_are_master``), so they get no files of their own: a stage is read
+    from the state store's committed master pages, or copied from its cached master
+    where the host caches the stage's state, and the state store's write of the master
+    is the params' write. Saves writing every param twice a step and a second copy of
+    them on NVMe (at 310.8M params, 1.25 GB a step; docs/results/2026-11-25.md)."""
+
+    kind = "master"
+
+    def __init__(self, states):
+        self.states = states  # a NvmeStateStore
+
+    def committed(self) -> PageStore:
+        return self.states.disk[self.states.gen]
+
+    def cached(self, stage: str):
+        """A cached stage's committed master (a slab or its chunks), else None. The
+        update after the next commit writes into the other generation of it
+        (``states.recycle``)."""
+        if stage not in self.states.cached:
+            return None
+        return self.states.cache[stage]["master"]
+
+    def write(self, stage: str, first: int, data: np.ndarray) -> PageFutures:
+        """Nothing to write: the state store's write of the stage's master this step,
+        whose landing ends the need for ``data`` (done at once: none, the stage is
+        cached or was not updated, as at start-up, where its state is written)."""
+        return PageFutures(self.states.written(stage, self.kind))
+
+    def commit(self) -> None:
+        pass  # the state store's commit made its generation current
+
+    nbytes = 0
+
+
 class NvmeParamStore:
     """Compute-dtype param pages on disk (two generations, like the state), read ahead
     for the forward and backward by the executor's window."""
 
     def __init__(
         self,
-        path: Path,
+        path: Path | None,
         dtype: Any,
         stage_pages: dict[str, tuple[int, int]],
         page_elems: int,
         stage_to: jax.sharding.Sharding | None = None,
         views: LeafViews | None = None,
         slabs: SlabPool | None = None,
+        master_of=None,
     ):
         """``stage_to``: the device's ``pinned_host`` memory, where pages read from disk
         are copied as soon as they land (by the thread completing the read, not the
@@ -213,18 +284,21 @@ class NvmeParamStore:
         CPU, where the two memories are one). ``views``: stages are handed out as leaf
         buffers (cut where the read lands), else as pages. ``slabs``: the pool the reads
         land in (and the host optimizer's refreshed params come from), else each read
-        gets a fresh buffer."""
+        gets a fresh buffer. ``master_of``: the NVMe state store whose fp32 master the
+        params are (:class:`MasterPages`; ``path`` unused), else they have files of
+        their own under ``path`` (:class:`OwnPages`)."""
         self.stage_pages = stage_pages
         self.slabs = slabs
         self.stage_to = stage_to
         self.views = views
+        self.page_elems = page_elems
+        self.dtype = np.dtype(dtype)
         num_pages = sum(n for _, n in stage_pages.values())
-        kinds = {"params": np.dtype(dtype).name}
-        self.disk = [
-            PageStore(Path(path) / f"gen{g}", kinds, num_pages, page_elems) for g in (0, 1)
-        ]
-        self.gen = 0
-        self._target = 0  # the generation publish writes into (the first commit keeps 0)
+        if master_of is not None:
+            assert self.dtype == np.float32, "only fp32 params are the fp32 master"
+            self.pages = MasterPages(master_of)
+        else:
+            self.pages = OwnPages(path, dtype, num_pages, page_elems)
         self._writes: list = []
         self._write_window = max(n for _, n in stage_pages.values()) * page_elems * 4
         self._reads: dict[str, Any] = {}
@@ -237,17 +311,26 @@ class NvmeParamStore:
         self._landing: dict[str, tuple] = {}
         self.read_bytes = self.write_bytes = 0
 
+    @property
+    def disk(self) -> list[PageStore]:
+        """The param pages' own generations (:class:`OwnPages`)."""
+        return self.pages.disk
+
     def publish(self, stage: str, pages: list) -> None:
         """Writes a stage's new pages: they are the caller's no more (the write
         references them instead of copying: the host kernel's pages are views of one
         fresh slab, written as they are)."""
         data = pages_slab(pages)
         first, _ = self.stage_pages[stage]
-        future = self.disk[self._target].write("params", first, data, borrowed=True)
-        self._writes.append((future, data))
+        future = self.pages.write(stage, first, data)
         # the step's writes still in flight (a commit serves those stages from their
         # data); a landed one's data is let go (a pooled slab: free again)
         self._published = {s: w for s, w in self._published.items() if not w[0].done()}
+        if isinstance(self.pages, MasterPages):
+            if not future.done():
+                self._published[stage] = (future, data)
+            return
+        self._writes.append((future, data))
         self._published[stage] = (future, data)
         self.write_bytes += data.nbytes
         bound_writes(self._writes, self._write_window)
@@ -257,17 +340,21 @@ class NvmeParamStore:
         out: its leaf buffers (views) or its pages."""
         if self.views is not None:
             return self.views.host(stage, data)
-        return list(data.reshape(-1, self.disk[0].page_elems))
+        return list(data.reshape(-1, self.page_elems))
 
     def prefetch(self, stage: str) -> None:
         if stage not in self._reads and stage not in self._landing and stage not in self._kept:
             first, n = self.stage_pages[stage]
-            if self.slabs is not None:
-                disk = self.disk[self.gen]
-                slab = self.slabs.take(n * disk.page_elems, disk.dtypes["params"])
-                read = _ReadInto(disk.read_into("params", first, slab), slab, disk.page_elems)
+            cached = self.pages.cached(stage)
+            if cached is not None:  # in RAM already: copied, as a read would land
+                read = concurrent.futures.Future()
+                read.set_result(copy_chunks(cached, self._slab(n)).reshape(n, -1))
+            elif self.slabs is not None:
+                disk, kind = self.pages.committed(), self.pages.kind
+                slab = self._slab(n)
+                read = _ReadInto(disk.read_into(kind, first, slab), slab, self.page_elems)
             else:
-                read = self.disk[self.gen].read("params", first, n)
+                read = self.pages.committed().read(self.pages.kind, first, n)
             if self.stage_to:
                 read = _Staged(read, self.stage_to, lambda data: self._pieces(stage, data))
             self._reads[stage] = read
@@ -284,9 +371,9 @@ class NvmeParamStore:
         else:
             self.prefetch(stage)
             data = self._reads.pop(stage).result()
-            _, n = self.stage_pages[stage]
-            itemsize = self.disk[0].dtypes["params"].itemsize
-            self.read_bytes += n * self.disk[0].page_elems * itemsize
+            if self.pages.cached(stage) is None:
+                _, n = self.stage_pages[stage]
+                self.read_bytes += n * self.page_elems * self.dtype.itemsize
             data = data if self.stage_to else self._pieces(stage, data)
         if keep:
             self._kept[stage] = data
@@ -301,9 +388,7 @@ class NvmeParamStore:
         self._landing = {s: w for s, w in self._published.items() if not w[0].done()}
         self._published = {}
         forget_done(self._writes)  # a write done by now is not landing: had it failed?
-        if self._target != self.gen:
-            self.gen = self._target
-        self._target = 1 - self.gen
+        self.pages.commit()
         # Reads still in flight were of the old generation: a consistent snapshot, one
         # update old (sync mode has none outstanding at a commit).
 
@@ -345,6 +430,15 @@ class NvmeParamStore:
         slabs = self.slabs.nbytes if self.slabs is not None else 0  # free or handed out
         return sum(held.values()) + sum(a.nbytes for a in kept) + slabs
 
+    def _slab(self, num_pages: int) -> np.ndarray:
+        """A buffer for a stage's pages: pooled, or fresh."""
+        elems = num_pages * self.page_elems
+        return (
+            self.slabs.take(elems, self.dtype)
+            if self.slabs is not None
+            else np.empty(elems, self.dtype)
+        )
+
     @property
     def nvme_bytes(self) -> int:
-        return sum(d.nbytes for d in self.disk)
+        return self.pages.nbytes

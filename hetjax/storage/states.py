@@ -44,6 +44,18 @@ from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_do
 MANIFEST = "manifest.json"
 
 
+def copy_chunks(slab, out: np.ndarray) -> np.ndarray:
+    """A kind's slab, given whole or as its list of chunks, copied into ``out`` (flat,
+    its size); returns ``out``."""
+    start = 0
+    for chunk in slab if isinstance(slab, list) else [slab]:
+        chunk = np.asarray(chunk).reshape(-1)
+        out[start : start + chunk.size] = chunk
+        start += chunk.size
+    assert start == out.size, (start, out.size)
+    return out
+
+
 def flat(slab) -> np.ndarray:
     """A kind's slab, given whole or as its list of chunks, as one numpy array."""
     if isinstance(slab, list):
@@ -198,6 +210,7 @@ class NvmeStateStore:
         # wait for (the step's tail: see ``commit``); a read of the stage waits for them
         self._landing: dict[str, list] = {}
         self._by_stage: dict[str, list] = {}  # the step's writes, by stage
+        self._by_kind: dict[tuple[str, str], list] = {}  # and their futures by (stage, kind)
         self._manifest_due = False
         biggest = max(n for _, n in stage_pages.values()) * page_elems
         # Write-back in flight: the biggest stage's state, as the host plan counts it.
@@ -284,7 +297,7 @@ class NvmeStateStore:
         waits for its own writes first. The manifest follows once they have landed."""
         self._land_all()  # the previous step's tail: long done (its stages were read)
         self._landing = {stage: [f for f, _ in writes] for stage, writes in self._by_stage.items()}
-        self._by_stage = {}
+        self._by_stage, self._by_kind = {}, {}
         forget_done(self._writes)
         for stage in self._pending_cache:
             self._spare[stage] = self.cache[stage]
@@ -304,6 +317,11 @@ class NvmeStateStore:
         self._spare.update(self._pending_cache)
         self._pending_cache.clear()
         self._pending_scalars.clear()
+
+    def written(self, stage: str, kind: str) -> list:
+        """The futures of this step's writes of a stage's ``kind`` pages (none: the
+        stage is cached, or was not updated since the last commit)."""
+        return list(self._by_kind.get((stage, kind), []))
 
     # -- inspection and durability -------------------------------------------------------
 
@@ -380,6 +398,7 @@ class NvmeStateStore:
                 self._writes.append((future, data))
                 if speculative:
                     self._by_stage.setdefault(speculative, []).append((future, data))
+                    self._by_kind.setdefault((speculative, k), []).append(future)
                 self.write_bytes += data.nbytes
                 page += data.size // self.page_elems
                 bound_writes(self._writes, self._write_window)
@@ -411,7 +430,7 @@ class NvmeStateStore:
         for future, _ in self._writes:
             future.result()
         self._writes.clear()
-        self._by_stage = {}
+        self._by_stage, self._by_kind = {}, {}
         self._land_all()
 
     def _write_manifest(self) -> None:
