@@ -3,8 +3,9 @@
 :class:`HostParamStore` keeps each stage's pages in host RAM (``host``);
 :class:`NvmeParamStore` in TensorStore page arrays (``nvme``: two generations, the
 committed one and the one the step's updates write, read ahead by the runtime's
-window); the device-cached stages' params stay on the device
-(:class:`DeviceParamStore`), routed by :class:`SplitParamStore`. Updates are
+window; fp32 params with the state on NVMe are its master pages instead); the
+device-cached stages' params stay on the device (:class:`DeviceParamStore`), routed by
+:class:`SplitParamStore`. Updates are
 speculative until committed, as for optimizer state (``states.py``).
 """
 
@@ -263,8 +264,9 @@ class MasterPages:
 
 
 class NvmeParamStore:
-    """Compute-dtype param pages on disk (two generations, like the state), read ahead
-    for the forward and backward by the executor's window."""
+    """Compute-dtype param pages on disk, read ahead for the forward and backward by the
+    executor's window: two generations of their own (:class:`OwnPages`), or, fp32 with
+    the state on NVMe, the state's master (:class:`MasterPages`)."""
 
     def __init__(
         self,
