@@ -316,6 +316,10 @@ class DirectIO:
     def write(self, files: list[Path], pages: np.ndarray) -> list[concurrent.futures.Future]:
         return [self._pool.submit(self._write, f, p) for f, p in zip(files, pages, strict=True)]
 
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        """Runs ``fn(*args)`` on the I/O threads (a copy that stands in for a read)."""
+        return self._pool.submit(fn, *args)
+
     def _write(self, path: Path, page: np.ndarray) -> None:
         view = memoryview(page.view(np.uint8))  # (bf16: no buffer format of its own)
         tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")

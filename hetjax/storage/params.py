@@ -20,7 +20,14 @@ import jax
 import numpy as np
 
 from hetjax.storage.iopool import SlabPool
-from hetjax.storage.nvme import BaseCounters, PageFutures, PageStore, bound_writes, forget_done
+from hetjax.storage.nvme import (
+    BaseCounters,
+    PageFutures,
+    PageStore,
+    bound_writes,
+    direct_io,
+    forget_done,
+)
 from hetjax.storage.pages import LeafBuffers, SlabLayout, pages_slab
 from hetjax.storage.states import copy_chunks
 from hetjax.types import stage_layout
@@ -199,6 +206,7 @@ class OwnPages:
     (the committed one, read, and the one the step's updates write)."""
 
     kind = "params"
+    writes = True  # publish writes the pages
 
     def __init__(self, path: Path, dtype: Any, num_pages: int, page_elems: int):
         kinds = {self.kind: np.dtype(dtype).name}
@@ -236,6 +244,7 @@ class MasterPages:
     them on NVMe (at 310.8M params, 1.25 GB a step; docs/results/2026-11-25.md)."""
 
     kind = "master"
+    writes = False  # the state store writes them
 
     def __init__(self, states):
         self.states = states  # a NvmeStateStore
@@ -328,14 +337,12 @@ class NvmeParamStore:
         # the step's writes still in flight (a commit serves those stages from their
         # data); a landed one's data is let go (a pooled slab: free again)
         self._published = {s: w for s, w in self._published.items() if not w[0].done()}
-        if isinstance(self.pages, MasterPages):
-            if not future.done():
-                self._published[stage] = (future, data)
-            return
-        self._writes.append((future, data))
-        self._published[stage] = (future, data)
-        self.write_bytes += data.nbytes
-        bound_writes(self._writes, self._write_window)
+        if not future.done():
+            self._published[stage] = (future, data)
+        if self.pages.writes:
+            self._writes.append((future, data))
+            self.write_bytes += data.nbytes
+            bound_writes(self._writes, self._write_window)
 
     def _pieces(self, stage: str, data: np.ndarray) -> list | LeafBuffers:
         """A stage's data on the host (its pages, or one flat slab) -> as it is handed
@@ -348,9 +355,10 @@ class NvmeParamStore:
         if stage not in self._reads and stage not in self._landing and stage not in self._kept:
             first, n = self.stage_pages[stage]
             cached = self.pages.cached(stage)
-            if cached is not None:  # in RAM already: copied, as a read would land
-                read = concurrent.futures.Future()
-                read.set_result(copy_chunks(cached, self._slab(n)).reshape(n, -1))
+            if cached is not None:  # in RAM already: copied as a read would land, on
+                # the I/O threads (not the dispatching one)
+                slab = self._slab(n)
+                read = direct_io().submit(lambda: copy_chunks(cached, slab).reshape(n, -1))
             elif self.slabs is not None:
                 disk, kind = self.pages.committed(), self.pages.kind
                 slab = self._slab(n)
