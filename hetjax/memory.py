@@ -556,7 +556,15 @@ def host_param_bytes(s: Sizes, o: Offload) -> int:
         return s.compute_bytes * cache.host_own + publish
     # those read ahead, and those the window's device copies were made from (on the CPU
     # backend the device array is the host slab itself)
-    return (o.prefetch_depth + IO_READAHEAD + 1) * s.compute_bytes * cache.host_biggest + publish
+    return (param_reads_ahead(o) + 1) * s.compute_bytes * cache.host_biggest + publish
+
+
+def param_reads_ahead(o: Offload) -> int:
+    """Stages of params on NVMe read ahead of the use the window is at: its device copies
+    (``prefetch_depth``) and the disk reads before them (:data:`IO_READAHEAD`). Params
+    that are the master keep that many reads for the state store's read of the stage's
+    master (``storage/params.py``'s ``MasterPages``), within what the host plan counts."""
+    return o.prefetch_depth + IO_READAHEAD
 
 
 @dataclasses.dataclass(frozen=True)

@@ -160,7 +160,10 @@ def lanes(
     S = w.state_bytes_per_param
     if c.optimizer == "nvme":
         moved = S * (P - cache.params) * (1 - cached)
-        disk_step += moved / hw.nvme_read_bw + moved / hw.nvme_write_bw
+        # params that are the master: a block's state read copies the master from its
+        # backward's param read (storage/params.py, MasterPages)
+        copied = 4 * streamed_b * Ps * frac * (1 - cached) if params_are_master(o, cb) else 0
+        disk_step += (moved - copied) / hw.nvme_read_bw + moved / hw.nvme_write_bw
     # The device cache's stages are the last backward reaches: their updates run on the
     # device after it, at device speed (Angel-PTM); the host updates the others,
     # overlapped with backward.

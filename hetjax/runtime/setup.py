@@ -155,7 +155,8 @@ def make_stores(
         states = MemoryStateStore(opt_sharding, on_device=off.optimizer == "device")
     if off.params == "nvme" and pages:
         dtype = jnp.dtype(config.model.compute_dtype)
-        master = memory.params_are_master(Offload.from_config(config), dtype.itemsize)
+        offload = Offload.from_config(config)
+        master = memory.params_are_master(offload, dtype.itemsize)
         params = NvmeParamStore(
             nvme_dir / "params",
             dtype,
@@ -165,6 +166,7 @@ def make_stores(
             views=views,
             slabs=slabs,
             master_of=states if master else None,
+            hold_reads=memory.param_reads_ahead(offload),
         )
     else:
         params = HostParamStore(shardings.host, views)

@@ -11,8 +11,10 @@ speculative until committed, as for optimizer state (``states.py``).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +224,9 @@ class OwnPages:
     def cached(self, stage: str) -> None:
         return None
 
+    def record(self, stage: str, read) -> None:
+        pass
+
     def write(self, stage: str, first: int, data: np.ndarray) -> PageFutures:
         return self.disk[self._target].write(self.kind, first, data, borrowed=True)
 
@@ -246,8 +251,31 @@ class MasterPages:
     kind = "master"
     writes = False  # the state store writes them
 
-    def __init__(self, states):
-        self.states = states  # a NvmeStateStore
+    def __init__(self, states, hold: int):
+        """``states``: the NvmeStateStore; ``hold``: how many of the latest reads are kept
+        for the state store's read of the same stage, which then copies the master from
+        them instead of reading it again (a block's backward read comes shortly before
+        the host optimizer reads its state)."""
+        self.states = states
+        self.hold = hold
+        self._reads: collections.OrderedDict[str, tuple[int, Any]] = collections.OrderedDict()
+        self._lock = threading.Lock()  # recorded by the dispatching thread, taken by the loop
+        states.master_read = self.landed
+
+    def record(self, stage: str, read) -> None:
+        """A read of a stage's committed master pages (a future of its pages)."""
+        with self._lock:
+            self._reads.pop(stage, None)
+            self._reads[stage] = (self.states.version, read)
+            while len(self._reads) > self.hold:
+                self._reads.popitem(last=False)
+
+    def landed(self, stage: str, version: int):
+        """The kept read of ``stage`` if it read the state's committed ``version``, else
+        None (the state store reads the master itself)."""
+        with self._lock:
+            got = self._reads.pop(stage, None)
+        return got[1] if got is not None and got[0] == version else None
 
     def committed(self) -> PageStore:
         return self.states.disk[self.states.gen]
@@ -287,6 +315,7 @@ class NvmeParamStore:
         views: LeafViews | None = None,
         slabs: SlabPool | None = None,
         master_of=None,
+        hold_reads: int = 0,
     ):
         """``stage_to``: the device's ``pinned_host`` memory, where pages read from disk
         are copied as soon as they land (by the thread completing the read, not the
@@ -296,8 +325,9 @@ class NvmeParamStore:
         buffers (cut where the read lands), else as pages. ``slabs``: the pool the reads
         land in (and the host optimizer's refreshed params come from), else each read
         gets a fresh buffer. ``master_of``: the NVMe state store whose fp32 master the
-        params are (:class:`MasterPages`; ``path`` unused), else they have files of
-        their own under ``path`` (:class:`OwnPages`)."""
+        params are (:class:`MasterPages`, keeping ``hold_reads`` reads for its reads of
+        the master; ``path`` unused), else they have files of their own under ``path``
+        (:class:`OwnPages`)."""
         self.stage_pages = stage_pages
         self.slabs = slabs
         self.stage_to = stage_to
@@ -307,7 +337,7 @@ class NvmeParamStore:
         num_pages = sum(n for _, n in stage_pages.values())
         if master_of is not None:
             assert self.dtype == np.float32, "only fp32 params are the fp32 master"
-            self.pages = MasterPages(master_of)
+            self.pages = MasterPages(master_of, hold_reads)
         else:
             self.pages = OwnPages(path, dtype, num_pages, page_elems)
         self._writes: list = []
@@ -363,6 +393,7 @@ class NvmeParamStore:
                 disk, kind = self.pages.committed(), self.pages.kind
                 slab = self._slab(n)
                 read = _ReadInto(disk.read_into(kind, first, slab), slab, self.page_elems)
+                self.pages.record(stage, read)
             else:
                 read = self.pages.committed().read(self.pages.kind, first, n)
             if self.stage_to:

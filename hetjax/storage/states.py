@@ -28,6 +28,7 @@ Compute-dtype params follow the same pattern in ``params.py``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import threading
@@ -40,6 +41,7 @@ import numpy as np
 
 from hetjax.storage.iopool import IoPool, Slot
 from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
+from hetjax.types import MASTER
 
 MANIFEST = "manifest.json"
 
@@ -220,12 +222,18 @@ class NvmeStateStore:
         self._held: dict[str, Slot] = {}  # read and handed out, not yet written back
         self._frozen = Frozen()  # cached slabs and generations a checkpoint writes from
         self.read_bytes = self.write_bytes = 0
+        # The committed state's version (a commit or a restore makes a new one), and
+        # ``master_read(stage, version)``: a read of the stage's committed master pages
+        # already in flight or landed elsewhere (the params', ``MasterPages``), or None
+        self.version = 0
+        self.master_read: Callable[[str, int], Any] | None = None
         self._write_manifest()
 
     # -- start-up -----------------------------------------------------------------------
 
     def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:
         self._drop_reads()  # of state this replaces (a restore)
+        self.version += 1
         self.scalars[stage] = scalars
         if stage in self.cached:
             self.cache[stage] = jax.device_put(slabs, self.sharding)
@@ -249,8 +257,14 @@ class NvmeStateStore:
         first, n = self.stage_pages[stage]
         slot = self._pool.take(stage)
         elems = n * self.page_elems
-        futures = [self.disk[self.gen].read_into(k, first, slot.view(k, elems)) for k in self.kinds]
-        read = self._reads[stage] = _Read(slot, elems, futures)
+        kinds, futures = self.kinds, []
+        landed = self.master_read(stage, self.version) if self.master_read else None
+        if landed is not None:  # the master's pages are read already: copied, not read
+            futures.append(_copy_when_done(landed, slot.view(MASTER, elems)))
+            kinds = [k for k in kinds if k != MASTER]
+        disk = self.disk[self.gen]
+        futures += [disk.read_into(k, first, slot.view(k, elems)) for k in kinds]
+        read = self._reads[stage] = _Read(slot, elems, futures, len(kinds))
         return read
 
     def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
@@ -265,7 +279,7 @@ class NvmeStateStore:
             future.result()
         self._held[stage] = read.slot
         slabs = {k: read.slot.view(k, read.elems) for k in self.kinds}
-        self.read_bytes += read.elems * 4 * len(self.kinds)
+        self.read_bytes += read.elems * 4 * read.disk_kinds
         return slabs, self.scalars[stage]
 
     def recycle(self, stage: str) -> tuple[dict | None, bool]:
@@ -306,6 +320,7 @@ class NvmeStateStore:
         self._pending_cache.clear()
         self._pending_scalars.clear()
         self.gen = 1 - self.gen
+        self.version += 1
         self._drop_reads()  # of the generation just replaced
         self._manifest_due = True
         if not self._writes:
@@ -477,6 +492,23 @@ class _Read:
     slot: Slot
     elems: int
     futures: list
+    disk_kinds: int  # the kinds read from disk (the master may come from elsewhere)
+
+
+def _copy_when_done(read, out: np.ndarray) -> concurrent.futures.Future:
+    """Copies ``read``'s result (pages of a stage's master) into ``out`` once it lands, on
+    the thread that lands it; the copy's future."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def copy(_) -> None:
+        try:
+            np.copyto(out, read.result().reshape(-1))
+            done.set_result(None)
+        except BaseException as e:  # noqa: BLE001 — raised by result(), on the caller
+            done.set_exception(e)
+
+    read.add_done_callback(copy)
+    return done
 
 
 class SplitStateStore(BaseCounters):
