@@ -556,15 +556,26 @@ def host_param_bytes(s: Sizes, o: Offload) -> int:
         return s.compute_bytes * cache.host_own + publish
     # those read ahead, and those the window's device copies were made from (on the CPU
     # backend the device array is the host slab itself)
-    return (param_reads_ahead(o) + 1) * s.compute_bytes * cache.host_biggest + publish
+    held = max(param_reads_ahead(o) + 1, master_reads_kept(o, s.compute_bytes))
+    return held * s.compute_bytes * cache.host_biggest + publish
 
 
 def param_reads_ahead(o: Offload) -> int:
     """Stages of params on NVMe read ahead of the use the window is at: its device copies
-    (``prefetch_depth``) and the disk reads before them (:data:`IO_READAHEAD`). Params
-    that are the master keep that many reads for the state store's read of the stage's
-    master (``storage/params.py``'s ``MasterPages``), within what the host plan counts."""
+    (``prefetch_depth``) and the disk reads before them (:data:`IO_READAHEAD`)."""
     return o.prefetch_depth + IO_READAHEAD
+
+
+def master_reads_kept(o: Offload, compute_bytes: int) -> int:
+    """Params that are the master (:func:`params_are_master`): the latest param reads
+    kept for the host optimizer's read of the same stage's state, which copies the
+    master from them instead of reading it (``storage/params.py``'s ``MasterPages``).
+    The loop reads a block's state a few blocks after backward read its params, and
+    further behind while the disk is slow: at 310.8M params, keeping the reads ahead
+    (4) caught 8 of 24 blocks a step, twice that all but one (python -m hetjax.launch
+    --config configs/gpt310m_peer.py, params and optimizer on NVMe: 5.72-5.90 against
+    4.95-5.06 GB read a step; docs/results/2026-11-25.md)."""
+    return 2 * param_reads_ahead(o) if params_are_master(o, compute_bytes) else 0
 
 
 @dataclasses.dataclass(frozen=True)

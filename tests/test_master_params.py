@@ -121,7 +121,8 @@ def test_master_params_train_as_params_of_their_own(tiny, monkeypatch):
     finally:
         runtime.close()
     per_step = np.diff(state_reads)
-    assert all(generation - 2 * one_master <= r <= generation - one_master for r in per_step), (
+    # at least one of the 3 blocks' masters copied, at most all of them
+    assert all(generation - 3 * one_master <= r <= generation - one_master for r in per_step), (
         per_step, generation, one_master,
     )  # fmt: skip
     monkeypatch.setattr(memory, "params_are_master", lambda o, compute_bytes: False)

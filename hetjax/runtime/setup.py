@@ -166,7 +166,7 @@ def make_stores(
             views=views,
             slabs=slabs,
             master_of=states if master else None,
-            hold_reads=memory.param_reads_ahead(offload),
+            hold_reads=memory.master_reads_kept(offload, dtype.itemsize),
         )
     else:
         params = HostParamStore(shardings.host, views)
