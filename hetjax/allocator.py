@@ -35,6 +35,12 @@ MALLOC_ENV = {
     "MALLOC_TRIM_THRESHOLD_": "0",
     "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
 }
+# Under a host budget, the free top of a heap beyond this goes back to the system. Peak
+# RSS of a run with params and state on NVMe (tests/test_host_memory.py's 27M model, 512
+# MiB budget) 1682-1807 MiB with the 1 GiB threshold, 1578-1624 MiB with 64-128 MiB, at
+# the same step time; at 310.8M with a 3 GiB budget 3.59 -> 3.55 GiB, 7.13 -> 6.73 s/step
+# (docs/results/2026-11-25.md).
+BUDGET_TRIM = 128 << 20
 # The same settings through mallopt(3): M_ARENA_MAX, M_TRIM_THRESHOLD, M_MMAP_THRESHOLD.
 _MALLOPT = {"MALLOC_ARENA_MAX": -8, "MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3}
 
@@ -54,10 +60,11 @@ def tune_malloc(environ=os.environ) -> dict[str, str]:
     return applied
 
 
-def tune_host_allocator() -> bool:
+def tune_host_allocator(host_budget: int = 0) -> bool:
     """Keeps freed host memory in the process for reuse (glibc ``mallopt``: no ``mmap``
     per large block, no trimming), as PyTorch's caching allocator keeps its blocks, in
-    :data:`ARENAS` heaps.
+    :data:`ARENAS` heaps. With a ``host_budget`` (``memory.host_budget``) a heap's free
+    top beyond :data:`BUDGET_TRIM` goes back to the system.
 
     XLA's CPU buffers come from ``malloc``; glibc serves large blocks by fresh ``mmap``
     and unmaps them when freed, so a new buffer (the optimizer's refreshed pages,
@@ -78,4 +85,5 @@ def tune_host_allocator() -> bool:
     limit = 1 << 30  # blocks above 1 GiB are still mapped and unmapped
     mmap_ok = mallopt(_MALLOPT["MALLOC_MMAP_THRESHOLD_"], limit) == 1
     arenas_ok = mallopt(_MALLOPT["MALLOC_ARENA_MAX"], ARENAS) == 1
-    return mmap_ok and arenas_ok and mallopt(_MALLOPT["MALLOC_TRIM_THRESHOLD_"], limit) == 1
+    trim = BUDGET_TRIM if host_budget else limit
+    return mmap_ok and arenas_ok and mallopt(_MALLOPT["MALLOC_TRIM_THRESHOLD_"], trim) == 1

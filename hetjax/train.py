@@ -87,7 +87,7 @@ def train(
     ConfigError at once (``hetjax/run_lock.py``). With checkpoints on, SIGTERM or SIGUSR1
     stop it between steps: it writes a checkpoint of the step reached, waits for it and
     raises :class:`~hetjax.preemption.Preempted` (``hetjax/preemption.py``)."""
-    tune_host_allocator()
+    tune_host_allocator(config.memory.host_budget)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     process = jax.process_index()

@@ -312,15 +312,17 @@ class Llama(FlaxStages):
         self.stats_size = router_stats_size(config)
         # expert-aware streaming needs every expert in the block (none split over devices)
         self.expert_routing = bool(config.num_experts) and expert_axis is None
+        self.expert_params = EXPERT_PARAMS
 
-    def route(self, block_params: dict, x: jax.Array):
-        """Expert-aware streaming's first half of a MoE block: x (B, T, D) -> (the
-        residual stream after attention (B, T, D), the routing decision (top_e (B T, k)
-        int32), pairs per expert (E,) int32). Reads no expert weight."""
+    def route(self, g: int, block_params: dict, x: jax.Array, context=()):
+        """Expert-aware streaming's first half of a MoE block (of the one group, ``g`` 0;
+        no context): x (B, T, D) -> (the residual stream after attention (B, T, D), the
+        routing decision (top_e (B T, k) int32), pairs per expert (E,) int32). Reads no
+        expert weight."""
         x, (top_e, counts) = self._block.clone(part="attention").apply({"params": block_params}, x)
         return x, top_e, counts
 
-    def routed_block(self, block_params: dict, x: jax.Array, routing, part: str = "all"):
+    def routed_block(self, g: int, block_params: dict, x, routing, context=(), part="all"):
         """A MoE block that takes its routing decision ``(top_e, slots)`` and holds only
         the routed experts (``block_params``' expert leaves have one row each, in
         increasing expert order; ``slots`` (E,) maps an expert to its row): equal to

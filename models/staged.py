@@ -165,8 +165,10 @@ class Stages:
     groups: tuple[StageGroup, ...]
     stats_size = 0  # no auxiliary loss: blocks return empty statistics
     # blocks can stream only the experts their tokens are routed to (models/llama.py's
-    # route and routed_block; hetjax/runtime/routed.py)
+    # and models/t5.py's route and routed_block; hetjax/runtime/routed.py), whose expert
+    # leaves are ``.../moe/<one of expert_params>``, the experts on their first axis
     expert_routing = False
+    expert_params: tuple[str, ...] = ()
     tied: str | None = None
 
     # -- init -----------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from models.attention import biased_attention
 from models.staged import Params, StageGroup, Stages
 
 F32 = jnp.float32
+EXPERT_PARAMS = ("wi_0", "wi_1", "wi", "wo")  # a Switch layer's, under "moe": (E, ...)
 
 
 def relative_position_buckets(
@@ -163,31 +164,48 @@ class SwitchFeedForward(nn.Module):
 
     h (B, T, D) -> (out (B, T, D), stats (2 E,) fp32): per expert the fraction of tokens
     routed to it and its mean router probability, the two factors of the
-    load-balancing loss."""
+    load-balancing loss.
+
+    Expert-aware streaming (``offload.expert_fetch=routed``), as ``models/llama.py``'s
+    ``MixtureOfExperts``: with ``route_only`` the module returns the routing, ``(top_e
+    (M, 1) int32, tokens per expert (E,) int32)``, from the router alone; called with
+    ``routing=(top_e, slots)`` it uses that decision and holds only ``held`` experts
+    (those that got tokens, in increasing order; ``slots`` (E,) maps an expert to its
+    row among them)."""
 
     config: ModelConfig
+    held: int | None = None
+    route_only: bool = False
 
     @nn.compact
-    def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, h: jax.Array, routing=None) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
         dtype = jnp.dtype(cfg.compute_dtype)
         B, T, D = h.shape
         E, F = cfg.num_experts, cfg.ff_dim
-        expert = lambda name, shape, std: self.param(
-            name, nn.initializers.normal(std), (E, *shape), cfg.param_dtype
-        ).astype(dtype)
         router = self.param("router", nn.initializers.normal(D**-0.5), (D, E), cfg.param_dtype)
+        tokens = h.reshape(B * T, D)  # (M, D)
+        logits = jnp.einsum("MD,DE->ME", tokens.astype(F32), router.astype(F32))
+        probs = jax.nn.softmax(logits, axis=-1)  # (M, E)
+        # (M,) each token's top expert: the router's, or the decision given
+        chosen = jnp.argmax(probs, axis=-1) if routing is None else routing[0][:, 0]
+        if self.route_only:
+            return chosen[:, None].astype(jnp.int32), jnp.bincount(chosen, length=E).astype(
+                jnp.int32
+            )
+        local, group = E, chosen  # the experts held, and each token's row among them
+        if self.held is not None:
+            local, group = self.held, routing[1][chosen]
+        expert = lambda name, shape, std: self.param(
+            name, nn.initializers.normal(std), (local, *shape), cfg.param_dtype
+        ).astype(dtype)
         gated = cfg.feed_forward_proj == "gated-gelu"
         wi = expert("wi_0" if gated else "wi", (D, F), D**-0.5)
         wi_1 = expert("wi_1", (D, F), D**-0.5) if gated else None
         wo = expert("wo", (F, D), F**-0.5)
 
-        tokens = h.reshape(B * T, D)  # (M, D)
-        logits = jnp.einsum("MD,DE->ME", tokens.astype(F32), router.astype(F32))
-        probs = jax.nn.softmax(logits, axis=-1)  # (M, E)
-        chosen = jnp.argmax(probs, axis=-1)  # (M,) each token's top expert
         order = jnp.argsort(chosen, stable=True)  # tokens grouped by expert
-        sizes = jnp.bincount(chosen, length=E).astype(jnp.int32)  # (E,) tokens per expert
+        sizes = jnp.bincount(group, length=local).astype(jnp.int32)  # (local,) tokens per expert
         rows = tokens[order]  # (M, D)
         act = jax.lax.ragged_dot(rows, wi, sizes)  # (M, F)
         if gated:
@@ -204,22 +222,31 @@ class SwitchFeedForward(nn.Module):
         return out, stats
 
 
+# Expert-aware streaming splits a sparse layer (``part``): "all"; "attention", its
+# attention (and cross-attention) and the router's decision -> (the residual stream, the
+# routing); "mlp", which takes that residual stream and runs the experts, ``held`` of
+# them, with the decision given (``routing``; SwitchFeedForward).
+
+
 class T5EncoderBlock(nn.Module):
     """x + attn(rms(x)) with the encoder's bidirectional bias; x + ff(rms(x)). A
     ``sparse`` layer's feed-forward layer is experts (:class:`SwitchFeedForward`,
-    ``moe``): it returns its router statistics too."""
+    ``moe``): it returns its router statistics too (``part``, ``held``: above)."""
 
     config: ModelConfig
     sparse: bool = False
+    held: int | None = None
+    part: str = "all"
 
     @nn.compact
-    def __call__(self, x: jax.Array, table: jax.Array):  # (B, T, D)
+    def __call__(self, x: jax.Array, table: jax.Array, routing=None):  # (B, T, D)
         cfg = self.config
-        T = x.shape[1]
-        h = _norm(cfg, "self_attention_layer_norm")(x)
-        bias = position_bias(table, T, T, False, cfg)
-        x = x + T5Attention(cfg, causal=False, name="SelfAttention")(h, h, bias)
-        return _feed_forward(cfg, self.sparse, x)
+        if self.part != "mlp":
+            T = x.shape[1]
+            h = _norm(cfg, "self_attention_layer_norm")(x)
+            bias = position_bias(table, T, T, False, cfg)
+            x = x + T5Attention(cfg, causal=False, name="SelfAttention")(h, h, bias)
+        return _feed_forward(cfg, self.sparse, x, self.held, self.part, routing)
 
 
 class T5DecoderBlock(nn.Module):
@@ -228,42 +255,56 @@ class T5DecoderBlock(nn.Module):
 
     config: ModelConfig
     sparse: bool = False
+    held: int | None = None
+    part: str = "all"
 
     @nn.compact
-    def __call__(self, x: jax.Array, memory: jax.Array, table: jax.Array):
+    def __call__(self, x: jax.Array, memory: jax.Array, table: jax.Array, routing=None):
         cfg = self.config
-        T = x.shape[1]
-        h = _norm(cfg, "self_attention_layer_norm")(x)
-        bias = position_bias(table, T, T, True, cfg)
-        x = x + T5Attention(cfg, causal=True, name="SelfAttention")(h, h, bias)
-        h = _norm(cfg, "cross_attention_layer_norm")(x)
-        x = x + T5Attention(cfg, causal=False, name="EncDecAttention")(h, memory, None)
-        return _feed_forward(cfg, self.sparse, x)
+        if self.part != "mlp":
+            T = x.shape[1]
+            h = _norm(cfg, "self_attention_layer_norm")(x)
+            bias = position_bias(table, T, T, True, cfg)
+            x = x + T5Attention(cfg, causal=True, name="SelfAttention")(h, h, bias)
+            h = _norm(cfg, "cross_attention_layer_norm")(x)
+            x = x + T5Attention(cfg, causal=False, name="EncDecAttention")(h, memory, None)
+        return _feed_forward(cfg, self.sparse, x, self.held, self.part, routing)
 
 
-def _feed_forward(cfg: ModelConfig, sparse: bool, x: jax.Array):
+def _feed_forward(
+    cfg: ModelConfig, sparse: bool, x: jax.Array, held=None, part="all", routing=None
+):
     """x + ff(rms(x)), called in a block's compact scope (its modules are the block's);
-    with ``sparse`` the experts', with their router statistics: ``(x, stats)``."""
+    with ``sparse`` the experts', with their router statistics: ``(x, stats)``; with
+    ``part="attention"`` (sparse) ``(x, (top_e, tokens per expert))`` instead."""
     h = _norm(cfg, "ff_layer_norm")(x)
     if not sparse:
         return x + T5FeedForward(cfg, name="DenseReluDense")(h)
-    out, stats = SwitchFeedForward(cfg, name="moe")(h)
+    if part == "attention":
+        return x, SwitchFeedForward(cfg, route_only=True, name="moe")(h)
+    out, stats = SwitchFeedForward(cfg, held, name="moe")(h, routing)
     return x + out, stats
 
 
 class T5SwitchBlock(nn.Module):
     """Two T5 layers, a dense one then a sparse one (the Switch Transformer's experts in
     every other layer, HF's ``sparse_step`` 2): the block of a T5 with experts, so that a
-    stack's blocks are identical. -> (x, the sparse layer's router statistics)."""
+    stack's blocks are identical. -> (x, the sparse layer's router statistics).
+    ``part``, ``held``, ``routing``: the sparse layer's (above); "mlp" runs only the rest
+    of the sparse layer."""
 
     config: ModelConfig
     decoder: bool
+    held: int | None = None
+    part: str = "all"
 
     @nn.compact
-    def __call__(self, x: jax.Array, *context):
+    def __call__(self, x: jax.Array, *context, routing=None):
         layer = T5DecoderBlock if self.decoder else T5EncoderBlock
-        x = layer(self.config, name="dense")(x, *context)
-        return layer(self.config, sparse=True, name="sparse")(x, *context)
+        if self.part != "mlp":
+            x = layer(self.config, name="dense")(x, *context)
+        sparse = layer(self.config, sparse=True, held=self.held, part=self.part, name="sparse")
+        return sparse(x, *context, routing=routing)
 
 
 def shift_right(targets: jax.Array, start: int) -> jax.Array:
@@ -346,6 +387,9 @@ class T5(Stages):
         # the encoder's, then the decoder's router statistics (each stack's loss apart)
         experts = 2 * config.num_experts if config.num_experts else 0
         self.stats_size = 2 * experts if config.router_aux_loss_coef else 0
+        # expert-aware streaming (route, routed_block): the Switch layers' experts
+        self.expert_routing = bool(config.num_experts)
+        self.expert_params = EXPERT_PARAMS
 
     def init_stage(self, stage: str, key: jax.Array) -> Params:
         cfg = self.config
@@ -375,7 +419,32 @@ class T5(Stages):
         out = self._blocks[g].apply({"params": block_params}, x, *context)
         if not self.config.num_experts:
             return out, jnp.zeros((0,), F32)
-        x, stats = out
+        return self._in_slot(g, *out)
+
+    def route(self, g: int, block_params: Params, x: jax.Array, context=()):
+        """Expert-aware streaming's first half of a Switch block of group ``g``: its dense
+        layer and its sparse layer up to the router -> (the residual stream (B, T, D),
+        the decision top_e (B T, 1) int32, tokens per expert (E,) int32). Reads no
+        expert weight."""
+        block = self._blocks[g].clone(part="attention")
+        x, (top_e, counts) = block.apply({"params": block_params}, x, *context)
+        return x, top_e, counts
+
+    def routed_block(self, g: int, block_params: Params, x, routing, context=(), part="all"):
+        """A Switch block of group ``g`` that takes its routing decision ``(top_e, slots)``
+        and holds only the routed experts (``block_params``' expert leaves have one row
+        each, in increasing expert order): equal to the whole block for tokens routed so.
+        ``part="mlp"``: x is :meth:`route`'s residual stream and only the rest of the
+        sparse layer runs. -> (y, statistics), as :meth:`group_block`."""
+        held = block_params["sparse"]["moe"]["wo"].shape[0]
+        block = self._blocks[g].clone(part=part, held=held)
+        return self._in_slot(
+            g, *block.apply({"params": block_params}, x, *context, routing=routing)
+        )
+
+    def _in_slot(self, g: int, x: jax.Array, stats: jax.Array):
+        """A block's output and its router statistics in group ``g``'s slot of the
+        model's (the encoder's first, the decoder's second), or none."""
         if not self.stats_size:
             return x, jnp.zeros((0,), F32)
         half = self.stats_size // 2  # the group's slot: encoder first, decoder second

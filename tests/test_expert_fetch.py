@@ -53,6 +53,67 @@ def test_routed_streaming_equals_fetching_every_expert(tiny, tmp_path):
     assert not any("experts_fetched" in r for r in every.records)
 
 
+def test_t5_switch_blocks_stream_routed_as_fetching_every_expert(tiny, tmp_path):
+    """T5-MoE: the Switch blocks of both stacks are routed (a dense layer, then a sparse
+    one whose attention and router run first; a decoder block reads the encoder's output,
+    whose gradient its routed backward returns), with AdamW and params and state on
+    NVMe, and train as copying every expert does: losses, validation loss, every param
+    and the logits. 16 experts, top-1, 8 tokens a micro-batch: at most half are copied."""
+    from test_t5 import t5_config, t5_tokens
+
+    moe = dict(num_experts=16, experts_per_token=1, router_aux_loss_coef=0.02)
+    moe |= dict(num_layers=2, num_decoder_layers=4, feed_forward_proj="relu")
+    offload = dict(mode="stream", optimizer="nvme", params="nvme")
+    runs = {}
+    for fetch in ("routed", "all"):
+        config = t5_config(tiny, **moe).replace(
+            train=dict(SHORT, seq_len=8),
+            optimizer=dict(name="adamw"),
+            offload=dict(offload, expert_fetch=fetch),
+            memory=dict(page_size="4KiB"),
+        )
+        if fetch == "routed":
+            runtime = StreamingRuntime(config)
+            try:  # the encoder's one block and the decoder's two, each its stack's experts
+                assert runtime.routed == {"encoder0", "decoder0", "decoder1"}
+                layouts = {g: f.block.layout for g, f in runtime.experts.items()}
+                for g, fetcher in runtime.experts.items():
+                    paths = [layouts[g].leaves[k].path for k in fetcher.block.expert_leaves]
+                    assert paths == [("sparse", "moe", "wi"), ("sparse", "moe", "wo")]
+                assert layouts[0] is not layouts[1]
+            finally:
+                runtime.close()
+        runs[fetch] = train(config, tmp_path / fetch, verbose=False)
+    assert_training_equal(runs["routed"], runs["all"], build_model(config.model), t5_tokens())
+    for record in runs["routed"].records:
+        # 2 micro-batches x (3 blocks forward + 2 backward: the window keeps the last
+        # one from its forward to its backward), each at most 8 experts of 16
+        assert 0 < record["experts_fetched"] <= 8 * 2 * 5
+        assert 0 < record["experts_fetched_fraction"] <= 0.5
+
+
+def test_a_model_whose_experts_are_not_found_is_refused(tiny, monkeypatch):
+    """Routing with the expert leaves not found would compute with the wrong experts'
+    rows: the runtime refuses it, naming the fix."""
+    from test_t5 import t5_config
+
+    from models.t5 import T5
+
+    monkeypatch.setattr(T5, "__init__", _without_expert_params(T5.__init__))
+    moe = dict(num_experts=4, experts_per_token=1, num_layers=2, num_decoder_layers=2)
+    config = t5_config(tiny, **moe).replace(offload=dict(mode="stream"))
+    with pytest.raises(ValueError, match="no expert leaves named"):
+        StreamingRuntime(config).close()
+
+
+def _without_expert_params(init):
+    def wrapped(self, config):
+        init(self, config)
+        self.expert_params = ("experts",)
+
+    return wrapped
+
+
 def _skewed(runtime: StreamingRuntime, used: int) -> RuntimeState:
     """The runtime's params with every block's router sending each token to one of the
     first ``used`` experts: their columns are +/- a large multiple of one direction

@@ -234,7 +234,7 @@ class Workload:
         )
         # expert-aware streaming: one device (ZeRO-3 gathers whole pages)
         routed = model.expert_routing and config.offload.expert_fetch == "routed"
-        routed_experts = count(split_experts(shapes["blocks"])[1]) // L if routed else 0
+        routed_experts = expert_param_count(model, shapes) // L if routed else 0
         routed_experts = routed_experts if devices == 1 else 0
         if expert_fraction is None:
             fraction = expected_expert_fraction(m.num_experts, m.experts_per_token, tokens)
@@ -373,6 +373,18 @@ _BLOCKWISE_TEMPS = {  # (family, compute bytes): per activation, MLP, tile, para
     ("llama", 2): (63.84, 12.89, 11.54, 3.21),
 }
 _HEAD_TEMPS = {4: (6.74, 6.27), 2: (7.22, 6.72)}  # per logit, per projection element
+
+
+def expert_param_count(model, shapes) -> int:
+    """The params of every block's experts (the leaves ``.../moe/<name>`` for ``name``
+    in the model's ``expert_params``), from the model's param shapes."""
+    total = 0
+    for group in model.groups:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(shapes[group.key]):
+            names = [getattr(k, "key", None) for k in path]
+            if len(names) >= 2 and names[-2] == "moe" and names[-1] in model.expert_params:
+                total += math.prod(leaf.shape)
+    return total
 
 
 def estimate_working_set(

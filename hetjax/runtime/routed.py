@@ -30,9 +30,12 @@ zero gradient too (docs/guide/offload.md, expert-aware streaming). What it costs
 routed block per forward, at which the device waits for the copy of the experts.
 
 Used for the blocks that recompute (boundary blocks), on one device, for models with
-``expert_routing`` (``models/llama.py``); kept, swapped, resident and device-cached
-blocks are whole on the device anyway, and expert parallelism splits the experts over
-devices instead.
+``expert_routing``: Mixtral-style Llama blocks (``models/llama.py``) and T5's Switch
+blocks (``models/t5.py``: a dense layer, then a sparse one whose attention and router
+run in ``route``; the decoder's take the encoder's output as their context, whose
+gradient the backward returns); kept, swapped, resident and device-cached blocks are
+whole on the device anyway, and expert parallelism splits the experts over devices
+instead.
 """
 
 from __future__ import annotations
@@ -46,16 +49,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax.storage.pages import LeafBuffers, SlabLayout
-from models.llama import EXPERT_PARAMS
 
 
-def expert_leaves(layout: SlabLayout) -> tuple[int, ...]:
-    """Slab indices of a MoE block's expert leaves (``moe/{gate,up,down}_proj``, the
-    experts on their first axis)."""
+def expert_leaves(layout: SlabLayout, names: tuple[str, ...]) -> tuple[int, ...]:
+    """Slab indices of a MoE block's expert leaves, ``.../moe/<name>`` for ``names`` the
+    model's ``expert_params`` (Mixtral's ``{gate,up,down}_proj``, a Switch layer's
+    ``wi_0, wi_1, wo``), the experts on their first axis."""
     return tuple(
         k
         for k, leaf in enumerate(layout.leaves)
-        if len(leaf.path) >= 2 and leaf.path[-2] == "moe" and leaf.path[-1] in EXPERT_PARAMS
+        if len(leaf.path) >= 2 and leaf.path[-2] == "moe" and leaf.path[-1] in names
     )
 
 
@@ -156,36 +159,43 @@ def _assemble(rows: list[list[jax.Array]]) -> list[jax.Array]:
 
 
 class RoutedBlock:
-    """The jitted functions of a routed block (module docstring); ``b``: a block's leaf
-    buffers with the expert leaves holding the routed experts' rows (``route``: any
-    rows, it reads none). ``route(b, x) -> (x after attention, top_e, counts)``;
-    ``mlp(b, x_mid, top_e, slots) -> (y, statistics)``; ``backward(b, ids, top_e, slots,
-    x, dy, dstats=None) -> ((db, its norms), dx)``, db the whole block's gradient pages
-    (zero for the experts not held). ``cast``: a block gradient (leaf buffers) -> its
-    pages as they leave the device, and their norms; ``cotangent``: of the forward's
-    results (``stages.GroupFunctions``)."""
+    """The jitted functions of a routed block of stage group ``g`` (module docstring);
+    ``b``: a block's leaf buffers with the expert leaves holding the routed experts' rows
+    (``route``: any rows, it reads none); ``c``: the group's context (empty for GPT's and
+    Llama's one group; ``stages.GroupFunctions``). ``route(b, x, c) -> (x after
+    attention, top_e, counts)``; ``mlp(b, x_mid, top_e, slots, c) -> (y, statistics)``;
+    ``backward(b, ids, top_e, slots, x, dy, dstats=None, c=(), dcontext=()) -> ((db, its
+    norms), dx, dcontext + the block's)``, db the whole block's gradient pages (zero for
+    the experts not held). ``cast``: a block gradient (leaf buffers) -> its pages as they
+    leave the device, and their norms; ``cotangent``: of the forward's results."""
 
-    def __init__(self, model, layout: SlabLayout, jit, cast, cotangent):
-        at = expert_leaves(layout)
+    def __init__(self, model, g: int, layout: SlabLayout, jit, cast, cotangent):
+        at = expert_leaves(layout, model.expert_params)
+        if not at:  # the held rows would be taken for every expert's: wrong, not slow
+            raise ValueError(
+                f"stage group {g}'s block has no expert leaves named .../moe/<one of "
+                f"{model.expert_params}>: set the model's expert_params to its experts' "
+                "param names, or expert_routing to False"
+            )
         self.expert_leaves = at
         unflatten = layout.unflatten_pages
 
-        def route(b, x):
-            return model.route(unflatten(b), x)
+        def route(b, x, c=()):
+            return model.route(g, unflatten(b), x, c)
 
-        def mlp(b, x_mid, top_e, slots):
-            return model.routed_block(unflatten(b), x_mid, (top_e, slots), part="mlp")
+        def mlp(b, x_mid, top_e, slots, c=()):
+            return model.routed_block(g, unflatten(b), x_mid, (top_e, slots), c, part="mlp")
 
-        def backward(b, ids, top_e, slots, x, dy, dstats=None):
-            fwd = lambda b, x: model.routed_block(unflatten(b), x, (top_e, slots))
-            _, vjp = jax.vjp(fwd, b, x)
-            db, dx = vjp(cotangent(dy, dstats))
+        def backward(b, ids, top_e, slots, x, dy, dstats=None, c=(), dcontext=()):
+            fwd = lambda b, x, c: model.routed_block(g, unflatten(b), x, (top_e, slots), c)
+            _, vjp = jax.vjp(fwd, b, x, c)
+            db, dx, dc = vjp(cotangent(dy, dstats))
             whole = list(db)
             for k in at:  # the held experts' rows into the whole leaf's gradient
                 leaf = layout.leaves[k]
                 zeros = jnp.zeros(leaf.shape, db[k].dtype)
                 whole[k] = zeros.at[ids].set(db[k], mode="drop")  # (padding rows: id E)
-            return cast(LeafBuffers(whole)), dx
+            return cast(LeafBuffers(whole)), dx, jax.tree.map(jnp.add, dcontext, dc)
 
         self.route, self.mlp, self.backward = jit(route), jit(mlp), jit(backward)
         self.layout = layout
@@ -273,10 +283,21 @@ class ExpertFetcher:
         """The step's counts (and resets them): experts copied in (each copy of a block's
         routed experts, forward and backward), their share of every expert of those
         copies, and the bytes of expert rows copied."""
+        return ExpertFetchers({0: self}).take()
+
+
+class ExpertFetchers(dict):
+    """The routed stage groups' fetchers, by group index (T5's encoder and decoder
+    blocks differ), and the step's counts over all of them."""
+
+    def take(self) -> dict[str, float | int]:
+        fetched = sum(f.fetched for f in self.values())
+        offered = sum(f.offered for f in self.values())
         out = {
-            "experts_fetched": self.fetched,
-            "experts_fetched_fraction": self.fetched / self.offered if self.offered else 1.0,
-            "expert_bytes_fetched": self.bytes,
+            "experts_fetched": fetched,
+            "experts_fetched_fraction": fetched / offered if offered else 1.0,
+            "expert_bytes_fetched": sum(f.bytes for f in self.values()),
         }
-        self.fetched = self.offered = self.bytes = 0
+        for f in self.values():
+            f.fetched = f.offered = f.bytes = 0
         return out

@@ -257,7 +257,7 @@ class GroupFunctions:
         one device, a model with ``expert_routing``."""
         if self._routed is None:
             self._routed = RoutedBlock(
-                self._model, self.layout, self._jit, self._cast, self._cotangent
+                self._model, self.index, self.layout, self._jit, self._cast, self._cotangent
             )
         return self._routed
 

@@ -69,7 +69,7 @@ from hetjax.runtime.boundaries import Boundaries
 from hetjax.runtime.grads import DeviceGradients, StepGradients
 from hetjax.runtime.ledger import IoMeter, Ledger
 from hetjax.runtime.placement import SingleDevice
-from hetjax.runtime.routed import ExpertFetcher, Routing, zero_page
+from hetjax.runtime.routed import ExpertFetcher, ExpertFetchers, Routing, zero_page
 from hetjax.runtime.setup import layout_name
 from hetjax.runtime.stages import StageFunctions, StageMemory
 from hetjax.runtime.window import PrefetchWindow
@@ -88,7 +88,7 @@ class StreamingRuntime:
     def __init__(
         self, config: Config, probe=None, workdir: str | Path | None = None, placement=None
     ):
-        tune_host_allocator()
+        tune_host_allocator(config.memory.host_budget)
         self.config, self.probe = config, probe
         self.placement = placement = placement or SingleDevice()
         self.shardings = placement.shardings
@@ -200,11 +200,13 @@ class StreamingRuntime:
         self.plan = plan_device(self.sizes, self.offload, mem.device_budget)
         # expert-aware streaming (routed.py): the MoE blocks that stream and recompute
         self.routed = self._routed_blocks(compute_model)
-        self.experts = None
+        self.experts = None  # their groups' ExpertFetcher, by group index
         if self.routed:
-            fns = self.fns.groups[0].routed()
-            E = config.model.num_experts
-            self.experts = ExpertFetcher(fns, self.compute_dtype, self.shardings.device, E)
+            E, device = config.model.num_experts, self.shardings.device
+            self.experts = ExpertFetchers(
+                {g: ExpertFetcher(fns.routed(), self.compute_dtype, device, E)
+                 for g, fns in enumerate(self.fns.groups)}
+            )  # fmt: skip
         self.resident: dict[str, jax.Array] = {}
         self._refresh_resident()
         self._step: StepGradients | None = None
@@ -253,19 +255,19 @@ class StreamingRuntime:
         """A stage's params from the param store -> as its functions compute with them
         (a routed block: its leaves but the experts, ``routed.RoutedSlab``)."""
         if stage in self.routed:
-            return self.experts.dense(slab)
+            return self.experts[self.group_of[self.block_names.index(stage)]].dense(slab)
         return self.placement.to_device(slab, self.layouts[layout_name(stage)])
 
-    def _routed_forward(self, group, slab, x):
+    def _routed_forward(self, group, slab, x, context):
         """A routed block's forward (``routed.py``): attention and the router, the host
         reads which experts got tokens, only those are copied in, the rest of the block
         runs. -> (y, statistics, the routing, for the block's backward)."""
         fns = group.routed()
-        x_mid, top_e, counts = fns.route(slab.dense, x)
+        x_mid, top_e, counts = fns.route(slab.dense, x, context)
         routing = Routing.of(np.asarray(counts), top_e, self.placement.put_batch)
-        held, copied = self.experts.experts(slab, routing)
+        held, copied = self.experts[group.index].experts(slab, routing)
         timeline.watch("host_to_device", "experts", copied)
-        y, stats = fns.mlp(held, x_mid, routing.top_e, routing.slots)
+        y, stats = fns.mlp(held, x_mid, routing.top_e, routing.slots, context)
         return y, stats, routing
 
     def _window(self, uses: list[str]) -> PrefetchWindow:
@@ -408,7 +410,7 @@ class StreamingRuntime:
             else:
                 boundaries.store(i, x)
                 if self.block_names[i] in self.routed:
-                    x, stats[i], routing[i] = self._routed_forward(group, slab, x)
+                    x, stats[i], routing[i] = self._routed_forward(group, slab, x, c)
                 else:
                     x, stats[i] = group.block_fwd(slab, x, c)
             timeline.watch("compute", f"{self.block_names[i]} fwd", x, after=slab)
@@ -462,12 +464,14 @@ class StreamingRuntime:
                         next_x = boundaries.load(i - 1)
                     if self.block_names[i] in self.routed:  # its experts copied in again
                         r, routing[i] = routing[i], None
-                        held, copied = self.experts.experts(slab, r)
+                        fetcher = self.experts[g]
+                        held, copied = fetcher.experts(slab, r)
                         timeline.watch("host_to_device", "experts", copied)
-                        bwd = group.routed().backward
-                        db, dx = bwd(held, r.ids_device, r.top_e, r.slots, x_in, dx, dstats)
-                        zero_pages = self.experts.zero_pages(r.ids)
-                        del held, copied, r, bwd
+                        db, dx, dcontext[g] = group.routed().backward(
+                            held, r.ids_device, r.top_e, r.slots, x_in, dx, dstats, c, dcontext[g]
+                        )
+                        zero_pages = fetcher.zero_pages(r.ids)
+                        del held, copied, r, fetcher
                     else:
                         db, dx, dcontext[g] = group.block_bwd(
                             slab, x_in, dx, dstats, c, dcontext[g]
@@ -605,7 +609,7 @@ class StreamingRuntime:
             if i == self.group_start[self.group_of[i]]:
                 x, context = group.input_fwd(embed, x, tokens, targets)
             if self.block_names[i] in self.routed:
-                x, stats[i], _ = self._routed_forward(group, window.get(i), x)
+                x, stats[i], _ = self._routed_forward(group, window.get(i), x, context)
             else:
                 x, stats[i] = group.block_fwd(window.get(i), x, context)
             window.done(i, after=x)
