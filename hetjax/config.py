@@ -241,7 +241,7 @@ class OffloadConfig:
     params are already where the forward reads them. 0: none (``offload.mode=auto``
     lets the planner choose).
 
-    ``expert_fetch``: how a streamed mixture-of-experts block (Llama/Mixtral family, one
+    ``expert_fetch``: how a streamed mixture-of-experts block (Mixtral-style Llama, T5 Switch; one
     device) fetches its experts. ``routed``: the block's attention and router run first,
     the host reads which experts got tokens, and only those are copied to the device,
     for forward and again for backward (``hetjax/runtime/routed.py``); equal to
