@@ -34,10 +34,13 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DistributedConfig",
+    "KEEP_LEVELS",
     "MemoryConfig",
     "ModelConfig",
+    "OFFLOAD_MODES",
     "OffloadConfig",
     "OptimizerConfig",
+    "SWAP_LEVELS",
     "TrainConfig",
     "format_bytes",
     "load_config",
@@ -48,6 +51,13 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 from hetjax.config_model import OBJECTIVES, ModelConfig  # noqa: E402 (re-exported)
+from hetjax.config_offload import (  # noqa: E402 (re-exported)
+    KEEP_LEVELS,
+    OFFLOAD_MODES,
+    SWAP_LEVELS,
+    MemoryConfig,
+    OffloadConfig,
+)
 from hetjax.config_values import (  # noqa: E402 (after CONFIGS_DIR: the values' module)
     ConfigError,
     _check,
@@ -183,189 +193,6 @@ class OptimizerConfig:
             "must be in [0, 1]",
             self.min_lr_ratio,
         )
-
-
-OFFLOAD_MODES = ("auto", "none", "stream")
-# offload.keep_level, highest swap benefit factor first (each keeps what the one before
-# it keeps, and more): see hetjax/remat.py.
-KEEP_LEVELS = ("matmuls", "probs", "all")
-# offload.swap_level: the levels that leave the params out of what moves (``all`` holds
-# weight copies made in forward, which a swap would move for nothing)
-SWAP_LEVELS = KEEP_LEVELS[:2]
-
-
-@dataclasses.dataclass(frozen=True)
-class OffloadConfig:
-    """Where the training state lives.
-
-    ``mode``: ``none`` keeps everything on the device with one jitted train step (the
-    reference every other mode is tested against); ``stream`` keeps params in host memory
-    and streams one stage at a time through a device window (hetjax/runtime/streaming.py);
-    ``auto`` (the default) picks ``none`` when the state fits the device, else measures
-    the machine and trains with the planner's placement (hetjax/planner.py).
-
-    In stream mode ``optimizer`` places the fp32 master params and optimizer state:
-    ``host`` (RAM), ``nvme`` (TensorStore arrays under ``memory.nvme_path``, cached in
-    RAM up to ``memory.host_budget``) or ``device``; ``params`` places the compute-dtype
-    params the forward reads: ``host`` or ``nvme`` (for when RAM cannot hold them);
-    ``activations`` places the block-boundary checkpoints: ``device``, ``host``, or
-    ``nvme`` (written to a TensorStore array under ``memory.nvme_path`` and read back
-    ahead of backward, with a few in RAM; hetjax/activations.py).
-
-    ``keep_blocks``: the last N blocks keep in-block activations on the device from
-    forward to backward instead of recomputing them from their input checkpoint;
-    ``keep_level`` says which (hetjax/remat.py): ``all`` of them, or only those with the
-    best recompute time saved per byte: ``matmuls`` (the matmul outputs; backward
-    recomputes the elementwise ops, and the attention forward where it is not the
-    blockwise one) or ``probs`` (those and the attention probabilities; backward
-    recomputes the elementwise ops; only blocks that tag them, as the zoo's reference
-    attention does, ``model.attention=reference``).
-
-    ``swap_blocks``: the N blocks before the kept ones (or the last N, with none kept)
-    move the in-block activations of ``swap_level`` (``matmuls`` or ``probs``, as for
-    ``keep_level``) and their input to host memory (``pinned_host``) as forward makes
-    them, and back to the device ahead of their backward, which recomputes only what
-    the level did not save (Fuyou's activation swapping, section 4.4). Their params are
-    fetched again for backward, as for blocks that recompute. ``swap_tier``: ``host``
-    keeps them in host RAM, ``nvme`` writes them on through a few host buffers to a
-    TensorStore array under ``memory.nvme_path`` and reads them back ahead of backward
-    (as ``offload.activations=nvme`` does boundaries).
-
-    ``optimizer_device_stages``: with ``optimizer`` host or nvme, the first N stages in
-    forward order (embed, block 0, block 1, ..., head last) keep their fp32 master and
-    optimizer state on the device instead, are updated there by the same optax update,
-    and stay resident there (Angel-PTM's GPU cache of optimizer state). Those are the
-    stages backward reaches *last*: on the host their updates would be the optimizer's
-    tail that every step waits for after backward; on the device they run next to the
-    backward that produced their gradient, which never leaves the device, and their
-    params are already where the forward reads them. 0: none (``offload.mode=auto``
-    lets the planner choose).
-
-    ``expert_fetch``: how a streamed mixture-of-experts block (Mixtral-style Llama, T5 Switch; one
-    device) fetches its experts. ``routed``: the block's attention and router run first,
-    the host reads which experts got tokens, and only those are copied to the device,
-    for forward and again for backward (``hetjax/runtime/routed.py``); equal to
-    ``all``, which copies every expert with the rest of the block. ``offload.mode=auto``
-    routes only where the planner predicts a gain (``planning/cost.py``).
-    """
-
-    mode: str = "auto"
-    params: str = "host"  # stream: where the compute-dtype param slabs live
-    optimizer: str = "host"  # stream: where fp32 master params and optimizer state live
-    activations: str = "device"  # stream: where block-boundary checkpoints live
-    prefetch_depth: int = 2  # stream: stages copied ahead of the one computing
-    # stream: the last N blocks keep their in-block activations on the device from
-    # forward to backward instead of recomputing them (more memory, less compute)
-    keep_blocks: int = 0
-    keep_level: str = "all"  # stream: which in-block activations kept blocks keep
-    # stream: the N blocks before the kept ones move the in-block activations of
-    # swap_level to host memory in forward and back for backward (Fuyou's swapping)
-    swap_blocks: int = 0
-    swap_level: str = "matmuls"  # stream: which in-block activations swapped blocks move
-    swap_tier: str = "host"  # stream: where they go: host RAM, or through it to NVMe
-    # stream, optimizer host or nvme: the first N stages (embed, block 0, ...) keep their
-    # optimizer state on the device, are updated there and stay resident there
-    optimizer_device_stages: int = 0
-    # stream, a MoE block: copy only the experts its tokens were routed to, or all
-    expert_fetch: str = "routed"
-
-    def __post_init__(self):
-        _choice("offload", "mode", self.mode, OFFLOAD_MODES)
-        _choice("offload", "params", self.params, ("host", "nvme"))
-        _choice("offload", "optimizer", self.optimizer, ("device", "host", "nvme"))
-        _choice("offload", "activations", self.activations, ("device", "host", "nvme"))
-        if self.activations == "nvme" and self.mode != "stream":
-            raise ConfigError(
-                "config key 'offload.activations' is 'nvme', which only the streaming "
-                f"executor writes, but offload.mode is {self.mode!r}; set offload.mode=stream"
-                + (
-                    " (with offload.mode=auto the planner chooses it)"
-                    if self.mode == "auto"
-                    else ""
-                )
-            )
-        _check(
-            self.prefetch_depth >= 0,
-            "offload.prefetch_depth",
-            "must be >= 0",
-            self.prefetch_depth,
-        )
-        _check(self.keep_blocks >= 0, "offload.keep_blocks", "must be >= 0", self.keep_blocks)
-        _choice("offload", "keep_level", self.keep_level, KEEP_LEVELS)
-        _check(self.swap_blocks >= 0, "offload.swap_blocks", "must be >= 0", self.swap_blocks)
-        _choice("offload", "swap_level", self.swap_level, SWAP_LEVELS)
-        _choice("offload", "swap_tier", self.swap_tier, ("host", "nvme"))
-        _choice("offload", "expert_fetch", self.expert_fetch, ("routed", "all"))
-        if self.mode == "stream" and self.keep_level != "all" and not self.keep_blocks:
-            raise ConfigError(
-                f"config key 'offload.keep_level' is {self.keep_level!r}, which applies to "
-                "the blocks that keep their in-block activations, but offload.keep_blocks "
-                "is 0; set offload.keep_blocks to how many blocks keep them"
-            )
-        _check(
-            self.optimizer_device_stages >= 0,
-            "offload.optimizer_device_stages",
-            "must be >= 0",
-            self.optimizer_device_stages,
-        )
-        if self.optimizer_device_stages and self.mode != "stream":
-            raise ConfigError(
-                f"config key 'offload.optimizer_device_stages' "
-                f"({self.optimizer_device_stages}) caches optimizer state of the streaming "
-                f"executor on the device, but offload.mode is {self.mode!r}: "
-                + (
-                    "offload.mode=none keeps all optimizer state on the device already; leave it 0"
-                    if self.mode == "none"
-                    else "with offload.mode=auto the planner chooses it; leave it 0, or "
-                    "set offload.mode=stream to choose it yourself"
-                )
-            )
-        if self.optimizer_device_stages and self.optimizer == "device":
-            raise ConfigError(
-                f"config key 'offload.optimizer_device_stages' "
-                f"({self.optimizer_device_stages}) caches some stages' optimizer state on "
-                "the device, but offload.optimizer=device keeps every stage's there "
-                "already; leave it 0, or set offload.optimizer=host or nvme"
-            )
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryConfig:
-    """Memory budgets and layout. Byte sizes accept ints or strings like '512MiB'."""
-
-    page_size: int | str = "4MiB"
-    device_budget: int | str = 0  # device bytes the streaming runtime may hold; 0: no limit
-    # host RAM the streaming runtime's process may hold (param slabs, gradient buffers,
-    # optimizer state or its cache), for every device it drives (the planner gives a
-    # profile's devices an equal share: one process a machine); 0: no limit, and with
-    # offload.optimizer=nvme no state cache
-    host_budget: int | str = 0
-    nvme_path: str = ""  # offload.*=nvme: directory on a local SSD; "": <workdir>/nvme
-    # of each accelerator's memory JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION, set by
-    # the launcher before JAX starts; JAX alone takes 0.75); the planner plans within it
-    device_fraction: float = 0.9
-
-    def __post_init__(self):
-        _check(
-            0 < self.device_fraction <= 1,
-            "memory.device_fraction",
-            "must be in (0, 1]",
-            self.device_fraction,
-        )
-        page = parse_bytes(self.page_size, "memory.page_size")
-        _check(
-            page >= 4096 and page % 4096 == 0,
-            "memory.page_size",
-            "must be a positive multiple of 4 KiB",
-            self.page_size,
-        )
-        object.__setattr__(self, "page_size", page)
-        budget = parse_bytes(self.device_budget, "memory.device_budget")
-        _check(budget >= 0, "memory.device_budget", "must be >= 0 (0: no limit)", budget)
-        object.__setattr__(self, "device_budget", budget)
-        host = parse_bytes(self.host_budget, "memory.host_budget")
-        _check(host >= 0, "memory.host_budget", "must be >= 0 (0: no limit)", host)
-        object.__setattr__(self, "host_budget", host)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ LAYERS = [
     {
         "hetjax.config",
         "hetjax.config_model",
+        "hetjax.config_offload",
         "hetjax.config_help",
         "hetjax.config_values",
         "hetjax.types",
