@@ -23,6 +23,7 @@ LAYERS = [
     },
     {
         "hetjax.memory",
+        "hetjax.memory_host",
         "hetjax.allocator",
         "hetjax.timeline",
         "hetjax.census",
@@ -116,6 +117,7 @@ def test_the_bottom_modules_import_nothing_from_the_project():
     graph = _imports(_modules())
     assert graph["hetjax.types"] == set()
     assert graph["hetjax.memory"] <= {"hetjax.config", "hetjax.types"}  # both leaves
+    assert graph["hetjax.memory_host"] <= {"hetjax.config", "hetjax.memory"}
     assert graph["models"] | graph["models.gpt"] <= {
         "hetjax.config",
         "models.attention",

@@ -14,7 +14,8 @@ import pytest
 
 from hetjax import xla_env
 from hetjax.config import Config, ConfigError
-from hetjax.memory import GradientPlan, HostMemoryPlan
+from hetjax.memory import GradientPlan
+from hetjax.memory_host import HostMemoryPlan
 from hetjax.planning.hardware import (
     PROFILES,
     HardwareError,

@@ -12,7 +12,8 @@ import pytest
 from equivalence import assert_losses_close, assert_trees_close, training_batches
 
 from hetjax import memory
-from hetjax.memory import Offload, Sizes, nvme_parts, plan_host
+from hetjax.memory import Offload, Sizes
+from hetjax.memory_host import nvme_parts, plan_host
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.params import MasterPages, OwnPages
 from hetjax.train import train

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from hetjax.config import ConfigError
-from hetjax.memory import nvme_parts
+from hetjax.memory_host import nvme_parts
 from hetjax.planning.search import Candidate, footprint
 from hetjax.planning.workload import Workload
 from hetjax.runtime.streaming import StreamingRuntime

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from equivalence import training_batches
 
-from hetjax import memory
-from hetjax.memory import Offload, Sizes, plan_host
+from hetjax import memory_host
+from hetjax.memory import Offload, Sizes
+from hetjax.memory_host import plan_host
 from hetjax.runtime.streaming import StreamingRuntime
 
 BLOCK = 10_000  # elements of a block slab
@@ -27,7 +28,7 @@ def test_host_plan_keeps_blocks_for_backward_within_its_budget():
     # what the plan holds besides them and the state cache, with room for all it needs
     roomy = plan_host(s, on_nvme, 10**9)
     base = roomy.required - roomy.kept_params - roomy.cache
-    assert memory.host_minimum(s, on_nvme).required <= base
+    assert memory_host.host_minimum(s, on_nvme).required <= base
     for room_blocks in (0, 1, 3, 5):
         budget = base + room_blocks * one + one // 2
         plan = plan_host(s, on_nvme, budget)

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from hetjax.config import Config, format_bytes
-from hetjax.memory import in_memory_parts
+from hetjax.memory_host import in_memory_parts
 from hetjax.planning.hardware import device_capacity, measure_local
 from hetjax.planning.search import MARGIN, Plan, make_plan, process_host_budget
 from hetjax.planning.tracer import trace

@@ -40,16 +40,8 @@ import itertools
 from typing import Any
 
 from hetjax.config import SWAP_LEVELS, Config, ConfigError, format_bytes
-from hetjax.memory import (
-    DeviceCache,
-    HostMemoryPlan,
-    device_parts,
-    host_minimum,
-    in_memory_parts,
-    nvme_parts,
-    plan_device,
-    plan_host,
-)
+from hetjax.memory import DeviceCache, device_parts, plan_device
+from hetjax.memory_host import HostMemoryPlan, host_minimum, in_memory_parts, nvme_parts, plan_host
 from hetjax.planning.cost import Candidate, lanes
 from hetjax.planning.hardware import Hardware
 from hetjax.planning.workload import Workload, memory_sizes

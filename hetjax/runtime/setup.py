@@ -12,17 +12,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from hetjax import memory
+from hetjax import memory, memory_host
 from hetjax.config import Config
 from hetjax.hf import open_checkpoint
-from hetjax.memory import (
-    DeviceCache,
-    HostMemoryPlan,
-    Offload,
-    Sizes,
-    grad_policy,
-    nvme_parts,
-)
+from hetjax.memory import DeviceCache, Offload, Sizes, grad_policy
+from hetjax.memory_host import HostMemoryPlan, nvme_parts
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.runtime.stages import StageMemory
 from hetjax.storage.gradients import GradientStore
@@ -166,7 +160,7 @@ def make_stores(
             views=views,
             slabs=slabs,
             master_of=states if master else None,
-            hold_reads=memory.master_reads_kept(offload, dtype.itemsize),
+            hold_reads=memory_host.master_reads_kept(offload, dtype.itemsize),
         )
     else:
         params = HostParamStore(shardings.host, views)

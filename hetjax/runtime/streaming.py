@@ -61,7 +61,8 @@ from hetjax.allocator import tune_host_allocator
 from hetjax.checkpoint_state import StateSource, StoredState
 from hetjax.config import Config, ConfigError
 from hetjax.data import split_window
-from hetjax.memory import DeviceCache, Offload, plan_device, plan_host
+from hetjax.memory import DeviceCache, Offload, plan_device
+from hetjax.memory_host import plan_host
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.update_loop import UpdateLoop
 from hetjax.runtime import setup, state_io

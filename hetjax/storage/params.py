@@ -344,7 +344,7 @@ class NvmeParamStore:
         self._write_window = max(n for _, n in stage_pages.values()) * page_elems * 4
         self._reads: dict[str, Any] = {}
         # stage -> what ``get(stage, keep=True)`` handed out, for its next get (a block's
-        # backward): served from RAM, no second read (memory.kept_param_blocks)
+        # backward): served from RAM, no second read (memory_host.kept_param_blocks)
         self._kept: dict[str, Any] = {}
         self._published: dict[str, tuple] = {}  # stage -> (future, data): this step's
         # stage -> (future, data): writes into the committed generation a commit left in

@@ -10,7 +10,7 @@ B*T*D)`` in the compute dtype, one chunk per page. Backward takes the boundaries
 reverse order, and each ``get`` starts the reads of the next ``depth`` ones, so a read
 overlaps the backward of the blocks before it.
 
-Host RAM is bounded by :func:`hetjax.memory.swap_staging_bytes`: forward waits for the
+Host RAM is bounded by :func:`hetjax.memory_host.swap_staging_bytes`: forward waits for the
 oldest write while ``depth`` boundaries are in flight or held, and backward holds the
 boundary it takes plus ``depth`` read ahead. The last ``depth`` boundaries of a forward
 (slots ``slots - depth`` and up) are never written: they stay in RAM and backward, which
