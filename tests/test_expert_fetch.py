@@ -3,6 +3,7 @@ streamed MoE block copies only the experts its tokens were routed to, and trains
 as copying every expert does."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -114,20 +115,39 @@ def _without_expert_params(init):
     return wrapped
 
 
-def _skewed(runtime: StreamingRuntime, used: int) -> RuntimeState:
+def _skewed(runtime: StreamingRuntime, used: int, routers=(("blocks", "moe"),)) -> RuntimeState:
     """The runtime's params with every block's router sending each token to one of the
     first ``used`` experts: their columns are +/- a large multiple of one direction
     each, the other experts' zero, so a token's top expert is always one of the first
-    ones (top-1; a logit of 0 never wins over the +|a| one of a pair)."""
+    ones (top-1; a logit of 0 never wins over the +|a| one of a pair). ``routers``: the
+    paths of the routers' parent in the params (each (L, D, E))."""
     params = jax.tree.map(np.array, runtime.params())
-    router = params["blocks"]["moe"]["router"]  # (L, D, E)
     rng = np.random.default_rng(0)
-    router[...] = 0
-    for e in range(0, used, 2):
-        direction = rng.standard_normal(router.shape[1]) * 10
-        router[:, :, e], router[:, :, e + 1] = direction, -direction
+    for path in routers:
+        router = functools.reduce(dict.__getitem__, path, params)["router"]
+        router[...] = 0
+        for e in range(0, used, 2):
+            direction = rng.standard_normal(router.shape[1]) * 10
+            router[:, :, e], router[:, :, e + 1] = direction, -direction
     trace = jax.tree.map(np.zeros_like, params)  # SGD's momentum, before any step
-    return RuntimeState.from_trees({"master": params, "trace": trace}, [np.zeros((), np.int32)])
+    groups = runtime.model.groups
+    return RuntimeState.from_trees(
+        {"master": params, "trace": trace}, [np.zeros((), np.int32)], groups=groups
+    )
+
+
+def _moved(config, batch, skew) -> tuple[dict, float, dict]:
+    """A second training step of ``config`` on ``batch`` from the skewed params: the bytes
+    its copies moved (the timeline's count), its loss and its metrics."""
+    runtime = StreamingRuntime(config)
+    try:
+        runtime.load_state(skew(runtime))
+        runtime.train_step(batch)  # compiled; its copies are not counted
+        with timeline.recording(timeline.Recorder()) as rec:
+            report = runtime.train_step(batch)
+        return rec.finish().moved_bytes, report.loss, report.metrics
+    finally:
+        runtime.close()
 
 
 def test_a_skewed_router_copies_fewer_bytes(tiny):
@@ -143,19 +163,10 @@ def test_a_skewed_router_copies_fewer_bytes(tiny):
         config = _config(tiny, fetch).replace(
             optimizer=dict(name="sgd", lr=0.1), train=dict(grad_accum=1)
         )
-        runtime = StreamingRuntime(config)
-        try:
-            runtime.load_state(_skewed(runtime, 4))
-            runtime.train_step(batch)  # compiled; its copies are not counted
-            with timeline.recording(timeline.Recorder()) as rec:
-                report = runtime.train_step(batch)
-            moved[fetch] = rec.finish().moved_bytes
-            losses[fetch] = report.loss
-            if fetch == "routed":
-                fetched = report.metrics["experts_fetched"]
-            P = runtime.layouts["block"].page_elems
-        finally:
-            runtime.close()
+        moved[fetch], losses[fetch], metrics = _moved(config, batch, lambda r: _skewed(r, 4))
+        if fetch == "routed":
+            fetched = metrics["experts_fetched"]
+    P = 4096 // 4  # elements of a 4 KiB page
     np.testing.assert_allclose(losses["routed"], losses["all"], rtol=1e-6)
     cfg = config.model
     expert = 3 * cfg.d_model * cfg.d_ff * 4  # one expert's gate, up and down, fp32
@@ -171,6 +182,44 @@ def test_a_skewed_router_copies_fewer_bytes(tiny):
     rows = cfg.d_model * cfg.d_ff  # one expert's elements in one leaf
     grads = 2  # blocks
     assert d2h["all"] - d2h["routed"] >= grads * 3 * (12 * rows - 2 * P) * 4 > 0
+
+
+@pytest.mark.slow  # (29 s: the default run has T5's routed training and Llama's bytes)
+def test_t5_switch_blocks_with_a_skewed_router_copy_fewer_bytes(tiny):
+    """T5-MoE, the routers of both stacks sending every token to 4 of 16 experts: a
+    routed step copies exactly the other experts' bytes less host -> device, and their
+    gradients' pages wholly in them stay on the device, for the same loss."""
+    from test_t5 import t5_config
+
+    moe = dict(num_experts=16, experts_per_token=1, num_layers=2, num_decoder_layers=4)
+    moe |= dict(feed_forward_proj="relu", router_aux_loss_coef=0.0)
+    # one micro-batch of 2 windows of 2 x 8 tokens (the encoder's 8, the decoder's 8)
+    batch = np.random.default_rng(1).integers(0, 256, (1, 2, 16), dtype=np.int32)
+    routers = (("encoder", "sparse", "moe"), ("decoder", "sparse", "moe"))
+    skew = lambda runtime: _skewed(runtime, 4, routers)
+    moved, losses = {}, {}
+    for fetch in ("routed", "all"):
+        config = t5_config(tiny, **moe).replace(
+            train=dict(batch_size=2, grad_accum=1, seq_len=8),
+            optimizer=dict(name="sgd", lr=0.1),
+            offload=dict(mode="stream", expert_fetch=fetch),
+            memory=dict(page_size="4KiB"),
+        )
+        moved[fetch], losses[fetch], metrics = _moved(config, batch, skew)
+        if fetch == "routed":
+            fetched = metrics["experts_fetched"]
+    np.testing.assert_allclose(losses["routed"], losses["all"], rtol=1e-6)
+    cfg = config.model
+    rows = cfg.d_model * cfg.d_ff  # one expert's elements in one leaf (wi or wo)
+    # block copies: 3 blocks forward, 2 backward (the window keeps the last from its
+    # forward to its backward); at most 4 experts each
+    copies = 5
+    assert 0 < fetched <= 4 * copies
+    h2d = {f: m["host_to_device"] for f, m in moved.items()}
+    assert h2d["all"] - h2d["routed"] == (16 * copies - fetched) * 2 * rows * 4
+    d2h = {f: m["device_to_host"] for f, m in moved.items()}
+    P = 4096 // 4  # elements of a 4 KiB page
+    assert d2h["all"] - d2h["routed"] >= 3 * 2 * (12 * rows - 2 * P) * 4 > 0
 
 
 def test_routed_applies_to_streamed_recomputed_blocks_only(tiny):
