@@ -195,6 +195,11 @@ class Stages:
     def aux_loss(self, stats: jax.Array) -> jax.Array:
         return jnp.float32(0)
 
+    def is_expert(self, path: tuple[str, ...]) -> bool:
+        """Whether the block param at ``path`` (its keys) is an expert leaf: ``.../moe/
+        <name>`` for ``name`` in ``expert_params``, the experts on its first axis."""
+        return len(path) >= 2 and path[-2] == "moe" and path[-1] in self.expert_params
+
     def head_loss(
         self, head_params: Params, embed_params: Params, x: jax.Array, targets: jax.Array
     ) -> jax.Array:

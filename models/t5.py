@@ -190,9 +190,8 @@ class SwitchFeedForward(nn.Module):
         # (M,) each token's top expert: the router's, or the decision given
         chosen = jnp.argmax(probs, axis=-1) if routing is None else routing[0][:, 0]
         if self.route_only:
-            return chosen[:, None].astype(jnp.int32), jnp.bincount(chosen, length=E).astype(
-                jnp.int32
-            )
+            counts = jnp.bincount(chosen, length=E).astype(jnp.int32)
+            return chosen[:, None].astype(jnp.int32), counts
         local, group = E, chosen  # the experts held, and each token's row among them
         if self.held is not None:
             local, group = self.held, routing[1][chosen]

@@ -376,13 +376,12 @@ _HEAD_TEMPS = {4: (6.74, 6.27), 2: (7.22, 6.72)}  # per logit, per projection el
 
 
 def expert_param_count(model, shapes) -> int:
-    """The params of every block's experts (the leaves ``.../moe/<name>`` for ``name``
-    in the model's ``expert_params``), from the model's param shapes."""
+    """The params of every block's experts (the model's ``is_expert`` leaves), from the
+    model's param shapes."""
     total = 0
     for group in model.groups:
         for path, leaf in jax.tree_util.tree_leaves_with_path(shapes[group.key]):
-            names = [getattr(k, "key", None) for k in path]
-            if len(names) >= 2 and names[-2] == "moe" and names[-1] in model.expert_params:
+            if model.is_expert(tuple(getattr(k, "key", None) for k in path)):
                 total += math.prod(leaf.shape)
     return total
 

@@ -51,15 +51,11 @@ import numpy as np
 from hetjax.storage.pages import LeafBuffers, SlabLayout
 
 
-def expert_leaves(layout: SlabLayout, names: tuple[str, ...]) -> tuple[int, ...]:
-    """Slab indices of a MoE block's expert leaves, ``.../moe/<name>`` for ``names`` the
-    model's ``expert_params`` (Mixtral's ``{gate,up,down}_proj``, a Switch layer's
-    ``wi_0, wi_1, wo``), the experts on their first axis."""
-    return tuple(
-        k
-        for k, leaf in enumerate(layout.leaves)
-        if len(leaf.path) >= 2 and leaf.path[-2] == "moe" and leaf.path[-1] in names
-    )
+def expert_leaves(layout: SlabLayout, model) -> tuple[int, ...]:
+    """Slab indices of a MoE block's expert leaves (the model's ``is_expert``: Mixtral's
+    ``moe/{gate,up,down}_proj``, a Switch layer's ``moe/{wi_0,wi_1,wo}``), the experts
+    on their first axis."""
+    return tuple(k for k, leaf in enumerate(layout.leaves) if model.is_expert(leaf.path))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -170,7 +166,7 @@ class RoutedBlock:
     leave the device, and their norms; ``cotangent``: of the forward's results."""
 
     def __init__(self, model, g: int, layout: SlabLayout, jit, cast, cotangent):
-        at = expert_leaves(layout, model.expert_params)
+        at = expert_leaves(layout, model)
         if not at:  # the held rows would be taken for every expert's: wrong, not slow
             raise ValueError(
                 f"stage group {g}'s block has no expert leaves named .../moe/<one of "
@@ -279,18 +275,15 @@ class ExpertFetcher:
             self._zero_pages[key] = frozenset(np.flatnonzero(~touched).tolist())
         return self._zero_pages[key]
 
-    def take(self) -> dict[str, float | int]:
-        """The step's counts (and resets them): experts copied in (each copy of a block's
-        routed experts, forward and backward), their share of every expert of those
-        copies, and the bytes of expert rows copied."""
-        return ExpertFetchers({0: self}).take()
-
 
 class ExpertFetchers(dict):
     """The routed stage groups' fetchers, by group index (T5's encoder and decoder
     blocks differ), and the step's counts over all of them."""
 
     def take(self) -> dict[str, float | int]:
+        """The step's counts (and resets them): experts copied in (each copy of a block's
+        routed experts, forward and backward), their share of every expert of those
+        copies, and the bytes of expert rows copied."""
         fetched = sum(f.fetched for f in self.values())
         offered = sum(f.offered for f in self.values())
         out = {
