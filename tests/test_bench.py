@@ -251,7 +251,7 @@ def test_peer_quick(tmp_path, capsys):
     assert (
         rows["params + optimizer on NVMe"]["read_bytes"] > rows["optimizer on NVMe"]["read_bytes"]
     )
-    assert "host budget 512MiB: peak RSS" in capsys.readouterr().out
+    assert "host budget 256MiB: peak RSS" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # three training runs in child processes
