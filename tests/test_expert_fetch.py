@@ -22,6 +22,9 @@ from models import build_model
 # a routed block copies at most half its experts, whatever the router
 SPARSE = dict(MOE, num_experts=16, experts_per_token=1, max_seq_len=32)
 SHORT = dict(steps=3, eval_batches=1, batch_size=2, grad_accum=2, seq_len=8)
+# T5-MoE: one encoder block and two decoder blocks (each a dense and a sparse layer)
+T5_MOE = dict(num_experts=16, experts_per_token=1, num_layers=2, num_decoder_layers=4)
+T5_MOE |= dict(feed_forward_proj="relu", router_aux_loss_coef=0.02)
 
 
 def _config(tiny, fetch: str, **offload):
@@ -57,33 +60,21 @@ def test_routed_streaming_equals_fetching_every_expert(tiny, tmp_path):
 def test_t5_switch_blocks_stream_routed_as_fetching_every_expert(tiny, tmp_path):
     """T5-MoE: the Switch blocks of both stacks are routed (a dense layer, then a sparse
     one whose attention and router run first; a decoder block reads the encoder's output,
-    whose gradient its routed backward returns), with AdamW and params and state on
-    NVMe, and train as copying every expert does: losses, validation loss, every param
-    and the logits. 16 experts, top-1, 8 tokens a micro-batch: at most half are copied."""
+    whose gradient its routed backward returns) and train with AdamW as copying every
+    expert does: losses, validation loss, every param and the logits. 16 experts, top-1,
+    8 tokens a micro-batch: at most half are copied. (Routed blocks with params and state
+    on NVMe: the Llama test above; T5's which blocks and which leaves: the skewed-router
+    test below.)"""
     from test_t5 import t5_config, t5_tokens
 
-    moe = dict(num_experts=16, experts_per_token=1, router_aux_loss_coef=0.02)
-    moe |= dict(num_layers=2, num_decoder_layers=4, feed_forward_proj="relu")
-    offload = dict(mode="stream", optimizer="nvme", params="nvme")
     runs = {}
     for fetch in ("routed", "all"):
-        config = t5_config(tiny, **moe).replace(
+        config = t5_config(tiny, **T5_MOE).replace(
             train=dict(SHORT, seq_len=8),
             optimizer=dict(name="adamw"),
-            offload=dict(offload, expert_fetch=fetch),
+            offload=dict(mode="stream", expert_fetch=fetch),
             memory=dict(page_size="4KiB"),
         )
-        if fetch == "routed":
-            runtime = StreamingRuntime(config)
-            try:  # the encoder's one block and the decoder's two, each its stack's experts
-                assert runtime.routed == {"encoder0", "decoder0", "decoder1"}
-                layouts = {g: f.block.layout for g, f in runtime.experts.items()}
-                for g, fetcher in runtime.experts.items():
-                    paths = [layouts[g].leaves[k].path for k in fetcher.block.expert_leaves]
-                    assert paths == [("sparse", "moe", "wi"), ("sparse", "moe", "wo")]
-                assert layouts[0] is not layouts[1]
-            finally:
-                runtime.close()
         runs[fetch] = train(config, tmp_path / fetch, verbose=False)
     assert_training_equal(runs["routed"], runs["all"], build_model(config.model), t5_tokens())
     for record in runs["routed"].records:
@@ -136,11 +127,14 @@ def _skewed(runtime: StreamingRuntime, used: int, routers=(("blocks", "moe"),)) 
     )
 
 
-def _moved(config, batch, skew) -> tuple[dict, float, dict]:
+def _moved(config, batch, skew, check=None) -> tuple[dict, float, dict]:
     """A second training step of ``config`` on ``batch`` from the skewed params: the bytes
-    its copies moved (the timeline's count), its loss and its metrics."""
+    its copies moved (the timeline's count), its loss and its metrics. ``check``: called
+    with the runtime first."""
     runtime = StreamingRuntime(config)
     try:
+        if check is not None:
+            check(runtime)
         runtime.load_state(skew(runtime))
         runtime.train_step(batch)  # compiled; its copies are not counted
         with timeline.recording(timeline.Recorder()) as rec:
@@ -184,15 +178,14 @@ def test_a_skewed_router_copies_fewer_bytes(tiny):
     assert d2h["all"] - d2h["routed"] >= grads * 3 * (12 * rows - 2 * P) * 4 > 0
 
 
-@pytest.mark.slow  # (29 s: the default run has T5's routed training and Llama's bytes)
+@pytest.mark.slow  # (29 s cold; the default run has T5's routed training, Llama's bytes)
 def test_t5_switch_blocks_with_a_skewed_router_copy_fewer_bytes(tiny):
     """T5-MoE, the routers of both stacks sending every token to 4 of 16 experts: a
     routed step copies exactly the other experts' bytes less host -> device, and their
     gradients' pages wholly in them stay on the device, for the same loss."""
     from test_t5 import t5_config
 
-    moe = dict(num_experts=16, experts_per_token=1, num_layers=2, num_decoder_layers=4)
-    moe |= dict(feed_forward_proj="relu", router_aux_loss_coef=0.0)
+    moe = dict(T5_MOE, router_aux_loss_coef=0.0)
     # one micro-batch of 2 windows of 2 x 8 tokens (the encoder's 8, the decoder's 8)
     batch = np.random.default_rng(1).integers(0, 256, (1, 2, 16), dtype=np.int32)
     routers = (("encoder", "sparse", "moe"), ("decoder", "sparse", "moe"))
@@ -205,7 +198,8 @@ def test_t5_switch_blocks_with_a_skewed_router_copy_fewer_bytes(tiny):
             offload=dict(mode="stream", expert_fetch=fetch),
             memory=dict(page_size="4KiB"),
         )
-        moved[fetch], losses[fetch], metrics = _moved(config, batch, skew)
+        check = _t5_routed if fetch == "routed" else None
+        moved[fetch], losses[fetch], metrics = _moved(config, batch, skew, check)
         if fetch == "routed":
             fetched = metrics["experts_fetched"]
     np.testing.assert_allclose(losses["routed"], losses["all"], rtol=1e-6)
@@ -279,3 +273,14 @@ def test_the_planner_expects_the_routed_share_or_reads_the_measured_one(tmp_path
     assert measured_expert_fraction(tmp_path) == 0.5
     measured = make_plan(config, hw, expert_fraction=measured_expert_fraction(tmp_path))
     assert "50% of its experts" in measured.table() and "measured" in measured.table()
+
+
+def _t5_routed(runtime: StreamingRuntime) -> None:
+    """T5-MoE's routed blocks: the encoder's one and the decoder's two, each group's
+    fetcher with its own layout and its sparse layer's expert leaves."""
+    assert runtime.routed == {"encoder0", "decoder0", "decoder1"}
+    layouts = {g: f.block.layout for g, f in runtime.experts.items()}
+    assert layouts[0] is not layouts[1]
+    for g, fetcher in runtime.experts.items():
+        paths = [layouts[g].leaves[k].path for k in fetcher.block.expert_leaves]
+        assert paths == [("sparse", "moe", "wi"), ("sparse", "moe", "wo")]
