@@ -216,6 +216,17 @@ def test_t5_switch_blocks_with_a_skewed_router_copy_fewer_bytes(tiny):
     assert d2h["all"] - d2h["routed"] >= 3 * 2 * (12 * rows - 2 * P) * 4 > 0
 
 
+def _t5_routed(runtime: StreamingRuntime) -> None:
+    """T5-MoE's routed blocks: the encoder's one and the decoder's two, each group's
+    fetcher with its own layout and its sparse layer's expert leaves."""
+    assert runtime.routed == {"encoder0", "decoder0", "decoder1"}
+    layouts = {g: f.block.layout for g, f in runtime.experts.items()}
+    assert layouts[0] is not layouts[1]
+    for g, fetcher in runtime.experts.items():
+        paths = [layouts[g].leaves[k].path for k in fetcher.block.expert_leaves]
+        assert paths == [("sparse", "moe", "wi"), ("sparse", "moe", "wo")]
+
+
 def test_routed_applies_to_streamed_recomputed_blocks_only(tiny):
     """Kept blocks (whole on the device from forward to backward) and expert-parallel
     or dense models are not routed; a bad expert_fetch value is named."""
@@ -273,14 +284,3 @@ def test_the_planner_expects_the_routed_share_or_reads_the_measured_one(tmp_path
     assert measured_expert_fraction(tmp_path) == 0.5
     measured = make_plan(config, hw, expert_fraction=measured_expert_fraction(tmp_path))
     assert "50% of its experts" in measured.table() and "measured" in measured.table()
-
-
-def _t5_routed(runtime: StreamingRuntime) -> None:
-    """T5-MoE's routed blocks: the encoder's one and the decoder's two, each group's
-    fetcher with its own layout and its sparse layer's expert leaves."""
-    assert runtime.routed == {"encoder0", "decoder0", "decoder1"}
-    layouts = {g: f.block.layout for g, f in runtime.experts.items()}
-    assert layouts[0] is not layouts[1]
-    for g, fetcher in runtime.experts.items():
-        paths = [layouts[g].leaves[k].path for k in fetcher.block.expert_leaves]
-        assert paths == [("sparse", "moe", "wi"), ("sparse", "moe", "wo")]
