@@ -13,6 +13,7 @@ from hetjax.config import Config, ConfigError
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy
 from hetjax.planning.hardware import Hardware
 from hetjax.runtime import remat, stages
+from hetjax.runtime.routed import expert_leaves
 from hetjax.runtime.stages import stage_layouts
 from models import attention, build_model
 from models.llama import split_experts
@@ -234,8 +235,12 @@ class Workload:
         )
         # expert-aware streaming: one device (ZeRO-3 gathers whole pages)
         routed = model.expert_routing and config.offload.expert_fetch == "routed"
-        routed_experts = expert_param_count(model, shapes) // L if routed else 0
-        routed_experts = routed_experts if devices == 1 else 0
+        routed_experts = 0
+        if routed and devices == 1:  # the leaves the runtime routes (routed.py), per block
+            expert_sizes = lambda B: sum(B.leaves[k].size for k in expert_leaves(B, model))
+            routed_experts = sum(
+                g.num_layers * expert_sizes(layouts[g.name]) for g in model.groups
+            ) // L  # fmt: skip
         if expert_fraction is None:
             fraction = expected_expert_fraction(m.num_experts, m.experts_per_token, tokens)
             source = f"uniform routing of {tokens} tokens"
@@ -373,17 +378,6 @@ _BLOCKWISE_TEMPS = {  # (family, compute bytes): per activation, MLP, tile, para
     ("llama", 2): (63.84, 12.89, 11.54, 3.21),
 }
 _HEAD_TEMPS = {4: (6.74, 6.27), 2: (7.22, 6.72)}  # per logit, per projection element
-
-
-def expert_param_count(model, shapes) -> int:
-    """The params of every block's experts (the model's ``is_expert`` leaves), from the
-    model's param shapes."""
-    total = 0
-    for group in model.groups:
-        for path, leaf in jax.tree_util.tree_leaves_with_path(shapes[group.key]):
-            if model.is_expert(tuple(getattr(k, "key", None) for k in path)):
-                total += math.prod(leaf.shape)
-    return total
 
 
 def estimate_working_set(

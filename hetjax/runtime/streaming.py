@@ -105,6 +105,7 @@ class StreamingRuntime:
         # each block's group, and the first block of each group, in forward order
         self.group_of = [g for g, group in enumerate(groups) for _ in range(group.num_layers)]
         self.group_start = [self.group_of.index(g) for g in range(len(groups))]
+        self.stage_group = dict(zip(self.block_names, self.group_of, strict=True))
         self.stage_names = ["embed", *self.block_names, "head"]
         self.update_order = ["head", *reversed(self.block_names), "embed"]  # backward order
         # The device cache of optimizer state: the first stages in forward order, the
@@ -256,7 +257,7 @@ class StreamingRuntime:
         """A stage's params from the param store -> as its functions compute with them
         (a routed block: its leaves but the experts, ``routed.RoutedSlab``)."""
         if stage in self.routed:
-            return self.experts[self.group_of[self.block_names.index(stage)]].dense(slab)
+            return self.experts[self.stage_group[stage]].dense(slab)
         return self.placement.to_device(slab, self.layouts[layout_name(stage)])
 
     def _routed_forward(self, group, slab, x, context):
