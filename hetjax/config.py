@@ -442,6 +442,23 @@ class Config:
                 f"must divide evenly over {over} devices; make batch_size / grad_accum a "
                 f"multiple of it ({dist.devices})"
             )
+        chunks = self.offload.batch_chunks
+        rows = self.train.micro_batch_size // dist.devices
+        if chunks > 1 and rows % chunks:
+            raise ConfigError(
+                f"config key 'offload.batch_chunks' ({chunks}) must divide a device's rows "
+                f"of a micro-batch ({rows}: train.batch_size {self.train.batch_size} / "
+                f"train.grad_accum {self.train.grad_accum}"
+                + (f" / {dist.devices} devices" if dist.devices > 1 else "")
+                + "); choose a divisor of it"
+            )
+        if chunks > 1 and (self.model.num_experts or self.model.encoder_decoder):
+            kind = "a mixture of experts" if self.model.num_experts else "an encoder-decoder"
+            raise ConfigError(
+                f"config key 'offload.batch_chunks' ({chunks}): chunks need blocks whose "
+                f"rows are independent, and {kind} model's are not (its blocks pool "
+                "router statistics or take the encoder's output as a context); leave it 1"
+            )
         if dist.sharded and self.offload.keep_blocks:
             raise ConfigError(
                 "config key 'offload.keep_blocks': kept activations are not supported with "

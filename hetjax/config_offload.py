@@ -70,6 +70,16 @@ class OffloadConfig:
     for forward and again for backward (``hetjax/runtime/routed.py``); equal to
     ``all``, which copies every expert with the rest of the block. ``offload.mode=auto``
     routes only where the planner predicts a gain (``planning/cost.py``).
+
+    ``batch_chunks``: the blocks that recompute and the head run each micro-batch in
+    this many equal chunks of its rows, one after the other with the stage's params on
+    the device (``hetjax/runtime/chunks.py``): the device holds one chunk's temporaries
+    (a block's MLP activations, the head's logits), while params are still streamed
+    once a micro-batch (``train.grad_accum`` streams them once per micro-batch). The
+    block gradients are summed over the chunks in place, in
+    ``memory.block_grad_dtype``. For blocks whose rows are independent (no mixture of
+    experts, one stage group); not with kept or swapped blocks. ``offload.mode=auto``
+    chunks only where the device cannot hold a whole micro-batch's working set.
     """
 
     mode: str = "auto"
@@ -91,6 +101,8 @@ class OffloadConfig:
     optimizer_device_stages: int = 0
     # stream, a MoE block: copy only the experts its tokens were routed to, or all
     expert_fetch: str = "routed"
+    # stream: recomputed blocks and the head run each micro-batch in N chunks of rows
+    batch_chunks: int = 1
 
     def __post_init__(self):
         _choice("offload", "mode", self.mode, OFFLOAD_MODES)
@@ -124,6 +136,25 @@ class OffloadConfig:
                 f"config key 'offload.keep_level' is {self.keep_level!r}, which applies to "
                 "the blocks that keep their in-block activations, but offload.keep_blocks "
                 "is 0; set offload.keep_blocks to how many blocks keep them"
+            )
+        _check(self.batch_chunks >= 1, "offload.batch_chunks", "must be >= 1", self.batch_chunks)
+        if self.batch_chunks > 1 and self.mode != "stream":
+            raise ConfigError(
+                f"config key 'offload.batch_chunks' ({self.batch_chunks}) splits the "
+                f"streaming executor's stages, but offload.mode is {self.mode!r}: "
+                + (
+                    "with offload.mode=auto the planner chooses it; leave it 1, or set "
+                    "offload.mode=stream to choose it yourself"
+                    if self.mode == "auto"
+                    else "leave it 1 (train.grad_accum splits the batch of one jitted step)"
+                )
+            )
+        if self.batch_chunks > 1 and (self.keep_blocks or self.swap_blocks):
+            key = "keep_blocks" if self.keep_blocks else "swap_blocks"
+            raise ConfigError(
+                f"config key 'offload.batch_chunks' ({self.batch_chunks}): blocks that keep "
+                f"or swap their activations run whole micro-batches, but offload.{key} is "
+                f"{getattr(self, key)}; leave one of them at its default"
             )
         _check(
             self.optimizer_device_stages >= 0,

@@ -166,6 +166,36 @@ def test_stream_equals_none_with_grad_accum(
     assert_gpt_training_equal(result, accum_reference, build_model(config.model), check_tokens())
 
 
+@pytest.fixture(scope="module")
+def sgd_reference(tmp_path_factory):
+    from conftest import tiny_config
+
+    config = tiny_config(optimizer=ACCUM_SGD)
+    return train(config, tmp_path_factory.mktemp("sgd"), verbose=False)
+
+
+# Default-run representative: [2] (chunks of the micro-batch's rows, params on the host).
+@pytest.mark.parametrize(
+    "offload",
+    [
+        dict(batch_chunks=2),
+        pytest.param(
+            dict(batch_chunks=4, activations="host", params="nvme", optimizer="nvme"),
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["2", "4_host_nvme"],
+)
+def test_batch_chunks_equal_none(sgd_reference, tiny, tmp_path, offload):
+    """offload.batch_chunks: the recomputed blocks and the head run the micro-batch in
+    chunks of rows, their gradients summed over the chunks (ACCUM_SGD: the sums round
+    differently from the whole batch's dots, which SGD compares at 1e-5; AdamW would
+    amplify them, as for train.grad_accum)."""
+    config = tiny(optimizer=ACCUM_SGD, offload=dict(mode="stream", **offload))
+    result = train(config, tmp_path, verbose=False)
+    assert_gpt_training_equal(result, sgd_reference, build_model(config.model), check_tokens())
+
+
 # -- bf16 and fp16 compute (the GPU fast path) -------------------------------------------
 #
 # Offloaded vs in memory in the same compute dtype, the host tier (optimizer state and

@@ -36,6 +36,7 @@ def trace(
         layouts,
         lambda fn: jax.jit(fn, out_shardings=dev),
         lambda pages, dtype: [p.astype(dtype) for p in pages],
+        batch_chunks=config.offload.batch_chunks,
     )
     rows = max(1, t.micro_batch_size // devices)  # one device's rows of a micro-batch
     sizes = fns.memory_sizes(rows, t.seq_len, dtype)

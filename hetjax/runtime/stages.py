@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from hetjax.config import KEEP_LEVELS, SWAP_LEVELS, ConfigError
-from hetjax.runtime import remat
+from hetjax.runtime import chunks, remat
 from hetjax.runtime.experts import ExpertSlabLayout
 from hetjax.runtime.routed import RoutedBlock
 from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems
@@ -190,9 +190,16 @@ class GroupFunctions:
     ``keep_level`` keeps, ``remat.py``) with the output, and ``block_bwd_kept`` applies
     it, recomputing only what the level did not keep, for the cost of holding the
     residuals on the device until backward (``offload.keep_blocks``).
-    ``kept_forward(level)`` is ``block_fwd_keep`` at any level (the tracer times each)."""
+    ``kept_forward(level)`` is ``block_fwd_keep`` at any level (the tracer times each).
+    With ``batch_chunks`` > 1, ``block_fwd`` and ``block_bwd`` run the micro-batch's
+    rows in that many chunks (``chunks.py``), their block gradient summed in
+    ``grad_dtype``; kept and swapped blocks run whole (the config allows neither with
+    chunks)."""
 
-    def __init__(self, model, g: int, layouts, jit, out, cast, keep_level: str):
+    def __init__(
+        self, model, g: int, layouts, jit, out, cast, keep_level: str, batch_chunks: int = 1,
+        grad_dtype=F32,
+    ):  # fmt: skip
         m, group = model, model.groups[g]
         E, B = layouts["embed"], layouts[group.name]
         self.group, self.index, self.layout = group, g, B
@@ -224,10 +231,20 @@ class GroupFunctions:
             db, dx, dc = vjp(cotangent(dy, dstats))
             return block_grad(db), dx, jax.tree.map(jnp.add, dcontext, dc)
 
+        n = batch_chunks
+        run_fwd, run_bwd = block_fwd, block_bwd
+        if n > 1:
+            run_fwd = batch_means(1)(chunks.forward(block_fwd, n))
+            in_chunks = chunks.backward(block_fwd, n, cotangent, B.grad_pages, grad_dtype)
+
+            def run_bwd(b, x, dy, dstats=None, context=(), dcontext=()):
+                db, dx, dc = in_chunks(b, x, dy, dstats, context, dcontext)
+                return cast(db), dx, dc
+
         self.input_fwd = jit(input_fwd)
         self.input_bwd = jit(input_bwd)
-        self.block_fwd = jit(block_fwd)
-        self.block_bwd = jit(block_bwd)
+        self.block_fwd = jit(run_fwd)
+        self.block_bwd = jit(run_bwd)
         self.block_bwd_kept = jax.jit(block_bwd_kept)  # any level's vjp
         # the first backward's sum so far: zeros shaped as the context
         self.zero_context = jit(lambda context: jax.tree.map(jnp.zeros_like, context))
@@ -283,7 +300,9 @@ class StageFunctions:
     runs only inside its ``jit``), so :meth:`memory_sizes` does not size them. Every backward
     returns each gradient as ``(gradient, its pages' squared norms)``
     (:func:`page_squared_norms`): the host never takes a norm of a gradient the device
-    already holds (``grads.py``).
+    already holds (``grads.py``). ``batch_chunks`` > 1: the blocks' streamed forward and
+    backward and the head run the micro-batch in that many chunks of rows
+    (``chunks.py``: the working set of one chunk, the params fetched once).
     """
 
     def __init__(
@@ -295,9 +314,11 @@ class StageFunctions:
         block_grad_dtype=F32,
         keep_level: str = "all",
         kept_blocks: bool = True,
+        batch_chunks: int = 1,
     ):
         E, H = layouts["embed"], layouts["head"]
-        self.kept_blocks = kept_blocks
+        chunks.check(model, batch_chunks)
+        self.kept_blocks, self.batch_chunks = kept_blocks, batch_chunks
 
         def out(pages, dtype=F32):  # a gradient as it leaves the device, and its norms
             grad = grad_slab(pages, dtype)
@@ -308,14 +329,28 @@ class StageFunctions:
         m = model
         self.stats_size = m.stats_size  # 0: no auxiliary loss (aux_fwd_bwd is not needed)
         self.groups = [
-            GroupFunctions(m, g, layouts, jit, out, cast, keep_level) for g in range(len(m.groups))
+            GroupFunctions(
+                m, g, layouts, jit, out, cast, keep_level, batch_chunks, block_grad_dtype
+            )
+            for g in range(len(m.groups))
         ]
         first = self.groups[0]
 
         def head_loss(h, e, x, targets):
             return m.head_loss(H.unflatten_pages(h), E.unflatten_pages(e), x, targets)
 
+        def head_loss_chunked(h, e, x, targets):  # the mean of equal chunks' means
+            one = lambda rows: head_loss(h, e, *rows)
+            n = batch_chunks
+            return jnp.mean(jax.lax.map(one, (chunks.split(x, n), chunks.split(targets, n))))
+
         def head_fwd_bwd(h, e, x, targets, scale):
+            if batch_chunks > 1:
+                run = chunks.head_backward(
+                    head_loss, batch_chunks, H.grad_pages, E.grad_pages
+                )
+                loss, dh, de, dx = run(h, e, x, targets, scale)
+                return loss, out(dh), out(de), dx
             loss, vjp = jax.vjp(lambda h, e, x: head_loss(h, e, x, targets), h, e, x)
             dh, de, dx = vjp(scale)  # scale: the fp16 loss scale, else 1
             return loss, out(H.grad_pages(dh)), out(E.grad_pages(de)), dx
@@ -334,7 +369,7 @@ class StageFunctions:
             _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
             return out(E.grad_pages(vjp(dx)[0]))
 
-        self.head_loss = jit(head_loss)
+        self.head_loss = jit(head_loss_chunked if batch_chunks > 1 else head_loss)
         self.head_fwd_bwd = jit(head_fwd_bwd)
         self.aux_fwd_bwd = jit(aux_fwd_bwd)
         self.embed_fwd = jit(embed_fwd)

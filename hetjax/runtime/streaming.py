@@ -129,6 +129,7 @@ class StreamingRuntime:
             memory.block_grad_dtype(config),
             off.keep_level,
             kept_blocks=not config.distributed.sharded,
+            batch_chunks=off.batch_chunks,
         )
         self.fns.check_keep_level(off, t.micro_batch_size, t.seq_len, self.compute_dtype)
         if off.swap_blocks and len(groups) > 1:

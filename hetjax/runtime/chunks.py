@@ -1,0 +1,119 @@
+"""A stage function run over its micro-batch in chunks of rows (``offload.batch_chunks``).
+
+A block's backward holds temporaries that grow with the micro-batch's tokens (the MLP's
+(B, T, F) activation and its gradient, the attention's q, k, v and theirs...), and so
+does the head's (the (B, T, V) logits). Run over the micro-batch's rows in ``n`` equal
+chunks, one after the other inside the same jit (a ``lax.scan``), a stage holds one
+chunk's: the working set's activation terms shrink by ``n`` while the stage's params
+stay on the device for every chunk, so they are streamed once a micro-batch as before.
+(``train.grad_accum`` splits the batch too, but each micro-batch streams every stage's
+params again.)
+
+The gradient of a stage's params is the sum of its chunks' gradients, accumulated in
+place in the gradient slab the backward returns (the loop's carry is the result):
+nothing param-sized is added to the working set. The sum is exact in fp32 up to
+reassociation; in bf16 (``memory.block_grad_dtype``) each chunk's gradient is rounded
+to bf16 before the sum, ``n`` roundings where the whole micro-batch's dot rounds once.
+
+Only for blocks whose rows are independent: no statistics pooled over the micro-batch
+(a mixture of experts' auxiliary loss and capacity), no context (T5's encoder output).
+A stage's results are the whole micro-batch's: rows concatenated, the loss the mean of
+the chunks' means (equal chunks: the micro-batch's mean).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hetjax.config import ConfigError
+
+
+def split(a: jax.Array, n: int) -> jax.Array:
+    """(B, ...) -> (n, B / n, ...): the chunks a scan runs over."""
+    return a.reshape(n, a.shape[0] // n, *a.shape[1:])
+
+
+def join(a: jax.Array) -> jax.Array:
+    """(n, B / n, ...) -> (B, ...)."""
+    return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
+def check(model, n: int) -> None:
+    """Raises ``ConfigError`` when ``model``'s blocks cannot run in ``n`` chunks of rows."""
+    if n == 1:
+        return
+    why = None
+    if model.stats_size:
+        why = "its blocks pool statistics over the micro-batch (an auxiliary loss)"
+    elif len(model.groups) > 1:
+        why = "it has several stage groups, whose blocks take a context"
+    if why:
+        raise ConfigError(
+            f"config key 'offload.batch_chunks' ({n}): the model's blocks must treat the "
+            f"micro-batch's rows independently, but {why}; leave it 1 (train.grad_accum "
+            "splits the batch instead)"
+        )
+
+
+def forward(block_fwd, n: int):
+    """``block_fwd(b, x, context) -> (y, stats)`` over ``n`` chunks of x's rows."""
+
+    def run(b, x, context=()):
+        y, stats = jax.lax.map(lambda rows: block_fwd(b, rows, context), split(x, n))
+        return join(y), jnp.mean(stats, axis=0)
+
+    return run
+
+
+def backward(block_fwd, n: int, cotangent, grad_pages, dtype):
+    """A block's backward over ``n`` chunks of rows: each chunk recomputes its inside
+    from its rows of the input, then runs its vjp; the param gradient pages
+    (``grad_pages(db)``) are summed over the chunks in ``dtype``, in place. Returns
+    ``(gradient pages, dx, dcontext)`` as the whole block's backward (no context)."""
+
+    def run(b, x, dy, dstats=None, context=(), dcontext=()):
+        def chunk(acc, rows):
+            xc, dyc = rows
+            _, vjp = jax.vjp(block_fwd, b, xc, context)
+            db, dx, _ = vjp(cotangent(dyc, dstats))
+            pages = grad_pages(db)
+            return [a + p.astype(dtype) for a, p in zip(acc, pages, strict=True)], dx
+
+        zeros = [jnp.zeros(p.shape, dtype) for p in jax.eval_shape(grad_pages, b_like(b))]
+        db, dx = jax.lax.scan(chunk, zeros, (split(x, n), split(dy, n)))
+        return db, join(dx), dcontext
+
+    return run
+
+
+def b_like(b):
+    """The gradient's structure is the params': their abstract shapes."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), b)
+
+
+def head_backward(head_loss, n: int, head_pages, embed_pages):
+    """The head's loss and backward over ``n`` chunks of rows: ``head_loss(h, e, x,
+    targets)`` the mean token loss. Returns ``(loss, dh pages, de pages, dx)``: the
+    loss the mean of the chunks' (the micro-batch's mean), the param gradients summed
+    in fp32 in place. ``head_pages(dh)`` / ``embed_pages(de)`` lay a gradient out in
+    pages."""
+
+    def run(h, e, x, targets, scale):
+        def chunk(acc, rows):
+            xc, tc = rows
+            loss, vjp = jax.vjp(lambda h, e, x: head_loss(h, e, x, tc), h, e, xc)
+            dh, de, dx = vjp(scale / n)  # d(mean of n means) / d(one chunk's mean)
+            dh, de = head_pages(dh), embed_pages(de)
+            acc_h, acc_e, total = acc
+            add = lambda acc, g: [a + p.astype(a.dtype) for a, p in zip(acc, g, strict=True)]
+            return (add(acc_h, dh), add(acc_e, de), total + loss.astype(jnp.float32)), dx
+
+        zeros = lambda pages, tree: [
+            jnp.zeros(p.shape, jnp.float32) for p in jax.eval_shape(pages, b_like(tree))
+        ]
+        start = (zeros(head_pages, h), zeros(embed_pages, e), jnp.zeros((), jnp.float32))
+        (dh, de, total), dx = jax.lax.scan(chunk, start, (split(x, n), split(targets, n)))
+        return total / n, dh, de, join(dx)
+
+    return run
