@@ -109,6 +109,31 @@ def test_keep_level_needs_kept_blocks():
         Config().override(stream)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"offload.batch_chunks": "0"}, r"'offload.batch_chunks' must be >= 1"),
+        ({"offload.mode": "none"}, r"'offload.batch_chunks' \(2\).*offload.mode is 'none'"),
+        ({"offload.mode": "auto"}, r"'offload.batch_chunks' \(2\).*planner chooses it"),
+        ({"offload.keep_blocks": "1"}, r"'offload.batch_chunks' \(2\).*offload.keep_blocks is 1"),
+        ({"offload.swap_blocks": "1"}, r"'offload.batch_chunks' \(2\).*offload.swap_blocks is 1"),
+        ({"train.batch_size": "6", "train.grad_accum": "2"}, r"'offload.batch_chunks' \(2\) must divide.*\(3: train"),
+        (
+            {"distributed.data_parallel": "4", "train.batch_size": "4"},
+            r"'offload.batch_chunks' \(2\) must divide a device's rows.*\(1: .* / 4 devices",
+        ),
+        ({"model.family": "llama", "model.num_experts": "4"}, r"'offload.batch_chunks' \(2\).*a mixture of experts"),
+        ({"model.family": "t5", "data.objective": "prefix_lm"}, r"'offload.batch_chunks' \(2\).*an encoder-decoder"),
+    ],
+)
+def test_batch_chunks_errors(overrides, message):
+    base = {"offload.mode": "stream", "offload.batch_chunks": "2", "train.batch_size": "8",
+            "train.grad_accum": "1"}  # fmt: skip
+    assert Config().override(base).offload.batch_chunks == 2
+    with pytest.raises(ConfigError, match=message):
+        Config().override({**base, **overrides})
+
+
 def test_parse_bytes():
     assert parse_bytes("512MiB") == 512 * 2**20
     assert parse_bytes("1.5GB") == 1_500_000_000

@@ -36,6 +36,9 @@ class Candidate:
     swap_tier: str = "host"  # host | nvme
     # a MoE's streamed blocks copy only their routed experts (offload.expert_fetch)
     expert_fetch: str = "all"
+    # the recomputed blocks and the head run the micro-batch in N chunks of rows
+    # (offload.batch_chunks): one chunk's working set, no keep or swap
+    batch_chunks: int = 1
 
     def offload(self) -> Offload:
         """The candidate's placement as the memory model takes it."""
@@ -65,6 +68,7 @@ class Candidate:
             + tiers[self.activations]
             + 0.1 * self.prefetch_depth
             + ((0.5 + tiers[self.swap_tier] - 1) if self.swap_blocks else 0.0)  # part way
+            + 0.01 * (self.batch_chunks - 1)  # smaller kernels than the whole batch's
         )
 
 
@@ -103,7 +107,7 @@ def lanes(
     compute_b += swapped * st[kept_key(c.swap_level)] if swapped else 0.0
     compute_b += st["embed_bwd"]
     frac = 1.0 / n
-    sizes = memory_sizes(w, n)
+    sizes = memory_sizes(w, n, c.batch_chunks)
     cache = DeviceCache.of(sizes, o)
     resident = max(c.resident_blocks, cache.blocks)
     streamed_f = L - resident

@@ -98,6 +98,7 @@ class Plan:
                 swap_tier=c.swap_tier,
                 optimizer_device_stages=c.device_stages,
                 expert_fetch=c.expert_fetch,
+                batch_chunks=c.batch_chunks,
             )
         )
 
@@ -147,6 +148,12 @@ class Plan:
                     f"(offload.optimizer_device_stages={k}): "
                     f"{format_bytes(self.device.get('optimizer', 0))} with their gradients "
                     "and new params; updated there, no gradient copy"
+                )
+            if c.batch_chunks > 1:
+                lines.append(
+                    f"  the recomputed blocks and the head run each micro-batch in "
+                    f"{c.batch_chunks} chunks of rows (offload.batch_chunks={c.batch_chunks}): "
+                    "one chunk's working set, params fetched once"
                 )
             if self.optimizer_cache:
                 lines.append(
@@ -215,7 +222,7 @@ def footprint(w: Workload, c: Candidate, limit: dict[str, int], n: int = 1) -> F
     """Candidate ``c`` on ``n`` data-parallel devices within the tier budgets ``limit``,
     planned by the same functions the runtimes plan with (``hetjax/memory.py``); None
     when it does not fit."""
-    s = memory_sizes(w, n)
+    s = memory_sizes(w, n, c.batch_chunks)
     if c.mode == "none":
         device = in_memory_parts(s, c.remat)
         return Footprint(c, device, {}, {}) if sum(device.values()) <= limit["device"] else None
@@ -309,6 +316,11 @@ def _candidates(w: Workload, one_device: bool):
                     "stream", False, params, optimizer, acts, depth, 0, keep, level,
                     swap_blocks=swap, swap_level=swap_level, swap_tier=tier,
                 )  # fmt: skip
+            # every block recomputing, in chunks of rows (offload.batch_chunks: not with
+            # kept or swapped blocks)
+            for n in sorted(w.chunked_working_sets):
+                if n > 1:
+                    yield Candidate("stream", False, params, optimizer, acts, depth, batch_chunks=n)
 
 
 def _cache_variants(w: Workload, hw: Hardware, c: Candidate):
@@ -414,7 +426,8 @@ def _shortfall(config: Config, w: Workload, hw: Hardware, limit: dict[str, int])
     """Why nothing fits: the smallest footprint per tier, tier by tier."""
     state = "nvme" if hw.nvme_capacity else "host"  # params and optimizer state
     acts = ("nvme", "host") if hw.num_devices == 1 and hw.nvme_capacity else ("host",)
-    s = memory_sizes(w, hw.num_devices)
+    # the smallest working set: the most chunks of rows the workload allows
+    s = memory_sizes(w, hw.num_devices, max([w.batch_chunks, *w.chunked_working_sets]))
     smallest = []  # boundaries on NVMe need the least host, on the host the least NVMe
     for a in acts:
         o = Candidate("stream", False, state, state, a, 0, 0, 0).offload()

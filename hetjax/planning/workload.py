@@ -19,6 +19,10 @@ from models import attention, build_model
 from models.llama import split_experts
 
 
+# offload.batch_chunks the planner tries (those that divide a device's rows)
+CHUNK_COUNTS = (1, 2, 4, 8, 16)
+
+
 def kept_key(level: str) -> str:
     """The stage time of a kept block's backward at keep ``level``."""
     return "block_bwd_kept" if level == "all" else f"block_bwd_kept_{level}"
@@ -75,6 +79,17 @@ class Workload:
     routed_expert_params: int = 0
     expert_fetch_fraction: float = 1.0
     expert_fetch_source: str = ""  # where that share comes from (the plan table says)
+    # offload.batch_chunks: the chunks of rows ``working_set`` is for (the config's), and
+    # the working set at each other chunk count the planner may choose (a divisor of a
+    # device's rows; empty where the blocks' rows are not independent, runtime/chunks.py)
+    batch_chunks: int = 1
+    chunked_working_sets: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def working_set_in(self, chunks: int) -> int:
+        """The working set with the micro-batch in ``chunks`` chunks of rows."""
+        if chunks == self.batch_chunks:
+            return self.working_set
+        return self.chunked_working_sets[chunks]
 
     @property
     def kept_block(self) -> int:
@@ -188,6 +203,23 @@ class Workload:
         # attention layers per block, averaged over every block (a T5 decoder block has
         # two: self and cross)
         attentions = model.attention_layers() / L
+        n_chunks = config.offload.batch_chunks
+        # chunk counts the planner may choose: divisors of a device's rows, for blocks
+        # whose rows are independent (config.py refuses the others)
+        separable = not (m.num_experts or m.encoder_decoder or model.stats_size)
+        separable = separable and len(model.groups) == 1
+        chunk_counts = [n for n in CHUNK_COUNTS if b % n == 0] if separable else []
+
+        # Expert parallelism adds the exchange's fixed-capacity rows: G x a device's
+        # (token, expert) pairs, through the send and receive buffers, their sorted copy
+        # and result (D wide) and the experts' gate, up and activation (F wide); an
+        # estimate from the buffers' shapes (not fitted), the runtime measures.
+        def estimate(chunks: int) -> float:
+            at = math.ceil(attentions)
+            return estimate_working_set(
+                m, b, T, block_used, count(shapes["embed"]), backend, at, chunks
+            ) + (G * tokens * m.experts_per_token * (4 * D + 3 * m.ff_dim) * c if G > 1 else 0)
+
         if sizes is None:
             # The residuals of one block's vjp at each keep level, from abstract shapes
             # (its params unflattened, in the compute dtype): the largest group's at
@@ -207,19 +239,16 @@ class Workload:
                     pad = layouts[group.name].compute_size - used[group.name]
                     n += 0 if level == "all" else pad * c
                     kept[level] = max(kept.get(level, 0), n)
-            working = estimate_working_set(
-                m, b, T, block_used, count(shapes["embed"]), backend, math.ceil(attentions)
-            )
-            if G > 1:  # the exchange's fixed-capacity rows: G x a device's (token, expert)
-                # pairs, through the send and receive buffers, their sorted copy and
-                # result (D wide) and the experts' gate, up and activation (F wide); an
-                # estimate from the buffers' shapes (not fitted), the runtime measures
-                working += G * tokens * m.experts_per_token * (4 * D + 3 * m.ff_dim) * c
+            working = estimate(n_chunks)
             boundary = tokens * D * c
             context = stages.context_bytes(model, b, T)
         else:
             kept, working, boundary = sizes.kept, sizes.working_set, sizes.boundary
             context = sizes.context
+        # The other chunk counts' working sets: estimated; scaled to the measured one
+        # where it was measured (the estimate's ratio between chunk counts)
+        ratio = working / estimate(n_chunks) if sizes is not None else 1.0
+        chunked = {n: int(estimate(n) * ratio) for n in chunk_counts if n != n_chunks}
         # What a kept block's backward recomputes at level matmuls (its other FLOPs are
         # elementwise: their cost is the bytes, see stage_times): the reference
         # attention's scores; the fused attention's forward (its softmax statistics are
@@ -283,6 +312,8 @@ class Workload:
             routed_expert_params=routed_experts,
             expert_fetch_fraction=fraction if routed_experts else 1.0,
             expert_fetch_source=source if routed_experts else "",
+            batch_chunks=n_chunks,
+            chunked_working_sets=chunked,
         )
 
 
@@ -388,6 +419,7 @@ def estimate_working_set(
     embed_params: int,
     backend: str,
     attentions: int = 1,
+    chunks: int = 1,
 ) -> int:
     """Device bytes of the largest stage function's temporaries plus x / dx (what
     ``StageFunctions.memory_sizes`` measures), from shapes: ``m`` a
@@ -395,10 +427,17 @@ def estimate_working_set(
     device, ``block_params`` / ``embed_params`` the stages' param counts, ``backend``
     the XLA backend ("cpu": fitted per dtype; else the fp32 fit scaled, see above), which
     also picks the attention (:func:`block_attention`); ``attentions``: a block's
-    attention layers (a T5 decoder block's two hold two score matrices)."""
+    attention layers (a T5 decoder block's two hold two score matrices). ``chunks``:
+    the recomputed blocks and the head run the micro-batch in that many chunks of rows
+    (``offload.batch_chunks``, ``runtime/chunks.py``): their activation terms are one
+    chunk's, their param terms unchanged (the gradients summed in place); x / dx stay
+    the whole micro-batch's. Checked against the compiled chunked stages by
+    tests/test_planner.py."""
     c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
     fitted = c if backend == "cpu" else 4
     scaled = c / 4 if backend != "cpu" else 1.0  # dots in the compute dtype; scores fp32
+    whole = batch * seq_len  # the micro-batch's tokens: x / dx
+    batch //= chunks  # one chunk's rows: what a stage's temporaries hold at once
     tokens, D, V, H = batch * seq_len, m.d_model, m.vocab_size, m.num_heads
     impl = block_attention(m, backend)
     if impl == "reference":
@@ -416,31 +455,33 @@ def estimate_working_set(
     head_fwd_bwd = tokens * V * logit + V * D * head
     # the embedding's gradient, fp32, and before that in the compute dtype
     embed_bwd = embed_params * (4 + (c if c < 4 else 0))
-    return int(max(block, head_fwd_bwd, embed_bwd) + 3 * tokens * D * c)
+    return int(max(block, head_fwd_bwd, embed_bwd) + 3 * whole * D * c)
 
 
-# memory_sizes' results by (id(workload), devices), with the workload they came from: the
+# memory_sizes' results by (id(workload), devices, chunks), with the workload they came from: the
 # planner asks for the same ones for every candidate, and a Sizes keeps what the memory
 # model derives from it (its device caches).
-_SIZES: dict[tuple[int, int], tuple[Workload, Sizes]] = {}
+_SIZES: dict[tuple[int, int, int], tuple[Workload, Sizes]] = {}
 
 
-def memory_sizes(w: Workload, devices: int = 1) -> Sizes:
+def memory_sizes(w: Workload, devices: int = 1, chunks: int | None = None) -> Sizes:
     """The workload's sizes as the memory model takes them, on ``devices`` data-parallel
     devices (ZeRO-3: each process holds 1/devices of every stage's pages; the workload's
-    slabs are whole pages of a multiple of ``devices``). The same object for the same
-    workload."""
-    cached = _SIZES.get((id(w), devices))
+    slabs are whole pages of a multiple of ``devices``), with the micro-batch in
+    ``chunks`` chunks of rows (``offload.batch_chunks``; default the workload's). The
+    same object for the same workload."""
+    chunks = chunks or w.batch_chunks
+    cached = _SIZES.get((id(w), devices, chunks))
     if cached is not None and cached[0] is w:
         return cached[1]
     if len(_SIZES) > 64:
         _SIZES.clear()
-    sizes = _memory_sizes(w, devices)
-    _SIZES[id(w), devices] = (w, sizes)
+    sizes = _memory_sizes(w, devices, chunks)
+    _SIZES[id(w), devices, chunks] = (w, sizes)
     return sizes
 
 
-def _memory_sizes(w: Workload, devices: int) -> Sizes:
+def _memory_sizes(w: Workload, devices: int, chunks: int) -> Sizes:
     return Sizes(
         num_layers=w.num_layers,
         embed=w.embed_params,
@@ -453,7 +494,7 @@ def _memory_sizes(w: Workload, devices: int) -> Sizes:
         block_grad_bytes=w.block_grad_bytes,
         state_kinds=w.state_kinds,
         boundary=w.boundary,
-        working_set=w.working_set,
+        working_set=w.working_set_in(chunks),
         kept=w.kept,
         grad_policy=w.grad_policy,
         groups=tuple((name, n, size, size // devices) for name, n, size in w.groups),
