@@ -146,6 +146,11 @@ HELP: dict[str, str] = {
     "only those with tokens (forward and backward; with `offload.mode=auto` where the "
     "planner predicts a gain); `all` copies every expert with the block "
     "([offload](offload.md#expert-aware-streaming))",
+    "offload.batch_chunks": "`stream`: the recomputed blocks and the head run each "
+    "micro-batch in N equal chunks of its rows, one after the other with the stage's "
+    "params on the device: one chunk's working set, params still fetched once (not with "
+    "kept or swapped blocks, a mixture of experts or T5; `auto` chunks only where the "
+    "device needs it) ([offload](offload.md#chunks-of-rows))",
     # -- memory -----------------------------------------------------------------------
     "memory.page_size": "largest page of state slabs (sized in fp32 master elements); "
     "pages shrink to fit a block in whole pages (less padding to move every step)",

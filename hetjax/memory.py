@@ -501,6 +501,13 @@ def plan_device(s: Sizes, o: Offload, budget: int) -> DeviceMemoryPlan:
             f"{format_bytes(need - budget)}. Raise memory.device_budget, "
             + ("lower offload.keep_blocks, " if o.keep_blocks else "")
             + ("lower offload.optimizer_device_stages, " if parts["optimizer"] else "")
+            # chunks of rows shrink the working set (blocks that recompute, rows apart)
+            + (
+                "run each micro-batch in chunks of rows (offload.batch_chunks: a chunk's "
+                "working set), "
+                if parts["working set"] >= need - budget and not (o.keep_blocks or o.swap_blocks)
+                else ""
+            )
             + "set offload.activations=host, or lower train.batch_size / raise "
             "train.grad_accum"
         )

@@ -1,5 +1,6 @@
 """offload.mode=stream equals offload.mode=none (fp32 compute, same seed and data)."""
 
+import dataclasses
 import gc
 
 import jax
@@ -467,6 +468,18 @@ def test_planner_prefers_prefetch_then_residency():
     assert roomy.required <= fixed + 7 * 50
     everything = plan(10**9)
     assert everything.resident_blocks == 10
+    # short by less than the working set: the error suggests chunks of rows, not when
+    # short by more, nor with kept blocks (which run whole micro-batches)
+    least = fixed + 50
+    with pytest.raises(ConfigError, match=r"short by 20 B.*offload.batch_chunks"):
+        plan(least - 20)
+    with pytest.raises(ConfigError, match=r"short by 40 B") as short:
+        plan(least - 40)
+    assert "batch_chunks" not in str(short.value)
+    keep = dataclasses.replace(o, keep_blocks=1)
+    with pytest.raises(ConfigError, match=r"short by") as kept:
+        plan_device(s, keep, sum(memory.device_parts(s, keep, 0, 0).values()) - 20)
+    assert "batch_chunks" not in str(kept.value)
 
 
 def test_stream_through_launch_reports_memory(tmp_path):

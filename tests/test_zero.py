@@ -115,6 +115,18 @@ def test_zero3_equals_plain_single_device_with_sgd(tiny, tmp_path):
     assert_gpt_training_equal(result, ref, build_model(config.model), check_tokens())
 
 
+@pytest.mark.slow  # the chunks' arithmetic is the one-device test's (test_stream.py)
+def test_zero3_with_batch_chunks_equals_plain_single_device(tiny, tmp_path):
+    """offload.batch_chunks under ZeRO-3: each device runs its rows in chunks, sums
+    its chunks' gradients, then the devices' sum is reduce-scattered as without."""
+    opt = dict(name="sgd", lr=0.1, **CLIP)
+    ref = train(tiny(optimizer=opt), tmp_path / "ref", verbose=False)
+    offload = dict(ZERO, batch_chunks=2)
+    config = tiny(optimizer=opt, offload=offload, memory=PAGES, distributed=dict(data_parallel=2))
+    result = train(config, tmp_path / "zero", verbose=False)
+    assert_gpt_training_equal(result, ref, build_model(config.model), check_tokens())
+
+
 @pytest.mark.slow  # 1 and 4 devices at 4 KiB pages
 def test_per_device_bytes_shrink_with_devices(tiny):
     """The ledger's per-device host bytes (param shards and gradient shards in flight)

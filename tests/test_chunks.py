@@ -1,0 +1,100 @@
+"""offload.batch_chunks (hetjax/runtime/chunks.py): a stage function run over its
+micro-batch in chunks of rows computes what the whole micro-batch's does. Training in
+chunks against offload.mode=none: tests/test_stream.py (one device), tests/test_zero.py
+(ZeRO-3); the planner's working set against the compiled one: tests/test_planner.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from equivalence import assert_trees_close
+
+from hetjax.config import ConfigError, load_config
+from hetjax.runtime import chunks, stages
+from models import build_model
+
+ROWS, T = 4, 32
+
+
+def _functions(family: str, n: int, dtype, leaf_buffers: bool):
+    overrides = {
+        "model.family": family,
+        "model.num_layers": "2",
+        "model.d_model": "64",
+        "model.num_heads": "4",
+        "model.max_seq_len": str(T),
+        "model.attention_block": "16",
+        "train.seq_len": str(T),
+        "model.compute_dtype": jnp.dtype(dtype).name,
+    }
+    if family == "llama":
+        overrides.update({"model.num_kv_heads": "2", "model.tie_embeddings": "false"})
+    model = build_model(load_config("gpt_tiny", overrides).model)
+    layouts = stages.stage_layouts(model, 64 * 1024, leaf_buffers=leaf_buffers)
+    fns = stages.StageFunctions(
+        model, layouts, jax.jit, lambda pages, dt: [p.astype(dt) for p in pages],
+        block_grad_dtype=dtype, batch_chunks=n,
+    )  # fmt: skip
+    return model, layouts, fns
+
+
+def _stage(layouts, name, dtype, rng):
+    L = layouts[name]
+    flat = rng.normal(0, 0.05, L.padded_size).astype(np.float32)
+    if L.leaf_buffers:
+        return jax.tree.map(lambda a: jnp.asarray(a, dtype), L.leaf_views(flat))
+    return [jnp.asarray(p, dtype) for p in flat.reshape(L.num_pages, -1)]
+
+
+def _run(family, n, dtype, leaf_buffers):
+    """Every chunked function's results on fixed inputs: the block's forward and
+    backward, the head's loss and backward."""
+    model, layouts, fns = _functions(family, n, dtype, leaf_buffers)
+    rng = np.random.default_rng(0)
+    b, e, h = (_stage(layouts, name, dtype, rng) for name in ("block", "embed", "head"))
+    x = jnp.asarray(rng.normal(0, 1, (ROWS, T, 64)), dtype)
+    dy = jnp.asarray(rng.normal(0, 1, (ROWS, T, 64)), dtype)
+    targets = jnp.asarray(rng.integers(0, 256, (ROWS, T)), jnp.int32)
+    y, stats = fns.block_fwd(b, x, ())
+    (db, norms), dx, _ = fns.block_bwd(b, x, dy, stats, (), ())
+    loss, (dh, _), (de, _), dhx = fns.head_fwd_bwd(h, e, x, targets, jnp.float32(1))
+    eval_loss = fns.head_loss(h, e, x, targets)
+    return dict(y=y, db=db, norms=norms, dx=dx, loss=loss, dh=dh, de=de, dhx=dhx, eval=eval_loss)
+
+
+@pytest.mark.parametrize(
+    "family, leaf_buffers", [("gpt", False), ("llama", True)], ids=["gpt_pages", "llama_leaves"]
+)
+def test_chunked_stage_functions_equal_whole_ones(family, leaf_buffers):
+    """fp32: every result of the chunked functions (2 and 4 chunks) equals the whole
+    micro-batch's at 1e-5 (the gradients are sums over chunks: rounding differs)."""
+    whole = _run(family, 1, jnp.float32, leaf_buffers)
+    for n in (2, 4):
+        chunked = _run(family, n, jnp.float32, leaf_buffers)
+        assert jax.tree.structure(chunked) == jax.tree.structure(whole)
+        assert_trees_close(chunked, whole, rtol=1e-5)
+
+
+def test_bf16_chunked_gradient_is_summed_in_bf16():
+    """bf16 (memory.block_grad_dtype's bf16 slabs): the block gradient leaves in bf16,
+    the sum of the chunks' bf16 gradients, within a few bf16 roundings of the whole
+    micro-batch's (each chunk's gradient and each partial sum rounded: at most 2^-8
+    relative each, 4 chunks); the forward's rows within a bf16 rounding (a dot of fewer
+    rows may block its sums differently)."""
+    whole = _run("gpt", 1, jnp.bfloat16, False)
+    chunked = _run("gpt", 4, jnp.bfloat16, False)
+    assert all(p.dtype == jnp.bfloat16 for p in chunked["db"])
+    y, y_whole = (np.asarray(r["y"], np.float32) for r in (chunked, whole))
+    assert np.linalg.norm(y - y_whole) <= 2.0**-8 * np.linalg.norm(y_whole)
+    a = np.concatenate([np.asarray(p, np.float32) for p in chunked["db"]])
+    w = np.concatenate([np.asarray(p, np.float32) for p in whole["db"]])
+    assert np.linalg.norm(a - w) <= 8 * 2.0**-8 * np.linalg.norm(w)
+
+
+def test_models_whose_rows_are_not_independent_are_refused():
+    """The runtime's own check (a user's model reaches it without the config's)."""
+    for name, why in (("mixtral_tiny", "pool statistics"), ("t5_tiny", "several stage groups")):
+        model = build_model(load_config(name).model)
+        with pytest.raises(ConfigError, match=rf"'offload.batch_chunks' \(2\).*{why}"):
+            chunks.check(model, 2)
+    chunks.check(build_model(load_config("gpt_tiny").model), 2)  # GPT's rows are
