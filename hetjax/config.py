@@ -443,7 +443,9 @@ class Config:
                 f"multiple of it ({dist.devices})"
             )
         chunks = self.offload.batch_chunks
-        rows = self.train.micro_batch_size // dist.devices
+        # a device's rows (every device, 0: known once the devices are; checked then
+        # by the runtime's stage functions)
+        rows = self.train.micro_batch_size // max(dist.devices, 1)
         if chunks > 1 and rows % chunks:
             raise ConfigError(
                 f"config key 'offload.batch_chunks' ({chunks}) must divide a device's rows "

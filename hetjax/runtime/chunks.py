@@ -31,6 +31,11 @@ from hetjax.config import ConfigError
 
 def split(a: jax.Array, n: int) -> jax.Array:
     """(B, ...) -> (n, B / n, ...): the chunks a scan runs over."""
+    if a.shape[0] % n:  # (the config checks it where it knows the devices)
+        raise ConfigError(
+            f"config key 'offload.batch_chunks' ({n}) must divide a device's rows of a "
+            f"micro-batch ({a.shape[0]}); choose a divisor of it"
+        )
     return a.reshape(n, a.shape[0] // n, *a.shape[1:])
 
 
@@ -80,15 +85,15 @@ def backward(block_fwd, n: int, cotangent, grad_pages, dtype):
             pages = grad_pages(db)
             return [a + p.astype(dtype) for a, p in zip(acc, pages, strict=True)], dx
 
-        zeros = [jnp.zeros(p.shape, dtype) for p in jax.eval_shape(grad_pages, b_like(b))]
+        zeros = [jnp.zeros(p.shape, dtype) for p in jax.eval_shape(grad_pages, _abstract(b))]
         db, dx = jax.lax.scan(chunk, zeros, (split(x, n), split(dy, n)))
         return db, join(dx), dcontext
 
     return run
 
 
-def b_like(b):
-    """The gradient's structure is the params': their abstract shapes."""
+def _abstract(b):
+    """Abstract shapes of a pytree of arrays (the gradient is structured as the params)."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), b)
 
 
@@ -110,7 +115,7 @@ def head_backward(head_loss, n: int, head_pages, embed_pages):
             return (add(acc_h, dh), add(acc_e, de), total + loss.astype(jnp.float32)), dx
 
         zeros = lambda pages, tree: [
-            jnp.zeros(p.shape, jnp.float32) for p in jax.eval_shape(pages, b_like(tree))
+            jnp.zeros(p.shape, jnp.float32) for p in jax.eval_shape(pages, _abstract(tree))
         ]
         start = (zeros(head_pages, h), zeros(embed_pages, e), jnp.zeros((), jnp.float32))
         (dh, de, total), dx = jax.lax.scan(chunk, start, (split(x, n), split(targets, n)))
