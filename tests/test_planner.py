@@ -553,6 +553,19 @@ def test_gpt175b_fits_the_rtx4090_at_batch_16_in_chunks_of_rows():
     assert Workload.from_config(load_config("mixtral_tiny")).chunked_working_sets == {}
 
 
+def test_data_parallel_plans_keep_optimizer_state_off_the_device():
+    """The data-parallel runtime keeps its process's optimizer state on the process's
+    first device, and one process drives a machine's devices: a per-device plan of it
+    would overfill that device (found by bench plan's 2-device row, which trained
+    nothing: the runtime refused the plan). Only one device is offered it."""
+    from hetjax.planning.search import _candidates
+
+    w = Workload.from_config(load_config("gpt_tiny"), devices=2)
+    several = {c.optimizer for c in _candidates(w, one_device=False)}
+    assert several == {"host", "nvme"}
+    assert "device" in {c.optimizer for c in _candidates(w, one_device=True)}
+
+
 def test_a_host_budget_is_the_process_s_shared_by_its_devices():
     """memory.host_budget bounds the runtime's process, which drives all 8 devices of
     the profile's machine: each device is planned within an eighth of it, and the budget

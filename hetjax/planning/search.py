@@ -305,9 +305,11 @@ def _candidates(w: Workload, one_device: bool):
                 for tier in ("host", "nvme")
             ]
         ]
-    for params, optimizer, acts in itertools.product(
-        ("host", "nvme"), ("device", "host", "nvme"), activations
-    ):
+    # optimizer state on the device: one device only. The data-parallel runtime keeps a
+    # process's optimizer state on its first device (runtime/zero.py), and one process
+    # drives every device of a machine: its first device would hold all of theirs.
+    optimizers = ("device", "host", "nvme") if one_device else ("host", "nvme")
+    for params, optimizer, acts in itertools.product(("host", "nvme"), optimizers, activations):
         for depth in (0, 1, 2, 3):
             for keep, level, swap, swap_level, tier in keeps:
                 if tier == "nvme" and acts != "nvme":  # RAM short for boundaries first
