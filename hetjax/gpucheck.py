@@ -20,7 +20,9 @@ Sections:
 * ``equivalence``: the two-client and streaming equivalence tests (``tests/``, 1e-5,
   ``precision=highest``) and a bf16 training sanity run.
 * ``memory``: ``memory.device_budget`` vs the device's ``peak_bytes_in_use`` vs the
-  runtime's ledger.
+  runtime's ledger; the planner's working-set estimate for a GPU in bf16 (the fp32
+  XLA:CPU fit scaled, never measured on a GPU before) vs the compiled stage functions',
+  whole and in chunks of rows (``offload.batch_chunks``): the figures to refit it by.
 * ``mfu``: offloaded vs in-HBM MFU at a shape that fits the pool, and a model beyond
   the pool under a reduced ``memory.device_fraction``, with a timeline PNG (what
   ``bench gpu`` measured, sized for this machine: no NVMe files, state in host RAM).
@@ -412,6 +414,58 @@ def memory(report: Report, quick: bool, emulate: bool) -> None:
         ledger=ledger,
         budget=budget,
     )
+    working_set(report, jax.default_backend())
+
+
+# The planner may over-estimate a working set (a plan that could fit more) but not
+# under-estimate it by more than the fit's band (tests/test_planner.py): a plan would
+# then not fit the device it was made for.
+WORKING_SET_LOW = 0.75
+
+
+def working_set(
+    report: Report, backend: str, d_model: int = 2048, batch: int = 8, seq: int = 1024
+) -> None:
+    """The planner's estimated working set (``Workload.from_config`` for ``backend``)
+    against the one XLA compiles here (``StageFunctions.memory_sizes``), for a GPT at a
+    shape where the blocks' activations dominate (by default d 2048, 8 x 1024 tokens),
+    bf16, whole and in 4 chunks of rows. A check per chunk count, with both figures."""
+    import jax
+    import jax.numpy as jnp
+
+    from hetjax.config import load_config
+    from hetjax.config_values import format_bytes
+    from hetjax.planning.workload import Workload
+    from hetjax.runtime import stages
+    from models import build_model
+
+    for n in (1, 4):
+        config = load_config("gpt_tiny", {
+            "model.num_layers": "2", "model.d_model": str(d_model), "model.num_heads": "16",
+            "model.vocab_size": "8192", "model.max_seq_len": str(seq),
+            "model.compute_dtype": "bfloat16", "train.seq_len": str(seq),
+            "train.batch_size": str(batch), "offload.mode": "stream",
+            "offload.batch_chunks": str(n),
+        })  # fmt: skip
+        model = build_model(config.model)
+        layouts = stages.stage_layouts(model, config.memory.page_size, leaf_buffers=True)
+        fns = stages.StageFunctions(
+            model, layouts, jax.jit, lambda pages, dt: [p.astype(dt) for p in pages],
+            block_grad_dtype=jnp.bfloat16, batch_chunks=n,
+        )  # fmt: skip
+        compiled = fns.memory_sizes(batch, seq, jnp.bfloat16).working_set
+        estimate = Workload.from_config(config, backend=backend).working_set
+        ratio = estimate / max(compiled, 1)
+        report.check(
+            f"working_set_{n}_chunks",
+            ratio >= WORKING_SET_LOW,
+            f"GPT d {d_model}, {batch} x {seq} tokens, bf16, {n} chunk(s): estimated "
+            f"{format_bytes(estimate)}, compiled {format_bytes(compiled)} ({ratio:.2f}x; "
+            f"at least {WORKING_SET_LOW:g}x)",
+            estimate=estimate,
+            compiled=compiled,
+            chunks=n,
+        )
 
 
 def mfu(report: Report, quick: bool, emulate: bool) -> None:

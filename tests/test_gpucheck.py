@@ -91,3 +91,21 @@ def test_emulate_passes_on_a_cpu(tmp_path):
     assert set(got) == {"equivalence.tests", "equivalence.bf16_streaming_trains"}
     assert "passed" in got["equivalence.tests"]["line"]
     assert "gpucheck: 1 sections passed, 0 failed" in proc.stdout
+
+
+def test_working_set_check_reports_estimate_and_compiled(tmp_path):
+    """gpucheck's working-set check (the memory section's, run on a GPU there) on this
+    CPU at a small shape: one line per chunk count with both figures, failing where the
+    estimate is below WORKING_SET_LOW of the compiled size (at this shape the CPU fit's
+    4-chunk estimate lies near that edge)."""
+    from hetjax.gpucheck import Report, working_set
+
+    working_set(Report(tmp_path, "memory"), "cpu", d_model=256, batch=4, seq=256)
+    rows = [json.loads(line) for line in (tmp_path / "gpucheck.jsonl").read_text().splitlines()]
+    assert [r["check"] for r in rows] == ["working_set_1_chunks", "working_set_4_chunks"]
+    from hetjax.gpucheck import WORKING_SET_LOW
+
+    for r in rows:
+        low = r["estimate"] < WORKING_SET_LOW * r["compiled"]
+        assert r["estimate"] > 0 and r["status"] == ("FAIL" if low else "PASS"), r
+    assert rows[1]["compiled"] < rows[0]["compiled"]  # the chunks' working set is smaller

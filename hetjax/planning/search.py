@@ -21,7 +21,9 @@ runtimes implement and returns the fastest :class:`Plan` that fits every tier:
   the first stages (``offload.optimizer_device_stages``, Angel-PTM section 4.2): the
   stages the device memory left after everything else holds, updated there at device
   speed with no gradient copy (:func:`_cache_variants` says how residency and the
-  cache share that memory).
+  cache share that memory);
+* where none of those fits: every block recomputing, the micro-batch in chunks of rows
+  (``offload.batch_chunks``).
 
 The cost model is Fuyou's (section 4.5, equations 1-8) extended to our tiers: a step is
 its forward phase plus its backward phase; each phase takes the longest of its lanes
@@ -273,15 +275,19 @@ def process_host_budget(plan: Plan) -> int:
     return plan.budgets["host"] * plan.num_devices
 
 
-def _candidates(w: Workload, one_device: bool):
+def _candidates(w: Workload, one_device: bool, chunked: bool = False):
     """Every placement the runtimes implement; on one device also ``none``, checkpoints
     on NVMe and kept blocks (the data-parallel runtime keeps checkpoints on the device or
-    host, and no in-block activations)."""
+    host, and no in-block activations). ``chunked``: instead, the placements with every
+    block recomputing and the micro-batch in chunks of rows (``offload.batch_chunks``),
+    at each chunk count the workload allows."""
     L = w.num_layers
+    if chunked:
+        yield from _chunked_candidates(w, one_device)
+        return
     if one_device:
         yield Candidate("none", remat=False)
         yield Candidate("none", remat=True)
-    activations = ("device", "host", "nvme") if one_device else ("device", "host")
     # (kept blocks, their level, swapped blocks, their level): the last blocks keep, the
     # ones before them swap, the rest recompute
     keeps = [(0, "all", 0, "matmuls", "host")]
@@ -305,11 +311,7 @@ def _candidates(w: Workload, one_device: bool):
                 for tier in ("host", "nvme")
             ]
         ]
-    # optimizer state on the device: one device only. The data-parallel runtime keeps a
-    # process's optimizer state on its first device (runtime/zero.py), and one process
-    # drives every device of a machine: its first device would hold all of theirs.
-    optimizers = ("device", "host", "nvme") if one_device else ("host", "nvme")
-    for params, optimizer, acts in itertools.product(("host", "nvme"), optimizers, activations):
+    for params, optimizer, acts in _placements(one_device):
         for depth in (0, 1, 2, 3):
             for keep, level, swap, swap_level, tier in keeps:
                 if tier == "nvme" and acts != "nvme":  # RAM short for boundaries first
@@ -318,8 +320,23 @@ def _candidates(w: Workload, one_device: bool):
                     "stream", False, params, optimizer, acts, depth, 0, keep, level,
                     swap_blocks=swap, swap_level=swap_level, swap_tier=tier,
                 )  # fmt: skip
-            # every block recomputing, in chunks of rows (offload.batch_chunks: not with
-            # kept or swapped blocks)
+
+
+def _placements(one_device: bool):
+    """(params, optimizer, activations) tiers of a streamed placement. Optimizer state
+    on the device: one device only. The data-parallel runtime keeps a process's optimizer
+    state on its first device (runtime/zero.py), and one process drives every device of
+    a machine: its first device would hold all of theirs."""
+    optimizers = ("device", "host", "nvme") if one_device else ("host", "nvme")
+    activations = ("device", "host", "nvme") if one_device else ("device", "host")
+    return itertools.product(("host", "nvme"), optimizers, activations)
+
+
+def _chunked_candidates(w: Workload, one_device: bool):
+    """Every block recomputing (chunks run no kept or swapped blocks), the micro-batch
+    in each chunk count > 1 the workload allows (``offload.batch_chunks``)."""
+    for params, optimizer, acts in _placements(one_device):
+        for depth in (0, 1, 2, 3):
             for n in sorted(w.chunked_working_sets):
                 if n > 1:
                     yield Candidate("stream", False, params, optimizer, acts, depth, batch_chunks=n)
@@ -375,24 +392,12 @@ def make_plan(
     limit = budgets(config, hw)
     # ZeRO-3 sharding needs the data-parallel runtime; one device keeps the whole state.
     one_device = hw.num_devices == 1
-    best = []
-    for base in _candidates(w, one_device):
-        if base.offload().uses_nvme and not hw.nvme_capacity:
-            continue
-        options = _evaluate(w, hw, limit, base)
-        for c in _cache_variants(w, hw, base):
-            cached = _evaluate(w, hw, limit, c)
-            if not cached:
-                break  # a larger cache needs more device memory still
-            options += cached
-        if w.routed_expert_params and base.mode == "stream":  # or routed experts
-            options += [
-                b
-                for o in options
-                for b in _evaluate(w, hw, limit, dataclasses.replace(o[2], expert_fetch="routed"))
-            ]
-        if options:  # this placement's fastest split of device memory
-            best.append(min(options, key=lambda b: b[0]))
+    best = _fastest_per_placement(w, hw, limit, _candidates(w, one_device))
+    if not best:
+        # Chunks of rows only where no placement holds a whole micro-batch's working set:
+        # the cost model gives a chunk's kernels the whole batch's FLOP rate, which small
+        # chunks on an accelerator do not reach (not priced, not measured on a GPU).
+        best = _fastest_per_placement(w, hw, limit, _candidates(w, one_device, chunked=True))
     if not best:
         raise PlanError(_shortfall(config, w, hw, limit))
     fastest = min(b[0] for b in best)
@@ -422,6 +427,31 @@ def make_plan(
         expert_fraction=w.expert_fetch_fraction,
         expert_source=w.expert_fetch_source,
     )
+
+
+def _fastest_per_placement(w: Workload, hw: Hardware, limit: dict[str, int], candidates):
+    """Each candidate that fits at its fastest (:func:`_evaluate`), with the device caches
+    of optimizer state and the routed experts it allows: ``[(step, rank, candidate,
+    ...)]``."""
+    best = []
+    for base in candidates:
+        if base.offload().uses_nvme and not hw.nvme_capacity:
+            continue
+        options = _evaluate(w, hw, limit, base)
+        for c in _cache_variants(w, hw, base):
+            cached = _evaluate(w, hw, limit, c)
+            if not cached:
+                break  # a larger cache needs more device memory still
+            options += cached
+        if w.routed_expert_params and base.mode == "stream":  # or routed experts
+            options += [
+                b
+                for o in options
+                for b in _evaluate(w, hw, limit, dataclasses.replace(o[2], expert_fetch="routed"))
+            ]
+        if options:  # this placement's fastest split of device memory
+            best.append(min(options, key=lambda b: b[0]))
+    return best
 
 
 def _shortfall(config: Config, w: Workload, hw: Hardware, limit: dict[str, int]) -> str:
