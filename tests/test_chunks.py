@@ -62,8 +62,10 @@ def _run(family, n, dtype, leaf_buffers):
     return dict(y=y, db=db, norms=norms, dx=dx, loss=loss, dh=dh, de=de, dhx=dhx, eval=eval_loss)
 
 
-@pytest.mark.parametrize(
-    "family, leaf_buffers", [("gpt", False), ("llama", True)], ids=["gpt_pages", "llama_leaves"]
+@pytest.mark.parametrize(  # leaf buffers in the default run: test_stream's training
+    "family, leaf_buffers",
+    [("gpt", False), pytest.param("llama", True, marks=pytest.mark.slow)],
+    ids=["gpt_pages", "llama_leaves"],
 )
 def test_chunked_stage_functions_equal_whole_ones(family, leaf_buffers):
     """fp32: every result of the chunked functions (2 and 4 chunks) equals the whole

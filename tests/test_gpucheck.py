@@ -93,6 +93,7 @@ def test_emulate_passes_on_a_cpu(tmp_path):
     assert "gpucheck: 1 sections passed, 0 failed" in proc.stdout
 
 
+@pytest.mark.slow  # compiles two stage function sets; on a GPU gpucheck runs it
 def test_working_set_check_reports_estimate_and_compiled(tmp_path):
     """gpucheck's working-set check (the memory section's, run on a GPU there) on this
     CPU at a small shape: one line per chunk count with both figures, failing where the

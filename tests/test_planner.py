@@ -383,7 +383,7 @@ def test_untraced_sizes_match_the_compiled_ones(family, attention, dtype):
             assert w.kept[level] == pytest.approx(kept, rel=1e-3), (shape, level)
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_chunked_sizes_match_the_compiled_ones(family):
     """offload.batch_chunks: the compiled stage functions' working set shrinks with the
     chunks (the block's backward and the head hold one chunk's activations), and the
