@@ -57,6 +57,7 @@ def test_routed_streaming_equals_fetching_every_expert(tiny, tmp_path):
     assert not any("experts_fetched" in r for r in every.records)
 
 
+@pytest.mark.slow  # 15 s; the Llama test above is routed streaming's in the default run
 def test_t5_switch_blocks_stream_routed_as_fetching_every_expert(tiny, tmp_path):
     """T5-MoE: the Switch blocks of both stacks are routed (a dense layer, then a sparse
     one whose attention and router run first; a decoder block reads the encoder's output,
@@ -244,6 +245,7 @@ def test_routed_applies_to_streamed_recomputed_blocks_only(tiny):
         tiny(offload=dict(expert_fetch="some"))
 
 
+@pytest.mark.slow  # 7 s: it trains to read a measured share
 def test_the_planner_expects_the_routed_share_or_reads_the_measured_one(tmp_path):
     """The plan's host->device lane counts only the routed share of the streamed blocks'
     experts: uniform routing's expectation 1 - (1 - k/E)^tokens, or the share the
