@@ -41,7 +41,7 @@ def test_everything_on_the_device_when_it_fits():
 
 
 # -m slow (22 s each: the default run's 10 minutes on 2 cores from a cold cache has little
-# room left); the default run plans on every profile in the tests below.
+# room left)
 @pytest.mark.slow
 @pytest.mark.parametrize("hardware", ["a100-80g", "rtx4090", "h100"])
 def test_offloads_progressively_as_budgets_shrink(hardware):
@@ -289,7 +289,10 @@ FITS = {
         *("mixtral_8x7b", "moe_fine_7b"),
         *_T5,
     },
-    "patrickstar-v100": {*_TINY, "gpt2p7b", "gpt6p7b", "moe_fine_7b"},
+    # gpt_tiny's (8 devices sharing its 80 MiB host budget) and moe_fine_7b's state
+    # fitted only on the devices, which data parallelism does not plan: the runtime keeps
+    # a process's optimizer state on its first device (test_data_parallel_plans_keep_...)
+    "patrickstar-v100": {*(_TINY - {"gpt_tiny"}), "gpt2p7b", "gpt6p7b"},
     "h100": {*_TINY, "gpt2p7b"},
 }
 

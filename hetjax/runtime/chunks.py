@@ -78,6 +78,9 @@ def backward(block_fwd, n: int, cotangent, grad_pages, dtype):
     ``(gradient pages, dx, dcontext)`` as the whole block's backward (no context)."""
 
     def run(b, x, dy, dstats=None, context=(), dcontext=()):
+        # the statistics are the chunks' mean (forward): each chunk's gets 1/n of theirs
+        dstats = None if dstats is None else dstats / n
+
         def chunk(acc, rows):
             xc, dyc = rows
             _, vjp = jax.vjp(block_fwd, b, xc, context)
