@@ -322,6 +322,7 @@ def equivalence(report: Report, quick: bool, emulate: bool) -> None:
             env["JAX_PLATFORMS"] = f"{jax.devices()[0].platform},cpu"
             files = ["tests/test_two_client.py", "tests/test_stream.py", "tests/test_offload.py"]
             files.append("tests/test_expert_fetch.py")  # routed experts' copies, both ways
+            files.append("tests/test_chunks.py")  # a micro-batch in chunks of rows
             if quick:
                 files = files[:1]
         select = [] if emulate else ["-k", "equal or two_client or pinned or fewer_bytes"]
