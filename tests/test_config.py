@@ -117,13 +117,22 @@ def test_keep_level_needs_kept_blocks():
         ({"offload.mode": "auto"}, r"'offload.batch_chunks' \(2\).*planner chooses it"),
         ({"offload.keep_blocks": "1"}, r"'offload.batch_chunks' \(2\).*offload.keep_blocks is 1"),
         ({"offload.swap_blocks": "1"}, r"'offload.batch_chunks' \(2\).*offload.swap_blocks is 1"),
-        ({"train.batch_size": "6", "train.grad_accum": "2"}, r"'offload.batch_chunks' \(2\) must divide.*\(3: train"),
+        (
+            {"train.batch_size": "6", "train.grad_accum": "2"},
+            r"'offload.batch_chunks' \(2\) must divide.*\(3: train",
+        ),
         (
             {"distributed.data_parallel": "4", "train.batch_size": "4"},
             r"'offload.batch_chunks' \(2\) must divide a device's rows.*\(1: .* / 4 devices",
         ),
-        ({"model.family": "llama", "model.num_experts": "4"}, r"'offload.batch_chunks' \(2\).*a mixture of experts"),
-        ({"model.family": "t5", "data.objective": "prefix_lm"}, r"'offload.batch_chunks' \(2\).*an encoder-decoder"),
+        (
+            {"model.family": "llama", "model.num_experts": "4"},
+            r"'offload.batch_chunks' \(2\).*a mixture of experts",
+        ),
+        (
+            {"model.family": "t5", "data.objective": "prefix_lm"},
+            r"'offload.batch_chunks' \(2\).*an encoder-decoder",
+        ),
     ],
 )
 def test_batch_chunks_errors(overrides, message):

@@ -344,6 +344,32 @@ def test_unknown_hardware_is_a_clear_error(capsys):
 WORKING_SET_TOLERANCE = 0.3
 
 
+def _compiled_sizes(family, d_model, seq_len, batch, dtype, overrides):
+    """A 2-layer model of ``family`` at the shape, its config, and the sizes XLA compiles
+    its stage functions to (``StageFunctions.memory_sizes``, with the config's chunks)."""
+    overrides = {
+        "model.family": family,
+        "model.num_layers": "2",
+        "model.d_model": str(d_model),
+        "model.num_heads": "4",
+        "model.max_seq_len": str(seq_len),
+        "model.compute_dtype": dtype,
+        "train.seq_len": str(seq_len),
+        "train.batch_size": str(batch),
+        **overrides,
+    }
+    if family == "llama":
+        overrides.update({"model.num_kv_heads": "2", "model.tie_embeddings": "false"})
+    config = load_config("gpt_tiny", overrides)
+    model = build_model(config.model)
+    layouts = stages.stage_layouts(model, config.memory.page_size)
+    fns = stages.StageFunctions(
+        model, layouts, jax.jit, lambda pages, dt: [p.astype(dt) for p in pages],
+        batch_chunks=config.offload.batch_chunks,
+    )  # fmt: skip
+    return config, fns.memory_sizes(batch, seq_len, jnp.dtype(dtype))
+
+
 @pytest.mark.parametrize(  # bfloat16 with -m slow: float32 compiles the same stages
     "dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)]
 )
@@ -356,27 +382,10 @@ def test_untraced_sizes_match_the_compiled_ones(family, attention, dtype):
     of 64): the working set within WORKING_SET_TOLERANCE, the checkpoint exact, the kept
     residuals (page padding included) within 0.1%."""
     for d_model, seq_len, batch in ((64, 128, 2), (96, 256, 1)):
-        overrides = {
-            "model.family": family,
-            "model.attention": attention,
-            "model.attention_block": "64",
-            "model.num_layers": "2",
-            "model.d_model": str(d_model),
-            "model.num_heads": "4",
-            "model.max_seq_len": str(seq_len),
-            "model.compute_dtype": dtype,
-            "train.seq_len": str(seq_len),
-            "train.batch_size": str(batch),
-        }
-        if family == "llama":
-            overrides.update({"model.num_kv_heads": "2", "model.tie_embeddings": "false"})
-        config = load_config("gpt_tiny", overrides)
-        model = build_model(config.model)
-        layouts = stages.stage_layouts(model, config.memory.page_size)
-        fns = stages.StageFunctions(
-            model, layouts, jax.jit, lambda pages, dt: [p.astype(dt) for p in pages]
-        )
-        traced = fns.memory_sizes(batch, seq_len, jnp.dtype(dtype))
+        config, traced = _compiled_sizes(
+            family, d_model, seq_len, batch, dtype,
+            {"model.attention": attention, "model.attention_block": "64"},
+        )  # fmt: skip
         w = Workload.from_config(config, backend="cpu")
         shape = (family, attention, dtype, d_model, seq_len, batch)
         assert w.working_set == pytest.approx(traced.working_set, rel=WORKING_SET_TOLERANCE), shape
@@ -395,28 +404,11 @@ def test_chunked_sizes_match_the_compiled_ones(family):
     d_model, seq_len, batch = 128, 1024, 8
     compiled = {}
     for n in (1, 2, 4):
-        overrides = {
-            "model.family": family,
-            "model.attention_block": "256",
-            "model.num_layers": "2",
-            "model.d_model": str(d_model),
-            "model.num_heads": "4",
-            "model.max_seq_len": str(seq_len),
-            "train.seq_len": str(seq_len),
-            "train.batch_size": str(batch),
-            "offload.mode": "stream",
-            "offload.batch_chunks": str(n),
-        }
-        if family == "llama":
-            overrides.update({"model.num_kv_heads": "2", "model.tie_embeddings": "false"})
-        config = load_config("gpt_tiny", overrides)
-        model = build_model(config.model)
-        layouts = stages.stage_layouts(model, config.memory.page_size)
-        fns = stages.StageFunctions(
-            model, layouts, jax.jit, lambda pages, dt: [p.astype(dt) for p in pages],
-            batch_chunks=n,
+        config, traced = _compiled_sizes(
+            family, d_model, seq_len, batch, "float32",
+            {"model.attention_block": "256", "offload.mode": "stream",
+             "offload.batch_chunks": str(n)},
         )  # fmt: skip
-        traced = fns.memory_sizes(batch, seq_len, jnp.float32)
         compiled[n] = traced.working_set
         w = Workload.from_config(config, backend="cpu")
         assert w.batch_chunks == n
@@ -554,9 +546,7 @@ def test_gpt175b_fits_the_rtx4090_at_batch_16_in_chunks_of_rows():
     assert plan.device["working set"] == w.chunked_working_sets[2]
     assert plan.config_overrides()["offload"]["batch_chunks"] == 2
     assert "offload.batch_chunks=2" in plan.table()
-    whole = device_parts(
-        memory_sizes(w, 1, 1), c.offload(), c.prefetch_depth, c.resident_blocks
-    )
+    whole = device_parts(memory_sizes(w, 1, 1), c.offload(), c.prefetch_depth, c.resident_blocks)
     assert sum(whole.values()) > plan.budgets["device"]  # without chunks it does not fit
     # a model whose rows are not independent is offered no chunks
     assert Workload.from_config(load_config("mixtral_tiny")).chunked_working_sets == {}

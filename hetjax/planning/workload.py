@@ -18,7 +18,6 @@ from hetjax.runtime.stages import stage_layouts
 from models import attention, build_model
 from models.llama import split_experts
 
-
 # offload.batch_chunks the planner tries (those that divide a device's rows)
 CHUNK_COUNTS = (1, 2, 4, 8, 16)
 

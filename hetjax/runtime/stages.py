@@ -346,9 +346,7 @@ class StageFunctions:
 
         def head_fwd_bwd(h, e, x, targets, scale):
             if batch_chunks > 1:
-                run = chunks.head_backward(
-                    head_loss, batch_chunks, H.grad_pages, E.grad_pages
-                )
+                run = chunks.head_backward(head_loss, batch_chunks, H.grad_pages, E.grad_pages)
                 loss, dh, de, dx = run(h, e, x, targets, scale)
                 return loss, out(dh), out(de), dx
             loss, vjp = jax.vjp(lambda h, e, x: head_loss(h, e, x, targets), h, e, x)
