@@ -208,11 +208,24 @@ class DataConfig:
     corpus_bytes: int = 8_000_000  # size cap of the embedded corpus
     # lm: windows of seq_len + 1 tokens, the next token of each predicted (decoder-only
     # models); prefix_lm: windows of 2 seq_len, the encoder reads the first half and the
-    # decoder predicts the second (encoder-decoder models). See running.md#data-order
+    # decoder predicts the second; span_corruption: T5's (encoder-decoder models). See
+    # running.md#data-order
     objective: str = "lm"
+    # span_corruption: the share of a window's tokens the decoder predicts, and the mean
+    # length of the spans they come in (T5's 0.15 and 3)
+    noise_density: float = 0.15
+    mean_noise_span: float = 3.0
 
     def __post_init__(self):
         _choice("data", "objective", self.objective, OBJECTIVES)
+        _check(
+            0 < self.noise_density < 1, "data.noise_density", "must be in (0, 1)",
+            self.noise_density,
+        )  # fmt: skip
+        _check(
+            self.mean_noise_span >= 1, "data.mean_noise_span", "must be >= 1",
+            self.mean_noise_span,
+        )  # fmt: skip
         _check(
             0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)", self.val_fraction
         )
@@ -488,17 +501,23 @@ class Config:
 
     def _check_objective(self) -> None:
         family, objective = self.model.family, self.data.objective
-        if objective == "prefix_lm" and not self.model.encoder_decoder:
+        if objective != "lm" and not self.model.encoder_decoder:
             raise ConfigError(
-                f"config key 'data.objective' is 'prefix_lm', whose windows' first half is "
-                f"an encoder's input, but model.family {family!r} is decoder-only; set "
+                f"config key 'data.objective' is {objective!r}, whose rows begin with an "
+                f"encoder's input, but model.family {family!r} is decoder-only; set "
                 "data.objective=lm, or model.family=t5"
             )
         if objective == "lm" and self.model.encoder_decoder:
             raise ConfigError(
                 f"config key 'data.objective' is 'lm', but model.family {family!r} is an "
                 "encoder-decoder model, whose encoder reads a prefix; set "
-                "data.objective=prefix_lm"
+                "data.objective=prefix_lm or span_corruption"
+            )
+        if objective == "span_corruption" and self.offload.activations == "nvme":
+            raise ConfigError(
+                "config key 'offload.activations': nvme swaps rows of one size, and span "
+                "corruption's decoder is shorter than its encoder; use device or host "
+                "with data.objective=span_corruption"
             )
 
     # -- building ---------------------------------------------------------------------

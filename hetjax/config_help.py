@@ -170,9 +170,14 @@ HELP: dict[str, str] = {
     "data.shuffle": "see [data order](running.md#data-order)",
     "data.val_fraction": "held-out tail of the token stream",
     "data.corpus_bytes": "embedded corpus size",
-    "data.objective": "`lm` (windows of T+1, next-token; decoder-only models) or `prefix_lm` "
+    "data.objective": "`lm` (windows of T+1, next-token; decoder-only models), `prefix_lm` "
     "(windows of 2T: the encoder reads the first T, the decoder predicts the next T; "
-    "`t5`); see [data order](running.md#data-order)",
+    "`t5`) or `span_corruption` (T5's: the encoder reads T tokens with a sentinel per "
+    "dropped span, the decoder predicts the spans; `t5`); see "
+    "[data order](running.md#data-order)",
+    "data.noise_density": "`span_corruption`: the share of a window's tokens dropped from "
+    "the encoder's input and predicted by the decoder",
+    "data.mean_noise_span": "`span_corruption`: the mean length of the dropped spans",
     # -- checkpoint -------------------------------------------------------------------
     "checkpoint.every_steps": "complete-state checkpoint every N steps; 0: none periodic",
     "checkpoint.every_minutes": "also a checkpoint when this many minutes have passed since "

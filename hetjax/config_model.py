@@ -14,7 +14,7 @@ FAMILIES = ("gpt", "llama", "t5", "custom")
 ENCODER_DECODER = ("t5",)  # families whose model is an encoder and a decoder stack
 FEED_FORWARDS = ("gated-gelu", "relu")  # t5: HF's feed_forward_proj
 # data.objective: what a window of tokens trains (hetjax/data.py)
-OBJECTIVES = ("lm", "prefix_lm")
+OBJECTIVES = ("lm", "prefix_lm", "span_corruption")
 # model.attention: how the zoo's blocks compute attention (models/attention.py)
 ATTENTIONS = ("auto", "blockwise", "reference", "fused")
 

@@ -11,6 +11,17 @@ trains is ``data.objective`` (:func:`split_window`):
   tokens, the decoder predicts the next ``T`` (its input is them shifted right behind
   ``model.decoder_start_token``, teacher forcing). Windows overlap by half: every
   ``T`` tokens are the targets of one window and the prefix of the next.
+* ``span_corruption`` (encoder-decoder models; T5's pre-training objective): a window of
+  W raw tokens loses ``data.noise_density`` of them, in spans of ``data.mean_noise_span``
+  on average; the encoder reads the rest with a sentinel in place of each span, exactly
+  ``T`` tokens, and the decoder predicts each span behind its sentinel (:class:`Spans`
+  gives W and the decoder's length, fixed for a given T: no padding, no loss mask).
+  Sentinel ``i`` of a window is token ``model.vocab_size - 1 - i``, as T5's
+  ``<extra_id_i>``; the data's own ids must lie below them. Where the spans fall is drawn
+  from ``train.seed`` and the window's index, so a window is corrupted the same way in
+  every pass, at any process count. A batch row is the encoder's T tokens followed by
+  the decoder's targets. (T5 also ends both with an end-of-sequence token; the byte
+  vocabulary has none, so neither does this.)
 
 With ``data.shuffle=true`` the windows of each pass over the data are visited in a
 permutation drawn from ``train.seed`` and the pass number, so a run is still
@@ -35,21 +46,95 @@ import numpy as np
 
 from hetjax.config import Config, ConfigError
 
-
-def window_length(objective: str, seq_len: int) -> int:
-    """Tokens of one window (a batch row) for ``data.objective`` and ``train.seq_len``:
-    ``T + 1`` (lm) or ``2 T`` (prefix_lm)."""
-    return 2 * seq_len if objective == "prefix_lm" else seq_len + 1
+SPAN_STREAM = 0x5C  # span corruption's random stream, apart from the data order's
 
 
-def split_window(objective: str, windows):
-    """Batch rows (..., W) -> (tokens (..., T), targets (..., T)): for ``lm`` the inputs
-    and the next tokens; for ``prefix_lm`` the encoder's input and the decoder's targets
-    (the decoder's input is made from the targets by the model, as HF's T5 does from its
-    labels). Works on numpy and JAX arrays alike."""
-    if objective == "prefix_lm":
-        T = windows.shape[-1] // 2
-        return windows[..., :T], windows[..., T:]
+@dataclass(frozen=True)
+class Spans:
+    """Span corruption's lengths for an encoder input of ``T`` tokens: each window of
+    ``window`` raw tokens loses ``noise`` of them in ``spans`` spans; the encoder reads
+    the ``window - noise`` kept tokens and a sentinel per span (``T``), the decoder
+    predicts a sentinel and the span's tokens per span (``targets``)."""
+
+    window: int
+    noise: int
+    spans: int
+
+    @property
+    def targets(self) -> int:
+        return self.noise + self.spans
+
+    @staticmethod
+    def of(window: int, density: float, mean_span: float) -> Spans:
+        """T5's counts for a window (``random_spans_noise_mask``): round(W density)
+        noise tokens, at least one and one kept; round(noise / mean_span) spans, at
+        least one and no more than the kept tokens (each span follows a kept run)."""
+        noise = min(max(round(window * density), 1), window - 1)
+        spans = min(max(round(noise / mean_span), 1), window - noise)
+        return Spans(window, noise, spans)
+
+    @staticmethod
+    def for_inputs(seq_len: int, density: float, mean_span: float) -> Spans:
+        """The window whose encoder input is exactly ``seq_len`` tokens. One more raw
+        token adds 0 or 1 to the input's length (a noise token adds a span at most),
+        so the search meets every length."""
+        for window in range(seq_len, 4 * seq_len + 8):
+            spans = Spans.of(window, density, mean_span)
+            if window - spans.noise + spans.spans == seq_len:
+                return spans
+        raise ConfigError(
+            f"span corruption finds no window whose encoder input is train.seq_len="
+            f"{seq_len} tokens at data.noise_density={density}; use a longer seq_len"
+        )
+
+    def corrupt(self, raw: np.ndarray, vocab_size: int, rng: np.random.Generator):
+        """One window (``window``,) -> the encoder's tokens followed by the decoder's
+        targets (``T + targets``,): kept runs and noise spans alternate, a kept run
+        first; sentinel ``i`` (token ``vocab_size - 1 - i``) stands for span ``i`` in
+        the input and precedes its tokens in the targets."""
+        noise = _segments(self.noise, self.spans, rng)
+        kept = _segments(self.window - self.noise, self.spans, rng)
+        inputs, targets, at = [], [], 0
+        for i, (k, n) in enumerate(zip(kept, noise, strict=True)):
+            sentinel = np.array([vocab_size - 1 - i], raw.dtype)
+            inputs += [raw[at : at + k], sentinel]
+            targets += [sentinel, raw[at + k : at + k + n]]
+            at += k + n
+        return np.concatenate(inputs + targets)
+
+
+def _segments(items: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    """``items`` cut at random into ``count`` runs of at least one (T5's
+    ``_random_segmentation``): their lengths."""
+    cuts = np.sort(rng.choice(np.arange(1, items), count - 1, replace=False))
+    return np.diff(np.concatenate([[0], cuts, [items]]))
+
+
+def spans_of(data, seq_len: int) -> Spans | None:
+    """``data.objective=span_corruption``'s lengths for ``train.seq_len``, or None."""
+    if data.objective != "span_corruption":
+        return None
+    return Spans.for_inputs(seq_len, data.noise_density, data.mean_noise_span)
+
+
+def window_length(data, seq_len: int) -> int:
+    """Tokens of a batch row for ``data`` (:class:`~hetjax.config.DataConfig`) and
+    ``train.seq_len``: ``T + 1`` (lm), ``2 T`` (prefix_lm), or the encoder's ``T`` and
+    the decoder's targets (span_corruption)."""
+    if data.objective == "prefix_lm":
+        return 2 * seq_len
+    if data.objective == "span_corruption":
+        return seq_len + spans_of(data, seq_len).targets
+    return seq_len + 1
+
+
+def split_window(objective: str, windows, seq_len: int):
+    """Batch rows (..., W) -> (tokens (..., T), targets): for ``lm`` the inputs and the
+    next tokens; for ``prefix_lm`` and ``span_corruption`` the encoder's ``seq_len``
+    tokens and the decoder's targets (the decoder's input is made from the targets by
+    the model, as HF's T5 does from its labels). Works on numpy and JAX arrays alike."""
+    if objective in ("prefix_lm", "span_corruption"):
+        return windows[..., :seq_len], windows[..., seq_len:]
     return windows[..., :-1], windows[..., 1:]
 
 
@@ -116,6 +201,8 @@ class TokenWindows:
     process_count: int = 1
     grad_accum: int = 1
     window: int = 0  # tokens per window; 0: seq_len + 1 (data.objective=lm)
+    spans: Spans | None = None  # span corruption's (its window is ``spans.window``)
+    vocab_size: int = 0  # whose top ids are the sentinels (span corruption)
 
     def __post_init__(self):
         if self.batch_size % (self.grad_accum * self.process_count):
@@ -151,13 +238,18 @@ class TokenWindows:
         return [a * micro + first + j for a in range(self.grad_accum) for j in range(share)]
 
     def batch(self, i: int) -> np.ndarray:
-        """This process's rows of batch ``i`` as int32 ``(B / processes, W)``."""
+        """This process's rows of batch ``i`` as int32 ``(B / processes, W)`` (span
+        corruption: each window corrupted, see the module docstring)."""
         T, W = self.seq_len, self.window
-        rows = [
-            np.asarray(self.tokens[(k := self.window_index(i, r)) * T : k * T + W])
-            for r in self.own_rows()
-        ]
-        return np.stack(rows).astype(np.int32)
+        rows = []
+        for r in self.own_rows():
+            k = self.window_index(i, r)
+            row = np.asarray(self.tokens[k * T : k * T + W]).astype(np.int32)
+            if self.spans is not None:
+                rng = np.random.default_rng([self.seed, SPAN_STREAM, k])
+                row = self.spans.corrupt(row, self.vocab_size, rng)
+            rows.append(row)
+        return np.stack(rows)
 
 
 def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
@@ -168,14 +260,24 @@ def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
     else:
         tokens = embedded_corpus(d.corpus_bytes)
         source = f"embedded corpus (Python {sys.version.split()[0]} stdlib, bytes)"
+    spans = spans_of(d, t.seq_len)
+    # span corruption's sentinels take the top ids: the data's must lie below them
+    ids = config.model.vocab_size - (spans.spans if spans else 0)
     if len(tokens) <= 16 * 1024 * 1024:  # a full scan is cheap; huge files are checked per batch
         top = int(tokens.max())
-        if top >= config.model.vocab_size:
+        if top >= ids and spans:
+            raise ConfigError(
+                f"data holds token id {top}, but span corruption's {spans.spans} sentinels "
+                f"take ids {ids}..{config.model.vocab_size - 1} of model.vocab_size "
+                f"{config.model.vocab_size}; raise model.vocab_size to at least "
+                f"{top + 1 + spans.spans}"
+            )
+        if top >= ids:
             raise ConfigError(
                 f"data holds token id {top} but model.vocab_size is {config.model.vocab_size}; "
                 "raise model.vocab_size to at least max id + 1"
             )
-    window = window_length(d.objective, t.seq_len)
+    window = spans.window if spans else window_length(d, t.seq_len)
     n_val = max(int(len(tokens) * d.val_fraction), window)
     import jax
 
@@ -189,9 +291,12 @@ def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
         **shard,
         grad_accum=t.grad_accum,
         window=window,
+        spans=spans,
+        vocab_size=config.model.vocab_size,
     )
     val = TokenWindows(
-        tokens[-n_val:], t.seq_len, t.batch_size, False, t.seed, **shard, window=window
-    )
+        tokens[-n_val:], t.seq_len, t.batch_size, False, t.seed, **shard, window=window,
+        spans=spans, vocab_size=config.model.vocab_size,
+    )  # fmt: skip
     desc = f"{source}: {len(tokens):,} tokens ({len(tokens) - n_val:,} train, {n_val:,} val)"
     return train, val, desc

@@ -27,7 +27,7 @@ def training_batches(config, steps: int) -> list[np.ndarray]:
 
     data, _, _ = make_datasets(config)
     t = config.train
-    shape = (t.grad_accum, t.micro_batch_size, window_length(config.data.objective, t.seq_len))
+    shape = (t.grad_accum, t.micro_batch_size, window_length(config.data, t.seq_len))
     return [data.batch(s).reshape(shape) for s in range(steps)]
 
 

@@ -15,7 +15,7 @@ from equivalence import (
 )
 
 from hetjax.config import ConfigError
-from hetjax.data import TokenWindows, split_window
+from hetjax.data import SPAN_STREAM, Spans, TokenWindows, make_datasets, split_window
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.train import train
 from models import build_model
@@ -96,6 +96,16 @@ def test_swapped_activations_refused(tiny):
     "sections, key",
     [
         (dict(data=dict(objective="prefix_lm")), "data.objective"),
+        (dict(data=dict(objective="span_corruption")), "data.objective"),
+        (
+            dict(
+                model=dict(family="t5"),
+                data=dict(objective="span_corruption"),
+                offload=dict(mode="stream", activations="nvme"),
+            ),
+            "offload.activations",
+        ),
+        (dict(data=dict(noise_density=1.0)), "data.noise_density"),
         (dict(model=dict(family="t5")), "data.objective"),  # lm with an encoder-decoder
         (dict(model=dict(family="llama", num_decoder_layers=2)), "model.num_decoder_layers"),
         (
@@ -129,10 +139,91 @@ def test_prefix_lm_windows():
     assert data.num_windows == (100 - 16) // 8 + 1
     batch = data.batch(0)
     assert batch.shape == (2, 16)
-    inputs, targets = split_window("prefix_lm", batch)
+    inputs, targets = split_window("prefix_lm", batch, 8)
     np.testing.assert_array_equal(inputs, [np.arange(0, 8), np.arange(8, 16)])
     np.testing.assert_array_equal(targets, [np.arange(8, 16), np.arange(16, 24)])
     np.testing.assert_array_equal(targets[0], inputs[1])
+
+
+@pytest.mark.parametrize("seq_len", [8, 16, 64, 100, 511, 1024])
+def test_span_corruption_rows(seq_len):
+    """A corrupted window: the encoder reads exactly T tokens, sentinel i (from the top
+    of the vocabulary down) in place of span i; the targets are each span behind its
+    sentinel, none empty; putting the spans back in place of their sentinels gives the
+    raw window."""
+    spans = Spans.for_inputs(seq_len, 0.15, 3.0)
+    assert spans.noise == round(spans.window * 0.15)
+    raw = np.arange(spans.window, dtype=np.int32)
+    V = 100_000
+    row = spans.corrupt(raw, V, np.random.default_rng(seq_len))
+    assert row.shape == (seq_len + spans.targets,)
+    inputs, targets = split_window("span_corruption", row, seq_len)
+    sentinels = V - 1 - np.arange(spans.spans)
+    assert inputs[-1] in sentinels or inputs[0] == 0  # a kept run comes first
+    np.testing.assert_array_equal(inputs[inputs > V - 1 - spans.spans], sentinels)
+    np.testing.assert_array_equal(targets[targets > V - 1 - spans.spans], sentinels)
+    pieces = np.split(targets, np.flatnonzero(targets > V - 1 - spans.spans)[1:])
+    assert all(len(p) > 1 for p in pieces), pieces
+    span_of = {int(p[0]): p[1:] for p in pieces}
+    rebuilt = np.concatenate([span_of.get(int(t), [t]) for t in inputs])
+    np.testing.assert_array_equal(rebuilt, raw)
+
+
+def test_span_corruption_lengths_are_t5s():
+    """T5's C4 span corruption: inputs of 512 tokens (511 and an end-of-sequence token)
+    come from 568 raw tokens, with 114 targets (113 and the end token)."""
+    assert Spans.for_inputs(511, 0.15, 3.0) == Spans(window=568, noise=85, spans=28)
+    assert Spans.for_inputs(511, 0.15, 3.0).targets == 113
+
+
+def test_span_corruption_is_the_windows(tiny):
+    """A window is corrupted by its index and the seed alone: the same in every pass
+    over the data and whichever process reads it; another seed drops other spans."""
+    config = t5_config(tiny, vocab_size=264, max_seq_len=64).replace(
+        data=dict(objective="span_corruption"), train=dict(seq_len=64)
+    )
+    train_data, _, _ = make_datasets(config)
+    spans = train_data.spans
+    assert spans.spans > 1  # one span would always be the window's tail
+    assert train_data.batch(0).shape == (4, 64 + spans.targets)
+    # the next pass's read of batch 0 row 0's window (unshuffled: window i B + r)
+    again = train_data.num_windows
+    np.testing.assert_array_equal(
+        train_data.batch(again // 4)[again % 4], train_data.batch(0)[0]
+    )
+    k = train_data.window_index(3, 1)
+    raw = np.asarray(train_data.tokens[k * 64 : k * 64 + spans.window]).astype(np.int32)
+    expect = spans.corrupt(raw, 264, np.random.default_rng([config.train.seed, SPAN_STREAM, k]))
+    np.testing.assert_array_equal(train_data.batch(3)[1], expect)
+    halves = [
+        dataclasses.replace(train_data, process_index=p, process_count=2).batch(3)
+        for p in (0, 1)
+    ]
+    np.testing.assert_array_equal(np.concatenate(halves), train_data.batch(3))
+    reseeded = dataclasses.replace(train_data, seed=1).batch(3)
+    assert not np.array_equal(reseeded, train_data.batch(3))
+
+
+def test_span_corruption_needs_room_for_sentinels(tiny):
+    """The tests' slice of the byte corpus uses ids up to 125: a vocabulary of 126
+    leaves no id for the sentinel."""
+    config = t5_config(tiny, vocab_size=126).replace(data=dict(objective="span_corruption"))
+    with pytest.raises(ConfigError, match=r"sentinels take ids .* raise model\.vocab_size"):
+        make_datasets(config)
+
+
+def test_span_corruption_stream_nvme_equals_none(tiny, tmp_path):
+    """Span corruption's decoder is shorter than its encoder (T 16: 4 targets): streamed
+    with params and optimizer state on NVMe, two blocks kept, it trains as
+    offload.mode=none."""
+    config = t5_config(tiny, vocab_size=264).replace(
+        data=dict(objective="span_corruption"), train=SHORT, optimizer=SGD
+    )
+    reference = train(config.replace(offload=dict(mode="none")), tmp_path / "ref", verbose=False)
+    offload = dict(mode="stream", optimizer="nvme", params="nvme", keep_blocks=2)
+    result = train(config.replace(offload=offload), tmp_path / "stream", verbose=False)
+    assert np.all(np.isfinite(reference.losses))
+    assert_training_equal(result, reference, build_model(config.model), t5_tokens())
 
 
 def test_in_memory_trains_and_restores(tiny):
@@ -162,7 +253,9 @@ def test_remat_changes_nothing(tiny):
         build_model(config.replace(model=dict(remat=True)).model),
     )
     params = model.init(jax.random.key(0))
-    tokens, targets = split_window("prefix_lm", training_batches(config, 1)[0][0])
+    tokens, targets = split_window(
+        "prefix_lm", training_batches(config, 1)[0][0], config.train.seq_len
+    )
     g = jax.grad(model.loss)(params, tokens, targets)
     g_remat = jax.grad(checked.loss)(params, tokens, targets)
     assert_trees_close(g_remat, g, rtol=1e-6)

@@ -50,10 +50,10 @@ class InMemoryRuntime:
             opt_state=self.tx.init(params),
             loss_scale=LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None,
         )
-        objective = config.data.objective
-        step = functools.partial(step_fn, self.model, self.tx, objective=objective)
+        objective, T = config.data.objective, config.train.seq_len
+        step = functools.partial(step_fn, self.model, self.tx, objective=objective, seq_len=T)
         self._step = jax.jit(step, donate_argnums=0)
-        self._eval = jax.jit(lambda p, b: self.model.loss(p, *split_window(objective, b)))
+        self._eval = jax.jit(lambda p, b: self.model.loss(p, *split_window(objective, b, T)))
 
     def train_step(self, batch: np.ndarray, poison: bool = False) -> StepReport:
         self.state, (loss, grad_norm, skipped, scale) = self._step(
@@ -137,16 +137,23 @@ class InMemoryRuntime:
 
 
 def step_fn(
-    model, tx, state: TrainState, batch: jax.Array, poison: jax.Array, objective: str = "lm"
+    model,
+    tx,
+    state: TrainState,
+    batch: jax.Array,
+    poison: jax.Array,
+    objective: str = "lm",
+    seq_len: int = 0,
 ):
     """One optimizer step of ``model`` with optax ``tx`` on a global batch (A, B/A, W) of
-    windows (``data.objective``'s, ``hetjax/data.py``): gradients summed over the A
+    windows (``data.objective``'s, ``hetjax/data.py``; ``seq_len`` the encoder's
+    tokens where the objective has an encoder): gradients summed over the A
     micro-batches, averaged, applied unless not finite."""
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
     seed = scale * poison  # the loss cotangent; poison is 1, or NaN to inject a fault
 
     def micro(grad_sum, windows):  # windows (B/A, W)
-        tokens, targets = split_window(objective, windows)
+        tokens, targets = split_window(objective, windows, seq_len)
 
         def loss_fn(p):
             loss = model.loss(p, tokens, targets)
@@ -187,9 +194,10 @@ def step_device_bytes(config: Config) -> int:
         jax.ShapeDtypeStruct((), np.int32), params, jax.eval_shape(tx.init, params), None
     )
     t = config.train
-    window = window_length(config.data.objective, t.seq_len)
+    window = window_length(config.data, t.seq_len)
     batch = jax.ShapeDtypeStruct((t.grad_accum, t.micro_batch_size, window), np.int32)
-    step = functools.partial(step_fn, model, tx, objective=config.data.objective)
+    objective = config.data.objective
+    step = functools.partial(step_fn, model, tx, objective=objective, seq_len=t.seq_len)
     step = jax.jit(step, donate_argnums=0)
     a = step.lower(state, batch, jax.ShapeDtypeStruct((), np.float32)).compile().memory_analysis()
     return int(
