@@ -128,6 +128,13 @@ def window_length(data, seq_len: int) -> int:
     return seq_len + 1
 
 
+def decoder_length(data, seq_len: int) -> int:
+    """Tokens a batch row's targets have (the decoder's rows, the head's): ``seq_len``,
+    or span corruption's targets."""
+    spans = spans_of(data, seq_len)
+    return spans.targets if spans else seq_len
+
+
 def split_window(objective: str, windows, seq_len: int):
     """Batch rows (..., W) -> (tokens (..., T), targets): for ``lm`` the inputs and the
     next tokens; for ``prefix_lm`` and ``span_corruption`` the encoder's ``seq_len``

@@ -23,7 +23,7 @@ from hetjax import census, timeline
 from hetjax.allocator import tune_host_allocator
 from hetjax.checkpoint import Checkpointer, check_compatible, checkpoint_dir
 from hetjax.config import Config, format_bytes
-from hetjax.data import make_datasets
+from hetjax.data import decoder_length, make_datasets
 from hetjax.distributed import any_process
 from hetjax.faults import Faults
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, plot_losses, step_record
@@ -36,6 +36,7 @@ from hetjax.runtime.zero import Zero3
 from hetjax.summary import report as report_run
 from hetjax.types import Runtime, TrainingError
 from models import build_model
+from models.staged import row_flops
 
 
 def build_runtime(config: Config, workdir: str | Path | None = None) -> Runtime:
@@ -141,7 +142,8 @@ def _train(
         model = build_model(config.model)
         n_params = model.param_count()
         tokens_per_step = t.batch_size * t.seq_len
-        flops_per_step = model.flops_per_token(t.seq_len) * tokens_per_step
+        target_len = decoder_length(config.data, t.seq_len)
+        flops_per_step = row_flops(model, t.seq_len, target_len) * t.batch_size
         out.log(
             f"hetjax: {n_params / 1e6:.2f}M params, offload.mode={config.offload.mode}, "
             f"{jax.devices()[0].platform} x{jax.device_count()}; data: {data_desc}"

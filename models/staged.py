@@ -313,6 +313,33 @@ class Stages:
             n -= self.stage_param_count("embed")
         return 6.0 * n + 12.0 * self.attention_layers() * seq_len * cfg.d_model
 
+    def block_flops_per_row(self, seq_len: int, target_len: int | None = None) -> float:
+        """FLOPs of forward + backward of every block for one batch row of ``seq_len``
+        tokens (:meth:`flops_per_token`'s block terms; ``target_len``: a decoder's own
+        length, for a model that has one)."""
+        active = sum(g.num_layers * self.group_active_params(i) for i, g in enumerate(self.groups))
+        attention = 12.0 * self.attention_layers() * seq_len**2 * self.config.d_model
+        return 6.0 * active * seq_len + attention
+
+    def flops_per_row(self, seq_len: int, target_len: int | None = None) -> float:
+        """Model FLOPs of forward + backward of one batch row: :meth:`flops_per_token`
+        x ``seq_len``, or, for an encoder-decoder model whose decoder reads
+        ``target_len`` tokens, the blocks' FLOPs at both lengths (:meth:`block_flops_per_row`)
+        and the head's at the decoder's."""
+        whole = self.flops_per_token(seq_len) * seq_len
+        if target_len is None or target_len == seq_len:
+            return whole
+        head = (whole - self.block_flops_per_row(seq_len)) / seq_len  # per decoder token
+        return self.block_flops_per_row(seq_len, target_len) + head * target_len
+
+
+def row_flops(model, seq_len: int, target_len: int) -> float:
+    """Model FLOPs of forward + backward of one batch row (``Stages.flops_per_row``); a
+    user's model without it is decoder-only: ``flops_per_token(seq_len) x seq_len``."""
+    if hasattr(model, "flops_per_row"):
+        return model.flops_per_row(seq_len, target_len)
+    return model.flops_per_token(seq_len) * seq_len
+
 
 class FlaxStages(Stages):
     """A :class:`StagedModel` made of three Flax modules (see the module docstring): one

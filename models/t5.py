@@ -485,6 +485,18 @@ class T5(Stages):
             raise ValueError("T5.logits needs the targets: the decoder reads them shifted right")
         return super().logits(params, tokens, targets)
 
+    def block_flops_per_row(self, seq_len: int, target_len: int | None = None) -> float:
+        """The encoder's blocks over ``seq_len`` tokens, the decoder's over
+        ``target_len`` (``seq_len`` when None): its self-attention over ``target_len``
+        keys, its cross-attention over ``seq_len``."""
+        S, D = target_len or seq_len, self.config.d_model
+        (L_enc, enc), (L_dec, dec) = (
+            (g.num_layers, g.num_layers * self.group_active_params(i))
+            for i, g in enumerate(self.groups)
+        )
+        attention = 12.0 * D * (L_enc * seq_len**2 + L_dec * (S * S + S * seq_len))
+        return 6.0 * (enc * seq_len + dec * S) + attention
+
     def attention_layers(self) -> int:
         """The encoder's self-attentions and the decoder's self- and cross-attentions."""
         return self.config.num_layers + 2 * self.config.decoder_layers

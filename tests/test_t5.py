@@ -188,16 +188,13 @@ def test_span_corruption_is_the_windows(tiny):
     assert train_data.batch(0).shape == (4, 64 + spans.targets)
     # the next pass's read of batch 0 row 0's window (unshuffled: window i B + r)
     again = train_data.num_windows
-    np.testing.assert_array_equal(
-        train_data.batch(again // 4)[again % 4], train_data.batch(0)[0]
-    )
+    np.testing.assert_array_equal(train_data.batch(again // 4)[again % 4], train_data.batch(0)[0])
     k = train_data.window_index(3, 1)
     raw = np.asarray(train_data.tokens[k * 64 : k * 64 + spans.window]).astype(np.int32)
     expect = spans.corrupt(raw, 264, np.random.default_rng([config.train.seed, SPAN_STREAM, k]))
     np.testing.assert_array_equal(train_data.batch(3)[1], expect)
     halves = [
-        dataclasses.replace(train_data, process_index=p, process_count=2).batch(3)
-        for p in (0, 1)
+        dataclasses.replace(train_data, process_index=p, process_count=2).batch(3) for p in (0, 1)
     ]
     np.testing.assert_array_equal(np.concatenate(halves), train_data.batch(3))
     reseeded = dataclasses.replace(train_data, seed=1).batch(3)
@@ -224,6 +221,33 @@ def test_span_corruption_stream_nvme_equals_none(tiny, tmp_path):
     result = train(config.replace(offload=offload), tmp_path / "stream", verbose=False)
     assert np.all(np.isfinite(reference.losses))
     assert_training_equal(result, reference, build_model(config.model), t5_tokens())
+
+
+def test_span_corruption_flops_count_the_shorter_decoder(tiny):
+    """The FLOPs per row (the MFU's, the planner's): the encoder's blocks over T tokens,
+    the decoder's blocks and the head over the targets, the decoder's self-attention over
+    the targets and its cross-attention over T; at equal lengths, flops_per_token x T;
+    the planner's step and block FLOPs follow the objective."""
+    from hetjax.planning.workload import Workload
+
+    config = t5_config(tiny, vocab_size=264, max_seq_len=64)
+    model = build_model(config.model)
+    T, S, D = 64, 15, 32  # span corruption at T 64: 15 targets
+    enc = model.groups[0].num_layers * model.block_param_count(0)
+    dec = model.groups[1].num_layers * model.block_param_count(1)
+    head = model.param_count() - model.stage_param_count("embed") - enc - dec
+    attention = 12 * D * (2 * T * T + 3 * (S * S + S * T))
+    assert model.flops_per_row(T, S) == pytest.approx(6 * (enc * T + (dec + head) * S) + attention)
+    assert model.flops_per_row(T, T) == pytest.approx(model.flops_per_token(T) * T)
+    prefix = config.replace(train=dict(seq_len=T), offload=dict(mode="stream"))
+    span = prefix.replace(data=dict(objective="span_corruption"))
+    assert Spans.for_inputs(T, 0.15, 3.0).targets == S
+    w_prefix, w_span = (Workload.from_config(c, backend="cpu") for c in (prefix, span))
+    rows = config.train.batch_size
+    assert w_prefix.flops_per_step == pytest.approx(model.flops_per_row(T, T) * rows)
+    assert w_span.flops_per_step == pytest.approx(model.flops_per_row(T, S) * rows)
+    assert w_span.block_fwd_flops < w_prefix.block_fwd_flops
+    assert w_span.head_fwd_flops == pytest.approx(w_prefix.head_fwd_flops * S / T)
 
 
 def test_in_memory_trains_and_restores(tiny):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from hetjax.config import Config, ConfigError
+from hetjax.data import decoder_length
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy
 from hetjax.planning.hardware import Hardware
 from hetjax.runtime import remat, stages
@@ -17,6 +18,7 @@ from hetjax.runtime.routed import expert_leaves
 from hetjax.runtime.stages import stage_layouts
 from models import attention, build_model
 from models.llama import split_experts
+from models.staged import row_flops
 
 # offload.batch_chunks the planner tries (those that divide a device's rows)
 CHUNK_COUNTS = (1, 2, 4, 8, 16)
@@ -196,6 +198,7 @@ class Workload:
         block_used = used[largest]
         c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
         b, T, D = max(1, t.micro_batch_size // devices), t.seq_len, m.d_model
+        T_dec = decoder_length(config.data, T)  # a decoder's rows (span corruption: fewer)
         tokens = b * T
         backend = backend or jax.default_backend()
         impl = block_attention(m, backend)
@@ -257,10 +260,6 @@ class Workload:
         recompute = {"matmuls": attention_matmuls, "probs": 0.0, "all": 0.0}
         attention_bwd = 2 * tokens * T * D * attentions if impl in ("blockwise", "fused") else 0.0
         kinds = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1 if config.optimizer.momentum else 0}
-        # a MoE block's matmuls use the experts a token is routed to, not all
-        active = sum(
-            g.num_layers * model.group_active_params(i) for i, g in enumerate(model.groups)
-        )
         # expert-aware streaming: one device (ZeRO-3 gathers whole pages)
         routed = model.expert_routing and config.offload.expert_fetch == "routed"
         routed_experts = 0
@@ -288,13 +287,14 @@ class Workload:
             state_kinds=kinds[config.optimizer.name],
             micro_batches=t.grad_accum,
             tokens_per_step=t.batch_size * T,
-            flops_per_step=model.flops_per_token(T) * t.batch_size * T,
+            flops_per_step=row_flops(model, T, T_dec) * t.batch_size,
             boundary=boundary,
             working_set=int(working),
             kept=dict(kept),
             recompute_flops={level: recompute[level] for level in kept},
-            block_fwd_flops=tokens * (2 * active / L + 4 * T * D * attentions),
-            head_fwd_flops=tokens * 2 * m.vocab_size * D,
+            # forward: a third of forward + backward
+            block_fwd_flops=b * model.block_flops_per_row(T, T_dec) / 3 / L,
+            head_fwd_flops=b * T_dec * 2 * m.vocab_size * D,
             attention_bwd_flops=attention_bwd,
             grad_policy=grad_policy(config),
             groups=(

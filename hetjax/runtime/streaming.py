@@ -367,7 +367,8 @@ class StreamingRuntime:
         """Forward and backward of one micro-batch (B, W) of ``data.objective``'s
         windows; its gradients go to ``self._step``. Returns the loss (a device scalar)."""
         L, fns, put = self.num_layers, self.fns, self.placement.put_batch
-        tokens_np, targets_np = split_window(self.config.data.objective, window_np, self.config.train.seq_len)
+        objective, T = self.config.data.objective, self.config.train.seq_len
+        tokens_np, targets_np = split_window(objective, window_np, T)
         tokens, targets = put(tokens_np), put(targets_np)
         embed, head = self.resident["embed"], self.resident["head"]
         # Blocks first_kept .. L-1 keep their in-block activations from forward to
@@ -602,7 +603,8 @@ class StreamingRuntime:
 
     def eval_loss(self, batch: np.ndarray) -> float:
         put = self.placement.put_batch
-        tokens, targets = (put(a) for a in split_window(self.config.data.objective, batch, self.config.train.seq_len))
+        objective, T = self.config.data.objective, self.config.train.seq_len
+        tokens, targets = (put(a) for a in split_window(objective, batch, T))
         window = self._window(self.block_names)
         embed, head = self.resident["embed"], self.resident["head"]
         x, context = None, ()
