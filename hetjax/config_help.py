@@ -146,6 +146,11 @@ HELP: dict[str, str] = {
     "only those with tokens (forward and backward; with `offload.mode=auto` where the "
     "planner predicts a gain); `all` copies every expert with the block "
     "([offload](offload.md#expert-aware-streaming))",
+    "offload.expert_updates": "`expert_fetch=routed` with `offload.optimizer=nvme` (sync, "
+    "Adam/AdamW): `deferred` leaves the optimizer state of experts without a token on "
+    "disk (not read, updated or written) and catches their missed updates up, exactly, "
+    "before their next use; `all` updates every expert every step "
+    "([offload](offload.md#deferred-expert-updates))",
     "offload.batch_chunks": "`stream`: the recomputed blocks and the head run each "
     "micro-batch in N equal chunks of its rows, one after the other with the stage's "
     "params on the device: one chunk's working set, params still fetched once (not with "

@@ -101,6 +101,9 @@ class OffloadConfig:
     optimizer_device_stages: int = 0
     # stream, a MoE block: copy only the experts its tokens were routed to, or all
     expert_fetch: str = "routed"
+    # routed experts with state on NVMe: the updates of the experts without a token wait,
+    # caught up before their next use (deferred), or happen every step (all)
+    expert_updates: str = "deferred"
     # stream: recomputed blocks and the head run each micro-batch in N chunks of rows
     batch_chunks: int = 1
 
@@ -131,6 +134,7 @@ class OffloadConfig:
         _choice("offload", "swap_level", self.swap_level, SWAP_LEVELS)
         _choice("offload", "swap_tier", self.swap_tier, ("host", "nvme"))
         _choice("offload", "expert_fetch", self.expert_fetch, ("routed", "all"))
+        _choice("offload", "expert_updates", self.expert_updates, ("deferred", "all"))
         if self.mode == "stream" and self.keep_level != "all" and not self.keep_blocks:
             raise ConfigError(
                 f"config key 'offload.keep_level' is {self.keep_level!r}, which applies to "

@@ -39,7 +39,7 @@ import optax
 from hetjax.config import OptimizerConfig
 from hetjax.optimizer import native
 from hetjax.optimizer.build import base_optimizer, learning_rate_schedule, state_kind_name
-from hetjax.storage.pages import GradPages, SlabLayout, aligned_empty
+from hetjax.storage.pages import GradPages, SlabLayout, aligned_empty, page_runs, runs_outside
 from hetjax.types import MASTER
 
 F32 = jnp.float32
@@ -118,6 +118,20 @@ def _host_buffers(slabs: dict, kinds: list[str]) -> bool:
         and slabs[k].flags.writeable
         for k in kinds
     )
+
+
+def _decayed(num_decay: int, start: int, stop: int) -> int:
+    """Of the slab's elements ``[start, stop)``, how many lie in its decayed part (the
+    first ``num_decay``): the ``num_decay`` of that run."""
+    return min(max(num_decay - start, 0), stop - start)
+
+
+@functools.cache
+def _zero_pages(page_elems: int) -> np.ndarray:
+    """A read-only float32 page of zeros: the gradient of a missed update."""
+    zero = np.zeros(page_elems, np.float32)
+    zero.flags.writeable = False
+    return zero
 
 
 class SlabOptimizer:
@@ -312,6 +326,8 @@ class SlabOptimizer:
         clip: tuple[float, float],
         spare: dict[str, list] | None = None,
         in_place: bool = False,
+        skip: frozenset[int] = frozenset(),
+        catch_up: tuple = (),
     ) -> tuple[dict[str, list], list, list[jax.Array]]:
         """One optimizer step of one stage. ``slabs`` is its state by kind, each a list
         of chunks (numpy or JAX arrays) or a whole flat slab (numpy, split here);
@@ -332,7 +348,8 @@ class SlabOptimizer:
         are deleted); ``in_place`` writes it over ``slabs`` (which must be a copy nobody
         else holds, e.g. a fresh NVMe read). Otherwise the new state gets fresh buffers."""
         if in_place and self.native and _host_buffers(slabs, self.kinds):
-            return self.update_host(layout_name, slabs, scalars, grad, clip)
+            return self.update_host(layout_name, slabs, scalars, grad, clip, skip, catch_up)
+        assert not (skip or catch_up), "deferred updates need the native kernel on host buffers"
         layout = self.layouts[layout_name]
         bounds = self.chunk_bounds(layout_name)
         chunked = {k: self.as_chunks(layout_name, slabs[k]) for k in self.kinds}
@@ -379,14 +396,25 @@ class SlabOptimizer:
         scalars: list,
         grad,
         clip: tuple[float, float],
+        skip: frozenset[int] = frozenset(),
+        catch_up: tuple = (),
     ) -> tuple[dict[str, np.ndarray], list, list[np.ndarray]]:
         """:meth:`update` by the native kernel straight on host buffers, in place, no XLA
         buffer involved: ``slabs`` (each kind a writable float32 numpy slab, e.g. the
         NVMe tier's pooled I/O buffers) are the new state when it returns; the gradient
         is read where it is (its pages, float32 or bfloat16). The new params are pages of
         one fresh compute-dtype slab (aligned: put without a copy). Equal to the jitted
-        path bit for bit (the same kernel on the same coefficients)."""
+        path bit for bit (the same kernel on the same coefficients).
+
+        Deferred updates (``optimizer/deferred.py``): the pages in ``skip`` (zero
+        gradient) are not updated, their params are the master's as it is; each
+        ``(pages, inputs)`` of ``catch_up`` first gets the updates it missed, one per
+        scalars in ``inputs`` (those the stage's missed updates started from), with a
+        zero gradient: the same kernel, so the pages end as if never skipped."""
         layout = self.layouts[layout_name]
+        P = layout.page_elems
+        for pages, inputs in catch_up:
+            self.catch_up(layout_name, {k: slabs[k] for k in self.kinds}, pages, pages, inputs)
         coef, new_scalars = self._coef(scalars, (np.float32(clip[0]), np.float32(clip[1])))
         decay = self.cfg.weight_decay if self.cfg.name == "adamw" else 0.0
         # aligned: the pages are then shared with JAX where they are put (a params store
@@ -396,12 +424,48 @@ class SlabOptimizer:
             out = pool.take(layout.padded_size, self.compute_dtype)
         else:
             out = aligned_empty(layout.padded_size, self.compute_dtype)
-        native.host_update(
-            slabs, list(GradPages.of(grad).pages), np.asarray(coef), decay,
-            layout.num_decay if decay else 0, out, layout.page_elems,
-        )  # fmt: skip
-        pages = list(out.reshape(-1, layout.page_elems))
+        grad_pages = list(GradPages.of(grad).pages)
+        num_pages = layout.padded_size // P
+        if len(grad_pages) == 1 and num_pages > 1:  # a flat slab (summed micro-batches)
+            grad_pages = list(grad_pages[0].reshape(num_pages, -1))
+        for a, b in runs_outside(num_pages, skip) if skip else [(0, num_pages)]:
+            native.host_update(
+                {k: slabs[k][a * P : b * P] for k in self.kinds}, grad_pages[a:b],
+                np.asarray(coef), decay, _decayed(layout.num_decay, a * P, b * P) if decay else 0,
+                out[a * P : b * P], P,
+            )  # fmt: skip
+        for a, b in page_runs(skip):  # not updated: the params as the master is
+            out[a * P : b * P] = slabs[MASTER][a * P : b * P]
+        pages = list(out.reshape(-1, P))
         return dict(slabs), new_scalars, pages
+
+    def catch_up(
+        self, layout_name: str, slabs: dict[str, np.ndarray], pages, at, inputs: list
+    ) -> np.ndarray:
+        """The updates ``pages`` of a stage missed, one per scalars in ``inputs``, with a
+        zero gradient, in place: ``slabs`` (each kind flat float32) hold those pages at
+        the page positions ``at`` (one per page: the stage's own positions, or 0.. in a
+        buffer of just these pages; consecutive pages consecutive there). Returns their
+        new params (compute dtype, (pages, page elements) in the order of ``pages``
+        sorted)."""
+        layout = self.layouts[layout_name]
+        P = layout.page_elems
+        decay = self.cfg.weight_decay if self.cfg.name == "adamw" else 0.0
+        out = aligned_empty(len(pages) * P, self.compute_dtype).reshape(-1, P)
+        zero = _zero_pages(P)
+        positions = dict(zip(pages, at, strict=True))
+        for scalars in inputs:
+            coef, _ = self._coef(scalars, (np.float32(0), np.float32(0)))
+            done = 0
+            for a, b in page_runs(pages):
+                s, e = positions[a] * P, (positions[a] + b - a) * P
+                native.host_update(
+                    {k: slabs[k][s:e] for k in self.kinds}, [zero] * (b - a), np.asarray(coef),
+                    decay, _decayed(layout.num_decay, a * P, b * P) if decay else 0,
+                    out[done : done + b - a].reshape(-1), P,
+                )  # fmt: skip
+                done += b - a
+        return out
 
     def compute_pages(self, layout_name: str, master) -> list[jax.Array]:
         """A master slab (or its chunks) cast to the compute dtype, as pages. The master

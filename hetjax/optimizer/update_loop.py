@@ -70,6 +70,7 @@ import numpy as np
 
 from hetjax import faults, timeline
 from hetjax.faults import InjectedFault
+from hetjax.optimizer.deferred import Deferred
 from hetjax.storage.gradients import GradientStore
 from hetjax.storage.pages import GradPages
 from hetjax.types import OptimizerWork, TrainingError
@@ -95,6 +96,8 @@ class UpdateLoop:
     ):
         """``device_stages`` keep their state on the device and are updated there by
         ``device_optimizer`` (``states`` and ``params`` route them to device stores)."""
+        # pages whose updates wait while their gradient is zero (deferred.py), or None
+        self.deferral: Deferred | None = None
         self.opt, self.states, self.params = optimizer, states, params
         self.device_opt = device_optimizer
         self.device_stages = frozenset(device_stages)
@@ -161,6 +164,29 @@ class UpdateLoop:
     def device_grads(self) -> list:
         """The device gradients kept for a redo (the executor's ledger counts them)."""
         return list(self._device_grads.values())
+
+    def use_deferred(self, deferred: Deferred) -> None:
+        """Defers the updates of zero-gradient pages the executor names (sync mode,
+        state on NVMe: ``deferred.py``)."""
+        assert self.mode == "sync"
+        self.deferral = deferred
+        getattr(self.states, "base", self.states).skip_of = self._skip_of
+
+    def catch_up(self, stage: str, pages) -> dict[int, np.ndarray]:
+        """Catches up the deferred pages among ``pages`` of ``stage`` (``deferred.py``),
+        on the loop's thread (idle between a sync step's commit and the next backward),
+        and waits: their state is written back as committed. Returns each such page's
+        new params (compute dtype) by page."""
+        done, out = threading.Event(), {}
+        self._queue.put(("catch_up", stage, list(pages), out, done))
+        while not done.wait(0.5):
+            self._check()
+        self._check()
+        return out
+
+    def pending(self) -> dict[str, list[int]]:
+        """Every stage's deferred pages (between steps: the loop is idle)."""
+        return self.deferral.pending() if self.deferral is not None else {}
 
     def grad_host_bytes(self) -> int:
         """Gradient bytes the loop holds now: submitted not yet updated, and kept."""
@@ -257,6 +283,11 @@ class UpdateLoop:
 
     def _run_sync(self) -> None:
         while (item := self._queue.get()) is not None:
+            if item[0] == "catch_up":
+                _, stage, pages, out, done = item
+                out.update(self._catch_up(stage, pages))
+                done.set()
+                continue
             if item[0] == "stage":
                 _, stage, grad = item
                 del item  # no reference outlives the update but the store's
@@ -295,6 +326,8 @@ class UpdateLoop:
             self._abort(restore_params=True)
         self.grads.clear()
         self._device_grads.clear()
+        if self.deferral is not None:
+            self.deferral.end_step()
         if apply and self.speculation == "adaptive":
             self._defer = clip_binds  # clipping that bound tends to bind again
 
@@ -356,9 +389,17 @@ class UpdateLoop:
         slabs, scalars = self.states.get(stage, handle)
         layout = self.layout_of(stage)
         spare, in_place = self.states.recycle(stage)
+        skip, catch_up = frozenset(), ()
+        if self.deferral is not None:
+            skip = self._skip_of(stage)
+            catch_up = self.deferral.catch_up_groups(stage)
+            catch_up = [(p, inputs) for p, inputs in catch_up if not set(p) <= skip]
+            catch_up = [([q for q in p if q not in skip], inputs) for p, inputs in catch_up]
+            self.deferral.updated(stage, skip, scalars)
         new, new_scalars, pages = self.opt.update(
-            layout, slabs, scalars, grad, clip, spare=spare, in_place=in_place
-        )
+            layout, slabs, scalars, grad, clip, spare=spare, in_place=in_place,
+            skip=skip, catch_up=catch_up,
+        )  # fmt: skip
         timeline.watch("optimizer", stage, (new, pages))
         self._params += grad.size
         self.states.put(stage, new, new_scalars)
@@ -384,12 +425,51 @@ class UpdateLoop:
         (and the last step's clipping: the next step speculates)."""
         self._reads.clear()
         self._defer = False
+        if self.deferral is not None:
+            self.deferral.reset()
+
+    # -- deferred updates (deferred.py) -------------------------------------------------
+
+    def _skip_of(self, stage: str) -> frozenset[int]:
+        """The pages of ``stage`` this step leaves behind: those the executor deferred,
+        where the stage's state streams from NVMe through the native kernel."""
+        if self.deferral is None or stage in self.device_stages or not self.opt.native:
+            return frozenset()
+        if not self.states.links(stage):
+            return frozenset()
+        return self.deferral.skip_of(stage)
+
+    def _catch_up(self, stage: str, pages) -> dict[int, np.ndarray]:
+        """Applies the updates the deferred ``pages`` of ``stage`` missed (those behind;
+        the others are current) and writes them back as committed; their new params."""
+        self._doing = f"catching up deferred pages of {stage}"
+        t0 = time.perf_counter()
+        groups = self.deferral.catch_up_groups(stage, pages)
+        wanted = sorted(p for group, _ in groups for p in group)
+        if not wanted:
+            return {}
+        slabs = self.states.read_pages(stage, wanted)
+        flat = {k: v.reshape(-1) for k, v in slabs.items()}
+        at = {p: i for i, p in enumerate(wanted)}
+        fresh = {}
+        for group, inputs in groups:
+            params = self.opt.catch_up(
+                self.layout_of(stage), flat, group, [at[p] for p in group], inputs
+            )
+            fresh.update(zip(group, params, strict=True))
+        self.states.write_pages(stage, wanted, slabs)
+        self.deferral.caught_up(stage, wanted)
+        self._reads.pop(stage, None)  # read ahead before: the old state
+        self._busy_s += time.perf_counter() - t0
+        return fresh
 
     def _commit(self) -> None:
         self._doing = "committing the step's state"
         t0 = time.perf_counter()
         self.states.commit()  # the last stages' write-back may still be landing
         self.params.commit()
+        if self.deferral is not None:
+            self.deferral.commit()
         self._reads.clear()  # read-ahead was of the generation just replaced
         for stage in self.order[: self.readahead]:  # the next step's first stages
             self._reads[stage] = self.states.prefetch(stage)
@@ -400,6 +480,8 @@ class UpdateLoop:
         restored from the committed masters unless a redo pass will republish them."""
         self._doing = "dropping the step's updates"
         self.states.abort()
+        if self.deferral is not None:
+            self.deferral.abort()
         self._reads.clear()
         if self.params.abort() and restore_params:
             for stage in self.order:

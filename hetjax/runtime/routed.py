@@ -233,13 +233,22 @@ class ExpertFetcher:
         host = LeafBuffers(np.asarray(leaf) if k in at else leaf for k, leaf in enumerate(leaves))
         return RoutedSlab(dense, host)
 
-    def experts(self, slab: RoutedSlab, routing: Routing) -> tuple[LeafBuffers, list]:
+    def experts(
+        self, slab: RoutedSlab, routing: Routing, fresh: dict[int, np.ndarray] | None = None
+    ) -> tuple[LeafBuffers, list]:
         """The slab's leaf buffers with the routed experts' rows, and the rows copied in
-        for them (none when the slab holds them from this routing's forward)."""
+        for them (none when the slab holds them from this routing's forward). ``fresh``:
+        new params of some of the block's pages, by page (deferred updates caught up
+        since the slab was read: ``optimizer/deferred.py``), which replace the slab's."""
         at = self.block.expert_leaves
         if slab.held is not None and slab.held[0] is routing:
             return slab.with_experts(slab.held[1], at), []
         rows = [expert_rows(slab.host[k], routing.ids) for k in at]
+        if fresh:
+            rows = [
+                self._refreshed(k, leaf, routing.ids, fresh)
+                for k, leaf in zip(at, rows, strict=True)
+            ]
         self.fetched += routing.ids.size
         self.offered += self.num_experts
         self.bytes += sum(r.nbytes for leaf in rows for r in leaf)
@@ -249,6 +258,25 @@ class ExpertFetcher:
         held = self._assemble([[*leaf, *[zero] * pad] for leaf, zero in padded])
         slab.held = (routing, held)
         return slab.with_experts(held, at), copied
+
+    def _refreshed(self, k: int, rows: list, ids: np.ndarray, fresh: dict) -> list:
+        """Expert leaf ``k``'s rows of the experts ``ids`` with the elements in
+        ``fresh``'s pages taken from there (a copy of each row that has some)."""
+        layout = self.block.layout
+        leaf, P = layout.leaves[k], layout.page_elems
+        size = leaf.size // self.num_experts
+        out = []
+        for e, row in zip(ids, rows, strict=True):
+            lo = leaf.offset + int(e) * size
+            pages = [p for p in range(lo // P, (lo + size - 1) // P + 1) if p in fresh]
+            if pages:
+                row = np.array(row)
+                flat = row.reshape(-1)
+                for p in pages:
+                    a, b = max(lo, p * P), min(lo + size, (p + 1) * P)
+                    flat[a - lo : b - lo] = fresh[p][a - p * P : b - p * P]
+            out.append(row)
+        return out
 
     def zero_pages(self, ids: np.ndarray) -> frozenset[int]:
         """The pages of the block's gradient that lie wholly in experts not in ``ids``

@@ -63,6 +63,7 @@ from hetjax.config import Config, ConfigError
 from hetjax.data import split_window
 from hetjax.memory import DeviceCache, Offload, plan_device
 from hetjax.memory_host import plan_host
+from hetjax.optimizer.deferred import Deferred, deferred_updates
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.update_loop import UpdateLoop
 from hetjax.runtime import setup, state_io
@@ -210,6 +211,15 @@ class StreamingRuntime:
                 {g: ExpertFetcher(fns.routed(), self.compute_dtype, device, E)
                  for g, fns in enumerate(self.fns.groups)}
             )  # fmt: skip
+        # deferred expert updates (optimizer/deferred.py): the step's pages left alone
+        # by stage (the intersection over its micro-batches so far), and the caught-up
+        # experts' pages, new params by (stage, page), until the next commit
+        self._deferring = bool(self.routed) and deferred_updates(config)
+        if self._deferring:
+            self.loop.use_deferred(Deferred())
+        self._skipped: dict[str, frozenset[int]] = {}
+        self._last_micro = False
+        self._fresh: dict[str, dict[int, np.ndarray]] = {}
         self.resident: dict[str, jax.Array] = {}
         self._refresh_resident()
         self._step: StepGradients | None = None
@@ -261,17 +271,37 @@ class StreamingRuntime:
             return self.experts[self.stage_group[stage]].dense(slab)
         return self.placement.to_device(slab, self.layouts[layout_name(stage)])
 
-    def _routed_forward(self, group, slab, x, context):
+    def _routed_forward(self, name: str, group, slab, x, context):
         """A routed block's forward (``routed.py``): attention and the router, the host
-        reads which experts got tokens, only those are copied in, the rest of the block
-        runs. -> (y, statistics, the routing, for the block's backward)."""
+        reads which experts got tokens, only those are copied in (their deferred
+        updates caught up first), the rest of the block runs. -> (y, statistics, the
+        routing, for the block's backward)."""
         fns = group.routed()
         x_mid, top_e, counts = fns.route(slab.dense, x, context)
         routing = Routing.of(np.asarray(counts), top_e, self.placement.put_batch)
-        held, copied = self.experts[group.index].experts(slab, routing)
+        fetcher = self.experts[group.index]
+        if self._deferring:
+            self._defer(name, fetcher, routing)
+        held, copied = fetcher.experts(slab, routing, self._fresh.get(name))
         timeline.watch("host_to_device", "experts", copied)
         y, stats = fns.mlp(held, x_mid, routing.top_e, routing.slots, context)
         return y, stats, routing
+
+    def _defer(self, name: str, fetcher: ExpertFetcher, routing: Routing) -> None:
+        """Deferred expert updates (``optimizer/deferred.py``) at a routed block's
+        forward: the pages of experts without a token in any of the step's micro-batches
+        so far are left alone this step (told to the loop at the last micro-batch), and
+        the routed experts' pages behind are caught up before they are copied in."""
+        zero = fetcher.zero_pages(routing.ids)
+        if self._step is not None:  # training (an evaluation defers nothing)
+            skipped = self._skipped.get(name)
+            self._skipped[name] = zero if skipped is None else skipped & zero
+            if self._last_micro:
+                self.loop.deferral.defer(name, self._skipped[name])
+        used = [p for p in range(fetcher.block.layout.num_pages) if p not in zero]
+        fresh = self.loop.catch_up(name, used)
+        if fresh:
+            self._fresh.setdefault(name, {}).update(fresh)
 
     def _window(self, uses: list[str]) -> PrefetchWindow:
         return PrefetchWindow(
@@ -312,6 +342,7 @@ class StreamingRuntime:
         t0 = time.perf_counter()
         if sync:
             work = self.loop.finish(grad_norm, finite)
+            self._fresh = {}  # every stage was updated (or not): its params are current
             self._refresh_resident()
         else:
             if finite:
@@ -353,8 +384,12 @@ class StreamingRuntime:
             self.device_grads,
         )
         self._step = step
+        self._skipped = {}
         try:
-            step.losses = [self._forward_backward(micro) for micro in batch]
+            step.losses = []
+            for a, micro in enumerate(batch):
+                self._last_micro = a == len(batch) - 1
+                step.losses.append(self._forward_backward(micro))
         except BaseException:
             with contextlib.suppress(BaseException):  # the first error is the one raised
                 step.close(abandon=True)
@@ -414,7 +449,9 @@ class StreamingRuntime:
             else:
                 boundaries.store(i, x)
                 if self.block_names[i] in self.routed:
-                    x, stats[i], routing[i] = self._routed_forward(group, slab, x, c)
+                    x, stats[i], routing[i] = self._routed_forward(
+                        self.block_names[i], group, slab, x, c
+                    )
                 else:
                     x, stats[i] = group.block_fwd(slab, x, c)
             timeline.watch("compute", f"{self.block_names[i]} fwd", x, after=slab)
@@ -469,7 +506,8 @@ class StreamingRuntime:
                     if self.block_names[i] in self.routed:  # its experts copied in again
                         r, routing[i] = routing[i], None
                         fetcher = self.experts[g]
-                        held, copied = fetcher.experts(slab, r)
+                        fresh = self._fresh.get(self.block_names[i])
+                        held, copied = fetcher.experts(slab, r, fresh)
                         timeline.watch("host_to_device", "experts", copied)
                         db, dx, dcontext[g] = group.routed().backward(
                             held, r.ids_device, r.top_e, r.slots, x_in, dx, dstats, c, dcontext[g]
@@ -614,7 +652,8 @@ class StreamingRuntime:
             if i == self.group_start[self.group_of[i]]:
                 x, context = group.input_fwd(embed, x, tokens, targets)
             if self.block_names[i] in self.routed:
-                x, stats[i], _ = self._routed_forward(group, window.get(i), x, context)
+                name = self.block_names[i]
+                x, stats[i], _ = self._routed_forward(name, group, window.get(i), x, context)
             else:
                 x, stats[i] = group.block_fwd(window.get(i), x, context)
             window.done(i, after=x)
@@ -623,8 +662,19 @@ class StreamingRuntime:
             loss = self.fns.aux_fwd_bwd(loss, stats, self.placement.put_scalar(1.0))[0]
         return float(loss)
 
+    def flush_deferred(self) -> None:
+        """Catches up every deferred expert update (``optimizer/deferred.py``), stage
+        by stage, and refreshes the stores' params: before a checkpoint, an export, the
+        end."""
+        for stage, pages in self.loop.pending().items():
+            self.loop.catch_up(stage, pages)
+            kind = layout_name(stage)
+            master = self.states.master(stage)
+            self.param_store.refresh(stage, self.optimizer.compute_pages(kind, master))
+
     def params(self) -> Any:
         """The fp32 master params as the model's pytree (host numpy)."""
+        self.flush_deferred()
         return state_io.master_params(
             self.stage_names, self.layouts, self.states, self.placement.whole_slab
         )
@@ -640,6 +690,7 @@ class StreamingRuntime:
         if self.config.optimizer.mode == "lockfree":
             self.loop.drain()
             self._refresh_resident()
+        self.flush_deferred()
         self.states.flush()
 
     def save_state(self) -> StateSource:
@@ -648,6 +699,7 @@ class StreamingRuntime:
         if self.config.optimizer.mode == "lockfree":  # apply what is buffered first
             self.loop.drain()
             self._refresh_resident()
+        self.flush_deferred()  # the checkpoint is exact
         ls = self.loss_scale
         loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
         return state_io.source(
@@ -667,6 +719,7 @@ class StreamingRuntime:
         if self.config.optimizer.mode == "lockfree":
             self.loop.drain()
         self.loop.reload()
+        self._fresh = {}
         what = f"restoring state ({self.config.offload.optimizer})"
         stages = setup.progress(self.stage_names, what)
         state_io.restore(

@@ -201,6 +201,22 @@ class PageStore:
         timeline.watch_future("nvme_read", self._span_name(kind, first_page, n), future)
         return future
 
+    @property
+    def links(self) -> bool:
+        """Whether a page's chunk file is its raw bytes, one file per page (what
+        :meth:`link_from` needs)."""
+        return self._direct
+
+    def link_from(self, src: PageStore, kind: str, pages) -> PageFutures:
+        """Starts making ``pages`` of ``kind`` here hard links to ``src``'s files of the
+        same pages (a page ``src`` never wrote: removed here, read as zeros): they then
+        hold ``src``'s bytes with no data read or written. Each goes under a temporary
+        name renamed over the old file, as a write does, so a reader or a checkpoint's
+        link of the old file keeps it."""
+        paths = [(src._chunk_file(kind, p), self._chunk_file(kind, p)) for p in pages]
+        futures = [direct_io().submit_write(_link_page, a, b) for a, b in paths]
+        return PageFutures(futures)
+
     def _chunk_file(self, kind: str, page: int) -> Path:
         """The file of one page's chunk (zarr3's default chunk keys: ``c/<row>/0``)."""
         return self.path / kind / "c" / str(page) / "0"
@@ -320,6 +336,11 @@ class DirectIO:
         """Runs ``fn(*args)`` on the I/O threads (a copy that stands in for a read)."""
         return self._pool.submit(fn, *args)
 
+    def submit_write(self, fn, *args) -> concurrent.futures.Future:
+        """Runs ``fn(*args)`` on the I/O threads, as a write (a hard link standing in for
+        one)."""
+        return self._pool.submit(fn, *args)
+
     def _write(self, path: Path, page: np.ndarray) -> None:
         view = memoryview(page.view(np.uint8))  # (bf16: no buffer format of its own)
         tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
@@ -365,6 +386,18 @@ class DirectIO:
                     raise
                 self._buffered.add(array)  # no O_DIRECT there (tmpfs)
         return os.open(path, flags, 0o644)
+
+
+def _link_page(src: Path, dst: Path) -> None:
+    """``dst`` becomes a hard link to ``src`` (absent ``src``: ``dst`` is removed)."""
+    if not src.exists():
+        dst.unlink(missing_ok=True)
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f"{dst.name}.{threading.get_ident()}.link")
+    tmp.unlink(missing_ok=True)
+    os.link(src, tmp)
+    os.replace(tmp, dst)
 
 
 @functools.cache

@@ -142,6 +142,22 @@ class GradPages:
         return self.pages[0] if len(self.pages) == 1 else aligned_concatenate(self.pages)
 
 
+def page_runs(pages) -> list[tuple[int, int]]:
+    """Sorted page indices -> runs ``[a, b)`` of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for p in sorted(pages):
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
+
+
+def runs_outside(num_pages: int, pages) -> list[tuple[int, int]]:
+    """Runs ``[a, b)`` of the pages of ``range(num_pages)`` not in ``pages``."""
+    return page_runs(set(range(num_pages)) - set(pages))
+
+
 def aligned_empty(n: int, dtype, align: int = HOST_ALIGN) -> np.ndarray:
     """``np.empty(n, dtype)`` aligned to ``align`` bytes (``HOST_ALIGN``: see
     aligned_concatenate; ``DIRECT_ALIGN``: for O_DIRECT reads)."""

@@ -94,6 +94,11 @@ class HostParamStore:
     def prefetch(self, stage: str) -> None:
         pass
 
+    def refresh(self, stage: str, pages: list) -> None:
+        """A stage's committed params changed outside an update (deferred updates
+        caught up, ``optimizer/deferred.py``): ``pages`` are the new ones."""
+        self.publish(stage, pages)
+
     def get(self, stage: str, keep: bool = False) -> list:
         return self.pages[stage]  # (``keep``: held anyway)
 
@@ -144,6 +149,9 @@ class SplitParamStore(BaseCounters):
 
     def prefetch(self, stage: str) -> None:
         self._of(stage).prefetch(stage)
+
+    def refresh(self, stage: str, pages: list) -> None:
+        self._of(stage).refresh(stage, pages)
 
     def get(self, stage: str, keep: bool = False) -> list:
         return self._of(stage).get(stage, keep)
@@ -380,6 +388,22 @@ class NvmeParamStore:
         if self.views is not None:
             return self.views.host(stage, data)
         return list(data.reshape(-1, self.page_elems))
+
+    def refresh(self, stage: str, pages: list) -> None:
+        """A stage's committed params changed outside an update (deferred updates
+        caught up, ``optimizer/deferred.py``; the loop is idle): the copies in RAM and
+        the reads ahead are dropped, and own files get ``pages`` (the fp32 master's
+        are the state store's, written already)."""
+        self._kept.pop(stage, None)
+        self._landing.pop(stage, None)
+        read = self._reads.pop(stage, None)
+        if read is not None:
+            with contextlib.suppress(Exception):  # an old read: nobody wants it
+                read.result()
+        if self.pages.writes:
+            first, _ = self.stage_pages[stage]
+            data = np.ascontiguousarray(pages_slab(pages), self.dtype)
+            self.pages.committed().write(self.pages.kind, first, data).result()
 
     def prefetch(self, stage: str) -> None:
         if stage not in self._reads and stage not in self._landing and stage not in self._kept:

@@ -41,6 +41,7 @@ import numpy as np
 
 from hetjax.storage.iopool import IoPool, Slot
 from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
+from hetjax.storage.pages import DIRECT_ALIGN, aligned_empty, page_runs, runs_outside
 from hetjax.types import MASTER
 
 MANIFEST = "manifest.json"
@@ -142,6 +143,9 @@ class MemoryStateStore:
     def master(self, stage: str) -> np.ndarray:
         return flat(self.slabs[stage]["master"])
 
+    def links(self, stage: str) -> bool:
+        return False  # every page is updated every step (nothing to save in RAM)
+
     def committed(self, stage: str) -> tuple[dict[str, np.ndarray], list]:
         """A stage's committed state as fresh host copies."""
         slabs = {k: np.array(flat(v)) for k, v in self.slabs[stage].items()}
@@ -227,6 +231,11 @@ class NvmeStateStore:
         # already in flight or landed elsewhere (the params', ``MasterPages``), or None
         self.version = 0
         self.master_read: Callable[[str, int], Any] | None = None
+        # ``skip_of(stage)``: the stage's pages (indices within it) this step does not
+        # update (zero gradients, ``optimizer/deferred.py``): their state is neither
+        # read (but the master) nor written, and the step's generation gets hard links
+        # to their committed files instead
+        self.skip_of: Callable[[str], frozenset[int]] | None = None
         self._write_manifest()
 
     # -- start-up -----------------------------------------------------------------------
@@ -262,9 +271,15 @@ class NvmeStateStore:
         if landed is not None:  # the master's pages are read already: copied, not read
             futures.append(_copy_when_done(landed, slot.view(MASTER, elems)))
             kinds = [k for k in kinds if k != MASTER]
-        disk = self.disk[self.gen]
-        futures += [disk.read_into(k, first, slot.view(k, elems)) for k in kinds]
-        read = self._reads[stage] = _Read(slot, elems, futures, len(kinds))
+        disk, P = self.disk[self.gen], self.page_elems
+        skip = self.skip_of(stage) if self.skip_of else frozenset()
+        runs = runs_outside(n, skip) if skip else [(0, n)]
+        pages = 0
+        for k in kinds:  # the master whole: the params not updated are published too
+            for a, b in runs if k != MASTER else [(0, n)]:
+                futures.append(disk.read_into(k, first + a, slot.view(k, elems)[a * P : b * P]))
+                pages += b - a
+        read = self._reads[stage] = _Read(slot, elems, futures, pages * P * 4)
         return read
 
     def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
@@ -279,7 +294,7 @@ class NvmeStateStore:
             future.result()
         self._held[stage] = read.slot
         slabs = {k: read.slot.view(k, read.elems) for k in self.kinds}
-        self.read_bytes += read.elems * 4 * read.disk_kinds
+        self.read_bytes += read.nbytes
         return slabs, self.scalars[stage]
 
     def recycle(self, stage: str) -> tuple[dict | None, bool]:
@@ -300,7 +315,8 @@ class NvmeStateStore:
             self._pending_cache[stage] = slabs
         else:
             slot = self._held.pop(stage, None)
-            futures = self._write(1 - self.gen, stage, slabs, stage, slot)
+            skip = self.skip_of(stage) if self.skip_of else frozenset()
+            futures = self._write(1 - self.gen, stage, slabs, stage, slot, skip)
             if slot is not None:
                 self._pool.give(slot, futures)
 
@@ -394,30 +410,98 @@ class NvmeStateStore:
     # -- internals ----------------------------------------------------------------------
 
     def _write(
-        self, gen: int, stage: str, slabs: dict, speculative: str = "", slot: Slot | None = None
+        self,
+        gen: int,
+        stage: str,
+        slabs: dict,
+        speculative: str = "",
+        slot: Slot | None = None,
+        skip: frozenset[int] = frozenset(),
     ) -> list:
         """Starts writing a stage's slabs (whole, or chunk by chunk as they come);
         ``speculative``: the stage, when these are a step's writes that commit may
         leave in flight; ``slot``: the pooled buffers the stage was read into (slabs
-        in them are written without a copy). Returns the write futures."""
-        first, _ = self.stage_pages[stage]
+        in them are written without a copy); ``skip``: pages (of the stage, whole
+        slabs only) not written but linked from the committed generation
+        (:meth:`PageStore.link_from`: they were not updated). Returns the futures."""
+        first, n = self.stage_pages[stage]
         self._frozen.wait(stage, gen)
         futures = []
+        P = self.page_elems
         for k in self.kinds:
+            if skip:  # whole slabs: the runs written, the rest linked
+                data = np.asarray(slabs[k])
+                pieces = [(first + a, data[a * P : b * P]) for a, b in runs_outside(n, skip)]
+            else:
+                chunks = slabs[k] if isinstance(slabs[k], list) else [slabs[k]]
+                pieces = [(None, chunk) for chunk in chunks]
             page = first
-            for chunk in slabs[k] if isinstance(slabs[k], list) else [slabs[k]]:
+            for at, chunk in pieces:
+                page = page if at is None else at
                 data = np.asarray(chunk)  # waits for this chunk's update only
                 pooled = slot is not None and np.shares_memory(data, slot.arrays[k])
                 future = self.disk[gen].write(k, page, data, borrowed=pooled)
+                self._track(future, data, speculative, k)
                 futures.append(future)
-                self._writes.append((future, data))
-                if speculative:
-                    self._by_stage.setdefault(speculative, []).append((future, data))
-                    self._by_kind.setdefault((speculative, k), []).append(future)
                 self.write_bytes += data.nbytes
-                page += data.size // self.page_elems
+                page += data.size // P
                 bound_writes(self._writes, self._write_window)
+            if skip:
+                linked = [first + p for p in sorted(skip)]
+                future = self.disk[gen].link_from(self.disk[1 - gen], k, linked)
+                self._track(future, _NOTHING, speculative, k)
+                futures.append(future)
         return futures
+
+    def _track(self, future, data: np.ndarray, speculative: str, kind: str) -> None:
+        self._writes.append((future, data))
+        if speculative:
+            self._by_stage.setdefault(speculative, []).append((future, data))
+            self._by_kind.setdefault((speculative, kind), []).append(future)
+
+    def links(self, stage: str) -> bool:
+        """Whether a step may leave some of ``stage``'s pages unwritten (linked from
+        the committed generation instead): a streamed stage, one file per page."""
+        return stage not in self.cached and self.disk[0].links
+
+    def read_pages(self, stage: str, pages: list[int]) -> dict[str, np.ndarray]:
+        """Some of a streamed stage's committed pages (indices within it, sorted), each
+        kind as one array (len(pages), page elements): fresh buffers."""
+        self._land(stage)
+        first, _ = self.stage_pages[stage]
+        P, futures, out = self.page_elems, [], {}
+        for k in self.kinds:
+            out[k] = aligned_empty(len(pages) * P, np.float32, DIRECT_ALIGN).reshape(-1, P)
+            at = 0
+            for a, b in page_runs(pages):
+                view = out[k][at : at + b - a].reshape(-1)
+                futures.append(self.disk[self.gen].read_into(k, first + a, view))
+                at += b - a
+        for future in futures:
+            future.result()
+        self.read_bytes += len(pages) * P * 4 * len(self.kinds)
+        return out
+
+    def write_pages(self, stage: str, pages: list[int], slabs: dict[str, np.ndarray]) -> None:
+        """Replaces some of a streamed stage's committed pages (as :meth:`read_pages`
+        gave them) and waits for the writes: a deferred update's catch-up, the same
+        state whatever the step does. Read-ahead of the stage, and reads of its master
+        kept elsewhere (``master_read``), are of the old state: forgotten."""
+        first, _ = self.stage_pages[stage]
+        self._frozen.wait(stage, self.gen)
+        futures, at = [], 0
+        for a, b in page_runs(pages):
+            for k in self.kinds:
+                data = slabs[k][at : at + b - a].reshape(-1)
+                futures.append(self.disk[self.gen].write(k, first + a, data, borrowed=True))
+                self.write_bytes += data.nbytes
+            at += b - a
+        for future in futures:
+            future.result()
+        read = self._reads.pop(stage, None)
+        if read is not None:
+            self._pool.give(read.slot, read.futures)
+        self.version += 1
 
     def _drop_reads(self) -> None:
         """Forgets the read-ahead and the stages handed out and not written back (their
@@ -485,6 +569,9 @@ class Frozen:
                 del self._entries[stage]
 
 
+_NOTHING = np.empty(0, np.uint8)  # the data a hard link holds for its landing
+
+
 @dataclasses.dataclass(eq=False)
 class _Read:
     """A streamed stage's read into a pooled slot: ``elems`` per kind."""
@@ -492,7 +579,7 @@ class _Read:
     slot: Slot
     elems: int
     futures: list
-    disk_kinds: int  # the kinds read from disk (the master may come from elsewhere)
+    nbytes: int  # read from disk (the master may come from elsewhere, pages be skipped)
 
 
 def _copy_when_done(read, out: np.ndarray) -> concurrent.futures.Future:
@@ -551,6 +638,15 @@ class SplitStateStore(BaseCounters):
 
     def master(self, stage: str) -> np.ndarray:
         return self._of(stage).master(stage)
+
+    def links(self, stage: str) -> bool:
+        return stage not in self.stages and self.base.links(stage)
+
+    def read_pages(self, stage: str, pages: list[int]) -> dict[str, np.ndarray]:
+        return self.base.read_pages(stage, pages)
+
+    def write_pages(self, stage: str, pages: list[int], slabs: dict[str, np.ndarray]) -> None:
+        self.base.write_pages(stage, pages, slabs)
 
     def committed(self, stage: str) -> tuple[dict[str, np.ndarray], list]:
         return self._of(stage).committed(stage)

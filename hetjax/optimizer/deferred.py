@@ -1,0 +1,145 @@
+"""Deferred updates: the optimizer state of experts that got no token stays on disk.
+
+A streamed mixture-of-experts block copies only its routed experts to the device
+(``runtime/routed.py``); the other experts' gradient is zero. With AdamW an expert with a
+zero gradient still moves (its moments decay, its momentum and weight decay change its
+params), so skipping its update would change training. Deferring it does not: the update
+of a page whose gradient is zero depends only on the page's state and the step's
+coefficients, so the updates a page missed can be applied later, one after the other
+with the coefficients each step had (:meth:`SlabOptimizer.catch_up`: the same kernel on a
+zero gradient), and the page ends bit for bit where it would have been. A page is
+caught up before anything reads it:
+
+* the forward of a micro-batch that routes a token to its expert (the host learns the
+  routing from the router, then catches the routed experts' pages up before copying
+  them in: ``StreamingRuntime._routed_forward``);
+* its stage's next update that touches it (in RAM, before the update);
+* a checkpoint, the final params, an export (:meth:`UpdateLoop.flush`).
+
+What the step saves: the pages wholly in experts without a token in any of the step's
+micro-batches (``ExpertFetcher.zero_pages``) are not read (but their master, which the
+params come from), not updated and not written: the step's generation of the NVMe state
+gets hard links to their committed files (``NvmeStateStore``). A page skipped over k
+steps is read and written once when caught up, instead of k times.
+
+Where: streamed stages of a routed block with their state on NVMe (not cached in RAM),
+the native Adam/AdamW kernel, ``optimizer.mode=sync`` and one device. Elsewhere every
+page is updated every step, as before.
+
+This object is the bookkeeping, kept by the optimizer loop's thread (the executor's
+thread only calls :meth:`defer`): how many updates each stage has committed, how many of
+them each deferred page has had, and the scalars (step counts) each committed update
+started from, as far back as a deferred page needs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+
+def deferred_updates(config) -> bool:
+    """Whether ``config`` defers the updates of experts without a token: routed
+    experts, ``offload.expert_updates=deferred``, optimizer state on NVMe, sync mode (the
+    loop further needs the native kernel and a streamed stage, ``UpdateLoop``)."""
+    off = config.offload
+    return (
+        off.expert_fetch == "routed"
+        and off.expert_updates == "deferred"
+        and off.optimizer == "nvme"
+        and config.optimizer.mode == "sync"
+    )
+
+
+class Deferred:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.updates: dict[str, int] = defaultdict(int)  # committed updates per stage
+        # stage -> {page: the updates it has had}, for the pages behind
+        self.behind: dict[str, dict[int, int]] = defaultdict(dict)
+        # stage -> {update index: the scalars that update started from}
+        self.inputs: dict[str, dict[int, list]] = defaultdict(dict)
+        self._skip: dict[str, frozenset[int]] = {}  # this step's, from the executor
+        self._updated: dict[str, tuple[frozenset[int], list]] = {}  # the step's updates
+
+    # -- the executor's ---------------------------------------------------------------
+
+    def defer(self, stage: str, pages: frozenset[int]) -> None:
+        """This step leaves ``pages`` of ``stage`` (indices within it) alone: their
+        gradient is zero in every micro-batch."""
+        with self._lock:
+            self._skip[stage] = frozenset(pages)
+
+    # -- the loop's ------------------------------------------------------------------
+
+    def skip_of(self, stage: str) -> frozenset[int]:
+        with self._lock:
+            return self._skip.get(stage, frozenset())
+
+    def catch_up_groups(self, stage: str, pages=None) -> list[tuple[list[int], list]]:
+        """The pages of ``stage`` behind (of ``pages``, or all), grouped by the updates
+        they have had: ``(pages, the scalars of each update they missed)``."""
+        behind = self.behind.get(stage, {})
+        wanted = behind if pages is None else [p for p in pages if p in behind]
+        by_done: dict[int, list[int]] = defaultdict(list)
+        for p in sorted(wanted):
+            by_done[behind[p]].append(p)
+        inputs = self.inputs[stage]
+        return [
+            (group, [inputs[u] for u in range(done, self.updates[stage])])
+            for done, group in sorted(by_done.items())
+        ]
+
+    def updated(self, stage: str, skip: frozenset[int], scalars: list) -> None:
+        """The step updated ``stage`` from ``scalars``, all its pages but ``skip`` (the
+        pages behind among the others caught up first)."""
+        self._updated[stage] = (skip, scalars)
+
+    def caught_up(self, stage: str, pages) -> None:
+        behind = self.behind.get(stage, {})
+        for p in pages:
+            behind.pop(p, None)
+        self._prune(stage)
+
+    def commit(self) -> None:
+        """The step's updates are committed."""
+        for stage, (skip, scalars) in self._updated.items():
+            n = self.updates[stage]
+            behind = self.behind[stage]
+            for p in list(behind):
+                if p not in skip:  # caught up and updated
+                    del behind[p]
+            for p in skip:
+                behind.setdefault(p, n)
+            if behind:
+                self.inputs[stage][n] = scalars
+            self.updates[stage] = n + 1
+            self._prune(stage)
+        self._updated.clear()
+
+    def abort(self) -> None:
+        """The step's updates are dropped (a redo may update again)."""
+        self._updated.clear()
+
+    def end_step(self) -> None:
+        with self._lock:
+            self._skip.clear()
+
+    def reset(self) -> None:
+        """The state was replaced (a restore): nothing is behind."""
+        self.behind.clear()
+        self.inputs.clear()
+        self._updated.clear()
+        self.end_step()
+
+    def pending(self) -> dict[str, list[int]]:
+        """Every stage's pages behind."""
+        return {s: sorted(b) for s, b in self.behind.items() if b}
+
+    def _prune(self, stage: str) -> None:
+        """Forgets the scalars no page behind needs."""
+        behind = self.behind.get(stage)
+        oldest = min(behind.values()) if behind else self.updates[stage]
+        inputs = self.inputs[stage]
+        for u in [u for u in inputs if u < oldest]:
+            del inputs[u]
