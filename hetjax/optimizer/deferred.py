@@ -52,7 +52,9 @@ def deferred_updates(config) -> bool:
 
 
 class Deferred:
-    def __init__(self):
+    def __init__(self, stages=()):
+        """``stages``: those whose pages may be deferred (the routed blocks)."""
+        self.stages = frozenset(stages)
         self._lock = threading.Lock()
         self.updates: dict[str, int] = defaultdict(int)  # committed updates per stage
         # stage -> {page: the updates it has had}, for the pages behind
@@ -61,6 +63,8 @@ class Deferred:
         self.inputs: dict[str, dict[int, list]] = defaultdict(dict)
         self._skip: dict[str, frozenset[int]] = {}  # this step's, from the executor
         self._updated: dict[str, tuple[frozenset[int], list]] = {}  # the step's updates
+        # pages the committed steps left alone, and pages caught up, since the last take
+        self.deferred_pages = self.caught_up_pages = 0
 
     # -- the executor's ---------------------------------------------------------------
 
@@ -94,12 +98,26 @@ class Deferred:
         """The step updated ``stage`` from ``scalars``, all its pages but ``skip`` (the
         pages behind among the others caught up first)."""
         self._updated[stage] = (skip, scalars)
+        self.deferred_pages += len(skip)
 
     def caught_up(self, stage: str, pages) -> None:
         behind = self.behind.get(stage, {})
         for p in pages:
-            behind.pop(p, None)
+            self.caught_up_pages += behind.pop(p, None) is not None
         self._prune(stage)
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last call (a step's metrics): pages left alone by the
+        updates (a redo's too: each reads and writes the others), pages caught up on their own (read and written back: a
+        forward's, a flush's; not those caught up in RAM by their stage's update), and
+        pages behind now."""
+        out = {
+            "expert_pages_deferred": self.deferred_pages,
+            "expert_pages_caught_up": self.caught_up_pages,
+            "expert_pages_behind": sum(len(b) for b in self.behind.values()),
+        }
+        self.deferred_pages = self.caught_up_pages = 0
+        return out
 
     def commit(self) -> None:
         """The step's updates are committed."""

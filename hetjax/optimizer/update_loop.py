@@ -433,11 +433,16 @@ class UpdateLoop:
     def _skip_of(self, stage: str) -> frozenset[int]:
         """The pages of ``stage`` this step leaves behind: those the executor deferred,
         where the stage's state streams from NVMe through the native kernel."""
-        if self.deferral is None or stage in self.device_stages or not self.opt.native:
-            return frozenset()
-        if not self.states.links(stage):
+        if not self._defers(stage):
             return frozenset()
         return self.deferral.skip_of(stage)
+
+    def _defers(self, stage: str) -> bool:
+        """Whether ``stage``'s pages may be deferred: a routed block streamed from NVMe
+        through the native kernel."""
+        if self.deferral is None or stage not in self.deferral.stages:
+            return False
+        return stage not in self.device_stages and self.opt.native and self.states.links(stage)
 
     def _catch_up(self, stage: str, pages) -> dict[int, np.ndarray]:
         """Applies the updates the deferred ``pages`` of ``stage`` missed (those behind;
@@ -468,11 +473,13 @@ class UpdateLoop:
         t0 = time.perf_counter()
         self.states.commit()  # the last stages' write-back may still be landing
         self.params.commit()
+        self._reads.clear()  # read-ahead was of the generation just replaced
         if self.deferral is not None:
             self.deferral.commit()
-        self._reads.clear()  # read-ahead was of the generation just replaced
+            self.deferral.end_step()  # (read-ahead below: of every page)
         for stage in self.order[: self.readahead]:  # the next step's first stages
-            self._reads[stage] = self.states.prefetch(stage)
+            if not self._defers(stage):  # (which pages: known once its forward ran)
+                self._reads[stage] = self.states.prefetch(stage)
         self._busy_s += time.perf_counter() - t0
 
     def _abort(self, restore_params: bool) -> None:

@@ -216,7 +216,7 @@ class StreamingRuntime:
         # experts' pages, new params by (stage, page), until the next commit
         self._deferring = bool(self.routed) and deferred_updates(config)
         if self._deferring:
-            self.loop.use_deferred(Deferred())
+            self.loop.use_deferred(Deferred(self.routed))
         self._skipped: dict[str, frozenset[int]] = {}
         self._last_micro = False
         self._fresh: dict[str, dict[int, np.ndarray]] = {}
@@ -632,6 +632,7 @@ class StreamingRuntime:
             "optimizer_deferred": work.deferred,
             **self.placement.step_metrics(),
             **(self.experts.take() if self.experts else {}),
+            **(self.loop.deferral.take() if self._deferring else {}),
         }
         if self.config.optimizer.mode == "lockfree":
             metrics["optimizer_lag_steps"] = self.loop.unapplied

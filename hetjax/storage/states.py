@@ -28,6 +28,7 @@ Compute-dtype params follow the same pattern in ``params.py``.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -226,6 +227,7 @@ class NvmeStateStore:
         self._held: dict[str, Slot] = {}  # read and handed out, not yet written back
         self._frozen = Frozen()  # cached slabs and generations a checkpoint writes from
         self.read_bytes = self.write_bytes = 0
+        self.read_kinds: collections.Counter[str] = collections.Counter()  # bytes by kind
         # The committed state's version (a commit or a restore makes a new one), and
         # ``master_read(stage, version)``: a read of the stage's committed master pages
         # already in flight or landed elsewhere (the params', ``MasterPages``), or None
@@ -274,12 +276,12 @@ class NvmeStateStore:
         disk, P = self.disk[self.gen], self.page_elems
         skip = self.skip_of(stage) if self.skip_of else frozenset()
         runs = runs_outside(n, skip) if skip else [(0, n)]
-        pages = 0
+        read_kinds: collections.Counter[str] = collections.Counter()
         for k in kinds:  # the master whole: the params not updated are published too
             for a, b in runs if k != MASTER else [(0, n)]:
                 futures.append(disk.read_into(k, first + a, slot.view(k, elems)[a * P : b * P]))
-                pages += b - a
-        read = self._reads[stage] = _Read(slot, elems, futures, pages * P * 4)
+                read_kinds[k] += (b - a) * P * 4
+        read = self._reads[stage] = _Read(slot, elems, futures, read_kinds, skip)
         return read
 
     def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
@@ -292,9 +294,21 @@ class NvmeStateStore:
             del self._reads[stage]
         for future in read.futures:
             future.result()
+        missing = read.skipped - (self.skip_of(stage) if self.skip_of else frozenset())
+        if missing:  # read ahead for fewer updated pages than the update has: the rest now
+            first, _ = self.stage_pages[stage]
+            P, futures = self.page_elems, []
+            for k in self.kinds:
+                for a, b in page_runs(missing) if k != MASTER else []:
+                    view = read.slot.view(k, read.elems)[a * P : b * P]
+                    futures.append(self.disk[self.gen].read_into(k, first + a, view))
+                    read.kinds[k] += (b - a) * P * 4
+            for future in futures:
+                future.result()
         self._held[stage] = read.slot
         slabs = {k: read.slot.view(k, read.elems) for k in self.kinds}
-        self.read_bytes += read.nbytes
+        self.read_bytes += read.kinds.total()
+        self.read_kinds.update(read.kinds)
         return slabs, self.scalars[stage]
 
     def recycle(self, stage: str) -> tuple[dict | None, bool]:
@@ -480,6 +494,7 @@ class NvmeStateStore:
         for future in futures:
             future.result()
         self.read_bytes += len(pages) * P * 4 * len(self.kinds)
+        self.read_kinds.update({k: len(pages) * P * 4 for k in self.kinds})
         return out
 
     def write_pages(self, stage: str, pages: list[int], slabs: dict[str, np.ndarray]) -> None:
@@ -579,7 +594,9 @@ class _Read:
     slot: Slot
     elems: int
     futures: list
-    nbytes: int  # read from disk (the master may come from elsewhere, pages be skipped)
+    kinds: collections.Counter  # bytes read from disk by kind (the master may come from
+    # elsewhere, deferred pages are skipped)
+    skipped: frozenset[int] = frozenset()  # the pages not read (but their master)
 
 
 def _copy_when_done(read, out: np.ndarray) -> concurrent.futures.Future:

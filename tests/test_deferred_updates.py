@@ -1,0 +1,160 @@
+"""Deferred expert updates (offload.expert_updates=deferred, hetjax/optimizer/deferred.py):
+the optimizer state of experts without a token stays on NVMe, its updates caught up
+exactly before the expert's next use; training equals updating every expert every step,
+bit for bit, and moves fewer bytes."""
+
+import jax
+import numpy as np
+import pytest
+from test_expert_fetch import _config, _skewed
+
+from hetjax.checkpoint import Checkpointer
+from hetjax.optimizer.deferred import Deferred
+from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.types import RuntimeState
+
+NVME = dict(optimizer="nvme", params="nvme")
+P = 4096 // 4  # elements of a 4 KiB page (the configs' memory.page_size)
+
+
+def _batches(steps: int, seed: int = 1) -> list[np.ndarray]:
+    """Training batches: 2 micro-batches of 1 x 8 tokens (+1)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (2, 1, 9), dtype=np.int32) for _ in range(steps)]
+
+
+def _run(config, batches, used: int, tmp_path=None, save_at: int = 0, resume: bool = True):
+    """Trains ``config`` from the skewed params (tokens routed to ``used`` experts of 16)
+    on ``batches``; returns the losses, each step's metrics with the state store's bytes
+    read by kind and written (``moments_read``, ``state_written``), the evaluation loss
+    on the first batch, the deferred pages' count after each step, and the final master
+    params. ``save_at``: a checkpoint then, resumed by a second runtime for the rest
+    (``resume``), or the same runtime going on."""
+    runtime = StreamingRuntime(config)
+    losses, metrics, behind = [], [], []
+    ckpt = Checkpointer(tmp_path / "ckpt") if save_at else None
+    try:
+        runtime.load_state(_skewed_adamw(runtime, used))
+        for step, batch in enumerate(batches, 1):
+            states = runtime.states
+            moments, written = states.read_kinds["mu"] + states.read_kinds["nu"], states.write_bytes
+            report = runtime.train_step(batch)
+            losses.append(report.loss)
+            metrics.append(
+                report.metrics
+                | {
+                    "moments_read": states.read_kinds["mu"] + states.read_kinds["nu"] - moments,
+                    "state_written": states.write_bytes - written,
+                }
+            )
+            behind.append(sum(len(p) for p in runtime.loop.pending().values()))
+            if step == save_at:
+                ckpt.save(step, runtime.save_state(), {})
+                ckpt.wait()
+                if not resume:
+                    continue
+                runtime.close()
+                runtime = StreamingRuntime(config)
+                runtime.load_state(ckpt.restore(step)[0])
+        val = runtime.eval_loss(batches[0][0])
+        return losses, metrics, val, behind, runtime.params()
+    finally:
+        runtime.close()
+        if ckpt is not None:
+            ckpt.close()
+
+
+def _skewed_adamw(runtime: StreamingRuntime, used: int) -> RuntimeState:
+    """``test_expert_fetch._skewed``'s router (tokens to the first ``used`` experts)
+    with AdamW's state: zero moments, zero step counts."""
+    sgd = _skewed(runtime, used)
+    params = sgd.params()
+    zeros = jax.tree.map(np.zeros_like, params)
+    scalars = [np.zeros((), np.int32)] * len(runtime.states.scalars["embed"])
+    trees = {"master": params, "mu": zeros, "nu": zeros}
+    return RuntimeState.from_trees(trees, scalars, groups=runtime.model.groups)
+
+
+def _adamw(tiny, updates: str, **train):
+    """AdamW with weight decay and clipping that binds (a redo of some steps' updates),
+    params and state on NVMe, 4 KiB pages."""
+    config = _config(tiny, "routed", **NVME, expert_updates=updates)
+    return config.replace(
+        optimizer=dict(name="adamw", weight_decay=0.1, grad_clip=0.5, lr=1e-2),
+        train=dict(grad_accum=2, batch_size=2, **train),
+    )
+
+
+@pytest.mark.parametrize("used", [pytest.param(4, marks=pytest.mark.slow), 8])
+def test_deferred_equals_updating_every_expert_and_moves_fewer_bytes(tiny, used):
+    """Tokens routed to ``used`` of 16 experts: the pages of experts without a token in a
+    step are deferred (their state not read but the master, not written), those routed
+    again caught up before their copy; losses, the evaluation loss and every param equal
+    updating every expert every step, bit for bit. Each step reads the deferred pages'
+    two moments less and writes their three kinds less, and reads and writes the three
+    kinds of the pages it caught up once more."""
+    batches = _batches(5)
+    runs = {u: _run(_adamw(tiny, u), batches, used=used) for u in ("deferred", "all")}
+    (losses, metrics, val, behind, params), every = runs["deferred"], runs["all"]
+    assert losses == every[0]
+    assert val == every[2]
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(every[4]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(m["optimizer_redo"] for m in metrics)  # clipping bound: a redo ran
+    cfg = _adamw(tiny, "all").model
+    rows = cfg.d_model * cfg.d_ff  # one expert's elements in one expert leaf
+    # 2 blocks x 3 leaves: the experts never routed, their pages wholly inside
+    assert min(behind) >= 2 * 3 * ((16 - used) * rows - 2 * P) // P > 0
+    page = P * 4
+    for m, m_all in zip(metrics, every[1], strict=True):
+        deferred, caught = m["expert_pages_deferred"], m["expert_pages_caught_up"]
+        assert deferred > 0
+        assert m_all["moments_read"] - m["moments_read"] == (2 * deferred - 2 * caught) * page
+        assert m_all["state_written"] - m["state_written"] == (3 * deferred - 3 * caught) * page
+        # (the master is read whole: the params of the pages left alone come from it)
+    if used == 8:  # the routed set moves among the 8: some experts come back
+        assert sum(m["expert_pages_caught_up"] for m in metrics) > 0
+
+
+@pytest.mark.parametrize("resume", [True, False], ids=["resumed", "going_on"])
+def test_a_checkpoint_with_pages_behind_resumes_exactly(tiny, tmp_path, resume):
+    """Saved at step 2 with pages behind (caught up into the checkpoint), resumed by a
+    new runtime or trained on by the same one: steps 3-4 and the final params equal a
+    run without the checkpoint."""
+    batches = _batches(4)
+    config = _adamw(tiny, "deferred")
+    losses, _, val, _, params = _run(
+        config, batches, used=4, tmp_path=tmp_path, save_at=2, resume=resume
+    )
+    whole = _run(config, batches, used=4)
+    assert losses == whole[0] and val == whole[2]
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(whole[4]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bookkeeping_counts_each_page_missed_update():
+    """A page skipped at updates 1 and 2 of a stage is caught up with those two updates'
+    starting scalars; once caught up, none is kept."""
+    d = Deferred()
+    for step, skip in enumerate([(), (5,), (5,), ()]):
+        d.defer("block0", frozenset(skip))
+        if step == 3:
+            assert d.catch_up_groups("block0") == [([5], ["s1", "s2"])]
+            d.caught_up("block0", [5])
+        d.updated("block0", d.skip_of("block0"), f"s{step}")
+        d.commit()
+        d.end_step()
+    assert d.pending() == {} and d.inputs["block0"] == {} and d.updates["block0"] == 4
+    d.defer("block0", frozenset({7}))
+    d.updated("block0", d.skip_of("block0"), "s4")
+    d.abort()  # a dropped step defers nothing
+    d.commit()
+    assert d.pending() == {}
+
+
+@pytest.mark.parametrize("bad", [dict(expert_updates="lazy")])
+def test_bad_setting_names_the_key(tiny, bad):
+    from hetjax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="offload.expert_updates"):
+        tiny(offload=bad)
