@@ -108,9 +108,9 @@ class Deferred:
 
     def take(self) -> dict[str, int]:
         """The counts since the last call (a step's metrics): pages left alone by the
-        updates (a redo's too: each reads and writes the others), pages caught up on their own (read and written back: a
-        forward's, a flush's; not those caught up in RAM by their stage's update), and
-        pages behind now."""
+        updates (a redo's too: each reads and writes the others), pages caught up on
+        their own (read and written back: a forward's, a flush's; not those caught up in
+        RAM by their stage's update), and pages behind now."""
         out = {
             "expert_pages_deferred": self.deferred_pages,
             "expert_pages_caught_up": self.caught_up_pages,

@@ -25,9 +25,11 @@ device writes it into the full gradient's pages, of which those wholly in such e
 do not leave the device (:meth:`ExpertFetcher.zero_pages`: the host takes zeros of its
 own), so the optimizer and the stores see the stage as before, and the step equals
 ``expert_fetch=all`` (the decision is made once, so no recompute can route a token
-differently). The optimizer still updates every expert: AdamW moves an expert with a
-zero gradient too (docs/guide/offload.md, expert-aware streaming). What it costs: one host sync per
-routed block per forward, at which the device waits for the copy of the experts.
+differently). With the optimizer state on NVMe, the updates of those pages are deferred
+until the expert's next use, exactly (``optimizer/deferred.py``: AdamW moves an expert
+with a zero gradient too, so they are caught up, not dropped). What it costs: one host
+sync per routed block per forward, at which the device waits for the copy of the
+experts (and for the catch-up of the routed experts left behind).
 
 Used for the blocks that recompute (boundary blocks), on one device, for models with
 ``expert_routing``: Mixtral-style Llama blocks (``models/llama.py``) and T5's Switch
