@@ -158,3 +158,39 @@ def test_bad_setting_names_the_key(tiny, bad):
 
     with pytest.raises(ConfigError, match="offload.expert_updates"):
         tiny(offload=bad)
+
+
+def test_the_planner_counts_the_state_deferred_experts_leave_on_disk():
+    """With the state on NVMe, a plan counts only the share of the routed experts'
+    state a step touches (uniform routing: an expert gets a token in one of A
+    micro-batches with q = 1 - (1 - f)^A), plus catching up those coming back after a
+    gap (q (1 - q)), and the table says so; expert_updates=all moves it all."""
+    from hetjax.config import load_config
+    from hetjax.planning.cost import deferred_bytes
+    from hetjax.planning.hardware import get_profile
+    from hetjax.planning.search import make_plan
+    from hetjax.planning.workload import Workload
+
+    short = dict(batch_size=2, grad_accum=2, seq_len=4)  # 4 tokens a micro-batch, top-8/64
+    offload = dict(mode="stream", optimizer="nvme", params="nvme")
+    config = load_config("configs/moe_fine_7b.py").replace(train=short, offload=offload)
+    w = Workload.from_config(config, backend="gpu")
+    f = 1 - (1 - 8 / 64) ** 4
+    q = 1 - (1 - f) ** 2
+    assert w.deferred_expert_updates and w.expert_step_share == pytest.approx(q)
+    every = config.replace(offload=dict(expert_updates="all"))
+    assert not Workload.from_config(every, backend="gpu").deferred_expert_updates
+    saved_r, saved_w, again = deferred_bytes(w, 12.0)
+    assert again == pytest.approx(12 * q * (1 - q))
+    assert saved_r == pytest.approx(8 * (1 - q) - again)  # the master is read anyway
+    assert saved_w == pytest.approx(12 * (1 - q) - again)
+
+    hw = get_profile("rtx4090", "", config.model.compute_dtype)
+    tight = dict(host_budget="64GiB")  # the state (84 GB) goes to NVMe
+    deferred = make_plan(config.replace(memory=tight), hw)
+    whole = make_plan(every.replace(memory=tight), hw)
+    assert deferred.candidate == whole.candidate
+    assert deferred.candidate.optimizer == "nvme" and deferred.candidate.expert_fetch == "routed"
+    assert deferred.lanes["nvme"] < whole.lanes["nvme"]
+    assert f"updates {q:.0%} of it on NVMe" in deferred.table()
+    assert "expert_updates" not in whole.table()

@@ -37,17 +37,26 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
+from hetjax.optimizer import native
+
 
 def deferred_updates(config) -> bool:
     """Whether ``config`` defers the updates of experts without a token: routed
-    experts, ``offload.expert_updates=deferred``, optimizer state on NVMe, sync mode (the
-    loop further needs the native kernel and a streamed stage, ``UpdateLoop``)."""
+    experts, optimizer state on NVMe and :func:`deferrable` (the loop further needs a
+    streamed stage, ``UpdateLoop``)."""
     off = config.offload
+    return off.expert_fetch == "routed" and off.optimizer == "nvme" and deferrable(config)
+
+
+def deferrable(config) -> bool:
+    """Whether ``config`` would defer them wherever the state is on NVMe and the experts
+    routed (the planner's question, which chooses both):
+    ``offload.expert_updates=deferred``, sync mode, the native host kernel."""
+    opt = config.optimizer
     return (
-        off.expert_fetch == "routed"
-        and off.expert_updates == "deferred"
-        and off.optimizer == "nvme"
-        and config.optimizer.mode == "sync"
+        config.offload.expert_updates == "deferred"
+        and opt.mode == "sync"
+        and native.use_native(opt.host_kernel, opt.name, "cpu")
     )
 
 

@@ -162,12 +162,18 @@ def lanes(
     if grad_spill:
         disk_step += grad_spill / hw.nvme_write_bw
     S = w.state_bytes_per_param
+    catch_up = 0.0  # deferred expert updates caught up in the forward (on its path)
     if c.optimizer == "nvme":
         moved = S * (P - cache.params) * (1 - cached)
         # params that are the master: a block's state read copies the master from its
         # backward's param read (storage/params.py, MasterPages)
         copied = 4 * streamed_b * Ps * frac * (1 - cached) if params_are_master(o, cb) else 0
-        disk_step += (moved - copied) / hw.nvme_read_bw + moved / hw.nvme_write_bw
+        read, written = moved - copied, moved
+        if routing and w.deferred_expert_updates:
+            saved_r, saved_w, again = deferred_bytes(w, routed * w.routed_expert_params * S)
+            read, written = read - saved_r * (1 - cached), written - saved_w * (1 - cached)
+            catch_up = again * (1 - cached) * (1 / hw.nvme_read_bw + 1 / hw.nvme_write_bw)
+        disk_step += read / hw.nvme_read_bw + written / hw.nvme_write_bw
     # The device cache's stages are the last backward reaches: their updates run on the
     # device after it, at device speed (Angel-PTM); the host updates the others,
     # overlapped with backward.
@@ -198,7 +204,7 @@ def lanes(
             t_last = max(t_b_last, disk_b) + max(opt + dev_opt, disk_step)
         else:  # host stages on the host, cached ones on the device, at once
             t_last = max(t_b_last, disk_b) + max(opt, dev_opt, disk_step)
-    step = A * t_f + (A - 1) * t_b + t_last
+    step = A * t_f + (A - 1) * t_b + t_last + catch_up
     lanes = {
         "compute": A * (fwd + compute_b),
         "host->device": A * (h2d_f + h2d_b) / hw.h2d_bw,
@@ -208,6 +214,20 @@ def lanes(
         "collectives": A * (comm_f + comm_b),
     }
     return step, lanes
+
+
+def deferred_bytes(w: Workload, state: float) -> tuple[float, float, float]:
+    """Deferred expert updates (``optimizer/deferred.py``) over ``state`` bytes of the
+    routed experts' optimizer state (all kinds, the master's 4 bytes a parameter among
+    them): the bytes a step expects not to read and not to write, and the bytes it
+    expects to catch up (read and write again, in the forward). An expert gets a token in
+    a step with probability q = 1 - (1 - f)^A (f the share a micro-batch routes, A
+    micro-batches); without one its state is not read but the master, nor written, and
+    it is caught up when it comes back, after a gap: probability q (1 - q)."""
+    q = w.expert_step_share
+    moments = state * (w.state_bytes_per_param - 4) / w.state_bytes_per_param
+    again = state * q * (1 - q)
+    return moments * (1 - q) - again, state * (1 - q) - again, again
 
 
 def _device_optimizer_s(hw: Hardware, params: int) -> float:

@@ -167,6 +167,12 @@ class Plan:
                     f"{self.expert_fraction:.0%} of its experts in (offload.expert_fetch="
                     f"routed; {self.expert_source})"
                 )
+            if self.deferred_share is not None and c.expert_fetch == "routed":
+                lines.append(
+                    f"  experts' optimizer state: a step updates {self.deferred_share:.0%} "
+                    "of it on NVMe, the rest caught up when routed again "
+                    "(offload.expert_updates=deferred)"
+                )
             elif self.expert_source:
                 lines.append(
                     f"  experts: copied whole (offload.expert_fetch=all): routing would copy "
@@ -203,6 +209,9 @@ class Plan:
     # where that share comes from ("": no routed blocks)
     expert_fraction: float = 1.0
     expert_source: str = ""
+    # deferred expert updates (optimizer/deferred.py): the expected share of the routed
+    # experts whose state a step touches (None: not deferred)
+    deferred_share: float | None = None
 
 
 # -- evaluating one candidate ------------------------------------------------------------
@@ -426,6 +435,9 @@ def make_plan(
         groups=tuple((name, n) for name, n, _ in w.groups),
         expert_fraction=w.expert_fetch_fraction,
         expert_source=w.expert_fetch_source,
+        deferred_share=(
+            w.expert_step_share if w.deferred_expert_updates and c.optimizer == "nvme" else None
+        ),
     )
 
 

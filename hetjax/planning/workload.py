@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from hetjax.config import Config, ConfigError
 from hetjax.data import decoder_length
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy
+from hetjax.optimizer.deferred import deferrable
 from hetjax.planning.hardware import Hardware
 from hetjax.runtime import remat, stages
 from hetjax.runtime.routed import expert_leaves
@@ -80,6 +81,9 @@ class Workload:
     routed_expert_params: int = 0
     expert_fetch_fraction: float = 1.0
     expert_fetch_source: str = ""  # where that share comes from (the plan table says)
+    # offload.expert_updates=deferred with the state on NVMe (optimizer/deferred.py):
+    # the state of the routed experts without a token in a step stays on disk
+    deferred_expert_updates: bool = False
     # offload.batch_chunks: the chunks of rows ``working_set`` is for (the config's), and
     # the working set at each other chunk count the planner may choose (a divisor of a
     # device's rows; empty where the blocks' rows are not independent, runtime/chunks.py)
@@ -124,6 +128,12 @@ class Workload:
         if self.gathered_block_params or not self.groups:
             return self.gathered_block_params or self.block_params * (devices - 1) // devices
         return self.stored_block * (devices - 1) / devices
+
+    @property
+    def expert_step_share(self) -> float:
+        """The expected share of a routed block's experts that get a token in a step
+        (in any of its micro-batches): what deferred expert updates touch."""
+        return 1 - (1 - self.expert_fetch_fraction) ** self.micro_batches
 
     @property
     def state_bytes_per_param(self) -> int:
@@ -311,6 +321,7 @@ class Workload:
             routed_expert_params=routed_experts,
             expert_fetch_fraction=fraction if routed_experts else 1.0,
             expert_fetch_source=source if routed_experts else "",
+            deferred_expert_updates=bool(routed_experts) and deferrable(config),
             batch_chunks=n_chunks,
             chunked_working_sets=chunked,
         )
