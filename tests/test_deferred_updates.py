@@ -75,26 +75,38 @@ def _skewed_adamw(runtime: StreamingRuntime, used: int) -> RuntimeState:
     return RuntimeState.from_trees(trees, scalars, groups=runtime.model.groups)
 
 
-def _adamw(tiny, updates: str, **train):
+def _adamw(tiny, updates: str, params: str = "nvme", dtype: str = "float32"):
     """AdamW with weight decay and clipping that binds (a redo of some steps' updates),
-    params and state on NVMe, 4 KiB pages."""
-    config = _config(tiny, "routed", **NVME, expert_updates=updates)
+    the state on NVMe, the params on ``params`` (NVMe in fp32: the state's master),
+    4 KiB pages."""
+    config = _config(tiny, "routed", optimizer="nvme", params=params, expert_updates=updates)
     return config.replace(
         optimizer=dict(name="adamw", weight_decay=0.1, grad_clip=0.5, lr=1e-2),
-        train=dict(grad_accum=2, batch_size=2, **train),
+        train=dict(grad_accum=2, batch_size=2),
+        model=dict(compute_dtype=dtype),
     )
 
 
-@pytest.mark.parametrize("used", [pytest.param(4, marks=pytest.mark.slow), 8])
-def test_deferred_equals_updating_every_expert_and_moves_fewer_bytes(tiny, used):
+@pytest.mark.parametrize(
+    "used, params, dtype",
+    [
+        (8, "nvme", "float32"),
+        pytest.param(4, "nvme", "float32", marks=pytest.mark.slow),
+        pytest.param(8, "host", "float32", marks=pytest.mark.slow),
+        pytest.param(8, "nvme", "bfloat16", marks=pytest.mark.slow),  # params' own files
+    ],
+)
+def test_deferred_equals_updating_every_expert_and_moves_fewer_bytes(tiny, used, params, dtype):
     """Tokens routed to ``used`` of 16 experts: the pages of experts without a token in a
     step are deferred (their state not read but the master, not written), those routed
     again caught up before their copy; losses, the evaluation loss and every param equal
-    updating every expert every step, bit for bit. Each step reads the deferred pages'
-    two moments less and writes their three kinds less, and reads and writes the three
-    kinds of the pages it caught up once more."""
+    updating every expert every step, bit for bit, whichever store holds the params.
+    Each step reads the deferred pages' two moments less and writes their three kinds
+    less, and reads and writes the three kinds of the pages it caught up once more."""
     batches = _batches(5)
-    runs = {u: _run(_adamw(tiny, u), batches, used=used) for u in ("deferred", "all")}
+    runs = {
+        u: _run(_adamw(tiny, u, params, dtype), batches, used=used) for u in ("deferred", "all")
+    }
     (losses, metrics, val, behind, params), every = runs["deferred"], runs["all"]
     assert losses == every[0]
     assert val == every[2]

@@ -42,7 +42,7 @@ import numpy as np
 
 from hetjax.storage.iopool import IoPool, Slot
 from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
-from hetjax.storage.pages import DIRECT_ALIGN, aligned_empty, page_runs, runs_outside
+from hetjax.storage.pages import page_runs, runs_outside
 from hetjax.types import MASTER
 
 MANIFEST = "manifest.json"
@@ -225,6 +225,7 @@ class NvmeStateStore:
         self._pool = IoPool(kinds, biggest, io_slots)
         self._reads: dict[str, _Read] = {}  # read-ahead into the pool, this generation
         self._held: dict[str, Slot] = {}  # read and handed out, not yet written back
+        self._catching: dict[str, Slot] = {}  # read for a catch-up, not yet written back
         self._frozen = Frozen()  # cached slabs and generations a checkpoint writes from
         self.read_bytes = self.write_bytes = 0
         self.read_kinds: collections.Counter[str] = collections.Counter()  # bytes by kind
@@ -480,12 +481,15 @@ class NvmeStateStore:
 
     def read_pages(self, stage: str, pages: list[int]) -> dict[str, np.ndarray]:
         """Some of a streamed stage's committed pages (indices within it, sorted), each
-        kind as one array (len(pages), page elements): fresh buffers."""
+        kind as one array (len(pages), page elements): views of a pooled I/O slot,
+        held until :meth:`write_pages` writes them back (a fresh buffer per catch-up
+        left glibc's heaps 0.8 GB larger at 210M params)."""
         self._land(stage)
         first, _ = self.stage_pages[stage]
         P, futures, out = self.page_elems, [], {}
+        slot = self._catching[stage] = self._pool.take(stage)
         for k in self.kinds:
-            out[k] = aligned_empty(len(pages) * P, np.float32, DIRECT_ALIGN).reshape(-1, P)
+            out[k] = slot.view(k, len(pages) * P).reshape(-1, P)
             at = 0
             for a, b in page_runs(pages):
                 view = out[k][at : at + b - a].reshape(-1)
@@ -513,6 +517,7 @@ class NvmeStateStore:
             at += b - a
         for future in futures:
             future.result()
+        self._pool.give(self._catching.pop(stage))
         read = self._reads.pop(stage, None)
         if read is not None:
             self._pool.give(read.slot, read.futures)
