@@ -71,6 +71,11 @@ class OffloadConfig:
     ``all``, which copies every expert with the rest of the block. ``offload.mode=auto``
     routes only where the planner predicts a gain (``planning/cost.py``).
 
+    ``expert_updates``: with routed experts and the optimizer state on NVMe, ``deferred``
+    leaves the state of experts without a token in a step on disk and catches their
+    missed updates up, bit for bit, before their next use (``hetjax/optimizer/
+    deferred.py``); ``all`` updates every expert every step. Equal either way.
+
     ``batch_chunks``: the blocks that recompute and the head run each micro-batch in
     this many equal chunks of its rows, one after the other with the stage's params on
     the device (``hetjax/runtime/chunks.py``): the device holds one chunk's temporaries
