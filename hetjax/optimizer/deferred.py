@@ -61,6 +61,8 @@ def deferrable(config) -> bool:
 
 
 class Deferred:
+    """The bookkeeping of deferred updates (module docstring), kept by the loop's thread."""
+
     def __init__(self, stages=()):
         """``stages``: those whose pages may be deferred (the routed blocks)."""
         self.stages = frozenset(stages)
@@ -72,7 +74,7 @@ class Deferred:
         self.inputs: dict[str, dict[int, list]] = defaultdict(dict)
         self._skip: dict[str, frozenset[int]] = {}  # this step's, from the executor
         self._updated: dict[str, tuple[frozenset[int], list]] = {}  # the step's updates
-        # pages the committed steps left alone, and pages caught up, since the last take
+        # pages the updates left alone, and pages caught up, since the last take
         self.deferred_pages = self.caught_up_pages = 0
 
     # -- the executor's ---------------------------------------------------------------
