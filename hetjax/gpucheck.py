@@ -323,6 +323,7 @@ def equivalence(report: Report, quick: bool, emulate: bool) -> None:
             files = ["tests/test_two_client.py", "tests/test_stream.py", "tests/test_offload.py"]
             files.append("tests/test_expert_fetch.py")  # routed experts' copies, both ways
             files.append("tests/test_chunks.py")  # a micro-batch in chunks of rows
+            files.append("tests/test_deferred_updates.py")  # experts' state left on disk
             if quick:
                 files = files[:1]
         select = [] if emulate else ["-k", "equal or two_client or pinned or fewer_bytes"]
