@@ -105,6 +105,15 @@ class Deferred:
             for done, group in sorted(by_done.items())
         ]
 
+    def behind_among(self, stage: str, pages=None, keep=frozenset()) -> list[int]:
+        """The pages of ``stage`` behind, of ``pages`` (None: all) but those in ``keep``
+        (read by the executor while the loop is idle: between steps, or in a forward)."""
+        behind = self.behind.get(stage)
+        if not behind:
+            return []
+        wanted = behind if pages is None else pages
+        return sorted(p for p in wanted if p in behind and p not in keep)
+
     def updated(self, stage: str, skip: frozenset[int], scalars: list) -> None:
         """The step updated ``stage`` from ``scalars``, all its pages but ``skip`` (the
         pages behind among the others caught up first)."""

@@ -39,7 +39,14 @@ import optax
 from hetjax.config import OptimizerConfig
 from hetjax.optimizer import native
 from hetjax.optimizer.build import base_optimizer, learning_rate_schedule, state_kind_name
-from hetjax.storage.pages import GradPages, SlabLayout, aligned_empty, page_runs, runs_outside
+from hetjax.storage.pages import (
+    GradPages,
+    SlabLayout,
+    aligned_empty,
+    page_runs,
+    runs_outside,
+    zero_page,
+)
 from hetjax.types import MASTER
 
 F32 = jnp.float32
@@ -124,14 +131,6 @@ def _decayed(num_decay: int, start: int, stop: int) -> int:
     """Of the slab's elements ``[start, stop)``, how many lie in its decayed part (the
     first ``num_decay``): the ``num_decay`` of that run."""
     return min(max(num_decay - start, 0), stop - start)
-
-
-@functools.cache
-def _zero_pages(page_elems: int) -> np.ndarray:
-    """A read-only float32 page of zeros: the gradient of a missed update."""
-    zero = np.zeros(page_elems, np.float32)
-    zero.flags.writeable = False
-    return zero
 
 
 class SlabOptimizer:
@@ -373,7 +372,7 @@ class SlabOptimizer:
         pages: list[jax.Array] = []
         new_scalars = scalars
         for c, (a, b) in enumerate(bounds):
-            num_decay = min(max(layout.num_decay - a, 0), b - a)
+            num_decay = _decayed(layout.num_decay, a, b)
             out, chunk_scalars, chunk_pages = update(
                 {k: chunked[k][c] for k in self.kinds},
                 spares[c],
@@ -452,7 +451,7 @@ class SlabOptimizer:
         P = layout.page_elems
         decay = self.cfg.weight_decay if self.cfg.name == "adamw" else 0.0
         out = aligned_empty(len(pages) * P, self.compute_dtype).reshape(-1, P)
-        zero = _zero_pages(P)
+        zero = zero_page((P,), np.float32)  # a missed update's gradient
         positions = dict(zip(pages, at, strict=True))
         for scalars in inputs:
             coef, _ = self._coef(scalars, (np.float32(0), np.float32(0)))

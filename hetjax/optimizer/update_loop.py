@@ -172,11 +172,16 @@ class UpdateLoop:
         self.deferral = deferred
         getattr(self.states, "base", self.states).skip_of = self._skip_of
 
-    def catch_up(self, stage: str, pages) -> dict[int, np.ndarray]:
-        """Catches up the deferred pages among ``pages`` of ``stage`` (``deferred.py``),
-        on the loop's thread (idle between a sync step's commit and the next backward),
-        and waits: their state is written back as committed. Returns each such page's
-        new params (compute dtype) by page."""
+    def catch_up(self, stage: str, pages=None, keep=frozenset()) -> dict[int, np.ndarray]:
+        """Catches up the deferred pages of ``stage`` (``deferred.py``) among ``pages``
+        (all: None) but those in ``keep``, on the loop's thread (idle between a sync
+        step's commit and the next backward), and waits: their state is written back as
+        committed. Returns each such page's new params (compute dtype) by page; at once,
+        with no hand-over to the thread, when none is behind (the forward asks for every
+        routed block)."""
+        pages = self.deferral.behind_among(stage, pages, keep)
+        if not pages:
+            return {}
         done, out = threading.Event(), {}
         self._queue.put(("catch_up", stage, list(pages), out, done))
         while not done.wait(0.5):

@@ -81,3 +81,34 @@ class Boundaries:
         if self.tier == "host":
             self._peak = max(self._peak, sum(device_bytes(b) for b in self.arrays()))
         return 0
+
+
+class SwappedResiduals:
+    """The swapped blocks' in-block residuals (``offload.swap_blocks``): copied to host
+    memory (``pinned_host``) as forward made them, into the NVMe swap's rows where
+    ``offload.swap_tier=nvme`` (``swap``), and back to ``device`` ahead of backward."""
+
+    def __init__(self, device, swap=None):
+        self.device, self.swap = device, swap
+
+    def out(self, i: int, slot: int, residuals: list) -> list | None:
+        """Block ``i``'s residuals to the host; the device's copies go once the copy
+        has them. With the NVMe swap it takes the host copy (row ``slot``) and this
+        returns None."""
+        host = [a.sharding.with_memory_kind("pinned_host") for a in residuals]
+        out = jax.device_put(residuals, host)
+        timeline.watch("device_to_host", f"block{i} swap out", out, after=residuals)
+        if self.swap is not None:
+            self.swap.put(slot, out)
+            return None
+        return out
+
+    def back(self, i: int, slot: int, residuals: list | None) -> list:
+        """Block ``i``'s residuals back on the device (from the NVMe swap's row
+        ``slot`` when it holds them: read ahead there)."""
+        if residuals is None:
+            residuals = self.swap.get(slot)  # waits for its read
+        out = jax.device_put(residuals, [self.device] * len(residuals))
+        held = [a for a in residuals if isinstance(a, jax.Array)] or None  # not numpy
+        timeline.watch("host_to_device", f"block{i} swap in", out, after=held)
+        return out

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax.storage.pages import LeafBuffers, SlabLayout
+from hetjax.types import stage_layout
 
 
 def expert_leaves(layout: SlabLayout, model) -> tuple[int, ...]:
@@ -137,16 +138,6 @@ def expert_rows(leaf, ids: np.ndarray) -> list[np.ndarray]:
     """Each routed expert's rows of a host expert leaf (E, ...), as views of it (no host
     copy: each copies to the device from where it lies)."""
     return [leaf[e : e + 1] for e in ids]
-
-
-@functools.cache
-def zero_page(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """A read-only page of zeros, one per shape and dtype: what the host takes for a
-    gradient page known to be zero (allocating one per page would churn the allocator
-    with page-sized blocks freed on another thread)."""
-    page = np.zeros(shape, dtype)
-    page.flags.writeable = False
-    return page
 
 
 def _assemble(rows: list[list[jax.Array]]) -> list[jax.Array]:
@@ -324,3 +315,68 @@ class ExpertFetchers(dict):
         for f in self.values():
             f.fetched = f.offered = f.bytes = 0
         return out
+
+
+def routed_blocks(offload, model, layouts, block_names, resident, device_stages) -> frozenset[str]:
+    """The blocks streamed expert-aware (``offload.expert_fetch=routed``, a model whose
+    blocks support it, one device taking leaf buffers): those that stream and recompute;
+    the ``resident`` first blocks, device-cached, kept and swapped blocks are whole on the
+    device anyway."""
+    if offload.expert_fetch != "routed" or not model.expert_routing:
+        return frozenset()
+    if not layouts[stage_layout(block_names[0])].leaf_buffers:  # ZeRO-3: pages
+        return frozenset()
+    first_swap = len(block_names) - offload.keep_blocks - offload.swap_blocks
+    whole = {*block_names[:resident], *device_stages}
+    return frozenset(n for n in block_names[:first_swap] if n not in whole)
+
+
+class DeferredExperts:
+    """A streaming run's side of deferred expert updates (``optimizer/deferred.py``):
+    at each routed block's forward, the pages of experts without a token in any of the
+    step's micro-batches so far (told to the update loop at the last micro-batch), and
+    the routed experts' pages behind, caught up before they are copied in; their new
+    params by stage and page (``fresh``) until the next commit republishes the stages.
+    Inactive (``loop`` None): nothing deferred, nothing fresh."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self._skipped: dict[str, frozenset[int]] = {}  # intersection over micro-batches
+        self.last_micro = False
+        self.fresh: dict[str, dict[int, np.ndarray]] = {}
+
+    def begin_step(self) -> None:
+        self._skipped = {}
+
+    def committed(self) -> None:
+        """Every stage was updated (or not): its params are current."""
+        self.fresh = {}
+
+    def forward(self, name: str, fetcher: ExpertFetcher, routing: Routing, training: bool):
+        """A routed block's forward has routed: defers (training only: an evaluation
+        defers nothing) and catches up."""
+        if self.loop is None:
+            return
+        zero = fetcher.zero_pages(routing.ids)
+        if training:
+            skipped = self._skipped.get(name)
+            self._skipped[name] = zero if skipped is None else skipped & zero
+            if self.last_micro:
+                self.loop.deferral.defer(name, self._skipped[name])
+        caught = self.loop.catch_up(name, keep=zero)  # the routed experts' pages
+        if caught:
+            self.fresh.setdefault(name, {}).update(caught)
+
+    def flush(self, param_store, pages_of) -> None:
+        """Catches up every deferred page, stage by stage, and refreshes the param
+        store's copies (``pages_of(stage)``: its new params, asked for only where the
+        store keeps params of its own): before a checkpoint, an export, the end."""
+        if self.loop is None:
+            return
+        for stage in self.loop.pending():
+            self.loop.catch_up(stage)
+            param_store.refresh(stage, functools.partial(pages_of, stage))
+
+    def take(self) -> dict[str, int]:
+        """The step's counts (``Deferred.take``), none when inactive."""
+        return self.loop.deferral.take() if self.loop is not None else {}

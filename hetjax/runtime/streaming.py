@@ -67,14 +67,21 @@ from hetjax.optimizer.deferred import Deferred, deferred_updates
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.update_loop import UpdateLoop
 from hetjax.runtime import setup, state_io
-from hetjax.runtime.boundaries import Boundaries
+from hetjax.runtime.boundaries import Boundaries, SwappedResiduals
 from hetjax.runtime.grads import DeviceGradients, StepGradients
 from hetjax.runtime.ledger import IoMeter, Ledger
 from hetjax.runtime.placement import SingleDevice
-from hetjax.runtime.routed import ExpertFetcher, ExpertFetchers, Routing, zero_page
+from hetjax.runtime.routed import (
+    DeferredExperts,
+    ExpertFetcher,
+    ExpertFetchers,
+    Routing,
+    routed_blocks,
+)
 from hetjax.runtime.setup import layout_name
 from hetjax.runtime.stages import StageFunctions, StageMemory
 from hetjax.runtime.window import PrefetchWindow
+from hetjax.storage.pages import zero_page
 from hetjax.types import LossScale, RuntimeState, StepReport
 from hetjax.xla_env import pinned_limit
 from models import build_model
@@ -174,6 +181,7 @@ class StreamingRuntime:
         self.states, self.param_store = stores.states, stores.params
         self.grad_store, self.swap = stores.grads, stores.swap
         self.residual_swap = stores.residual_swap  # offload.swap_tier=nvme
+        self.residuals = SwappedResiduals(self.shardings.device, self.residual_swap)
         self.optimizer.param_buffers = stores.param_buffers
         setup.init_state(
             config, self.model, self.layouts, self.stage_names, self._opt_of,
@@ -203,7 +211,10 @@ class StreamingRuntime:
         )  # fmt: skip
         self.plan = plan_device(self.sizes, self.offload, mem.device_budget)
         # expert-aware streaming (routed.py): the MoE blocks that stream and recompute
-        self.routed = self._routed_blocks(compute_model)
+        self.routed = routed_blocks(
+            off, compute_model, self.layouts, self.block_names, self.plan.resident_blocks,
+            self.device_stages,
+        )  # fmt: skip
         self.experts = None  # their groups' ExpertFetcher, by group index
         if self.routed:
             E, device = config.model.num_experts, self.shardings.device
@@ -211,15 +222,11 @@ class StreamingRuntime:
                 {g: ExpertFetcher(fns.routed(), self.compute_dtype, device, E)
                  for g, fns in enumerate(self.fns.groups)}
             )  # fmt: skip
-        # deferred expert updates (optimizer/deferred.py): the step's pages left alone
-        # by stage (the intersection over its micro-batches so far), and the caught-up
-        # experts' pages, new params by (stage, page), until the next commit
-        self._deferring = bool(self.routed) and deferred_updates(config)
-        if self._deferring:
+        # deferred expert updates (optimizer/deferred.py)
+        deferring = bool(self.routed) and deferred_updates(config)
+        if deferring:
             self.loop.use_deferred(Deferred(self.routed))
-        self._skipped: dict[str, frozenset[int]] = {}
-        self._last_micro = False
-        self._fresh: dict[str, dict[int, np.ndarray]] = {}
+        self.deferred = DeferredExperts(self.loop if deferring else None)
         self.resident: dict[str, jax.Array] = {}
         self._refresh_resident()
         self._step: StepGradients | None = None
@@ -232,20 +239,6 @@ class StreamingRuntime:
         self.loss_scale = LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None
 
     layout_name = staticmethod(layout_name)
-
-    def _routed_blocks(self, compute_model) -> frozenset[str]:
-        """The blocks streamed expert-aware (``offload.expert_fetch=routed``, a model
-        whose blocks support it, one device taking leaf buffers): those that stream and
-        recompute; resident, device-cached, kept and swapped blocks are whole on the
-        device anyway."""
-        off = self.config.offload
-        if off.expert_fetch != "routed" or not compute_model.expert_routing:
-            return frozenset()
-        if not self.layouts[layout_name(self.block_names[0])].leaf_buffers:  # ZeRO-3: pages
-            return frozenset()
-        first_swap = self.num_layers - off.keep_blocks - off.swap_blocks
-        whole = {*self.block_names[: self.plan.resident_blocks], *self.device_stages}
-        return frozenset(n for n in self.block_names[:first_swap] if n not in whole)
 
     def _opt_of(self, stage: str) -> SlabOptimizer:
         """The optimizer updating ``stage``: on the device for device-cached stages."""
@@ -280,28 +273,11 @@ class StreamingRuntime:
         x_mid, top_e, counts = fns.route(slab.dense, x, context)
         routing = Routing.of(np.asarray(counts), top_e, self.placement.put_batch)
         fetcher = self.experts[group.index]
-        if self._deferring:
-            self._defer(name, fetcher, routing)
-        held, copied = fetcher.experts(slab, routing, self._fresh.get(name))
+        self.deferred.forward(name, fetcher, routing, training=self._step is not None)
+        held, copied = fetcher.experts(slab, routing, self.deferred.fresh.get(name))
         timeline.watch("host_to_device", "experts", copied)
         y, stats = fns.mlp(held, x_mid, routing.top_e, routing.slots, context)
         return y, stats, routing
-
-    def _defer(self, name: str, fetcher: ExpertFetcher, routing: Routing) -> None:
-        """Deferred expert updates (``optimizer/deferred.py``) at a routed block's
-        forward: the pages of experts without a token in any of the step's micro-batches
-        so far are left alone this step (told to the loop at the last micro-batch), and
-        the routed experts' pages behind are caught up before they are copied in."""
-        zero = fetcher.zero_pages(routing.ids)
-        if self._step is not None:  # training (an evaluation defers nothing)
-            skipped = self._skipped.get(name)
-            self._skipped[name] = zero if skipped is None else skipped & zero
-            if self._last_micro:
-                self.loop.deferral.defer(name, self._skipped[name])
-        used = [p for p in range(fetcher.block.layout.num_pages) if p not in zero]
-        fresh = self.loop.catch_up(name, used)
-        if fresh:
-            self._fresh.setdefault(name, {}).update(fresh)
 
     def _window(self, uses: list[str]) -> PrefetchWindow:
         return PrefetchWindow(
@@ -342,7 +318,7 @@ class StreamingRuntime:
         t0 = time.perf_counter()
         if sync:
             work = self.loop.finish(grad_norm, finite)
-            self._fresh = {}  # every stage was updated (or not): its params are current
+            self.deferred.committed()
             self._refresh_resident()
         else:
             if finite:
@@ -384,11 +360,11 @@ class StreamingRuntime:
             self.device_grads,
         )
         self._step = step
-        self._skipped = {}
+        self.deferred.begin_step()
         try:
             step.losses = []
             for a, micro in enumerate(batch):
-                self._last_micro = a == len(batch) - 1
+                self.deferred.last_micro = a == len(batch) - 1
                 step.losses.append(self._forward_backward(micro))
         except BaseException:
             with contextlib.suppress(BaseException):  # the first error is the one raised
@@ -444,7 +420,7 @@ class StreamingRuntime:
                 (x, stats[i]), kept[i] = group.block_fwd_keep(slab, x, c)
             elif i >= first_swap:
                 (x, stats[i]), residuals = swap(i).forward(slab, x, c)
-                swapped[i] = self._swap_out(i, i - first_swap, residuals)
+                swapped[i] = self.residuals.out(i, i - first_swap, residuals)
                 del residuals
             else:
                 boundaries.store(i, x)
@@ -473,7 +449,7 @@ class StreamingRuntime:
 
         if first_kept > first_swap:  # the first swapped block's residuals come back
             last = first_kept - 1
-            swapped[last] = self._swap_in(last, last - first_swap, swapped[last])
+            swapped[last] = self.residuals.back(last, last - first_swap, swapped[last])
         next_x = boundaries.load(first_swap - 1) if first_swap == first_kept > 0 else None
         zero_pages: frozenset[int] = frozenset()  # of a routed block's gradient
         for i in reversed(range(L)):
@@ -491,7 +467,9 @@ class StreamingRuntime:
                 if i >= first_swap:
                     residuals, swapped[i] = swapped[i], None
                     if i - 1 >= first_swap:  # the next one's come back while this computes
-                        swapped[i - 1] = self._swap_in(i - 1, i - 1 - first_swap, swapped[i - 1])
+                        swapped[i - 1] = self.residuals.back(
+                            i - 1, i - 1 - first_swap, swapped[i - 1]
+                        )
                     elif i > 0:  # the first recomputed block's boundary, likewise
                         next_x = boundaries.load(i - 1)
                     db, dx, dcontext[g] = swap(i).backward(
@@ -506,7 +484,7 @@ class StreamingRuntime:
                     if self.block_names[i] in self.routed:  # its experts copied in again
                         r, routing[i] = routing[i], None
                         fetcher = self.experts[g]
-                        fresh = self._fresh.get(self.block_names[i])
+                        fresh = self.deferred.fresh.get(self.block_names[i])
                         held, copied = fetcher.experts(slab, r, fresh)
                         timeline.watch("host_to_device", "experts", copied)
                         db, dx, dcontext[g] = group.routed().backward(
@@ -539,30 +517,6 @@ class StreamingRuntime:
                 del de
         self._step.micro_batch_sent()
         return loss
-
-    def _swap_out(self, i: int, slot: int, residuals: list) -> list | None:
-        """A swapped block's residuals copied to host memory (``pinned_host``) as
-        forward made them; the device's copies go once the copy has them. With
-        ``offload.swap_tier=nvme`` the NVMe swap takes the host copy (row ``slot``) and
-        this returns None."""
-        host = [a.sharding.with_memory_kind("pinned_host") for a in residuals]
-        out = jax.device_put(residuals, host)
-        timeline.watch("device_to_host", f"block{i} swap out", out, after=residuals)
-        if self.residual_swap is not None:
-            self.residual_swap.put(slot, out)
-            return None
-        return out
-
-    def _swap_in(self, i: int, slot: int, residuals: list | None) -> list:
-        """A swapped block's residuals copied back to the device ahead of its backward
-        (from the NVMe swap's row ``slot`` when it holds them: read ahead there)."""
-        if residuals is None:
-            residuals = self.residual_swap.get(slot)  # waits for its read
-        device = self.shardings.device
-        out = jax.device_put(residuals, [device] * len(residuals))
-        held = [a for a in residuals if isinstance(a, jax.Array)] or None  # not numpy
-        timeline.watch("host_to_device", f"block{i} swap in", out, after=held)
-        return out
 
     def _grad_out(self, name: str, g, sq, zero_pages: frozenset[int] = frozenset()) -> None:
         """Hands a stage's gradient and its pages' squared norms on: summed and updated
@@ -632,7 +586,7 @@ class StreamingRuntime:
             "optimizer_deferred": work.deferred,
             **self.placement.step_metrics(),
             **(self.experts.take() if self.experts else {}),
-            **(self.loop.deferral.take() if self._deferring else {}),
+            **self.deferred.take(),
         }
         if self.config.optimizer.mode == "lockfree":
             metrics["optimizer_lag_steps"] = self.loop.unapplied
@@ -664,14 +618,9 @@ class StreamingRuntime:
         return float(loss)
 
     def flush_deferred(self) -> None:
-        """Catches up every deferred expert update (``optimizer/deferred.py``), stage
-        by stage, and refreshes the stores' params: before a checkpoint, an export, the
-        end."""
-        for stage, pages in self.loop.pending().items():
-            self.loop.catch_up(stage, pages)
-            kind = layout_name(stage)
-            master = self.states.master(stage)
-            self.param_store.refresh(stage, self.optimizer.compute_pages(kind, master))
+        """Catches up every deferred expert update and refreshes the params' copies."""
+        pages_of = lambda s: self.optimizer.compute_pages(layout_name(s), self.states.master(s))
+        self.deferred.flush(self.param_store, pages_of)
 
     def params(self) -> Any:
         """The fp32 master params as the model's pytree (host numpy)."""
@@ -720,7 +669,7 @@ class StreamingRuntime:
         if self.config.optimizer.mode == "lockfree":
             self.loop.drain()
         self.loop.reload()
-        self._fresh = {}
+        self.deferred.committed()  # (the restore republished every stage)
         what = f"restoring state ({self.config.offload.optimizer})"
         stages = setup.progress(self.stage_names, what)
         state_io.restore(

@@ -21,6 +21,7 @@ it shards and gathers. Gradients leave the device as pages either way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -140,6 +141,16 @@ class GradPages:
     def slab(self) -> np.ndarray:
         """The gradient as one flat slab: the one page, or a concatenation (a copy)."""
         return self.pages[0] if len(self.pages) == 1 else aligned_concatenate(self.pages)
+
+
+@functools.cache
+def zero_page(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A read-only page of zeros, one per shape and dtype: what the host takes for a
+    gradient page known to be zero (allocating one per page would churn the allocator
+    with page-sized blocks freed on another thread)."""
+    page = np.zeros(shape, dtype)
+    page.flags.writeable = False
+    return page
 
 
 def page_runs(pages) -> list[tuple[int, int]]:

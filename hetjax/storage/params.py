@@ -94,10 +94,10 @@ class HostParamStore:
     def prefetch(self, stage: str) -> None:
         pass
 
-    def refresh(self, stage: str, pages: list) -> None:
+    def refresh(self, stage: str, pages_of) -> None:
         """A stage's committed params changed outside an update (deferred updates
-        caught up, ``optimizer/deferred.py``): ``pages`` are the new ones."""
-        self.publish(stage, pages)
+        caught up, ``optimizer/deferred.py``): ``pages_of()`` gives the new ones."""
+        self.publish(stage, pages_of())
 
     def get(self, stage: str, keep: bool = False) -> list:
         return self.pages[stage]  # (``keep``: held anyway)
@@ -150,8 +150,8 @@ class SplitParamStore(BaseCounters):
     def prefetch(self, stage: str) -> None:
         self._of(stage).prefetch(stage)
 
-    def refresh(self, stage: str, pages: list) -> None:
-        self._of(stage).refresh(stage, pages)
+    def refresh(self, stage: str, pages_of) -> None:
+        self._of(stage).refresh(stage, pages_of)
 
     def get(self, stage: str, keep: bool = False) -> list:
         return self._of(stage).get(stage, keep)
@@ -389,11 +389,11 @@ class NvmeParamStore:
             return self.views.host(stage, data)
         return list(data.reshape(-1, self.page_elems))
 
-    def refresh(self, stage: str, pages: list) -> None:
+    def refresh(self, stage: str, pages_of) -> None:
         """A stage's committed params changed outside an update (deferred updates
         caught up, ``optimizer/deferred.py``; the loop is idle): the copies in RAM and
-        the reads ahead are dropped, and own files get ``pages`` (the fp32 master's
-        are the state store's, written already)."""
+        the reads ahead are dropped, and own files get ``pages_of()`` (the fp32
+        master's are the state store's, written already: nothing is read for them)."""
         self._kept.pop(stage, None)
         self._landing.pop(stage, None)
         read = self._reads.pop(stage, None)
@@ -402,7 +402,7 @@ class NvmeParamStore:
                 read.result()
         if self.pages.writes:
             first, _ = self.stage_pages[stage]
-            data = np.ascontiguousarray(pages_slab(pages), self.dtype)
+            data = np.ascontiguousarray(pages_slab(pages_of()), self.dtype)
             self.pages.committed().write(self.pages.kind, first, data).result()
 
     def prefetch(self, stage: str) -> None:
