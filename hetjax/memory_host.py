@@ -58,8 +58,9 @@ def swap_staging_bytes(boundary: int, slots: int, depth: int) -> int:
 
 def host_param_bytes(s: Sizes, o: Offload) -> int:
     """Host RAM of compute-dtype params: every off-device stage's (``params=host``), or
-    the NVMe read-ahead window (``nvme``), and the host
-    optimizer's refreshed ones in flight (:data:`PUBLISH_SLABS`)."""
+    the NVMe read-ahead window (``nvme``) with the resident stages' published params
+    (:func:`kept_published`), and the host optimizer's refreshed ones in flight
+    (:data:`PUBLISH_SLABS`)."""
     cache = DeviceCache.of(s, o)
     if not cache.host:
         return 0
@@ -69,7 +70,23 @@ def host_param_bytes(s: Sizes, o: Offload) -> int:
     # those read ahead, and those the window's device copies were made from (on the CPU
     # backend the device array is the host slab itself)
     held = max(param_reads_ahead(o) + 1, master_reads_kept(o, s.compute_bytes))
-    return held * s.compute_bytes * cache.host_biggest + publish
+    kept = sum(s.own(n) for n in kept_published(cache.host, o))
+    return (held * cache.host_biggest + kept) * s.compute_bytes + publish
+
+
+def kept_published(stages, o: Offload) -> tuple[str, ...]:
+    """Of ``stages`` (the off-device ones, in forward order), those whose params the
+    host optimizer publishes to NVMe are kept in RAM from their update to their first
+    read after the step's commit, instead of read back: the always-resident embed and
+    head (read right after the commit) and the blocks the next forward's window takes
+    first (the first ``1 + prefetch_depth``). The head is updated first in backward,
+    its write lands long before the commit, and its read at the commit queued behind the
+    last stages' write-back (103 ms of a 6.8 s step at 310.8M params); the first blocks'
+    reads, queued behind the same writes and the optimizer's reads for the next step,
+    left the device idle for 130-200 ms at the next step's start
+    (docs/results/2026-11-26.md)."""
+    first = [n for n in stages if n not in ("embed", "head")][: 1 + o.prefetch_depth]
+    return tuple(n for n in stages if n in ("embed", "head")) + tuple(first)
 
 
 def param_reads_ahead(o: Offload) -> int:

@@ -76,8 +76,9 @@ def _run(config, steps: int, check_step=None):
 
 def test_fp32_params_on_nvme_are_the_state_s_master(tiny, tmp_path):
     """No param files; a step writes one generation of state and nothing for the params,
-    and reads every block's master at most twice (forward, backward's recompute) beside
-    the state; the run equals offload.mode=none (SGD, 1e-5)."""
+    and reads the state (or copies its master from the params' reads) and every block's
+    master at most twice (forward, backward's recompute) beside it; the run equals
+    offload.mode=none (SGD, 1e-5)."""
     nvme = tmp_path / "nvme"
     config = _config(tiny, optimizer=SGD, train=dict(steps=4), memory=dict(nvme_path=str(nvme)))
     runtime = StreamingRuntime(config)
@@ -94,7 +95,7 @@ def test_fp32_params_on_nvme_are_the_state_s_master(tiny, tmp_path):
     assert len(records) == 4
     for r in records:
         assert r["nvme_write_bytes"] == one_generation  # the state's alone
-        assert 0 < r["nvme_read_bytes"] - one_generation <= 2 * blocks
+        assert one_generation <= r["nvme_read_bytes"] <= one_generation + 2 * blocks
     reference = train(_config(tiny, optimizer=SGD, offload=dict(mode="none"), train=dict(steps=4)),
                       tmp_path / "none", verbose=False)  # fmt: skip
     assert_losses_close(result.losses, reference.losses)
@@ -142,19 +143,24 @@ def block_bytes(runtime) -> int:
     return n * runtime.param_store.page_elems * 4
 
 
-BUDGET = "1536KiB"  # SGD's state (the master) of the head and block2 cached
+BUDGET = "1792KiB"  # SGD's state (the master) of the head and block2 cached
 
 
 def test_cached_stages_params_come_from_their_state_in_ram(tiny, tmp_path):
     """With a host budget that caches some stages' state, their params are copied from
     the cached master (never read from disk), and training still equals
     offload.mode=none."""
-    config = _config(tiny, optimizer=SGD, memory=dict(host_budget=BUDGET), train=dict(steps=4))
+    # prefetch depth 1: block2's forward read is not one the host keeps from its update
+    # (memory_host.kept_published)
+    offload = dict(prefetch_depth=1)
+    config = _config(
+        tiny, optimizer=SGD, memory=dict(host_budget=BUDGET), train=dict(steps=4), offload=offload
+    )
     runtime = StreamingRuntime(config)
     disk_reads: list[str] = []
     try:
         cached = set(runtime.host_plan.cached_stages)
-        assert cached and len(cached) < 5, cached  # some stages cached, not all
+        assert "block2" in cached and len(cached) < 5, cached  # some stages cached, not all
         store = runtime.param_store
         assert isinstance(store.pages, MasterPages)
         stage_at = {first: stage for stage, (first, _) in store.stage_pages.items()}

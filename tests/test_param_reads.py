@@ -93,3 +93,31 @@ def test_blocks_read_once_when_the_budget_has_room(tiny, budget):
     assert runs["read twice"][0] == [twice] * 3
     assert runs["read once"][0] == [["block0", "block1", "block2", "block3"]] * 3
     jax.tree.map(np.testing.assert_array_equal, runs["read once"][1], runs["read twice"][1])
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)]
+)  # fp32: the state's master; bf16: files of their own
+def test_resident_stages_and_the_first_blocks_are_not_read_back(tiny, dtype):
+    """The head, the embedding and the blocks the forward's window takes first (block0
+    and block1 at prefetch depth 1), published by the host optimizer during the step,
+    are handed to their first read after the commit from RAM
+    (``memory_host.kept_published``): the refresh of the resident stages reads nothing,
+    and those blocks are read once a step, for their backward (no budget: no forward
+    read is kept for backward), not for the next forward too."""
+    model = dict(num_layers=4, d_model=32, num_heads=4, max_seq_len=32, compute_dtype=dtype)
+    offload = dict(mode="stream", optimizer="nvme", params="nvme", prefetch_depth=1)
+    config = tiny(model=model, offload=offload)
+    runtime = StreamingRuntime(config)
+    try:
+        assert runtime.plan.resident_blocks == 0 and runtime.host_plan.kept_param_blocks == 0
+        store = runtime.param_store
+        assert store.keep_published == {"embed", "head", "block0", "block1"}
+        for batch in training_batches(config, 3):
+            before = store.stage_reads.copy()
+            runtime.train_step(batch)
+            reads = store.stage_reads - before
+            assert reads["embed"] == reads["head"] == 0, reads
+            assert reads["block0"] == reads["block1"] == 1, reads
+    finally:
+        runtime.close()

@@ -114,7 +114,7 @@ def test_checkpoints_move_to_nvme_as_host_shrinks():
     w = Workload.from_config(config, backend="gpu")
     tiers, plans = [], []
     # (at 70 GiB, keeping two blocks' matmul outputs frees enough RAM for the rest)
-    for host in ("200GiB", "80GiB", "66GiB"):
+    for host in ("200GiB", "80GiB", "68GiB"):
         plan = make_plan(config.replace(memory=dict(host_budget=host)), hw, w)
         _fits(plan)
         tiers.append(plan.candidate.activations)

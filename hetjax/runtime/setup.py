@@ -161,6 +161,7 @@ def make_stores(
             slabs=slabs,
             master_of=states if master else None,
             hold_reads=memory_host.master_reads_kept(offload, dtype.itemsize),
+            keep_published=memory_host.kept_published(pages, offload),
         )
     else:
         params = HostParamStore(shardings.host, views)

@@ -68,7 +68,8 @@ class PrefetchWindow:
         return self.cache[name]
 
     def get(self, j: int) -> jax.Array:
-        """The slab of use ``j``, on the device; dispatches the copies of the next ones."""
+        """The slab of use ``j``, on the device (copied by :meth:`done` of the use
+        before, unless the window is shallower)."""
         end = min(j + 1 + self.depth + memory.IO_READAHEAD, len(self.uses))
         for k in range(j, end):
             if self.uses[k] not in self.resident and self.uses[k] not in self.cache:
@@ -76,15 +77,21 @@ class PrefetchWindow:
         if self._behind is not None:  # (the disk reads above are issued first)
             jax.block_until_ready(self._behind)
             self._behind = None
-        slab = self._fetch(self.uses[j])
-        for k in range(j + 1, min(j + 1 + self.depth, len(self.uses))):
-            self._fetch(self.uses[k])
-        return slab
+        return self._fetch(self.uses[j])
 
     def done(self, j: int, after=None) -> None:
-        """Use ``j`` is dispatched: its slab goes unless the window needs it again.
-        ``after``: a result of its computation, which the next :meth:`get` waits for."""
+        """Use ``j`` is dispatched: its slab goes unless the window needs it again, and,
+        while the device computes ``j``, the next use's copy is dispatched (waiting for
+        its read if it is still landing, as at a step's start) and those of the
+        ``depth - 1`` after it whose reads have landed (the others: when they have, or
+        are next). A read landing late thus delays the dispatching thread, never the
+        device's use ``j``, nor use ``j + 1`` for a read behind it. ``after``: a result
+        of its computation, which the next :meth:`get` waits for."""
         self._behind = after
         name = self.uses[j]
         if name not in self.uses[j + 1 : j + 1 + max(self.depth, 1)]:
             self.cache.pop(name, None)
+        for k in range(j + 1, min(j + 1 + self.depth, len(self.uses))):
+            stage = self.uses[k]
+            if k == j + 1 or stage in self.resident or self.params.ready(stage):
+                self._fetch(stage)

@@ -358,6 +358,9 @@ class ShardedParamStore:
         if self.inner is not None:
             self.inner.prefetch(stage)
 
+    def ready(self, stage: str) -> bool:
+        return self.inner is None or self.inner.ready(stage)
+
     def get(self, stage: str, keep: bool = False) -> jax.Array:
         if self.inner is None:
             return self.slabs[stage]

@@ -94,6 +94,10 @@ class HostParamStore:
     def prefetch(self, stage: str) -> None:
         pass
 
+    def ready(self, stage: str) -> bool:
+        """Whether ``get(stage)`` would not wait (for a read)."""
+        return True
+
     def refresh(self, stage: str, pages_of) -> None:
         """A stage's committed params changed outside an update (deferred updates
         caught up, ``optimizer/deferred.py``): ``pages_of()`` gives the new ones."""
@@ -150,6 +154,9 @@ class SplitParamStore(BaseCounters):
     def prefetch(self, stage: str) -> None:
         self._of(stage).prefetch(stage)
 
+    def ready(self, stage: str) -> bool:
+        return self._of(stage).ready(stage)
+
     def refresh(self, stage: str, pages_of) -> None:
         self._of(stage).refresh(stage, pages_of)
 
@@ -185,6 +192,9 @@ class _ReadInto:
     def add_done_callback(self, callback) -> None:
         self._write.add_done_callback(lambda _: callback(self))
 
+    def done(self) -> bool:
+        return self._write.done()
+
     def result(self) -> np.ndarray:
         self._write.result()
         return self._slab.reshape(-1, self._page_elems)
@@ -206,6 +216,9 @@ class _Staged:
             self._done.set_result(jax.block_until_ready(pinned))
         except BaseException as e:  # noqa: BLE001 — raised by result(), on the caller
             self._done.set_exception(e)
+
+    def done(self) -> bool:
+        return self._done.done()
 
     def result(self) -> list[jax.Array] | LeafBuffers:
         return self._done.result()
@@ -324,6 +337,7 @@ class NvmeParamStore:
         slabs: SlabPool | None = None,
         master_of=None,
         hold_reads: int = 0,
+        keep_published: tuple[str, ...] = (),
     ):
         """``stage_to``: the device's ``pinned_host`` memory, where pages read from disk
         are copied as soon as they land (by the thread completing the read, not the
@@ -335,8 +349,11 @@ class NvmeParamStore:
         gets a fresh buffer. ``master_of``: the NVMe state store whose fp32 master the
         params are (:class:`MasterPages`, keeping ``hold_reads`` reads for its reads of
         the master; ``path`` unused), else they have files of their own under ``path``
-        (:class:`OwnPages`)."""
+        (:class:`OwnPages`). ``keep_published``: stages whose published pages are kept
+        to the commit, landed or not, and handed to their first ``get`` after it from
+        RAM (``memory_host.kept_published``)."""
         self.stage_pages = stage_pages
+        self.keep_published = frozenset(keep_published)
         self.slabs = slabs
         self.stage_to = stage_to
         self.views = views
@@ -358,7 +375,11 @@ class NvmeParamStore:
         # stage -> (future, data): writes into the committed generation a commit left in
         # flight; ``get`` serves these stages from that data, no read needed
         self._landing: dict[str, tuple] = {}
+        # stage -> its write, of a kept stage handed over from ``_landing``: a read of
+        # the stage from disk waits for it
+        self._handed: dict[str, Any] = {}
         self.read_bytes = self.write_bytes = 0
+        self.stage_reads: collections.Counter[str] = collections.Counter()  # from disk
 
     @property
     def disk(self) -> list[PageStore]:
@@ -374,13 +395,18 @@ class NvmeParamStore:
         future = self.pages.write(stage, first, data)
         # the step's writes still in flight (a commit serves those stages from their
         # data); a landed one's data is let go (a pooled slab: free again)
-        self._published = {s: w for s, w in self._published.items() if not w[0].done()}
-        if not future.done():
+        self._published = {s: w for s, w in self._published.items() if self._holds(s, w)}
+        if self._holds(stage, (future, data)):
             self._published[stage] = (future, data)
         if self.pages.writes:
             self._writes.append((future, data))
             self.write_bytes += data.nbytes
             bound_writes(self._writes, self._write_window)
+
+    def _holds(self, stage: str, written: tuple) -> bool:
+        """Whether a published stage's data stays in RAM: its write is in flight, or it
+        is one of ``keep_published``."""
+        return stage in self.keep_published or not written[0].done()
 
     def _pieces(self, stage: str, data: np.ndarray) -> list | LeafBuffers:
         """A stage's data on the host (its pages, or one flat slab) -> as it is handed
@@ -395,7 +421,10 @@ class NvmeParamStore:
         the reads ahead are dropped, and own files get ``pages_of()`` (the fp32
         master's are the state store's, written already: nothing is read for them)."""
         self._kept.pop(stage, None)
-        self._landing.pop(stage, None)
+        landing, handed = self._landing.pop(stage, None), self._handed.pop(stage, None)
+        for write in (landing[0] if landing else None, handed):
+            if write is not None:  # the last update's, landed before it is written over
+                write.result()
         read = self._reads.pop(stage, None)
         if read is not None:
             with contextlib.suppress(Exception):  # an old read: nobody wants it
@@ -407,6 +436,8 @@ class NvmeParamStore:
 
     def prefetch(self, stage: str) -> None:
         if stage not in self._reads and stage not in self._landing and stage not in self._kept:
+            if stage in self._handed:  # (long landed, as a rule)
+                self._handed.pop(stage).result()
             first, n = self.stage_pages[stage]
             cached = self.pages.cached(stage)
             if cached is not None:  # in RAM already: copied as a read would land, on
@@ -424,21 +455,34 @@ class NvmeParamStore:
                 read = _Staged(read, self.stage_to, lambda data: self._pieces(stage, data))
             self._reads[stage] = read
 
+    def ready(self, stage: str) -> bool:
+        """Whether ``get(stage)`` would not wait for a read: in RAM, or read ahead and
+        landed."""
+        if stage in self._kept or stage in self._landing:
+            return True
+        read = self._reads.get(stage)
+        return read is not None and read.done()
+
     def get(self, stage: str, keep: bool = False) -> list | LeafBuffers:
         """A stage's params as the device takes them. ``keep``: hold them for the
         stage's next get too (a block's backward after its forward), which then reads
         nothing; that get hands them over and lets them go."""
         if stage in self._kept:
             return self._kept.pop(stage)
-        if stage in self._landing:  # written last step, maybe still in flight: in RAM
+        landing = self._landing.get(stage)  # (one look: a lock-free loop commits)
+        if landing is not None:  # written last step, maybe still in flight: in RAM
             self._reads.pop(stage, None)  # one issued before the commit: stale
-            data = self._pieces(stage, self._landing[stage][1])
+            data = self._pieces(stage, landing[1])
+            if stage in self.keep_published:  # handed over: later gets read the disk
+                self._landing.pop(stage, None)
+                self._handed[stage] = landing[0]
         else:
             self.prefetch(stage)
             data = self._reads.pop(stage).result()
             if self.pages.cached(stage) is None:
                 _, n = self.stage_pages[stage]
                 self.read_bytes += n * self.page_elems * self.dtype.itemsize
+                self.stage_reads[stage] += 1
             data = data if self.stage_to else self._pieces(stage, data)
         if keep:
             self._kept[stage] = data
@@ -450,7 +494,7 @@ class NvmeParamStore:
         stages are served from the written data until the next commit."""
         self._kept.clear()  # the step's; a failed one may leave some
         self._land()  # the previous step's: long done
-        self._landing = {s: w for s, w in self._published.items() if not w[0].done()}
+        self._landing = {s: w for s, w in self._published.items() if self._holds(s, w)}
         self._published = {}
         forget_done(self._writes)  # a write done by now is not landing: had it failed?
         self.pages.commit()
@@ -484,7 +528,9 @@ class NvmeParamStore:
     def _land(self) -> None:
         for future, _ in self._landing.values():
             future.result()
-        self._landing = {}
+        for future in self._handed.values():
+            future.result()
+        self._landing, self._handed = {}, {}
 
     def host_bytes(self) -> int:
         pooled = self.slabs.holds if self.slabs is not None else lambda a: False
