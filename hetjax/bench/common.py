@@ -61,3 +61,34 @@ def run_peak_rss(cmd: list[str], env: dict | None = None) -> tuple[int, str, int
     output, _, line = done.stdout.rstrip().rpartition("\nhetjax-peak-rss ")
     rss, code = line.split()
     return int(rss), output, int(code)  # the child's own status (-N: killed by signal N)
+
+
+def settle_disk(path: Path, quiet_s: float = 2.0, limit_s: float = 120.0) -> float:
+    """Flushes dirty pages and waits until the block device under ``path`` has done no
+    I/O (reads, writes, discards) for ``quiet_s`` seconds, at most ``limit_s``: the
+    seconds waited. Removing a run's gigabytes of state on a filesystem mounted with
+    ``discard`` (this machine's) trims them on the device for seconds after; a run
+    started then measured 6.98-7.70 s/step at 310.8M params against 6.28-6.70 on a
+    quiet disk (docs/results/2026-11-26.md). Where the device's counters cannot be read
+    (no /sys), only flushes."""
+    import os
+    import time
+
+    os.sync()
+    dev = os.stat(path).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    if not stat.exists():
+        return 0.0
+    # completed reads, writes, discards (fields 1, 5, 12 of the block layer's stat) and
+    # those in flight (field 9)
+    counters = lambda: tuple(stat.read_text().split()[i] for i in (0, 4, 8, 11))
+    start = quiet_since = time.monotonic()
+    last = counters()
+    while time.monotonic() - start < limit_s:
+        time.sleep(0.25)
+        now = counters()
+        if now != last or now[2] != "0":
+            last, quiet_since = now, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            break
+    return time.monotonic() - start

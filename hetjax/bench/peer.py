@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetjax.bench.common import PEER_SHAPE, _scratch_dir, run_peak_rss
+from hetjax.bench.common import PEER_SHAPE, _scratch_dir, run_peak_rss, settle_disk
 from hetjax.bench.io import _raw_disk_bandwidth
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt310m_peer.py"
@@ -73,13 +73,17 @@ def _row(name: str, quick: bool, tmp: Path, steps: int, skip: int) -> dict:
 
 
 def run_rows(names, quick: bool, row) -> tuple[dict, float, float]:
-    """``row(name, directory)`` for each name, each in a scratch directory of its own,
-    and the raw disk's write and read bandwidth (GB/s) measured there first."""
+    """``row(name, directory)`` for each name, each in a scratch directory of its own
+    and, unless ``quick``, on a quiet disk (the last row's files removed and trimmed:
+    ``settle_disk``), and the raw disk's write and read bandwidth (GB/s) measured there
+    first."""
     rows = {}
     with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
         tmp = Path(tmp)
         disk_write, disk_read = _raw_disk_bandwidth(tmp, (64 if quick else 1024) << 20)
         for name in names:
+            if not quick:  # (the quick shape's files are small)
+                settle_disk(tmp)
             with tempfile.TemporaryDirectory(dir=tmp) as row_dir:
                 rows[name] = row(name, Path(row_dir))
     return rows, disk_write, disk_read
