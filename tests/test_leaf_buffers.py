@@ -97,7 +97,9 @@ def test_block_forward_copies_no_weight_out_of_pages(tiny):
 def test_every_store_hands_one_device_leaf_buffers(tiny, offload, emulate, monkeypatch):
     """Whatever tier the params live in, a stage reaches the device as its leaves, each
     in the memory the tier says (host stores: pinned_host; the device cache: device),
-    and after a step they are the updated params (the stores cut the new pages)."""
+    and after a step they are the updated params (the stores cut the new pages). On the
+    CPU backend a host store's leaves reach the device without a copy
+    (``SingleDevice.to_device``)."""
     if emulate:
         monkeypatch.setenv(HOST_CLIENT_ENV, "separate")
     config = tiny(offload=offload, memory=PAGES)
@@ -123,6 +125,12 @@ def test_every_store_hands_one_device_leaf_buffers(tiny, offload, emulate, monke
                 assert all(a.sharding.memory_kind == kind for a in got), stage
             on_device = runtime.placement.to_device(got, layout)
             assert all(a.sharding.memory_kind == "device" for a in on_device)
+            if kind != "device":  # the CPU's device memory is the host's: no copy
+                shared = [
+                    np.shares_memory(np.asarray(d), np.asarray(g))
+                    for d, g in zip(on_device, got, strict=True)
+                ]
+                assert all(shared), (stage, shared)
             # the leaves are the params the optimizer published after the step
             published = layout.unflatten_pages(LeafBuffers(np.asarray(a) for a in got))
             assert_trees_close(published, of(stage), 0)
