@@ -54,6 +54,29 @@ def test_host_plan_keeps_blocks_for_backward_within_its_budget():
     assert plan.cache == 48_000 and plan.kept_param_blocks == 1  # head's state (2 x 24 kB)
 
 
+def test_host_plan_keeps_published_params_where_the_budget_has_room():
+    """Params on NVMe: embed, head and the first 1 + prefetch depth blocks keep their
+    published params to their next read, counted in the plan, first of what the
+    budget's room holds; none below that room (the minimum does not need them), none
+    with params in RAM."""
+    s, on_nvme = _sizes(), Offload(params="nvme", optimizer="nvme", prefetch_depth=1)
+    stages = ("embed", "head", "block0", "block1")
+    assert memory_host.kept_published(s, on_nvme) == stages
+    published = 2 * (4_000 + 2_000 + 2 * BLOCK)
+    unlimited = plan_host(s, on_nvme, 0)
+    assert unlimited.published_stages == stages and unlimited.published == published
+    # the working set besides them, the state cache and the kept forward reads
+    roomy = plan_host(s, on_nvme, 10**9)
+    base = roomy.required - roomy.published - roomy.cache - roomy.kept_params
+    assert plan_host(s, on_nvme, base).published == 0  # it still fits, without them
+    assert memory_host.host_minimum(s, on_nvme).published == 0
+    just = plan_host(s, on_nvme, base + published)
+    assert just.published == published and just.cache == just.kept_params == 0
+    assert just.required == base + published and just.pinned >= published
+    assert just.parts["params kept to their next read"] == published
+    assert plan_host(s, Offload(params="host", optimizer="nvme"), 0).published == 0
+
+
 @pytest.mark.parametrize("budget", ["256MiB"])
 def test_blocks_read_once_when_the_budget_has_room(tiny, budget):
     """Uses b0 b1 b2 b3 | b3 b2 b1 b0 with prefetch depth 1: b3's backward finds its

@@ -161,7 +161,7 @@ def make_stores(
             slabs=slabs,
             master_of=states if master else None,
             hold_reads=memory_host.master_reads_kept(offload, dtype.itemsize),
-            keep_published=memory_host.kept_published(pages, offload),
+            keep_published=host.published_stages,
         )
     else:
         params = HostParamStore(shardings.host, views)
@@ -311,7 +311,7 @@ def build_stores(
     pages = stage_pages(sizes, offload, page_elems)
     # the placement's layouts say how the device takes a stage: leaf by leaf, or pages
     views = LeafViews(layouts) if layouts["embed"].leaf_buffers else None
-    slabs = SlabPool(host.param_slabs + host.kept_params)  # what the host plan counts
+    slabs = SlabPool(host.param_slabs + host.kept_params + host.published)  # as planned
     states, params = make_stores(
         config, nvme_dir, pages, page_elems, kinds, host, placement.shardings, device_stages,
         views, slabs,
