@@ -68,7 +68,7 @@ def settle_disk(path: Path, quiet_s: float = 2.0, limit_s: float = 120.0) -> flo
     I/O (reads, writes, discards) for ``quiet_s`` seconds, at most ``limit_s``: the
     seconds waited. Removing a run's gigabytes of state on a filesystem mounted with
     ``discard`` (this machine's) trims them on the device for seconds after; a run
-    started then measured 6.98-7.70 s/step at 310.8M params against 6.28-6.70 on a
+    started then measured 6.65-7.70 s/step at 310.8M params against 6.28-6.70 on a
     quiet disk (docs/results/2026-11-26.md). Where the device's counters cannot be read
     (no /sys), only flushes."""
     import os
