@@ -24,7 +24,7 @@ from hetjax.allocator import tune_host_allocator
 from hetjax.checkpoint import Checkpointer, check_compatible, checkpoint_dir
 from hetjax.config import Config, format_bytes
 from hetjax.data import decoder_length, make_datasets
-from hetjax.distributed import any_process
+from hetjax.distributed import any_process, is_main_process
 from hetjax.faults import Faults
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, plot_losses, step_record
 from hetjax.planning.auto import resolve_auto
@@ -113,7 +113,7 @@ def _train(
 ) -> TrainResult:
     t, ck = config.train, config.checkpoint
     faults = Faults.from_env()
-    main = jax.process_index() == 0  # metrics, logs and summaries from process 0 only
+    main = is_main_process()
     out = MetricsWriter(workdir, t.steps, t.log_every, enabled=verbose and main)
     ckpt = (
         _open_checkpoints(config, workdir, out)
@@ -152,7 +152,7 @@ def _train(
             f"batch {t.batch_size} x seq {t.seq_len} = {tokens_per_step:,} tokens/step, "
             f"grad_accum {t.grad_accum}, {t.steps} steps -> {workdir}"
         )
-        for line in getattr(runtime, "plan_lines", list)():
+        for line in runtime.plan_lines():
             out.log(line)
         peak = peak_flops(config.model.compute_dtype)
         out.log(

@@ -183,14 +183,6 @@ class RuntimeState:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in jax.tree.leaves((self.stages, self.scalars)))
 
-    def check_finite(self) -> None:
-        for path, a in jax.tree_util.tree_leaves_with_path(self.stages):
-            if not np.all(np.isfinite(a)):
-                raise CheckpointError(
-                    f"refusing to save non-finite state ({jax.tree_util.keystr(path)}); "
-                    "the last complete checkpoint is kept"
-                )
-
 
 # -- protocols ---------------------------------------------------------------------------
 
@@ -214,6 +206,9 @@ class Runtime(Protocol):
 
     def close(self) -> None:
         """Stops background threads; ``params`` still works afterwards."""
+
+    def plan_lines(self) -> list[str]:
+        """The start-up plans (placements, budgets), one log line each."""
 
     def save_state(self) -> Any:
         """The complete state for a checkpoint: a :class:`RuntimeState` (host copies

@@ -79,6 +79,9 @@ class InMemoryRuntime:
     def close(self) -> None:
         pass
 
+    def plan_lines(self) -> list[str]:
+        return []  # one jitted step on the device: nothing was planned
+
     # -- checkpoints --------------------------------------------------------------------
 
     def _opt_slots(self) -> list[str | None]:
