@@ -151,15 +151,15 @@ class OptimizerConfig:
     schedule: str = "cosine"
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     # stream mode: ``sync`` updates equal ordinary training; ``lockfree`` lets forward and
-    # backward run on params up to ``max_staleness`` steps old (hetjax/update_loop.py)
+    # backward run on params up to ``max_staleness`` steps old (hetjax/optimizer/update_loop.py)
     mode: str = "sync"
     max_staleness: int = 1
     # sync mode with clipping: ``adaptive`` updates during backward as if clipping did not
     # bind unless it bound in the step before (then after backward, once); ``always``
-    # every step (hetjax/update_loop.py)
+    # every step (hetjax/optimizer/update_loop.py)
     speculation: str = "adaptive"
     # the host optimizer's kernel for adam/adamw: ``auto`` native when it builds, else
-    # optax; ``native`` (required) or ``optax`` (hetjax/native.py)
+    # optax; ``native`` (required) or ``optax`` (hetjax/optimizer/native.py)
     host_kernel: str = "auto"
 
     def __post_init__(self):
@@ -490,8 +490,8 @@ class Config:
             )
         if dist.sharded and self.offload.activations == "nvme":
             raise ConfigError(
-                "config key 'offload.activations': nvme checkpoints are not supported with "
-                f"{parallel}; use device or host"
+                "config key 'offload.activations': boundary activations on nvme are not supported "
+                f"with {parallel}; use device or host"
             )
         if dist.sharded and self.optimizer.mode == "lockfree":
             raise ConfigError(

@@ -159,7 +159,7 @@ HELP: dict[str, str] = {
     # -- memory -----------------------------------------------------------------------
     "memory.page_size": "largest page of state slabs (sized in fp32 master elements); "
     "pages shrink to fit a block in whole pages (less padding to move every step)",
-    "memory.device_budget": "`stream`: device bytes the executor may hold, e.g. `512MiB`; "
+    "memory.device_budget": "`stream`: device bytes the runtime may hold, e.g. `512MiB`; "
     "0 = no limit",
     "memory.host_budget": "`stream`: host RAM the runtime's process may hold (param slabs, "
     "gradient buffers, optimizer state or its cache, boundary activations or their NVMe "

@@ -10,7 +10,7 @@ from hetjax.config_values import ConfigError, _check, _choice, parse_bytes
 
 OFFLOAD_MODES = ("auto", "none", "stream")
 # offload.keep_level, highest swap benefit factor first (each keeps what the one before
-# it keeps, and more): see hetjax/remat.py.
+# it keeps, and more): see hetjax/runtime/remat.py.
 KEEP_LEVELS = ("matmuls", "probs", "all")
 # offload.swap_level: the levels that leave the params out of what moves (``all`` holds
 # weight copies made in forward, which a swap would move for nothing)
@@ -25,19 +25,19 @@ class OffloadConfig:
     reference every other mode is tested against); ``stream`` keeps params in host memory
     and streams one stage at a time through a device window (hetjax/runtime/streaming.py);
     ``auto`` (the default) picks ``none`` when the state fits the device, else measures
-    the machine and trains with the planner's placement (hetjax/planner.py).
+    the machine and trains with the planner's placement (hetjax/planning/).
 
     In stream mode ``optimizer`` places the fp32 master params and optimizer state:
     ``host`` (RAM), ``nvme`` (TensorStore arrays under ``memory.nvme_path``, cached in
     RAM up to ``memory.host_budget``) or ``device``; ``params`` places the compute-dtype
     params the forward reads: ``host`` or ``nvme`` (for when RAM cannot hold them);
-    ``activations`` places the block-boundary checkpoints: ``device``, ``host``, or
+    ``activations`` places the boundary activations: ``device``, ``host``, or
     ``nvme`` (written to a TensorStore array under ``memory.nvme_path`` and read back
-    ahead of backward, with a few in RAM; hetjax/activations.py).
+    ahead of backward, with a few in RAM; hetjax/storage/swap.py).
 
     ``keep_blocks``: the last N blocks keep in-block activations on the device from
-    forward to backward instead of recomputing them from their input checkpoint;
-    ``keep_level`` says which (hetjax/remat.py): ``all`` of them, or only those with the
+    forward to backward instead of recomputing them from their boundary activation;
+    ``keep_level`` says which (hetjax/runtime/remat.py): ``all`` of them, or only those with the
     best recompute time saved per byte: ``matmuls`` (the matmul outputs; backward
     recomputes the elementwise ops, and the attention forward where it is not the
     blockwise one) or ``probs`` (those and the attention probabilities; backward
@@ -90,7 +90,7 @@ class OffloadConfig:
     mode: str = "auto"
     params: str = "host"  # stream: where the compute-dtype param slabs live
     optimizer: str = "host"  # stream: where fp32 master params and optimizer state live
-    activations: str = "device"  # stream: where block-boundary checkpoints live
+    activations: str = "device"  # stream: where boundary activations live
     prefetch_depth: int = 2  # stream: stages copied ahead of the one computing
     # stream: the last N blocks keep their in-block activations on the device from
     # forward to backward instead of recomputing them (more memory, less compute)
@@ -120,7 +120,7 @@ class OffloadConfig:
         if self.activations == "nvme" and self.mode != "stream":
             raise ConfigError(
                 "config key 'offload.activations' is 'nvme', which only the streaming "
-                f"executor writes, but offload.mode is {self.mode!r}; set offload.mode=stream"
+                f"runtime writes, but offload.mode is {self.mode!r}; set offload.mode=stream"
                 + (
                     " (with offload.mode=auto the planner chooses it)"
                     if self.mode == "auto"
@@ -150,7 +150,7 @@ class OffloadConfig:
         if self.batch_chunks > 1 and self.mode != "stream":
             raise ConfigError(
                 f"config key 'offload.batch_chunks' ({self.batch_chunks}) splits the "
-                f"streaming executor's stages, but offload.mode is {self.mode!r}: "
+                f"streaming runtime's stages, but offload.mode is {self.mode!r}: "
                 + (
                     "with offload.mode=auto the planner chooses it; leave it 1, or set "
                     "offload.mode=stream to choose it yourself"
@@ -175,7 +175,7 @@ class OffloadConfig:
             raise ConfigError(
                 f"config key 'offload.optimizer_device_stages' "
                 f"({self.optimizer_device_stages}) caches optimizer state of the streaming "
-                f"executor on the device, but offload.mode is {self.mode!r}: "
+                f"runtime on the device, but offload.mode is {self.mode!r}: "
                 + (
                     "offload.mode=none keeps all optimizer state on the device already; leave it 0"
                     if self.mode == "none"

@@ -46,7 +46,7 @@ PUBLISH_SLABS = 2
 # The host's gradient buffers: how many stages' gradients RAM holds, and where the
 # gradients kept for a clipping redo wait (RAM or NVMe).
 #
-# In sync mode the executor hands each stage's final gradient slab to the optimizer loop
+# In sync mode the runtime hands each stage's final gradient slab to the optimizer loop
 # (``update_loop.py``) the moment it reaches the host, in backward order. What happens to
 # it after its speculative update depends on whether the step can still be *redone*
 # (``optimizer.grad_clip > 0``: when the global norm turns out above the threshold every
@@ -54,7 +54,7 @@ PUBLISH_SLABS = 2
 #
 # * ``release`` (no clipping): nothing can redo the update, so the slab is dropped as
 #   soon as the update consumed it. When not all of them fit ``memory.host_budget``, the
-#   executor waits while the loop has :data:`GRAD_QUEUE` stages not yet updated
+#   runtime waits while the loop has :data:`GRAD_QUEUE` stages not yet updated
 #   (backpressure), so RAM holds only the stages in flight (:func:`in_flight_slabs`), not
 #   all of them; with room (or no budget) backward never waits for the loop.
 # * ``keep`` (clipping): every stage's gradient is kept until the step commits. They stay

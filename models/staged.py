@@ -1,6 +1,6 @@
 """The staged-model interface every runtime trains, and a base to plug in any Flax blocks.
 
-A model is *stages* the streaming executor can run one at a time: ``embed``, one or more
+A model is *stages* the streaming runtime can run one at a time: ``embed``, one or more
 *stage groups*, each a stack of identical blocks, and ``head``:
 
   ``embed``   params shared by the groups: the token embedding (and whatever else every
@@ -46,10 +46,10 @@ load balancing, models/llama.py) returns ``(x, stats)``, fp32 statistics of fixe
 stats)`` is added to the loss, by every runtime, gradients included. Blocks must not
 depend on the layer index (every layer of a group has the same params structure and the
 same function). Parameter leaves named ``bias`` or ``scale`` are not weight-decayed
-(``hetjax/optim.py``); everything else is.
+(``hetjax/storage/pages.py``); everything else is.
 
-Blocks the streaming executor keeps (``offload.keep_blocks``) may keep only some
-in-block activations (``offload.keep_level``, ``hetjax/remat.py``): ``matmuls`` works
+Blocks the streaming runtime keeps (``offload.keep_blocks``) may keep only some
+in-block activations (``offload.keep_level``, ``hetjax/runtime/remat.py``): ``matmuls`` works
 for any block (it keeps the outputs of its dots without batch dimensions); a block that
 tags its attention output ``jax.ad_checkpoint.checkpoint_name(attn, "attn_out")`` has it
 kept too (calling ``models.attention.attention`` does that), and ``probs`` needs the
@@ -247,7 +247,7 @@ class Stages:
         statistics). The context is a constant of the loop: its gradient is the sum of
         the blocks'."""
         # remat: keep only block-boundary activations and recompute each block's inside
-        # in backward, as the streaming executor does.
+        # in backward, as the streaming runtime does.
         block = lambda p, h: self.group_block(g, p, h, context)
         block = jax.checkpoint(block) if self.config.remat else block
 

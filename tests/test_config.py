@@ -90,7 +90,7 @@ def test_cross_field_validation():
         Config().override({"train.seq_len": "1024"})
 
 
-def test_nvme_checkpoints_need_the_streaming_executor():
+def test_nvme_boundaries_need_the_streaming_runtime():
     nvme = {"offload.activations": "nvme"}
     assert Config().override({**nvme, "offload.mode": "stream"}).offload.activations == "nvme"
     for mode in ("none", "auto"):

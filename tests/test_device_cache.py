@@ -273,7 +273,7 @@ def _fits(plan):
 @pytest.mark.slow  # 15 s: the default run stayed over 10 minutes from a cold cache
 def test_planner_caches_what_fits_and_more_with_more_budget():
     """While the plan streams with the optimizer on the host: every plan fits every
-    budget, the cache counted on the device as the executor holds it; more device budget
+    budget, the cache counted on the device as the runtime holds it; more device budget
     never caches fewer stages; a chosen cache is predicted faster than the same
     placement without it (device-speed updates, no gradient copies); the table and the
     config say how many stages."""

@@ -378,7 +378,7 @@ def _compiled_sizes(family, d_model, seq_len, batch, dtype, overrides):
 def test_untraced_sizes_match_the_compiled_ones(family, attention, dtype):
     """The planner's estimate from shapes alone (``--plan``, and ``auto`` deciding whether
     everything fits) against XLA's memory analysis of the compiled stage functions (what
-    the tracer and the executor use), at two small shapes (blockwise attention in tiles
+    the tracer and the runtime use), at two small shapes (blockwise attention in tiles
     of 64): the working set within WORKING_SET_TOLERANCE, the checkpoint exact, the kept
     residuals (page padding included) within 0.1%."""
     for d_model, seq_len, batch in ((64, 128, 2), (96, 256, 1)):
@@ -471,7 +471,7 @@ def test_auto_trains_like_none(reference, tiny, tmp_path, memory, expect):
         assert planned.offload.optimizer == expect[1]
     result = train(config, tmp_path, verbose=False)
     assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
-    if expect[0] == "stream":  # the executor's own plan agrees the placement fits
+    if expect[0] == "stream":  # the runtime's own plan agrees the placement fits
         rt = StreamingRuntime(planned)
         try:
             assert rt.plan.required <= planned.memory.device_budget

@@ -26,7 +26,7 @@ Where: streamed stages of a routed block with their state on NVMe (not cached in
 the native Adam/AdamW kernel, ``optimizer.mode=sync`` and one device. Elsewhere every
 page is updated every step, as before.
 
-This object is the bookkeeping, kept by the optimizer loop's thread (the executor's
+This object is the bookkeeping, kept by the optimizer loop's thread (the runtime's
 thread only calls :meth:`defer`): how many updates each stage has committed, how many of
 them each deferred page has had, and the scalars (step counts) each committed update
 started from, as far back as a deferred page needs.
@@ -72,12 +72,12 @@ class Deferred:
         self.behind: dict[str, dict[int, int]] = defaultdict(dict)
         # stage -> {update index: the scalars that update started from}
         self.inputs: dict[str, dict[int, list]] = defaultdict(dict)
-        self._skip: dict[str, frozenset[int]] = {}  # this step's, from the executor
+        self._skip: dict[str, frozenset[int]] = {}  # this step's, from the runtime
         self._updated: dict[str, tuple[frozenset[int], list]] = {}  # the step's updates
         # pages the updates left alone, and pages caught up, since the last take
         self.deferred_pages = self.caught_up_pages = 0
 
-    # -- the executor's ---------------------------------------------------------------
+    # -- the runtime's ----------------------------------------------------------------
 
     def defer(self, stage: str, pages: frozenset[int]) -> None:
         """This step leaves ``pages`` of ``stage`` (indices within it) alone: their
@@ -107,7 +107,7 @@ class Deferred:
 
     def behind_among(self, stage: str, pages=None, keep=frozenset()) -> list[int]:
         """The pages of ``stage`` behind, of ``pages`` (None: all) but those in ``keep``
-        (read by the executor while the loop is idle: between steps, or in a forward)."""
+        (read by the runtime while the loop is idle: between steps, or in a forward)."""
         behind = self.behind.get(stage)
         if not behind:
             return []

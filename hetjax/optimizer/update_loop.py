@@ -12,7 +12,7 @@ params. So the optimizer and its I/O run while backward is still computing.
 
 Global-norm clipping needs every gradient first. The loop therefore updates
 *speculatively*, as if clipping did not bind, into state the store keeps apart from the
-committed state (``storage/states.py``). When backward ends the executor calls
+committed state (``storage/states.py``). When backward ends the runtime calls
 :meth:`UpdateLoop.finish` with the global norm: if ``norm < max_norm`` (or clipping is
 off) the speculative updates are exactly optax's and are committed; if clipping binds,
 they are dropped and every stage is updated again with the clip factor (counted in
@@ -39,19 +39,19 @@ read and reset across threads.
 **Device-cached stages** (``offload.optimizer_device_stages``, Angel-PTM's GPU cache
 of optimizer state): their state lives on the device and their gradient never leaves
 it. :meth:`UpdateLoop.submit_device` dispatches a stage's speculative update from the
-executor's thread the moment its final gradient exists, so it runs on the device right
+runtime's thread the moment its final gradient exists, so it runs on the device right
 after the backward that produced it instead of queueing behind the host stages; the
 gradient stays on the device (with clipping) for a redo. Commit, redo and abort treat
 those stages like every other (the redo runs them from this thread, in the same
 order). In lock-free mode their gradients reach the host like the others' and only
 the update runs on the device.
 
-**Lock-free mode** (``optimizer.mode=lockfree``, Angel-PTM's Algorithm 2). The executor
+**Lock-free mode** (``optimizer.mode=lockfree``, Angel-PTM's Algorithm 2). The runtime
 never waits for the optimizer: :meth:`UpdateLoop.submit_step` adds the step's averaged
 gradient into an accumulation buffer and returns. The thread takes whatever has
 accumulated, averages it (one optimizer update for the ``n`` steps it covers: the
 optax count advances once), clips it by its own norm, updates every stage and publishes
-the params stage by stage, while the executor keeps training on the buffered params.
+the params stage by stage, while the runtime keeps training on the buffered params.
 Staleness is bounded: ``submit_step`` blocks while more than ``optimizer.max_staleness``
 steps' gradients are not yet applied. The trade: forward and backward run on params up
 to ``max_staleness`` steps old and fewer optimizer updates happen, so loss per step is
@@ -162,11 +162,11 @@ class UpdateLoop:
             self._device_grads[stage] = grad
 
     def device_grads(self) -> list:
-        """The device gradients kept for a redo (the executor's ledger counts them)."""
+        """The device gradients kept for a redo (the runtime's ledger counts them)."""
         return list(self._device_grads.values())
 
     def use_deferred(self, deferred: Deferred) -> None:
-        """Defers the updates of zero-gradient pages the executor names (sync mode,
+        """Defers the updates of zero-gradient pages the runtime names (sync mode,
         state on NVMe: ``deferred.py``)."""
         assert self.mode == "sync"
         self.deferral = deferred
@@ -413,7 +413,7 @@ class UpdateLoop:
 
     def _update_device(self, stage: str, grad, clip) -> None:
         """A device-cached stage's update: dispatched, not waited for. Touches only the
-        device stores and no read-ahead, so the executor's thread may run it while this
+        device stores and no read-ahead, so the runtime's thread may run it while this
         loop's thread updates host stages."""
         slabs, scalars = self.states.get(stage)
         spare, in_place = self.states.recycle(stage)
@@ -436,7 +436,7 @@ class UpdateLoop:
     # -- deferred updates (deferred.py) -------------------------------------------------
 
     def _skip_of(self, stage: str) -> frozenset[int]:
-        """The pages of ``stage`` this step leaves behind: those the executor deferred,
+        """The pages of ``stage`` this step leaves behind: those the runtime deferred,
         where the stage's state streams from NVMe through the native kernel."""
         if not self._defers(stage):
             return frozenset()

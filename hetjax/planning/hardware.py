@@ -1,4 +1,4 @@
-"""Hardware profiles the planner (``hetjax/planner.py``) plans against.
+"""Hardware profiles the planner (``hetjax/planning/search.py``) plans against.
 
 A profile is what the planner needs to know about a machine: per accelerator its memory,
 the FLOP/s a transformer block achieves in the compute dtype and the host<->device
@@ -163,7 +163,7 @@ PROFILES: dict[str, Hardware] = {
         name="h100",
         description="one H100-80GB, 128 GB RAM, 64 GB disk",
         source="the device tool's machine (/work/.library/device/README.md); assumptions "
-        "in hetjax/hardware.py",
+        "in hetjax/planning/hardware.py",
         num_devices=1,
         device_memory=81_559 << 20,
         device_flops=0.6 * 989e12,

@@ -1,5 +1,5 @@
 """The planner: decides where every kind of training state lives, from the model's shapes,
-the machine (a profile from ``hetjax/hardware.py``, or measured) and the budgets.
+the machine (a profile from ``hetjax/planning/hardware.py``, or measured) and the budgets.
 
     python -m hetjax.launch --config gpt175b --plan --hardware a100-80g
 
@@ -16,7 +16,7 @@ runtimes implement and returns the fastest :class:`Plan` that fits every tier:
   kept resident on the device (fewer copies) and blocks that keep their in-block
   activations from forward to backward instead of recomputing them
   (``offload.keep_blocks``: Fuyou's swap-instead-of-recompute), all of them or only
-  those of the best swap benefit factor (``offload.keep_level``, hetjax/remat.py),
+  those of the best swap benefit factor (``offload.keep_level``, hetjax/runtime/remat.py),
   and, with the optimizer on the host or NVMe, a device cache of the optimizer state of
   the first stages (``offload.optimizer_device_stages``, Angel-PTM section 4.2): the
   stages the device memory left after everything else holds, updated there at device

@@ -3,8 +3,8 @@
 Each kind of state (``master``, and one per optimizer moment such as ``mu``, ``nu``) is
 one zarr3 array over the ``file`` kvstore with shape ``(num_pages, page_elems)`` and one
 chunk per page, so a stage is a contiguous page range and every read or write moves
-whole chunks. (Activation checkpoints, ``activations.py``, use the same store with one
-row per checkpoint, chunked by page.) Reads and writes return TensorStore futures
+whole chunks. (Boundary activations, ``swap.py``, use the same store with one
+row per boundary, chunked by page.) Reads and writes return TensorStore futures
 (asynchronous; the caller overlaps them with compute). There is no fsync on the hot
 path (``file_io_sync`` off): durability is the checkpoint's job. Nor is there file
 locking (``file_io_locking`` mode ``none``): each store has one writer, its own process,

@@ -125,7 +125,7 @@ class HostParamStore:
 
 class DeviceParamStore(HostParamStore):
     """Compute-dtype param pages of the device-cached stages, in device memory: their
-    update runs there and publishes in place; the executor reads them as resident
+    update runs there and publishes in place; the runtime reads them as resident
     stages without a copy (``views``: cut into leaf buffers on the device, once per
     update)."""
 
@@ -323,7 +323,7 @@ class MasterPages:
 
 class NvmeParamStore:
     """Compute-dtype param pages on disk, read ahead for the forward and backward by the
-    executor's window: two generations of their own (:class:`OwnPages`), or, fp32 with
+    runtime's window: two generations of their own (:class:`OwnPages`), or, fp32 with
     the state on NVMe, the state's master (:class:`MasterPages`)."""
 
     def __init__(

@@ -84,7 +84,7 @@ class MemoryStateStore:
         self._bytes: dict[str, int] = {}  # committed slab bytes by stage
         self._pending_bytes: dict[str, int] = {}
         self._spare_bytes: dict[str, int] = {}
-        self._held = 0  # their sum: one int, read from the executor's thread
+        self._held = 0  # their sum: one int, read from the runtime's thread
         self._frozen = Frozen()
 
     def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:

@@ -9,7 +9,7 @@
 // float32 bit for bit. Against optax's jitted update they differ by one rounding a step:
 // XLA's CPU backend fuses one of the two products of ``(1 - b) * g + b * m`` into an
 // FMA, and which one varies between fusions of the same update. The params agree to
-// within a few ulps (tests/test_native.py). Built on first use by hetjax/native.py.
+// within a few ulps (tests/test_native.py). Built on first use by hetjax/optimizer/native.py.
 //
 // Two entry points: ``HetjaxAdam`` (an XLA FFI handler) and ``HetjaxAdamHost`` (plain
 // C, for buffers outside XLA: see the end of this file).
