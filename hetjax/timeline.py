@@ -4,7 +4,7 @@ With ``train.trace_every=N`` every N-th step is recorded as spans on fixed lanes
 
     compute          device compute, one span per stage function (embed, block i fwd/bwd, head)
     host_to_device   param slabs and boundary activations copied to the device
-    device_to_host   gradient slabs (and host checkpoints) copied to the host
+    device_to_host   gradient slabs (and boundary activations) copied to the host
     nvme_read        TensorStore page reads (optimizer state, params, boundary activations)
     nvme_write       TensorStore page writes (the same)
     optimizer        the host optimizer's update of a stage (update-loop thread)

@@ -124,7 +124,7 @@ def test_blockwise_attention_cannot_keep_probs(tiny, tmp_path):
 
 
 # Default-run tier representative (keep out of -m slow): activations on NVMe.
-def test_nvme_checkpoints_equal_none(reference, tiny, tmp_path, monkeypatch):
+def test_nvme_boundaries_equal_none(reference, tiny, tmp_path, monkeypatch):
     """offload.activations=nvme, read ahead one block: block 1's checkpoint is held in
     RAM for backward (never written), block 0's comes back from the TensorStore file."""
     monkeypatch.setattr(memory, "IO_READAHEAD", 1)
@@ -327,9 +327,9 @@ def test_blockwise_fp16_stream_equals_none(tmp_path):
     assert_gpt_training_equal(stream, none, model, check_tokens())
 
 
-@pytest.mark.slow  # activations on NVMe: test_nvme_checkpoints_equal_none in the default run
-def test_nvme_checkpoints_are_files_and_change_nothing(tiny, tmp_path):
-    """Each micro-batch's block-boundary checkpoints are written to a real TensorStore
+@pytest.mark.slow  # activations on NVMe: test_nvme_boundaries_equal_none in the default run
+def test_nvme_boundaries_are_files_and_change_nothing(tiny, tmp_path):
+    """Each micro-batch's boundary activations are written to a real TensorStore
     array (reopened here without hetjax's objects) and read back for backward: training
     is bitwise the same as with them on the device (keep_blocks and grad_accum too).
     Host staging stays within the host plan; the traffic is in the step's NVMe metrics
@@ -381,7 +381,7 @@ def test_nvme_checkpoints_are_files_and_change_nothing(tiny, tmp_path):
     device.close()
 
 
-def test_nvme_checkpoints_without_disk_space_fail_at_start_up(tiny, tmp_path):
+def test_nvme_boundaries_without_disk_space_fail_at_start_up(tiny, tmp_path):
     config = tiny(
         model=dict(max_seq_len=2**20),
         train=dict(batch_size=2**14, seq_len=2**20),  # (B, T, D) fp32: 2 PiB a checkpoint
