@@ -6,9 +6,8 @@ A host budget used to switch to the second: the runtime's own buffers were alloc
 afresh every step (NVMe reads, refreshed params) and a dispatching thread running ahead
 held every block's, so kept freed blocks left the process 1.2x over its bound. With
 those pooled at their source (``storage/iopool.py``) and the device at most one use
-behind (``runtime/window.py``), the fast settings hold the bound: at 310.8M params with
-a 3 GiB budget 3.90 GiB peak RSS (bound 4.4) at 8.29 s/step, where returning freed
-blocks cost 10.19 s/step for 2.66 GiB (docs/results/2026-11-25.md)."""
+behind (``runtime/window.py``), the fast settings hold the bound, and returning freed
+blocks would only cost step time (docs/results/2026-11-25.md)."""
 
 from __future__ import annotations
 

@@ -79,10 +79,9 @@ def kept_published(s: Sizes, o: Offload) -> tuple[str, ...]:
     always-resident embed and head (read right after the commit) and the blocks the next
     forward's window takes first (the first ``1 + prefetch_depth`` off the device). The
     head is updated first in backward, its write lands long before the commit, and its
-    read at the commit queued behind the last stages' write-back (103 ms of a 6.8 s step
-    at 310.8M params); the first blocks' reads, queued behind the same writes and the
-    optimizer's reads for the next step, left the device idle for 130-200 ms at the next
-    step's start (docs/results/2026-11-26.md)."""
+    read at the commit queued behind the last stages' write-back; the first blocks'
+    reads, queued behind the same writes and the optimizer's reads for the next step,
+    left the device idle at the next step's start (docs/results/2026-11-26.md)."""
     if o.params != "nvme":
         return ()
     stages = DeviceCache.of(s, o).host  # off the device, in forward order
@@ -102,10 +101,8 @@ def master_reads_kept(o: Offload, compute_bytes: int) -> int:
     param reads kept for the host optimizer's read of the same stage's state, which copies the
     master from them instead of reading it (``storage/params.py``'s ``MasterPages``).
     The loop reads a block's state a few blocks after backward read its params, and
-    further behind while the disk is slow: at 310.8M params, keeping the reads ahead
-    (4) caught 8 of 24 blocks a step, twice that all but one (python -m hetjax.launch
-    --config configs/gpt310m_peer.py, params and optimizer on NVMe: 5.72-5.90 against
-    4.95-5.06 GB read a step; docs/results/2026-11-25.md)."""
+    further behind while the disk is slow: keeping only the reads ahead catches a third
+    of the blocks, twice that all but one (docs/results/2026-11-25.md)."""
     return 2 * param_reads_ahead(o) if memory.params_are_master(o, compute_bytes) else 0
 
 
@@ -249,10 +246,10 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
             + f"); host is short by {format_bytes(required - budget)}. Raise "
             f"memory.host_budget or {hint}"
         )
-    # the published params kept to their next read: first, where the budget has room (at
-    # 310.8M params, 181 MiB that saved the head's read at the commit, 103 ms, and up to
-    # 195 ms of the device idle at the step's start; a cached stage's state, 300 MiB
-    # there, saves I/O the backward overlaps)
+    # the published params kept to their next read: first, where the budget has room
+    # (they save the head's read at the commit and the device's idle start of the next
+    # step; a cached stage's state in the same RAM saves I/O the backward overlaps;
+    # docs/results/2026-11-26.md)
     published_stages = kept_published(s, o)
     published = s.compute_bytes * sum(s.own(n) for n in published_stages)
     if budget and required + published > budget:
@@ -294,8 +291,7 @@ def kept_param_blocks(s: Sizes, o: Offload, room: int) -> int:
     RAM there is. They come after the state cache: per byte of RAM a cached stage saves
     half a byte of state read and half a byte written (it holds its old and new state),
     a kept block a byte of params read, and writes are a disk's slower direction
-    (measured at 310.8M with a 6 GiB budget, kept blocks first: 0.55 GB/step less read,
-    0.60 GB more written, the same step; docs/results/2026-11-25.md)."""
+    (docs/results/2026-11-25.md)."""
     if o.params != "nvme" or room <= 0:
         return 0
     fetched_again = max(0, s.num_layers - o.keep_blocks - DeviceCache.of(s, o).blocks)

@@ -147,9 +147,8 @@ class SingleDevice:
 
         On the CPU backend the host memory kinds are the device's RAM: an array in one is
         handed over as its numpy view, which the device aliases (as it does the NVMe
-        tier's numpy reads), where a ``device_put`` of the array copies it (26 ms per 50
-        MB here; at 310.8M params with params in RAM the copies kept the host-to-device
-        lane busy 854 ms of a 7.09 s step, docs/results/2026-11-26.md). On a GPU the
+        tier's numpy reads), where a ``device_put`` of the array copies it (with params in
+        RAM the copies kept the host-to-device lane busy, docs/results/2026-11-26.md). On a GPU the
         copy is a DMA and stays."""
         if self._host_is_device:
             pages = jax.tree.map(_numpy_view, pages)

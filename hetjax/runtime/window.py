@@ -27,8 +27,7 @@ class PrefetchWindow:
     device (NVMe reads faster than a block computes) holds every block of the pass at
     once: device memory beyond the plan's ``prefetch_depth + 1`` slabs, and on the CPU
     backend, where the device array is the host slab it was put from, host slabs beyond
-    the host plan (measured at 310.8M params: 164 param slabs allocated in 4 steps
-    against 8 planned)."""
+    the host plan (docs/results/2026-11-26.md#figures-moved-from-docstrings)."""
 
     def __init__(
         self,

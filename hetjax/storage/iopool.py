@@ -3,8 +3,8 @@
 A streamed stage's state goes disk -> buffer -> (updated in place) -> disk. Allocating
 those buffers per stage and step (TensorStore's read results, XLA's copies of them,
 the write's copy of its source) kept the process's RSS at twice its live data and more:
-glibc keeps freed large blocks in per-thread heaps, fragmented (``census``; measured in
-docs/results/2026-11-23.md: 8.45 GiB retained against 0.40 GiB in use at 310M params).
+glibc keeps freed large blocks in per-thread heaps, fragmented (``census``;
+docs/results/2026-11-23.md).
 The pool allocates its slots once; TensorStore reads into them and writes from them
 without a copy, and the host optimizer's native kernel updates them in place.
 

@@ -9,8 +9,7 @@ row per boundary, chunked by page.) Reads and writes return TensorStore futures
 path (``file_io_sync`` off): durability is the checkpoint's job. Nor is there file
 locking (``file_io_locking`` mode ``none``): each store has one writer, its own process,
 and the lock files TensorStore otherwise creates and removes around every chunk write
-cost a third of the write bandwidth here (measured: 0.45-0.73 GB/s with locks,
-0.64-1.01 GB/s without, same disk, 1 GiB in 4 MiB pages). Chunk files are opened with
+cost a third of the write bandwidth here (docs/results/2026-11-22.md). Chunk files are opened with
 O_DIRECT (``file_io_mode`` ``direct``, :data:`IO_MODE`): the state passes each step
 once, so the page cache only copies it again and evicts what else the machine caches.
 
@@ -313,14 +312,14 @@ class DirectIO:
     """Reads and writes page chunk files straight from and into the caller's aligned
     buffers with O_DIRECT (no page cache), on :data:`IO_CONCURRENCY` threads (a disk
     serves many requests in flight faster than one). TensorStore's own read of a chunk
-    allocates a buffer for the file's bytes and copies them into the target (at 310M
-    params 5.6 GB a step, a page fault per 4 KiB under a host budget's allocator), and
-    its write costs 0.7-0.9 CPU seconds per GB where ``pwrite`` costs 0.1
-    (docs/results/2026-11-25.md): CPU the device's dispatch and the host optimizer
-    share. The files stay TensorStore's array's: a chunk file is the page's raw bytes
-    (checked when the array opens), a missing file is a chunk of zeros, and a write goes
-    to a new file renamed over the old one, as TensorStore writes, so a read sees one
-    whole version and a checkpoint's hard link to the old file keeps the old page."""
+    allocates a buffer for the file's bytes and copies them into the target (a page
+    fault per 4 KiB under a host budget's allocator), and its write costs several times
+    the CPU time of a ``pwrite`` (docs/results/2026-11-25.md): CPU the device's dispatch
+    and the host optimizer share. The files stay TensorStore's array's: a chunk file is
+    the page's raw bytes (checked when the array opens), a missing file is a chunk of
+    zeros, and a write goes to a new file renamed over the old one, as TensorStore
+    writes, so a read sees one whole version and a checkpoint's hard link to the old
+    file keeps the old page."""
 
     def __init__(self, threads: int = IO_CONCURRENCY):
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, "hetjax-nvme")

@@ -7,10 +7,10 @@ and the slab is padded with zeros to a whole number of pages (at most
 NVMe, and the optimizer's decay mask is a single split point. Offsets are static: the
 jitted stage functions slice the slab back into the pytree at no runtime cost.
 
-Slabs vs per-leaf transfers, measured with ``python -m hetjax.bench slabs`` (numbers in
-the README): on the CPU backend one ``device_put`` of a whole 48 MiB block slab copies on
-one thread (~2 GB/s), leaf by leaf runs ~4x faster, and the slab moved as its list of
-pages in one ``device_put`` is as fast as per-leaf. Storage keeps the slab layout and its
+Slabs vs per-leaf transfers, measured with ``python -m hetjax.bench slabs``: on the CPU
+backend one ``device_put`` of a whole block slab copies on one thread, leaf by leaf runs
+several times faster, and the slab moved as its list of pages in one ``device_put`` is
+as fast as per-leaf. Storage keeps the slab layout and its
 pages. What one device takes is the stage's leaves (:class:`LeafBuffers`, views of the
 host slab, one ``device_put`` per stage): a stage function taking pages must cut every
 weight that spans pages out of them, a device copy of it at every use (forward and the

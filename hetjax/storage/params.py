@@ -267,7 +267,7 @@ class MasterPages:
     from the state store's committed master pages, or copied from its cached master
     where the host caches the stage's state, and the state store's write of the master
     is the params' write. Saves writing every param twice a step and a second copy of
-    them on NVMe (at 310.8M params, 1.25 GB a step; docs/results/2026-11-25.md)."""
+    them on NVMe (docs/results/2026-11-25.md)."""
 
     kind = "master"
     writes = False  # the state store writes them
