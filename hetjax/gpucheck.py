@@ -361,7 +361,9 @@ def overlap(report: Report, run: Run) -> None:
         return [jax.device_put(host, place.device), jax.device_put(dev, place.host)]
 
     probe = 16 * MiB if cpu else 256 * MiB
-    seconds_per_byte = _best_time(lambda: jax.block_until_ready(copies(*buffers(probe)))) / probe
+    probes = buffers(probe)
+    seconds_per_byte = _best_time(lambda: jax.block_until_ready(copies(*probes))) / probe
+    del probes
     cap = 256 * MiB if cpu else (1 * GiB if run.quick else 4 * GiB)
     nbytes = int(min(cap, max(16 * MiB, alone / seconds_per_byte))) // MiB * MiB
     host, dev = buffers(nbytes)
