@@ -100,9 +100,13 @@ class Section:
     disk: int  # free disk under --out needed to start it
     gpu_only: bool = True
     quick_seconds: int = dataclasses.field(default=0, kw_only=True)  # 0: half of seconds
+    # --emulate, on a CPU (no lent machine's call to fit): 0, the same as on a GPU
+    emulate_seconds: int = dataclasses.field(default=0, kw_only=True)
 
-    def box(self, quick: bool) -> int:
+    def box(self, quick: bool, emulate: bool = False) -> int:
         """The section's time box in seconds."""
+        if emulate and self.emulate_seconds:
+            return self.emulate_seconds
         return (self.quick_seconds or self.seconds // 2) if quick else self.seconds
 
 
@@ -111,21 +115,30 @@ PROBE_SECONDS = 30
 # The boxes add up to what one 10-minute call on a lent H100 leaves after the machine's
 # start and the transfers: 540 s, and 300 s with --quick (tests/test_gpucheck.py).
 SECTIONS = [
-    Section("environment", 30, 1 * GiB, 0, quick_seconds=25),
-    Section("placement", 25, 2 * GiB, 0, quick_seconds=20),
-    Section("bandwidth", 45, 12 * GiB, 0, quick_seconds=25),
-    Section("overlap", 40, 8 * GiB, 0, quick_seconds=25),
-    Section("equivalence", 150, 8 * GiB, 2 * GiB, gpu_only=False, quick_seconds=75),
-    Section("memory", 60, 8 * GiB, 1 * GiB, quick_seconds=35),
-    Section("mfu", 160, 80 * GiB, 2 * GiB, quick_seconds=65),
+    Section("environment", 25, 1 * GiB, 0, quick_seconds=20),
+    Section("placement", 20, 2 * GiB, 0, quick_seconds=15),
+    Section("bandwidth", 40, 12 * GiB, 0, quick_seconds=20),
+    Section("overlap", 30, 8 * GiB, 0, quick_seconds=20),
+    # emulated on 2 CPU cores: every two-client test and the bf16 run, about 4 minutes
+    Section(
+        "equivalence",
+        180,
+        8 * GiB,
+        2 * GiB,
+        gpu_only=False,
+        quick_seconds=100,
+        emulate_seconds=480,
+    ),  # fmt: skip
+    Section("memory", 45, 8 * GiB, 1 * GiB, quick_seconds=30),
+    Section("mfu", 170, 80 * GiB, 2 * GiB, quick_seconds=65),
 ]
 FULL_SECONDS, QUICK_SECONDS = 540, 300
 
 
-def time_boxes(sections: list[Section], quick: bool, probe: bool = True) -> dict[str, int]:
-    """Each step's time box in seconds, the backend probe first where it runs."""
-    boxes = {"probe": PROBE_SECONDS} if probe else {}
-    return boxes | {s.name: s.box(quick) for s in sections}
+def time_boxes(sections: list[Section], quick: bool, emulate: bool = False) -> dict[str, int]:
+    """Each step's time box in seconds, the backend probe first (not under --emulate)."""
+    boxes = {} if emulate else {"probe": PROBE_SECONDS}
+    return boxes | {s.name: s.box(quick, emulate) for s in sections}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +376,6 @@ def overlap(report: Report, run: Run) -> None:
     probe = 16 * MiB if cpu else 256 * MiB
     probes = buffers(probe)
     seconds_per_byte = _best_time(lambda: jax.block_until_ready(copies(*probes))) / probe
-    del probes
     cap = 256 * MiB if cpu else (1 * GiB if run.quick else 4 * GiB)
     nbytes = int(min(cap, max(16 * MiB, alone / seconds_per_byte))) // MiB * MiB
     host, dev = buffers(nbytes)
@@ -398,21 +410,31 @@ def overlap(report: Report, run: Run) -> None:
 # The bf16 fast path's equivalence, streamed vs in memory (marked slow for the CPU's
 # sake): run by node id, beside the selection.
 BF16_EQUIVALENCE = "tests/test_stream.py::test_stream_equals_none_in_compute_dtype[bfloat16-host]"
+PYTEST_WORKERS = 4  # pytest-xdist processes sharing the GPU (16 cores on a lent H100)
 
 
 def equivalence(report: Report, run: Run) -> None:
     """The equivalence tests themselves (their criterion lives in ``tests/``), then a
     bf16 run that must train. The tests run in a pytest child; this process starts no
     JAX until they are done, so the child has the device to itself."""
+    from hetjax import xla_env
+
     if not (ROOT / "tests" / "test_two_client.py").is_file():
         report.check("tests", None, f"no tests/ beside the package ({ROOT}): run from a checkout")
     else:
         env = dict(os.environ)
         if run.emulate:
             env.update(JAX_PLATFORMS="cpu", HETJAX_HOST_CLIENT="separate")
-            files, select = ["tests/test_two_client.py"], []
+            files, select = ["tests/test_two_client.py"], ["-n0"]
         else:  # the accelerator first, the CPU client for the host optimizer
             env["JAX_PLATFORMS"] = f"{run.platform or 'cuda'},cpu"
+            # Tiny models, dispatch- and compile-bound: PYTEST_WORKERS processes share
+            # the GPU, each growing its pool on demand up to a share of the memory.
+            env = xla_env.with_mem_fraction(0.8 / PYTEST_WORKERS, env)
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+            # one compilation cache per worker (tests/conftest.py's): JAX writes its
+            # entries without a lock
+            env.pop("JAX_COMPILATION_CACHE_DIR", None)
             files = ["tests/test_two_client.py", "tests/test_stream.py", "tests/test_offload.py"]
             files.append("tests/test_expert_fetch.py")  # routed experts' copies, both ways
             files.append("tests/test_chunks.py")  # a micro-batch in chunks of rows
@@ -420,17 +442,17 @@ def equivalence(report: Report, run: Run) -> None:
             if run.quick:
                 files = files[:1]
             select = ["-k", "equal or two_client or pinned or fewer_bytes"]
+            select += ["-n", str(PYTEST_WORKERS), "--dist", "load"]  # test by test
         _pytest(report, "tests", ["-m", "not slow", *select, *files], env)
         if not run.emulate:
-            _pytest(
-                report, "bf16_stream_equals_none", ["-m", "slow or not slow", BF16_EQUIVALENCE], env
-            )
+            bf16 = ["-m", "slow or not slow", "-n0", BF16_EQUIVALENCE]
+            _pytest(report, "bf16_stream_equals_none", bf16, env)
     _bf16_trains(report, run.quick)
 
 
 def _pytest(report: Report, check: str, args: list[str], env: dict[str, str]) -> None:
-    """Runs pytest on ``args`` in a child (one process: ``-n0``); one check line."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n0", *args]
+    """Runs pytest on ``args`` in a child; one check line."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
     t0 = time.perf_counter()
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     tail = (proc.stdout + proc.stderr).strip().splitlines()
@@ -755,7 +777,7 @@ def _run_section(section: Section, args, out: Path) -> str:
             f"free disk; {ram / GiB:.1f} and {disk / GiB:.1f} free",
         )
         return "SKIP"
-    box = section.box(args.quick)
+    box = section.box(args.quick, args.emulate)
     cmd = [sys.executable, "-m", "hetjax.gpucheck", "--section", section.name, "--out", str(out)]
     cmd += ["--quick"] * args.quick + ["--emulate"] * args.emulate
     platform = getattr(args, "platform", "")
@@ -834,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str((out / "jax-cache").resolve()))
     sections = [s for s in SECTIONS if not (args.emulate and s.gpu_only)]
     sections = [s for s in sections if not only or s.name in only]
-    boxes = time_boxes(sections, args.quick, probe=not args.emulate)
+    boxes = time_boxes(sections, args.quick, args.emulate)
     print(
         f"gpucheck: time boxes {' + '.join(f'{k} {v}' for k, v in boxes.items())} = "
         f"{sum(boxes.values())} s at most",
