@@ -267,3 +267,46 @@ def test_the_cpu_only_tests_are_the_cpu_backends():
     for name in marked:
         assert f"::{name}" in collected["cpu"] and f"::{name}" not in collected["cuda,cpu"]
     assert f"{len(marked)} deselected" in collected["cuda,cpu"]
+
+
+TINY_MFU = dict(d=32, heads=4, seq=16, batch=4, layers=2, steps=3, skip=1)
+
+
+@pytest.mark.slow  # two tiny trainings (the rows' code path; their figures need a GPU)
+def test_mfu_rows_report_their_figures(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpucheck, "_mfu_shape", lambda quick: TINY_MFU)
+    run = gpucheck.Run(quick=True, emulate=False, out=tmp_path)
+    hbm, off = (gpucheck.mfu_row(row, run) for row in ("in_hbm", "offloaded"))
+    assert (hbm["mode"], off["mode"]) == ("none", "stream")
+    assert hbm["s_per_step"] > 0 and off["tflops"] > 0
+    assert off["optimizer_busy_s"] > 0 and hbm["optimizer_busy_s"] == 0  # the host's work
+    assert Path(off["timeline"]).is_file()
+    # a CPU reports no pool: the row beyond it cannot be sized
+    assert gpucheck.mfu_row("beyond_pool", run) == {"skip": "no bytes_limit: the pool is unknown"}
+
+
+def test_mfu_states_the_ratio_and_its_floor(tmp_path, monkeypatch):
+    """The section's lines from its rows' figures (each row a child on a GPU)."""
+    figures = {
+        "in_hbm": dict(tflops=400.0, mfu=0.4, s_per_step=0.4, optimizer_busy_s=0.0),
+        "offloaded": dict(tflops=120.0, mfu=0.12, s_per_step=1.3, optimizer_busy_s=1.2),
+        "beyond_pool": dict(
+            tflops=100.0, mode="stream", layers=9, pool_bytes=18 << 30, state_bytes=29 << 30
+        ),
+    }
+    envs = {}
+
+    def child(row, run, env=None):
+        envs[row] = env
+        return figures[row]
+
+    monkeypatch.setattr(gpucheck, "_mfu_child", child)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
+    gpucheck.mfu(gpucheck.Report(tmp_path, "mfu"), gpucheck.Run(False, False, tmp_path))
+    got = rows(tmp_path)
+    ratio = got["mfu.offloaded_vs_in_hbm"]
+    # 120 / 400 = 0.30x against 0.8 x 0.4 / 1.2 = 0.27x: the optimizer bounds the step
+    assert ratio["status"] == "PASS" and "0.30x (floor 0.27x" in ratio["line"], ratio["line"]
+    assert got["mfu.beyond_pool"]["status"] == "PASS"
+    assert envs["beyond_pool"]["XLA_CLIENT_MEM_FRACTION"] == "0.225"  # a quarter of 0.9
+    assert envs["in_hbm"] is None  # the whole pool, from this process's environment
