@@ -690,13 +690,13 @@ def mfu(report: Report, run: Run) -> None:
     if failed:
         report.check("offloaded_vs_in_hbm", False, "; ".join(failed))
     else:
-        hbm, off = got["in_hbm"], got["offloaded"]
+        hbm, off, shape = got["in_hbm"], got["offloaded"], _mfu_shape(run.quick)
         ratio = off["tflops"] / hbm["tflops"]
         floor = mfu_floor(hbm["s_per_step"], off["optimizer_busy_s"])
         report.check(
             "offloaded_vs_in_hbm",
             ratio >= floor,
-            f"{_mfu_shape(run.quick)['layers']} layers d {_mfu_shape(run.quick)['d']}, no "
+            f"{shape['layers']} layers d {shape['d']}, no "
             f"clipping: in HBM {hbm['tflops']:.1f} TFLOP/s (MFU {hbm['mfu']:.3f}, "
             f"{hbm['s_per_step']:.3f} s/step), offloaded {off['tflops']:.1f} "
             f"({off['s_per_step']:.3f} s/step, host optimizer busy "
@@ -738,11 +738,27 @@ RUNNERS = {
 # -- the driver ----------------------------------------------------------------------------
 
 
+# JAX's default backend, by the name JAX_PLATFORMS takes: "gpu" there would ask for
+# every GPU platform (cuda, rocm, ...) and fail on the ones not installed.
+PROBE = """
+import jax
+platform = jax.default_backend()
+for name in ("cuda", "rocm") if platform == "gpu" else ():
+    try:
+        jax.devices(name)
+        platform = name
+        break
+    except RuntimeError:
+        pass
+print(platform)
+"""
+
+
 def probe_platform(timeout: float = PROBE_SECONDS) -> tuple[str, str]:
-    """The backend JAX starts here (``jax.default_backend()``: ``gpu``, ``cpu``, ...),
-    asked of a child process so that this one never starts JAX and the sections' own
-    children get the whole device; ``("", why)`` where it could not tell."""
-    code = "import jax; print(jax.default_backend())"
+    """The platform JAX starts here by default (``cuda``, ``cpu``, ...), asked of a
+    child process so that this one never starts JAX and the sections' own children get
+    the whole device; ``("", why)`` where it could not tell."""
+    code = PROBE
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # the probe takes no pool
     try:
         proc = subprocess.run(
