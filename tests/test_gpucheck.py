@@ -57,6 +57,9 @@ def test_the_time_boxes_fit_one_call_on_a_lent_h100():
     assert sum(full.values()) <= gpucheck.FULL_SECONDS == 540
     assert sum(quick.values()) <= gpucheck.QUICK_SECONDS == 300
     assert list(full) == ["probe", *gpucheck.RUNNERS]
+    # --emulate on a CPU: no probe, and the equivalence section's own box (no lent call)
+    equivalence = [s for s in gpucheck.SECTIONS if s.name == "equivalence"]
+    assert gpucheck.time_boxes(equivalence, quick=False, emulate=True) == {"equivalence": 480}
 
 
 def section(name: str, out: Path, *args: str, env: dict[str, str] | None = None):
