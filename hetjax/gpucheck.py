@@ -119,7 +119,7 @@ SECTIONS = [
     Section("placement", 20, 2 * GiB, 0, quick_seconds=15),
     Section("bandwidth", 40, 12 * GiB, 0, quick_seconds=20),
     Section("overlap", 30, 8 * GiB, 0, quick_seconds=20),
-    # emulated on 2 CPU cores: every two-client test and the bf16 run, about 4 minutes
+    # --emulate on 2 busy CPU cores: the two-client tests and the bf16 run took 298 s
     Section(
         "equivalence",
         180,
