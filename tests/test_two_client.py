@@ -351,8 +351,9 @@ def test_every_transfer_is_planned_and_counted(tiny, offload):
         # Host -> device (and between devices): the step's report reads its losses as
         # Python floats, a device -> host fetch (on the CPU a zero-copy view the guard
         # lets through; on a GPU an implicit copy it would stop).
-        with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard_device_to_device(
-            "disallow"
+        with (
+            jax.transfer_guard_host_to_device("disallow"),
+            jax.transfer_guard_device_to_device("disallow"),
         ):
             runtime.train_step(batches[1])
             recorder = timeline.Recorder(2)
