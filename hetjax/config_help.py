@@ -168,7 +168,7 @@ HELP: dict[str, str] = {
     "memory.nvme_path": "directory on a local SSD for NVMe state and boundary activations; "
     "empty: `<workdir>/nvme`",
     "memory.device_fraction": "of each accelerator's memory JAX may take "
-    "(`XLA_PYTHON_CLIENT_MEM_FRACTION`, set by the launcher; JAX alone takes 0.75); the "
+    "(`XLA_CLIENT_MEM_FRACTION`, set by the launcher; JAX alone takes 0.75); the "
     "planner plans within it",
     # -- data -------------------------------------------------------------------------
     "data.path": "empty: embedded corpus; else a uint16 `.bin` (nanoGPT format) or 1-D `.npy`",

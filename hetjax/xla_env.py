@@ -1,9 +1,11 @@
 """The XLA settings a run needs before JAX starts, from its config: set by the launcher
 (``python -m hetjax.launch``), since XLA reads them once, when the backend starts.
 
-* ``XLA_PYTHON_CLIENT_MEM_FRACTION`` = ``memory.device_fraction``: the share of each
-  GPU's memory JAX's allocator preallocates (JAX alone takes 0.75, so a plan for 90% of
-  an H100 would not fit). The planner plans within the same fraction.
+* ``XLA_CLIENT_MEM_FRACTION`` = ``memory.device_fraction``: the share of each GPU's
+  memory JAX's allocator preallocates (JAX alone takes 0.75, so a plan for 90% of an
+  H100 would not fit). The planner plans within the same fraction. jaxlib >= 0.7 reads
+  this name and still the deprecated ``XLA_PYTHON_CLIENT_MEM_FRACTION``, and refuses to
+  start (ValueError) when both are set: so if either is set, neither is touched.
 * ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``: XLA caps a GPU process's ``pinned_host``
   memory (param slabs, gradient pages, boundary activations on the host) at 64 GiB by
   default. The launcher raises it to ``memory.host_budget`` (or 90% of the machine's RAM
@@ -18,10 +20,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping, MutableMapping
 
 from hetjax.config import Config
 
-MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+MEM_FRACTION = "XLA_CLIENT_MEM_FRACTION"  # jaxlib >= 0.7's name
+OLD_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # deprecated, still read by jaxlib
+MEM_FRACTION_NAMES = (MEM_FRACTION, OLD_MEM_FRACTION)
 PINNED_LIMIT = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 XLA_PINNED_DEFAULT = 64 << 30  # XLA's own cap on GPU pinned host memory
 GiB = 1 << 30
@@ -41,19 +46,48 @@ def wanted(config: Config) -> dict[str, str]:
     }
 
 
-def apply(config: Config, environ=os.environ) -> list[str]:
-    """Sets what ``config`` asks for where the environment does not set it already;
-    returns a line per variable the environment overrides, for the log."""
+def _aliases(name: str) -> tuple[str, ...]:
+    """The names XLA reads for the setting ``name`` names."""
+    return MEM_FRACTION_NAMES if name == MEM_FRACTION else (name,)
+
+
+def apply(config: Config, environ: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Sets what ``config`` asks for where the environment does not set it already
+    (under either of its names); returns a line per variable the environment
+    overrides, for the log."""
     notes = []
     for name, value in wanted(config).items():
-        if name in environ and environ[name] != value:
-            notes.append(f"{name}={environ[name]} from the environment (the config asks {value})")
-        else:
+        given = [n for n in _aliases(name) if n in environ]
+        for n in given:
+            if environ[n] != value:
+                notes.append(f"{n}={environ[n]} from the environment (the config asks {value})")
+        if not given:
             environ[name] = value
     return notes
 
 
-def pinned_limit(environ=os.environ) -> int:
+def mem_fraction(environ: Mapping[str, str] = os.environ) -> float | None:
+    """The device memory fraction the environment sets (either name; the new one
+    first), or None where neither is set."""
+    value = next((environ[n] for n in MEM_FRACTION_NAMES if environ.get(n)), None)
+    return float(value) if value is not None else None
+
+
+def mem_fraction_setting(environ: Mapping[str, str] = os.environ) -> str:
+    """``NAME=value`` for each memory-fraction variable set, or ``unset``: for a log."""
+    given = [f"{n}={environ[n]}" for n in MEM_FRACTION_NAMES if n in environ]
+    return ", ".join(given) or f"{MEM_FRACTION} unset"
+
+
+def with_mem_fraction(fraction: float, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """A copy of ``environ`` for a child process that preallocates ``fraction`` of
+    each GPU: the deprecated name removed (both at once stop jaxlib), the new one set."""
+    env = {k: v for k, v in environ.items() if k not in MEM_FRACTION_NAMES}
+    env[MEM_FRACTION] = f"{fraction:g}"
+    return env
+
+
+def pinned_limit(environ: Mapping[str, str] = os.environ) -> int:
     """Bytes of ``pinned_host`` memory XLA allows a GPU process now."""
     value = environ.get(PINNED_LIMIT)
     return int(float(value) * GiB) if value else XLA_PINNED_DEFAULT

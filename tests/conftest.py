@@ -80,3 +80,29 @@ def pytest_configure(config):
         import jax
 
         jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def on_accelerator(platforms: str | None) -> bool:
+    """Whether tests run on an accelerator: ``JAX_PLATFORMS``'s first platform, or,
+    where it is empty (JAX picks), the backend JAX starts."""
+    if platforms:
+        return platforms.split(",")[0] != "cpu"
+    import jax
+
+    return jax.default_backend() != "cpu"
+
+
+def cpu_only_deselected(items: list, platforms: str | None) -> tuple[list, list]:
+    """``items`` split into (kept, deselected): tests marked ``cpu_only`` (they assume
+    the CPU backend: one memory, 8 virtual devices) are deselected on an accelerator."""
+    if not on_accelerator(platforms):
+        return list(items), []
+    kept = [item for item in items if item.get_closest_marker("cpu_only") is None]
+    return kept, [item for item in items if item.get_closest_marker("cpu_only") is not None]
+
+
+def pytest_collection_modifyitems(config, items):
+    kept, deselected = cpu_only_deselected(items, os.environ.get("JAX_PLATFORMS"))
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept

@@ -31,7 +31,7 @@ GiB = 1 << 30
 def test_launcher_variables_come_from_the_config_and_the_environment_wins():
     config = Config().replace(memory=dict(device_fraction=0.8, host_budget="100GiB"))
     assert xla_env.wanted(config) == {
-        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8",
+        "XLA_CLIENT_MEM_FRACTION": "0.8",
         "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "100",
     }
     environ = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
@@ -54,9 +54,9 @@ def test_launcher_variables_come_from_the_config_and_the_environment_wins():
 def test_launch_sets_them_before_jax_starts(tmp_path):
     code = (
         "import sys, jax; from hetjax import launch; launch.main(); "
-        "import os; print('fraction', os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"
+        "import os; print('fraction', os.environ['XLA_CLIENT_MEM_FRACTION'])"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_P")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_P", "XLA_CLIENT"))}
     env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = "3"
     args = ["--config", "configs/gpt_tiny.py", "--workdir", str(tmp_path), "--config.train.steps=1"]
     args += ["--config.memory.device_fraction=0.7", "--config.checkpoint.at_end=false"]

@@ -3,8 +3,10 @@ section, time boxes, resource checks, PASS/FAIL lines and gpucheck.jsonl), the s
 that run here, and ``--emulate`` (the equivalence section through two JAX clients)."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -15,10 +17,11 @@ from hetjax import gpucheck
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "hetjax.gpucheck", *args],
         cwd=ROOT,
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=600,
@@ -30,36 +33,81 @@ def rows(out: Path) -> dict[str, dict]:
     return {f"{r['section']}.{r['check']}": r for r in map(json.loads, lines)}
 
 
+def test_a_cpu_without_emulate_stops_at_once_naming_the_install(tmp_path):
+    """No GPU and no --emulate: exit 2 within a minute, one line naming the install,
+    nothing run (never a model trained on the CPU by accident)."""
+    t0 = time.perf_counter()
+    proc = run("--out", str(tmp_path), env={"JAX_PLATFORMS": "cpu"})
+    assert time.perf_counter() - t0 < 60
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("gpucheck: no GPU: JAX's backend here is cpu (JAX_PLATFORMS=cpu)")
+    assert "pip install -e '.[cuda13]'" in line and "--emulate" in line
+    assert not (tmp_path / "gpucheck.jsonl").exists()
+    boxes = gpucheck.time_boxes(gpucheck.SECTIONS, quick=False)
+    printed = " + ".join(f"{k} {v}" for k, v in boxes.items())
+    assert f"gpucheck: time boxes {printed} = 540 s at most" in proc.stdout  # at start
+
+
+def test_the_time_boxes_fit_one_call_on_a_lent_h100():
+    """A lent machine allows 600 s a call, its start included: the boxes' sum (the
+    backend probe's too) fits 540 s, and 300 s with --quick."""
+    full = gpucheck.time_boxes(gpucheck.SECTIONS, quick=False)
+    quick = gpucheck.time_boxes(gpucheck.SECTIONS, quick=True)
+    assert sum(full.values()) <= gpucheck.FULL_SECONDS == 540
+    assert sum(quick.values()) <= gpucheck.QUICK_SECONDS == 300
+    assert list(full) == ["probe", *gpucheck.RUNNERS]
+    # --emulate on a CPU: no probe, and the equivalence section's own box (no lent call)
+    equivalence = [s for s in gpucheck.SECTIONS if s.name == "equivalence"]
+    assert gpucheck.time_boxes(equivalence, quick=False, emulate=True) == {"equivalence": 480}
+
+
+def section(name: str, out: Path, *args: str, env: dict[str, str] | None = None):
+    """One section's child process, as the driver starts it on a GPU machine."""
+    return run("--section", name, "--out", str(out), *args, env=env)
+
+
 def test_sections_on_a_cpu_say_what_passes_and_what_needs_a_gpu(tmp_path):
-    proc = run("--only", "environment,placement,memory", "--out", str(tmp_path))
-    assert proc.returncode == 1, proc.stdout + proc.stderr  # a CPU is not an accelerator
+    procs = [section(name, tmp_path) for name in ("environment", "placement", "memory")]
     got = rows(tmp_path)
-    assert got["environment.device"]["status"] == "FAIL"
+    assert procs[0].returncode == procs[1].returncode == procs[2].returncode == 0
+    assert got["environment.device"]["status"] == "FAIL"  # a CPU is not an accelerator
     assert "(cpu)" in got["environment.device"]["line"]
     assert got["environment.memory_kinds"]["status"] == "PASS"  # device and pinned_host
     assert got["environment.native_kernel"]["status"] == "PASS"
     assert got["environment.bytes_limit"]["status"] == "SKIP"
+    assert "XLA_CLIENT_MEM_FRACTION" in got["environment.bytes_limit"]["line"]
     for via in ("pinned_host", "host_optimizer"):
         for dtype in ("float32", "bfloat16"):
             assert got[f"placement.round_trip_{dtype}_{via}"]["status"] == "PASS"
+    assert got["placement.zero_copy_view"]["status"] == "PASS", got["placement.zero_copy_view"]
     assert got["memory.device_budget"]["status"] == "SKIP"
+    stdout = "".join(p.stdout for p in procs)
     for row in got.values():  # one printed line per row, in the same words
-        assert f"{row['status']}  {row['section']}.{row['check']}: {row['line']}" in proc.stdout
-    assert "gpucheck: 1 sections passed, 1 failed (environment), 1 skipped (memory)" in proc.stdout
+        assert f"{row['status']}  {row['section']}.{row['check']}: {row['line']}" in stdout
+
+
+def test_the_native_kernel_is_skipped_without_a_compiler(tmp_path):
+    env = {"PATH": str(tmp_path / "empty"), "CXX": ""}  # no g++, c++ or clang++
+    proc = section("environment", tmp_path, env=env)
+    row = rows(tmp_path)["environment.native_kernel"]
+    assert row["status"] == "SKIP" and "no C++ compiler" in row["line"], proc.stderr
 
 
 @pytest.mark.slow  # 12 s: the code paths of sections whose figures need a GPU
 def test_bandwidth_and_overlap_measure_every_path(tmp_path):
     """On a CPU the figures mean nothing (one memory, no copy engines); the code paths
     run and every check reports its figure."""
-    proc = run("--only", "bandwidth,overlap", "--quick", "--out", str(tmp_path))
+    procs = [section(name, tmp_path, "--quick") for name in ("bandwidth", "overlap")]
+    output = "".join(p.stdout + p.stderr for p in procs)
     got = rows(tmp_path)
     checks = ["h2d_pinned", "h2d_pages", "h2d_pageable", "d2h_pinned", "d2h_pages"]
     checks += ["d2h_pageable", "duplex", "publish"]
     for check in checks:
-        assert got[f"bandwidth.{check}"]["status"] in ("PASS", "FAIL"), proc.stdout
+        assert got[f"bandwidth.{check}"]["status"] in ("PASS", "FAIL"), output
     assert got["bandwidth.publish"]["cross_client_gbs"] > 0
-    assert got["overlap.compute_under_copies"]["alone_s"] > 0, proc.stdout + proc.stderr
+    assert got["overlap.compute_under_copies"]["alone_s"] > 0, output
+    assert got["overlap.compute_under_copies"]["copy_bytes"] >= 16 << 20  # sized to the chain
 
 
 def test_a_section_past_its_time_box_fails(tmp_path):
@@ -110,3 +158,158 @@ def test_working_set_check_reports_estimate_and_compiled(tmp_path):
         low = r["estimate"] < WORKING_SET_LOW * r["compiled"]
         assert r["estimate"] > 0 and r["status"] == ("FAIL" if low else "PASS"), r
     assert rows[1]["compiled"] < rows[0]["compiled"]  # the chunks' working set is smaller
+
+
+# -- the memory fraction's two names (jaxlib >= 0.7 refuses both at once) ----------------
+
+
+@pytest.mark.parametrize(
+    "given, after",
+    [
+        ({}, {"XLA_CLIENT_MEM_FRACTION": "0.9"}),  # neither: the new name
+        ({"XLA_CLIENT_MEM_FRACTION": "0.5"}, {"XLA_CLIENT_MEM_FRACTION": "0.5"}),
+        ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}),
+        (
+            {"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"},
+            {"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"},
+        ),
+    ],
+    ids=["neither", "new", "old", "both"],
+)
+def test_the_memory_fraction_is_set_only_where_neither_name_is(given, after):
+    from hetjax import xla_env
+    from hetjax.config import Config
+
+    pinned = {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": xla_env.wanted(Config())[xla_env.PINNED_LIMIT]}
+    environ = {**given, **pinned}
+    notes = xla_env.apply(Config(), environ)
+    assert environ == {**after, **pinned}
+    # a value other than the config's (0.9 by default) is said, under its own name
+    assert notes == [
+        f"{k}={v} from the environment (the config asks 0.9)"
+        for k, v in given.items()
+        if v != "0.9"
+    ]
+    assert xla_env.mem_fraction(environ) == float(next(iter(after.values())))
+
+
+def test_gpucheck_reads_both_names_and_a_child_gets_one():
+    from hetjax import xla_env
+
+    assert xla_env.mem_fraction({}) is None
+    assert xla_env.mem_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6"}) == 0.6
+    assert xla_env.mem_fraction({"XLA_CLIENT_MEM_FRACTION": "0.7"}) == 0.7
+    old = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6", "PATH": "/bin"}
+    assert xla_env.mem_fraction_setting(old) == "XLA_PYTHON_CLIENT_MEM_FRACTION=0.6"
+    assert xla_env.mem_fraction_setting({}) == "XLA_CLIENT_MEM_FRACTION unset"
+    child = xla_env.with_mem_fraction(0.225, old)
+    assert child == {"XLA_CLIENT_MEM_FRACTION": "0.225", "PATH": "/bin"}
+
+
+# -- what the checks on a GPU compare ------------------------------------------------------
+
+
+def test_the_mfu_floor_follows_the_host_optimizer():
+    """An offloaded step is no shorter than its host optimizer's work: where that
+    exceeds the in-HBM step, the 0.8 floor scales down by their ratio."""
+    assert gpucheck.mfu_floor(0.4, 0.1) == gpucheck.MFU_RATIO == 0.8
+    assert gpucheck.mfu_floor(0.4, 1.6) == pytest.approx(0.2)
+    assert gpucheck.mfu_floor(0.4, 0.0) == 0.8  # no host optimizer work recorded
+
+
+def test_the_equivalence_selection_has_a_bf16_streamed_vs_in_memory_test():
+    path, name = gpucheck.BF16_EQUIVALENCE.split("::")
+    assert (ROOT / path).is_file() and "bfloat16" in name
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + ["-n0", "-m", "slow or not slow", gpucheck.BF16_EQUIVALENCE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and gpucheck.BF16_EQUIVALENCE in proc.stdout, proc.stdout
+
+
+# -- tests that assume the CPU backend are deselected on an accelerator --------------------
+
+
+class _Item:
+    def __init__(self, name: str, cpu_only: bool):
+        self.name, self.cpu_only = name, cpu_only
+
+    def get_closest_marker(self, name: str):
+        return object() if name == "cpu_only" and self.cpu_only else None
+
+
+def test_cpu_only_tests_are_deselected_on_an_accelerator():
+    from conftest import cpu_only_deselected
+
+    items = [_Item("a", False), _Item("b", True)]
+    for platforms in ("cpu", "cpu,cuda"):
+        assert cpu_only_deselected(items, platforms) == (items, [])
+    for platforms in ("cuda,cpu", "gpu", "tpu"):
+        assert cpu_only_deselected(items, platforms) == ([items[0]], [items[1]])
+
+
+def test_the_cpu_only_tests_are_the_cpu_backends():
+    """The marked tests, collected with JAX_PLATFORMS naming a GPU first: deselected."""
+    marked = [
+        "test_a_cpu_without_emulation_does_not_stage",
+        "test_zero3_steps_have_no_implicit_transfers[host]",
+        "test_zero3_steps_have_no_implicit_transfers[nvme]",
+    ]
+    args = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    args += ["-n0", "-m", "slow or not slow", "tests/test_two_client.py"]
+    collected = {}
+    for platforms in ("cpu", "cuda,cpu"):
+        env = {**os.environ, "JAX_PLATFORMS": platforms}
+        proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        collected[platforms] = proc.stdout
+    for name in marked:
+        assert f"::{name}" in collected["cpu"] and f"::{name}" not in collected["cuda,cpu"]
+    assert f"{len(marked)} deselected" in collected["cuda,cpu"]
+
+
+TINY_MFU = dict(d=32, heads=4, seq=16, batch=4, layers=2, steps=3, skip=1)
+
+
+@pytest.mark.slow  # two tiny trainings (the rows' code path; their figures need a GPU)
+def test_mfu_rows_report_their_figures(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpucheck, "_mfu_shape", lambda quick: TINY_MFU)
+    run = gpucheck.Run(quick=True, emulate=False, out=tmp_path)
+    hbm, off = (gpucheck.mfu_row(row, run) for row in ("in_hbm", "offloaded"))
+    assert (hbm["mode"], off["mode"]) == ("none", "stream")
+    assert hbm["s_per_step"] > 0 and off["tflops"] > 0
+    assert off["optimizer_busy_s"] > 0 and hbm["optimizer_busy_s"] == 0  # the host's work
+    assert Path(off["timeline"]).is_file()
+    # a CPU reports no pool: the row beyond it cannot be sized
+    assert gpucheck.mfu_row("beyond_pool", run) == {"skip": "no bytes_limit: the pool is unknown"}
+
+
+def test_mfu_states_the_ratio_and_its_floor(tmp_path, monkeypatch):
+    """The section's lines from its rows' figures (each row a child on a GPU)."""
+    figures = {
+        "in_hbm": dict(tflops=400.0, mfu=0.4, s_per_step=0.4, optimizer_busy_s=0.0),
+        "offloaded": dict(tflops=120.0, mfu=0.12, s_per_step=1.3, optimizer_busy_s=1.2),
+        "beyond_pool": dict(
+            tflops=100.0, mode="stream", layers=9, pool_bytes=18 << 30, state_bytes=29 << 30
+        ),
+    }
+    envs = {}
+
+    def child(row, run, env=None):
+        envs[row] = env
+        return figures[row]
+
+    monkeypatch.setattr(gpucheck, "_mfu_child", child)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
+    gpucheck.mfu(gpucheck.Report(tmp_path, "mfu"), gpucheck.Run(False, False, tmp_path))
+    got = rows(tmp_path)
+    ratio = got["mfu.offloaded_vs_in_hbm"]
+    # 120 / 400 = 0.30x against 0.8 x 0.4 / 1.2 = 0.27x: the optimizer bounds the step
+    assert ratio["status"] == "PASS" and "0.30x (floor 0.27x" in ratio["line"], ratio["line"]
+    assert got["mfu.beyond_pool"]["status"] == "PASS"
+    assert envs["beyond_pool"]["XLA_CLIENT_MEM_FRACTION"] == "0.225"  # a quarter of 0.9
+    assert envs["in_hbm"] is None  # the whole pool, from this process's environment

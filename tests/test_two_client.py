@@ -259,6 +259,7 @@ def test_nvme_param_reads_land_in_pinned_memory(tmp_path):
     assert store.read_bytes == values.nbytes
 
 
+@pytest.mark.cpu_only
 def test_a_cpu_without_emulation_does_not_stage(monkeypatch):
     monkeypatch.delenv(HOST_CLIENT_ENV)
     assert Shardings.single_device().pinned_staging() is None
@@ -347,7 +348,13 @@ def test_every_transfer_is_planned_and_counted(tiny, offload):
     try:
         batches = training_batches(config, 3)
         runtime.train_step(batches[0])  # compiles
-        with jax.transfer_guard("disallow"):
+        # Host -> device (and between devices): the step's report reads its losses as
+        # Python floats, a device -> host fetch (on the CPU a zero-copy view the guard
+        # lets through; on a GPU an implicit copy it would stop).
+        with (
+            jax.transfer_guard_host_to_device("disallow"),
+            jax.transfer_guard_device_to_device("disallow"),
+        ):
             runtime.train_step(batches[1])
             recorder = timeline.Recorder(2)
             with timeline.recording(recorder):
@@ -379,6 +386,7 @@ def test_every_transfer_is_planned_and_counted(tiny, offload):
         runtime.close()
 
 
+@pytest.mark.cpu_only  # 2 devices: the CPU's virtual ones
 @pytest.mark.parametrize("optimizer", ["host", pytest.param("nvme", marks=pytest.mark.slow)])
 def test_zero3_steps_have_no_implicit_transfers(tiny, optimizer):
     """ZeRO-3 over 2 devices: its scalars are put replicated, its batches as global
