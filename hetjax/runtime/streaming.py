@@ -154,7 +154,7 @@ class StreamingRuntime:
         # plan needs besides (XLA's working set, the kept blocks' residuals: compiling
         # and tracing the stage functions) is measured once those checks passed.
         boundary = math.prod(self.boundary.shape) * self.boundary.dtype.itemsize
-        kinds = len(self.optimizer.kinds) - 1
+        state_format = self.optimizer.state_format  # the state kinds' dtypes
         # (the swapped blocks' activations live in host RAM: their sizes, from abstract
         # shapes, are the host plan's too)
         kept, swapped = {}, {}
@@ -163,7 +163,7 @@ class StreamingRuntime:
             kept, swapped = self.fns.kept_bytes(*batch), self.fns.swap_bytes(*batch)
         stage_memory = StageMemory(boundary, 0, kept, swapped=swapped)
         self.sizes = setup.memory_sizes(
-            config, groups, self.layouts, self.state_layouts, stage_memory, kinds
+            config, groups, self.layouts, self.state_layouts, stage_memory, state_format
         )
         self.offload = Offload.from_config(config)
         self.host_plan = plan_host(self.sizes, self.offload, mem.host_budget)
@@ -174,8 +174,8 @@ class StreamingRuntime:
         to_host = DeviceCache.of(self.sizes, self.offload).grad_stages(self.sizes)
         self._device_grad_stages = frozenset(self.device_stages) - set(to_host)
         stores = setup.build_stores(
-            config, self.sizes, self.offload, self.host_plan, self.layouts, self.optimizer.kinds,
-            placement, self.device_stages, self.boundary, workdir,
+            config, self.sizes, self.offload, self.host_plan, self.layouts, placement,
+            self.device_stages, self.boundary, workdir,
         )  # fmt: skip
         self.nvme_dir, self._temporary_nvme = stores.nvme_dir, stores.temporary
         self.states, self.param_store = stores.states, stores.params
