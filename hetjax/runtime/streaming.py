@@ -653,8 +653,9 @@ class StreamingRuntime:
         ls = self.loss_scale
         loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
         return state_io.source(
-            self.stage_names, self.layouts, self.states, self.placement.own_pages, loss_scale
-        )
+            self.stage_names, self.layouts, self.states, self.placement.own_pages, loss_scale,
+            self.optimizer.state_format,
+        )  # fmt: skip
 
     def load_state(self, state: RuntimeState | StoredState) -> None:
         """Replaces every stage's state and params (the loop is idle between steps;
