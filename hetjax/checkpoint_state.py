@@ -185,7 +185,8 @@ def _chunk_file(array_dir: Path, page: int) -> Path:
 
 
 def page_crcs(pages: np.ndarray) -> list[int]:
-    return [zlib.crc32(memoryview(p).cast("B")) for p in pages]
+    # as bytes: a buffer of bfloat16 (ml_dtypes) has no format memoryview can cast
+    return [zlib.crc32(memoryview(p.view(np.uint8))) for p in pages]
 
 
 def _check_finite(pages: np.ndarray, stage: str, kind: str) -> None:
