@@ -177,9 +177,8 @@ def host_update(
     n = out.size
     arrays = [slabs[k] for k in KINDS]
     state_kind = _STATE_KINDS.get(arrays[0].dtype.name)
-    if (
-        state_kind is None
-        or any(a.dtype != arrays[0].dtype or a.size != n or not a.flags.writeable for a in arrays)
+    if state_kind is None or any(
+        a.dtype != arrays[0].dtype or a.size != n or not a.flags.writeable for a in arrays
     ):
         raise ValueError(
             f"host_update: master, mu and nu must be writable, of one size and one dtype the "
