@@ -16,6 +16,7 @@ only (and ``hetjax.types`` for the master's name), so the memory model can use i
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -105,8 +106,18 @@ class StateFormat:
         """The kinds besides the master."""
         return self.kinds[1:]
 
+    @functools.cached_property
+    def _by_kind(self) -> dict[str, KindFormat]:
+        return dict(self.formats)
+
+    @functools.cached_property
+    def _elem_bytes(self) -> int | None:  # every kind's bytes an element; None: scaled
+        if any(f.block_size is not None for _, f in self.formats):
+            return None
+        return sum(f.dtype.itemsize for _, f in self.formats)
+
     def kind(self, kind: str) -> KindFormat:
-        return dict(self.formats)[kind]
+        return self._by_kind[kind]
 
     def dtype(self, kind: str) -> np.dtype:
         """The dtype a store holds ``kind`` in. Raises ``NotImplementedError`` for a
@@ -123,7 +134,11 @@ class StateFormat:
 
     def nbytes(self, elems: int, kinds: Iterable[str] | None = None) -> int:
         """Bytes of ``elems`` elements of each kind in ``kinds`` (default: every kind)."""
-        return sum(self.kind(k).nbytes(elems) for k in (self.kinds if kinds is None else kinds))
+        if kinds is None:
+            if self._elem_bytes is not None:  # the memory model's case, thousands of times
+                return elems * self._elem_bytes
+            kinds = self.kinds
+        return sum(self.kind(k).nbytes(elems) for k in kinds)
 
     @property
     def bytes_per_param(self) -> float:
