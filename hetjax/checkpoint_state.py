@@ -4,8 +4,10 @@ orbax (this is the ``state`` item of each checkpoint).
 
 **Layout** (``<step>/state/``)::
 
-    proc<p>/<kind>/      zarr3 array (pages, page_elems) of fp32, one chunk file per page
-    proc<p>/index.json   the stage each page range holds; CRC-32 of every page
+    proc<p>/<kind>/      zarr3 array (pages, page_elems), one chunk file per page, in the
+                         kind's dtype (the optimizer's state format: fp32)
+    proc<p>/index.json   the stage each page range holds; CRC-32 of every page; the kinds'
+                         dtypes where one is not fp32 (``dtypes``; absent: fp32 each)
 
 Each process writes only the state it holds, in parallel with the others; nothing is
 gathered. Page size and page order are the writing process's own: those of its NVMe
@@ -49,6 +51,7 @@ from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future as ocp_future
 
 from hetjax.config import format_bytes
+from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
 from hetjax.storage.nvme import PageStore, io_context
 from hetjax.storage.pages import SlabLayout, aligned_empty, fitted_page_elems
 from hetjax.types import MASTER, CheckpointError, RuntimeState
@@ -57,6 +60,12 @@ INDEX = "index.json"
 WINDOW_BYTES = 8 << 20  # pages read at once to check or copy linked state (bounded RAM)
 LINK_ERRORS = (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EOPNOTSUPP)
 DEFAULT_PAGE_ELEMS = 1 << 20  # pages of state given whole (RuntimeState): 4 MiB of fp32
+
+
+def fp32_format(kinds: list[str]) -> StateFormat:
+    """Every kind in ``kinds`` fp32: the format of a checkpoint whose index records no
+    dtypes (all of them before state formats), and of a source given none."""
+    return StateFormat.fp32([k for k in kinds if k != MASTER])
 
 
 # -- what a save is given -------------------------------------------------------------------
@@ -86,7 +95,8 @@ class StagePart:
 @dataclasses.dataclass
 class StateSource:
     """This process's state for a checkpoint: its stages' parts, each stage's layout
-    (which gives the canonical slab), the optax scalars and the fp16 loss scale."""
+    (which gives the canonical slab), the optax scalars, the fp16 loss scale and the
+    dtype of each kind (``state_format``; None: fp32 each)."""
 
     kinds: list[str]
     page_elems: int
@@ -95,6 +105,12 @@ class StateSource:
     layouts: dict[str, SlabLayout]  # stage -> its layout
     scalars: dict[str, list[np.ndarray]]
     loss_scale: tuple[float, int] | None = None
+    state_format: StateFormat | None = None
+
+    def __post_init__(self):
+        if self.state_format is None:
+            self.state_format = fp32_format(self.kinds)
+        assert set(self.state_format.kinds) == set(self.kinds), (self.state_format, self.kinds)
 
     @classmethod
     def from_state(cls, state: RuntimeState) -> StateSource:
@@ -104,7 +120,7 @@ class StateSource:
         page_elems = fitted_page_elems(max(sizes), DEFAULT_PAGE_ELEMS)
         parts, layouts, page = [], {}, 0
         for stage, trees in state.stages.items():
-            layout = SlabLayout.from_params(trees[MASTER], page_elems * 4)
+            layout = SlabLayout.from_params(trees[MASTER], page_elems * MASTER_DTYPE.itemsize)
             layouts[stage] = layout
             # flattened by the writer, one stage at a time: no second copy of the state
             slabs = functools.partial(_flatten, layout, trees)
@@ -152,13 +168,13 @@ def scalars_meta(scalars: dict[str, list]) -> dict[str, Any]:
 # -- save -----------------------------------------------------------------------------------
 
 
-def _spec(path: Path, num_pages: int, page_elems: int) -> dict:
+def _spec(path: Path, num_pages: int, page_elems: int, dtype: np.dtype) -> dict:
     return {  # the NVMe tier's state arrays' spec: their chunk files link in unchanged
         "driver": "zarr3",
         "kvstore": {"driver": "file", "path": str(path)},
         "metadata": {
             "shape": [num_pages, page_elems],
-            "data_type": "float32",
+            "data_type": dtype.name,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, page_elems]}},
         },
     }
@@ -169,7 +185,8 @@ def _chunk_file(array_dir: Path, page: int) -> Path:
 
 
 def page_crcs(pages: np.ndarray) -> list[int]:
-    return [zlib.crc32(memoryview(p).cast("B")) for p in pages]
+    # as bytes: a buffer of bfloat16 (ml_dtypes) has no format memoryview can cast
+    return [zlib.crc32(memoryview(p.view(np.uint8))) for p in pages]
 
 
 def _check_finite(pages: np.ndarray, stage: str, kind: str) -> None:
@@ -221,14 +238,17 @@ class StreamedStateHandler(ocp.AsyncCheckpointHandler):
             context = io_context(sync=True)  # durable once complete
             arrays = {}
             for kind in source.kinds:
-                spec = _spec(proc / kind, source.num_pages, source.page_elems)
+                dtype = source.state_format.dtype(kind)
+                spec = _spec(proc / kind, source.num_pages, source.page_elems, dtype)
                 arrays[kind] = ts.open(spec, create=True, context=context).result()
             copy = []
             for part in source.parts:
                 if part.pages is None:
                     continue
                 if self.link and _link(part, proc, source.kinds):
-                    report.linked_bytes += part.num_pages * source.page_elems * 4 * len(arrays)
+                    report.linked_bytes += source.state_format.nbytes(
+                        part.num_pages * source.page_elems
+                    )
                     part.release()
                 else:
                     copy.append(part)
@@ -308,7 +328,7 @@ def _persist(
                 sums[kind], writes, page = [], [], part.first_page
                 chunks = slabs[kind]
                 for chunk in chunks if isinstance(chunks, list) else [chunks]:
-                    pages = np.asarray(chunk, np.float32).reshape(-1, P)
+                    pages = np.asarray(chunk, source.state_format.dtype(kind)).reshape(-1, P)
                     _check_finite(pages, part.stage, kind)
                     sums[kind] += page_crcs(pages)
                     target = arrays[kind][page : page + len(pages)]
@@ -325,7 +345,7 @@ def _persist(
                     sums[kind] = _read_pages(
                         store.arrays[kind], src_page, part, kind, copy_to=arrays[kind]
                     )
-                    report.copied_bytes += part.num_pages * P * 4
+                    report.copied_bytes += source.state_format.nbytes(part.num_pages * P, [kind])
                 else:
                     sums[kind] = _read_pages(arrays[kind], part.first_page, part, kind)
                     _sync_files(proc / kind, part)
@@ -338,9 +358,9 @@ def _read_pages(src, src_page: int, part: StagePart, kind: str, copy_to=None) ->
     """CRCs of a part's pages, read from ``src`` (from page ``src_page``) a window at a
     time and checked finite; ``copy_to``: also written there, at the part's pages."""
     sums = []
-    P = src.shape[1]
-    step = max(1, WINDOW_BYTES // (P * 4))
-    window = aligned_empty(min(step, part.num_pages) * P, np.float32).reshape(-1, P)
+    P, dtype = src.shape[1], src.dtype.numpy_dtype
+    step = max(1, WINDOW_BYTES // (P * dtype.itemsize))
+    window = aligned_empty(min(step, part.num_pages) * P, dtype).reshape(-1, P)
     for i in range(0, part.num_pages, step):
         n = min(step, part.num_pages - i)
         pages = window[:n]
@@ -380,6 +400,8 @@ def _write_index(proc: Path, source: StateSource, crcs: dict) -> None:
             for part in source.parts
         },
     }
+    if source.state_format != fp32_format(source.kinds):  # fp32 each: the index as it was
+        index["dtypes"] = {k: source.state_format.dtype(k).name for k in source.kinds}
     tmp = proc / (INDEX + ".tmp")
     with open(tmp, "w") as f:
         json.dump(index, f)
@@ -422,6 +444,15 @@ class StoredState:
         return list(self._procs[0][1]["kinds"])
 
     @property
+    def state_format(self) -> StateFormat:
+        """The dtype of each kind as saved (an index without ``dtypes``: fp32 each)."""
+        dtypes = self._procs[0][1].get("dtypes")
+        if dtypes is None:
+            return fp32_format(self.kinds)
+        master = {MASTER: dtypes[MASTER]}  # first, as a format lists it
+        return StateFormat.of({**master, **{k: np.dtype(d) for k, d in dtypes.items()}})
+
+    @property
     def stage_names(self) -> list[str]:
         return list(self.meta["layouts"])
 
@@ -460,9 +491,11 @@ class StoredState:
     # -- reading ------------------------------------------------------------------------
 
     def read(self, stage: str, kind: str, start: int, stop: int) -> np.ndarray:
-        """Elements ``[start, stop)`` of ``stage``'s canonical slab of ``kind`` (fp32;
-        zeros past its size), with every page read checked against its CRC-32."""
-        out = aligned_empty(stop - start, np.float32)  # the host optimizer's, uncopied
+        """Elements ``[start, stop)`` of ``stage``'s canonical slab of ``kind`` (in its
+        saved dtype; zeros past its size), with every page read checked against its
+        CRC-32."""
+        # aligned: the host optimizer's buffer, uncopied
+        out = aligned_empty(stop - start, self.state_format.dtype(kind))
         out[:] = 0
         size = self.size(stage)
         for p, (proc, index) in enumerate(self._procs):
@@ -545,4 +578,4 @@ class StoredState:
         return self.whole().kind_tree(kind)
 
     def nbytes(self) -> int:
-        return sum(self.size(s) for s in self.stage_names) * 4 * len(self.kinds)
+        return self.state_format.nbytes(sum(self.size(s) for s in self.stage_names))

@@ -26,6 +26,7 @@ import ml_dtypes  # numpy's bfloat16 (a jax dependency)
 import numpy as np
 
 from hetjax.config import Config, ConfigError, format_bytes
+from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
 from hetjax.types import is_block, stage_layout
 
 # -- policy constants ----------------------------------------------------------------------
@@ -256,7 +257,7 @@ class Sizes:
     own_head: int
     compute_bytes: int  # per compute-dtype element
     block_grad_bytes: int  # per element of a block's gradient slab (block_grad_dtype)
-    state_kinds: int  # optimizer state kinds besides the fp32 master (AdamW: 2)
+    state_format: StateFormat  # the optimizer state's kinds and their dtypes
     boundary: int  # bytes of one block-boundary activation of a micro-batch (B, T, D)
     working_set: int  # device temporaries of the largest stage function, with x / dx
     kept: dict[str, int]  # one kept block's in-block activations, per keep level
@@ -269,10 +270,10 @@ class Sizes:
     # stages.StageFunctions.swap_bytes); else derived from ``kept`` (swap_bytes)
     swapped: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    @property
-    def state_bytes(self) -> int:
-        """Bytes per element of fp32 master + optimizer state."""
-        return 4 * (1 + self.state_kinds)
+    def state_nbytes(self, elems: int) -> int:
+        """Bytes of ``elems`` elements of every kind of optimizer state (the master's
+        among them), as ``state_format`` stores them."""
+        return self.state_format.nbytes(elems)
 
     def swap_bytes(self, level: str) -> int:
         """Bytes a swapped block moves to host memory and back: as measured, or its kept
@@ -366,7 +367,7 @@ def params_are_master(o: Offload, compute_bytes: int) -> bool:
     """Whether the params on NVMe are the optimizer state's fp32 master, stored once: fp32
     compute with both on NVMe (``storage/params.py``'s ``MasterPages``). A step then
     writes them once, with the state, and reads a cached stage's from its state in RAM."""
-    return o.params == "nvme" and o.optimizer == "nvme" and compute_bytes == 4
+    return o.params == "nvme" and o.optimizer == "nvme" and compute_bytes == MASTER_DTYPE.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,13 +412,13 @@ class DeviceCache:
     def _of(cls, s: Sizes, o: Offload) -> DeviceCache:
         if o.optimizer == "device":  # every stage's state, twice during a step
             total = sum(s.own(n) for n in s.stages())
-            return cls((), 0, 0, 2 * s.state_bytes * total)
+            return cls((), 0, 0, 2 * s.state_nbytes(total))
         stages = tuple(s.stages()[: o.device_stages])
         sizes = [s.own(n) for n in stages]
         on_device_grads = s.grad_policy != "lockfree"  # lock-free: they go to the host
         kept = s.grad_policy in ("keep", "accumulate")
         grads = (sum(sizes) if kept else max(sizes, default=0)) if on_device_grads else 0
-        state = (2 * s.state_bytes + s.compute_bytes) * sum(sizes)
+        state = 2 * s.state_nbytes(sum(sizes)) + s.compute_bytes * sum(sizes)
         blocks = sum(is_block(n) for n in stages)
         return cls(stages, blocks, sum(sizes), state + 4 * grads)
 

@@ -23,6 +23,7 @@ from hetjax.memory import (
     belady_cache,
     plan_gradients,
 )
+from hetjax.types import MASTER
 
 # -- host -----------------------------------------------------------------------------------
 
@@ -215,8 +216,8 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
     param_slabs = host_param_bytes(s, o)
     boundaries = host_boundary_bytes(s, o)
     swapped = host_swapped_bytes(s, o)
-    state = 2 * s.state_bytes * cache_of.host_own if tier == "host" else 0
-    biggest = s.state_bytes * cache_of.host_biggest
+    state = 2 * s.state_nbytes(cache_of.host_own) if tier == "host" else 0
+    biggest = s.state_nbytes(cache_of.host_biggest)
     io = IO_SLOTS * biggest if tier == "nvme" else 0
     others = param_slabs + state + io + boundaries + swapped
     order, sizes = list(cache_of.grad_order), cache_of.grad_sizes
@@ -257,10 +258,10 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
     required += published
     cached: list[str] = []
     if tier == "nvme" and budget and required < budget:
-        stage_state = {n: s.state_bytes * s.own(n) for n in cache_of.host}
+        stage_state = {n: s.state_nbytes(s.own(n)) for n in cache_of.host}
         doubled = {n: 2 * b for n, b in stage_state.items()}
         cached = belady_cache([n for n in order if n in doubled], doubled, budget - required)
-    cache = sum(2 * s.state_bytes * s.own(n) for n in cached)
+    cache = sum(2 * s.state_nbytes(s.own(n)) for n in cached)
     kept_blocks = kept_param_blocks(s, o, budget - required - cache if budget else 0)
     kept = kept_blocks * s.compute_bytes * s.own_block
     return HostMemoryPlan(
@@ -315,7 +316,7 @@ def nvme_parts(s: Sizes, o: Offload, host: HostMemoryPlan) -> dict[str, int]:
     own = DeviceCache.of(s, o).host_own
     slots = o.recomputed_blocks(s.num_layers)
     return {
-        "optimizer": 2 * s.state_bytes * own if o.optimizer == "nvme" else 0,
+        "optimizer": 2 * s.state_nbytes(own) if o.optimizer == "nvme" else 0,
         "params": (
             2 * s.compute_bytes * own
             if o.params == "nvme" and not memory.params_are_master(o, s.compute_bytes)
@@ -335,14 +336,16 @@ def nvme_parts(s: Sizes, o: Offload, host: HostMemoryPlan) -> dict[str, int]:
 
 
 def in_memory_parts(s: Sizes, remat: bool) -> dict[str, int]:
-    """Device bytes of ``offload.mode=none`` (everything on the device, fp32), by what
-    they hold: with ``remat`` the blocks keep their boundaries only."""
+    """Device bytes of ``offload.mode=none`` (everything on the device: the params are
+    the master, fp32 gradients), by what they hold: with ``remat`` the blocks keep their
+    boundaries only."""
     params = s.embed + s.blocks_total + s.head
     L = s.num_layers
     acts = (L * s.boundary if remat else L * s.kept["all"]) + s.working_set + s.context
+    state = s.state_format
     return {
-        "params": 4 * params,
+        "params": state.nbytes(params, [MASTER]),
         "gradients": 4 * params,
-        "optimizer": 4 * s.state_kinds * params,
+        "optimizer": state.nbytes(params, state.moments),
         "act": acts,
     }

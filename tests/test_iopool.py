@@ -15,6 +15,7 @@ from hetjax import memory
 from hetjax.config import OptimizerConfig
 from hetjax.optimizer import native
 from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.optimizer.state_format import StateFormat
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.iopool import IoPool, SlabPool
 from hetjax.storage.nvme import PageStore
@@ -28,7 +29,7 @@ def _done():
 
 
 def test_a_slot_comes_back_only_when_its_io_is_done():
-    pool = IoPool(["master", "mu"], 1024, slots=2)
+    pool = IoPool(StateFormat.fp32(["mu"]).dtypes, 1024, slots=2)
     a, b = pool.take("s0"), pool.take("s1")
     assert pool.nbytes == 2 * 2 * 1024 * 4
     promise, writing = ts.Promise.new()
@@ -41,7 +42,7 @@ def test_a_slot_comes_back_only_when_its_io_is_done():
 
 
 def test_a_pool_all_held_names_the_stages():
-    pool = IoPool(["master"], 16, slots=2)
+    pool = IoPool(StateFormat.fp32([]).dtypes, 16, slots=2)
     pool.take("block0")
     pool.take("block1")
     with pytest.raises(RuntimeError, match=r"all 2 optimizer I/O buffers are held.*block0, block1"):

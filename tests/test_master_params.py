@@ -14,6 +14,7 @@ from equivalence import assert_losses_close, assert_trees_close, training_batche
 from hetjax import memory
 from hetjax.memory import Offload, Sizes
 from hetjax.memory_host import nvme_parts, plan_host
+from hetjax.optimizer.state_format import StateFormat
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.params import MasterPages, OwnPages
 from hetjax.train import train
@@ -47,7 +48,8 @@ def test_which_params_are_the_master():
     assert not memory.params_are_master(Offload(params="host", optimizer="nvme"), 4)
     sizes = Sizes(
         num_layers=4, embed=4_000, block=10_000, head=2_000, own_embed=4_000,
-        own_block=10_000, own_head=2_000, compute_bytes=4, block_grad_bytes=4, state_kinds=2,
+        own_block=10_000, own_head=2_000, compute_bytes=4, block_grad_bytes=4,
+        state_format=StateFormat.fp32(["mu", "nu"]),
         boundary=1_000, working_set=0, kept={"all": 0}, grad_policy="release",
     )  # fmt: skip
     o = Offload(params="nvme", optimizer="nvme")

@@ -9,15 +9,18 @@ from equivalence import training_batches
 from hetjax import memory_host
 from hetjax.memory import Offload, Sizes
 from hetjax.memory_host import plan_host
+from hetjax.optimizer.state_format import StateFormat
 from hetjax.runtime.streaming import StreamingRuntime
 
 BLOCK = 10_000  # elements of a block slab
+ADAM = StateFormat.fp32(["mu", "nu"])
 
 
 def _sizes(layers: int = 6) -> Sizes:
     return Sizes(
         num_layers=layers, embed=4_000, block=BLOCK, head=2_000, own_embed=4_000,
-        own_block=BLOCK, own_head=2_000, compute_bytes=2, block_grad_bytes=2, state_kinds=2,
+        own_block=BLOCK, own_head=2_000, compute_bytes=2, block_grad_bytes=2,
+        state_format=ADAM,
         boundary=1_000, working_set=0, kept={"all": 0}, grad_policy="release",
     )  # fmt: skip
 

@@ -16,12 +16,15 @@ from equivalence import (
 from hetjax import memory, timeline
 from hetjax.config import ConfigError
 from hetjax.memory import Offload, Sizes, plan_device
+from hetjax.optimizer.state_format import StateFormat
 from hetjax.runtime import stages
 from hetjax.runtime.placement import live_bytes_by_kind
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.nvme import PageStore
 from hetjax.train import train
 from models import build_model
+
+ADAM = StateFormat.fp32(["mu", "nu"])  # AdamW's state: fp32 master, mu and nu
 
 
 @pytest.fixture(scope="module")
@@ -455,7 +458,7 @@ def test_budget_too_small_fails_at_start_up(tiny):
 def test_planner_prefers_prefetch_then_residency():
     # 2-byte compute: embed+head 100 bytes, a block slab 50; gradients 2 x 4 x 30,
     # two boundaries of 20 in flight (activations on the host), working set 30.
-    s = Sizes(10, 30, 25, 20, 30, 25, 20, 2, 2, 2, 20, 30, {"all": 0}, "release")
+    s = Sizes(10, 30, 25, 20, 30, 25, 20, 2, 2, ADAM, 20, 30, {"all": 0}, "release")
     o = Offload(params="host", optimizer="host", activations="host", prefetch_depth=3)
     plan = lambda budget: plan_device(s, o, budget)
     fixed = 100 + 240 + 40 + 30
@@ -538,7 +541,7 @@ def test_swapped_block_moves_activations_not_params(tiny):
     pages = block.to_pages(block.flatten(model.init_stage("block", jax.random.key(0))))
     x = jax.random.normal(jax.random.key(1), (4, 16, 32))
     kept = fns.kept_bytes(4, 16, x.dtype)
-    sizes = Sizes(2, 0, block.padded_size, 0, 0, 0, 0, 4, 4, 2, _nbytes(x), 0, kept, "keep")
+    sizes = Sizes(2, 0, block.padded_size, 0, 0, 0, 0, 4, 4, ADAM, _nbytes(x), 0, kept, "keep")
     for level in ("matmuls", "probs"):
         swap = fns.swapped(level)
         (y, _), residuals = swap.forward(pages, x)

@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from hetjax.config import NATIVE_OPTIMIZERS
+from hetjax.optimizer.state_format import StateFormat
+from hetjax.types import MASTER
 
 TARGET = "hetjax_adam"
 SOURCE = Path(__file__).parent / "csrc" / "adam.cc"
@@ -128,16 +130,33 @@ def load() -> ctypes.CDLL:
     f = handle.HetjaxAdamHost
     p = ctypes.c_void_p
     i64 = ctypes.c_int64
-    f.argtypes = [p, p, p, p, i64, ctypes.c_int, p, ctypes.c_float, i64, i64, i64, ctypes.c_int,
-                  p, ctypes.c_int]  # fmt: skip
+    f.argtypes = [p, p, p, ctypes.c_int, p, i64, ctypes.c_int, p, ctypes.c_float, i64, i64, i64,
+                  ctypes.c_int, p, ctypes.c_int]  # fmt: skip
     f.restype = ctypes.c_int
     return handle
 
 
+KINDS = (MASTER, "mu", "nu")  # the kernel's state operands, in this order
+
+# The kernel's codes of the dtypes it takes (``kind_of`` in ``csrc/adam.cc``): the
+# compute-dtype params it writes, the gradient pages it reads, and the state it updates,
+# ``float`` only (``float* p, m, v``): a state format of other dtypes is refused here.
 _OUT_KINDS = {"float32": 0, "bfloat16": 1, "float16": 2}
-
-
 _GRAD_KINDS = {"float32": 0, "bfloat16": 1}
+_STATE_KINDS = {"float32": 0}
+
+
+def refusal(state: StateFormat) -> str | None:
+    """Why the kernel cannot update state in the format ``state`` (None: it can): it
+    updates ``master``, ``mu`` and ``nu``, each in a dtype it has a code for."""
+    if state.kinds != list(KINDS):
+        return f"the native kernel updates the state kinds {list(KINDS)}, not {state.kinds}"
+    if any(f.block_size or f.dtype.name not in _STATE_KINDS for _, f in state.formats):
+        return (
+            f"the native kernel updates state in {', '.join(_STATE_KINDS)} only, not "
+            f"{state.describe()}"
+        )
+    return None
 
 
 def host_update(
@@ -150,15 +169,22 @@ def host_update(
     page_elems: int,
 ) -> None:
     """The kernel's pass over host buffers, in place, outside XLA: ``slabs`` (``master``,
-    ``mu``, ``nu``: writable float32, one size) are updated, ``out`` (the same size, the
-    compute dtype) receives the new params. ``grad`` is the gradient as pages of one
-    size covering the slab (float32 or bfloat16, each contiguous; one page: a flat
-    slab), read where they are. ``coef`` as the FFI call's operand. Releases the GIL
-    while it runs (ctypes)."""
+    ``mu``, ``nu``: writable, one size, one dtype the kernel updates) are updated,
+    ``out`` (the same size, the compute dtype) receives the new params. ``grad`` is the
+    gradient as pages of one size covering the slab (float32 or bfloat16, each
+    contiguous; one page: a flat slab), read where they are. ``coef`` as the FFI call's
+    operand. Releases the GIL while it runs (ctypes)."""
     n = out.size
-    arrays = [slabs["master"], slabs["mu"], slabs["nu"]]
-    if any(a.dtype != np.float32 or a.size != n or not a.flags.writeable for a in arrays):
-        raise ValueError("host_update: master, mu and nu must be writable float32 of one size")
+    arrays = [slabs[k] for k in KINDS]
+    state_kind = _STATE_KINDS.get(arrays[0].dtype.name)
+    if state_kind is None or any(
+        a.dtype != arrays[0].dtype or a.size != n or not a.flags.writeable for a in arrays
+    ):
+        raise ValueError(
+            f"host_update: master, mu and nu must be writable, of one size and one dtype the "
+            f"kernel updates ({', '.join(_STATE_KINDS)}), not "
+            + ", ".join(f"{k} {a.size} {a.dtype}" for k, a in zip(KINDS, arrays, strict=True))
+        )
     kind = _GRAD_KINDS.get(grad[0].dtype.name)
     grad_page = grad[0].size
     if (
@@ -180,7 +206,8 @@ def host_update(
     )
     grad_pointers = (ctypes.c_void_p * len(grad))(*(g.ctypes.data for g in grad))
     done = load().HetjaxAdamHost(
-        *(a.ctypes.data for a in arrays), grad_pointers, grad_page, kind, coef.ctypes.data,
+        *(a.ctypes.data for a in arrays), state_kind, grad_pointers, grad_page, kind,
+        coef.ctypes.data,
         weight_decay, n, num_decay, page_elems, _OUT_KINDS[out.dtype.name], pointers,
         os.cpu_count() or 1,
     )  # fmt: skip
@@ -200,12 +227,21 @@ def _auto_available() -> bool:
     return True
 
 
-def use_native(choice: str, optimizer: str, platform_name: str) -> bool:
+def use_native(
+    choice: str, optimizer: str, platform_name: str, state: StateFormat | None = None
+) -> bool:
     """Whether an optimizer over state on ``platform_name`` runs the native kernel:
     ``choice`` is ``optimizer.host_kernel``, ``optimizer`` the optimizer's name (the
     config allows ``native`` for adam and adamw only). The kernel is the host's: state
-    cached on a GPU (``offload.optimizer_device_stages``) is updated by optax there."""
+    cached on a GPU (``offload.optimizer_device_stages``) is updated by optax there.
+    ``state``: the optimizer's state format, where known; one the kernel cannot update
+    (:func:`refusal`) runs optax, and with ``native`` raises ``NativeKernelError``."""
     if choice == "optax" or optimizer not in NATIVE_OPTIMIZERS or platform_name != "cpu":
+        return False
+    refused = refusal(state) if state is not None else None
+    if refused is not None:
+        if choice == "native":
+            raise NativeKernelError(refused)
         return False
     if choice == "native":
         load()

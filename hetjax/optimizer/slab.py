@@ -39,6 +39,7 @@ import optax
 from hetjax.config import OptimizerConfig
 from hetjax.optimizer import native
 from hetjax.optimizer.build import base_optimizer, learning_rate_schedule, state_kind_name
+from hetjax.optimizer.state_format import StateFormat, state_format
 from hetjax.storage.pages import (
     GradPages,
     SlabLayout,
@@ -116,14 +117,14 @@ def _clip_scale(norm, max_norm):
     return jnp.where((max_norm == 0) | (norm < max_norm), 1.0, max_norm / norm)
 
 
-def _host_buffers(slabs: dict, kinds: list[str]) -> bool:
-    """Whether every kind's slab is one writable float32 numpy array (host buffers the
-    native kernel may update in place)."""
+def _host_buffers(slabs: dict, state: StateFormat) -> bool:
+    """Whether every kind's slab is one writable numpy array in its ``state`` dtype
+    (host buffers the native kernel may update in place)."""
     return all(
         isinstance(slabs[k], np.ndarray)
-        and slabs[k].dtype == np.float32
+        and slabs[k].dtype == state.dtype(k)
         and slabs[k].flags.writeable
-        for k in kinds
+        for k in state.kinds
     )
 
 
@@ -161,12 +162,15 @@ class SlabOptimizer:
         self.param_buffers = None
         self.tx = base_optimizer(cfg, total_steps, mask=(True, False))
         self._lr = learning_rate_schedule(cfg, total_steps)
-        platform = next(iter(sharding.device_set)).platform
-        self.native = native.use_native(cfg.host_kernel, cfg.name, platform)
-        self.chunk_elems = chunk_elems(sharding)  # 0: one chunk per stage
         self._slots, self._treedef = _state_slots(self.tx)
         state_kinds = list(dict.fromkeys(s.kind for s in self._slots if s.kind))
         self.kinds = [MASTER, *state_kinds]  # every slab kind, master first
+        # what the stores, the memory model and the checkpoint hold each kind in
+        self.state_format = state_format(cfg)
+        assert self.state_format.kinds == self.kinds, (self.state_format, self.kinds)
+        platform = next(iter(sharding.device_set)).platform
+        self.native = native.use_native(cfg.host_kernel, cfg.name, platform, self.state_format)
+        self.chunk_elems = chunk_elems(sharding)  # 0: one chunk per stage
         self._init = jax.jit(self._init_state, static_argnums=1, out_shardings=sharding)
         # Two ways to give XLA the output buffers instead of fresh allocations (fresh
         # buffers cost a page fault per 4 KiB on the first touch: about half the update's
@@ -246,11 +250,11 @@ class SlabOptimizer:
         coef, new_scalars = self._native_coef(scalars, scale)
         c = self.cfg
         n = slabs[MASTER].shape[0]
-        f32 = jax.ShapeDtypeStruct((n,), F32)
+        state = tuple(jax.ShapeDtypeStruct((n,), self.state_format.dtype(k)) for k in native.KINDS)
         page = jax.ShapeDtypeStruct((page_elems,), self.compute_dtype)
         call = jax.ffi.ffi_call(
             native.TARGET,
-            (f32, f32, f32) + (page,) * (n // page_elems),
+            state + (page,) * (n // page_elems),
             input_output_aliases={0: 0, 1: 1, 2: 2} if aliased else None,
         )
         decay = c.weight_decay if c.name == "adamw" else 0.0
@@ -270,7 +274,8 @@ class SlabOptimizer:
         scalars: optax computes the scalars (step counts) on empty slabs; the kernel gets
         the step's coefficients as optax derives them."""
         empty = jnp.zeros((0,), F32)
-        state = self._assemble({k: empty for k in self.kinds}, scalars, 0)
+        slabs = {k: jnp.zeros((0,), self.state_format.dtype(k)) for k in self.kinds}
+        state = self._assemble(slabs, scalars, 0)
         _, new_state = self.tx.update((empty, empty), state, (empty, empty))
         _, new_scalars = self._disassemble(new_state)
         adam = _find(state, optax.ScaleByAdamState)
@@ -346,7 +351,7 @@ class SlabOptimizer:
         generation of this stage's state that the new state is written into (its arrays
         are deleted); ``in_place`` writes it over ``slabs`` (which must be a copy nobody
         else holds, e.g. a fresh NVMe read). Otherwise the new state gets fresh buffers."""
-        if in_place and self.native and _host_buffers(slabs, self.kinds):
+        if in_place and self.native and _host_buffers(slabs, self.state_format):
             return self.update_host(layout_name, slabs, scalars, grad, clip, skip, catch_up)
         assert not (skip or catch_up), "deferred updates need the native kernel on host buffers"
         layout = self.layouts[layout_name]
@@ -399,7 +404,7 @@ class SlabOptimizer:
         catch_up: tuple = (),
     ) -> tuple[dict[str, np.ndarray], list, list[np.ndarray]]:
         """:meth:`update` by the native kernel straight on host buffers, in place, no XLA
-        buffer involved: ``slabs`` (each kind a writable float32 numpy slab, e.g. the
+        buffer involved: ``slabs`` (each kind a writable numpy slab in its state dtype, e.g. the
         NVMe tier's pooled I/O buffers) are the new state when it returns; the gradient
         is read where it is (its pages, float32 or bfloat16). The new params are pages of
         one fresh compute-dtype slab (aligned: put without a copy). Equal to the jitted
@@ -442,7 +447,7 @@ class SlabOptimizer:
         self, layout_name: str, slabs: dict[str, np.ndarray], pages, at, inputs: list
     ) -> np.ndarray:
         """The updates ``pages`` of a stage missed, one per scalars in ``inputs``, with a
-        zero gradient, in place: ``slabs`` (each kind flat float32) hold those pages at
+        zero gradient, in place: ``slabs`` (each kind flat, its state dtype) hold those pages at
         the page positions ``at`` (one per page: the stage's own positions, or 0.. in a
         buffer of just these pages; consecutive pages consecutive there). Returns their
         new params (compute dtype, (pages, page elements) in the order of ``pages``
@@ -476,5 +481,5 @@ class SlabOptimizer:
         return self._cast(jax.device_put(master, self.sharding), layout_name)
 
     def state_bytes(self, layout_name: str) -> int:
-        """Bytes of one stage's slabs (all kinds, fp32)."""
-        return len(self.kinds) * self.layouts[layout_name].nbytes(F32)
+        """Bytes of one stage's slabs (all kinds, as ``state_format`` holds them)."""
+        return self.state_format.nbytes(self.layouts[layout_name].padded_size)

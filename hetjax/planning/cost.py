@@ -166,8 +166,8 @@ def lanes(
     if c.optimizer == "nvme":
         moved = S * (P - cache.params) * (1 - cached)
         # params that are the master: a block's state read copies the master from its
-        # backward's param read (storage/params.py, MasterPages)
-        copied = 4 * streamed_b * Ps * frac * (1 - cached) if params_are_master(o, cb) else 0
+        # backward's param read (storage/params.py, MasterPages), cb bytes a parameter
+        copied = cb * streamed_b * Ps * frac * (1 - cached) if params_are_master(o, cb) else 0
         read, written = moved - copied, moved
         if routing and w.deferred_expert_updates:
             saved_r, saved_w, again = deferred_bytes(w, routed * w.routed_expert_params * S)
@@ -218,14 +218,14 @@ def lanes(
 
 def deferred_bytes(w: Workload, state: float) -> tuple[float, float, float]:
     """Deferred expert updates (``optimizer/deferred.py``) over ``state`` bytes of the
-    routed experts' optimizer state (all kinds, the master's 4 bytes a parameter among
-    them): the bytes a step expects not to read and not to write, and the bytes it
-    expects to catch up (read and write again, in the forward). An expert gets a token in
+    routed experts' optimizer state (all kinds, the master's among them): the bytes a
+    step expects not to read and not to write, and the bytes it expects to catch up
+    (read and write again, in the forward). An expert gets a token in
     a step with probability q = 1 - (1 - f)^A (f the share a micro-batch routes, A
     micro-batches); without one its state is not read but the master, nor written, and
     it is caught up when it comes back, after a gap: probability q (1 - q)."""
     q = w.expert_step_share
-    moments = state * (w.state_bytes_per_param - 4) / w.state_bytes_per_param
+    moments = state * w.state_format.moment_bytes_per_param / w.state_bytes_per_param
     again = state * q * (1 - q)
     return moments * (1 - q) - again, state * (1 - q) - again, again
 

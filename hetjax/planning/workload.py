@@ -13,6 +13,7 @@ from hetjax.config import Config, ConfigError
 from hetjax.data import decoder_length
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy
 from hetjax.optimizer.deferred import deferrable
+from hetjax.optimizer.state_format import StateFormat, state_format
 from hetjax.planning.hardware import Hardware
 from hetjax.runtime import remat, stages
 from hetjax.runtime.routed import expert_leaves
@@ -44,7 +45,7 @@ class Workload:
     head_params: int
     compute_bytes: int  # bytes per compute-dtype element
     block_grad_bytes: int  # bytes per element of block gradient slabs (memory.block_grad_dtype)
-    state_kinds: int  # optimizer state kinds besides the fp32 master (AdamW: 2)
+    state_format: StateFormat  # the optimizer state's kinds and dtypes (its master's among them)
     micro_batches: int
     tokens_per_step: int  # global
     flops_per_step: float  # model FLOPs (6N + attention) of one optimizer step
@@ -136,8 +137,9 @@ class Workload:
         return 1 - (1 - self.expert_fetch_fraction) ** self.micro_batches
 
     @property
-    def state_bytes_per_param(self) -> int:
-        return 4 * (1 + self.state_kinds)
+    def state_bytes_per_param(self) -> float:
+        """Bytes of optimizer state (every kind, the master's among them) a parameter."""
+        return self.state_format.bytes_per_param
 
     def stage_times(self, hw: Hardware) -> dict[str, float]:
         """Seconds per micro-batch of each stage function: measured, or FLOPs over the
@@ -269,7 +271,6 @@ class Workload:
         attention_matmuls = {"reference": 2, "fused": 4}.get(impl, 0) * tokens * T * D * attentions
         recompute = {"matmuls": attention_matmuls, "probs": 0.0, "all": 0.0}
         attention_bwd = 2 * tokens * T * D * attentions if impl in ("blockwise", "fused") else 0.0
-        kinds = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1 if config.optimizer.momentum else 0}
         # expert-aware streaming: one device (ZeRO-3 gathers whole pages)
         routed = model.expert_routing and config.offload.expert_fetch == "routed"
         routed_experts = 0
@@ -294,7 +295,7 @@ class Workload:
             head_params=head,
             compute_bytes=c,
             block_grad_bytes=block_grad_dtype(config).itemsize,
-            state_kinds=kinds[config.optimizer.name],
+            state_format=state_format(config.optimizer),
             micro_batches=t.grad_accum,
             tokens_per_step=t.batch_size * T,
             flops_per_step=row_flops(model, T, T_dec) * t.batch_size,
@@ -502,7 +503,7 @@ def _memory_sizes(w: Workload, devices: int, chunks: int) -> Sizes:
         own_head=w.head_params // devices,
         compute_bytes=w.compute_bytes,
         block_grad_bytes=w.block_grad_bytes,
-        state_kinds=w.state_kinds,
+        state_format=w.state_format,
         boundary=w.boundary,
         working_set=w.working_set_in(chunks),
         kept=w.kept,

@@ -18,6 +18,7 @@ from hetjax.hf import open_checkpoint
 from hetjax.memory import DeviceCache, Offload, Sizes, grad_policy
 from hetjax.memory_host import HostMemoryPlan, nvme_parts
 from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.optimizer.state_format import StateFormat
 from hetjax.runtime.stages import StageMemory
 from hetjax.storage.gradients import GradientStore
 from hetjax.storage.iopool import SlabPool
@@ -44,10 +45,11 @@ def memory_sizes(
     layouts: dict[str, SlabLayout],
     state_layouts: dict[str, SlabLayout],
     stage_memory: StageMemory,
-    state_kinds: int,
+    state_format: StateFormat,
 ) -> Sizes:
     """The run's sizes as the memory model takes them (``hetjax/memory.py``); ``groups``
-    the model's stage groups (``models.staged.StageGroup``)."""
+    the model's stage groups (``models.staged.StageGroup``), ``state_format`` the
+    optimizer's (``SlabOptimizer.state_format``)."""
     largest = max(groups, key=lambda g: layouts[g.name].padded_size).name
     return Sizes(
         num_layers=config.model.num_blocks,
@@ -59,7 +61,7 @@ def memory_sizes(
         own_head=state_layouts["head"].padded_size,
         compute_bytes=jnp.dtype(config.model.compute_dtype).itemsize,
         block_grad_bytes=memory.block_grad_dtype(config).itemsize,
-        state_kinds=state_kinds,
+        state_format=state_format,
         boundary=stage_memory.boundary,
         working_set=stage_memory.working_set,
         kept=stage_memory.kept,
@@ -123,7 +125,7 @@ def make_stores(
     nvme_dir: Path | None,
     pages: dict[str, tuple[int, int]],
     page_elems: int,
-    kinds: list[str],
+    state_format: StateFormat,
     host: HostMemoryPlan,
     shardings,
     device_stages: tuple[str, ...],
@@ -138,7 +140,7 @@ def make_stores(
     if off.optimizer == "nvme" and pages:
         states = NvmeStateStore(
             nvme_dir / "optimizer",
-            kinds,
+            state_format,
             pages,
             page_elems,
             list(host.cached_stages),
@@ -296,14 +298,13 @@ def build_stores(
     offload: Offload,
     host: HostMemoryPlan,
     layouts: dict[str, SlabLayout],
-    kinds: list[str],
     placement,
     device_stages: tuple[str, ...],
     boundary: jax.ShapeDtypeStruct,
     workdir,
 ) -> Stores:
     """The NVMe directory (checked against what the memory model puts there) and every
-    store of the run's tiers."""
+    store of the run's tiers (the optimizer state in ``sizes.state_format``)."""
     nvme_dir, temporary = nvme_directory(
         config, sizes, offload, host, workdir, placement.nvme_subdir
     )
@@ -313,7 +314,8 @@ def build_stores(
     views = LeafViews(layouts) if layouts["embed"].leaf_buffers else None
     slabs = SlabPool(host.param_slabs + host.kept_params + host.published)  # as planned
     states, params = make_stores(
-        config, nvme_dir, pages, page_elems, kinds, host, placement.shardings, device_stages,
+        config, nvme_dir, pages, page_elems, sizes.state_format, host, placement.shardings,
+        device_stages,
         views, slabs,
     )  # fmt: skip
     on_nvme = config.offload.params == "nvme"

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from hetjax.checkpoint_state import StagePart, StateSource, StoredState
+from hetjax.optimizer.state_format import StateFormat
 from hetjax.runtime.setup import layout_name
 from hetjax.storage.pages import SlabLayout
 from hetjax.types import MASTER, RuntimeState, StateStore, stages_tree
@@ -31,11 +32,12 @@ def source(
     states: StateStore,
     own_pages,
     loss_scale: tuple[float, int] | None,
+    state_format: StateFormat | None = None,
 ) -> StateSource:
     """This process's committed state for a checkpoint, taken where it lives
     (``checkpoint_state.py``): each stage's slabs or NVMe files, frozen until written.
     ``own_pages(layout)``: the (first page, number of pages) of a slab this process
-    holds."""
+    holds; ``state_format``: the optimizer's (None: fp32 each kind)."""
     parts, scalars, page = [], {}, 0
     for name in stage_names:
         layout = layouts[layout_name(name)]
@@ -52,7 +54,7 @@ def source(
     kinds = list(parts[0].slabs or []) or list(parts[0].pages[0].kinds)
     state_layouts = {name: layouts[layout_name(name)] for name in stage_names}
     P = layouts["embed"].page_elems
-    return StateSource(kinds, P, page, parts, state_layouts, scalars, loss_scale)
+    return StateSource(kinds, P, page, parts, state_layouts, scalars, loss_scale, state_format)
 
 
 def restore(

@@ -154,7 +154,7 @@ class StreamingRuntime:
         # plan needs besides (XLA's working set, the kept blocks' residuals: compiling
         # and tracing the stage functions) is measured once those checks passed.
         boundary = math.prod(self.boundary.shape) * self.boundary.dtype.itemsize
-        kinds = len(self.optimizer.kinds) - 1
+        state_format = self.optimizer.state_format  # the state kinds' dtypes
         # (the swapped blocks' activations live in host RAM: their sizes, from abstract
         # shapes, are the host plan's too)
         kept, swapped = {}, {}
@@ -163,7 +163,7 @@ class StreamingRuntime:
             kept, swapped = self.fns.kept_bytes(*batch), self.fns.swap_bytes(*batch)
         stage_memory = StageMemory(boundary, 0, kept, swapped=swapped)
         self.sizes = setup.memory_sizes(
-            config, groups, self.layouts, self.state_layouts, stage_memory, kinds
+            config, groups, self.layouts, self.state_layouts, stage_memory, state_format
         )
         self.offload = Offload.from_config(config)
         self.host_plan = plan_host(self.sizes, self.offload, mem.host_budget)
@@ -174,8 +174,8 @@ class StreamingRuntime:
         to_host = DeviceCache.of(self.sizes, self.offload).grad_stages(self.sizes)
         self._device_grad_stages = frozenset(self.device_stages) - set(to_host)
         stores = setup.build_stores(
-            config, self.sizes, self.offload, self.host_plan, self.layouts, self.optimizer.kinds,
-            placement, self.device_stages, self.boundary, workdir,
+            config, self.sizes, self.offload, self.host_plan, self.layouts, placement,
+            self.device_stages, self.boundary, workdir,
         )  # fmt: skip
         self.nvme_dir, self._temporary_nvme = stores.nvme_dir, stores.temporary
         self.states, self.param_store = stores.states, stores.params
@@ -653,8 +653,9 @@ class StreamingRuntime:
         ls = self.loss_scale
         loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
         return state_io.source(
-            self.stage_names, self.layouts, self.states, self.placement.own_pages, loss_scale
-        )
+            self.stage_names, self.layouts, self.states, self.placement.own_pages, loss_scale,
+            self.optimizer.state_format,
+        )  # fmt: skip
 
     def load_state(self, state: RuntimeState | StoredState) -> None:
         """Replaces every stage's state and params (the loop is idle between steps;

@@ -8,7 +8,8 @@ docs/results/2026-11-23.md).
 The pool allocates its slots once; TensorStore reads into them and writes from them
 without a copy, and the host optimizer's native kernel updates them in place.
 
-A slot holds one stage's slabs of every kind (sized for the biggest stage). Its life:
+A slot holds one stage's slabs of every kind (sized for the biggest stage), each in its
+kind's dtype (the optimizer's state format, ``optimizer/state_format.py``). Its life:
 taken for a read (``take``), held while the stage updates, and given back with the
 futures of the I/O that still uses it (``give``: the write-back, or a read-ahead that a
 commit made stale); it is free again once those are done. The number of slots is the
@@ -23,6 +24,7 @@ import dataclasses
 import gc
 import sys
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -31,7 +33,7 @@ from hetjax.storage.pages import DIRECT_ALIGN, aligned_empty
 
 @dataclasses.dataclass(eq=False)
 class Slot:
-    """One stage's buffers, a flat float32 array per kind."""
+    """One stage's buffers, a flat array per kind (in its dtype)."""
 
     arrays: dict[str, np.ndarray]
     stage: str = ""  # the stage it was last taken for (named when the pool runs out)
@@ -42,17 +44,19 @@ class Slot:
 
 
 class IoPool:
-    """``slots`` slots of ``elems`` float32 elements per kind, allocated on first use."""
+    """``slots`` slots of ``elems`` elements per kind, each kind in its dtype in
+    ``dtypes`` (``{kind: dtype}``, e.g. ``StateFormat.dtypes``), allocated on first use."""
 
-    def __init__(self, kinds: list[str], elems: int, slots: int):
-        self.kinds, self.elems, self.size = list(kinds), elems, slots
+    def __init__(self, dtypes: Mapping[str, np.dtype], elems: int, slots: int):
+        self.dtypes = {k: np.dtype(d) for k, d in dtypes.items()}
+        self.kinds, self.elems, self.size = list(self.dtypes), elems, slots
         self._slots: list[Slot] = []
         self._returned: list[Slot] = []  # given back, free once their I/O is done
 
     @property
     def nbytes(self) -> int:
         """Bytes the pool holds now (all its slots, once allocated)."""
-        return len(self._slots) * len(self.kinds) * self.elems * 4
+        return len(self._slots) * self.elems * sum(d.itemsize for d in self.dtypes.values())
 
     def holds(self, array: np.ndarray) -> bool:
         """Whether ``array`` lies in one of the pool's buffers."""
@@ -95,7 +99,7 @@ class IoPool:
     def _allocate(self) -> Slot | None:
         if len(self._slots) >= self.size:
             return None
-        slot = Slot({k: aligned_empty(self.elems, np.float32, DIRECT_ALIGN) for k in self.kinds})
+        slot = Slot({k: aligned_empty(self.elems, d, DIRECT_ALIGN) for k, d in self.dtypes.items()})
         self._slots.append(slot)
         return slot
 

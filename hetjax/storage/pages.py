@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MASTER_ITEMSIZE = 4  # pages are sized by fp32 master state
+from hetjax.optimizer.state_format import MASTER_DTYPE
+
+MASTER_ITEMSIZE = MASTER_DTYPE.itemsize  # pages are sized by fp32 master state
 PAGE_ALIGN = 1024  # elements: pages are whole 4 KiB blocks of fp32 (direct I/O's unit)
 
 

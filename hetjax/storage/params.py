@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from hetjax.optimizer.state_format import MASTER_DTYPE
 from hetjax.storage.iopool import SlabPool
 from hetjax.storage.nvme import (
     BaseCounters,
@@ -361,7 +362,7 @@ class NvmeParamStore:
         self.dtype = np.dtype(dtype)
         num_pages = sum(n for _, n in stage_pages.values())
         if master_of is not None:
-            assert self.dtype == np.float32, "only fp32 params are the fp32 master"
+            assert self.dtype == MASTER_DTYPE, "only params in the master's dtype are the master"
             self.pages = MasterPages(master_of, hold_reads)
         else:
             self.pages = OwnPages(path, dtype, num_pages, page_elems)

@@ -40,6 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from hetjax.optimizer.state_format import StateFormat
 from hetjax.storage.iopool import IoPool, Slot
 from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
 from hetjax.storage.pages import page_runs, runs_outside
@@ -189,23 +190,28 @@ class NvmeStateStore:
     def __init__(
         self,
         path: Path,
-        kinds: list[str],
+        state_format: StateFormat,
         stage_pages: dict[str, tuple[int, int]],
         page_elems: int,
         cached: list[str],
         sharding: jax.sharding.Sharding,
         io_slots: int,
     ):
-        """``io_slots``: stages' worth of pooled I/O buffers (``iopool.py``), what the
+        """``state_format``: the kinds and their dtypes (``optimizer/state_format.py``).
+        ``io_slots``: stages' worth of pooled I/O buffers (``iopool.py``), what the
         host plan counts (``memory.IO_SLOTS``)."""
         self.path = Path(path)
-        self.kinds = kinds
+        self.state_format = state_format
+        self.kinds = state_format.kinds
         self.stage_pages = stage_pages  # stage -> (first page, number of pages)
         self.page_elems = page_elems
         self.cached = set(cached)
         self.sharding = sharding  # where cached slabs live (host RAM)
         num_pages = sum(n for _, n in stage_pages.values())
-        self.disk = [PageStore(self.path / f"gen{g}", kinds, num_pages, page_elems) for g in (0, 1)]
+        dtypes = state_format.dtypes
+        self.disk = [
+            PageStore(self.path / f"gen{g}", dtypes, num_pages, page_elems) for g in (0, 1)
+        ]
         self.gen = 0  # the generation holding the committed state
         self.cache: dict[str, dict[str, jax.Array]] = {}
         self.scalars: dict[str, list] = {}
@@ -221,8 +227,8 @@ class NvmeStateStore:
         self._manifest_due = False
         biggest = max(n for _, n in stage_pages.values()) * page_elems
         # Write-back in flight: the biggest stage's state, as the host plan counts it.
-        self._write_window = biggest * 4 * len(kinds)
-        self._pool = IoPool(kinds, biggest, io_slots)
+        self._write_window = state_format.nbytes(biggest)
+        self._pool = IoPool(dtypes, biggest, io_slots)
         self._reads: dict[str, _Read] = {}  # read-ahead into the pool, this generation
         self._held: dict[str, Slot] = {}  # read and handed out, not yet written back
         self._catching: dict[str, Slot] = {}  # read for a catch-up, not yet written back
@@ -281,7 +287,7 @@ class NvmeStateStore:
         for k in kinds:  # the master whole: the params not updated are published too
             for a, b in runs if k != MASTER else [(0, n)]:
                 futures.append(disk.read_into(k, first + a, slot.view(k, elems)[a * P : b * P]))
-                read_kinds[k] += (b - a) * P * 4
+                read_kinds[k] += self.state_format.nbytes((b - a) * P, [k])
         read = self._reads[stage] = _Read(slot, elems, futures, read_kinds, skip)
         return read
 
@@ -303,7 +309,7 @@ class NvmeStateStore:
                 for a, b in page_runs(missing) if k != MASTER else []:
                     view = read.slot.view(k, read.elems)[a * P : b * P]
                     futures.append(self.disk[self.gen].read_into(k, first + a, view))
-                    read.kinds[k] += (b - a) * P * 4
+                    read.kinds[k] += self.state_format.nbytes((b - a) * P, [k])
             for future in futures:
                 future.result()
         self._held[stage] = read.slot
@@ -497,8 +503,9 @@ class NvmeStateStore:
                 at += b - a
         for future in futures:
             future.result()
-        self.read_bytes += len(pages) * P * 4 * len(self.kinds)
-        self.read_kinds.update({k: len(pages) * P * 4 for k in self.kinds})
+        nbytes = self.state_format.nbytes
+        self.read_bytes += nbytes(len(pages) * P)
+        self.read_kinds.update({k: nbytes(len(pages) * P, [k]) for k in self.kinds})
         return out
 
     def write_pages(self, stage: str, pages: list[int], slabs: dict[str, np.ndarray]) -> None:

@@ -256,15 +256,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HetjaxAdam, AdamImpl,
                                   .Attr<float>("weight_decay"));
 
 // The same pass called directly on host buffers (ctypes; no XLA buffers): the update of
-// a streamed stage in the NVMe tier's pooled I/O buffers, in place. ``grads`` holds
+// a streamed stage in the NVMe tier's pooled I/O buffers, in place. ``state_kind`` is
+// the dtype of master, mu and nu (the optimizer's state format): 0, f32, the only one
+// this pass updates (``float*``); another is refused (3). ``grads`` holds
 // ``n / grad_page`` pointers to the gradient's pages (``grad_kind`` 0: f32, 1: bf16),
 // ``pages`` ``n / page`` pointers to the compute-dtype pages (``out_kind`` 0: f32, 1:
 // bf16, 2: f16); the work is split over ``threads`` threads, the last part run by the
 // caller.
-extern "C" int HetjaxAdamHost(float* p, float* m, float* v, const void* const* grads,
-                              int64_t grad_page, int grad_kind, const float* coef,
-                              float weight_decay, int64_t n, int64_t num_decay, int64_t page,
-                              int out_kind, void* const* pages, int threads) {
+extern "C" int HetjaxAdamHost(float* p, float* m, float* v, int state_kind,
+                              const void* const* grads, int64_t grad_page, int grad_kind,
+                              const float* coef, float weight_decay, int64_t n,
+                              int64_t num_decay, int64_t page, int out_kind, void* const* pages,
+                              int threads) {
+  if (state_kind != 0) return 3;
   if (n <= 0 || page <= 0 || n % page != 0 || out_kind < 0 || out_kind > 2) return 1;
   if (grad_page <= 0 || n % grad_page != 0 || grad_kind < 0 || grad_kind > 1) return 2;
   const float* k = coef;
