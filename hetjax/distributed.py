@@ -80,6 +80,8 @@ def mesh_axes(logical: tuple[str | None, ...], rules=AXIS_RULES) -> tuple:
     if unknown:
         raise KeyError(f"logical axes {unknown} have no rule (known: {sorted(table)})")
     return tuple(None if name is None else table[name] for name in logical)
+
+
 DEFAULT_PORT = 12355
 
 

@@ -62,31 +62,37 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import Config, ConfigError
-from hetjax.distributed import DATA_AXIS, EXPERT_AXIS, MESH_AXES, data_mesh
+from hetjax.distributed import AXIS_RULES, BATCH_AXES, DATA_AXIS, MODEL_AXIS, data_mesh
 from hetjax.runtime.experts import ExpertPages, ExpertSlabLayout
 from hetjax.runtime.placement import ShardedPlacement, Shardings
-from hetjax.runtime.stages import declared_batch_means, stage_layouts
+from hetjax.runtime.stages import stage_layouts
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
-from hetjax.types import ParamStore, is_block, stage_layout
+from hetjax.types import Kind, ParamStore, StageSignature, is_block, stage_layout
 
 F32 = jnp.float32
 
 
-AXES = MESH_AXES  # pages and batch rows split over every device of the mesh
+AXES = BATCH_AXES  # pages and batch rows split over every device of the mesh
 
 
 class Zero3:
     """The streaming runtime's placement strategy with every stage's pages sharded over
     the ``distributed.data_parallel`` x ``distributed.expert_parallel`` devices of the
-    mesh (a MoE block's experts split over the ``expert`` axis)."""
+    mesh (a MoE block's experts split over the ``expert`` axis). Its compute layout
+    (``hetjax.types.ComputeLayout``) places by ``axis_rules``; the mesh's ``model`` axis
+    has size 1 (no tensor parallelism yet): a stage computes whole on every device."""
+
+    axis_rules = AXIS_RULES
 
     def __init__(self, config: Config):
         dist = config.distributed
         self.mesh = data_mesh(dist.data_parallel, dist.expert_parallel)
-        self.degree = self.mesh.size
+        self.rules = dict(self.axis_rules)
+        assert self.mesh.shape[MODEL_AXIS] == 1, "no tensor parallelism yet"
+        self.degree = self.mesh.size  # devices sharing the pages: data x expert
         self.expert_parallel = dist.expert_parallel
-        self.expert_axis = EXPERT_AXIS if dist.expert_parallel > 1 else None
+        self.expert_axis = self.rules["expert"] if dist.expert_parallel > 1 else None
         if config.train.micro_batch_size % self.degree:  # data_parallel 0: known only now
             raise ConfigError(
                 f"config key 'train.batch_size' ({config.train.batch_size}): its "
@@ -108,7 +114,14 @@ class Zero3:
     def stage_layouts(self, model, page_size: int) -> dict[str, SlabLayout]:
         """The stages' slab layouts: one equal share of pages per device; with expert
         parallelism, the block's experts in groups (``experts.py``)."""
-        return stage_layouts(model, page_size, self.degree, self.expert_parallel)
+        return stage_layouts(
+            model,
+            page_size,
+            self.degree,
+            self.expert_parallel,
+            rules=self.axis_rules,
+            axis_sizes={MODEL_AXIS: self.mesh.shape[MODEL_AXIS]},  # a shard of each leaf
+        )
 
     def own_pages(self, layout: SlabLayout) -> tuple[int, int]:
         """(first page, number of pages) of a stage slab that this process holds."""
@@ -134,63 +147,50 @@ class Zero3:
             return local
         return np.asarray(multihost_utils.process_allgather(local, tiled=True))
 
-    def jit(self, fn):
-        """A stage function run per device on its rows of the batch (``shard_map``):
-        whole pages in, the device's rows of activations in and out; its loss is the
-        mean over devices, its gradient slabs are reduce-scattered (``psum_scatter``).
-        Arguments and results are told apart by rank: pages (1-D) and scalars are
-        replicated, batches (2-D tokens, 3-D activations) split by rows; results split
-        by their first axis, but for the loss: 2-D gradient slabs (reduce-scattered by
-        ``grad_slab``), 1-D their pages' squared norms, 3-D activations. Results the
-        function declares means over its batch (``stages.batch_means``: a block's
-        auxiliary-loss statistics, any rank) are, as the loss, means over devices,
-        whole on each."""
-        means = declared_batch_means(fn)  # result positions, not ranks
+    def jit(self, fn, signature: StageSignature):
+        """A stage function run per device on its rows of the batch (``shard_map``), its
+        arguments and results placed as ``signature`` declares (``hetjax.types.Kind``),
+        by the axis rules' ``batch`` and ``expert`` mesh axes: pages whole (a block's
+        experts, its group's), batch rows, contexts and gradients split over the batch
+        axes (a gradient slab reduce-scattered by :meth:`grad_slab` inside), means
+        averaged over the devices and whole on each, a device's local values (a kept
+        block's vjp) stacked on a new leading axis and handed back to their device."""
+        batch, whole = PartitionSpec(self.rules["batch"]), PartitionSpec()
+        split = {Kind.BATCH: batch, Kind.CONTEXT: batch, Kind.GRAD: batch, Kind.LOCAL: batch}
+        out_specs = jax.tree.map(lambda kind: split.get(kind, whole), signature.results)
+        assert Kind.PAGES not in jax.tree.leaves(signature.results), signature
 
-        def reduce(out):
-            if out.ndim == 0:  # the loss: the global batch's mean is the mean of means
-                return jax.lax.pmean(out, AXES)
-            return out
+        def spec_in(kind: str, arg):
+            if kind == Kind.PAGES and isinstance(arg, ExpertPages):
+                experts = PartitionSpec(self.rules["expert"])
+                return ExpertPages([whole] * len(arg.dense), experts)
+            return jax.tree.map(lambda _: split.get(kind, whole), arg)
 
-        def mean(out):  # a declared batch mean: the mean of the devices' means
-            return jax.lax.pmean(out, AXES)
-
-        def spec_in(a):
-            if isinstance(a, ExpertPages):  # a block's pages under expert parallelism
-                return ExpertPages([PartitionSpec()] * len(a.dense), PartitionSpec(EXPERT_AXIS))
-            return PartitionSpec(AXES) if a.ndim >= 2 else PartitionSpec()
-
-        def spec_out(a):  # ``a``: the result on every device, stacked (a leading axis)
-            if a.ndim == 1:
-                return PartitionSpec()
-            return PartitionSpec(AXES, None) if a.ndim == 3 else PartitionSpec(AXES)
-
-        pages = lambda a: isinstance(a, ExpertPages)
-
-        def by_result(rule, mean_rule, results):
-            """``rule`` on every leaf of the results, ``mean_rule`` on the declared means'."""
-            if not means:
-                return jax.tree.map(rule, results)
-            assert isinstance(results, tuple) and max(means) < len(results), (fn, means)
-            return tuple(
-                jax.tree.map(mean_rule if i in means else rule, r) for i, r in enumerate(results)
-            )
+        def finish(kind: str, result):  # on each device: a result as its kind leaves
+            if kind == Kind.MEAN:  # the global batch's mean is the mean of the means
+                return jax.tree.map(lambda r: jax.lax.pmean(r, self.rules["batch"]), result)
+            if kind == Kind.LOCAL:
+                return jax.tree.map(lambda r: r[None], result)
+            return result
 
         def run(*args):
-            per_device = functools.partial(
-                jax.shard_map,
+            kinds = signature.args[: len(args)]
+            assert len(args) <= len(signature.args), (fn, signature)
+
+            def per_device(*args):
+                args = [
+                    jax.tree.map(lambda a: a[0], a) if kind == Kind.LOCAL else a
+                    for kind, a in zip(kinds, args, strict=True)
+                ]
+                return jax.tree.map(finish, signature.results, fn(*args))
+
+            return jax.shard_map(
+                per_device,
                 mesh=self.mesh,
-                in_specs=jax.tree.map(spec_in, args, is_leaf=pages),
+                in_specs=tuple(spec_in(k, a) for k, a in zip(kinds, args, strict=True)),
+                out_specs=out_specs,
                 check_vma=False,
-            )
-            # The results' ranks: every device's results stacked, traced as the shard_map
-            # below runs fn (its collectives bound to the mesh axes; not under vmap,
-            # which some primitives do not support: jax.lax.ragged_dot's MoE experts).
-            stacked = lambda *a: jax.tree.map(lambda o: o[None], fn(*a))
-            results = jax.eval_shape(per_device(stacked, out_specs=PartitionSpec(AXES)), *args)
-            out_specs = by_result(spec_out, lambda a: PartitionSpec(), results)
-            reduced = lambda *a: by_result(reduce, mean, fn(*a))
-            return per_device(reduced, out_specs=out_specs)(*args)
+            )(*args)
 
         return jax.jit(run)
 
@@ -239,7 +239,9 @@ class Zero3:
                 experts = jax.lax.all_gather(experts, DATA_AXIS, tiled=True)
                 return experts, jax.lax.all_gather(dense, AXES, tiled=True)
 
-            split = per_device(split, out_specs=(PartitionSpec(EXPERT_AXIS), PartitionSpec()))
+            split = per_device(
+                split, out_specs=(PartitionSpec(self.rules["expert"]), PartitionSpec())
+            )
 
             def gather(s):
                 experts, dense = split(s)
