@@ -5,7 +5,7 @@ implement. This module imports nothing else from hetjax, so every layer can use 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import flax
 import jax
@@ -322,6 +322,7 @@ class StageSignature:
     results: Any
 
 
+@runtime_checkable
 class ComputeLayout(Protocol):
     """Where a stage function's arguments and results live while it computes, and how it
     is compiled for that: one device (``runtime/placement.py``'s ``SingleDevice``) or

@@ -317,6 +317,8 @@ class Llama(FlaxStages):
     (:class:`MixtureOfExperts`); its stages are then run inside a ``shard_map`` over that
     axis, and the model is initialised without one (init sees every expert)."""
 
+    logical_axes_table = LOGICAL_AXES
+
     def __init__(self, config: ModelConfig, expert_axis: str | None = None):
         super().__init__(
             config,
