@@ -11,8 +11,13 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
 * **All-gather per stage, prefetched.** When the window fetches a stage, each device
   copies its own pages to device memory and a jitted all-gather makes them whole on
   every device; both are dispatched ahead of use like streaming's copies.
-* **Reduce-scatter of gradients.** Each stage function runs per device on its rows of
-  the global batch (``shard_map``); its gradient slab is ``psum_scatter``-ed
+* **Declared compute layout.** Each stage function runs per device on its rows of
+  the global batch (``shard_map``), its arguments and results placed as its signature
+  declares (``stages.SIGNATURES``, ``hetjax.types.Kind``), by the axis rules
+  (``distributed.AXIS_RULES``: ``batch`` over ``data`` x ``expert``, a MoE's
+  ``expert`` axis over ``expert``), never by an array's rank. The mesh has a third
+  axis, ``model``, of size 1: no tensor parallelism yet, but the path it would take.
+* **Reduce-scatter of gradients.** A stage function's gradient slab is ``psum_scatter``-ed
   (``grad_slab``), so each device keeps only the summed gradient of its own pages, which
   go to the host as before, with their squared norms taken on the device. (Left to
   XLA's automatic partitioner, the CPU backend lowers both collectives as all-reduces,
@@ -23,8 +28,8 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   that range (``SlabLayout.shard``: the decay split point moves with it). The global
   gradient norm for clipping is the sum of every process's part.
 
-* **Expert parallelism** (``distributed.expert_parallel`` G > 1). The mesh is 2-D,
-  ``data`` x ``expert`` (S x G devices); pages and batch rows split over both axes as
+* **Expert parallelism** (``distributed.expert_parallel`` G > 1). The mesh is
+  ``data`` x ``expert`` (x ``model`` 1: S x G devices); pages and batch rows split over both axes as
   above, but a mixture of experts' block slab is laid out so that each device's share
   holds a share of its own group of experts (``experts.py``): its gather all-gathers
   the dense pages over every device and the experts over ``data`` only, so a device
@@ -33,8 +38,8 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   over ``data`` only (the devices holding the same experts).
 
 A stage group's context (``models/staged.py``; T5's decoder reads the encoder's output
-and a position-bias table) goes by the same rank rules: its activations are split by
-rows like x; a 2-D param in it (the table) is a result of the group's input function on
+and a position-bias table) is declared ``Kind.CONTEXT``: its activations are split by
+rows like x; a param in it (the table) is a result of the group's input function on
 every device, so it is held once per device, stacked on the data axis, and handed back
 split: each device reads its own copy, and its gradient stays each device's partial
 sum until the group input's backward turns it into the embed stage's gradient slab,
@@ -43,7 +48,7 @@ reduce-scattered with the rest of that stage (``tests/test_t5.py``).
 The mean over the global batch is computed as the mean of the devices' means, the sum
 single-device training with ``train.grad_accum = N`` micro-batches does (tested at
 1e-5 in ``tests/test_zero.py``). A block's auxiliary-loss statistics (a mixture of
-experts' router statistics, declared with ``stages.batch_means``) are means over the
+experts' router statistics, declared ``Kind.MEAN``) are means over the
 devices too, so the auxiliary loss pools the whole micro-batch, as one device running
 it does (``tests/test_moe.py``). Per step and device the all-gathers move
 (N-1)/N of the stage slabs fetched and the reduce-scatters (N-1)/N of the gradient
