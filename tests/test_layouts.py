@@ -199,7 +199,7 @@ def test_every_stage_function_compiles_through_the_compute_layout():
     assert compute.compiled[before:] == [
         stages.SIGNATURES[n]
         for n in ("kept_forward", "swapped_forward", "swapped_backward")
-        + ("route", "mlp", "backward")
+        + ("routed_route", "routed_mlp", "routed_backward")
     ]
 
 

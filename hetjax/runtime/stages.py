@@ -63,11 +63,11 @@ SIGNATURES: dict[str, StageSignature] = {
     # (loss, [stats of each block], seed) -> (loss + aux loss, dstats)
     "aux_fwd_bwd": StageSignature((_W, _W, _W), (_M, _M)),
     # routed blocks (routed.py; one device): (b, x, c) -> (x_mid, top_e, counts)
-    "route": StageSignature((_P, _X, _C), (_X, _X, _L)),
+    "routed_route": StageSignature((_P, _X, _C), (_X, _X, _L)),
     # (b, x_mid, top_e, slots, c) -> (y, stats)
-    "mlp": StageSignature((_P, _X, _X, _W, _C), (_X, _M)),
+    "routed_mlp": StageSignature((_P, _X, _X, _W, _C), (_X, _M)),
     # (b, ids, top_e, slots, x, dy, dstats, c, dc) -> ((db, norms), dx, dc)
-    "backward": StageSignature((_P, _W, _X, _W, _X, _X, _W, _C, _C), (_G, _X, _C)),
+    "routed_backward": StageSignature((_P, _W, _X, _W, _X, _X, _W, _C, _C), (_G, _X, _C)),
 }
 
 
@@ -321,7 +321,8 @@ class GroupFunctions:
         """The functions of this group's block streamed expert-aware (``routed.py``):
         one device, a model with ``expert_routing``."""
         if self._routed is None:
-            jit = lambda fn: self._jit(fn, SIGNATURES[fn.__name__])  # route, mlp, backward
+            # RoutedBlock compiles its route, mlp and backward by name
+            jit = lambda fn: self._jit(fn, SIGNATURES[f"routed_{fn.__name__}"])
             self._routed = RoutedBlock(
                 self._model, self.index, self.layout, jit, self._cast, self._cotangent
             )
