@@ -29,8 +29,8 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   gradient norm for clipping is the sum of every process's part.
 
 * **Expert parallelism** (``distributed.expert_parallel`` G > 1). The mesh is
-  ``data`` x ``expert`` (x ``model`` 1: S x G devices); pages and batch rows split over both axes as
-  above, but a mixture of experts' block slab is laid out so that each device's share
+  ``data`` x ``expert`` (x ``model`` 1): S x G devices; pages and batch rows split over
+  both axes as above, but a mixture of experts' block slab is laid out so that each device's share
   holds a share of its own group of experts (``experts.py``): its gather all-gathers
   the dense pages over every device and the experts over ``data`` only, so a device
   computes with E/G experts, and its tokens reach the other experts by all-to-all
