@@ -209,6 +209,7 @@ def test_kept_and_swapped_blocks_run_under_zero3(tiny):
     block backward's, gradient shares and dx."""
     config = tiny(offload=dict(mode="stream"), distributed=dict(data_parallel=2))
     zero = Zero3(config)
+    assert isinstance(zero, ComputeLayout)
     model = build_model(config.model)
     layouts = zero.stage_layouts(model, config.memory.page_size)
     fns = stages.StageFunctions(model, layouts, zero)
