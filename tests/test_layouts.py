@@ -22,6 +22,7 @@ from hetjax.distributed import (
 )
 from hetjax.runtime import stages
 from hetjax.runtime.placement import SingleDevice
+from hetjax.runtime.signatures import SIGNATURES
 from hetjax.runtime.zero import Zero3
 from hetjax.storage.pages import shard_shapes
 from hetjax.train import train
@@ -189,15 +190,13 @@ def test_every_stage_function_compiles_through_the_compute_layout():
     names = ["head_loss", "head_fwd_bwd", "aux_fwd_bwd", "embed_fwd", "embed_bwd"]
     names += ["input_fwd", "input_bwd", "block_fwd", "block_bwd", "block_bwd_kept"]
     names += ["zero_context", "kept_forward"]  # the keep level's, made at construction
-    assert sorted(compute.compiled, key=repr) == sorted(
-        (stages.SIGNATURES[n] for n in names), key=repr
-    )
+    assert sorted(compute.compiled, key=repr) == sorted((SIGNATURES[n] for n in names), key=repr)
     before = len(compute.compiled)
     fns.kept_forward("matmuls")
     fns.swapped("all")
     fns.groups[0].routed()
     assert compute.compiled[before:] == [
-        stages.SIGNATURES[n]
+        SIGNATURES[n]
         for n in ("kept_forward", "swapped_forward", "swapped_backward")
         + ("routed_route", "routed_mlp", "routed_backward")
     ]

@@ -4,7 +4,7 @@ the slab layouts of a model's stages.
 Each function takes its stage's params as a list of pages and unflattens them inside
 the jit (``storage/pages.py``). Each is compiled by the placement's compute layout
 (``hetjax.types.ComputeLayout``: one device, or ZeRO-3 over a mesh) from its declared
-signature (:data:`SIGNATURES`: what each argument and result is), never from its
+signature (``signatures.SIGNATURES``: what each argument and result is), never from its
 arrays' ranks."""
 
 from __future__ import annotations
@@ -20,55 +20,12 @@ from hetjax.distributed import AXIS_RULES, mesh_axes
 from hetjax.runtime import chunks, remat
 from hetjax.runtime.experts import ExpertSlabLayout
 from hetjax.runtime.routed import RoutedBlock
+from hetjax.runtime.signatures import SIGNATURES
 from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems, shard_shapes
-from hetjax.types import ComputeLayout, Kind, StageSignature
+from hetjax.types import ComputeLayout
 from models.staged import logical_axes
 
 F32 = jnp.float32
-
-_P, _X, _C, _G = Kind.PAGES, Kind.BATCH, Kind.CONTEXT, Kind.GRAD
-_W, _M, _L = Kind.WHOLE, Kind.MEAN, Kind.LOCAL
-# Each stage function's declared layout: its arguments' kinds, then its results'
-# (hetjax.types.Kind). b/e/h: a stage's pages; x, dx, dy: activations (B, T, D); prev:
-# the previous group's output (or None); c, dc: a group's context and its gradient;
-# stats: a block's auxiliary-loss statistics (means over its rows), dstats their
-# cotangent; (db, norms): a gradient leaving the device.
-SIGNATURES: dict[str, StageSignature] = {
-    # (e, tokens) -> x
-    "embed_fwd": StageSignature((_P, _X), _X),
-    # (e, tokens, dx) -> (de, norms)
-    "embed_bwd": StageSignature((_P, _X, _X), _G),
-    # (e, prev, tokens, targets) -> (x, c)
-    "input_fwd": StageSignature((_P, _X, _X, _X), (_X, _C)),
-    # (e, prev, tokens, targets, dx, dc) -> ((de, norms), dprev)
-    "input_bwd": StageSignature((_P, _X, _X, _X, _X, _C), (_G, _X)),
-    # (b, x, c) -> (y, stats)
-    "block_fwd": StageSignature((_P, _X, _C), (_X, _M)),
-    # (b, x, dy, dstats, c, dc) -> ((db, norms), dx, dc)
-    "block_bwd": StageSignature((_P, _X, _X, _W, _C, _C), (_G, _X, _C)),
-    # (b, x, c) -> ((y, stats), vjp): the vjp's residuals stay on the device that made them
-    "kept_forward": StageSignature((_P, _X, _C), ((_X, _M), _L)),
-    # (vjp, dy, dstats, dc) -> ((db, norms), dx, dc)
-    "block_bwd_kept": StageSignature((_L, _X, _W, _C), (_G, _X, _C)),
-    # (b, x, c) -> ((y, stats), residuals)
-    "swapped_forward": StageSignature((_P, _X, _C), ((_X, _M), _L)),
-    # (b, residuals, dy, dstats, c, dc) -> ((db, norms), dx, dc)
-    "swapped_backward": StageSignature((_P, _L, _X, _W, _C, _C), (_G, _X, _C)),
-    # c -> zeros shaped as c
-    "zero_context": StageSignature((_C,), _C),
-    # (h, e, x, targets) -> loss
-    "head_loss": StageSignature((_P, _P, _X, _X), _M),
-    # (h, e, x, targets, scale) -> (loss, (dh, norms), (de, norms), dx)
-    "head_fwd_bwd": StageSignature((_P, _P, _X, _X, _W), (_M, _G, _G, _X)),
-    # (loss, [stats of each block], seed) -> (loss + aux loss, dstats)
-    "aux_fwd_bwd": StageSignature((_W, _W, _W), (_M, _M)),
-    # routed blocks (routed.py; one device): (b, x, c) -> (x_mid, top_e, counts)
-    "routed_route": StageSignature((_P, _X, _C), (_X, _X, _L)),
-    # (b, x_mid, top_e, slots, c) -> (y, stats)
-    "routed_mlp": StageSignature((_P, _X, _X, _W, _C), (_X, _M)),
-    # (b, ids, top_e, slots, x, dy, dstats, c, dc) -> ((db, norms), dx, dc)
-    "routed_backward": StageSignature((_P, _W, _X, _W, _X, _X, _W, _C, _C), (_G, _X, _C)),
-}
 
 
 def stage_layouts(
@@ -341,10 +298,10 @@ class StageFunctions:
     ``aux_fwd_bwd`` adds the auxiliary loss of their sum over blocks to the loss and
     returns the statistics' cotangent, which every block's backward takes besides dy (a
     model without an auxiliary loss, ``stats_size`` 0, needs neither). Both declare those
-    results means over the batch (``Kind.MEAN`` in :data:`SIGNATURES`).
+    results means over the batch (``Kind.MEAN`` in ``signatures.SIGNATURES``).
 
     ``compute`` (a :class:`~hetjax.types.ComputeLayout`: ``SingleDevice``, ``Zero3``)
-    compiles every stage function from its signature in :data:`SIGNATURES` (one device:
+    compiles every stage function from its signature in ``signatures.SIGNATURES`` (one device:
     ``jax.jit`` onto it; ZeRO-3: per device with collectives) and its ``grad_slab(pages,
     dtype)`` shapes a gradient as it leaves the device; block gradients leave in
     ``block_grad_dtype``. ``kept_blocks``
