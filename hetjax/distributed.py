@@ -34,7 +34,54 @@ from hetjax.config import Config, ConfigError, DistributedConfig
 
 DATA_AXIS = "data"
 EXPERT_AXIS = "expert"  # the mesh axis a mixture of experts' experts are split over
-MESH_AXES = (DATA_AXIS, EXPERT_AXIS)  # the batch and ZeRO-3's pages split over both
+# the mesh axis tensor parallelism would split weights over; size 1: there is none yet,
+# but every ZeRO-3 run goes through a mesh that has it
+MODEL_AXIS = "model"
+MESH_AXES = (DATA_AXIS, EXPERT_AXIS, MODEL_AXIS)
+BATCH_AXES = (DATA_AXIS, EXPERT_AXIS)  # the batch and ZeRO-3's pages split over both
+
+# Logical axis rules (MaxText's ``logical_axis_rules``, Levanter's axis mappings): the
+# logical axes models name on their params' leaves (``models/staged.py``'s
+# ``logical_axes``) and on activations (``batch``) -> the mesh axis each is split over
+# (a tuple: over several; None: whole on every device). The compute layouts
+# (``runtime/placement.py``, ``runtime/zero.py``) place by these, and a stage's page
+# layout is built from each leaf's shard under them (``stages.stage_layouts``).
+AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", BATCH_AXES),
+    ("expert", EXPERT_AXIS),  # expert parallelism: a group of experts per expert row
+    # what tensor parallelism would split over MODEL_AXIS (TENSOR_PARALLEL_RULES): not yet
+    ("vocab", None),
+    ("heads", None),
+    ("kv_heads", None),
+    ("mlp", None),
+    # never split: the model width, a group's stacked layers, fused q|k|v columns (not
+    # head-major), learned positions, T5's position buckets, a router's expert scores
+    ("embed", None),
+    ("layers", None),
+    ("qkv", None),
+    ("position", None),
+    ("buckets", None),
+    ("router", None),
+)
+# The rules a tensor-parallel placement would use (Megatron's split: attention by heads,
+# the MLP by its hidden units, the vocabulary): tests lay out per-shard pages with them.
+TENSOR_PARALLEL_RULES = tuple(
+    (name, MODEL_AXIS if name in ("vocab", "heads", "kv_heads", "mlp") else axis)
+    for name, axis in AXIS_RULES
+)
+
+
+def mesh_axes(logical: tuple[str | None, ...], rules=AXIS_RULES) -> tuple:
+    """Logical axis names (one per dimension; None: unnamed) -> the mesh axis each
+    dimension is split over under ``rules`` (None: whole), the entries of a
+    ``PartitionSpec``. A name the rules do not know is an error, not replicated."""
+    table = dict(rules)
+    unknown = [name for name in logical if name is not None and name not in table]
+    if unknown:
+        raise KeyError(f"logical axes {unknown} have no rule (known: {sorted(table)})")
+    return tuple(None if name is None else table[name] for name in logical)
+
+
 DEFAULT_PORT = 12355
 
 
@@ -197,10 +244,11 @@ def any_process(*flags: bool) -> tuple[bool, ...]:
 
 
 def data_mesh(degree: int, expert_parallel: int = 1):
-    """A 2-D mesh (axes ``data``, ``expert``) of ``degree`` x ``expert_parallel``
-    devices (``degree`` 0: every device of every process, ``expert_parallel`` of them
-    on each row). The devices are taken in process order, row by row, so each process's
-    devices are contiguous in the mesh's flat order."""
+    """A mesh (axes ``data``, ``expert``, ``model``) of ``degree`` x ``expert_parallel``
+    x 1 devices (``degree`` 0: every device of every process, ``expert_parallel`` of
+    them on each row; ``model`` 1: no tensor parallelism yet). The devices are taken in
+    process order, row by row, so each process's devices are contiguous in the mesh's
+    flat order."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -227,4 +275,4 @@ def data_mesh(degree: int, expert_parallel: int = 1):
             f"{jax.process_count()} processes every device takes part; set it to 0 or "
             f"{len(devices) // experts}"
         )
-    return Mesh(np.array(devices[:n]).reshape(n // experts, experts), MESH_AXES)
+    return Mesh(np.array(devices[:n]).reshape(n // experts, experts, 1), MESH_AXES)

@@ -554,13 +554,13 @@ def working_set(
     against the one XLA compiles here (``StageFunctions.memory_sizes``), for a GPT at a
     shape where the blocks' activations dominate (by default d 2048, 8 x 1024 tokens),
     bf16, whole and in 4 chunks of rows. A check per chunk count, with both figures."""
-    import jax
     import jax.numpy as jnp
 
     from hetjax.config import load_config
     from hetjax.config_values import format_bytes
     from hetjax.planning.workload import Workload
     from hetjax.runtime import stages
+    from hetjax.runtime.placement import SingleDevice
     from models import build_model
 
     for n in (1, 4):
@@ -574,7 +574,7 @@ def working_set(
         model = build_model(config.model)
         layouts = stages.stage_layouts(model, config.memory.page_size, leaf_buffers=True)
         fns = stages.StageFunctions(
-            model, layouts, jax.jit, lambda pages, dt: [p.astype(dt) for p in pages],
+            model, layouts, SingleDevice(),
             block_grad_dtype=jnp.bfloat16, batch_chunks=n,
         )  # fmt: skip
         compiled = fns.memory_sizes(batch, seq, jnp.bfloat16).working_set

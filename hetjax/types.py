@@ -5,7 +5,7 @@ implement. This module imports nothing else from hetjax, so every layer can use 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import flax
 import jax
@@ -264,3 +264,90 @@ class ParamStore(Protocol):
     def host_bytes(self) -> int: ...
     @property
     def nvme_bytes(self) -> int: ...
+
+
+# -- compute layouts ---------------------------------------------------------------------
+
+
+class Kind:
+    """What an argument or result of a stage function is, as its compute layout places
+    it (the entries of a :class:`StageSignature`). One device places every kind alike;
+    data parallelism (ZeRO-3) splits and reduces them as each says:
+
+    ``PAGES``    a stage's params as the device computes with them (a list of pages,
+                 leaf buffers, or an expert-parallel block's pages): whole on every
+                 device, but a MoE block's experts, split as the placement's rules map
+                 the ``expert`` axis. Arguments only.
+    ``BATCH``    rows of the micro-batch: tokens (B, T), activations (B, T, D) and their
+                 gradients, split on the leading axis as the rules map ``batch``.
+    ``CONTEXT``  a stage group's context (``models/staged.py``) or its gradient: split on
+                 the leading axis as ``BATCH`` (an activation in it by rows; a param in it,
+                 which every device holds, as one copy per device).
+    ``GRAD``     a gradient as it leaves the device (``grad_slab``: the pages and their
+                 squared norms): each device its own share of the pages, summed over
+                 the devices that computed it. Results only.
+    ``WHOLE``    the same value on every device: a scalar argument (the loss scale, the
+                 auxiliary loss's seed), statistics already averaged (``MEAN``).
+    ``MEAN``     a mean over the micro-batch's rows (the loss, a block's auxiliary-loss
+                 statistics): the mean of the devices' means, whole on every device.
+                 Results only; as an argument it is ``WHOLE``.
+    ``LOCAL``    a device's own value of any structure, never combined with another's
+                 (a kept block's vjp, a swapped block's residuals): as a result, each
+                 device's stacked on a new leading axis; as an argument, handed back to
+                 the device that made it.
+    """
+
+    PAGES = "pages"
+    BATCH = "batch"
+    CONTEXT = "context"
+    GRAD = "grad"
+    WHOLE = "whole"
+    MEAN = "mean"
+    LOCAL = "local"
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSignature:
+    """The declared layout of a stage function: one :class:`Kind` per positional
+    argument (trailing ones may be left out by a call, as defaults), and its results'
+    kinds in the structure it returns them (a kind for a whole subtree: ``(Kind.MEAN,
+    Kind.GRAD)`` for ``loss, (grad, norms)``; nested tuples for nested results)."""
+
+    args: tuple[str, ...]
+    results: Any
+
+
+@runtime_checkable
+class ComputeLayout(Protocol):
+    """Where a stage function's arguments and results live while it computes, and how it
+    is compiled for that: one device (``runtime/placement.py``'s ``SingleDevice``) or
+    ZeRO-3 over a mesh (``runtime/zero.py``'s ``Zero3``). Every stage function the
+    streaming runtime runs, kept and swapped blocks' included, is compiled with
+    :meth:`jit` from its declared :class:`StageSignature`, never from its arrays' ranks.
+    The params' layout is declared by the model too: each leaf names its logical axes
+    (``models/staged.py``'s ``logical_axes``) and ``axis_rules`` maps them (and
+    ``batch``) to mesh axes."""
+
+    shardings: Any  # this process's device, host and optimizer memory spaces
+    expert_axis: str | None  # the mesh axis a MoE's experts are split over, if any
+    # logical axis name -> mesh axis (or a tuple of them; None: whole on every device)
+    axis_rules: tuple[tuple[str, Any], ...]
+
+    def jit(self, fn: Any, signature: StageSignature) -> Any:
+        """``fn`` compiled to run in this layout, its arguments and results placed as
+        ``signature`` declares."""
+
+    def grad_slab(self, pages: Any, dtype: Any) -> Any:
+        """Inside a stage function: the gradient of its pages as it leaves the device."""
+
+    def stage_layouts(self, model: Any, page_size: int) -> dict[str, Any]:
+        """The stages' slab layouts in this layout (each device's shard of a leaf)."""
+
+    def to_device(self, pages: Any, layout: Any = None) -> Any:
+        """A stage's params from its store -> on the device(s) as the stage computes."""
+
+    def put_batch(self, rows: np.ndarray) -> jax.Array:
+        """This process's rows of a batch -> a ``BATCH`` argument."""
+
+    def put_scalar(self, value: float) -> jax.Array:
+        """An fp32 scalar -> a ``WHOLE`` argument."""

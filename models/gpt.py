@@ -27,7 +27,21 @@ import jax.numpy as jnp
 
 from hetjax.config import ModelConfig
 from models.attention import attention
-from models.staged import FlaxStages
+from models.staged import AxisTable, FlaxStages
+
+# Each param's logical axes (models/staged.py's logical_axes), by its path in its stage.
+LOGICAL_AXES: AxisTable = (
+    ("wte", ("vocab", "embed")),
+    ("wpe", ("position", "embed")),
+    ("c_attn/kernel", ("embed", "qkv")),  # q | k | v: not head-major across the three
+    ("c_attn/bias", ("qkv",)),
+    ("c_proj/kernel", ("heads", "embed")),  # (H K, D)
+    ("c_fc/kernel", ("embed", "mlp")),
+    ("c_fc/bias", ("mlp",)),
+    ("c_proj_mlp/kernel", ("mlp", "embed")),
+    ("(c_proj|c_proj_mlp)/bias", ("embed",)),
+    ("(ln_1|ln_2|ln_f)/(scale|bias)", ("embed",)),
+)
 
 
 class Block(nn.Module):
@@ -98,6 +112,8 @@ class Head(nn.Module):
 class GPT(FlaxStages):
     """A GPT model as three stages, the head tied to the token embedding ``wte``. All
     methods are pure functions of their params (see :class:`models.staged.FlaxStages`)."""
+
+    logical_axes_table = LOGICAL_AXES
 
     def __init__(self, config: ModelConfig):
         super().__init__(config, Embed(config), Block(config), Head(config), tied="wte")

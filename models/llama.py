@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from hetjax.config import ModelConfig
 from models.attention import attention
-from models.staged import FlaxStages
+from models.staged import AxisTable, FlaxStages
 
 
 def rotary_frequencies(config: ModelConfig) -> jax.Array:
@@ -295,11 +295,29 @@ class LlamaHead(nn.Module):
         )(x)
 
 
+# Each param's logical axes (models/staged.py's logical_axes), by its path in its stage.
+LOGICAL_AXES: AxisTable = (
+    ("embed_tokens", ("vocab", "embed")),
+    ("q_proj/kernel", ("embed", "heads")),  # (D, N G K)
+    ("(k_proj|v_proj)/kernel", ("embed", "kv_heads")),  # (D, N K)
+    ("o_proj/kernel", ("heads", "embed")),
+    ("(gate_proj|up_proj)/kernel", ("embed", "mlp")),
+    ("down_proj/kernel", ("mlp", "embed")),
+    ("moe/router", ("embed", "router")),  # (D, E): every device scores every expert
+    ("moe/(gate_proj|up_proj)", ("expert", "embed", "mlp")),  # (E, D, F)
+    ("moe/down_proj", ("expert", "mlp", "embed")),
+    ("(input_layernorm|post_attention_layernorm|norm)/scale", ("embed",)),
+    ("lm_head/kernel", ("embed", "vocab")),
+)
+
+
 class Llama(FlaxStages):
     """A Llama model as three stages; the interface is :class:`models.staged.FlaxStages`'s.
     ``expert_axis``: a MoE model's blocks hold their device's share of the experts
     (:class:`MixtureOfExperts`); its stages are then run inside a ``shard_map`` over that
     axis, and the model is initialised without one (init sees every expert)."""
+
+    logical_axes_table = LOGICAL_AXES
 
     def __init__(self, config: ModelConfig, expert_axis: str | None = None):
         super().__init__(

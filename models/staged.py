@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Protocol
 
 import flax.linen as nn
@@ -71,6 +72,50 @@ from hetjax.config import ModelConfig
 from hetjax.types import group_key
 
 Params = dict[str, Any]
+
+# A model's logical axes (MaxText's logical axis annotations, Levanter's named axes): a
+# table of (pattern, axis names) whose first pattern matching a leaf's path inside its
+# stage (``c_fc/kernel``; matched at a ``/`` boundary, so ``q/kernel`` matches
+# ``SelfAttention/q/kernel``) names that leaf's axes, e.g. ``("embed", "mlp")``. A
+# placement maps the names to mesh axes (``hetjax/distributed.py``'s ``AXIS_RULES``).
+AxisTable = tuple[tuple[str, tuple[str, ...]], ...]
+LAYERS = "layers"  # the leading axis a stage group's blocks are stacked on
+
+
+def logical_axes(model, shapes: Params | None = None) -> Params:
+    """The logical axis names of every param leaf of ``model`` (its ``init`` tree's
+    structure; ``shapes``: that tree, abstract or not, if at hand), a tuple per leaf,
+    one name per dimension; a group's leaves start with :data:`LAYERS`. From the
+    model's ``logical_axes_table``; a model without one (a user's) names none of its
+    axes (None each: whole on every device under any rules). A leaf no pattern matches,
+    or one of another rank than its names, is an error: the table must cover the
+    model."""
+    table: AxisTable = getattr(model, "logical_axes_table", ())
+    if shapes is None:
+        shapes = jax.eval_shape(model.init, jax.random.key(0))
+    group_keys = {g.key for g in model.groups}
+
+    def names(path, leaf) -> tuple[str | None, ...]:
+        keys = [str(getattr(k, "key", k)) for k in path]
+        stacked = keys[0] in group_keys
+        rank = len(leaf.shape) - stacked
+        if not table:
+            found: tuple[str | None, ...] = (None,) * rank
+        else:
+            inner = "/".join(keys[1:])
+            found = next(
+                (axes for pattern, axes in table if re.fullmatch(f"(?:.*/)?(?:{pattern})", inner)),
+                None,
+            )
+            if found is None or len(found) != rank:
+                raise ValueError(
+                    f"{type(model).__name__}'s logical_axes_table "
+                    + (f"names {found} for" if found else "has no pattern matching")
+                    + f" param {'/'.join(keys)} of shape {tuple(leaf.shape)}"
+                )
+        return (LAYERS, *found) if stacked else tuple(found)
+
+    return jax.tree_util.tree_map_with_path(names, shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +215,8 @@ class Stages:
     expert_routing = False
     expert_params: tuple[str, ...] = ()
     tied: str | None = None
+    # the logical axes of the params (:func:`logical_axes`); empty: none named
+    logical_axes_table: AxisTable = ()
 
     # -- init -----------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ import numpy as np
 
 from hetjax.config import ModelConfig
 from models.attention import biased_attention
-from models.staged import Params, StageGroup, Stages
+from models.staged import AxisTable, Params, StageGroup, Stages
 
 F32 = jnp.float32
 EXPERT_PARAMS = ("wi_0", "wi_1", "wi", "wo")  # a Switch layer's, under "moe": (E, ...)
@@ -366,9 +366,27 @@ class T5Head(nn.Module):
         return _dense(cfg, cfg.vocab_size, 1.0, "lm_head")(x)
 
 
+# Each param's logical axes (models/staged.py's logical_axes), by its path in its stage.
+LOGICAL_AXES: AxisTable = (
+    ("shared", ("vocab", "embed")),
+    ("(encoder|decoder)_relative_attention_bias", ("buckets", "heads")),
+    ("(q|k|v)/kernel", ("embed", "heads")),  # (D, H K)
+    ("o/kernel", ("heads", "embed")),
+    ("(wi|wi_0|wi_1)/kernel", ("embed", "mlp")),
+    ("wo/kernel", ("mlp", "embed")),
+    ("moe/router", ("embed", "router")),  # (D, E): every device scores every expert
+    ("moe/(wi|wi_0|wi_1)", ("expert", "embed", "mlp")),  # (E, D, F)
+    ("moe/wo", ("expert", "mlp", "embed")),
+    ("[a-z_]*layer_norm/scale", ("embed",)),
+    ("lm_head/kernel", ("embed", "vocab")),
+)
+
+
 class T5(Stages):
     """T5 as stages: embed, the encoder group, the decoder group, head (see the module
     docstring); the whole-model functions are :class:`models.staged.Stages`'."""
+
+    logical_axes_table = LOGICAL_AXES
 
     def __init__(self, config: ModelConfig):
         self.config = config

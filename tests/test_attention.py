@@ -10,6 +10,7 @@ from equivalence import assert_gpt_training_equal, assert_trees_close, check_tok
 
 from hetjax.config import Config, ConfigError
 from hetjax.runtime import stages
+from hetjax.runtime.placement import SingleDevice
 from hetjax.train import train
 from models import attention, build_model
 
@@ -115,7 +116,7 @@ def test_compiled_stages_hold_no_score_matrix(family):
     for impl in ("blockwise", "reference"):
         model = build_model(_config(family, impl, seq_len=T, block=32).model)
         layouts = stages.stage_layouts(model, 4096)
-        fns = stages.StageFunctions(model, layouts, jax.jit, lambda pages, dt: pages)
+        fns = stages.StageFunctions(model, layouts, SingleDevice())
         args = fns.abstract_args(B, T, jnp.float32)
         compiled = {
             "block_fwd": fns.block_fwd.lower(*args["block_fwd"]).compile(),
@@ -152,7 +153,7 @@ def test_kept_matmuls_level_does_not_recompute_the_attention_forward():
     config = _config("gpt", "blockwise", seq_len=64)
     model = build_model(config.model)
     layouts = stages.stage_layouts(model, 4096)
-    fns = stages.StageFunctions(model, layouts, jax.jit, lambda pages, dt: pages)
+    fns = stages.StageFunctions(model, layouts, SingleDevice())
     args = fns.abstract_args(2, 64, jnp.float32)
     x = args["block_fwd"][1]
     _, vjp = jax.eval_shape(fns.kept_forward("matmuls"), *args["block_fwd"])

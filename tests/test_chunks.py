@@ -11,6 +11,7 @@ from equivalence import assert_trees_close
 
 from hetjax.config import ConfigError, load_config
 from hetjax.runtime import chunks, stages
+from hetjax.runtime.placement import SingleDevice
 from models import build_model
 
 ROWS, T = 4, 32
@@ -32,7 +33,7 @@ def _functions(family: str, n: int, dtype, leaf_buffers: bool):
     model = build_model(load_config("gpt_tiny", overrides).model)
     layouts = stages.stage_layouts(model, 64 * 1024, leaf_buffers=leaf_buffers)
     fns = stages.StageFunctions(
-        model, layouts, jax.jit, lambda pages, dt: [p.astype(dt) for p in pages],
+        model, layouts, SingleDevice(),
         block_grad_dtype=dtype, batch_chunks=n,
     )  # fmt: skip
     return model, layouts, fns

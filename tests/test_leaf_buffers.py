@@ -77,7 +77,7 @@ def test_block_forward_copies_no_weight_out_of_pages(tiny):
         ("leaves", SingleDevice().stage_layouts(model, config.memory.page_size)),
         ("pages", stages.stage_layouts(model, config.memory.page_size)),
     ):
-        fns = stages.StageFunctions(model, layouts, jax.jit, lambda pages, dtype: pages)
+        fns = stages.StageFunctions(model, layouts, SingleDevice())
         args = fns.abstract_args(B, T, jnp.float32)
         counts[name] = _concatenates(fns.block_fwd, args["block_fwd"])
         assert layouts["block"].num_pages > 1

@@ -2,7 +2,6 @@
 grid of placements and budgets, the planner's bytes per tier equal, byte for byte, the
 plans the built streaming runtime enforces."""
 
-import jax
 import pytest
 
 from hetjax.config import ConfigError
@@ -55,12 +54,13 @@ def test_planner_bytes_equal_the_runtime_plans(
     if runtime is not None:
         sizes = runtime.fns.memory_sizes(t.micro_batch_size, t.seq_len, runtime.compute_dtype)
     else:  # the same sizes, measured without a runtime
+        from hetjax.runtime.placement import SingleDevice
         from hetjax.runtime.stages import StageFunctions, stage_layouts
         from models import build_model
 
         model = build_model(config.model)
         layouts = stage_layouts(model, config.memory.page_size)
-        fns = StageFunctions(model, layouts, jax.jit, lambda pages, dtype: pages)
+        fns = StageFunctions(model, layouts, SingleDevice())
         sizes = fns.memory_sizes(t.micro_batch_size, t.seq_len, config.model.compute_dtype)
     w = Workload.from_config(config, sizes)
     c = Candidate("stream", False, params, optimizer, acts, depth, 0, keep, "all", cached)

@@ -21,6 +21,7 @@ from hetjax.planning.hardware import PROFILES, get_profile
 from hetjax.planning.search import TIE, Candidate, PlanError, make_plan
 from hetjax.planning.workload import Workload, kept_key, memory_sizes
 from hetjax.runtime import stages
+from hetjax.runtime.placement import SingleDevice
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
 from models import build_model
@@ -364,7 +365,7 @@ def _compiled_sizes(family, d_model, seq_len, batch, dtype, overrides):
     model = build_model(config.model)
     layouts = stages.stage_layouts(model, config.memory.page_size)
     fns = stages.StageFunctions(
-        model, layouts, jax.jit, lambda pages, dt: [p.astype(dt) for p in pages],
+        model, layouts, SingleDevice(),
         batch_chunks=config.offload.batch_chunks,
     )  # fmt: skip
     return config, fns.memory_sizes(batch, seq_len, jnp.dtype(dtype))

@@ -18,7 +18,7 @@ from hetjax.config import ConfigError
 from hetjax.memory import Offload, Sizes, plan_device
 from hetjax.optimizer.state_format import StateFormat
 from hetjax.runtime import stages
-from hetjax.runtime.placement import live_bytes_by_kind
+from hetjax.runtime.placement import SingleDevice, live_bytes_by_kind
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.nvme import PageStore
 from hetjax.train import train
@@ -87,7 +87,7 @@ def test_keep_levels_hold_less_and_change_nothing(tiny, attention, levels):
     )
     model = build_model(config.model)
     layouts = stages.stage_layouts(model, 4096)
-    fns = stages.StageFunctions(model, layouts, jax.jit, lambda pages, dtype: pages)
+    fns = stages.StageFunctions(model, layouts, SingleDevice())
     block = layouts["block"]
     pages = block.to_pages(block.flatten(model.init_stage("block", jax.random.key(0))))
     x = jax.random.normal(jax.random.key(1), (2, 64, 32))  # (B, T, D)
@@ -536,7 +536,7 @@ def test_swapped_block_moves_activations_not_params(tiny):
     config = tiny(model=dict(attention="reference"))
     model = build_model(config.model)
     layouts = stages.stage_layouts(model, 4096)
-    fns = stages.StageFunctions(model, layouts, jax.jit, lambda pages, dtype: pages)
+    fns = stages.StageFunctions(model, layouts, SingleDevice())
     block = layouts["block"]
     pages = block.to_pages(block.flatten(model.init_stage("block", jax.random.key(0))))
     x = jax.random.normal(jax.random.key(1), (4, 16, 32))

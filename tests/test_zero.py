@@ -35,10 +35,10 @@ from equivalence import (
 from hetjax.config import ConfigError
 from hetjax.data import make_datasets
 from hetjax.distributed import first_slurm_host, process_group
-from hetjax.runtime import stages
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.runtime.zero import Zero3
 from hetjax.train import train
+from hetjax.types import Kind, StageSignature
 from models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,20 +83,20 @@ def test_zero3_on_4_devices_equals_single_device(reference4, tiny, tmp_path, off
 
 
 def test_jit_averages_declared_batch_means_and_splits_other_results(tiny):
-    """Zero3.jit by rank, but for the results a stage function declares batch means
-    (stages.batch_means, a MoE block's router statistics): those are averaged over the
-    devices and whole on each, while an undeclared 1-D result (a backward's per-page
-    squared norms) stays split over the devices, one part each."""
+    """Zero3.jit by the declared signature (hetjax.types.Kind), not by rank: results
+    declared batch means (Kind.MEAN, a MoE block's router statistics) are averaged over
+    the devices and whole on each, while a 1-D result declared split (a backward's
+    per-page squared norms, Kind.GRAD) stays split over the devices, one part each."""
     zero = Zero3(tiny(offload=ZERO, distributed=dict(data_parallel=4)))
     x = np.arange(8 * 2 * 3, dtype=np.float32).reshape(8, 2, 3)  # (B, T, D), 2 rows a device
 
     def fn(x):  # per device: its rows
         return jnp.sum(x, axis=(1, 2)), jnp.mean(x, axis=(0, 1))  # (rows,), (D,)
 
-    per_row, means = zero.jit(fn)(x)
-    assert per_row.shape == (8,) and means.shape == (4 * 3,)  # the rank rule: both split
+    per_row, means = zero.jit(fn, StageSignature((Kind.BATCH,), (Kind.BATCH, Kind.GRAD)))(x)
+    assert per_row.shape == (8,) and means.shape == (4 * 3,)  # both split, as declared
     np.testing.assert_array_equal(per_row, x.sum(axis=(1, 2)))
-    per_row, mean = zero.jit(stages.batch_means(1)(fn))(x)
+    per_row, mean = zero.jit(fn, StageSignature((Kind.BATCH,), (Kind.BATCH, Kind.MEAN)))(x)
     np.testing.assert_array_equal(per_row, x.sum(axis=(1, 2)))
     assert not per_row.sharding.is_fully_replicated
     assert mean.shape == (3,) and mean.sharding.is_fully_replicated

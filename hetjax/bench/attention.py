@@ -19,6 +19,7 @@ def bench_attention(quick: bool) -> dict:
     interleaved rounds)."""
     import jax.numpy as jnp
 
+    from hetjax.runtime.placement import SingleDevice
     from hetjax.runtime.stages import StageFunctions, stage_layouts
     from models import build_model
 
@@ -41,7 +42,7 @@ def bench_attention(quick: bool) -> dict:
             model = build_model(config.model)
             dtype = jnp.dtype(config.model.compute_dtype)
             layouts = stage_layouts(model, config.memory.page_size)
-            fns = StageFunctions(model, layouts, jax.jit, lambda pages, dtype: pages)
+            fns = StageFunctions(model, layouts, SingleDevice())
             block_layout = layouts["block"]
             params = model.init_stage("block", jax.random.key(0))
             pages = block_layout.to_pages(block_layout.flatten(params, dtype))

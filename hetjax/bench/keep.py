@@ -19,6 +19,7 @@ def bench_keep(quick: bool) -> dict:
     for comparison. Functions are timed in interleaved rounds, the minimum of each."""
     import jax.numpy as jnp
 
+    from hetjax.runtime.placement import SingleDevice
     from hetjax.runtime.stages import StageFunctions, stage_layouts
     from models import build_model
 
@@ -32,7 +33,7 @@ def bench_keep(quick: bool) -> dict:
     model = build_model(config.model)
     dtype = jnp.dtype(config.model.compute_dtype)
     layouts = stage_layouts(model, config.memory.page_size)
-    fns = StageFunctions(model, layouts, jax.jit, lambda pages, dtype: pages)
+    fns = StageFunctions(model, layouts, SingleDevice())
     block = layouts["block"]
     pages = block.to_pages(block.flatten(model.init_stage("block", jax.random.key(0)), dtype))
     x = jax.random.normal(jax.random.key(1), (B, T, D), dtype)

@@ -34,8 +34,7 @@ def trace(
     fns = StageFunctions(
         model,
         layouts,
-        lambda fn: jax.jit(fn, out_shardings=dev),
-        lambda pages, dtype: [p.astype(dtype) for p in pages],
+        SingleDevice(),
         batch_chunks=config.offload.batch_chunks,
     )
     rows = max(1, t.micro_batch_size // devices)  # one device's rows of a micro-batch

@@ -31,12 +31,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import ConfigError
-from hetjax.distributed import EXPERT_AXIS
+from hetjax.distributed import AXIS_RULES, EXPERT_AXIS
 from hetjax.runtime.experts import ExpertPages
 from hetjax.runtime.stages import stage_layouts
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
-from hetjax.types import ParamStore
+from hetjax.types import ParamStore, StageSignature
 
 HOST_CLIENT_ENV = "HETJAX_HOST_CLIENT"
 
@@ -101,10 +101,13 @@ class Shardings:
 class SingleDevice:
     """The streaming runtime's placement strategy on one device: every stage whole, in
     this process. The data-parallel strategy (``zero.py``) has the same methods; the
-    runtime is handed one and never asks which."""
+    runtime is handed one and never asks which. Its compute layout
+    (``hetjax.types.ComputeLayout``): every argument and result on the one device, of
+    whatever kind its stage function declares."""
 
     nvme_subdir = ""  # this process's directory under the NVMe path ("": the path)
     expert_axis = None  # the mesh axis a MoE's experts are split over (zero.py)
+    axis_rules = AXIS_RULES  # no mesh: nothing is split by them
 
     def __init__(self, device: jax.Device | None = None):
         self.shardings = Shardings.single_device(device)
@@ -133,8 +136,10 @@ class SingleDevice:
         """This process's part of a stage slab -> the whole slab (host numpy)."""
         return flat(slab)
 
-    def jit(self, fn):
-        """A stage function compiled for the device."""
+    def jit(self, fn, signature: StageSignature):
+        """A stage function compiled for the device: its results there, whatever
+        ``signature`` declares them (one device has nothing to split or reduce)."""
+        del signature
         return jax.jit(fn, out_shardings=self.shardings.device)
 
     def grad_slab(self, pages: list[jax.Array], dtype=jnp.float32):

@@ -2,7 +2,10 @@
 the slab layouts of a model's stages.
 
 Each function takes its stage's params as a list of pages and unflattens them inside
-the jit (``storage/pages.py``)."""
+the jit (``storage/pages.py``). Each is compiled by the placement's compute layout
+(``hetjax.types.ComputeLayout``: one device, or ZeRO-3 over a mesh) from its declared
+signature (``signatures.SIGNATURES``: what each argument and result is), never from its
+arrays' ranks."""
 
 from __future__ import annotations
 
@@ -13,10 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from hetjax.config import KEEP_LEVELS, SWAP_LEVELS, ConfigError
+from hetjax.distributed import AXIS_RULES, mesh_axes
 from hetjax.runtime import chunks, remat
 from hetjax.runtime.experts import ExpertSlabLayout
 from hetjax.runtime.routed import RoutedBlock
-from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems
+from hetjax.runtime.signatures import SIGNATURES
+from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems, shard_shapes
+from hetjax.types import ComputeLayout
+from models.staged import logical_axes
 
 F32 = jnp.float32
 
@@ -27,6 +34,9 @@ def stage_layouts(
     page_multiple: int = 1,
     expert_parallel: int = 1,
     leaf_buffers: bool = False,
+    *,
+    rules=AXIS_RULES,
+    axis_sizes: dict[str, int] | None = None,
 ) -> dict[str, SlabLayout | ExpertSlabLayout]:
     """The slab layouts of a model's stages (``embed``, one block of each stage group by
     its name, e.g. ``block``, ``head``), from abstract shapes: nothing is allocated.
@@ -36,8 +46,21 @@ def stage_layouts(
     ``page_multiple`` devices) a block's experts are laid out in that many groups
     (``experts.ExpertSlabLayout``). ``leaf_buffers``: the device takes each stage's
     params leaf by leaf (one device: ``pages.LeafBuffers``), not as its pages. The
-    layouts are where both the runtime and the planner take the stages' sizes from."""
+    layouts are where both the runtime and the planner take the stages' sizes from.
+
+    Each layout is of one device's shard of every leaf (``pages.shard_shapes``): the
+    model's logical axes (``models.staged.logical_axes``) mapped by ``rules`` to mesh
+    axes, of ``axis_sizes`` (the axes that split a leaf for compute: the ``model``
+    axis; None: none). With every such axis of size 1 (no tensor parallelism yet) the
+    layouts are the whole leaves', as checkpoints have them. An expert-parallel
+    block's split of its experts is its own (``experts.ExpertSlabLayout``)."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
+    if axis_sizes:
+        names = logical_axes(model, shapes)
+        specs = jax.tree.map(
+            lambda n: mesh_axes(n, rules), names, is_leaf=lambda n: isinstance(n, tuple)
+        )
+        shapes = shard_shapes(shapes, specs, axis_sizes)
     blocks = {
         g.name: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes[g.key])
         for g in model.groups
@@ -83,29 +106,6 @@ def page_squared_norms(grad) -> jax.Array:
     return jnp.sum(jnp.square(grad.astype(F32)), axis=-1)
 
 
-def batch_means(*positions: int):
-    """Declares results of a stage function (positions in the tuple it returns) to be
-    means over its micro-batch's rows that every row's backward needs whole: a block's
-    auxiliary-loss statistics (a mixture of experts' router statistics pool the whole
-    micro-batch), and what is computed from them alone. A data-parallel ``jit``
-    (ZeRO-3's, ``zero.py``) averages them over its devices and returns them whole on
-    every device, as the loss; a one-device ``jit`` has nothing to do. Results not
-    declared keep the placement's rule (ZeRO-3: a backward's per-page squared norms,
-    1-D too, are split over devices as its gradient). The declaration is an attribute of
-    the function (:func:`declared_batch_means`), so any ``jit`` takes it unchanged."""
-
-    def declare(fn):
-        fn.batch_means = frozenset(positions)
-        return fn
-
-    return declare
-
-
-def declared_batch_means(fn) -> frozenset[int]:
-    """The result positions ``fn`` declares with :func:`batch_means` (none if it does not)."""
-    return getattr(fn, "batch_means", frozenset())
-
-
 @dataclasses.dataclass(frozen=True)
 class StageMemory:
     """Device bytes of one micro-batch's stage functions, as XLA compiles them."""
@@ -136,7 +136,7 @@ class SwappedBlock:
     other backwards): what the level did not save is recomputed, as in a kept block at
     that level, so the result is the kept block's."""
 
-    def __init__(self, block_fwd, level: str, cast, cotangent):
+    def __init__(self, block_fwd, level: str, cast, cotangent, jit):
         fwd = remat.kept_forward(block_fwd, level)
         # The vjp's structure and which of its leaves are the param pages or the context
         # (by identity with the traced arguments): fixed by the forward's trace, used by
@@ -163,8 +163,8 @@ class SwappedBlock:
             return cast(db), dx, jax.tree.map(jnp.add, dcontext, dc)
 
         self._forward = forward
-        self.forward = jax.jit(forward)
-        self.backward = jax.jit(backward)
+        self.forward = jit(forward, SIGNATURES["swapped_forward"])
+        self.backward = jit(backward, SIGNATURES["swapped_backward"])
 
     def residual_bytes(self, pages, x, context=()) -> int:
         """Bytes of the residuals ``forward`` returns, from abstract shapes."""
@@ -200,6 +200,7 @@ class GroupFunctions:
         self, model, g: int, layouts, jit, out, cast, keep_level: str, batch_chunks: int = 1,
         grad_dtype=F32,
     ):  # fmt: skip
+        # jit(fn, signature): the compute layout's (hetjax.types.ComputeLayout.jit)
         m, group = model, model.groups[g]
         E, B = layouts["embed"], layouts[group.name]
         self.group, self.index, self.layout = group, g, B
@@ -215,7 +216,6 @@ class GroupFunctions:
 
         block_grad = lambda db: cast(B.grad_pages(db))  # pages, whichever way b came
 
-        @batch_means(1)  # the statistics: means over the block's tokens
         def block_fwd(b, x, context=()):  # (B, T, D) -> ((B, T, D), aux statistics (S,))
             return m.group_block(g, B.unflatten_pages(b), x, context)
 
@@ -234,20 +234,21 @@ class GroupFunctions:
         n = batch_chunks
         run_fwd, run_bwd = block_fwd, block_bwd
         if n > 1:
-            run_fwd = batch_means(1)(chunks.forward(block_fwd, n))
+            run_fwd = chunks.forward(block_fwd, n)
             in_chunks = chunks.backward(block_fwd, n, cotangent, B.grad_pages, grad_dtype)
 
             def run_bwd(b, x, dy, dstats=None, context=(), dcontext=()):
                 db, dx, dc = in_chunks(b, x, dy, dstats, context, dcontext)
                 return cast(db), dx, dc
 
-        self.input_fwd = jit(input_fwd)
-        self.input_bwd = jit(input_bwd)
-        self.block_fwd = jit(run_fwd)
-        self.block_bwd = jit(run_bwd)
-        self.block_bwd_kept = jax.jit(block_bwd_kept)  # any level's vjp
+        self.input_fwd = jit(input_fwd, SIGNATURES["input_fwd"])
+        self.input_bwd = jit(input_bwd, SIGNATURES["input_bwd"])
+        self.block_fwd = jit(run_fwd, SIGNATURES["block_fwd"])
+        self.block_bwd = jit(run_bwd, SIGNATURES["block_bwd"])
+        self.block_bwd_kept = jit(block_bwd_kept, SIGNATURES["block_bwd_kept"])  # any level's
         # the first backward's sum so far: zeros shaped as the context
-        self.zero_context = jit(lambda context: jax.tree.map(jnp.zeros_like, context))
+        zeros = lambda context: jax.tree.map(jnp.zeros_like, context)
+        self.zero_context = jit(zeros, SIGNATURES["zero_context"])
         self._block_fwd, self._kept_forward, self._swapped = block_fwd, {}, {}
         self._cast, self._cotangent = block_grad, cotangent
         self._model, self._jit, self._routed = m, jit, None
@@ -255,26 +256,32 @@ class GroupFunctions:
 
     def kept_forward(self, level: str):
         """The jitted forward of a kept block at keep ``level``: (b, x, context=()) ->
-        (y, the vjp holding the residuals). One device only (kept blocks are not
-        ZeRO-3's)."""
+        (y, the vjp holding the residuals), compiled by the compute layout as any stage
+        function (the vjp a ``Kind.LOCAL`` result: each device keeps its own)."""
         if level not in self._kept_forward:
             fwd = remat.kept_forward(self._block_fwd, level)
-            self._kept_forward[level] = jax.jit(lambda b, x, c=(): jax.vjp(fwd, b, x, c))
+            kept = lambda b, x, c=(): jax.vjp(fwd, b, x, c)
+            self._kept_forward[level] = self._jit(kept, SIGNATURES["kept_forward"])
         return self._kept_forward[level]
 
     def swapped(self, level: str) -> SwappedBlock:
         """The forward and backward of a block that swaps its in-block activations at
-        ``level`` to host memory (``offload.swap_blocks``). One device only."""
+        ``level`` to host memory (``offload.swap_blocks``), compiled by the compute
+        layout (the residuals ``Kind.LOCAL``)."""
         if level not in self._swapped:
-            self._swapped[level] = SwappedBlock(self._block_fwd, level, self._cast, self._cotangent)
+            self._swapped[level] = SwappedBlock(
+                self._block_fwd, level, self._cast, self._cotangent, self._jit
+            )
         return self._swapped[level]
 
     def routed(self) -> RoutedBlock:
         """The functions of this group's block streamed expert-aware (``routed.py``):
         one device, a model with ``expert_routing``."""
         if self._routed is None:
+            # RoutedBlock compiles its route, mlp and backward by name
+            jit = lambda fn: self._jit(fn, SIGNATURES[f"routed_{fn.__name__}"])
             self._routed = RoutedBlock(
-                self._model, self.index, self.layout, self._jit, self._cast, self._cotangent
+                self._model, self.index, self.layout, jit, self._cast, self._cotangent
             )
         return self._routed
 
@@ -291,11 +298,13 @@ class StageFunctions:
     ``aux_fwd_bwd`` adds the auxiliary loss of their sum over blocks to the loss and
     returns the statistics' cotangent, which every block's backward takes besides dy (a
     model without an auxiliary loss, ``stats_size`` 0, needs neither). Both declare those
-    results means over the batch (:func:`batch_means`).
+    results means over the batch (``Kind.MEAN`` in ``signatures.SIGNATURES``).
 
-    ``jit`` compiles a stage function (one device: ``jax.jit`` onto it; ZeRO-3: per
-    device with collectives) and ``grad_slab(pages, dtype)`` shapes a gradient as it
-    leaves the device; block gradients leave in ``block_grad_dtype``. ``kept_blocks``
+    ``compute`` (a :class:`~hetjax.types.ComputeLayout`: ``SingleDevice``, ``Zero3``)
+    compiles every stage function from its signature in ``signatures.SIGNATURES`` (one device:
+    ``jax.jit`` onto it; ZeRO-3: per device with collectives) and its ``grad_slab(pages,
+    dtype)`` shapes a gradient as it leaves the device; block gradients leave in
+    ``block_grad_dtype``. ``kept_blocks``
     false: no block keeps or swaps its activations (ZeRO-3's; an expert-parallel block
     runs only inside its ``jit``), so :meth:`memory_sizes` does not size them. Every backward
     returns each gradient as ``(gradient, its pages' squared norms)``
@@ -309,8 +318,7 @@ class StageFunctions:
         self,
         model,
         layouts: dict[str, SlabLayout],
-        jit,
-        grad_slab,
+        compute: ComputeLayout,
         block_grad_dtype=F32,
         keep_level: str = "all",
         kept_blocks: bool = True,
@@ -320,8 +328,10 @@ class StageFunctions:
         chunks.check(model, batch_chunks)
         self.kept_blocks, self.batch_chunks = kept_blocks, batch_chunks
 
+        jit = compute.jit
+
         def out(pages, dtype=F32):  # a gradient as it leaves the device, and its norms
-            grad = grad_slab(pages, dtype)
+            grad = compute.grad_slab(pages, dtype)
             return grad, page_squared_norms(grad)
 
         cast = lambda pages: out(pages, block_grad_dtype)
@@ -353,8 +363,7 @@ class StageFunctions:
             dh, de, dx = vjp(scale)  # scale: the fp16 loss scale, else 1
             return loss, out(H.grad_pages(dh)), out(E.grad_pages(de)), dx
 
-        @batch_means(0, 1)  # from the (already averaged) loss and statistics alone
-        def aux_fwd_bwd(loss, stats, seed):
+        def aux_fwd_bwd(loss, stats, seed):  # from the averaged loss and statistics alone
             # The auxiliary loss of the blocks' summed statistics, added to the loss, and
             # its gradient: every block's statistics get the same cotangent.
             aux, dstats = jax.value_and_grad(m.aux_loss)(sum(stats, jnp.zeros(m.stats_size, F32)))
@@ -367,11 +376,12 @@ class StageFunctions:
             _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
             return out(E.grad_pages(vjp(dx)[0]))
 
-        self.head_loss = jit(head_loss_chunked if batch_chunks > 1 else head_loss)
-        self.head_fwd_bwd = jit(head_fwd_bwd)
-        self.aux_fwd_bwd = jit(aux_fwd_bwd)
-        self.embed_fwd = jit(embed_fwd)
-        self.embed_bwd = jit(embed_bwd)
+        sig = SIGNATURES
+        self.head_loss = jit(head_loss_chunked if batch_chunks > 1 else head_loss, sig["head_loss"])
+        self.head_fwd_bwd = jit(head_fwd_bwd, sig["head_fwd_bwd"])
+        self.aux_fwd_bwd = jit(aux_fwd_bwd, sig["aux_fwd_bwd"])
+        self.embed_fwd = jit(embed_fwd, sig["embed_fwd"])
+        self.embed_bwd = jit(embed_bwd, sig["embed_bwd"])
         self.block_fwd, self.block_bwd = first.block_fwd, first.block_bwd
         self.block_fwd_keep, self.block_bwd_kept = first.block_fwd_keep, first.block_bwd_kept
         self.kept_forward, self.swapped = first.kept_forward, first.swapped

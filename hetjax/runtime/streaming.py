@@ -132,8 +132,7 @@ class StreamingRuntime:
         self.fns = StageFunctions(
             compute_model,
             self.layouts,
-            placement.jit,
-            placement.grad_slab,
+            placement,
             memory.block_grad_dtype(config),
             off.keep_level,
             kept_blocks=not config.distributed.sharded,

@@ -11,8 +11,13 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
 * **All-gather per stage, prefetched.** When the window fetches a stage, each device
   copies its own pages to device memory and a jitted all-gather makes them whole on
   every device; both are dispatched ahead of use like streaming's copies.
-* **Reduce-scatter of gradients.** Each stage function runs per device on its rows of
-  the global batch (``shard_map``); its gradient slab is ``psum_scatter``-ed
+* **Declared compute layout.** Each stage function runs per device on its rows of
+  the global batch (``shard_map``), its arguments and results placed as its signature
+  declares (``stages.SIGNATURES``, ``hetjax.types.Kind``), by the axis rules
+  (``distributed.AXIS_RULES``: ``batch`` over ``data`` x ``expert``, a MoE's
+  ``expert`` axis over ``expert``), never by an array's rank. The mesh has a third
+  axis, ``model``, of size 1: no tensor parallelism yet, but the path it would take.
+* **Reduce-scatter of gradients.** A stage function's gradient slab is ``psum_scatter``-ed
   (``grad_slab``), so each device keeps only the summed gradient of its own pages, which
   go to the host as before, with their squared norms taken on the device. (Left to
   XLA's automatic partitioner, the CPU backend lowers both collectives as all-reduces,
@@ -23,9 +28,9 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   that range (``SlabLayout.shard``: the decay split point moves with it). The global
   gradient norm for clipping is the sum of every process's part.
 
-* **Expert parallelism** (``distributed.expert_parallel`` G > 1). The mesh is 2-D,
-  ``data`` x ``expert`` (S x G devices); pages and batch rows split over both axes as
-  above, but a mixture of experts' block slab is laid out so that each device's share
+* **Expert parallelism** (``distributed.expert_parallel`` G > 1). The mesh is
+  ``data`` x ``expert`` (x ``model`` 1): S x G devices; pages and batch rows split over
+  both axes as above, but a mixture of experts' block slab is laid out so that each device's share
   holds a share of its own group of experts (``experts.py``): its gather all-gathers
   the dense pages over every device and the experts over ``data`` only, so a device
   computes with E/G experts, and its tokens reach the other experts by all-to-all
@@ -33,8 +38,8 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   over ``data`` only (the devices holding the same experts).
 
 A stage group's context (``models/staged.py``; T5's decoder reads the encoder's output
-and a position-bias table) goes by the same rank rules: its activations are split by
-rows like x; a 2-D param in it (the table) is a result of the group's input function on
+and a position-bias table) is declared ``Kind.CONTEXT``: its activations are split by
+rows like x; a param in it (the table) is a result of the group's input function on
 every device, so it is held once per device, stacked on the data axis, and handed back
 split: each device reads its own copy, and its gradient stays each device's partial
 sum until the group input's backward turns it into the embed stage's gradient slab,
@@ -43,7 +48,7 @@ reduce-scattered with the rest of that stage (``tests/test_t5.py``).
 The mean over the global batch is computed as the mean of the devices' means, the sum
 single-device training with ``train.grad_accum = N`` micro-batches does (tested at
 1e-5 in ``tests/test_zero.py``). A block's auxiliary-loss statistics (a mixture of
-experts' router statistics, declared with ``stages.batch_means``) are means over the
+experts' router statistics, declared ``Kind.MEAN``) are means over the
 devices too, so the auxiliary loss pools the whole micro-batch, as one device running
 it does (``tests/test_moe.py``). Per step and device the all-gathers move
 (N-1)/N of the stage slabs fetched and the reduce-scatters (N-1)/N of the gradient
@@ -62,31 +67,37 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import Config, ConfigError
-from hetjax.distributed import DATA_AXIS, EXPERT_AXIS, MESH_AXES, data_mesh
+from hetjax.distributed import AXIS_RULES, BATCH_AXES, DATA_AXIS, MODEL_AXIS, data_mesh
 from hetjax.runtime.experts import ExpertPages, ExpertSlabLayout
 from hetjax.runtime.placement import ShardedPlacement, Shardings
-from hetjax.runtime.stages import declared_batch_means, stage_layouts
+from hetjax.runtime.stages import stage_layouts
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
-from hetjax.types import ParamStore, is_block, stage_layout
+from hetjax.types import Kind, ParamStore, StageSignature, is_block, stage_layout
 
 F32 = jnp.float32
 
 
-AXES = MESH_AXES  # pages and batch rows split over every device of the mesh
+AXES = BATCH_AXES  # pages and batch rows split over every device of the mesh
 
 
 class Zero3:
     """The streaming runtime's placement strategy with every stage's pages sharded over
     the ``distributed.data_parallel`` x ``distributed.expert_parallel`` devices of the
-    mesh (a MoE block's experts split over the ``expert`` axis)."""
+    mesh (a MoE block's experts split over the ``expert`` axis). Its compute layout
+    (``hetjax.types.ComputeLayout``) places by ``axis_rules``; the mesh's ``model`` axis
+    has size 1 (no tensor parallelism yet): a stage computes whole on every device."""
+
+    axis_rules = AXIS_RULES
 
     def __init__(self, config: Config):
         dist = config.distributed
         self.mesh = data_mesh(dist.data_parallel, dist.expert_parallel)
-        self.degree = self.mesh.size
+        self.rules = dict(self.axis_rules)
+        assert self.mesh.shape[MODEL_AXIS] == 1, "no tensor parallelism yet"
+        self.degree = self.mesh.size  # devices sharing the pages: data x expert
         self.expert_parallel = dist.expert_parallel
-        self.expert_axis = EXPERT_AXIS if dist.expert_parallel > 1 else None
+        self.expert_axis = self.rules["expert"] if dist.expert_parallel > 1 else None
         if config.train.micro_batch_size % self.degree:  # data_parallel 0: known only now
             raise ConfigError(
                 f"config key 'train.batch_size' ({config.train.batch_size}): its "
@@ -108,7 +119,14 @@ class Zero3:
     def stage_layouts(self, model, page_size: int) -> dict[str, SlabLayout]:
         """The stages' slab layouts: one equal share of pages per device; with expert
         parallelism, the block's experts in groups (``experts.py``)."""
-        return stage_layouts(model, page_size, self.degree, self.expert_parallel)
+        return stage_layouts(
+            model,
+            page_size,
+            self.degree,
+            self.expert_parallel,
+            rules=self.axis_rules,
+            axis_sizes={MODEL_AXIS: self.mesh.shape[MODEL_AXIS]},  # a shard of each leaf
+        )
 
     def own_pages(self, layout: SlabLayout) -> tuple[int, int]:
         """(first page, number of pages) of a stage slab that this process holds."""
@@ -134,63 +152,50 @@ class Zero3:
             return local
         return np.asarray(multihost_utils.process_allgather(local, tiled=True))
 
-    def jit(self, fn):
-        """A stage function run per device on its rows of the batch (``shard_map``):
-        whole pages in, the device's rows of activations in and out; its loss is the
-        mean over devices, its gradient slabs are reduce-scattered (``psum_scatter``).
-        Arguments and results are told apart by rank: pages (1-D) and scalars are
-        replicated, batches (2-D tokens, 3-D activations) split by rows; results split
-        by their first axis, but for the loss: 2-D gradient slabs (reduce-scattered by
-        ``grad_slab``), 1-D their pages' squared norms, 3-D activations. Results the
-        function declares means over its batch (``stages.batch_means``: a block's
-        auxiliary-loss statistics, any rank) are, as the loss, means over devices,
-        whole on each."""
-        means = declared_batch_means(fn)  # result positions, not ranks
+    def jit(self, fn, signature: StageSignature):
+        """A stage function run per device on its rows of the batch (``shard_map``), its
+        arguments and results placed as ``signature`` declares (``hetjax.types.Kind``),
+        by the axis rules' ``batch`` and ``expert`` mesh axes: pages whole (a block's
+        experts, its group's), batch rows, contexts and gradients split over the batch
+        axes (a gradient slab reduce-scattered by :meth:`grad_slab` inside), means
+        averaged over the devices and whole on each, a device's local values (a kept
+        block's vjp) stacked on a new leading axis and handed back to their device."""
+        batch, whole = PartitionSpec(self.rules["batch"]), PartitionSpec()
+        split = {Kind.BATCH: batch, Kind.CONTEXT: batch, Kind.GRAD: batch, Kind.LOCAL: batch}
+        out_specs = jax.tree.map(lambda kind: split.get(kind, whole), signature.results)
+        assert Kind.PAGES not in jax.tree.leaves(signature.results), signature
 
-        def reduce(out):
-            if out.ndim == 0:  # the loss: the global batch's mean is the mean of means
-                return jax.lax.pmean(out, AXES)
-            return out
+        def spec_in(kind: str, arg):
+            if kind == Kind.PAGES and isinstance(arg, ExpertPages):
+                experts = PartitionSpec(self.rules["expert"])
+                return ExpertPages([whole] * len(arg.dense), experts)
+            return jax.tree.map(lambda _: split.get(kind, whole), arg)
 
-        def mean(out):  # a declared batch mean: the mean of the devices' means
-            return jax.lax.pmean(out, AXES)
-
-        def spec_in(a):
-            if isinstance(a, ExpertPages):  # a block's pages under expert parallelism
-                return ExpertPages([PartitionSpec()] * len(a.dense), PartitionSpec(EXPERT_AXIS))
-            return PartitionSpec(AXES) if a.ndim >= 2 else PartitionSpec()
-
-        def spec_out(a):  # ``a``: the result on every device, stacked (a leading axis)
-            if a.ndim == 1:
-                return PartitionSpec()
-            return PartitionSpec(AXES, None) if a.ndim == 3 else PartitionSpec(AXES)
-
-        pages = lambda a: isinstance(a, ExpertPages)
-
-        def by_result(rule, mean_rule, results):
-            """``rule`` on every leaf of the results, ``mean_rule`` on the declared means'."""
-            if not means:
-                return jax.tree.map(rule, results)
-            assert isinstance(results, tuple) and max(means) < len(results), (fn, means)
-            return tuple(
-                jax.tree.map(mean_rule if i in means else rule, r) for i, r in enumerate(results)
-            )
+        def finish(kind: str, result):  # on each device: a result as its kind leaves
+            if kind == Kind.MEAN:  # the global batch's mean is the mean of the means
+                return jax.tree.map(lambda r: jax.lax.pmean(r, self.rules["batch"]), result)
+            if kind == Kind.LOCAL:
+                return jax.tree.map(lambda r: r[None], result)
+            return result
 
         def run(*args):
-            per_device = functools.partial(
-                jax.shard_map,
+            kinds = signature.args[: len(args)]
+            assert len(args) <= len(signature.args), (fn, signature)
+
+            def per_device(*args):
+                args = [
+                    jax.tree.map(lambda a: a[0], a) if kind == Kind.LOCAL else a
+                    for kind, a in zip(kinds, args, strict=True)
+                ]
+                return jax.tree.map(finish, signature.results, fn(*args))
+
+            return jax.shard_map(
+                per_device,
                 mesh=self.mesh,
-                in_specs=jax.tree.map(spec_in, args, is_leaf=pages),
+                in_specs=tuple(spec_in(k, a) for k, a in zip(kinds, args, strict=True)),
+                out_specs=out_specs,
                 check_vma=False,
-            )
-            # The results' ranks: every device's results stacked, traced as the shard_map
-            # below runs fn (its collectives bound to the mesh axes; not under vmap,
-            # which some primitives do not support: jax.lax.ragged_dot's MoE experts).
-            stacked = lambda *a: jax.tree.map(lambda o: o[None], fn(*a))
-            results = jax.eval_shape(per_device(stacked, out_specs=PartitionSpec(AXES)), *args)
-            out_specs = by_result(spec_out, lambda a: PartitionSpec(), results)
-            reduced = lambda *a: by_result(reduce, mean, fn(*a))
-            return per_device(reduced, out_specs=out_specs)(*args)
+            )(*args)
 
         return jax.jit(run)
 
@@ -239,7 +244,9 @@ class Zero3:
                 experts = jax.lax.all_gather(experts, DATA_AXIS, tiled=True)
                 return experts, jax.lax.all_gather(dense, AXES, tiled=True)
 
-            split = per_device(split, out_specs=(PartitionSpec(EXPERT_AXIS), PartitionSpec()))
+            split = per_device(
+                split, out_specs=(PartitionSpec(self.rules["expert"]), PartitionSpec())
+            )
 
             def gather(s):
                 experts, dense = split(s)

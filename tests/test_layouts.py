@@ -1,0 +1,255 @@
+"""Declared layouts (hetjax/types.py's ComputeLayout): every param leaf of every zoo model
+names its logical axes, the placement's rules map them to mesh axes, a stage's page
+layout is built per shard of each leaf, and every stage function (kept and swapped
+blocks' included) is compiled by the compute layout from its declared signature."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from equivalence import assert_gpt_training_equal, assert_trees_close, check_tokens
+
+from hetjax.distributed import (
+    AXIS_RULES,
+    DATA_AXIS,
+    EXPERT_AXIS,
+    MODEL_AXIS,
+    TENSOR_PARALLEL_RULES,
+    mesh_axes,
+)
+from hetjax.runtime import stages
+from hetjax.runtime.placement import SingleDevice
+from hetjax.runtime.signatures import SIGNATURES
+from hetjax.runtime.zero import Zero3
+from hetjax.storage.pages import shard_shapes
+from hetjax.train import train
+from hetjax.types import ComputeLayout, Kind, StageSignature
+from models import build_model
+from models.staged import LAYERS, logical_axes
+
+PREFIX = dict(objective="prefix_lm")
+T5 = dict(family="t5", num_layers=2, num_decoder_layers=2, d_model=32, num_heads=4, d_ff=64)
+MODELS = {
+    "gpt": (dict(), {}),
+    "llama": (dict(family="llama", num_kv_heads=2, tie_embeddings=False, d_ff=48), {}),
+    "llama_moe": (
+        dict(family="llama", num_kv_heads=2, num_experts=4, experts_per_token=2, d_ff=48),
+        {},
+    ),
+    "t5": (dict(T5, tie_embeddings=False), PREFIX),
+    "t5_switch": (
+        dict(T5, num_experts=4, experts_per_token=1, feed_forward_proj="relu"),
+        PREFIX,
+    ),
+}
+is_axes = lambda x: isinstance(x, tuple)
+
+
+def model_of(name: str):
+    model, data = MODELS[name]
+    return build_model(tiny_config(model=model, data=data).model)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_param_leaf_of_every_model_names_its_axes(name):
+    """Each leaf: one logical name per dimension, every name one the rules know, a
+    group's leaves stacked on ``layers``; the experts (a MoE's) on ``expert``."""
+    model = model_of(name)
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    axes = logical_axes(model, shapes)
+    known = dict(AXIS_RULES)
+    group_keys = {g.key for g in model.groups}
+    pairs = jax.tree_util.tree_leaves_with_path(axes, is_leaf=is_axes)
+    assert len(pairs) == len(jax.tree.leaves(shapes))
+    for (path, names), leaf in zip(pairs, jax.tree.leaves(shapes), strict=True):
+        where = jax.tree_util.keystr(path)
+        assert len(names) == len(leaf.shape), (where, names, leaf.shape)
+        assert all(n in known for n in names), (where, names)
+        assert (names[0] == LAYERS) == (path[0].key in group_keys), where
+        if "moe" in where and names[-1] != "router":
+            assert names[1] == "expert", where
+    assert (name.endswith(("moe", "switch"))) == any(
+        "expert" in n for n in jax.tree.leaves(axes, is_leaf=is_axes)
+    )
+
+
+def test_a_table_that_misses_a_leaf_or_its_rank_is_an_error():
+    model = model_of("gpt")
+    model.logical_axes_table = model.logical_axes_table[1:]  # no "wte"
+    with pytest.raises(ValueError, match="no pattern matching param embed/wte"):
+        logical_axes(model)
+    model.logical_axes_table = (("wte", ("vocab",)), *model.logical_axes_table)
+    with pytest.raises(ValueError, match=r"names \('vocab',\) for param embed/wte"):
+        logical_axes(model)
+
+
+def test_rules_map_logical_axes_to_mesh_axes():
+    """Today's rules split nothing but the batch and the experts; the tensor-parallel
+    rules put heads, MLP units and the vocabulary on the model axis."""
+    names = (LAYERS, "expert", "embed", "mlp")
+    assert mesh_axes(names) == (None, EXPERT_AXIS, None, None)
+    assert mesh_axes(names, TENSOR_PARALLEL_RULES) == (None, EXPERT_AXIS, None, MODEL_AXIS)
+    assert mesh_axes(("batch", None)) == ((DATA_AXIS, EXPERT_AXIS), None)
+    with pytest.raises(KeyError, match="'hidden'"):
+        mesh_axes(("hidden",))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_layouts_over_a_model_axis_of_size_1_are_todays(name):
+    """A shard over a model axis of 1 is the whole leaf: the layouts (so the pages and
+    the checkpoints) are the ones built without any rules, field for field."""
+    model, page = model_of(name), 16 * 1024
+    for multiple in (1, 4):
+        plain = stages.stage_layouts(model, page, multiple)
+        sharded = stages.stage_layouts(
+            model, page, multiple, rules=TENSOR_PARALLEL_RULES, axis_sizes={MODEL_AXIS: 1}
+        )
+        assert sharded == plain
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama_moe", "t5"])
+def test_per_shard_layouts_over_a_model_axis_of_2_cover_exactly_the_shard(name):
+    """Under the tensor-parallel rules on a (hypothetical) model axis of 2, each stage's
+    layout is of one device's shard of every leaf: its leaves are the shard's shapes,
+    its pages hold exactly the shard's elements (padded only to a whole page), and
+    each device's shard of the real params flattens into them and back unchanged; the
+    two shards together are the whole leaf."""
+    model = model_of(name)
+    page = 4 * 1024
+    layouts = stages.stage_layouts(
+        model, page, rules=TENSOR_PARALLEL_RULES, axis_sizes={MODEL_AXIS: 2}
+    )
+    params = jax.tree.map(np.asarray, model.init(jax.random.key(1)))
+    names = logical_axes(model, params)
+    specs = jax.tree.map(lambda n: mesh_axes(n, TENSOR_PARALLEL_RULES), names, is_leaf=is_axes)
+    split_any = False
+    groups = {g.name: g.key for g in model.groups}
+    for stage, layout in layouts.items():
+        tree, spec = params[groups.get(stage, stage)], specs[groups.get(stage, stage)]
+        if stage in groups:  # a group's first block, without the layers axis
+            tree = jax.tree.map(lambda a: a[0], tree)
+            spec = jax.tree.map(lambda s: s[1:], spec, is_leaf=is_axes)
+        shard = jax.tree.leaves(shard_shapes(tree, spec, {MODEL_AXIS: 2}))
+        shard_elems = sum(math.prod(a.shape) for a in shard)
+        assert layout.size == shard_elems
+        assert 0 <= layout.padded_size - shard_elems < layout.page_elems
+        for k, leaf in enumerate(shard):
+            assert layout.leaves[layout.tree_order[k]].shape == leaf.shape
+        pieces = []
+        for device in range(2):
+            cut = jax.tree.map(lambda a, s, d=device: _shard_of(a, s, d), tree, spec)
+            slab = layout.flatten_np(cut)
+            assert not slab[layout.size :].any()  # the padding: nothing of the leaf
+            assert_trees_close(layout.unflatten(jnp.asarray(slab)), cut, rtol=0)
+            pieces.append(cut)
+        whole = jax.tree.map(_join, pieces[0], pieces[1], spec)
+        assert_trees_close(whole, tree, rtol=0)
+        split_any |= layout.size < sum(a.size for a in jax.tree.leaves(tree))
+    assert split_any
+
+
+def _split_dim(spec: tuple) -> int | None:
+    return next((d for d, axes in enumerate(spec) if axes == MODEL_AXIS), None)
+
+
+def _shard_of(a: np.ndarray, spec: tuple, device: int) -> np.ndarray:
+    dim = _split_dim(spec)
+    return a if dim is None else np.split(a, 2, axis=dim)[device]
+
+
+def _join(a: np.ndarray, b: np.ndarray, spec: tuple) -> np.ndarray:
+    dim = _split_dim(spec)
+    return a if dim is None else np.concatenate([a, b], axis=dim)
+
+
+class RecordingLayout(SingleDevice):
+    """One device, recording the signature of every function compiled."""
+
+    def __init__(self):
+        super().__init__()
+        self.compiled: list[StageSignature] = []
+
+    def jit(self, fn, signature: StageSignature):
+        assert isinstance(signature, StageSignature), fn
+        self.compiled.append(signature)
+        return super().jit(fn, signature)
+
+
+def test_every_stage_function_compiles_through_the_compute_layout():
+    """The stage functions, a kept block's forward and backward, a swapped block's and
+    a routed block's: each compiled by the layout's jit, with a declared signature."""
+    config = tiny_config(model=MODELS["llama_moe"][0])
+    model = build_model(config.model)
+    compute = RecordingLayout()
+    assert isinstance(compute, ComputeLayout)
+    layouts = compute.stage_layouts(model, config.memory.page_size)
+    fns = stages.StageFunctions(model, layouts, compute)
+    names = ["head_loss", "head_fwd_bwd", "aux_fwd_bwd", "embed_fwd", "embed_bwd"]
+    names += ["input_fwd", "input_bwd", "block_fwd", "block_bwd", "block_bwd_kept"]
+    names += ["zero_context", "kept_forward"]  # the keep level's, made at construction
+    assert sorted(compute.compiled, key=repr) == sorted((SIGNATURES[n] for n in names), key=repr)
+    before = len(compute.compiled)
+    fns.kept_forward("matmuls")
+    fns.swapped("all")
+    fns.groups[0].routed()
+    assert compute.compiled[before:] == [
+        SIGNATURES[n]
+        for n in ("kept_forward", "swapped_forward", "swapped_backward")
+        + ("routed_route", "routed_mlp", "routed_backward")
+    ]
+
+
+def test_kept_and_swapped_blocks_run_under_zero3(tiny):
+    """A kept block's vjp and a swapped block's residuals are each device's own
+    (Kind.LOCAL) under ZeRO-3 as on one device: their backward equals the recomputing
+    block backward's, gradient shares and dx."""
+    config = tiny(offload=dict(mode="stream"), distributed=dict(data_parallel=2))
+    zero = Zero3(config)
+    assert isinstance(zero, ComputeLayout)
+    model = build_model(config.model)
+    layouts = zero.stage_layouts(model, config.memory.page_size)
+    fns = stages.StageFunctions(model, layouts, zero)
+    block = jax.tree.map(lambda a: np.asarray(a[0]), model.init(jax.random.key(0))["blocks"])
+    b = [np.asarray(p) for p in layouts["block"].to_pages(layouts["block"].flatten_np(block))]
+    rng = np.random.default_rng(0)
+    x, dy = (rng.normal(size=(4, 16, 32)).astype(np.float32) for _ in range(2))
+    expected = fns.block_bwd(b, x, dy)
+    y, vjp = fns.block_fwd_keep(b, x)
+    np.testing.assert_allclose(y[0], fns.block_fwd(b, x)[0], rtol=1e-6, atol=1e-6)
+    assert_trees_close(fns.block_bwd_kept(vjp, dy), expected)
+    swapped = fns.swapped("all")
+    y, residuals = swapped.forward(b, x)
+    assert all(r.shape[0] == 2 for r in jax.tree.leaves(residuals))  # one set a device
+    assert_trees_close(swapped.backward(b, residuals, dy), expected)
+
+
+def test_zero3_on_a_data_by_model_mesh_equals_single_device(tiny, tmp_path):
+    """ZeRO-3 on 2 devices goes through a mesh with a model axis of size 1 (no tensor
+    parallelism yet: the same path a model axis would take) and trains as one device
+    does (SGD, as tests/test_zero.py's plain reference)."""
+    opt = dict(name="sgd", lr=0.1, grad_clip=2.0)
+    config = tiny(
+        optimizer=opt,
+        offload=dict(mode="stream"),
+        memory=dict(page_size="16KiB"),
+        distributed=dict(data_parallel=2),
+    )
+    assert dict(Zero3(config).mesh.shape) == {DATA_AXIS: 2, EXPERT_AXIS: 1, MODEL_AXIS: 1}
+    ref = train(tiny(optimizer=opt), tmp_path / "ref", verbose=False)
+    result = train(config, tmp_path / "zero", verbose=False)
+    assert_gpt_training_equal(result, ref, build_model(config.model), check_tokens())
+
+
+def test_zero3_signature_kinds_place_arguments_and_results(tiny):
+    """Zero3.jit by kind: a WHOLE argument is the same on every device, a LOCAL result
+    is stacked one per device and handed back to its own device as an argument."""
+    zero = Zero3(tiny(offload=dict(mode="stream"), distributed=dict(data_parallel=2)))
+    x = np.arange(4 * 3, dtype=np.float32).reshape(4, 3)  # 2 rows a device
+    own = zero.jit(lambda x, s: x.sum() * s, StageSignature((Kind.BATCH, Kind.WHOLE), Kind.LOCAL))
+    local = own(x, np.float32(2.0))
+    np.testing.assert_array_equal(local, [2 * x[:2].sum(), 2 * x[2:].sum()])
+    back = zero.jit(lambda v: v + 1, StageSignature((Kind.LOCAL,), Kind.LOCAL))(local)
+    np.testing.assert_array_equal(back, np.asarray(local) + 1)
