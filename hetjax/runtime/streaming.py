@@ -319,7 +319,7 @@ class StreamingRuntime:
         handed to the step's gradient thread (nothing here waits for the copy).
         ``zero_pages``: pages known to be zero (a routed block's experts that got no
         token), not copied: the host takes zeros of its own for them."""
-        if name in self._device_grad_stages:
+        if name in self.device_grad_stages:
             self._step.add_device(name, g)
             return
         self.placement.sent_grad(g, self.layouts[layout_name(name)])
@@ -477,5 +477,5 @@ class StreamingRuntime:
             self.swap.close()
         if self.residual_swap is not None:
             self.residual_swap.close()
-        if self.nvme_dir is not None and self._temporary_nvme:
+        if self.nvme_dir is not None and self.temporary_nvme:
             shutil.rmtree(self.nvme_dir, ignore_errors=True)
