@@ -463,13 +463,10 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
         off.activations, config.model.num_blocks, stores.swap, placement.put_batch, ledger
     )
     residuals = SwappedResiduals(shardings.device, stores.residual_swap)
-    schedule = Schedule.of(
-        names["block_names"], names["group_of"], keep_blocks=off.keep_blocks,
-        swap_blocks=off.swap_blocks, routed=routed,
-    )  # fmt: skip
     shared = BlockParts(
         boundaries, residuals, ledger, off.swap_level, placement.put_batch, experts, deferred
     )
+    schedule, blocks = _per_layer(off, names, routed, fns, shared)
     io = IoMeter([stores.states, stores.params, stores.grads, stores.swap, stores.residual_swap])
     return Parts(
         config=config, placement=placement, model=model, compute_dtype=dtype,
@@ -486,9 +483,19 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
         device_grads=DeviceGradients(shardings.device) if device_stages else None,
         routed=routed, experts=experts, deferred=deferred, ledger=ledger,
         boundaries=boundaries, io=io, schedule=schedule,
-        blocks=make_blocks(schedule, fns.groups, shared),
+        blocks=blocks,
         inputs=tuple(GroupInput(group) for group in fns.groups),
     )  # fmt: skip
+
+
+def _per_layer(offload, names, routed, fns: StageFunctions, shared: BlockParts) -> tuple:
+    """The per-layer loop's schedule (``schedule.py``) and each block's strategy
+    (``blocks.py``), by its kind there."""
+    schedule = Schedule.of(
+        names["block_names"], names["group_of"], keep_blocks=offload.keep_blocks,
+        swap_blocks=offload.swap_blocks, routed=routed,
+    )  # fmt: skip
+    return schedule, make_blocks(schedule, fns.groups, shared)
 
 
 def _names(model, device_cached: int) -> dict[str, Any]:

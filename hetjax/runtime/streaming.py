@@ -17,6 +17,12 @@ block, and the group input's backward turns the sum into the embed stage's gradi
 the previous group's output gradient (T5: the encoder output's, the sum over every
 decoder block's cross-attention).
 
+How each block runs is its strategy's (``blocks.py``: recomputed, routed, swapped or
+kept, and each group's input), holding its own state from forward to backward; the
+per-layer loop walks the schedule worked out at start-up (``schedule.py``: each block's
+kind and uses of the window). The runtime's parts (stores, plans, update loop,
+strategies) are built in order by ``setup.assemble``.
+
 The access order is known, so :class:`~hetjax.runtime.window.PrefetchWindow` copies the
 next ``offload.prefetch_depth`` slabs in while the current stage computes (JAX's async
 dispatch overlaps them) and drops each slab after its last use. Block-boundary
@@ -39,7 +45,8 @@ Where a stage's pages live and how a stage function is compiled is the placement
 strategy's (``placement.py``: one device; ``zero.py``: ZeRO-3 over devices), handed to
 the runtime. What the runtime may hold in each tier is the memory model's
 (``hetjax/memory.py``): the plans are made at start-up and the ledger records what the
-step really held.
+step really held (``ledger.py``: what is held for long is added and removed as it comes
+and goes, so a dispatch's record walks only what is held briefly).
 """
 
 from __future__ import annotations
@@ -61,11 +68,10 @@ from hetjax.config import Config, ConfigError
 from hetjax.data import split_window
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.runtime import setup, state_io
-from hetjax.runtime.grads import StepGradients
+from hetjax.runtime.grads import StepGradients, to_host
 from hetjax.runtime.placement import SingleDevice
 from hetjax.runtime.setup import layout_name
 from hetjax.runtime.window import PrefetchWindow
-from hetjax.storage.pages import zero_page
 from hetjax.types import LossScale, RuntimeState, StepReport
 
 F32 = jnp.float32
@@ -323,18 +329,8 @@ class StreamingRuntime:
             self._step.add_device(name, g)
             return
         self.placement.sent_grad(g, self.layouts[layout_name(name)])
-        host = jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), g)
-        if zero_pages:
-            sent = [k for k in range(len(g)) if k not in zero_pages]
-            copied = iter(jax.device_put([g[k] for k in sent], [host[k] for k in sent]))
-            on_host = [
-                zero_page(p.shape, p.dtype) if k in zero_pages else next(copied)
-                for k, p in enumerate(g)
-            ]
-            watched = [on_host[k] for k in sent]
-        else:
-            on_host = watched = jax.device_put(g, host)
-        timeline.watch("device_to_host", f"{name} grad", watched, after=g)
+        on_host, copied = to_host(g, zero_pages)
+        timeline.watch("device_to_host", f"{name} grad", copied, after=g)
         self._step.add(name, on_host, sq)
 
     def _account(self, window, *transients) -> None:
