@@ -21,7 +21,7 @@ How each block runs is its strategy's (``blocks.py``: recomputed, routed, swappe
 kept, and each group's input), holding its own state from forward to backward; the
 per-layer loop walks the schedule worked out at start-up (``schedule.py``: each block's
 kind and uses of the window). The runtime's parts (stores, plans, update loop,
-strategies) are built in order by ``setup.assemble``.
+strategies) are built in order by ``parts.assemble``.
 
 The access order is known, so :class:`~hetjax.runtime.window.PrefetchWindow` copies the
 next ``offload.prefetch_depth`` slabs in while the current stage computes (JAX's async
@@ -69,6 +69,7 @@ from hetjax.data import split_window
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.runtime import setup, state_io
 from hetjax.runtime.grads import StepGradients, to_host
+from hetjax.runtime.parts import assemble
 from hetjax.runtime.placement import SingleDevice
 from hetjax.runtime.setup import layout_name
 from hetjax.runtime.window import PrefetchWindow
@@ -81,13 +82,13 @@ class StreamingRuntime:
     """Trains with params on the host, streamed a stage at a time through the device.
     ``placement``: the strategy placing pages and compiling stage functions (default:
     one device); ``probe``: called after every dispatch (tests sample live memory).
-    Its parts (``setup.Parts``: stores, plans, update loop, block strategies) are built
-    by ``setup.assemble`` and are its attributes of the same names."""
+    Its parts (``parts.Parts``: stores, plans, update loop, block strategies) are built
+    by ``parts.assemble`` and are its attributes of the same names."""
 
     def __init__(
         self, config: Config, probe=None, workdir: str | Path | None = None, placement=None
     ):
-        parts = setup.assemble(config, placement or SingleDevice(), workdir)
+        parts = assemble(config, placement or SingleDevice(), workdir)
         for field in dataclasses.fields(parts):
             setattr(self, field.name, getattr(parts, field.name))
         self.probe = probe
