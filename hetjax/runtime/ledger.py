@@ -63,11 +63,6 @@ class Ledger:
                 del self._holders[ident]
                 self._standing[kind] -= n
 
-    def release_all(self, keep=lambda key: False) -> None:
-        """Releases every holder but those ``keep(key)`` is true of (a pass abandoned)."""
-        for key in [k for k in self._held if not keep(k)]:
-            self.release(key)
-
     def record(self, arrays, host_buffers: int = 0, device_buffers: int = 0) -> None:
         """Notes what is held now: the held arrays and ``arrays``, the JAX arrays held
         briefly; ``host_buffers``: bytes of host RAM held outside JAX (NVMe staging),
