@@ -10,23 +10,27 @@ from typing import Any
 import jax
 
 from hetjax import timeline
-from hetjax.runtime.ledger import device_bytes
+from hetjax.runtime.ledger import Ledger, device_bytes
 
 
 class Boundaries:
     """Block i's input from its forward to its backward, for ``num_layers`` blocks.
     ``tier``: ``offload.activations``; ``swap``: the NVMe swap (tier ``nvme`` only);
-    ``put_batch``: places a host array on the device like a batch."""
+    ``put_batch``: places a host array on the device like a batch; ``ledger``: holds
+    what is kept (``ledger.Ledger``), where one counts it."""
 
-    def __init__(self, tier: str, num_layers: int, swap, put_batch):
+    def __init__(self, tier: str, num_layers: int, swap, put_batch, ledger: Ledger | None = None):
         self.tier, self.swap, self.put_batch = tier, swap, put_batch
+        self.ledger = ledger or Ledger()
         self.held: list[Any] = [None] * num_layers
-        self._peak = 0  # boundaries in host RAM (tier host) at their peak
+        self._host = 0  # boundaries in host RAM (tier host) now ...
+        self._peak = 0  # ... and at their peak
 
     def begin(self) -> None:
         """A micro-batch starts: the previous one's boundaries are gone (and its writes
         to NVMe done)."""
-        self.held = [None] * len(self.held)
+        for i in range(len(self.held)):
+            self.drop(i)
         if self.swap is not None:
             self.swap.begin()
 
@@ -36,7 +40,7 @@ class Boundaries:
         return self.swap.peak_host_bytes if self.swap is not None else self._peak
 
     def reset_peak(self) -> None:
-        self._peak = 0
+        self._peak = self._host
         if self.swap is not None:
             self.swap.reset_peak()
 
@@ -45,6 +49,7 @@ class Boundaries:
         handed to the swap (which holds it until written)."""
         if self.tier == "device":
             self.held[i] = x
+            self.ledger.hold(("boundary", i), x)
             return
         host = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
         timeline.watch("device_to_host", "boundary", host, after=x)
@@ -52,6 +57,9 @@ class Boundaries:
             self.swap.put(i, host)
         else:
             self.held[i] = host
+            self.ledger.hold(("boundary", i), host)
+            self._host += device_bytes(host)
+            self._peak = max(self._peak, self._host)
 
     def load(self, i: int) -> jax.Array:
         """Block i's input on the device (for its backward); dispatched early, the copy
@@ -67,6 +75,10 @@ class Boundaries:
         return x
 
     def drop(self, i: int) -> None:
+        if self.held[i] is not None:
+            self.ledger.release(("boundary", i))
+            if self.tier == "host":
+                self._host -= device_bytes(self.held[i])
         self.held[i] = None
 
     def arrays(self) -> list[jax.Array]:
@@ -74,13 +86,8 @@ class Boundaries:
         return [b for b in self.held if b is not None]
 
     def staged_bytes(self) -> int:
-        """Host bytes held outside JAX (the swap's buffers), for the ledger; notes the
-        peak of boundaries in host RAM."""
-        if self.swap is not None:
-            return self.swap.host_bytes()
-        if self.tier == "host":
-            self._peak = max(self._peak, sum(device_bytes(b) for b in self.arrays()))
-        return 0
+        """Host bytes held outside JAX (the swap's buffers), for the ledger."""
+        return self.swap.host_bytes() if self.swap is not None else 0
 
 
 class SwappedResiduals:

@@ -27,9 +27,25 @@ import numpy as np
 
 from hetjax.memory import HANDOFF_DEPTH
 from hetjax.optimizer.update_loop import UpdateLoop
-from hetjax.storage.pages import GradPages, aligned_concatenate
+from hetjax.storage.pages import GradPages, aligned_concatenate, zero_page
 
 F32 = jnp.float32
+
+
+def to_host(g: list[jax.Array], zero_pages: frozenset[int] = frozenset()) -> tuple[list, list]:
+    """A gradient's pages copied to ``pinned_host`` (dispatched, not waited for), but
+    ``zero_pages``, pages known to be zero (a routed block's experts that got no token):
+    the host takes zeros of its own for them. -> (the pages on the host, those copied)."""
+    host = jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), g)
+    if not zero_pages:
+        on_host = jax.device_put(g, host)
+        return on_host, on_host
+    sent = [k for k in range(len(g)) if k not in zero_pages]
+    copied = iter(jax.device_put([g[k] for k in sent], [host[k] for k in sent]))
+    on_host = [
+        zero_page(p.shape, p.dtype) if k in zero_pages else next(copied) for k, p in enumerate(g)
+    ]
+    return on_host, [on_host[k] for k in sent]
 
 
 class StepAbandoned(RuntimeError):

@@ -1,11 +1,12 @@
-"""The ledger: bytes the streaming runtime holds per memory kind, recomputed from its own
-containers at every dispatch, with the peak per kind (what device and host budgets are
-checked against on CPU, where no device memory statistics exist)."""
+"""The ledger: bytes the streaming runtime holds per memory kind at every dispatch, with
+the peak per kind (what device and host budgets are checked against on CPU, where no
+device memory statistics exist)."""
 
 from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Hashable
 
 import jax
 
@@ -17,31 +18,70 @@ def device_bytes(a: jax.Array) -> int:
 
 
 class Ledger:
-    """Bytes held per memory kind on each device, recomputed from the streaming runtime's own
-    containers at every dispatch, with the peak per kind."""
+    """Bytes held per memory kind on each device, with the peak per kind.
+
+    What the runtime holds for long (resident slabs, boundaries, the blocks' state from
+    forward to backward: as many as there are blocks) is *held* here by its holder as
+    it comes and *released* as it goes, so that a record at each dispatch walks only
+    what is held briefly (the window, gradients in flight, the current activation):
+    a step's accounting is linear in its blocks, not quadratic. An array held by two
+    holders (a kept block's vjp holding its slab's pages, a boundary that is also the
+    current activation) counts once, as does one both held and passed to a record."""
 
     def __init__(self):
         self.current: dict[str, int] = {}
         self.peak: dict[str, int] = collections.defaultdict(int)
+        self._held: dict[Hashable, list[tuple[int, str, int]]] = {}  # holder -> arrays
+        self._holders: dict[int, int] = {}  # id(array) -> its holders
+        self._standing: dict[str, int] = collections.defaultdict(int)  # held, by kind
+
+    def hold(self, key: Hashable, arrays) -> None:
+        """``key``'s holder holds the JAX arrays of the pytree ``arrays`` (instead of
+        what it held before). It must release them before it drops them: the ledger
+        keeps their ids, not the arrays."""
+        self.release(key)
+        entries = []
+        for a in jax.tree.leaves(arrays):
+            if not isinstance(a, jax.Array):
+                continue
+            kind, n = a.sharding.memory_kind or "device", device_bytes(a)
+            count = self._holders.get(id(a), 0)
+            if count == 0:
+                self._standing[kind] += n
+            self._holders[id(a)] = count + 1
+            entries.append((id(a), kind, n))
+        if entries:
+            self._held[key] = entries
+
+    def release(self, key: Hashable) -> None:
+        """``key``'s holder holds nothing any more (nothing happens if it held nothing)."""
+        for ident, kind, n in self._held.pop(key, ()):
+            count = self._holders[ident] - 1
+            if count:
+                self._holders[ident] = count
+            else:
+                del self._holders[ident]
+                self._standing[kind] -= n
 
     def record(self, arrays, host_buffers: int = 0, device_buffers: int = 0) -> None:
-        """``arrays``: the JAX arrays held; ``host_buffers``: bytes of host RAM held
-        outside JAX (NVMe staging), counted in the ``pinned_host`` kind;
-        ``device_buffers``: device bytes counted without their arrays (optimizer state
-        on the device, whose chunks are too many to walk at every dispatch)."""
-        totals: dict[str, int] = collections.defaultdict(int)
+        """Notes what is held now: the held arrays and ``arrays``, the JAX arrays held
+        briefly; ``host_buffers``: bytes of host RAM held outside JAX (NVMe staging),
+        counted in the ``pinned_host`` kind; ``device_buffers``: device bytes counted
+        without their arrays (optimizer state on the device, whose chunks are too many
+        to walk at every dispatch)."""
+        totals: dict[str, int] = collections.defaultdict(int, self._standing)
         if host_buffers:
-            totals["pinned_host"] = host_buffers
+            totals["pinned_host"] += host_buffers
         if device_buffers:
-            totals["device"] = device_buffers
+            totals["device"] += device_buffers
         seen = set()
         for a in jax.tree.leaves(arrays):
-            if id(a) in seen or not isinstance(a, jax.Array):  # (host zeros: no JAX's)
-                continue
+            if not isinstance(a, jax.Array) or id(a) in seen or id(a) in self._holders:
+                continue  # (host zeros: no JAX's)
             seen.add(id(a))
             totals[a.sharding.memory_kind or "device"] += device_bytes(a)
-        self.current = dict(totals)
-        for kind, n in totals.items():
+        self.current = {k: n for k, n in totals.items() if n}
+        for kind, n in self.current.items():
             self.peak[kind] = max(self.peak[kind], n)
 
     def reset_peak(self) -> None:

@@ -17,6 +17,12 @@ block, and the group input's backward turns the sum into the embed stage's gradi
 the previous group's output gradient (T5: the encoder output's, the sum over every
 decoder block's cross-attention).
 
+How each block runs is its strategy's (``blocks.py``: recomputed, routed, swapped or
+kept, and each group's input), holding its own state from forward to backward; the
+per-layer loop walks the schedule worked out at start-up (``schedule.py``: each block's
+kind and uses of the window). The runtime's parts (stores, plans, update loop,
+strategies) are built in order by ``parts.assemble``.
+
 The access order is known, so :class:`~hetjax.runtime.window.PrefetchWindow` copies the
 next ``offload.prefetch_depth`` slabs in while the current stage computes (JAX's async
 dispatch overlaps them) and drops each slab after its last use. Block-boundary
@@ -39,14 +45,14 @@ Where a stage's pages live and how a stage function is compiled is the placement
 strategy's (``placement.py``: one device; ``zero.py``: ZeRO-3 over devices), handed to
 the runtime. What the runtime may hold in each tier is the memory model's
 (``hetjax/memory.py``): the plans are made at start-up and the ledger records what the
-step really held.
+step really held (``ledger.py``: what is held for long is added and removed as it comes
+and goes, so a dispatch's record walks only what is held briefly).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import shutil
 import time
 from pathlib import Path
@@ -56,35 +62,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax import memory, timeline
-from hetjax.allocator import tune_host_allocator
+from hetjax import timeline
 from hetjax.checkpoint_state import StateSource, StoredState
 from hetjax.config import Config, ConfigError
 from hetjax.data import split_window
-from hetjax.memory import DeviceCache, Offload, plan_device
-from hetjax.memory_host import plan_host
-from hetjax.optimizer.deferred import Deferred, deferred_updates
 from hetjax.optimizer.slab import SlabOptimizer
-from hetjax.optimizer.update_loop import UpdateLoop
 from hetjax.runtime import setup, state_io
-from hetjax.runtime.boundaries import Boundaries, SwappedResiduals
-from hetjax.runtime.grads import DeviceGradients, StepGradients
-from hetjax.runtime.ledger import IoMeter, Ledger
+from hetjax.runtime.grads import StepGradients, to_host
+from hetjax.runtime.parts import assemble
 from hetjax.runtime.placement import SingleDevice
-from hetjax.runtime.routed import (
-    DeferredExperts,
-    ExpertFetcher,
-    ExpertFetchers,
-    Routing,
-    routed_blocks,
-)
 from hetjax.runtime.setup import layout_name
-from hetjax.runtime.stages import StageFunctions, StageMemory
 from hetjax.runtime.window import PrefetchWindow
-from hetjax.storage.pages import zero_page
 from hetjax.types import LossScale, RuntimeState, StepReport
-from hetjax.xla_env import pinned_limit
-from models import build_model
 
 F32 = jnp.float32
 
@@ -92,148 +81,22 @@ F32 = jnp.float32
 class StreamingRuntime:
     """Trains with params on the host, streamed a stage at a time through the device.
     ``placement``: the strategy placing pages and compiling stage functions (default:
-    one device); ``probe``: called after every dispatch (tests sample live memory)."""
+    one device); ``probe``: called after every dispatch (tests sample live memory).
+    Its parts (``parts.Parts``: stores, plans, update loop, block strategies) are built
+    by ``parts.assemble`` and are its attributes of the same names."""
 
     def __init__(
         self, config: Config, probe=None, workdir: str | Path | None = None, placement=None
     ):
-        tune_host_allocator(config.memory.host_budget)
-        self.config, self.probe = config, probe
-        self.placement = placement = placement or SingleDevice()
-        self.shardings = placement.shardings
-        self.model = build_model(config.model)
-        self.compute_dtype = jnp.dtype(config.model.compute_dtype)
-        self.num_layers = L = config.model.num_blocks  # every group's blocks
-        self.ledger = Ledger()
-        t, off, mem = config.train, config.offload, config.memory
-        self.layouts = placement.stage_layouts(self.model, mem.page_size)
-        self.state_layouts = placement.state_layouts(self.layouts)  # what this process holds
-        groups = self.model.groups
-        self.block_names = [g.stage(i) for g in groups for i in range(g.num_layers)]
-        # each block's group, and the first block of each group, in forward order
-        self.group_of = [g for g, group in enumerate(groups) for _ in range(group.num_layers)]
-        self.group_start = [self.group_of.index(g) for g in range(len(groups))]
-        self.stage_group = dict(zip(self.block_names, self.group_of, strict=True))
-        self.stage_names = ["embed", *self.block_names, "head"]
-        self.update_order = ["head", *reversed(self.block_names), "embed"]  # backward order
-        # The device cache of optimizer state: the first stages in forward order, the
-        # last ones backward reaches (config.OffloadConfig says why those).
-        self.device_stages = tuple(self.stage_names[: off.optimizer_device_stages])
-        self.host_stages = [n for n in self.stage_names if n not in self.device_stages]
-        opt = lambda sharding: SlabOptimizer(
-            config.optimizer, t.steps, self.state_layouts, sharding, self.compute_dtype
-        )
-        on_device = off.optimizer == "device"
-        self.optimizer = opt(self.shardings.device if on_device else self.shardings.optimizer)
-        self.device_optimizer = opt(self.shardings.device) if self.device_stages else None
-        # The model the stage functions run: with expert parallelism, blocks that hold
-        # their device's experts and exchange tokens over the placement's expert axis.
-        compute_model = build_model(config.model, placement.expert_axis)
-        self.fns = StageFunctions(
-            compute_model,
-            self.layouts,
-            placement,
-            memory.block_grad_dtype(config),
-            off.keep_level,
-            kept_blocks=not config.distributed.sharded,
-            batch_chunks=off.batch_chunks,
-        )
-        self.fns.check_keep_level(off, t.micro_batch_size, t.seq_len, self.compute_dtype)
-        if off.swap_blocks and len(groups) > 1:
-            raise ConfigError(
-                f"config key 'offload.swap_blocks' ({off.swap_blocks}): swapped activations "
-                f"are not supported for a model of several stage groups (model.family="
-                f"{config.model.family!r}); leave it 0 (keep_blocks keeps activations instead)"
-            )
-        args = self.fns.abstract_args(t.micro_batch_size, t.seq_len, self.compute_dtype)
-        self.boundary = args["block_fwd"][1]  # one block-boundary activation (B, T, D)
-
-        # The memory model decides what each tier holds (hetjax/memory.py). The host
-        # plan and the disk check need the slab and boundary sizes only; what the device
-        # plan needs besides (XLA's working set, the kept blocks' residuals: compiling
-        # and tracing the stage functions) is measured once those checks passed.
-        boundary = math.prod(self.boundary.shape) * self.boundary.dtype.itemsize
-        state_format = self.optimizer.state_format  # the state kinds' dtypes
-        # (the swapped blocks' activations live in host RAM: their sizes, from abstract
-        # shapes, are the host plan's too)
-        kept, swapped = {}, {}
-        if off.swap_blocks:
-            batch = (t.micro_batch_size, t.seq_len, self.compute_dtype)
-            kept, swapped = self.fns.kept_bytes(*batch), self.fns.swap_bytes(*batch)
-        stage_memory = StageMemory(boundary, 0, kept, swapped=swapped)
-        self.sizes = setup.memory_sizes(
-            config, groups, self.layouts, self.state_layouts, stage_memory, state_format
-        )
-        self.offload = Offload.from_config(config)
-        self.host_plan = plan_host(self.sizes, self.offload, mem.host_budget)
-        if jax.default_backend() == "gpu":  # XLA caps pinned host memory there
-            self.host_plan.check_pinned(pinned_limit())
-        # Stages whose gradient stays on the device (memory.DeviceCache): asked per stage
-        # in the per-layer loop, so decided once here.
-        to_host = DeviceCache.of(self.sizes, self.offload).grad_stages(self.sizes)
-        self._device_grad_stages = frozenset(self.device_stages) - set(to_host)
-        stores = setup.build_stores(
-            config, self.sizes, self.offload, self.host_plan, self.layouts, placement,
-            self.device_stages, self.boundary, workdir,
-        )  # fmt: skip
-        self.nvme_dir, self._temporary_nvme = stores.nvme_dir, stores.temporary
-        self.states, self.param_store = stores.states, stores.params
-        self.grad_store, self.swap = stores.grads, stores.swap
-        self.residual_swap = stores.residual_swap  # offload.swap_tier=nvme
-        self.residuals = SwappedResiduals(self.shardings.device, self.residual_swap)
-        self.optimizer.param_buffers = stores.param_buffers
-        setup.init_state(
-            config, self.model, self.layouts, self.stage_names, self._opt_of,
-            placement.own_slab, self.states, self.param_store, self.shardings.optimizer,
-        )  # fmt: skip
-        self.loop = UpdateLoop(
-            self.optimizer,
-            self.states,
-            self.param_store,
-            self.update_order,
-            layout_name,
-            config.optimizer.grad_clip,
-            mode=config.optimizer.mode,
-            max_staleness=config.optimizer.max_staleness,
-            speculation=config.optimizer.speculation,
-            readahead=memory.IO_READAHEAD,
-            grads=self.grad_store,
-            max_queued=self.host_plan.grads.max_queued,
-            device_optimizer=self.device_optimizer,
-            device_stages=self.device_stages,
-        )
-        self.device_grads = DeviceGradients(self.shardings.device) if self.device_stages else None
-        measured = self.fns.memory_sizes(t.micro_batch_size, t.seq_len, self.compute_dtype)
-        self.sizes = dataclasses.replace(
-            self.sizes, working_set=measured.working_set, kept=measured.kept,
-            context=measured.context,
-        )  # fmt: skip
-        self.plan = plan_device(self.sizes, self.offload, mem.device_budget)
-        # expert-aware streaming (routed.py): the MoE blocks that stream and recompute
-        self.routed = routed_blocks(
-            off, compute_model, self.layouts, self.block_names, self.plan.resident_blocks,
-            self.device_stages,
-        )  # fmt: skip
-        self.experts = None  # their groups' ExpertFetcher, by group index
-        if self.routed:
-            E, device = config.model.num_experts, self.shardings.device
-            self.experts = ExpertFetchers(
-                {g: ExpertFetcher(fns.routed(), self.compute_dtype, device, E)
-                 for g, fns in enumerate(self.fns.groups)}
-            )  # fmt: skip
-        # deferred expert updates (optimizer/deferred.py)
-        deferring = bool(self.routed) and deferred_updates(config)
-        if deferring:
-            self.loop.use_deferred(Deferred(self.routed))
-        self.deferred = DeferredExperts(self.loop if deferring else None)
+        parts = assemble(config, placement or SingleDevice(), workdir)
+        for field in dataclasses.fields(parts):
+            setattr(self, field.name, getattr(parts, field.name))
+        self.probe = probe
         self.resident: dict[str, jax.Array] = {}
         self._refresh_resident()
+        self.io.mark()  # NVMe I/O per step: initialisation's reads and writes are no step's
         self._step: StepGradients | None = None
-        self.boundaries = Boundaries(off.activations, L, self.swap, placement.put_batch)
-        # NVMe I/O per step: initialisation's writes are no step's
-        self.io = IoMeter(
-            [self.states, self.param_store, self.grad_store, self.swap, self.residual_swap]
-        )
+        t = config.train
         fp16 = config.model.compute_dtype == "float16"
         self.loss_scale = LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None
 
@@ -250,9 +113,12 @@ class StreamingRuntime:
         names = ["embed", "head", *self.block_names[: self.plan.resident_blocks]]
         for n in names:
             self.param_store.prefetch(n)
+        for n in self.resident:
+            self.ledger.release(("resident", n))
         self.resident = {}
         for n in names:
             self.resident[n] = self._to_device(n, self.param_store.get(n))
+            self.ledger.hold(("resident", n), self.resident[n])
             if n not in self.device_stages:
                 timeline.watch("host_to_device", n, self.resident[n])
 
@@ -262,21 +128,6 @@ class StreamingRuntime:
         if stage in self.routed:
             return self.experts[self.stage_group[stage]].dense(slab)
         return self.placement.to_device(slab, self.layouts[layout_name(stage)])
-
-    def _routed_forward(self, name: str, group, slab, x, context):
-        """A routed block's forward (``routed.py``): attention and the router, the host
-        reads which experts got tokens, only those are copied in (their deferred
-        updates caught up first), the rest of the block runs. -> (y, statistics, the
-        routing, for the block's backward)."""
-        fns = group.routed()
-        x_mid, top_e, counts = fns.route(slab.dense, x, context)
-        routing = Routing.of(np.asarray(counts), top_e, self.placement.put_batch)
-        fetcher = self.experts[group.index]
-        self.deferred.forward(name, fetcher, routing, training=self._step is not None)
-        held, copied = fetcher.experts(slab, routing, self.deferred.fresh.get(name))
-        timeline.watch("host_to_device", "experts", copied)
-        y, stats = fns.mlp(held, x_mid, routing.top_e, routing.slots, context)
-        return y, stats, routing
 
     def _window(self, uses: list[str]) -> PrefetchWindow:
         return PrefetchWindow(
@@ -375,147 +226,99 @@ class StreamingRuntime:
 
     def _forward_backward(self, window_np: np.ndarray):
         """Forward and backward of one micro-batch (B, W) of ``data.objective``'s
-        windows; its gradients go to ``self._step``. Returns the loss (a device scalar)."""
-        L, fns, put = self.num_layers, self.fns, self.placement.put_batch
+        windows; its gradients go to ``self._step``. Returns the loss (a device scalar).
+        The blocks run as their strategies (``blocks.py``) in the schedule's order
+        (``schedule.py``)."""
+        tokens, targets = self._batch(window_np)
+        window = self._window(self.schedule.uses)
+        self.boundaries.begin()
+        try:
+            x, stats = self._forward(window, tokens, targets, training=True)
+            loss, dx, dstats = self._head(x, stats, targets)
+            del x, stats
+            self._backward(window, dx, dstats, tokens, targets)
+        finally:  # (a pass that failed leaves no state behind; one that ran, none anyway)
+            for part in (*self.blocks, *self.inputs):
+                part.reset()
+        self._step.micro_batch_sent()
+        return loss
+
+    def _batch(self, window_np: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """A micro-batch's windows (B, W) -> tokens and targets on the device."""
         objective, T = self.config.data.objective, self.config.train.seq_len
-        tokens_np, targets_np = split_window(objective, window_np, T)
-        tokens, targets = put(tokens_np), put(targets_np)
-        embed, head = self.resident["embed"], self.resident["head"]
-        # Blocks first_kept .. L-1 keep their in-block activations from forward to
-        # backward (offload.keep_blocks): no boundary, no recompute, no second fetch.
-        # Blocks first_swap .. first_kept-1 move theirs to host memory and back
-        # (offload.swap_blocks): no boundary, recompute of what their level did not
-        # save, their params fetched again. The blocks below store a boundary and
-        # recompute their inside.
-        off = self.config.offload
-        first_kept = L - off.keep_blocks
-        first_swap = first_kept - off.swap_blocks
-        swap = lambda i: fns.groups[self.group_of[i]].swapped(off.swap_level)
-        backward_uses = [self.block_names[i] for i in reversed(range(first_kept))]
-        window = self._window(self.block_names + backward_uses)
-        boundaries = self.boundaries
-        boundaries.begin()
+        return tuple(self.placement.put_batch(a) for a in split_window(objective, window_np, T))
 
-        # each group's input's source (the previous group's output; None for the first),
-        # its context, and the sum of its blocks' gradients of the context
-        prev: list[Any] = [None] * len(fns.groups)
-        context: list[Any] = [()] * len(fns.groups)
-        dcontext: list[Any] = [()] * len(fns.groups)
-        x = None
-        kept: list[Any] = [None] * L  # the kept blocks' vjps (their residuals)
-        swapped: list[Any] = [None] * L  # the swapped blocks' residuals, on the host
-        stats: list[Any] = [None] * L  # the blocks' auxiliary-loss statistics
-        routing: list[Any] = [None] * L  # the routed blocks' decisions (routed.py)
-        for i in range(L):
-            g = self.group_of[i]
-            group = fns.groups[g]
-            if i == self.group_start[g]:  # the group's input and context
-                prev[g] = x
-                x, context[g] = group.input_fwd(embed, x, tokens, targets)  # (B, T, D)
-                timeline.watch("compute", "embed fwd" if g == 0 else f"group{g} input", x)
-            c = context[g]
-            slab = window.get(i)
-            if i >= first_kept:
-                (x, stats[i]), kept[i] = group.block_fwd_keep(slab, x, c)
-            elif i >= first_swap:
-                (x, stats[i]), residuals = swap(i).forward(slab, x, c)
-                swapped[i] = self.residuals.out(i, i - first_swap, residuals)
-                del residuals
+    def _forward(self, window, tokens, targets, training: bool) -> tuple[Any, list]:
+        """Every block's forward in order (each group's input before its first block);
+        ``training``: each block keeps what its backward needs (else an evaluation's,
+        which keeps nothing). -> (the last block's output (B, T, D), the blocks'
+        auxiliary-loss statistics)."""
+        embed = self.resident["embed"]
+        x, stats = None, []
+        for slot, block in zip(self.schedule.blocks, self.blocks, strict=True):
+            group = self.inputs[slot.group]
+            if slot.group_first:  # the group's input and context
+                x = group.forward(embed, x, tokens, targets, keep=training)  # (B, T, D)
+            slab = window.get(slot.forward_use)
+            if training:
+                x, s = block.forward(slab, x, group.context, training)
             else:
-                boundaries.store(i, x)
-                if self.block_names[i] in self.routed:
-                    x, stats[i], routing[i] = self._routed_forward(
-                        self.block_names[i], group, slab, x, c
-                    )
-                else:
-                    x, stats[i] = group.block_fwd(slab, x, c)
-            timeline.watch("compute", f"{self.block_names[i]} fwd", x, after=slab)
+                x, s = block.evaluate(slab, x, group.context)
+            stats.append(s)
+            timeline.watch("compute", f"{slot.name} fwd", x, after=slab)
             del slab  # the window decides when a slab goes; hold no reference past it
-            window.done(i, after=x)
-            self._account(window, x, kept, swapped, routing, prev, context)
+            window.done(slot.forward_use, after=x)
+            if training:
+                self._account(window, x)
+        return x, stats
 
+    def _head(self, x, stats, targets):
+        """The head's forward and backward (and the auxiliary loss's): its gradient and
+        the embed's (tied head) go out. -> (loss, dx (B, T, D), the statistics'
+        cotangent: None without an auxiliary loss)."""
+        fns = self.fns
         # the loss is fp32 (fp16 cannot hold scales); put explicitly: a planned transfer
         seed = self.placement.put_scalar(self._step.seed)
+        embed, head = self.resident["embed"], self.resident["head"]
         loss, dh, de_head, dx = fns.head_fwd_bwd(head, embed, x, targets, seed)
-        dstats = None  # the statistics' cotangent: none without an auxiliary loss
+        dstats = None
         if fns.stats_size:  # + the blocks' auxiliary loss
             loss, dstats = fns.aux_fwd_bwd(loss, stats, seed)
-        del x, stats
         timeline.watch("compute", "head fwd+bwd", (loss, dx))
         self._grad_out("head", *dh)
         self._grad_out("embed", *de_head)
-        del dh, de_head
+        return loss, dx, dstats
 
-        if first_kept > first_swap:  # the first swapped block's residuals come back
-            last = first_kept - 1
-            swapped[last] = self.residuals.back(last, last - first_swap, swapped[last])
-        next_x = boundaries.load(first_swap - 1) if first_swap == first_kept > 0 else None
-        zero_pages: frozenset[int] = frozenset()  # of a routed block's gradient
-        for i in reversed(range(L)):
-            g = self.group_of[i]
-            group, c = fns.groups[g], context[g]
-            if i == L - 1 or self.group_of[i + 1] != g:  # the group's last block
-                dcontext[g] = group.zero_context(c) if jax.tree.leaves(c) else ()
-            if i >= first_kept:
-                db, dx, dcontext[g] = group.block_bwd_kept(kept[i], dx, dstats, dcontext[g])
-                timeline.watch("compute", f"{self.block_names[i]} bwd", (db, dx), after=kept[i])
-                kept[i] = None
-            else:
-                j = L + first_kept - 1 - i  # position in the window's use order
-                slab = window.get(j)
-                if i >= first_swap:
-                    residuals, swapped[i] = swapped[i], None
-                    if i - 1 >= first_swap:  # the next one's come back while this computes
-                        swapped[i - 1] = self.residuals.back(
-                            i - 1, i - 1 - first_swap, swapped[i - 1]
-                        )
-                    elif i > 0:  # the first recomputed block's boundary, likewise
-                        next_x = boundaries.load(i - 1)
-                    db, dx, dcontext[g] = swap(i).backward(
-                        slab, residuals, dx, dstats, c, dcontext[g]
-                    )
-                    watched = (slab, residuals)
-                    del residuals
-                else:
-                    x_in = next_x
-                    if i > 0:  # prefetch the next boundary while this block computes
-                        next_x = boundaries.load(i - 1)
-                    if self.block_names[i] in self.routed:  # its experts copied in again
-                        r, routing[i] = routing[i], None
-                        fetcher = self.experts[g]
-                        fresh = self.deferred.fresh.get(self.block_names[i])
-                        held, copied = fetcher.experts(slab, r, fresh)
-                        timeline.watch("host_to_device", "experts", copied)
-                        db, dx, dcontext[g] = group.routed().backward(
-                            held, r.ids_device, r.top_e, r.slots, x_in, dx, dstats, c, dcontext[g]
-                        )
-                        zero_pages = fetcher.zero_pages(r.ids)
-                        del held, copied, r, fetcher
-                    else:
-                        db, dx, dcontext[g] = group.block_bwd(
-                            slab, x_in, dx, dstats, c, dcontext[g]
-                        )
-                    boundaries.drop(i)
-                    watched = (slab, x_in)
-                    del x_in
-                timeline.watch("compute", f"{self.block_names[i]} bwd", (db, dx), after=watched)
-                del slab, watched
-                window.done(j, after=dx)
-            self._grad_out(self.block_names[i], *db, zero_pages)
+    def _backward(self, window, dx, dstats, tokens, targets) -> None:
+        """Every block's backward in reverse order, each group's input's after its
+        first block's; a streamed block's backward inputs come back to the device while
+        the block after it computes (``BlockSlot.restore_ahead``)."""
+        embed = self.resident["embed"]
+        if self.schedule.restore_first is not None:
+            self.blocks[self.schedule.restore_first].restore()
+        for slot in self.schedule.backward:
+            block, group = self.blocks[slot.index], self.inputs[slot.group]
+            if slot.group_last:
+                group.begin_backward()
+            use, slab = slot.backward_use, None
+            if use is not None:
+                slab = window.get(use)
+                if slot.restore_ahead is not None:  # while this block computes
+                    self.blocks[slot.restore_ahead].restore()
+            db, dx, group.dcontext = block.backward(slab, dx, dstats, group.context, group.dcontext)
+            del slab
+            if use is not None:
+                window.done(use, after=dx)
+            self._grad_out(slot.name, *db)
             del db
-            zero_pages = frozenset()
-            self._account(window, dx, kept, swapped, routing, prev, context, dcontext)
-            if i == self.group_start[g]:  # the group's input: a gradient of the embed
-                de, dx = group.input_bwd(embed, prev[g], tokens, targets, dx, dcontext[g])
-                timeline.watch("compute", "embed bwd" if g == 0 else f"group{g} input bwd", de)
+            self._account(window, dx)
+            if slot.group_first:  # the group's input: a gradient of the embed
+                de, dx = group.backward(embed, tokens, targets, dx)
                 self._grad_out("embed", *de)
-                prev[g] = context[g] = dcontext[g] = None
                 # (the first group's: the device cache's updates are dispatched by now)
-                if g or self.device_stages:
-                    self._account(window, dx, de, kept, swapped, prev, context, dcontext)
+                if slot.group or self.device_stages:
+                    self._account(window, dx, de)
                 del de
-        self._step.micro_batch_sent()
-        return loss
 
     def _grad_out(self, name: str, g, sq, zero_pages: frozenset[int] = frozenset()) -> None:
         """Hands a stage's gradient and its pages' squared norms on: summed and updated
@@ -523,31 +326,23 @@ class StreamingRuntime:
         handed to the step's gradient thread (nothing here waits for the copy).
         ``zero_pages``: pages known to be zero (a routed block's experts that got no
         token), not copied: the host takes zeros of its own for them."""
-        if name in self._device_grad_stages:
+        if name in self.device_grad_stages:
             self._step.add_device(name, g)
             return
         self.placement.sent_grad(g, self.layouts[layout_name(name)])
-        host = jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), g)
-        if zero_pages:
-            sent = [k for k in range(len(g)) if k not in zero_pages]
-            copied = iter(jax.device_put([g[k] for k in sent], [host[k] for k in sent]))
-            on_host = [
-                zero_page(p.shape, p.dtype) if k in zero_pages else next(copied)
-                for k, p in enumerate(g)
-            ]
-            watched = [on_host[k] for k in sent]
-        else:
-            on_host = watched = jax.device_put(g, host)
-        timeline.watch("device_to_host", f"{name} grad", watched, after=g)
+        on_host, copied = to_host(g, zero_pages)
+        timeline.watch("device_to_host", f"{name} grad", copied, after=g)
         self._step.add(name, on_host, sq)
 
     def _account(self, window, *transients) -> None:
+        """Records what the device and host hold after a dispatch (``ledger.Ledger``:
+        what is held for long is held there already; this walks what is held briefly),
+        then calls the probe."""
         held = [
-            *self.resident.values(),
             *window.cache.values(),
-            *self.boundaries.arrays(),
             *self._step.in_flight(),  # gradients on their way to the host
             *transients,
+            *(group.state() for group in self.inputs),
         ]
         if self.device_stages:  # the device cache's params and gradients
             held += self.param_store.device_arrays() + self.loop.device_grads()
@@ -594,24 +389,14 @@ class StreamingRuntime:
     # -- evaluation and state -----------------------------------------------------------
 
     def eval_loss(self, batch: np.ndarray) -> float:
-        put = self.placement.put_batch
-        objective, T = self.config.data.objective, self.config.train.seq_len
-        tokens, targets = (put(a) for a in split_window(objective, batch, T))
-        window = self._window(self.block_names)
-        embed, head = self.resident["embed"], self.resident["head"]
-        x, context = None, ()
-        stats = [None] * self.num_layers
-        for i in range(self.num_layers):
-            group = self.fns.groups[self.group_of[i]]
-            if i == self.group_start[self.group_of[i]]:
-                x, context = group.input_fwd(embed, x, tokens, targets)
-            if self.block_names[i] in self.routed:
-                name = self.block_names[i]
-                x, stats[i], _ = self._routed_forward(name, group, window.get(i), x, context)
-            else:
-                x, stats[i] = group.block_fwd(window.get(i), x, context)
-            window.done(i, after=x)
-        loss = self.fns.head_loss(head, embed, x, targets)
+        tokens, targets = self._batch(batch)
+        window = self._window(self.schedule.forward_uses)
+        try:
+            x, stats = self._forward(window, tokens, targets, training=False)
+        finally:
+            for group in self.inputs:
+                group.reset()
+        loss = self.fns.head_loss(self.resident["head"], self.resident["embed"], x, targets)
         if self.fns.stats_size:  # + the blocks' auxiliary loss
             loss = self.fns.aux_fwd_bwd(loss, stats, self.placement.put_scalar(1.0))[0]
         return float(loss)
@@ -690,5 +475,5 @@ class StreamingRuntime:
             self.swap.close()
         if self.residual_swap is not None:
             self.residual_swap.close()
-        if self.nvme_dir is not None and self._temporary_nvme:
+        if self.nvme_dir is not None and self.temporary_nvme:
             shutil.rmtree(self.nvme_dir, ignore_errors=True)

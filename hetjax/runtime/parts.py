@@ -1,0 +1,287 @@
+"""A streaming run's parts (:class:`Parts`), built in order by :func:`assemble`: the model
+and its stage functions, the memory plans, the stores and the initial state
+(``setup.py``), the update loop, the routed blocks' experts, and the per-layer loop's
+schedule and block strategies. :class:`~hetjax.runtime.streaming.StreamingRuntime`
+receives them finished; nothing here runs during a step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from hetjax import memory
+from hetjax.allocator import tune_host_allocator
+from hetjax.config import Config, ConfigError
+from hetjax.memory import DeviceCache, Offload, Sizes, plan_device
+from hetjax.memory_host import HostMemoryPlan, plan_host
+from hetjax.optimizer.deferred import Deferred, deferred_updates
+from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.optimizer.update_loop import UpdateLoop
+from hetjax.runtime.blocks import BlockParts, GroupInput, make_blocks
+from hetjax.runtime.boundaries import Boundaries, SwappedResiduals
+from hetjax.runtime.grads import DeviceGradients
+from hetjax.runtime.ledger import IoMeter, Ledger
+from hetjax.runtime.routed import DeferredExperts, ExpertFetcher, ExpertFetchers, routed_blocks
+from hetjax.runtime.schedule import Schedule
+from hetjax.runtime.setup import build_stores, init_state, layout_name, memory_sizes
+from hetjax.runtime.stages import StageFunctions, StageMemory
+from hetjax.storage.gradients import GradientStore
+from hetjax.storage.pages import SlabLayout
+from hetjax.storage.swap import BoundarySwap, ResidualSwap
+from hetjax.xla_env import pinned_limit
+from models import build_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """A streaming run's parts, built in order by :func:`assemble` and handed finished
+    to :class:`~hetjax.runtime.streaming.StreamingRuntime` (its attributes of the same
+    names)."""
+
+    config: Config
+    placement: Any  # where pages live, how stage functions compile (placement.py, zero.py)
+    model: Any  # the model (models/), as stored
+    compute_dtype: Any
+    num_layers: int  # every group's blocks
+    layouts: dict[str, SlabLayout]  # each layout's slab as the device computes with it
+    state_layouts: dict[str, SlabLayout]  # ... as this process holds its state
+    block_names: list[str]  # every group's blocks, in forward order
+    stage_group: dict[str, int]  # a block's stage group
+    stage_names: list[str]  # embed, the blocks, head
+    update_order: list[str]  # backward order: head, the blocks reversed, embed
+    device_stages: tuple[str, ...]  # the device cache of optimizer state
+    host_stages: list[str]
+    optimizer: SlabOptimizer
+    device_optimizer: SlabOptimizer | None  # the device cache's
+    fns: StageFunctions
+    boundary: jax.ShapeDtypeStruct  # one block-boundary activation (B, T, D)
+    sizes: Sizes  # the memory model's sizes, measured ones included
+    offload: Offload
+    host_plan: HostMemoryPlan
+    plan: Any  # the device plan (memory.DevicePlan)
+    device_grad_stages: frozenset[str]  # stages whose gradient stays on the device
+    nvme_dir: Path | None
+    temporary_nvme: bool
+    states: Any  # StateStore
+    param_store: Any  # ParamStore
+    grad_store: GradientStore
+    swap: BoundarySwap | None
+    residual_swap: ResidualSwap | None  # offload.swap_tier=nvme
+    residuals: SwappedResiduals
+    loop: UpdateLoop
+    device_grads: DeviceGradients | None
+    routed: frozenset[str]  # the blocks streamed expert-aware (routed.py)
+    experts: ExpertFetchers | None  # their groups' fetchers, by group index
+    deferred: DeferredExperts
+    ledger: Ledger
+    boundaries: Boundaries
+    io: IoMeter  # NVMe I/O per step
+    schedule: Schedule
+    blocks: tuple  # each block's strategy (blocks.py), forward order
+    inputs: tuple[GroupInput, ...]  # each stage group's input
+
+
+def assemble(config: Config, placement, workdir=None) -> Parts:
+    """Builds a streaming run's parts in order: the model and its stage functions, the
+    memory plans (host first: it needs sizes only; the device plan once the stage
+    functions are measured), the stores and the initial state, the update loop, the
+    routed blocks' experts, and the per-layer loop's schedule and block strategies."""
+    tune_host_allocator(config.memory.host_budget)
+    t, off, mem = config.train, config.offload, config.memory
+    model = build_model(config.model)
+    dtype = jnp.dtype(config.model.compute_dtype)
+    layouts = placement.stage_layouts(model, mem.page_size)
+    state_layouts = placement.state_layouts(layouts)  # what this process holds
+    names = _names(model, off.optimizer_device_stages)
+    optimizer, device_optimizer = _optimizers(config, placement, state_layouts, dtype, names)
+    compute_model = build_model(config.model, placement.expert_axis)
+    fns = _stage_functions(config, placement, compute_model, layouts, dtype)
+    batch = (t.micro_batch_size, t.seq_len, dtype)
+    boundary = fns.abstract_args(*batch)["block_fwd"][1]
+    sizes = _host_sizes(config, fns, model.groups, layouts, state_layouts, boundary, optimizer)
+    offload = Offload.from_config(config)
+    host_plan = plan_host(sizes, offload, mem.host_budget)
+    if jax.default_backend() == "gpu":  # XLA caps pinned host memory there
+        host_plan.check_pinned(pinned_limit())
+    # Stages whose gradient stays on the device (memory.DeviceCache): asked per stage
+    # in the per-layer loop, so decided once here.
+    to_host = DeviceCache.of(sizes, offload).grad_stages(sizes)
+    device_stages = names["device_stages"]
+    stores = build_stores(
+        config, sizes, offload, host_plan, layouts, placement, device_stages, boundary, workdir,
+    )  # fmt: skip
+    optimizer.param_buffers = stores.param_buffers
+    optimizer_of = lambda s: device_optimizer if s in device_stages else optimizer
+    init_state(
+        config, model, layouts, names["stage_names"], optimizer_of, placement.own_slab,
+        stores.states, stores.params, placement.shardings.optimizer,
+    )  # fmt: skip
+    loop = _update_loop(config, optimizer, device_optimizer, stores, host_plan, names)
+    measured = fns.memory_sizes(*batch)
+    sizes = dataclasses.replace(
+        sizes, working_set=measured.working_set, kept=measured.kept, context=measured.context
+    )
+    plan = plan_device(sizes, offload, mem.device_budget)
+    # expert-aware streaming (routed.py): the MoE blocks that stream and recompute
+    routed = routed_blocks(
+        off, compute_model, layouts, names["block_names"], plan.resident_blocks, device_stages
+    )
+    experts, deferred = _experts(config, placement, fns, dtype, routed, loop)
+    ledger = Ledger()
+    shardings = placement.shardings
+    boundaries = Boundaries(
+        off.activations, config.model.num_blocks, stores.swap, placement.put_batch, ledger
+    )
+    residuals = SwappedResiduals(shardings.device, stores.residual_swap)
+    shared = BlockParts(
+        boundaries, residuals, ledger, off.swap_level, placement.put_batch, experts, deferred
+    )
+    schedule, blocks = _per_layer(off, names, routed, fns, shared)
+    io = IoMeter([stores.states, stores.params, stores.grads, stores.swap, stores.residual_swap])
+    return Parts(
+        config=config, placement=placement, model=model, compute_dtype=dtype,
+        num_layers=config.model.num_blocks, layouts=layouts, state_layouts=state_layouts,
+        block_names=names["block_names"], stage_group=names["stage_group"],
+        stage_names=names["stage_names"], update_order=names["update_order"],
+        device_stages=device_stages, host_stages=names["host_stages"], optimizer=optimizer,
+        device_optimizer=device_optimizer, fns=fns, boundary=boundary, sizes=sizes,
+        offload=offload, host_plan=host_plan, plan=plan,
+        device_grad_stages=frozenset(device_stages) - set(to_host), nvme_dir=stores.nvme_dir,
+        temporary_nvme=stores.temporary, states=stores.states, param_store=stores.params,
+        grad_store=stores.grads, swap=stores.swap, residual_swap=stores.residual_swap,
+        residuals=residuals, loop=loop,
+        device_grads=DeviceGradients(shardings.device) if device_stages else None,
+        routed=routed, experts=experts, deferred=deferred, ledger=ledger,
+        boundaries=boundaries, io=io, schedule=schedule,
+        blocks=blocks,
+        inputs=tuple(GroupInput(group) for group in fns.groups),
+    )  # fmt: skip
+
+
+def _per_layer(offload, names, routed, fns: StageFunctions, shared: BlockParts) -> tuple:
+    """The per-layer loop's schedule (``schedule.py``) and each block's strategy
+    (``blocks.py``), by its kind there."""
+    schedule = Schedule.of(
+        names["block_names"], names["group_of"], keep_blocks=offload.keep_blocks,
+        swap_blocks=offload.swap_blocks, routed=routed,
+    )  # fmt: skip
+    return schedule, make_blocks(schedule, fns.groups, shared)
+
+
+def _names(model, device_cached: int) -> dict[str, Any]:
+    """The run's stage names: the blocks in forward order over every group, each
+    block's group, embed + blocks + head, the update (backward) order, and the stages
+    of the device cache of optimizer state: the first ones in forward order, the last
+    ones backward reaches (config.OffloadConfig says why those)."""
+    groups = model.groups
+    block_names = [g.stage(i) for g in groups for i in range(g.num_layers)]
+    group_of = [g for g, group in enumerate(groups) for _ in range(group.num_layers)]
+    stage_names = ["embed", *block_names, "head"]
+    device_stages = tuple(stage_names[:device_cached])
+    return {
+        "block_names": block_names,
+        "group_of": group_of,
+        "stage_group": dict(zip(block_names, group_of, strict=True)),
+        "stage_names": stage_names,
+        "update_order": ["head", *reversed(block_names), "embed"],
+        "device_stages": device_stages,
+        "host_stages": [n for n in stage_names if n not in device_stages],
+    }
+
+
+def _optimizers(config: Config, placement, state_layouts, dtype, names) -> tuple:
+    """The host optimizer (or the device one, ``offload.optimizer=device``) and the
+    device cache's (None without one)."""
+    shardings = placement.shardings
+
+    def opt(sharding) -> SlabOptimizer:
+        return SlabOptimizer(config.optimizer, config.train.steps, state_layouts, sharding, dtype)
+
+    on_device = config.offload.optimizer == "device"
+    optimizer = opt(shardings.device if on_device else shardings.optimizer)
+    return optimizer, opt(shardings.device) if names["device_stages"] else None
+
+
+def _stage_functions(config: Config, placement, compute_model, layouts, dtype) -> StageFunctions:
+    """The jitted stage functions, of the model the stage functions run (with expert
+    parallelism: blocks holding their device's experts, exchanging tokens over the
+    placement's expert axis); checks the keep level and the swapped blocks' support."""
+    t, off = config.train, config.offload
+    fns = StageFunctions(
+        compute_model,
+        layouts,
+        placement,
+        memory.block_grad_dtype(config),
+        off.keep_level,
+        kept_blocks=not config.distributed.sharded,
+        batch_chunks=off.batch_chunks,
+    )
+    fns.check_keep_level(off, t.micro_batch_size, t.seq_len, dtype)
+    if off.swap_blocks and len(compute_model.groups) > 1:
+        raise ConfigError(
+            f"config key 'offload.swap_blocks' ({off.swap_blocks}): swapped activations "
+            f"are not supported for a model of several stage groups (model.family="
+            f"{config.model.family!r}); leave it 0 (keep_blocks keeps activations instead)"
+        )
+    return fns
+
+
+def _host_sizes(config, fns, groups, layouts, state_layouts, boundary, optimizer) -> Sizes:
+    """The sizes the host plan and the disk check need: slabs and boundaries (and the
+    swapped blocks' activations, which live in host RAM: from abstract shapes). What the
+    device plan needs besides (XLA's working set, the kept blocks' residuals: compiling
+    and tracing the stage functions) is measured once those checks passed."""
+    t, off = config.train, config.offload
+    kept, swapped = {}, {}
+    if off.swap_blocks:
+        batch = (t.micro_batch_size, t.seq_len, jnp.dtype(config.model.compute_dtype))
+        kept, swapped = fns.kept_bytes(*batch), fns.swap_bytes(*batch)
+    stage_memory = StageMemory(
+        math.prod(boundary.shape) * boundary.dtype.itemsize, 0, kept, swapped=swapped
+    )
+    state_format = optimizer.state_format  # the state kinds' dtypes
+    return memory_sizes(config, groups, layouts, state_layouts, stage_memory, state_format)
+
+
+def _update_loop(config: Config, optimizer, device_optimizer, stores, host_plan, names):
+    """The host optimizer loop (``optimizer/update_loop.py``), updating stages in
+    backward order as their gradients come."""
+    return UpdateLoop(
+        optimizer,
+        stores.states,
+        stores.params,
+        names["update_order"],
+        layout_name,
+        config.optimizer.grad_clip,
+        mode=config.optimizer.mode,
+        max_staleness=config.optimizer.max_staleness,
+        speculation=config.optimizer.speculation,
+        readahead=memory.IO_READAHEAD,
+        grads=stores.grads,
+        max_queued=host_plan.grads.max_queued,
+        device_optimizer=device_optimizer,
+        device_stages=names["device_stages"],
+    )
+
+
+def _experts(config: Config, placement, fns, dtype, routed, loop) -> tuple:
+    """The routed blocks' expert fetchers by group (None without routed blocks) and
+    the deferred expert updates (``optimizer/deferred.py``), told to the loop."""
+    experts = None
+    if routed:
+        E, device = config.model.num_experts, placement.shardings.device
+        experts = ExpertFetchers(
+            {
+                g: ExpertFetcher(group.routed(), dtype, device, E)
+                for g, group in enumerate(fns.groups)
+            }
+        )
+    deferring = bool(routed) and deferred_updates(config)
+    if deferring:
+        loop.use_deferred(Deferred(routed))
+    return experts, DeferredExperts(loop if deferring else None)
