@@ -65,7 +65,7 @@ from hetjax.memory import DeviceCache, Offload, plan_device
 from hetjax.memory_host import plan_host
 from hetjax.optimizer.deferred import Deferred, deferred_updates
 from hetjax.optimizer.slab import SlabOptimizer
-from hetjax.optimizer.update_loop import UpdateLoop
+from hetjax.optimizer.update_loop import LoopSettings, UpdateLoop
 from hetjax.runtime import setup, state_io
 from hetjax.runtime.boundaries import Boundaries, SwappedResiduals
 from hetjax.runtime.grads import DeviceGradients, StepGradients
@@ -191,15 +191,14 @@ class StreamingRuntime:
             self.optimizer,
             self.states,
             self.param_store,
-            self.update_order,
-            layout_name,
-            config.optimizer.grad_clip,
-            mode=config.optimizer.mode,
-            max_staleness=config.optimizer.max_staleness,
-            speculation=config.optimizer.speculation,
-            readahead=memory.IO_READAHEAD,
+            order=self.update_order,
+            layout_of=layout_name,
+            settings=LoopSettings.of(
+                config.optimizer,
+                readahead=memory.IO_READAHEAD,
+                max_queued=self.host_plan.grads.max_queued,
+            ),
             grads=self.grad_store,
-            max_queued=self.host_plan.grads.max_queued,
             device_optimizer=self.device_optimizer,
             device_stages=self.device_stages,
         )
