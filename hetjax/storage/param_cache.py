@@ -11,7 +11,7 @@ import numpy as np
 
 
 class ParamCache:
-    """Where a stage's compute-dtype params are in RAM besides the committed files of an
+    """Where a stage's compute-dtype params are in RAM besides the committed files of a
     ``params.NvmeParamStore``, one named map per reason, and the rules that move them:
 
     * ``reads``: read ahead from the committed generation (in flight or landed), taken by

@@ -114,7 +114,9 @@ class MemoryStateStore:
         self._frozen.wait(stage, spare)
         return spare, False
 
-    def put(self, stage: str, slabs: dict, scalars: list, skip=frozenset()) -> None:
+    def put(
+        self, stage: str, slabs: dict, scalars: list, skip: frozenset[int] = frozenset()
+    ) -> None:
         self._pending[stage] = (slabs, scalars)
         self._pending_bytes[stage] = _nbytes(slabs)
         self._count()
@@ -322,7 +324,9 @@ class NvmeStateStore:
             return spare, False
         return None, True
 
-    def put(self, stage: str, slabs: dict, scalars: list, skip=frozenset()) -> None:
+    def put(
+        self, stage: str, slabs: dict, scalars: list, skip: frozenset[int] = frozenset()
+    ) -> None:
         """A stage's updated state: kept in the cache, or written (asynchronously) to
         the generation that ``commit`` will make current; its pooled buffers go back
         to the pool once written. ``skip``: pages the update left alone (see
@@ -681,7 +685,9 @@ class SplitStateStore(BaseCounters):
     def recycle(self, stage: str) -> tuple[dict | None, bool]:
         return self._of(stage).recycle(stage)
 
-    def put(self, stage: str, slabs: dict, scalars: list, skip=frozenset()) -> None:
+    def put(
+        self, stage: str, slabs: dict, scalars: list, skip: frozenset[int] = frozenset()
+    ) -> None:
         self._of(stage).put(stage, slabs, scalars, skip)
 
     def commit(self) -> None:
