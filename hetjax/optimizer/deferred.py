@@ -14,7 +14,7 @@ caught up before anything reads it:
   routing from the router, then catches the routed experts' pages up before copying
   them in: ``StreamingRuntime._routed_forward``);
 * its stage's next update that touches it (in RAM, before the update);
-* a checkpoint, the final params, an export (:meth:`UpdateLoop.flush`).
+* a checkpoint, the final params, an export (``StreamingRuntime.flush_deferred``).
 
 What the step saves: the pages wholly in experts without a token in any of the step's
 micro-batches (``ExpertFetcher.zero_pages``) are not read (but their master, which the
@@ -26,16 +26,20 @@ Where: streamed stages of a routed block with their state on NVMe (not cached in
 the native Adam/AdamW kernel, ``optimizer.mode=sync`` and one device. Elsewhere every
 page is updated every step, as before.
 
-This object is the bookkeeping, kept by the optimizer loop's thread (the runtime's
-thread only calls :meth:`defer`): how many updates each stage has committed, how many of
-them each deferred page has had, and the scalars (step counts) each committed update
-started from, as far back as a deferred page needs.
+:class:`Deferred` is the bookkeeping, kept by the optimizer loop's thread (the runtime's
+thread only calls :meth:`Deferred.defer`): how many updates each stage has committed, how
+many of them each deferred page has had, and the scalars (step counts) each committed
+update started from, as far back as a deferred page needs. :class:`DeferredCatchUps` is
+the update loop's strategy over it: the pages each update leaves alone (handed to the
+state store with each read and write of the stage), and the catch-ups.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
+
+import numpy as np
 
 from hetjax.optimizer import native
 
@@ -181,3 +185,70 @@ class Deferred:
         inputs = self.inputs[stage]
         for u in [u for u in inputs if u < oldest]:
             del inputs[u]
+
+
+class DeferredCatchUps:
+    """The update loop's side of deferred updates: which pages of a stage its update
+    leaves alone, the missed updates caught up in RAM by a stage's next update, and the
+    pages caught up on their own (read, updated and written back as committed).
+    ``deferred``: the bookkeeping; the other arguments are the loop's."""
+
+    def __init__(self, deferred: Deferred, optimizer, states, *, layout_of, device_stages=()):
+        self.deferred = deferred
+        self.opt, self.states, self.layout_of = optimizer, states, layout_of
+        self.device_stages = frozenset(device_stages)
+
+    def defers(self, stage: str) -> bool:
+        """Whether ``stage``'s pages may be deferred: a routed block streamed from NVMe
+        through the native kernel."""
+        if stage not in self.deferred.stages or stage in self.device_stages:
+            return False
+        return self.opt.native and self.states.links(stage)
+
+    def skip_of(self, stage: str) -> frozenset[int]:
+        """The pages of ``stage`` this step leaves behind: those the runtime deferred,
+        where the stage's state streams from NVMe through the native kernel."""
+        return self.deferred.skip_of(stage) if self.defers(stage) else frozenset()
+
+    def in_update(self, stage: str, skip: frozenset[int], scalars: list) -> list:
+        """A stage's update from ``scalars`` leaving ``skip`` alone: the pages behind
+        among the others, caught up first in RAM (``SlabOptimizer.update``'s
+        ``catch_up``), recorded as this step's update."""
+        groups = self.deferred.catch_up_groups(stage)
+        groups = [(p, inputs) for p, inputs in groups if not set(p) <= skip]
+        groups = [([q for q in p if q not in skip], inputs) for p, inputs in groups]
+        self.deferred.updated(stage, skip, scalars)
+        return groups
+
+    def apply(self, stage: str, pages) -> dict[int, np.ndarray]:
+        """Applies the updates the deferred ``pages`` of ``stage`` missed (those behind;
+        the others are current) and writes them back as committed; each page's new
+        params (compute dtype), none when none was behind."""
+        groups = self.deferred.catch_up_groups(stage, pages)
+        wanted = sorted(p for group, _ in groups for p in group)
+        if not wanted:
+            return {}
+        slabs = self.states.read_pages(stage, wanted)
+        flat = {k: v.reshape(-1) for k, v in slabs.items()}
+        at = {p: i for i, p in enumerate(wanted)}
+        fresh = {}
+        layout = self.layout_of(stage)
+        for group, inputs in groups:
+            params = self.opt.catch_up(layout, flat, group, [at[p] for p in group], inputs)
+            fresh.update(zip(group, params, strict=True))
+        self.states.write_pages(stage, wanted, slabs)
+        self.deferred.caught_up(stage, wanted)
+        return fresh
+
+    def commit(self) -> None:
+        self.deferred.commit()
+        self.deferred.end_step()
+
+    def abort(self) -> None:
+        self.deferred.abort()
+
+    def end_step(self) -> None:
+        self.deferred.end_step()
+
+    def reset(self) -> None:
+        self.deferred.reset()

@@ -21,7 +21,7 @@ from hetjax.memory import DeviceCache, Offload, Sizes, plan_device
 from hetjax.memory_host import HostMemoryPlan, plan_host
 from hetjax.optimizer.deferred import Deferred, deferred_updates
 from hetjax.optimizer.slab import SlabOptimizer
-from hetjax.optimizer.update_loop import UpdateLoop
+from hetjax.optimizer.update_loop import LoopSettings, UpdateLoop
 from hetjax.runtime.blocks import BlockParts, GroupInput, make_blocks
 from hetjax.runtime.boundaries import Boundaries, SwappedResiduals
 from hetjax.runtime.grads import DeviceGradients
@@ -251,19 +251,17 @@ def _host_sizes(config, fns, groups, layouts, state_layouts, boundary, optimizer
 def _update_loop(config: Config, optimizer, device_optimizer, stores, host_plan, names):
     """The host optimizer loop (``optimizer/update_loop.py``), updating stages in
     backward order as their gradients come."""
+    settings = LoopSettings.of(
+        config.optimizer, readahead=memory.IO_READAHEAD, max_queued=host_plan.grads.max_queued
+    )
     return UpdateLoop(
         optimizer,
         stores.states,
         stores.params,
-        names["update_order"],
-        layout_name,
-        config.optimizer.grad_clip,
-        mode=config.optimizer.mode,
-        max_staleness=config.optimizer.max_staleness,
-        speculation=config.optimizer.speculation,
-        readahead=memory.IO_READAHEAD,
+        order=names["update_order"],
+        layout_of=layout_name,
+        settings=settings,
         grads=stores.grads,
-        max_queued=host_plan.grads.max_queued,
         device_optimizer=device_optimizer,
         device_stages=names["device_stages"],
     )

@@ -137,21 +137,22 @@ def make_stores(
     the param stores hand stages out as leaf buffers (one device), else as pages."""
     off = config.offload
     opt_sharding = shardings.device if off.optimizer == "device" else shardings.optimizer
+    dtype = jnp.dtype(config.model.compute_dtype)
+    offload = Offload.from_config(config)
     if off.optimizer == "nvme" and pages:
         states = NvmeStateStore(
             nvme_dir / "optimizer",
             state_format,
             pages,
             page_elems,
-            list(host.cached_stages),
-            shardings.optimizer,
-            memory.IO_SLOTS,
+            cached=list(host.cached_stages),
+            sharding=shardings.optimizer,
+            io_slots=memory.IO_SLOTS,
+            master_reads_kept=memory_host.master_reads_kept(offload, dtype.itemsize),
         )
     else:
         states = MemoryStateStore(opt_sharding, on_device=off.optimizer == "device")
     if off.params == "nvme" and pages:
-        dtype = jnp.dtype(config.model.compute_dtype)
-        offload = Offload.from_config(config)
         master = memory.params_are_master(offload, dtype.itemsize)
         params = NvmeParamStore(
             nvme_dir / "params",
@@ -162,7 +163,6 @@ def make_stores(
             views=views,
             slabs=slabs,
             master_of=states if master else None,
-            hold_reads=memory_host.master_reads_kept(offload, dtype.itemsize),
             keep_published=host.published_stages,
         )
     else:

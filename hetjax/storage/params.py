@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from hetjax.storage.nvme import (
     forget_done,
 )
 from hetjax.storage.pages import LeafBuffers, SlabLayout, pages_slab
+from hetjax.storage.param_cache import ParamCache
 from hetjax.storage.states import copy_chunks
 from hetjax.types import stage_layout
 
@@ -273,31 +273,14 @@ class MasterPages:
     kind = "master"
     writes = False  # the state store writes them
 
-    def __init__(self, states, hold: int):
-        """``states``: the NvmeStateStore; ``hold``: how many of the latest reads are kept
-        for the state store's read of the same stage, which then copies the master from
-        them instead of reading it again (a block's backward read comes shortly before
-        the host optimizer reads its state)."""
+    def __init__(self, states):
+        """``states``: the NvmeStateStore (offered each read of its master pages, which
+        its own read of the same stage may copy: ``states.MasterReads``)."""
         self.states = states
-        self.hold = hold
-        self._reads: collections.OrderedDict[str, tuple[int, Any]] = collections.OrderedDict()
-        self._lock = threading.Lock()  # recorded by the dispatching thread, taken by the loop
-        states.master_read = self.landed
 
     def record(self, stage: str, read) -> None:
         """A read of a stage's committed master pages (a future of its pages)."""
-        with self._lock:
-            self._reads.pop(stage, None)
-            self._reads[stage] = (self.states.version, read)
-            while len(self._reads) > self.hold:
-                self._reads.popitem(last=False)
-
-    def landed(self, stage: str, version: int):
-        """The kept read of ``stage`` if it read the state's committed ``version``, else
-        None (the state store reads the master itself)."""
-        with self._lock:
-            got = self._reads.pop(stage, None)
-        return got[1] if got is not None and got[0] == version else None
+        self.states.offer_master_read(stage, read)
 
     def committed(self) -> PageStore:
         return self.states.disk[self.states.gen]
@@ -325,7 +308,8 @@ class MasterPages:
 class NvmeParamStore:
     """Compute-dtype param pages on disk, read ahead for the forward and backward by the
     runtime's window: two generations of their own (:class:`OwnPages`), or, fp32 with
-    the state on NVMe, the state's master (:class:`MasterPages`)."""
+    the state on NVMe, the state's master (:class:`MasterPages`); copies in RAM by
+    :class:`ParamCache`'s rules."""
 
     def __init__(
         self,
@@ -333,11 +317,11 @@ class NvmeParamStore:
         dtype: Any,
         stage_pages: dict[str, tuple[int, int]],
         page_elems: int,
+        *,
         stage_to: jax.sharding.Sharding | None = None,
         views: LeafViews | None = None,
         slabs: SlabPool | None = None,
         master_of=None,
-        hold_reads: int = 0,
         keep_published: tuple[str, ...] = (),
     ):
         """``stage_to``: the device's ``pinned_host`` memory, where pages read from disk
@@ -348,13 +332,11 @@ class NvmeParamStore:
         buffers (cut where the read lands), else as pages. ``slabs``: the pool the reads
         land in (and the host optimizer's refreshed params come from), else each read
         gets a fresh buffer. ``master_of``: the NVMe state store whose fp32 master the
-        params are (:class:`MasterPages`, keeping ``hold_reads`` reads for its reads of
-        the master; ``path`` unused), else they have files of their own under ``path``
-        (:class:`OwnPages`). ``keep_published``: stages whose published pages are kept
-        to the commit, landed or not, and handed to their first ``get`` after it from
-        RAM (``memory_host.kept_published``)."""
+        params are (:class:`MasterPages`; ``path`` unused), else they have files of
+        their own under ``path`` (:class:`OwnPages`). ``keep_published``: stages whose
+        published pages are kept to the commit, landed or not, and handed to their
+        first ``get`` after it from RAM (:class:`ParamCache`)."""
         self.stage_pages = stage_pages
-        self.keep_published = frozenset(keep_published)
         self.slabs = slabs
         self.stage_to = stage_to
         self.views = views
@@ -363,24 +345,18 @@ class NvmeParamStore:
         num_pages = sum(n for _, n in stage_pages.values())
         if master_of is not None:
             assert self.dtype == MASTER_DTYPE, "only params in the master's dtype are the master"
-            self.pages = MasterPages(master_of, hold_reads)
+            self.pages = MasterPages(master_of)
         else:
             self.pages = OwnPages(path, dtype, num_pages, page_elems)
+        self.cache = ParamCache(keep_published)
         self._writes: list = []
         self._write_window = max(n for _, n in stage_pages.values()) * page_elems * 4
-        self._reads: dict[str, Any] = {}
-        # stage -> what ``get(stage, keep=True)`` handed out, for its next get (a block's
-        # backward): served from RAM, no second read (memory_host.kept_param_blocks)
-        self._kept: dict[str, Any] = {}
-        self._published: dict[str, tuple] = {}  # stage -> (future, data): this step's
-        # stage -> (future, data): writes into the committed generation a commit left in
-        # flight; ``get`` serves these stages from that data, no read needed
-        self._landing: dict[str, tuple] = {}
-        # stage -> its write, of a kept stage handed over from ``_landing``: a read of
-        # the stage from disk waits for it
-        self._handed: dict[str, Any] = {}
         self.read_bytes = self.write_bytes = 0
         self.stage_reads: collections.Counter[str] = collections.Counter()  # from disk
+
+    @property
+    def keep_published(self) -> frozenset[str]:
+        return self.cache.keep_published
 
     @property
     def disk(self) -> list[PageStore]:
@@ -394,20 +370,11 @@ class NvmeParamStore:
         data = pages_slab(pages)
         first, _ = self.stage_pages[stage]
         future = self.pages.write(stage, first, data)
-        # the step's writes still in flight (a commit serves those stages from their
-        # data); a landed one's data is let go (a pooled slab: free again)
-        self._published = {s: w for s, w in self._published.items() if self._holds(s, w)}
-        if self._holds(stage, (future, data)):
-            self._published[stage] = (future, data)
+        self.cache.publish(stage, future, data)  # (a commit serves it from ``data``)
         if self.pages.writes:
             self._writes.append((future, data))
             self.write_bytes += data.nbytes
             bound_writes(self._writes, self._write_window)
-
-    def _holds(self, stage: str, written: tuple) -> bool:
-        """Whether a published stage's data stays in RAM: its write is in flight, or it
-        is one of ``keep_published``."""
-        return stage in self.keep_published or not written[0].done()
 
     def _pieces(self, stage: str, data: np.ndarray) -> list | LeafBuffers:
         """A stage's data on the host (its pages, or one flat slab) -> as it is handed
@@ -421,82 +388,69 @@ class NvmeParamStore:
         caught up, ``optimizer/deferred.py``; the loop is idle): the copies in RAM and
         the reads ahead are dropped, and own files get ``pages_of()`` (the fp32
         master's are the state store's, written already: nothing is read for them)."""
-        self._kept.pop(stage, None)
-        landing, handed = self._landing.pop(stage, None), self._handed.pop(stage, None)
-        for write in (landing[0] if landing else None, handed):
-            if write is not None:  # the last update's, landed before it is written over
-                write.result()
-        read = self._reads.pop(stage, None)
-        if read is not None:
-            with contextlib.suppress(Exception):  # an old read: nobody wants it
-                read.result()
+        self.cache.drop(stage)
         if self.pages.writes:
             first, _ = self.stage_pages[stage]
             data = np.ascontiguousarray(pages_slab(pages_of()), self.dtype)
             self.pages.committed().write(self.pages.kind, first, data).result()
 
     def prefetch(self, stage: str) -> None:
-        if stage not in self._reads and stage not in self._landing and stage not in self._kept:
-            if stage in self._handed:  # (long landed, as a rule)
-                self._handed.pop(stage).result()
-            first, n = self.stage_pages[stage]
-            cached = self.pages.cached(stage)
-            if cached is not None:  # in RAM already: copied as a read would land, on
-                # the I/O threads (not the dispatching one)
-                slab = self._slab(n)
-                read = direct_io().submit(lambda: copy_chunks(cached, slab).reshape(n, -1))
-            elif self.slabs is not None:
-                disk, kind = self.pages.committed(), self.pages.kind
-                slab = self._slab(n)
-                read = _ReadInto(disk.read_into(kind, first, slab), slab, self.page_elems)
-                self.pages.record(stage, read)
-            else:
-                read = self.pages.committed().read(self.pages.kind, first, n)
-            if self.stage_to:
-                read = _Staged(read, self.stage_to, lambda data: self._pieces(stage, data))
-            self._reads[stage] = read
+        cache = self.cache
+        if stage in cache.reads or cache.in_ram(stage):
+            return
+        cache.before_read(stage)
+        first, n = self.stage_pages[stage]
+        cached = self.pages.cached(stage)
+        if cached is not None:  # in RAM already: copied as a read would land, on the
+            # I/O threads (not the dispatching one)
+            slab = self._slab(n)
+            read = direct_io().submit(lambda: copy_chunks(cached, slab).reshape(n, -1))
+        elif self.slabs is not None:
+            disk, kind = self.pages.committed(), self.pages.kind
+            slab = self._slab(n)
+            read = _ReadInto(disk.read_into(kind, first, slab), slab, self.page_elems)
+            self.pages.record(stage, read)
+        else:
+            read = self.pages.committed().read(self.pages.kind, first, n)
+        if self.stage_to:
+            read = _Staged(read, self.stage_to, lambda data: self._pieces(stage, data))
+        cache.reads[stage] = read
 
     def ready(self, stage: str) -> bool:
         """Whether ``get(stage)`` would not wait for a read: in RAM, or read ahead and
         landed."""
-        if stage in self._kept or stage in self._landing:
+        if self.cache.in_ram(stage):
             return True
-        read = self._reads.get(stage)
+        read = self.cache.reads.get(stage)
         return read is not None and read.done()
 
     def get(self, stage: str, keep: bool = False) -> list | LeafBuffers:
         """A stage's params as the device takes them. ``keep``: hold them for the
         stage's next get too (a block's backward after its forward), which then reads
         nothing; that get hands them over and lets them go."""
-        if stage in self._kept:
-            return self._kept.pop(stage)
-        landing = self._landing.get(stage)  # (one look: a lock-free loop commits)
-        if landing is not None:  # written last step, maybe still in flight: in RAM
-            self._reads.pop(stage, None)  # one issued before the commit: stale
-            data = self._pieces(stage, landing[1])
-            if stage in self.keep_published:  # handed over: later gets read the disk
-                self._landing.pop(stage, None)
-                self._handed[stage] = landing[0]
+        cache = self.cache
+        if stage in cache.kept:
+            return cache.kept.pop(stage)
+        landing = cache.serve_landing(stage)  # written last step, maybe in flight
+        if landing is not None:
+            data = self._pieces(stage, landing)
         else:
             self.prefetch(stage)
-            data = self._reads.pop(stage).result()
+            data = cache.reads.pop(stage).result()
             if self.pages.cached(stage) is None:
                 _, n = self.stage_pages[stage]
                 self.read_bytes += n * self.page_elems * self.dtype.itemsize
                 self.stage_reads[stage] += 1
             data = data if self.stage_to else self._pieces(stage, data)
         if keep:
-            self._kept[stage] = data
+            cache.kept[stage] = data
         return data
 
     def commit(self) -> None:
         """Makes the step's params current without waiting for the writes still in
         flight (the stages updated last, which the next forward needs first): those
         stages are served from the written data until the next commit."""
-        self._kept.clear()  # the step's; a failed one may leave some
-        self._land()  # the previous step's: long done
-        self._landing = {s: w for s, w in self._published.items() if self._holds(s, w)}
-        self._published = {}
+        self.cache.commit()
         forget_done(self._writes)  # a write done by now is not landing: had it failed?
         self.pages.commit()
         # Reads still in flight were of the old generation: a consistent snapshot, one
@@ -512,32 +466,25 @@ class NvmeParamStore:
         """Waits for the reads and writes in flight: a read ahead for a step that never
         comes would land after the run closed (in pinned memory, arrays of no one's),
         and its files may be about to go."""
-        for read in self._reads.values():
+        for read in self.cache.reads.values():
             with contextlib.suppress(Exception):  # a failed read: no one asks for it now
                 read.result()
-        self._reads.clear()
+        self.cache.reads.clear()
         self.wait()
 
     def wait(self) -> None:
-        self._kept.clear()
+        self.cache.kept.clear()
         for future, _ in self._writes:
             future.result()
         self._writes.clear()
-        self._published = {}
-        self._land()
-
-    def _land(self) -> None:
-        for future, _ in self._landing.values():
-            future.result()
-        for future in self._handed.values():
-            future.result()
-        self._landing, self._handed = {}, {}
+        self.cache.forget()
 
     def host_bytes(self) -> int:
         pooled = self.slabs.holds if self.slabs is not None else lambda a: False
-        writes = [d for _, d in [*self._writes, *self._landing.values()] if not pooled(d)]
+        landing = self.cache.landing.values()
+        writes = [d for _, d in [*self._writes, *landing] if not pooled(d)]
         held = {id(d): d.nbytes for d in writes}
-        kept = jax.tree.leaves(list(self._kept.values()))
+        kept = jax.tree.leaves(list(self.cache.kept.values()))
         kept = [a for a in kept if not (isinstance(a, np.ndarray) and pooled(a))]
         slabs = self.slabs.nbytes if self.slabs is not None else 0  # free or handed out
         return sum(held.values()) + sum(a.nbytes for a in kept) + slabs

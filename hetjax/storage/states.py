@@ -97,10 +97,10 @@ class MemoryStateStore:
     def wait_init(self) -> None:
         jax.block_until_ready(self.slabs)
 
-    def prefetch(self, stage: str) -> Any:
-        return None
+    def prefetch(self, stage: str, skip: frozenset[int] = frozenset()) -> Any:
+        return None  # (``skip``: never asked, see ``links``)
 
-    def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
+    def get(self, stage: str, handle: Any = None, skip: frozenset[int] = frozenset()) -> tuple:
         return self.slabs[stage], self.scalars[stage]
 
     def recycle(self, stage: str) -> tuple[dict | None, bool]:
@@ -115,7 +115,9 @@ class MemoryStateStore:
         self._frozen.wait(stage, spare)
         return spare, False
 
-    def put(self, stage: str, slabs: dict, scalars: list) -> None:
+    def put(
+        self, stage: str, slabs: dict, scalars: list, skip: frozenset[int] = frozenset()
+    ) -> None:
         self._pending[stage] = (slabs, scalars)
         self._pending_bytes[stage] = _nbytes(slabs)
         self._count()
@@ -193,13 +195,18 @@ class NvmeStateStore:
         state_format: StateFormat,
         stage_pages: dict[str, tuple[int, int]],
         page_elems: int,
+        *,
         cached: list[str],
         sharding: jax.sharding.Sharding,
         io_slots: int,
+        master_reads_kept: int = 0,
     ):
         """``state_format``: the kinds and their dtypes (``optimizer/state_format.py``).
-        ``io_slots``: stages' worth of pooled I/O buffers (``iopool.py``), what the
-        host plan counts (``memory.IO_SLOTS``)."""
+        ``stage_pages``: stage -> (first page, number of pages); ``cached``: the
+        stages kept in host RAM (``sharding``); ``io_slots``: stages' worth of pooled
+        I/O buffers (``iopool.py``), what the host plan counts (``memory.IO_SLOTS``);
+        ``master_reads_kept``: how many reads of the committed master pages made
+        elsewhere are kept for this store's reads (:class:`MasterReads`)."""
         self.path = Path(path)
         self.state_format = state_format
         self.kinds = state_format.kinds
@@ -236,15 +243,9 @@ class NvmeStateStore:
         self.read_bytes = self.write_bytes = 0
         self.read_kinds: collections.Counter[str] = collections.Counter()  # bytes by kind
         # The committed state's version (a commit or a restore makes a new one), and
-        # ``master_read(stage, version)``: a read of the stage's committed master pages
-        # already in flight or landed elsewhere (the params', ``MasterPages``), or None
+        # the reads of its master pages made elsewhere, tagged with it
         self.version = 0
-        self.master_read: Callable[[str, int], Any] | None = None
-        # ``skip_of(stage)``: the stage's pages (indices within it) this step does not
-        # update (zero gradients, ``optimizer/deferred.py``): their state is neither
-        # read (but the master) nor written, and the step's generation gets hard links
-        # to their committed files instead
-        self.skip_of: Callable[[str], frozenset[int]] | None = None
+        self._master_reads = MasterReads(master_reads_kept)
         self._write_manifest()
 
     # -- start-up -----------------------------------------------------------------------
@@ -264,9 +265,11 @@ class NvmeStateStore:
 
     # -- the loop's API -----------------------------------------------------------------
 
-    def prefetch(self, stage: str) -> Any:
+    def prefetch(self, stage: str, skip: frozenset[int] = frozenset()) -> Any:
         """Starts reading a streamed stage's slabs into a pooled buffer (once per
-        generation: a second call returns the same read); None for cached stages."""
+        generation: a second call returns the same read); None for cached stages.
+        ``skip``: the stage's pages (indices within it) the step's update leaves alone
+        (zero gradients, ``optimizer/deferred.py``): only their master is read."""
         if stage in self.cached:
             return None
         if stage in self._reads:
@@ -276,12 +279,11 @@ class NvmeStateStore:
         slot = self._pool.take(stage)
         elems = n * self.page_elems
         kinds, futures = self.kinds, []
-        landed = self.master_read(stage, self.version) if self.master_read else None
+        landed = self._master_reads.take(stage, self.version)
         if landed is not None:  # the master's pages are read already: copied, not read
             futures.append(_copy_when_done(landed, slot.view(MASTER, elems)))
             kinds = [k for k in kinds if k != MASTER]
         disk, P = self.disk[self.gen], self.page_elems
-        skip = self.skip_of(stage) if self.skip_of else frozenset()
         runs = runs_outside(n, skip) if skip else [(0, n)]
         read_kinds: collections.Counter[str] = collections.Counter()
         for k in kinds:  # the master whole: the params not updated are published too
@@ -291,17 +293,18 @@ class NvmeStateStore:
         read = self._reads[stage] = _Read(slot, elems, futures, read_kinds, skip)
         return read
 
-    def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
-        """A stage's committed state (waits for its read). A streamed stage's slabs are
-        its pooled buffers, the caller's to update in place until :meth:`put`."""
+    def get(self, stage: str, handle: Any = None, skip: frozenset[int] = frozenset()) -> tuple:
+        """A stage's committed state (waits for its read) as ``(slabs, scalars)``. A
+        streamed stage's slabs are its pooled buffers, the caller's to update in place
+        until :meth:`put`; but those of the pages in ``skip`` (see :meth:`prefetch`)."""
         if stage in self.cached:
             return self.cache[stage], self.scalars[stage]
-        read = handle if handle is not None else self.prefetch(stage)
+        read = handle if handle is not None else self.prefetch(stage, skip)
         if self._reads.get(stage) is read:
             del self._reads[stage]
         for future in read.futures:
             future.result()
-        missing = read.skipped - (self.skip_of(stage) if self.skip_of else frozenset())
+        missing = read.skipped - skip
         if missing:  # read ahead for fewer updated pages than the update has: the rest now
             first, _ = self.stage_pages[stage]
             P, futures = self.page_elems, []
@@ -327,16 +330,18 @@ class NvmeStateStore:
             return spare, False
         return None, True
 
-    def put(self, stage: str, slabs: dict, scalars: list) -> None:
+    def put(
+        self, stage: str, slabs: dict, scalars: list, skip: frozenset[int] = frozenset()
+    ) -> None:
         """A stage's updated state: kept in the cache, or written (asynchronously) to
         the generation that ``commit`` will make current; its pooled buffers go back
-        to the pool once written."""
+        to the pool once written. ``skip``: pages the update left alone (see
+        :meth:`prefetch`), hard-linked from the committed generation, not written."""
         self._pending_scalars[stage] = scalars
         if stage in self.cached:
             self._pending_cache[stage] = slabs
         else:
             slot = self._held.pop(stage, None)
-            skip = self.skip_of(stage) if self.skip_of else frozenset()
             futures = self._write(1 - self.gen, stage, slabs, stage, slot, skip)
             if slot is not None:
                 self._pool.give(slot, futures)
@@ -369,6 +374,12 @@ class NvmeStateStore:
         self._spare.update(self._pending_cache)
         self._pending_cache.clear()
         self._pending_scalars.clear()
+
+    def offer_master_read(self, stage: str, read) -> None:
+        """A read of ``stage``'s committed master pages made elsewhere (a future of its
+        pages: the params', ``params.MasterPages``), for this store's next read of the
+        stage to copy the master from instead of reading it again."""
+        self._master_reads.offer(stage, self.version, read)
 
     def written(self, stage: str, kind: str) -> list:
         """The futures of this step's writes of a stage's ``kind`` pages (none: the
@@ -512,7 +523,7 @@ class NvmeStateStore:
         """Replaces some of a streamed stage's committed pages (as :meth:`read_pages`
         gave them) and waits for the writes: a deferred update's catch-up, the same
         state whatever the step does. Read-ahead of the stage, and reads of its master
-        kept elsewhere (``master_read``), are of the old state: forgotten."""
+        offered (:meth:`offer_master_read`), are of the old state: forgotten."""
         first, _ = self.stage_pages[stage]
         self._frozen.wait(stage, self.gen)
         futures, at = [], 0
@@ -570,6 +581,33 @@ class NvmeStateStore:
         tmp = self.path / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=1))
         tmp.replace(self.path / MANIFEST)
+
+
+class MasterReads:
+    """Reads of stages' committed master pages made elsewhere (the params',
+    ``params.MasterPages``), each tagged with the state's version it read: the latest
+    ``hold`` are kept, and the state store's read of a stage takes its kept read if it
+    is of the current version (a block's backward read comes shortly before the host
+    optimizer reads its state), copying the master from it instead of reading it
+    again. Offered by the dispatching thread, taken by the loop's: locked."""
+
+    def __init__(self, hold: int):
+        self.hold = hold
+        self._reads: collections.OrderedDict[str, tuple[int, Any]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def offer(self, stage: str, version: int, read) -> None:
+        with self._lock:
+            self._reads.pop(stage, None)
+            self._reads[stage] = (version, read)
+            while len(self._reads) > self.hold:
+                self._reads.popitem(last=False)
+
+    def take(self, stage: str, version: int):
+        """The kept read of ``stage`` if it read ``version``, else None."""
+        with self._lock:
+            got = self._reads.pop(stage, None)
+        return got[1] if got is not None and got[0] == version else None
 
 
 class Frozen:
@@ -645,17 +683,19 @@ class SplitStateStore(BaseCounters):
         self.device.wait_init()
         self.base.wait_init()
 
-    def prefetch(self, stage: str) -> Any:
-        return self._of(stage).prefetch(stage)
+    def prefetch(self, stage: str, skip: frozenset[int] = frozenset()) -> Any:
+        return self._of(stage).prefetch(stage, skip)
 
-    def get(self, stage: str, handle: Any = None) -> tuple[dict, list]:
-        return self._of(stage).get(stage, handle)
+    def get(self, stage: str, handle: Any = None, skip: frozenset[int] = frozenset()) -> tuple:
+        return self._of(stage).get(stage, handle, skip)
 
     def recycle(self, stage: str) -> tuple[dict | None, bool]:
         return self._of(stage).recycle(stage)
 
-    def put(self, stage: str, slabs: dict, scalars: list) -> None:
-        self._of(stage).put(stage, slabs, scalars)
+    def put(
+        self, stage: str, slabs: dict, scalars: list, skip: frozenset[int] = frozenset()
+    ) -> None:
+        self._of(stage).put(stage, slabs, scalars, skip)
 
     def commit(self) -> None:
         self.device.commit()
