@@ -82,6 +82,7 @@ from hetjax.runtime.setup import layout_name
 from hetjax.runtime.stages import StageFunctions, StageMemory
 from hetjax.runtime.window import PrefetchWindow
 from hetjax.storage.pages import zero_page
+from hetjax.support import fallbacks, parallelism, supports
 from hetjax.types import LossScale, RuntimeState, StepReport
 from hetjax.xla_env import pinned_limit
 from models import build_model
@@ -136,7 +137,7 @@ class StreamingRuntime:
             placement.grad_slab,
             memory.block_grad_dtype(config),
             off.keep_level,
-            kept_blocks=not config.distributed.sharded,
+            kept_blocks=supports("keep_blocks", parallelism(config.distributed)) is None,
             batch_chunks=off.batch_chunks,
         )
         self.fns.check_keep_level(off, t.micro_batch_size, t.seq_len, self.compute_dtype)
@@ -213,7 +214,7 @@ class StreamingRuntime:
         # expert-aware streaming (routed.py): the MoE blocks that stream and recompute
         self.routed = routed_blocks(
             off, compute_model, self.layouts, self.block_names, self.plan.resident_blocks,
-            self.device_stages,
+            self.device_stages, parallelism=parallelism(config.distributed),
         )  # fmt: skip
         self.experts = None  # their groups' ExpertFetcher, by group index
         if self.routed:
@@ -634,7 +635,7 @@ class StreamingRuntime:
         return setup.describe_plans(
             self.placement.describe(self.layouts), self.plan, self.host_plan,
             self.device_stages, self.nvme_dir, self.config.offload,
-        )  # fmt: skip
+        ) + fallbacks(self.config)  # fmt: skip
 
     def settle(self) -> None:
         if self.config.optimizer.mode == "lockfree":
