@@ -51,6 +51,7 @@ __all__ = [
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
+from hetjax import support  # noqa: E402 (imports nothing from the project)
 from hetjax.config_model import OBJECTIVES, ModelConfig  # noqa: E402 (re-exported)
 from hetjax.config_offload import (  # noqa: E402 (re-exported)
     KEEP_LEVELS,
@@ -59,7 +60,6 @@ from hetjax.config_offload import (  # noqa: E402 (re-exported)
     MemoryConfig,
     OffloadConfig,
 )
-from hetjax import support  # noqa: E402 (imports nothing from the project)
 from hetjax.config_values import (  # noqa: E402 (after CONFIGS_DIR: the values' module)
     ConfigError,
     _check,

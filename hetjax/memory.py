@@ -11,8 +11,8 @@ The host plan, the NVMe parts and the in-memory run's parts are in
 
 A run is described by :class:`Sizes` (slab elements and bytes per element, activation
 sizes; per device for what the device holds, per process for host and NVMe) and an
-:class:`Offload` (``placement.Placement``: where params, optimizer state and boundary
-activations live, the prefetch window, kept blocks, the device cache of optimizer state). Block-boundary
+:class:`Offload` (where params, optimizer state and boundary activations live, the
+prefetch window, kept blocks, the device cache of optimizer state). Block-boundary
 activations (the input of each block, kept from forward for the block's backward) are
 called *boundaries* here; "checkpoint" means a training checkpoint only.
 """

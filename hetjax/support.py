@@ -97,8 +97,7 @@ FEATURES: dict[str, Feature] = {
     # deferred expert updates need routed experts (optimizer/deferred.py)
     "deferred_updates": Feature(
         key="offload.expert_updates",
-        reason="deferred expert updates are not supported with {parallel}, which "
-        "routes no experts",
+        reason="deferred expert updates are not supported with {parallel}, which routes no experts",
         fallback="every expert is updated every step, as offload.expert_updates=all",
     ),
     "batch_chunks": Feature(key="offload.batch_chunks", reason="", refused=frozenset()),

@@ -275,15 +275,16 @@ def process_host_budget(plan: Plan) -> int:
 
 
 def _candidates(
-    w: Workload, parallelism: str, chunked: bool = False, base: Placement = Placement()
+    w: Workload, parallelism: str, chunked: bool = False, base: Placement | None = None
 ):
     """Every placement the runtimes implement under ``parallelism`` (one of
     ``support.PARALLELISMS``) that the planner may offer (``support.planned``: on one
     device also ``none``, boundaries on NVMe and kept and swapped blocks). ``chunked``:
     instead, the placements with every block recomputing and the micro-batch in chunks
     of rows (``offload.batch_chunks``), at each chunk count the workload allows. ``base``:
-    the placement the knobs not searched here come from (the config's)."""
-    L = w.num_layers
+    the placement the knobs not searched here come from (the config's; None: the
+    defaults)."""
+    L, base = w.num_layers, base or Placement()
     offered = lambda feature: support.planned(feature, parallelism) is None
     if chunked:
         yield from _chunked_candidates(w, parallelism, base)
