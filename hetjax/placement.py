@@ -1,6 +1,6 @@
 """The placement of a streaming run: which tier holds each kind of state, and the knobs
 of how it moves (prefetch depth, resident blocks, kept and swapped blocks, chunks of
-rows, the device cache of optimizer state, the update mode).
+rows, the device cache of optimizer state, routed experts).
 
 One frozen description, three users: the config builds it (:meth:`Placement.from_config`),
 the planner searches over it (``planning/search.py``: a candidate is a placement, a plan a
@@ -8,6 +8,10 @@ placement plus its prediction) and writes it back as config overrides
 (:meth:`Placement.config_overrides`), and the memory model and the streaming runtime
 take it (``memory.py``, ``runtime/streaming.py``). A field that is a config key says so
 in its metadata, so a new knob is one field here (plus the config key itself).
+
+How the optimizer updates (``optimizer.mode``, ``offload.expert_updates``) is not part
+of it: the planner does not choose it, and two runs that differ only there hold their
+state in the same places.
 
 Not ``runtime/placement.py``, which maps stages to devices and shardings.
 """
@@ -17,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hetjax.config import Config, OffloadConfig, OptimizerConfig
+from hetjax.config import Config, OffloadConfig
 
-_SECTIONS = {"offload": OffloadConfig, "optimizer": OptimizerConfig}
+_SECTIONS = {"offload": OffloadConfig}  # the config sections its keys are in
 
 
 def _knob(key: str) -> Any:
@@ -48,9 +52,7 @@ class Placement:
     # the first stages' optimizer state cached on the device
     device_stages: int = _knob("offload.optimizer_device_stages")
     expert_fetch: str = _knob("offload.expert_fetch")  # routed | all
-    expert_updates: str = _knob("offload.expert_updates")  # deferred | all
     batch_chunks: int = _knob("offload.batch_chunks")  # chunks of a micro-batch's rows
-    update_mode: str = _knob("optimizer.mode")  # sync | lockfree
 
     @classmethod
     def from_config(cls, config: Config) -> Placement:
