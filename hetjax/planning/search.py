@@ -479,7 +479,7 @@ def _fastest_per_placement(
     """Each candidate that fits at its fastest (:func:`_evaluate`), with the device caches
     of optimizer state and the routed experts ``parallelism`` allows: ``[(step, rank,
     candidate, ...)]``."""
-    routing = w.routed_expert_params and support.planned("routed_experts", parallelism) is None
+    routing = _routing(w, parallelism)
     best = []
     for base in candidates:
         if base.placement.uses_nvme and not hw.nvme_capacity:
@@ -499,6 +499,11 @@ def _fastest_per_placement(
         if options:  # this placement's fastest split of device memory
             best.append(min(options, key=lambda b: b[0]))
     return best
+
+
+def _routing(w: Workload, parallelism: str) -> bool:
+    """Whether the planner offers routed experts (``offload.expert_fetch=routed``)."""
+    return bool(w.routed_expert_params) and support.planned("routed_experts", parallelism) is None
 
 
 def _shortfall(
