@@ -29,8 +29,9 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     them)."""
     if config.offload.mode != "auto":
         return config, None
-    if config.distributed.sharded:  # ZeRO-3 is the streaming runtime's
-        log("offload.mode=auto: data or expert parallelism (ZeRO-3) streams: offload.mode=stream")
+    in_memory = support.supports("in_memory", support.parallelism(config.distributed))
+    if in_memory:  # ZeRO-3 is the streaming runtime's
+        log(f"offload.mode=auto: {in_memory}: offload.mode=stream")
         streamed = config.replace(offload=dict(mode="stream"))
         for line in support.fallbacks(streamed):
             log(f"offload.mode=auto: {line}")
