@@ -39,13 +39,17 @@ class Feature:
     with ``{parallel}`` for the parallelism's phrase. ``fix``: what the error tells to
     do. ``refused``: the parallelisms it does not work under. ``fallback``: non-empty
     for a feature the defaults ask for: under a refusing parallelism the run does this
-    instead, and says so (:func:`fallbacks`), instead of failing."""
+    instead, and says so (:func:`fallbacks`), instead of failing. ``unplanned``: the
+    parallelisms where it works but the planner does not offer it, and ``why_unplanned``
+    (:func:`planned`)."""
 
     key: str
     reason: str
     fix: str = ""
     refused: frozenset[str] = SHARDED
     fallback: str = ""
+    unplanned: frozenset[str] = frozenset()
+    why_unplanned: str = ""
 
 
 FEATURES: dict[str, Feature] = {
@@ -101,16 +105,16 @@ FEATURES: dict[str, Feature] = {
         fallback="every expert is updated every step, as offload.expert_updates=all",
     ),
     "batch_chunks": Feature(key="offload.batch_chunks", reason="", refused=frozenset()),
-    "optimizer_on_device": Feature(key="offload.optimizer", reason="", refused=frozenset()),
-}
-
-# Supported, but not offered by the planner, whose per-device memory model does not
-# count it the way the runtime holds it.
-NOT_PLANNED: dict[tuple[str, str], str] = {
-    (feature, parallel): "the data-parallel runtime keeps a process's optimizer state on "
-    "its first device, which would hold the share of every device the process drives"
-    for feature in ("optimizer_on_device",)
-    for parallel in SHARDED
+    # works, but the planner's per-device memory model would count it wrong
+    # (docs/results/2026-11-26.md, "optimizer state on the device under data parallelism")
+    "optimizer_on_device": Feature(
+        key="offload.optimizer",
+        reason="",
+        refused=frozenset(),
+        unplanned=SHARDED,
+        why_unplanned="the data-parallel runtime keeps a process's optimizer state on its "
+        "first device, which would hold the share of every device the process drives",
+    ),
 }
 
 
@@ -127,8 +131,10 @@ def supports(feature: str, parallelism: str) -> str | None:
 
 def planned(feature: str, parallelism: str) -> str | None:
     """None when the planner may offer ``feature`` under ``parallelism``, else why not
-    (it is not supported, or the planner cannot count it: :data:`NOT_PLANNED`)."""
-    return supports(feature, parallelism) or NOT_PLANNED.get((feature, parallelism))
+    (it is not supported, or the planner would count it wrong: ``Feature.unplanned``)."""
+    f = FEATURES[feature]
+    unplanned = f.why_unplanned if parallelism in f.unplanned else None
+    return supports(feature, parallelism) or unplanned
 
 
 def parallelism(distributed: Any) -> str:

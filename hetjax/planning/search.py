@@ -64,11 +64,12 @@ class PlanError(ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Where every kind of state lives, and what the step is predicted to cost."""
+    """Where every kind of state lives (a :class:`Candidate`: a placement, or mode none),
+    and what the step is predicted to cost."""
 
     hardware: str
     workload: str
-    candidate: Candidate
+    candidate: Candidate  # with the prefetch depth and resident blocks the plans chose
     optimizer_cache: int  # host bytes caching NVMe optimizer state (whole stages)
     device: dict[str, int]  # bytes by what they hold, per device
     host: dict[str, int]  # per process
