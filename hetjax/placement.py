@@ -1,6 +1,6 @@
 """The placement of a streaming run: which tier holds each kind of state, and the knobs
 of how it moves (prefetch depth, resident blocks, kept and swapped blocks, chunks of
-rows, the device cache of optimizer state, routed experts).
+rows, the device cache of optimizer state, routed experts, the update mode).
 
 One frozen description, three users: the config builds it (:meth:`Placement.from_config`),
 the planner searches over it (``planning/search.py``: a candidate is a placement, a plan a
@@ -9,9 +9,9 @@ placement plus its prediction) and writes it back as config overrides
 take it (``memory.py``, ``runtime/streaming.py``). A field that is a config key says so
 in its metadata, so a new knob is one field here (plus the config key itself).
 
-How the optimizer updates (``optimizer.mode``, ``offload.expert_updates``) is not part
-of it: the planner does not choose it, and two runs that differ only there hold their
-state in the same places.
+Deferred expert updates (``offload.expert_updates``) are not part of it: they change
+which state a step reads and writes, not where it lives, and the planner predicts
+either from the config.
 
 Not ``runtime/placement.py``, which maps stages to devices and shardings.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hetjax.config import Config, OffloadConfig
+from hetjax.config import Config, OffloadConfig, OptimizerConfig
 
-_SECTIONS = {"offload": OffloadConfig}  # the config sections its keys are in
+_SECTIONS = {"offload": OffloadConfig, "optimizer": OptimizerConfig}  # where its keys are
 
 
 def _knob(key: str) -> Any:
@@ -53,6 +53,9 @@ class Placement:
     device_stages: int = _knob("offload.optimizer_device_stages")
     expert_fetch: str = _knob("offload.expert_fetch")  # routed | all
     batch_chunks: int = _knob("offload.batch_chunks")  # chunks of a micro-batch's rows
+    # sync | lockfree: how the host optimizer's updates meet the step (lock-free holds
+    # the gradient buffers twice and keeps no device cache); the config's, not searched
+    update_mode: str = _knob("optimizer.mode")
 
     @classmethod
     def from_config(cls, config: Config) -> Placement:

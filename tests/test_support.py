@@ -202,22 +202,22 @@ def test_auto_says_what_falls_back(tiny):
 
 def test_one_placement_from_the_config_to_the_planner_and_back(tiny):
     """The config's placement, the memory model's and the planner's are one class; its
-    config keys round-trip, and each is a key of the offload section."""
+    config keys round-trip, and each is a config key."""
     assert Offload is Placement
     assert Placement.from_config(Config()) == Placement()
-    keys = {f"offload.{name}" for name in Placement().config_overrides()["offload"]}
-    assert keys <= set(all_keys())
+    overrides = Placement().config_overrides()
+    assert {f"{s}.{name}" for s, names in overrides.items() for name in names} <= set(all_keys())
     changed = Placement(
         params="nvme", optimizer="nvme", activations="host", prefetch_depth=1, keep_blocks=1,
         keep_level="matmuls", swap_blocks=1, swap_level="probs", swap_tier="nvme",
-        device_stages=2, expert_fetch="all", batch_chunks=1,
+        device_stages=2, expert_fetch="all", batch_chunks=1, update_mode="lockfree",
     )  # fmt: skip
     # every knob that is a config key differs from its default
     for f in dataclasses.fields(Placement):
         if "key" in f.metadata:
             assert getattr(changed, f.name) != f.default or f.name == "batch_chunks", f.name
     config = tiny().replace(**changed.config_overrides())
-    assert config.offload.mode == "stream"
+    assert config.offload.mode == "stream" and config.optimizer.mode == "lockfree"
     assert Placement.from_config(config) == changed
     # the planner's candidate: a placement plus mode none's remat
     c = Candidate(placement=changed)
