@@ -62,7 +62,7 @@ class PlanError(ConfigError):
     shortfall."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
     """Where every kind of state lives (a :class:`Candidate`: a placement, or mode none),
     and what the step is predicted to cost."""
