@@ -36,7 +36,7 @@ def _knob(key: str) -> Any:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Placement:
     """Where a streaming run keeps each kind of state, and how it moves it. Defaults are
-    the config's (``OffloadConfig``); ``config.OffloadConfig`` says what each means."""
+    the config keys' (``config.OffloadConfig`` says what each means); keyword-only."""
 
     params: str = _knob("offload.params")  # host | nvme: compute-dtype params
     optimizer: str = _knob("offload.optimizer")  # device | host | nvme: fp32 master + state
@@ -54,7 +54,7 @@ class Placement:
     expert_fetch: str = _knob("offload.expert_fetch")  # routed | all
     batch_chunks: int = _knob("offload.batch_chunks")  # chunks of a micro-batch's rows
     # sync | lockfree: how the host optimizer's updates meet the step (lock-free holds
-    # the gradient buffers twice and keeps no device cache); the config's, not searched
+    # the gradient buffers twice); the config's, which the planner does not search
     update_mode: str = _knob("optimizer.mode")
 
     @classmethod
