@@ -51,6 +51,7 @@ __all__ = [
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
+from hetjax import support  # noqa: E402 (imports nothing from the project)
 from hetjax.config_model import OBJECTIVES, ModelConfig  # noqa: E402 (re-exported)
 from hetjax.config_offload import (  # noqa: E402 (re-exported)
     KEEP_LEVELS,
@@ -427,24 +428,9 @@ class Config:
                 f"model.num_experts ({self.model.num_experts}): each device holds an equal "
                 "share of every block's experts"
             )
-        # the not-yet-supported combinations below name the kind of parallelism asked for
-        parallel = (
-            "expert parallelism (distributed.expert_parallel > 1)"
-            if experts > 1
-            else "data parallelism (distributed.data_parallel != 1)"
-        )
-        if dist.sharded and self.offload.optimizer_device_stages:
-            raise ConfigError(
-                "config key 'offload.optimizer_device_stages': a device cache of optimizer "
-                f"state is not supported with {parallel}, where each device updates its "
-                "shard on the host; leave it 0"
-            )
-        if dist.sharded and self.offload.mode == "none":
-            key = "expert_parallel" if experts > 1 else "data_parallel"
-            raise ConfigError(
-                f"config key 'distributed.{key}' ({getattr(dist, key)}): {parallel} is "
-                "built on the streaming runtime (ZeRO-3); set offload.mode=stream (or auto)"
-            )
+        # what the parallelism does not support (hetjax/support.py): these two first
+        asked = support.asked(self)
+        self._refuse_unsupported([f for f in asked if f in ("device_cache", "in_memory")])
         if dist.devices > 1 and self.train.micro_batch_size % dist.devices:
             over = f"distributed.data_parallel={data}"
             if experts > 1:
@@ -474,30 +460,15 @@ class Config:
                 f"rows are independent, and {kind} model's are not (its blocks pool "
                 "router statistics or take the encoder's output as a context); leave it 1"
             )
-        if dist.sharded and self.offload.keep_blocks:
-            raise ConfigError(
-                "config key 'offload.keep_blocks': kept activations are not supported with "
-                f"{parallel}; leave it 0"
-            )
-        if dist.sharded and self.offload.swap_blocks:
-            raise ConfigError(
-                "config key 'offload.swap_blocks': swapped activations are not supported "
-                f"with {parallel}; leave it 0"
-            )
-        if dist.sharded and self.offload.swap_tier == "nvme" and self.offload.swap_blocks:
-            raise ConfigError(
-                f"config key 'offload.swap_tier': nvme is not supported with {parallel}; use host"
-            )
-        if dist.sharded and self.offload.activations == "nvme":
-            raise ConfigError(
-                "config key 'offload.activations': boundary activations on nvme are not supported "
-                f"with {parallel}; use device or host"
-            )
-        if dist.sharded and self.optimizer.mode == "lockfree":
-            raise ConfigError(
-                f"config key 'optimizer.mode': lockfree is not supported with {parallel}; "
-                "use optimizer.mode=sync"
-            )
+        self._refuse_unsupported(asked)
+
+    def _refuse_unsupported(self, features: list[str]) -> None:
+        """Raises the support matrix's error (hetjax/support.py: the key, why, the fix)
+        for the first of ``features`` this config's parallelism does not support."""
+        for feature in features:
+            message = support.refusal(self, feature)
+            if message:
+                raise ConfigError(message)
 
     def _check_objective(self) -> None:
         family, objective = self.model.family, self.data.objective

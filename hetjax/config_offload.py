@@ -25,13 +25,17 @@ class OffloadConfig:
     reference every other mode is tested against); ``stream`` keeps params in host memory
     and streams one stage at a time through a device window (hetjax/runtime/streaming.py);
     ``auto`` (the default) picks ``none`` when the state fits the device, else measures
-    the machine and trains with the planner's placement (hetjax/planning/).
+    the machine and trains with the planner's placement (hetjax/planning/search.py).
+
+    The fields below that place state are read into one ``hetjax.placement.Placement``
+    (the planner's candidates and the runtime take that); what works under data or
+    expert parallelism is ``hetjax.support``'s matrix.
 
     In stream mode ``optimizer`` places the fp32 master params and optimizer state:
     ``host`` (RAM), ``nvme`` (TensorStore arrays under ``memory.nvme_path``, cached in
     RAM up to ``memory.host_budget``) or ``device``; ``params`` places the compute-dtype
     params the forward reads: ``host`` or ``nvme`` (for when RAM cannot hold them);
-    ``activations`` places the boundary activations: ``device``, ``host``, or
+    ``activations`` places the block-boundary activations: ``device``, ``host``, or
     ``nvme`` (written to a TensorStore array under ``memory.nvme_path`` and read back
     ahead of backward, with a few in RAM; hetjax/storage/swap.py).
 
@@ -69,7 +73,9 @@ class OffloadConfig:
     the host reads which experts got tokens, and only those are copied to the device,
     for forward and again for backward (``hetjax/runtime/routed.py``); equal to
     ``all``, which copies every expert with the rest of the block. ``offload.mode=auto``
-    routes only where the planner predicts a gain (``planning/cost.py``).
+    routes only where the planner predicts a gain (``planning/cost.py``). With data or
+    expert parallelism a device takes whole pages of a block, so the experts are copied
+    whole, and the run says so at start-up (``hetjax/support.py``).
 
     ``expert_updates``: with routed experts and the optimizer state on NVMe, ``deferred``
     leaves the state of experts without a token in a step on disk and catches their
@@ -90,7 +96,7 @@ class OffloadConfig:
     mode: str = "auto"
     params: str = "host"  # stream: where the compute-dtype param slabs live
     optimizer: str = "host"  # stream: where fp32 master params and optimizer state live
-    activations: str = "device"  # stream: where boundary activations live
+    activations: str = "device"  # stream: where block-boundary activations live
     prefetch_depth: int = 2  # stream: stages copied ahead of the one computing
     # stream: the last N blocks keep their in-block activations on the device from
     # forward to backward instead of recomputing them (more memory, less compute)

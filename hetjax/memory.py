@@ -27,6 +27,7 @@ import numpy as np
 
 from hetjax.config import Config, ConfigError, format_bytes
 from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
+from hetjax.placement import Placement
 from hetjax.types import is_block, stage_layout
 
 # -- policy constants ----------------------------------------------------------------------
@@ -321,46 +322,9 @@ class Sizes:
         return self.own(stage) * (self.block_grad_bytes if is_block(stage) else 4)
 
 
-@dataclasses.dataclass(frozen=True)
-class Offload:
-    """Where a streaming run keeps each kind of state (``config.offload``'s choices)."""
-
-    params: str = "host"  # host | nvme: compute-dtype params between steps
-    optimizer: str = "host"  # device | host | nvme: fp32 master + optimizer state
-    activations: str = "device"  # device | host | nvme: block-boundary activations
-    prefetch_depth: int = 2  # requested; the device plan may lower it to fit
-    keep_blocks: int = 0  # the last blocks keep their in-block activations to backward
-    keep_level: str = "all"
-    device_stages: int = 0  # the first stages' optimizer state cached on the device
-    swap_blocks: int = 0  # the blocks before the kept ones swap in-block activations
-    swap_level: str = "matmuls"
-    swap_tier: str = "host"  # host | nvme: where swapped activations wait for backward
-
-    @classmethod
-    def from_config(cls, config: Config) -> Offload:
-        o = config.offload
-        return cls(
-            o.params,
-            o.optimizer,
-            o.activations,
-            o.prefetch_depth,
-            o.keep_blocks,
-            o.keep_level,
-            o.optimizer_device_stages,
-            o.swap_blocks,
-            o.swap_level,
-            o.swap_tier,
-        )
-
-    def recomputed_blocks(self, num_layers: int) -> int:
-        """Blocks that store a boundary and recompute their inside in backward: those
-        that neither keep nor swap their in-block activations."""
-        return num_layers - self.keep_blocks - self.swap_blocks
-
-    @property
-    def uses_nvme(self) -> bool:
-        swapped = self.swap_tier if self.swap_blocks else "host"
-        return "nvme" in (self.params, self.optimizer, self.activations, swapped)
+# Where a streaming run keeps each kind of state: the one placement description
+# (hetjax/placement.py), under the memory model's name for it.
+Offload = Placement
 
 
 def params_are_master(o: Offload, compute_bytes: int) -> bool:

@@ -204,7 +204,7 @@ def test_the_planner_counts_the_state_deferred_experts_leave_on_disk():
     deferred = make_plan(config.replace(memory=tight), hw)
     whole = make_plan(every.replace(memory=tight), hw)
     assert deferred.candidate == whole.candidate
-    assert deferred.candidate.optimizer == "nvme" and deferred.candidate.expert_fetch == "routed"
+    assert deferred.placement.optimizer == "nvme" and deferred.placement.expert_fetch == "routed"
     assert deferred.lanes["nvme"] < whole.lanes["nvme"]
     assert f"updates {q:.0%} of it on NVMe" in deferred.table()
     assert "expert_updates" not in whole.table()

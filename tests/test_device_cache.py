@@ -4,7 +4,6 @@ offload.mode=none (clipping redo, accumulation, lock-free, a skipped step), chec
 move between cache settings, the plans and the ledger count the cache on the device,
 config errors, and the planner's choice."""
 
-import dataclasses
 import gc
 
 import jax
@@ -302,17 +301,17 @@ def test_planner_caches_what_fits_and_more_with_more_budget():
     for gib in (4, 6, 8, 10, 12, 14, 16):  # offload.mode=none fits from about 24 GiB
         plan = make_plan(config.replace(memory=dict(device_budget=f"{gib}GiB")), hw, w)
         _fits(plan)
-        c = plan.candidate
-        assert c.mode == "stream" and c.optimizer == "host", plan.table()
-        assert plan.device["optimizer"] == cached_bytes(c.device_stages), plan.table()
-        assert c.resident_blocks >= min(max(c.device_stages - 1, 0), L)  # cached blocks
-        counts.append(c.device_stages)
-        if c.device_stages:
-            without = dataclasses.replace(c, device_stages=0)
+        c, p = plan.candidate, plan.placement
+        assert c.mode == "stream" and p.optimizer == "host", plan.table()
+        assert plan.device["optimizer"] == cached_bytes(p.device_stages), plan.table()
+        assert p.resident_blocks >= min(max(p.device_stages - 1, 0), L)  # cached blocks
+        counts.append(p.device_stages)
+        if p.device_stages:
+            without = c.replace(device_stages=0)
             assert lanes(w, hw, c, 0.0)[0] < lanes(w, hw, without, 0.0)[0]
-            assert f"optimizer state of {c.device_stages} stage" in plan.table()
+            assert f"optimizer state of {p.device_stages} stage" in plan.table()
             overrides = plan.config_overrides()
-            assert config.replace(**overrides).offload.optimizer_device_stages == c.device_stages
+            assert config.replace(**overrides).offload.optimizer_device_stages == p.device_stages
     assert counts == sorted(counts) and counts[-1] > 0, counts
 
 

@@ -2,7 +2,6 @@
 streamed MoE block copies only the experts its tokens were routed to, and trains exactly
 as copying every expert does."""
 
-import dataclasses
 import functools
 
 import jax
@@ -264,17 +263,17 @@ def test_the_planner_expects_the_routed_share_or_reads_the_measured_one(tmp_path
     assert routed.candidate.mode == every.candidate.mode == "stream"
     assert routed.expert_fraction == pytest.approx(1 - (1 - 8 / 64) ** 4)
     assert "41% of its experts" in routed.table() and "experts:" not in every.table()
-    assert routed.candidate.expert_fetch == "routed" and every.candidate.expert_fetch == "all"
+    assert routed.placement.expert_fetch == "routed" and every.placement.expert_fetch == "all"
     # the same placement, fewer bytes moved: 7 streamed blocks' experts, 59% of them not
     # copied, forward and backward
-    assert dataclasses.replace(routed.candidate, expert_fetch="all") == every.candidate
+    assert routed.candidate.replace(expert_fetch="all") == every.candidate
     assert routed.lanes["host->device"] < 0.5 * every.lanes["host->device"]
     assert routed.config_overrides()["offload"]["expert_fetch"] == "routed"
 
     # 4 x 4096 tokens: uniform routing reaches every expert, routing would only add the
     # forward's wait, and the planner copies the experts whole
     whole = make_plan(load_config("configs/moe_fine_7b.py"), hw)
-    assert whole.candidate.expert_fetch == "all" and whole.expert_fraction == 1.0
+    assert whole.placement.expert_fetch == "all" and whole.expert_fraction == 1.0
     assert "copied whole" in whole.table()
     assert whole.config_overrides()["offload"]["expert_fetch"] == "all"
 

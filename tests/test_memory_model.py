@@ -6,6 +6,7 @@ import pytest
 
 from hetjax.config import ConfigError
 from hetjax.memory_host import nvme_parts
+from hetjax.placement import Placement
 from hetjax.planning.search import Candidate, footprint
 from hetjax.planning.workload import Workload
 from hetjax.runtime.streaming import StreamingRuntime
@@ -63,7 +64,12 @@ def test_planner_bytes_equal_the_runtime_plans(
         fns = StageFunctions(model, layouts, SingleDevice())
         sizes = fns.memory_sizes(t.micro_batch_size, t.seq_len, config.model.compute_dtype)
     w = Workload.from_config(config, sizes)
-    c = Candidate("stream", False, params, optimizer, acts, depth, 0, keep, "all", cached)
+    c = Candidate(
+        placement=Placement(
+            params=params, optimizer=optimizer, activations=acts, prefetch_depth=depth,
+            keep_blocks=keep, device_stages=cached, expert_fetch="all",
+        )
+    )  # fmt: skip
     limit = {"device": config.memory.device_budget, "host": config.memory.host_budget}
     f = footprint(w, c, {**limit, "nvme": 1 << 40})
     if runtime is None:
@@ -74,8 +80,8 @@ def test_planner_bytes_equal_the_runtime_plans(
         assert f.device == runtime.plan.parts
         assert f.host == runtime.host_plan.parts
         assert f.nvme == nvme_parts(runtime.sizes, runtime.offload, runtime.host_plan)
-        assert f.candidate.prefetch_depth == runtime.plan.prefetch_depth
-        assert f.candidate.resident_blocks == runtime.plan.resident_blocks
+        assert f.candidate.placement.prefetch_depth == runtime.plan.prefetch_depth
+        assert f.candidate.placement.resident_blocks == runtime.plan.resident_blocks
         assert sum(f.device.values()) <= limit["device"]
         assert sum(f.host.values()) <= limit["host"]
     finally:

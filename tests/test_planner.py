@@ -15,10 +15,11 @@ from equivalence import assert_gpt_training_equal, check_tokens
 from hetjax import launch, memory
 from hetjax.config import Config, load_config
 from hetjax.memory import block_grad_dtype, device_parts
+from hetjax.placement import Placement
 from hetjax.planning.auto import resolve_auto
 from hetjax.planning.cost import lanes
 from hetjax.planning.hardware import PROFILES, get_profile
-from hetjax.planning.search import TIE, Candidate, PlanError, make_plan
+from hetjax.planning.search import TIE, PlanError, make_plan
 from hetjax.planning.workload import Workload, kept_key, memory_sizes
 from hetjax.runtime import stages
 from hetjax.runtime.placement import SingleDevice
@@ -78,8 +79,8 @@ def test_offloads_progressively_as_budgets_shrink(hardware):
             optimizer_state = lambda p: p.device.get("optimizer", 0)
             assert optimizer_state(plan) <= optimizer_state(previous) * 1.0001
             if previous.candidate.mode == "stream":
-                c, before = plan.candidate, previous.candidate
-                assert c.mode == "stream"
+                c, before = plan.placement, previous.placement
+                assert plan.candidate.mode == "stream"
                 assert c.device_stages <= before.device_stages
                 # a device-cached stage given up (its fp32 state) may make room for
                 # more resident blocks (their compute-dtype params)
@@ -93,7 +94,7 @@ def test_offloads_progressively_as_budgets_shrink(hardware):
         cfg = config.replace(memory=dict(device_budget="8GiB", host_budget=host))
         plan = make_plan(cfg, hw, w)
         _fits(plan)
-        tiers.append(plan.candidate.optimizer)
+        tiers.append(plan.placement.optimizer)
     assert tiers[0] in ("host", "device") and tiers[-1] == "nvme", tiers
 
 
@@ -118,21 +119,21 @@ def test_checkpoints_move_to_nvme_as_host_shrinks():
     for host in ("200GiB", "80GiB", "68GiB"):
         plan = make_plan(config.replace(memory=dict(host_budget=host)), hw, w)
         _fits(plan)
-        tiers.append(plan.candidate.activations)
+        tiers.append(plan.placement.activations)
         plans.append(plan)
     # With room in RAM the device keeps the checkpoints of the blocks that do not swap
     # their activations (offload.swap_blocks) or puts them in RAM; short of RAM, on NVMe
     assert tiers[0] in ("host", "device") and tiers[-1] == "nvme", tiers
-    first = plans[0].candidate
+    first = plans[0].placement
     assert first.activations == "host" or first.swap_blocks > 0, first
     c = plan.candidate
-    slots = c.offload().recomputed_blocks(w.num_layers)
+    slots = c.placement.recomputed_blocks(w.num_layers)
     assert plan.nvme["boundaries"] == slots * w.boundary
     assert plan.host["boundaries"] == 3 * w.boundary < slots * w.boundary
     assert "nvme boundary, recomputed" in plan.table()
     assert config.replace(**plan.config_overrides()).offload.activations == "nvme"
     # The swap's writes and reads are on the NVMe lane.
-    on_host = lanes(w, hw, dataclasses.replace(c, activations="host"), 0.0)[1]
+    on_host = lanes(w, hw, c.replace(activations="host"), 0.0)[1]
     swapped = w.micro_batches * 2 * (slots - 2) * w.boundary  # the last 2 are not written
     assert plan.lanes["nvme"] > on_host["nvme"]
     assert plan.lanes["nvme"] - on_host["nvme"] >= swapped / max(hw.nvme_read_bw, hw.nvme_write_bw)
@@ -163,8 +164,8 @@ def test_keep_level_between_its_budgets():
     L = w.num_layers
 
     def need(level):
-        c = Candidate("stream", False, "host", "host", "device", 0, 0, L, level)
-        return sum(device_parts(memory_sizes(w), c.offload(), 0, 0).values())
+        c = Placement(prefetch_depth=0, keep_blocks=L, keep_level=level, expert_fetch="all")
+        return sum(device_parts(memory_sizes(w), c, 0, 0).values())
 
     assert need("matmuls") < need("probs") < need("all")
     budgets = [
@@ -176,8 +177,8 @@ def test_keep_level_between_its_budgets():
     plans = [make_plan(config.replace(memory=dict(device_budget=b)), hw, w) for b in budgets]
     for plan in plans:
         _fits(plan)
-        c = plan.candidate
-        assert c.mode == "stream" and (c.keep_level != "all" or c.keep_blocks < L), c
+        c = plan.placement
+        assert plan.candidate.mode == "stream" and (c.keep_level != "all" or c.keep_blocks < L), c
         assert f"kept on device ({c.keep_level})" in plan.table()
         overrides = config.replace(**plan.config_overrides()).offload
         assert (overrides.keep_level, overrides.swap_blocks) == (c.keep_level, c.swap_blocks)
@@ -190,7 +191,7 @@ def test_keep_level_between_its_budgets():
         assert larger <= TIE * smaller, steps  # (than the planner's tie window allows)
     # where every block keeping its probabilities fits, and the copy lanes are not
     # needed, that is the plan (less offloaded than swapping at equal speed)
-    assert (plans[1].candidate.keep_blocks, plans[1].candidate.keep_level) == (L, "probs")
+    assert (plans[1].placement.keep_blocks, plans[1].placement.keep_level) == (L, "probs")
 
 
 def test_budget_too_small_names_the_tier_and_shortfall():
@@ -212,7 +213,7 @@ def test_fuyou_server_fits_gpt3_175b_on_one_a100():
     )
     plan = make_plan(config, PROFILES["a100-80g"])
     _fits(plan)
-    assert plan.candidate.mode == "stream" and plan.candidate.optimizer == "nvme"
+    assert plan.candidate.mode == "stream" and plan.placement.optimizer == "nvme"
     assert 10e12 < plan.tflops < 200e12
 
 
@@ -541,13 +542,13 @@ def test_gpt175b_fits_the_rtx4090_at_batch_16_in_chunks_of_rows():
     assert w.working_set > w.chunked_working_sets[2] > w.chunked_working_sets[4]
     plan = make_plan(config, hw, w)
     _fits(plan)
-    c = plan.candidate
-    assert c.mode == "stream" and c.batch_chunks == 2, plan.table()
+    c = plan.placement
+    assert plan.candidate.mode == "stream" and c.batch_chunks == 2, plan.table()
     assert c.keep_blocks == c.swap_blocks == 0  # chunks run recomputed blocks only
     assert plan.device["working set"] == w.chunked_working_sets[2]
     assert plan.config_overrides()["offload"]["batch_chunks"] == 2
     assert "offload.batch_chunks=2" in plan.table()
-    whole = device_parts(memory_sizes(w, 1, 1), c.offload(), c.prefetch_depth, c.resident_blocks)
+    whole = device_parts(memory_sizes(w, 1, 1), c, c.prefetch_depth, c.resident_blocks)
     assert sum(whole.values()) > plan.budgets["device"]  # without chunks it does not fit
     # a model whose rows are not independent is offered no chunks
     assert Workload.from_config(load_config("mixtral_tiny")).chunked_working_sets == {}
@@ -556,12 +557,13 @@ def test_gpt175b_fits_the_rtx4090_at_batch_16_in_chunks_of_rows():
     # kernels): the default config's budgets on the h100 profile
     tiny = load_config("gpt_tiny")
     w = Workload.from_config(tiny, backend="gpu")
-    assert make_plan(tiny, PROFILES["h100"], w).candidate.batch_chunks == 1
+    assert make_plan(tiny, PROFILES["h100"], w).placement.batch_chunks == 1
     from hetjax.planning.search import _candidates, _fastest_per_placement, budgets
 
     limit = budgets(tiny, PROFILES["h100"])
-    chunked = _fastest_per_placement(w, PROFILES["h100"], limit, _candidates(w, True, True))
-    assert chunked and all(b[2].batch_chunks > 1 for b in chunked)
+    candidates = _candidates(w, "single", chunked=True)
+    chunked = _fastest_per_placement(w, PROFILES["h100"], limit, candidates, "single")
+    assert chunked and all(b[2].placement.batch_chunks > 1 for b in chunked)
 
 
 def test_data_parallel_plans_keep_optimizer_state_off_the_device():
@@ -572,9 +574,9 @@ def test_data_parallel_plans_keep_optimizer_state_off_the_device():
     from hetjax.planning.search import _candidates
 
     w = Workload.from_config(load_config("gpt_tiny"), devices=2)
-    several = {c.optimizer for c in _candidates(w, one_device=False)}
+    several = {c.placement.optimizer for c in _candidates(w, "data")}
     assert several == {"host", "nvme"}
-    assert "device" in {c.optimizer for c in _candidates(w, one_device=True)}
+    assert "device" in {c.placement.optimizer for c in _candidates(w, "single")}
 
 
 def test_a_host_budget_is_the_process_s_shared_by_its_devices():

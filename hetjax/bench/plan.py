@@ -59,7 +59,7 @@ def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
     o = planned.offload
     desc = f"{o.mode}, params {o.params}, optimizer {o.optimizer}, keep {o.keep_blocks}"
     if devices > 1:
-        desc += f", {plan.candidate.resident_blocks} resident"
+        desc += f", {plan.placement.resident_blocks} resident"
     if clipped:
         desc += ", clipped"
     return dict(

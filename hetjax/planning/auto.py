@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from hetjax import support
 from hetjax.config import Config, format_bytes
 from hetjax.memory_host import in_memory_parts
 from hetjax.planning.hardware import device_capacity, measure_local
@@ -28,9 +29,13 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     them)."""
     if config.offload.mode != "auto":
         return config, None
-    if config.distributed.sharded:  # ZeRO-3 is the streaming runtime's
-        log("offload.mode=auto: data or expert parallelism (ZeRO-3) streams: offload.mode=stream")
-        return config.replace(offload=dict(mode="stream")), None
+    in_memory = support.supports("in_memory", support.parallelism(config.distributed))
+    if in_memory:  # ZeRO-3 is the streaming runtime's
+        log(f"offload.mode=auto: {in_memory}: offload.mode=stream")
+        streamed = config.replace(offload=dict(mode="stream"))
+        for line in support.fallbacks(streamed):
+            log(f"offload.mode=auto: {line}")
+        return streamed, None
     w = Workload.from_config(config)
     budget = config.memory.device_budget or int(MARGIN * device_capacity())
     for remat in (False, True):

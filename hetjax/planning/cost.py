@@ -8,67 +8,58 @@ their times add there, and so do data-parallel devices' (``Hardware.shared_cores
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from hetjax.memory import IO_READAHEAD, DeviceCache, Offload, params_are_master
+from hetjax.memory import IO_READAHEAD, DeviceCache, params_are_master
+from hetjax.placement import Placement
 from hetjax.planning.hardware import Hardware
 from hetjax.planning.workload import Workload, kept_key, memory_sizes
 
 ADAM_BYTES = 28  # bytes a device-side AdamW moves per parameter (reads and writes)
 
 
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    mode: str  # none | stream
-    remat: bool = False
-    params: str = "device"  # device (mode none) | host | nvme
-    optimizer: str = "device"  # device | host | nvme
-    activations: str = "device"  # device | host | nvme
-    prefetch_depth: int = 0
-    resident_blocks: int = 0
-    keep_blocks: int = 0
-    keep_level: str = "all"  # which in-block activations the kept blocks keep
-    # the first N stages (embed, block 0, ...) keep their optimizer state on the device
-    # (offload.optimizer_device_stages); their blocks are resident
-    device_stages: int = 0
-    # the blocks before the kept ones swap their in-block activations to host memory
-    swap_blocks: int = 0
-    swap_level: str = "matmuls"
-    swap_tier: str = "host"  # host | nvme
-    # a MoE's streamed blocks copy only their routed experts (offload.expert_fetch)
-    expert_fetch: str = "all"
-    # the recomputed blocks and the head run the micro-batch in N chunks of rows
-    # (offload.batch_chunks): one chunk's working set, no keep or swap
-    batch_chunks: int = 1
+# mode none's placement: everything on the device (the tiers the plan's table names)
+ON_DEVICE = Placement(
+    params="device", optimizer="device", activations="device", prefetch_depth=0,
+    expert_fetch="all",
+)  # fmt: skip
 
-    def offload(self) -> Offload:
-        """The candidate's placement as the memory model takes it."""
-        return Offload(
-            self.params,
-            self.optimizer,
-            self.activations,
-            self.prefetch_depth,
-            self.keep_blocks,
-            self.keep_level,
-            self.device_stages,
-            self.swap_blocks,
-            self.swap_level,
-            self.swap_tier,
-        )
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A placement the planner evaluates: ``mode`` ``stream``, the streaming runtime
+    with ``placement``; or ``none``, the whole state on the device in one jitted step,
+    its blocks recomputing in backward or not (``remat``, ``model.remat``)."""
+
+    mode: str = "stream"  # none | stream
+    remat: bool = False  # mode none only
+    placement: Placement = ON_DEVICE
+
+    def replace(self, **changes) -> Candidate:
+        """The candidate with some of its placement's fields changed."""
+        return dataclasses.replace(self, placement=dataclasses.replace(self.placement, **changes))
+
+    def config_overrides(self) -> dict[str, dict[str, Any]]:
+        """The config sections that train with this candidate (``Config.replace(**...)``)."""
+        if self.mode == "none":
+            return dict(offload=dict(mode="none"), model=dict(remat=self.remat))
+        return self.placement.config_overrides()
 
     @property
     def rank(self) -> float:
         """Preference among plans of (nearly) equal predicted time: less offloaded first."""
         if self.mode == "none":
             return float(self.remat)
+        p = self.placement
         tiers = {"device": 0, "host": 1, "nvme": 2}
         return (
             10
-            + tiers[self.params]
-            + tiers[self.optimizer]
-            + tiers[self.activations]
-            + 0.1 * self.prefetch_depth
-            + ((0.5 + tiers[self.swap_tier] - 1) if self.swap_blocks else 0.0)  # part way
-            + 0.01 * (self.batch_chunks - 1)  # smaller kernels than the whole batch's
+            + tiers[p.params]
+            + tiers[p.optimizer]
+            + tiers[p.activations]
+            + 0.1 * p.prefetch_depth
+            + ((0.5 + tiers[p.swap_tier] - 1) if p.swap_blocks else 0.0)  # part way
+            + 0.01 * (p.batch_chunks - 1)  # smaller kernels than the whole batch's
         )
 
 
@@ -99,24 +90,24 @@ def lanes(
         dev_opt = _device_optimizer_s(hw, P)
         step = A * (fwd + compute_b) + dev_opt
         return step, {"compute": A * (fwd + compute_b), "optimizer": dev_opt}
-    kept, swapped = c.keep_blocks, c.swap_blocks
-    o = c.offload()
+    o = c.placement
+    kept, swapped = o.keep_blocks, o.swap_blocks
     recomputed = o.recomputed_blocks(L)
     compute_b = st["head"] + recomputed * st["block_bwd"]
-    compute_b += kept * st[kept_key(c.keep_level)] if kept else 0.0
-    compute_b += swapped * st[kept_key(c.swap_level)] if swapped else 0.0
+    compute_b += kept * st[kept_key(o.keep_level)] if kept else 0.0
+    compute_b += swapped * st[kept_key(o.swap_level)] if swapped else 0.0
     compute_b += st["embed_bwd"]
     frac = 1.0 / n
-    sizes = memory_sizes(w, n, c.batch_chunks)
+    sizes = memory_sizes(w, n, o.batch_chunks)
     cache = DeviceCache.of(sizes, o)
-    resident = max(c.resident_blocks, cache.blocks)
+    resident = max(o.resident_blocks, cache.blocks)
     streamed_f = L - resident
     streamed_b = max(0, L - kept - resident)  # the swapped blocks' params come again
     # Boundaries on the host or NVMe cross to the host in forward and back in backward;
     # on NVMe, all but the last IO_READAHEAD (held in RAM for backward, which takes them
     # first) are written and read back. Swapped blocks' activations cross both ways.
-    bounds = recomputed * w.boundary if c.activations in ("host", "nvme") else 0
-    swap = swapped * sizes.swap_bytes(c.swap_level) if swapped else 0
+    bounds = recomputed * w.boundary if o.activations in ("host", "nvme") else 0
+    swap = swapped * sizes.swap_bytes(o.swap_level) if swapped else 0
     # each device copies in its share of the stored block (expert parallelism: every
     # expert's), then gathers the rest of what it computes with from the others
     Ps, Pg = w.stored_block, w.gathered_block(n)
@@ -124,7 +115,7 @@ def lanes(
     # only their routed experts; kept and swapped blocks copy them all. The disk still
     # reads whole blocks. In forward the routed experts' copy waits for the routing (a
     # host sync), so the device waits for it: ``serial_f``; backward's is known ahead.
-    routing = w.routed_expert_params and c.expert_fetch == "routed"
+    routing = w.routed_expert_params and o.expert_fetch == "routed"
     routed = max(0, recomputed - resident) if routing else 0
     experts = routed * cb * w.routed_expert_params  # the routed blocks' experts, whole
     skipped = experts * (1 - w.expert_fetch_fraction)
@@ -144,7 +135,7 @@ def lanes(
         comm_f = L * (cb * Pg + w.exchange_bytes) / link
         comm_b = (recomputed * (cb * Pg + 2 * w.exchange_bytes) + grads) / link
     disk_f = disk_b = disk_step = 0.0
-    if c.params == "nvme":
+    if o.params == "nvme":
         # params that are the fp32 master are written with the state, and a cached
         # stage's come from its state in RAM
         master = params_are_master(o, cb)
@@ -152,18 +143,18 @@ def lanes(
         disk_f = (h2d_f + skipped) * read / hw.nvme_read_bw * n  # the disks serve n processes
         disk_b = max(0.0, h2d_b + skipped - bounds - kept_params) * read / hw.nvme_read_bw * n
         disk_step += 0.0 if master else cb * (P - cache.params) / hw.nvme_write_bw
-    if c.activations == "nvme":
+    if o.activations == "nvme":
         disk_f += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_write_bw * n
         disk_b += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_read_bw * n
-    if swap and c.swap_tier == "nvme":  # likewise the swapped blocks' activations
-        one = sizes.swap_bytes(c.swap_level)
+    if swap and o.swap_tier == "nvme":  # likewise the swapped blocks' activations
+        one = sizes.swap_bytes(o.swap_level)
         disk_f += max(0, swapped - IO_READAHEAD) * one / hw.nvme_write_bw * n
         disk_b += max(0, swapped - IO_READAHEAD) * one / hw.nvme_read_bw * n
     if grad_spill:
         disk_step += grad_spill / hw.nvme_write_bw
     S = w.state_bytes_per_param
     catch_up = 0.0  # deferred expert updates caught up in the forward (on its path)
-    if c.optimizer == "nvme":
+    if o.optimizer == "nvme":
         moved = S * (P - cache.params) * (1 - cached)
         # params that are the master: a block's state read copies the master from its
         # backward's param read (storage/params.py, MasterPages), cb bytes a parameter
@@ -178,7 +169,7 @@ def lanes(
     # device after it, at device speed (Angel-PTM); the host updates the others,
     # overlapped with backward.
     dev_opt = _device_optimizer_s(hw, cache.params)
-    if c.optimizer == "device":  # each device updates its 1/n (on shared cores in turn)
+    if o.optimizer == "device":  # each device updates its 1/n (on shared cores in turn)
         opt = _device_optimizer_s(hw, P if hw.shared_cores else P * frac)
     else:  # the machine's optimizer serves n processes
         opt = (P - cache.params) / hw.optimizer_params_per_s
@@ -193,14 +184,14 @@ def lanes(
         overlapped = h2d_f / hw.h2d_bw - serial_f
         t_f = max(fwd, overlapped, d2h_f / hw.d2h_bw, comm_f, disk_f) + serial_f
         t_b = max(compute_b, h2d_b / hw.h2d_bw, d2h_b / hw.d2h_bw, comm_b, disk_b)
-        if c.optimizer == "device":  # the update shares the device with backward
+        if o.optimizer == "device":  # the update shares the device with backward
             t_last = max(t_b, compute_b + opt, disk_b + disk_step)
         else:
             t_last = max(t_b, compute_b + dev_opt, opt, disk_b + disk_step)
     if after_backward and c.mode == "stream":
         disk_step += grad_spill / hw.nvme_read_bw if grad_spill else 0.0
         t_b_last = n * (compute_b + copy_b + comm_b) if hw.shared_cores else t_b
-        if hw.shared_cores or c.optimizer == "device":
+        if hw.shared_cores or o.optimizer == "device":
             t_last = max(t_b_last, disk_b) + max(opt + dev_opt, disk_step)
         else:  # host stages on the host, cached ones on the device, at once
             t_last = max(t_b_last, disk_b) + max(opt, dev_opt, disk_step)

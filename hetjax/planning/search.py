@@ -41,10 +41,12 @@ import dataclasses
 import itertools
 from typing import Any
 
+from hetjax import support
 from hetjax.config import SWAP_LEVELS, Config, ConfigError, format_bytes
 from hetjax.memory import DeviceCache, device_parts, plan_device
 from hetjax.memory_host import HostMemoryPlan, host_minimum, in_memory_parts, nvme_parts, plan_host
-from hetjax.planning.cost import Candidate, lanes
+from hetjax.placement import Placement
+from hetjax.planning.cost import ON_DEVICE, Candidate, lanes
 from hetjax.planning.hardware import Hardware
 from hetjax.planning.workload import Workload, memory_sizes
 
@@ -60,13 +62,14 @@ class PlanError(ConfigError):
     shortfall."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
-    """Where every kind of state lives, and what the step is predicted to cost."""
+    """Where every kind of state lives (a :class:`Candidate`: a placement, or mode none),
+    and what the step is predicted to cost."""
 
     hardware: str
     workload: str
-    candidate: Candidate
+    candidate: Candidate  # with the prefetch depth and resident blocks the plans chose
     optimizer_cache: int  # host bytes caching NVMe optimizer state (whole stages)
     device: dict[str, int]  # bytes by what they hold, per device
     host: dict[str, int]  # per process
@@ -81,31 +84,17 @@ class Plan:
     step_clipped_s: float = 0.0
     num_devices: int = 1
 
+    @property
+    def placement(self) -> Placement:
+        """The placement planned (mode none: everything on the device)."""
+        return self.candidate.placement
+
     def config_overrides(self) -> dict[str, dict[str, Any]]:
         """The config sections that train with this plan (``Config.replace(**...)``)."""
-        c = self.candidate
-        if c.mode == "none":
-            return dict(offload=dict(mode="none"), model=dict(remat=c.remat))
-        return dict(
-            offload=dict(
-                mode="stream",
-                params=c.params,
-                optimizer=c.optimizer,
-                activations=c.activations,
-                prefetch_depth=c.prefetch_depth,
-                keep_blocks=c.keep_blocks,
-                keep_level=c.keep_level,
-                swap_blocks=c.swap_blocks,
-                swap_level=c.swap_level,
-                swap_tier=c.swap_tier,
-                optimizer_device_stages=c.device_stages,
-                expert_fetch=c.expert_fetch,
-                batch_chunks=c.batch_chunks,
-            )
-        )
+        return self.candidate.config_overrides()
 
     def table(self) -> str:
-        c = self.candidate
+        c, p = self.candidate, self.candidate.placement
         L = self.num_layers
         lines = [f"plan for {self.workload} on {self.hardware}"]
         if c.mode == "none":
@@ -114,10 +103,10 @@ class Plan:
                 "the device" + (" (model.remat: blocks recompute in backward)" if c.remat else "")
             )
         else:
-            k = c.device_stages
-            state = lambda cached: "device (cached)" if cached else c.optimizer
+            k = p.device_stages
+            state = lambda cached: "device (cached)" if cached else p.optimizer
             lines += [
-                f"  offload.mode=stream, prefetch depth {c.prefetch_depth}",
+                f"  offload.mode=stream, prefetch depth {p.prefetch_depth}",
                 f"  {'stage':<16}{'compute params':<22}{'fp32 master + optimizer':<25}activations",
             ]
             if (k >= 1) == (k == L + 2):  # embed and head alike
@@ -128,13 +117,13 @@ class Plan:
             rows: list[list] = []  # consecutive blocks of a group placed alike share a row
             labels = [(name, j) for name, n in self.groups or (("block", L),) for j in range(n)]
             for i, (group, j) in enumerate(labels):
-                where = "device (resident)" if i < c.resident_blocks else f"{c.params}, streamed"
-                if i >= L - c.keep_blocks:
-                    acts = f"kept on device ({c.keep_level})"
-                elif i >= L - c.keep_blocks - c.swap_blocks:
-                    acts = f"swapped to {c.swap_tier} ({c.swap_level})"
+                where = "device (resident)" if i < p.resident_blocks else f"{p.params}, streamed"
+                if i >= L - p.keep_blocks:
+                    acts = f"kept on device ({p.keep_level})"
+                elif i >= L - p.keep_blocks - p.swap_blocks:
+                    acts = f"swapped to {p.swap_tier} ({p.swap_level})"
                 else:
-                    acts = f"{c.activations} boundary, recomputed"
+                    acts = f"{p.activations} boundary, recomputed"
                 row = [group, where, state(i < k - 1), acts]
                 if rows and rows[-1][2:] == row:
                     rows[-1][1] = j
@@ -151,23 +140,23 @@ class Plan:
                     f"{format_bytes(self.device.get('optimizer', 0))} with their gradients "
                     "and new params; updated there, no gradient copy"
                 )
-            if c.batch_chunks > 1:
+            if p.batch_chunks > 1:
                 lines.append(
                     f"  the recomputed blocks and the head run each micro-batch in "
-                    f"{c.batch_chunks} chunks of rows (offload.batch_chunks={c.batch_chunks}): "
+                    f"{p.batch_chunks} chunks of rows (offload.batch_chunks={p.batch_chunks}): "
                     "one chunk's working set, params fetched once"
                 )
             if self.optimizer_cache:
                 lines.append(
                     f"  optimizer state cached in host RAM: {format_bytes(self.optimizer_cache)}"
                 )
-            if self.expert_source and c.expert_fetch == "routed":
+            if self.expert_source and p.expert_fetch == "routed":
                 lines.append(
                     f"  experts: a streamed block that recomputes copies "
                     f"{self.expert_fraction:.0%} of its experts in (offload.expert_fetch="
                     f"routed; {self.expert_source})"
                 )
-            if self.deferred_share is not None and c.expert_fetch == "routed":
+            if self.deferred_share is not None and p.expert_fetch == "routed":
                 lines.append(
                     f"  experts' optimizer state: a step updates {self.deferred_share:.0%} "
                     "of it on NVMe, the rest caught up when routed again "
@@ -179,6 +168,7 @@ class Plan:
                     f"{self.expert_fraction:.0%} of them ({self.expert_source}), not worth "
                     "the forward's wait for each block's routing"
                 )
+        lines += [f"  {line}" for line in self.fallbacks]
         per = " per device" if self.num_devices > 1 else ""
         for tier in ("device", "host", "nvme"):
             held = getattr(self, tier)
@@ -212,6 +202,9 @@ class Plan:
     # deferred expert updates (optimizer/deferred.py): the expected share of the routed
     # experts whose state a step touches (None: not deferred)
     deferred_share: float | None = None
+    # what the config asks for that the plan's parallelism does not support, and what
+    # the run does instead (support.fallbacks), one line each
+    fallbacks: tuple[str, ...] = ()
 
 
 # -- evaluating one candidate ------------------------------------------------------------
@@ -233,11 +226,11 @@ def footprint(w: Workload, c: Candidate, limit: dict[str, int], n: int = 1) -> F
     """Candidate ``c`` on ``n`` data-parallel devices within the tier budgets ``limit``,
     planned by the same functions the runtimes plan with (``hetjax/memory.py``); None
     when it does not fit."""
-    s = memory_sizes(w, n, c.batch_chunks)
+    s = memory_sizes(w, n, c.placement.batch_chunks)
     if c.mode == "none":
         device = in_memory_parts(s, c.remat)
         return Footprint(c, device, {}, {}) if sum(device.values()) <= limit["device"] else None
-    o = c.offload()
+    o = c.placement
     try:
         dev = plan_device(s, o, limit["device"])
         host = plan_host(s, o, limit["host"])
@@ -246,9 +239,7 @@ def footprint(w: Workload, c: Candidate, limit: dict[str, int], n: int = 1) -> F
     nvme = nvme_parts(s, o, host)
     if sum(nvme.values()) > limit["nvme"]:
         return None
-    c = dataclasses.replace(
-        c, prefetch_depth=dev.prefetch_depth, resident_blocks=dev.resident_blocks
-    )
+    c = c.replace(prefetch_depth=dev.prefetch_depth, resident_blocks=dev.resident_blocks)
     return Footprint(c, dev.parts, host.parts, nvme, host)
 
 
@@ -284,88 +275,115 @@ def process_host_budget(plan: Plan) -> int:
     return plan.budgets["host"] * plan.num_devices
 
 
-def _candidates(w: Workload, one_device: bool, chunked: bool = False):
-    """Every placement the runtimes implement; on one device also ``none``, checkpoints
-    on NVMe and kept blocks (the data-parallel runtime keeps checkpoints on the device or
-    host, and no in-block activations). ``chunked``: instead, the placements with every
-    block recomputing and the micro-batch in chunks of rows (``offload.batch_chunks``),
-    at each chunk count the workload allows."""
-    L = w.num_layers
+def _candidates(
+    w: Workload, parallelism: str, chunked: bool = False, base: Placement | None = None
+):
+    """Every placement the runtimes implement under ``parallelism`` (one of
+    ``support.PARALLELISMS``) that the planner may offer (``support.planned``: on one
+    device also ``none``, boundaries on NVMe and kept and swapped blocks). ``chunked``:
+    instead, the placements with every block recomputing and the micro-batch in chunks
+    of rows (``offload.batch_chunks``), at each chunk count the workload allows. ``base``:
+    the placement the knobs not searched here come from (the config's; None: the
+    defaults)."""
+    L, base = w.num_layers, base or Placement()
+    offered = lambda feature: support.planned(feature, parallelism) is None
     if chunked:
-        yield from _chunked_candidates(w, one_device)
+        yield from _chunked_candidates(w, parallelism, base)
         return
-    if one_device:
-        yield Candidate("none", remat=False)
-        yield Candidate("none", remat=True)
-    # (kept blocks, their level, swapped blocks, their level): the last blocks keep, the
-    # ones before them swap, the rest recompute
-    keeps = [(0, "all", 0, "matmuls", "host")]
-    if one_device:
-        counts = lambda most: sorted({1, 2, L // 4, L // 2, most} & set(range(1, most + 1)))
-        kept = [(0, "all")] + [(k, level) for k in counts(L) for level in w.kept]
-        # swapped blocks in eighths of the model: host RAM, not the device, bounds them
-        eighths = lambda most: sorted(
-            {1, 2, most, *range(max(1, L // 8), most + 1, max(1, L // 8))} & set(range(1, most + 1))
-        )
-        # (swapped activations: one group's blocks only, streaming.py)
-        swap_levels = [level for level in w.kept if level in SWAP_LEVELS and not w.groups]
-        keeps = [
-            (keep, level, swap, swap_level, tier)
-            for keep, level in kept
-            for swap, swap_level, tier in [(0, "matmuls", "host")]
-            + [
-                (n, sl, tier)
-                for n in eighths(L - keep)
-                for sl in swap_levels
-                for tier in ("host", "nvme")
-            ]
-        ]
-    for params, optimizer, acts in _placements(one_device):
+    if offered("in_memory"):
+        yield Candidate(mode="none", remat=False, placement=ON_DEVICE)
+        yield Candidate(mode="none", remat=True, placement=ON_DEVICE)
+    # (kept blocks, their level, swapped blocks, their level, their tier): the last
+    # blocks keep, the ones before them swap, the rest recompute
+    counts = lambda most: sorted({1, 2, L // 4, L // 2, most} & set(range(1, most + 1)))
+    kept = [(0, "all")]
+    if offered("keep_blocks"):
+        kept += [(k, level) for k in counts(L) for level in w.kept]
+    # swapped blocks in eighths of the model: host RAM, not the device, bounds them
+    eighths = lambda most: sorted(
+        {1, 2, most, *range(max(1, L // 8), most + 1, max(1, L // 8))} & set(range(1, most + 1))
+    )
+    # (swapped activations: one group's blocks only, streaming.py)
+    swap_levels = [level for level in w.kept if level in SWAP_LEVELS and not w.groups]
+    if not offered("swap_blocks"):
+        swap_levels = []
+    swap_tiers = ("host", "nvme") if offered("swap_to_nvme") else ("host",)
+    keeps = [
+        (keep, level, swap, swap_level, tier)
+        for keep, level in kept
+        for swap, swap_level, tier in [(0, "matmuls", "host")]
+        + [(n, sl, tier) for n in eighths(L - keep) for sl in swap_levels for tier in swap_tiers]
+    ]
+    for params, optimizer, acts in _placements(parallelism):
         for depth in (0, 1, 2, 3):
             for keep, level, swap, swap_level, tier in keeps:
                 if tier == "nvme" and acts != "nvme":  # RAM short for boundaries first
                     continue
                 yield Candidate(
-                    "stream", False, params, optimizer, acts, depth, 0, keep, level,
-                    swap_blocks=swap, swap_level=swap_level, swap_tier=tier,
+                    placement=_placement(
+                        base, params, optimizer, acts, prefetch_depth=depth, keep_blocks=keep,
+                        keep_level=level, swap_blocks=swap, swap_level=swap_level,
+                        swap_tier=tier,
+                    )
                 )  # fmt: skip
 
 
-def _placements(one_device: bool):
-    """(params, optimizer, activations) tiers of a streamed placement. Optimizer state
-    on the device: one device only. The data-parallel runtime keeps a process's optimizer
-    state on its first device (runtime/zero.py), and one process drives every device of
-    a machine: its first device would hold all of theirs."""
-    optimizers = ("device", "host", "nvme") if one_device else ("host", "nvme")
-    activations = ("device", "host", "nvme") if one_device else ("device", "host")
+def _placement(base: Placement, params: str, optimizer: str, activations: str, **knobs):
+    """``base`` with the tiers and the knobs given; every other knob the planner
+    searches at its least (no kept, swapped or chunked blocks, no device cache, every
+    expert copied: the variants add them)."""
+    searched = dict(
+        prefetch_depth=0, resident_blocks=0, keep_blocks=0, keep_level="all", swap_blocks=0,
+        swap_level="matmuls", swap_tier="host", device_stages=0, expert_fetch="all",
+        batch_chunks=1,
+    )  # fmt: skip
+    return dataclasses.replace(
+        base, params=params, optimizer=optimizer, activations=activations,
+        **{**searched, **knobs},
+    )  # fmt: skip
+
+
+def _placements(parallelism: str):
+    """(params, optimizer, activations) tiers of a streamed placement the planner offers
+    under ``parallelism`` (``support.planned``)."""
+    offered = lambda feature: support.planned(feature, parallelism) is None
+    optimizers = ("device", "host", "nvme") if offered("optimizer_on_device") else ("host", "nvme")
+    activations = ("device", "host", "nvme") if offered("nvme_boundaries") else ("device", "host")
     return itertools.product(("host", "nvme"), optimizers, activations)
 
 
-def _chunked_candidates(w: Workload, one_device: bool):
+def _chunked_candidates(w: Workload, parallelism: str, base: Placement):
     """Every block recomputing (chunks run no kept or swapped blocks), the micro-batch
     in each chunk count > 1 the workload allows (``offload.batch_chunks``)."""
-    for params, optimizer, acts in _placements(one_device):
+    if support.planned("batch_chunks", parallelism) is not None:
+        return
+    for params, optimizer, acts in _placements(parallelism):
         for depth in (0, 1, 2, 3):
             for n in sorted(w.chunked_working_sets):
                 if n > 1:
-                    yield Candidate("stream", False, params, optimizer, acts, depth, batch_chunks=n)
+                    placement = _placement(
+                        base, params, optimizer, acts, prefetch_depth=depth, batch_chunks=n
+                    )
+                    yield Candidate(placement=placement)
 
 
-def _cache_variants(w: Workload, hw: Hardware, c: Candidate):
+def _cache_variants(w: Workload, parallelism: str, c: Candidate):
     """Candidate ``c`` with a device cache of the optimizer state of its first k stages,
     for every k (the device plan then keeps as many resident blocks as fit besides, at
     least the cache's own). Angel-PTM caches what fits in the device memory left after
     everything else; here resident blocks compete for that memory (they save
     host->device copies, the cache saves host optimizer time, gradient copies and NVMe
     traffic), so every split is offered to the cost model. Only with the optimizer on
-    the host or NVMe, one device and sync mode (lock-free mode takes the optimizer off
-    the critical path already)."""
-    if c.mode != "stream" or c.optimizer == "device" or hw.num_devices != 1:
+    the host or NVMe, where the parallelism supports it (``support.planned``) and in
+    sync mode (lock-free mode takes the optimizer off the critical path already)."""
+    if c.mode != "stream" or c.placement.optimizer == "device":
+        return
+    if support.planned("device_cache", parallelism) is not None:
         return
     if w.grad_policy == "lockfree":
         return
     for k in range(1, w.num_layers + 3):
-        yield dataclasses.replace(c, device_stages=k)
+        yield c.replace(device_stages=k)
 
 
 def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) -> list[tuple]:
@@ -399,16 +417,19 @@ def make_plan(
         config, devices=hw.num_devices, backend=backend, expert_fraction=expert_fraction
     )
     limit = budgets(config, hw)
-    # ZeRO-3 sharding needs the data-parallel runtime; one device keeps the whole state.
-    one_device = hw.num_devices == 1
-    best = _fastest_per_placement(w, hw, limit, _candidates(w, one_device))
+    parallel = planned_parallelism(config, hw)
+    base = Placement.from_config(config)  # the knobs not searched come from the config
+    search = lambda chunked: _fastest_per_placement(
+        w, hw, limit, _candidates(w, parallel, chunked, base), parallel
+    )
+    best = search(False)
     if not best:
         # Chunks of rows only where no placement holds a whole micro-batch's working set:
         # the cost model gives a chunk's kernels the whole batch's FLOP rate, which small
         # chunks on an accelerator do not reach (not priced, not measured on a GPU).
-        best = _fastest_per_placement(w, hw, limit, _candidates(w, one_device, chunked=True))
+        best = search(True)
     if not best:
-        raise PlanError(_shortfall(config, w, hw, limit))
+        raise PlanError(_shortfall(config, w, hw, limit, parallel))
     fastest = min(b[0] for b in best)
     step, _, c, device, host, nvme, cache, lanes, clipped = min(
         (b for b in best if b[0] <= TIE * fastest), key=lambda b: (b[1], b[0])
@@ -436,45 +457,68 @@ def make_plan(
         expert_fraction=w.expert_fetch_fraction,
         expert_source=w.expert_fetch_source,
         deferred_share=(
-            w.expert_step_share if w.deferred_expert_updates and c.optimizer == "nvme" else None
+            w.expert_step_share
+            if w.deferred_expert_updates and c.placement.optimizer == "nvme"
+            else None
         ),
+        fallbacks=tuple(support.fallbacks(config, parallel)) if c.mode == "stream" else (),
     )
 
 
-def _fastest_per_placement(w: Workload, hw: Hardware, limit: dict[str, int], candidates):
+def planned_parallelism(config: Config, hw: Hardware) -> str:
+    """The parallelism a plan of ``config`` on ``hw`` runs under (``support``'s): one
+    device keeps the whole state; several shard it (ZeRO-3), splitting the experts too
+    with ``distributed.expert_parallel``."""
+    if hw.num_devices == 1:
+        return support.SINGLE
+    return support.EXPERT if config.distributed.expert_parallel > 1 else support.DATA
+
+
+def _fastest_per_placement(
+    w: Workload, hw: Hardware, limit: dict[str, int], candidates, parallelism: str
+):
     """Each candidate that fits at its fastest (:func:`_evaluate`), with the device caches
-    of optimizer state and the routed experts it allows: ``[(step, rank, candidate,
-    ...)]``."""
+    of optimizer state and the routed experts ``parallelism`` allows: ``[(step, rank,
+    candidate, ...)]``."""
+    routing = _routing(w, parallelism)
     best = []
     for base in candidates:
-        if base.offload().uses_nvme and not hw.nvme_capacity:
+        if base.placement.uses_nvme and not hw.nvme_capacity:
             continue
         options = _evaluate(w, hw, limit, base)
-        for c in _cache_variants(w, hw, base):
+        for c in _cache_variants(w, parallelism, base):
             cached = _evaluate(w, hw, limit, c)
             if not cached:
                 break  # a larger cache needs more device memory still
             options += cached
-        if w.routed_expert_params and base.mode == "stream":  # or routed experts
+        if routing and base.mode == "stream":  # or routed experts
             options += [
                 b
                 for o in options
-                for b in _evaluate(w, hw, limit, dataclasses.replace(o[2], expert_fetch="routed"))
+                for b in _evaluate(w, hw, limit, o[2].replace(expert_fetch="routed"))
             ]
         if options:  # this placement's fastest split of device memory
             best.append(min(options, key=lambda b: b[0]))
     return best
 
 
-def _shortfall(config: Config, w: Workload, hw: Hardware, limit: dict[str, int]) -> str:
+def _routing(w: Workload, parallelism: str) -> bool:
+    """Whether the planner offers routed experts (``offload.expert_fetch=routed``)."""
+    return bool(w.routed_expert_params) and support.planned("routed_experts", parallelism) is None
+
+
+def _shortfall(
+    config: Config, w: Workload, hw: Hardware, limit: dict[str, int], parallelism: str
+) -> str:
     """Why nothing fits: the smallest footprint per tier, tier by tier."""
     state = "nvme" if hw.nvme_capacity else "host"  # params and optimizer state
-    acts = ("nvme", "host") if hw.num_devices == 1 and hw.nvme_capacity else ("host",)
+    nvme_boundaries = support.planned("nvme_boundaries", parallelism) is None
+    acts = ("nvme", "host") if nvme_boundaries and hw.nvme_capacity else ("host",)
     # the smallest working set: the most chunks of rows the workload allows
     s = memory_sizes(w, hw.num_devices, max([w.batch_chunks, *w.chunked_working_sets]))
     smallest = []  # boundaries on NVMe need the least host, on the host the least NVMe
     for a in acts:
-        o = Candidate("stream", False, state, state, a, 0, 0, 0).offload()
+        o = _placement(Placement(), state, state, a)
         host = host_minimum(s, o)
         least = DeviceCache.of(s, o).blocks
         smallest.append((device_parts(s, o, 0, least), host.parts, nvme_parts(s, o, host)))

@@ -33,6 +33,7 @@ from hetjax.runtime.stages import StageFunctions, StageMemory
 from hetjax.storage.gradients import GradientStore
 from hetjax.storage.pages import SlabLayout
 from hetjax.storage.swap import BoundarySwap, ResidualSwap
+from hetjax.support import parallelism, supports
 from hetjax.xla_env import pinned_limit
 from models import build_model
 
@@ -129,8 +130,9 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     plan = plan_device(sizes, offload, mem.device_budget)
     # expert-aware streaming (routed.py): the MoE blocks that stream and recompute
     routed = routed_blocks(
-        off, compute_model, layouts, names["block_names"], plan.resident_blocks, device_stages
-    )
+        off, compute_model, layouts, names["block_names"], plan.resident_blocks, device_stages,
+        parallelism=parallelism(config.distributed),
+    )  # fmt: skip
     experts, deferred = _experts(config, placement, fns, dtype, routed, loop)
     ledger = Ledger()
     shardings = placement.shardings
@@ -218,7 +220,7 @@ def _stage_functions(config: Config, placement, compute_model, layouts, dtype) -
         placement,
         memory.block_grad_dtype(config),
         off.keep_level,
-        kept_blocks=not config.distributed.sharded,
+        kept_blocks=supports("keep_blocks", parallelism(config.distributed)) is None,
         batch_chunks=off.batch_chunks,
     )
     fns.check_keep_level(off, t.micro_batch_size, t.seq_len, dtype)

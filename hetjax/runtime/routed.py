@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax.storage.pages import LeafBuffers, SlabLayout
+from hetjax.support import supports
 from hetjax.types import stage_layout
 
 
@@ -317,15 +318,19 @@ class ExpertFetchers(dict):
         return out
 
 
-def routed_blocks(offload, model, layouts, block_names, resident, device_stages) -> frozenset[str]:
+def routed_blocks(
+    offload, model, layouts, block_names, resident, device_stages, *, parallelism: str
+) -> frozenset[str]:
     """The blocks streamed expert-aware (``offload.expert_fetch=routed``, a model whose
-    blocks support it, one device taking leaf buffers): those that stream and recompute;
-    the ``resident`` first blocks, device-cached, kept and swapped blocks are whole on the
-    device anyway."""
+    blocks support it, a ``parallelism`` that does: ``support.supports``): those that
+    stream and recompute; the ``resident`` first blocks, device-cached, kept and swapped
+    blocks are whole on the device anyway."""
     if offload.expert_fetch != "routed" or not model.expert_routing:
         return frozenset()
-    if not layouts[stage_layout(block_names[0])].leaf_buffers:  # ZeRO-3: pages
+    # ZeRO-3's devices take pages, not leaves: the run says so (support.fallbacks)
+    if supports("routed_experts", parallelism) is not None:
         return frozenset()
+    assert layouts[stage_layout(block_names[0])].leaf_buffers, "routing takes leaf buffers"
     first_swap = len(block_names) - offload.keep_blocks - offload.swap_blocks
     whole = {*block_names[:resident], *device_stages}
     return frozenset(n for n in block_names[:first_swap] if n not in whole)

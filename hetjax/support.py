@@ -1,0 +1,195 @@
+"""The support matrix: which features of a placement work under which parallelism, and
+why not where they do not. The one place that decides it: ``Config`` validation refuses
+what it refuses (``config.py``), the planner offers no candidate using it
+(``planning/search.py``) and the runtime reads it where it decides
+(``runtime/streaming.py``, ``runtime/routed.py``); ``tests/test_support.py`` enumerates
+the matrix and checks the three agree.
+
+A feature refused under a parallelism is either an error at start-up that names the key
+and the fix, or, for a feature a default asks for (``offload.expert_fetch=routed``), a
+fallback the run takes openly: :func:`fallbacks` says it at start-up, in the log and
+in the planner's output. Nothing is switched off silently.
+
+Imports nothing from the project: the config imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SINGLE, DATA, EXPERT = "single", "data", "expert"
+# one device; ZeRO-3 over distributed.data_parallel devices; experts split over
+# distributed.expert_parallel devices (with ZeRO-3 over all of them)
+PARALLELISMS = (SINGLE, DATA, EXPERT)
+SHARDED = frozenset({DATA, EXPERT})
+_PHRASES = {
+    SINGLE: "one device",
+    DATA: "data parallelism (distributed.data_parallel != 1)",
+    EXPERT: "expert parallelism (distributed.expert_parallel > 1)",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Feature:
+    """One row of the matrix.
+
+    ``key``: the config key that asks for it ("": the parallelism's own key, for a
+    feature the parallelism itself rules out). ``reason``: why it is refused, one clause
+    with ``{parallel}`` for the parallelism's phrase. ``fix``: what the error tells to
+    do. ``refused``: the parallelisms it does not work under. ``fallback``: non-empty
+    for a feature the defaults ask for: under a refusing parallelism the run does this
+    instead, and says so (:func:`fallbacks`), instead of failing. ``unplanned``: the
+    parallelisms where it works but the planner does not offer it, and ``why_unplanned``
+    (:func:`planned`)."""
+
+    key: str
+    reason: str
+    fix: str = ""
+    refused: frozenset[str] = SHARDED
+    fallback: str = ""
+    unplanned: frozenset[str] = frozenset()
+    why_unplanned: str = ""
+
+
+FEATURES: dict[str, Feature] = {
+    # offload.mode=none: the whole state on the device, one jitted step
+    "in_memory": Feature(
+        key="",
+        reason="{parallel} is built on the streaming runtime (ZeRO-3)",
+        fix="set offload.mode=stream (or auto)",
+    ),
+    "device_cache": Feature(
+        key="offload.optimizer_device_stages",
+        reason="a device cache of optimizer state is not supported with {parallel}, where "
+        "each device updates its shard on the host",
+        fix="leave it 0",
+    ),
+    "keep_blocks": Feature(
+        key="offload.keep_blocks",
+        reason="kept activations are not supported with {parallel}",
+        fix="leave it 0",
+    ),
+    "swap_blocks": Feature(
+        key="offload.swap_blocks",
+        reason="swapped activations are not supported with {parallel}",
+        fix="leave it 0",
+    ),
+    "swap_to_nvme": Feature(
+        key="offload.swap_tier",
+        reason="nvme is not supported with {parallel}",
+        fix="use host",
+    ),
+    "nvme_boundaries": Feature(
+        key="offload.activations",
+        reason="nvme boundary activations are not supported with {parallel}",
+        fix="use device or host",
+    ),
+    "lockfree": Feature(
+        key="optimizer.mode",
+        reason="lockfree is not supported with {parallel}",
+        fix="use optimizer.mode=sync",
+    ),
+    # the default: a data-parallel device takes a block's pages, not its leaves, so it
+    # cannot copy some experts and not others (runtime/routed.py)
+    "routed_experts": Feature(
+        key="offload.expert_fetch",
+        reason="routed experts are not supported with {parallel}, whose devices take "
+        "whole pages of a block",
+        fallback="every streamed block copies all its experts, as offload.expert_fetch=all",
+    ),
+    # deferred expert updates need routed experts (optimizer/deferred.py)
+    "deferred_updates": Feature(
+        key="offload.expert_updates",
+        reason="deferred expert updates are not supported with {parallel}, which routes no experts",
+        fallback="every expert is updated every step, as offload.expert_updates=all",
+    ),
+    "batch_chunks": Feature(key="offload.batch_chunks", reason="", refused=frozenset()),
+    # works, but the planner's per-device memory model would count it wrong
+    # (docs/results/2026-11-26.md, "optimizer state on the device under data parallelism")
+    "optimizer_on_device": Feature(
+        key="offload.optimizer",
+        reason="",
+        refused=frozenset(),
+        unplanned=SHARDED,
+        why_unplanned="the data-parallel runtime keeps a process's optimizer state on its "
+        "first device, which would hold the share of every device the process drives",
+    ),
+}
+
+
+def supports(feature: str, parallelism: str) -> str | None:
+    """None when ``feature`` (a key of :data:`FEATURES`) works under ``parallelism``
+    (one of :data:`PARALLELISMS`), else the one-line reason it does not."""
+    f = FEATURES[feature]
+    if parallelism not in PARALLELISMS:
+        raise ValueError(f"unknown parallelism {parallelism!r}; one of {PARALLELISMS}")
+    if parallelism not in f.refused:
+        return None
+    return f.reason.format(parallel=_PHRASES[parallelism])
+
+
+def planned(feature: str, parallelism: str) -> str | None:
+    """None when the planner may offer ``feature`` under ``parallelism``, else why not
+    (it is not supported, or the planner would count it wrong: ``Feature.unplanned``)."""
+    f = FEATURES[feature]
+    unplanned = f.why_unplanned if parallelism in f.unplanned else None
+    return supports(feature, parallelism) or unplanned
+
+
+def parallelism(distributed: Any) -> str:
+    """The parallelism of a ``config.distributed`` section."""
+    if distributed.expert_parallel > 1:
+        return EXPERT
+    return DATA if distributed.data_parallel != 1 else SINGLE
+
+
+def asked(config: Any) -> list[str]:
+    """The features of :data:`FEATURES` ``config`` asks for, in the matrix's order."""
+    off, m = config.offload, config.model
+    moe_routing = bool(m.num_experts)  # Llama's and T5's experts route (runtime/routed.py)
+    wanted = {
+        "in_memory": off.mode == "none",
+        "device_cache": off.optimizer_device_stages > 0,
+        "keep_blocks": off.keep_blocks > 0,
+        "swap_blocks": off.swap_blocks > 0,
+        "swap_to_nvme": off.swap_blocks > 0 and off.swap_tier == "nvme",
+        "nvme_boundaries": off.activations == "nvme",
+        "lockfree": config.optimizer.mode == "lockfree",
+        "routed_experts": off.mode != "none" and moe_routing and off.expert_fetch == "routed",
+        "deferred_updates": off.mode != "none"
+        and moe_routing
+        and off.expert_fetch == "routed"
+        and off.expert_updates == "deferred",
+        "batch_chunks": off.batch_chunks > 1,
+        "optimizer_on_device": off.mode != "none" and off.optimizer == "device",
+    }
+    return [name for name in FEATURES if wanted[name]]
+
+
+def refusal(config: Any, feature: str) -> str | None:
+    """The error ``config`` gets for asking for ``feature`` where its parallelism does
+    not support it (naming the key and the fix), or None (supported, or a fallback)."""
+    f = FEATURES[feature]
+    p = parallelism(config.distributed)
+    reason = supports(feature, p)
+    if reason is None or f.fallback:
+        return None
+    if not f.key:  # the parallelism itself rules it out: name its key
+        name = "expert_parallel" if p == EXPERT else "data_parallel"
+        value = getattr(config.distributed, name)
+        return f"config key 'distributed.{name}' ({value}): {reason}; {f.fix}"
+    return f"config key '{f.key}': {reason}; {f.fix}"
+
+
+def fallbacks(config: Any, parallel: str | None = None) -> list[str]:
+    """What ``config`` asks for that its parallelism (or ``parallel``, a plan's) does not
+    support and the run does otherwise, one line each, for the start-up log and the
+    planner's output."""
+    p = parallel or parallelism(config.distributed)
+    lines = []
+    for feature in asked(config):
+        f, reason = FEATURES[feature], supports(feature, p)
+        if reason is not None and f.fallback:
+            lines.append(f"{f.key}: {reason}: {f.fallback}")
+    return lines
