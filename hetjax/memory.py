@@ -11,7 +11,7 @@ The host plan, the NVMe parts and the in-memory run's parts are in
 
 A run is described by :class:`Sizes` (slab elements and bytes per element, activation
 sizes; per device for what the device holds, per process for host and NVMe) and an
-:class:`Offload` (where params, optimizer state and boundary activations live, the
+:class:`Placement` (where params, optimizer state and boundary activations live, the
 prefetch window, kept blocks, the device cache of optimizer state). Block-boundary
 activations (the input of each block, kept from forward for the block's backward) are
 called *boundaries* here; "checkpoint" means a training checkpoint only.
@@ -322,12 +322,7 @@ class Sizes:
         return self.own(stage) * (self.block_grad_bytes if is_block(stage) else 4)
 
 
-# Where a streaming run keeps each kind of state: the one placement description
-# (hetjax/placement.py), under the memory model's name for it.
-Offload = Placement
-
-
-def params_are_master(o: Offload, compute_bytes: int) -> bool:
+def params_are_master(o: Placement, compute_bytes: int) -> bool:
     """Whether the params on NVMe are the optimizer state's fp32 master, stored once: fp32
     compute with both on NVMe (``storage/params.py``'s ``MasterPages``). A step then
     writes them once, with the state, and reads a cached stage's from its state in RAM."""
@@ -355,7 +350,7 @@ class DeviceCache:
     grad_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # bytes by stage
 
     @classmethod
-    def of(cls, s: Sizes, o: Offload) -> DeviceCache:
+    def of(cls, s: Sizes, o: Placement) -> DeviceCache:
         key = (o.optimizer, o.device_stages)  # all it depends on besides the sizes
         if key not in s.device_caches:
             cache = cls._of(s, o)
@@ -373,7 +368,7 @@ class DeviceCache:
         return s.device_caches[key]
 
     @classmethod
-    def _of(cls, s: Sizes, o: Offload) -> DeviceCache:
+    def _of(cls, s: Sizes, o: Placement) -> DeviceCache:
         if o.optimizer == "device":  # every stage's state, twice during a step
             total = sum(s.own(n) for n in s.stages())
             return cls((), 0, 0, 2 * s.state_nbytes(total))
@@ -422,7 +417,7 @@ class DeviceMemoryPlan:
         )
 
 
-def device_parts(s: Sizes, o: Offload, depth: int, resident: int) -> dict[str, int]:
+def device_parts(s: Sizes, o: Placement, depth: int, resident: int) -> dict[str, int]:
     """Device bytes per device of a streaming run with prefetch ``depth`` and
     ``resident`` blocks, by what they hold."""
     L, cb = s.num_layers, s.compute_bytes
@@ -443,7 +438,7 @@ def device_parts(s: Sizes, o: Offload, depth: int, resident: int) -> dict[str, i
     }
 
 
-def plan_device(s: Sizes, o: Offload, budget: int) -> DeviceMemoryPlan:
+def plan_device(s: Sizes, o: Placement, budget: int) -> DeviceMemoryPlan:
     """The deepest prefetch window (up to ``o.prefetch_depth``) that fits ``budget``
     (0: no limit), then as many resident blocks as the rest allows, at least the device
     cache's. Raises ``ConfigError`` with the numbers when not even one stage and its

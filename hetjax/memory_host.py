@@ -18,17 +18,17 @@ from hetjax.memory import (
     PUBLISH_SLABS,
     DeviceCache,
     GradientPlan,
-    Offload,
     Sizes,
     belady_cache,
     plan_gradients,
 )
+from hetjax.placement import Placement
 from hetjax.types import MASTER
 
 # -- host -----------------------------------------------------------------------------------
 
 
-def host_boundary_bytes(s: Sizes, o: Offload) -> int:
+def host_boundary_bytes(s: Sizes, o: Placement) -> int:
     """Host RAM of boundary activations: all of a micro-batch's with
     ``offload.activations=host``, the NVMe swap's staging with ``nvme``
     (:func:`swap_staging_bytes`)."""
@@ -40,7 +40,7 @@ def host_boundary_bytes(s: Sizes, o: Offload) -> int:
     return 0
 
 
-def host_swapped_bytes(s: Sizes, o: Offload) -> int:
+def host_swapped_bytes(s: Sizes, o: Placement) -> int:
     """Host RAM of the swapped blocks' activations: all of a micro-batch's with
     ``offload.swap_tier=host``, the NVMe swap's staging with ``nvme``."""
     if not o.swap_blocks:
@@ -57,7 +57,7 @@ def swap_staging_bytes(boundary: int, slots: int, depth: int) -> int:
     return min(slots, depth + 1) * boundary
 
 
-def host_param_bytes(s: Sizes, o: Offload) -> int:
+def host_param_bytes(s: Sizes, o: Placement) -> int:
     """Host RAM of compute-dtype params: every off-device stage's (``params=host``), or
     the NVMe read-ahead window (``nvme``), and the host optimizer's refreshed ones in
     flight (:data:`PUBLISH_SLABS`)."""
@@ -73,7 +73,7 @@ def host_param_bytes(s: Sizes, o: Offload) -> int:
     return held * s.compute_bytes * cache.host_biggest + publish
 
 
-def kept_published(s: Sizes, o: Offload) -> tuple[str, ...]:
+def kept_published(s: Sizes, o: Placement) -> tuple[str, ...]:
     """With params on NVMe, the stages whose params the host optimizer publishes are
     kept in RAM from their update to their first read after the step's commit, instead
     of read back, where the host budget has room (:func:`plan_host`): the
@@ -90,14 +90,14 @@ def kept_published(s: Sizes, o: Offload) -> tuple[str, ...]:
     return tuple(n for n in stages if n in ("embed", "head")) + tuple(first)
 
 
-def param_reads_ahead(o: Offload) -> int:
+def param_reads_ahead(o: Placement) -> int:
     """Stages of params on NVMe read ahead of the use the window is at: its device copies
     (``prefetch_depth``) and the disk reads before them
     (:data:`~hetjax.memory.IO_READAHEAD`)."""
     return o.prefetch_depth + memory.IO_READAHEAD
 
 
-def master_reads_kept(o: Offload, compute_bytes: int) -> int:
+def master_reads_kept(o: Placement, compute_bytes: int) -> int:
     """Params that are the master (:func:`~hetjax.memory.params_are_master`): the latest
     param reads kept for the host optimizer's read of the same stage's state, which copies the
     master from them instead of reading it (``storage/params.py``'s ``MasterPages``).
@@ -202,7 +202,7 @@ class HostMemoryPlan:
         return f"host plan: {', '.join(parts)}; {total}"
 
 
-def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMemoryPlan:
+def plan_host(s: Sizes, o: Placement, budget: int, strict: bool = True) -> HostMemoryPlan:
     """Plans host RAM (``budget`` bytes, 0: no limit) for the off-device stages.
     Speculative updates keep a stage's old and new state until the step commits, so
     state held in RAM counts twice. Gradient buffers get the RAM they need next, bounded
@@ -282,7 +282,7 @@ def plan_host(s: Sizes, o: Offload, budget: int, strict: bool = True) -> HostMem
     )
 
 
-def kept_param_blocks(s: Sizes, o: Offload, room: int) -> int:
+def kept_param_blocks(s: Sizes, o: Placement, room: int) -> int:
     """With params on NVMe, how many blocks keep in RAM the params their forward read,
     for their backward: those blocks' params are read from disk once a step instead of
     twice. The blocks fetched again for backward are the ones neither kept on the
@@ -299,7 +299,7 @@ def kept_param_blocks(s: Sizes, o: Offload, room: int) -> int:
     return min(fetched_again, room // (s.compute_bytes * s.own_block))
 
 
-def host_minimum(s: Sizes, o: Offload) -> HostMemoryPlan:
+def host_minimum(s: Sizes, o: Placement) -> HostMemoryPlan:
     """The least host RAM ``o`` can run in: gradient buffers bounded to the stages in
     flight (what :func:`plan_host` chooses when RAM is short), no state cache."""
     return plan_host(s, o, budget=1, strict=False)
@@ -308,7 +308,7 @@ def host_minimum(s: Sizes, o: Offload) -> HostMemoryPlan:
 # -- NVMe -----------------------------------------------------------------------------------
 
 
-def nvme_parts(s: Sizes, o: Offload, host: HostMemoryPlan) -> dict[str, int]:
+def nvme_parts(s: Sizes, o: Placement, host: HostMemoryPlan) -> dict[str, int]:
     """NVMe bytes per process, by what they hold: two generations of optimizer state and
     of params (the committed one and the one being written; none of params that are the
     master, :func:`~hetjax.memory.params_are_master`), every boundary activation

@@ -12,9 +12,10 @@ import pytest
 from equivalence import assert_losses_close, assert_trees_close, training_batches
 
 from hetjax import memory
-from hetjax.memory import Offload, Sizes
+from hetjax.memory import Sizes
 from hetjax.memory_host import nvme_parts, plan_host
 from hetjax.optimizer.state_format import StateFormat
+from hetjax.placement import Placement
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.params import MasterPages, OwnPages
 from hetjax.train import train
@@ -42,17 +43,17 @@ def _config(tiny, **sections):
 
 
 def test_which_params_are_the_master():
-    assert memory.params_are_master(Offload(params="nvme", optimizer="nvme"), 4)
-    assert not memory.params_are_master(Offload(params="nvme", optimizer="nvme"), 2)  # bf16
-    assert not memory.params_are_master(Offload(params="nvme", optimizer="host"), 4)
-    assert not memory.params_are_master(Offload(params="host", optimizer="nvme"), 4)
+    assert memory.params_are_master(Placement(params="nvme", optimizer="nvme"), 4)
+    assert not memory.params_are_master(Placement(params="nvme", optimizer="nvme"), 2)  # bf16
+    assert not memory.params_are_master(Placement(params="nvme", optimizer="host"), 4)
+    assert not memory.params_are_master(Placement(params="host", optimizer="nvme"), 4)
     sizes = Sizes(
         num_layers=4, embed=4_000, block=10_000, head=2_000, own_embed=4_000,
         own_block=10_000, own_head=2_000, compute_bytes=4, block_grad_bytes=4,
         state_format=StateFormat.fp32(["mu", "nu"]),
         boundary=1_000, working_set=0, kept={"all": 0}, grad_policy="release",
     )  # fmt: skip
-    o = Offload(params="nvme", optimizer="nvme")
+    o = Placement(params="nvme", optimizer="nvme")
     parts = nvme_parts(sizes, o, plan_host(sizes, o, 0))
     assert parts["params"] == 0 and parts["optimizer"] > 0
     # bf16 params: two generations of their own, 2 bytes a param (4 blocks, embed, head)

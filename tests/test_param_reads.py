@@ -7,9 +7,10 @@ import pytest
 from equivalence import training_batches
 
 from hetjax import memory_host
-from hetjax.memory import Offload, Sizes
+from hetjax.memory import Sizes
 from hetjax.memory_host import plan_host
 from hetjax.optimizer.state_format import StateFormat
+from hetjax.placement import Placement
 from hetjax.runtime.streaming import StreamingRuntime
 
 BLOCK = 10_000  # elements of a block slab
@@ -27,7 +28,7 @@ def _sizes(layers: int = 6) -> Sizes:
 
 def test_host_plan_keeps_blocks_for_backward_within_its_budget():
     s, one = _sizes(), 2 * BLOCK
-    on_nvme = Offload(params="nvme", optimizer="nvme")
+    on_nvme = Placement(params="nvme", optimizer="nvme")
     # what the plan holds besides them and the state cache, with room for all it needs
     roomy = plan_host(s, on_nvme, 10**9)
     base = roomy.required - roomy.kept_params - roomy.cache
@@ -44,12 +45,12 @@ def test_host_plan_keeps_blocks_for_backward_within_its_budget():
         assert plan.pinned >= plan.kept_params  # they are what moves to the device
     # every block fetched again for backward at most: not the ones kept on the device
     assert plan_host(s, on_nvme, 10**9).kept_param_blocks == 6
-    kept_two = Offload(params="nvme", optimizer="nvme", keep_blocks=2)
+    kept_two = Placement(params="nvme", optimizer="nvme", keep_blocks=2)
     assert plan_host(s, kept_two, 10**9).kept_param_blocks == 4
     # no budget: the plan does not know the RAM (as for the state cache); params on
     # the host are read from RAM anyway
     assert plan_host(s, on_nvme, 0).kept_param_blocks == 0
-    assert plan_host(s, Offload(params="host", optimizer="nvme"), 10**9).kept_param_blocks == 0
+    assert plan_host(s, Placement(params="host", optimizer="nvme"), 10**9).kept_param_blocks == 0
     # with room for every stage's state, every block's params too
     assert roomy.kept_param_blocks == 6 and len(roomy.cached_stages) == 6 + 2
     # some blocks kept beside the state cache: the room it left
@@ -62,7 +63,7 @@ def test_host_plan_keeps_published_params_where_the_budget_has_room():
     published params to their next read, counted in the plan, first of what the
     budget's room holds; none below that room (the minimum does not need them), none
     with params in RAM."""
-    s, on_nvme = _sizes(), Offload(params="nvme", optimizer="nvme", prefetch_depth=1)
+    s, on_nvme = _sizes(), Placement(params="nvme", optimizer="nvme", prefetch_depth=1)
     stages = ("embed", "head", "block0", "block1")
     assert memory_host.kept_published(s, on_nvme) == stages
     published = 2 * (4_000 + 2_000 + 2 * BLOCK)
@@ -77,7 +78,7 @@ def test_host_plan_keeps_published_params_where_the_budget_has_room():
     assert just.published == published and just.cache == just.kept_params == 0
     assert just.required == base + published and just.pinned >= published
     assert just.parts["params kept to their next read"] == published
-    assert plan_host(s, Offload(params="host", optimizer="nvme"), 0).published == 0
+    assert plan_host(s, Placement(params="host", optimizer="nvme"), 0).published == 0
 
 
 @pytest.mark.parametrize("budget", ["256MiB"])

