@@ -9,6 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from hetjax import support
 from hetjax.config import Config, ConfigError
 from hetjax.data import decoder_length
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy
@@ -271,10 +272,13 @@ class Workload:
         attention_matmuls = {"reference": 2, "fused": 4}.get(impl, 0) * tokens * T * D * attentions
         recompute = {"matmuls": attention_matmuls, "probs": 0.0, "all": 0.0}
         attention_bwd = 2 * tokens * T * D * attentions if impl in ("blockwise", "fused") else 0.0
-        # expert-aware streaming: one device (ZeRO-3 gathers whole pages)
+        # expert-aware streaming where the support matrix has it (ZeRO-3 gathers whole
+        # pages: hetjax/support.py)
         routed = model.expert_routing and config.offload.expert_fetch == "routed"
+        parallel = support.SINGLE if devices == 1 else support.DATA
         routed_experts = 0
-        if routed and devices == 1:  # the leaves the runtime routes (routed.py), per block
+        if routed and support.supports("routed_experts", parallel) is None:
+            # the leaves the runtime routes (routed.py), per block
             expert_sizes = lambda B: sum(B.leaves[k].size for k in expert_leaves(B, model))
             routed_experts = sum(
                 g.num_layers * expert_sizes(layouts[g.name]) for g in model.groups
