@@ -71,7 +71,7 @@ def fp32_format(kinds: list[str]) -> StateFormat:
 # -- what a save is given -------------------------------------------------------------------
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class StagePart:
     """One stage's state held by this process, as a checkpoint takes it: pages
     ``[first_page, first_page + num_pages)`` of this process's checkpoint arrays, the
@@ -92,7 +92,7 @@ class StagePart:
     release: Callable[[], None] = lambda: None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class StateSource:
     """This process's state for a checkpoint: its stages' parts, each stage's layout
     (which gives the canonical slab), the optax scalars, the fp16 loss scale and the
@@ -124,9 +124,21 @@ class StateSource:
             layouts[stage] = layout
             # flattened by the writer, one stage at a time: no second copy of the state
             slabs = functools.partial(_flatten, layout, trees)
-            parts.append(StagePart(stage, 0, page, layout.num_pages, slabs))
+            parts.append(
+                StagePart(
+                    stage=stage, start=0, first_page=page, num_pages=layout.num_pages, slabs=slabs
+                )
+            )
             page += layout.num_pages
-        return cls(state.kinds, page_elems, page, parts, layouts, state.scalars, state.loss_scale)
+        return cls(
+            kinds=state.kinds,
+            page_elems=page_elems,
+            num_pages=page,
+            parts=parts,
+            layouts=layouts,
+            scalars=state.scalars,
+            loss_scale=state.loss_scale,
+        )
 
     def release_all(self) -> None:
         for part in self.parts:

@@ -71,7 +71,7 @@ from hetjax.config_values import (  # noqa: E402 (after CONFIGS_DIR: the values'
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The training loop. ``batch_size`` is the global batch of one optimizer step, in
     sequences; with ``grad_accum = A`` it is split into A micro-batches of
@@ -135,7 +135,7 @@ OPTIMIZERS = ("adamw", "adam", "lion", "sgd")
 NATIVE_OPTIMIZERS = ("adamw", "adam")  # the host optimizer's native kernel (native.py)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """Optax optimizer, schedule and clipping. Weight decay applies to weight matrices
     only (kernels and embeddings), not to biases or norm scales, as in GPT-2 training."""
@@ -197,7 +197,7 @@ class OptimizerConfig:
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Token data. ``path`` empty: the embedded corpus (the running Python's standard
     library sources as bytes, no download). Otherwise a flat uint16 ``.bin`` (nanoGPT's
@@ -235,7 +235,7 @@ class DataConfig:
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Checkpoints of the complete training state (hetjax/checkpoint.py).
 
@@ -361,7 +361,7 @@ _SECTIONS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole run configuration; see the module docstring."""
 

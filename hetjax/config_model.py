@@ -19,7 +19,7 @@ OBJECTIVES = ("lm", "prefix_lm", "span_corruption")
 ATTENTIONS = ("auto", "blockwise", "reference", "fused")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Transformer shape and numerics."""
 

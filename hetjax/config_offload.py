@@ -17,7 +17,7 @@ KEEP_LEVELS = ("matmuls", "probs", "all")
 SWAP_LEVELS = KEEP_LEVELS[:2]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OffloadConfig:
     """Where the training state lives.
 

@@ -194,7 +194,7 @@ def load_tokens(path: str) -> np.ndarray:
     raise ConfigError(f"data.path {path!r}: unknown token file type; use .bin (uint16) or .npy")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TokenWindows:
     """Batches of ``(B, W)`` token windows (W = ``window``, ``T + 1`` when 0) starting
     every ``T`` tokens, over one split of a token stream."""
@@ -290,11 +290,11 @@ def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
 
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
     train = TokenWindows(
-        tokens[:-n_val],
-        t.seq_len,
-        t.batch_size,
-        d.shuffle,
-        t.seed,
+        tokens=tokens[:-n_val],
+        seq_len=t.seq_len,
+        batch_size=t.batch_size,
+        shuffle=d.shuffle,
+        seed=t.seed,
         **shard,
         grad_accum=t.grad_accum,
         window=window,
@@ -302,8 +302,8 @@ def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
         vocab_size=config.model.vocab_size,
     )
     val = TokenWindows(
-        tokens[-n_val:], t.seq_len, t.batch_size, False, t.seed, **shard, window=window,
-        spans=spans, vocab_size=config.model.vocab_size,
+        tokens=tokens[-n_val:], seq_len=t.seq_len, batch_size=t.batch_size, shuffle=False,
+        seed=t.seed, **shard, window=window, spans=spans, vocab_size=config.model.vocab_size,
     )  # fmt: skip
     desc = f"{source}: {len(tokens):,} tokens ({len(tokens) - n_val:,} train, {n_val:,} val)"
     return train, val, desc

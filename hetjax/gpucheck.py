@@ -92,16 +92,16 @@ DEVICE_BUDGET_SLACK = 1.10  # XLA's peak vs the budget: its scratch and fragment
 MFU_RATIO = 0.8
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Section:
     name: str
     seconds: int  # the time box (full run)
     ram: int  # free RAM needed to start it
     disk: int  # free disk under --out needed to start it
     gpu_only: bool = True
-    quick_seconds: int = dataclasses.field(default=0, kw_only=True)  # 0: half of seconds
+    quick_seconds: int = 0  # 0: half of seconds
     # --emulate, on a CPU (no lent machine's call to fit): 0, the same as on a GPU
-    emulate_seconds: int = dataclasses.field(default=0, kw_only=True)
+    emulate_seconds: int = 0
 
     def box(self, quick: bool, emulate: bool = False) -> int:
         """The section's time box in seconds."""
@@ -115,22 +115,22 @@ PROBE_SECONDS = 30
 # The boxes add up to what one 10-minute call on a lent H100 leaves after the machine's
 # start and the transfers: 540 s, and 300 s with --quick (tests/test_gpucheck.py).
 SECTIONS = [
-    Section("environment", 25, 1 * GiB, 0, quick_seconds=20),
-    Section("placement", 20, 2 * GiB, 0, quick_seconds=15),
-    Section("bandwidth", 40, 12 * GiB, 0, quick_seconds=20),
-    Section("overlap", 30, 8 * GiB, 0, quick_seconds=20),
+    Section(name="environment", seconds=25, ram=1 * GiB, disk=0, quick_seconds=20),
+    Section(name="placement", seconds=20, ram=2 * GiB, disk=0, quick_seconds=15),
+    Section(name="bandwidth", seconds=40, ram=12 * GiB, disk=0, quick_seconds=20),
+    Section(name="overlap", seconds=30, ram=8 * GiB, disk=0, quick_seconds=20),
     # --emulate on 2 busy CPU cores: the two-client tests and the bf16 run took 298 s
     Section(
-        "equivalence",
-        180,
-        8 * GiB,
-        2 * GiB,
+        name="equivalence",
+        seconds=180,
+        ram=8 * GiB,
+        disk=2 * GiB,
         gpu_only=False,
         quick_seconds=100,
         emulate_seconds=480,
     ),  # fmt: skip
-    Section("memory", 45, 8 * GiB, 1 * GiB, quick_seconds=30),
-    Section("mfu", 170, 80 * GiB, 2 * GiB, quick_seconds=65),
+    Section(name="memory", seconds=45, ram=8 * GiB, disk=1 * GiB, quick_seconds=30),
+    Section(name="mfu", seconds=170, ram=80 * GiB, disk=2 * GiB, quick_seconds=65),
 ]
 FULL_SECONDS, QUICK_SECONDS = 540, 300
 

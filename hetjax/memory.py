@@ -93,7 +93,7 @@ def in_flight_slabs(keep: bool) -> int:
     return D2H_SLABS + 1 + GRAD_QUEUE + (1 if keep else 0)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GradientPlan:
     """What the gradient buffers hold in host RAM and on NVMe, in bytes."""
 
@@ -141,16 +141,24 @@ def plan_gradients(
     exceed ``room``: the caller reports the shortfall."""
     assert policy in POLICIES, policy
     if not order:  # every stage's gradient stays on the device (its state is there)
-        return GradientPlan(policy, 0, 0, 0, (), (), 0)
+        return GradientPlan(
+            policy=policy,
+            all_bytes=0,
+            ram_bytes=0,
+            max_queued=0,
+            ram_stages=(),
+            spilled=(),
+            spill_bytes=0,
+        )
     total = sum(sizes.values())
     everything = GradientPlan(
-        policy,
-        total,
-        2 * total if policy == "lockfree" else total,
-        0,
-        tuple(order) if policy == "keep" else (),
-        (),
-        0,
+        policy=policy,
+        all_bytes=total,
+        ram_bytes=2 * total if policy == "lockfree" else total,
+        max_queued=0,
+        ram_stages=tuple(order) if policy == "keep" else (),
+        spilled=(),
+        spill_bytes=0,
     )
     if policy in ("accumulate", "lockfree"):
         return everything
@@ -162,7 +170,15 @@ def plan_gradients(
         # optimizer: it may run ahead of an I/O-bound update loop by several stages.
         if room is None or total <= room or window >= total:
             return everything
-        return GradientPlan(policy, total, window, GRAD_QUEUE, (), (), 0)
+        return GradientPlan(
+            policy=policy,
+            all_bytes=total,
+            ram_bytes=window,
+            max_queued=GRAD_QUEUE,
+            ram_stages=(),
+            spilled=(),
+            spill_bytes=0,
+        )
     if room is None or total <= room or not spill:
         return everything
     spare = room - window
@@ -176,7 +192,13 @@ def plan_gradients(
     ram = window + sum(sizes[s] for s in kept if s != held)
     spill_bytes = sum(sizes[s] for s in spilled)
     return GradientPlan(
-        policy, total, ram, GRAD_QUEUE, tuple(s for s in order if s in kept), spilled, spill_bytes
+        policy=policy,
+        all_bytes=total,
+        ram_bytes=ram,
+        max_queued=GRAD_QUEUE,
+        ram_stages=tuple(s for s in order if s in kept),
+        spilled=spilled,
+        spill_bytes=spill_bytes,
     )
 
 
@@ -235,7 +257,7 @@ def block_grad_dtype(config: Config) -> np.dtype:
 # -- what the model is given ---------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Sizes:
     """A run's sizes as the memory model takes them. Slab sizes are elements of whole
     pages: ``embed``/``block``/``head`` the whole stage (what the device computes on),
@@ -329,7 +351,7 @@ def params_are_master(o: Placement, compute_bytes: int) -> bool:
     return o.params == "nvme" and o.optimizer == "nvme" and compute_bytes == MASTER_DTYPE.itemsize
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DeviceCache:
     """The device cache of optimizer state of the first ``k`` stages in forward order
     (embed, block 0, ..., head last; ``offload.optimizer_device_stages``): their state
@@ -371,7 +393,7 @@ class DeviceCache:
     def _of(cls, s: Sizes, o: Placement) -> DeviceCache:
         if o.optimizer == "device":  # every stage's state, twice during a step
             total = sum(s.own(n) for n in s.stages())
-            return cls((), 0, 0, 2 * s.state_nbytes(total))
+            return cls(stages=(), blocks=0, params=0, device_bytes=2 * s.state_nbytes(total))
         stages = tuple(s.stages()[: o.device_stages])
         sizes = [s.own(n) for n in stages]
         on_device_grads = s.grad_policy != "lockfree"  # lock-free: they go to the host
@@ -379,7 +401,7 @@ class DeviceCache:
         grads = (sum(sizes) if kept else max(sizes, default=0)) if on_device_grads else 0
         state = 2 * s.state_nbytes(sum(sizes)) + s.compute_bytes * sum(sizes)
         blocks = sum(is_block(n) for n in stages)
-        return cls(stages, blocks, sum(sizes), state + 4 * grads)
+        return cls(stages=stages, blocks=blocks, params=sum(sizes), device_bytes=state + 4 * grads)
 
     def host_stages(self, s: Sizes) -> list[str]:
         """Stages whose state and params live off the device (all, less the cached)."""

@@ -107,7 +107,7 @@ def master_reads_kept(o: Placement, compute_bytes: int) -> int:
     return 2 * param_reads_ahead(o) if memory.params_are_master(o, compute_bytes) else 0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class HostMemoryPlan:
     """What the streaming runtime holds in host RAM, in bytes, and the state cache
     (:func:`plan_host`)."""
@@ -265,20 +265,20 @@ def plan_host(s: Sizes, o: Placement, budget: int, strict: bool = True) -> HostM
     kept_blocks = kept_param_blocks(s, o, budget - required - cache if budget else 0)
     kept = kept_blocks * s.compute_bytes * s.own_block
     return HostMemoryPlan(
-        budget,
-        param_slabs,
-        grads.ram_bytes,
-        state,
-        io,
-        cache,
-        tuple(cached),
-        grads,
-        boundaries,
-        swapped,
-        kept_blocks,
-        kept,
-        published_stages,
-        published,
+        budget=budget,
+        param_slabs=param_slabs,
+        gradients=grads.ram_bytes,
+        optimizer_state=state,
+        optimizer_io=io,
+        cache=cache,
+        cached_stages=tuple(cached),
+        grads=grads,
+        boundaries=boundaries,
+        swapped=swapped,
+        kept_param_blocks=kept_blocks,
+        kept_params=kept,
+        published_stages=published_stages,
+        published=published,
     )
 
 

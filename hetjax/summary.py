@@ -29,7 +29,7 @@ from hetjax.types import Runtime
 TIER_NAMES = {"device": "on the device", "host": "in host RAM", "nvme": "on NVMe"}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSummary:
     tiers: dict[str, str]  # kind of state -> device | host | nvme (where most of it lived)
     where: dict[str, str]  # kind of state -> how it lived there, in words

@@ -7,7 +7,7 @@ from hetjax.data import TokenWindows, embedded_corpus, load_tokens, make_dataset
 
 def test_documented_order_without_shuffle():
     tokens = np.arange(1000, dtype=np.uint16)
-    data = TokenWindows(tokens, seq_len=10, batch_size=4)
+    data = TokenWindows(tokens=tokens, seq_len=10, batch_size=4)
     for i in (0, 3, 7):
         batch = data.batch(i)
         assert batch.shape == (4, 11) and batch.dtype == np.int32
@@ -20,16 +20,16 @@ def test_documented_order_without_shuffle():
 
 
 def test_order_wraps_around():
-    data = TokenWindows(np.arange(101, dtype=np.uint16), seq_len=10, batch_size=4)
+    data = TokenWindows(tokens=np.arange(101, dtype=np.uint16), seq_len=10, batch_size=4)
     assert data.num_windows == 10
     np.testing.assert_array_equal(data.batch(2)[2], np.arange(0, 11))  # window 10 -> 0
 
 
 def test_shuffle_is_reproducible_and_a_permutation():
     tokens = np.arange(401, dtype=np.uint16)
-    a = TokenWindows(tokens, 10, 4, shuffle=True, seed=3)
-    b = TokenWindows(tokens, 10, 4, shuffle=True, seed=3)
-    c = TokenWindows(tokens, 10, 4, shuffle=True, seed=4)
+    a = TokenWindows(tokens=tokens, seq_len=10, batch_size=4, shuffle=True, seed=3)
+    b = TokenWindows(tokens=tokens, seq_len=10, batch_size=4, shuffle=True, seed=3)
+    c = TokenWindows(tokens=tokens, seq_len=10, batch_size=4, shuffle=True, seed=4)
     first_pass = np.concatenate([a.batch(i)[:, 0] for i in range(10)])
     np.testing.assert_array_equal(first_pass, np.concatenate([b.batch(i)[:, 0] for i in range(10)]))
     assert sorted(first_pass // 10) == list(range(40))  # every window once per pass

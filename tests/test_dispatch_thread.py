@@ -27,7 +27,14 @@ def _batch(config, seed=0) -> np.ndarray:
 
 def _layout(n, page):
     # decay ends inside the second chunk, inside a page
-    return SlabLayout((Leaf(("w",), (n,), 0, n),), None, (0,), 2 * page + 1000, n, page)
+    return SlabLayout(
+        leaves=(Leaf(("w",), (n,), 0, n),),
+        treedef=None,
+        tree_order=(0,),
+        num_decay=2 * page + 1000,
+        size=n,
+        page_elems=page,
+    )
 
 
 # host buffers (the NVMe tier's in-place update) are the native kernel's alone

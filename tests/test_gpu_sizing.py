@@ -99,7 +99,17 @@ def test_device_bandwidth_is_measured():
 
 def test_pinned_part_of_the_host_plan_is_checked_against_the_cap():
     grads = GradientPlan.__new__(GradientPlan)
-    plan = HostMemoryPlan(0, 40 * GiB, 30 * GiB, 0, 100 * GiB, 0, (), grads, 5 * GiB)
+    plan = HostMemoryPlan(
+        budget=0,
+        param_slabs=40 * GiB,
+        gradients=30 * GiB,
+        optimizer_state=0,
+        optimizer_io=100 * GiB,
+        cache=0,
+        cached_stages=(),
+        grads=grads,
+        boundaries=5 * GiB,
+    )
     assert plan.pinned == 75 * GiB  # params, gradients, boundaries; not the optimizer's
     plan.check_pinned(80 * GiB)
     with pytest.raises(ConfigError, match=r"75.00 GiB of pinned.*allows 64.00 GiB: short by"):

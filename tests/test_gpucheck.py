@@ -112,14 +112,15 @@ def test_bandwidth_and_overlap_measure_every_path(tmp_path):
 
 def test_a_section_past_its_time_box_fails(tmp_path):
     args = Namespace(quick=False, emulate=False)
-    box = gpucheck.Section("overlap", 1, 0, 0)  # JAX's import alone takes longer
+    # JAX's import alone takes longer
+    box = gpucheck.Section(name="overlap", seconds=1, ram=0, disk=0)
     assert gpucheck._run_section(box, args, tmp_path) == "FAIL"
     assert rows(tmp_path)["overlap.time_box"]["line"] == "did not finish within 1 s"
 
 
 def test_a_section_without_the_ram_it_needs_is_skipped_saying_so(tmp_path):
     args = Namespace(quick=False, emulate=False)
-    huge = gpucheck.Section("mfu", 60, 1 << 50, 0)
+    huge = gpucheck.Section(name="mfu", seconds=60, ram=1 << 50, disk=0)
     assert gpucheck._run_section(huge, args, tmp_path) == "SKIP"
     assert "needs 1048576 GiB free RAM" in rows(tmp_path)["mfu.resources"]["line"]
 

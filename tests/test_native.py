@@ -32,7 +32,14 @@ def _optimizers(name, dtype, monkeypatch):
 
     monkeypatch.setattr(hetjax.optimizer.slab, "CHUNK_ELEMS", 2 * PAGE)
     # Decay ends inside the second chunk, inside a page.
-    layout = SlabLayout((Leaf(("w",), (N,), 0, N),), None, (0,), 8192 + 1000, N, PAGE)
+    layout = SlabLayout(
+        leaves=(Leaf(("w",), (N,), 0, N),),
+        treedef=None,
+        tree_order=(0,),
+        num_decay=8192 + 1000,
+        size=N,
+        page_elems=PAGE,
+    )
     host = Shardings.single_device().optimizer
     cfg = dict(name=name, lr=1e-2, warmup_steps=2)
     return [

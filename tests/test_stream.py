@@ -459,7 +459,22 @@ def test_budget_too_small_fails_at_start_up(tiny):
 def test_planner_prefers_prefetch_then_residency():
     # 2-byte compute: embed+head 100 bytes, a block slab 50; gradients 2 x 4 x 30,
     # two boundaries of 20 in flight (activations on the host), working set 30.
-    s = Sizes(10, 30, 25, 20, 30, 25, 20, 2, 2, ADAM, 20, 30, {"all": 0}, "release")
+    s = Sizes(
+        num_layers=10,
+        embed=30,
+        block=25,
+        head=20,
+        own_embed=30,
+        own_block=25,
+        own_head=20,
+        compute_bytes=2,
+        block_grad_bytes=2,
+        state_format=ADAM,
+        boundary=20,
+        working_set=30,
+        kept={"all": 0},
+        grad_policy="release",
+    )
     o = Placement(params="host", optimizer="host", activations="host", prefetch_depth=3)
     plan = lambda budget: plan_device(s, o, budget)
     fixed = 100 + 240 + 40 + 30
@@ -542,7 +557,22 @@ def test_swapped_block_moves_activations_not_params(tiny):
     pages = block.to_pages(block.flatten(model.init_stage("block", jax.random.key(0))))
     x = jax.random.normal(jax.random.key(1), (4, 16, 32))
     kept = fns.kept_bytes(4, 16, x.dtype)
-    sizes = Sizes(2, 0, block.padded_size, 0, 0, 0, 0, 4, 4, ADAM, _nbytes(x), 0, kept, "keep")
+    sizes = Sizes(
+        num_layers=2,
+        embed=0,
+        block=block.padded_size,
+        head=0,
+        own_embed=0,
+        own_block=0,
+        own_head=0,
+        compute_bytes=4,
+        block_grad_bytes=4,
+        state_format=ADAM,
+        boundary=_nbytes(x),
+        working_set=0,
+        kept=kept,
+        grad_policy="keep",
+    )
     for level in ("matmuls", "probs"):
         swap = fns.swapped(level)
         (y, _), residuals = swap.forward(pages, x)

@@ -135,7 +135,7 @@ def test_prefix_lm_windows():
     """Windows of 2T starting every T: the encoder reads the first T tokens, the decoder
     predicts the next T; every T tokens are one window's targets and the next's input."""
     tokens = np.arange(100, dtype=np.uint16)
-    data = TokenWindows(tokens, seq_len=8, batch_size=2, window=16)
+    data = TokenWindows(tokens=tokens, seq_len=8, batch_size=2, window=16)
     assert data.num_windows == (100 - 16) // 8 + 1
     batch = data.batch(0)
     assert batch.shape == (2, 16)

@@ -271,7 +271,15 @@ def test_boundaries_read_from_nvme_land_in_pinned_memory(tmp_path):
     from hetjax.storage.swap import BoundarySwap
 
     shardings = Shardings.single_device()
-    swap = BoundarySwap(tmp_path, 5, (2, 3, 4), np.float32, 8, 2, shardings.pinned_staging())
+    swap = BoundarySwap(
+        tmp_path,
+        5,
+        (2, 3, 4),
+        np.float32,
+        chunk_elems=8,
+        depth=2,
+        stage_to=shardings.pinned_staging(),
+    )
     rows = np.arange(5 * 24, dtype=np.float32).reshape(5, 2, 3, 4)
     swap.begin()
     for slot, row in enumerate(rows):

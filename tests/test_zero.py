@@ -355,9 +355,11 @@ def test_data_rows_split_over_processes(tiny):
     from hetjax.data import TokenWindows
 
     tokens = np.arange(10_000, dtype=np.uint16)
-    whole = TokenWindows(tokens, 16, 8, grad_accum=2).batch(3)  # (8, 17)
+    whole = TokenWindows(tokens=tokens, seq_len=16, batch_size=8, grad_accum=2).batch(3)  # (8, 17)
     parts = [
-        TokenWindows(tokens, 16, 8, grad_accum=2, process_index=k, process_count=2).batch(3)
+        TokenWindows(
+            tokens=tokens, seq_len=16, batch_size=8, grad_accum=2, process_index=k, process_count=2
+        ).batch(3)
         for k in (0, 1)
     ]
     glued = np.concatenate([np.stack([p[:2], p[2:]]) for p in parts], axis=1)  # (A, 4, 17)

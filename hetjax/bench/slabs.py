@@ -89,7 +89,7 @@ def _compiled_block(config: Config, quick: bool) -> dict:
             ("pages", stage_layouts(model, page)),
             ("leaves", SingleDevice().stage_layouts(model, page)),
         ):
-            fns = StageFunctions(model, layouts, SingleDevice(), jnp.dtype(dtype))
+            fns = StageFunctions(model, layouts, SingleDevice(), block_grad_dtype=jnp.dtype(dtype))
             args = fns.abstract_args(B, T, jnp.dtype(dtype))
             for fn in ("block_fwd", "block_bwd"):
                 compiled = getattr(fns, fn).lower(*args[fn]).compile()

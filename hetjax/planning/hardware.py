@@ -29,7 +29,7 @@ GB = 1e9
 GiB = 1 << 30
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Hardware:
     name: str
     description: str
@@ -295,7 +295,14 @@ def slab_optimizer(n: int, compute_dtype: str, page_elems: int = 1 << 20, kernel
     from hetjax.runtime.placement import Shardings
     from hetjax.storage.pages import Leaf, SlabLayout
 
-    layout = SlabLayout((Leaf(("w",), (n,), 0, n),), jax.tree.structure(0), (0,), n, n, page_elems)
+    layout = SlabLayout(
+        leaves=(Leaf(("w",), (n,), 0, n),),
+        treedef=jax.tree.structure(0),
+        tree_order=(0,),
+        num_decay=n,
+        size=n,
+        page_elems=page_elems,
+    )
     return SlabOptimizer(
         OptimizerConfig(host_kernel=kernel),
         100,

@@ -32,7 +32,7 @@ def kept_key(level: str) -> str:
     return "block_bwd_kept" if level == "all" else f"block_bwd_kept_{level}"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Workload:
     """The model and batch in the numbers the planner needs (bytes, FLOPs, seconds; per
     micro-batch unless named otherwise)."""

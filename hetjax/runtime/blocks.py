@@ -38,7 +38,7 @@ from hetjax.runtime.schedule import BlockSlot, Schedule
 from hetjax.runtime.stages import GroupFunctions
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockParts:
     """What the blocks of a streaming run share."""
 

@@ -152,7 +152,14 @@ class ExpertSlabLayout:
 
     def shard(self, first_page: int, num_pages: int) -> SlabLayout:
         """The layout of a page range, for the optimizer of one process's shards."""
-        whole = SlabLayout((), None, (), self.num_decay, self.size, self.page_elems)
+        whole = SlabLayout(
+            leaves=(),
+            treedef=None,
+            tree_order=(),
+            num_decay=self.num_decay,
+            size=self.size,
+            page_elems=self.page_elems,
+        )
         return whole.shard(first_page, num_pages)
 
     @property

@@ -88,6 +88,7 @@ class StepGradients:
     def __init__(
         self,
         stage_names: list[str],
+        *,
         groups: int,
         micro_batches: int,
         scale: float,

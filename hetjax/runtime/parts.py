@@ -39,7 +39,7 @@ from hetjax.xla_env import pinned_limit
 from models import build_model
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Parts:
     """A streaming run's parts, built in order by :func:`assemble` and handed finished
     to :class:`~hetjax.runtime.streaming.StreamingRuntime` (its attributes of the same
@@ -142,7 +142,13 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     )
     residuals = SwappedResiduals(shardings.device, stores.residual_swap)
     shared = BlockParts(
-        boundaries, residuals, ledger, off.swap_level, placement.put_batch, experts, deferred
+        boundaries=boundaries,
+        residuals=residuals,
+        ledger=ledger,
+        swap_level=off.swap_level,
+        put_batch=placement.put_batch,
+        experts=experts,
+        deferred=deferred,
     )
     schedule, blocks = _per_layer(off, names, routed, fns, shared)
     io = IoMeter([stores.states, stores.params, stores.grads, stores.swap, stores.residual_swap])
@@ -219,8 +225,8 @@ def _stage_functions(config: Config, placement, compute_model, layouts, dtype) -
         compute_model,
         layouts,
         placement,
-        memory.block_grad_dtype(config),
-        off.keep_level,
+        block_grad_dtype=memory.block_grad_dtype(config),
+        keep_level=off.keep_level,
         kept_blocks=supports("keep_blocks", parallelism(config.distributed)) is None,
         batch_chunks=off.batch_chunks,
     )

@@ -209,7 +209,7 @@ def live_bytes_by_kind() -> dict[str, int]:
     return dict(totals)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardedPlacement:
     """ZeRO-3 (``zero.py``): a stage's slab is a ``(pages, page_elems)`` array whose
     pages are split evenly over the ``axes`` of ``mesh`` (every device); the batch is
@@ -232,13 +232,13 @@ class ShardedPlacement:
         if EXPERT_AXIS in mesh.axis_names:
             experts = NamedSharding(mesh, PartitionSpec(EXPERT_AXIS, None), memory_kind="device")
         return cls(
-            mesh,
-            NamedSharding(mesh, pages, memory_kind="pinned_host"),
-            NamedSharding(mesh, pages, memory_kind="device"),
-            NamedSharding(mesh, PartitionSpec(), memory_kind="device"),
-            NamedSharding(mesh, pages, memory_kind="device"),
-            NamedSharding(mesh, PartitionSpec(axes), memory_kind="device"),
-            experts,
+            mesh=mesh,
+            slab_host=NamedSharding(mesh, pages, memory_kind="pinned_host"),
+            slab_device=NamedSharding(mesh, pages, memory_kind="device"),
+            gathered=NamedSharding(mesh, PartitionSpec(), memory_kind="device"),
+            grad=NamedSharding(mesh, pages, memory_kind="device"),
+            batch=NamedSharding(mesh, PartitionSpec(axes), memory_kind="device"),
+            experts=experts,
         )
 
     def expert_pages(self, dense_pages: int):

@@ -21,7 +21,7 @@ import dataclasses
 KINDS = ("recompute", "routed", "swap", "keep")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSlot:
     """One block's place in the schedule."""
 

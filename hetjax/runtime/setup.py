@@ -277,7 +277,7 @@ def init_state(
     params.commit()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Stores:
     """Where a streaming run's state lives (``build_stores``)."""
 
@@ -321,14 +321,16 @@ def build_stores(
     )  # fmt: skip
     on_nvme = config.offload.params == "nvme"
     return Stores(
-        nvme_dir,
-        temporary,
-        states,
-        placement.param_store(params, layouts, on_nvme),
-        make_grad_store(config, host, sizes, page_elems, nvme_dir),
-        make_boundary_swap(config, nvme_dir, boundary, placement.shardings.pinned_staging()),
-        make_residual_swap(config, sizes, offload, nvme_dir, placement.shardings.pinned_staging()),
-        slabs,
+        nvme_dir=nvme_dir,
+        temporary=temporary,
+        states=states,
+        params=placement.param_store(params, layouts, on_nvme),
+        grads=make_grad_store(config, host, sizes, page_elems, nvme_dir),
+        swap=make_boundary_swap(config, nvme_dir, boundary, placement.shardings.pinned_staging()),
+        residual_swap=make_residual_swap(
+            config, sizes, offload, nvme_dir, placement.shardings.pinned_staging()
+        ),
+        param_buffers=slabs,
     )
 
 

@@ -197,7 +197,7 @@ class GroupFunctions:
     chunks)."""
 
     def __init__(
-        self, model, g: int, layouts, jit, out, cast, keep_level: str, batch_chunks: int = 1,
+        self, model, g: int, layouts, *, jit, out, cast, keep_level: str, batch_chunks: int = 1,
         grad_dtype=F32,
     ):  # fmt: skip
         # jit(fn, signature): the compute layout's (hetjax.types.ComputeLayout.jit)
@@ -319,6 +319,7 @@ class StageFunctions:
         model,
         layouts: dict[str, SlabLayout],
         compute: ComputeLayout,
+        *,
         block_grad_dtype=F32,
         keep_level: str = "all",
         kept_blocks: bool = True,
@@ -340,7 +341,15 @@ class StageFunctions:
         self.stats_size = m.stats_size  # 0: no auxiliary loss (aux_fwd_bwd is not needed)
         self.groups = [
             GroupFunctions(
-                m, g, layouts, jit, out, cast, keep_level, batch_chunks, block_grad_dtype
+                m,
+                g,
+                layouts,
+                jit=jit,
+                out=out,
+                cast=cast,
+                keep_level=keep_level,
+                batch_chunks=batch_chunks,
+                grad_dtype=block_grad_dtype,
             )
             for g in range(len(m.groups))
         ]

@@ -44,7 +44,13 @@ def source(
         first, n = own_pages(layout)
         held, scalars[name], release = states.freeze(name)
         files = isinstance(held, tuple)
-        part = StagePart(name, first * layout.page_elems, page, n, release=release)
+        part = StagePart(
+            stage=name,
+            start=first * layout.page_elems,
+            first_page=page,
+            num_pages=n,
+            release=release,
+        )
         if files:
             part.pages = held
         else:
@@ -54,7 +60,16 @@ def source(
     kinds = list(parts[0].slabs or []) or list(parts[0].pages[0].kinds)
     state_layouts = {name: layouts[layout_name(name)] for name in stage_names}
     P = layouts["embed"].page_elems
-    return StateSource(kinds, P, page, parts, state_layouts, scalars, loss_scale, state_format)
+    return StateSource(
+        kinds=kinds,
+        page_elems=P,
+        num_pages=page,
+        parts=parts,
+        layouts=state_layouts,
+        scalars=scalars,
+        loss_scale=loss_scale,
+        state_format=state_format,
+    )
 
 
 def restore(

@@ -200,15 +200,15 @@ class StreamingRuntime:
         seed = scale * (np.nan if poison else 1.0)  # the loss cotangent (NaN: a fault)
         step = StepGradients(
             self.stage_names,
-            len(self.model.groups),
-            batch.shape[0],
-            scale,
-            seed,
-            loop,
-            self.placement.host_grad,
-            self.placement.host_sq,
-            self.placement.sum_over_processes,
-            self.device_grads,
+            groups=len(self.model.groups),
+            micro_batches=batch.shape[0],
+            scale=scale,
+            seed=seed,
+            loop=loop,
+            host_grad=self.placement.host_grad,
+            host_sq=self.placement.host_sq,
+            sum_over_processes=self.placement.sum_over_processes,
+            device=self.device_grads,
         )
         self._step = step
         self.deferred.begin_step()

@@ -119,6 +119,7 @@ class PageStore:
         kinds: list[str] | dict[str, str],
         num_pages: int,
         page_elems: int,
+        *,
         chunk_elems: int = 0,
         label: str = "",
         io_mode: str = IO_MODE,

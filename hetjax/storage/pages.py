@@ -247,7 +247,7 @@ class Leaf:
     start: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SlabLayout:
     """Where each leaf of one stage's params sits in its slab (elements, not bytes)."""
 
@@ -285,14 +285,14 @@ class SlabLayout:
             if decay[k]:
                 num_decay = offset
         return cls(
-            tuple(leaves),
-            treedef,
-            tuple(tree_order),
-            num_decay,
-            offset,
-            page_bytes // MASTER_ITEMSIZE,
-            page_multiple,
-            leaf_buffers,
+            leaves=tuple(leaves),
+            treedef=treedef,
+            tree_order=tuple(tree_order),
+            num_decay=num_decay,
+            size=offset,
+            page_elems=page_bytes // MASTER_ITEMSIZE,
+            page_multiple=page_multiple,
+            leaf_buffers=leaf_buffers,
         )
 
     def shard(self, first_page: int, num_pages: int) -> SlabLayout:
@@ -302,7 +302,14 @@ class SlabLayout:
         start = first_page * self.page_elems
         size = num_pages * self.page_elems
         num_decay = min(max(self.num_decay - start, 0), size)
-        return SlabLayout((), None, (), num_decay, size, self.page_elems)
+        return SlabLayout(
+            leaves=(),
+            treedef=None,
+            tree_order=(),
+            num_decay=num_decay,
+            size=size,
+            page_elems=self.page_elems,
+        )
 
     @property
     def num_pages(self) -> int:

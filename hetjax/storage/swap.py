@@ -50,6 +50,7 @@ class BoundarySwap:
         slots: int,
         shape: tuple[int, ...],
         dtype,
+        *,
         chunk_elems: int,
         depth: int,
         stage_to=None,
@@ -177,9 +178,12 @@ class ResidualSwap(BoundarySwap):
     write-behind and read-ahead (``get`` returns the arrays again: numpy views of the
     row read, or pinned copies with ``stage_to``)."""
 
-    def __init__(self, path: Path, slots: int, nbytes: int, chunk_bytes: int, depth: int,
+    def __init__(self, path: Path, slots: int, nbytes: int, *, chunk_bytes: int, depth: int,
                  stage_to=None):  # fmt: skip
-        super().__init__(path, slots, (nbytes,), np.uint8, chunk_bytes, depth, stage_to)
+        super().__init__(
+            path, slots, (nbytes,), np.uint8, chunk_elems=chunk_bytes, depth=depth,
+            stage_to=stage_to,
+        )  # fmt: skip
         self._layout: list[tuple[tuple[int, ...], np.dtype]] | None = None
 
     def _pack(self, host) -> np.ndarray:
