@@ -138,6 +138,7 @@ class StreamingRuntime:
             self.param_store,
             self._to_device,
             keep=self.host_plan.kept_param_blocks,
+            lag=self.plan.wait_lag,
         )
 
     # -- the step -----------------------------------------------------------------------
