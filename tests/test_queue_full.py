@@ -5,12 +5,11 @@ device plan counts the slab that holds; the two-client emulation
 block's boundary store; what reaches the device from the host comes from pinned
 buffers there; XLA's pinned cap is the host plan's pinned part plus a margin."""
 
-import jax
-import numpy as np
 import pytest
+from equivalence import training_batches
 
 from hetjax import memory
-from hetjax.runtime.placement import HOST_CLIENT_ENV, Shardings
+from hetjax.runtime.placement import HOST_CLIENT_ENV
 
 
 class _Store:
@@ -113,3 +112,42 @@ def test_the_emulation_plans_and_runs_lag_two(tiny, monkeypatch):
     assert runtime.plan.wait_lag == 2
     assert runtime._window(runtime.schedule.uses).lag == 2
     runtime.close()
+
+
+@pytest.mark.parametrize("activations", ["host", "device"])
+def test_compute_is_dispatched_before_boundary_stores_and_loads(tiny, monkeypatch, activations):
+    """Under the emulated GPU topology each block's forward is dispatched before its
+    boundary's copy out, and in backward each block's backward before the next one's
+    boundary load (which it then overlaps); results as before (``test_two_client``)."""
+    monkeypatch.setenv(HOST_CLIENT_ENV, "separate")
+    from hetjax.runtime.streaming import StreamingRuntime
+
+    config = tiny(offload=dict(mode="stream", activations=activations))
+    runtime = StreamingRuntime(config)
+    events = []
+    try:
+        boundaries = runtime.blocks[0].parts.boundaries
+        store, load = boundaries.store, boundaries.load
+        monkeypatch.setattr(
+            boundaries, "store", lambda i, x: events.append(("store", i)) or store(i, x)
+        )
+        monkeypatch.setattr(boundaries, "load", lambda i: events.append(("load", i)) or load(i))
+        for group in {id(b.group): b.group for b in runtime.blocks}.values():
+            fwd, bwd = group.block_fwd, group.block_bwd
+            monkeypatch.setattr(
+                group, "block_fwd", lambda *a, f=fwd: events.append(("fwd", a[1].shape)) or f(*a)
+            )
+            monkeypatch.setattr(
+                group, "block_bwd", lambda *a, f=bwd: events.append(("bwd", None)) or f(*a)
+            )
+        runtime.train_step(training_batches(config, 1)[0])
+    finally:
+        runtime.close()
+    L = config.model.num_blocks
+    assert config.train.grad_accum == 1  # (one micro-batch: one forward, one backward)
+    kinds = [e[0] for e in events]
+    # forward: fwd then store, block by block
+    assert kinds[: 2 * L] == ["fwd", "store"] * L, kinds
+    # backward: the last block's boundary comes back before backward starts, then each
+    # block's backward is dispatched before the next one's load
+    assert kinds[2 * L :] == ["load"] + ["bwd", "load"] * (L - 1) + ["bwd"], kinds
