@@ -16,8 +16,9 @@ inputs back to the device, dispatched once the block after it in forward has
 dispatched its backward, which it then overlaps) and ``backward(slab, dy, dstats,
 context, dcontext) -> (gradient, dx, dcontext)``, the gradient ``(pages, their
 squared norms[, the pages known to be zero])``; ``evaluate(slab, x, context)`` is a
-forward that keeps nothing. A stage group's input (``GroupInput``: the embed stage's, T5's decoder input from the encoder's
-output) is a strategy of its own, holding the group's context and its gradient.
+forward that keeps nothing. A stage group's input (``GroupInput``: the embed stage's,
+T5's decoder input from the encoder's output) is a strategy of its own, holding the
+group's context and its gradient.
 
 Strategies look their jitted functions up in their group's :class:`GroupFunctions` at
 each call (tests wrap them there), and hold their state with the runtime's ledger.
