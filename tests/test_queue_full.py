@@ -5,11 +5,13 @@ device plan counts the slab that holds; the two-client emulation
 block's boundary store; what reaches the device from the host comes from pinned
 buffers there; XLA's pinned cap is the host plan's pinned part plus a margin."""
 
+import jax
+import numpy as np
 import pytest
 from equivalence import training_batches
 
 from hetjax import memory
-from hetjax.runtime.placement import HOST_CLIENT_ENV
+from hetjax.runtime.placement import HOST_CLIENT_ENV, Shardings
 
 
 class _Store:
@@ -151,3 +153,97 @@ def test_compute_is_dispatched_before_boundary_stores_and_loads(tiny, monkeypatc
     # backward: the last block's boundary comes back before backward starts, then each
     # block's backward is dispatched before the next one's load
     assert kinds[2 * L :] == ["load"] + ["bwd", "load"] * (L - 1) + ["bwd"], kinds
+
+
+def _pinned(pieces) -> bool:
+    leaves = jax.tree.leaves(pieces)
+    return bool(leaves) and all(
+        isinstance(a, jax.Array) and a.sharding.memory_kind == "pinned_host" for a in leaves
+    )
+
+
+def test_every_swap_slot_reaches_the_device_pinned(tmp_path, monkeypatch):
+    """Under the emulated GPU topology every boundary and swapped block's residuals
+    that the swaps hand back is a ``pinned_host`` array: read from disk, and the last
+    slots kept in RAM (never written) and those taken before their write was done."""
+    monkeypatch.setenv(HOST_CLIENT_ENV, "separate")
+    from hetjax.storage.swap import BoundarySwap, ResidualSwap
+
+    shardings = Shardings.single_device()
+    stage_to = shardings.pinned_staging()
+    swap = BoundarySwap(tmp_path / "b", 5, (2, 3, 4), np.float32, 8, 2, stage_to)
+    rows = np.arange(5 * 24, dtype=np.float32).reshape(5, 2, 3, 4)
+    swap.begin()
+    for slot, row in enumerate(rows):
+        swap.put(slot, jax.device_put(row, shardings.host))
+    for slot in reversed(range(5)):
+        got = swap.get(slot)
+        assert _pinned(got), (slot, type(got))
+        np.testing.assert_array_equal(np.asarray(got), rows[slot])
+    swap.close()
+
+    residuals = [np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(4, dtype=np.int32)]
+    nbytes = sum(a.nbytes for a in residuals)
+    swap = ResidualSwap(tmp_path / "r", 3, nbytes, 8, 1, stage_to=stage_to)
+    swap.begin()
+    for slot in range(3):
+        swap.put(slot, jax.device_put([a + slot for a in residuals], shardings.host))
+    for slot in reversed(range(3)):
+        got = swap.get(slot)
+        assert _pinned(got), (slot, type(got))
+        for a, b in zip(got, residuals, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b + slot)
+    swap.close()
+
+
+def test_published_params_reach_the_device_pinned(tmp_path, monkeypatch):
+    """Under the emulated GPU topology the NVMe param store hands a stage served from
+    its published data (landing after the commit, as the last stages updated are) as
+    ``pinned_host`` arrays, copied ahead on the I/O threads by ``prefetch``, as it hands
+    reads; kept stages (a get with ``keep``) stay those pinned arrays."""
+    monkeypatch.setenv(HOST_CLIENT_ENV, "separate")
+    from hetjax.storage.params import NvmeParamStore
+
+    shardings = Shardings.single_device()
+    pages = {"head": (0, 2), "block0": (2, 1)}
+    store = NvmeParamStore(
+        tmp_path, np.float32, pages, 8, stage_to=shardings.pinned_staging(),
+        keep_published=("head",),
+    )  # fmt: skip
+    values = np.arange(24, dtype=np.float32).reshape(3, 8)
+    store.publish("head", list(values[:2]))
+    store.publish("block0", list(values[2:]))
+    store.commit()  # head is kept published: served from its data, not read
+    assert store.cache.in_ram("head")
+    store.prefetch("head")
+    assert "head" in store._staging  # the copy to pinned memory runs on the I/O threads
+    got = store.get("head", keep=True)
+    assert _pinned(got)
+    np.testing.assert_array_equal(np.stack([np.asarray(p) for p in got]), values[:2])
+    assert store.get("head") is got  # the kept copy: the same pinned arrays
+    assert store.read_bytes == 0
+    store.wait()
+    store.prefetch("block0")  # from disk, staged as before
+    assert _pinned(store.get("block0"))
+    store.close()
+
+
+@pytest.mark.cpu_only
+def test_the_plain_cpu_keeps_numpy_views(tmp_path, monkeypatch):
+    """On the CPU backend without the emulation nothing is staged: published data is
+    handed out as views of itself (zero copy)."""
+    monkeypatch.delenv(HOST_CLIENT_ENV, raising=False)
+    from hetjax.storage.params import NvmeParamStore
+
+    stage_to = Shardings.single_device().pinned_staging()
+    assert stage_to is None
+    store = NvmeParamStore(
+        tmp_path, np.float32, {"head": (0, 2)}, 8, stage_to=stage_to, keep_published=("head",)
+    )
+    values = np.arange(16, dtype=np.float32).reshape(2, 8)
+    store.publish("head", list(values))
+    store.commit()
+    store.prefetch("head")
+    got = store.get("head")
+    assert all(isinstance(p, np.ndarray) for p in got) and not store._staging
+    store.close()
