@@ -247,3 +247,27 @@ def test_the_plain_cpu_keeps_numpy_views(tmp_path, monkeypatch):
     got = store.get("head")
     assert all(isinstance(p, np.ndarray) for p in got) and not store._staging
     store.close()
+
+
+def test_the_pinned_check_keeps_a_margin_for_xla():
+    """The host plan's pinned part plus ``PINNED_MARGIN`` must fit XLA's pinned cap;
+    the launcher's cap is the bound the plan's pinned part is planned within."""
+    from hetjax import xla_env
+    from hetjax.config import Config, ConfigError
+    from hetjax.memory_host import HostMemoryPlan
+
+    GiB = 1 << 30
+    plan = HostMemoryPlan(
+        budget=0, param_slabs=5 * GiB, gradients=0, optimizer_state=0, optimizer_io=0,
+        cache=0, cached_stages=(), grads=None, boundaries=GiB,
+    )  # fmt: skip
+    margin = xla_env.PINNED_MARGIN
+    assert margin == 2 * GiB
+    assert plan.pinned == 6 * GiB
+    plan.check_pinned(8 * GiB, margin=margin)  # 6 GiB + 2 GiB: fits
+    with pytest.raises(ConfigError, match="plus 2.00 GiB for XLA's own, and XLA allows"):
+        plan.check_pinned(8 * GiB - 1, margin=margin)
+    plan.check_pinned(6 * GiB)  # (no margin: as before)
+    config = Config().replace(memory=dict(host_budget="100GiB"))
+    assert xla_env.pinned_bound(config) == 100 * GiB
+    assert xla_env.wanted(config)[xla_env.PINNED_LIMIT] == "100"

@@ -35,7 +35,7 @@ from hetjax.storage.gradients import GradientStore
 from hetjax.storage.pages import SlabLayout
 from hetjax.storage.swap import BoundarySwap, ResidualSwap
 from hetjax.support import parallelism, supports
-from hetjax.xla_env import pinned_limit
+from hetjax.xla_env import PINNED_MARGIN, pinned_limit
 from models import build_model
 
 
@@ -109,7 +109,7 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     offload = Placement.from_config(config)
     host_plan = plan_host(sizes, offload, mem.host_budget)
     if jax.default_backend() == "gpu":  # XLA caps pinned host memory there
-        host_plan.check_pinned(pinned_limit())
+        host_plan.check_pinned(pinned_limit(), margin=PINNED_MARGIN)
     # Stages whose gradient stays on the device (memory.DeviceCache): asked per stage
     # in the per-layer loop, so decided once here.
     to_host = DeviceCache.of(sizes, offload).grad_stages(sizes)
