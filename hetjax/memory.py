@@ -61,6 +61,7 @@ def window_wait_lag(accelerator: bool) -> int:
     emulation of one, so the CPU tests run the accelerator's order)."""
     return WAIT_LAG_ACCELERATOR if accelerator else WAIT_LAG_HOST
 
+
 # -- gradient buffers on the host -------------------------------------------------------
 #
 # The host's gradient buffers: how many stages' gradients RAM holds, and where the
