@@ -42,6 +42,25 @@ DEVICE_GRAD_SLABS = 2  # gradient slabs on the device: one being produced, one t
 # one before it still being written to NVMe (or, in RAM, the one it replaces, until no
 # forward holds it). They come from the param store's pool (``iopool.SlabPool``).
 PUBLISH_SLABS = 2
+# Uses the streaming window's dispatching thread may run ahead of the device
+# (``runtime/window.py``): before dispatching use j it waits for use j - lag. On the CPU
+# backend 1: the device is the host's cores, a queued block only competes with them, and
+# its dropped slab is host memory the plan does not count. On an accelerator 2: a thread
+# that waits for j - 1 leaves the device's queue empty at every block boundary, so every
+# GIL holder (the optimizer's dispatches, timeline watchers, I/O callbacks) becomes device
+# idle time; the price is one more slab in device memory (:func:`device_parts`), the
+# dropped slab of use j - 1 that its queued computation still holds.
+WAIT_LAG_HOST = 1
+WAIT_LAG_ACCELERATOR = 2
+
+
+def window_wait_lag(accelerator: bool) -> int:
+    """How many uses the window's dispatching thread runs ahead of the device (see
+    :data:`WAIT_LAG_ACCELERATOR`): the one policy the runtime's window and the device
+    plan both read. ``accelerator``: a device with memory of its own (or the two-client
+    emulation of one, so the CPU tests run the accelerator's order)."""
+    return WAIT_LAG_ACCELERATOR if accelerator else WAIT_LAG_HOST
+
 
 # -- gradient buffers on the host -------------------------------------------------------
 #
@@ -425,6 +444,7 @@ class DeviceMemoryPlan:
     prefetch_depth: int
     resident_blocks: int  # blocks 0 .. r-1 stay on the device across steps
     parts: dict[str, int]  # bytes by what they hold (device_parts)
+    wait_lag: int = WAIT_LAG_HOST  # the window waits for use j - wait_lag (window_wait_lag)
 
     @property
     def required(self) -> int:
@@ -435,15 +455,19 @@ class DeviceMemoryPlan:
         return (
             f"device plan: prefetch depth {self.prefetch_depth}, {self.resident_blocks} "
             f"resident blocks; {held}; total {format_bytes(self.required)}"
+            + (f" (dispatching {self.wait_lag} uses ahead)" if self.wait_lag > 1 else "")
             + (f" of budget {format_bytes(self.budget)}" if self.budget else " (no budget)")
         )
 
 
-def device_parts(s: Sizes, o: Placement, depth: int, resident: int) -> dict[str, int]:
+def device_parts(
+    s: Sizes, o: Placement, depth: int, resident: int, *, lag: int = WAIT_LAG_HOST
+) -> dict[str, int]:
     """Device bytes per device of a streaming run with prefetch ``depth`` and
-    ``resident`` blocks, by what they hold."""
+    ``resident`` blocks, by what they hold; ``lag``: :func:`window_wait_lag`."""
     L, cb = s.num_layers, s.compute_bytes
-    window = min(depth + 1, L - resident)  # the block computing and those prefetched
+    # the block computing, those prefetched, and (lag 2) the one before, still queued
+    window = min(depth + lag, L - resident)
     boundaries = o.recomputed_blocks(L) if o.activations == "device" else 2
     return {
         "embed+head": cb * (s.embed + s.head),
@@ -460,18 +484,21 @@ def device_parts(s: Sizes, o: Placement, depth: int, resident: int) -> dict[str,
     }
 
 
-def plan_device(s: Sizes, o: Placement, budget: int) -> DeviceMemoryPlan:
+def plan_device(
+    s: Sizes, o: Placement, budget: int, *, lag: int = WAIT_LAG_HOST
+) -> DeviceMemoryPlan:
     """The deepest prefetch window (up to ``o.prefetch_depth``) that fits ``budget``
     (0: no limit), then as many resident blocks as the rest allows, at least the device
-    cache's. Raises ``ConfigError`` with the numbers when not even one stage and its
-    activations fit."""
+    cache's. ``lag``: how far the window's thread runs ahead (:func:`window_wait_lag`),
+    one more slab each. Raises ``ConfigError`` with the numbers when not even one stage
+    and its activations fit."""
     L = s.num_layers
     least = DeviceCache.of(s, o).blocks
     # Only the blocks' part depends on the window: the rest is fixed.
-    parts = device_parts(s, o, 0, least)
+    parts = device_parts(s, o, 0, least, lag=lag)
     fixed = sum(parts.values()) - parts["blocks"]
     slab = s.compute_bytes * s.block
-    total = lambda depth, resident: fixed + slab * (min(depth + 1, L - resident) + resident)
+    total = lambda depth, resident: fixed + slab * (min(depth + lag, L - resident) + resident)
     if budget and total(0, least) > budget:
         held = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
         need = sum(parts.values())
@@ -500,5 +527,6 @@ def plan_device(s: Sizes, o: Placement, budget: int) -> DeviceMemoryPlan:
     if budget and total(depth, L) <= budget:
         resident = L
     elif budget:  # below saturation each resident block adds one slab to the window's
-        resident = max(least, min(L, (budget - fixed) // slab - (depth + 1)))
-    return DeviceMemoryPlan(budget, depth, resident, device_parts(s, o, depth, resident))
+        resident = max(least, min(L, (budget - fixed) // slab - (depth + lag)))
+    parts = device_parts(s, o, depth, resident, lag=lag)
+    return DeviceMemoryPlan(budget, depth, resident, parts, wait_lag=lag)

@@ -144,17 +144,20 @@ class HostMemoryPlan:
         params = self.param_slabs + self.kept_params + self.published
         return params + self.gradients + self.boundaries + self.swapped
 
-    def check_pinned(self, limit: int) -> None:
-        """Raises ConfigError when the pinned part exceeds ``limit`` (XLA's cap on a GPU
+    def check_pinned(self, limit: int, margin: int = 0) -> None:
+        """Raises ConfigError when the pinned part plus ``margin`` (XLA's own pinned
+        allocations: ``xla_env.PINNED_MARGIN``) exceeds ``limit`` (XLA's cap on a GPU
         process's pinned host memory: ``xla_env.pinned_limit``)."""
-        if self.pinned > limit:
+        if self.pinned + margin > limit:
             raise ConfigError(
                 f"the host plan needs {format_bytes(self.pinned)} of pinned host memory "
                 f"(param slabs {format_bytes(self.param_slabs)}, gradient buffers "
                 f"{format_bytes(self.gradients)}, boundary activations "
                 f"{format_bytes(self.boundaries)}, swapped activations "
-                f"{format_bytes(self.swapped)}) and XLA allows {format_bytes(limit)}: "
-                f"short by {format_bytes(self.pinned - limit)}. Raise "
+                f"{format_bytes(self.swapped)})"
+                + (f", plus {format_bytes(margin)} for XLA's own," if margin else "")
+                + f" and XLA allows {format_bytes(limit)}: "
+                f"short by {format_bytes(self.pinned + margin - limit)}. Raise "
                 "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (python -m hetjax.launch sets it from "
                 "memory.host_budget), or set offload.params=nvme"
             )

@@ -8,9 +8,13 @@
   start (ValueError) when both are set: so if either is set, neither is touched.
 * ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``: XLA caps a GPU process's ``pinned_host``
   memory (param slabs, gradient pages, boundary activations on the host) at 64 GiB by
-  default. The launcher raises it to ``memory.host_budget`` (or 90% of the machine's RAM
-  without a budget), which bounds the host plan's pinned part; the runtime checks the
-  plan's pinned bytes against the limit in force (:func:`pinned_limit`).
+  default. The launcher sets it to :func:`pinned_bound`: ``memory.host_budget`` (or 90%
+  of the machine's RAM without a budget), which bounds the host plan's pinned part. Not
+  the plan's own pinned bytes: XLA reads the variable when the backend starts, and the
+  host plan is made after that (its sizes come from the stage functions' shapes, its
+  placement from the devices). The runtime checks the plan's pinned bytes plus
+  :data:`PINNED_MARGIN` against the limit in force (:func:`pinned_limit`,
+  ``HostMemoryPlan.check_pinned``).
 
 A variable already set in the environment wins (the launcher says so). On the CPU
 backend neither applies: there is no separate device memory and no pinned cap.
@@ -30,6 +34,11 @@ MEM_FRACTION_NAMES = (MEM_FRACTION, OLD_MEM_FRACTION)
 PINNED_LIMIT = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 XLA_PINNED_DEFAULT = 64 << 30  # XLA's own cap on GPU pinned host memory
 GiB = 1 << 30
+# Pinned host memory XLA allocates besides the host plan's pinned part: the staging
+# buffers its transfers from pageable memory go through (batches, scalars, an expert's
+# rows), and the pinned allocator's rounding of each allocation up to its bin and of its
+# growth to whole regions. The runtime refuses a plan that leaves less under the cap.
+PINNED_MARGIN = 2 * GiB
 
 
 def machine_ram() -> int:
@@ -38,12 +47,16 @@ def machine_ram() -> int:
 
 def wanted(config: Config) -> dict[str, str]:
     """The variables ``config`` asks for."""
-    mem = config.memory
-    pinned = mem.host_budget or int(0.9 * machine_ram())
     return {
-        MEM_FRACTION: f"{mem.device_fraction:g}",
-        PINNED_LIMIT: str(max(1, math.ceil(pinned / GiB))),
+        MEM_FRACTION: f"{config.memory.device_fraction:g}",
+        PINNED_LIMIT: str(max(1, math.ceil(pinned_bound(config) / GiB))),
     }
+
+
+def pinned_bound(config: Config) -> int:
+    """Bytes the host plan's pinned part is planned within, known before JAX starts:
+    ``memory.host_budget`` (the whole plan fits it), or 90% of the machine's RAM."""
+    return config.memory.host_budget or int(0.9 * machine_ram())
 
 
 def _aliases(name: str) -> tuple[str, ...]:

@@ -10,13 +10,15 @@ to its backward.
                 (``offload.swap_blocks``, ``stages.SwappedBlock``)
     Kept        keeps its in-block activations on the device (``offload.keep_blocks``)
 
-Each has ``forward(slab, x, context, training) -> (y, statistics)``, ``restore()``
-(its backward's inputs back to the device, dispatched while the block after it in
-forward computes its backward) and ``backward(slab, dy, dstats, context, dcontext) ->
-(gradient, dx, dcontext)``, the gradient ``(pages, their squared norms[, the pages known
-to be zero])``; ``evaluate(slab, x, context)`` is a forward that keeps nothing. A stage
-group's input (``GroupInput``: the embed stage's, T5's decoder input from the encoder's
-output) is a strategy of its own, holding the group's context and its gradient.
+Each has ``forward(slab, x, context, training) -> (y, statistics)`` (the block's
+compute dispatched before its boundary's copy out), ``restore()`` (its backward's
+inputs back to the device, dispatched once the block after it in forward has
+dispatched its backward, which it then overlaps) and ``backward(slab, dy, dstats,
+context, dcontext) -> (gradient, dx, dcontext)``, the gradient ``(pages, their
+squared norms[, the pages known to be zero])``; ``evaluate(slab, x, context)`` is a
+forward that keeps nothing. A stage group's input (``GroupInput``: the embed stage's,
+T5's decoder input from the encoder's output) is a strategy of its own, holding the
+group's context and its gradient.
 
 Strategies look their jitted functions up in their group's :class:`GroupFunctions` at
 each call (tests wrap them there), and hold their state with the runtime's ledger.
@@ -60,8 +62,11 @@ class Recomputed:
         self.x: Any = None  # its input, back on the device for backward
 
     def forward(self, slab, x, c, training: bool = True):
+        out = self.group.block_fwd(slab, x, c)
+        # the compute first: the store's copy out (and a swap's wait for a write slot)
+        # then runs behind it, not in front of it in the device's queue
         self.parts.boundaries.store(self.index, x)
-        return self.group.block_fwd(slab, x, c)
+        return out
 
     def evaluate(self, slab, x, c):
         return self.group.block_fwd(slab, x, c)
@@ -88,8 +93,8 @@ class Routed(Recomputed):
     routing: Routing | None = None
 
     def forward(self, slab, x, c, training: bool = True):
-        self.parts.boundaries.store(self.index, x)
         y, stats, self.routing = self._route(slab, x, c, training)
+        self.parts.boundaries.store(self.index, x)  # behind the compute (Recomputed's)
         self.parts.ledger.hold(("block", self.index), self.routing)
         return y, stats
 

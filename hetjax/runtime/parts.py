@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from hetjax import memory
 from hetjax.allocator import tune_host_allocator
 from hetjax.config import Config, ConfigError
-from hetjax.memory import DeviceCache, Sizes, plan_device
+from hetjax.memory import DeviceCache, Sizes, plan_device, window_wait_lag
 from hetjax.memory_host import HostMemoryPlan, plan_host
 from hetjax.optimizer.deferred import Deferred, deferred_updates
 from hetjax.optimizer.slab import SlabOptimizer
@@ -35,7 +35,7 @@ from hetjax.storage.gradients import GradientStore
 from hetjax.storage.pages import SlabLayout
 from hetjax.storage.swap import BoundarySwap, ResidualSwap
 from hetjax.support import parallelism, supports
-from hetjax.xla_env import pinned_limit
+from hetjax.xla_env import PINNED_MARGIN, pinned_limit
 from models import build_model
 
 
@@ -109,7 +109,7 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     offload = Placement.from_config(config)
     host_plan = plan_host(sizes, offload, mem.host_budget)
     if jax.default_backend() == "gpu":  # XLA caps pinned host memory there
-        host_plan.check_pinned(pinned_limit())
+        host_plan.check_pinned(pinned_limit(), margin=PINNED_MARGIN)
     # Stages whose gradient stays on the device (memory.DeviceCache): asked per stage
     # in the per-layer loop, so decided once here.
     to_host = DeviceCache.of(sizes, offload).grad_stages(sizes)
@@ -128,7 +128,10 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     sizes = dataclasses.replace(
         sizes, working_set=measured.working_set, kept=measured.kept, context=measured.context
     )
-    plan = plan_device(sizes, offload, mem.device_budget)
+    # an accelerator's dispatch order (or its two-client emulation's): the same test
+    # as where pages are staged in pinned memory
+    accelerator = placement.shardings.pinned_staging() is not None
+    plan = plan_device(sizes, offload, mem.device_budget, lag=window_wait_lag(accelerator))
     # expert-aware streaming (routed.py): the MoE blocks that stream and recompute
     routed = routed_blocks(
         off, compute_model, layouts, names["block_names"], plan.resident_blocks, device_stages,

@@ -138,6 +138,7 @@ class StreamingRuntime:
             self.param_store,
             self._to_device,
             keep=self.host_plan.kept_param_blocks,
+            lag=self.plan.wait_lag,
         )
 
     # -- the step -----------------------------------------------------------------------
@@ -304,11 +305,13 @@ class StreamingRuntime:
             use, slab = slot.backward_use, None
             if use is not None:
                 slab = window.get(use)
-                if slot.restore_ahead is not None:  # while this block computes
-                    self.blocks[slot.restore_ahead].restore()
             db, dx, group.dcontext = block.backward(slab, dx, dstats, group.context, group.dcontext)
             del slab
             if use is not None:
+                # while this block computes, dispatched first: the load (and a swap's
+                # wait for its read) queues behind the compute, not in front of it
+                if slot.restore_ahead is not None:
+                    self.blocks[slot.restore_ahead].restore()
                 window.done(use, after=dx)
             self._grad_out(slot.name, *db)
             del db

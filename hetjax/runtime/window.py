@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 import jax
@@ -20,8 +21,12 @@ class PrefetchWindow:
     ``kept_param_blocks``): read once. ``to_device(stage, slab)`` copies a stage's slab
     in.
 
-    The device runs at most one use behind: :meth:`get` waits for the previous use's
-    result (``done``'s ``after``) before it copies anything more in. JAX dispatches
+    The device runs at most ``lag`` uses behind (``memory.window_wait_lag``, the device
+    plan's ``wait_lag``): :meth:`get` of use j waits for use j - lag's result
+    (``done``'s ``after``) before it copies anything more in. Lag 1 (the CPU backend):
+    the previous use's. Lag 2 (an accelerator): the one before, so use j - 1 is still
+    queued on the device while the thread dispatches j, and the device's queue never
+    runs dry at a block boundary; the device plan counts the slab that holds. JAX dispatches
     asynchronously, and a slab the window drops lives on until the computations queued
     on it have run, so without the wait a dispatching thread that runs ahead of the
     device (NVMe reads faster than a block computes) holds every block of the pass at
@@ -37,12 +42,15 @@ class PrefetchWindow:
         params: ParamStore,
         to_device: Callable,
         keep: int = 0,
+        *,
+        lag: int = memory.WAIT_LAG_HOST,
     ):
-        self.uses, self.depth = uses, depth
+        self.uses, self.depth, self.lag = uses, depth, lag
         self.resident, self.params, self.to_device = resident, params, to_device
         self.cache: dict[str, jax.Array] = {}
         self.kept = self._kept(keep)
-        self._behind = None  # the last use's result: the device is at most that behind
+        # the last ``lag`` uses' results (None: not given): the device is at most that behind
+        self._behind: collections.deque = collections.deque()
 
     def _kept(self, keep: int) -> frozenset[str]:
         """The ``keep`` stages fetched again after their device copy was dropped (a use
@@ -73,9 +81,10 @@ class PrefetchWindow:
         for k in range(j, end):
             if self.uses[k] not in self.resident and self.uses[k] not in self.cache:
                 self.params.prefetch(self.uses[k])
-        if self._behind is not None:  # (the disk reads above are issued first)
-            jax.block_until_ready(self._behind)
-            self._behind = None
+        while len(self._behind) >= self.lag:  # (the disk reads above are issued first)
+            behind = self._behind.popleft()
+            if behind is not None:
+                jax.block_until_ready(behind)
         return self._fetch(self.uses[j])
 
     def done(self, j: int, after=None) -> None:
@@ -85,8 +94,8 @@ class PrefetchWindow:
         ``depth - 1`` after it whose reads have landed (the others: when they have, or
         are next). A read landing late thus delays the dispatching thread, never the
         device's use ``j``, nor use ``j + 1`` for a read behind it. ``after``: a result
-        of its computation, which the next :meth:`get` waits for."""
-        self._behind = after
+        of its computation, which the :meth:`get` ``lag`` uses on waits for."""
+        self._behind.append(after)
         name = self.uses[j]
         if name not in self.uses[j + 1 : j + 1 + max(self.depth, 1)]:
             self.cache.pop(name, None)

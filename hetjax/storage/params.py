@@ -213,8 +213,7 @@ class _Staged:
 
     def _land(self, read) -> None:
         try:
-            pinned = jax.device_put(self._pieces(read.result()), self._sharding)
-            self._done.set_result(jax.block_until_ready(pinned))
+            self._done.set_result(pinned(self._pieces(read.result()), self._sharding))
         except BaseException as e:  # noqa: BLE001 — raised by result(), on the caller
             self._done.set_exception(e)
 
@@ -223,6 +222,13 @@ class _Staged:
 
     def result(self) -> list[jax.Array] | LeafBuffers:
         return self._done.result()
+
+
+def pinned(pieces, sharding: jax.sharding.Sharding):
+    """Host pieces (numpy pages or leaf buffers) copied into ``sharding`` (the device's
+    ``pinned_host`` memory), waited for: on an I/O thread, so that the dispatching
+    thread's copy to the device is a DMA from pinned memory."""
+    return jax.block_until_ready(jax.device_put(pieces, sharding))
 
 
 class OwnPages:
@@ -349,6 +355,9 @@ class NvmeParamStore:
         else:
             self.pages = OwnPages(path, dtype, num_pages, page_elems)
         self.cache = ParamCache(keep_published)
+        # stage -> (landing data, future of its pinned copy): with ``stage_to``, a
+        # landing stage's published data staged ahead by ``prefetch`` as a read would be
+        self._staging: dict[str, tuple[np.ndarray, Any]] = {}
         self._writes: list = []
         self._write_window = max(n for _, n in stage_pages.values()) * page_elems * 4
         self.read_bytes = self.write_bytes = 0
@@ -389,6 +398,7 @@ class NvmeParamStore:
         the reads ahead are dropped, and own files get ``pages_of()`` (the fp32
         master's are the state store's, written already: nothing is read for them)."""
         self.cache.drop(stage)
+        self._staging.pop(stage, None)
         if self.pages.writes:
             first, _ = self.stage_pages[stage]
             data = np.ascontiguousarray(pages_slab(pages_of()), self.dtype)
@@ -397,6 +407,7 @@ class NvmeParamStore:
     def prefetch(self, stage: str) -> None:
         cache = self.cache
         if stage in cache.reads or cache.in_ram(stage):
+            self._stage_landing(stage)
             return
         cache.before_read(stage)
         first, n = self.stage_pages[stage]
@@ -416,6 +427,29 @@ class NvmeParamStore:
             read = _Staged(read, self.stage_to, lambda data: self._pieces(stage, data))
         cache.reads[stage] = read
 
+    def _stage_landing(self, stage: str) -> None:
+        """With ``stage_to``: a landing stage's data (published last step, served from
+        RAM) copied to pinned memory on the I/O threads, as a read lands (a
+        ``keep_published`` stage's, handed out once, too)."""
+        landing = self.cache.landing.get(stage)  # (one look: a lock-free loop commits)
+        if not self.stage_to or landing is None or stage in self.cache.kept:
+            return
+        data = landing[1]
+        if stage not in self._staging or self._staging[stage][0] is not data:
+            pieces = lambda: pinned(self._pieces(stage, data), self.stage_to)
+            self._staging[stage] = (data, direct_io().submit(pieces))
+
+    def _landed(self, stage: str, data: np.ndarray) -> list | LeafBuffers:
+        """A landing stage's data as ``get`` hands it out: pinned with ``stage_to``
+        (staged ahead by ``prefetch`` where that copy is of this data, else here), else
+        views of it."""
+        staged = self._staging.pop(stage, None)
+        if not self.stage_to:
+            return self._pieces(stage, data)
+        if staged is not None and staged[0] is data:
+            return staged[1].result()
+        return pinned(self._pieces(stage, data), self.stage_to)
+
     def ready(self, stage: str) -> bool:
         """Whether ``get(stage)`` would not wait for a read: in RAM, or read ahead and
         landed."""
@@ -433,7 +467,7 @@ class NvmeParamStore:
             return cache.kept.pop(stage)
         landing = cache.serve_landing(stage)  # written last step, maybe in flight
         if landing is not None:
-            data = self._pieces(stage, landing)
+            data = self._landed(stage, landing)
         else:
             self.prefetch(stage)
             data = cache.reads.pop(stage).result()
@@ -451,6 +485,10 @@ class NvmeParamStore:
         flight (the stages updated last, which the next forward needs first): those
         stages are served from the written data until the next commit."""
         self.cache.commit()
+        landing = self.cache.landing  # copies staged of data no longer landing go
+        self._staging = {
+            s: v for s, v in self._staging.items() if s in landing and landing[s][1] is v[0]
+        }
         forget_done(self._writes)  # a write done by now is not landing: had it failed?
         self.pages.commit()
         # Reads still in flight were of the old generation: a consistent snapshot, one
@@ -474,6 +512,9 @@ class NvmeParamStore:
 
     def wait(self) -> None:
         self.cache.kept.clear()
+        staging, self._staging = self._staging, {}
+        for _, copy in staging.values():  # (a copy on the I/O threads: let it finish)
+            copy.result()
         for future, _ in self._writes:
             future.result()
         self._writes.clear()
@@ -487,7 +528,10 @@ class NvmeParamStore:
         kept = jax.tree.leaves(list(self.cache.kept.values()))
         kept = [a for a in kept if not (isinstance(a, np.ndarray) and pooled(a))]
         slabs = self.slabs.nbytes if self.slabs is not None else 0  # free or handed out
-        return sum(held.values()) + sum(a.nbytes for a in kept) + slabs
+        done = [f for _, f in list(self._staging.values()) if f.done() and not f.exception()]
+        staged = [f.result() for f in done]
+        staged = sum(a.nbytes for a in jax.tree.leaves(staged))  # pinned copies ahead
+        return sum(held.values()) + sum(a.nbytes for a in kept) + slabs + staged
 
     def _slab(self, num_pages: int) -> np.ndarray:
         """A buffer for a stage's pages: pooled, or fresh."""

@@ -104,17 +104,18 @@ class BoundarySwap:
         """A row read back (numpy), as ``get`` returns it; staged data is already."""
         return data.reshape(self.shape) if isinstance(data, np.ndarray) else data
 
-    def _write(self, slot: int, host) -> np.ndarray:  # on a worker thread
+    def _write(self, slot: int, host):  # on a worker thread
         data = self._pack(host)
-        del host
         self.disk.write(KIND, slot, data).result()
-        return data
+        # what a get of the slot before its read from disk takes: with ``stage_to`` the
+        # host copy itself (pinned already), else the row written
+        return host if self.stage_to is not None else data
 
     # -- backward -----------------------------------------------------------------------
 
     def get(self, slot: int):
-        """Checkpoint ``slot`` (host numpy of ``shape``, or pinned with ``stage_to``),
-        waiting for it; starts reading
+        """Checkpoint ``slot`` (host numpy of ``shape``, or pinned with ``stage_to``,
+        whether read from disk or kept in RAM), waiting for it; starts reading
         slots ``slot - 1 .. slot - depth``, which backward needs next."""
         for k in range(slot, max(slot - self.depth, 0) - 1, -1):
             self._prefetch(k)
@@ -129,13 +130,19 @@ class BoundarySwap:
         if slot in self._reads:
             return
         if slot in self._held:  # never written
-            self._reads[slot] = (self._pool.submit(self._pack, self._held.pop(slot)), False)
+            self._reads[slot] = (self._pool.submit(self._in_ram, self._held.pop(slot)), False)
         elif slot in self._writes:  # still in RAM: taken from there once written
             self._reads[slot] = (self._writes.pop(slot), False)
         elif self.stage_to is not None:
             self._reads[slot] = (self._pool.submit(self._staged_read, slot), True)
         else:
             self._reads[slot] = (self.disk.read(KIND, slot, 1), True)
+
+    def _in_ram(self, host):
+        """A slot never written, as ``get`` returns it: with ``stage_to`` its host copy
+        (a ``pinned_host`` array, or a list of them: the device takes it from pinned
+        memory, not through a numpy view), else numpy."""
+        return jax.block_until_ready(host) if self.stage_to is not None else self._pack(host)
 
     def _staged_read(self, slot: int):  # on a worker thread
         data = self._unpack(self.disk.read(KIND, slot, 1).result())
