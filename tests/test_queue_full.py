@@ -83,7 +83,11 @@ def test_lag_two_plans_one_more_slab():
     from hetjax.placement import Placement
 
     # (as test_stream's planner test: a block slab is 25 elements of 2 bytes, 10 layers)
-    s = Sizes(10, 30, 25, 20, 30, 25, 20, 2, 2, ADAM, 20, 30, {"all": 0}, "release")
+    s = Sizes(
+        num_layers=10, embed=30, block=25, head=20, own_embed=30, own_block=25, own_head=20,
+        compute_bytes=2, block_grad_bytes=2, state_format=ADAM, boundary=20, working_set=30,
+        kept={"all": 0}, grad_policy="release",
+    )  # fmt: skip
     o = Placement(params="host", optimizer="host", activations="host", prefetch_depth=1)
     slab = s.compute_bytes * s.block
     one, two = device_parts(s, o, 1, 0), device_parts(s, o, 1, 0, lag=2)
@@ -171,7 +175,9 @@ def test_every_swap_slot_reaches_the_device_pinned(tmp_path, monkeypatch):
 
     shardings = Shardings.single_device()
     stage_to = shardings.pinned_staging()
-    swap = BoundarySwap(tmp_path / "b", 5, (2, 3, 4), np.float32, 8, 2, stage_to)
+    swap = BoundarySwap(
+        tmp_path / "b", 5, (2, 3, 4), np.float32, chunk_elems=8, depth=2, stage_to=stage_to
+    )
     rows = np.arange(5 * 24, dtype=np.float32).reshape(5, 2, 3, 4)
     swap.begin()
     for slot, row in enumerate(rows):
@@ -184,7 +190,7 @@ def test_every_swap_slot_reaches_the_device_pinned(tmp_path, monkeypatch):
 
     residuals = [np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(4, dtype=np.int32)]
     nbytes = sum(a.nbytes for a in residuals)
-    swap = ResidualSwap(tmp_path / "r", 3, nbytes, 8, 1, stage_to=stage_to)
+    swap = ResidualSwap(tmp_path / "r", 3, nbytes, chunk_bytes=8, depth=1, stage_to=stage_to)
     swap.begin()
     for slot in range(3):
         swap.put(slot, jax.device_put([a + slot for a in residuals], shardings.host))
