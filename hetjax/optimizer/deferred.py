@@ -12,7 +12,7 @@ caught up before anything reads it:
 
 * the forward of a micro-batch that routes a token to its expert (the host learns the
   routing from the router, then catches the routed experts' pages up before copying
-  them in: ``StreamingRuntime._routed_forward``);
+  them in: ``runtime/blocks.py``'s ``Routed._route``);
 * its stage's next update that touches it (in RAM, before the update);
 * a checkpoint, the final params, an export (``StreamingRuntime.flush_deferred``).
 
