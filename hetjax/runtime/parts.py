@@ -138,21 +138,9 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
         parallelism=parallelism(config.distributed),
     )  # fmt: skip
     experts, deferred = _experts(config, placement, fns, dtype, routed, loop)
-    ledger = Ledger()
+    shared = _block_parts(config, placement, stores, experts, deferred)
+    boundaries, residuals, ledger = shared.boundaries, shared.residuals, shared.ledger
     shardings = placement.shardings
-    boundaries = Boundaries(
-        off.activations, config.model.num_blocks, stores.swap, placement.put_batch, ledger
-    )
-    residuals = SwappedResiduals(shardings.device, stores.residual_swap)
-    shared = BlockParts(
-        boundaries=boundaries,
-        residuals=residuals,
-        ledger=ledger,
-        swap_level=off.swap_level,
-        put_batch=placement.put_batch,
-        experts=experts,
-        deferred=deferred,
-    )
     schedule, blocks = _per_layer(off, names, routed, fns, shared)
     io = IoMeter([stores.states, stores.params, stores.grads, stores.swap, stores.residual_swap])
     return Parts(
@@ -258,6 +246,25 @@ def _host_sizes(config, fns, groups, layouts, state_layouts, boundary, optimizer
     )
     state_format = optimizer.state_format  # the state kinds' dtypes
     return memory_sizes(config, groups, layouts, state_layouts, stage_memory, state_format)
+
+
+def _block_parts(config: Config, placement, stores, experts, deferred) -> BlockParts:
+    """What every block strategy shares: the boundaries, the swapped residuals, the
+    ledger, the routed experts and their deferred updates."""
+    ledger = Ledger()
+    boundaries = Boundaries(
+        config.offload.activations, config.model.num_blocks, stores.swap,
+        placement.put_batch, ledger,
+    )  # fmt: skip
+    return BlockParts(
+        boundaries=boundaries,
+        residuals=SwappedResiduals(placement.shardings.device, stores.residual_swap),
+        ledger=ledger,
+        swap_level=config.offload.swap_level,
+        put_batch=placement.put_batch,
+        experts=experts,
+        deferred=deferred,
+    )
 
 
 def _update_loop(config: Config, optimizer, device_optimizer, stores, host_plan, names):

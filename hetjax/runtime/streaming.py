@@ -97,8 +97,7 @@ class StreamingRuntime:
         self._refresh_resident()
         self.io.mark()  # NVMe I/O per step: initialisation's reads and writes are no step's
         self._step: StepGradients | None = None
-        t = config.train
-        fp16 = config.model.compute_dtype == "float16"
+        t, fp16 = config.train, config.model.compute_dtype == "float16"
         self.loss_scale = LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None
 
     layout_name = staticmethod(layout_name)
@@ -132,14 +131,9 @@ class StreamingRuntime:
 
     def _window(self, uses: list[str]) -> PrefetchWindow:
         return PrefetchWindow(
-            uses,
-            self.plan.prefetch_depth,
-            self.resident,
-            self.param_store,
-            self._to_device,
-            keep=self.host_plan.kept_param_blocks,
-            lag=self.plan.wait_lag,
-        )
+            uses, self.plan.prefetch_depth, self.resident, self.param_store, self._to_device,
+            keep=self.host_plan.kept_param_blocks, lag=self.plan.wait_lag,
+        )  # fmt: skip
 
     # -- the step -----------------------------------------------------------------------
 
