@@ -234,7 +234,12 @@ def _where(config: Config, runtime: StreamingRuntime) -> dict[str, str]:
 
 def _held_bytes(records: list[dict[str, Any]]) -> dict[str, int]:
     fields = (("device", "device_bytes_peak"), ("host", "host_bytes"), ("nvme", "nvme_bytes"))
-    return {tier: max(r[key] for r in records) for tier, key in fields if key in records[-1]}
+    # (device_bytes_peak: on the accounted steps only, runtime/ledger.py)
+    return {
+        tier: max(r[key] for r in records if key in r)
+        for tier, key in fields
+        if any(key in r for r in records)
+    }
 
 
 def _moved_bytes(

@@ -84,8 +84,12 @@ def _scale_attempt(spec: str) -> None:
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             step_s=last["step_time_s"],
             loss=last["loss"],
-            **{k: last[k] for k in ("device_bytes_peak", "host_bytes", "nvme_bytes") if k in last},
+            **{k: last[k] for k in ("host_bytes", "nvme_bytes") if k in last},
         )
+        # the accounted step's (the first: runtime/ledger.py)
+        accounted = [r["device_bytes_peak"] for r in run.records if "device_bytes_peak" in r]
+        if accounted:
+            out["device_bytes_peak"] = max(accounted)
     except ConfigError as e:
         out.update(fits=False, why=str(e))
     print("SCALE " + json.dumps(out), flush=True)

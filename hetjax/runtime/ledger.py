@@ -1,6 +1,12 @@
-"""The ledger: bytes the streaming runtime holds per memory kind at every dispatch, with
-the peak per kind (what device and host budgets are checked against on CPU, where no
-device memory statistics exist)."""
+"""The ledger: bytes the streaming runtime holds per memory kind at every dispatch of an
+accounted step, with the peak per kind (what device and host budgets are checked against
+on CPU, where no device memory statistics exist).
+
+Which steps are accounted (:meth:`Ledger.begin_step`): a step run with a probe, a traced
+step (``train.trace_every``) and the runtime's first training step. Every step of a run
+holds the same arrays at the same dispatches, so the first step's peak is the run's; the
+others skip the per-dispatch walk (a step's report has ``device_bytes_peak`` only when
+the step was accounted)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,8 @@ import math
 from collections.abc import Hashable
 
 import jax
+
+from hetjax import timeline
 
 
 def device_bytes(a: jax.Array) -> int:
@@ -34,6 +42,17 @@ class Ledger:
         self._held: dict[Hashable, list[tuple[int, str, int]]] = {}  # holder -> arrays
         self._holders: dict[int, int] = {}  # id(array) -> its holders
         self._standing: dict[str, int] = collections.defaultdict(int)  # held, by kind
+        self.accounting = False  # whether the step under way is accounted
+        self._accounted = False  # whether a step was
+
+    def begin_step(self, probed: bool) -> bool:
+        """Starts a training step: accounts it (and starts its peak afresh) if it runs
+        with a probe (``probed``), is traced, or is the first. -> whether it is."""
+        self.accounting = probed or timeline.active() is not None or not self._accounted
+        if self.accounting:
+            self._accounted = True
+            self.reset_peak()
+        return self.accounting
 
     def hold(self, key: Hashable, arrays) -> None:
         """``key``'s holder holds the JAX arrays of the pytree ``arrays`` (instead of

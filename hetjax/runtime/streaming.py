@@ -149,7 +149,7 @@ class StreamingRuntime:
         sync = self.config.optimizer.mode == "sync"
         if not sync:  # pick up whatever the loop has published since the last step
             self._refresh_resident()
-        self.ledger.reset_peak()
+        self.ledger.begin_step(probed=self.probe is not None)
         self.boundaries.reset_peak()
         if self.experts:  # the step's count starts here (not an evaluation's)
             self.experts.take()
@@ -335,7 +335,9 @@ class StreamingRuntime:
     def _account(self, window, *transients) -> None:
         """Records what the device and host hold after a dispatch (``ledger.Ledger``:
         what is held for long is held there already; this walks what is held briefly),
-        then calls the probe."""
+        then calls the probe. Only in an accounted step (``Ledger.begin_step``)."""
+        if not self.ledger.accounting:
+            return
         held = [
             *window.cache.values(),
             *self._step.in_flight(),  # gradients on their way to the host
@@ -360,7 +362,6 @@ class StreamingRuntime:
         host += self.boundaries.peak_host_bytes
         read, written = self.io.take()
         metrics = {
-            "device_bytes_peak": int(self.ledger.peak.get("device", 0)),
             "host_bytes": int(host),
             "nvme_bytes": int(self.io.nvme_bytes),
             "optimizer_s": waited,  # optimizer time the step waited for
@@ -380,6 +381,8 @@ class StreamingRuntime:
             **(self.experts.take() if self.experts else {}),
             **self.deferred.take(),
         }
+        if self.ledger.accounting:  # (the accounted steps only)
+            metrics["device_bytes_peak"] = int(self.ledger.peak.get("device", 0))
         if self.config.optimizer.mode == "lockfree":
             metrics["optimizer_lag_steps"] = self.loop.unapplied
         return metrics
