@@ -490,8 +490,15 @@ def plan_device(
     """The deepest prefetch window (up to ``o.prefetch_depth``) that fits ``budget``
     (0: no limit), then as many resident blocks as the rest allows, at least the device
     cache's. ``lag``: how far the window's thread runs ahead (:func:`window_wait_lag`),
-    one more slab each. Raises ``ConfigError`` with the numbers when not even one stage
-    and its activations fit."""
+    one more slab each: a window that cannot hold that slab even without prefetch runs
+    at lag 1 (the device's queue runs dry at block boundaries, but the step fits).
+    Raises ``ConfigError`` with the numbers when not even one stage and its activations
+    fit at lag 1."""
+    while lag > WAIT_LAG_HOST:
+        parts = device_parts(s, o, 0, DeviceCache.of(s, o).blocks, lag=lag)
+        if not budget or sum(parts.values()) <= budget:
+            break
+        lag -= 1
     L = s.num_layers
     least = DeviceCache.of(s, o).blocks
     # Only the blocks' part depends on the window: the rest is fixed.

@@ -139,6 +139,24 @@ def test_checkpoints_move_to_nvme_as_host_shrinks():
     assert plan.lanes["nvme"] - on_host["nvme"] >= swapped / max(hw.nvme_read_bw, hw.nvme_write_bw)
 
 
+def test_gpu_profiles_plan_the_accelerator_window():
+    """A GPU profile's plan holds the window the runtime runs there (lag 2: the slab of
+    the use still queued, ``memory.window_wait_lag``); a CPU profile's does not."""
+    config = load_config("gpt_small", {"memory.device_budget": "1400MiB"})
+    for hw, lag in ((PROFILES["h100"], 2), (get_profile("local"), 1)):
+        plan = make_plan(config, hw)
+        assert plan.candidate.mode == "stream"
+        p = plan.placement
+        s = memory_sizes(
+            Workload.from_config(config, backend="cpu" if hw.shared_cores else "gpu"),
+            1,
+            p.batch_chunks,
+        )
+        window = min(p.prefetch_depth + lag, s.num_layers - p.resident_blocks)
+        slab = s.compute_bytes * s.block
+        assert plan.device["blocks"] == slab * (window + p.resident_blocks), hw.name
+
+
 @pytest.mark.slow  # 20 s: the default run stayed over 10 minutes from a cold cache
 def test_keep_level_between_its_budgets():
     """offload.keep_level: with a device budget between what every block keeping all its

@@ -11,6 +11,7 @@ import pytest
 from equivalence import training_batches
 
 from hetjax import memory
+from hetjax.config import ConfigError
 from hetjax.runtime.placement import HOST_CLIENT_ENV, Shardings
 
 
@@ -101,6 +102,13 @@ def test_lag_two_plans_one_more_slab():
     # a budget that holds depth 1 at lag 1 holds only depth 0 at lag 2
     tight = plan_device(s, o, cpu.required, lag=2)
     assert tight.prefetch_depth == 0 and tight.required <= cpu.required
+    # a budget that holds no prefetch at lag 2 falls back to lag 1 rather than refuse
+    fixed = sum(one.values()) - one["blocks"]
+    tightest = plan_device(s, o, fixed + slab, lag=2)
+    assert (tightest.wait_lag, tightest.prefetch_depth) == (1, 0)
+    assert tightest.required == fixed + slab
+    with pytest.raises(ConfigError, match="cannot hold one stage"):
+        plan_device(s, o, fixed + slab - 1, lag=2)
 
 
 @pytest.mark.cpu_only

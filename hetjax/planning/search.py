@@ -43,7 +43,7 @@ from typing import Any
 
 from hetjax import support
 from hetjax.config import SWAP_LEVELS, Config, ConfigError, format_bytes
-from hetjax.memory import DeviceCache, device_parts, plan_device
+from hetjax.memory import WAIT_LAG_HOST, DeviceCache, device_parts, plan_device, window_wait_lag
 from hetjax.memory_host import HostMemoryPlan, host_minimum, in_memory_parts, nvme_parts, plan_host
 from hetjax.placement import Placement
 from hetjax.planning.cost import ON_DEVICE, Candidate, lanes
@@ -222,17 +222,19 @@ class Footprint:
     host_plan: HostMemoryPlan | None = None
 
 
-def footprint(w: Workload, c: Candidate, limit: dict[str, int], n: int = 1) -> Footprint | None:
+def footprint(
+    w: Workload, c: Candidate, limit: dict[str, int], n: int = 1, *, lag: int = WAIT_LAG_HOST
+) -> Footprint | None:
     """Candidate ``c`` on ``n`` data-parallel devices within the tier budgets ``limit``,
     planned by the same functions the runtimes plan with (``hetjax/memory.py``); None
-    when it does not fit."""
+    when it does not fit. ``lag``: the window's (``memory.window_wait_lag``)."""
     s = memory_sizes(w, n, c.placement.batch_chunks)
     if c.mode == "none":
         device = in_memory_parts(s, c.remat)
         return Footprint(c, device, {}, {}) if sum(device.values()) <= limit["device"] else None
     o = c.placement
     try:
-        dev = plan_device(s, o, limit["device"])
+        dev = plan_device(s, o, limit["device"], lag=lag)
         host = plan_host(s, o, limit["host"])
     except ConfigError:
         return None
@@ -390,7 +392,8 @@ def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) ->
     """Candidate ``c``'s footprint per tier and predicted step, as ``[(step, rank, c,
     device, host, nvme, optimizer cache, lanes, step when clipping binds)]``; empty when
     it does not fit."""
-    f = footprint(w, c, limit, hw.num_devices)
+    # the window's lag on the profile's backend (its, not this process's), as there
+    f = footprint(w, c, limit, hw.num_devices, lag=window_wait_lag(not hw.shared_cores))
     if f is None:
         return []
     c, host, nvme = f.candidate, f.host, f.nvme
