@@ -285,3 +285,51 @@ def test_the_pinned_check_keeps_a_margin_for_xla():
     config = Config().replace(memory=dict(host_budget="100GiB"))
     assert xla_env.pinned_bound(config) == 100 * GiB
     assert xla_env.wanted(config)[xla_env.PINNED_LIMIT] == "100"
+
+
+@pytest.mark.cpu_only  # (its plain run is the CPU's)
+def test_routed_expert_rows_reach_the_device_pinned(tiny, monkeypatch):
+    """Under the emulated GPU topology a routed block's experts' rows are gathered into
+    ``pinned_host`` arrays before their copy to the device (none is copied from a numpy
+    row of pageable memory), and the steps' losses are the plain CPU's."""
+    from test_expert_fetch import _config
+
+    from hetjax.runtime.streaming import StreamingRuntime
+
+    config = _config(tiny, "routed")
+    batches = training_batches(config, 2)
+    losses = {}
+    for mode in ("plain", "separate"):
+        if mode == "separate":
+            monkeypatch.setenv(HOST_CLIENT_ENV, "separate")
+        runtime = StreamingRuntime(config)
+        fetchers = list(runtime.experts.values())
+        targets = {id(f.device) for f in fetchers}
+        shapes = {
+            (1, *f.block.layout.leaves[k].shape[1:])
+            for f in fetchers
+            for k in f.block.expert_leaves
+        } | {f.block.layout.leaves[k].shape[1:] for f in fetchers for k in f.block.expert_leaves}
+        copies = []  # the kinds of the expert rows copied to the device
+        put = jax.device_put
+
+        def recording(x, device=None, *a, **k):
+            if id(device) in targets:
+                copies.extend(
+                    "numpy" if isinstance(r, np.ndarray) else r.sharding.memory_kind
+                    for r in jax.tree.leaves(x)
+                    if tuple(r.shape) in shapes
+                )
+            return put(x, device, *a, **k)
+
+        monkeypatch.setattr(jax, "device_put", recording)
+        try:
+            losses[mode] = [runtime.train_step(b).loss for b in batches]
+        finally:
+            monkeypatch.setattr(jax, "device_put", put)
+            runtime.close()
+        if mode == "plain":
+            assert copies and set(copies) == {"numpy"}  # (the CPU: one memory, no staging)
+        else:
+            assert copies and set(copies) == {"pinned_host"}, set(copies)
+    assert losses["separate"] == losses["plain"]

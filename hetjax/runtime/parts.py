@@ -292,9 +292,10 @@ def _experts(config: Config, placement, fns, dtype, routed, loop) -> tuple:
     experts = None
     if routed:
         E, device = config.model.num_experts, placement.shardings.device
+        stage_to = placement.shardings.pinned_staging()
         experts = ExpertFetchers(
             {
-                g: ExpertFetcher(group.routed(), dtype, device, E)
+                g: ExpertFetcher(group.routed(), dtype, device, E, stage_to=stage_to)
                 for g, group in enumerate(fns.groups)
             }
         )

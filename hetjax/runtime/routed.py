@@ -202,10 +202,14 @@ class RoutedBlock:
 class ExpertFetcher:
     """Copies routed blocks' params to the device: :meth:`dense` the leaves but the
     experts (the window's copy), :meth:`experts` the routed experts' rows; counts the
-    experts copied and the bytes (for the step's metrics)."""
+    experts copied and the bytes (for the step's metrics). ``stage_to``: pinned host
+    memory (``Shardings.pinned_staging``; None on a CPU) the routed rows are gathered
+    into before their copy to the device, so that the copy is a DMA from pinned memory,
+    not from pageable rows."""
 
-    def __init__(self, block: RoutedBlock, dtype: Any, device, num_experts: int):
+    def __init__(self, block: RoutedBlock, dtype: Any, device, num_experts: int, stage_to=None):
         self.block, self.device, self.num_experts = block, device, num_experts
+        self.stage_to = stage_to
         self._empty = block.placeholders(dtype, device)
         self._zero_pages: dict[bytes, frozenset[int]] = {}  # by the routed experts
         self._assemble = jax.jit(_assemble)
@@ -246,6 +250,8 @@ class ExpertFetcher:
         self.fetched += routing.ids.size
         self.offered += self.num_experts
         self.bytes += sum(r.nbytes for leaf in rows for r in leaf)
+        if self.stage_to is not None:  # (dispatched: the copy to the device queues behind)
+            rows = jax.device_put(rows, self.stage_to)
         copied = jax.device_put(rows, self.device)
         pad = held_experts(routing.ids.size, self.num_experts) - routing.ids.size
         padded = zip(copied, self._zero, strict=True)
