@@ -287,6 +287,28 @@ def test_the_pinned_check_keeps_a_margin_for_xla():
     assert xla_env.wanted(config)[xla_env.PINNED_LIMIT] == "100"
 
 
+def _expert_row_copies(fetchers, put, copies: list):
+    """A ``jax.device_put`` that notes the memory kind of each expert row (an expert
+    leaf's row, or one of them) copied to the fetchers' device ("numpy": pageable)."""
+    targets = {id(f.device) for f in fetchers}
+    shapes = set()
+    for f in fetchers:
+        for k in f.block.expert_leaves:
+            row = f.block.layout.leaves[k].shape[1:]
+            shapes |= {tuple(row), (1, *row)}
+
+    def recording(x, device=None, *a, **k):
+        if id(device) in targets:
+            copies.extend(
+                "numpy" if isinstance(r, np.ndarray) else r.sharding.memory_kind
+                for r in jax.tree.leaves(x)
+                if tuple(r.shape) in shapes
+            )
+        return put(x, device, *a, **k)
+
+    return recording
+
+
 @pytest.mark.cpu_only  # (its plain run is the CPU's)
 def test_routed_expert_rows_reach_the_device_pinned(tiny, monkeypatch):
     """Under the emulated GPU topology a routed block's experts' rows are gathered into
@@ -298,38 +320,20 @@ def test_routed_expert_rows_reach_the_device_pinned(tiny, monkeypatch):
 
     config = _config(tiny, "routed")
     batches = training_batches(config, 2)
-    losses = {}
+    losses, kinds, put = {}, {}, jax.device_put
     for mode in ("plain", "separate"):
         if mode == "separate":
             monkeypatch.setenv(HOST_CLIENT_ENV, "separate")
         runtime = StreamingRuntime(config)
-        fetchers = list(runtime.experts.values())
-        targets = {id(f.device) for f in fetchers}
-        shapes = {
-            (1, *f.block.layout.leaves[k].shape[1:])
-            for f in fetchers
-            for k in f.block.expert_leaves
-        } | {f.block.layout.leaves[k].shape[1:] for f in fetchers for k in f.block.expert_leaves}
-        copies = []  # the kinds of the expert rows copied to the device
-        put = jax.device_put
-
-        def recording(x, device=None, *a, **k):
-            if id(device) in targets:
-                copies.extend(
-                    "numpy" if isinstance(r, np.ndarray) else r.sharding.memory_kind
-                    for r in jax.tree.leaves(x)
-                    if tuple(r.shape) in shapes
-                )
-            return put(x, device, *a, **k)
-
-        monkeypatch.setattr(jax, "device_put", recording)
+        copies = []
+        monkeypatch.setattr(
+            jax, "device_put", _expert_row_copies(runtime.experts.values(), put, copies)
+        )
         try:
             losses[mode] = [runtime.train_step(b).loss for b in batches]
         finally:
             monkeypatch.setattr(jax, "device_put", put)
             runtime.close()
-        if mode == "plain":
-            assert copies and set(copies) == {"numpy"}  # (the CPU: one memory, no staging)
-        else:
-            assert copies and set(copies) == {"pinned_host"}, set(copies)
+        kinds[mode] = set(copies) if copies else None
+    assert kinds == {"plain": {"numpy"}, "separate": {"pinned_host"}}  # (CPU: no staging)
     assert losses["separate"] == losses["plain"]
