@@ -57,6 +57,7 @@ from hetjax.bench.plan import bench_plan
 from hetjax.bench.scale import bench_scale
 from hetjax.bench.slabs import bench_slabs
 from hetjax.bench.zero import bench_zero
+from hetjax.gpucheck import probe_platform
 
 BENCHMARKS = {
     "overhead": bench_overhead,
@@ -74,6 +75,10 @@ BENCHMARKS = {
     "keep": bench_keep,
     "attention": bench_attention,
 }
+
+# Benchmarks whose rows run in child processes that each need the device's whole memory
+# pool: this process never starts JAX's backend (on a GPU it would take the pool).
+CHILDREN_OWN_THE_DEVICE = frozenset({"gpu"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,9 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     tuned = tune_host_allocator()  # as a training run does
+    if args.name in CHILDREN_OWN_THE_DEVICE:  # asked of a child: this process stays off it
+        platform = probe_platform()[0] or "unknown"
+        device = platform
+    else:
+        platform, device = jax.devices()[0].platform, jax.devices()[0].device_kind
     print(
-        f"hetjax bench {args.name}: {jax.devices()[0].device_kind} "
-        f"({jax.devices()[0].platform}), jax {jax.__version__}, host allocator "
+        f"hetjax bench {args.name}: {device} ({platform}), jax {jax.__version__}, host "
+        "allocator "
         f"{'keeps freed blocks' if tuned else 'not tuned (HETJAX_MALLOC or MALLOC_* set)'}"
     )
     if args.start and args.name != "scale":
@@ -106,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(
         name=args.name,
         quick=args.quick,
-        platform=jax.devices()[0].platform,
+        platform=platform,
         host_allocator_tuned=tuned,
         date=time.strftime("%Y-%m-%d"),
     )

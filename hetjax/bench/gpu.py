@@ -11,14 +11,14 @@ from pathlib import Path
 
 
 def bench_gpu(quick: bool) -> dict:
-    """On a GPU: gpucheck's mfu section, its rows returned. Elsewhere: skipped, saying so."""
-    import jax
-
+    """On a GPU: gpucheck's mfu section, its rows returned. Elsewhere: skipped, saying so.
+    The platform is asked of a child (``gpucheck.probe_platform``): this process never
+    starts JAX's backend, so each row's child gets the device's whole pool."""
     from hetjax import gpucheck
 
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        msg = f"bench gpu: skipped, no GPU (the default device is {device.platform})"
+    platform, why = gpucheck.probe_platform()
+    if platform not in ("cuda", "rocm"):
+        msg = f"bench gpu: skipped, no GPU ({why or f'the default device is {platform}'})"
         print(msg)
         return {"skipped": msg}
 
