@@ -407,9 +407,10 @@ def overlap(report: Report, run: Run) -> None:
     )
 
 
-# The bf16 fast path's equivalence, streamed vs in memory (marked slow for the CPU's
-# sake): run by node id, beside the selection.
-BF16_EQUIVALENCE = "tests/test_stream.py::test_stream_equals_none_in_compute_dtype[bfloat16-host]"
+# The bf16 fast path's equivalence, streamed vs in memory, NVMe tier (in the default run
+# too): run by node id, beside the selection (--quick selects one file only).
+BF16_EQUIVALENCE = "tests/test_stream.py::test_stream_equals_none_in_compute_dtype[bfloat16-nvme]"
+BF16_ARGS = ("-n0", BF16_EQUIVALENCE)  # (the default marker selection: not slow)
 PYTEST_WORKERS = 4  # pytest-xdist processes sharing the GPU (16 cores on a lent H100)
 
 
@@ -445,8 +446,7 @@ def equivalence(report: Report, run: Run) -> None:
             select += ["-n", str(PYTEST_WORKERS), "--dist", "load"]  # test by test
         _pytest(report, "tests", ["-m", "not slow", *select, *files], env)
         if not run.emulate:
-            bf16 = ["-m", "slow or not slow", "-n0", BF16_EQUIVALENCE]
-            _pytest(report, "bf16_stream_equals_none", bf16, env)
+            _pytest(report, "bf16_stream_equals_none", list(BF16_ARGS), env)
     _bf16_trains(report, run.quick)
 
 
