@@ -1,7 +1,10 @@
 import os
 
-# Multi-device tests use virtual CPU devices; must be set before JAX initialises.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Multi-device tests use virtual CPU devices; must be set before JAX initialises. A
+# user's own XLA_FLAGS keep theirs and gain the device count (unless they set one).
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests (and the child processes of the crash tests, which inherit this) compile the
 # same small programs: a persistent compilation cache halves their CPU time.
