@@ -178,8 +178,10 @@ def test_zero_quick(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a measured ratio against a bound: the machine to itself (.ci/run)
 def test_plan_quick(tmp_path, capsys):
-    """The planner's prediction and the measured step of the plan it made, one run."""
+    """The planner's prediction and the measured step of the plan it made, one run: the
+    ratio within the bench's bounds."""
     out = tmp_path / "plan.json"
     assert main(["plan", "--quick", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["tiny"]
@@ -188,18 +190,23 @@ def test_plan_quick(tmp_path, capsys):
 
 
 def _check_plan_row(row: dict, devices: int) -> None:
+    from hetjax.bench.plan import RATIO_BOUNDS
+
     assert row["devices"] == devices and row["plan"].startswith("stream"), row
     assert row["predicted_s"] > 0 and row["measured_s"] > 0, row
-    assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
+    lo, hi = RATIO_BOUNDS
+    assert lo <= row["measured_s"] / row["predicted_s"] <= hi, row
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a measured ratio against a bound: the machine to itself (.ci/run)
 def test_plan_data_parallel_row():
-    """bench plan's ``tiny dp2`` row: ZeRO-3 on 2 virtual CPU devices, a child process."""
+    """bench plan's ``tiny dp2`` row: ZeRO-3 on 2 virtual CPU devices, a child process;
+    the ratio within the bench's bounds."""
     from hetjax.bench.plan import _plan_row_on_cpu_devices
 
     overrides = {"memory.device_budget": "88MiB"}  # as the bench: gpt_tiny's host budget
-    row = _plan_row_on_cpu_devices(2, "gpt_tiny", overrides, 4)
+    row = _plan_row_on_cpu_devices(2, "gpt_tiny", overrides, 8)
     _check_plan_row(row, 2)
 
 

@@ -22,8 +22,9 @@ def _pytest(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedProc
 def test_ci_runs_the_slow_suite_after_the_default_run():
     lines = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
     default = next(i for i, ln in enumerate(lines) if ln.endswith("-m pytest -q"))
-    slow = lines.index(".venv/bin/python -m pytest -q -m slow")
-    assert default < slow
+    slow = lines.index('.venv/bin/python -m pytest -q -m "slow and not alone"')
+    alone = lines.index('.venv/bin/python -m pytest -q -m "slow and alone" -n0')
+    assert default < slow < alone
 
 
 def test_a_hung_test_fails_with_its_threads_stacks(tmp_path, pytestconfig):

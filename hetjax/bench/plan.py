@@ -14,6 +14,11 @@ from hetjax.allocator import MALLOC_ENV
 from hetjax.bench.common import _scratch_dir, _steady_step_time
 from hetjax.config import load_config
 
+# The planner's accuracy on this machine: measured / predicted s/step of a streamed plan
+# within these bounds (issue #46; measured 0.97-1.35 on an otherwise idle machine,
+# docs/results/). Printed by the bench, checked by its tests (tests/test_bench.py).
+RATIO_BOUNDS = (0.67, 1.5)
+
 
 def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
     """Plans config ``name`` with ``overrides`` on this machine (the measured ``local``
@@ -129,11 +134,12 @@ def bench_plan(quick: bool) -> dict:
             2,
         ),
     }
-    if quick:
+    if quick:  # (8 steps: a median of 6 past the warm-up)
         cases = {
-            "tiny": ("gpt_tiny", {"memory.device_budget": "120MiB"}, 4, 1),
+            "tiny": ("gpt_tiny", {"memory.device_budget": "120MiB"}, 8, 1),
         }  # the dp2 row alone: tests/test_bench.py (slow)
     results: dict = {}
+    lo, hi = RATIO_BOUNDS
     print(f"{'model':<10}{'plan':<58}{'predicted s':>12}{'measured s':>12}{'ratio':>8}")
     for label, (name, overrides, steps, devices) in cases.items():
         if devices == 1:
@@ -143,6 +149,6 @@ def bench_plan(quick: bool) -> dict:
         results[label] = row
         print(
             f"{label:<10}{row['plan']:<58}{row['predicted_s']:>12.4f}{row['measured_s']:>12.4f}"
-            f"{row['ratio']:>8.2f}"
+            f"{row['ratio']:>8.2f}" + ("" if lo <= row["ratio"] <= hi else f"  outside {lo}-{hi}")
         )
     return results
