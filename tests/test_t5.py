@@ -2,6 +2,7 @@
 HF's T5ForConditionalGeneration, and trained by the runtimes."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -330,6 +331,55 @@ def _imported(tiny, directory, **sections):
 
     model = model_config_from_hf(directory, t5_config(tiny).model)
     return t5_config(tiny).replace(model=dataclasses.asdict(model), **sections)
+
+
+# A T5 config.json with every field the import reads at a value other than hetjax's
+# default (so a mapping that is dropped, and leaves the default, fails) -> the fields.
+# d_kv is checked (d_model / num_heads), not mapped; pad_token_id differs from
+# decoder_start_token_id, the one read.
+T5_JSON = dict(
+    model_type="t5", num_layers=3, num_decoder_layers=5, d_model=48, num_heads=6, d_kv=8,
+    d_ff=80, vocab_size=300, layer_norm_epsilon=1e-3, relative_attention_num_buckets=16,
+    relative_attention_max_distance=40, decoder_start_token_id=7, pad_token_id=3,
+)  # fmt: skip
+T5_FIELDS = dict(
+    family="t5", num_layers=3, num_decoder_layers=5, d_model=48, num_heads=6, d_ff=80,
+    vocab_size=300, layer_norm_eps=1e-3, relative_attention_num_buckets=16,
+    relative_attention_max_distance=40, decoder_start_token=7,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "head_json, fields, at_default",
+    [
+        # T5 v1.1 as transformers 5 writes it: tie_word_embeddings always true, the
+        # untied head in scale_decoder_outputs; gated-gelu is hetjax's default
+        (
+            dict(feed_forward_proj="gated-gelu", dense_act_fn="gelu_new",
+                 tie_word_embeddings=True, scale_decoder_outputs=False),
+            dict(feed_forward_proj="gated-gelu", tie_embeddings=False),
+            {"feed_forward_proj"},
+        ),
+        # ReLU as transformers < 5 writes an untied head: tie_word_embeddings false
+        (
+            dict(feed_forward_proj="relu", tie_word_embeddings=False),
+            dict(feed_forward_proj="relu", tie_embeddings=False),
+            set(),
+        ),
+    ],
+    ids=["gated_gelu_transformers5", "relu_transformers4"],
+)  # fmt: skip
+def test_config_json_fields_map_to_non_default_values(tmp_path, head_json, fields, at_default):
+    from hetjax.config import ModelConfig
+    from hetjax.hf import model_config_from_hf
+
+    expected = {**T5_FIELDS, **fields}
+    defaults = ModelConfig()
+    assert {k for k, v in expected.items() if getattr(defaults, k) == v} == at_default
+    (tmp_path / "config.json").write_text(json.dumps({**T5_JSON, **head_json}))
+    config = model_config_from_hf(tmp_path, ModelConfig())
+    assert {k: getattr(config, k) for k in expected} == expected
+    assert config.init_from == f"hf:{tmp_path}"
 
 
 @pytest.fixture(scope="module")
