@@ -4,7 +4,7 @@
 # with its environment set up, and passwordless ssh. If any process fails, the others
 # are stopped.
 #
-#   launch/ssh.sh HOSTFILE [hetjax.launch arguments...]      (one host a line)
+#   launch/ssh.sh HOSTFILE [hetjax.launch arguments...]      (one host a line; # comments)
 #   launch/ssh.sh hosts.txt --config gpt1p3b --config.offload.mode=stream \
 #       --config.distributed.data_parallel=0
 #
