@@ -33,6 +33,5 @@ done
 HETJAX_PROCESS_ID=0 "$python" -m hetjax.launch "$@" &
 pids+=($!)
 status=0
-wait_all "${pids[@]}" || status=$?  # the first failure stops the rest (trap)
-wait "${pids[@]}" 2>/dev/null || true
+wait_all "${pids[@]}" || status=$?  # the first failure stops the rest
 exit "$status"

@@ -4,7 +4,7 @@
 # with its environment set up, and passwordless ssh. If any process fails, the others
 # are stopped.
 #
-#   launch/ssh.sh HOSTFILE [hetjax.launch arguments...]      (one host a line)
+#   launch/ssh.sh HOSTFILE [hetjax.launch arguments...]      (one host a line; # comments)
 #   launch/ssh.sh hosts.txt --config gpt1p3b --config.offload.mode=stream \
 #       --config.distributed.data_parallel=0
 #
@@ -14,8 +14,15 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 hostfile=${1:?usage: launch/ssh.sh HOSTFILE [hetjax.launch arguments...]}
 shift
-mapfile -t hosts < <(grep -v '^\s*\(#\|$\)' "$hostfile")
+hosts=()
+while read -r host _ || [[ -n $host ]]; do  # a line's first word; blank lines and '#' lines skipped
+  [[ -z $host || $host == \#* ]] || hosts+=("$host")
+done <"$hostfile"
 n=${#hosts[@]}
+if ((n == 0)); then
+  echo "launch/ssh.sh: no hosts in $hostfile (one host a line, '#' starts a comment)" >&2
+  exit 2
+fi
 port=${HETJAX_PORT:-12355}
 dir=${HETJAX_REMOTE_DIR:-$PWD}
 python=${PYTHON:-.venv/bin/python}
@@ -29,6 +36,5 @@ for ((k = 0; k < n; k++)); do
   pids+=($!)
 done
 status=0
-wait_all "${pids[@]}" || status=$?  # the first failure stops the rest (trap)
-wait "${pids[@]}" 2>/dev/null || true
+wait_all "${pids[@]}" || status=$?  # the first failure stops the rest
 exit "$status"

@@ -9,13 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import require
 
 from hetjax import launch
 from hetjax.allocator import MALLOC_ENV, tune_host_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 
-glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
+
+@pytest.fixture
+def glibc():
+    """The allocator settings are glibc's: elsewhere the test is skipped, or failed
+    under CI=true (conftest.require)."""
+    require(platform.libc_ver()[0] == "glibc", "glibc (the allocator tuned is glibc's malloc)")
 
 
 def _tune(**env) -> tuple[dict, dict]:
@@ -34,7 +40,7 @@ def _tune(**env) -> tuple[dict, dict]:
     return applied, exported
 
 
-@glibc
+@pytest.mark.usefixtures("glibc")
 def test_tune_malloc_applies_the_bench_settings_and_user_variables_win():
     applied, exported = _tune()
     assert applied == exported == MALLOC_ENV
@@ -63,7 +69,7 @@ def _launch_exports(*args: str, **env: str) -> tuple[int, dict, str]:
     return rc, exported, out.stderr
 
 
-@glibc
+@pytest.mark.usefixtures("glibc")
 def test_launcher_bounds_the_allocator_when_asked():
     """HETJAX_MALLOC=1 makes the launcher apply MALLOC_ENV, which child processes
     inherit, and say so; without it, host budget or not, it leaves the allocator to the
@@ -76,7 +82,7 @@ def test_launcher_bounds_the_allocator_when_asked():
         assert rc == 0 and set(exported.values()) == {None} and "allocator" not in err, args
 
 
-@glibc
+@pytest.mark.usefixtures("glibc")
 def test_training_keeps_freed_host_memory_unless_bounded(monkeypatch):
     """train() keeps freed buffers for reuse (tune_host_allocator) unless asked not to:
     HETJAX_MALLOC set, or a MALLOC_* variable of the user's or the launcher's."""

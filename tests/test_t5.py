@@ -2,6 +2,7 @@
 HF's T5ForConditionalGeneration, and trained by the runtimes."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -332,28 +333,84 @@ def _imported(tiny, directory, **sections):
     return t5_config(tiny).replace(model=dataclasses.asdict(model), **sections)
 
 
+# A T5 config.json with every field the import reads at a value other than hetjax's
+# default (so a mapping that is dropped, and leaves the default, fails) -> the fields.
+# d_kv is checked (d_model / num_heads), not mapped; pad_token_id differs from
+# decoder_start_token_id, the one read.
+T5_JSON = dict(
+    model_type="t5", num_layers=3, num_decoder_layers=5, d_model=48, num_heads=6, d_kv=8,
+    d_ff=80, vocab_size=300, layer_norm_epsilon=1e-3, relative_attention_num_buckets=16,
+    relative_attention_max_distance=40, decoder_start_token_id=7, pad_token_id=3,
+)  # fmt: skip
+T5_FIELDS = dict(
+    family="t5", num_layers=3, num_decoder_layers=5, d_model=48, num_heads=6, d_ff=80,
+    vocab_size=300, layer_norm_eps=1e-3, relative_attention_num_buckets=16,
+    relative_attention_max_distance=40, decoder_start_token=7,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "head_json, fields, at_default",
+    [
+        # T5 v1.1 as transformers 5 writes it: tie_word_embeddings always true, the
+        # untied head in scale_decoder_outputs; gated-gelu is hetjax's default
+        (
+            dict(feed_forward_proj="gated-gelu", dense_act_fn="gelu_new",
+                 tie_word_embeddings=True, scale_decoder_outputs=False),
+            dict(feed_forward_proj="gated-gelu", tie_embeddings=False),
+            {"feed_forward_proj"},
+        ),
+        # ReLU as transformers < 5 writes an untied head: tie_word_embeddings false
+        (
+            dict(feed_forward_proj="relu", tie_word_embeddings=False),
+            dict(feed_forward_proj="relu", tie_embeddings=False),
+            set(),
+        ),
+    ],
+    ids=["gated_gelu_transformers5", "relu_transformers4"],
+)  # fmt: skip
+def test_config_json_fields_map_to_non_default_values(tmp_path, head_json, fields, at_default):
+    from hetjax.config import ModelConfig
+    from hetjax.hf import model_config_from_hf
+
+    expected = {**T5_FIELDS, **fields}
+    defaults = ModelConfig()
+    assert {k for k, v in expected.items() if getattr(defaults, k) == v} == at_default
+    (tmp_path / "config.json").write_text(json.dumps({**T5_JSON, **head_json}))
+    config = model_config_from_hf(tmp_path, ModelConfig())
+    assert {k: getattr(config, k) for k in expected} == expected
+    assert config.init_from == f"hf:{tmp_path}"
+
+
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     """ff -> (transformers model, its save_pretrained directory): T5 v1.1 (gated GELU,
-    untied head) and v1.0 (ReLU, head tied to the embedding and the output scaled)."""
+    untied head) and v1.0 (ReLU, head tied to the embedding and the output scaled), each
+    built when a test first asks for it (the default run's test needs only one)."""
     from conftest import tiny_config
 
-    out = {}
-    for ff, tied in (("gated-gelu", False), ("relu", True)):
-        directory = tmp_path_factory.mktemp(ff)
-        config = t5_config(tiny_config, feed_forward_proj=ff, tie_embeddings=tied)
-        out[ff] = (_hf_t5(config, directory), directory)
-    return out
+    built = {}
+
+    def get(ff: str):
+        if ff not in built:
+            directory = tmp_path_factory.mktemp(ff)
+            tied = {"gated-gelu": False, "relu": True}[ff]
+            config = t5_config(tiny_config, feed_forward_proj=ff, tie_embeddings=tied)
+            built[ff] = (_hf_t5(config, directory), directory)
+        return built[ff]
+
+    return get
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("ff", ["gated-gelu", "relu"])
-def test_import_logits_equal_transformers(checkpoints, tiny, ff):
+# gated-gelu (v1.1) runs in the default run: ~5 s on 2 cores, building the transformers
+# model included; relu (v1.0, the tied and scaled head) is slow
+@pytest.mark.parametrize("ff", ["gated-gelu", pytest.param("relu", marks=pytest.mark.slow)])
+def test_import_logits_equal_transformers(checkpoint, tiny, ff):
     """Random-weight HF T5 (v1.1 untied, v1.0 tied) imported: logits and loss within
     1e-4 in fp32 (T 24 reaches the logarithmic position buckets)."""
     from hetjax.hf import open_checkpoint
 
-    hf, directory = checkpoints[ff]
+    hf, directory = checkpoint(ff)
     config = _imported(tiny, directory)
     assert config.model.feed_forward_proj == ff and config.model.decoder_layers == 3
     model = build_model(config.model)
@@ -385,13 +442,13 @@ def test_position_buckets_equal_transformers():
 
 
 @pytest.mark.slow
-def test_one_sgd_step_equals_transformers(checkpoints, tiny):
+def test_one_sgd_step_equals_transformers(checkpoint, tiny):
     """Loss before and after one SGD step on the same window, hetjax vs PyTorch."""
     import copy
 
     from hf_models import torch
 
-    hf, directory = checkpoints["gated-gelu"]
+    hf, directory = checkpoint("gated-gelu")
     lr = 0.5
     optimizer = dict(
         name="sgd", momentum=0.0, lr=lr, grad_clip=0.0, warmup_steps=0, schedule="constant"
@@ -418,7 +475,7 @@ def test_one_sgd_step_equals_transformers(checkpoints, tiny):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ff", ["gated-gelu", "relu"])
-def test_export_round_trip_and_transformers_load(checkpoints, tiny, tmp_path, ff):
+def test_export_round_trip_and_transformers_load(checkpoint, tiny, tmp_path, ff):
     """Export writes the tensor names save_pretrained writes, re-imports exactly, and
     transformers loads it as the model it came from (its head untied or tied alike)."""
     from safetensors import safe_open
@@ -427,7 +484,7 @@ def test_export_round_trip_and_transformers_load(checkpoints, tiny, tmp_path, ff
     from hetjax.export import export_hf
     from hetjax.hf import model_config_from_hf, open_checkpoint
 
-    hf, directory = checkpoints[ff]
+    hf, directory = checkpoint(ff)
     config = _imported(tiny, directory)
     params = open_checkpoint(config.model).params()
     export_hf(config.model, params, tmp_path)
@@ -447,13 +504,13 @@ def test_export_round_trip_and_transformers_load(checkpoints, tiny, tmp_path, ff
 
 
 @pytest.mark.slow
-def test_stream_nvme_import_equals_in_memory(checkpoints, tiny, tmp_path):
+def test_stream_nvme_import_equals_in_memory(checkpoint, tiny, tmp_path):
     """A T5 imported stage by stage into params and optimizer state on NVMe holds the
     params the in-memory import does."""
     from hetjax.hf import open_checkpoint
     from hetjax.runtime.streaming import StreamingRuntime
 
-    directory = checkpoints["gated-gelu"][1]
+    directory = checkpoint("gated-gelu")[1]
     offload = dict(mode="stream", optimizer="nvme", params="nvme")
     stream = StreamingRuntime(_imported(tiny, directory, offload=offload), workdir=tmp_path)
     try:
@@ -472,13 +529,13 @@ def test_stream_nvme_import_equals_in_memory(checkpoints, tiny, tmp_path):
         (dict(num_decoder_layers=2), "model.num_decoder_layers is 3 but the checkpoint has 2"),
     ],
 )
-def test_import_errors_name_the_field(checkpoints, tiny, tmp_path, edit, message):
+def test_import_errors_name_the_field(checkpoint, tiny, tmp_path, edit, message):
     import json
     import shutil
 
     from hetjax.hf import open_checkpoint
 
-    directory = checkpoints["gated-gelu"][1]
+    directory = checkpoint("gated-gelu")[1]
     for f in directory.iterdir():
         shutil.copy(f, tmp_path / f.name)
     config_json = json.loads((tmp_path / "config.json").read_text())

@@ -1,0 +1,261 @@
+"""launch/*.sh: every script parses (``bash -n``), and each, run as
+docs/guide/distributed.md shows it with ``srun``, ``ssh`` and the Python it starts
+replaced by recording shims, starts the processes the docs promise: how many, the
+coordinator's address, each one's process id, and ``python -m hetjax.launch`` with the
+user's arguments (quoted through ssh's remote shell). A failing process stops the
+others (local.sh, ssh.sh). No SLURM or sshd is needed; local.sh's real two-process run
+is tests/test_readme.py's.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hetjax.config import DistributedConfig
+from hetjax.distributed import process_group
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ROOT / "launch"
+# the docs' arguments, and one with a space and a '$' that ssh's remote shell must not split
+USER_ARGS = [
+    "--config", "gpt1p3b", "--config.offload.mode=stream",
+    "--config.distributed.data_parallel=0", "--workdir", "runs/a b$HOME",
+]  # fmt: skip
+
+# Stands in for `python`: records its arguments, working directory and the process-group
+# variables into $LAUNCH_RECORD/python.<pid>.json. With FAKE_FAIL_PROCESS=k, process k
+# exits 3 once every process has recorded itself, and the others run until they are
+# stopped (SIGTERM, or their ssh shim killed: a real ssh -tt session's remote process
+# gets SIGHUP then), leaving stopped.<process id>; they give up after 60 s.
+RECORDER = """#!{python}
+import json, os, signal, sys, time
+
+record = os.environ["LAUNCH_RECORD"]
+env = {{k: v for k, v in os.environ.items() if k.startswith(("HETJAX_", "SLURM_"))}}
+env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS")
+with open(os.path.join(record, f"python.{{os.getpid()}}.json"), "w") as f:
+    json.dump(dict(argv=sys.argv[1:], cwd=os.getcwd(), env=env), f)
+fail = os.environ.get("FAKE_FAIL_PROCESS")
+if fail is None:
+    sys.exit(0)
+me = os.environ["HETJAX_PROCESS_ID"]
+n = int(os.environ["HETJAX_NUM_PROCESSES"])
+deadline = time.monotonic() + 60
+if me == fail:
+    while sum(p.startswith("python.") for p in os.listdir(record)) < n:
+        time.sleep(0.05)
+    sys.exit(3)
+
+
+def stopped(*_):
+    open(os.path.join(record, f"stopped.{{me}}"), "w").close()
+    sys.exit(143)
+
+
+signal.signal(signal.SIGTERM, stopped)
+signal.signal(signal.SIGHUP, stopped)
+parent = os.getppid()
+while time.monotonic() < deadline:
+    if os.getppid() != parent:
+        stopped()
+    time.sleep(0.05)
+"""
+
+# ssh HOST COMMAND: records its arguments into $LAUNCH_RECORD/ssh.<pid>, then runs the
+# remote command here as sshd does, in a shell (ssh joins its arguments with spaces).
+SSH = """#!/usr/bin/env bash
+printf '%s\\0' "$@" >"$LAUNCH_RECORD/ssh.$$"
+[[ $1 == -tt ]] && shift
+shift  # the host
+exec bash -c "$*"
+"""
+
+# srun [OPTIONS] COMMAND...: records its arguments and its pid, then, as srun does, runs
+# COMMAND once per task with SLURM_PROCID set and the step's node list.
+SRUN = """#!/usr/bin/env bash
+printf '%s\\0' "$@" >"$LAUNCH_RECORD/srun"
+echo $$ >"$LAUNCH_RECORD/srun.pid"
+while [[ $1 == -* ]]; do shift; done
+export SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST
+for ((k = 0; k < SLURM_NTASKS; k++)); do
+  SLURM_PROCID=$k "$@" || exit
+done
+"""
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in LAUNCH.glob("*.sh")))
+def test_launch_script_parses(script):
+    out = subprocess.run(["bash", "-n", LAUNCH / script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_every_documented_script_is_parsed():
+    assert {p.name for p in LAUNCH.glob("*.sh")} >= {"common.sh", "local.sh", "slurm.sh", "ssh.sh"}
+
+
+def _shims(tmp_path: Path) -> tuple[Path, Path]:
+    """A bin folder with `ssh`, `srun` and `python3` shims, and the record folder."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "record"
+    bin_dir.mkdir()
+    record.mkdir()
+    for name, text in (("ssh", SSH), ("srun", SRUN), ("python3", RECORDER)):
+        text = text.format(python=sys.executable) if name == "python3" else text
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir, record
+
+
+def _env(bin_dir: Path, record: Path, **extra: str) -> dict[str, str]:
+    """This environment without any process-group or XLA variable, the shims first on
+    PATH."""
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HETJAX_", "SLURM_")) and k not in ("XLA_FLAGS", "PYTHON")
+    }
+    path = f"{bin_dir}{os.pathsep}{base.get('PATH', '')}"
+    return {**base, "PATH": path, "LAUNCH_RECORD": str(record), **extra}
+
+
+def _run(argv: list, env: dict, cwd: Path, timeout: float = 60) -> tuple[int, float, int]:
+    """Runs a launch script: its exit status, seconds taken and pid."""
+    start = time.monotonic()
+    proc = subprocess.Popen([str(a) for a in argv], cwd=cwd, env=env)
+    code = proc.wait(timeout=timeout)
+    return code, time.monotonic() - start, proc.pid
+
+
+def _pythons(record: Path) -> dict[int, dict]:
+    """The recorded `python` processes by HETJAX_PROCESS_ID (or SLURM_PROCID)."""
+    runs = [json.loads(p.read_text()) for p in record.glob("python.*.json")]
+    key = lambda r: int(r["env"].get("HETJAX_PROCESS_ID", r["env"].get("SLURM_PROCID", -1)))
+    by_id = {key(r): r for r in runs}
+    assert len(by_id) == len(runs), runs  # no process id twice
+    return by_id
+
+
+def _argv(path: Path) -> list[str]:
+    return path.read_text().split("\0")[:-1]
+
+
+def test_slurm_script_runs_one_launch_per_task(tmp_path):
+    """slurm.sh as sbatch runs it on 4 nodes: it becomes srun (exec: SLURM's SIGUSR1 to
+    the batch shell reaches srun, which forwards it), with --kill-on-bad-exit, and each
+    task runs `python3 -m hetjax.launch ARGS`; hetjax reads 4 processes, task k's id k
+    and the coordinator gpu07:12355 (the first node, the default port) off the
+    variables it gets."""
+    bin_dir, record = _shims(tmp_path)
+    slurm = dict(SLURM_NTASKS="4", SLURM_JOB_NODELIST="gpu[07-09],login2", SLURM_JOB_ID="1")
+    code, _, pid = _run([LAUNCH / "slurm.sh", *USER_ARGS], _env(bin_dir, record, **slurm), ROOT)
+    assert code == 0
+    assert int((record / "srun.pid").read_text()) == pid  # exec'd
+    srun = ["--kill-on-bad-exit=1", "python3", "-m", "hetjax.launch", *USER_ARGS]
+    assert _argv(record / "srun") == srun
+    tasks = _pythons(record)
+    assert sorted(tasks) == [0, 1, 2, 3]
+    for k, task in tasks.items():
+        assert task["argv"] == ["-m", "hetjax.launch", *USER_ARGS]
+        assert task["env"]["HETJAX_COORDINATOR_PORT"] == "12355"
+        group = process_group(DistributedConfig(), task["env"])
+        assert (group.coordinator, group.num_processes, group.process_id) == ("gpu07:12355", 4, k)
+
+
+def test_slurm_script_keeps_the_users_port(tmp_path):
+    bin_dir, record = _shims(tmp_path)
+    env = _env(bin_dir, record, SLURM_NTASKS="2", SLURM_JOB_NODELIST="n1,n2",
+               HETJAX_COORDINATOR_PORT="23456")  # fmt: skip
+    assert _run([LAUNCH / "slurm.sh", "--config", "gpt_tiny"], env, ROOT)[0] == 0
+    for task in _pythons(record).values():
+        assert process_group(DistributedConfig(), task["env"]).coordinator == "n1:23456"
+
+
+HOSTS = (
+    "# the first host is process 0 and the coordinator\n"
+    "node-a \t\n"  # trailing blanks
+    "\n"
+    "node-b\n"
+    "   # an indented comment\n"
+    "node-c"  # no newline at the end
+)
+
+
+def test_ssh_script_runs_one_launch_per_host(tmp_path):
+    """ssh.sh over a host file with comments, a blank line and trailing blanks: one `ssh -tt HOST
+    COMMAND` per host; the command, run by a shell as sshd runs it, changes to the
+    repository (HETJAX_REMOTE_DIR, here with a space in it) and runs
+    .venv/bin/python -m hetjax.launch with the user's arguments unchanged,
+    HETJAX_COORDINATOR=node-a:12355, 3 processes and the host's line number among the
+    hosts as its process id."""
+    bin_dir, record = _shims(tmp_path)
+    remote = tmp_path / "remote repo"
+    (remote / ".venv" / "bin").mkdir(parents=True)
+    (remote / ".venv" / "bin" / "python").symlink_to(bin_dir / "python3")
+    (tmp_path / "hosts.txt").write_text(HOSTS)
+    env = _env(bin_dir, record, HETJAX_REMOTE_DIR=str(remote))
+    code, _, _ = _run([LAUNCH / "ssh.sh", tmp_path / "hosts.txt", *USER_ARGS], env, tmp_path)
+    assert code == 0
+    hosts = ["node-a", "node-b", "node-c"]
+    assert sorted(_argv(p)[:2] for p in record.glob("ssh.*")) == [["-tt", h] for h in hosts]
+    processes = _pythons(record)
+    assert sorted(processes) == [0, 1, 2]
+    for k, process in processes.items():
+        assert process["argv"] == ["-m", "hetjax.launch", *USER_ARGS]
+        assert process["cwd"] == str(remote)
+        assert process["env"]["HETJAX_COORDINATOR"] == "node-a:12355"
+        assert process["env"]["HETJAX_NUM_PROCESSES"] == "3"
+        assert process["env"]["HETJAX_PROCESS_ID"] == str(k)
+    ssh_by_host = {_argv(p)[1]: _argv(p)[2] for p in record.glob("ssh.*")}
+    assert all(f"HETJAX_PROCESS_ID={k}" in ssh_by_host[h] for k, h in enumerate(hosts))
+
+
+def test_ssh_script_refuses_a_host_file_without_hosts(tmp_path):
+    bin_dir, record = _shims(tmp_path)
+    (tmp_path / "hosts.txt").write_text("# none yet\n\n")
+    out = subprocess.run(
+        [LAUNCH / "ssh.sh", tmp_path / "hosts.txt", "--config", "gpt_tiny"],
+        env=_env(bin_dir, record), cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode != 0 and "no hosts" in out.stderr, out.stderr
+    assert not list(record.iterdir())
+
+
+def test_local_script_runs_n_processes_on_this_machine(tmp_path):
+    """local.sh 3 with HETJAX_DEVICES_PER_PROCESS=2 and no XLA_FLAGS: three processes
+    with ids 0-2, the coordinator localhost:HETJAX_PORT, 2 virtual CPU devices each
+    (XLA_FLAGS), the user's arguments; processes 1 and 2 log to <workdir>/proc<k>.log."""
+    bin_dir, record = _shims(tmp_path)
+    env = _env(bin_dir, record, HETJAX_DEVICES_PER_PROCESS="2", HETJAX_PORT="23457")
+    args = ["--workdir", "runs/w", "--config.offload.mode=stream"]
+    assert _run([LAUNCH / "local.sh", "3", *args], env, tmp_path)[0] == 0
+    processes = _pythons(record)
+    assert sorted(processes) == [0, 1, 2]
+    for process in processes.values():
+        assert process["argv"] == ["-m", "hetjax.launch", *args]
+        assert process["env"]["HETJAX_COORDINATOR"] == "localhost:23457"
+        assert process["env"]["HETJAX_NUM_PROCESSES"] == "3"
+        assert process["env"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    assert sorted(p.name for p in (tmp_path / "runs" / "w").iterdir()) == ["proc1.log", "proc2.log"]
+
+
+@pytest.mark.parametrize("script", ["local.sh", "ssh.sh"])
+def test_one_failed_process_stops_the_others(tmp_path, script):
+    """Process 1 of 3 exits 3 while the others run on (they would for 60 s): the script
+    exits 3 within seconds and every other process is stopped."""
+    bin_dir, record = _shims(tmp_path)
+    env = _env(bin_dir, record, FAKE_FAIL_PROCESS="1", PYTHON=str(bin_dir / "python3"))
+    if script == "local.sh":
+        argv = [LAUNCH / "local.sh", "3", "--workdir", tmp_path / "run"]
+    else:
+        (tmp_path / "hosts.txt").write_text("a\nb\nc\n")
+        argv = [LAUNCH / "ssh.sh", tmp_path / "hosts.txt", "--config", "gpt_tiny"]
+    code, seconds, _ = _run(argv, env, tmp_path, timeout=120)
+    assert code == 3 and seconds < 30, (code, seconds)
+    deadline = time.monotonic() + 10
+    while len(list(record.glob("stopped.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sorted(p.name for p in record.glob("stopped.*")) == ["stopped.0", "stopped.2"]
