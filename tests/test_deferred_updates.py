@@ -250,8 +250,8 @@ def test_the_planners_deferred_share_is_what_a_run_defers():
     8 steps the mean share deferred is within 0.06 of 1 - q = (31/32)^16 = 0.601: the
     number of experts without a token among 32 after 16 uniform draws has a standard
     deviation of 1.4 (0.044 of 32) a step, 0.016 over 8 steps; measured here (19.25
-    experts a step without a token, 0.6016), 0.0002 off. A planner that forgot the micro-batches (1 - f = 0.776) or took top-2 (0.356)
-    would be 0.17 and 0.25 off."""
+    experts a step without a token, 0.6016), 0.0002 off. A planner that forgot the
+    micro-batches (1 - f = 0.776) or took top-2 (0.356) would be 0.17 and 0.25 off."""
     from conftest import tiny_config
     from test_expert_fetch import _config
 

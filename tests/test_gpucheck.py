@@ -195,9 +195,7 @@ def test_the_working_set_check_fails_below_three_quarters_of_the_compiled(
 
     monkeypatch.setattr(_Compiled, "working_sets", compiled)
     monkeypatch.setattr(stages, "StageFunctions", _Compiled)
-    estimate = lambda config, backend: Namespace(
-        working_set=estimates[config.offload.batch_chunks]
-    )
+    estimate = lambda config, backend: Namespace(working_set=estimates[config.offload.batch_chunks])
     monkeypatch.setattr(Workload, "from_config", estimate)
     working_set(Report(tmp_path, "memory"), "cpu", d_model=64, batch=4, seq=32)
     got = [r["status"] for r in rows(tmp_path).values()]
