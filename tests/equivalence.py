@@ -68,16 +68,28 @@ def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
+def _evaluated(result) -> bool:
+    """Whether the run evaluated (``train.eval_batches`` > 0 in the config it wrote)."""
+    config = json.loads((result.workdir / "config.json").read_text())
+    return config["train"]["eval_batches"] > 0
+
+
 def assert_evaluation_equal(actual, expected, rtol: float = 1e-5) -> None:
     """The validation loss (``train.eval_batches``; the published compute-dtype params)
-    within ``rtol``, NaN in both runs or in neither; and each run's ``summary.json``
-    (read back and checked against its result): first and last training loss and
-    validation loss within ``rtol``, the same number of steps."""
-    assert math.isnan(actual.val_loss) == math.isnan(expected.val_loss), (
-        actual.val_loss,
-        expected.val_loss,
-    )
-    assert_losses_close([actual.val_loss], [expected.val_loss], rtol)
+    finite in both runs and within ``rtol`` (a run without evaluation, NaN by
+    definition, only against another without: NaN == NaN compares nothing); and each
+    run's ``summary.json`` (read back and checked against its result): first and last
+    training loss and validation loss within ``rtol``, the same number of steps."""
+    evaluated = _evaluated(actual), _evaluated(expected)
+    assert evaluated[0] == evaluated[1], f"one run evaluated, the other not: {evaluated}"
+    if evaluated[0]:
+        assert math.isfinite(actual.val_loss) and math.isfinite(expected.val_loss), (
+            actual.val_loss,
+            expected.val_loss,
+        )
+        assert_losses_close([actual.val_loss], [expected.val_loss], rtol)
+    else:
+        assert math.isnan(actual.val_loss) and math.isnan(expected.val_loss)
     a, e = read_summary(actual), read_summary(expected)
     assert a["steps"] == e["steps"], (a, e)
     for key in ("first_loss", "last_loss", "val_loss"):

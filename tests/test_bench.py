@@ -106,9 +106,6 @@ def test_optimizer_quick(tmp_path, capsys):
     assert main(["optimizer", "--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["optimizer_params_s"] > 0 and result["memory_gbs"] > 0
-    # The bound, from the update's own traffic: Adam reads param, grad, mu and nu and
-    # writes param, mu and nu, 7 fp32 arrays: 28 bytes a parameter at the copy bandwidth.
-    assert result["bound_params_s"] == pytest.approx(result["memory_gbs"] * 1e9 / (7 * 4))
     rows = result["rows"]
     assert {"optax spare", "optax in place"} <= set(rows)
     assert result["kernel"] == ("native" if "native in place" in rows else "optax")
@@ -245,7 +242,9 @@ def test_scale_from_names_the_sizes_when_unknown(tmp_path):
 def test_peer_quick(tmp_path, capsys):
     """bench peer's rows on the small peer shape: each its own child run with its peak
     RSS; offloaded rows move bytes to and from the disk, the in-memory row none; the
-    limit is max(compute, disk time)."""
+    limit is max(compute, disk time). One generation of the NVMe state is the quick
+    shape's, counted by hand: each step of the optimizer-only row reads and writes it
+    exactly once."""
     out = tmp_path / "peer.json"
     assert main(["peer", "--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -260,14 +259,23 @@ def test_peer_quick(tmp_path, capsys):
     for name, row in rows.items():
         assert row["peak_rss"] > 0 and row["step_s"] > 0, name
         assert row["limit_s"] >= result["compute_s"], name
-        assert row["vs_limit"] == pytest.approx(row["step_s"] / row["limit_s"])
+    # The quick shape (hetjax/bench/common.py's PEER_SHAPE: GPT, d 256, vocab 8192, T
+    # 128, 4 layers) by hand: embed 8192 x 256 + 128 x 256 = 2,129,920 params, a block
+    # 12 d^2 + 13 d = 789,760, the head's norm 2 d = 512. Pages are fitted to the block
+    # (4 MiB pages hold it whole: one page of 789,760 rounded up to 1024, 790,528): 3
+    # pages the embed, 1 each block and the head, 8 pages. fp32 master, mu and nu: 12
+    # bytes an element.
+    generation = 8 * 790_528 * 12
     for name in list(rows)[1:]:
         row = rows[name]
+        assert row["generation_bytes"] == generation, name
         assert row["read_bytes"] > 0 and row["write_bytes"] > 0, name
-        per_generation = row["read_bytes"] / row["generation_bytes"]
-        assert row["read_vs_generation"] == pytest.approx(per_generation)
         # every byte on NVMe written once a step (a cached stage's only when evicted)
-        assert row["write_vs_generation"] <= 1.0 + 1e-9, name
+        assert row["write_bytes"] <= generation, name
+    # no host budget (no state cache) and no clipping (no redo): every stage's state
+    # read and written once
+    assert rows["optimizer on NVMe"]["read_bytes"] == generation
+    assert rows["optimizer on NVMe"]["write_bytes"] == generation
     # params on NVMe add their reads (forward and backward) to the optimizer's
     assert (
         rows["params + optimizer on NVMe"]["read_bytes"] > rows["optimizer on NVMe"]["read_bytes"]

@@ -5,6 +5,7 @@ chunks against offload.mode=none: tests/test_stream.py (one device), tests/test_
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes  # numpy's bfloat16 (a jax dependency)
 import numpy as np
 import pytest
 from equivalence import assert_trees_close
@@ -79,19 +80,40 @@ def test_chunked_stage_functions_equal_whole_ones(family, leaf_buffers):
 
 
 def test_bf16_chunked_gradient_is_summed_in_bf16():
-    """bf16 (memory.block_grad_dtype's bf16 slabs): the block gradient leaves in bf16,
-    the sum of the chunks' bf16 gradients, within a few bf16 roundings of the whole
-    micro-batch's (each chunk's gradient and each partial sum rounded: at most 2^-8
-    relative each, 4 chunks); the forward's rows within a bf16 rounding (a dot of fewer
-    rows may block its sums differently)."""
+    """bf16 (memory.block_grad_dtype's bf16 slabs): the block gradient of 4 chunks is,
+    bit for bit, the chunks' bf16 gradients (each computed alone, by the whole-batch
+    function on the chunk's row) added one after the other in bf16, each partial sum
+    rounded to bf16; not their fp32 sum rounded once, which differs in many elements
+    on these values. The forward's rows within a bf16 rounding of the whole
+    micro-batch's (a dot of fewer rows may block its sums differently)."""
     whole = _run("gpt", 1, jnp.bfloat16, False)
     chunked = _run("gpt", 4, jnp.bfloat16, False)
     assert all(p.dtype == jnp.bfloat16 for p in chunked["db"])
     y, y_whole = (np.asarray(r["y"], np.float32) for r in (chunked, whole))
     assert np.linalg.norm(y - y_whole) <= 2.0**-8 * np.linalg.norm(y_whole)
-    a = np.concatenate([np.asarray(p, np.float32) for p in chunked["db"]])
+    # each chunk's gradient alone: the inputs _run draws, one row (a chunk) at a time
+    _, layouts, fns = _functions("gpt", 1, jnp.bfloat16, False)
+    rng = np.random.default_rng(0)
+    b = _stage(layouts, "block", jnp.bfloat16, rng)
+    for name in ("embed", "head"):  # (drawn between the block and x: the same stream)
+        _stage(layouts, name, jnp.bfloat16, rng)
+    x = jnp.asarray(rng.normal(0, 1, (ROWS, T, 64)), jnp.bfloat16)
+    dy = jnp.asarray(rng.normal(0, 1, (ROWS, T, 64)), jnp.bfloat16)
+    grads = []
+    for k in range(ROWS):
+        _, stats = fns.block_fwd(b, x[k : k + 1], ())
+        (g, _), _, _ = fns.block_bwd(b, x[k : k + 1], dy[k : k + 1], stats, (), ())
+        grads.append([np.asarray(p, np.float32) for p in g])
+    bf16 = lambda a: np.asarray(a, ml_dtypes.bfloat16).astype(np.float32)
+    in_bf16 = [np.zeros_like(p) for p in grads[0]]
+    for g in grads:  # a bf16 add: the exact sum rounded to bf16 (fp32 rounds no differently)
+        in_bf16 = [bf16(a + p) for a, p in zip(in_bf16, g, strict=True)]
+    in_fp32 = [bf16(sum(g[i] for g in grads)) for i in range(len(grads[0]))]
+    got = np.concatenate([np.asarray(p, np.float32) for p in chunked["db"]])
+    np.testing.assert_array_equal(got, np.concatenate(in_bf16))
+    assert np.count_nonzero(got != np.concatenate(in_fp32)) > got.size // 10
     w = np.concatenate([np.asarray(p, np.float32) for p in whole["db"]])
-    assert np.linalg.norm(a - w) <= 8 * 2.0**-8 * np.linalg.norm(w)
+    assert np.linalg.norm(got - w) <= 8 * 2.0**-8 * np.linalg.norm(w)
 
 
 def test_models_whose_rows_are_not_independent_are_refused():

@@ -67,8 +67,11 @@ def _run(config, batches, used: int, tmp_path=None, save_at: int = 0, resume: bo
 def _skewed_adamw(runtime: StreamingRuntime, used: int) -> RuntimeState:
     """``test_expert_fetch._skewed``'s router (tokens to the first ``used`` experts)
     with AdamW's state: zero moments, zero step counts."""
-    sgd = _skewed(runtime, used)
-    params = sgd.params()
+    return _adamw_state(runtime, _skewed(runtime, used).params())
+
+
+def _adamw_state(runtime: StreamingRuntime, params) -> RuntimeState:
+    """``params`` with AdamW's state: zero moments, zero step counts."""
     zeros = jax.tree.map(np.zeros_like, params)
     scalars = [np.zeros((), np.int32)] * len(runtime.states.scalars["embed"])
     trees = {"master": params, "mu": zeros, "nu": zeros}
@@ -208,3 +211,76 @@ def test_the_planner_counts_the_state_deferred_experts_leave_on_disk():
     assert deferred.lanes["nvme"] < whole.lanes["nvme"]
     assert f"updates {q:.0%} of it on NVMe" in deferred.table()
     assert "expert_updates" not in whole.table()
+
+
+def _expert_of(tokens: np.ndarray) -> np.ndarray:
+    """The expert :func:`_routed_by_token` sends each token id to: 2 i + s for the
+    embedding's one coordinate i = t mod 16 and its sign s = (t // 16) mod 2 (0: +).
+    The 256 token ids fall 8 to each of the 32 experts: uniform tokens, uniform routing."""
+    return 2 * (tokens % 16) + (tokens // 16) % 2
+
+
+def _routed_by_token(runtime: StreamingRuntime) -> RuntimeState:
+    """The runtime's params (d 32, 32 experts, top-1) with routing that depends on the
+    token id alone, :func:`_expert_of`: token t's embedding is +/- 100 on coordinate
+    t mod 16, zero elsewhere (what attention and the experts add is small beside it, so
+    each block's normalised input stays nearly +/- sqrt(32) there), and each block's
+    router column 2 i is +10 on coordinate i, column 2 i + 1 is -10."""
+    params = jax.tree.map(np.array, runtime.params())
+    t = np.arange(256)
+    embed = params["embed"]["embed_tokens"]  # (V, D)
+    embed[...] = 0
+    embed[t, t % 16] = np.where((t // 16) % 2 == 0, 100.0, -100.0)
+    router = params["blocks"]["moe"]["router"]  # (L, D, E)
+    router[...] = 0
+    for i in range(16):
+        router[:, i, 2 * i], router[:, i, 2 * i + 1] = 10.0, -10.0
+    return _adamw_state(runtime, params)
+
+
+@pytest.mark.slow  # 7 s warm, 16 s cold: 8 steps of a routed MoE, its state on NVMe
+def test_the_planners_deferred_share_is_what_a_run_defers():
+    """The planner's expected share of the routed experts' state a step leaves alone,
+    1 - q with q = 1 - (1 - f)^A (uniform routing), against a run's
+    ``expert_pages_deferred`` where routing is uniform by construction: 32 experts,
+    top-1, 2 micro-batches of 8 tokens, uniform random token ids routed by id
+    (:func:`_routed_by_token`). An expert's rows in each of its 3 leaves are exactly one
+    4 KiB page (32 x 32 fp32, every leaf page-aligned), so each step defers 2 blocks x 3
+    pages per expert that got no token: counted from the step's token ids, exactly. Over
+    8 steps the mean share deferred is within 0.06 of 1 - q = (31/32)^16 = 0.601: the
+    number of experts without a token among 32 after 16 uniform draws has a standard
+    deviation of 1.4 (0.044 of 32) a step, 0.016 over 8 steps; measured here (19.25
+    experts a step without a token, 0.6016), 0.0002 off. A planner that forgot the
+    micro-batches (1 - f = 0.776) or took top-2 (0.356) would be 0.17 and 0.25 off."""
+    from conftest import tiny_config
+    from test_expert_fetch import _config
+
+    from hetjax.planning.workload import Workload
+
+    config = _config(tiny_config, "routed", optimizer="nvme", params="nvme")
+    config = config.replace(
+        model=dict(num_experts=32, d_ff=32, num_kv_heads=4),
+        # no clipping: no redo, whose second update would count its pages again
+        optimizer=dict(name="adamw", weight_decay=0.1, lr=1e-2, grad_clip=0.0),
+    )
+    assert config.offload.expert_updates == "deferred"  # (the default)
+    w = Workload.from_config(config, backend="cpu")
+    assert w.deferred_expert_updates and w.micro_batches == 2
+    share = 1 - w.expert_step_share
+    assert share == pytest.approx((31 / 32) ** 16)  # f = 1 - (31/32)^8, A = 2
+    pages = 2 * 3  # a step defers per expert without a token: 2 blocks x 3 leaves
+
+    runtime = StreamingRuntime(config)
+    deferred, without = [], []
+    try:
+        runtime.load_state(_routed_by_token(runtime))
+        for batch in _batches(8, seed=3):
+            report = runtime.train_step(batch)
+            used = np.unique(_expert_of(batch[:, :, :-1]))  # the inputs, not the targets
+            without.append(32 - len(used))
+            deferred.append(report.metrics["expert_pages_deferred"])
+    finally:
+        runtime.close()
+    assert deferred == [pages * n for n in without]
+    measured = np.mean(deferred) / (pages * 32)
+    assert abs(measured - share) <= 0.06, (measured, share, without)

@@ -1,6 +1,8 @@
 """The planner and the runtime account memory with one model (hetjax/memory.py): for a
 grid of placements and budgets, the planner's bytes per tier equal, byte for byte, the
-plans the built streaming runtime enforces."""
+plans the built streaming runtime enforces. That model itself against bytes counted by
+hand from a small config's shapes, and against what a step of the runtime measures:
+the last test."""
 
 import pytest
 
@@ -84,5 +86,75 @@ def test_planner_bytes_equal_the_runtime_plans(
         assert f.candidate.placement.resident_blocks == runtime.plan.resident_blocks
         assert sum(f.device.values()) <= limit["device"]
         assert sum(f.host.values()) <= limit["host"]
+    finally:
+        runtime.close()
+
+
+def test_planner_bytes_for_a_small_config_by_hand(tiny, tmp_path):
+    """The 8-block tiny GPT (d 32, vocab 256, 32 positions, 4 x 16 tokens a micro-batch),
+    params in RAM, optimizer state on NVMe, boundaries in RAM, prefetch depth 1, clipping
+    (gradients kept for a redo), budgets that hold everything: every part of the
+    planner's footprint counted by hand from the model's shapes, and a step of the
+    runtime against it (its NVMe bytes exactly; the device and host bytes it measures
+    within the plan's)."""
+    from equivalence import training_batches
+
+    offload = dict(mode="stream", optimizer="nvme", activations="host", prefetch_depth=1)
+    memory = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
+    config = tiny(model=EIGHT, offload=offload, memory=memory, optimizer=dict(grad_clip=1.0))
+    # Params: embed 256 x 32 tokens + 32 x 32 positions = 9,216; a block 2 norms x 2 x 32,
+    # qkv 32 x 96 + 96, out 32 x 32 + 32, mlp 32 x 128 + 128 and 128 x 32 + 32 = 12,704;
+    # the head its norm, 2 x 32 = 64 (tied to the embed). 16 KiB pages: 4,096 fp32
+    # elements (a block fills 4 pages: the fitted page is the whole 16 KiB).
+    page = 4096
+    embed, block, head = 3 * page, 4 * page, 1 * page  # 9,216, 12,704 and 64, padded
+    stages = embed + 8 * block + head  # 147,456 elements
+    boundary = 4 * 16 * 32 * 4  # a (B, T, D) fp32 activation: 8 KiB
+    state = 12  # bytes an element: fp32 master, mu and nu
+    device = {
+        "embed+head": 4 * (embed + head),
+        "blocks": 4 * block * 8,  # the 64 MiB budget holds every block resident
+        "gradients": 2 * 4 * block,  # two slabs, the block's the larger
+        "boundaries": 2 * boundary,  # one going out, one coming in
+        "contexts": 0,
+        "kept": 0,
+        "swapped": 0,
+        "optimizer": 0,
+    }
+    host = {
+        "params": 4 * stages + 2 * 4 * block,  # all, and two refreshed on their way
+        "params kept for backward": 0,
+        "params kept to their next read": 0,
+        "gradients": 4 * stages,  # every stage's, kept for a clipping redo
+        "optimizer": 0,
+        "optimizer I/O": 4 * state * block,  # 2 read ahead, 1 updating, 1 written back
+        "boundaries": 8 * boundary,
+        "swapped activations": 0,
+        "optimizer cache": 2 * state * stages,  # all of it (old and new) fits the budget
+    }
+    nvme = {"optimizer": 2 * state * stages}  # two generations
+    nvme |= {"params": 0, "boundaries": 0, "swapped activations": 0, "gradients": 0}
+
+    runtime = StreamingRuntime(config, workdir=tmp_path)
+    try:
+        t = config.train
+        sizes = runtime.fns.memory_sizes(t.micro_batch_size, t.seq_len, runtime.compute_dtype)
+        w = Workload.from_config(config, sizes)
+        placement = Placement(
+            params="host", optimizer="nvme", activations="host", prefetch_depth=1,
+            expert_fetch="all",
+        )  # fmt: skip
+        budgets = {"device": 64 << 20, "host": 64 << 20, "nvme": 1 << 40}
+        f = footprint(w, Candidate(placement=placement), budgets)
+        # the working set is XLA's (the compiled stage functions'), not countable by hand
+        assert f.device == device | {"working set": sizes.working_set}
+        assert f.host == host
+        assert f.nvme == nvme
+        assert f.candidate.placement.resident_blocks == 8
+        report = runtime.train_step(training_batches(config, 1)[0])  # accounted: the first
+        assert report.metrics["nvme_bytes"] == nvme["optimizer"]
+        # what the runtime holds, measured by its ledger and its stores, within the plan
+        assert 0 < report.metrics["device_bytes_peak"] <= sum(f.device.values())
+        assert 0 < report.metrics["host_bytes"] <= sum(f.host.values())
     finally:
         runtime.close()

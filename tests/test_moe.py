@@ -151,8 +151,9 @@ def reference(tmp_path_factory):
 
 
 # Default-run representatives: test_logits_and_aux_loss_equal_transformers (in memory),
-# test_stream_nvme_equals_none and test_zero3_on_4_devices_equals_single_device (sharing
-# the reference); the others are slow.
+# test_stream_nvme_equals_none and test_expert_parallel_on_4_devices_equals_single_device's
+# data2xexpert2 case (ZeRO-3 over 2 devices beside 2 expert shards; both share the
+# reference); the others are slow (ZeRO-3 alone over 4 devices among them).
 
 
 def test_stream_nvme_equals_none(reference, tiny, tmp_path):

@@ -33,11 +33,15 @@ def test_host_plan_keeps_blocks_for_backward_within_its_budget():
     roomy = plan_host(s, on_nvme, 10**9)
     base = roomy.required - roomy.kept_params - roomy.cache
     assert memory_host.host_minimum(s, on_nvme).required <= base
-    for room_blocks in (0, 1, 3, 5):
+    # The room above the base: 1/2, 3/2, 7/2 and 11/2 blocks' params (10, 30, 70 and
+    # 110 kB). The state cache takes it first (it saves writes too): a stage's state in
+    # it is held twice (old and new) at 12 bytes an element, 48 kB the head's, 96 kB the
+    # embed's, 240 kB a block's, so the head's alone fits from 70 kB on; the kept blocks
+    # (20 kB each) get what it leaves: 10 // 20, 30 // 20, (70 - 48) // 20, (110 - 48) // 20.
+    for room_blocks, cache, expected in ((0, 0, 0), (1, 0, 1), (3, 48_000, 1), (5, 48_000, 3)):
         budget = base + room_blocks * one + one // 2
         plan = plan_host(s, on_nvme, budget)
-        # the state cache first (it saves writes too), then what it leaves
-        expected = min(6, (budget - base - plan.cache) // one)
+        assert plan.cache == cache, (room_blocks, plan)
         assert plan.kept_param_blocks == expected, (room_blocks, plan)
         assert plan.kept_params == expected * one
         assert plan.parts["params kept for backward"] == plan.kept_params

@@ -465,38 +465,46 @@ def reference(tmp_path_factory):
 AUTO_SGD = dict(name="sgd", lr=0.1)
 
 
+def test_auto_resolves_to_none_where_the_model_fits(tiny, tmp_path):
+    """No budget: the tiny model fits the device whole, and auto trains it as
+    offload.mode=none, decided from shapes alone. (Training it would compare none with
+    none: the streamed resolutions below are the ones trained against the reference.)"""
+    model = dict(num_layers=4, d_model=32, num_heads=4, max_seq_len=32)
+    config = tiny(model=model, optimizer=AUTO_SGD)
+    assert config.offload.mode == "auto"
+    planned = resolve_auto(config, tmp_path, log=lambda s: None)
+    assert planned.offload.mode == "none"
+    assert planned.replace(offload=dict(mode="auto")) == config  # nothing else changed
+
+
 @pytest.mark.parametrize(
-    "memory, expect",
+    "memory, optimizer",
     [
-        (dict(), ("none", None)),  # fits: none, decided from shapes alone
         pytest.param(  # slow: tight_device_and_host covers auto -> stream
-            dict(device_budget="600KiB", page_size="4KiB"),
-            ("stream", "host"),
-            marks=pytest.mark.slow,
+            dict(device_budget="600KiB", page_size="4KiB"), "host", marks=pytest.mark.slow
         ),
         (
             dict(device_budget="540KiB", host_budget="1300KiB", page_size="4KiB"),
-            ("stream", "nvme"),  # params and optimizer state on NVMe
+            "nvme",  # params and optimizer state on NVMe
         ),
     ],
-    ids=["fits", "tight_device", "tight_device_and_host"],
+    ids=["tight_device", "tight_device_and_host"],
 )
-def test_auto_trains_like_none(reference, tiny, tmp_path, memory, expect):
+def test_auto_streams_where_the_device_is_tight_and_trains_like_none(
+    reference, tiny, tmp_path, memory, optimizer
+):
     model = dict(num_layers=4, d_model=32, num_heads=4, max_seq_len=32)
     config = tiny(model=model, optimizer=AUTO_SGD, memory=memory)
     assert config.offload.mode == "auto"
     planned = resolve_auto(config, tmp_path, log=lambda s: None)
-    assert planned.offload.mode == expect[0]
-    if expect[1]:
-        assert planned.offload.optimizer == expect[1]
+    assert planned.offload.mode == "stream" and planned.offload.optimizer == optimizer
     result = train(config, tmp_path, verbose=False)
     assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
-    if expect[0] == "stream":  # the runtime's own plan agrees the placement fits
-        rt = StreamingRuntime(planned)
-        try:
-            assert rt.plan.required <= planned.memory.device_budget
-        finally:
-            rt.close()
+    rt = StreamingRuntime(planned)  # the runtime's own plan agrees the placement fits
+    try:
+        assert rt.plan.required <= planned.memory.device_budget
+    finally:
+        rt.close()
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ ROWS = {
 }
 # full, quick: each below what caching every stage's state would take, so the budgeted
 # row still streams state from the disk (the quick shape's minimum host working set is
-# 223 MiB and a generation of its state 84 MiB: 512 MiB cached it all, and read nothing)
+# 223 MiB and a generation of its state 72 MiB: 512 MiB cached it all, and read nothing)
 BUDGET = {False: "3GiB", True: "256MiB"}
 # DeepSpeed ZeRO-3 0.19 on this machine at this shape (the table): s/step, GiB
 DEEPSPEED = {
