@@ -9,6 +9,7 @@ import pytest
 from hetjax.bench import main
 
 
+@pytest.mark.slow  # a benchmark smoke test (14 s cold)
 def test_slabs_quick(tmp_path, capsys):
     out = tmp_path / "slabs.json"
     assert main(["slabs", "--quick", "--out", str(out)]) == 0

@@ -108,11 +108,11 @@ def uninterrupted_nvme(tmp_path_factory):
 # -- crash and resume ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(  # right-after-save with -m slow: the default run's 10 minutes
+@pytest.mark.parametrize(  # mid-step in the default run (its 8 minutes), the others slow
     "fault",
     [
         "kill_mid_step@5",
-        "kill_saving@4",
+        pytest.param("kill_saving@4", marks=pytest.mark.slow),
         pytest.param("kill_saved@4", marks=pytest.mark.slow),
     ],
     ids=["mid-step", "during-background-save", "right-after-save"],
@@ -198,6 +198,7 @@ def test_param_write_failing_before_the_commit_is_raised_not_dropped(tmp_path, m
 # -- across placements and device counts --------------------------------------------------
 
 
+@pytest.mark.slow  # 32 s cold; a ZeRO-3 resume in the default run: test_zero3_checkpoint_...
 def test_restore_across_placements_and_device_counts(tmp_path):
     """One run through three placements and two device counts, each leg resuming the
     last one's checkpoint: optimizer and params on NVMe under ZeRO-3 on 4 CPU devices

@@ -144,6 +144,7 @@ def _moved(config, batch, skew, check=None) -> tuple[dict, float, dict]:
         runtime.close()
 
 
+@pytest.mark.slow  # 21 s cold; routed copies' share: test_routed_streaming_equals_... (default)
 def test_a_skewed_router_copies_fewer_bytes(tiny):
     """With a router that sends every token to 4 of 16 experts, a routed step copies
     exactly the other 12 experts' bytes less host -> device than copying every expert,

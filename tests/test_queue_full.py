@@ -309,6 +309,7 @@ def _expert_row_copies(fetchers, put, copies: list):
     return recording
 
 
+@pytest.mark.slow  # 26 s cold: two routed runtimes (pinned hand-offs in the default run above)
 @pytest.mark.cpu_only  # (its plain run is the CPU's)
 def test_routed_expert_rows_reach_the_device_pinned(tiny, monkeypatch):
     """Under the emulated GPU topology a routed block's experts' rows are gathered into

@@ -366,7 +366,7 @@ def test_data_rows_split_over_processes(tiny):
     np.testing.assert_array_equal(glued.reshape(8, 17), whole)
 
 
-@pytest.mark.slow  # ~8 s; the restore chain in test_checkpoint.py has a 4-device ZeRO leg
+# (default run: ~8 s; the restore chain across placements, test_checkpoint.py, is slow)
 def test_zero3_checkpoint_resumes_exactly(tiny, tmp_path):
     """A single-process ZeRO-3 run stopped at step 3 and resumed equals an uninterrupted
     one (the checkpoint holds whole stages, gathered from the shards)."""
