@@ -210,6 +210,7 @@ def test_span_corruption_needs_room_for_sentinels(tiny):
         make_datasets(config)
 
 
+@pytest.mark.slow  # 17 s cold; T5 streamed on NVMe == none: test_stream_nvme_equals_none
 def test_span_corruption_stream_nvme_equals_none(tiny, tmp_path):
     """Span corruption's decoder is shorter than its encoder (T 16: 4 targets): streamed
     with params and optimizer state on NVMe, two blocks kept, it trains as
