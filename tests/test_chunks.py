@@ -64,9 +64,12 @@ def _run(family, n, dtype, leaf_buffers):
     return dict(y=y, db=db, norms=norms, dx=dx, loss=loss, dh=dh, de=de, dhx=dhx, eval=eval_loss)
 
 
-@pytest.mark.parametrize(  # leaf buffers in the default run: test_stream's training
+@pytest.mark.parametrize(  # slow (10 s): the default run trains in chunks, test_stream's
     "family, leaf_buffers",
-    [("gpt", False), pytest.param("llama", True, marks=pytest.mark.slow)],
+    [
+        pytest.param("gpt", False, marks=pytest.mark.slow),
+        pytest.param("llama", True, marks=pytest.mark.slow),
+    ],
     ids=["gpt_pages", "llama_leaves"],
 )
 def test_chunked_stage_functions_equal_whole_ones(family, leaf_buffers):

@@ -226,6 +226,7 @@ def test_kept_and_swapped_blocks_run_under_zero3(tiny):
     assert_trees_close(swapped.backward(b, residuals, dy), expected)
 
 
+@pytest.mark.slow  # 13 s; ZeRO-3 == one device in the default run: test_zero's
 def test_zero3_on_a_data_by_model_mesh_equals_single_device(tiny, tmp_path):
     """ZeRO-3 on 2 devices goes through a mesh with a model axis of size 1 (no tensor
     parallelism yet: the same path a model axis would take) and trains as one device

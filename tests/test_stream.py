@@ -512,6 +512,7 @@ def test_planner_prefers_prefetch_then_residency():
     assert "batch_chunks" not in str(kept.value)
 
 
+@pytest.mark.slow  # 11 s; the launcher streams in the default run: test_default_config_...
 def test_stream_through_launch_reports_memory(tmp_path):
     import json
 
