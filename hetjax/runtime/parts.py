@@ -27,7 +27,13 @@ from hetjax.runtime.blocks import BlockParts, GroupInput, make_blocks
 from hetjax.runtime.boundaries import Boundaries, SwappedResiduals
 from hetjax.runtime.grads import DeviceGradients
 from hetjax.runtime.ledger import IoMeter, Ledger
-from hetjax.runtime.routed import DeferredExperts, ExpertFetcher, ExpertFetchers, routed_blocks
+from hetjax.runtime.routed import (
+    DeferredExperts,
+    ExpertFetcher,
+    ExpertFetchers,
+    check_routed_experts,
+    routed_blocks,
+)
 from hetjax.runtime.schedule import Schedule
 from hetjax.runtime.setup import build_stores, init_state, layout_name, memory_sizes
 from hetjax.runtime.stages import StageFunctions, StageMemory
@@ -100,6 +106,9 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     layouts = placement.stage_layouts(model, mem.page_size)
     state_layouts = placement.state_layouts(layouts)  # what this process holds
     names = _names(model, off.optimizer_device_stages)
+    check_routed_experts(
+        off, model, layouts, names["block_names"], parallelism=parallelism(config.distributed)
+    )
     optimizer, device_optimizer = _optimizers(config, placement, state_layouts, dtype, names)
     compute_model = build_model(config.model, placement.expert_axis)
     fns = _stage_functions(config, placement, compute_model, layouts, dtype)

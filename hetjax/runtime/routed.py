@@ -62,6 +62,30 @@ def expert_leaves(layout: SlabLayout, model) -> tuple[int, ...]:
     return tuple(k for k, leaf in enumerate(layout.leaves) if model.is_expert(leaf.path))
 
 
+def routed_expert_leaves(layout: SlabLayout, model, where: str) -> tuple[int, ...]:
+    """:func:`expert_leaves` of a block that routes; a ``ValueError`` naming the fix when
+    there are none (its held rows would be taken for every expert's: wrong, not slow)."""
+    at = expert_leaves(layout, model)
+    if not at:
+        raise ValueError(
+            f"{where}'s block has no expert leaves named .../moe/<one of "
+            f"{model.expert_params}>: set the model's expert_params to its experts' "
+            "param names, or expert_routing to False"
+        )
+    return at
+
+
+def check_routed_experts(offload, model, layouts, block_names, *, parallelism: str) -> None:
+    """Refuses expert-aware streaming of a model whose blocks' expert leaves are not
+    found (:func:`routed_expert_leaves`) at start-up, before anything compiles."""
+    if offload.expert_fetch != "routed" or not model.expert_routing:
+        return
+    if supports("routed_experts", parallelism) is not None:
+        return  # (not routed: support.fallbacks says so)
+    for name in dict.fromkeys(stage_layout(b) for b in block_names):
+        routed_expert_leaves(layouts[name], model, f"stage layout {name}")
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass
 class RoutedSlab:
@@ -160,14 +184,7 @@ class RoutedBlock:
     leave the device, and their norms; ``cotangent``: of the forward's results."""
 
     def __init__(self, model, g: int, layout: SlabLayout, jit, cast, cotangent):
-        at = expert_leaves(layout, model)
-        if not at:  # the held rows would be taken for every expert's: wrong, not slow
-            raise ValueError(
-                f"stage group {g}'s block has no expert leaves named .../moe/<one of "
-                f"{model.expert_params}>: set the model's expert_params to its experts' "
-                "param names, or expert_routing to False"
-            )
-        self.expert_leaves = at
+        self.expert_leaves = at = routed_expert_leaves(layout, model, f"stage group {g}")
         unflatten = layout.unflatten_pages
 
         def route(b, x, c=()):
