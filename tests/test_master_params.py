@@ -77,6 +77,7 @@ def _run(config, steps: int, check_step=None):
         runtime.close()
 
 
+@pytest.mark.slow  # 13 s; master params in the default run: ..._train_as_params_of_their_own
 def test_fp32_params_on_nvme_are_the_state_s_master(tiny, tmp_path):
     """No param files; a step writes one generation of state and nothing for the params,
     and reads the state (or copies its master from the params' reads) and every block's
