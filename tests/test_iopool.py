@@ -10,6 +10,7 @@ import pytest
 import tensorstore as ts
 from conftest import require
 from equivalence import training_batches
+from test_queue_full import InstantStore
 
 from hetjax import memory
 from hetjax.config import OptimizerConfig
@@ -318,19 +319,9 @@ def test_the_device_runs_at_most_one_use_behind(monkeypatch):
         window_module.jax, "block_until_ready", lambda x: events.append(("wait", x)) or x
     )
 
-    class Store:
-        def prefetch(self, stage):
-            pass
-
-        def ready(self, stage):
-            return True
-
-        def get(self, stage, keep=False):
-            return stage
-
     uses = ["b0", "b1", "b2", "b2", "b1", "b0"]
     win = window_module.PrefetchWindow(
-        uses, 1, {}, Store(), lambda name, slab: events.append(("copy", name)) or slab
+        uses, 1, {}, InstantStore(), lambda name, slab: events.append(("copy", name)) or slab
     )
     for j in range(len(uses)):
         win.get(j)

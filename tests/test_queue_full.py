@@ -15,7 +15,9 @@ from hetjax.config import ConfigError
 from hetjax.runtime.placement import HOST_CLIENT_ENV, Shardings
 
 
-class _Store:
+class InstantStore:
+    """A param store whose stages are always ready: ``get`` returns the stage's name."""
+
     def prefetch(self, stage):
         pass
 
@@ -35,7 +37,12 @@ def _window_events(monkeypatch, lag: int) -> list:
     )
     uses = ["b0", "b1", "b2", "b2", "b1", "b0"]
     win = window_module.PrefetchWindow(
-        uses, 1, {}, _Store(), lambda name, slab: events.append(("copy", name)) or slab, lag=lag
+        uses,
+        1,
+        {},
+        InstantStore(),
+        lambda name, slab: events.append(("copy", name)) or slab,
+        lag=lag,
     )
     for j in range(len(uses)):
         win.get(j)
