@@ -65,31 +65,29 @@ FEATURES: dict[str, Feature] = {
         "each device updates its shard on the host",
         fix="leave it 0",
     ),
+    # under data parallelism each device keeps, swaps or stores its own rows' activations
+    # (tests/test_zero.py); under expert parallelism a block's keep levels would be
+    # traced outside the mesh its all-to-all needs (runtime/remat.py)
     "keep_blocks": Feature(
         key="offload.keep_blocks",
         reason="kept activations are not supported with {parallel}",
         fix="leave it 0",
+        refused=frozenset({EXPERT}),
     ),
     "swap_blocks": Feature(
         key="offload.swap_blocks",
         reason="swapped activations are not supported with {parallel}",
         fix="leave it 0",
+        refused=frozenset({EXPERT}),
     ),
     "swap_to_nvme": Feature(
         key="offload.swap_tier",
         reason="nvme is not supported with {parallel}",
         fix="use host",
+        refused=frozenset({EXPERT}),
     ),
-    "nvme_boundaries": Feature(
-        key="offload.activations",
-        reason="nvme boundary activations are not supported with {parallel}",
-        fix="use device or host",
-    ),
-    "lockfree": Feature(
-        key="optimizer.mode",
-        reason="lockfree is not supported with {parallel}",
-        fix="use optimizer.mode=sync",
-    ),
+    "nvme_boundaries": Feature(key="offload.activations", reason="", refused=frozenset()),
+    "lockfree": Feature(key="optimizer.mode", reason="", refused=frozenset()),
     # the default: a data-parallel device takes a block's pages, not its leaves, so it
     # cannot copy some experts and not others (runtime/routed.py)
     "routed_experts": Feature(

@@ -101,10 +101,11 @@ def test_existing_refusal_texts_stay():
     config = lambda **sections: Config().replace(**sections)
     dp = dict(distributed=dict(data_parallel=2))
     with pytest.raises(ConfigError) as e:
-        config(offload=dict(mode="stream", keep_blocks=1), **dp)
+        config(offload=dict(mode="stream", optimizer_device_stages=1), **dp)
     assert str(e.value) == (
-        "config key 'offload.keep_blocks': kept activations are not supported with data "
-        "parallelism (distributed.data_parallel != 1); leave it 0"
+        "config key 'offload.optimizer_device_stages': a device cache of optimizer state "
+        "is not supported with data parallelism (distributed.data_parallel != 1), where "
+        "each device updates its shard on the host; leave it 0"
     )
     with pytest.raises(ConfigError) as e:
         config(offload=dict(mode="none"), **dp)
@@ -113,12 +114,8 @@ def test_existing_refusal_texts_stay():
         "(distributed.data_parallel != 1) is built on the streaming runtime (ZeRO-3); set "
         "offload.mode=stream (or auto)"
     )
-    with pytest.raises(ConfigError) as e:
-        config(offload=dict(mode="stream"), optimizer=dict(mode="lockfree"), **dp)
-    assert str(e.value) == (
-        "config key 'optimizer.mode': lockfree is not supported with data parallelism "
-        "(distributed.data_parallel != 1); use optimizer.mode=sync"
-    )
+    # supported under data parallelism since 2026-11-26 (tests/test_zero.py)
+    config(offload=dict(mode="stream", keep_blocks=1), optimizer=dict(mode="lockfree"), **dp)
 
 
 def _every_candidate(w: Workload, parallelism: str):

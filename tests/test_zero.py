@@ -32,6 +32,7 @@ from equivalence import (
     without_key_bias,
 )
 
+from hetjax import memory
 from hetjax.config import ConfigError
 from hetjax.data import make_datasets
 from hetjax.distributed import first_slurm_host, process_group
@@ -113,6 +114,55 @@ def test_zero3_equals_plain_single_device_with_sgd(tiny, tmp_path):
     config = tiny(optimizer=opt, offload=ZERO, memory=PAGES, distributed=dict(data_parallel=4))
     result = train(config, tmp_path / "zero", verbose=False)
     assert_gpt_training_equal(result, ref, build_model(config.model), check_tokens())
+
+
+# Each offload feature once refused under data parallelism (hetjax/support.py), on 2
+# devices against the ordinary one-device run. Swapped blocks on NVMe in the default run:
+# it crosses both the residuals' sharding back onto each device (runtime/boundaries.py)
+# and the swap's per-process rows (storage/swap.py); the others are ~8 s each.
+DP_FEATURES = {
+    "swap_nvme": dict(offload=dict(swap_blocks=2, swap_tier="nvme")),
+    "swap_host": dict(offload=dict(swap_blocks=1)),
+    "keep": dict(offload=dict(keep_blocks=1)),
+    "nvme_boundaries": dict(offload=dict(activations="nvme")),
+    "lockfree": dict(optimizer=dict(mode="lockfree", max_staleness=0)),
+}
+
+
+@pytest.fixture(scope="module")
+def plain_sgd(tmp_path_factory):
+    opt = dict(name="sgd", lr=0.1, **CLIP)
+    return train(tiny_config(optimizer=opt), tmp_path_factory.mktemp("plain"), verbose=False)
+
+
+@pytest.mark.parametrize(
+    "feature",
+    [
+        pytest.param(name, marks=[] if name == "swap_nvme" else pytest.mark.slow)
+        for name in DP_FEATURES
+    ],
+)
+def test_formerly_refused_features_under_zero3_equal_single_device(
+    plain_sgd, tiny, tmp_path, feature, monkeypatch
+):
+    """Kept and swapped blocks (host and NVMe), boundaries on NVMe and lock-free mode
+    (staleness 0: its updates are sync's) on 2 devices: losses, validation loss and
+    every final param equal the one-device run's (SGD, clipping binding in some steps).
+    Read ahead one block, so one of the swapped rows (of the boundaries: block 0's) goes
+    through the disk each step (as tests/test_stream.py's one-device tests)."""
+    monkeypatch.setattr(memory, "IO_READAHEAD", 1)
+    change = DP_FEATURES[feature]
+    opt = dict(name="sgd", lr=0.1, **CLIP, **change.get("optimizer", {}))
+    offload = dict(ZERO, **change.get("offload", {}))
+    config = tiny(optimizer=opt, offload=offload, memory=PAGES, distributed=dict(data_parallel=2))
+    result = train(config, tmp_path, verbose=False)
+    assert_gpt_training_equal(result, plain_sgd, build_model(config.model), check_tokens())
+    boundary = 4 * 16 * 32 * 4  # (B, T, D) fp32: both devices' rows, in this process
+    disk = {"nvme_boundaries": boundary, "swap_nvme": None}
+    if feature in disk:  # the feature ran: through the disk (params and state in RAM)
+        for r in result.records:
+            assert r["nvme_write_bytes"] == r["nvme_read_bytes"] > 0, r
+            assert disk[feature] in (None, r["nvme_write_bytes"]), r
 
 
 @pytest.mark.slow  # the chunks' arithmetic is the one-device test's (test_stream.py)
@@ -226,6 +276,30 @@ def _params_like(saved, reference):
     leaves = jax.tree_util.tree_leaves_with_path(reference)
     values = [saved[jax.tree_util.keystr(p)] for p, _ in leaves]
     return jax.tree.unflatten(jax.tree.structure(reference), values)
+
+
+@pytest.mark.slow  # two child processes and a 6-layer reference: ~60 s on 2 cores
+def test_two_processes_swap_and_boundaries_through_nvme(tmp_path):
+    """Swapped blocks and boundary activations on NVMe across 2 processes x 2 devices:
+    each process writes and reads back only its own devices' rows and shards (its own
+    swap files, sized by its share), and training equals one device's. 6 layers: 3
+    swapped, 3 recomputed, so that with read-ahead 2 one row of each goes to disk."""
+    layers = dict(num_layers=6)
+    ref = train(
+        tiny_config(model=layers, optimizer=SGD_CLIP, train=dict(grad_accum=4)),
+        tmp_path / "ref",
+        verbose=False,
+    )
+    nvme = ("offload.swap_blocks=3", "offload.swap_tier=nvme", "offload.activations=nvme")
+    saved = _run_two_processes(tmp_path, *SGD_ARGS, "model.num_layers=6", *nvme)
+    np.testing.assert_allclose(saved["losses"], ref.losses, rtol=1e-5)
+    params = _params_like(saved, ref.params)
+    assert_trees_close(without_key_bias(params), without_key_bias(ref.params))
+    records = [json.loads(line) for line in (tmp_path / "proc0" / "metrics.jsonl").open()]
+    assert all(r["nvme_write_bytes"] == r["nvme_read_bytes"] > 0 for r in records), records
+    for k in (0, 1):  # each process its own swap files
+        for kind in ("swapped", "activations"):
+            assert (tmp_path / f"proc{k}" / "nvme" / f"proc{k}" / kind).is_dir(), kind
 
 
 @pytest.mark.slow  # two child processes compile everything anew

@@ -93,10 +93,13 @@ class Boundaries:
 class SwappedResiduals:
     """The swapped blocks' in-block residuals (``offload.swap_blocks``): copied to host
     memory (``pinned_host``) as forward made them, into the NVMe swap's rows where
-    ``offload.swap_tier=nvme`` (``swap``), and back to ``device`` ahead of backward."""
+    ``offload.swap_tier=nvme`` (``swap``), and back to the device ahead of backward,
+    each with the sharding it left with (one device, or ZeRO-3's: split over the
+    mesh, or stacked per device)."""
 
-    def __init__(self, device, swap=None):
-        self.device, self.swap = device, swap
+    def __init__(self, swap=None):
+        self.swap = swap
+        self._shardings: dict[int, list] = {}  # slot -> its residuals' device shardings
 
     def out(self, i: int, slot: int, residuals: list) -> list | None:
         """Block ``i``'s residuals to the host; the device's copies go once the copy
@@ -106,6 +109,7 @@ class SwappedResiduals:
         out = jax.device_put(residuals, host)
         timeline.watch("device_to_host", f"block{i} swap out", out, after=residuals)
         if self.swap is not None:
+            self._shardings[slot] = [(a.shape, a.sharding) for a in residuals]
             self.swap.put(slot, out)
             return None
         return out
@@ -114,8 +118,23 @@ class SwappedResiduals:
         """Block ``i``'s residuals back on the device (from the NVMe swap's row
         ``slot`` when it holds them: read ahead there)."""
         if residuals is None:
-            residuals = self.swap.get(slot)  # waits for its read
-        out = jax.device_put(residuals, [self.device] * len(residuals))
-        held = [a for a in residuals if isinstance(a, jax.Array)] or None  # not numpy
+            pieces = iter(self.swap.get(slot))  # waits for its read
+            residuals = [
+                _sharded(shape, sharding, pieces) for shape, sharding in self._shardings[slot]
+            ]
+            out, held = residuals, None
+        else:
+            device = [a.sharding.with_memory_kind("device") for a in residuals]
+            out, held = jax.device_put(residuals, device), residuals
         timeline.watch("host_to_device", f"block{i} swap in", out, after=held)
         return out
+
+
+def _sharded(shape: tuple[int, ...], sharding, pieces) -> jax.Array:
+    """A residual of global ``shape`` and device ``sharding`` from the next of
+    ``pieces`` (this process's shards as the swap packed them, in device order)."""
+    devices = sorted(sharding.addressable_devices, key=lambda d: d.id)
+    shards = [jax.device_put(next(pieces), d) for d in devices]
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return shards[0]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)

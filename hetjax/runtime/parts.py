@@ -267,7 +267,7 @@ def _block_parts(config: Config, placement, stores, experts, deferred) -> BlockP
     )  # fmt: skip
     return BlockParts(
         boundaries=boundaries,
-        residuals=SwappedResiduals(placement.shardings.device, stores.residual_swap),
+        residuals=SwappedResiduals(stores.residual_swap),
         ledger=ledger,
         swap_level=config.offload.swap_level,
         put_batch=placement.put_batch,

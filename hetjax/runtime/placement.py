@@ -108,6 +108,7 @@ class SingleDevice:
     nvme_subdir = ""  # this process's directory under the NVMe path ("": the path)
     expert_axis = None  # the mesh axis a MoE's experts are split over (zero.py)
     axis_rules = AXIS_RULES  # no mesh: nothing is split by them
+    local_share = 1  # the fraction of a batch's rows (and per-device values) held here
 
     def __init__(self, device: jax.Device | None = None):
         self.shardings = Shardings.single_device(device)
@@ -119,6 +120,11 @@ class SingleDevice:
         device takes leaf by leaf (``pages.LeafBuffers``: every weight a buffer of its
         own, none cut out of the pages it spans at each use)."""
         return stage_layouts(model, page_size, leaf_buffers=True)
+
+    def swap_staging(self):
+        """Where the NVMe swaps' reads wait for their copy to the device
+        (``Shardings.pinned_staging``)."""
+        return self.shardings.pinned_staging()
 
     def state_layouts(self, layouts: dict[str, SlabLayout]) -> dict[str, SlabLayout]:
         """Layouts of the slabs this process's optimizer and stores hold: whole slabs."""

@@ -189,21 +189,23 @@ def make_grad_store(
 
 
 def make_boundary_swap(
-    config: Config, nvme_dir: Path | None, boundary: jax.ShapeDtypeStruct, stage_to=None
+    config: Config, nvme_dir: Path | None, boundary: jax.ShapeDtypeStruct, placement
 ) -> BoundarySwap | None:
-    """The NVMe swap of boundary activations (``offload.activations=nvme``)."""
+    """The NVMe swap of boundary activations (``offload.activations=nvme``): of this
+    process's rows (``placement.local_share`` of the batch)."""
     slots = Placement.from_config(config).recomputed_blocks(config.model.num_blocks)
     if config.offload.activations != "nvme" or not slots:
         return None
     itemsize = jnp.dtype(boundary.dtype).itemsize
+    rows = boundary.shape[0] * placement.local_share
     return BoundarySwap(
         nvme_dir / "activations",
         slots,
-        boundary.shape,
+        (int(rows), *boundary.shape[1:]),
         boundary.dtype,
         chunk_elems=config.memory.page_size // itemsize,
         depth=memory.IO_READAHEAD,
-        stage_to=stage_to,
+        stage_to=placement.swap_staging(),
     )
 
 
@@ -326,25 +328,24 @@ def build_stores(
         states=states,
         params=placement.param_store(params, layouts, on_nvme),
         grads=make_grad_store(config, host, sizes, page_elems, nvme_dir),
-        swap=make_boundary_swap(config, nvme_dir, boundary, placement.shardings.pinned_staging()),
-        residual_swap=make_residual_swap(
-            config, sizes, offload, nvme_dir, placement.shardings.pinned_staging()
-        ),
+        swap=make_boundary_swap(config, nvme_dir, boundary, placement),
+        residual_swap=make_residual_swap(config, sizes, offload, nvme_dir, placement),
         param_buffers=slabs,
     )
 
 
 def make_residual_swap(
-    config: Config, sizes: Sizes, offload: Placement, nvme_dir: Path | None, stage_to=None
+    config: Config, sizes: Sizes, offload: Placement, nvme_dir: Path | None, placement
 ) -> ResidualSwap | None:
-    """The NVMe swap of the swapped blocks' activations (``offload.swap_tier=nvme``)."""
+    """The NVMe swap of the swapped blocks' activations (``offload.swap_tier=nvme``):
+    this process's shards of them (``placement.local_share``)."""
     if not offload.swap_blocks or offload.swap_tier != "nvme":
         return None
     return ResidualSwap(
         nvme_dir / "swapped",
         offload.swap_blocks,
-        sizes.swap_bytes(offload.swap_level),
+        int(sizes.swap_bytes(offload.swap_level) * placement.local_share),
         chunk_bytes=config.memory.page_size,
         depth=memory.IO_READAHEAD,
-        stage_to=stage_to,
+        stage_to=placement.swap_staging(),
     )

@@ -58,6 +58,7 @@ slabs: PatrickStar's 6(p-1)/p M bytes with fp16 params and gradients.
 from __future__ import annotations
 
 import collections
+import fractions
 import functools
 
 import jax
@@ -110,6 +111,8 @@ class Zero3:
         slots = [i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == me]
         self.local_devices = [self.mesh.devices.flat[i] for i in slots]
         self.first_slot = slots[0]  # this process's first device on the data axis
+        # the fraction of a batch's rows (and of the per-device values) this process holds
+        self.local_share = fractions.Fraction(len(slots), self.degree)
         self.nvme_subdir = f"proc{me}"
         # this process's optimizer and stores, on its first device's host side
         self.shardings = Shardings.single_device(self.local_devices[0])
@@ -127,6 +130,12 @@ class Zero3:
             rules=self.axis_rules,
             axis_sizes={MODEL_AXIS: self.mesh.shape[MODEL_AXIS]},  # a shard of each leaf
         )
+
+    def swap_staging(self):
+        """None: the NVMe swaps' reads are this process's shards, put each on its own
+        device (``boundaries.SwappedResiduals``), not staged in one device's pinned
+        memory."""
+        return None
 
     def own_pages(self, layout: SlabLayout) -> tuple[int, int]:
         """(first page, number of pages) of a stage slab that this process holds."""

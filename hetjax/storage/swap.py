@@ -34,9 +34,22 @@ from hetjax.storage.nvme import PageStore
 KIND = "boundaries"
 
 
+def host_pieces(host) -> list[np.ndarray]:
+    """A host copy as this process's numpy pieces (waits for the copy to land): a numpy
+    array itself; a JAX array its addressable shards in device order (one device: the
+    whole array; ZeRO-3 over a mesh: this process's rows, or its devices' stacked
+    values, never another process's, which ``np.asarray`` of the whole would need)."""
+    if isinstance(host, np.ndarray):
+        return [host]
+    shards = sorted(host.addressable_shards, key=lambda s: s.device.id)
+    return [np.asarray(s.data) for s in shards]
+
+
 def _to_host(host) -> np.ndarray:
-    """A boundary's host copy as one numpy row (waits for the copy to land)."""
-    return np.asarray(host).reshape(1, -1)
+    """A boundary's host copy as one numpy row of this process's rows (waits for the
+    copy to land; the rows of its devices, in order, as ``put_batch`` takes them)."""
+    pieces = host_pieces(host)
+    return (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)).reshape(1, -1)
 
 
 class BoundarySwap:
@@ -182,8 +195,9 @@ class ResidualSwap(BoundarySwap):
     """The swapped blocks' in-block activations on NVMe (``offload.swap_tier=nvme``):
     one row per swapped block, its residuals (arrays of several shapes and dtypes, on
     their way from ``pinned_host``) packed as ``nbytes`` bytes, with the boundaries'
-    write-behind and read-ahead (``get`` returns the arrays again: numpy views of the
-    row read, or pinned copies with ``stage_to``)."""
+    write-behind and read-ahead (``get`` returns this process's shards of the arrays,
+    flat, in the order ``host_pieces`` took them: numpy views of the row read, or pinned
+    copies with ``stage_to``; one device: the arrays themselves)."""
 
     def __init__(self, path: Path, slots: int, nbytes: int, *, chunk_bytes: int, depth: int,
                  stage_to=None):  # fmt: skip
@@ -194,7 +208,9 @@ class ResidualSwap(BoundarySwap):
         self._layout: list[tuple[tuple[int, ...], np.dtype]] | None = None
 
     def _pack(self, host) -> np.ndarray:
-        arrays = [np.asarray(a) for a in host]
+        # each residual as this process's shards (one on one device): get returns them
+        # so, flat, and the runtime puts each back on its device (SwappedResiduals)
+        arrays = [piece for a in host for piece in host_pieces(a)]
         if self._layout is None:
             self._layout = [(a.shape, a.dtype) for a in arrays]
         row = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
