@@ -274,6 +274,9 @@ class CheckpointConfig:
         return self.every_steps > 0 or self.every_minutes > 0 or self.at_end
 
 
+REDUCE_DTYPES = ("float32", "compute")  # distributed.reduce_dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
     """Data and expert parallelism (ZeRO-3, hetjax/runtime/zero.py) and the processes of
@@ -294,6 +297,9 @@ class DistributedConfig:
 
     data_parallel: int = 1
     expert_parallel: int = 1  # devices the experts are split over (1: none)
+    # the dtype block gradients are reduce-scattered in: float32, or the compute dtype
+    # (bf16: half the bytes; the sum over devices is rounded to it, memory.block_grad_dtype)
+    reduce_dtype: str = "float32"
     coordinator: str = ""  # host:port of process 0's coordination service
     num_processes: int = 0  # 0: from the environment, else 1
     process_id: int = -1  # -1: from the environment
@@ -314,6 +320,7 @@ class DistributedConfig:
             "must be >= 1 (1: no expert parallelism)",
             self.expert_parallel,
         )
+        _choice("distributed", "reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         _check(
             self.num_processes >= 0,
             "distributed.num_processes",

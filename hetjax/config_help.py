@@ -206,6 +206,10 @@ HELP: dict[str, str] = {
     "over (each holds `model.num_experts` / N of every block's experts; tokens move by "
     "all-to-all), times `data_parallel` devices in all; 1 = none "
     "([distributed](distributed.md#expert-parallelism))",
+    "distributed.reduce_dtype": "`float32`: block gradients are reduce-scattered in fp32; "
+    "`compute`: in the compute dtype where it is bf16 and the gradient leaves the device "
+    "in it (one micro-batch, sync mode): half the bytes on the wire and to the host, the "
+    "sum over devices rounded to bf16 ([distributed](distributed.md))",
     "distributed.coordinator": "`host:port` of process 0; empty: `HETJAX_COORDINATOR`, else "
     "the first SLURM node",
     "distributed.num_processes": "0: from `HETJAX_NUM_PROCESSES`, else `SLURM_NTASKS`, else "

@@ -258,16 +258,21 @@ def grad_policy(config: Config) -> str:
 
 
 def block_grad_dtype(config: Config) -> np.dtype:
-    """The dtype block gradient slabs cross to the host and wait there in: bfloat16 when
-    that loses nothing, i.e. compute in bf16 (its gradients are bf16 values), one
-    micro-batch and one device (no sum), sync mode; else fp32. It halves the
-    device-to-host traffic and the host's gradient buffers (4 bytes/param -> 2), as
+    """The dtype block gradient slabs are reduce-scattered in (ZeRO-3), cross to the host
+    and wait there in: bfloat16 when that loses nothing, i.e. compute in bf16 (its
+    gradients are bf16 values), one micro-batch and one device (no sum), sync mode, and
+    under ZeRO-3 where ``distributed.reduce_dtype=compute`` asks for it (the sum over
+    devices is then rounded to bf16: once for 2 devices, as one device rounds its
+    gradient; up to once per device of the ring for more); else fp32. It halves the
+    reduce-scatter's bytes (PatrickStar's 6(p-1)/p M counts them in the compute dtype),
+    the device-to-host traffic and the host's gradient buffers (4 bytes/param -> 2), as
     Fuyou's fp16 gradients."""
+    dist = config.distributed
     if (
         config.model.compute_dtype == "bfloat16"
         and config.train.grad_accum == 1
         and config.optimizer.mode == "sync"
-        and not config.distributed.sharded  # ZeRO-3 sums gradients over devices
+        and (not dist.sharded or dist.reduce_dtype == "compute")
     ):
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(np.float32)

@@ -169,9 +169,13 @@ def test_zero_quick(tmp_path, capsys):
     out = tmp_path / "zero.json"
     assert main(["zero", "--quick", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["devices"] for r in rows] == [1, 2, 4]
+    assert [r["devices"] for r in rows] == [1, 2, 4, 2, 2, 4, 4]
     assert rows[0]["measured_bytes"] == 0 and rows[2]["measured_bytes"] > rows[1]["measured_bytes"]
     assert rows[2]["hlo_collectives"]["all-gather"] and rows[2]["hlo_collectives"]["reduce-scatter"]
+    for fp32, bf16 in ((rows[3], rows[4]), (rows[5], rows[6])):  # bf16: reduce fp32, bf16
+        assert fp32["compute_dtype"] == bf16["compute_dtype"] == "bfloat16"
+        assert fp32["all_gather_bytes"] == bf16["all_gather_bytes"]
+        assert bf16["reduce_scatter_bytes"] < fp32["reduce_scatter_bytes"]
     assert "6(p-1)/p M" in capsys.readouterr().out
 
 

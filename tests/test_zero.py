@@ -104,6 +104,52 @@ def test_jit_averages_declared_batch_means_and_splits_other_results(tiny):
     np.testing.assert_allclose(mean, x.mean(axis=(0, 1)), rtol=1e-6)
 
 
+def test_reduce_scatter_in_bf16_rounds_the_sum_once_on_two_devices(tiny):
+    """distributed.reduce_dtype=compute: a block gradient reduce-scattered in bf16 on 2
+    devices is each page's sum over the devices rounded once to bf16 (the exact sum of
+    two bf16 values, rounded), halved: what numpy computes in float64 and rounds."""
+    import ml_dtypes
+
+    zero = Zero3(tiny(offload=ZERO, distributed=dict(data_parallel=2)))
+    P, pages = 8, 4
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(2, pages * P)).astype(ml_dtypes.bfloat16)  # one per device
+
+    def fn(x):  # per device: its row as its gradient's pages, reduce-scattered in bf16
+        return (zero.grad_slab(list(x[0].reshape(pages, P)), jnp.bfloat16),)
+
+    (summed,) = zero.jit(fn, StageSignature((Kind.BATCH,), (Kind.GRAD,)))(rows)
+    assert summed.dtype == jnp.bfloat16 and summed.shape == (pages, P)
+    exact = rows.astype(np.float64).sum(axis=0) / 2  # halving is exact in any dtype
+    expected = exact.astype(np.float32).astype(ml_dtypes.bfloat16).reshape(pages, P)
+    np.testing.assert_array_equal(np.asarray(summed).view(np.uint16), expected.view(np.uint16))
+
+
+@pytest.mark.slow  # ~25 s: two bf16 runs on 2 devices
+def test_reduce_dtype_compute_halves_the_block_reduce_scatter(tiny, tmp_path):
+    """bf16 compute, one micro-batch, 2 devices: with distributed.reduce_dtype=compute the
+    blocks' gradients are reduce-scattered and reach the host in bf16: the step's
+    reduce-scatter bytes fall by half the blocks' fp32 bytes ((N-1)/N of each slab,
+    per device), and training follows the fp32 reduction's run (the sums differ by one
+    bf16 rounding; measured differences in docs/results/2026-11-26.md)."""
+    runs = {}
+    for reduce in ("float32", "compute"):
+        config = tiny(
+            model=dict(compute_dtype="bfloat16"),
+            optimizer=dict(name="sgd", lr=0.1),
+            offload=ZERO,
+            memory=PAGES,
+            distributed=dict(data_parallel=2, reduce_dtype=reduce),
+        )
+        runs[reduce] = train(config, tmp_path / reduce, verbose=False)
+    zero = Zero3(config)
+    layouts = zero.stage_layouts(build_model(config.model), config.memory.page_size)
+    blocks = config.model.num_layers * layouts["block"].padded_size // 2  # (N-1)/N, N = 2
+    fp32, bf16 = (r.records[-1]["reduce_scatter_bytes"] for r in runs.values())
+    assert fp32 - bf16 == blocks * (4 - 2), (fp32, bf16, blocks)
+    np.testing.assert_allclose(runs["compute"].losses, runs["float32"].losses, rtol=1e-3)
+
+
 # Default-run tier representative (keep out of -m slow): ZeRO-3 data parallel, the cheapest
 # (no module fixture); test_zero3_on_4_devices_equals_single_device stays in the default run too.
 def test_zero3_equals_plain_single_device_with_sgd(tiny, tmp_path):

@@ -33,12 +33,22 @@ def _collectives(runtime) -> dict[str, int]:
     }
 
 
+# (compute dtype, distributed.reduce_dtype, devices) of each row: fp32 on 1, 2, 4 devices,
+# then bf16 compute with the gradients reduce-scattered in fp32 and in bf16
+VARIANTS = (
+    *(("float32", "float32", p) for p in (1, 2, 4)),
+    *(("bfloat16", reduce, p) for p in (2, 4) for reduce in ("float32", "compute")),
+)
+
+
 def bench_zero(quick: bool) -> dict:
     """ZeRO-3 with the same global batch on 1, 2 and 4 devices: all-gather and
     reduce-scatter bytes per step and device (counted from the slabs gathered and the
     gradient slabs scattered, each moving (p-1)/p of its size per device) against
     PatrickStar's 6(p-1)/p M (fp16 params and gradients, M parameters) and the same
-    formula for this run's dtypes; and the median s/step."""
+    formula for this run's dtypes (two gathers in the compute dtype, a reduce-scatter
+    in ``distributed.reduce_dtype``); and the median s/step. fp32 compute, then bf16
+    with the reduce-scatter in fp32 and in bf16 (``reduce_dtype=compute``)."""
     from hetjax.runtime.streaming import StreamingRuntime
     from hetjax.runtime.zero import Zero3
     from hetjax.train import train
@@ -66,9 +76,12 @@ def bench_zero(quick: bool) -> dict:
     M = build_model(base.model).param_count()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for p in (1, 2, 4):
-            config = base.replace(distributed=dict(data_parallel=p))
-            run = train(config, Path(tmp) / str(p), verbose=False)
+        for dtype, reduce, p in VARIANTS:
+            config = base.replace(
+                model=dict(compute_dtype=dtype),
+                distributed=dict(data_parallel=p, reduce_dtype=reduce),
+            )
+            run = train(config, Path(tmp) / f"{dtype}-{reduce}-{p}", verbose=False)
             last = run.records[-1]
             # p = 1 is the single-device streaming runtime: no collectives
             gathered = last.get("all_gather_bytes", 0)
@@ -79,24 +92,28 @@ def bench_zero(quick: bool) -> dict:
                 runtime = StreamingRuntime(config, placement=Zero3(config))
                 ops = _collectives(runtime)
                 runtime.close()
+            grad = compute if reduce == "compute" else 4
             rows.append(
                 dict(
+                    compute_dtype=dtype,
+                    reduce_dtype=reduce,
                     devices=p,
                     all_gather_bytes=gathered,
                     reduce_scatter_bytes=scattered,
                     measured_bytes=gathered + scattered,
                     paper_bytes=6 * (p - 1) / p * M,  # fp16 params and grads
-                    dtype_bytes=(p - 1) / p * M * (2 * compute + 4),  # fp32 grads
+                    dtype_bytes=(p - 1) / p * M * (2 * compute + grad),
                     step_s=_steady_step_time(run.records, skip),
                     hlo_collectives=ops,
                 )
             )
     print(
         f"model {M / 1e6:.2f}M params, global batch {base.train.batch_size} x "
-        f"{base.train.seq_len}, {base.model.compute_dtype} compute, fp32 gradients"
+        f"{base.train.seq_len}; embed and head gradients reduce-scatter in fp32 always"
     )
     print(
-        f"{'devices':>8}{'gathered MB':>13}{'scattered MB':>14}{'measured MB':>13}"
+        f"{'compute':>9}{'reduce':>9}{'devices':>8}{'gathered MB':>13}{'scattered MB':>14}"
+        f"{'measured MB':>13}"
         f"{'6(p-1)/p M':>12}{'same, dtypes':>14}{'ratio':>7}{'s/step':>9}  HLO collectives"
     )
     for r in rows:
@@ -104,6 +121,7 @@ def bench_zero(quick: bool) -> dict:
         r["ratio"] = ratio
         ops = ", ".join(f"{k} {v}" for k, v in r["hlo_collectives"].items() if v) or "none"
         print(
+            f"{r['compute_dtype']:>9}{r['reduce_dtype']:>9}"
             f"{r['devices']:>8}{r['all_gather_bytes'] / 1e6:>13.2f}"
             f"{r['reduce_scatter_bytes'] / 1e6:>14.2f}{r['measured_bytes'] / 1e6:>13.2f}"
             f"{r['paper_bytes'] / 1e6:>12.2f}{r['dtype_bytes'] / 1e6:>14.2f}{ratio:>7.3f}"
