@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -22,15 +21,12 @@ RATIO_BOUNDS = (0.67, 1.5)
 
 def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
     """Plans config ``name`` with ``overrides`` on this machine (the measured ``local``
-    profile, the traced model) and trains the plan: predicted and measured s/step. On one
-    device that is ``offload.mode=auto``'s own plan; on ``devices`` data-parallel devices
-    (ZeRO-3, which ``auto`` hands to the streaming runtime unplanned) the same planner
-    with the profile's device count and the model traced at one device's rows."""
+    profile, the traced model) and trains the plan: predicted and measured s/step. That
+    is ``offload.mode=auto``'s own plan, on one device or on ``devices`` data-parallel
+    devices (ZeRO-3: the profile's device count, the model traced at one device's
+    rows)."""
 
     from hetjax.planning.auto import plan_auto
-    from hetjax.planning.hardware import measure_local
-    from hetjax.planning.search import make_plan, process_host_budget
-    from hetjax.planning.tracer import trace
     from hetjax.train import train
 
     overrides = {
@@ -41,18 +37,11 @@ def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
         "checkpoint.at_end": "false",
     }
     config = load_config(name, overrides)
+    if devices > 1:
+        config = config.replace(distributed=dict(data_parallel=devices))
     with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
-        if devices == 1:
-            planned, plan = plan_auto(config, tmp, log=lambda line: None)
-            assert plan is not None, "the budget should make auto stream"
-        else:
-            config = config.replace(distributed=dict(data_parallel=devices))
-            hw = measure_local(str(Path(tmp) / "nvme"), config.model.compute_dtype)
-            hw = dataclasses.replace(hw, num_devices=devices)
-            plan = make_plan(config, hw, trace(config, devices=devices))
-            host = process_host_budget(plan)  # the one process holds every device's
-            memory = dict(device_budget=plan.budgets["device"], host_budget=host)
-            planned = config.replace(**plan.config_overrides(), memory=memory)
+        planned, plan = plan_auto(config, tmp, log=lambda line: None)
+        assert plan is not None, "the budget should make auto stream"
         result = train(planned, tmp, verbose=False)
     measured = _steady_step_time(result.records, skip=2)
     # The plan predicts both cases of sync mode with clipping; which one the measured

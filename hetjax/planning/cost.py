@@ -128,10 +128,11 @@ def lanes(
     comm_f = comm_b = 0.0
     # On the CPU backend the devices' memory is host RAM: a collective is copies.
     link = hw.interconnect_bw or (hw.h2d_bw if hw.shared_cores else 0.0)
-    if n > 1 and link:  # all-gather params, reduce-scatter gradients (fp32) the same way
-        # and, with expert parallelism, each block's all-to-alls (its backward recomputes
-        # the forward's, then sends their cotangents)
-        grads = 4 * ((P - L * Ps) * (n - 1) / n + L * Pg)
+    if n > 1 and link:  # all-gather params, reduce-scatter gradients the same way (the
+        # blocks' in memory.block_grad_dtype, the rest fp32) and, with expert
+        # parallelism, each block's all-to-alls (its backward recomputes the forward's,
+        # then sends their cotangents)
+        grads = 4 * (P - L * Ps) * (n - 1) / n + w.block_grad_bytes * L * Pg
         comm_f = L * (cb * Pg + w.exchange_bytes) / link
         comm_b = (recomputed * (cb * Pg + 2 * w.exchange_bytes) + grads) / link
     disk_f = disk_b = disk_step = 0.0

@@ -273,8 +273,11 @@ def budgets(config: Config, hw: Hardware) -> dict[str, int]:
 
 def process_host_budget(plan: Plan) -> int:
     """The ``memory.host_budget`` a run of ``plan`` is given: its host budget per device
-    for every device of the process (:func:`budgets`)."""
-    return plan.budgets["host"] * plan.num_devices
+    for every device of the process (:func:`budgets`; the devices split evenly over the
+    processes)."""
+    import jax
+
+    return plan.budgets["host"] * max(1, plan.num_devices // jax.process_count())
 
 
 def _candidates(
