@@ -432,6 +432,33 @@ def test_two_processes_checkpoint_and_resume(reference4, tmp_path):
     assert_trees_close(without_key_bias(params), without_key_bias(reference4.params))
 
 
+@pytest.mark.slow  # one run, then two child processes compile everything anew
+def test_one_device_checkpoint_with_nvme_state_resumes_on_two_processes(reference4, tmp_path):
+    """The other way: one process with one device and its params and optimizer state on
+    NVMe checkpoints step 3 (hard links of its NVMe pages); 2 processes x 2 devices
+    resume it, each reading only the page range it owns, with their state on NVMe
+    again, and end where the single-device run does."""
+    ckpt = tmp_path / "ckpt"
+    nvme = dict(mode="stream", optimizer="nvme", params="nvme")
+    one = tiny_config(
+        offload=nvme,
+        optimizer=SGD_CLIP,
+        train=dict(steps=3),
+        memory=dict(PAGES, nvme_path=str(tmp_path / "one-nvme")),
+        checkpoint=dict(dir=str(ckpt), at_end=True),
+    )
+    train(one, tmp_path / "one", verbose=False)
+    assert (ckpt / "3").is_dir()
+    tiers = ("offload.optimizer=nvme", "offload.params=nvme")
+    (tmp_path / "two").mkdir()
+    saved = _run_two_processes(
+        tmp_path / "two", f"checkpoint.dir={ckpt}", "checkpoint.at_end=true", *SGD_ARGS, *tiers
+    )
+    np.testing.assert_allclose(saved["losses"], reference4.losses[3:], rtol=1e-5)
+    params = _params_like(saved, reference4.params)
+    assert_trees_close(without_key_bias(params), without_key_bias(reference4.params))
+
+
 def _launch_args(workdir: Path, *extra: str) -> list[str]:
     tiny = [
         "model.num_layers=2",
