@@ -52,14 +52,6 @@ class Feature:
     why_unplanned: str = ""
 
 
-# the streaming runtime sizes a process's activations for its whole micro-batch, the
-# planner for one device's rows: until the two agree under data parallelism, the planner
-# does not offer what they would size differently
-UNPLANNED_ACTIVATIONS = (
-    "the runtime sizes kept and swapped activations for the process's whole micro-batch, "
-    "the planner for one device's rows"
-)
-
 FEATURES: dict[str, Feature] = {
     # offload.mode=none: the whole state on the device, one jitted step
     "in_memory": Feature(
@@ -81,16 +73,12 @@ FEATURES: dict[str, Feature] = {
         reason="kept activations are not supported with {parallel}",
         fix="leave it 0",
         refused=frozenset({EXPERT}),
-        unplanned=frozenset({DATA}),
-        why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
     "swap_blocks": Feature(
         key="offload.swap_blocks",
         reason="swapped activations are not supported with {parallel}",
         fix="leave it 0",
         refused=frozenset({EXPERT}),
-        unplanned=frozenset({DATA}),
-        why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
     "swap_to_nvme": Feature(
         key="offload.swap_tier",

@@ -140,7 +140,9 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     # an accelerator's dispatch order (or its two-client emulation's): the same test
     # as where pages are staged in pinned memory
     accelerator = placement.shardings.pinned_staging() is not None
-    plan = plan_device(sizes, offload, mem.device_budget, lag=window_wait_lag(accelerator))
+    # per device: the devices a micro-batch's rows split over hold 1/N of its activations
+    per_device = sizes.per_device(placement.degree)
+    plan = plan_device(per_device, offload, mem.device_budget, lag=window_wait_lag(accelerator))
     # expert-aware streaming (routed.py): the MoE blocks that stream and recompute
     routed = routed_blocks(
         off, compute_model, layouts, names["block_names"], plan.resident_blocks, device_stages,

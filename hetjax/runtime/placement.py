@@ -109,6 +109,7 @@ class SingleDevice:
     expert_axis = None  # the mesh axis a MoE's experts are split over (zero.py)
     axis_rules = AXIS_RULES  # no mesh: nothing is split by them
     local_share = 1  # the fraction of a batch's rows (and per-device values) held here
+    degree = 1  # devices a micro-batch's rows split over
 
     def __init__(self, device: jax.Device | None = None):
         self.shardings = Shardings.single_device(device)

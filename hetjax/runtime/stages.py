@@ -327,6 +327,7 @@ class StageFunctions:
     ):
         E, H = layouts["embed"], layouts["head"]
         chunks.check(model, batch_chunks)
+        self.compute = compute
         self.kept_blocks, self.batch_chunks = kept_blocks, batch_chunks
 
         jit = compute.jit
@@ -468,7 +469,10 @@ class StageFunctions:
         act = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
         context = context_bytes(self.model, batch, seq_len)
         kept = self.kept_bytes(batch, seq_len, dtype) if self.kept_blocks else {}
-        return StageMemory(act, max(temps) + 3 * act, kept, context)
+        # XLA's temporaries are one device's (a ZeRO-3 function is compiled for one
+        # device's rows), and so are x / dx beside them; the rest is the micro-batch's
+        # (memory.Sizes.per_device)
+        return StageMemory(act, max(temps) + 3 * act // self.compute.degree, kept, context)
 
     def keep_levels(self, batch: int, seq_len: int, dtype) -> tuple[str, ...]:
         """The keep levels every group's block supports (``remat.levels``)."""
