@@ -81,6 +81,12 @@ HELP: dict[str, str] = {
     "`skip` it, `rollback` to the newest checkpoint (skipping the batches up to the bad "
     "one), or `stop` ([checkpoints](checkpoints.md))",
     "train.max_nonfinite": "`skip`/`rollback`: stop after this many non-finite steps in a row",
+    "train.spike_factor": "loss-spike guard: a step whose loss exceeds this factor times the "
+    "median loss of the last `train.spike_window` updating steps updates nothing and is "
+    "handled as a non-finite one (`train.on_nonfinite`); never before the window is full; "
+    "0 = off ([checkpoints](checkpoints.md))",
+    "train.spike_window": "loss-spike guard: how many updating steps' losses the running "
+    "median is taken over",
     "train.trace_every": "record every N-th step's timeline into `<workdir>/trace/` "
     "([timelines](timelines.md)); 0 = off",
     "train.in_memory_steps": "a run that streamed on one device: time this many steps of "

@@ -21,6 +21,7 @@ from hetjax.config_values import ConfigError
 
 KINDS = {
     "nan": "step N's gradients are NaN",
+    "loss_spike": "step N's loss, as the loss-spike guard sees it, is 1000 times larger",
     "kill_mid_step": "SIGKILL while step N runs",
     "kill_saving": "SIGKILL right after step N's checkpoint is handed to the background writer",
     "kill_saved": "SIGKILL once step N's checkpoint is complete",

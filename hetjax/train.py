@@ -26,6 +26,7 @@ from hetjax.config import Config, format_bytes
 from hetjax.data import decoder_length, make_datasets
 from hetjax.distributed import any_process, is_main_process
 from hetjax.faults import Faults
+from hetjax.guards import SpikeGuard
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, plot_losses, step_record
 from hetjax.planning.auto import resolve_auto
 from hetjax.preemption import Preempted, StopSignals
@@ -63,6 +64,9 @@ class TrainResult:
     params: Any
     records: list[dict[str, Any]]
     workdir: Path  # where metrics.jsonl and summary.json were written (process 0)
+
+
+SPIKE_GAIN = 1000.0  # HETJAX_FAULTS loss_spike@N: step N's loss as the guard sees it, x this
 
 
 def _signal_later(seconds: float, sig: signal.Signals) -> threading.Timer:
@@ -168,6 +172,7 @@ def _train(
         losses, records = [], []
         timer = StepTimer()
         bad_streak = 0
+        guard = SpikeGuard(t.spike_factor, t.spike_window)
         last_saved, last_saved_at = step, time.monotonic()
 
         def save(at: int) -> None:
@@ -213,8 +218,14 @@ def _train(
                 timeline.Recorder(step) if t.trace_every and step % t.trace_every == 0 else None
             )
             faults.arm(step)  # the faults inside the runtime's work (hetjax/faults.py)
+            limit = guard.limit()
             with timeline.recording(recorder):
-                stats = runtime.train_step(batch, poison=faults.hit("nan", step))
+                stats = runtime.train_step(
+                    batch,
+                    poison=faults.hit("nan", step),
+                    loss_limit=limit,
+                    loss_gain=SPIKE_GAIN if faults.hit("loss_spike", step) else 1.0,
+                )
             if killer is not None:
                 killer.join()  # the step outlived the timer: signal now, still before any save
             trace = recorder.finish() if recorder is not None else None
@@ -243,18 +254,30 @@ def _train(
                 rec.update(loss_scale=stats.loss_scale, skipped=stats.skipped)
             if stats.nonfinite:
                 rec["nonfinite"] = True
+            if stats.spike:
+                guard.spikes += 1
+                rec.update(loss_spike=True, loss_spikes=guard.spikes)
             if t.eval_every and t.eval_batches and step % t.eval_every == 0 and step < t.steps:
                 runtime.settle()  # lock-free: the updates so far applied
                 rec["val_loss"] = evaluate(runtime, val_data, t.eval_batches)
                 timer.lap()  # the evaluation is not the next step's time
             records.append(rec)
             out.step(rec)
-            if stats.nonfinite:
+            if stats.nonfinite or stats.spike:
                 bad_streak += 1
+                what = f"loss {stats.loss}, gradient norm {stats.grad_norm}"
+                if stats.spike:
+                    what = (
+                        f"loss spike: loss {stats.loss:.4g} > train.spike_factor "
+                        f"{t.spike_factor:g} x {guard.median():.4g}, the median loss of the "
+                        f"last {t.spike_window} steps"
+                    )
                 step, data_offset = _on_nonfinite(
-                    config, stats, step, data_offset, bad_streak, runtime, ckpt, out
+                    config, what, step, data_offset, bad_streak, runtime, ckpt, out
                 )
                 continue
+            if not stats.skipped:  # an fp16 overflow's loss is not one to compare with
+                guard.add(stats.loss)
             bad_streak = 0
             if ck.every_steps and step % ck.every_steps == 0:
                 save(step)
@@ -276,6 +299,7 @@ def _train(
             "last_loss": losses[-1] if losses else None,
             "steps": t.steps,
             "mean_step_time_s": float(np.mean(times[1:] or times)) if times else None,
+            "loss_spikes": guard.spikes,
         }
         if main:
             (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -352,16 +376,17 @@ def _open_checkpoints(config: Config, workdir: Path, out: MetricsWriter) -> Chec
     return ckpt
 
 
-def _on_nonfinite(config, stats, step, data_offset, bad_streak, runtime, ckpt, out):
-    """A step's loss or gradient was not finite and its update was skipped. Returns the
-    (step, data offset) to go on from, per ``train.on_nonfinite``."""
+def _on_nonfinite(config, what, step, data_offset, bad_streak, runtime, ckpt, out):
+    """A step's loss or gradient was not finite, or its loss a spike (``what`` says
+    which), and its update was skipped. Returns the (step, data offset) to go on from,
+    per ``train.on_nonfinite``."""
     t = config.train
-    what = f"loss {stats.loss}, gradient norm {stats.grad_norm}"
     if t.on_nonfinite == "stop" or bad_streak > t.max_nonfinite:
         why = (
             "train.on_nonfinite=stop"
             if t.on_nonfinite == "stop"
-            else f"{bad_streak} non-finite steps in a row (train.max_nonfinite={t.max_nonfinite})"
+            else f"{bad_streak} non-finite steps in a row, loss spikes counted "
+            f"(train.max_nonfinite={t.max_nonfinite})"
         )
         raise TrainingError(
             f"step {step}: {what}; the update was skipped and nothing non-finite was saved. "

@@ -5,6 +5,7 @@ implement. This module imports nothing else from hetjax, so every layer can use 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol, runtime_checkable
 
 import flax
@@ -62,6 +63,7 @@ class StepReport:
     skipped: bool = False  # the update was skipped (fp16 overflow, or non-finite)
     loss_scale: float = 1.0
     nonfinite: bool = False  # loss or gradient not finite beyond fp16 loss scaling
+    spike: bool = False  # a finite loss over the step's loss limit (train.spike_factor)
     # The runtime's own measures of this step, as metrics.jsonl fields: bytes per tier
     # (device_bytes_peak, host_bytes, nvme_bytes), NVMe I/O (nvme_read_bytes,
     # nvme_write_bytes), optimizer work and waits (optimizer_s, optimizer_busy_s,
@@ -188,11 +190,19 @@ class RuntimeState:
 
 
 class Runtime(Protocol):
-    def train_step(self, batch: np.ndarray, poison: bool = False) -> StepReport:
+    def train_step(
+        self,
+        batch: np.ndarray,
+        poison: bool = False,
+        loss_limit: float = math.inf,
+        loss_gain: float = 1.0,
+    ) -> StepReport:
         """One optimizer step on a global batch of shape (A, B/A, W) int32 (windows of
         ``data.objective``, ``hetjax/data.py``: W = T+1 for ``lm``). A step
-        whose loss or gradient is not finite changes no state. ``poison`` (fault
-        injection for tests) makes the step's gradients NaN."""
+        whose loss or gradient is not finite changes no state, nor does one whose loss
+        exceeds ``loss_limit`` (a spike: ``StepReport.spike``). ``poison`` (fault
+        injection for tests) makes the step's gradients NaN; ``loss_gain`` (likewise)
+        multiplies the loss before it is compared with the limit."""
 
     def eval_loss(self, batch: np.ndarray) -> float:
         """Mean token loss of a (B, W) batch with the current params."""
