@@ -264,7 +264,7 @@ class Checkpointer:
         try:
             state = StoredState(where / "state", meta, self._discard_hint(step))
         except CheckpointError as e:
-            raise CheckpointError(f"{e}. {self._discard_hint(step)}") from e
+            raise type(e)(f"{e}. {self._discard_hint(step)}") from e
         return state, meta
 
     def _discard_hint(self, step: int) -> str:

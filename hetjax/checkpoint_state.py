@@ -54,7 +54,7 @@ from hetjax.config import format_bytes
 from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
 from hetjax.storage.nvme import PageStore, io_context
 from hetjax.storage.pages import SlabLayout, aligned_empty, fitted_page_elems
-from hetjax.types import MASTER, CheckpointError, RuntimeState
+from hetjax.types import MASTER, CheckpointDamaged, CheckpointError, RuntimeState
 
 INDEX = "index.json"
 WINDOW_BYTES = 8 << 20  # pages read at once to check or copy linked state (bounded RAM)
@@ -439,11 +439,11 @@ class StoredState:
             try:
                 self._procs.append((proc, json.loads((proc / INDEX).read_text())))
             except (OSError, ValueError) as e:
-                raise CheckpointError(
+                raise CheckpointDamaged(
                     f"checkpoint {directory.parent} cannot be read ({proc / INDEX}: {e})"
                 ) from e
         if not self._procs:
-            raise CheckpointError(
+            raise CheckpointDamaged(
                 f"checkpoint {directory.parent} cannot be read (no proc*/{INDEX} in {directory})"
             )
         self._arrays: dict[tuple[int, str], ts.TensorStore] = {}
@@ -527,10 +527,11 @@ class StoredState:
             sums = zip(page_crcs(pages), saved, strict=True)
             bad = [first + i for i, (a, b) in enumerate(sums) if a != b]
             if bad:
-                raise CheckpointError(
+                raise CheckpointDamaged(
                     f"checkpoint {self.directory.parent} is damaged: {len(bad)} of "
                     f"{last - first} pages read of stage {stage} ({kind}, {proc.name}) differ "
-                    f"from what was saved (CRC-32 of pages {bad[:3]}). {self.hint}"
+                    f"from what was saved (CRC-32 of pages {bad[:3]}; the first is "
+                    f"{_chunk_file(proc / kind, page0 + bad[0])}). {self.hint}"
                 )
             flat = pages.reshape(-1)
             offset = part["start"] + first * P

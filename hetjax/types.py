@@ -23,9 +23,27 @@ class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message says what to change."""
 
 
+class DamagedPageError(TrainingError):
+    """A live NVMe page read back is not what was written (its CRC-32 differs): silent
+    corruption on the SSD (``storage/checksums.py``). The training loop adds which
+    checkpoint holds a good copy, or rolls back to it."""
+
+    def __init__(self, path, page: int, what: str, got: int, want: int):
+        self.path, self.page, self.what = path, page, what
+        super().__init__(
+            f"NVMe page damaged: {path} (page {page} of {what}) reads with CRC-32 "
+            f"{got:#010x}, was written with {want:#010x}"
+        )
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message says what to do. Earlier
     complete checkpoints are never touched by a failed save."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint's files are not what was saved (a page fails its CRC-32, or its
+    index is missing): a run resuming from it falls back to the one before."""
 
 
 # -- what a step reports ---------------------------------------------------------------
