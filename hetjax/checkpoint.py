@@ -81,7 +81,8 @@ class Checkpointer:
     ``keep`` complete checkpoints kept, clear errors on unwritable or full disks.
     ``writing=False`` (listing, export) skips the write probe, so the checkpoints of a
     full disk still list and restore. ``link_nvme``: hard-link NVMe-resident state
-    (``checkpoint.link_nvme``)."""
+    (``checkpoint.link_nvme``); ``copy_every``: but copy it in every ``copy_every``-th
+    save (the first, the ``copy_every + 1``-th, ...; ``checkpoint.copy_every``)."""
 
     def __init__(
         self,
@@ -90,6 +91,7 @@ class Checkpointer:
         async_save: bool = True,
         writing: bool = True,
         link_nvme: bool = True,
+        copy_every: int = 0,
     ):
         import orbax.checkpoint as ocp
 
@@ -120,6 +122,8 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         self._handler = StreamedStateHandler(link=link_nvme)
+        self.link_nvme, self.copy_every = link_nvme, copy_every
+        self.saves = 0  # saves started by this Checkpointer
         self.completed: list[str] = []  # a line per save found complete, for the log
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add("state", StreamedStateSave, self._handler)
@@ -157,6 +161,9 @@ class Checkpointer:
         except BaseException:
             source.release_all()
             raise
+        self.saves += 1
+        copy = self.copy_every and (self.saves - 1) % self.copy_every == 0
+        self._handler.link = self.link_nvme and not copy
         meta = {
             **meta,
             "format": FORMAT_VERSION,

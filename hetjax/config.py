@@ -271,9 +271,14 @@ class CheckpointConfig:
     # hard-link NVMe-resident state where the filesystem allows (false: copy it, e.g. for
     # backup tools that rewrite files in place); another filesystem always copies
     link_nvme: bool = True
+    # with link_nvme: every copy_every-th checkpoint of a run (the 1st, K+1-th, ...) copies
+    # the NVMe state, a window at a time, instead of linking it: a second copy of its
+    # bytes, which a hard link (the live files' own blocks) is not; 0: never
+    copy_every: int = 0
 
     def __post_init__(self):
         _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", self.every_steps)
+        _check(self.copy_every >= 0, "checkpoint.copy_every", "must be >= 0", self.copy_every)
         _check(
             self.every_minutes >= 0, "checkpoint.every_minutes", "must be >= 0", self.every_minutes
         )

@@ -202,8 +202,13 @@ HELP: dict[str, str] = {
     "checkpoint.overwrite": "with `resume=never`, delete existing checkpoints (also `--overwrite`)",
     "checkpoint.async_save": "persist in the background (false: the step waits for the write)",
     "checkpoint.link_nvme": (
-        "hard-link the NVMe tier's committed files into checkpoints (false: copy them)"
+        "hard-link the NVMe tier's committed files into checkpoints (false: copy them); a "
+        "hard-linked checkpoint shares the live files' blocks on disk: no second copy"
     ),
+    "checkpoint.copy_every": "with `link_nvme`: every K-th checkpoint of a run (the first, "
+    "the K+1-th, ...) streams a real copy of the NVMe state, a window at a time within the "
+    "host budget, each page checked against its live checksum; the others hard-link; "
+    "0 = never ([checkpoints](checkpoints.md))",
     # -- distributed ------------------------------------------------------------------
     "distributed.data_parallel": "ZeRO-3 data-parallel degree (`offload.mode=stream`): "
     "devices sharing every stage's pages; 1 = none, 0 = every device of every process "

@@ -385,7 +385,11 @@ def _open_checkpoints(config: Config, workdir: Path, out: MetricsWriter) -> Chec
     checkpoints unless ``overwrite`` (which deletes them)."""
     ck = config.checkpoint
     ckpt = Checkpointer(
-        checkpoint_dir(config, workdir), ck.keep, ck.async_save, link_nvme=ck.link_nvme
+        checkpoint_dir(config, workdir),
+        ck.keep,
+        ck.async_save,
+        link_nvme=ck.link_nvme,
+        copy_every=ck.copy_every,
     )
     steps = ckpt.steps()
     if steps and ck.resume == "never":

@@ -17,7 +17,7 @@ from hetjax.checkpoint import Checkpointer
 from hetjax.storage.nvme import PageStore
 from hetjax.storage.pages import DIRECT_ALIGN, aligned_empty
 from hetjax.train import train
-from hetjax.types import DamagedPageError, TrainingError
+from hetjax.types import CheckpointDamaged, DamagedPageError, TrainingError
 
 P = 1024  # page elements: 4 KiB of fp32, whole O_DIRECT blocks
 NVME = dict(mode="stream", optimizer="nvme", params="nvme")
@@ -133,3 +133,56 @@ def test_damaged_live_page_rolls_back_to_the_good_copy(tmp_path, monkeypatch):
         jax.tree.map(np.testing.assert_array_equal, state.params(), reference.params)
     finally:
         ckpt.close()
+
+
+# -- a real second copy (checkpoint.copy_every) ---------------------------------------------
+
+
+def live_files(workdir: Path) -> list[Path]:
+    return [f for f in (workdir / "nvme").rglob("*") if f.is_file() and f.parent.parent.name == "c"]
+
+
+@pytest.mark.parametrize("copy_every", [1, pytest.param(0, marks=pytest.mark.slow)])
+def test_copied_checkpoint_survives_damage_to_the_live_files(tmp_path, copy_every):
+    """Every live NVMe page file damaged after a 2-step run: a checkpoint that copied the
+    state (checkpoint.copy_every=1) shares none of their blocks and restores the run's
+    params; one that hard-linked them (the default) is the same files, and is damaged."""
+    cfg = tiny_config(
+        train=dict(steps=2, eval_batches=1),
+        checkpoint=dict(every_steps=2, at_end=True, copy_every=copy_every),
+        offload=NVME,
+    )
+    result = train(cfg, tmp_path, verbose=False)
+    files = live_files(tmp_path)
+    assert files
+    saved = {f.stat().st_ino for f in (tmp_path / "checkpoints" / "2").rglob("*")}
+    shared = [f for f in files if f.stat().st_ino in saved]
+    for f in files:
+        flip(f)
+    ckpt = Checkpointer(tmp_path / "checkpoints", writing=False)
+    try:
+        state, _ = ckpt.restore(2)
+        if copy_every:
+            assert shared == []
+            jax.tree.map(np.testing.assert_array_equal, state.params(), result.params)
+        else:
+            assert shared
+            with pytest.raises(CheckpointDamaged, match=r"checkpoint .*/2 is damaged"):
+                state.params()
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.slow  # ~10 s
+def test_copy_every_copies_the_first_and_every_kth_checkpoint(tmp_path, capsys):
+    cfg = tiny_config(
+        train=dict(steps=6, eval_batches=1),
+        checkpoint=dict(every_steps=2, at_end=True, copy_every=2),
+        offload=NVME,
+    )
+    train(cfg, tmp_path, verbose=True)
+    log = capsys.readouterr().out
+    done = dict(re.findall(r"checkpoint: step (\d) complete: (\S+ \S+) hard-linked", log))
+    assert done["2"] == "0 B" and done["6"] == "0 B", log  # copies
+    assert done["4"] != "0 B", log  # hard links
+    assert re.search(r"checkpoint: step 2 complete: .*copied", log)
