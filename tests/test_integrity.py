@@ -186,3 +186,32 @@ def test_copy_every_copies_the_first_and_every_kth_checkpoint(tmp_path, capsys):
     assert done["2"] == "0 B" and done["6"] == "0 B", log  # copies
     assert done["4"] != "0 B", log  # hard links
     assert re.search(r"checkpoint: step 2 complete: .*copied", log)
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["linked", "copied"])
+@pytest.mark.slow  # ~5 s each
+def test_checkpoint_refuses_a_damaged_live_page(tmp_path, copy):
+    """Every live optimizer page file damaged after a step: the checkpoint's background
+    writer, linking or copying them, finds them unlike the tier's sums and fails the
+    save naming a file; no checkpoint is complete."""
+    from equivalence import training_batches
+
+    from hetjax.train import build_runtime
+    from hetjax.types import CheckpointError
+
+    cfg = tiny_config(offload=NVME)
+    runtime = build_runtime(cfg, tmp_path)
+    ckpt = Checkpointer(tmp_path / "checkpoints", link_nvme=not copy)
+    try:
+        runtime.train_step(training_batches(cfg, 1)[0])
+        runtime.settle()
+        files = [f for f in live_files(tmp_path) if "optimizer" in f.parts]
+        for f in files:
+            flip(f)
+        ckpt.save(1, runtime.save_state(), {"step": 1})
+        with pytest.raises(CheckpointError, match=r"NVMe page damaged: .*/optimizer/.*/c/\d+/0"):
+            ckpt.wait()
+        assert ckpt.steps() == []
+    finally:
+        runtime.close()
+        ckpt.close_manager(quiet=True)

@@ -34,15 +34,17 @@ def crc32(row: np.ndarray) -> int:
 
 
 class PageChecksums:
-    """The CRC-32 of each row of each kind of one store, as last written."""
+    """The CRC-32 of each row of each kind of one store, as last written (``enabled``
+    False: none kept, nothing checked)."""
 
-    def __init__(self, kinds: list[str], num_rows: int, label: str):
-        self.label = label
+    def __init__(self, kinds: list[str], num_rows: int, label: str, enabled: bool = True):
+        self.label, self.enabled = label, enabled
         self.sums = {k: np.full(num_rows, UNKNOWN, np.int64) for k in kinds}
 
     def record(self, kind: str, row: int, data: np.ndarray) -> None:
         """Row ``row`` of ``kind`` now holds ``data`` (its write is complete)."""
-        self.sums[kind][row] = crc32(data)
+        if self.enabled:
+            self.sums[kind][row] = crc32(data)
 
     def check(self, kind: str, row: int, data: np.ndarray, path: Path) -> None:
         """Raises :class:`DamagedPageError` when ``data``, just read from ``path``, is

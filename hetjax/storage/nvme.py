@@ -125,13 +125,16 @@ class PageStore:
         label: str = "",
         io_mode: str = IO_MODE,
         concurrency: int = IO_CONCURRENCY,
+        verify: bool = True,
     ):
         """``kinds``: names (float32 pages) or a dict name -> dtype name (e.g. the
         compute-dtype param pages, ``bfloat16``). ``chunk_elems``: elements per chunk
         along a row; 0: the whole row (one page, one chunk). ``label``: what the
         timeline's spans say the store holds (default: the parent directory's name).
         ``io_mode``, ``concurrency``: TensorStore's file I/O settings (benchmarks sweep
-        them; the tier uses :data:`IO_MODE` and :data:`IO_CONCURRENCY`)."""
+        them; the tier uses :data:`IO_MODE` and :data:`IO_CONCURRENCY`). ``verify``:
+        sum every page written and check every page read (``checksums.py``; off only
+        to measure what that costs, ``python -m hetjax.bench io``)."""
         self.path = Path(path)
         if not isinstance(kinds, dict):
             kinds = {k: "float32" for k in kinds}
@@ -149,7 +152,7 @@ class PageStore:
         for kind, future in zip(self.kinds, opened, strict=True):
             self.arrays[kind] = future.result()
         # every row written is summed and every row read checked (checksums.py)
-        self.checksums = PageChecksums(self.kinds, num_pages, self.label)
+        self.checksums = PageChecksums(self.kinds, num_pages, self.label, enabled=verify)
         # Reads and borrowed writes of whole pages bypass TensorStore where a chunk file
         # is the page's raw bytes (:class:`DirectIO`); another ``io_mode`` keeps its I/O.
         self._direct = io_mode == "direct" and all(
@@ -274,7 +277,8 @@ class PageStore:
             submit = functools.partial(direct_io().submit_write, self._write_page, kind)
             future = PageFutures([submit(r, p) for r, p in zip(rows, pages, strict=True)])
         else:
-            sums = [crc32(row) for row in pages]  # now: ``data`` may change once handed over
+            # summed now: ``data`` may change once handed over
+            sums = [crc32(row) for row in pages] if self.checksums.enabled else []
             target = self.arrays[kind][first_page : first_page + len(pages)]
             write = target.write(pages, can_reference_source_data_indefinitely=borrowed)
             written = _then(_commit_future(write), lambda _: self._record(kind, first_page, sums))
