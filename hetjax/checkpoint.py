@@ -31,7 +31,11 @@ Layout on disk (``checkpoint.dir``, default ``<workdir>/checkpoints``)::
 
 **Integrity.** Raw chunks carry no checksum, so a damaged file can read as wrong
 numbers without an error; the CRC-32 of each page, taken as it is saved and compared at
-restore, turns that into a refusal naming the page.
+restore, turns that into :class:`~hetjax.types.CheckpointDamaged` naming the page and
+its file (the training loop then falls back to the checkpoint before). NVMe pages are
+taken only if they match the tier's live sums (``storage/checksums.py``). A hard-linked
+checkpoint's NVMe pages are the live files themselves, the same blocks on disk: not a
+second copy. ``copy_every`` makes every K-th save a real one.
 
 Params for inference: ``python -m hetjax.checkpoint --workdir runs/x --export out/``
 writes the newest checkpoint's params as a plain orbax PyTree (the model's ``params``
