@@ -80,10 +80,13 @@ def config(on_nonfinite: str):
 
 
 def holding(workdir: Path, path: Path) -> list[int]:
-    """The checkpoints under ``workdir`` with a file that is ``path``'s inode."""
+    """The complete checkpoints under ``workdir`` with a file that is ``path``'s inode
+    (a save in flight when the page was damaged may have refused it: the checkpoint
+    then stays a temporary directory, ``<step>.orbax-checkpoint-tmp...``)."""
     ino = path.stat().st_ino
     steps = []
-    for step in sorted(int(p.name) for p in (workdir / "checkpoints").glob("[0-9]*")):
+    names = [p.name for p in (workdir / "checkpoints").iterdir()]
+    for step in sorted(int(name) for name in names if name.isdigit()):
         files = (workdir / "checkpoints" / str(step)).rglob("*")
         if any(f.stat().st_ino == ino for f in files):
             steps.append(step)
