@@ -31,7 +31,11 @@ Layout on disk (``checkpoint.dir``, default ``<workdir>/checkpoints``)::
 
 **Integrity.** Raw chunks carry no checksum, so a damaged file can read as wrong
 numbers without an error; the CRC-32 of each page, taken as it is saved and compared at
-restore, turns that into a refusal naming the page.
+restore, turns that into :class:`~hetjax.types.CheckpointDamaged` naming the page and
+its file (the training loop then falls back to the checkpoint before). NVMe pages are
+taken only if they match the tier's live sums (``storage/checksums.py``). A hard-linked
+checkpoint's NVMe pages are the live files themselves, the same blocks on disk: not a
+second copy. ``copy_every`` makes every K-th save a real one.
 
 Params for inference: ``python -m hetjax.checkpoint --workdir runs/x --export out/``
 writes the newest checkpoint's params as a plain orbax PyTree (the model's ``params``
@@ -81,7 +85,8 @@ class Checkpointer:
     ``keep`` complete checkpoints kept, clear errors on unwritable or full disks.
     ``writing=False`` (listing, export) skips the write probe, so the checkpoints of a
     full disk still list and restore. ``link_nvme``: hard-link NVMe-resident state
-    (``checkpoint.link_nvme``)."""
+    (``checkpoint.link_nvme``); ``copy_every``: but copy it in every ``copy_every``-th
+    save (the first, the ``copy_every + 1``-th, ...; ``checkpoint.copy_every``)."""
 
     def __init__(
         self,
@@ -90,6 +95,7 @@ class Checkpointer:
         async_save: bool = True,
         writing: bool = True,
         link_nvme: bool = True,
+        copy_every: int = 0,
     ):
         import orbax.checkpoint as ocp
 
@@ -120,6 +126,8 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         self._handler = StreamedStateHandler(link=link_nvme)
+        self.link_nvme, self.copy_every = link_nvme, copy_every
+        self.saves = 0  # saves started by this Checkpointer
         self.completed: list[str] = []  # a line per save found complete, for the log
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add("state", StreamedStateSave, self._handler)
@@ -157,6 +165,9 @@ class Checkpointer:
         except BaseException:
             source.release_all()
             raise
+        self.saves += 1
+        copy = self.copy_every and (self.saves - 1) % self.copy_every == 0
+        self._handler.link = self.link_nvme and not copy
         meta = {
             **meta,
             "format": FORMAT_VERSION,
@@ -264,7 +275,7 @@ class Checkpointer:
         try:
             state = StoredState(where / "state", meta, self._discard_hint(step))
         except CheckpointError as e:
-            raise CheckpointError(f"{e}. {self._discard_hint(step)}") from e
+            raise type(e)(f"{e}. {self._discard_hint(step)}") from e
         return state, meta
 
     def _discard_hint(self, step: int) -> str:

@@ -54,7 +54,7 @@ from hetjax.config import format_bytes
 from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
 from hetjax.storage.nvme import PageStore, io_context
 from hetjax.storage.pages import SlabLayout, aligned_empty, fitted_page_elems
-from hetjax.types import MASTER, CheckpointError, RuntimeState
+from hetjax.types import MASTER, CheckpointDamaged, CheckpointError, RuntimeState
 
 INDEX = "index.json"
 WINDOW_BYTES = 8 << 20  # pages read at once to check or copy linked state (bounded RAM)
@@ -253,10 +253,15 @@ class StreamedStateHandler(ocp.AsyncCheckpointHandler):
                 dtype = source.state_format.dtype(kind)
                 spec = _spec(proc / kind, source.num_pages, source.page_elems, dtype)
                 arrays[kind] = ts.open(spec, create=True, context=context).result()
-            copy = []
+            copy, live = [], {}
             for part in source.parts:
                 if part.pages is None:
                     continue
+                # the live pages' sums while they are still the part's (checksums.py)
+                store, src_page = part.pages
+                live[part.stage] = {
+                    k: store.checksums.expected(k, src_page, part.num_pages) for k in source.kinds
+                }
                 if self.link and _link(part, proc, source.kinds):
                     report.linked_bytes += source.state_format.nbytes(
                         part.num_pages * source.page_elems
@@ -272,7 +277,7 @@ class StreamedStateHandler(ocp.AsyncCheckpointHandler):
         async def persist() -> None:
             t1 = time.perf_counter()
             try:
-                crcs = _persist(source, proc, arrays, copy, report)
+                crcs = _persist(source, proc, arrays, copy, report, live)
                 _write_index(proc, source, crcs)
             finally:
                 source.release_all()
@@ -326,10 +331,17 @@ def _link(part: StagePart, proc: Path, kinds: list[str]) -> bool:
 
 
 def _persist(
-    source: StateSource, proc: Path, arrays: dict, copy: list[StagePart], report: SaveReport
+    source: StateSource,
+    proc: Path,
+    arrays: dict,
+    copy: list[StagePart],
+    report: SaveReport,
+    live: dict[str, dict[str, list[int]]],
 ) -> dict[str, dict[str, list[int]]]:
     """The background part of a save: every part's pages written (or checked, where
-    linked), one stage at a time, each released once done. Returns the CRCs."""
+    linked), one stage at a time, each released once done. Returns the CRCs. NVMe pages
+    (linked or copied) must match ``live``, the sums the tier kept of what it wrote
+    (the same CRC-32): a checkpoint never takes a damaged page for a good one."""
     crcs: dict[str, dict[str, list[int]]] = {}
     P = source.page_elems
     for part in source.parts:
@@ -361,9 +373,22 @@ def _persist(
                 else:
                     sums[kind] = _read_pages(arrays[kind], part.first_page, part, kind)
                     _sync_files(proc / kind, part)
+                _check_live(sums[kind], live[part.stage][kind], store, src_page, kind)
         part.release()
         part.release = lambda: None
     return crcs
+
+
+def _check_live(sums: list[int], live: list[int], store: PageStore, first: int, kind: str):
+    bad = [i for i, (a, b) in enumerate(zip(sums, live, strict=True)) if b >= 0 and a != b]
+    if bad:
+        page = first + bad[0]
+        raise CheckpointError(
+            f"NVMe page damaged: {_chunk_file(store.path / kind, page)} (page {page} of "
+            f"{store.label} {kind}) reads with CRC-32 {sums[bad[0]]:#010x}, was written with "
+            f"{live[bad[0]]:#010x}; this checkpoint is not written (the complete ones are "
+            "intact). Restart: the run resumes from the newest checkpoint"
+        )
 
 
 def _read_pages(src, src_page: int, part: StagePart, kind: str, copy_to=None) -> list[int]:
@@ -439,11 +464,11 @@ class StoredState:
             try:
                 self._procs.append((proc, json.loads((proc / INDEX).read_text())))
             except (OSError, ValueError) as e:
-                raise CheckpointError(
+                raise CheckpointDamaged(
                     f"checkpoint {directory.parent} cannot be read ({proc / INDEX}: {e})"
                 ) from e
         if not self._procs:
-            raise CheckpointError(
+            raise CheckpointDamaged(
                 f"checkpoint {directory.parent} cannot be read (no proc*/{INDEX} in {directory})"
             )
         self._arrays: dict[tuple[int, str], ts.TensorStore] = {}
@@ -527,10 +552,11 @@ class StoredState:
             sums = zip(page_crcs(pages), saved, strict=True)
             bad = [first + i for i, (a, b) in enumerate(sums) if a != b]
             if bad:
-                raise CheckpointError(
+                raise CheckpointDamaged(
                     f"checkpoint {self.directory.parent} is damaged: {len(bad)} of "
                     f"{last - first} pages read of stage {stage} ({kind}, {proc.name}) differ "
-                    f"from what was saved (CRC-32 of pages {bad[:3]}). {self.hint}"
+                    f"from what was saved (CRC-32 of pages {bad[:3]}; the first is "
+                    f"{_chunk_file(proc / kind, page0 + bad[0])}). {self.hint}"
                 )
             flat = pages.reshape(-1)
             offset = part["start"] + first * P

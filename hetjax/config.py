@@ -92,6 +92,10 @@ class TrainConfig:
     # and skips the batches from there to the bad one, ``stop`` ends the run (an error)
     on_nonfinite: str = "skip"
     max_nonfinite: int = 10  # skip / rollback: stop after this many bad steps in a row
+    # a step whose loss exceeds spike_factor x the median loss of the last spike_window
+    # updating steps is handled as a non-finite one (on_nonfinite); 0: off
+    spike_factor: float = 0.0
+    spike_window: int = 50
     # record every N-th step's timeline into <workdir>/trace (hetjax/timeline.py); 0: off
     trace_every: int = 0
     # a run that streamed on one device: time this many in-memory steps after it (the
@@ -119,6 +123,13 @@ class TrainConfig:
         )
         _choice("train", "on_nonfinite", self.on_nonfinite, ("skip", "rollback", "stop"))
         _check(self.max_nonfinite >= 1, "train.max_nonfinite", "must be >= 1", self.max_nonfinite)
+        _check(
+            self.spike_factor == 0 or self.spike_factor > 1,
+            "train.spike_factor",
+            "must be 0 (off) or > 1",
+            self.spike_factor,
+        )
+        _check(self.spike_window >= 1, "train.spike_window", "must be >= 1", self.spike_window)
         _check(
             self.loss_scale_period >= 1,
             "train.loss_scale_period",
@@ -260,9 +271,14 @@ class CheckpointConfig:
     # hard-link NVMe-resident state where the filesystem allows (false: copy it, e.g. for
     # backup tools that rewrite files in place); another filesystem always copies
     link_nvme: bool = True
+    # with link_nvme: every copy_every-th checkpoint of a run (the 1st, K+1-th, ...) copies
+    # the NVMe state, a window at a time, instead of linking it: a second copy of its
+    # bytes, which a hard link (the live files' own blocks) is not; 0: never
+    copy_every: int = 0
 
     def __post_init__(self):
         _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", self.every_steps)
+        _check(self.copy_every >= 0, "checkpoint.copy_every", "must be >= 0", self.copy_every)
         _check(
             self.every_minutes >= 0, "checkpoint.every_minutes", "must be >= 0", self.every_minutes
         )

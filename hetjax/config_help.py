@@ -81,6 +81,12 @@ HELP: dict[str, str] = {
     "`skip` it, `rollback` to the newest checkpoint (skipping the batches up to the bad "
     "one), or `stop` ([checkpoints](checkpoints.md))",
     "train.max_nonfinite": "`skip`/`rollback`: stop after this many non-finite steps in a row",
+    "train.spike_factor": "loss-spike guard: a step whose loss exceeds this factor times the "
+    "median loss of the last `train.spike_window` updating steps updates nothing and is "
+    "handled as a non-finite one (`train.on_nonfinite`); never before the window is full; "
+    "0 = off ([checkpoints](checkpoints.md))",
+    "train.spike_window": "loss-spike guard: how many updating steps' losses the running "
+    "median is taken over",
     "train.trace_every": "record every N-th step's timeline into `<workdir>/trace/` "
     "([timelines](timelines.md)); 0 = off",
     "train.in_memory_steps": "a run that streamed on one device: time this many steps of "
@@ -196,8 +202,13 @@ HELP: dict[str, str] = {
     "checkpoint.overwrite": "with `resume=never`, delete existing checkpoints (also `--overwrite`)",
     "checkpoint.async_save": "persist in the background (false: the step waits for the write)",
     "checkpoint.link_nvme": (
-        "hard-link the NVMe tier's committed files into checkpoints (false: copy them)"
+        "hard-link the NVMe tier's committed files into checkpoints (false: copy them); a "
+        "hard-linked checkpoint shares the live files' blocks on disk: no second copy"
     ),
+    "checkpoint.copy_every": "with `link_nvme`: every K-th checkpoint of a run (the first, "
+    "the K+1-th, ...) streams a real copy of the NVMe state, a window at a time within the "
+    "host budget, each page checked against its live checksum; the others hard-link; "
+    "0 = never ([checkpoints](checkpoints.md))",
     # -- distributed ------------------------------------------------------------------
     "distributed.data_parallel": "ZeRO-3 data-parallel degree (`offload.mode=stream`): "
     "devices sharing every stage's pages; 1 = none, 0 = every device of every process "

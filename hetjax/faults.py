@@ -21,18 +21,27 @@ from hetjax.config_values import ConfigError
 
 KINDS = {
     "nan": "step N's gradients are NaN",
+    "loss_spike": "step N's loss, as the loss-spike guard sees it, is 1000 times larger",
     "kill_mid_step": "SIGKILL while step N runs",
     "kill_saving": "SIGKILL right after step N's checkpoint is handed to the background writer",
     "kill_saved": "SIGKILL once step N's checkpoint is complete",
     "sigterm": "SIGTERM while step N runs (from a timer thread, as a kill from outside arrives)",
     "sigusr1": "SIGUSR1 while step N runs (likewise)",
     "optimizer_raise": "the host optimizer loop raises in its first stage update from step N",
+    "nvme_bitflip": (
+        "a bit flipped on disk in the first NVMe page file read from step N on (a live "
+        "page of params or optimizer state), before that read"
+    ),
     "nvme_write_fail": (
         "the first NVMe page write from step N fails as a disk error does: its future "
         "completes with an OSError once the write itself is done"
     ),
 }
-IN_RUNTIME = ("optimizer_raise", "nvme_write_fail")  # armed by the loop, fired where they happen
+IN_RUNTIME = (
+    "optimizer_raise",
+    "nvme_write_fail",
+    "nvme_bitflip",
+)  # armed by the loop, fired where they happen
 MID_STEP = {"kill_mid_step": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1}
 
 
@@ -93,6 +102,7 @@ class Faults:
 
 _armed: set[str] = set()
 _lock = threading.Lock()
+flipped: list[str] = []  # the files ``nvme_bitflip`` changed, in order (for tests)
 
 
 def fire(kind: str) -> bool:
@@ -105,3 +115,21 @@ def fire(kind: str) -> bool:
             _armed.discard(kind)
             return True
     return False
+
+
+def flip_bit(path) -> None:
+    """Flips the lowest bit of the middle byte of file ``path`` on disk (the
+    ``nvme_bitflip`` fault); None: nothing to flip yet, the fault is armed again."""
+    if path is None:
+        with _lock:
+            _armed.add("nvme_bitflip")
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        at = os.fstat(fd).st_size // 2
+        byte = os.pread(fd, 1, at)
+        os.pwrite(fd, bytes([byte[0] ^ 1]), at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    flipped.append(str(path))

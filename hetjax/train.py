@@ -7,6 +7,7 @@ them."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,6 +27,14 @@ from hetjax.config import Config, format_bytes
 from hetjax.data import decoder_length, make_datasets
 from hetjax.distributed import any_process, is_main_process
 from hetjax.faults import Faults
+from hetjax.guards import (
+    SpikeGuard,
+    checkpoints_sharing,
+    damaged_page,
+    fall_back,
+    restore_good,
+    set_aside,
+)
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, plot_losses, step_record
 from hetjax.planning.auto import resolve_auto
 from hetjax.preemption import Preempted, StopSignals
@@ -34,7 +43,7 @@ from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.runtime.zero import Zero3
 from hetjax.summary import report as report_run
-from hetjax.types import Runtime, TrainingError
+from hetjax.types import CheckpointDamaged, CheckpointError, Runtime, TrainingError
 from models import build_model
 from models.staged import row_flops
 
@@ -63,6 +72,9 @@ class TrainResult:
     params: Any
     records: list[dict[str, Any]]
     workdir: Path  # where metrics.jsonl and summary.json were written (process 0)
+
+
+SPIKE_GAIN = 1000.0  # HETJAX_FAULTS loss_spike@N: step N's loss as the guard sees it, x this
 
 
 def _signal_later(seconds: float, sig: signal.Signals) -> threading.Timer:
@@ -127,7 +139,7 @@ def _train(
         if resume is not None:
             t0 = time.perf_counter()
             out.log(f"restoring checkpoint step {resume} from {ckpt.directory} ...")
-            state, meta = ckpt.restore(resume)
+            state, meta, resume = restore_good(ckpt, resume, out.log)
             out.log(f"checkpoint read in {time.perf_counter() - t0:.1f} s")
             check_compatible(meta, config, ckpt.directory)
         if config.offload.mode == "auto":  # decide the placement first (hetjax/planning/)
@@ -159,15 +171,22 @@ def _train(
             f"mfu against {peak / 1e12:.3f} TFLOP/s ({config.model.compute_dtype} matmul, measured)"
         )
         step, data_offset = 0, 0
+        while resume is not None:
+            try:
+                runtime.load_state(state)
+                break
+            except CheckpointDamaged as e:  # its pages fail their CRC-32 as they are read
+                state, meta, resume = fall_back(ckpt, resume, e, out.log)
+                check_compatible(meta, config, ckpt.directory)
         if resume is not None:
-            runtime.load_state(state)
             step, data_offset = int(meta["step"]), int(meta.get("data_offset", 0))
             out.log(f"resumed from checkpoint step {step} in {ckpt.directory}")
             out.advance(step)
             del state
         losses, records = [], []
         timer = StepTimer()
-        bad_streak = 0
+        bad_streak = damaged_streak = 0
+        guard = SpikeGuard(t.spike_factor, t.spike_window)
         last_saved, last_saved_at = step, time.monotonic()
 
         def save(at: int) -> None:
@@ -213,8 +232,26 @@ def _train(
                 timeline.Recorder(step) if t.trace_every and step % t.trace_every == 0 else None
             )
             faults.arm(step)  # the faults inside the runtime's work (hetjax/faults.py)
-            with timeline.recording(recorder):
-                stats = runtime.train_step(batch, poison=faults.hit("nan", step))
+            limit = guard.limit()
+            try:
+                with timeline.recording(recorder):
+                    stats = runtime.train_step(
+                        batch,
+                        poison=faults.hit("nan", step),
+                        loss_limit=limit,
+                        loss_gain=SPIKE_GAIN if faults.hit("loss_spike", step) else 1.0,
+                    )
+            except Exception as e:
+                damaged = damaged_page(e)
+                if damaged is None:
+                    raise
+                damaged_streak += 1
+                runtime, step, data_offset = _on_damaged_page(
+                    config, workdir, damaged, e, step, damaged_streak, runtime, ckpt, out
+                )
+                faults.disarm()
+                timer.lap()
+                continue
             if killer is not None:
                 killer.join()  # the step outlived the timer: signal now, still before any save
             trace = recorder.finish() if recorder is not None else None
@@ -243,19 +280,31 @@ def _train(
                 rec.update(loss_scale=stats.loss_scale, skipped=stats.skipped)
             if stats.nonfinite:
                 rec["nonfinite"] = True
+            if stats.spike:
+                guard.spikes += 1
+                rec.update(loss_spike=True, loss_spikes=guard.spikes)
             if t.eval_every and t.eval_batches and step % t.eval_every == 0 and step < t.steps:
                 runtime.settle()  # lock-free: the updates so far applied
                 rec["val_loss"] = evaluate(runtime, val_data, t.eval_batches)
                 timer.lap()  # the evaluation is not the next step's time
             records.append(rec)
             out.step(rec)
-            if stats.nonfinite:
+            if stats.nonfinite or stats.spike:
                 bad_streak += 1
+                what = f"loss {stats.loss}, gradient norm {stats.grad_norm}"
+                if stats.spike:
+                    what = (
+                        f"loss spike: loss {stats.loss:.4g} > train.spike_factor "
+                        f"{t.spike_factor:g} x {guard.median():.4g}, the median loss of the "
+                        f"last {t.spike_window} steps"
+                    )
                 step, data_offset = _on_nonfinite(
-                    config, stats, step, data_offset, bad_streak, runtime, ckpt, out
+                    config, what, step, data_offset, bad_streak, runtime, ckpt, out
                 )
                 continue
-            bad_streak = 0
+            if not stats.skipped:  # an fp16 overflow's loss is not one to compare with
+                guard.add(stats.loss)
+            bad_streak = damaged_streak = 0
             if ck.every_steps and step % ck.every_steps == 0:
                 save(step)
         runtime.settle()  # outstanding optimizer work done, state written out
@@ -276,6 +325,7 @@ def _train(
             "last_loss": losses[-1] if losses else None,
             "steps": t.steps,
             "mean_step_time_s": float(np.mean(times[1:] or times)) if times else None,
+            "loss_spikes": guard.spikes,
         }
         if main:
             (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -335,7 +385,11 @@ def _open_checkpoints(config: Config, workdir: Path, out: MetricsWriter) -> Chec
     checkpoints unless ``overwrite`` (which deletes them)."""
     ck = config.checkpoint
     ckpt = Checkpointer(
-        checkpoint_dir(config, workdir), ck.keep, ck.async_save, link_nvme=ck.link_nvme
+        checkpoint_dir(config, workdir),
+        ck.keep,
+        ck.async_save,
+        link_nvme=ck.link_nvme,
+        copy_every=ck.copy_every,
     )
     steps = ckpt.steps()
     if steps and ck.resume == "never":
@@ -352,16 +406,17 @@ def _open_checkpoints(config: Config, workdir: Path, out: MetricsWriter) -> Chec
     return ckpt
 
 
-def _on_nonfinite(config, stats, step, data_offset, bad_streak, runtime, ckpt, out):
-    """A step's loss or gradient was not finite and its update was skipped. Returns the
-    (step, data offset) to go on from, per ``train.on_nonfinite``."""
+def _on_nonfinite(config, what, step, data_offset, bad_streak, runtime, ckpt, out):
+    """A step's loss or gradient was not finite, or its loss a spike (``what`` says
+    which), and its update was skipped. Returns the (step, data offset) to go on from,
+    per ``train.on_nonfinite``."""
     t = config.train
-    what = f"loss {stats.loss}, gradient norm {stats.grad_norm}"
     if t.on_nonfinite == "stop" or bad_streak > t.max_nonfinite:
         why = (
             "train.on_nonfinite=stop"
             if t.on_nonfinite == "stop"
-            else f"{bad_streak} non-finite steps in a row (train.max_nonfinite={t.max_nonfinite})"
+            else f"{bad_streak} non-finite steps in a row, loss spikes counted "
+            f"(train.max_nonfinite={t.max_nonfinite})"
         )
         raise TrainingError(
             f"step {step}: {what}; the update was skipped and nothing non-finite was saved. "
@@ -395,6 +450,69 @@ def _on_nonfinite(config, stats, step, data_offset, bad_streak, runtime, ckpt, o
         f"{step - back} batches (train.on_nonfinite=rollback)"
     )
     return back, new_offset
+
+
+def _on_damaged_page(config, workdir, damaged, error, step, streak, runtime, ckpt, out):
+    """Step ``step`` read a live NVMe page that is not what was written (``damaged``):
+    stops the run naming the file, the page and the newest checkpoint with a good copy
+    (one not holding the damaged file itself), or, with ``train.on_nonfinite=rollback``,
+    restores that checkpoint into a new runtime (the old one's threads stopped at the
+    error) and sets the newer ones aside. Returns (runtime, step, data offset)."""
+    t = config.train
+    where = f"step {step}: {damaged}"
+    if ckpt is None:
+        raise TrainingError(
+            f"{where}. No checkpoint holds a good copy (checkpoints are off): start over, "
+            "and enable checkpoint.every_steps to be able to roll back"
+        ) from error
+    try:
+        ckpt.wait()  # a save in flight may have read the damaged file: it is not counted
+    except CheckpointError as e:
+        out.log(f"the checkpoint in flight failed: {e}")
+    bad = checkpoints_sharing(ckpt, Path(damaged.path))
+    good = [s for s in ckpt.steps() if s not in bad]
+    shared = (
+        f"; checkpoints {bad} hold the damaged file itself (hard links share the live "
+        "files' blocks: checkpoint.copy_every makes real copies)"
+        if bad
+        else ""
+    )
+    if t.on_nonfinite != "rollback" or streak > t.max_nonfinite or not good:
+        newest = (
+            f"the newest checkpoint with a good copy is step {good[-1]} "
+            f"({ckpt.directory / str(good[-1])})"
+            if good
+            else f"no checkpoint in {ckpt.directory} holds a good copy"
+        )
+        todo = (
+            f"; delete {', '.join(str(ckpt.directory / str(s)) for s in bad)} and restart "
+            "to resume from it"
+            if bad and good
+            else ""
+        )
+        why = (
+            f"{streak} damaged pages in a row (train.max_nonfinite={t.max_nonfinite})"
+            if streak > t.max_nonfinite
+            else "train.on_nonfinite=rollback rolls back to it"
+        )
+        raise TrainingError(f"{where}. Stopping: {newest}{shared}{todo} ({why})") from error
+    with contextlib.suppress(Exception):  # its threads may have stopped at the error
+        runtime.close()
+    for s in bad:
+        set_aside(ckpt, s)
+    state, meta, back = restore_good(ckpt, good[-1], out.log)
+    runtime = build_runtime(config, workdir)
+    while True:
+        try:
+            runtime.load_state(state)
+            break
+        except CheckpointDamaged as e:
+            state, meta, back = fall_back(ckpt, back, e, out.log)
+    out.log(
+        f"{where}; rolled back to checkpoint step {back}, the newest with a good copy"
+        f"{shared} (train.on_nonfinite=rollback)"
+    )
+    return runtime, back, int(meta.get("data_offset", 0))
 
 
 def evaluate(runtime: Runtime, data, num_batches: int) -> float:

@@ -5,6 +5,7 @@ implement. This module imports nothing else from hetjax, so every layer can use 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol, runtime_checkable
 
 import flax
@@ -22,9 +23,27 @@ class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message says what to change."""
 
 
+class DamagedPageError(TrainingError):
+    """A live NVMe page read back is not what was written (its CRC-32 differs): silent
+    corruption on the SSD (``storage/checksums.py``). The training loop adds which
+    checkpoint holds a good copy, or rolls back to it."""
+
+    def __init__(self, path, page: int, what: str, got: int, want: int):
+        self.path, self.page, self.what = path, page, what
+        super().__init__(
+            f"NVMe page damaged: {path} (page {page} of {what}) reads with CRC-32 "
+            f"{got:#010x}, was written with {want:#010x}"
+        )
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message says what to do. Earlier
     complete checkpoints are never touched by a failed save."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint's files are not what was saved (a page fails its CRC-32, or its
+    index is missing): a run resuming from it falls back to the one before."""
 
 
 # -- what a step reports ---------------------------------------------------------------
@@ -62,6 +81,7 @@ class StepReport:
     skipped: bool = False  # the update was skipped (fp16 overflow, or non-finite)
     loss_scale: float = 1.0
     nonfinite: bool = False  # loss or gradient not finite beyond fp16 loss scaling
+    spike: bool = False  # a finite loss over the step's loss limit (train.spike_factor)
     # The runtime's own measures of this step, as metrics.jsonl fields: bytes per tier
     # (device_bytes_peak, host_bytes, nvme_bytes), NVMe I/O (nvme_read_bytes,
     # nvme_write_bytes), optimizer work and waits (optimizer_s, optimizer_busy_s,
@@ -188,11 +208,19 @@ class RuntimeState:
 
 
 class Runtime(Protocol):
-    def train_step(self, batch: np.ndarray, poison: bool = False) -> StepReport:
+    def train_step(
+        self,
+        batch: np.ndarray,
+        poison: bool = False,
+        loss_limit: float = math.inf,
+        loss_gain: float = 1.0,
+    ) -> StepReport:
         """One optimizer step on a global batch of shape (A, B/A, W) int32 (windows of
         ``data.objective``, ``hetjax/data.py``: W = T+1 for ``lm``). A step
-        whose loss or gradient is not finite changes no state. ``poison`` (fault
-        injection for tests) makes the step's gradients NaN."""
+        whose loss or gradient is not finite changes no state, nor does one whose loss
+        exceeds ``loss_limit`` (a spike: ``StepReport.spike``). ``poison`` (fault
+        injection for tests) makes the step's gradients NaN; ``loss_gain`` (likewise)
+        multiplies the loss before it is compared with the limit."""
 
     def eval_loss(self, batch: np.ndarray) -> float:
         """Mean token loss of a (B, W) batch with the current params."""

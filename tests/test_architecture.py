@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     {"hetjax.cli"},
     {"hetjax.launch", "hetjax.bench", "hetjax.export", "hetjax.tokenize", "hetjax.gpucheck"},
-    {"hetjax.train", "hetjax.checkpoint", "hetjax.metrics", "hetjax.summary"},
+    {"hetjax.train", "hetjax.guards", "hetjax.checkpoint", "hetjax.metrics", "hetjax.summary"},
     {"hetjax.planning"},
     {"hetjax.runtime"},
     {"hetjax.optimizer"},

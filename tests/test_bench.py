@@ -100,6 +100,10 @@ def test_io_quick(tmp_path, capsys):
     assert {s["concurrency"] for s in settings} >= {4, 16, 64}
     assert {s["page"] >> 20 for s in settings} == {1, 4, 16}
     assert all(s["write"] > 0 and s["read"] > 0 for s in settings)
+    # the tier's reads and writes with and without the live page checksums
+    names = {f"{w}, {c}" for w in ("write", "read") for c in ("checked", "unchecked")}
+    assert set(result["checksums"]) == names
+    assert all(row["GBps"] > 0 for row in result["checksums"].values())
 
 
 def test_optimizer_quick(tmp_path, capsys):

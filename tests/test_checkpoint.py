@@ -458,42 +458,63 @@ def uninterrupted_constant_lr(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "fault",
-    [  # the same refusal path, other causes: one in the default run
+    [  # the same fallback path, other causes: one in the default run
         "damaged",
         pytest.param("missing-file", marks=pytest.mark.slow),
-        pytest.param("format", marks=pytest.mark.slow),
     ],
 )
-def test_unreadable_checkpoint_is_refused_and_the_older_one_resumes(
-    tmp_path, fault, uninterrupted_constant_lr
+def test_damaged_checkpoint_falls_back_to_the_older_one(
+    tmp_path, fault, uninterrupted_constant_lr, capsys
 ):
-    """The newest checkpoint damaged (bytes flipped in its data: caught by its CRC-32),
-    with a data file gone, or of another format version: refused, naming the checkpoint
-    and what to delete; once deleted, the run resumes from the older one and ends as
-    a run never stopped. (A constant learning rate: the run to step 4 and the one to 6
-    follow the same schedule.)"""
+    """The newest checkpoint damaged (bytes flipped in its data: caught by its CRC-32)
+    or with a data file gone: the resuming run warns, naming the checkpoint and the
+    damaged file, moves it to ``checkpoints/damaged/4`` and resumes from the older one,
+    ending as a run never stopped. (A constant learning rate: the run to step 4 and the
+    one to 6 follow the same schedule.)"""
     reference = uninterrupted_constant_lr
     longer = config(train=dict(steps=STEPS, eval_batches=1), optimizer=CONSTANT_LR)
     train(longer.replace(train=dict(steps=4)), tmp_path / "run", verbose=False)
     newest = tmp_path / "run" / "checkpoints" / "4"
+    damaged = _largest_page(newest)
     if fault == "damaged":
         _damage(newest)
-        pattern = r"checkpoint .*/4 is damaged: 1 of \d+ pages read of stage .* \(CRC-32 of pages"
-    elif fault == "missing-file":  # a missing page reads as zeros: its CRC-32 tells
-        _largest_page(newest).unlink()
-        pattern = r"checkpoint .*/4 is damaged: 1 of \d+ pages read of stage .* \(CRC-32 of pages"
-    else:
-        meta = newest / "meta" / "metadata"
-        meta.write_text(json.dumps({**json.loads(meta.read_text()), "format": 99}))
-        pattern = r"checkpoint .*/4 has format 99, this hetjax reads format 2: resume it with"
-    if fault != "format":
-        pattern += rf".*\. Delete {newest} to resume from the newest older one \(step 2\)"
-    with pytest.raises(CheckpointError, match=pattern):
-        train(longer, tmp_path / "run", verbose=False)
-    shutil.rmtree(newest)
-    resumed = train(longer, tmp_path / "run", verbose=False)
+    else:  # a missing page reads as zeros: its CRC-32 tells
+        damaged.unlink()
+    capsys.readouterr()
+    resumed = train(longer, tmp_path / "run", verbose=True)
+    log = capsys.readouterr().out
+    pattern = (
+        r"warning: checkpoint .*/4 is damaged: 1 of \d+ pages read of stage .* \(CRC-32 of "
+        rf"pages \[\d+\]; the first is {re.escape(str(damaged))}\)"
+    )
+    assert re.search(pattern, log), log
+    moved = newest.parent / "damaged" / "4"
+    assert f"checkpoint step 4 moved to {moved}; resuming from step 2" in log
+    assert "resumed from checkpoint step 2" in log
     np.testing.assert_array_equal(resumed.losses, reference.losses[2:])  # steps 3 to 6
     jax.tree.map(np.testing.assert_array_equal, resumed.params, reference.params)
+
+
+@pytest.mark.slow  # ~5 s: a refusal, the damaged-checkpoint fallback's counterpart
+def test_checkpoint_of_another_format_is_refused(tmp_path):
+    cfg = config(train=dict(steps=4, eval_batches=1), optimizer=CONSTANT_LR)
+    train(cfg.replace(train=dict(steps=2)), tmp_path / "run", verbose=False)
+    meta = tmp_path / "run" / "checkpoints" / "2" / "meta" / "metadata"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "format": 99}))
+    pattern = r"checkpoint .*/2 has format 99, this hetjax reads format 2: resume it with"
+    with pytest.raises(CheckpointError, match=pattern):
+        train(cfg, tmp_path / "run", verbose=False)
+
+
+@pytest.mark.slow  # ~10 s: the fallback test is the default run's check of damage
+def test_damaged_only_checkpoint_is_refused(tmp_path):
+    """With no older checkpoint to fall back to, a damaged one is refused, naming it."""
+    cfg = config(train=dict(steps=2, eval_batches=1))
+    train(cfg, tmp_path / "run", verbose=False)
+    _damage(tmp_path / "run" / "checkpoints" / "2")
+    pattern = r"checkpoint .*/2 is damaged: .*Delete .*/2 to resume from the start"
+    with pytest.raises(CheckpointError, match=pattern):
+        train(cfg.replace(train=dict(steps=4)), tmp_path / "run", verbose=False)
 
 
 @pytest.mark.slow  # ~15 s; the checkpoint tier stays covered by the restore chain and SIGKILL tests

@@ -1,6 +1,7 @@
 """``python -m hetjax.bench io``: the TensorStore tier's read/write GB/s vs the raw
 sequential disk (O_DIRECT), then a sweep of TensorStore's file I/O settings
-(``file_io_mode`` default / direct / memmap, concurrency, page size) against it."""
+(``file_io_mode`` default / direct / memmap, concurrency, page size) against it, and
+the tier's reads and writes with and without the live page checksums."""
 
 from __future__ import annotations
 
@@ -180,9 +181,49 @@ def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
     }
 
 
+def _checksum_rows(directory: Path, quick: bool, repeats: int = 5) -> dict:
+    """The tier's page reads (O_DIRECT into aligned buffers) and borrowed writes with
+    the live page checksums (``storage/checksums.py``: a CRC-32 of every page written,
+    checked on every read) and without (``PageStore(verify=False)``): GB/s and the
+    process's CPU seconds per GB, the median of ``repeats`` passes each."""
+    from hetjax.storage.nvme import PageStore
+
+    nbytes, page = (64 if quick else 256) << 20, 4 << 20
+    elems, pages = page // 4, nbytes // page
+    data = aligned_empty(pages * elems, np.float32, DIRECT_ALIGN)
+    data[:] = np.random.default_rng(0).random(pages * elems, dtype=np.float32)
+    out = aligned_empty(pages * elems, np.float32, DIRECT_ALIGN)
+    cpu = lambda: sum(os.times()[:2])
+    rows = {}
+    print(f"live page checksums, {nbytes >> 20} MiB in 4 MiB pages   GB/s   CPU s/GB")
+    for verify in (True, False):
+        store = PageStore(directory / f"sums{verify}", ["master"], pages, elems, verify=verify)
+        runs: dict[str, list[tuple[float, float]]] = {"write": [], "read": []}
+        for _ in range(repeats):
+            for what in ("write", "read"):
+                os.sync()
+                wall, busy = time.perf_counter(), cpu()
+                if what == "write":
+                    store.write("master", 0, data, borrowed=True).result()
+                else:
+                    store.read_into("master", 0, out).result()
+                runs[what].append((time.perf_counter() - wall, cpu() - busy))
+        if not np.array_equal(out, data):
+            raise RuntimeError("bench io: the tier's read returned other data than was written")
+        for what, times in runs.items():
+            wall = float(np.median([t for t, _ in times]))
+            busy = float(np.median([c for _, c in times]))
+            name = f"{what}, {'checked' if verify else 'unchecked'}"
+            rows[name] = {"GBps": nbytes / wall / 1e9, "cpu_s_per_GB": busy / (nbytes / 1e9)}
+            print(f"  {name:<36}{rows[name]['GBps']:>7.2f}{rows[name]['cpu_s_per_GB']:>10.3f}")
+        shutil.rmtree(directory / f"sums{verify}")
+    return rows
+
+
 def _disk_sweep(directory: Path, quick: bool) -> dict:
     rows = _disk_rows(directory, quick)
     rows["settings"] = _sweep(directory, quick, rows["raw_write"], rows["raw_read"])
+    rows["checksums"] = _checksum_rows(directory, quick)
     return rows
 
 

@@ -5,6 +5,7 @@ is tested against, so it is kept plain."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import flax
@@ -55,15 +56,27 @@ class InMemoryRuntime:
         self._step = jax.jit(step, donate_argnums=0)
         self._eval = jax.jit(lambda p, b: self.model.loss(p, *split_window(objective, b, T)))
 
-    def train_step(self, batch: np.ndarray, poison: bool = False) -> StepReport:
-        self.state, (loss, grad_norm, skipped, scale) = self._step(
-            self.state, batch, np.float32(np.nan if poison else 1.0)
+    def train_step(
+        self,
+        batch: np.ndarray,
+        poison: bool = False,
+        loss_limit: float = math.inf,
+        loss_gain: float = 1.0,
+    ) -> StepReport:
+        guard = np.array([loss_limit, loss_gain], np.float32)
+        self.state, (loss, grad_norm, nonfinite, spike, scale) = self._step(
+            self.state, batch, np.float32(np.nan if poison else 1.0), guard
         )
         timeline.watch("compute", "train step", loss)
-        skipped, scale = bool(skipped), float(scale)
-        fp16_overflow = skipped and self.state.loss_scale is not None and scale > 1
+        nonfinite, spike, scale = bool(nonfinite), bool(spike), float(scale)
+        fp16_overflow = nonfinite and self.state.loss_scale is not None and scale > 1
         return StepReport(
-            float(loss), float(grad_norm), skipped, scale, nonfinite=skipped and not fp16_overflow
+            float(loss),
+            float(grad_norm),
+            nonfinite or spike,
+            scale,
+            nonfinite=nonfinite and not fp16_overflow,
+            spike=spike,
         )
 
     def eval_loss(self, batch: np.ndarray) -> float:
@@ -145,13 +158,16 @@ def step_fn(
     state: TrainState,
     batch: jax.Array,
     poison: jax.Array,
+    guard: jax.Array,
     objective: str = "lm",
     seq_len: int = 0,
 ):
     """One optimizer step of ``model`` with optax ``tx`` on a global batch (A, B/A, W) of
     windows (``data.objective``'s, ``hetjax/data.py``; ``seq_len`` the encoder's
     tokens where the objective has an encoder): gradients summed over the A
-    micro-batches, averaged, applied unless not finite."""
+    micro-batches, averaged, applied unless not finite or a loss spike. ``guard`` (2,):
+    the loss limit (a greater loss is a spike, the loop's ``train.spike_factor``) and a
+    gain the loss is multiplied by first (1; a fault injects a spike with more)."""
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
     seed = scale * poison  # the loss cotangent; poison is 1, or NaN to inject a fault
 
@@ -169,21 +185,23 @@ def step_fn(
     grad_sum, losses = jax.lax.scan(micro, zeros, batch)  # batch (A, B/A, T+1)
     grads = jax.tree.map(lambda g: g / (batch.shape[0] * scale), grad_sum)
     grad_norm = optax.tree.norm(grads)
-    loss = jnp.mean(losses)
+    loss = jnp.mean(losses) * guard[1]
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+    spike = finite & (loss > guard[0])
 
     def update(_):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         return optax.apply_updates(state.params, updates), opt_state
 
-    # A non-finite step (fp16 overflow, or divergence) leaves the state as it was.
+    # A non-finite step (fp16 overflow, or divergence) or a loss spike leaves the state
+    # as it was; the loss scale counts a spike as a finite step.
     params, opt_state = jax.lax.cond(
-        finite, update, lambda _: (state.params, state.opt_state), None
+        finite & ~spike, update, lambda _: (state.params, state.opt_state), None
     )
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     if state.loss_scale is not None:
         new = new.replace(loss_scale=state.loss_scale.update(finite))
-    return new, (loss, grad_norm, ~finite, scale)
+    return new, (loss, grad_norm, ~finite, spike, scale)
 
 
 def step_device_bytes(config: Config) -> int:
@@ -202,7 +220,8 @@ def step_device_bytes(config: Config) -> int:
     objective = config.data.objective
     step = functools.partial(step_fn, model, tx, objective=objective, seq_len=t.seq_len)
     step = jax.jit(step, donate_argnums=0)
-    a = step.lower(state, batch, jax.ShapeDtypeStruct((), np.float32)).compile().memory_analysis()
+    scalar, guard = jax.ShapeDtypeStruct((), np.float32), jax.ShapeDtypeStruct((2,), np.float32)
+    a = step.lower(state, batch, scalar, guard).compile().memory_analysis()
     return int(
         a.argument_size_in_bytes
         + a.output_size_in_bytes

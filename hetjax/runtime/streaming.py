@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import shutil
 import time
 from pathlib import Path
@@ -137,8 +138,15 @@ class StreamingRuntime:
 
     # -- the step -----------------------------------------------------------------------
 
-    def train_step(self, batch: np.ndarray, poison: bool = False) -> StepReport:
-        """One optimizer step on a global batch (A, B/A, T+1).
+    def train_step(
+        self,
+        batch: np.ndarray,
+        poison: bool = False,
+        loss_limit: float = math.inf,
+        loss_gain: float = 1.0,
+    ) -> StepReport:
+        """One optimizer step on a global batch (A, B/A, T+1) (``loss_limit``,
+        ``loss_gain``: :meth:`hetjax.types.Runtime.train_step`).
 
         Sync mode: the last micro-batch's backward hands each stage's final gradient to
         the optimizer loop as it reaches the host, so the update of block i runs while
@@ -154,20 +162,22 @@ class StreamingRuntime:
         if self.experts:  # the step's count starts here (not an evaluation's)
             self.experts.take()
         step = self._gradients(batch, scale, poison, self.loop if sync else None)
-        loss = float(np.mean([float(v) for v in step.losses]))
+        loss = float(np.mean([float(v) for v in step.losses])) * loss_gain
         grad_norm = step.norm()
         # A non-finite step updates nothing: its speculative updates are dropped (stages
         # after the first non-finite gradient were never submitted, see StepGradients).
+        # Nor does a loss spike, though the loss scale counts it as a finite step.
         finite = bool(np.isfinite(grad_norm)) and bool(np.isfinite(loss))
+        spike = finite and loss > loss_limit
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.update(jnp.bool_(finite))
         t0 = time.perf_counter()
         if sync:
-            work = self.loop.finish(grad_norm, finite)
+            work = self.loop.finish(grad_norm, finite and not spike)
             self.deferred.committed()
             self._refresh_resident()
         else:
-            if finite:
+            if finite and not spike:
                 self.loop.submit_step(step.grads)
             work = self.loop.collect()
         waited = time.perf_counter() - t0  # optimizer time not hidden by backward
@@ -175,9 +185,10 @@ class StreamingRuntime:
         return StepReport(
             loss,
             grad_norm,
-            not finite,
+            not finite or spike,
             scale,
             nonfinite=not finite and not fp16_overflow,
+            spike=spike,
             metrics=self._metrics(step, work, waited),
         )
 

@@ -35,6 +35,7 @@ import tensorstore as ts
 
 from hetjax import faults, timeline
 from hetjax.config import ConfigError, format_bytes
+from hetjax.storage.checksums import PageChecksums, crc32
 from hetjax.storage.pages import DIRECT_ALIGN
 
 IO_CONCURRENCY = 16  # concurrent file operations; see MEASUREMENTS.md (4 MiB chunks, 16)
@@ -124,13 +125,16 @@ class PageStore:
         label: str = "",
         io_mode: str = IO_MODE,
         concurrency: int = IO_CONCURRENCY,
+        verify: bool = True,
     ):
         """``kinds``: names (float32 pages) or a dict name -> dtype name (e.g. the
         compute-dtype param pages, ``bfloat16``). ``chunk_elems``: elements per chunk
         along a row; 0: the whole row (one page, one chunk). ``label``: what the
         timeline's spans say the store holds (default: the parent directory's name).
         ``io_mode``, ``concurrency``: TensorStore's file I/O settings (benchmarks sweep
-        them; the tier uses :data:`IO_MODE` and :data:`IO_CONCURRENCY`)."""
+        them; the tier uses :data:`IO_MODE` and :data:`IO_CONCURRENCY`). ``verify``:
+        sum every page written and check every page read (``checksums.py``; off only
+        to measure what that costs, ``python -m hetjax.bench io``)."""
         self.path = Path(path)
         if not isinstance(kinds, dict):
             kinds = {k: "float32" for k in kinds}
@@ -147,6 +151,8 @@ class PageStore:
         ]
         for kind, future in zip(self.kinds, opened, strict=True):
             self.arrays[kind] = future.result()
+        # every row written is summed and every row read checked (checksums.py)
+        self.checksums = PageChecksums(self.kinds, num_pages, self.label, enabled=verify)
         # Reads and borrowed writes of whole pages bypass TensorStore where a chunk file
         # is the page's raw bytes (:class:`DirectIO`); another ``io_mode`` keeps its I/O.
         self._direct = io_mode == "direct" and all(
@@ -176,10 +182,13 @@ class PageStore:
         per_page = self.page_elems * sum(d.itemsize for d in self.dtypes.values())
         return self.num_pages * per_page
 
-    def read(self, kind: str, first_page: int, num_pages: int) -> ts.Future:
+    def read(self, kind: str, first_page: int, num_pages: int) -> concurrent.futures.Future:
         """Starts reading pages ``[first_page, first_page + num_pages)``; the future's
-        result is an array (num_pages, page_elems) of the kind's dtype."""
+        result is an array (num_pages, page_elems) of the kind's dtype, each page
+        checked against the sum of what was written (else :class:`DamagedPageError`)."""
+        self._fault_flip(kind, first_page, num_pages)
         future = self.arrays[kind][first_page : first_page + num_pages].read()
+        future = _then(future, lambda pages: self._check(kind, first_page, pages))
         timeline.watch_future("nvme_read", self._span_name(kind, first_page, num_pages), future)
         return future
 
@@ -191,13 +200,19 @@ class PageStore:
         each chunk into a buffer of its own and copies it over."""
         pages = out.reshape(-1, self.page_elems)
         n = len(pages)
+        self._fault_flip(kind, first_page, n)
         if self._direct and out.ctypes.data % DIRECT_ALIGN == 0:
-            files = [self._chunk_file(kind, first_page + i) for i in range(n)]
-            future = PageFutures(direct_io().read(files, pages))
+            rows = range(first_page, first_page + n)
+            reads = [
+                direct_io().submit(self._read_page, kind, r, p)
+                for r, p in zip(rows, pages, strict=True)
+            ]
+            future = PageFutures(reads)
         else:
             target = ts.array(pages, copy=False, write=True)
             write = target.write(self.arrays[kind][first_page : first_page + n])
-            future = PageFutures([_commit_future(write)])
+            read = _then(_commit_future(write), lambda _: self._check(kind, first_page, pages))
+            future = PageFutures([read])
         timeline.watch_future("nvme_read", self._span_name(kind, first_page, n), future)
         return future
 
@@ -213,9 +228,36 @@ class PageStore:
         hold ``src``'s bytes with no data read or written. Each goes under a temporary
         name renamed over the old file, as a write does, so a reader or a checkpoint's
         link of the old file keeps it."""
-        paths = [(src._chunk_file(kind, p), self._chunk_file(kind, p)) for p in pages]
-        futures = [direct_io().submit_write(_link_page, a, b) for a, b in paths]
+        futures = [direct_io().submit_write(self._link_page, src, kind, p) for p in pages]
         return PageFutures(futures)
+
+    def _link_page(self, src: PageStore, kind: str, page: int) -> None:
+        _link_page(src._chunk_file(kind, page), self._chunk_file(kind, page))
+        self.checksums.copy(src.checksums, kind, page)
+
+    def _read_page(self, kind: str, page: int, out: np.ndarray) -> None:
+        """One page's chunk file read into ``out`` and checked (on an I/O thread)."""
+        path = self._chunk_file(kind, page)
+        direct_io()._read(path, out)
+        self.checksums.check(kind, page, out, path)
+
+    def _write_page(self, kind: str, page: int, data: np.ndarray) -> None:
+        """One page written from ``data`` into its chunk file and summed (I/O thread)."""
+        direct_io()._write(self._chunk_file(kind, page), data)
+        self.checksums.record(kind, page, data)
+
+    def _check(self, kind: str, first: int, rows: np.ndarray) -> np.ndarray:
+        """``rows`` read from ``first`` on, checked against their sums; returned."""
+        for i, row in enumerate(rows):
+            self.checksums.check(kind, first + i, row, self._chunk_file(kind, first + i))
+        return rows
+
+    def _fault_flip(self, kind: str, first: int, n: int) -> None:
+        """HETJAX_FAULTS ``nvme_bitflip``: a bit of the first file of the rows about to
+        be read flipped on disk (a row never written has none: the fault waits)."""
+        if faults.fire("nvme_bitflip"):
+            files = [self._chunk_file(kind, r) for r in range(first, first + n)]
+            faults.flip_bit(next((f for f in files if f.exists()), None))
 
     def _chunk_file(self, kind: str, page: int) -> Path:
         """The file of one page's chunk (zarr3's default chunk keys: ``c/<row>/0``)."""
@@ -231,18 +273,25 @@ class PageStore:
         it into its chunk file (:class:`DirectIO`), else by TensorStore."""
         pages = np.asarray(data, self.dtypes[kind]).reshape(-1, self.page_elems)
         if borrowed and self._direct and pages.ctypes.data % DIRECT_ALIGN == 0:
-            files = [self._chunk_file(kind, first_page + i) for i in range(len(pages))]
-            future = PageFutures(direct_io().write(files, pages))
+            rows = range(first_page, first_page + len(pages))
+            submit = functools.partial(direct_io().submit_write, self._write_page, kind)
+            future = PageFutures([submit(r, p) for r, p in zip(rows, pages, strict=True)])
         else:
+            # summed now: ``data`` may change once handed over
+            sums = [crc32(row) for row in pages] if self.checksums.enabled else []
             target = self.arrays[kind][first_page : first_page + len(pages)]
             write = target.write(pages, can_reference_source_data_indefinitely=borrowed)
-            future = PageFutures([_commit_future(write)])
+            written = _then(_commit_future(write), lambda _: self._record(kind, first_page, sums))
+            future = PageFutures([written])
         name = self._span_name(kind, first_page, len(pages))
         if faults.fire("nvme_write_fail"):
             what = f"NVMe write of {name} failed (HETJAX_FAULTS nvme_write_fail)"
             future = _fails_when_done(future, OSError(errno.EIO, what, str(self.path / kind)))
         timeline.watch_future("nvme_write", name, future)
         return future
+
+    def _record(self, kind: str, first: int, sums: list[int]) -> None:
+        self.checksums.sums[kind][first : first + len(sums)] = sums
 
     def _span_name(self, kind: str, first_page: int, num_pages: int) -> str:
         rows = "pages" if self.chunk_elems == self.page_elems else "rows"
@@ -253,6 +302,21 @@ class PageStore:
         """Reopens one kind's array read-only (e.g. to inspect state after a run)."""
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(Path(path) / kind)}}
         return ts.open(spec, read=True).result()
+
+
+def _then(future, fn) -> concurrent.futures.Future:
+    """A future of ``fn(future's result)``, run by whichever thread completes
+    ``future`` (a TensorStore or ``concurrent.futures`` one); ``fn``'s error is its."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def land(_) -> None:
+        try:
+            done.set_result(fn(future.result()))
+        except BaseException as e:  # noqa: BLE001 — raised by result(), on the caller
+            done.set_exception(e)
+
+    future.add_done_callback(land)
+    return done
 
 
 def _raw_chunks(array: ts.TensorStore) -> bool:
