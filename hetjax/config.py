@@ -313,6 +313,8 @@ class DistributedConfig:
 
     data_parallel: int = 1
     expert_parallel: int = 1  # devices the experts are split over (1: none)
+    # devices each block's compute splits over (Megatron's split, the model axis): 1 none
+    tensor_parallel: int = 1
     # the dtype block gradients are reduce-scattered in: float32, or the compute dtype
     # (bf16: half the bytes; the sum over devices is rounded to it, memory.block_grad_dtype)
     reduce_dtype: str = "float32"
@@ -337,6 +339,18 @@ class DistributedConfig:
             self.expert_parallel,
         )
         _choice("distributed", "reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+        _check(
+            self.tensor_parallel >= 1,
+            "distributed.tensor_parallel",
+            "must be >= 1 (1: no tensor parallelism)",
+            self.tensor_parallel,
+        )
+        if self.tensor_parallel > 1 and self.expert_parallel > 1:
+            raise ConfigError(
+                "config key 'distributed.tensor_parallel' "
+                f"({self.tensor_parallel}): tensor parallelism with expert parallelism "
+                "is not supported yet; set one of them to 1"
+            )
         _check(
             self.num_processes >= 0,
             "distributed.num_processes",
@@ -364,12 +378,13 @@ class DistributedConfig:
     @property
     def sharded(self) -> bool:
         """Whether the run spreads its state over devices (ZeRO-3, experts or both)."""
-        return self.data_parallel != 1 or self.expert_parallel != 1
+        return self.data_parallel != 1 or self.expert_parallel != 1 or self.tensor_parallel != 1
 
     @property
     def devices(self) -> int:
-        """Devices of the run's mesh: data_parallel x expert_parallel (0: every device)."""
-        return self.data_parallel * self.expert_parallel
+        """Devices of the run's mesh: data_parallel x expert_parallel x tensor_parallel
+        (0: every device)."""
+        return self.data_parallel * self.expert_parallel * self.tensor_parallel
 
 
 _SECTIONS = {
@@ -454,7 +469,9 @@ class Config:
         # what the parallelism does not support (hetjax/support.py): these two first
         asked = support.asked(self)
         self._refuse_unsupported([f for f in asked if f in ("device_cache", "in_memory")])
-        if dist.devices > 1 and self.train.micro_batch_size % dist.devices:
+        # the devices the rows split over (a model axis's devices share theirs)
+        row_devices = dist.data_parallel * experts
+        if row_devices > 1 and self.train.micro_batch_size % row_devices:
             over = f"distributed.data_parallel={data}"
             if experts > 1:
                 over += f" x distributed.expert_parallel={experts}"
@@ -462,12 +479,12 @@ class Config:
                 f"config key 'train.batch_size' ({self.train.batch_size}) split into "
                 f"{self.train.grad_accum} micro-batches of {self.train.micro_batch_size} rows "
                 f"must divide evenly over {over} devices; make batch_size / grad_accum a "
-                f"multiple of it ({dist.devices})"
+                f"multiple of it ({row_devices})"
             )
         chunks = self.offload.batch_chunks
         # a device's rows (every device, 0: known once the devices are; checked then
         # by the runtime's stage functions)
-        rows = self.train.micro_batch_size // max(dist.devices, 1)
+        rows = self.train.micro_batch_size // max(row_devices, 1)
         if chunks > 1 and rows % chunks:
             raise ConfigError(
                 f"config key 'offload.batch_chunks' ({chunks}) must divide a device's rows "

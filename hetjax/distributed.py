@@ -38,7 +38,8 @@ EXPERT_AXIS = "expert"  # the mesh axis a mixture of experts' experts are split 
 # but every ZeRO-3 run goes through a mesh that has it
 MODEL_AXIS = "model"
 MESH_AXES = (DATA_AXIS, EXPERT_AXIS, MODEL_AXIS)
-BATCH_AXES = (DATA_AXIS, EXPERT_AXIS)  # the batch and ZeRO-3's pages split over both
+BATCH_AXES = (DATA_AXIS, EXPERT_AXIS)  # the batch split over both
+PAGE_AXES = (*BATCH_AXES, MODEL_AXIS)  # ZeRO-3's pages: over every device of the mesh
 
 # Logical axis rules (MaxText's ``logical_axis_rules``, Levanter's axis mappings): the
 # logical axes models name on their params' leaves (``models/staged.py``'s
@@ -49,7 +50,7 @@ BATCH_AXES = (DATA_AXIS, EXPERT_AXIS)  # the batch and ZeRO-3's pages split over
 AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", BATCH_AXES),
     ("expert", EXPERT_AXIS),  # expert parallelism: a group of experts per expert row
-    # what tensor parallelism would split over MODEL_AXIS (TENSOR_PARALLEL_RULES): not yet
+    # whole here; TENSOR_PARALLEL_RULES splits them over MODEL_AXIS
     ("vocab", None),
     ("heads", None),
     ("kv_heads", None),
@@ -63,8 +64,9 @@ AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("buckets", None),
     ("router", None),
 )
-# The rules a tensor-parallel placement would use (Megatron's split: attention by heads,
-# the MLP by its hidden units, the vocabulary): tests lay out per-shard pages with them.
+# The rules tensor parallelism uses (Megatron's split: attention by heads,
+# the MLP by its hidden units, the vocabulary; zero.Zero3.constrain) with
+# distributed.tensor_parallel > 1.
 TENSOR_PARALLEL_RULES = tuple(
     (name, MODEL_AXIS if name in ("vocab", "heads", "kv_heads", "mlp") else axis)
     for name, axis in AXIS_RULES
@@ -243,27 +245,29 @@ def any_process(*flags: bool) -> tuple[bool, ...]:
     return tuple(bool(f) for f in np.asarray(every).reshape(-1, len(flags)).any(axis=0))
 
 
-def data_mesh(degree: int, expert_parallel: int = 1):
+def data_mesh(degree: int, expert_parallel: int = 1, tensor_parallel: int = 1):
     """A mesh (axes ``data``, ``expert``, ``model``) of ``degree`` x ``expert_parallel``
-    x 1 devices (``degree`` 0: every device of every process, ``expert_parallel`` of
-    them on each row; ``model`` 1: no tensor parallelism yet). The devices are taken in
-    process order, row by row, so each process's devices are contiguous in the mesh's
-    flat order."""
+    x ``tensor_parallel`` devices (``degree`` 0: every device of every process, the
+    others' product on each row). The devices are taken in process order, row by row
+    (``model`` innermost: a block's split stays within a process's devices where it
+    can), so each process's devices are contiguous in the mesh's flat order."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
     devices = jax.devices()  # ordered by process
-    experts = expert_parallel
-    if not degree and len(devices) % experts:
+    experts, model = expert_parallel, tensor_parallel
+    row = experts * model
+    if not degree and len(devices) % row:
+        key = "expert_parallel" if model == 1 else "tensor_parallel"
         raise ConfigError(
-            f"config key 'distributed.expert_parallel' ({experts}) must divide the device "
+            f"config key 'distributed.{key}' ({row}) must divide the device "
             f"count ({len(devices)}) when distributed.data_parallel is 0 (every device); "
             "change one of them"
         )
-    n = degree * experts or len(devices)
+    n = degree * row or len(devices)
     if n > len(devices):
-        key = "data_parallel" if experts == 1 else "data_parallel x expert_parallel"
+        key = "data_parallel" if row == 1 else "data_parallel x expert_parallel x tensor_parallel"
         raise ConfigError(
             f"config key 'distributed.{key}' asks for {n} devices but {len(devices)} "
             f"exist; lower it, or on CPU start with "
@@ -273,6 +277,6 @@ def data_mesh(degree: int, expert_parallel: int = 1):
         raise ConfigError(
             f"config key 'distributed.data_parallel' ({degree}): with "
             f"{jax.process_count()} processes every device takes part; set it to 0 or "
-            f"{len(devices) // experts}"
+            f"{len(devices) // row}"
         )
-    return Mesh(np.array(devices[:n]).reshape(n // experts, experts, 1), MESH_AXES)
+    return Mesh(np.array(devices[:n]).reshape(n // row, experts, model), MESH_AXES)

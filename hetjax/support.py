@@ -18,15 +18,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SINGLE, DATA, EXPERT = "single", "data", "expert"
+SINGLE, DATA, EXPERT, TENSOR = "single", "data", "expert", "tensor"
 # one device; ZeRO-3 over distributed.data_parallel devices; experts split over
-# distributed.expert_parallel devices (with ZeRO-3 over all of them)
-PARALLELISMS = (SINGLE, DATA, EXPERT)
-SHARDED = frozenset({DATA, EXPERT})
+# distributed.expert_parallel devices (with ZeRO-3 over all of them); each block's
+# compute split over distributed.tensor_parallel devices (ZeRO-3 over all of them)
+PARALLELISMS = (SINGLE, DATA, EXPERT, TENSOR)
+SHARDED = frozenset({DATA, EXPERT, TENSOR})
 _PHRASES = {
     SINGLE: "one device",
     DATA: "data parallelism (distributed.data_parallel != 1)",
     EXPERT: "expert parallelism (distributed.expert_parallel > 1)",
+    TENSOR: "tensor parallelism (distributed.tensor_parallel > 1)",
 }
 
 
@@ -72,22 +74,34 @@ FEATURES: dict[str, Feature] = {
         key="offload.keep_blocks",
         reason="kept activations are not supported with {parallel}",
         fix="leave it 0",
-        refused=frozenset({EXPERT}),
+        refused=frozenset({EXPERT, TENSOR}),
     ),
     "swap_blocks": Feature(
         key="offload.swap_blocks",
         reason="swapped activations are not supported with {parallel}",
         fix="leave it 0",
-        refused=frozenset({EXPERT}),
+        refused=frozenset({EXPERT, TENSOR}),
     ),
     "swap_to_nvme": Feature(
         key="offload.swap_tier",
         reason="nvme is not supported with {parallel}",
         fix="use host",
-        refused=frozenset({EXPERT}),
+        refused=frozenset({EXPERT, TENSOR}),
     ),
-    "nvme_boundaries": Feature(key="offload.activations", reason="", refused=frozenset()),
-    "lockfree": Feature(key="optimizer.mode", reason="", refused=frozenset()),
+    # tensor parallelism: not yet tried with either (each device of a model group holds
+    # the same rows, which the swap would write once per device)
+    "nvme_boundaries": Feature(
+        key="offload.activations",
+        reason="nvme boundary activations are not supported with {parallel} yet",
+        fix="use device or host",
+        refused=frozenset({TENSOR}),
+    ),
+    "lockfree": Feature(
+        key="optimizer.mode",
+        reason="lockfree is not supported with {parallel} yet",
+        fix="use optimizer.mode=sync",
+        refused=frozenset({TENSOR}),
+    ),
     # the default: a data-parallel device takes a block's pages, not its leaves, so it
     # cannot copy some experts and not others (runtime/routed.py)
     "routed_experts": Feature(
@@ -102,7 +116,12 @@ FEATURES: dict[str, Feature] = {
         reason="deferred expert updates are not supported with {parallel}, which routes no experts",
         fallback="every expert is updated every step, as offload.expert_updates=all",
     ),
-    "batch_chunks": Feature(key="offload.batch_chunks", reason="", refused=frozenset()),
+    "batch_chunks": Feature(
+        key="offload.batch_chunks",
+        reason="batch chunks are not supported with {parallel} yet",
+        fix="leave it 1",
+        refused=frozenset({TENSOR}),
+    ),
     # works, but the planner's per-device memory model would count it wrong
     # (docs/results/2026-11-26.md, "optimizer state on the device under data parallelism")
     "optimizer_on_device": Feature(
@@ -139,6 +158,8 @@ def parallelism(distributed: Any) -> str:
     """The parallelism of a ``config.distributed`` section."""
     if distributed.expert_parallel > 1:
         return EXPERT
+    if distributed.tensor_parallel > 1:
+        return TENSOR
     return DATA if distributed.data_parallel != 1 else SINGLE
 
 
@@ -174,7 +195,7 @@ def refusal(config: Any, feature: str) -> str | None:
     if reason is None or f.fallback:
         return None
     if not f.key:  # the parallelism itself rules it out: name its key
-        name = "expert_parallel" if p == EXPERT else "data_parallel"
+        name = {EXPERT: "expert_parallel", TENSOR: "tensor_parallel"}.get(p, "data_parallel")
         value = getattr(config.distributed, name)
         return f"config key 'distributed.{name}' ({value}): {reason}; {f.fix}"
     return f"config key '{f.key}': {reason}; {f.fix}"

@@ -368,6 +368,10 @@ class ComputeLayout(Protocol):
     def grad_slab(self, pages: Any, dtype: Any) -> Any:
         """Inside a stage function: the gradient of its pages as it leaves the device."""
 
+    def constrain(self, stage: str, params: Any) -> Any:
+        """Inside a stage function: stage ``stage``'s params tree as it computes with them
+        (tensor parallelism: split over the mesh's ``model`` axis by their logical axes)."""
+
     def stage_layouts(self, model: Any, page_size: int) -> dict[str, Any]:
         """The stages' slab layouts in this layout (each device's shard of a leaf)."""
 

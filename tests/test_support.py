@@ -23,6 +23,7 @@ DISTRIBUTED = {
     support.SINGLE: dict(data_parallel=1, expert_parallel=1),
     support.DATA: dict(data_parallel=2, expert_parallel=1),
     support.EXPERT: dict(data_parallel=1, expert_parallel=2),
+    support.TENSOR: dict(data_parallel=1, tensor_parallel=2),
 }
 STREAM = dict(mode="stream")
 # what asks for each feature (a whole offload section, or other sections too)
@@ -57,7 +58,7 @@ def test_the_matrix_names_every_feature_and_parallelism():
             assert reason is None or (reason and "\n" not in reason), (feature, p)
         assert support.supports(feature, support.SINGLE) is None  # one device runs all
     with pytest.raises(ValueError, match="unknown parallelism"):
-        support.supports("keep_blocks", "tensor")
+        support.supports("keep_blocks", "pipeline")
 
 
 @pytest.mark.parametrize("parallelism", support.PARALLELISMS)

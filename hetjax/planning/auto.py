@@ -36,7 +36,14 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     differ between machines, and every process must run the same placement."""
     if config.offload.mode != "auto":
         return config, None
-    in_memory = support.supports("in_memory", support.parallelism(config.distributed))
+    parallel = support.parallelism(config.distributed)
+    in_memory = support.supports("in_memory", parallel)
+    if parallel == support.TENSOR:  # the cost model has no tensor-parallel lane yet
+        log(
+            f"offload.mode=auto: {in_memory}; the planner does not plan it yet: "
+            "offload.mode=stream with the config's placement"
+        )
+        return config.replace(offload=dict(mode="stream")), None
     if in_memory:  # ZeRO-3 is the streaming runtime's
         log(f"offload.mode=auto: {in_memory}: planning the streaming runtime")
     else:

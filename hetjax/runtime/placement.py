@@ -109,7 +109,8 @@ class SingleDevice:
     expert_axis = None  # the mesh axis a MoE's experts are split over (zero.py)
     axis_rules = AXIS_RULES  # no mesh: nothing is split by them
     local_share = 1  # the fraction of a batch's rows (and per-device values) held here
-    degree = 1  # devices a micro-batch's rows split over
+    degree = 1  # devices a stage's pages split over
+    batch_degree = 1  # devices a micro-batch's rows split over
 
     def __init__(self, device: jax.Device | None = None):
         self.shardings = Shardings.single_device(device)
@@ -126,6 +127,12 @@ class SingleDevice:
         """Where the NVMe swaps' reads wait for their copy to the device
         (``Shardings.pinned_staging``)."""
         return self.shardings.pinned_staging()
+
+    def constrain(self, stage: str, params):
+        """Inside a stage function: its params as it computes with them (one device:
+        as they are; tensor parallelism splits them, ``zero.Zero3.constrain``)."""
+        del stage
+        return params
 
     def state_layouts(self, layouts: dict[str, SlabLayout]) -> dict[str, SlabLayout]:
         """Layouts of the slabs this process's optimizer and stores hold: whole slabs."""
@@ -233,8 +240,14 @@ class ShardedPlacement:
     experts: NamedSharding | None = None
 
     @classmethod
-    def over(cls, mesh: Mesh, axes: str | tuple[str, ...] = "data") -> ShardedPlacement:
+    def over(
+        cls, mesh: Mesh, axes: str | tuple[str, ...] = "data", batch_axes=None
+    ) -> ShardedPlacement:
+        """Pages split over ``axes``; the batch's rows over ``batch_axes`` (None: the
+        same; tensor parallelism: the data axes only, the model axis's devices share
+        their rows)."""
         pages = PartitionSpec(axes, None)
+        batch_axes = axes if batch_axes is None else batch_axes
         experts = None
         if EXPERT_AXIS in mesh.axis_names:
             experts = NamedSharding(mesh, PartitionSpec(EXPERT_AXIS, None), memory_kind="device")
@@ -244,7 +257,7 @@ class ShardedPlacement:
             slab_device=NamedSharding(mesh, pages, memory_kind="device"),
             gathered=NamedSharding(mesh, PartitionSpec(), memory_kind="device"),
             grad=NamedSharding(mesh, pages, memory_kind="device"),
-            batch=NamedSharding(mesh, PartitionSpec(axes), memory_kind="device"),
+            batch=NamedSharding(mesh, PartitionSpec(batch_axes), memory_kind="device"),
             experts=experts,
         )
 

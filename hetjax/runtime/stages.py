@@ -198,16 +198,19 @@ class GroupFunctions:
 
     def __init__(
         self, model, g: int, layouts, *, jit, out, cast, keep_level: str, batch_chunks: int = 1,
-        grad_dtype=F32,
+        grad_dtype=F32, constrain=lambda stage, params: params,
     ):  # fmt: skip
         # jit(fn, signature): the compute layout's (hetjax.types.ComputeLayout.jit)
         m, group = model, model.groups[g]
         E, B = layouts["embed"], layouts[group.name]
+        # a stage's params as the compute layout computes with them (tensor parallelism:
+        # split by their logical axes; else as they are)
+        params = lambda stage, layout, pages: constrain(stage, layout.unflatten_pages(pages))
         self.group, self.index, self.layout = group, g, B
         F32_stats = lambda: jnp.zeros((m.stats_size,), F32)
 
         def input_fwd(e, prev, tokens, targets):  # -> ((B, T, D), context)
-            return m.group_input(g, E.unflatten_pages(e), prev, tokens, targets)
+            return m.group_input(g, params("embed", E, e), prev, tokens, targets)
 
         def input_bwd(e, prev, tokens, targets, dx, dcontext):
             _, vjp = jax.vjp(lambda e, prev: input_fwd(e, prev, tokens, targets), e, prev)
@@ -217,7 +220,7 @@ class GroupFunctions:
         block_grad = lambda db: cast(B.grad_pages(db))  # pages, whichever way b came
 
         def block_fwd(b, x, context=()):  # (B, T, D) -> ((B, T, D), aux statistics (S,))
-            return m.group_block(g, B.unflatten_pages(b), x, context)
+            return m.group_block(g, params(group.name, B, b), x, context)
 
         def cotangent(dy, dstats=None):  # of block_fwd's results; None: no auxiliary loss
             return dy, F32_stats() if dstats is None else dstats
@@ -351,13 +354,19 @@ class StageFunctions:
                 keep_level=keep_level,
                 batch_chunks=batch_chunks,
                 grad_dtype=block_grad_dtype,
+                constrain=compute.constrain,
             )
             for g in range(len(m.groups))
         ]
         first = self.groups[0]
 
         def head_loss(h, e, x, targets):
-            return m.head_loss(H.unflatten_pages(h), E.unflatten_pages(e), x, targets)
+            return m.head_loss(
+                compute.constrain("head", H.unflatten_pages(h)),
+                compute.constrain("embed", E.unflatten_pages(e)),
+                x,
+                targets,
+            )
 
         def head_loss_chunked(h, e, x, targets):  # the mean of equal chunks' means
             one = lambda rows: head_loss(h, e, *rows)
@@ -380,7 +389,8 @@ class StageFunctions:
             return loss + aux, dstats * seed
 
         def embed_fwd(e, tokens):  # the first group's input: (B, T) -> (B, T, D)
-            return m.group_input(0, E.unflatten_pages(e), None, tokens, tokens)[0]
+            embed = compute.constrain("embed", E.unflatten_pages(e))
+            return m.group_input(0, embed, None, tokens, tokens)[0]
 
         def embed_bwd(e, tokens, dx):
             _, vjp = jax.vjp(lambda e: embed_fwd(e, tokens), e)
@@ -472,7 +482,7 @@ class StageFunctions:
         # XLA's temporaries are one device's (a ZeRO-3 function is compiled for one
         # device's rows), and so are x / dx beside them; the rest is the micro-batch's
         # (memory.Sizes.per_device)
-        return StageMemory(act, max(temps) + 3 * act // self.compute.degree, kept, context)
+        return StageMemory(act, max(temps) + 3 * act // self.compute.batch_degree, kept, context)
 
     def keep_levels(self, batch: int, seq_len: int, dtype) -> tuple[str, ...]:
         """The keep levels every group's block supports (``remat.levels``)."""

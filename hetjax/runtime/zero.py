@@ -15,8 +15,19 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   the global batch (``shard_map``), its arguments and results placed as its signature
   declares (``stages.SIGNATURES``, ``hetjax.types.Kind``), by the axis rules
   (``distributed.AXIS_RULES``: ``batch`` over ``data`` x ``expert``, a MoE's
-  ``expert`` axis over ``expert``), never by an array's rank. The mesh has a third
-  axis, ``model``, of size 1: no tensor parallelism yet, but the path it would take.
+  ``expert`` axis over ``expert``), never by an array's rank.
+* **Tensor parallelism** (``distributed.tensor_parallel`` M > 1): the mesh's third
+  axis, ``model``, has M devices that share their rows; the pages split over every
+  device of the mesh (data x model) and are gathered whole, and inside the stage
+  functions, which are manual over the data axes only, each stage's params are
+  constrained by their logical axes under ``distributed.TENSOR_PARALLEL_RULES``
+  (:meth:`Zero3.constrain`: attention by heads, the MLP by its hidden units, the
+  vocabulary), so XLA splits the block's compute as Megatron does and adds the
+  all-reduces; no layer code knows. Gradients are reduce-scattered over the data axes
+  and each model device keeps its part. Storage stays whole leaves (ZeRO-3's pages),
+  so a checkpoint resumes at any data x tensor split (``tests/test_tensor.py``); the
+  device holds a block's whole pages while it computes with its part (the pages are
+  not yet laid out by shard).
 * **Reduce-scatter of gradients.** A stage function's gradient slab is ``psum_scatter``-ed
   (``grad_slab``), so each device keeps only the summed gradient of its own pages, which
   go to the host as before, with their squared norms taken on the device. (Left to
@@ -68,7 +79,16 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import Config, ConfigError
-from hetjax.distributed import AXIS_RULES, BATCH_AXES, DATA_AXIS, MODEL_AXIS, data_mesh
+from hetjax.distributed import (
+    AXIS_RULES,
+    BATCH_AXES,
+    DATA_AXIS,
+    MODEL_AXIS,
+    PAGE_AXES,
+    TENSOR_PARALLEL_RULES,
+    data_mesh,
+    mesh_axes,
+)
 from hetjax.runtime.experts import ExpertPages, ExpertSlabLayout
 from hetjax.runtime.placement import ShardedPlacement, Shardings
 from hetjax.runtime.stages import stage_layouts
@@ -79,38 +99,43 @@ from hetjax.types import Kind, ParamStore, StageSignature, is_block, stage_layou
 F32 = jnp.float32
 
 
-AXES = BATCH_AXES  # pages and batch rows split over every device of the mesh
+AXES = BATCH_AXES  # batch rows split over the data axes (and pages, but for the model axis)
 
 
 class Zero3:
     """The streaming runtime's placement strategy with every stage's pages sharded over
     the ``distributed.data_parallel`` x ``distributed.expert_parallel`` devices of the
     mesh (a MoE block's experts split over the ``expert`` axis). Its compute layout
-    (``hetjax.types.ComputeLayout``) places by ``axis_rules``; the mesh's ``model`` axis
-    has size 1 (no tensor parallelism yet): a stage computes whole on every device."""
+    (``hetjax.types.ComputeLayout``) places by ``axis_rules``; with
+    ``distributed.tensor_parallel`` > 1 the mesh's ``model`` axis splits each stage's
+    compute (:meth:`constrain`)."""
 
     axis_rules = AXIS_RULES
 
     def __init__(self, config: Config):
         dist = config.distributed
-        self.mesh = data_mesh(dist.data_parallel, dist.expert_parallel)
+        self.mesh = data_mesh(dist.data_parallel, dist.expert_parallel, dist.tensor_parallel)
+        self.tensor_parallel = self.mesh.shape[MODEL_AXIS]
+        if self.tensor_parallel > 1:
+            self.axis_rules = TENSOR_PARALLEL_RULES
         self.rules = dict(self.axis_rules)
-        assert self.mesh.shape[MODEL_AXIS] == 1, "no tensor parallelism yet"
-        self.degree = self.mesh.size  # devices sharing the pages: data x expert
+        self.degree = self.mesh.size  # devices sharing the pages: data x expert x model
+        self.batch_degree = self.degree // self.tensor_parallel  # splitting the rows
+        self.page_axes = PAGE_AXES if self.tensor_parallel > 1 else AXES
         self.expert_parallel = dist.expert_parallel
         self.expert_axis = self.rules["expert"] if dist.expert_parallel > 1 else None
-        if config.train.micro_batch_size % self.degree:  # data_parallel 0: known only now
+        if config.train.micro_batch_size % self.batch_degree:  # data_parallel 0: known now
             raise ConfigError(
                 f"config key 'train.batch_size' ({config.train.batch_size}): its "
                 f"micro-batches of {config.train.micro_batch_size} rows must divide evenly "
-                f"over the mesh's {self.degree} devices; make batch_size / grad_accum a "
-                "multiple of it"
+                f"over the mesh's {self.batch_degree} devices; make batch_size / grad_accum "
+                "a multiple of it"
             )
-        self.sharded = ShardedPlacement.over(self.mesh, AXES)
+        self.sharded = ShardedPlacement.over(self.mesh, self.page_axes, batch_axes=AXES)
         me = jax.process_index()
         slots = [i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == me]
         self.local_devices = [self.mesh.devices.flat[i] for i in slots]
-        self.first_slot = slots[0]  # this process's first device on the data axis
+        self.first_slot = slots[0]  # this process's first device in the mesh's flat order
         # the fraction of a batch's rows (and of the per-device values) this process holds
         self.local_share = fractions.Fraction(len(slots), self.degree)
         self.nvme_subdir = f"proc{me}"
@@ -118,17 +143,30 @@ class Zero3:
         self.shardings = Shardings.single_device(self.local_devices[0])
         self.comm = collections.Counter()  # bytes per device moved by collectives
         self._gathers: dict[tuple, object] = {}
+        self._param_specs: dict[str, object] = {}  # stage -> its params' split (tensor)
 
     def stage_layouts(self, model, page_size: int) -> dict[str, SlabLayout]:
         """The stages' slab layouts: one equal share of pages per device; with expert
         parallelism, the block's experts in groups (``experts.py``)."""
+        if self.tensor_parallel > 1:  # how each stage's params split for compute
+            self._param_specs = _tensor_specs(model, self.rules)
+        # storage is of whole leaves, pages split over every device (ZeRO-3); tensor
+        # parallelism splits them for compute only (``constrain``)
         return stage_layouts(
-            model,
-            page_size,
-            self.degree,
-            self.expert_parallel,
-            rules=self.axis_rules,
-            axis_sizes={MODEL_AXIS: self.mesh.shape[MODEL_AXIS]},  # a shard of each leaf
+            model, page_size, self.degree, self.expert_parallel, rules=self.axis_rules
+        )
+
+    def constrain(self, stage: str, params):
+        """Inside a stage function: ``stage``'s params as it computes with them: as they
+        are, or with tensor parallelism split over the ``model`` axis by their logical
+        axes (``distributed.TENSOR_PARALLEL_RULES``: attention by heads, the MLP by its
+        hidden units, the vocabulary), so XLA splits the block's compute as Megatron
+        does and adds the all-reduces; no layer code knows."""
+        specs = self._param_specs.get(stage_layout(stage))
+        if specs is None:
+            return params
+        return jax.tree.map(
+            lambda a, spec: jax.lax.with_sharding_constraint(a, spec), params, specs
         )
 
     def swap_staging(self):
@@ -203,6 +241,8 @@ class Zero3:
                 mesh=self.mesh,
                 in_specs=tuple(spec_in(k, a) for k, a in zip(kinds, args, strict=True)),
                 out_specs=out_specs,
+                # tensor parallelism: the model axis is XLA's to split (``constrain``)
+                axis_names=set(AXES) if self.tensor_parallel > 1 else set(self.mesh.axis_names),
                 check_vma=False,
             )(*args)
 
@@ -223,7 +263,9 @@ class Zero3:
             summed = jnp.concatenate([experts, scatter(dense, AXES)])
         else:
             summed = scatter(jnp.stack([p.astype(dtype) for p in pages]), AXES)
-        return summed / self.degree
+            if self.tensor_parallel > 1:  # the model axis's devices keep a part each
+                summed = jax.lax.with_sharding_constraint(summed, PartitionSpec(MODEL_AXIS))
+        return summed / self.batch_degree
 
     def gather(self, num_pages: int, layout: ExpertSlabLayout | None = None):
         """The jitted all-gather of a ``num_pages``-page stage slab (sharded over every
@@ -238,12 +280,13 @@ class Zero3:
         per_device = functools.partial(
             jax.shard_map,
             mesh=self.mesh,
-            in_specs=PartitionSpec(AXES, None),
+            in_specs=PartitionSpec(self.page_axes, None),
             check_vma=False,  # all_gather's output is replicated
         )
         if layout is None:
             all_gather = per_device(
-                lambda s: jax.lax.all_gather(s, AXES, tiled=True), out_specs=PartitionSpec()
+                lambda s: jax.lax.all_gather(s, self.page_axes, tiled=True),
+                out_specs=PartitionSpec(),
             )
             gather = jax.jit(lambda s: list(all_gather(s)), out_shardings=self.sharded.gathered)
         else:
@@ -341,6 +384,21 @@ class Zero3:
         }
         self.comm.clear()
         return metrics
+
+
+def _tensor_specs(model, rules) -> dict[str, object]:
+    """Each stage's params' ``PartitionSpec``s under ``rules`` (a group's blocks without
+    their stacked layer axis), by stage: ``embed``, each group's name, ``head``."""
+    from models.staged import logical_axes
+
+    is_names = lambda n: isinstance(n, tuple)
+    spec = lambda names: PartitionSpec(*mesh_axes(names, rules))
+    names = logical_axes(model)
+    specs = {"embed": jax.tree.map(spec, names["embed"], is_leaf=is_names)}
+    for g in model.groups:
+        specs[g.name] = jax.tree.map(lambda n: spec(n[1:]), names[g.key], is_leaf=is_names)
+    specs["head"] = jax.tree.map(spec, names["head"], is_leaf=is_names)
+    return specs
 
 
 class ShardedParamStore:
