@@ -19,8 +19,21 @@ status_words() {
   fi
 }
 
+# stop PID...: SIGTERM, and SIGKILL to those still running 10 s later (a process whose
+# peer died may be stuck in a collective: hetjax takes SIGTERM as "checkpoint and stop",
+# which needs every process); returns once all have ended.
+stop() {
+  kill "$@" 2>/dev/null || true
+  # the pids stay ours (unreaped) until the wait below, so the delayed kill cannot hit
+  # another process
+  (sleep 10 && kill -KILL "$@") >/dev/null 2>&1 &
+  local killer=$!
+  wait "$@" 2>/dev/null || true
+  kill "$killer" 2>/dev/null || true
+}
+
 # wait_all: waits for every process of `pids`; when one fails, says which, stops the
-# others (SIGTERM), waits for them and returns the failed one's status. 75 when a
+# others (stop), waits for them and returns the failed one's status. 75 when a
 # process stopped preempted and none failed (the others stop at the same step: they are
 # left to finish); 0 when all succeed.
 wait_all() {
@@ -38,8 +51,7 @@ wait_all() {
     elif ((status)); then
       if ((${#running[@]})); then
         say "${names[$finished]:-process $finished} failed ($(status_words "$status")); stopping the other ${#running[@]}"
-        kill "${running[@]}" 2>/dev/null || true
-        wait "${running[@]}" 2>/dev/null || true
+        stop "${running[@]}"
       else
         say "${names[$finished]:-process $finished} failed ($(status_words "$status"))"
       fi

@@ -33,7 +33,8 @@ USER_ARGS = [
 # others run until they are stopped (SIGTERM, or their ssh shim killed: a real ssh -tt
 # session's remote process gets SIGHUP then), leaving stopped.<process id>; they give up
 # after 60 s. With FAKE_FAIL_ONCE set too, only the first start fails: once process k
-# has failed (it leaves failed.<k>), every process started later succeeds.
+# has failed (it leaves failed.<k>), every process started later succeeds. With
+# FAKE_STUCK, the others ignore SIGTERM (as one stuck in a collective with a dead peer).
 RECORDER = """#!{python}
 import json, os, signal, sys, time
 
@@ -62,7 +63,7 @@ def stopped(*_):
     sys.exit(143)
 
 
-signal.signal(signal.SIGTERM, stopped)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_STUCK") else stopped)
 signal.signal(signal.SIGHUP, stopped)
 parent = os.getppid()
 while time.monotonic() < deadline:
@@ -348,3 +349,19 @@ def test_max_restarts_must_be_a_number(tmp_path, value):
                          text=True, timeout=60)  # fmt: skip
     assert out.returncode == 2 and "--max-restarts takes a number" in out.stderr, out.stderr
     assert not list(record.iterdir())
+
+
+@pytest.mark.slow  # ~10 s: the grace period before SIGKILL
+def test_processes_that_ignore_sigterm_are_killed(tmp_path):
+    """Process 1 of 3 exits 3 and the others ignore SIGTERM (stuck, as in a collective
+    with a dead peer): local.sh kills them (SIGKILL) 10 s after its SIGTERM and exits 3;
+    none is left running."""
+    bin_dir, record = _shims(tmp_path)
+    env = _env(bin_dir, record, FAKE_FAIL_PROCESS="1", FAKE_STUCK="1",
+               PYTHON=str(bin_dir / "python3"))  # fmt: skip
+    code, seconds, _ = _run(_launch("local.sh", tmp_path, bin_dir), env, tmp_path, timeout=120)
+    assert code == 3 and 10 <= seconds < 30, (code, seconds)
+    assert not list(record.glob("stopped.*"))
+    for path in record.glob("python.*.json"):
+        pid = int(path.name.split(".")[1])
+        assert not Path(f"/proc/{pid}").exists(), pid  # killed and reaped
