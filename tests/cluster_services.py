@@ -77,7 +77,9 @@ def install() -> float:
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
         out = subprocess.run(argv, env=env, capture_output=True, text=True)
     if out.returncode != 0 or missing_programs():
-        raise RuntimeError(f"apt-get install {' '.join(PACKAGES)} failed:\n{out.stdout}{out.stderr}")
+        raise RuntimeError(
+            f"apt-get install {' '.join(PACKAGES)} failed:\n{out.stdout}{out.stderr}"
+        )
     return time.monotonic() - start
 
 
@@ -227,7 +229,15 @@ class Slurm(_Daemons):
 
     def wait_job(self, job_id: str, timeout: float) -> dict[str, str]:
         """Waits until the job has ended; its fields."""
-        end = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY")
+        end = (
+            "COMPLETED",
+            "FAILED",
+            "CANCELLED",
+            "TIMEOUT",
+            "PREEMPTED",
+            "NODE_FAIL",
+            "OUT_OF_MEMORY",
+        )
         deadline = time.monotonic() + timeout
         while True:
             fields = self.job(job_id)

@@ -19,10 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+import cluster_services
 import numpy as np
 import pytest
-
-import cluster_services
 from conftest import require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,7 +156,9 @@ def _kill_process(workdir: Path, variable: str, process_id: str) -> float:
     """Once the run has logged a step, SIGKILLs its process whose ``variable`` is
     ``process_id``; the monotonic time of the kill."""
     _wait_for(lambda: _logged_step(workdir) >= 2, 240, "the run's second step")
-    pids = [p for p, env in _hetjax_processes(str(workdir)).items() if env.get(variable) == process_id]
+    pids = [
+        p for p, env in _hetjax_processes(str(workdir)).items() if env.get(variable) == process_id
+    ]
     assert len(pids) == 1, _hetjax_processes(str(workdir))
     os.kill(pids[0], signal.SIGKILL)
     return time.monotonic()
@@ -229,7 +230,9 @@ def test_slurm_signals_before_the_time_limit_and_the_run_checkpoints(slurm, tmp_
 
     subprocess.run(["scontrol", "requeue", job], env=slurm.env(), check=True)
     # SLURM holds a requeued job for two minutes before it may start again: not here
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env(), check=True)
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env(), check=True
+    )
     resumed = f"restoring checkpoint step {step} "
     _wait_for(lambda: resumed in (tmp_path / "job.out").read_text(), 240, resumed)
     subprocess.run(["scancel", job], env=slurm.env(), check=True)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_launch_cluster import TINY, _env, _hetjax_processes, _logged_step, _losses
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +42,11 @@ def test_local_restart_after_a_killed_process_trains_like_an_uninterrupted_run(t
         while _logged_step(workdir) < KILL_AFTER:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.02)
-        ones = [p for p, e in _hetjax_processes(str(workdir)).items() if e.get("HETJAX_PROCESS_ID") == "1"]
+        ones = [
+            p
+            for p, e in _hetjax_processes(str(workdir)).items()
+            if e.get("HETJAX_PROCESS_ID") == "1"
+        ]
         assert len(ones) == 1, _hetjax_processes(str(workdir))
         killed_at_step = _logged_step(workdir)
         subprocess.run(["kill", "-9", str(ones[0])], check=True)
@@ -52,7 +55,8 @@ def test_local_restart_after_a_killed_process_trains_like_an_uninterrupted_run(t
         proc.kill()
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert killed_at_step < STEPS
-    assert "launch/local.sh: process 1 failed (exit status 137: killed by SIGKILL); stopping the other 1" in err, err[-3000:]
+    failed = "launch/local.sh: process 1 failed (exit status 137: killed by SIGKILL)"
+    assert f"{failed}; stopping the other 1" in err, err[-3000:]
     assert "launch/local.sh: restart 1 of 1: starting all 2 processes again" in err, err[-3000:]
     restored = [line for line in out.splitlines() if line.startswith("restoring checkpoint step ")]
     assert len(restored) == 1 and int(restored[0].split()[3]) >= 10, out[-3000:]

@@ -320,7 +320,8 @@ def test_max_restarts_starts_every_process_again(tmp_path, script):
     assert sorted(int(r["env"]["HETJAX_PROCESS_ID"]) for r in runs) == [0, 0, 1, 1, 2, 2]
     assert all("--max-restarts" not in r["argv"] and "2" not in r["argv"] for r in runs)
     launcher = f"launch/{script}"
-    assert f"{launcher}: process 1" in out.stderr and "failed (exit status 3); stopping the other 2" in out.stderr, out.stderr
+    assert f"{launcher}: process 1" in out.stderr, out.stderr
+    assert "failed (exit status 3); stopping the other 2" in out.stderr, out.stderr
     assert f"{launcher}: restart 1 of 2: starting all 3 processes again" in out.stderr, out.stderr
     assert "restart 2" not in out.stderr, out.stderr
 
