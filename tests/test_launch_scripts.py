@@ -3,8 +3,10 @@ docs/guide/distributed.md shows it with ``srun``, ``ssh`` and the Python it star
 replaced by recording shims, starts the processes the docs promise: how many, the
 coordinator's address, each one's process id, and ``python -m hetjax.launch`` with the
 user's arguments (quoted through ssh's remote shell). A failing process stops the
-others (local.sh, ssh.sh). No SLURM or sshd is needed; local.sh's real two-process run
-is tests/test_readme.py's.
+others (local.sh, ssh.sh; SIGKILL for those that ignore SIGTERM), and --max-restarts
+starts them all again; a failing SLURM task cancels its job step. No SLURM or sshd is
+needed: the runs against the real things are tests/test_launch_cluster.py's, local.sh's
+real two-process run tests/test_readme.py's, a real restart tests/test_launch_restarts.py's.
 """
 
 import json
