@@ -7,8 +7,9 @@ killed with SIGKILL stops them all with a message naming it, and SLURM's signal 
 the time limit (slurm.sh's own ``#SBATCH --signal``) ends the job with a checkpoint and
 exit status 75, from which a requeued job resumes.
 
-Timings on the 2-core development machine (Debian 12): installing the packages ~7 s,
-starting SLURM ~1.5 s and sshd ~0.5 s; the tests, each noted below.
+Timings on the 2-core development machine (Debian 12), which other sessions loaded
+(load average ~20): installing the packages 7-15 s, once; starting SLURM ~1.5 s and sshd
+~0.5 s; the one-process reference 21 s; the tests, each noted below; the module 5.3 min.
 """
 
 import json
@@ -196,7 +197,7 @@ def test_slurm_two_tasks_train_as_one_process(slurm, one_process, tmp_path):
 
 
 def test_slurm_killed_task_stops_the_job(slurm, tmp_path):
-    """~40 s. SIGKILL to task 1's hetjax mid-run: the job ends within 60 s (not after
+    """~65 s. SIGKILL to task 1's hetjax mid-run: the job ends within 60 s (not after
     distributed.timeout_s, 300 s), failed, and its output names the task and why."""
     job = _sbatch(slurm, tmp_path, "--time=5", args=[ENDLESS])
     killed_at = _kill_process(tmp_path / "run", "SLURM_PROCID", "1")
@@ -211,7 +212,7 @@ def test_slurm_killed_task_stops_the_job(slurm, tmp_path):
 
 
 def test_slurm_signals_before_the_time_limit_and_the_run_checkpoints(slurm, tmp_path):
-    """~170 s. A 4-minute job of slurm.sh as written (#SBATCH --signal=B:USR1@120) and
+    """~135 s. A 4-minute job of slurm.sh as written (#SBATCH --signal=B:USR1@120) and
     --requeue, training endlessly: SLURM's SIGUSR1 reaches both processes at least a
     minute before the time limit, each stops at the same step with its checkpoint
     complete, and the job exits 75 (not cancelled at the limit, no task killed).
@@ -268,7 +269,7 @@ def test_ssh_two_processes_train_as_one_process(sshd, one_process, tmp_path):
 
 
 def test_ssh_killed_process_stops_the_others(sshd, tmp_path):
-    """~40 s. SIGKILL to process 1 (started by sshd) mid-run: ssh.sh exits non-zero
+    """~55 s. SIGKILL to process 1 (started by sshd) mid-run: ssh.sh exits non-zero
     within 60 s, saying which process failed and that it stopped the other, and no
     process of the run is left."""
     proc = _ssh_launch(sshd, tmp_path, ENDLESS)

@@ -28,7 +28,7 @@ def _local(workdir: Path, *options: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
-@pytest.mark.slow  # ~90 s on 2 cores: two 2-process runs, one of them started twice
+@pytest.mark.slow  # ~190 s on 2 loaded cores: two 2-process runs, one of them started twice
 def test_local_restart_after_a_killed_process_trains_like_an_uninterrupted_run(tmp_path):
     """local.sh 2 --max-restarts 1; once step 14 is logged, process 1 gets SIGKILL. The
     script says so, stops process 0, starts both again (logged), they resume from a
