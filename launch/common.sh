@@ -6,7 +6,18 @@
 
 pids=()
 declare -A names=()
+signalled=""  # the stop signal this script got, if any: no restart after it
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+# SIGTERM or SIGUSR1 to the script (a scheduler's preemption) go to every process, which
+# checkpoints and exits 75; the script waits for them and exits with their status.
+# Ctrl-C (SIGINT) reaches local processes itself; the others get SIGTERM.
+forward() {
+  signalled=$1
+  kill -"$2" "${pids[@]}" 2>/dev/null || true
+}
+trap 'forward TERM TERM' TERM
+trap 'forward USR1 USR1' USR1
+trap 'forward INT TERM' INT
 
 say() { echo "$launcher: $*" >&2; }
 
@@ -27,8 +38,12 @@ stop() {
   # the pids stay ours (unreaped) until the wait below, so the delayed kill cannot hit
   # another process
   (sleep 10 && kill -KILL "$@") >/dev/null 2>&1 &
-  local killer=$!
-  wait "$@" 2>/dev/null || true
+  local killer=$! pid
+  for pid; do
+    while kill -0 "$pid" 2>/dev/null; do  # (a trapped signal may interrupt a wait)
+      wait "$pid" 2>/dev/null && break
+    done
+  done
   kill "$killer" 2>/dev/null || true
 }
 
@@ -40,7 +55,9 @@ wait_all() {
   local running=("${pids[@]}") finished pid rest status preempted=0
   while ((${#running[@]})); do
     status=0
+    finished=""
     wait -n -p finished "${running[@]}" || status=$?
+    [[ -n ${finished:-} ]] || continue  # a trapped signal interrupted the wait (and unset it)
     rest=()
     for pid in "${running[@]}"; do
       [[ $pid == "$finished" ]] || rest+=("$pid")
@@ -82,8 +99,9 @@ take_max_restarts() {
 # supervise MAX_RESTARTS: start_all, then wait_all. When a process fails, all are
 # stopped and, up to MAX_RESTARTS times, started again: `python -m hetjax.launch`
 # resumes from the newest complete checkpoint. Not restarted: success (0), a bad
-# config (2, it would fail again) and preemption (75, the run checkpointed and stopped
-# on a signal: the scheduler's decision). Returns the last status.
+# config (2, it would fail again), preemption (75, the run checkpointed and stopped on
+# a signal: the scheduler's decision) and anything after a stop signal to the script.
+# Returns the last status.
 supervise() {
   local max=$1 restart=0 status
   while :; do
@@ -92,7 +110,7 @@ supervise() {
     start_all
     status=0
     wait_all || status=$?
-    if ((status == 0 || status == 2 || status == 75)); then
+    if ((status == 0 || status == 2 || status == 75)) || [[ -n $signalled ]]; then
       return "$status"
     fi
     if ((restart >= max)); then

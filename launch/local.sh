@@ -3,6 +3,7 @@
 # collectives over localhost). Process 0 prints to the terminal; the others log to
 # <workdir>/proc<k>.log. If any process fails, the others are stopped; with
 # --max-restarts R all are then started again, from the newest checkpoint, up to R times.
+# SIGTERM or SIGUSR1 to this script go to every process (they checkpoint and exit 75).
 #
 #   launch/local.sh N [--max-restarts R] [hetjax.launch arguments...]
 #   launch/local.sh 2 --config gpt_tiny --workdir runs/zero2 --config.offload.mode=stream \

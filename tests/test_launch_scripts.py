@@ -36,7 +36,8 @@ USER_ARGS = [
 # session's remote process gets SIGHUP then), leaving stopped.<process id>; they give up
 # after 60 s. With FAKE_FAIL_ONCE set too, only the first start fails: once process k
 # has failed (it leaves failed.<k>), every process started later succeeds. With
-# FAKE_STUCK, the others ignore SIGTERM (as one stuck in a collective with a dead peer).
+# FAKE_STUCK, the others ignore SIGTERM (as one stuck in a collective with a dead peer);
+# with FAKE_TERM_STATUS, SIGTERM makes them exit with it (default 143).
 RECORDER = """#!{python}
 import json, os, signal, sys, time
 
@@ -62,7 +63,7 @@ if me == fail:
 
 def stopped(*_):
     open(os.path.join(record, f"stopped.{{me}}"), "w").close()
-    sys.exit(143)
+    sys.exit(int(os.environ.get("FAKE_TERM_STATUS", "143")))
 
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_STUCK") else stopped)
@@ -368,3 +369,26 @@ def test_processes_that_ignore_sigterm_are_killed(tmp_path):
     for path in record.glob("python.*.json"):
         pid = int(path.name.split(".")[1])
         assert not Path(f"/proc/{pid}").exists(), pid  # killed and reaped
+
+
+def test_sigterm_to_local_sh_reaches_every_process_and_is_not_restarted(tmp_path):
+    """SIGTERM to local.sh (a scheduler preempting it) while 3 processes run: each gets
+    SIGTERM, checkpoints and exits 75 (as hetjax does; here the shim), and local.sh
+    exits 75 once they have, without restarting them despite --max-restarts 2."""
+    bin_dir, record = _shims(tmp_path)
+    env = _env(bin_dir, record, FAKE_FAIL_PROCESS="-1", FAKE_TERM_STATUS="75",
+               PYTHON=str(bin_dir / "python3"))  # fmt: skip
+    argv = _launch("local.sh", tmp_path, bin_dir, "--max-restarts", "2")
+    proc = subprocess.Popen([str(a) for a in argv], cwd=tmp_path, env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(record.glob("python.*.json"))) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err
+    assert sorted(p.name for p in record.glob("stopped.*")) == [f"stopped.{k}" for k in range(3)]
+    assert len(list(record.glob("python.*.json"))) == 3 and b"restart" not in err, err
