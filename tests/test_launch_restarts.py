@@ -1,7 +1,8 @@
 """launch/local.sh --max-restarts with real processes: one of two processes killed
 (SIGKILL) mid-run, every process is stopped and started again, resumes from the newest
-checkpoint, and the run ends with the losses of an uninterrupted one. The scripts'
-restart logic (which statuses restart, how many times, the messages, ssh.sh too) is
+checkpoint, and the run ends with the losses of an uninterrupted one; SIGTERM to the
+script instead stops both with a checkpoint (exit 75, no restart). The scripts' restart
+logic (which statuses restart, how many times, the messages, ssh.sh too) is
 tests/test_launch_scripts.py's, with shims.
 """
 
@@ -70,3 +71,33 @@ def test_local_restart_after_a_killed_process_trains_like_an_uninterrupted_run(t
     np.testing.assert_array_equal(losses, expected)
     np.testing.assert_array_equal(val_loss, expected_val)
     print(f"killed after step {killed_at_step}; {restored[0]}", file=sys.stderr)
+
+
+@pytest.mark.slow  # ~60 s on 2 loaded cores: one 2-process run
+def test_local_sigterm_stops_every_process_with_a_checkpoint(tmp_path):
+    """SIGTERM to local.sh 2 --max-restarts 1 mid-run (a scheduler preempting it): both
+    processes get it, stop at the same step with its checkpoint complete, and local.sh
+    exits 75 without restarting them."""
+    workdir = tmp_path / "run"
+    argv = [ROOT / "launch" / "local.sh", "2", "--max-restarts", "1", "--workdir", workdir]
+    endless = [*TINY, "--config.train.steps=1000000"]
+    proc = subprocess.Popen(
+        [str(a) for a in [*argv, *endless]], cwd=ROOT, env=_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while _logged_step(workdir) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.terminate()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, out[-3000:] + err[-3000:]
+    stopped = [line for line in out.splitlines() if line.startswith("SIGTERM: stopped at step ")]
+    assert len(stopped) == 1, out[-3000:]  # process 0's log; process 1's is proc1.log
+    step = int(stopped[0].split()[4].rstrip(";"))
+    assert f"preempted (SIGTERM) at step {step}:" in (workdir / "proc1.log").read_text()
+    assert (workdir / "checkpoints" / str(step)).is_dir()
+    assert "restart" not in err, err
