@@ -230,9 +230,11 @@ def test_slurm_signals_before_the_time_limit_and_the_run_checkpoints(slurm, tmp_
     assert "Exited with exit code 75" in log and "Killed" not in log, log[-3000:]
 
     subprocess.run(["scontrol", "requeue", job], env=slurm.env(), check=True)
-    # SLURM holds a requeued job for two minutes before it may start again: not here
+    # SLURM holds a requeued job for two minutes before it may start again: not here. A
+    # start within the second of the requeue finds the job's credential revoked
+    # ("Killing non-startable batch job"), hence 5 s.
     subprocess.run(
-        ["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env(), check=True
+        ["scontrol", "update", f"JobId={job}", "StartTime=now+5"], env=slurm.env(), check=True
     )
     resumed = f"restoring checkpoint step {step} "
     _wait_for(lambda: resumed in (tmp_path / "job.out").read_text(), 240, resumed)
