@@ -212,7 +212,7 @@ def test_slurm_killed_task_stops_the_job(slurm, tmp_path):
 
 
 def test_slurm_signals_before_the_time_limit_and_the_run_checkpoints(slurm, tmp_path):
-    """~135 s. A 4-minute job of slurm.sh as written (#SBATCH --signal=B:USR1@120) and
+    """~135-170 s. A 4-minute job of slurm.sh as written (#SBATCH --signal=B:USR1@120) and
     --requeue, training endlessly: SLURM's SIGUSR1 reaches both processes at least a
     minute before the time limit, each stops at the same step with its checkpoint
     complete, and the job exits 75 (not cancelled at the limit, no task killed).
