@@ -7,17 +7,37 @@
 #       --config.offload.mode=stream --config.distributed.data_parallel=0
 #
 # One task per node drives all of its node's accelerators; the time limit, partition and
-# GPUs per node are the site's sbatch options.
+# GPUs per node are the site's sbatch options. PYTHON: the Python to run (default python3).
+#
+# A task that fails ends the job step at once: it says which and cancels the step, so
+# the others stop now rather than after distributed.timeout_s. Not srun's
+# --kill-on-bad-exit: a preempted task exits 75 and the others, stopping at the same
+# step, must be left to finish.
 #
 # Two minutes before the time limit SLURM sends SIGUSR1 to the batch shell, which is srun
 # (exec below); srun forwards it to every task, and hetjax stops between two steps with a
-# complete checkpoint and exit status 75 (docs/guide/checkpoints.md, "Preemption"): requeue,
-# and the same command resumes. Raise the lead time above one step plus two checkpoint
-# writes for large models: sbatch --signal=B:USR1@600 ...
+# complete checkpoint and exit status 75 (docs/guide/checkpoints.md, "Preemption"), the
+# job's exit code. Requeue then resumes: submit with --requeue and `scontrol requeue
+# JOBID` once it ended 75 (or resubmit the same command). Raise the lead time above one
+# step plus two checkpoint writes for large models: sbatch --signal=B:USR1@600 ...
+# (SLURM may send it up to a minute early, and a signal that arrives while the processes
+# are still starting, before their first step, ends them.)
 #SBATCH --job-name=hetjax
 #SBATCH --ntasks-per-node=1
 #SBATCH --signal=B:USR1@120
 set -euo pipefail
 export HETJAX_COORDINATOR_PORT=${HETJAX_COORDINATOR_PORT:-12355}
-# --kill-on-bad-exit: one failed task ends the step instead of leaving the others waiting
-exec srun --kill-on-bad-exit=1 "${PYTHON:-python3}" -m hetjax.launch "$@"
+# Each task, in bash: runs hetjax (the signals SLURM sends the step reach it directly:
+# the traps only keep this shell alive to see its status), and when it fails with
+# anything but 75, cancels the step.
+task='trap : TERM USR1
+status=0
+"$0" -m hetjax.launch "$@" || status=$?
+if ((status != 0 && status != 75)); then
+  how="exit status $status"
+  ((status <= 128)) || how+=": killed by SIG$(kill -l $((status - 128)))"
+  echo "launch/slurm.sh: task $SLURM_PROCID on $(hostname) failed ($how); ending the other tasks" >&2
+  scancel --signal=KILL "$SLURM_JOB_ID.$SLURM_STEP_ID"
+fi
+exit "$status"'
+exec srun --kill-on-bad-exit=0 bash -c "$task" "${PYTHON:-python3}" "$@"

@@ -3,8 +3,10 @@ docs/guide/distributed.md shows it with ``srun``, ``ssh`` and the Python it star
 replaced by recording shims, starts the processes the docs promise: how many, the
 coordinator's address, each one's process id, and ``python -m hetjax.launch`` with the
 user's arguments (quoted through ssh's remote shell). A failing process stops the
-others (local.sh, ssh.sh). No SLURM or sshd is needed; local.sh's real two-process run
-is tests/test_readme.py's.
+others (local.sh, ssh.sh; SIGKILL for those that ignore SIGTERM), and --max-restarts
+starts them all again; a failing SLURM task cancels its job step. No SLURM or sshd is
+needed: the runs against the real things are tests/test_launch_cluster.py's, local.sh's
+real two-process run tests/test_readme.py's, a real restart tests/test_launch_restarts.py's.
 """
 
 import json
@@ -29,9 +31,13 @@ USER_ARGS = [
 
 # Stands in for `python`: records its arguments, working directory and the process-group
 # variables into $LAUNCH_RECORD/python.<pid>.json. With FAKE_FAIL_PROCESS=k, process k
-# exits 3 once every process has recorded itself, and the others run until they are
-# stopped (SIGTERM, or their ssh shim killed: a real ssh -tt session's remote process
-# gets SIGHUP then), leaving stopped.<process id>; they give up after 60 s.
+# exits FAKE_FAIL_STATUS (default 3) once every process has recorded itself, and the
+# others run until they are stopped (SIGTERM, or their ssh shim killed: a real ssh -tt
+# session's remote process gets SIGHUP then), leaving stopped.<process id>; they give up
+# after 60 s. With FAKE_FAIL_ONCE set too, only the first start fails: once process k
+# has failed (it leaves failed.<k>), every process started later succeeds. With
+# FAKE_STUCK, the others ignore SIGTERM (as one stuck in a collective with a dead peer);
+# with FAKE_TERM_STATUS, SIGTERM makes them exit with it (default 143).
 RECORDER = """#!{python}
 import json, os, signal, sys, time
 
@@ -43,21 +49,24 @@ with open(os.path.join(record, f"python.{{os.getpid()}}.json"), "w") as f:
 fail = os.environ.get("FAKE_FAIL_PROCESS")
 if fail is None:
     sys.exit(0)
+if os.environ.get("FAKE_FAIL_ONCE") and os.path.exists(os.path.join(record, f"failed.{{fail}}")):
+    sys.exit(0)
 me = os.environ["HETJAX_PROCESS_ID"]
 n = int(os.environ["HETJAX_NUM_PROCESSES"])
 deadline = time.monotonic() + 60
 if me == fail:
     while sum(p.startswith("python.") for p in os.listdir(record)) < n:
         time.sleep(0.05)
-    sys.exit(3)
+    open(os.path.join(record, f"failed.{{me}}"), "w").close()
+    sys.exit(int(os.environ.get("FAKE_FAIL_STATUS", "3")))
 
 
 def stopped(*_):
     open(os.path.join(record, f"stopped.{{me}}"), "w").close()
-    sys.exit(143)
+    sys.exit(int(os.environ.get("FAKE_TERM_STATUS", "143")))
 
 
-signal.signal(signal.SIGTERM, stopped)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_STUCK") else stopped)
 signal.signal(signal.SIGHUP, stopped)
 parent = os.getppid()
 while time.monotonic() < deadline:
@@ -81,10 +90,15 @@ SRUN = """#!/usr/bin/env bash
 printf '%s\\0' "$@" >"$LAUNCH_RECORD/srun"
 echo $$ >"$LAUNCH_RECORD/srun.pid"
 while [[ $1 == -* ]]; do shift; done
-export SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST
+export SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST SLURM_STEP_ID=0
 for ((k = 0; k < SLURM_NTASKS; k++)); do
   SLURM_PROCID=$k "$@" || exit
 done
+"""
+
+# scancel ARGS: records them into $LAUNCH_RECORD/scancel.
+SCANCEL = """#!/usr/bin/env bash
+printf '%s\\0' "$@" >"$LAUNCH_RECORD/scancel"
 """
 
 
@@ -103,7 +117,7 @@ def _shims(tmp_path: Path) -> tuple[Path, Path]:
     bin_dir, record = tmp_path / "bin", tmp_path / "record"
     bin_dir.mkdir()
     record.mkdir()
-    for name, text in (("ssh", SSH), ("srun", SRUN), ("python3", RECORDER)):
+    for name, text in (("ssh", SSH), ("srun", SRUN), ("scancel", SCANCEL), ("python3", RECORDER)):
         text = text.format(python=sys.executable) if name == "python3" else text
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -145,17 +159,18 @@ def _argv(path: Path) -> list[str]:
 
 def test_slurm_script_runs_one_launch_per_task(tmp_path):
     """slurm.sh as sbatch runs it on 4 nodes: it becomes srun (exec: SLURM's SIGUSR1 to
-    the batch shell reaches srun, which forwards it), with --kill-on-bad-exit, and each
-    task runs `python3 -m hetjax.launch ARGS`; hetjax reads 4 processes, task k's id k
-    and the coordinator gpu07:12355 (the first node, the default port) off the
-    variables it gets."""
+    the batch shell reaches srun, which forwards it), without --kill-on-bad-exit, and
+    each task runs a bash wrapper that runs `python3 -m hetjax.launch ARGS`; hetjax
+    reads 4 processes, task k's id k and the coordinator gpu07:12355 (the first node,
+    the default port) off the variables it gets."""
     bin_dir, record = _shims(tmp_path)
     slurm = dict(SLURM_NTASKS="4", SLURM_JOB_NODELIST="gpu[07-09],login2", SLURM_JOB_ID="1")
     code, _, pid = _run([LAUNCH / "slurm.sh", *USER_ARGS], _env(bin_dir, record, **slurm), ROOT)
     assert code == 0
     assert int((record / "srun.pid").read_text()) == pid  # exec'd
-    srun = ["--kill-on-bad-exit=1", "python3", "-m", "hetjax.launch", *USER_ARGS]
-    assert _argv(record / "srun") == srun
+    srun = _argv(record / "srun")
+    assert srun[:3] == ["--kill-on-bad-exit=0", "bash", "-c"]
+    assert srun[4:] == ["python3", *USER_ARGS]  # the wrapper's $0 and arguments
     tasks = _pythons(record)
     assert sorted(tasks) == [0, 1, 2, 3]
     for k, task in tasks.items():
@@ -259,3 +274,121 @@ def test_one_failed_process_stops_the_others(tmp_path, script):
     while len(list(record.glob("stopped.*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sorted(p.name for p in record.glob("stopped.*")) == ["stopped.0", "stopped.2"]
+
+
+@pytest.mark.parametrize("status", [3, 75])
+def test_slurm_task_that_fails_cancels_the_step(tmp_path, status):
+    """A task whose hetjax exits 3 says so and cancels the job step (scancel
+    --signal=KILL JOB.STEP), so the other tasks end at once; one that exits 75
+    (preempted: the others stop at the same step) cancels nothing. Either way the task
+    exits with hetjax's status."""
+    bin_dir, record = _shims(tmp_path)
+    env = _env(bin_dir, record, SLURM_NTASKS="1", SLURM_JOB_NODELIST="n1", SLURM_JOB_ID="42",
+               FAKE_FAIL_PROCESS="0", FAKE_FAIL_STATUS=str(status),
+               HETJAX_PROCESS_ID="0", HETJAX_NUM_PROCESSES="1")  # fmt: skip
+    out = subprocess.run(
+        [LAUNCH / "slurm.sh", "--config", "gpt_tiny"], env=env, cwd=ROOT,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == status, out.stderr
+    if status == 75:
+        assert not (record / "scancel").exists() and not out.stderr, out.stderr
+    else:
+        assert _argv(record / "scancel") == ["--signal=KILL", "42.0"]
+        assert "launch/slurm.sh: task 0 on " in out.stderr, out.stderr
+        assert "failed (exit status 3); ending the other tasks" in out.stderr, out.stderr
+
+
+def _launch(script: str, tmp_path: Path, bin_dir: Path, *options: str) -> list:
+    """local.sh or ssh.sh (over hosts a, b, c) for 3 processes, with ``options``."""
+    if script == "local.sh":
+        return [LAUNCH / "local.sh", "3", *options, "--workdir", tmp_path / "run"]
+    (tmp_path / "hosts.txt").write_text("a\nb\nc\n")
+    return [LAUNCH / "ssh.sh", tmp_path / "hosts.txt", *options, "--config", "gpt_tiny"]
+
+
+@pytest.mark.parametrize("script", ["local.sh", "ssh.sh"])
+def test_max_restarts_starts_every_process_again(tmp_path, script):
+    """--max-restarts 2, process 1 of 3 failing (exit 3) at its first start only: the
+    others are stopped, the script says it restarts, starts all three again (each
+    process id twice, the same arguments, without --max-restarts) and exits 0."""
+    bin_dir, record = _shims(tmp_path)
+    env = _env(bin_dir, record, FAKE_FAIL_PROCESS="1", FAKE_FAIL_ONCE="1",
+               PYTHON=str(bin_dir / "python3"))  # fmt: skip
+    argv = _launch(script, tmp_path, bin_dir, "--max-restarts", "2")
+    out = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in record.glob("stopped.*")) == ["stopped.0", "stopped.2"]
+    runs = [json.loads(p.read_text()) for p in record.glob("python.*.json")]
+    assert sorted(int(r["env"]["HETJAX_PROCESS_ID"]) for r in runs) == [0, 0, 1, 1, 2, 2]
+    assert all("--max-restarts" not in r["argv"] and "2" not in r["argv"] for r in runs)
+    launcher = f"launch/{script}"
+    assert f"{launcher}: process 1" in out.stderr, out.stderr
+    assert "failed (exit status 3); stopping the other 2" in out.stderr, out.stderr
+    assert f"{launcher}: restart 1 of 2: starting all 3 processes again" in out.stderr, out.stderr
+    assert "restart 2" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("status", [3, 2])
+def test_max_restarts_gives_up(tmp_path, status):
+    """Process 1 failing at every start: with --max-restarts=1 local.sh starts the
+    processes twice, then exits with the failure's status 3; a bad config's status 2 is
+    not restarted (it would fail alike)."""
+    bin_dir, record = _shims(tmp_path)
+    env = _env(bin_dir, record, FAKE_FAIL_PROCESS="1", FAKE_FAIL_STATUS=str(status),
+               PYTHON=str(bin_dir / "python3"))  # fmt: skip
+    argv = _launch("local.sh", tmp_path, bin_dir, "--max-restarts=1")
+    out = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == status, out.stderr
+    starts = 2 if status == 3 else 1
+    assert len(list(record.glob("python.*.json"))) == 3 * starts
+    assert ("giving up: 1 restart(s) used" in out.stderr) == (status == 3), out.stderr
+
+
+@pytest.mark.parametrize("value", ["x", "-1", ""])
+def test_max_restarts_must_be_a_number(tmp_path, value):
+    bin_dir, record = _shims(tmp_path)
+    argv = _launch("local.sh", tmp_path, bin_dir, f"--max-restarts={value}")
+    out = subprocess.run(argv, env=_env(bin_dir, record), cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "--max-restarts takes a number" in out.stderr, out.stderr
+    assert not list(record.iterdir())
+
+
+@pytest.mark.slow  # ~10 s: the grace period before SIGKILL
+def test_processes_that_ignore_sigterm_are_killed(tmp_path):
+    """Process 1 of 3 exits 3 and the others ignore SIGTERM (stuck, as in a collective
+    with a dead peer): local.sh kills them (SIGKILL) 10 s after its SIGTERM and exits 3;
+    none is left running."""
+    bin_dir, record = _shims(tmp_path)
+    env = _env(bin_dir, record, FAKE_FAIL_PROCESS="1", FAKE_STUCK="1",
+               PYTHON=str(bin_dir / "python3"))  # fmt: skip
+    code, seconds, _ = _run(_launch("local.sh", tmp_path, bin_dir), env, tmp_path, timeout=120)
+    assert code == 3 and 10 <= seconds < 30, (code, seconds)
+    assert not list(record.glob("stopped.*"))
+    for path in record.glob("python.*.json"):
+        pid = int(path.name.split(".")[1])
+        assert not Path(f"/proc/{pid}").exists(), pid  # killed and reaped
+
+
+def test_sigterm_to_local_sh_reaches_every_process_and_is_not_restarted(tmp_path):
+    """SIGTERM to local.sh (a scheduler preempting it) while 3 processes run: each gets
+    SIGTERM, checkpoints and exits 75 (as hetjax does; here the shim), and local.sh
+    exits 75 once they have, without restarting them despite --max-restarts 2."""
+    bin_dir, record = _shims(tmp_path)
+    env = _env(bin_dir, record, FAKE_FAIL_PROCESS="-1", FAKE_TERM_STATUS="75",
+               PYTHON=str(bin_dir / "python3"))  # fmt: skip
+    argv = _launch("local.sh", tmp_path, bin_dir, "--max-restarts", "2")
+    proc = subprocess.Popen([str(a) for a in argv], cwd=tmp_path, env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(record.glob("python.*.json"))) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err
+    assert sorted(p.name for p in record.glob("stopped.*")) == [f"stopped.{k}" for k in range(3)]
+    assert len(list(record.glob("python.*.json"))) == 3 and b"restart" not in err, err
