@@ -60,12 +60,12 @@ def references(tmp_path_factory):
     return reference
 
 
-def tp_config(data: int, tensor: int, tier: str = "host", **sections):
+def tp_config(data_parallel: int, tensor: int, tier: str = "host", **sections):
     """The tiny GPT on data x tensor devices (``sections`` replace the defaults here)."""
     defaults = dict(optimizer=SGD_CLIP, offload=TIERS[tier], memory=PAGES)
     return tiny_config(
         **{**defaults, **sections},
-        distributed=dict(data_parallel=data, tensor_parallel=tensor),
+        distributed=dict(data_parallel=data_parallel, tensor_parallel=tensor),
     )
 
 
@@ -104,6 +104,30 @@ def test_tensor_parallel_llama_equals_single_device(references, tmp_path):
     result = train(config, tmp_path, verbose=False)
     reference = references(2, LLAMA)
     assert_training_equal(result, reference, build_model(config.model), check_tokens())
+
+
+@pytest.mark.slow  # ~30 s: two runs each
+@pytest.mark.parametrize("family", ["mixtral", "t5"])
+def test_tensor_parallel_moe_and_t5_equal_single_device(tmp_path, family):
+    """The mixture-of-experts block (experts' MLPs split by their hidden units, the
+    router whole; every expert copied, the routed fallback) and T5 (an encoder and a
+    decoder group, relative position buckets whole) at tensor 2 equal one device's
+    streaming run."""
+    from test_moe import SHORT as MOE_SHORT
+    from test_moe import TRAIN_MOE
+    from test_t5 import SHAPE as T5_SHAPE
+    from test_t5 import SHORT as T5_SHORT
+
+    sections = {
+        "mixtral": dict(model=TRAIN_MOE, train=MOE_SHORT),
+        "t5": dict(model=T5_SHAPE, train=T5_SHORT, data=dict(objective="prefix_lm")),
+    }[family]
+    runs = []
+    for tensor in (1, 2):
+        config = tp_config(1, tensor, **sections)
+        runs.append(train(config, tmp_path / str(tensor), verbose=False))
+    logits = (build_model(config.model), check_tokens()) if family != "t5" else ()
+    assert_training_equal(runs[1], runs[0], *logits)  # T5's logits need targets: not here
 
 
 def _block_backward_hlo(config) -> str:

@@ -392,7 +392,10 @@ def _tensor_specs(model, rules) -> dict[str, object]:
     from models.staged import logical_axes
 
     is_names = lambda n: isinstance(n, tuple)
-    spec = lambda names: PartitionSpec(*mesh_axes(names, rules))
+    # only the model axis: the stage functions are manual over the others (a MoE's
+    # expert axis has one device under tensor parallelism)
+    on_model = lambda axis: MODEL_AXIS if axis == MODEL_AXIS else None
+    spec = lambda names: PartitionSpec(*map(on_model, mesh_axes(names, rules)))
     names = logical_axes(model)
     specs = {"embed": jax.tree.map(spec, names["embed"], is_leaf=is_names)}
     for g in model.groups:
