@@ -116,6 +116,14 @@ class Zero3:
         dist = config.distributed
         self.mesh = data_mesh(dist.data_parallel, dist.expert_parallel, dist.tensor_parallel)
         self.tensor_parallel = self.mesh.shape[MODEL_AXIS]
+        if self.tensor_parallel > 1 and jax.process_count() > 1:
+            # tried once (2 processes x 2 devices): 3 steps equal to one device's, then
+            # the processes waited on each other at the 4th; not yet understood
+            raise ConfigError(
+                f"config key 'distributed.tensor_parallel' ({self.tensor_parallel}): "
+                f"tensor parallelism across {jax.process_count()} processes is not "
+                "supported yet; run one process per machine with its devices, or set it to 1"
+            )
         if self.tensor_parallel > 1:
             self.axis_rules = TENSOR_PARALLEL_RULES
         self.rules = dict(self.axis_rules)
