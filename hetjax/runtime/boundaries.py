@@ -134,7 +134,8 @@ def _sharded(shape: tuple[int, ...], sharding, pieces) -> jax.Array:
     """A residual of global ``shape`` and device ``sharding`` from the next of
     ``pieces`` (this process's shards as the swap packed them, in device order)."""
     devices = sorted(sharding.addressable_devices, key=lambda d: d.id)
-    shards = [jax.device_put(next(pieces), d) for d in devices]
+    on = lambda d: jax.sharding.SingleDeviceSharding(d, memory_kind="device")
+    shards = [jax.device_put(next(pieces), on(d)) for d in devices]  # (pinned ones too)
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return shards[0]
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
