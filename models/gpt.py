@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from hetjax.config import ModelConfig
 from models.attention import attention
+from models.staged import segment_ids
 from models.staged import AxisTable, FlaxStages
 
 # Each param's logical axes (models/staged.py's logical_axes), by its path in its stage.
@@ -50,7 +51,8 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, D)
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        # (B, T, D) -> (B, T, D); positions (B, T): a packed row's (models/staged.py)
         cfg = self.config
         dtype = jnp.dtype(cfg.compute_dtype)
         init = nn.initializers.normal(cfg.init_std)
@@ -68,7 +70,8 @@ class Block(nn.Module):
         h = norm("ln_1")(x)
         qkv = dense(3 * D, "c_attn")(h)  # (B, T, 3D): q | k | v, heads contiguous
         q, k, v = (a.reshape(B, T, H, K) for a in jnp.split(qkv, 3, axis=-1))
-        attn = attention(q[:, :, :, None], k, v, cfg)  # (B, T, D), one query per kv head
+        segments = None if positions is None else segment_ids(positions)
+        attn = attention(q[:, :, :, None], k, v, cfg, segments)  # (B, T, D), one query per kv head
         x = x + dense(D, "c_proj", proj_init)(attn)
 
         h = norm("ln_2")(x)
@@ -78,18 +81,20 @@ class Block(nn.Module):
 
 
 class Embed(nn.Module):
-    """Token + learned position embedding: (B, T) int -> (B, T, D)."""
+    """Token + learned position embedding: (B, T) int -> (B, T, D); ``positions`` (B, T)
+    int: each token's (a packed row's restart at every record), else 0 .. T-1."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         init = nn.initializers.normal(cfg.init_std)
         wte = self.param("wte", init, (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
         wpe = self.param("wpe", init, (cfg.max_seq_len, cfg.d_model), cfg.param_dtype)
         T = tokens.shape[1]
-        x = jnp.take(wte, tokens, axis=0) + wpe[:T][None]
+        pos = wpe[:T][None] if positions is None else jnp.take(wpe, positions, axis=0)
+        x = jnp.take(wte, tokens, axis=0) + pos
         return x.astype(cfg.compute_dtype)
 
 
