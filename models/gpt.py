@@ -27,8 +27,7 @@ import jax.numpy as jnp
 
 from hetjax.config import ModelConfig
 from models.attention import attention
-from models.staged import segment_ids
-from models.staged import AxisTable, FlaxStages
+from models.staged import AxisTable, FlaxStages, segment_ids
 
 # Each param's logical axes (models/staged.py's logical_axes), by its path in its stage.
 LOGICAL_AXES: AxisTable = (
