@@ -6,6 +6,7 @@
     hetjax checkpoint --workdir runs/gpt_tiny                 python -m hetjax.checkpoint ...
     hetjax export --workdir runs/gpt_tiny --out hf-out/       python -m hetjax.export ...
     hetjax tokenize --tokenizer gpt2/ --text a.txt --out t.bin  python -m hetjax.tokenize ...
+    hetjax eval --config gpt_tiny --workdir runs/gpt_tiny     python -m hetjax.evaluate ...
     hetjax gpucheck --quick                                   python -m hetjax.gpucheck ...
 
 ``hetjax --config ...`` (options first, no subcommand) trains, as the command did before it
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from hetjax import bench, checkpoint, export, gpucheck, launch, tokenize
+from hetjax import bench, checkpoint, evaluate, export, gpucheck, launch, tokenize
 
 # subcommand -> (what it does, its module's main, arguments put before the user's)
 COMMANDS = {
@@ -26,6 +27,7 @@ COMMANDS = {
     "checkpoint": ("list checkpoints (python -m hetjax.checkpoint)", checkpoint.main, []),
     "export": ("export trained params (python -m hetjax.export)", export.main, []),
     "tokenize": ("make a token file (python -m hetjax.tokenize)", tokenize.main, []),
+    "eval": ("loss and perplexity of a checkpoint (python -m hetjax.evaluate)", evaluate.main, []),
     "gpucheck": ("check the GPU data path (python -m hetjax.gpucheck)", gpucheck.main, []),
 }
 # subcommand -> an example, printed after its --help
@@ -36,6 +38,7 @@ EXAMPLES = {
     "checkpoint": "hetjax checkpoint --workdir runs/tiny",
     "export": "hetjax export --config gpt_tiny --workdir runs/tiny --out hf-out/",
     "tokenize": "hetjax tokenize --tokenizer gpt2/ --text a.txt b.txt --out tokens.bin",
+    "eval": "hetjax eval --config gpt_tiny --workdir runs/tiny",
     "gpucheck": "hetjax gpucheck --quick --out docs/results/gpucheck-h100",
 }
 

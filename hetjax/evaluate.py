@@ -1,0 +1,162 @@
+"""``hetjax eval``: the loss and perplexity of a run's newest checkpoint, or of a Hugging
+Face checkpoint directory, on the configured data (a token file or jsonl records with
+their loss masks), in the configured placement (``offload.mode``: in memory, or the
+blocks streamed from host RAM or NVMe).
+
+    hetjax eval --config gpt_tiny --workdir runs/tiny                 # newest checkpoint
+    hetjax eval --config llama_tiny --hf /path/to/ckpt --config.data.path=val.bin
+
+The batches are those a training run of the same config evaluates (``train.eval_batches``
+batches of the held-out split, :func:`hetjax.train.evaluate`), so the loss equals the
+validation loss the run reported with the same params; ``--batches N`` takes N instead
+(0: every row of the split once), ``--split train`` the training split, unshuffled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from hetjax.config import Config, ConfigError, load_config
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    loss: float  # mean token cross-entropy (jsonl: over completion tokens), nats
+    batches: int
+    source: str  # what was evaluated
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+
+def hf_config(config: Config, directory: str | Path) -> Config:
+    """``config`` with its model read from an HF checkpoint directory's ``config.json``
+    (its shape fields; ``model.init_from`` pointing at it)."""
+    from hetjax.hf import model_config_from_hf
+
+    return dataclasses.replace(config, model=model_config_from_hf(directory, config.model))
+
+
+def restore_newest(config: Config, workdir: str | Path, step: int | None = None):
+    """(the newest complete checkpoint's state (or ``step``'s), its meta) of a run's
+    workdir, checked against ``config``. Raises ``CheckpointError`` when none."""
+    from hetjax.checkpoint import Checkpointer, check_compatible, checkpoint_dir
+    from hetjax.types import CheckpointError
+
+    directory = checkpoint_dir(config, workdir)
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint directory {directory}")
+    ckpt = Checkpointer(directory, writing=False)
+    try:
+        if step is None and ckpt.latest() is None:
+            raise CheckpointError(f"{directory} holds no complete checkpoint")
+        state, meta = ckpt.restore(step)
+    finally:
+        ckpt.close()
+    check_compatible(meta, config, directory)
+    return state, meta
+
+
+def evaluate_checkpoint(
+    config: Config,
+    workdir: str | Path | None = None,
+    *,
+    hf: str | Path | None = None,
+    split: str = "val",
+    batches: int | None = None,
+    step: int | None = None,
+) -> EvalResult:
+    """The loss over ``batches`` batches (default ``train.eval_batches``; 0: the whole
+    split once) of ``split`` of ``config``'s data, of the params of ``hf`` (a checkpoint
+    directory) or else of ``workdir``'s newest checkpoint (or ``step``'s), run by the
+    runtime ``config.offload`` places."""
+    from hetjax.data import make_datasets
+    from hetjax.train import build_runtime, evaluate
+
+    if hf is not None:
+        config = hf_config(config, hf)
+    if not config.train.eval_batches and batches is None:
+        batches = 0
+    train_data, val_data, _ = make_datasets(config)
+    data = val_data if split == "val" else train_data
+    data.shuffle = False
+    n = config.train.eval_batches if batches is None else batches
+    n = n or max(data.num_windows // data.batch_size, 1)
+    state, source = None, f"hf:{hf}"
+    if hf is None:
+        if workdir is None:
+            raise ConfigError("hetjax eval needs --workdir (a run's checkpoints) or --hf <dir>")
+        state, meta = restore_newest(config, workdir, step)
+        source = f"{workdir} step {meta['step']}"
+    # the runtime's own tiers (its NVMe pages) apart from the run's, which its
+    # checkpoints may hard-link
+    scratch = Path(tempfile.mkdtemp(prefix="hetjax-eval-", dir=workdir))
+    runtime = None
+    try:
+        runtime = build_runtime(config, scratch)
+        if state is not None:
+            runtime.load_state(state)
+        loss = evaluate(runtime, data, n)
+    finally:
+        if runtime is not None:
+            runtime.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return EvalResult(loss, n, source)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hetjax import launch
+
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="python -m hetjax.evaluate",
+        description="Loss and perplexity of a run's newest checkpoint (--workdir) or an HF "
+        "checkpoint directory (--hf) on the configured data. Also takes launch's "
+        "--config, --workdir and --config.<key>=<value>.",
+    )
+    parser.add_argument("--hf", default=None, help="an HF checkpoint directory to evaluate")
+    parser.add_argument("--split", choices=("val", "train"), default="val")
+    parser.add_argument(
+        "--batches", type=int, default=None,
+        help="batches to evaluate (default train.eval_batches; 0: the whole split)",
+    )  # fmt: skip
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default newest)")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        run_args, overrides = launch.parse_args(rest)
+        config = load_config(run_args.config, overrides)
+    except ConfigError as e:
+        print(f"hetjax eval: config error: {e}", file=sys.stderr)
+        return 2
+    from hetjax.types import CheckpointError
+
+    workdir = run_args.workdir
+    if workdir is None and args.hf is None:
+        workdir = str(Path("runs") / Path(run_args.config).stem)
+    try:
+        result = evaluate_checkpoint(
+            config, workdir, hf=args.hf, split=args.split, batches=args.batches, step=args.step
+        )
+    except (ConfigError, CheckpointError) as e:
+        print(f"hetjax eval: error: {e}", file=sys.stderr)
+        return 1
+    what = "completion tokens" if config.data.format == "jsonl" else "tokens"
+    print(
+        f"{result.source}: {args.split} loss {result.loss:.6f} (mean over {what} of "
+        f"{result.batches} batches of {config.train.batch_size} x {config.train.seq_len}), "
+        f"perplexity {result.perplexity:.4f}"
+    )
+    print(json.dumps({"loss": result.loss, "perplexity": result.perplexity}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
