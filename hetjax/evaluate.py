@@ -1,7 +1,7 @@
-"""``hetjax eval``: the loss and perplexity of a run's newest checkpoint, or of a Hugging
-Face checkpoint directory, on the configured data (a token file or jsonl records with
-their loss masks), in the configured placement (``offload.mode``: in memory, or the
-blocks streamed from host RAM or NVMe).
+"""``hetjax eval``: the loss and perplexity of a run's newest checkpoint (``--workdir``),
+or of a Hugging Face checkpoint directory (``--hf`` alone), on the configured data (a
+token file or jsonl records with their loss masks), in the configured placement
+(``offload.mode``: in memory, or the blocks streamed from host RAM or NVMe).
 
     hetjax eval --config gpt_tiny --workdir runs/tiny                 # newest checkpoint
     hetjax eval --config llama_tiny --hf /path/to/ckpt --config.data.path=val.bin
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hetjax.config import Config, ConfigError, load_config
+from hetjax.config import Config, ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,14 +35,6 @@ class EvalResult:
     @property
     def perplexity(self) -> float:
         return math.exp(self.loss)
-
-
-def hf_config(config: Config, directory: str | Path) -> Config:
-    """``config`` with its model read from an HF checkpoint directory's ``config.json``
-    (its shape fields; ``model.init_from`` pointing at it)."""
-    from hetjax.hf import model_config_from_hf
-
-    return dataclasses.replace(config, model=model_config_from_hf(directory, config.model))
 
 
 def restore_newest(config: Config, workdir: str | Path, step: int | None = None):
@@ -69,20 +61,18 @@ def evaluate_checkpoint(
     config: Config,
     workdir: str | Path | None = None,
     *,
-    hf: str | Path | None = None,
     split: str = "val",
     batches: int | None = None,
     step: int | None = None,
 ) -> EvalResult:
     """The loss over ``batches`` batches (default ``train.eval_batches``; 0: the whole
-    split once) of ``split`` of ``config``'s data, of the params of ``hf`` (a checkpoint
-    directory) or else of ``workdir``'s newest checkpoint (or ``step``'s), run by the
-    runtime ``config.offload`` places."""
+    split once) of ``split`` of ``config``'s data, of the params of ``workdir``'s newest
+    checkpoint (or ``step``'s), or without ``workdir`` the initial ones
+    (``model.init_from``: an HF checkpoint), run by the runtime ``config.offload``
+    places."""
     from hetjax.data import make_datasets
     from hetjax.train import build_runtime, evaluate
 
-    if hf is not None:
-        config = hf_config(config, hf)
     if not config.train.eval_batches and batches is None:
         batches = 0
     train_data, val_data, _ = make_datasets(config)
@@ -90,10 +80,10 @@ def evaluate_checkpoint(
     data.shuffle = False
     n = config.train.eval_batches if batches is None else batches
     n = n or max(data.num_windows // data.batch_size, 1)
-    state, source = None, f"hf:{hf}"
-    if hf is None:
-        if workdir is None:
-            raise ConfigError("hetjax eval needs --workdir (a run's checkpoints) or --hf <dir>")
+    state, source = None, config.model.init_from
+    if workdir is None and not source:
+        raise ConfigError("hetjax eval needs --workdir (a run's checkpoints) or --hf <dir>")
+    if workdir is not None:
         state, meta = restore_newest(config, workdir, step)
         source = f"{workdir} step {meta['step']}"
     # the runtime's own tiers (its NVMe pages) apart from the run's, which its
@@ -119,10 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hetjax.evaluate",
         description="Loss and perplexity of a run's newest checkpoint (--workdir) or an HF "
-        "checkpoint directory (--hf) on the configured data. Also takes launch's "
-        "--config, --workdir and --config.<key>=<value>.",
+        "checkpoint directory (--hf, without --workdir) on the configured data. Also "
+        "takes launch's --config, --workdir, --hf and --config.<key>=<value>.",
     )
-    parser.add_argument("--hf", default=None, help="an HF checkpoint directory to evaluate")
     parser.add_argument("--split", choices=("val", "train"), default="val")
     parser.add_argument(
         "--batches", type=int, default=None,
@@ -132,18 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     try:
         run_args, overrides = launch.parse_args(rest)
-        config = load_config(run_args.config, overrides)
+        config = launch.run_config(run_args, overrides)
     except ConfigError as e:
         print(f"hetjax eval: config error: {e}", file=sys.stderr)
         return 2
     from hetjax.types import CheckpointError
 
     workdir = run_args.workdir
-    if workdir is None and args.hf is None:
+    if workdir is None and run_args.hf is None:
         workdir = str(Path("runs") / Path(run_args.config).stem)
     try:
         result = evaluate_checkpoint(
-            config, workdir, hf=args.hf, split=args.split, batches=args.batches, step=args.step
+            config, workdir, split=args.split, batches=args.batches, step=args.step
         )
     except (ConfigError, CheckpointError) as e:
         print(f"hetjax eval: error: {e}", file=sys.stderr)

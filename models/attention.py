@@ -121,6 +121,32 @@ def reference_attention(
     return checkpoint_name(out, "attn_out")
 
 
+def cached_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: tuple
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Generation's attention (hetjax/generate.py): T new positions against a KV cache.
+    q (B, T, N, G, K), k and v (B, T, N, K) of the new positions; ``cache`` is (k cache
+    (B, S, N, K), v cache, valid (B, S) bool: the slots holding a token, the new ones
+    included, start: the slot of the first new position). The new keys and values are
+    written at slots start .. start + T - 1; the query at slot i reads the valid slots
+    up to i (prompts are left-padded: the padding slots are not valid). Scores and
+    softmax in fp32, the probabilities rounded to q's dtype (as
+    :func:`reference_attention`). -> ((B, T, N G K), (k cache, v cache) updated)."""
+    k_cache, v_cache, valid, start = cache
+    k_cache = lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, 1)
+    v_cache = lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, 1)
+    B, T, N, G, K = q.shape
+    S = k_cache.shape[1]
+    scores = jnp.einsum("BTNGK,BSNK->BNGTS", q, k_cache.astype(q.dtype)).astype(F32)
+    scores = scores / math.sqrt(K)
+    slots = start + jnp.arange(T)
+    keep = (jnp.arange(S)[None, :] <= slots[:, None])[None] & valid[:, None, :]  # (B, T, S)
+    scores = jnp.where(keep[:, None, None], scores, MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("BNGTS,BSNK->BTNGK", probs, v_cache.astype(q.dtype))
+    return out.reshape(B, T, N * G * K), (k_cache, v_cache)
+
+
 def biased_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None, causal: bool
 ) -> jax.Array:

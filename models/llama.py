@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from hetjax.config import ModelConfig
-from models.attention import attention
+from models.attention import attention, cached_attention
 from models.staged import AxisTable, FlaxStages, segment_ids
 
 
@@ -100,8 +100,16 @@ class LlamaBlock(nn.Module):
     part: str = "all"
 
     @nn.compact
-    def __call__(self, x: jax.Array, routing=None, positions: jax.Array | None = None):
-        # (B, T, D) -> (B, T, D); positions (B, T): a packed row's (models/staged.py)
+    def __call__(self, x: jax.Array, routing=None, positions: jax.Array | None = None, cache=None):
+        # (B, T, D) -> (B, T, D); positions (B, T): a packed row's (models/staged.py);
+        # cache: generation's (models.attention.cached_attention), then -> (x, (k, v))
+        # without the router statistics
+        if cache is not None:
+            out, kv = self._call(x, routing, positions, cache)
+            return (out[0] if isinstance(out, tuple) else out), kv
+        return self._call(x, routing, positions)[0]
+
+    def _call(self, x, routing, positions, cache=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.compute_dtype)
         dense = lambda features, name: nn.Dense(
@@ -115,20 +123,22 @@ class LlamaBlock(nn.Module):
         norm = lambda name: nn.RMSNorm(
             epsilon=cfg.layer_norm_eps, dtype=dtype, param_dtype=cfg.param_dtype, name=name
         )
+        kv = None
         if self.part != "mlp":
-            x = self._attention(x, dense, norm, positions)
+            x, kv = self._attention(x, dense, norm, positions, cache)
         h = norm("post_attention_layernorm")(x)
         if self.part == "attention":  # the routing decision, made once (MixtureOfExperts)
-            return x, MixtureOfExperts(cfg, route_only=True, name="moe")(h)
+            return (x, MixtureOfExperts(cfg, route_only=True, name="moe")(h)), kv
         if cfg.num_experts:
             moe = MixtureOfExperts(cfg, self.expert_axis, self.held, name="moe")
             out, stats = moe(h, routing)
-            return (x + out, stats) if router_stats_size(cfg) else x + out
+            return ((x + out, stats) if router_stats_size(cfg) else x + out), kv
         h = nn.silu(dense(cfg.ff_dim, "gate_proj")(h)) * dense(cfg.ff_dim, "up_proj")(h)
-        return x + dense(x.shape[-1], "down_proj")(h)  # h (B, T, F)
+        return x + dense(x.shape[-1], "down_proj")(h), kv  # h (B, T, F)
 
-    def _attention(self, x: jax.Array, dense, norm, positions=None) -> jax.Array:
-        """x + attn(rms(x)); ``positions`` (B, T) or None (0 .. T-1 in every row)."""
+    def _attention(self, x: jax.Array, dense, norm, positions=None, cache=None):
+        """x + attn(rms(x)); ``positions`` (B, T) or None (0 .. T-1 in every row).
+        -> (x, the updated (k, v) cache, or None without ``cache``)."""
         cfg = self.config
         B, T, D = x.shape
         N, K = cfg.kv_heads, cfg.head_dim
@@ -146,8 +156,12 @@ class LlamaBlock(nn.Module):
             segments = segment_ids(positions)
         q = apply_rotary(q, cos[..., None, None, :], sin[..., None, None, :])
         k = apply_rotary(k, cos[..., None, :], sin[..., None, :])
-        attn = attention(q, k, v, cfg, segments)  # (B, T, N G K), models/attention.py
-        return x + dense(D, "o_proj")(attn)
+        kv = None
+        if cache is not None:
+            attn, kv = cached_attention(q, k, v, cache)
+        else:
+            attn = attention(q, k, v, cfg, segments)  # (B, T, N G K), models/attention.py
+        return x + dense(D, "o_proj")(attn), kv
 
 
 def router_stats_size(config: ModelConfig) -> int:

@@ -484,6 +484,24 @@ class FlaxStages(Stages):
             return out if self.stats_size else (out, jnp.zeros((0,), jnp.float32))
         return self.block_stats(block_params, x)
 
+    # -- generation (hetjax/generate.py) -------------------------------------------------
+
+    def decode_input(self, embed_params: Params, ids: jax.Array, positions: jax.Array):
+        """Generation's embedding of new tokens: ids and their positions (B, T) int32
+        -> (B, T, D)."""
+        return self._embed.apply({"params": embed_params}, ids, positions)
+
+    def decode_block(self, block_params: Params, x: jax.Array, positions: jax.Array, cache):
+        """One block over new positions against its KV cache (``cache``: see
+        ``models.attention.cached_attention``): -> (x (B, T, D), (k, v) cache updated).
+        The block must take ``positions=`` and ``cache=`` (GPT's and Llama's do)."""
+        return self._block.apply({"params": block_params}, x, positions=positions, cache=cache)
+
+    def kv_shape(self, batch: int, length: int) -> tuple[int, ...]:
+        """One block's key (or value) cache: (B, S, N, K)."""
+        cfg = self.config
+        return (batch, length, cfg.kv_heads, cfg.head_dim)
+
     @staticmethod
     def _positions(context) -> dict:
         """The block's keyword arguments for its group's context: a packed row's

@@ -402,6 +402,26 @@ class StreamingRuntime:
             loss = self.fns.aux_fwd_bwd(loss, stats, self.placement.put_scalar(1.0))[0]
         return float(loss)
 
+    # -- inference (hetjax/generate.py) -------------------------------------------------
+
+    def stream_blocks(self, step, carry):
+        """Folds ``carry = step(slot, pages, carry)`` over every block in forward order
+        (``slot``: its ``schedule.BlockSlot``), each block's compute-dtype pages brought
+        to the device through the prefetch window from their tier (``offload.params``),
+        as an evaluation's forward brings them: offloaded inference. The window waits on
+        the carry's first leaf. The embed and head pages: :meth:`resident_pages`."""
+        window = self._window(self.schedule.forward_uses)
+        for slot in self.schedule.blocks:
+            slab = window.get(slot.forward_use)
+            carry = step(slot, slab, carry)
+            del slab  # the window decides when a slab goes
+            window.done(slot.forward_use, after=jax.tree.leaves(carry)[0])
+        return carry
+
+    def resident_pages(self, stage: str):
+        """The device pages of an always-resident stage (``embed``, ``head``)."""
+        return self.resident[stage]
+
     def flush_deferred(self) -> None:
         """Catches up every deferred expert update and refreshes the params' copies."""
         pages_of = lambda s: self.optimizer.compute_pages(layout_name(s), self.states.master(s))
