@@ -6,13 +6,15 @@ cache, in memory or with the blocks streamed from host RAM or NVMe.
         --temperature 0.8 --top-p 0.9 --seed 1 --config.offload.mode=stream
 
 Prompts (``--prompt``, repeatable, or ``--prompts FILE``, one a line) are tokenised with
-the checkpoint's ``tokenizer.json`` (``--tokenizer``; default: the ``--hf`` directory's,
-else ``data.tokenizer``; none: bytes), left-padded to the longest and run as one batch.
+the checkpoint's ``tokenizer.json`` (``--tokenizer``; default: the ``--hf`` directory's
+when it has one, else ``data.tokenizer``; none: bytes), left-padded to the longest and
+run as one batch.
 Decoding: greedy (``--temperature 0``, the default), or sampling at a temperature,
 among the ``--top-k`` most likely tokens and the smallest set whose probability reaches
 ``--top-p``; the draw of step i is from ``jax.random.fold_in(key(seed), i)``, so a seed
-gives the same tokens at any batch size of the same prompts... in the same batch. A row
-stops at the tokenizer's end-of-sequence token.
+gives the same tokens for the same prompts. A row stops at the tokenizer's
+end-of-sequence token. One prompt: its text is printed as the tokens come; several:
+each row's when all are done.
 
 Placement (:class:`InMemoryBlocks`, :class:`StreamedBlocks`): ``offload.mode=none``
 holds every param on the device; ``offload.mode=stream`` (or ``auto`` for a model that
@@ -301,8 +303,11 @@ def main(argv: list[str] | None = None) -> int:
             texts += [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
         if not texts:
             raise ConfigError("give --prompt TEXT (repeatable) or --prompts FILE")
-        hf = run_args.hf
-        spec = args.tokenizer if args.tokenizer is not None else (hf or config.data.tokenizer)
+        spec = args.tokenizer
+        if spec is None:  # the checkpoint's own, else the data's, else bytes
+            hf = run_args.hf
+            has = hf and (Path(hf) / "tokenizer.json").is_file()
+            spec = hf if has else config.data.tokenizer
         tokens = _tokenizer(spec or "")
     except (ConfigError, OSError) as e:
         print(f"hetjax generate: error: {e}", file=sys.stderr)
