@@ -37,26 +37,6 @@ class EvalResult:
         return math.exp(self.loss)
 
 
-def restore_newest(config: Config, workdir: str | Path, step: int | None = None):
-    """(the newest complete checkpoint's state (or ``step``'s), its meta) of a run's
-    workdir, checked against ``config``. Raises ``CheckpointError`` when none."""
-    from hetjax.checkpoint import Checkpointer, check_compatible, checkpoint_dir
-    from hetjax.types import CheckpointError
-
-    directory = checkpoint_dir(config, workdir)
-    if not directory.is_dir():
-        raise CheckpointError(f"no checkpoint directory {directory}")
-    ckpt = Checkpointer(directory, writing=False)
-    try:
-        if step is None and ckpt.latest() is None:
-            raise CheckpointError(f"{directory} holds no complete checkpoint")
-        state, meta = ckpt.restore(step)
-    finally:
-        ckpt.close()
-    check_compatible(meta, config, directory)
-    return state, meta
-
-
 def evaluate_checkpoint(
     config: Config,
     workdir: str | Path | None = None,
@@ -70,6 +50,7 @@ def evaluate_checkpoint(
     checkpoint (or ``step``'s), or without ``workdir`` the initial ones
     (``model.init_from``: an HF checkpoint), run by the runtime ``config.offload``
     places."""
+    from hetjax.checkpoint import restore_newest
     from hetjax.data import make_datasets
     from hetjax.train import build_runtime, evaluate
 

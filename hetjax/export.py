@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetjax.export: config error: {e}", file=sys.stderr)
         return 2
 
-    from hetjax.evaluate import restore_newest
+    from hetjax.checkpoint import restore_newest
     from hetjax.train import train
     from hetjax.types import CheckpointError, TrainingError
 

@@ -14,7 +14,8 @@ Tokens come from ``data.tokenizer`` (a ``tokenizer.json`` or the checkpoint dire
 holding it: the ``tokenizers`` package, as ``hetjax tokenize``) or, when empty, bytes
 (ids 0..255). The prompt is encoded with the tokenizer's special tokens (a BOS where the
 tokenizer adds one), the completion without, followed by the tokenizer's end-of-sequence
-token (``eos_token`` of ``tokenizer_config.json``) when it names one.
+token (``eos_token`` of ``tokenizer_config.json``) when it names one (a chat record ends
+as its template ends the assistant's turn).
 
 Packing: records are placed in rows in file order, a record in the current row while it
 fits, else in a new row (first fit in order); the rest of a row is padding, a record of
@@ -140,7 +141,8 @@ def read_records(path: str, tokens: Tokens, vocab_size: int) -> list[Record]:
             ids = tokens.encode(prompt, special=True) if prompt else []
             n_prompt = len(ids)
             ids += tokens.encode(completion, special=not prompt)
-            if prompt is not None and tokens.eos is not None:
+            # a chat template writes its own end of turn
+            if "prompt" in rec and tokens.eos is not None:
                 ids.append(tokens.eos)
             if len(ids) - n_prompt < 1:
                 raise ConfigError(f"{where}: the completion encodes to no tokens")

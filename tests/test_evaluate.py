@@ -58,3 +58,30 @@ def test_eval_of_a_jsonl_run_streamed_from_nvme(tiny, tmp_path):
     for placement in (streamed, dict(mode="none")):
         result = evaluate_checkpoint(config.replace(offload=placement), tmp_path / "run")
         assert_losses_close([result.loss], [run.val_loss])
+
+
+# ~11 s: a transformers model built, saved, imported
+@pytest.mark.slow
+def test_eval_of_an_hf_directory_equals_transformers_loss(tiny, tmp_path):
+    """``hetjax eval --hf`` (no workdir: the checkpoint's params): the loss of a tiny
+    random Llama made with transformers on the held-out windows equals transformers'
+    own loss of the same windows (its labels shifted inside the model), 1e-5."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+    from hf_models import build_hf_model
+
+    from hetjax.data import make_datasets
+    from hetjax.hf import model_config_from_hf
+
+    hf = build_hf_model("llama")
+    hf.save_pretrained(tmp_path / "hf")
+    model = model_config_from_hf(tmp_path / "hf", tiny().model)
+    config = tiny(model=dataclasses.asdict(model), train=dict(eval_batches=1))
+    result = evaluate_checkpoint(config)
+    windows = make_datasets(config)[1].batch(0)  # (B, T + 1)
+    with torch.no_grad():
+        ids = torch.from_numpy(np.asarray(windows)).long()
+        expected = float(hf(input_ids=ids, labels=ids).loss)
+    assert_losses_close([result.loss], [expected])

@@ -115,3 +115,60 @@ def test_jsonl_config_is_checked(tiny, tmp_path):
         _jsonl_config(tiny, "d.jsonl", mode="stream", batch_chunks=2)
     with pytest.raises(ConfigError, match="encoder-decoder"):  # jsonl rows are decoder-only
         _jsonl_config(tiny, "d.jsonl").replace(model=dict(family="t5"))
+
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _chat_tokenizer(directory):
+    """A byte-level BPE tokenizer.json trained here on a few lines, with <s> and </s>,
+    and a tokenizer_config.json naming them and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(["hello there, how are you?", "<|user|> <|assistant|> fine"], trainer)
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    settings = dict(chat_template=TEMPLATE, bos_token="<s>", eos_token="</s>")
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    return tok
+
+
+def test_messages_rendered_as_transformers_renders_them(tmp_path):
+    """A chat record: the prompt is the conversation before the last message rendered
+    with the generation prompt, the completion the rest (ending in the template's </s>,
+    no second one); the renders are transformers' apply_chat_template's."""
+    import transformers
+
+    tok = _chat_tokenizer(tmp_path / "tok")
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "fine, you?"},
+    ]
+    path = _write(tmp_path / "chat.jsonl", [{"messages": messages}])
+    (rec,) = read_records(path, Tokens(str(tmp_path / "tok")), 300)
+    reference = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tok" / "tokenizer.json"), chat_template=TEMPLATE,
+        bos_token="<s>", eos_token="</s>",
+    )  # fmt: skip
+    render = reference.apply_chat_template
+    prompt = render(messages[:-1], tokenize=False, add_generation_prompt=True)
+    whole = render(messages, tokenize=False)
+    assert prompt == "<s><|system|>be brief<|user|>hello there<|assistant|>"
+    completion = whole[len(prompt) :]
+    assert completion == "fine, you?</s>"
+    ids = tok.encode(prompt).ids
+    assert rec.prompt == len(ids)
+    assert list(rec.ids) == ids + tok.encode(completion).ids
+    assert rec.ids[-1] == tok.token_to_id("</s>")

@@ -28,6 +28,8 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
   plan      the planner's predicted step time vs the measured one, tiny and small GPTs
             under a device budget that makes offload.mode=auto stream, and the tiny
             GPT data-parallel (ZeRO-3) on 2 virtual CPU devices
+  generate  hetjax generate's tokens/s in memory vs the blocks streamed from NVMe, at
+            GPT-2 small's and Llama 3.2 1B's shapes
   zero      ZeRO-3 on 1, 2, 4 devices: collective bytes per step and device vs the
             6(p-1)/p M of PatrickStar / Angel-PTM, and s/step (needs 4 devices: on CPU
             XLA_FLAGS=--xla_force_host_platform_device_count=4)
@@ -45,6 +47,7 @@ import jax
 from hetjax.allocator import tune_host_allocator
 from hetjax.bench.attention import bench_attention
 from hetjax.bench.checkpoint import bench_checkpoint
+from hetjax.bench.generate import bench_generate
 from hetjax.bench.gpu import bench_gpu
 from hetjax.bench.io import bench_io
 from hetjax.bench.keep import bench_keep
@@ -74,6 +77,7 @@ BENCHMARKS = {
     "plan": bench_plan,
     "keep": bench_keep,
     "attention": bench_attention,
+    "generate": bench_generate,
 }
 
 # Benchmarks whose rows run in child processes that each need the device's whole memory

@@ -418,6 +418,20 @@ class StreamingRuntime:
             window.done(slot.forward_use, after=jax.tree.leaves(carry)[0])
         return carry
 
+    def forward(self, tokens: np.ndarray, targets: np.ndarray) -> jax.Array:
+        """The last group's output (B, T, D) for a batch's tokens and targets (host
+        arrays, as ``split_window`` makes them): an evaluation's forward, every group in
+        turn through the window (an encoder-decoder model's generation recomputes with
+        it; the head: :meth:`resident_pages`)."""
+        tokens, targets = (self.placement.put_batch(np.asarray(a)) for a in (tokens, targets))
+        window = self._window(self.schedule.forward_uses)
+        try:
+            x, _ = self._forward(window, tokens, targets, training=False)
+        finally:
+            for group in self.inputs:
+                group.reset()
+        return x
+
     def resident_pages(self, stage: str):
         """The device pages of an always-resident stage (``embed``, ``head``)."""
         return self.resident[stage]
