@@ -246,6 +246,12 @@ def generate(
     model = blocks.model
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("generate needs at least one prompt, each of at least one token")
+    top = max(max(p) for p in prompts)
+    if top >= model.config.vocab_size:
+        raise ConfigError(
+            f"a prompt holds token id {top}, outside the model's vocabulary "
+            f"(model.vocab_size {model.config.vocab_size}): the tokenizer is not the model's"
+        )
     B, P = len(prompts), max(len(p) for p in prompts)
     S = P + max_new_tokens
     limit = model.config.max_seq_len
@@ -299,6 +305,10 @@ def open_blocks(config: Config, workdir=None, scratch: Path | None = None):
     if workdir is not None:
         state, _ = restore_newest(config, workdir)
     seq2seq = config.model.encoder_decoder
+    if config.offload.mode == "auto":  # where the planner puts a training run of it
+        from hetjax.planning.auto import resolve_auto
+
+        config = resolve_auto(config, scratch)
     if config.offload.mode == "none":
         if state is not None:
             params = state.params()

@@ -171,3 +171,13 @@ def test_t5_greedy_equals_transformers(tiny, tmp_path, offload):
     finally:
         if getattr(blocks, "runtime", None) is not None:
             blocks.runtime.close()
+
+
+def test_prompt_outside_the_vocabulary_is_refused(checkpoints, tiny, tmp_path):
+    """A token id the model lacks (a tokenizer that is not the model's) stops generate
+    with an error naming the vocabulary, instead of an embedding lookup clamped."""
+    from hetjax.config import ConfigError
+
+    _, directory = checkpoints("llama")
+    with pytest.raises(ConfigError, match="token id 300, outside the model's vocabulary"):
+        _ours(tiny, directory, tmp_path, [[1, 2, 300]])
