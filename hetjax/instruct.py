@@ -31,8 +31,9 @@ Batch rows are int32 ``(B, 3 T)``: ids | positions | targets
 (:func:`hetjax.data.split_window` makes tokens (B, 2, T) and targets (B, T) of them).
 Which row a batch row is follows ``data.shuffle`` as token windows do
 (:class:`hetjax.data.TokenWindows`). The loss a step reports is the mean over its
-micro-batches of each one's mean over its completion tokens; tokens/s counts every
-position of a row, padding and prompt included.
+micro-batches of each one's mean over its completion tokens (data-parallel: of each
+device's rows, then the mean over devices; tests/test_instruct.py checks both); tokens/s
+counts every position of a row, padding and prompt included.
 """
 
 from __future__ import annotations

@@ -93,82 +93,52 @@ def _dataset(tmp_path) -> str:
     return _write(tmp_path / "train.jsonl", records)
 
 
-# ~60 s on 2 busy cores: two tiny runs
+# ~30 s each on 2 busy cores: two tiny runs
 @pytest.mark.slow
-def test_jsonl_trains_streamed_as_in_memory(tiny, tmp_path):
-    """The same jsonl run in memory and under offload.mode=stream: per-step losses,
-    validation loss within 1e-5; the loss falls."""
+@pytest.mark.parametrize(
+    "offload",
+    [
+        dict(mode="stream"),
+        # a kept block and a swapped one (their vjps hold the context: the positions),
+        # boundaries on the host
+        dict(mode="stream", keep_blocks=1, swap_blocks=1, activations="host"),
+        dict(mode="stream", params="nvme", optimizer="nvme"),
+    ],
+    ids=["stream", "keep_swap_host", "nvme"],
+)
+def test_jsonl_trains_streamed_as_in_memory(tiny, tmp_path, offload):
+    """The same jsonl run in memory and streamed: per-step losses, validation loss
+    within 1e-5; the loss falls."""
     path = _dataset(tmp_path)
     ref = train(_jsonl_config(tiny, path), tmp_path / "none", verbose=False)
-    streamed = train(_jsonl_config(tiny, path, mode="stream"), tmp_path / "s", verbose=False)
+    streamed = train(_jsonl_config(tiny, path, **offload), tmp_path / "s", verbose=False)
     assert_losses_close(streamed.losses, ref.losses)
     assert_evaluation_equal(streamed, ref)
     assert ref.losses[-1] < ref.losses[0]
 
 
-def test_jsonl_config_is_checked(tiny, tmp_path):
-    with pytest.raises(ConfigError, match="'data.format' must be one of"):
-        tiny(data=dict(format="csv"))
-    with pytest.raises(ConfigError, match="data.format.*needs data.path"):
-        tiny(data=dict(format="jsonl"))
-    with pytest.raises(ConfigError, match="must be 1 with data.format 'jsonl'"):
-        _jsonl_config(tiny, "d.jsonl", mode="stream", batch_chunks=2)
-    with pytest.raises(ConfigError, match="encoder-decoder"):  # jsonl rows are decoder-only
-        _jsonl_config(tiny, "d.jsonl").replace(model=dict(family="t5"))
+# ~60 s on 2 busy cores
+@pytest.mark.slow
+def test_jsonl_first_loss_data_parallel_is_the_mean_of_each_devices(tiny, tmp_path):
+    """ZeRO-3 over 2 devices, each its half of the micro-batch's rows: the first step's
+    loss is the mean of each half's mean over its completion tokens (what the step
+    reports with a mean over devices), and on one device the whole batch's mean; both
+    from the initial params and the model's loss (not the runtime), 1e-5."""
+    import jax
 
+    from hetjax.data import make_datasets
+    from models import build_model
 
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def _chat_tokenizer(directory):
-    """A byte-level BPE tokenizer.json trained here on a few lines, with <s> and </s>,
-    and a tokenizer_config.json naming them and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    tok.train_from_iterator(["hello there, how are you?", "<|user|> <|assistant|> fine"], trainer)
-    directory.mkdir()
-    tok.save(str(directory / "tokenizer.json"))
-    settings = dict(chat_template=TEMPLATE, bos_token="<s>", eos_token="</s>")
-    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
-    return tok
-
-
-def test_messages_rendered_as_transformers_renders_them(tmp_path):
-    """A chat record: the prompt is the conversation before the last message rendered
-    with the generation prompt, the completion the rest (ending in the template's </s>,
-    no second one); the renders are transformers' apply_chat_template's."""
-    import transformers
-
-    tok = _chat_tokenizer(tmp_path / "tok")
-    messages = [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "hello there"},
-        {"role": "assistant", "content": "fine, you?"},
-    ]
-    path = _write(tmp_path / "chat.jsonl", [{"messages": messages}])
-    (rec,) = read_records(path, Tokens(str(tmp_path / "tok")), 300)
-    reference = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(tmp_path / "tok" / "tokenizer.json"), chat_template=TEMPLATE,
-        bos_token="<s>", eos_token="</s>",
-    )  # fmt: skip
-    render = reference.apply_chat_template
-    prompt = render(messages[:-1], tokenize=False, add_generation_prompt=True)
-    whole = render(messages, tokenize=False)
-    assert prompt == "<s><|system|>be brief<|user|>hello there<|assistant|>"
-    completion = whole[len(prompt) :]
-    assert completion == "fine, you?</s>"
-    ids = tok.encode(prompt).ids
-    assert rec.prompt == len(ids)
-    assert list(rec.ids) == ids + tok.encode(completion).ids
-    assert rec.ids[-1] == tok.token_to_id("</s>")
+    path = _dataset(tmp_path)
+    config = _jsonl_config(tiny, path, mode="stream")
+    one = train(config, tmp_path / "one", verbose=False)
+    two = train(config.replace(distributed=dict(data_parallel=2)), tmp_path / "two", verbose=False)
+    model = build_model(config.model)
+    params = model.init(jax.random.key(config.train.seed))
+    rows = make_datasets(config)[0].batch(0)  # (B, 3 T)
+    loss = lambda r: float(model.loss(params, *split_window("lm", r, config.train.seq_len)))
+    half = len(rows) // 2
+    whole, halves = loss(rows), (loss(rows[:half]) + loss(rows[half:])) / 2
+    assert abs(whole - halves) > 1e-4 * whole  # the halves' counts differ: the two differ
+    assert_losses_close([one.losses[0]], [whole])
+    assert_losses_close([two.losses[0]], [halves])
