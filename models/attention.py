@@ -170,7 +170,10 @@ def fused_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None
 ) -> jax.Array:
     """cuDNN's fused kernel; it groups query heads per key/value head as we do. Packed
-    rows hand it the records' block-diagonal mask (B, 1, T, S) besides the causal one."""
+    rows hand it the records' block-diagonal mask (B, 1, T, S) besides the causal one,
+    which JAX passes to cuDNN as an additive bias of that shape (a (B, T, T) tensor in
+    the compute dtype: packed rows cost the fused kernel that much memory; not yet run
+    on a GPU)."""
     B, T, N, G, K = q.shape
     mask = None if segment_ids is None else same_segment(segment_ids)[:, None]
     out = jax.nn.dot_product_attention(
