@@ -17,15 +17,23 @@ def _with_checkpoint(tiny, **sections):
     return tiny(checkpoint=dict(every_steps=0, at_end=True), **sections)
 
 
-def test_eval_equals_the_runs_validation_loss(tiny, tmp_path, capsys):
-    """A tiny GPT run (2 steps, in memory) and ``hetjax eval`` of its checkpoint: the
-    same loss within 1e-5 (fp32; the run evaluates its published params, eval the
-    restored masters), and the perplexity printed is exp of it."""
-    config = _with_checkpoint(tiny, train=dict(steps=2))
+def test_eval_equals_the_runs_validation_loss(tiny, tmp_path):
+    """A tiny GPT run (1 step, in memory) and the evaluation of its checkpoint: the same
+    loss within 1e-5 (fp32; the run evaluates its published params, eval the restored
+    masters)."""
+    config = _with_checkpoint(tiny, train=dict(steps=1, eval_batches=1))
     run = train(config, tmp_path, verbose=False)
     assert math.isfinite(run.val_loss)
-    result = evaluate_checkpoint(config, tmp_path)
-    assert_losses_close([result.loss], [run.val_loss])
+    assert_losses_close([evaluate_checkpoint(config, tmp_path).loss], [run.val_loss])
+
+
+# ~25 s on 2 busy cores: a run, then the command
+@pytest.mark.slow
+def test_eval_command_prints_the_loss_and_perplexity(tiny, tmp_path, capsys):
+    """``hetjax eval --config FILE --workdir W`` of a run's checkpoint: the loss it
+    prints equals the run's validation loss (1e-5), the perplexity exp of it."""
+    config = _with_checkpoint(tiny, train=dict(steps=2))
+    run = train(config, tmp_path, verbose=False)
     config_file = tmp_path / "tiny_eval.py"  # the same config, as a file for the command
     config_file.write_text(
         "from conftest import tiny_config\n\n\ndef get_config():\n"

@@ -103,14 +103,12 @@ def _model(family: str, impl: str):
     return build_model(Config().replace(model=model, train=dict(seq_len=T)).model)
 
 
+# ~15 s each on 2 busy cores (a model's loss and gradient compiled twice); the default
+# run's check of packing is the attention's (above)
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family, impl",
-    [
-        ("llama", "blockwise"),
-        pytest.param("gpt", "blockwise", marks=pytest.mark.slow),  # ~4 s
-        pytest.param("gpt", "reference", marks=pytest.mark.slow),  # ~3 s
-        pytest.param("llama", "reference", marks=pytest.mark.slow),  # ~3 s
-    ],
+    [("llama", "blockwise"), ("gpt", "blockwise"), ("gpt", "reference"), ("llama", "reference")],
 )
 def test_packed_row_equals_records_one_per_row(family, impl):
     """The loss over the completion tokens and every param's gradient: one packed row
