@@ -345,6 +345,23 @@ def check_compatible(meta: dict[str, Any], config: Config, where: Path) -> None:
         )
 
 
+def restore_newest(config: Config, workdir: str | Path, step: int | None = None):
+    """(the newest complete checkpoint's state (or ``step``'s), its meta) of a run's
+    workdir, checked against ``config``. Raises ``CheckpointError`` when none."""
+    directory = checkpoint_dir(config, workdir)
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint directory {directory}")
+    ckpt = Checkpointer(directory, writing=False)
+    try:
+        if step is None and ckpt.latest() is None:
+            raise CheckpointError(f"{directory} holds no complete checkpoint")
+        state, meta = ckpt.restore(step)
+    finally:
+        ckpt.close()
+    check_compatible(meta, config, directory)
+    return state, meta
+
+
 # -- export ------------------------------------------------------------------------------
 
 

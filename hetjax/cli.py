@@ -6,6 +6,8 @@
     hetjax checkpoint --workdir runs/gpt_tiny                 python -m hetjax.checkpoint ...
     hetjax export --workdir runs/gpt_tiny --out hf-out/       python -m hetjax.export ...
     hetjax tokenize --tokenizer gpt2/ --text a.txt --out t.bin  python -m hetjax.tokenize ...
+    hetjax eval --config gpt_tiny --workdir runs/gpt_tiny     python -m hetjax.evaluate ...
+    hetjax generate --hf llama-hf/ --prompt "Hello"           python -m hetjax.generate ...
     hetjax gpucheck --quick                                   python -m hetjax.gpucheck ...
 
 ``hetjax --config ...`` (options first, no subcommand) trains, as the command did before it
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from hetjax import bench, checkpoint, export, gpucheck, launch, tokenize
+from hetjax import bench, checkpoint, evaluate, export, generate, gpucheck, launch, tokenize
 
 # subcommand -> (what it does, its module's main, arguments put before the user's)
 COMMANDS = {
@@ -26,6 +28,8 @@ COMMANDS = {
     "checkpoint": ("list checkpoints (python -m hetjax.checkpoint)", checkpoint.main, []),
     "export": ("export trained params (python -m hetjax.export)", export.main, []),
     "tokenize": ("make a token file (python -m hetjax.tokenize)", tokenize.main, []),
+    "eval": ("loss and perplexity of a checkpoint (python -m hetjax.evaluate)", evaluate.main, []),
+    "generate": ("text from a checkpoint (python -m hetjax.generate)", generate.main, []),
     "gpucheck": ("check the GPU data path (python -m hetjax.gpucheck)", gpucheck.main, []),
 }
 # subcommand -> an example, printed after its --help
@@ -36,6 +40,8 @@ EXAMPLES = {
     "checkpoint": "hetjax checkpoint --workdir runs/tiny",
     "export": "hetjax export --config gpt_tiny --workdir runs/tiny --out hf-out/",
     "tokenize": "hetjax tokenize --tokenizer gpt2/ --text a.txt b.txt --out tokens.bin",
+    "eval": "hetjax eval --config gpt_tiny --workdir runs/tiny",
+    "generate": "hetjax generate --hf llama-hf/ --prompt 'Once upon a time' --max-new-tokens 20",
     "gpucheck": "hetjax gpucheck --quick --out docs/results/gpucheck-h100",
 }
 

@@ -227,9 +227,21 @@ class DataConfig:
     # length of the spans they come in (T5's 0.15 and 3)
     noise_density: float = 0.15
     mean_noise_span: float = 3.0
+    # tokens: path is a token file (or empty); jsonl: path holds prompt/completion,
+    # messages or text records, packed into rows with a loss on completions only
+    # (hetjax/instruct.py)
+    format: str = "tokens"
+    # jsonl: a tokenizer.json or the directory holding it (an HF checkpoint's); empty: bytes
+    tokenizer: str = ""
 
     def __post_init__(self):
         _choice("data", "objective", self.objective, OBJECTIVES)
+        _choice("data", "format", self.format, ("tokens", "jsonl"))
+        _check(
+            self.format == "tokens" or (self.path and self.objective == "lm"),
+            "data.format", "'jsonl' needs data.path (a .jsonl file) and data.objective 'lm'",
+            self.format,
+        )  # fmt: skip
         _check(
             0 < self.noise_density < 1, "data.noise_density", "must be in (0, 1)",
             self.noise_density,
@@ -482,6 +494,13 @@ class Config:
                 f"multiple of it ({row_devices})"
             )
         chunks = self.offload.batch_chunks
+        if chunks > 1 and self.data.format == "jsonl":
+            # the chunked head averages its chunks' means; a packed row's loss is a mean
+            # over the completion tokens of the whole micro-batch
+            raise ConfigError(
+                f"config key 'offload.batch_chunks' ({chunks}) must be 1 with data.format "
+                "'jsonl' (the loss is a mean over the micro-batch's completion tokens)"
+            )
         # a device's rows (every device, 0: known once the devices are; checked then
         # by the runtime's stage functions)
         rows = self.train.micro_batch_size // max(row_devices, 1)

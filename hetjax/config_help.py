@@ -189,6 +189,12 @@ HELP: dict[str, str] = {
     "data.noise_density": "`span_corruption`: the share of a window's tokens dropped from "
     "the encoder's input and predicted by the decoder",
     "data.mean_noise_span": "`span_corruption`: the mean length of the dropped spans",
+    "data.format": "`tokens`: `data.path` is a token file (or empty: the embedded corpus); "
+    "`jsonl`: prompt/completion, chat `messages` or `text` records packed into rows, the "
+    "loss on completions only (decoder-only models; "
+    "[instruction data](models.md#instruction-data))",
+    "data.tokenizer": "`jsonl`: a `tokenizer.json` or the checkpoint directory holding it; "
+    "empty: bytes",
     # -- checkpoint -------------------------------------------------------------------
     "checkpoint.every_steps": "complete-state checkpoint every N steps; 0: none periodic",
     "checkpoint.every_minutes": "also a checkpoint when this many minutes have passed since "

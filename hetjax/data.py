@@ -120,7 +120,9 @@ def spans_of(data, seq_len: int) -> Spans | None:
 def window_length(data, seq_len: int) -> int:
     """Tokens of a batch row for ``data`` (:class:`~hetjax.config.DataConfig`) and
     ``train.seq_len``: ``T + 1`` (lm), ``2 T`` (prefix_lm), or the encoder's ``T`` and
-    the decoder's targets (span_corruption)."""
+    the decoder's targets (span_corruption); ``3 T`` for packed rows (jsonl)."""
+    if getattr(data, "format", "tokens") == "jsonl":
+        return 3 * seq_len
     if data.objective == "prefix_lm":
         return 2 * seq_len
     if data.objective == "span_corruption":
@@ -139,7 +141,12 @@ def split_window(objective: str, windows, seq_len: int):
     """Batch rows (..., W) -> (tokens (..., T), targets): for ``lm`` the inputs and the
     next tokens; for ``prefix_lm`` and ``span_corruption`` the encoder's ``seq_len``
     tokens and the decoder's targets (the decoder's input is made from the targets by
-    the model, as HF's T5 does from its labels). Works on numpy and JAX arrays alike."""
+    the model, as HF's T5 does from its labels). A packed row (``data.format=jsonl``,
+    W = 3 T: ids | positions | targets, ``hetjax/instruct.py``) -> tokens (..., 2, T)
+    and targets (..., T). Works on numpy and JAX arrays alike."""
+    if objective == "lm" and windows.shape[-1] == 3 * seq_len:
+        tokens = windows[..., : 2 * seq_len].reshape(*windows.shape[:-1], 2, seq_len)
+        return tokens, windows[..., 2 * seq_len :]
     if objective in ("prefix_lm", "span_corruption"):
         return windows[..., :seq_len], windows[..., seq_len:]
     return windows[..., :-1], windows[..., 1:]
@@ -262,6 +269,10 @@ class TokenWindows:
 def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
     """Returns (train, validation, description) for the configured data."""
     d, t = config.data, config.train
+    if d.format == "jsonl":
+        from hetjax.instruct import make_packed_datasets  # imports data: resolved here
+
+        return make_packed_datasets(config)
     if d.path:
         tokens, source = load_tokens(d.path), d.path
     else:

@@ -3,11 +3,14 @@
     python -m hetjax.export --config llama_tiny --out runs/llama_tiny_hf            # init
     python -m hetjax.export --config llama_tiny --train --workdir runs/lt --out runs/lt_hf
     python -m hetjax.export --config gpt_small --config.model.init_from=hf:gpt2 --out gpt2_copy
+    python -m hetjax.export --config llama_tiny --hf llama-hf --workdir runs/ft --checkpoint \
+        --out ft-hf                                  # a run's newest checkpoint
 
 The params come from the run config: without ``--train``, the initial params (the
 ``model.init_from`` checkpoint, else the random init of ``train.seed``); with
 ``--train``, the params at the end of ``hetjax.train.train`` on that config (metrics in
-``--workdir``). The output loads with ``transformers``' ``from_pretrained`` and with
+``--workdir``); with ``--checkpoint``, those of the newest checkpoint in ``--workdir``.
+The output loads with ``transformers``' ``from_pretrained`` and with
 ``model.init_from=hf:<out>``; a ``model.num_experts`` config writes a MixtralForCausalLM
 (the Hub's per-expert layout), a ``model.family=t5`` one a T5ForConditionalGeneration.
 :func:`export_hf` is the same from Python, for any params tree (e.g.
@@ -26,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hetjax.config import Config, ConfigError, ModelConfig, load_config, parse_bytes
+from hetjax.config import Config, ConfigError, ModelConfig, parse_bytes
 from hetjax.hf import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -243,28 +246,34 @@ def main(argv: list[str] | None = None) -> int:
         "--train", action="store_true", help="train the config first and export the result"
     )
     parser.add_argument(
+        "--checkpoint", action="store_true", help="export the newest checkpoint in --workdir"
+    )
+    parser.add_argument(
         "--max-shard-size", default="5GiB", help="largest safetensors shard (default 5GiB)"
     )
     args, rest = parser.parse_known_args(argv)
     try:
         run_args, overrides = launch.parse_args(rest)
-        config = load_config(run_args.config, overrides)
+        config = launch.run_config(run_args, overrides)
         shard_bytes = parse_bytes(args.max_shard_size, "--max-shard-size")
     except ConfigError as e:
         print(f"hetjax.export: config error: {e}", file=sys.stderr)
         return 2
 
+    from hetjax.checkpoint import restore_newest
     from hetjax.train import train
-    from hetjax.types import TrainingError
+    from hetjax.types import CheckpointError, TrainingError
 
+    workdir = Path(run_args.workdir or Path("runs") / Path(run_args.config).stem)
     try:
         if args.train:
-            workdir = Path(run_args.workdir or Path("runs") / Path(run_args.config).stem)
             params = train(config, workdir).params
+        elif args.checkpoint:
+            params = restore_newest(config, workdir)[0].params()
         else:
             params = initial_params(config)
         out = export_hf(config.model, params, args.out, shard_bytes)
-    except (ConfigError, TrainingError) as e:
+    except (ConfigError, TrainingError, CheckpointError) as e:
         print(f"hetjax.export: error: {e}", file=sys.stderr)
         return 1
     print(f"hetjax.export: wrote {config.model.family} checkpoint to {out}")

@@ -23,13 +23,14 @@ freed buffers to the system (:func:`tune_malloc`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
 
 from hetjax import xla_env
 from hetjax.allocator import tune_malloc
-from hetjax.config import ConfigError, load_config
+from hetjax.config import Config, ConfigError, load_config
 from hetjax.preemption import PREEMPTED_EXIT_STATUS, Preempted
 
 DEFAULT_CONFIG = "gpt_tiny"
@@ -86,6 +87,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
         help="with --resume=never: delete the workdir's checkpoints and start fresh",
     )
     parser.add_argument(
+        "--hf",
+        default=None,
+        help="a Hugging Face checkpoint directory: the model's shape from its config.json "
+        "and its params the initial ones (model.init_from=hf:<dir>)",
+    )
+    parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
     parser.add_argument(
@@ -108,12 +115,24 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     return args, overrides
 
 
+def run_config(args: argparse.Namespace, overrides: dict[str, str]) -> Config:
+    """The config of parsed arguments: the config file with the overrides, and with
+    ``--hf`` its model read off the checkpoint's ``config.json`` (shape fields and
+    ``init_from``; the overrides' other model fields kept)."""
+    config = load_config(args.config, overrides)
+    if args.hf:
+        from hetjax.hf import model_config_from_hf
+
+        config = dataclasses.replace(config, model=model_config_from_hf(args.hf, config.model))
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     command_line = argv is None  # tests pass their argv: no process-wide change
     argv = sys.argv[1:] if command_line else argv
     try:
         args, overrides = parse_args(argv)
-        config = load_config(args.config, overrides)
+        config = run_config(args, overrides)
     except ConfigError as e:
         print(f"hetjax: config error: {e}", file=sys.stderr)
         return 2

@@ -20,6 +20,11 @@ return (B, T, N * G * K), tagged ``attn_out`` for the keep levels (hetjax/runtim
                bf16, head width a multiple of 8 up to 128).
 ``auto``       ``fused`` where cuDNN supports the shape and dtype, else ``blockwise``.
 
+Packed rows (``data.format=jsonl``, hetjax/instruct.py): each takes ``segment_ids``
+(B, T) int32, the record each position belongs to; a query then attends only to keys of
+its own record (and before it), so a packed row computes what its records would alone.
+None: one sequence per row.
+
 Block size b: ``model.attention_block``, or when 0 :data:`DEFAULT_BLOCK`; at most T.
 Shape letters: B batch, T/S query/key positions, N key/value heads, G query heads per
 key/value head, K head width, b block.
@@ -73,13 +78,16 @@ def block_size(setting: int, seq_len: int) -> int:
     return min(setting or DEFAULT_BLOCK, seq_len)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, config) -> jax.Array:
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, config, segment_ids: jax.Array | None = None
+) -> jax.Array:
     """Causal grouped-query attention as ``config`` (a ModelConfig) selects:
-    q (B, T, N, G, K), k and v (B, T, N, K) -> (B, T, N G K) in q's dtype."""
+    q (B, T, N, G, K), k and v (B, T, N, K), segment_ids (B, T) int32 or None ->
+    (B, T, N G K) in q's dtype."""
     head_dim = q.shape[-1]
     impl = resolve(config.attention, jax.default_backend(), q.dtype, head_dim)
     if impl == "reference":
-        return reference_attention(q, k, v)
+        return reference_attention(q, k, v, segment_ids)
     if impl == "fused":
         if not fused_supported(jax.default_backend(), q.dtype, head_dim):
             raise ConfigError(
@@ -88,19 +96,55 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, config) -> jax.Array:
                 f"of 8 up to 128; here: backend {jax.default_backend()!r}, "
                 f"{jnp.dtype(q.dtype).name}, head width {head_dim}. Use 'auto'"
             )
-        return fused_attention(q, k, v)
-    return blockwise_attention(q, k, v, block_size(config.attention_block, q.shape[1]))
+        return fused_attention(q, k, v, segment_ids)
+    block = block_size(config.attention_block, q.shape[1])
+    return blockwise_attention(q, k, v, block, segment_ids)
 
 
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def same_segment(segment_ids: jax.Array) -> jax.Array:
+    """(B, T) int -> (B, T, S) bool: query t and key s belong to the same record."""
+    return segment_ids[:, :, None] == segment_ids[:, None, :]
+
+
+def reference_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None
+) -> jax.Array:
     """The whole (B, N, G, T, T) score matrix in fp32, softmax, then ``probs @ v``."""
     B, T, N, G, K = q.shape
     scores = jnp.einsum("BTNGK,BSNK->BNGTS", q, k).astype(F32) / math.sqrt(K)
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+    if segment_ids is not None:
+        causal = causal & same_segment(segment_ids)[:, None, None]  # (B, 1, 1, T, S)
     scores = jnp.where(causal, scores, MASKED)
     probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(q.dtype), "attn_probs")
     out = jnp.einsum("BNGTS,BSNK->BTNGK", probs, v).reshape(B, T, N * G * K)
     return checkpoint_name(out, "attn_out")
+
+
+def cached_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: tuple
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Generation's attention (hetjax/generate.py): T new positions against a KV cache.
+    q (B, T, N, G, K), k and v (B, T, N, K) of the new positions; ``cache`` is (k cache
+    (B, S, N, K), v cache, valid (B, S) bool: the slots holding a token, the new ones
+    included, start: the slot of the first new position). The new keys and values are
+    written at slots start .. start + T - 1; the query at slot i reads the valid slots
+    up to i (prompts are left-padded: the padding slots are not valid). Scores and
+    softmax in fp32, the probabilities rounded to q's dtype (as
+    :func:`reference_attention`). -> ((B, T, N G K), (k cache, v cache) updated)."""
+    k_cache, v_cache, valid, start = cache
+    k_cache = lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, 1)
+    v_cache = lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, 1)
+    B, T, N, G, K = q.shape
+    S = k_cache.shape[1]
+    scores = jnp.einsum("BTNGK,BSNK->BNGTS", q, k_cache.astype(q.dtype)).astype(F32)
+    scores = scores / math.sqrt(K)
+    slots = start + jnp.arange(T)
+    keep = (jnp.arange(S)[None, :] <= slots[:, None])[None] & valid[:, None, :]  # (B, T, S)
+    scores = jnp.where(keep[:, None, None], scores, MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("BNGTS,BSNK->BTNGK", probs, v_cache.astype(q.dtype))
+    return out.reshape(B, T, N * G * K), (k_cache, v_cache)
 
 
 def biased_attention(
@@ -122,11 +166,18 @@ def biased_attention(
     return checkpoint_name(out, "attn_out")
 
 
-def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """cuDNN's fused kernel; it groups query heads per key/value head as we do."""
+def fused_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None
+) -> jax.Array:
+    """cuDNN's fused kernel; it groups query heads per key/value head as we do. Packed
+    rows hand it the records' block-diagonal mask (B, 1, T, S) besides the causal one,
+    which JAX passes to cuDNN as an additive bias of that shape (a (B, T, T) tensor in
+    the compute dtype: packed rows cost the fused kernel that much memory; not yet run
+    on a GPU)."""
     B, T, N, G, K = q.shape
+    mask = None if segment_ids is None else same_segment(segment_ids)[:, None]
     out = jax.nn.dot_product_attention(
-        q.reshape(B, T, N * G, K), k, v, is_causal=True, implementation="cudnn"
+        q.reshape(B, T, N * G, K), k, v, mask=mask, is_causal=True, implementation="cudnn"
     )
     return checkpoint_name(out.reshape(B, T, N * G * K), "attn_out")
 
@@ -135,12 +186,17 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+def blockwise_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, block: int, segment_ids: jax.Array | None = None
+) -> jax.Array:
     """Causal attention by (block, block) tiles with an online softmax:
-    q (B, T, N, G, K), k and v (B, T, N, K) -> (B, T, N G K). T need not be a multiple of
-    ``block``: the last tile is padded and its padded keys lie above every real query's
-    causal diagonal."""
-    return _blockwise_fwd(q, k, v, block)[0]
+    q (B, T, N, G, K), k and v (B, T, N, K), segment_ids (B, T) or None -> (B, T, N G K).
+    T need not be a multiple of ``block``: the last tile is padded and its padded keys
+    lie above every real query's causal diagonal. A query row that a whole key tile is
+    masked from (another record's) adds that tile's values with weight exp(0) while its
+    running max is still the mask value; the first unmasked score rescales them by
+    exp(mask value - score) = 0, and every row has one (its own position)."""
+    return _blockwise_fwd(q, k, v, block, segment_ids)[0]
 
 
 def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -158,21 +214,27 @@ def _tile(x: jax.Array, i, b: int, axis: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(x, i * b, b, axis)
 
 
-def _masked_scores(qi, kj, i, j, b: int, scale: float) -> jax.Array:
+def _masked_scores(qi, kj, i, j, b: int, scale: float, seg) -> jax.Array:
     """Scores of query tile i against key tile j, (B, N, G, b, b) fp32, causal mask
-    applied (only the diagonal tile has masked entries)."""
+    applied (only the diagonal tile has masked entries), and the records' mask where
+    ``seg`` (the padded segment ids (B, Tp), or None) is given."""
     s = _dot("BTNGK,BSNK->BNGTS", qi, kj) * scale
     rows = i * b + jnp.arange(b)[:, None]
     cols = j * b + jnp.arange(b)[None, :]
-    return jnp.where(rows >= cols, s, MASKED)
+    keep = rows >= cols  # (b, b)
+    if seg is not None:
+        si, sj = _tile(seg, i, b, 1), _tile(seg, j, b, 1)  # (B, b)
+        keep = keep & (si[:, :, None] == sj[:, None, :])[:, None, None]  # (B, 1, 1, b, b)
+    return jnp.where(keep, s, MASKED)
 
 
-def _blockwise_fwd(q, k, v, block: int):
+def _blockwise_fwd(q, k, v, block: int, segment_ids=None):
     B, T, N, G, K = q.shape
     b = min(block, T)
     nb = -(-T // b)
     Tp, scale = nb * b, 1.0 / math.sqrt(K)
     qp, kp, vp = _pad(q, Tp, 1), _pad(k, Tp, 1), _pad(v, Tp, 1)
+    seg = None if segment_ids is None else _pad(segment_ids, Tp, 1)
 
     def query_tile(i, carry):
         out, lse = carry  # (B, Tp, N, G, K) q.dtype, (B, N, G, Tp) fp32
@@ -180,7 +242,7 @@ def _blockwise_fwd(q, k, v, block: int):
 
         def key_tile(j, acc_max_sum):
             acc, m, rowsum = acc_max_sum  # (B, N, G, b, K), (B, N, G, b), (B, N, G, b) fp32
-            s = _masked_scores(qi, _tile(kp, j, b, 1), i, j, b, scale)
+            s = _masked_scores(qi, _tile(kp, j, b, 1), i, j, b, scale, seg)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.exp(s - m_new[..., None])  # (B, N, G, b, b)
             correction = jnp.exp(m - m_new)
@@ -203,11 +265,11 @@ def _blockwise_fwd(q, k, v, block: int):
     out, lse = lax.fori_loop(0, nb, query_tile, init)
     out = checkpoint_name(out[:, :T].reshape(B, T, N * G * K), "attn_out")
     lse = checkpoint_name(lse[..., :T], "attn_lse")
-    return out, (q, k, v, out, lse)
+    return out, (q, k, v, out, lse, segment_ids)
 
 
 def _blockwise_bwd(block: int, residuals, dout):
-    q, k, v, out, lse = residuals
+    q, k, v, out, lse, segment_ids = residuals
     B, T, N, G, K = q.shape
     b = min(block, T)
     nb = -(-T // b)
@@ -218,6 +280,7 @@ def _blockwise_bwd(block: int, residuals, dout):
     # Padded query rows have dout 0, hence no gradient; their lse (0) only keeps exp finite.
     qp, kp, vp, dop = (_pad(x, Tp, 1) for x in (q, k, v, do))
     lse, delta = _pad(lse, Tp, 3), _pad(delta, Tp, 3)
+    seg = None if segment_ids is None else _pad(segment_ids, Tp, 1)
 
     def key_tile(j, carry):
         dq, dk, dv = carry  # (B, Tp, N, G, K), (B, Tp, N, K), (B, Tp, N, K) fp32
@@ -226,7 +289,7 @@ def _blockwise_bwd(block: int, residuals, dout):
         def query_tile(i, dq_dkj_dvj):
             dq, dkj, dvj = dq_dkj_dvj
             qi, doi = _tile(qp, i, b, 1), _tile(dop, i, b, 1)  # (B, b, N, G, K)
-            s = _masked_scores(qi, kj, i, j, b, scale)
+            s = _masked_scores(qi, kj, i, j, b, scale, seg)
             p = jnp.exp(s - _tile(lse, i, b, 3)[..., None])  # (B, N, G, b, b)
             # p and ds stay fp32 in the matmuls (as in forward): rounding them to a
             # half precision would turn last-bit differences in s into 1e-3 ones
@@ -250,7 +313,8 @@ def _blockwise_bwd(block: int, residuals, dout):
         jnp.zeros((B, Tp, N, K), F32),
     )
     dq, dk, dv = lax.fori_loop(0, nb, key_tile, init)
-    return dq[:, :T].astype(q.dtype), dk[:, :T].astype(k.dtype), dv[:, :T].astype(v.dtype)
+    dq, dk, dv = dq[:, :T].astype(q.dtype), dk[:, :T].astype(k.dtype), dv[:, :T].astype(v.dtype)
+    return dq, dk, dv, None  # segment ids: data, no gradient
 
 
 blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from hetjax.config import ModelConfig
-from models.attention import attention
-from models.staged import AxisTable, FlaxStages
+from models.attention import attention, cached_attention
+from models.staged import AxisTable, FlaxStages, segment_ids
 
 # Each param's logical axes (models/staged.py's logical_axes), by its path in its stage.
 LOGICAL_AXES: AxisTable = (
@@ -50,7 +50,9 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, D)
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None, cache=None):
+        # (B, T, D) -> (B, T, D); positions (B, T): a packed row's (models/staged.py);
+        # cache: generation's (models.attention.cached_attention), then -> (x, (k, v))
         cfg = self.config
         dtype = jnp.dtype(cfg.compute_dtype)
         init = nn.initializers.normal(cfg.init_std)
@@ -68,28 +70,36 @@ class Block(nn.Module):
         h = norm("ln_1")(x)
         qkv = dense(3 * D, "c_attn")(h)  # (B, T, 3D): q | k | v, heads contiguous
         q, k, v = (a.reshape(B, T, H, K) for a in jnp.split(qkv, 3, axis=-1))
-        attn = attention(q[:, :, :, None], k, v, cfg)  # (B, T, D), one query per kv head
+        kv = None
+        if cache is not None:
+            attn, kv = cached_attention(q[:, :, :, None], k, v, cache)
+        else:
+            segments = None if positions is None else segment_ids(positions)
+            # (B, T, D), one query head per key/value head
+            attn = attention(q[:, :, :, None], k, v, cfg, segments)
         x = x + dense(D, "c_proj", proj_init)(attn)
 
         h = norm("ln_2")(x)
         h = nn.gelu(dense(cfg.ff_dim, "c_fc")(h), approximate=True)  # (B, T, F)
         x = x + dense(D, "c_proj_mlp", proj_init)(h)
-        return x
+        return x if cache is None else (x, kv)
 
 
 class Embed(nn.Module):
-    """Token + learned position embedding: (B, T) int -> (B, T, D)."""
+    """Token + learned position embedding: (B, T) int -> (B, T, D); ``positions`` (B, T)
+    int: each token's (a packed row's restart at every record), else 0 .. T-1."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         init = nn.initializers.normal(cfg.init_std)
         wte = self.param("wte", init, (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
         wpe = self.param("wpe", init, (cfg.max_seq_len, cfg.d_model), cfg.param_dtype)
         T = tokens.shape[1]
-        x = jnp.take(wte, tokens, axis=0) + wpe[:T][None]
+        pos = wpe[:T][None] if positions is None else jnp.take(wpe, positions, axis=0)
+        x = jnp.take(wte, tokens, axis=0) + pos
         return x.astype(cfg.compute_dtype)
 
 

@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from hetjax.config import ModelConfig
-from models.attention import attention
-from models.staged import AxisTable, FlaxStages
+from models.attention import attention, cached_attention
+from models.staged import AxisTable, FlaxStages, segment_ids
 
 
 def rotary_frequencies(config: ModelConfig) -> jax.Array:
@@ -72,6 +72,14 @@ def rotary_tables(seq_len: int, inv_freq: jax.Array) -> tuple[jax.Array, jax.Arr
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def rotary_at(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the rotary angles at given positions (B, T) int -> each (B, T, K)
+    fp32 (a packed row's positions restart at every record)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, K/2)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates feature pairs (j, j + K/2) of x (..., K); cos, sin broadcast to x."""
     half = x.shape[-1] // 2
@@ -92,7 +100,16 @@ class LlamaBlock(nn.Module):
     part: str = "all"
 
     @nn.compact
-    def __call__(self, x: jax.Array, routing=None):  # (B, T, D) -> (B, T, D)
+    def __call__(self, x: jax.Array, routing=None, positions: jax.Array | None = None, cache=None):
+        # (B, T, D) -> (B, T, D); positions (B, T): a packed row's (models/staged.py);
+        # cache: generation's (models.attention.cached_attention), then -> (x, (k, v))
+        # without the router statistics
+        if cache is not None:
+            out, kv = self._call(x, routing, positions, cache)
+            return (out[0] if isinstance(out, tuple) else out), kv
+        return self._call(x, routing, positions)[0]
+
+    def _call(self, x, routing, positions, cache=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.compute_dtype)
         dense = lambda features, name: nn.Dense(
@@ -106,20 +123,22 @@ class LlamaBlock(nn.Module):
         norm = lambda name: nn.RMSNorm(
             epsilon=cfg.layer_norm_eps, dtype=dtype, param_dtype=cfg.param_dtype, name=name
         )
+        kv = None
         if self.part != "mlp":
-            x = self._attention(x, dense, norm)
+            x, kv = self._attention(x, dense, norm, positions, cache)
         h = norm("post_attention_layernorm")(x)
         if self.part == "attention":  # the routing decision, made once (MixtureOfExperts)
-            return x, MixtureOfExperts(cfg, route_only=True, name="moe")(h)
+            return (x, MixtureOfExperts(cfg, route_only=True, name="moe")(h)), kv
         if cfg.num_experts:
             moe = MixtureOfExperts(cfg, self.expert_axis, self.held, name="moe")
             out, stats = moe(h, routing)
-            return (x + out, stats) if router_stats_size(cfg) else x + out
+            return ((x + out, stats) if router_stats_size(cfg) else x + out), kv
         h = nn.silu(dense(cfg.ff_dim, "gate_proj")(h)) * dense(cfg.ff_dim, "up_proj")(h)
-        return x + dense(x.shape[-1], "down_proj")(h)  # h (B, T, F)
+        return x + dense(x.shape[-1], "down_proj")(h), kv  # h (B, T, F)
 
-    def _attention(self, x: jax.Array, dense, norm) -> jax.Array:
-        """x + attn(rms(x))."""
+    def _attention(self, x: jax.Array, dense, norm, positions=None, cache=None):
+        """x + attn(rms(x)); ``positions`` (B, T) or None (0 .. T-1 in every row).
+        -> (x, the updated (k, v) cache, or None without ``cache``)."""
         cfg = self.config
         B, T, D = x.shape
         N, K = cfg.kv_heads, cfg.head_dim
@@ -129,11 +148,20 @@ class LlamaBlock(nn.Module):
         q = dense(N * G * K, "q_proj")(h).reshape(B, T, N, G, K)
         k = dense(N * K, "k_proj")(h).reshape(B, T, N, K)
         v = dense(N * K, "v_proj")(h).reshape(B, T, N, K)
-        cos, sin = rotary_tables(T, rotary_frequencies(cfg))  # (T, K)
-        q = apply_rotary(q, cos[:, None, None], sin[:, None, None])
-        k = apply_rotary(k, cos[:, None], sin[:, None])
-        attn = attention(q, k, v, cfg)  # (B, T, N G K), models/attention.py
-        return x + dense(D, "o_proj")(attn)
+        if positions is None:
+            cos, sin = rotary_tables(T, rotary_frequencies(cfg))  # (T, K)
+            segments = None
+        else:
+            cos, sin = rotary_at(positions, rotary_frequencies(cfg))  # (B, T, K)
+            segments = segment_ids(positions)
+        q = apply_rotary(q, cos[..., None, None, :], sin[..., None, None, :])
+        k = apply_rotary(k, cos[..., None, :], sin[..., None, :])
+        kv = None
+        if cache is not None:
+            attn, kv = cached_attention(q, k, v, cache)
+        else:
+            attn = attention(q, k, v, cfg, segments)  # (B, T, N G K), models/attention.py
+        return x + dense(D, "o_proj")(attn), kv
 
 
 def router_stats_size(config: ModelConfig) -> int:
@@ -263,8 +291,8 @@ class LlamaEmbed(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        cfg = self.config
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        cfg = self.config  # positions: rotary, in the blocks
         init = nn.initializers.normal(cfg.init_std)
         table = self.param("embed_tokens", init, (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
         return jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
@@ -337,7 +365,8 @@ class Llama(FlaxStages):
         no context): x (B, T, D) -> (the residual stream after attention (B, T, D), the
         routing decision (top_e (B T, k) int32), pairs per expert (E,) int32). Reads no
         expert weight."""
-        x, (top_e, counts) = self._block.clone(part="attention").apply({"params": block_params}, x)
+        block = self._block.clone(part="attention")
+        x, (top_e, counts) = block.apply({"params": block_params}, x, **self._positions(context))
         return x, top_e, counts
 
     def routed_block(self, g: int, block_params: dict, x, routing, context=(), part="all"):
@@ -348,7 +377,7 @@ class Llama(FlaxStages):
         residual stream and only the rest of the block runs. -> (y, statistics)."""
         held = block_params["moe"]["gate_proj"].shape[0]
         block = self._block.clone(part=part, held=held)
-        out = block.apply({"params": block_params}, x, routing)
+        out = block.apply({"params": block_params}, x, routing, **self._positions(context))
         return out if self.stats_size else (out, jnp.zeros((0,), jnp.float32))
 
     def aux_loss(self, stats: jax.Array) -> jax.Array:

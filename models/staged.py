@@ -48,6 +48,16 @@ depend on the layer index (every layer of a group has the same params structure 
 same function). Parameter leaves named ``bias`` or ``scale`` are not weight-decayed
 (``hetjax/storage/pages.py``); everything else is.
 
+Packed rows (``data.format=jsonl``, ``hetjax/instruct.py``): several short records in
+one row, each with its own positions and attending only to itself. The batch carries
+them as data: ``tokens`` is then (B, 2, T), the token ids and each token's position in
+its record (0 where a record starts, :func:`unpack`), and targets below 0 take no loss
+(the prompt, the padding, a record's last token; :func:`token_loss`). A
+:class:`FlaxStages` model's first group's context is then the positions (fp32 (B, T),
+so the runtimes carry it as any context, its gradient zero) and its modules are called
+as ``embed(tokens, positions)`` and ``block(x, positions=positions)``; GPT and Llama
+take them (a user's modules that do not cannot train packed rows).
+
 Blocks the streaming runtime keeps (``offload.keep_blocks``) may keep only some
 in-block activations (``offload.keep_level``, ``hetjax/runtime/remat.py``): ``matmuls`` works
 for any block (it keeps the outputs of its dots without batch dimensions); a block that
@@ -194,11 +204,32 @@ class StagedModel(Protocol):
     def flops_per_token(self, seq_len: int) -> float: ...
 
 
+IGNORED = -1  # a target that takes no loss (a packed row's prompt, padding)
+
+
 def token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy over all tokens: logits (B, T, V) fp32, targets (B, T) int."""
+    """Mean cross-entropy over the tokens that take a loss: logits (B, T, V) fp32,
+    targets (B, T) int, those below 0 (:data:`IGNORED`) weighted 0. Without such targets
+    it is the mean over every token; with no token taking a loss, 0."""
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - picked)
+    taken = targets >= 0
+    picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    loss = jnp.where(taken, logz - picked, 0.0)  # (B, T)
+    return jnp.sum(loss) / jnp.maximum(jnp.sum(taken), 1).astype(jnp.float32)
+
+
+def unpack(tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """A batch's tokens -> (token ids (B, T), positions (B, T) or None): a packed row's
+    tokens are (B, 2, T), ids and each token's position in its record."""
+    if tokens.ndim == 3:
+        return tokens[:, 0], tokens[:, 1]
+    return tokens, None
+
+
+def segment_ids(positions: jax.Array) -> jax.Array:
+    """A packed row's positions (B, T) -> the record each token belongs to (B, T) int32:
+    a record starts where its position is 0."""
+    return jnp.cumsum(positions.astype(jnp.int32) == 0, axis=-1)
 
 
 class Stages:
@@ -429,7 +460,11 @@ class FlaxStages(Stages):
         return self._embed.apply({"params": embed_params}, tokens)
 
     def group_input(self, g: int, embed_params: Params, prev, tokens, targets):
-        return self.embed(embed_params, tokens), ()
+        ids, positions = unpack(tokens)
+        if positions is None:
+            return self.embed(embed_params, ids), ()
+        x = self._embed.apply({"params": embed_params}, ids, positions)
+        return x, positions.astype(jnp.float32)  # the context: a packed row's positions
 
     def block(self, block_params: Params, x: jax.Array) -> jax.Array:
         """One block with unstacked params: (B, T, D) -> (B, T, D)."""
@@ -444,7 +479,34 @@ class FlaxStages(Stages):
         return out, jnp.zeros((0,), jnp.float32)
 
     def group_block(self, g: int, block_params: Params, x: jax.Array, context):
+        if not isinstance(context, tuple):  # a packed row's positions
+            out = self._block.apply({"params": block_params}, x, **self._positions(context))
+            return out if self.stats_size else (out, jnp.zeros((0,), jnp.float32))
         return self.block_stats(block_params, x)
+
+    # -- generation (hetjax/generate.py) -------------------------------------------------
+
+    def decode_input(self, embed_params: Params, ids: jax.Array, positions: jax.Array):
+        """Generation's embedding of new tokens: ids and their positions (B, T) int32
+        -> (B, T, D)."""
+        return self._embed.apply({"params": embed_params}, ids, positions)
+
+    def decode_block(self, block_params: Params, x: jax.Array, positions: jax.Array, cache):
+        """One block over new positions against its KV cache (``cache``: see
+        ``models.attention.cached_attention``): -> (x (B, T, D), (k, v) cache updated).
+        The block must take ``positions=`` and ``cache=`` (GPT's and Llama's do)."""
+        return self._block.apply({"params": block_params}, x, positions=positions, cache=cache)
+
+    def kv_shape(self, batch: int, length: int) -> tuple[int, ...]:
+        """One block's key (or value) cache: (B, S, N, K)."""
+        cfg = self.config
+        return (batch, length, cfg.kv_heads, cfg.head_dim)
+
+    @staticmethod
+    def _positions(context) -> dict:
+        """The block's keyword arguments for its group's context: a packed row's
+        positions (B, T) int32, or none."""
+        return {} if isinstance(context, tuple) else {"positions": context.astype(jnp.int32)}
 
     def head_logits(self, head_params: Params, embed_params: Params, x: jax.Array) -> jax.Array:
         """x (B, T, D) -> fp32 logits (B, T, V)."""

@@ -303,3 +303,13 @@ def test_checkpoint_quick(tmp_path, capsys):
     assert all(s["linked"] > 0 and s["written"] == 0 for s in linked)
     assert all(s["linked"] == 0 and s["written"] == linked[0]["linked"] for s in copied)
     assert "vs disk" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # a benchmark smoke test: two child processes (~20 s)
+def test_generate_quick(tmp_path, capsys):
+    out = tmp_path / "generate.json"
+    assert main(["generate", "--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["none", "stream"]
+    assert all(r["decode_tokens_per_s"] > 0 and r["peak_rss_gib"] > 0 for r in rows)
+    assert "streamed decode at" in capsys.readouterr().out

@@ -31,6 +31,8 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
   soak      1,000 steps (--quick: 300) with params and optimizer on NVMe under a host
             budget, a checkpoint every 50: RSS, descriptors, threads, NVMe and checkpoint
             files every 25 steps, flat after warm-up; step time with no upward trend
+  generate  hetjax generate's tokens/s in memory vs the blocks streamed from NVMe, at
+            GPT-2 small's and Llama 3.2 1B's shapes
   zero      ZeRO-3 on 1, 2, 4 devices: collective bytes per step and device vs the
             6(p-1)/p M of PatrickStar / Angel-PTM, and s/step (needs 4 devices: on CPU
             XLA_FLAGS=--xla_force_host_platform_device_count=4)
@@ -48,6 +50,7 @@ import jax
 from hetjax.allocator import tune_host_allocator
 from hetjax.bench.attention import bench_attention
 from hetjax.bench.checkpoint import bench_checkpoint
+from hetjax.bench.generate import bench_generate
 from hetjax.bench.gpu import bench_gpu
 from hetjax.bench.io import bench_io
 from hetjax.bench.keep import bench_keep
@@ -79,6 +82,7 @@ BENCHMARKS = {
     "keep": bench_keep,
     "attention": bench_attention,
     "soak": bench_soak,
+    "generate": bench_generate,
 }
 
 # Benchmarks whose rows run in child processes that each need the device's whole memory

@@ -1,0 +1,137 @@
+"""``hetjax generate``: text from a trained run or a Hugging Face checkpoint, with a KV
+cache, in memory or with the blocks streamed from host RAM or NVMe.
+
+    hetjax generate --config llama_tiny --workdir runs/lt --prompt "Once upon a time"
+    hetjax generate --hf /path/to/ckpt --prompts prompts.txt --max-new-tokens 64 \\
+        --temperature 0.8 --top-p 0.9 --seed 1 --config.offload.mode=stream
+
+Prompts (``--prompt``, repeatable, or ``--prompts FILE``, one a line) are tokenised with
+the checkpoint's ``tokenizer.json`` (``--tokenizer``; default: the ``--hf`` directory's
+when it has one, else ``data.tokenizer``; none: bytes), left-padded to the longest and
+run as one batch.
+Decoding: greedy (``--temperature 0``, the default), or sampling at a temperature,
+among the ``--top-k`` most likely tokens and the smallest set whose probability reaches
+``--top-p``; the draw of step i is from ``jax.random.fold_in(key(seed), i)``, so a seed
+gives the same tokens for the same prompts. A row stops at the tokenizer's
+end-of-sequence token. One prompt: its text is printed as the tokens come; several:
+each row's when all are done.
+
+Placement (:class:`InMemoryBlocks`, :class:`StreamedBlocks`): ``offload.mode=none``
+holds every param on the device; ``offload.mode=stream`` (or ``auto`` for a model that
+does not fit) builds the streaming runtime with the configured tiers and brings each
+block's params to the device through its prefetch window, once per forward: the prompt
+is prefilled a block at a time over the whole batch, then every new token is one more
+pass over the blocks (offloaded inference: its speed is the tiers' bandwidth over the
+params' bytes per token). The KV cache of every block stays on the device:
+(L, B, S, N, K) twice in the compute dtype, S the prompt and the new tokens.
+
+T5 (an encoder-decoder model) has no KV cache here: each new token runs the whole model
+again over the prompt and the tokens so far, one compiled shape (the decoder's input
+padded to the new tokens' count; causal, so what follows a position changes nothing at
+it); prompts of different lengths run one at a time (the encoder has no padding mask).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hetjax.config import ConfigError
+from hetjax.inference import Sampling, open_blocks, run
+
+
+def _tokenizer(spec: str):
+    from hetjax.instruct import Tokens
+
+    return Tokens(spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hetjax import launch
+
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="python -m hetjax.generate",
+        description="Generate text from a run's newest checkpoint (--workdir) or an HF "
+        "checkpoint directory (--hf, without --workdir). Also takes launch's --config, "
+        "--workdir, --hf and --config.<key>=<value> (offload.mode=stream streams the blocks).",
+    )
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompts", default=None, help="a file of prompts, one a line")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args, rest = parser.parse_known_args(argv)
+    try:
+        run_args, overrides = launch.parse_args(rest)
+        config = launch.run_config(run_args, overrides)
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        texts = list(args.prompt)
+        if args.prompts:
+            texts += [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
+        if not texts:
+            raise ConfigError("give --prompt TEXT (repeatable) or --prompts FILE")
+        spec = args.tokenizer
+        if spec is None:  # the checkpoint's own, else the data's, else bytes
+            hf = run_args.hf
+            has = hf and (Path(hf) / "tokenizer.json").is_file()
+            spec = hf if has else config.data.tokenizer
+        tokens = _tokenizer(spec or "")
+    except (ConfigError, OSError) as e:
+        print(f"hetjax generate: error: {e}", file=sys.stderr)
+        return 2
+    from hetjax.types import CheckpointError
+
+    workdir = run_args.workdir
+    if workdir is None and run_args.hf is None:
+        workdir = str(Path("runs") / Path(run_args.config).stem)
+    scratch = Path(tempfile.mkdtemp(prefix="hetjax-generate-"))
+    blocks = None
+    try:
+        blocks, config = open_blocks(config, workdir, scratch)
+        print(blocks.describe(), file=sys.stderr)
+        prompts = [tokens.encode(t, special=True) for t in texts]
+        single = len(prompts) == 1
+        if single:
+            sys.stdout.write(texts[0])
+        shown: list[int] = []
+
+        def show(i, step_tokens):  # one prompt: its text as the tokens come
+            if single and step_tokens[0] != tokens.eos:
+                before = tokens.decode(shown)
+                shown.append(int(step_tokens[0]))
+                sys.stdout.write(tokens.decode(shown)[len(before) :])
+                sys.stdout.flush()
+
+        t0 = time.perf_counter()
+        rows = run(blocks, prompts, args.max_new_tokens, sampling, tokens.eos, show)
+        elapsed = time.perf_counter() - t0
+    except (ConfigError, CheckpointError) as e:
+        print(f"hetjax generate: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if getattr(blocks, "runtime", None) is not None:
+            blocks.runtime.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    if single:
+        sys.stdout.write("\n")
+    else:
+        for text, row in zip(texts, rows, strict=True):
+            print(f"{text}{tokens.decode(row)}")
+    n = sum(len(r) for r in rows)
+    print(
+        f"{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tokens/s, prefill included)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

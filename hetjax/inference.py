@@ -1,0 +1,338 @@
+"""Generation (``hetjax generate``, hetjax/generate.py): sampling, a KV cache, and where
+the blocks run. See hetjax/generate.py's docstring for the command and the placements.
+
+:class:`InMemoryBlocks` holds every param on the device; :class:`StreamedBlocks` brings
+each block to the device through a streaming runtime's tiers and prefetch window
+(``StreamingRuntime.stream_blocks``), once per forward; :class:`WholeModel` runs an
+encoder-decoder model whole for every new token (no KV cache). :func:`generate` and
+:func:`generate_seq2seq` are the loops; :func:`open_blocks` builds the blocks of a run's
+checkpoint or an HF directory as ``offload.mode`` places them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetjax.config import Config, ConfigError
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a token is chosen from the logits: greedy at temperature 0."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: every token
+    top_p: float = 1.0  # nucleus: the smallest set of tokens whose probability reaches it
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(
+                f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got "
+                f"{self.temperature}, {self.top_k}, {self.top_p}"
+            )
+
+
+def sample(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
+    """The next token of each row: logits (B, V) fp32 -> (B,) int32."""
+    if s.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / s.temperature
+    if s.top_k:
+        kth = jax.lax.top_k(logits, min(s.top_k, logits.shape[-1]))[0][:, -1:]  # (B, 1)
+        logits = jnp.where(logits < kth, NEG_INF, logits)
+    if s.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        ranked = jnp.take_along_axis(logits, order, axis=-1)
+        before = jnp.cumsum(jax.nn.softmax(ranked, axis=-1), axis=-1) - jax.nn.softmax(ranked)
+        ranked = jnp.where(before < s.top_p, ranked, NEG_INF)  # the first always stays
+        logits = (
+            jnp.full_like(logits, NEG_INF)
+            .at[jnp.arange(logits.shape[0])[:, None], order]
+            .set(ranked)
+        )
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _pick(logits: jax.Array, seed, step, sampling: Sampling) -> jax.Array:
+    """Step ``step``'s tokens: drawn with ``fold_in(key(seed), step)`` (compiled once
+    per sampling setting, not per call)."""
+    return sample(logits, jax.random.fold_in(jax.random.key(seed), step), sampling)
+
+
+# -- where the blocks run ---------------------------------------------------------------
+
+
+class InMemoryBlocks:
+    """Every param on the device (in the compute dtype); one jitted forward over the
+    stacked blocks (a scan) per call."""
+
+    def __init__(self, model, params):
+        self.model = model
+        cast = lambda a: jnp.asarray(a, model.config.compute_dtype)
+        self.params = jax.tree.map(cast, params)
+        self._forward = jax.jit(self._run)
+
+    def describe(self) -> str:
+        n = sum(a.size for a in jax.tree.leaves(self.params))
+        return f"in memory: {n / 1e6:.2f}M params on {jax.devices()[0].platform}"
+
+    def _run(self, params, ids, positions, cache, valid, start):
+        m = self.model
+        x = m.decode_input(params["embed"], ids, positions)
+
+        def layer(x, p_k_v):
+            p, k, v = p_k_v
+            x, (k, v) = m.decode_block(p, x, positions, (k, v, valid, start))
+            return x, (k, v)
+
+        x, cache = jax.lax.scan(layer, x, (params["blocks"], *cache))
+        logits = m.head_logits(params["head"], params["embed"], x[:, -1:])[:, 0]
+        return logits, cache
+
+    def forward(self, ids, positions, cache, valid, start):
+        """New tokens (B, T) and their positions through the model against the cache:
+        -> (the last position's logits (B, V) fp32, the cache updated)."""
+        return self._forward(self.params, ids, positions, cache, valid, jnp.int32(start))
+
+
+class StreamedBlocks:
+    """The blocks brought to the device one at a time by a streaming runtime
+    (``runtime.stream_blocks``: its tiers and prefetch window); embed and head resident.
+    One jitted function per stage kind; each block's cache is its row of the stacked
+    cache."""
+
+    def __init__(self, runtime):
+        self.runtime, m = runtime, runtime.model
+        self.model = m
+        E, H = runtime.layouts["embed"], runtime.layouts["head"]
+        B = runtime.layouts[m.groups[0].name]
+        self._embed = jax.jit(lambda e, ids, pos: m.decode_input(E.unflatten_pages(e), ids, pos))
+        self._block = jax.jit(
+            lambda b, x, pos, k, v, valid, start: m.decode_block(
+                B.unflatten_pages(b), x, pos, (k, v, valid, start)
+            )
+        )
+        self._head = jax.jit(
+            lambda h, e, x: m.head_logits(H.unflatten_pages(h), E.unflatten_pages(e), x)[:, 0]
+        )
+
+    def describe(self) -> str:
+        return "\n".join(self.runtime.plan_lines())
+
+    def forward(self, ids, positions, cache, valid, start):
+        rt, start = self.runtime, jnp.int32(start)
+        x = self._embed(rt.resident_pages("embed"), ids, positions)
+        ks, vs = list(cache[0]), list(cache[1])
+
+        def step(slot, pages, x):
+            x, (ks[slot.index], vs[slot.index]) = self._block(
+                pages, x, positions, ks[slot.index], vs[slot.index], valid, start
+            )
+            return x
+
+        x = rt.stream_blocks(step, x)
+        logits = self._head(rt.resident_pages("head"), rt.resident_pages("embed"), x[:, -1:])
+        return logits, (ks, vs)
+
+
+class WholeModel:
+    """An encoder-decoder model (T5) run whole for every new token (no KV cache):
+    ``logits(tokens (B, P), targets (B, N))`` -> fp32 (B, N, V), in memory or, given a
+    streaming runtime, through its window (``runtime.forward``)."""
+
+    def __init__(self, model, params=None, runtime=None):
+        self.model, self.runtime = model, runtime
+        if runtime is None:
+            cast = lambda a: jnp.asarray(a, model.config.compute_dtype)
+            self.params = jax.tree.map(cast, params)
+            self._logits = jax.jit(model.logits)
+        else:
+            E, H = runtime.layouts["embed"], runtime.layouts["head"]
+            self._head = jax.jit(
+                lambda h, e, x: model.head_logits(H.unflatten_pages(h), E.unflatten_pages(e), x)
+            )
+
+    def describe(self) -> str:
+        if self.runtime is not None:
+            return "\n".join(self.runtime.plan_lines())
+        n = sum(a.size for a in jax.tree.leaves(self.params))
+        return f"in memory: {n / 1e6:.2f}M params on {jax.devices()[0].platform} (no KV cache)"
+
+    def logits(self, tokens: np.ndarray, targets: np.ndarray) -> jax.Array:
+        if self.runtime is None:
+            return self._logits(self.params, tokens, targets)
+        rt = self.runtime
+        x = rt.forward(tokens, targets)
+        return self._head(rt.resident_pages("head"), rt.resident_pages("embed"), x)
+
+
+def generate_seq2seq(
+    whole: WholeModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos: int | None = None,
+    on_tokens: Callable[[int, np.ndarray], None] | None = None,
+) -> list[list[int]]:
+    """:func:`generate` for an encoder-decoder model: the decoder's tokens after its
+    start token, each step the whole model over the prompt and the tokens so far."""
+    if len({len(p) for p in prompts}) > 1:  # no encoder padding mask: one at a time
+        return [generate_seq2seq(whole, [p], max_new_tokens, sampling, eos)[0] for p in prompts]
+    tokens = np.asarray(prompts, np.int32)
+    B = len(prompts)
+    targets = np.zeros((B, max_new_tokens), np.int32)
+    ended = np.zeros(B, bool)
+    for i in range(max_new_tokens):
+        logits = whole.logits(tokens, targets)[:, i]  # position i predicts token i
+        step = np.asarray(_pick(logits, np.int32(sampling.seed), np.int32(i), sampling))
+        if eos is not None:
+            step = np.where(ended, eos, step)
+            ended |= step == eos
+        targets[:, i] = step
+        if on_tokens is not None:
+            on_tokens(i, step)
+        if ended.all():
+            targets = targets[:, : i + 1]
+            break
+    return _rows(targets[:, : i + 1], eos)
+
+
+def _rows(out: np.ndarray, eos: int | None) -> list[list[int]]:
+    """Each row's tokens, up to and including its first ``eos``."""
+    rows = []
+    for row in out.tolist():
+        if eos is not None and eos in row:
+            row = row[: row.index(eos) + 1]
+        rows.append(row)
+    return rows
+
+
+# -- the loop ---------------------------------------------------------------------------
+
+
+def empty_cache(model, batch: int, length: int, stacked: bool):
+    """Zeros for every block's key and value cache: stacked (L, B, S, N, K) (in memory)
+    or a list of (B, S, N, K) (streamed), in the compute dtype."""
+    shape, L = model.kv_shape(batch, length), model.config.num_layers
+    dtype = model.config.compute_dtype
+    if stacked:
+        return jnp.zeros((L, *shape), dtype), jnp.zeros((L, *shape), dtype)
+    return [jnp.zeros(shape, dtype) for _ in range(L)], [jnp.zeros(shape, dtype) for _ in range(L)]
+
+
+def generate(
+    blocks,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos: int | None = None,
+    on_tokens: Callable[[int, np.ndarray], None] | None = None,
+) -> list[list[int]]:
+    """Each prompt's new tokens (up to ``max_new_tokens``, ending at ``eos`` where a row
+    reaches it). The prompts run as one left-padded batch: the prefill is one forward of
+    the whole batch, then one forward per new token. ``on_tokens(i, tokens (B,))`` is
+    called as each step's tokens come (rows already ended repeat ``eos``)."""
+    model = blocks.model
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("generate needs at least one prompt, each of at least one token")
+    top = max(max(p) for p in prompts)
+    if top >= model.config.vocab_size:
+        raise ConfigError(
+            f"a prompt holds token id {top}, outside the model's vocabulary "
+            f"(model.vocab_size {model.config.vocab_size}): the tokenizer is not the model's"
+        )
+    B, P = len(prompts), max(len(p) for p in prompts)
+    S = P + max_new_tokens
+    limit = model.config.max_seq_len
+    if model.config.family == "gpt" and limit < S:
+        raise ConfigError(
+            f"the longest prompt ({P} tokens) and --max-new-tokens {max_new_tokens} exceed "
+            f"model.max_seq_len {limit}, GPT's learned positions"
+        )
+    lengths = np.array([len(p) for p in prompts])
+    pad = P - lengths
+    ids = np.zeros((B, P), np.int32)
+    for r, p in enumerate(prompts):
+        ids[r, pad[r] :] = p
+    positions = np.maximum(np.arange(P)[None] - pad[:, None], 0).astype(np.int32)
+    valid = np.zeros((B, S), bool)
+    valid[:, :P] = np.arange(P)[None] >= pad[:, None]
+    cache = empty_cache(model, B, S, stacked=isinstance(blocks, InMemoryBlocks))
+    logits, cache = blocks.forward(ids, positions, cache, jnp.asarray(valid), 0)
+    pick = lambda logits, i: _pick(logits, np.int32(sampling.seed), np.int32(i), sampling)
+    out = np.zeros((B, 0), np.int32)
+    ended = np.zeros(B, bool)
+    for i in range(max_new_tokens):
+        tokens = np.asarray(pick(logits, i))
+        if eos is not None:
+            tokens = np.where(ended, eos, tokens)
+            ended |= tokens == eos
+        out = np.concatenate([out, tokens[:, None]], axis=1)
+        if on_tokens is not None:
+            on_tokens(i, tokens)
+        if i + 1 == max_new_tokens or ended.all():
+            break
+        valid[:, P + i] = True
+        pos = (lengths + i)[:, None].astype(np.int32)
+        logits, cache = blocks.forward(tokens[:, None], pos, cache, jnp.asarray(valid), P + i)
+    return _rows(out, eos)
+
+
+# -- loading ----------------------------------------------------------------------------
+
+
+def open_blocks(config: Config, workdir=None, scratch: Path | None = None):
+    """The blocks of a run's newest checkpoint (``workdir``), or without one the
+    initial params (``model.init_from``: an HF checkpoint directory), placed as
+    ``config.offload.mode`` says: (blocks, the config used)."""
+    from hetjax.checkpoint import restore_newest
+    from models import build_model
+
+    state = None
+    if workdir is None and not config.model.init_from:
+        raise ConfigError("hetjax generate needs --workdir (a run's checkpoints) or --hf <dir>")
+    if workdir is not None:
+        state, _ = restore_newest(config, workdir)
+    seq2seq = config.model.encoder_decoder
+    if config.offload.mode == "auto":  # where the planner puts a training run of it
+        from hetjax.planning.auto import resolve_auto
+
+        config = resolve_auto(config, scratch)
+    if config.offload.mode == "none":
+        if state is not None:
+            params = state.params()
+        else:
+            from hetjax.hf import open_checkpoint
+
+            params = open_checkpoint(config.model).params()
+        model = build_model(config.model)
+        if seq2seq:
+            return WholeModel(model, params), config
+        return InMemoryBlocks(model, params), config
+    from hetjax.train import build_runtime
+
+    # every expert of a block with it (expert-aware fetching routes a training batch)
+    config = config.replace(offload=dict(expert_fetch="all"))
+    runtime = build_runtime(config, scratch)
+    if state is not None:
+        runtime.load_state(state)
+    if seq2seq:
+        return WholeModel(runtime.model, runtime=runtime), config
+    return StreamedBlocks(runtime), config
+
+
+def run(blocks, prompts, max_new_tokens, sampling=Sampling(), eos=None, on_tokens=None):
+    """:func:`generate` or, for an encoder-decoder model, :func:`generate_seq2seq`."""
+    go = generate_seq2seq if isinstance(blocks, WholeModel) else generate
+    return go(blocks, prompts, max_new_tokens, sampling, eos, on_tokens)

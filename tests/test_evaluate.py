@@ -1,0 +1,95 @@
+"""hetjax eval: the loss of a run's newest checkpoint on the held-out split equals the
+validation loss the run reported (the same params, batches and runtime), in memory and
+streamed from NVMe, on a token file's windows and on jsonl records with their masks."""
+
+import json
+import math
+
+import pytest
+from equivalence import assert_losses_close
+
+from hetjax import cli
+from hetjax.evaluate import evaluate_checkpoint
+from hetjax.train import train
+
+
+def _with_checkpoint(tiny, **sections):
+    return tiny(checkpoint=dict(every_steps=0, at_end=True), **sections)
+
+
+def test_eval_equals_the_runs_validation_loss(tiny, tmp_path):
+    """A tiny GPT run (1 step, in memory) and the evaluation of its checkpoint: the same
+    loss within 1e-5 (fp32; the run evaluates its published params, eval the restored
+    masters)."""
+    config = _with_checkpoint(tiny, train=dict(steps=1, eval_batches=1))
+    run = train(config, tmp_path, verbose=False)
+    assert math.isfinite(run.val_loss)
+    assert_losses_close([evaluate_checkpoint(config, tmp_path).loss], [run.val_loss])
+
+
+# ~25 s on 2 busy cores: a run, then the command
+@pytest.mark.slow
+def test_eval_command_prints_the_loss_and_perplexity(tiny, tmp_path, capsys):
+    """``hetjax eval --config FILE --workdir W`` of a run's checkpoint: the loss it
+    prints equals the run's validation loss (1e-5), the perplexity exp of it."""
+    config = _with_checkpoint(tiny, train=dict(steps=2))
+    run = train(config, tmp_path, verbose=False)
+    config_file = tmp_path / "tiny_eval.py"  # the same config, as a file for the command
+    config_file.write_text(
+        "from conftest import tiny_config\n\n\ndef get_config():\n"
+        "    return tiny_config(checkpoint=dict(every_steps=0, at_end=True), "
+        "train=dict(steps=2))\n"
+    )
+    assert cli.main(["eval", "--config", str(config_file), "--workdir", str(tmp_path)]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert_losses_close([printed["loss"]], [run.val_loss])
+    assert abs(printed["perplexity"] - math.exp(printed["loss"])) < 1e-9 * printed["perplexity"]
+
+
+# ~40 s on 2 busy cores: a streamed run with its state on NVMe, then its evaluation
+@pytest.mark.slow
+def test_eval_of_a_jsonl_run_streamed_from_nvme(tiny, tmp_path):
+    """jsonl records (the loss on completions only), offload.mode=stream with the
+    optimizer state on NVMe: eval of the checkpoint in the same placement and in memory
+    equals the run's validation loss (1e-5)."""
+    from test_instruct import _dataset
+
+    path = _dataset(tmp_path)
+    common = dict(
+        data=dict(format="jsonl", path=path, shuffle=False, val_fraction=0.2),
+        train=dict(steps=3, batch_size=4, seq_len=32, eval_batches=1),
+        model=dict(max_seq_len=32),
+    )
+    streamed = dict(mode="stream", params="nvme", optimizer="nvme")
+    config = _with_checkpoint(tiny, offload=streamed, **common)
+    run = train(config, tmp_path / "run", verbose=False)
+    for placement in (streamed, dict(mode="none")):
+        result = evaluate_checkpoint(config.replace(offload=placement), tmp_path / "run")
+        assert_losses_close([result.loss], [run.val_loss])
+
+
+# ~11 s: a transformers model built, saved, imported
+@pytest.mark.slow
+def test_eval_of_an_hf_directory_equals_transformers_loss(tiny, tmp_path):
+    """``hetjax eval --hf`` (no workdir: the checkpoint's params): the loss of a tiny
+    random Llama made with transformers on the held-out windows equals transformers'
+    own loss of the same windows (its labels shifted inside the model), 1e-5."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+    from hf_models import build_hf_model
+
+    from hetjax.data import make_datasets
+    from hetjax.hf import model_config_from_hf
+
+    hf = build_hf_model("llama")
+    hf.save_pretrained(tmp_path / "hf")
+    model = model_config_from_hf(tmp_path / "hf", tiny().model)
+    config = tiny(model=dataclasses.asdict(model), train=dict(eval_batches=1))
+    result = evaluate_checkpoint(config)
+    windows = make_datasets(config)[1].batch(0)  # (B, T + 1)
+    with torch.no_grad():
+        ids = torch.from_numpy(np.asarray(windows)).long()
+        expected = float(hf(input_ids=ids, labels=ids).loss)
+    assert_losses_close([result.loss], [expected])

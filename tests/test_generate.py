@@ -1,0 +1,185 @@
+"""hetjax generate: greedy decoding with a KV cache equals transformers' generate token
+for token on tiny random GPT-2, Llama and Mixtral checkpoints, in memory and with the
+blocks streamed from NVMe; batched prompts of different lengths equal each prompt
+alone; sampling with a seed is reproducible."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hf_models import build_hf_model
+
+from hetjax.hf import model_config_from_hf
+from hetjax.inference import Sampling, generate, open_blocks, run, sample
+
+NEW = 12  # new tokens per prompt
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (transformers model, its save_pretrained directory), each built when
+    first asked for."""
+    built = {}
+
+    def get(family):
+        if family not in built:
+            model = build_hf_model(family)
+            directory = tmp_path_factory.mktemp(family)
+            model.save_pretrained(directory)
+            built[family] = (model, directory)
+        return built[family]
+
+    return get
+
+
+def _prompts(lengths=(7, 7), seed=5) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy generate of equal-length prompts: the new tokens."""
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+            min_new_tokens=new, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return out[:, ids.shape[1] :].tolist()
+
+
+def _config(tiny, directory, **offload):
+    model = model_config_from_hf(directory, tiny().model)
+    return tiny(model=dataclasses.asdict(model), offload=offload or dict(mode="none"))
+
+
+GREEDY = Sampling()
+
+
+def _ours(tiny, directory, tmp_path, prompts, sampling=GREEDY, **offload):
+    blocks, _ = open_blocks(_config(tiny, directory, **offload), scratch=tmp_path)
+    try:
+        return generate(blocks, prompts, NEW, sampling)
+    finally:
+        if hasattr(blocks, "runtime"):
+            blocks.runtime.close()
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "llama",
+        pytest.param("gpt2", marks=pytest.mark.slow),  # ~10 s each
+        pytest.param("mixtral", marks=pytest.mark.slow),
+    ],
+)
+def test_greedy_equals_transformers_in_memory(checkpoints, tiny, tmp_path, family):
+    hf_model, directory = checkpoints(family)
+    prompts = _prompts()
+    expected = hf_greedy(hf_model, prompts, NEW)
+    assert _ours(tiny, directory, tmp_path, prompts) == expected
+
+
+# ~20 s each on 2 busy cores: a streaming runtime with its params on NVMe
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+def test_greedy_equals_transformers_streamed_from_nvme(checkpoints, tiny, tmp_path, family):
+    """offload.mode=stream, params and optimizer state on NVMe: every block's params
+    come through the prefetch window for the prefill and for each new token."""
+    hf_model, directory = checkpoints(family)
+    prompts = _prompts()
+    expected = hf_greedy(hf_model, prompts, NEW)
+    streamed = dict(mode="stream", params="nvme", optimizer="nvme")
+    assert _ours(tiny, directory, tmp_path, prompts, **streamed) == expected
+
+
+# ~30 s on 2 busy cores: four generations
+@pytest.mark.slow
+def test_batched_prompts_equal_each_alone(checkpoints, tiny, tmp_path):
+    """Prompts of 3, 9 and 6 tokens left-padded into one batch: each row's greedy
+    tokens equal that prompt run alone."""
+    _, directory = checkpoints("llama")
+    prompts = _prompts((3, 9, 6))
+    batched = _ours(tiny, directory, tmp_path, prompts)
+    for prompt, row in zip(prompts, batched, strict=True):
+        assert _ours(tiny, directory, tmp_path, [prompt]) == [row]
+
+
+# ~6 s: four generations
+@pytest.mark.slow
+def test_sampling_with_a_seed_is_reproducible(checkpoints, tiny, tmp_path):
+    _, directory = checkpoints("llama")
+    prompts = _prompts()
+    hot = lambda seed: Sampling(temperature=1.5, top_k=50, top_p=0.95, seed=seed)
+    first = _ours(tiny, directory, tmp_path, prompts, hot(1))
+    assert _ours(tiny, directory, tmp_path, prompts, hot(1)) == first
+    assert _ours(tiny, directory, tmp_path, prompts, hot(2)) != first  # the seed matters
+    assert first != _ours(tiny, directory, tmp_path, prompts)  # not greedy
+
+
+def test_top_k_and_top_p_keep_only_their_tokens():
+    """logits over 4 tokens with probabilities 0.5, 0.3, 0.15, 0.05 (by hand): top-k 2
+    draws only tokens 0 and 1; top-p 0.7 only 0 and 1 (0.5 < 0.7, 0.8 >= 0.7); top-p
+    0.4 only token 0."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 400))
+    key = jax.random.key(0)
+    hot = lambda **kw: Sampling(temperature=1.0, **kw)
+    drawn = lambda **kw: set(np.asarray(sample(logits, key, hot(**kw))).tolist())
+    assert drawn() == {0, 1, 2, 3}
+    assert drawn(top_k=2) == {0, 1}
+    assert drawn(top_p=0.7) == {0, 1}
+    assert drawn(top_p=0.4) == {0}
+
+
+def _t5(tiny, tmp_path):
+    from test_t5 import _hf_t5, t5_config
+
+    config = t5_config(tiny)
+    hf = _hf_t5(config, tmp_path / "t5")
+    hf.generation_config.eos_token_id = None  # every row runs the whole length
+    model = model_config_from_hf(tmp_path / "t5", config.model)
+    return hf, config.replace(model=dataclasses.asdict(model))
+
+
+# ~30-60 s each on 2 busy cores (transformers' generate without its cache, our whole
+# model per token)
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "offload",
+    [dict(mode="none"), dict(mode="stream", params="nvme", optimizer="nvme")],
+    ids=["in_memory", "streamed_nvme"],
+)
+def test_t5_greedy_equals_transformers(tiny, tmp_path, offload):
+    """T5 (2 encoder, 3 decoder blocks): the decoder's greedy tokens after its start
+    token equal transformers' generate, in memory and streamed from NVMe."""
+    hf, config = _t5(tiny, tmp_path)
+    prompts = _prompts((9, 9))
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+            do_sample=False, use_cache=False,
+        )  # fmt: skip
+        # (use_cache=False: transformers 5's T5 cache is sized by the encoder's layer
+        # count and fails on this model's deeper decoder)
+    assert out[0, 0] == config.model.decoder_start_token
+    blocks, _ = open_blocks(config.replace(offload=offload), scratch=tmp_path)
+    try:
+        assert run(blocks, prompts, NEW) == out[:, 1:].tolist()
+    finally:
+        if getattr(blocks, "runtime", None) is not None:
+            blocks.runtime.close()
+
+
+def test_prompt_outside_the_vocabulary_is_refused(checkpoints, tiny, tmp_path):
+    """A token id the model lacks (a tokenizer that is not the model's) stops generate
+    with an error naming the vocabulary, instead of an embedding lookup clamped."""
+    from hetjax.config import ConfigError
+
+    _, directory = checkpoints("llama")
+    with pytest.raises(ConfigError, match="token id 300, outside the model's vocabulary"):
+        _ours(tiny, directory, tmp_path, [[1, 2, 300]])
