@@ -150,6 +150,7 @@ def make_stores(
             sharding=shardings.optimizer,
             io_slots=memory.IO_SLOTS,
             master_reads_kept=memory_host.master_reads_kept(offload, dtype.itemsize),
+            generations=offload.generations,
         )
     else:
         states = MemoryStateStore(opt_sharding, on_device=off.optimizer == "device")
@@ -165,6 +166,7 @@ def make_stores(
             slabs=slabs,
             master_of=states if master else None,
             keep_published=host.published_stages,
+            generations=offload.generations,
         )
     else:
         params = HostParamStore(shardings.host, views)
@@ -184,7 +186,8 @@ def make_grad_store(
     grad_dtype = lambda n: memory.block_grad_dtype(config) if is_block(n) else jnp.float32
     spilled = {n: (sizes.own(n) // page_elems, grad_dtype(n)) for n in host.grads.spilled}
     path = nvme_dir / "gradients" if spilled else None
-    redo = config.optimizer.grad_clip > 0  # the sync loop may redo the updates
+    # the sync loop may redo the updates, or updates after backward only
+    redo = memory.grad_policy(config) == "keep" or config.optimizer.grad_clip > 0
     return GradientStore(redo, spilled, path, page_elems)
 
 
@@ -216,9 +219,10 @@ def progress(stages: list[str], what: str):
 
 
 def describe_plans(
-    placement_lines, device_plan, host_plan, device_stages, nvme_dir, offload
+    placement_lines, device_plan, host_plan, device_stages, nvme_dir, offload, generations=None
 ) -> list[str]:
-    """The start-up plans, for the log."""
+    """The start-up plans, for the log (``generations``: the NVMe tier's,
+    ``storage/generations.py``)."""
     lines = [*placement_lines, device_plan.describe(), host_plan.describe()]
     if device_stages:
         n = len(device_stages)
@@ -231,6 +235,8 @@ def describe_plans(
             f"nvme: {nvme_dir} (offload.optimizer={offload.optimizer}, "
             f"offload.params={offload.params}, offload.activations={offload.activations})"
         )
+        if generations is not None and "nvme" in (offload.optimizer, offload.params):
+            lines.append(generations.describe())
     return lines
 
 

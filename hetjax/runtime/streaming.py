@@ -73,6 +73,7 @@ from hetjax.runtime.parts import assemble
 from hetjax.runtime.placement import SingleDevice
 from hetjax.runtime.setup import layout_name
 from hetjax.runtime.window import PrefetchWindow
+from hetjax.storage.generations import nvme_generations
 from hetjax.support import fallbacks
 from hetjax.types import LossScale, RuntimeState, StepReport
 
@@ -419,6 +420,7 @@ class StreamingRuntime:
         return setup.describe_plans(
             self.placement.describe(self.layouts), self.plan, self.host_plan,
             self.device_stages, self.nvme_dir, self.config.offload,
+            nvme_generations(self.config),
         ) + fallbacks(self.config)  # fmt: skip
 
     def settle(self) -> None:
