@@ -55,9 +55,7 @@ def droppers(config: Config) -> list[str]:
     """What in ``config`` may drop an update after it was written (empty: none can)."""
     o, t = config.optimizer, config.train
     if o.mode == "lockfree":
-        return [
-            "optimizer.mode=lockfree: the forward reads a stage while the loop rewrites it"
-        ]
+        return ["optimizer.mode=lockfree: the forward reads a stage while the loop rewrites it"]
     if o.speculation == "never":
         return []  # every update waits for the global norm and the step's finiteness
     out = []

@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from hetjax import faults
 from hetjax.optimizer.state_format import StateFormat
 from hetjax.storage.iopool import IoPool, Slot
 from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
@@ -355,6 +356,10 @@ class NvmeStateStore:
         else:
             slot = self._held.pop(stage, None)
             futures = self._write(self._target, stage, slabs, stage, slot, skip)
+            if faults.fire("kill_mid_update"):  # the crash tests' torn step
+                for future in futures:
+                    future.result()
+                faults.Faults.kill()
             if slot is not None:
                 self._pool.give(slot, futures)
 
