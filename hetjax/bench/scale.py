@@ -137,7 +137,9 @@ def bench_scale(quick: bool, start: str | None = None, state_dtype: str = "") ->
             raise SystemExit(f"bench scale: --from {start!r} is not one of the sizes: {names}")
         stream_shapes = shapes[starts[0] :]
     device_budget = (4 << 20) if quick else (1 << 30)
-    timeout = 300 if quick else 3600
+    # per size: the 4B attempt initialises 48 GB on disk and moves ~100 GB a step, which
+    # on this shared 2-core machine takes over an hour
+    timeout = 300 if quick else 4 * 3600
     results: dict = {"device_budget": device_budget, "attempts": []}
     with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # NVMe state: the local disk
         for mode in ("none", "stream"):
