@@ -98,13 +98,15 @@ def train(
         nvme, o = config.memory.nvme_path, config.offload
         tiers = (o.params, o.optimizer, o.activations)
         if nvme and (o.mode == "auto" or (o.mode == "stream" and "nvme" in tiers)):
-            # each process writes its own part there (<nvme_path>/proc<k> with ZeRO-3)
-            locks.hold(
-                nvme,
-                f"memory.nvme_path {nvme}",
-                "point memory.nvme_path at another directory",
-                name=LOCK_NAME if process == 0 else f"hetjax.proc{process}.lock",
-            )
+            # each process writes its own part there (<nvme_path>/proc<k> with ZeRO-3);
+            # with several drives, on each
+            for drive in config.memory.nvme_paths:
+                locks.hold(
+                    drive,
+                    f"memory.nvme_path {drive}",
+                    "point memory.nvme_path at another directory",
+                    name=LOCK_NAME if process == 0 else f"hetjax.proc{process}.lock",
+                )
         return _train(config, workdir, verbose, signals, return_params)
 
 

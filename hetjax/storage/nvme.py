@@ -36,6 +36,7 @@ import tensorstore as ts
 from hetjax import faults, timeline
 from hetjax.config import ConfigError, format_bytes
 from hetjax.storage.pages import DIRECT_ALIGN
+from hetjax.storage.stripes import Stripes
 
 IO_CONCURRENCY = 16  # concurrent file operations; see MEASUREMENTS.md (4 MiB chunks, 16)
 # TensorStore's ``file_io_mode``: ``direct`` opens the chunk files with O_DIRECT (no page
@@ -124,13 +125,15 @@ class PageStore:
         label: str = "",
         io_mode: str = IO_MODE,
         concurrency: int = IO_CONCURRENCY,
+        stripes: Stripes | None = None,
     ):
         """``kinds``: names (float32 pages) or a dict name -> dtype name (e.g. the
         compute-dtype param pages, ``bfloat16``). ``chunk_elems``: elements per chunk
         along a row; 0: the whole row (one page, one chunk). ``label``: what the
         timeline's spans say the store holds (default: the parent directory's name).
         ``io_mode``, ``concurrency``: TensorStore's file I/O settings (benchmarks sweep
-        them; the tier uses :data:`IO_MODE` and :data:`IO_CONCURRENCY`)."""
+        them; the tier uses :data:`IO_MODE` and :data:`IO_CONCURRENCY`). ``stripes``:
+        the drives the pages stripe over (``stripes.py``; whole-page chunks only)."""
         self.path = Path(path)
         if not isinstance(kinds, dict):
             kinds = {k: "float32" for k in kinds}
@@ -147,6 +150,10 @@ class PageStore:
         ]
         for kind, future in zip(self.kinds, opened, strict=True):
             self.arrays[kind] = future.result()
+        if stripes is not None and stripes.others:
+            assert self.chunk_elems == page_elems, "pages stripe as whole chunks"
+            for kind in self.kinds:
+                stripes.lay_out(self.path / kind, num_pages)
         # Reads and borrowed writes of whole pages bypass TensorStore where a chunk file
         # is the page's raw bytes (:class:`DirectIO`); another ``io_mode`` keeps its I/O.
         self._direct = io_mode == "direct" and all(

@@ -33,6 +33,7 @@ from hetjax.storage.nvme import (
 from hetjax.storage.pages import LeafBuffers, SlabLayout, pages_slab
 from hetjax.storage.param_cache import ParamCache
 from hetjax.storage.states import copy_chunks
+from hetjax.storage.stripes import Stripes
 from hetjax.types import stage_layout
 
 
@@ -240,11 +241,17 @@ class OwnPages:
     writes = True  # publish writes the pages
 
     def __init__(
-        self, path: Path, dtype: Any, num_pages: int, page_elems: int, generations: int = 2
+        self,
+        path: Path,
+        dtype: Any,
+        num_pages: int,
+        page_elems: int,
+        generations: int = 2,
+        stripes: Stripes | None = None,
     ):
         kinds = {self.kind: np.dtype(dtype).name}
         self.disk = [
-            PageStore(Path(path) / f"gen{g}", kinds, num_pages, page_elems)
+            PageStore(Path(path) / f"gen{g}", kinds, num_pages, page_elems, stripes=stripes)
             for g in range(generations)
         ]
         self.gen = 0
@@ -334,6 +341,7 @@ class NvmeParamStore:
         master_of=None,
         keep_published: tuple[str, ...] = (),
         generations: int = 2,
+        stripes: Stripes | None = None,
     ):
         """``stage_to``: the device's ``pinned_host`` memory, where pages read from disk
         are copied as soon as they land (by the thread completing the read, not the
@@ -347,7 +355,8 @@ class NvmeParamStore:
         their own under ``path`` (:class:`OwnPages`). ``keep_published``: stages whose
         published pages are kept to the commit, landed or not, and handed to their
         first ``get`` after it from RAM (:class:`ParamCache`). ``generations``: of own
-        files (:class:`OwnPages`): 2, or 1 written in place."""
+        files (:class:`OwnPages`): 2, or 1 written in place; ``stripes``: the drives
+        their pages stripe over."""
         self.stage_pages = stage_pages
         self.slabs = slabs
         self.stage_to = stage_to
@@ -359,7 +368,7 @@ class NvmeParamStore:
             assert self.dtype == MASTER_DTYPE, "only params in the master's dtype are the master"
             self.pages = MasterPages(master_of)
         else:
-            self.pages = OwnPages(path, dtype, num_pages, page_elems, generations)
+            self.pages = OwnPages(path, dtype, num_pages, page_elems, generations, stripes)
         self.cache = ParamCache(keep_published)
         # stage -> (landing data, future of its pinned copy): with ``stage_to``, a
         # landing stage's published data staged ahead by ``prefetch`` as a read would be

@@ -48,6 +48,7 @@ from hetjax.optimizer.state_format import StateFormat
 from hetjax.storage.iopool import IoPool, Slot
 from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
 from hetjax.storage.pages import page_runs, runs_outside
+from hetjax.storage.stripes import Stripes
 from hetjax.types import MASTER
 
 MANIFEST = "manifest.json"
@@ -205,6 +206,7 @@ class NvmeStateStore:
         io_slots: int,
         master_reads_kept: int = 0,
         generations: int = 2,
+        stripes: Stripes | None = None,
     ):
         """``state_format``: the kinds and their dtypes (``optimizer/state_format.py``).
         ``stage_pages``: stage -> (first page, number of pages); ``cached``: the
@@ -213,7 +215,8 @@ class NvmeStateStore:
         ``master_reads_kept``: how many reads of the committed master pages made
         elsewhere are kept for this store's reads (:class:`MasterReads`);
         ``generations``: 2, or 1 where no written update can be dropped
-        (``generations.py``: a step writes the committed pages in place)."""
+        (``generations.py``: a step writes the committed pages in place); ``stripes``:
+        the drives the pages stripe over (``stripes.py``)."""
         self.path = Path(path)
         self.state_format = state_format
         self.kinds = state_format.kinds
@@ -224,7 +227,7 @@ class NvmeStateStore:
         num_pages = sum(n for _, n in stage_pages.values())
         dtypes = state_format.dtypes
         self.disk = [
-            PageStore(self.path / f"gen{g}", dtypes, num_pages, page_elems)
+            PageStore(self.path / f"gen{g}", dtypes, num_pages, page_elems, stripes=stripes)
             for g in range(generations)
         ]
         self.gen = 0  # the generation holding the committed state
