@@ -158,7 +158,7 @@ class OptimizerConfig:
     # sync mode with clipping: ``adaptive`` updates during backward as if clipping did not
     # bind unless it bound in the step before (then after backward, once); ``always``
     # every step; ``never`` updates after backward, clipped or not, so no update is ever
-    # dropped (hetjax/optimizer/update_loop.py; NVMe state in place: storage/generations.py)
+    # dropped (hetjax/optimizer/update_loop.py; NVMe state in place: generations.py)
     speculation: str = "adaptive"
     # the host optimizer's kernel for adam/adamw: ``auto`` native when it builds, else
     # optax; ``native`` (required) or ``optax`` (hetjax/optimizer/native.py)

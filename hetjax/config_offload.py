@@ -214,7 +214,7 @@ class MemoryConfig:
     nvme_path: str = ""
     # copies of the NVMe state and params: 2, the committed one and the one a step
     # writes; 1, written in place (where no written update can be dropped); 0: auto, 1
-    # where that holds (hetjax/storage/generations.py)
+    # where that holds (hetjax/generations.py)
     nvme_generations: int = 0
     # each drive's rated endurance in terabytes written (TBW; 0: unknown), and the
     # fraction of that a run of train.steps may consume (0: no limit; needs nvme_tbw)

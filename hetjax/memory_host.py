@@ -314,7 +314,7 @@ def host_minimum(s: Sizes, o: Placement) -> HostMemoryPlan:
 def nvme_parts(s: Sizes, o: Placement, host: HostMemoryPlan) -> dict[str, int]:
     """NVMe bytes per process, by what they hold: ``o.generations`` copies of optimizer
     state and of params (two: the committed one and the one being written; one: written
-    in place, ``storage/generations.py``; none of params that are the master,
+    in place, ``generations.py``; none of params that are the master,
     :func:`~hetjax.memory.params_are_master`), every boundary activation not kept in a
     block, and the gradients the host plan spills."""
     own = DeviceCache.of(s, o).host_own

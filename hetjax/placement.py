@@ -57,7 +57,7 @@ class Placement:
     # the gradient buffers twice); the config's, which the planner does not search
     update_mode: str = _knob("optimizer.mode")
     # copies of the NVMe state and params (1: in place), as ``memory.nvme_generations``
-    # resolves for the config (``storage/generations.py``); not searched
+    # resolves for the config (``generations.py``); not searched
     generations: int = 2
 
     @classmethod
@@ -68,7 +68,7 @@ class Placement:
         for f, section, name in _keyed_fields():
             values[f.name] = getattr(getattr(config, section), name)
         # (imported here: storage imports the config, which imports nothing of placement)
-        from hetjax.storage.generations import nvme_generations
+        from hetjax.generations import nvme_generations
 
         return cls(**values, generations=nvme_generations(config).count)
 

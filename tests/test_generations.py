@@ -1,4 +1,4 @@
-"""One NVMe generation written in place (``hetjax/storage/generations.py``): which
+"""One NVMe generation written in place (``hetjax/generations.py``): which
 configs get it, and that a run killed with SIGKILL while its tier holds a step half
 written in place, or while a checkpoint is being saved, resumes to exactly the params of
 an uninterrupted run (the crash harness of ``tests/test_checkpoint.py``)."""
@@ -13,8 +13,8 @@ from conftest import tiny_config
 from test_checkpoint import NVME, STEPS, config, launch, saved_params
 
 from hetjax.config import ConfigError
+from hetjax.generations import nvme_generations
 from hetjax.placement import Placement
-from hetjax.storage.generations import nvme_generations
 from hetjax.train import train
 
 # every update waits for the global norm: nothing written is ever dropped

@@ -17,7 +17,7 @@ from hetjax.config import Config
 # GPT shapes (layers, d_model, heads), smallest first; vocab 256, so ~12 L d^2 params.
 # Offloaded without clipping and stopping at a non-finite step, no written update can be
 # dropped, so the NVMe files are one generation written in place
-# (hetjax/storage/generations.py): 12 B/param of fp32 master, m and v (the fp32 params
+# (hetjax/generations.py): 12 B/param of fp32 master, m and v (the fp32 params
 # are the master; no gradients kept): 48.2 GB at 142 x 1536 (4.02B), checked against
 # the disk's free space at start-up. (Before 2026-11-26 the bench clipped: two
 # generations and spilled gradients, ~36 B/param, 72.4 GB at 72 x 1536.) Each size's

@@ -240,7 +240,7 @@ def describe_plans(
     placement_lines, device_plan, host_plan, device_stages, nvme_dir, offload, generations=None
 ) -> list[str]:
     """The start-up plans, for the log (``generations``: the NVMe tier's,
-    ``storage/generations.py``)."""
+    ``generations.py``)."""
     lines = [*placement_lines, device_plan.describe(), host_plan.describe()]
     if device_stages:
         n = len(device_stages)

@@ -66,6 +66,7 @@ from hetjax import timeline
 from hetjax.checkpoint_state import StateSource, StoredState
 from hetjax.config import Config, ConfigError
 from hetjax.data import split_window
+from hetjax.generations import nvme_generations
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.runtime import setup, state_io
 from hetjax.runtime.grads import StepGradients, to_host
@@ -73,7 +74,6 @@ from hetjax.runtime.parts import assemble
 from hetjax.runtime.placement import SingleDevice
 from hetjax.runtime.setup import layout_name
 from hetjax.runtime.window import PrefetchWindow
-from hetjax.storage.generations import nvme_generations
 from hetjax.support import fallbacks
 from hetjax.types import LossScale, RuntimeState, StepReport
 
