@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hetjax.config import Config, ConfigError
+from hetjax.config import Config, ConfigError, format_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +46,18 @@ class Generations:
     count: int
     why: str
 
-    def describe(self) -> str:
+    def describe(self, copy_bytes: int = 0) -> str:
+        """The plan's line; ``copy_bytes``: one copy of the state and params on NVMe."""
         how = "written in place" if self.count == 1 else "committed + being written"
-        return f"NVMe generations: {self.count} ({how}): {self.why}"
+        line = f"NVMe generations: {self.count} ({how}): {self.why}"
+        if copy_bytes and self.count == 1:
+            line += (
+                f"; saves {format_bytes(copy_bytes)} of files (a second copy); a step "
+                "writes the same bytes, and no clipping redo rereads and rewrites the state"
+            )
+        elif copy_bytes:
+            line += f"; the second copy takes {format_bytes(copy_bytes)} of disk"
+        return line
 
 
 def droppers(config: Config) -> list[str]:

@@ -35,6 +35,10 @@ def test_generations_follow_what_can_drop_an_update():
     assert nvme_generations(forced).count == 2
     with pytest.raises(ConfigError, match="grad_clip=1.0 with optimizer.speculation=adaptive"):
         nvme_generations(base.replace(memory=dict(nvme_generations=1)))
+    # the plan says which, why, and what one copy takes
+    line = nvme_generations(base.replace(optimizer=dict(speculation="never"))).describe(1 << 20)
+    assert line.startswith("NVMe generations: 1 (written in place): auto: optimizer.speculation")
+    assert "saves 1.00 MiB of files" in line
     # the memory model counts one copy of the state's files
     two = Placement.from_config(base)
     one = Placement.from_config(base.replace(optimizer=dict(speculation="never")))

@@ -237,10 +237,17 @@ def progress(stages: list[str], what: str):
 
 
 def describe_plans(
-    placement_lines, device_plan, host_plan, device_stages, nvme_dir, offload, generations=None
+    placement_lines,
+    device_plan,
+    host_plan,
+    device_stages,
+    nvme_dir,
+    offload,
+    generations=None,
+    copy_bytes: int = 0,
 ) -> list[str]:
     """The start-up plans, for the log (``generations``: the NVMe tier's,
-    ``generations.py``)."""
+    ``generations.py``, ``copy_bytes`` one copy of its state and params)."""
     lines = [*placement_lines, device_plan.describe(), host_plan.describe()]
     if device_stages:
         n = len(device_stages)
@@ -254,7 +261,7 @@ def describe_plans(
             f"offload.params={offload.params}, offload.activations={offload.activations})"
         )
         if generations is not None and "nvme" in (offload.optimizer, offload.params):
-            lines.append(generations.describe())
+            lines.append(generations.describe(copy_bytes))
     return lines
 
 

@@ -417,10 +417,12 @@ class StreamingRuntime:
 
     def plan_lines(self) -> list[str]:
         """The start-up plans, for the log."""
+        generations = nvme_generations(self.config)
+        copy = (self.states.nvme_bytes + self.param_store.nvme_bytes) // generations.count
         return setup.describe_plans(
             self.placement.describe(self.layouts), self.plan, self.host_plan,
             self.device_stages, self.nvme_dir, self.config.offload,
-            nvme_generations(self.config),
+            generations, copy,
         ) + fallbacks(self.config)  # fmt: skip
 
     def settle(self) -> None:
