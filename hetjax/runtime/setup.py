@@ -284,16 +284,18 @@ def init_state(
     part of a whole slab this process holds."""
     checkpoint = open_checkpoint(config.model)  # None: random init
     keys = model.stage_keys(jax.random.key(config.train.seed))
+    inits = {}  # one jitted init per layout: a block compiles once, not once per block
     for name in progress(stage_names, f"initialising state ({config.offload.optimizer})"):
         kind = layout_name(name)
         layout = layouts[kind]
         key = keys[group_key(kind)][int(name[len(kind) :])] if is_block(name) else keys[kind]
         if checkpoint is None:
-            init = jax.jit(
-                lambda k, kind=kind, layout=layout: layout.flatten(model.init_stage(kind, k)),
-                out_shardings=sharding,
-            )
-            master = init(key)
+            if kind not in inits:
+                inits[kind] = jax.jit(
+                    lambda k, kind=kind, layout=layout: layout.flatten(model.init_stage(kind, k)),
+                    out_shardings=sharding,
+                )
+            master = inits[kind](key)
         else:  # only this stage's tensors are read, flattened on the host
             slab = layout.flatten_np(checkpoint.stage(name))
             master = jax.device_put(slab, sharding)
