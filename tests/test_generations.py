@@ -14,7 +14,9 @@ from test_checkpoint import NVME, STEPS, config, launch, saved_params
 
 from hetjax.config import ConfigError
 from hetjax.generations import nvme_generations
+from hetjax.optimizer.state_format import StateFormat
 from hetjax.placement import Placement
+from hetjax.storage.states import NvmeStateStore
 from hetjax.train import train
 
 # every update waits for the global norm: nothing written is ever dropped
@@ -103,3 +105,50 @@ def test_in_place_equals_two_generations_and_keeps_half_the_files(tmp_path):
     np.testing.assert_array_equal(one.losses, two.losses)
     jax.tree.map(np.testing.assert_array_equal, one.params, two.params)
     assert 2 * one.records[-1]["nvme_bytes"] == two.records[-1]["nvme_bytes"]
+
+
+@pytest.mark.slow  # ~30 s: two runs with a rollback each
+def test_in_place_rollback_over_a_torn_step_equals_two_generations(tmp_path, monkeypatch):
+    """No clipping and train.on_nonfinite=rollback: one generation (auto), and a
+    rollback over a non-finite step trains exactly as with two. (The fault's NaN reaches
+    the head's gradient first, so no stage is submitted before the step is dropped: a
+    stage torn in place is the store-level test below.)"""
+    monkeypatch.setenv("HETJAX_FAULTS", "nan@3")
+    cfg = config(NVME, optimizer=dict(grad_clip=0.0))
+    cfg = cfg.replace(train=dict(steps=STEPS, eval_batches=1, on_nonfinite="rollback"))
+    assert nvme_generations(cfg).count == 1
+    one = train(cfg, tmp_path / "one", verbose=False)
+    assert [r["step"] for r in one.records] == [1, 2, 3, 3, 4, 5, 6]  # rolled back once
+    monkeypatch.setenv("HETJAX_FAULTS", "nan@3")
+    two = train(cfg.replace(memory=dict(nvme_generations=2)), tmp_path / "two", verbose=False)
+    assert not (tmp_path / "one" / "nvme" / "optimizer" / "gen1").exists()
+    np.testing.assert_array_equal(one.losses, two.losses)
+    jax.tree.map(np.testing.assert_array_equal, one.params, two.params)
+
+
+def test_a_stage_written_in_place_by_a_dropped_step_is_refused_until_restored(tmp_path):
+    """The store's guard (one generation): a step that wrote a stage in place and was
+    then dropped leaves that stage refused (read, checkpoint) until a restore rewrites
+    it; a stage the step did not write stays readable."""
+    fmt = StateFormat.fp32(["mu", "nu"])
+    P = 1024  # page elements (4 KiB of fp32)
+    pages = {"a": (0, 2), "b": (2, 2)}
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    store = NvmeStateStore(
+        tmp_path, fmt, pages, P, cached=[], sharding=sharding, io_slots=2, generations=1
+    )
+    for stage in pages:
+        store.init_stage(stage, {k: np.full(2 * P, 1.0, np.float32) for k in fmt.kinds}, [])
+    store.wait_init()
+    slabs, scalars = store.get("a")
+    store.put("a", {k: np.asarray(v) + 1 for k, v in slabs.items()}, scalars)
+    store.abort()  # e.g. a non-finite step with train.on_nonfinite=rollback
+    with pytest.raises(RuntimeError, match="written in place"):
+        store.freeze("a")
+    with pytest.raises(RuntimeError, match="written in place"):
+        store.prefetch("a")
+    np.testing.assert_array_equal(store.committed("b")[0]["mu"], 1.0)
+    store.init_stage("a", {k: np.full(2 * P, 3.0, np.float32) for k in fmt.kinds}, [])
+    store.wait_init()
+    np.testing.assert_array_equal(store.committed("a")[0]["nu"], 3.0)
+    assert not (tmp_path / "gen1").exists()
