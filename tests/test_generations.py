@@ -59,11 +59,12 @@ def _differing_pages(a: Path, b: Path) -> tuple[int, int]:
     return len(pages) - same, same
 
 
-@pytest.mark.parametrize(  # a torn step in the default run (~40 s), torn saves slow
+@pytest.mark.parametrize(  # ~30-40 s each: slow (the default run has the store's guard
+    # below, and test_checkpoint's SIGKILL tests of the same harness)
     "fault, checkpoint",
     [
         # the step waits for the save: the kill tears step 5 over step 4's checkpoint
-        ("kill_mid_update@5", dict(async_save=False)),
+        pytest.param("kill_mid_update@5", dict(async_save=False), marks=pytest.mark.slow),
         pytest.param("kill_saving@4", {}, marks=pytest.mark.slow),
         # copied, not hard-linked: the in-place writes wait for the copy of their pages
         pytest.param("kill_saving@4", dict(link_nvme=False), marks=pytest.mark.slow),
