@@ -10,7 +10,7 @@ from conftest import tiny_config
 from hetjax.config import ConfigError, load_config
 from hetjax.planning.auto import plan_auto
 from hetjax.planning.hardware import PROFILES
-from hetjax.planning.search import WEAR_TIE, PlanError, make_plan
+from hetjax.planning.search import WEAR_TIE, PlanError, _choose, make_plan
 from hetjax.planning.wear import Wear
 from hetjax.train import train
 
@@ -28,6 +28,21 @@ def test_wear_arithmetic_by_hand():
     # at most 0.05 * 14000 TB / 1 TB = 700 steps
     assert "at most 700 steps" in wear.over_budget(0.05)
     assert Wear(1e12, 86.4, 1000).life_fraction is None  # no rating: no fraction
+
+
+def test_a_wear_budget_prefers_writing_less_when_it_costs_little_time():
+    # (step s, rank, name, ..., NVMe bytes written a step), as the planner evaluates them
+    plans = [
+        (100.0, 12, "fastest", 2e12),
+        (101.0, 11, "less offloaded, as fast", 2e12),
+        (105.0, 13, "writes half, 5% slower", 1e12),
+        (108.0, 12, "writes half too, 8% slower", 1e12),
+        (150.0, 10, "writes nothing, 50% slower", 0.0),
+    ]
+    plans = [(s, r, name, *[None] * 6, w) for s, r, name, w in plans]
+    assert _choose(plans)[2] == "less offloaded, as fast"  # within 2%: less offloaded
+    assert WEAR_TIE == 1.10
+    assert _choose(plans, write_less=True)[2] == "writes half, 5% slower"
 
 
 def test_wear_budget_needs_a_rating():

@@ -454,14 +454,8 @@ def make_plan(
                 "train.steps, raise memory.nvme_wear_budget, add drives (memory.nvme_path) "
                 "or host RAM (memory.host_budget caches optimizer state)"
             )
-        fastest = min(b[0] for b in within)
-        cheap = [b for b in within if b[0] <= WEAR_TIE * fastest]
-        least = min(b[9] for b in cheap)
-        pool = [b for b in cheap if b[9] <= least * 1.001]
-    else:
-        fastest = min(b[0] for b in best)
-        pool = [b for b in best if b[0] <= TIE * fastest]
-    chosen = min(pool, key=lambda b: (b[1], b[0]))
+        best = within
+    chosen = _choose(best, write_less=bool(budget))
     step, _, c, device, host, nvme, cache, lanes, clipped, _ = chosen
     busiest = max(lanes, key=lanes.get)
     o = config.optimizer
@@ -493,6 +487,26 @@ def make_plan(
         fallbacks=tuple(support.fallbacks(config, parallel)) if c.mode == "stream" else (),
         wear=wear_of(chosen),
     )
+
+
+def _choose(best: list[tuple], write_less: bool = False) -> tuple:
+    """The plan among ``best`` (:func:`_evaluate`'s tuples: step s first, rank second,
+    NVMe bytes written a step last): the least offloaded within ``TIE`` of the fastest;
+    ``write_less`` (a wear budget): instead, of the plans within ``WEAR_TIE`` of the
+    fastest that write less than that one, those writing least, chosen the same way."""
+
+    def preferred(pool):  # the least offloaded of those within TIE of the fastest
+        fastest = min(b[0] for b in pool)
+        return min((b for b in pool if b[0] <= TIE * fastest), key=lambda b: (b[1], b[0]))
+
+    chosen = preferred(best)
+    if write_less:
+        fastest = min(b[0] for b in best)
+        cheaper = [b for b in best if b[0] <= WEAR_TIE * fastest and b[-1] < 0.99 * chosen[-1]]
+        if cheaper:
+            least = min(b[-1] for b in cheaper)
+            chosen = preferred([b for b in cheaper if b[-1] <= least * 1.001])
+    return chosen
 
 
 def planned_parallelism(config: Config, hw: Hardware) -> str:
