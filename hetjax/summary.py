@@ -147,7 +147,7 @@ def report(
         },
         paths={k: str(p) for k, p in paths.items() if p is not None},
         wear=_wear_json(wear) if wear.written_per_step else {},
-        wear_line=wear.describe() if wear.written_per_step else "",
+        wear_line=_wear_line(wear, config.memory.nvme_wear_budget),
     )
     for line in summary.lines():
         log(line)
@@ -241,6 +241,15 @@ def _where(config: Config, runtime: StreamingRuntime) -> dict[str, str]:
         f"fp32 master + {config.optimizer.name} state": optimizer,
         "activations": activations,
     }
+
+
+def _wear_line(wear: Wear, budget: float) -> str:
+    """The summary's wear line ("" without NVMe writes), with the budget's verdict on
+    the measured rate (the planner refused what it projected over it)."""
+    if not wear.written_per_step:
+        return ""
+    over = wear.over_budget(budget)
+    return wear.describe() + (f"; measured over the budget: {over}" if over else "")
 
 
 def _wear_json(wear: Wear) -> dict[str, Any]:
