@@ -177,8 +177,9 @@ HELP: dict[str, str] = {
     "`--plan` and the run summary give the bytes a day and the fraction of drive life a run "
     "of `train.steps` consumes",
     "memory.nvme_wear_budget": "the fraction of the drives' life a run of `train.steps` may "
-    "consume (needs `memory.nvme_tbw`; 0 = no limit): the planner prefers placements that "
-    "write less and refuses a run over it",
+    "consume (needs `memory.nvme_tbw`; 0 = no limit): the planner (`offload.mode=auto`, "
+    "`--plan`) refuses a run over it and prefers placements that write less; the run "
+    "summary flags a measured excess",
     "memory.device_fraction": "of each accelerator's memory JAX may take "
     "(`XLA_CLIENT_MEM_FRACTION`, set by the launcher; JAX alone takes 0.75); the "
     "planner plans within it",
