@@ -91,7 +91,12 @@ def _scale_attempt(spec: str) -> None:
             out["device_bytes"] = need = step_device_bytes(config)
             if need > args["device_budget"]:
                 raise ConfigError(f"needs {need} device bytes, budget {args['device_budget']}")
-        run = train(config, args["workdir"], verbose=False)
+        # (the trained params are not gathered: 16 GB at 4B params, which the machine's
+        # RAM does not hold on top of the run; the 4B attempt was killed by it, after its
+        # 3 steps. ``verbose``: the run's log and summary, for a size run by hand)
+        run = train(
+            config, args["workdir"], verbose=args.get("verbose", False), return_params=False
+        )
         last = run.records[-1]
         out.update(
             fits=len(run.records) == 3,
