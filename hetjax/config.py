@@ -168,7 +168,8 @@ class OptimizerConfig:
     max_staleness: int = 1
     # sync mode with clipping: ``adaptive`` updates during backward as if clipping did not
     # bind unless it bound in the step before (then after backward, once); ``always``
-    # every step (hetjax/optimizer/update_loop.py)
+    # every step; ``never`` updates after backward, clipped or not, so no update is ever
+    # dropped (hetjax/optimizer/update_loop.py; NVMe state in place: generations.py)
     speculation: str = "adaptive"
     # the host optimizer's kernel for adam/adamw: ``auto`` native when it builds, else
     # optax; ``native`` (required) or ``optax`` (hetjax/optimizer/native.py)
@@ -185,7 +186,7 @@ class OptimizerConfig:
             self.host_kernel,
         )
         _choice("optimizer", "mode", self.mode, ("sync", "lockfree"))
-        _choice("optimizer", "speculation", self.speculation, ("adaptive", "always"))
+        _choice("optimizer", "speculation", self.speculation, ("adaptive", "always", "never"))
         _check(
             self.max_staleness >= 0, "optimizer.max_staleness", "must be >= 0", self.max_staleness
         )

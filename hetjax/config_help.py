@@ -109,7 +109,9 @@ HELP: dict[str, str] = {
     "optimizer behind the training loop ([offload](offload.md#the-host-optimizer-loop))",
     "optimizer.max_staleness": "`lockfree`: steps of gradients that may be unapplied while "
     "training goes on",
-    "optimizer.speculation": "sync mode with clipping: `adaptive` updates during backward "
+    "optimizer.speculation": "sync mode: `never` updates after backward, once the global "
+    "norm is known (no update is ever dropped: NVMe state can be written in place); with "
+    "clipping, `adaptive` updates during backward "
     "unless clipping bound in the step before (then once, after backward); `always` "
     "speculates every step ([offload](offload.md#the-host-optimizer-loop))",
     "optimizer.host_kernel": "the host optimizer's kernel for `adam`/`adamw`: `auto` (native "
@@ -171,8 +173,19 @@ HELP: dict[str, str] = {
     "gradient buffers, optimizer state or its cache, boundary activations or their NVMe "
     "staging), for all the devices it drives (the planner gives each device of a machine "
     "an equal share); 0 = no limit, and with `offload.optimizer=nvme` no cache",
-    "memory.nvme_path": "directory on a local SSD for NVMe state and boundary activations; "
-    "empty: `<workdir>/nvme`",
+    "memory.nvme_path": "directory on a local SSD for NVMe state and boundary activations, "
+    "or several comma-separated, one per drive (pages stripe over them); empty: "
+    "`<workdir>/nvme`",
+    "memory.nvme_generations": "copies of the NVMe state and params: `2` (the committed one "
+    "and the one a step writes), `1` (written in place: only where no written update can be "
+    "dropped, e.g. `optimizer.speculation=never`), `0` auto (1 where that holds)",
+    "memory.nvme_tbw": "each drive's rated endurance in terabytes written (0 = unknown): "
+    "`--plan` and the run summary give the bytes a day and the fraction of drive life a run "
+    "of `train.steps` consumes",
+    "memory.nvme_wear_budget": "the fraction of the drives' life a run of `train.steps` may "
+    "consume (needs `memory.nvme_tbw`; 0 = no limit): the planner (`offload.mode=auto`, "
+    "`--plan`) refuses a run over it and prefers placements that write less; the run "
+    "summary flags a measured excess",
     "memory.device_fraction": "of each accelerator's memory JAX may take "
     "(`XLA_CLIENT_MEM_FRACTION`, set by the launcher; JAX alone takes 0.75); the "
     "planner plans within it",

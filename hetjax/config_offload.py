@@ -209,7 +209,17 @@ class MemoryConfig:
     # profile's devices an equal share: one process a machine); 0: no limit, and with
     # offload.optimizer=nvme no state cache
     host_budget: int | str = 0
-    nvme_path: str = ""  # offload.*=nvme: directory on a local SSD; "": <workdir>/nvme
+    # offload.*=nvme: directory on a local SSD, or several, comma-separated (one per
+    # drive: pages stripe over them, hetjax/storage/stripes.py); "": <workdir>/nvme
+    nvme_path: str = ""
+    # copies of the NVMe state and params: 2, the committed one and the one a step
+    # writes; 1, written in place (where no written update can be dropped); 0: auto, 1
+    # where that holds (hetjax/generations.py)
+    nvme_generations: int = 0
+    # each drive's rated endurance in terabytes written (TBW; 0: unknown), and the
+    # fraction of that a run of train.steps may consume (0: no limit; needs nvme_tbw)
+    nvme_tbw: float = 0.0
+    nvme_wear_budget: float = 0.0
     # of each accelerator's memory JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION, set by
     # the launcher before JAX starts; JAX alone takes 0.75); the planner plans within it
     device_fraction: float = 0.9
@@ -235,3 +245,34 @@ class MemoryConfig:
         host = parse_bytes(self.host_budget, "memory.host_budget")
         _check(host >= 0, "memory.host_budget", "must be >= 0 (0: no limit)", host)
         object.__setattr__(self, "host_budget", host)
+        _check(
+            self.nvme_generations in (0, 1, 2),
+            "memory.nvme_generations",
+            "must be 0 (auto), 1 or 2",
+            self.nvme_generations,
+        )
+        dirs = self.nvme_paths
+        _check(
+            all(dirs) and len(set(dirs)) == len(dirs),
+            "memory.nvme_path",
+            "must name distinct, non-empty directories (comma-separated)",
+            self.nvme_path,
+        )
+        _check(self.nvme_tbw >= 0, "memory.nvme_tbw", "must be >= 0 (0: unknown)", self.nvme_tbw)
+        _check(
+            0 <= self.nvme_wear_budget <= 1,
+            "memory.nvme_wear_budget",
+            "must be in [0, 1] (a fraction of the drives' life; 0: no limit)",
+            self.nvme_wear_budget,
+        )
+        if self.nvme_wear_budget and not self.nvme_tbw:
+            raise ConfigError(
+                f"config key 'memory.nvme_wear_budget' ({self.nvme_wear_budget}) is a fraction "
+                "of the drives' rated endurance, but memory.nvme_tbw is 0 (unknown); set "
+                "memory.nvme_tbw to each drive's rated terabytes written"
+            )
+
+    @property
+    def nvme_paths(self) -> list[str]:
+        """The NVMe directories, one per drive (empty: none given)."""
+        return [p.strip() for p in self.nvme_path.split(",")] if self.nvme_path else []

@@ -267,12 +267,12 @@ class TokenWindows:
 
 
 def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
-    """Returns (train, validation, description) for the configured data."""
+    """Returns (train, validation, description) for the configured token data
+    (``data.format=jsonl``'s records: :func:`hetjax.instruct.make_datasets`, which
+    calls this for the others)."""
     d, t = config.data, config.train
     if d.format == "jsonl":
-        from hetjax.instruct import make_packed_datasets  # imports data: resolved here
-
-        return make_packed_datasets(config)
+        raise ValueError("data.format=jsonl: use hetjax.instruct.make_datasets")
     if d.path:
         tokens, source = load_tokens(d.path), d.path
     else:

@@ -51,7 +51,7 @@ def evaluate_checkpoint(
     (``model.init_from``: an HF checkpoint), run by the runtime ``config.offload``
     places."""
     from hetjax.checkpoint import restore_newest
-    from hetjax.data import make_datasets
+    from hetjax.instruct import make_datasets
     from hetjax.train import build_runtime, evaluate
 
     if not config.train.eval_batches and batches is None:

@@ -23,6 +23,10 @@ KINDS = {
     "nan": "step N's gradients are NaN",
     "loss_spike": "step N's loss, as the loss-spike guard sees it, is 1000 times larger",
     "kill_mid_step": "SIGKILL while step N runs",
+    "kill_mid_update": (
+        "SIGKILL once the first stage the host optimizer updates in step N is written to "
+        "NVMe (the tier then holds a step half written)"
+    ),
     "kill_saving": "SIGKILL right after step N's checkpoint is handed to the background writer",
     "kill_saved": "SIGKILL once step N's checkpoint is complete",
     "sigterm": "SIGTERM while step N runs (from a timer thread, as a kill from outside arrives)",
@@ -37,11 +41,8 @@ KINDS = {
         "completes with an OSError once the write itself is done"
     ),
 }
-IN_RUNTIME = (
-    "optimizer_raise",
-    "nvme_write_fail",
-    "nvme_bitflip",
-)  # armed by the loop, fired where they happen
+# armed by the loop, fired where they happen
+IN_RUNTIME = ("optimizer_raise", "nvme_write_fail", "nvme_bitflip", "kill_mid_update")
 MID_STEP = {"kill_mid_step": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1}
 
 

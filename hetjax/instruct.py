@@ -44,8 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hetjax import data
 from hetjax.config_values import ConfigError
-from hetjax.data import TokenWindows
 
 IGNORED = -1  # models/staged.py's IGNORED: a target that takes no loss
 BYTE_VOCAB = 256
@@ -244,7 +244,7 @@ def _row(placed: list[tuple[Record, int]], seq_len: int) -> np.ndarray:
 
 
 @dataclass(kw_only=True)
-class PackedRows(TokenWindows):
+class PackedRows(data.TokenWindows):
     """Batches of packed rows ``(B / processes, 3 T)`` (ids | positions | targets), in
     :class:`TokenWindows`' order over rows instead of windows. ``tokens`` holds the rows
     (N, 3, T)."""
@@ -261,6 +261,14 @@ class PackedRows(TokenWindows):
     def batch(self, i: int) -> np.ndarray:
         rows = [self.tokens[self.window_index(i, r)] for r in self.own_rows()]
         return np.stack(rows).reshape(len(rows), 3 * self.seq_len)
+
+
+def make_datasets(config) -> tuple[data.TokenWindows, data.TokenWindows, str]:
+    """(train, validation, description) for the configured data: records packed into
+    rows (``data.format=jsonl``), else the token data (``hetjax.data.make_datasets``)."""
+    if config.data.format == "jsonl":
+        return make_packed_datasets(config)
+    return data.make_datasets(config)
 
 
 def make_packed_datasets(config) -> tuple[PackedRows, PackedRows, str]:

@@ -248,13 +248,15 @@ def belady_cache(order: list[str], sizes: dict[str, int], capacity: int) -> list
 def grad_policy(config: Config) -> str:
     """How long the host holds gradient buffers (see above): ``lockfree``, all of them
     twice; ``accumulate`` (several micro-batches), all of them all step; ``keep`` (sync
-    mode with clipping), until the step commits, for a possible redo; ``release`` (no
+    mode with clipping), until the step commits, for a possible redo (or, with
+    ``optimizer.speculation=never``, for the update after backward); ``release`` (no
     clipping), until the stage's update consumed it."""
     if config.optimizer.mode == "lockfree":
         return "lockfree"
     if config.train.grad_accum > 1:
         return "accumulate"
-    return "keep" if config.optimizer.grad_clip > 0 else "release"
+    o = config.optimizer
+    return "keep" if o.grad_clip > 0 or o.speculation == "never" else "release"
 
 
 def block_grad_dtype(config: Config) -> np.dtype:

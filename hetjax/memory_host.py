@@ -312,16 +312,18 @@ def host_minimum(s: Sizes, o: Placement) -> HostMemoryPlan:
 
 
 def nvme_parts(s: Sizes, o: Placement, host: HostMemoryPlan) -> dict[str, int]:
-    """NVMe bytes per process, by what they hold: two generations of optimizer state and
-    of params (the committed one and the one being written; none of params that are the
-    master, :func:`~hetjax.memory.params_are_master`), every boundary activation
-    not kept in a block, and the gradients the host plan spills."""
+    """NVMe bytes per process, by what they hold: ``o.generations`` copies of optimizer
+    state and of params (two: the committed one and the one being written; one: written
+    in place, ``generations.py``; none of params that are the master,
+    :func:`~hetjax.memory.params_are_master`), every boundary activation not kept in a
+    block, and the gradients the host plan spills."""
     own = DeviceCache.of(s, o).host_own
     slots = o.recomputed_blocks(s.num_layers)
+    g = o.generations
     return {
-        "optimizer": 2 * s.state_nbytes(own) if o.optimizer == "nvme" else 0,
+        "optimizer": g * s.state_nbytes(own) if o.optimizer == "nvme" else 0,
         "params": (
-            2 * s.compute_bytes * own
+            g * s.compute_bytes * own
             if o.params == "nvme" and not memory.params_are_master(o, s.compute_bytes)
             else 0
         ),

@@ -56,6 +56,9 @@ class Placement:
     # sync | lockfree: how the host optimizer's updates meet the step (lock-free holds
     # the gradient buffers twice); the config's, which the planner does not search
     update_mode: str = _knob("optimizer.mode")
+    # copies of the NVMe state and params (1: in place), as ``memory.nvme_generations``
+    # resolves for the config (``generations.py``); not searched
+    generations: int = 2
 
     @classmethod
     def from_config(cls, config: Config) -> Placement:
@@ -64,7 +67,10 @@ class Placement:
         values = {}
         for f, section, name in _keyed_fields():
             values[f.name] = getattr(getattr(config, section), name)
-        return cls(**values)
+        # (imported here: storage imports the config, which imports nothing of placement)
+        from hetjax.generations import nvme_generations
+
+        return cls(**values, generations=nvme_generations(config).count)
 
     def config_overrides(self) -> dict[str, dict[str, Any]]:
         """The config sections that train with this placement in the streaming runtime

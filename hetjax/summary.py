@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from hetjax.config import Config, OffloadConfig, format_bytes
+from hetjax.planning.wear import Wear
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.types import Runtime
@@ -41,6 +42,10 @@ class RunSummary:
     in_memory_steps: int
     losses: dict[str, float]  # first, last_tenth_mean, val
     paths: dict[str, str]  # metrics, loss_curves, checkpoint, timeline, summary
+    # SSD wear at the measured NVMe writes and step time (planning/wear.py): bytes a
+    # step and a day, the fraction of drive life a run of train.steps consumes
+    wear: dict[str, Any] = dataclasses.field(default_factory=dict)
+    wear_line: str = ""
 
     def lines(self) -> list[str]:
         """The summary as log lines."""
@@ -62,6 +67,8 @@ class RunSummary:
                         f"  {title:<16} {format_bytes(self.moved_bytes[key]):>12}  "
                         f"({self.moved_from[key]})"
                     )
+        if self.wear_line:
+            out.append(f"  {self.wear_line}")
         out.append(f"summary: step time {self.step_s:.3f} s (median of the run's steps)")
         if self.in_memory_step_s is not None:
             out.append(
@@ -122,13 +129,15 @@ def report(
         "timeline": timeline,
         "summary": workdir / "summary.json",
     }
+    step_s = statistics.median(r["step_time_s"] for r in records[1:] or records)
+    wear = Wear.of(config, moved.get("nvme_write", 0), step_s)
     summary = RunSummary(
         tiers=_tiers(config, runtime),
         where=_where(config, runtime) if streamed else _where_in_memory(config),
         held_bytes=_held_bytes(records),
         moved_bytes=moved,
         moved_from=moved_from,
-        step_s=statistics.median(r["step_time_s"] for r in records[1:] or records),
+        step_s=step_s,
         in_memory_step_s=in_memory_s,
         in_memory_steps=n if in_memory_s is not None else 0,
         losses={
@@ -137,6 +146,8 @@ def report(
             "val": val_loss,
         },
         paths={k: str(p) for k, p in paths.items() if p is not None},
+        wear=_wear_json(wear) if wear.written_per_step else {},
+        wear_line=_wear_line(wear, config.memory.nvme_wear_budget),
     )
     for line in summary.lines():
         log(line)
@@ -229,6 +240,26 @@ def _where(config: Config, runtime: StreamingRuntime) -> dict[str, str]:
         else "the device",
         f"fp32 master + {config.optimizer.name} state": optimizer,
         "activations": activations,
+    }
+
+
+def _wear_line(wear: Wear, budget: float) -> str:
+    """The summary's wear line ("" without NVMe writes), with the budget's verdict on
+    the measured rate (the planner refused what it projected over it)."""
+    if not wear.written_per_step:
+        return ""
+    over = wear.over_budget(budget)
+    return wear.describe() + (f"; measured over the budget: {over}" if over else "")
+
+
+def _wear_json(wear: Wear) -> dict[str, Any]:
+    return {
+        "written_per_step": wear.written_per_step,
+        "bytes_per_day": wear.bytes_per_day,
+        "run_bytes": wear.run_bytes,
+        "drives": wear.drives,
+        "tbw": wear.tbw,
+        "life_fraction": wear.life_fraction,
     }
 
 

@@ -24,7 +24,7 @@ from hetjax import census, timeline
 from hetjax.allocator import tune_host_allocator
 from hetjax.checkpoint import Checkpointer, check_compatible, checkpoint_dir
 from hetjax.config import Config, format_bytes
-from hetjax.data import decoder_length, make_datasets
+from hetjax.data import decoder_length
 from hetjax.distributed import any_process, is_main_process
 from hetjax.faults import Faults
 from hetjax.guards import (
@@ -35,6 +35,7 @@ from hetjax.guards import (
     restore_good,
     set_aside,
 )
+from hetjax.instruct import make_datasets
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, plot_losses, step_record
 from hetjax.planning.auto import resolve_auto
 from hetjax.preemption import Preempted, StopSignals
@@ -110,13 +111,15 @@ def train(
         nvme, o = config.memory.nvme_path, config.offload
         tiers = (o.params, o.optimizer, o.activations)
         if nvme and (o.mode == "auto" or (o.mode == "stream" and "nvme" in tiers)):
-            # each process writes its own part there (<nvme_path>/proc<k> with ZeRO-3)
-            locks.hold(
-                nvme,
-                f"memory.nvme_path {nvme}",
-                "point memory.nvme_path at another directory",
-                name=LOCK_NAME if process == 0 else f"hetjax.proc{process}.lock",
-            )
+            # each process writes its own part there (<nvme_path>/proc<k> with ZeRO-3);
+            # with several drives, on each
+            for drive in config.memory.nvme_paths:
+                locks.hold(
+                    drive,
+                    f"memory.nvme_path {drive}",
+                    "point memory.nvme_path at another directory",
+                    name=LOCK_NAME if process == 0 else f"hetjax.proc{process}.lock",
+                )
         return _train(config, workdir, verbose, signals, return_params)
 
 

@@ -8,8 +8,23 @@ ROOT = Path(__file__).resolve().parent.parent
 # Each layer may import only from the layers after it (entry points first).
 LAYERS = [
     {"hetjax.cli"},
-    {"hetjax.launch", "hetjax.bench", "hetjax.export", "hetjax.tokenize", "hetjax.gpucheck"},
-    {"hetjax.train", "hetjax.guards", "hetjax.checkpoint", "hetjax.metrics", "hetjax.summary"},
+    {
+        "hetjax.launch",
+        "hetjax.bench",
+        "hetjax.export",
+        "hetjax.tokenize",
+        "hetjax.gpucheck",
+        "hetjax.generate",
+        "hetjax.evaluate",
+    },
+    {
+        "hetjax.train",
+        "hetjax.guards",
+        "hetjax.checkpoint",
+        "hetjax.metrics",
+        "hetjax.summary",
+        "hetjax.inference",
+    },
     {"hetjax.planning"},
     {"hetjax.runtime"},
     {"hetjax.optimizer"},
@@ -18,6 +33,7 @@ LAYERS = [
         "hetjax.checkpoint_state",  # a checkpoint's state on disk: what the stores hand it
         "hetjax.hf",
         "hetjax.data",
+        "hetjax.instruct",  # instruction records packed into rows (reads data's windows)
         "hetjax.distributed",
         "models",
     },
@@ -25,6 +41,7 @@ LAYERS = [
         "hetjax.memory",
         "hetjax.memory_host",
         "hetjax.placement",  # the one placement description (config -> placement)
+        "hetjax.generations",  # one NVMe generation or two (config -> the choice)
         "hetjax.allocator",
         "hetjax.timeline",
         "hetjax.census",
@@ -133,7 +150,8 @@ def test_the_bottom_modules_import_nothing_from_the_project():
     low = {"hetjax.config", "hetjax.types", "hetjax.placement", "hetjax.optimizer.state_format"}
     assert graph["hetjax.memory"] <= low
     assert graph["hetjax.memory_host"] <= low | {"hetjax.memory"}
-    assert graph["hetjax.placement"] <= {"hetjax.config"}
+    assert graph["hetjax.placement"] <= {"hetjax.config", "hetjax.generations"}
+    assert graph["hetjax.generations"] <= {"hetjax.config"}
     assert graph["hetjax.support"] == set()
     assert graph["hetjax.optimizer.state_format"] <= {"hetjax.config", "hetjax.types"}
     assert graph["models"] | graph["models.gpt"] <= {

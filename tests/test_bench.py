@@ -135,6 +135,8 @@ def test_scale_quick(tmp_path, capsys):
     for a in by_mode["stream"]:
         assert 0 < a["device_bytes_peak"] <= result["device_budget"]
         assert a["peak_rss"] > a["host_bytes"] > 0  # the process, measured by the OS
+        # one copy of fp32 master, m and v (no clipping: written in place), page padding
+        assert 12 <= a["disk_bytes_per_param"] < 18
     assert result["stream_largest_params"] > result["none_largest_params"] > 0
     text = capsys.readouterr().out
     assert (

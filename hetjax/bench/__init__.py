@@ -106,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LAYERSxD",
         help="scale: start the offloaded sizes at this one (e.g. 72x1536)",
     )
+    parser.add_argument(
+        "--state-dtype",
+        default="",
+        help="scale: the optimizer moments' dtype (optimizer.state_dtype; default fp32)",
+    )
     args = parser.parse_args(argv)
     tuned = tune_host_allocator()  # as a training run does
     if args.name in CHILDREN_OWN_THE_DEVICE:  # asked of a child: this process stays off it
@@ -120,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.start and args.name != "scale":
         parser.error("--from applies to the scale benchmark only")
+    if args.state_dtype and args.name != "scale":
+        parser.error("--state-dtype applies to the scale benchmark only")
     extra = {"start": args.start} if args.start else {}
+    if args.state_dtype:
+        extra["state_dtype"] = args.state_dtype
     result = BENCHMARKS[args.name](args.quick, **extra)
     result.update(
         name=args.name,

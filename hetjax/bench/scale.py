@@ -15,10 +15,13 @@ from hetjax.bench.common import _scratch_dir
 from hetjax.config import Config
 
 # GPT shapes (layers, d_model, heads), smallest first; vocab 256, so ~12 L d^2 params.
-# Offloaded, the NVMe files take ~32 B/param (fp32 master, m, v and params, two
-# generations each) plus the gradients spilled for a clipping redo: 67.4 GiB at 72 x 1536
-# (2.04B), 73.4 GiB at 78 x 1536 (2.21B), checked against the disk's free space at
-# start-up. Each size's files are deleted before the next.
+# Offloaded without clipping and stopping at a non-finite step, no written update can be
+# dropped, so the NVMe files are one generation written in place
+# (hetjax/generations.py): 12 B/param of fp32 master, m and v (the fp32 params
+# are the master; no gradients kept): 48.2 GB at 142 x 1536 (4.02B), checked against
+# the disk's free space at start-up. (Before 2026-11-26 the bench clipped: two
+# generations and spilled gradients, ~36 B/param, 72.4 GB at 72 x 1536.) Each size's
+# files are deleted before the next.
 SCALE_SHAPES = [
     (4, 512, 8),
     (8, 768, 12),
@@ -30,15 +33,19 @@ SCALE_SHAPES = [
     (56, 1536, 16),
     (72, 1536, 16),
     (78, 1536, 16),
+    (142, 1536, 16),
 ]
 
 
 SCALE_SHAPES_QUICK = [(2, 32, 4), (4, 128, 4)]
 
 
-def _scale_config(shape, mode: str, quick: bool) -> Config:
+def _scale_config(shape, mode: str, quick: bool, state_dtype: str = "") -> Config:
     """3 steps of a tiny batch; ``stream``: params and optimizer state on NVMe within
-    the device and host budgets; ``none``: everything on the device."""
+    the device and host budgets, no clipping and a non-finite step stops the run (so
+    the state is one generation written in place); ``none``: everything on the device.
+    ``state_dtype``: the optimizer moments' dtype (``optimizer.state_dtype``, where
+    that key exists; "": fp32)."""
     layers, d, heads = shape
     config = Config().replace(
         model=dict(num_layers=layers, d_model=d, num_heads=heads, max_seq_len=64),
@@ -55,7 +62,11 @@ def _scale_config(shape, mode: str, quick: bool) -> Config:
                 host_budget=budgets[1],
                 page_size="64KiB" if quick else "4MiB",
             ),
+            optimizer=dict(grad_clip=0.0),
+            train=dict(on_nonfinite="stop"),
         )
+    if state_dtype:  # HOOK (issue #43 items 1-2): bf16 moments, once the key exists
+        config = config.replace(optimizer=dict(state_dtype=state_dtype))
     return config
 
 
@@ -70,14 +81,22 @@ def _scale_attempt(spec: str) -> None:
     from models import build_model
 
     args = json.loads(spec)
-    config = _scale_config(tuple(args["shape"]), args["mode"], args["quick"])
-    out: dict = {"params": build_model(config.model).param_count()}
+    out: dict = {}
     try:
+        config = _scale_config(
+            tuple(args["shape"]), args["mode"], args["quick"], args.get("state_dtype", "")
+        )
+        out["params"] = params = build_model(config.model).param_count()
         if args["mode"] == "none":
             out["device_bytes"] = need = step_device_bytes(config)
             if need > args["device_budget"]:
                 raise ConfigError(f"needs {need} device bytes, budget {args['device_budget']}")
-        run = train(config, args["workdir"], verbose=False)
+        # (the trained params are not gathered: 16 GB at 4B params, which the machine's
+        # RAM does not hold on top of the run; the 4B attempt was killed by it, after its
+        # 3 steps. ``verbose``: the run's log and summary, for a size run by hand)
+        run = train(
+            config, args["workdir"], verbose=args.get("verbose", False), return_params=False
+        )
         last = run.records[-1]
         out.update(
             fits=len(run.records) == 3,
@@ -86,6 +105,14 @@ def _scale_attempt(spec: str) -> None:
             loss=last["loss"],
             **{k: last[k] for k in ("host_bytes", "nvme_bytes") if k in last},
         )
+        if "nvme_bytes" in last:  # what the issue's table asks, per parameter
+            moved = last.get("nvme_read_bytes", 0) + last.get("nvme_write_bytes", 0)
+            out.update(
+                nvme_read_bytes=last.get("nvme_read_bytes", 0),
+                nvme_write_bytes=last.get("nvme_write_bytes", 0),
+                disk_bytes_per_param=last["nvme_bytes"] / params,
+                moved_bytes_per_step_per_param=moved / params,
+            )
         # the accounted step's (the first: runtime/ledger.py)
         accounted = [r["device_bytes_peak"] for r in run.records if "device_bytes_peak" in r]
         if accounted:
@@ -95,14 +122,15 @@ def _scale_attempt(spec: str) -> None:
     print("SCALE " + json.dumps(out), flush=True)
 
 
-def bench_scale(quick: bool, start: str | None = None) -> dict:
+def bench_scale(quick: bool, start: str | None = None, state_dtype: str = "") -> dict:
     """The largest GPT that trains 3 steps offloaded (params and optimizer state on
     NVMe) within ``memory.device_budget=1GiB`` and ``memory.host_budget=6GiB`` vs the
     largest whose ``offload.mode=none`` step fits the same 1 GiB of device memory (XLA's
     own memory analysis; on this CPU nothing would stop it using more). Sizes go up
     until one fails; each attempt runs in a child process with a timeout, so an
     out-of-memory kill or a hang ends only that attempt. ``start`` (``"LAYERSxD"``, e.g.
-    ``72x1536``) begins the offloaded sizes there (the full sweep takes over an hour)."""
+    ``72x1536``) begins the offloaded sizes there (the full sweep takes over an hour).
+    ``state_dtype``: the optimizer moments' dtype (``optimizer.state_dtype``; "": fp32)."""
     import subprocess
 
     shapes = SCALE_SHAPES_QUICK if quick else SCALE_SHAPES
@@ -114,7 +142,9 @@ def bench_scale(quick: bool, start: str | None = None) -> dict:
             raise SystemExit(f"bench scale: --from {start!r} is not one of the sizes: {names}")
         stream_shapes = shapes[starts[0] :]
     device_budget = (4 << 20) if quick else (1 << 30)
-    timeout = 300 if quick else 3600
+    # per size: the 4B attempt initialises 48 GB on disk and moves ~100 GB a step, which
+    # on this shared 2-core machine takes over an hour
+    timeout = 300 if quick else 4 * 3600
     results: dict = {"device_budget": device_budget, "attempts": []}
     with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # NVMe state: the local disk
         for mode in ("none", "stream"):
@@ -128,6 +158,7 @@ def bench_scale(quick: bool, start: str | None = None) -> dict:
                         quick=quick,
                         workdir=str(workdir),
                         device_budget=device_budget,
+                        state_dtype=state_dtype,
                     )
                 )
                 code = f"from hetjax.bench.scale import _scale_attempt; _scale_attempt({spec!r})"
@@ -153,6 +184,11 @@ def bench_scale(quick: bool, start: str | None = None) -> dict:
                 params = attempt.get("params", 0)
                 status = "trains" if attempt["fits"] else f"fails: {attempt.get('why', '')[:90]}"
                 rss = f"RSS {attempt['peak_rss'] / 2**30:5.2f} GiB" if "peak_rss" in attempt else ""
+                if "disk_bytes_per_param" in attempt:
+                    rss += (
+                        f"  {attempt['disk_bytes_per_param']:.1f} B/param on disk, "
+                        f"{attempt['moved_bytes_per_step_per_param']:.1f} B/param moved a step"
+                    )
                 print(
                     f"{mode:<7} {shape[0]:>3} x {shape[1]:<5} {params / 1e6:>9.1f}M params  "
                     f"{attempt['wall_s']:>7.1f} s  {rss:>14}  {status}",

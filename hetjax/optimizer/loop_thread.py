@@ -72,9 +72,16 @@ class LoopSettings:
     max_norm: float  # global-norm clipping's bound (0: no clipping)
     mode: str = "sync"  # "sync" or "lockfree"
     max_staleness: int = 1  # lock-free: steps' gradients unapplied before a step waits
-    speculation: str = "adaptive"  # sync: "adaptive" or "always"
+    speculation: str = "adaptive"  # sync: "adaptive", "always" or "never"
     readahead: int = 2  # stages whose state is read ahead of the one updating
     max_queued: int = 0  # sync: stages submitted, not yet updated, before submit waits
+
+    @property
+    def keeps_grads(self) -> bool:
+        """Whether sync mode keeps each consumed gradient to the step's end: for a
+        clipping redo, or for the update itself where it waits for the global norm
+        (``speculation=never``)."""
+        return self.max_norm > 0 or self.speculation == "never"
 
     @classmethod
     def of(cls, optimizer_config, **plan) -> LoopSettings:

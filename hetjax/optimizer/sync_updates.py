@@ -32,8 +32,11 @@ class SyncUpdates:
         self.redo = 0  # steps whose speculative update was redone with clipping
         self.deferred = 0  # steps updated after backward only (clipping bound before)
         # Whether this step's updates wait for the global norm (no speculation): set at
-        # the end of a step whose clipping bound, with ``speculation=adaptive``.
-        self._defer = False
+        # the end of a step whose clipping bound, with ``speculation=adaptive``; always,
+        # with ``never`` (no update is ever dropped: NVMe state written in place).
+        self._never = settings.speculation == "never"
+        self._keep = settings.keeps_grads
+        self._defer = self._never
         self._queued = 0  # gradients submitted and not yet updated
         self._queued_bytes = 0
 
@@ -60,7 +63,7 @@ class SyncUpdates:
         self.thread.check()
         if not self._defer:
             self.updates.update(stage, grad, NO_CLIP)
-        if self.max_norm > 0:
+        if self._keep:
             self.updates.device.keep(stage, grad)
 
     def grad_host_bytes(self) -> int:
@@ -72,7 +75,7 @@ class SyncUpdates:
         self.thread.call(EndStep(norm=global_norm, apply=apply))
 
     def reload(self) -> None:
-        self._defer = False  # (the last step's clipping: the next step speculates)
+        self._defer = self._never  # (the last step's clipping: the next step speculates)
 
     # -- the loop thread's ---------------------------------------------------------------
 

@@ -121,7 +121,7 @@ class UpdateLoop:
             readahead=settings.readahead, thread=self._thread, work=self._work,
             device=self._device,
         )  # fmt: skip
-        self.grads = grads if grads is not None else GradientStore(keep=settings.max_norm > 0)
+        self.grads = grads if grads is not None else GradientStore(keep=settings.keeps_grads)
         self._sync: SyncUpdates | None = None
         self._lockfree: LockFreeUpdates | None = None
         if settings.mode == "lockfree":

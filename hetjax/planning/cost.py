@@ -136,6 +136,7 @@ def lanes(
         comm_f = L * (cb * Pg + w.exchange_bytes) / link
         comm_b = (recomputed * (cb * Pg + 2 * w.exchange_bytes) + grads) / link
     disk_f = disk_b = disk_step = 0.0
+    writes = nvme_writes(w, c, cached, grad_spill, n)  # bytes a step writes, by what
     if o.params == "nvme":
         # params that are the fp32 master are written with the state, and a cached
         # stage's come from its state in RAM
@@ -143,16 +144,13 @@ def lanes(
         read = (1 - cached) if master else 1.0
         disk_f = (h2d_f + skipped) * read / hw.nvme_read_bw * n  # the disks serve n processes
         disk_b = max(0.0, h2d_b + skipped - bounds - kept_params) * read / hw.nvme_read_bw * n
-        disk_step += 0.0 if master else cb * (P - cache.params) / hw.nvme_write_bw
-    if o.activations == "nvme":
-        disk_f += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_write_bw * n
-        disk_b += max(0, recomputed - IO_READAHEAD) * w.boundary / hw.nvme_read_bw * n
-    if swap and o.swap_tier == "nvme":  # likewise the swapped blocks' activations
-        one = sizes.swap_bytes(o.swap_level)
-        disk_f += max(0, swapped - IO_READAHEAD) * one / hw.nvme_write_bw * n
-        disk_b += max(0, swapped - IO_READAHEAD) * one / hw.nvme_read_bw * n
+        disk_step += writes["params"] / hw.nvme_write_bw
+    # boundaries and swapped activations: written in each micro-batch's forward, read
+    # back in its backward
+    disk_f += writes["activations"] / A / hw.nvme_write_bw
+    disk_b += writes["activations"] / A / hw.nvme_read_bw
     if grad_spill:
-        disk_step += grad_spill / hw.nvme_write_bw
+        disk_step += writes["gradients"] / hw.nvme_write_bw
     S = w.state_bytes_per_param
     catch_up = 0.0  # deferred expert updates caught up in the forward (on its path)
     if o.optimizer == "nvme":
@@ -160,12 +158,12 @@ def lanes(
         # params that are the master: a block's state read copies the master from its
         # backward's param read (storage/params.py, MasterPages), cb bytes a parameter
         copied = cb * streamed_b * Ps * frac * (1 - cached) if params_are_master(o, cb) else 0
-        read, written = moved - copied, moved
+        read = moved - copied
         if routing and w.deferred_expert_updates:
-            saved_r, saved_w, again = deferred_bytes(w, routed * w.routed_expert_params * S)
-            read, written = read - saved_r * (1 - cached), written - saved_w * (1 - cached)
+            saved_r, _, again = deferred_bytes(w, routed * w.routed_expert_params * S)
+            read = read - saved_r * (1 - cached)
             catch_up = again * (1 - cached) * (1 / hw.nvme_read_bw + 1 / hw.nvme_write_bw)
-        disk_step += read / hw.nvme_read_bw + written / hw.nvme_write_bw
+        disk_step += read / hw.nvme_read_bw + writes["optimizer"] / hw.nvme_write_bw
     # The device cache's stages are the last backward reaches: their updates run on the
     # device after it, at device speed (Angel-PTM); the host updates the others,
     # overlapped with backward.
@@ -206,6 +204,43 @@ def lanes(
         "collectives": A * (comm_f + comm_b),
     }
     return step, lanes
+
+
+def nvme_writes(
+    w: Workload, c: Candidate, cached: float, grad_spill: int = 0, n: int = 1
+) -> dict[str, float]:
+    """Bytes a step writes to NVMe, by what (the machine's ``n`` processes together):
+    the optimizer state not cached in RAM (``cached``: its cached fraction; deferred
+    expert updates leave some unwritten), compute-dtype params with files of their own,
+    boundaries and swapped activations on NVMe (each micro-batch's), and the gradients
+    the host plan spills (``grad_spill``). What :func:`lanes` times the writes by, and
+    what the SSD wears by (``planning/wear.py``). A catch-up of deferred updates
+    (expected, not every step) is not counted."""
+    out = dict.fromkeys(("optimizer", "params", "activations", "gradients"), 0.0)
+    if c.mode == "none":
+        return out
+    o = c.placement
+    L, A, cb = w.num_layers, w.micro_batches, w.compute_bytes
+    sizes = memory_sizes(w, n, o.batch_chunks)
+    cache = DeviceCache.of(sizes, o)
+    if o.optimizer == "nvme":
+        written = w.state_bytes_per_param * (w.params - cache.params) * (1 - cached)
+        routing = w.routed_expert_params and o.expert_fetch == "routed"
+        if routing and w.deferred_expert_updates:
+            routed = max(0, o.recomputed_blocks(L) - max(o.resident_blocks, cache.blocks))
+            state = routed * w.routed_expert_params * w.state_bytes_per_param
+            written -= deferred_bytes(w, state)[1] * (1 - cached)
+        out["optimizer"] = written
+    if o.params == "nvme" and not params_are_master(o, cb):
+        out["params"] = cb * (w.params - cache.params)
+    acts = 0.0
+    if o.activations == "nvme":
+        acts += max(0, o.recomputed_blocks(L) - IO_READAHEAD) * w.boundary
+    if o.swap_blocks and o.swap_tier == "nvme":
+        acts += max(0, o.swap_blocks - IO_READAHEAD) * sizes.swap_bytes(o.swap_level)
+    out["activations"] = A * acts * n
+    out["gradients"] = float(grad_spill)
+    return out
 
 
 def deferred_bytes(w: Workload, state: float) -> tuple[float, float, float]:

@@ -368,6 +368,20 @@ def measure_device_bandwidth(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / _best_time(lambda: jax.block_until_ready(step(x)), repeats=5)
 
 
+def drives_bandwidth(dirs: list[Path], measure) -> tuple[float, float, int]:
+    """Read and write bytes/s and capacity of the NVMe drives ``dirs`` name (one per
+    drive, ``memory.nvme_path``), their pages striped over them (``storage/stripes.py``):
+    each distinct device measured once (``measure(dir) -> (read, write)``) and the
+    bandwidths summed (directories on one device share it); the capacity is the
+    smallest free space times the directories' count (each holds 1/n of the pages)."""
+    by_device: dict[int, Path] = {}
+    for d in dirs:
+        by_device.setdefault(os.stat(d).st_dev, d)
+    measured = [measure(d) for d in by_device.values()]
+    free = min(shutil.disk_usage(d).free for d in dirs) * len(dirs)
+    return sum(r for r, _ in measured), sum(w for _, w in measured), free
+
+
 @functools.lru_cache(maxsize=4)
 def measure_local(nvme_path: str = "", dtype: str = "float32") -> Hardware:
     """This machine, measured now (a few seconds; cached for the process)."""
@@ -380,11 +394,11 @@ def measure_local(nvme_path: str = "", dtype: str = "float32") -> Hardware:
         device_memory = device_capacity()
     except HardwareError:  # unknown: the plan then needs memory.device_budget
         device_memory = 0
-    probe_dir = Path(nvme_path) if nvme_path else Path(tempfile.gettempdir())
-    probe_dir = next((p for p in (probe_dir, *probe_dir.parents) if p.exists()), Path("/"))
+    drives = [d.strip() for d in nvme_path.split(",")] if nvme_path else []
+    dirs = [Path(d) for d in drives] or [Path(tempfile.gettempdir())]
+    dirs = [next((p for p in (d, *d.parents) if p.exists()), Path("/")) for d in dirs]
     try:
-        nvme_read, nvme_write = measure_nvme(probe_dir)
-        nvme_free = shutil.disk_usage(probe_dir).free
+        nvme_read, nvme_write, nvme_free = drives_bandwidth(dirs, measure_nvme)
     except OSError:  # not writable: no NVMe tier
         nvme_read = nvme_write = 0.0
         nvme_free = 0
@@ -392,7 +406,7 @@ def measure_local(nvme_path: str = "", dtype: str = "float32") -> Hardware:
     return Hardware(
         name="local",
         description=f"this machine, measured ({device.device_kind}, {os.cpu_count()} CPUs, "
-        f"NVMe probe in {probe_dir})",
+        f"NVMe probe in {', '.join(map(str, dirs))})",
         source="measured by hetjax.planning.hardware.measure_local",
         num_devices=1,
         device_memory=device_memory,

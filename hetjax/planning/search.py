@@ -46,8 +46,9 @@ from hetjax.config import SWAP_LEVELS, Config, ConfigError, format_bytes
 from hetjax.memory import WAIT_LAG_HOST, DeviceCache, device_parts, plan_device, window_wait_lag
 from hetjax.memory_host import HostMemoryPlan, host_minimum, in_memory_parts, nvme_parts, plan_host
 from hetjax.placement import Placement
-from hetjax.planning.cost import ON_DEVICE, Candidate, lanes
+from hetjax.planning.cost import ON_DEVICE, Candidate, lanes, nvme_writes
 from hetjax.planning.hardware import Hardware
+from hetjax.planning.wear import Wear
 from hetjax.planning.workload import Workload, memory_sizes
 
 MARGIN = 0.9  # of a tier's capacity the planner may use when no budget is given
@@ -55,6 +56,9 @@ MARGIN = 0.9  # of a tier's capacity the planner may use when no budget is given
 # (Candidate.rank). So a larger budget's plan is never slower than this factor times a
 # smaller one's (its fastest is no slower).
 TIE = 1.02
+# with memory.nvme_wear_budget: a plan this much slower than the fastest that writes
+# less to NVMe is preferred (writing less "costs little time")
+WEAR_TIE = 1.10
 
 
 class PlanError(ConfigError):
@@ -83,6 +87,8 @@ class Plan:
     # s/step when global-norm clipping binds (sync mode: the update after backward)
     step_clipped_s: float = 0.0
     num_devices: int = 1
+    # NVMe bytes a step writes and what that costs the drives (planning/wear.py)
+    wear: Wear | None = None
 
     @property
     def placement(self) -> Placement:
@@ -191,6 +197,8 @@ class Plan:
                 f"  predicted when clipping binds (the update after backward, not during): "
                 f"{self.step_clipped_s:.4g} s/step"
             )
+        if self.wear is not None and self.wear.written_per_step:
+            lines.append(f"  {self.wear.describe()}")
         return "\n".join(lines)
 
     num_layers: int = 0
@@ -393,8 +401,8 @@ def _cache_variants(w: Workload, parallelism: str, c: Candidate):
 
 def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) -> list[tuple]:
     """Candidate ``c``'s footprint per tier and predicted step, as ``[(step, rank, c,
-    device, host, nvme, optimizer cache, lanes, step when clipping binds)]``; empty when
-    it does not fit."""
+    device, host, nvme, optimizer cache, lanes, step when clipping binds, NVMe bytes
+    written a step)]``; empty when it does not fit."""
     # the window's lag on the profile's backend (its, not this process's), as there
     f = footprint(w, c, limit, hw.num_devices, lag=window_wait_lag(not hw.shared_cores))
     if f is None:
@@ -406,7 +414,8 @@ def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) ->
     kept = host.get("params kept for backward", 0)
     step, by_lane = lanes(w, hw, c, cached, spill, kept_params=kept)
     clipped, _ = lanes(w, hw, c, cached, spill, after_backward=True, kept_params=kept)
-    return [(step, c.rank, c, f.device, host, nvme, cache, by_lane, clipped)]
+    written = sum(nvme_writes(w, c, cached, spill, hw.num_devices).values())
+    return [(step, c.rank, c, f.device, host, nvme, cache, by_lane, clipped, written)]
 
 
 def make_plan(
@@ -436,10 +445,21 @@ def make_plan(
         best = search(True)
     if not best:
         raise PlanError(_shortfall(config, w, hw, limit, parallel))
-    fastest = min(b[0] for b in best)
-    step, _, c, device, host, nvme, cache, lanes, clipped = min(
-        (b for b in best if b[0] <= TIE * fastest), key=lambda b: (b[1], b[0])
-    )
+    wear_of = lambda b: Wear.of(config, b[9], b[0])
+    budget = config.memory.nvme_wear_budget
+    if budget:  # refuse what wears the drives past the budget; prefer writing less
+        within = [b for b in best if not wear_of(b).over_budget(budget)]
+        if not within:
+            least = wear_of(min(best, key=lambda b: b[9]))
+            raise PlanError(
+                f"{w.name} on {hw.name}: no placement stays within the SSD wear budget; "
+                f"the one that writes least: {least.over_budget(budget)}. Lower "
+                "train.steps, raise memory.nvme_wear_budget, add drives (memory.nvme_path) "
+                "or host RAM (memory.host_budget caches optimizer state)"
+            )
+        best = within
+    chosen = _choose(best, write_less=bool(budget))
+    step, _, c, device, host, nvme, cache, lanes, clipped, _ = chosen
     busiest = max(lanes, key=lanes.get)
     o = config.optimizer
     return Plan(
@@ -468,7 +488,28 @@ def make_plan(
             else None
         ),
         fallbacks=tuple(support.fallbacks(config, parallel)) if c.mode == "stream" else (),
+        wear=wear_of(chosen),
     )
+
+
+def _choose(best: list[tuple], write_less: bool = False) -> tuple:
+    """The plan among ``best`` (:func:`_evaluate`'s tuples: step s first, rank second,
+    NVMe bytes written a step last): the least offloaded within ``TIE`` of the fastest;
+    ``write_less`` (a wear budget): instead, of the plans within ``WEAR_TIE`` of the
+    fastest that write less than that one, those writing least, chosen the same way."""
+
+    def preferred(pool):  # the least offloaded of those within TIE of the fastest
+        fastest = min(b[0] for b in pool)
+        return min((b for b in pool if b[0] <= TIE * fastest), key=lambda b: (b[1], b[0]))
+
+    chosen = preferred(best)
+    if write_less:
+        fastest = min(b[0] for b in best)
+        cheaper = [b for b in best if b[0] <= WEAR_TIE * fastest and b[-1] < 0.99 * chosen[-1]]
+        if cheaper:
+            least = min(b[-1] for b in cheaper)
+            chosen = preferred([b for b in cheaper if b[-1] <= least * 1.001])
+    return chosen
 
 
 def planned_parallelism(config: Config, hw: Hardware) -> str:

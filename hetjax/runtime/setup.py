@@ -33,6 +33,7 @@ from hetjax.storage.params import (
     SplitParamStore,
 )
 from hetjax.storage.states import MemoryStateStore, NvmeStateStore, SplitStateStore
+from hetjax.storage.stripes import Stripes, stripes_of
 from hetjax.storage.swap import BoundarySwap, ResidualSwap
 from hetjax.types import group_key, is_block, stage_layout
 
@@ -96,11 +97,13 @@ def stage_pages(sizes: Sizes, offload: Placement, page_elems: int) -> dict[str, 
 
 def nvme_directory(
     config: Config, sizes: Sizes, offload: Placement, host: HostMemoryPlan, workdir, subdir: str
-) -> tuple[Path | None, bool]:
+) -> tuple[Path | None, bool, Stripes | None]:
     """Checks (and creates) the NVMe directory when anything lives on NVMe: its path
-    (None when nothing does) and whether it is a temporary one to remove at close."""
+    (None when nothing does; drive 0's with several), whether it is a temporary one to
+    remove at close, and the drives its pages stripe over (``memory.nvme_path`` naming
+    several: each drive's directory checked for its share of the bytes)."""
     if not offload.uses_nvme:
-        return None, False
+        return None, False, None
     names = {
         "optimizer": "the optimizer state",
         "params": "the params",
@@ -109,16 +112,22 @@ def nvme_directory(
         "gradients": "spilled gradients",  # kept for a redo
     }
     needed = {names[k]: v for k, v in nvme_parts(sizes, offload, host).items()}
-    nvme_path = config.memory.nvme_path
-    temporary = not nvme_path and workdir is None
-    if nvme_path:
-        path = Path(nvme_path)
+    drives = config.memory.nvme_paths
+    temporary = not drives and workdir is None
+    if drives:
+        paths = [Path(d) for d in drives]
     elif workdir is not None:
-        path = Path(workdir) / "nvme"
+        paths = [Path(workdir) / "nvme"]
     else:
-        path = Path(tempfile.mkdtemp(prefix="hetjax-nvme-"))
-    path = path / subdir if subdir else path
-    return check_nvme_path(path, needed), temporary
+        paths = [Path(tempfile.mkdtemp(prefix="hetjax-nvme-"))]
+    stripes = stripes_of(paths, subdir)
+    # a drive holds every n-th page of each array: 1/n of it, up to a page more of each
+    # (a few arrays a part: 8 pages of slack)
+    n, slack = stripes.count, 8 * config.memory.page_size
+    share = {k: -(-v // n) + slack * (n > 1 and v > 0) for k, v in needed.items()}
+    for path in (stripes.root, *stripes.others):
+        check_nvme_path(path, share)
+    return stripes.root, temporary, stripes
 
 
 def make_stores(
@@ -132,10 +141,12 @@ def make_stores(
     device_stages: tuple[str, ...],
     views: LeafViews | None = None,
     slabs: SlabPool | None = None,
+    stripes: Stripes | None = None,
 ):
     """The state store and the param store of the offload tiers: NVMe arrays, host RAM
     or device memory, with the device-cached stages routed to device stores. ``views``:
-    the param stores hand stages out as leaf buffers (one device), else as pages."""
+    the param stores hand stages out as leaf buffers (one device), else as pages;
+    ``stripes``: the drives the NVMe arrays' pages stripe over."""
     off = config.offload
     opt_sharding = shardings.device if off.optimizer == "device" else shardings.optimizer
     dtype = jnp.dtype(config.model.compute_dtype)
@@ -150,6 +161,8 @@ def make_stores(
             sharding=shardings.optimizer,
             io_slots=memory.IO_SLOTS,
             master_reads_kept=memory_host.master_reads_kept(offload, dtype.itemsize),
+            generations=offload.generations,
+            stripes=stripes,
         )
     else:
         states = MemoryStateStore(opt_sharding, on_device=off.optimizer == "device")
@@ -165,6 +178,8 @@ def make_stores(
             slabs=slabs,
             master_of=states if master else None,
             keep_published=host.published_stages,
+            generations=offload.generations,
+            stripes=stripes,
         )
     else:
         params = HostParamStore(shardings.host, views)
@@ -177,15 +192,21 @@ def make_stores(
 
 
 def make_grad_store(
-    config: Config, host: HostMemoryPlan, sizes: Sizes, page_elems: int, nvme_dir: Path | None
+    config: Config,
+    host: HostMemoryPlan,
+    sizes: Sizes,
+    page_elems: int,
+    nvme_dir: Path | None,
+    stripes: Stripes | None = None,
 ) -> GradientStore:
     """Where gradients wait for a possible clipping redo (``storage/gradients.py``):
     the stages the host plan spills go to ``<nvme>/gradients``, one array per dtype."""
     grad_dtype = lambda n: memory.block_grad_dtype(config) if is_block(n) else jnp.float32
     spilled = {n: (sizes.own(n) // page_elems, grad_dtype(n)) for n in host.grads.spilled}
     path = nvme_dir / "gradients" if spilled else None
-    redo = config.optimizer.grad_clip > 0  # the sync loop may redo the updates
-    return GradientStore(redo, spilled, path, page_elems)
+    # the sync loop may redo the updates, or updates after backward only
+    redo = memory.grad_policy(config) == "keep" or config.optimizer.grad_clip > 0
+    return GradientStore(redo, spilled, path, page_elems, stripes)
 
 
 def make_boundary_swap(
@@ -218,9 +239,17 @@ def progress(stages: list[str], what: str):
 
 
 def describe_plans(
-    placement_lines, device_plan, host_plan, device_stages, nvme_dir, offload
+    placement_lines,
+    device_plan,
+    host_plan,
+    device_stages,
+    nvme_dir,
+    offload,
+    generations=None,
+    copy_bytes: int = 0,
 ) -> list[str]:
-    """The start-up plans, for the log."""
+    """The start-up plans, for the log (``generations``: the NVMe tier's,
+    ``generations.py``, ``copy_bytes`` one copy of its state and params)."""
     lines = [*placement_lines, device_plan.describe(), host_plan.describe()]
     if device_stages:
         n = len(device_stages)
@@ -233,6 +262,8 @@ def describe_plans(
             f"nvme: {nvme_dir} (offload.optimizer={offload.optimizer}, "
             f"offload.params={offload.params}, offload.activations={offload.activations})"
         )
+        if generations is not None and "nvme" in (offload.optimizer, offload.params):
+            lines.append(generations.describe(copy_bytes))
     return lines
 
 
@@ -255,16 +286,18 @@ def init_state(
     part of a whole slab this process holds."""
     checkpoint = open_checkpoint(config.model)  # None: random init
     keys = model.stage_keys(jax.random.key(config.train.seed))
+    inits = {}  # one jitted init per layout: a block compiles once, not once per block
     for name in progress(stage_names, f"initialising state ({config.offload.optimizer})"):
         kind = layout_name(name)
         layout = layouts[kind]
         key = keys[group_key(kind)][int(name[len(kind) :])] if is_block(name) else keys[kind]
         if checkpoint is None:
-            init = jax.jit(
-                lambda k, kind=kind, layout=layout: layout.flatten(model.init_stage(kind, k)),
-                out_shardings=sharding,
-            )
-            master = init(key)
+            if kind not in inits:
+                inits[kind] = jax.jit(
+                    lambda k, kind=kind, layout=layout: layout.flatten(model.init_stage(kind, k)),
+                    out_shardings=sharding,
+                )
+            master = inits[kind](key)
         else:  # only this stage's tensors are read, flattened on the host
             slab = layout.flatten_np(checkpoint.stage(name))
             master = jax.device_put(slab, sharding)
@@ -308,7 +341,7 @@ def build_stores(
 ) -> Stores:
     """The NVMe directory (checked against what the memory model puts there) and every
     store of the run's tiers (the optimizer state in ``sizes.state_format``)."""
-    nvme_dir, temporary = nvme_directory(
+    nvme_dir, temporary, stripes = nvme_directory(
         config, sizes, offload, host, workdir, placement.nvme_subdir
     )
     page_elems = layouts["embed"].page_elems  # every stage's
@@ -319,7 +352,7 @@ def build_stores(
     states, params = make_stores(
         config, nvme_dir, pages, page_elems, sizes.state_format, host, placement.shardings,
         device_stages,
-        views, slabs,
+        views, slabs, stripes,
     )  # fmt: skip
     on_nvme = config.offload.params == "nvme"
     return Stores(
@@ -327,7 +360,7 @@ def build_stores(
         temporary=temporary,
         states=states,
         params=placement.param_store(params, layouts, on_nvme),
-        grads=make_grad_store(config, host, sizes, page_elems, nvme_dir),
+        grads=make_grad_store(config, host, sizes, page_elems, nvme_dir, stripes),
         swap=make_boundary_swap(config, nvme_dir, boundary, placement),
         residual_swap=make_residual_swap(config, sizes, offload, nvme_dir, placement),
         param_buffers=slabs,

@@ -12,6 +12,7 @@ import numpy as np
 
 from hetjax.storage.nvme import PageStore, bound_writes
 from hetjax.storage.pages import GradPages
+from hetjax.storage.stripes import Stripes
 
 
 class GradientStore:
@@ -28,8 +29,10 @@ class GradientStore:
         spilled: dict[str, tuple[int, np.dtype]] | None = None,
         path: Path | None = None,
         page_elems: int = 0,
+        stripes: Stripes | None = None,
     ):
-        """``spilled``: stage -> (pages, dtype) of its gradient slab."""
+        """``spilled``: stage -> (pages, dtype) of its gradient slab; ``stripes``: the
+        drives the spilled pages stripe over (``stripes.py``)."""
         self.keep_grads = keep
         self.page_elems = page_elems
         spilled = spilled or {}
@@ -41,7 +44,9 @@ class GradientStore:
             first += n
         self.disk = None
         if spilled:
-            self.disk = PageStore(Path(path), {d: d for d in dtypes}, first, page_elems)
+            self.disk = PageStore(
+                Path(path), {d: d for d in dtypes}, first, page_elems, stripes=stripes
+            )
         itemsize = lambda kind: jnp.dtype(kind).itemsize
         self.nvme_bytes = sum(n * page_elems * itemsize(k) for k, _, n in self.where.values())
         biggest = max((n * page_elems * itemsize(k) for k, _, n in self.where.values()), default=0)

@@ -37,6 +37,7 @@ from hetjax import faults, timeline
 from hetjax.config import ConfigError, format_bytes
 from hetjax.storage.checksums import PageChecksums, crc32
 from hetjax.storage.pages import DIRECT_ALIGN
+from hetjax.storage.stripes import Stripes
 
 IO_CONCURRENCY = 16  # concurrent file operations; see MEASUREMENTS.md (4 MiB chunks, 16)
 # TensorStore's ``file_io_mode``: ``direct`` opens the chunk files with O_DIRECT (no page
@@ -126,6 +127,7 @@ class PageStore:
         io_mode: str = IO_MODE,
         concurrency: int = IO_CONCURRENCY,
         verify: bool = True,
+        stripes: Stripes | None = None,
     ):
         """``kinds``: names (float32 pages) or a dict name -> dtype name (e.g. the
         compute-dtype param pages, ``bfloat16``). ``chunk_elems``: elements per chunk
@@ -134,7 +136,8 @@ class PageStore:
         ``io_mode``, ``concurrency``: TensorStore's file I/O settings (benchmarks sweep
         them; the tier uses :data:`IO_MODE` and :data:`IO_CONCURRENCY`). ``verify``:
         sum every page written and check every page read (``checksums.py``; off only
-        to measure what that costs, ``python -m hetjax.bench io``)."""
+        to measure what that costs, ``python -m hetjax.bench io``). ``stripes``: the
+        drives the pages stripe over (``stripes.py``; whole-page chunks only)."""
         self.path = Path(path)
         if not isinstance(kinds, dict):
             kinds = {k: "float32" for k in kinds}
@@ -151,6 +154,10 @@ class PageStore:
         ]
         for kind, future in zip(self.kinds, opened, strict=True):
             self.arrays[kind] = future.result()
+        if stripes is not None and stripes.others:
+            assert self.chunk_elems == page_elems, "pages stripe as whole chunks"
+            for kind in self.kinds:
+                stripes.lay_out(self.path / kind, num_pages)
         # every row written is summed and every row read checked (checksums.py)
         self.checksums = PageChecksums(self.kinds, num_pages, self.label, enabled=verify)
         # Reads and borrowed writes of whole pages bypass TensorStore where a chunk file

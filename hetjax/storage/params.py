@@ -33,6 +33,7 @@ from hetjax.storage.nvme import (
 from hetjax.storage.pages import LeafBuffers, SlabLayout, pages_slab
 from hetjax.storage.param_cache import ParamCache
 from hetjax.storage.states import copy_chunks
+from hetjax.storage.stripes import Stripes
 from hetjax.types import stage_layout
 
 
@@ -233,15 +234,25 @@ def pinned(pieces, sharding: jax.sharding.Sharding):
 
 class OwnPages:
     """The param pages' own files: two generations of TensorStore arrays under ``path``
-    (the committed one, read, and the one the step's updates write)."""
+    (the committed one, read, and the one the step's updates write), or one written in
+    place (``generations.py``)."""
 
     kind = "params"
     writes = True  # publish writes the pages
 
-    def __init__(self, path: Path, dtype: Any, num_pages: int, page_elems: int):
+    def __init__(
+        self,
+        path: Path,
+        dtype: Any,
+        num_pages: int,
+        page_elems: int,
+        generations: int = 2,
+        stripes: Stripes | None = None,
+    ):
         kinds = {self.kind: np.dtype(dtype).name}
         self.disk = [
-            PageStore(Path(path) / f"gen{g}", kinds, num_pages, page_elems) for g in (0, 1)
+            PageStore(Path(path) / f"gen{g}", kinds, num_pages, page_elems, stripes=stripes)
+            for g in range(generations)
         ]
         self.gen = 0
         self._target = 0  # the generation publish writes into (the first commit keeps 0)
@@ -261,7 +272,7 @@ class OwnPages:
     def commit(self) -> None:
         if self._target != self.gen:
             self.gen = self._target
-        self._target = 1 - self.gen
+        self._target = (1 - self.gen) % len(self.disk)
 
     @property
     def nbytes(self) -> int:
@@ -329,6 +340,8 @@ class NvmeParamStore:
         slabs: SlabPool | None = None,
         master_of=None,
         keep_published: tuple[str, ...] = (),
+        generations: int = 2,
+        stripes: Stripes | None = None,
     ):
         """``stage_to``: the device's ``pinned_host`` memory, where pages read from disk
         are copied as soon as they land (by the thread completing the read, not the
@@ -341,7 +354,9 @@ class NvmeParamStore:
         params are (:class:`MasterPages`; ``path`` unused), else they have files of
         their own under ``path`` (:class:`OwnPages`). ``keep_published``: stages whose
         published pages are kept to the commit, landed or not, and handed to their
-        first ``get`` after it from RAM (:class:`ParamCache`)."""
+        first ``get`` after it from RAM (:class:`ParamCache`). ``generations``: of own
+        files (:class:`OwnPages`): 2, or 1 written in place; ``stripes``: the drives
+        their pages stripe over."""
         self.stage_pages = stage_pages
         self.slabs = slabs
         self.stage_to = stage_to
@@ -353,7 +368,7 @@ class NvmeParamStore:
             assert self.dtype == MASTER_DTYPE, "only params in the master's dtype are the master"
             self.pages = MasterPages(master_of)
         else:
-            self.pages = OwnPages(path, dtype, num_pages, page_elems)
+            self.pages = OwnPages(path, dtype, num_pages, page_elems, generations, stripes)
         self.cache = ParamCache(keep_published)
         # stage -> (landing data, future of its pinned copy): with ``stage_to``, a
         # landing stage's published data staged ahead by ``prefetch`` as a read would be

@@ -23,6 +23,9 @@ committed state and one receiving the step's writes, and ``commit`` flips them; 
 stages keep their old slabs until ``commit``. A crash or a bad step leaves the committed
 generation intact.
 
+Where no written update can be dropped (``generations.py``) one generation is kept and
+a step writes it in place (``generations=1``): half the files, the same bytes written.
+
 Compute-dtype params follow the same pattern in ``params.py``.
 """
 
@@ -40,10 +43,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from hetjax import faults
 from hetjax.optimizer.state_format import StateFormat
 from hetjax.storage.iopool import IoPool, Slot
 from hetjax.storage.nvme import BaseCounters, PageStore, bound_writes, forget_done
 from hetjax.storage.pages import page_runs, runs_outside
+from hetjax.storage.stripes import Stripes
 from hetjax.types import MASTER
 
 MANIFEST = "manifest.json"
@@ -186,8 +191,8 @@ def _nbytes(tree) -> int:
 
 
 class NvmeStateStore:
-    """Optimizer state in TensorStore arrays under ``path``, two generations, with a
-    host cache of the stages in ``cached``."""
+    """Optimizer state in TensorStore arrays under ``path``, in ``generations`` copies
+    (two, or one written in place), with a host cache of the stages in ``cached``."""
 
     def __init__(
         self,
@@ -200,13 +205,18 @@ class NvmeStateStore:
         sharding: jax.sharding.Sharding,
         io_slots: int,
         master_reads_kept: int = 0,
+        generations: int = 2,
+        stripes: Stripes | None = None,
     ):
         """``state_format``: the kinds and their dtypes (``optimizer/state_format.py``).
         ``stage_pages``: stage -> (first page, number of pages); ``cached``: the
         stages kept in host RAM (``sharding``); ``io_slots``: stages' worth of pooled
         I/O buffers (``iopool.py``), what the host plan counts (``memory.IO_SLOTS``);
         ``master_reads_kept``: how many reads of the committed master pages made
-        elsewhere are kept for this store's reads (:class:`MasterReads`)."""
+        elsewhere are kept for this store's reads (:class:`MasterReads`);
+        ``generations``: 2, or 1 where no written update can be dropped
+        (``generations.py``: a step writes the committed pages in place); ``stripes``:
+        the drives the pages stripe over (``stripes.py``)."""
         self.path = Path(path)
         self.state_format = state_format
         self.kinds = state_format.kinds
@@ -217,9 +227,13 @@ class NvmeStateStore:
         num_pages = sum(n for _, n in stage_pages.values())
         dtypes = state_format.dtypes
         self.disk = [
-            PageStore(self.path / f"gen{g}", dtypes, num_pages, page_elems) for g in (0, 1)
+            PageStore(self.path / f"gen{g}", dtypes, num_pages, page_elems, stripes=stripes)
+            for g in range(generations)
         ]
         self.gen = 0  # the generation holding the committed state
+        # streamed stages a dropped step wrote in place (one generation): neither read
+        # nor checkpointed until a restore rewrites them
+        self._torn: set[str] = set()
         self.cache: dict[str, dict[str, jax.Array]] = {}
         self.scalars: dict[str, list] = {}
         self._pending_cache: dict[str, dict] = {}
@@ -252,6 +266,7 @@ class NvmeStateStore:
 
     def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:
         self._drop_reads()  # of state this replaces (a restore)
+        self._torn.discard(stage)
         self.version += 1
         self.scalars[stage] = scalars
         if stage in self.cached:
@@ -274,6 +289,7 @@ class NvmeStateStore:
             return None
         if stage in self._reads:
             return self._reads[stage]
+        self._check_whole(stage)
         self._land(stage)
         first, n = self.stage_pages[stage]
         slot = self._pool.take(stage)
@@ -342,7 +358,11 @@ class NvmeStateStore:
             self._pending_cache[stage] = slabs
         else:
             slot = self._held.pop(stage, None)
-            futures = self._write(1 - self.gen, stage, slabs, stage, slot, skip)
+            futures = self._write(self._target, stage, slabs, stage, slot, skip)
+            if faults.fire("kill_mid_update"):  # the crash tests' torn step
+                for future in futures:
+                    future.result()
+                faults.Faults.kill()
             if slot is not None:
                 self._pool.give(slot, futures)
 
@@ -361,14 +381,31 @@ class NvmeStateStore:
         self.scalars.update(self._pending_scalars)
         self._pending_cache.clear()
         self._pending_scalars.clear()
-        self.gen = 1 - self.gen
+        self.gen = self._target
         self.version += 1
         self._drop_reads()  # of the generation just replaced
         self._manifest_due = True
         if not self._writes:
             self._land_all()
 
+    @property
+    def _target(self) -> int:
+        """The generation a step's updates write: the other one, or (one generation)
+        the committed one, in place."""
+        return (1 - self.gen) % len(self.disk)
+
+    def _check_whole(self, stage: str) -> None:
+        if stage in self._torn:
+            raise RuntimeError(
+                f"the NVMe state of {stage} was written in place by a step whose updates "
+                "were then dropped (memory.nvme_generations=1): it is neither read nor "
+                "checkpointed until a restore rewrites it; the run resumes from its newest "
+                "checkpoint"
+            )
+
     def abort(self) -> None:
+        if len(self.disk) == 1:  # written in place: those stages hold no committed state
+            self._torn.update(self._by_stage)
         self._wait_writes()  # into the uncommitted generation; then forgotten
         self._drop_reads()
         self._spare.update(self._pending_cache)
@@ -401,6 +438,7 @@ class NvmeStateStore:
         if stage in self.cached:
             slabs = {k: np.array(flat(v)) for k, v in self.cache[stage].items()}
         else:
+            self._check_whole(stage)
             self._land(stage)
             first, n = self.stage_pages[stage]
             reads = {k: self.disk[self.gen].read(k, first, n) for k in self.kinds}
@@ -415,6 +453,7 @@ class NvmeStateStore:
         scalars = [np.array(s) for s in self.scalars[stage]]
         if stage in self.cached:
             return self.cache[stage], scalars, self._frozen.add(stage, self.cache[stage])
+        self._check_whole(stage)
         self._land(stage)
         files = (self.disk[self.gen], self.stage_pages[stage][0])
         return files, scalars, self._frozen.add(stage, self.gen)
@@ -478,7 +517,7 @@ class NvmeStateStore:
                 self.write_bytes += data.nbytes
                 page += data.size // P
                 bound_writes(self._writes, self._write_window)
-            if skip:
+            if skip and gen != self.gen:  # (in place: those pages are there already)
                 linked = [first + p for p in sorted(skip)]
                 future = self.disk[gen].link_from(self.disk[1 - gen], k, linked)
                 self._track(future, _NOTHING, speculative, k)
