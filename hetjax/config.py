@@ -133,6 +133,7 @@ class TrainConfig:
 
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd")
 NATIVE_OPTIMIZERS = ("adamw", "adam")  # the host optimizer's native kernel (native.py)
+STATE_DTYPES = ("float32", "bfloat16", "int8")  # optimizer.state_dtype (state_format.py)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,9 +163,14 @@ class OptimizerConfig:
     # the host optimizer's kernel for adam/adamw: ``auto`` native when it builds, else
     # optax; ``native`` (required) or ``optax`` (hetjax/optimizer/native.py)
     host_kernel: str = "auto"
+    # the dtype the optimizer's moments (Adam's mu and nu, Lion's mu, SGD's trace) are
+    # kept in, in every tier: ``float32``, ``bfloat16`` or ``int8`` (blockwise, a scale per
+    # block); the master stays fp32 (hetjax/optimizer/state_format.py)
+    state_dtype: str = "float32"
 
     def __post_init__(self):
         _choice("optimizer", "name", self.name, OPTIMIZERS)
+        _choice("optimizer", "state_dtype", self.state_dtype, STATE_DTYPES)
         _choice("optimizer", "host_kernel", self.host_kernel, ("auto", "native", "optax"))
         _check(
             self.host_kernel != "native" or self.name in NATIVE_OPTIMIZERS,

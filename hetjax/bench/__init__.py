@@ -28,6 +28,9 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
   plan      the planner's predicted step time vs the measured one, tiny and small GPTs
             under a device budget that makes offload.mode=auto stream, and the tiny
             GPT data-parallel (ZeRO-3) on 2 virtual CPU devices
+  state_dtype  convergence with the optimizer's moments in float32, bfloat16 and int8
+            (optimizer.state_dtype): gpt_tiny 400 steps and GPT-2 small's shape 200
+            steps, final validation losses and the loss curves in one PNG
   zero      ZeRO-3 on 1, 2, 4 devices: collective bytes per step and device vs the
             6(p-1)/p M of PatrickStar / Angel-PTM, and s/step (needs 4 devices: on CPU
             XLA_FLAGS=--xla_force_host_platform_device_count=4)
@@ -56,6 +59,7 @@ from hetjax.bench.peer import bench_peer
 from hetjax.bench.plan import bench_plan
 from hetjax.bench.scale import bench_scale
 from hetjax.bench.slabs import bench_slabs
+from hetjax.bench.state_dtype import bench_state_dtype
 from hetjax.bench.zero import bench_zero
 from hetjax.gpucheck import probe_platform
 
@@ -74,6 +78,7 @@ BENCHMARKS = {
     "plan": bench_plan,
     "keep": bench_keep,
     "attention": bench_attention,
+    "state_dtype": bench_state_dtype,
 }
 
 # Benchmarks whose rows run in child processes that each need the device's whole memory

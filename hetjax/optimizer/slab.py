@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetjax.config import OptimizerConfig
+from hetjax.config import ConfigError, OptimizerConfig
 from hetjax.optimizer import native
 from hetjax.optimizer.build import base_optimizer, learning_rate_schedule, state_kind_name
 from hetjax.optimizer.state_format import StateFormat, state_format
@@ -168,6 +168,13 @@ class SlabOptimizer:
         # what the stores, the memory model and the checkpoint hold each kind in
         self.state_format = state_format(cfg)
         assert self.state_format.kinds == self.kinds, (self.state_format, self.kinds)
+        if any(self.state_format.kind(k).block_size for k in self.kinds):
+            raise ConfigError(
+                f"config key 'optimizer.state_dtype' ({cfg.state_dtype}): int8 moments are "
+                "kept by the in-memory runtime only so far (offload.mode=none); the "
+                "offloaded stores hold one dtype a kind, without block scales: use "
+                "bfloat16 to halve the moments' bytes here"
+            )
         platform = next(iter(sharding.device_set)).platform
         self.native = native.use_native(cfg.host_kernel, cfg.name, platform, self.state_format)
         self.chunk_elems = chunk_elems(sharding)  # 0: one chunk per stage
@@ -215,6 +222,7 @@ class SlabOptimizer:
         master = jax.device_put(master, self._compute)
         slabs, scalars = self._disassemble(self.tx.init((master[:num_decay], master[num_decay:])))
         slabs = {MASTER: master, **slabs}
+        slabs = {k: v.astype(self.state_format.dtype(k)) for k, v in slabs.items()}
         return {k: self._split(v, layout_name) for k, v in slabs.items()}, scalars
 
     def _update_chunk(
@@ -228,6 +236,9 @@ class SlabOptimizer:
             return self._native_chunk(slabs, scalars, grad, scale, num_decay, page_elems, aliased)
         grad = jnp.concatenate([g.astype(F32) for g in grad])  # fused into the update
         clipped = grad * scale.astype(grad.dtype)
+        # moments kept in fewer bytes are updated in float32 and rounded to their
+        # dtype (``moments.py``): optax would otherwise compute part of it in bfloat16
+        slabs = {k: v.astype(F32) for k, v in slabs.items()}
         master = slabs[MASTER]
         params = (master[:num_decay], master[num_decay:])
         grads = (clipped[:num_decay], clipped[num_decay:])
@@ -235,6 +246,7 @@ class SlabOptimizer:
         updates, state = self.tx.update(grads, state, params)
         new = jnp.concatenate([p + u for p, u in zip(params, updates, strict=True)])
         new_slabs, new_scalars = self._disassemble(state)
+        new_slabs = {k: v.astype(self.state_format.dtype(k)) for k, v in new_slabs.items()}
         # Each page cast straight from the new master (one pass), not a cast of the whole
         # chunk sliced into pages afterwards (a second pass of copies).
         step = page_elems

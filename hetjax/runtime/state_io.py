@@ -95,6 +95,11 @@ def restore(
             own = {k: layout.flatten_np(state.stage_tree(name, k))[start:stop] for k in opt.kinds}
         else:
             own = {k: layout.flatten_np(state.stages[name][k])[start:stop] for k in opt.kinds}
+        # each kind in this run's dtype: a checkpoint of another state dtype converts
+        # (bfloat16 widens exactly, float32 rounds to nearest even)
+        own = {
+            k: np.asarray(a).astype(opt.state_format.dtype(k), copy=False) for k, a in own.items()
+        }
         slabs = {k: opt.as_chunks(kind, own[k]) for k in opt.kinds}
         scalars = [jax.device_put(np.asarray(a), opt.sharding) for a in state.scalars[name]]
         states.init_stage(name, slabs, scalars)
