@@ -290,6 +290,51 @@ def test_int8_moments_update_equals_the_numpy_reference():
         assert adam.mu.scales.shape == adam.nu.scales.shape == (4,)
 
 
+def test_int8_moments_in_host_ram_update_equals_the_numpy_reference(monkeypatch):
+    """The host optimizer with int8 moments (state in host or device memory: optax's
+    jitted update on chunks, each chunk its own blocks) over three steps, the second
+    clipped, on a slab of three chunks with weight decay ending inside one: each step
+    against the numpy reference of the quantized update from the same state, chunk by
+    chunk (as ``test_int8_moments_update_equals_the_numpy_reference``)."""
+    import hetjax.optimizer.slab
+
+    monkeypatch.setattr(hetjax.optimizer.slab, "CHUNK_ELEMS", 2 * PAGE)
+    cfg = OptimizerConfig(lr=1e-2, warmup_steps=2, state_dtype="int8")
+    opt = SlabOptimizer(cfg, 10, {"s": _layout()}, Shardings.single_device().optimizer, "float32")
+    assert not opt.native  # the kernel refuses int8 blocks: optax's path
+    rng = np.random.default_rng(2)
+    p = rng.normal(size=N).astype(F32)
+    slabs, scalars = opt.init("s", p)
+    assert [c.scales.shape for c in slabs["mu"]] == [(4,)] * 3  # 2 pages = 4 blocks a chunk
+    b1, b2, eps, wd = F32(0.9), F32(0.95), F32(cfg.eps), F32(cfg.weight_decay)
+    lrs = [1e-2 / 2, 1e-2, 1e-3 + 0.5 * (1e-2 - 1e-3) * (1 + np.cos(np.pi * 0 / 8))]
+    for t, (scale, lr) in enumerate(zip([1.0, 0.25, 1.0], lrs, strict=True), start=1):
+        g = rng.normal(size=N).astype(F32)
+        mu = np.concatenate(
+            [ref_dequantize(_codes(c), np.asarray(c.scales), True) for c in slabs["mu"]]
+        )
+        nu = np.concatenate(
+            [ref_dequantize(_codes(c) & 0xFF, np.asarray(c.scales), False) for c in slabs["nu"]]
+        )
+        gs = g * F32(scale)
+        m = F32(1 - 0.9) * gs + b1 * mu
+        v = F32(1 - 0.95) * (gs * gs) + b2 * nu
+        u = (m / (F32(1) - b1 ** F32(t))) / (np.sqrt(v / (F32(1) - b2 ** F32(t))) + eps)
+        u[:DECAYED] = u[:DECAYED] + wd * p[:DECAYED]
+        want_p = p + F32(-lr) * u
+        clip = (8.0, 2.0) if scale != 1.0 else (8.0, 0.0)
+        slabs, scalars, _ = opt.update("s", slabs, scalars, aligned_concatenate([g]), clip)
+        for kind, want, signed in (("mu", m, True), ("nu", v, False)):
+            for (a, b), chunk in zip(opt.chunk_bounds("s"), slabs[kind], strict=True):
+                codes = _codes(chunk) if signed else _codes(chunk) & 0xFF
+                want_codes, want_scales = ref_quantize(want[a:b], signed)
+                np.testing.assert_allclose(np.asarray(chunk.scales), want_scales, rtol=2e-7)
+                moved = codes != want_codes
+                assert moved.mean() <= 1e-3 and np.abs(codes - want_codes).max() <= 1
+        p = np.concatenate([np.asarray(c) for c in slabs["master"]])
+        np.testing.assert_allclose(p, want_p, rtol=2e-6, atol=1e-7)
+
+
 # -- checkpoints ------------------------------------------------------------------------------
 
 
@@ -373,14 +418,26 @@ def test_in_memory_checkpoints_round_trip_per_dtype_and_across(tiny, tmp_path):
             jax.tree.map(np.testing.assert_array_equal, restored.state.params, runtime.state.params)
 
 
-# ~40 s on 2 busy cores (four tiny streaming runtimes, two checkpoints)
+def _stream_values(runtime, stage: str) -> dict[str, np.ndarray]:
+    """A streaming run's committed state of ``stage`` as flat values: as held (float32,
+    bfloat16), int8 blocks as the float32 values they hold."""
+    from hetjax.storage.states import MemoryStateStore
+
+    if isinstance(runtime.states, MemoryStateStore):
+        held = runtime.states.slabs[stage]
+        return {k: runtime.optimizer.values(k, chunks) for k, chunks in held.items()}
+    return runtime.states.committed(stage)[0]
+
+
+# ~60 s on 2 busy cores (twelve tiny streaming runtimes, three checkpoints)
 @pytest.mark.slow
 def test_stream_checkpoints_round_trip_per_dtype_and_across(tiny, tmp_path):
     """Streaming, float32 and bfloat16 moments on NVMe (the checkpoint hard-links the
-    tier's files) trained two steps and checkpointed; restored into a streaming run of
-    each dtype with its state in host RAM: every stage's committed state is the saved
-    one converted (bfloat16 widened exactly, float32 rounded to nearest even), and in
-    its own dtype exactly the state it saved."""
+    tier's files) and int8 blocks in host RAM (saved as the float32 values they hold),
+    trained two steps and checkpointed; restored into a streaming run of each dtype with
+    its state in host RAM: every stage's committed state is the saved one converted
+    (bfloat16 widened exactly, float32 rounded to nearest even, int8 quantized chunk by
+    chunk: the reference above), and in its own dtype exactly the state it saved."""
     from equivalence import training_batches
 
     from hetjax.runtime.streaming import StreamingRuntime
@@ -393,33 +450,54 @@ def test_stream_checkpoints_round_trip_per_dtype_and_across(tiny, tmp_path):
         )
         return config, StreamingRuntime(config, workdir=tmp_path / name)
 
-    for source in ("float32", "bfloat16"):
-        config, runtime = stream(source, "nvme", f"{source}-nvme")
+    dtypes = ("float32", "bfloat16", "int8")
+    for source in dtypes:
+        tier = "host" if source == "int8" else "nvme"
+        config, runtime = stream(source, tier, f"{source}-{tier}")
         try:
             for batch in training_batches(config, 2):
                 runtime.train_step(batch)
             runtime.settle()
-            held = {s: runtime.states.committed(s)[0] for s in runtime.stage_names}
+            held = {s: _stream_values(runtime, s) for s in runtime.stage_names}
             stored = _save_and_open(runtime.save_state(), tmp_path / f"ckpt-{source}")
         finally:
             runtime.close()
-        assert stored.state_format.dtype("nu").name == source
-        for target in ("float32", "bfloat16"):
+        saved = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32"}[source]
+        assert stored.state_format.dtype("nu").name == saved
+        for target in dtypes:
             _, restored = stream(target, "host", f"{source}-to-{target}")
             try:
                 restored.load_state(stored)
+                opt = restored.optimizer
                 for stage in restored.stage_names:
-                    slabs, _ = restored.states.committed(stage)
-                    assert slabs["master"].dtype == F32
-                    np.testing.assert_array_equal(slabs["master"], held[stage]["master"])
+                    got = restored.states.slabs[stage]
+                    master = np.concatenate([np.asarray(c) for c in got["master"]])
+                    np.testing.assert_array_equal(master, held[stage]["master"])
                     for kind in ("mu", "nu"):
-                        assert slabs[kind].dtype == np.dtype(target), (stage, kind)
-                        want = _converted(held[stage][kind], kind, target)
-                        np.testing.assert_array_equal(slabs[kind].astype(F32), want)
-                        if target == source:
-                            np.testing.assert_array_equal(slabs[kind], held[stage][kind])
+                        values = held[stage][kind]
+                        if target == "int8":
+                            bounds = opt.chunk_bounds(_layout_of(stage))
+                            for (a, b), chunk in zip(bounds, got[kind], strict=True):
+                                want = ref_quantize(values[a:b].astype(F32), kind == "mu")
+                                codes = _codes(chunk) if kind == "mu" else _codes(chunk) & 0xFF
+                                np.testing.assert_array_equal(codes, want[0])
+                                np.testing.assert_array_equal(np.asarray(chunk.scales), want[1])
+                        else:
+                            flat = np.concatenate([np.asarray(c) for c in got[kind]])
+                            assert flat.dtype == np.dtype(target), (stage, kind)
+                            want = _converted(values, kind, target)
+                            np.testing.assert_array_equal(flat.astype(F32), want)
+                        if target == source:  # its own dtype: the state it saved
+                            now = opt.values(kind, got[kind])
+                            np.testing.assert_array_equal(now, values)
             finally:
                 restored.close()
+
+
+def _layout_of(stage: str) -> str:
+    from hetjax.runtime.setup import layout_name
+
+    return layout_name(stage)
 
 
 # -- bytes ------------------------------------------------------------------------------------
@@ -431,10 +509,10 @@ EIGHT = dict(num_layers=8, d_model=32, num_heads=4, max_seq_len=32)
 @pytest.mark.slow
 def test_planner_bytes_equal_the_runtimes_for_each_state_dtype(tiny, tmp_path):
     """``optimizer.state_dtype`` moves the planner's bytes (``Workload.from_config``)
-    and the streaming runtime's (its plans and its NVMe store) together, to the bytes
-    counted by hand: 4 + 4 + 4 bytes a parameter with fp32 moments, 4 + 2 + 2 with
-    bfloat16; int8 (4 + 1 + 1 and a 4-byte scale per 2048 each) is counted by the
-    planner and refused by the offloaded stores, naming the key."""
+    and the streaming runtime's (its plans, its NVMe store, the state it holds in host
+    RAM) together, to the bytes counted by hand: 4 + 4 + 4 bytes a parameter with fp32
+    moments, 4 + 2 + 2 with bfloat16, 4 + 1 + 1 and a 4-byte scale per 2048 of each
+    moment with int8 (in RAM; the NVMe tier refuses int8, naming the key)."""
     from hetjax.memory_host import nvme_parts, plan_host
     from hetjax.planning.workload import Workload, memory_sizes
     from hetjax.runtime.streaming import StreamingRuntime
@@ -461,6 +539,37 @@ def test_planner_bytes_equal_the_runtimes_for_each_state_dtype(tiny, tmp_path):
             elems = sum(s.own(n) for n in s.stages())
             assert nvme_parts(planned, o, planned_host)["optimizer"] == (runtime.states.nvme_bytes)
             assert runtime.states.nvme_bytes == 2 * per_param * elems  # two generations
+        finally:
+            runtime.close()
+    # state in host RAM, each dtype: two generations held after a step (the committed
+    # state and the dead one kept as the next update's output), as the planner counts
+    from equivalence import training_batches
+
+    host = dict(mode="stream", params="host", optimizer="host", prefetch_depth=1)
+    for dtype in ("float32", "bfloat16", "int8"):
+        config = tiny(
+            model=EIGHT, offload=host, memory=memory_cfg, optimizer=dict(state_dtype=dtype)
+        )
+        runtime = StreamingRuntime(config, workdir=tmp_path / f"host-{dtype}")
+        try:
+            s, t = runtime.sizes, config.train
+            measured = runtime.fns.memory_sizes(
+                t.micro_batch_size, t.seq_len, runtime.compute_dtype
+            )
+            o = runtime.offload
+            planned = plan_host(
+                memory_sizes(Workload.from_config(config, measured)), o, config.memory.host_budget
+            )
+            for batch in training_batches(config, 2):
+                runtime.train_step(batch)
+            elems = sum(s.own(n) for n in s.stages())
+            by_hand = {  # per element, and int8: a 4-byte scale per 2048 of each moment
+                "float32": 12 * elems,
+                "bfloat16": 8 * elems,
+                "int8": 6 * elems + 2 * 4 * elems // 2048,
+            }[dtype]
+            assert runtime.states.host_bytes() == 2 * by_hand, dtype
+            assert planned.parts["optimizer"] == runtime.host_plan.parts["optimizer"] == 2 * by_hand
         finally:
             runtime.close()
     int8 = tiny(model=EIGHT, offload=offload, memory=memory_cfg, optimizer=dict(state_dtype="int8"))
