@@ -47,24 +47,33 @@ def _smooth(losses: list[float], window: int = 10) -> np.ndarray:
 
 
 def plot(shapes: dict, out: Path) -> None:
-    """The training loss curves of every shape (one panel each) and state dtype."""
+    """The training loss curves of every shape (a column each) and state dtype, and
+    below them each dtype's difference from float32 (both means of 10 steps)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # plotting only: start-up
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6 * len(shapes), 4.2))
+    fig = Figure(figsize=(6 * len(shapes), 7.5))
     FigureCanvasAgg(fig)
     for i, (shape, entry) in enumerate(shapes.items()):
-        ax = fig.add_subplot(1, len(shapes), i + 1)
+        top = fig.add_subplot(2, len(shapes), i + 1)
+        diff = fig.add_subplot(2, len(shapes), len(shapes) + i + 1, sharex=top)
+        base = _smooth(entry["runs"]["float32"]["losses"])
         for dtype, run in entry["runs"].items():
-            losses = run["losses"]
-            ax.plot(np.arange(1, len(losses) + 1), _smooth(losses), label=dtype, linewidth=1.2)
-        done = len(next(iter(entry["runs"].values()))["losses"])
+            curve = _smooth(run["losses"])
+            steps = np.arange(1, len(curve) + 1)
+            top.plot(steps, curve, label=dtype, linewidth=1.2)
+            diff.plot(steps, curve - base[: len(curve)], label=dtype, linewidth=1.2)
+        done = len(base)
         of = f" of {entry['steps']}" if done < entry["steps"] else ""
-        ax.set_title(f"{shape}: training loss, mean of 10 steps ({done}{of} steps)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats/token)")
-        ax.legend(title="moments")
-        ax.grid(alpha=0.3)
+        top.set_title(f"{shape}: training loss ({done}{of} steps)")
+        top.set_ylabel("loss, mean of 10 steps (nats/token)")
+        top.legend(title="moments")
+        diff.set_title(f"{shape}: minus the float32 run's")
+        diff.set_xlabel("step")
+        diff.set_ylabel("loss difference (nats/token)")
+        diff.axhline(0, color="0.5", linewidth=0.8)
+        for ax in (top, diff):
+            ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
