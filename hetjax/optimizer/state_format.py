@@ -50,8 +50,8 @@ OPTIMIZER_KINDS: dict[str, tuple[str, ...]] = {
 @dataclasses.dataclass(frozen=True)
 class KindFormat:
     """How one kind of state is stored: elements of ``dtype`` and, where ``block_size``
-    is set, one :data:`SCALE_DTYPE` scale per ``block_size`` elements (room for
-    block-quantized moments; no store holds scales yet)."""
+    is set, one :data:`SCALE_DTYPE` scale per ``block_size`` elements (int8 moments:
+    held in memory as ``moments.Int8Blocks``, each chunk its own blocks)."""
 
     dtype: np.dtype
     block_size: int | None = None
@@ -126,11 +126,15 @@ class StateFormat:
         return self._by_kind[kind]
 
     def dtype(self, kind: str) -> np.dtype:
-        """The dtype a store holds ``kind`` in. Raises ``NotImplementedError`` for a
-        block-scaled kind: no store or kernel holds scales yet."""
+        """The dtype a store holds ``kind`` in, one array of it. Raises
+        ``NotImplementedError`` for a block-scaled kind: its elements and scales are two
+        arrays (``moments.Int8Blocks``), which the page stores (NVMe, checkpoints) and
+        the native kernel do not hold."""
         f = self.kind(kind)
         if f.block_size is not None:
-            raise NotImplementedError(f"state kind {kind!r} has block scales: not stored yet")
+            raise NotImplementedError(
+                f"state kind {kind!r} has block scales: not one array of one dtype"
+            )
         return f.dtype
 
     @property
