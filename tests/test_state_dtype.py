@@ -137,7 +137,7 @@ def test_bf16_moments_update_equals_the_numpy_reference(
 CLIP = dict(grad_clip=2.0)  # binds in some of the tiny runs' steps, not all (test_offload.py)
 
 
-# ~60 s on 2 cores (three tiny runs)
+# 5 s (30 s with the shared cores loaded: three tiny runs)
 @pytest.mark.slow
 def test_stream_with_bf16_moments_on_nvme_equals_state_in_ram(tiny, tmp_path):
     """bfloat16 moments, optimizer state on NVMe (the native kernel in place on the I/O
@@ -375,7 +375,7 @@ def _converted(saved: np.ndarray, kind: str, dtype: str):
     return ref_quantize(wide, signed=kind != "nu")
 
 
-# ~90 s on 2 busy cores (nine tiny in-memory runtimes, three checkpoints)
+# 7 s (90 s with the shared cores loaded: nine tiny in-memory runtimes, three checkpoints)
 @pytest.mark.slow
 def test_in_memory_checkpoints_round_trip_per_dtype_and_across(tiny, tmp_path):
     """In memory, each state dtype trained two steps and checkpointed: the checkpoint
@@ -429,7 +429,7 @@ def _stream_values(runtime, stage: str) -> dict[str, np.ndarray]:
     return runtime.states.committed(stage)[0]
 
 
-# ~60 s on 2 busy cores (twelve tiny streaming runtimes, three checkpoints)
+# 12 s (65 s with the shared cores loaded: twelve tiny streaming runtimes, three checkpoints)
 @pytest.mark.slow
 def test_stream_checkpoints_round_trip_per_dtype_and_across(tiny, tmp_path):
     """Streaming, float32 and bfloat16 moments on NVMe (the checkpoint hard-links the
@@ -505,7 +505,7 @@ def _layout_of(stage: str) -> str:
 EIGHT = dict(num_layers=8, d_model=32, num_heads=4, max_seq_len=32)
 
 
-# ~20 s on 2 busy cores (two streaming runtimes)
+# 11 s (45 s with the shared cores loaded: five streaming runtimes)
 @pytest.mark.slow
 def test_planner_bytes_equal_the_runtimes_for_each_state_dtype(tiny, tmp_path):
     """``optimizer.state_dtype`` moves the planner's bytes (``Workload.from_config``)
@@ -580,7 +580,7 @@ def test_planner_bytes_equal_the_runtimes_for_each_state_dtype(tiny, tmp_path):
         StreamingRuntime(int8, workdir=tmp_path / "int8")
 
 
-# ~40 s on 2 busy cores: a benchmark smoke test
+# 7 s (45 s with the shared cores loaded): a benchmark smoke test
 @pytest.mark.slow
 def test_state_dtype_bench_quick(tmp_path, monkeypatch, capsys):
     from hetjax.bench import main
