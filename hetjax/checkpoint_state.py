@@ -115,7 +115,10 @@ class StateSource:
     @classmethod
     def from_state(cls, state: RuntimeState) -> StateSource:
         """The parts of a state held whole in RAM (the in-memory runtime's snapshot), in
-        pages fitted to its biggest stage."""
+        pages fitted to its biggest stage, each kind in the dtype its leaves have."""
+        first = next(iter(state.stages.values()))
+        dtypes = {k: np.dtype(jax.tree.leaves(first[k])[0].dtype) for k in state.kinds}
+        fmt = StateFormat.of({MASTER: dtypes.pop(MASTER), **dtypes})
         sizes = [sum(a.size for a in jax.tree.leaves(t[MASTER])) for t in state.stages.values()]
         page_elems = fitted_page_elems(max(sizes), DEFAULT_PAGE_ELEMS)
         parts, layouts, page = [], {}, 0
@@ -123,7 +126,7 @@ class StateSource:
             layout = SlabLayout.from_params(trees[MASTER], page_elems * MASTER_DTYPE.itemsize)
             layouts[stage] = layout
             # flattened by the writer, one stage at a time: no second copy of the state
-            slabs = functools.partial(_flatten, layout, trees)
+            slabs = functools.partial(_flatten, layout, trees, fmt)
             parts.append(
                 StagePart(
                     stage=stage, start=0, first_page=page, num_pages=layout.num_pages, slabs=slabs
@@ -138,6 +141,7 @@ class StateSource:
             layouts=layouts,
             scalars=state.scalars,
             loss_scale=state.loss_scale,
+            state_format=fmt,
         )
 
     def release_all(self) -> None:
@@ -146,8 +150,8 @@ class StateSource:
             part.release = lambda: None
 
 
-def _flatten(layout: SlabLayout, trees: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {k: layout.flatten_np(tree) for k, tree in trees.items()}
+def _flatten(layout: SlabLayout, trees: dict[str, Any], fmt: StateFormat) -> dict[str, np.ndarray]:
+    return {k: layout.flatten_np(tree, fmt.dtype(k)) for k, tree in trees.items()}
 
 
 def layout_meta(layouts: dict[str, SlabLayout]) -> dict[str, Any]:

@@ -144,6 +144,7 @@ class TrainConfig:
 
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd")
 NATIVE_OPTIMIZERS = ("adamw", "adam")  # the host optimizer's native kernel (native.py)
+STATE_DTYPES = ("float32", "bfloat16", "int8")  # optimizer.state_dtype (state_format.py)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -174,9 +175,15 @@ class OptimizerConfig:
     # the host optimizer's kernel for adam/adamw: ``auto`` native when it builds, else
     # optax; ``native`` (required) or ``optax`` (hetjax/optimizer/native.py)
     host_kernel: str = "auto"
+    # the dtype the optimizer's moments (Adam's mu and nu, Lion's mu, SGD's trace) are
+    # kept in: ``float32``, ``bfloat16`` (every tier) or ``int8`` (blockwise, a scale per
+    # block; device and host memory, not NVMe yet); the master stays fp32
+    # (hetjax/optimizer/state_format.py, moments.py)
+    state_dtype: str = "float32"
 
     def __post_init__(self):
         _choice("optimizer", "name", self.name, OPTIMIZERS)
+        _choice("optimizer", "state_dtype", self.state_dtype, STATE_DTYPES)
         _choice("optimizer", "host_kernel", self.host_kernel, ("auto", "native", "optax"))
         _check(
             self.host_kernel != "native" or self.name in NATIVE_OPTIMIZERS,
@@ -478,6 +485,12 @@ class Config:
                 f"config key 'distributed.expert_parallel' ({experts}) must divide "
                 f"model.num_experts ({self.model.num_experts}): each device holds an equal "
                 "share of every block's experts"
+            )
+        if self.optimizer.state_dtype == "int8" and dist.devices > 1:
+            raise ConfigError(
+                f"config key 'optimizer.state_dtype' (int8): int8 moments run on one device "
+                f"so far, not {dist.devices} (distributed.*): their blocks are not split "
+                "over devices; use bfloat16 or float32 there"
             )
         # what the parallelism does not support (hetjax/support.py): these two first
         asked = support.asked(self)

@@ -117,6 +117,10 @@ HELP: dict[str, str] = {
     "optimizer.host_kernel": "the host optimizer's kernel for `adam`/`adamw`: `auto` (native "
     "when it builds, else optax with a warning), `native` (required), `optax` "
     "([offload](offload.md#native-adam-kernel))",
+    "optimizer.state_dtype": "the moments' dtype in every tier: `float32`, `bfloat16` (8 "
+    "bytes a parameter with the fp32 master, not 12) or `int8` (blockwise, a scale per "
+    "2048: about 6; kept in device or host memory, not yet on NVMe, one device); the "
+    "master stays fp32",
     # -- offload ----------------------------------------------------------------------
     "offload.mode": "`auto`: `none` when the state fits the device, else the planner's "
     "placement ([planner](planner.md)); `none`: whole state on the device, one jitted step "

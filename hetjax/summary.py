@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from hetjax.config import Config, OffloadConfig, format_bytes
+from hetjax.optimizer.state_format import state_format
 from hetjax.planning.wear import Wear
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime
@@ -191,10 +192,18 @@ def _tiers(config: Config, runtime: Runtime) -> dict[str, str]:
     }
 
 
+def _state_words(config: Config) -> str:
+    """The optimizer state's format in words: its kinds' dtypes and bytes a parameter
+    (``optimizer.state_dtype``, ``optimizer/state_format.py``)."""
+    fmt = state_format(config.optimizer)
+    return f"{fmt.describe()}: {fmt.bytes_per_param:g} bytes a parameter"
+
+
 def _where_in_memory(config: Config) -> dict[str, str]:
     remat = " (model.remat: blocks recompute in backward)" if config.model.remat else ""
     return {
         "params, gradients, optimizer state": "the device (offload.mode=none)",
+        "optimizer state format": _state_words(config),
         "activations": f"the device{remat}",
     }
 
@@ -239,6 +248,7 @@ def _where(config: Config, runtime: StreamingRuntime) -> dict[str, str]:
         if o.optimizer != "device"
         else "the device",
         f"fp32 master + {config.optimizer.name} state": optimizer,
+        "optimizer state format": _state_words(config),
         "activations": activations,
     }
 

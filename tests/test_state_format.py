@@ -35,6 +35,7 @@ FP32 = StateFormat.fp32(["mu", "nu"])
 BF16_MOMENTS = StateFormat.of(
     {"master": np.float32, "mu": ml_dtypes.bfloat16, "nu": ml_dtypes.bfloat16}
 )
+INT8_BLOCKS = KindFormat(np.int8, block_size=2048)
 EIGHT = dict(num_layers=8, d_model=32, num_heads=4, max_seq_len=32)
 
 
@@ -68,13 +69,15 @@ def test_a_format_declares_the_master_first_and_fp32():
 
 def test_the_native_kernel_refuses_state_it_cannot_update():
     assert native.refusal(FP32) is None
-    assert "float32 only" in native.refusal(BF16_MOMENTS)
+    assert native.refusal(BF16_MOMENTS) is None  # bfloat16 moments: updated in one pass
+    int8 = StateFormat.of({"master": np.float32, **dict.fromkeys(["mu", "nu"], INT8_BLOCKS)})
+    assert "float32, bfloat16" in native.refusal(int8)
     assert "state kinds" in native.refusal(StateFormat.fp32(["mu"]))
-    assert native.use_native("auto", "adamw", "cpu", BF16_MOMENTS) is False
-    with pytest.raises(native.NativeKernelError, match="float32 only"):
-        native.use_native("native", "adamw", "cpu", BF16_MOMENTS)
+    assert native.use_native("auto", "adamw", "cpu", int8) is False
+    with pytest.raises(native.NativeKernelError, match="float32, bfloat16"):
+        native.use_native("native", "adamw", "cpu", int8)
     slabs = {"master": np.zeros(8, np.float32)}
-    slabs |= {k: np.zeros(8, ml_dtypes.bfloat16) for k in ("mu", "nu")}
+    slabs |= {k: np.zeros(8, np.int8) for k in ("mu", "nu")}
     grad = [np.zeros(8, np.float32)]
     with pytest.raises(ValueError, match="one dtype the kernel updates"):
         native.host_update(slabs, grad, np.zeros(10, np.float32), 0.0, 0, np.empty(8), 8)

@@ -33,6 +33,9 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
             files every 25 steps, flat after warm-up; step time with no upward trend
   generate  hetjax generate's tokens/s in memory vs the blocks streamed from NVMe, at
             GPT-2 small's and Llama 3.2 1B's shapes
+  state_dtype  convergence with the optimizer's moments in float32, bfloat16 and int8
+            (optimizer.state_dtype): gpt_tiny 400 steps and GPT-2 small's shape 200
+            steps, final validation losses and the loss curves in one PNG
   zero      ZeRO-3 on 1, 2, 4 devices: collective bytes per step and device vs the
             6(p-1)/p M of PatrickStar / Angel-PTM, and s/step (needs 4 devices: on CPU
             XLA_FLAGS=--xla_force_host_platform_device_count=4)
@@ -63,6 +66,7 @@ from hetjax.bench.plan import bench_plan
 from hetjax.bench.scale import bench_scale
 from hetjax.bench.slabs import bench_slabs
 from hetjax.bench.soak import bench_soak
+from hetjax.bench.state_dtype import bench_state_dtype
 from hetjax.bench.zero import bench_zero
 from hetjax.gpucheck import probe_platform
 
@@ -83,6 +87,7 @@ BENCHMARKS = {
     "attention": bench_attention,
     "soak": bench_soak,
     "generate": bench_generate,
+    "state_dtype": bench_state_dtype,
 }
 
 # Benchmarks whose rows run in child processes that each need the device's whole memory

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import optax
 
 from hetjax.config import OptimizerConfig
+from hetjax.optimizer.moments import low_precision
+from hetjax.optimizer.state_format import moment_format
 from hetjax.storage.pages import weight_decay_mask
 from hetjax.types import MASTER
 
@@ -55,11 +57,12 @@ def base_optimizer(cfg: OptimizerConfig, total_steps: int, mask: Any = None):
 
 
 def build_optimizer(cfg: OptimizerConfig, total_steps: int, params: Any):
-    """Global-norm clipping (if ``grad_clip > 0``) followed by the base optimizer."""
+    """Global-norm clipping (if ``grad_clip > 0``) followed by the base optimizer, its
+    moments kept in ``optimizer.state_dtype`` (``moments.py``)."""
     tx = base_optimizer(cfg, total_steps, weight_decay_mask(params))
     if cfg.grad_clip > 0:
         tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
-    return tx
+    return low_precision(tx, moment_format(cfg.state_dtype))
 
 
 def state_kind_name(prefix, used: set[str]) -> str:

@@ -139,11 +139,12 @@ def load() -> ctypes.CDLL:
 KINDS = (MASTER, "mu", "nu")  # the kernel's state operands, in this order
 
 # The kernel's codes of the dtypes it takes (``kind_of`` in ``csrc/adam.cc``): the
-# compute-dtype params it writes, the gradient pages it reads, and the state it updates,
-# ``float`` only (``float* p, m, v``): a state format of other dtypes is refused here.
+# compute-dtype params it writes, the gradient pages it reads, and the moments it
+# updates (mu and nu, one dtype; the master is float32): a state format of other dtypes
+# (int8 blocks) is refused here.
 _OUT_KINDS = {"float32": 0, "bfloat16": 1, "float16": 2}
 _GRAD_KINDS = {"float32": 0, "bfloat16": 1}
-_STATE_KINDS = {"float32": 0}
+_STATE_KINDS = {"float32": 0, "bfloat16": 1}
 
 
 def refusal(state: StateFormat) -> str | None:
@@ -151,9 +152,12 @@ def refusal(state: StateFormat) -> str | None:
     updates ``master``, ``mu`` and ``nu``, each in a dtype it has a code for."""
     if state.kinds != list(KINDS):
         return f"the native kernel updates the state kinds {list(KINDS)}, not {state.kinds}"
-    if any(f.block_size or f.dtype.name not in _STATE_KINDS for _, f in state.formats):
+    moments = [state.kind(k) for k in KINDS[1:]]
+    if any(f.block_size or f.dtype.name not in _STATE_KINDS for f in moments) or (
+        moments[0] != moments[1]
+    ):
         return (
-            f"the native kernel updates state in {', '.join(_STATE_KINDS)} only, not "
+            f"the native kernel updates moments in one of {', '.join(_STATE_KINDS)}, not "
             f"{state.describe()}"
         )
     return None
@@ -168,21 +172,25 @@ def host_update(
     out: np.ndarray,
     page_elems: int,
 ) -> None:
-    """The kernel's pass over host buffers, in place, outside XLA: ``slabs`` (``master``,
-    ``mu``, ``nu``: writable, one size, one dtype the kernel updates) are updated,
+    """The kernel's pass over host buffers, in place, outside XLA: ``slabs`` (``master``
+    float32, ``mu`` and ``nu`` in one dtype the kernel updates: writable, one size) are
+    updated,
     ``out`` (the same size, the compute dtype) receives the new params. ``grad`` is the
     gradient as pages of one size covering the slab (float32 or bfloat16, each
     contiguous; one page: a flat slab), read where they are. ``coef`` as the FFI call's
     operand. Releases the GIL while it runs (ctypes)."""
     n = out.size
     arrays = [slabs[k] for k in KINDS]
-    state_kind = _STATE_KINDS.get(arrays[0].dtype.name)
-    if state_kind is None or any(
-        a.dtype != arrays[0].dtype or a.size != n or not a.flags.writeable for a in arrays
+    state_kind = _STATE_KINDS.get(arrays[1].dtype.name)
+    if (
+        state_kind is None
+        or arrays[0].dtype != np.float32
+        or arrays[2].dtype != arrays[1].dtype
+        or any(a.size != n or not a.flags.writeable for a in arrays)
     ):
         raise ValueError(
-            f"host_update: master, mu and nu must be writable, of one size and one dtype the "
-            f"kernel updates ({', '.join(_STATE_KINDS)}), not "
+            f"host_update: master (float32), mu and nu (one dtype the kernel updates: "
+            f"{', '.join(_STATE_KINDS)}) must be writable and of one size, not "
             + ", ".join(f"{k} {a.size} {a.dtype}" for k, a in zip(KINDS, arrays, strict=True))
         )
     kind = _GRAD_KINDS.get(grad[0].dtype.name)

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 from hetjax.config import OptimizerConfig
-from hetjax.optimizer import native
+from hetjax.optimizer import moments, native
 from hetjax.optimizer.build import base_optimizer, learning_rate_schedule, state_kind_name
 from hetjax.optimizer.state_format import StateFormat, state_format
 from hetjax.storage.pages import (
@@ -185,6 +185,13 @@ class SlabOptimizer:
         )
         self._cast = jax.jit(self._cast_pages, static_argnums=1, out_shardings=sharding)
         self._coef = jax.jit(self._host_coef, out_shardings=sharding)
+        # a checkpoint's values to int8 blocks and back (``held_chunks``, ``values``),
+        # computed in device memory as the update is
+        here = lambda f, k: lambda x: f(k, jax.device_put(x, self._compute))
+        self._quantize = {
+            k: jax.jit(here(self._encode, k), out_shardings=sharding) for k in self.kinds
+        }
+        self._dequantize = {k: jax.jit(here(self._decode, k)) for k in self.kinds}
 
     # -- state <-> slabs ----------------------------------------------------------------
 
@@ -215,7 +222,18 @@ class SlabOptimizer:
         master = jax.device_put(master, self._compute)
         slabs, scalars = self._disassemble(self.tx.init((master[:num_decay], master[num_decay:])))
         slabs = {MASTER: master, **slabs}
-        return {k: self._split(v, layout_name) for k, v in slabs.items()}, scalars
+        return {
+            k: [self._encode(k, c) for c in self._split(v, layout_name)] for k, v in slabs.items()
+        }, scalars
+
+    def _encode(self, kind: str, x):
+        """A float32 chunk of ``kind`` as the state format holds it (``moments.py``):
+        float32, bfloat16 or int8 blocks (one block split per chunk: whole pages)."""
+        return moments.encode(x, self.state_format.kind(kind), kind not in moments.UNSIGNED_KINDS)
+
+    def _decode(self, kind: str, x):
+        """A chunk of ``kind`` as held, in float32."""
+        return moments.decode(x, kind not in moments.UNSIGNED_KINDS)
 
     def _update_chunk(
         self, slabs, spare, scalars, grad, clip, num_decay: int, page_elems: int, aliased=False
@@ -228,6 +246,9 @@ class SlabOptimizer:
             return self._native_chunk(slabs, scalars, grad, scale, num_decay, page_elems, aliased)
         grad = jnp.concatenate([g.astype(F32) for g in grad])  # fused into the update
         clipped = grad * scale.astype(grad.dtype)
+        # moments kept in fewer bytes are updated in float32 and rounded to their
+        # dtype (``moments.py``): optax would otherwise compute part of it in bfloat16
+        slabs = {k: self._decode(k, v) for k, v in slabs.items()}
         master = slabs[MASTER]
         params = (master[:num_decay], master[num_decay:])
         grads = (clipped[:num_decay], clipped[num_decay:])
@@ -235,6 +256,7 @@ class SlabOptimizer:
         updates, state = self.tx.update(grads, state, params)
         new = jnp.concatenate([p + u for p, u in zip(params, updates, strict=True)])
         new_slabs, new_scalars = self._disassemble(state)
+        new_slabs = {k: self._encode(k, v) for k, v in new_slabs.items()}
         # Each page cast straight from the new master (one pass), not a cast of the whole
         # chunk sliced into pages afterwards (a second pass of copies).
         step = page_elems
@@ -470,6 +492,24 @@ class SlabOptimizer:
                 )  # fmt: skip
                 done += b - a
         return out
+
+    def held_chunks(self, layout_name: str, kind: str, values: np.ndarray) -> list:
+        """A kind's whole slab given as values (flat numpy, any float dtype: a
+        checkpoint's) as the chunks this optimizer holds: cast to the kind's dtype
+        (float32 to bfloat16 rounds to nearest even, bfloat16 widens exactly), or
+        quantized to int8 blocks chunk by chunk where the format has block scales."""
+        fmt = self.state_format.kind(kind)
+        if fmt.block_size is None:
+            return self.as_chunks(layout_name, np.asarray(values).astype(fmt.dtype, copy=False))
+        chunks = self.as_chunks(layout_name, np.asarray(values, np.float32))
+        return [self._quantize[kind](jax.device_put(c, self.sharding)) for c in chunks]
+
+    def values(self, kind: str, chunks: list) -> np.ndarray:
+        """A kind's slab held as ``chunks`` as flat numpy values: its dtype, or float32
+        where the format holds int8 blocks (what they dequantize to)."""
+        if self.state_format.kind(kind).block_size is None:
+            return np.concatenate([np.asarray(c) for c in chunks])
+        return np.concatenate([np.asarray(self._dequantize[kind](c)) for c in chunks])
 
     def compute_pages(self, layout_name: str, master) -> list[jax.Array]:
         """A master slab (or its chunks) cast to the compute dtype, as pages. The master

@@ -9,7 +9,10 @@ It is the one place those bytes are declared: the memory model (``memory.py``,
 the checkpoint and the host kernel all read it, so planner and runtime bytes move
 together when it changes (``tests/test_state_format.py``).
 
-Only fp32 is offered (:func:`state_format`); the master is always fp32. Imports numpy
+``optimizer.state_dtype`` chooses the moments' format (:func:`state_format`):
+``float32`` (the default), ``bfloat16`` (rounded to nearest even after each update) or
+``int8`` (blockwise: one fp32 scale per :data:`INT8_BLOCK` elements, the moments' own
+code, ``optimizer/moments.py``). The master is always fp32. Imports numpy and ml_dtypes
 only (and ``hetjax.types`` for the master's name), so the memory model can use it.
 """
 
@@ -20,6 +23,7 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import ml_dtypes
 import numpy as np
 
 from hetjax.types import MASTER
@@ -29,6 +33,8 @@ if TYPE_CHECKING:
 
 MASTER_DTYPE = np.dtype(np.float32)  # the master params': what every update accumulates in
 SCALE_DTYPE = np.dtype(np.float32)  # one scale of a block-quantized kind
+BF16 = np.dtype(ml_dtypes.bfloat16)
+INT8_BLOCK = 2048  # elements per scale of int8 moments (bitsandbytes' block size)
 
 # The state kinds besides the master of each optimizer (``optimizer.name``), as
 # ``SlabOptimizer`` finds them in optax's state (it checks they agree); SGD has its
@@ -44,8 +50,8 @@ OPTIMIZER_KINDS: dict[str, tuple[str, ...]] = {
 @dataclasses.dataclass(frozen=True)
 class KindFormat:
     """How one kind of state is stored: elements of ``dtype`` and, where ``block_size``
-    is set, one :data:`SCALE_DTYPE` scale per ``block_size`` elements (room for
-    block-quantized moments; no store holds scales yet)."""
+    is set, one :data:`SCALE_DTYPE` scale per ``block_size`` elements (int8 moments:
+    held in memory as ``moments.Int8Blocks``, each chunk its own blocks)."""
 
     dtype: np.dtype
     block_size: int | None = None
@@ -120,11 +126,15 @@ class StateFormat:
         return self._by_kind[kind]
 
     def dtype(self, kind: str) -> np.dtype:
-        """The dtype a store holds ``kind`` in. Raises ``NotImplementedError`` for a
-        block-scaled kind: no store or kernel holds scales yet."""
+        """The dtype a store holds ``kind`` in, one array of it. Raises
+        ``NotImplementedError`` for a block-scaled kind: its elements and scales are two
+        arrays (``moments.Int8Blocks``), which the page stores (NVMe, checkpoints) and
+        the native kernel do not hold."""
         f = self.kind(kind)
         if f.block_size is not None:
-            raise NotImplementedError(f"state kind {kind!r} has block scales: not stored yet")
+            raise NotImplementedError(
+                f"state kind {kind!r} has block scales: not one array of one dtype"
+            )
         return f.dtype
 
     @property
@@ -156,10 +166,18 @@ class StateFormat:
         return ", ".join(f"{k} {f.dtype.name}{scale(f)}" for k, f in self.formats)
 
 
+def moment_format(state_dtype: str) -> KindFormat:
+    """How moments of ``optimizer.state_dtype`` are stored."""
+    if state_dtype == "int8":
+        return KindFormat(np.int8, block_size=INT8_BLOCK)
+    return KindFormat({"float32": MASTER_DTYPE, "bfloat16": BF16}[state_dtype])
+
+
 def state_format(cfg: OptimizerConfig) -> StateFormat:
-    """The state format of the optimizer ``cfg`` configures: fp32, every kind (the only
-    one offered)."""
+    """The state format of the optimizer ``cfg`` configures: the fp32 master and its
+    moments in ``optimizer.state_dtype``."""
     moments = OPTIMIZER_KINDS[cfg.name]
     if cfg.name == "sgd" and not cfg.momentum:
         moments = ()
-    return StateFormat.fp32(moments)
+    moment = moment_format(cfg.state_dtype)
+    return StateFormat.of({MASTER: MASTER_DTYPE, **dict.fromkeys(moments, moment)})

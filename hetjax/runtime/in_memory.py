@@ -19,6 +19,8 @@ from hetjax.config import Config, ConfigError
 from hetjax.data import split_window, window_length
 from hetjax.hf import open_checkpoint
 from hetjax.optimizer.build import build_optimizer, optax_tree_slots
+from hetjax.optimizer.moments import decode_state, encode_state
+from hetjax.optimizer.state_format import moment_format
 from hetjax.types import MASTER, LossScale, RuntimeState, StepReport
 from models import build_model
 
@@ -98,11 +100,19 @@ class InMemoryRuntime:
     # -- checkpoints --------------------------------------------------------------------
 
     def _opt_slots(self) -> list[str | None]:
-        return optax_tree_slots(self.state.opt_state, self.state.params)
+        return optax_tree_slots(self._saved_opt_state(), self.state.params)
+
+    def _saved_opt_state(self) -> Any:
+        """The optax state as a checkpoint holds it: moments in fp32 or bfloat16 as they
+        are; int8 blocks as the fp32 values they hold (a checkpoint's pages are one
+        dtype a kind, without block scales)."""
+        if moment_format(self.config.optimizer.state_dtype).block_size is None:
+            return self.state.opt_state
+        return decode_state(self.state.opt_state)
 
     def save_state(self) -> RuntimeState:
         n = len(jax.tree.leaves(self.state.params))
-        leaves = jax.tree.leaves(self.state.opt_state)
+        leaves = jax.tree.leaves(self._saved_opt_state())
         trees, scalars, i = {MASTER: self.state.params}, [], 0
         treedef = jax.tree.structure(self.state.params)
         for kind in self._opt_slots():
@@ -125,7 +135,11 @@ class InMemoryRuntime:
                 f"(optimizer.name={self.config.optimizer.name}) needs {kinds}: resume "
                 "with the optimizer settings that wrote it, or start over with a new --workdir"
             )
-        old_leaves = jax.tree.leaves(self.state.opt_state)
+        # Filled as fp32 moments and put in this run's format: a checkpoint of another
+        # state dtype converts (bfloat16 widens exactly, fp32 rounds to nearest even,
+        # int8 quantizes; ``moments.py``).
+        template = decode_state(self.state.opt_state)
+        old_leaves = jax.tree.leaves(template)
         scalars = iter(state.scalars["embed"])
         leaves: list[Any] = []
         i = 0
@@ -135,7 +149,7 @@ class InMemoryRuntime:
                 i += 1
             else:
                 tree = state.kind_tree(kind)
-                leaves += [jnp.asarray(a) for a in jax.tree.leaves(tree)]
+                leaves += [jnp.asarray(a, jnp.float32) for a in jax.tree.leaves(tree)]
                 i += len(jax.tree.leaves(tree))
         params = jax.tree.map(jnp.asarray, state.params())
         if jax.tree.structure(params) != jax.tree.structure(self.state.params):
@@ -147,7 +161,10 @@ class InMemoryRuntime:
             )
         self.state = self.state.replace(
             params=params,
-            opt_state=jax.tree.unflatten(jax.tree.structure(self.state.opt_state), leaves),
+            opt_state=encode_state(
+                jax.tree.unflatten(jax.tree.structure(template), leaves),
+                moment_format(self.config.optimizer.state_dtype),
+            ),
             loss_scale=loss_scale,
         )
 

@@ -3,13 +3,15 @@ what training checkpoints save and restore, and the master params a run returns.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from hetjax.checkpoint_state import StagePart, StateSource, StoredState
-from hetjax.optimizer.state_format import StateFormat
+from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
 from hetjax.runtime.setup import layout_name
 from hetjax.storage.pages import SlabLayout
 from hetjax.types import MASTER, RuntimeState, StateStore, stages_tree
@@ -33,11 +35,23 @@ def source(
     own_pages,
     loss_scale: tuple[float, int] | None,
     state_format: StateFormat | None = None,
+    values: Callable[[str, list], np.ndarray] | None = None,
 ) -> StateSource:
     """This process's committed state for a checkpoint, taken where it lives
     (``checkpoint_state.py``): each stage's slabs or NVMe files, frozen until written.
     ``own_pages(layout)``: the (first page, number of pages) of a slab this process
-    holds; ``state_format``: the optimizer's (None: fp32 each kind)."""
+    holds; ``state_format``: the optimizer's (None: fp32 each kind). A kind held in
+    int8 blocks is saved as the float32 values they hold (a checkpoint's kind is one
+    dtype, without scales), ``values(kind, chunks)`` (``SlabOptimizer.values``) giving
+    them stage by stage as the checkpoint writes."""
+    saved_format = state_format
+    blocks = state_format is not None and any(
+        state_format.kind(k).block_size for k in state_format.kinds
+    )
+    if blocks:
+        saved_format = StateFormat.of(
+            {k: MASTER_DTYPE if f.block_size else f for k, f in state_format.formats}
+        )
     parts, scalars, page = [], {}, 0
     for name in stage_names:
         layout = layouts[layout_name(name)]
@@ -53,11 +67,17 @@ def source(
         )
         if files:
             part.pages = held
+        elif blocks:
+            part.slabs = functools.partial(_values, held, values)
         else:
             part.slabs = held
         parts.append(part)
         page += n
-    kinds = list(parts[0].slabs or []) or list(parts[0].pages[0].kinds)
+    kinds = (
+        list(state_format.kinds)
+        if blocks
+        else list(parts[0].slabs or []) or list(parts[0].pages[0].kinds)
+    )
     state_layouts = {name: layouts[layout_name(name)] for name in stage_names}
     P = layouts["embed"].page_elems
     return StateSource(
@@ -68,8 +88,12 @@ def source(
         layouts=state_layouts,
         scalars=scalars,
         loss_scale=loss_scale,
-        state_format=state_format,
+        state_format=saved_format,
     )
+
+
+def _values(held: dict, values, /) -> dict[str, np.ndarray]:
+    return {k: values(k, chunks) for k, chunks in held.items()}
 
 
 def restore(
@@ -95,7 +119,9 @@ def restore(
             own = {k: layout.flatten_np(state.stage_tree(name, k))[start:stop] for k in opt.kinds}
         else:
             own = {k: layout.flatten_np(state.stages[name][k])[start:stop] for k in opt.kinds}
-        slabs = {k: opt.as_chunks(kind, own[k]) for k in opt.kinds}
+        # each kind as this run holds it: a checkpoint of another state dtype converts
+        # (bfloat16 widens exactly, float32 rounds to nearest even, int8 blocks quantize)
+        slabs = {k: opt.held_chunks(kind, k, own[k]) for k in opt.kinds}
         scalars = [jax.device_put(np.asarray(a), opt.sharding) for a in state.scalars[name]]
         states.init_stage(name, slabs, scalars)
         params.publish(name, opt.compute_pages(kind, slabs[MASTER]))

@@ -488,7 +488,7 @@ class StreamingRuntime:
         loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
         return state_io.source(
             self.stage_names, self.layouts, self.states, self.placement.own_pages, loss_scale,
-            self.optimizer.state_format,
+            self.optimizer.state_format, self.optimizer.values,
         )  # fmt: skip
 
     def load_state(self, state: RuntimeState | StoredState) -> None:

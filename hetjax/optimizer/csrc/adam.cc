@@ -14,14 +14,16 @@
 // Two entry points: ``HetjaxAdam`` (an XLA FFI handler) and ``HetjaxAdamHost`` (plain
 // C, for buffers outside XLA: see the end of this file).
 //
-// Operands: master, mu, nu (f32[n]), coef (f32[10]):
+// Operands: master (f32[n]), mu, nu (f32[n] or bf16[n]: the moments' dtype,
+// ``optimizer.state_dtype``; a bf16 moment is widened exactly as it is read, updated in
+// float32 and rounded to nearest even as it is written), coef (f32[10]):
 //   [clip scale, 1 - b1, b1, 1 - b2, b2, bias correction 1, bias correction 2, eps,
 //    eps_root, step size (-lr)]
 // and the gradient as pages of one size covering n (f32 or bf16: a bf16 element is
 // widened exactly as it is read), so a gradient is read where it landed on the host,
 // never concatenated into one slab nor copied to float32 first.
 // Attributes: num_decay (elements [0, num_decay) get weight decay), weight_decay.
-// Results: master, mu, nu (f32[n]) and the new params in the compute dtype (f32, bf16
+// Results: master, mu, nu (as the operands) and the new params in the compute dtype (f32, bf16
 // or f16) as n / page_elems pages.
 
 #include <algorithm>
@@ -87,29 +89,32 @@ inline void store(void* out, int64_t j, float x) {
 // first element (``g`` in the gradient's dtype, ``out`` in the compute dtype).
 // The results may be the operands themselves (an update in place): element i reads
 // and writes index i only, so the loop has no dependence between iterations (ivdep).
-template <int kKind, int kGrad, bool kDecay>
-void adam_loop(const Coef& c, const float* p, const float* m, const float* v, const void* g,
-               float* po, float* mo, float* vo, void* out, int64_t len) {
+// ``kMom``: the moments' dtype (0: f32, 1: bf16).
+template <int kKind, int kGrad, int kMom, bool kDecay>
+void adam_loop(const Coef& c, const float* p, const void* m, const void* v, const void* g,
+               float* po, void* mo, void* vo, void* out, int64_t len) {
 #pragma GCC ivdep
   for (int64_t i = 0; i < len; ++i) {
     const float gi = load<kGrad>(g, i) * c.scale;
-    const float mi = c.c1 * gi + c.b1 * m[i];
-    const float vi = c.c2 * (gi * gi) + c.b2 * v[i];
+    const float mi = c.c1 * gi + c.b1 * load<kMom>(m, i);
+    const float vi = c.c2 * (gi * gi) + c.b2 * load<kMom>(v, i);
     float u = (mi / c.bc1) / (std::sqrt(vi / c.bc2 + c.eps_root) + c.eps);
     if constexpr (kDecay) u = u + c.wd * p[i];
     const float pi = p[i] + c.step * u;
-    mo[i] = mi;
-    vo[i] = vi;
+    store<kMom>(mo, i, mi);
+    store<kMom>(vo, i, vi);
     po[i] = pi;
     store<kKind>(out, i, pi);
   }
 }
 
 struct Chunk {
-  const float *p, *m, *v;
+  const float* p;
+  const void *m, *v;         // the moments, in their dtype
   const void* const* grads;  // the gradient's pages
   int64_t grad_page;         // elements per gradient page
-  float *po, *mo, *vo;
+  float* po;
+  void *mo, *vo;
   void* const* pages;  // the compute-dtype params' pages
   int64_t page, num_decay;
 };
@@ -119,32 +124,43 @@ constexpr int64_t kGradBytes[2] = {4, 2};
 
 // Elements [lo, hi) of the chunk, split at the pages (params' and gradient's) and at
 // num_decay.
-template <int kKind, int kGrad>
+template <int kKind, int kGrad, int kMom>
 void adam_range(const Coef& c, const Chunk& k, int64_t lo, int64_t hi) {
+  constexpr int64_t mb = kOutBytes[kMom];  // bytes of a moment element (f32 or bf16)
+  const char *m = static_cast<const char*>(k.m), *v = static_cast<const char*>(k.v);
+  char *mo = static_cast<char*>(k.mo), *vo = static_cast<char*>(k.vo);
   while (lo < hi) {
     const int64_t page = lo / k.page, grad_page = lo / k.grad_page;
     int64_t end = std::min({hi, (page + 1) * k.page, (grad_page + 1) * k.grad_page});
     const bool decay = lo < k.num_decay;
     if (decay) end = std::min(end, k.num_decay);
-    auto loop = decay ? adam_loop<kKind, kGrad, true> : adam_loop<kKind, kGrad, false>;
+    auto loop = decay ? adam_loop<kKind, kGrad, kMom, true> : adam_loop<kKind, kGrad, kMom, false>;
     const void* g =
         static_cast<const char*>(k.grads[grad_page]) + (lo - grad_page * k.grad_page) * kGradBytes[kGrad];
     void* out = static_cast<char*>(k.pages[page]) + (lo - page * k.page) * kOutBytes[kKind];
-    loop(c, k.p + lo, k.m + lo, k.v + lo, g, k.po + lo, k.mo + lo, k.vo + lo, out, end - lo);
+    loop(c, k.p + lo, m + lo * mb, v + lo * mb, g, k.po + lo, mo + lo * mb, vo + lo * mb, out,
+         end - lo);
     lo = end;
   }
 }
 
-template <int kGrad>
+template <int kGrad, int kMom>
 void adam_range(int kind, const Coef& c, const Chunk& k, int64_t lo, int64_t hi) {
-  if (kind == 0) adam_range<0, kGrad>(c, k, lo, hi);
-  else if (kind == 1) adam_range<1, kGrad>(c, k, lo, hi);
-  else adam_range<2, kGrad>(c, k, lo, hi);
+  if (kind == 0) adam_range<0, kGrad, kMom>(c, k, lo, hi);
+  else if (kind == 1) adam_range<1, kGrad, kMom>(c, k, lo, hi);
+  else adam_range<2, kGrad, kMom>(c, k, lo, hi);
 }
 
+template <int kMom>
 void adam_range(int kind, int grad_kind, const Coef& c, const Chunk& k, int64_t lo, int64_t hi) {
-  if (grad_kind == 0) adam_range<0>(kind, c, k, lo, hi);
-  else adam_range<1>(kind, c, k, lo, hi);
+  if (grad_kind == 0) adam_range<0, kMom>(kind, c, k, lo, hi);
+  else adam_range<1, kMom>(kind, c, k, lo, hi);
+}
+
+void adam_range(int kind, int grad_kind, int mom_kind, const Coef& c, const Chunk& k,
+                int64_t lo, int64_t hi) {
+  if (mom_kind == 0) adam_range<0>(kind, grad_kind, c, k, lo, hi);
+  else adam_range<1>(kind, grad_kind, c, k, lo, hi);
 }
 
 // The kind (0: f32, 1: bf16, 2: f16; -1: another) of an FFI buffer's elements.
@@ -154,14 +170,20 @@ int kind_of(ffi::DataType t) {
 
 constexpr size_t kMaxPages = 4096;
 
-ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> m,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> coef, ffi::RemainingArgs grads,
-                    ffi::ResultBuffer<ffi::F32> po, ffi::ResultBuffer<ffi::F32> mo,
-                    ffi::ResultBuffer<ffi::F32> vo, ffi::RemainingRets pages, int64_t num_decay,
+ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::AnyBuffer m,
+                    ffi::AnyBuffer v, ffi::Buffer<ffi::F32> coef, ffi::RemainingArgs grads,
+                    ffi::ResultBuffer<ffi::F32> po, ffi::Result<ffi::AnyBuffer> mo,
+                    ffi::Result<ffi::AnyBuffer> vo, ffi::RemainingRets pages, int64_t num_decay,
                     float weight_decay) {
   const int64_t n = p.element_count();
-  if (m.element_count() != n || v.element_count() != n || coef.element_count() != 10) {
+  if (static_cast<int64_t>(m.element_count()) != n ||
+      static_cast<int64_t>(v.element_count()) != n || coef.element_count() != 10) {
     return ffi::Error::InvalidArgument("hetjax adam: operand sizes differ");
+  }
+  const int mom_kind = kind_of(m.element_type());
+  if (mom_kind < 0 || mom_kind > 1 || kind_of(v.element_type()) != mom_kind ||
+      kind_of(mo->element_type()) != mom_kind || kind_of(vo->element_type()) != mom_kind) {
+    return ffi::Error::InvalidArgument("hetjax adam: the moments must be all f32 or all bf16");
   }
   const size_t num_pages = pages.size(), num_grad_pages = grads.size();
   if (num_pages == 0 || num_pages > kMaxPages || num_grad_pages == 0 ||
@@ -212,10 +234,10 @@ ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<f
   }
   const float* k = coef.typed_data();
   const Coef c{k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8], k[9], weight_decay};
-  const Chunk chunk{p.typed_data(),   m.typed_data(),   v.typed_data(),
-                    grad_data,        grad_page,        po->typed_data(),
-                    mo->typed_data(), vo->typed_data(), page_data,
-                    page,             num_decay};
+  const Chunk chunk{p.typed_data(),     m.untyped_data(),   v.untyped_data(),
+                    grad_data,          grad_page,          po->typed_data(),
+                    mo->untyped_data(), vo->untyped_data(), page_data,
+                    page,               num_decay};
 
   // Split over the intra-op pool: parts of whole cache lines, the last one run here.
   int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n / 65536));
@@ -227,12 +249,12 @@ ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<f
   for (int64_t t = 0; t + 1 < parts; ++t) {
     const int64_t lo = t * step, hi = std::min(n, lo + step);
     pool.Schedule([&, lo, hi] {
-      adam_range(out_kind, grad_kind, c, chunk, lo, hi);
+      adam_range(out_kind, grad_kind, mom_kind, c, chunk, lo, hi);
       std::lock_guard<std::mutex> lock(mu);
       if (--left == 0) cv.notify_one();
     });
   }
-  adam_range(out_kind, grad_kind, c, chunk, (parts - 1) * step, n);
+  adam_range(out_kind, grad_kind, mom_kind, c, chunk, (parts - 1) * step, n);
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return left == 0; });
   return ffi::Error::Success();
@@ -244,31 +266,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HetjaxAdam, AdamImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .RemainingRets()
                                   .Attr<int64_t>("num_decay")
                                   .Attr<float>("weight_decay"));
 
 // The same pass called directly on host buffers (ctypes; no XLA buffers): the update of
-// a streamed stage in the NVMe tier's pooled I/O buffers, in place. ``state_kind`` is
-// the dtype of master, mu and nu (the optimizer's state format): 0, f32, the only one
-// this pass updates (``float*``); another is refused (3). ``grads`` holds
+// a streamed stage in the NVMe tier's pooled I/O buffers, in place. ``p`` is the fp32
+// master; ``state_kind`` the dtype of mu and nu (the optimizer's state format): 0, f32,
+// or 1, bf16; another is refused (3). ``grads`` holds
 // ``n / grad_page`` pointers to the gradient's pages (``grad_kind`` 0: f32, 1: bf16),
 // ``pages`` ``n / page`` pointers to the compute-dtype pages (``out_kind`` 0: f32, 1:
 // bf16, 2: f16); the work is split over ``threads`` threads, the last part run by the
 // caller.
-extern "C" int HetjaxAdamHost(float* p, float* m, float* v, int state_kind,
+extern "C" int HetjaxAdamHost(float* p, void* m, void* v, int state_kind,
                               const void* const* grads, int64_t grad_page, int grad_kind,
                               const float* coef, float weight_decay, int64_t n,
                               int64_t num_decay, int64_t page, int out_kind, void* const* pages,
                               int threads) {
-  if (state_kind != 0) return 3;
+  if (state_kind < 0 || state_kind > 1) return 3;
   if (n <= 0 || page <= 0 || n % page != 0 || out_kind < 0 || out_kind > 2) return 1;
   if (grad_page <= 0 || n % grad_page != 0 || grad_kind < 0 || grad_kind > 1) return 2;
   const float* k = coef;
@@ -280,9 +302,10 @@ extern "C" int HetjaxAdamHost(float* p, float* m, float* v, int state_kind,
   std::vector<std::thread> workers;
   for (int64_t t = 0; t + 1 < parts; ++t) {
     const int64_t lo = t * step, hi = std::min(n, lo + step);
-    workers.emplace_back([&, lo, hi] { adam_range(out_kind, grad_kind, c, chunk, lo, hi); });
+    workers.emplace_back(
+        [&, lo, hi] { adam_range(out_kind, grad_kind, state_kind, c, chunk, lo, hi); });
   }
-  adam_range(out_kind, grad_kind, c, chunk, (parts - 1) * step, n);
+  adam_range(out_kind, grad_kind, state_kind, c, chunk, (parts - 1) * step, n);
   for (auto& w : workers) w.join();
   return 0;
 }

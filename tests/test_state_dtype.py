@@ -1,0 +1,597 @@
+"""Moments in fewer bytes (``optimizer.state_dtype``, hetjax/optimizer/moments.py and
+state_format.py): each format's update against a numpy reference written here from the
+documented definition (never calling the code under test), in every tier and runtime;
+checkpoints per dtype and across dtypes; the planner's bytes against the runtime's."""
+
+import json
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import require
+
+from hetjax.config import ConfigError, OptimizerConfig
+from hetjax.optimizer import moments, native
+from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.optimizer.state_format import state_format
+from hetjax.runtime.placement import Shardings
+from hetjax.storage.pages import Leaf, SlabLayout, aligned_concatenate
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.float32
+N = 3 * 8192  # three chunks of two pages each (CHUNK_ELEMS patched below)
+PAGE = 4096
+DECAYED = 8192 + 1000  # decay ends inside the second chunk, inside a page
+
+
+@pytest.fixture
+def compiler():
+    require(
+        native._compiler() is not None,
+        "a C++ compiler for the native Adam kernel: apt-get install g++ (or set CXX)",
+    )
+
+
+# -- references (numpy, from the definitions in moments.py's docstring) -------------------
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest even, by integer arithmetic on the
+    bits (not ml_dtypes, not XLA), widened back to float32."""
+    bits = np.asarray(x, F32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return (rounded.astype(np.uint32) << 16).view(F32)
+
+
+def _bf16_ordinal(x: np.ndarray) -> np.ndarray:
+    """bfloat16 values (held as float32) as integers that count ulps: adjacent values
+    differ by 1, across zero too."""
+    bits = (np.asarray(x, F32).view(np.uint32) >> 16).astype(np.int64)
+    return np.where(bits & 0x8000, -(bits & 0x7FFF), bits)
+
+
+def reference_adam(name, cfg, master, grads, scales, lrs, round_moment):
+    """AdamW (optax's formulas, each operation rounded to float32 as written) over
+    ``grads`` clipped by ``scales`` at learning rates ``lrs``; the moments are rounded by
+    ``round_moment`` after each step and read back as float32; the update uses the
+    unrounded new moments (the kernel's one pass)."""
+    b1, b2, eps = F32(cfg.b1), F32(cfg.b2), F32(cfg.eps)
+    p, mu, nu = master.copy(), np.zeros(N, F32), np.zeros(N, F32)
+    for t, (grad, scale, lr) in enumerate(zip(grads, scales, lrs, strict=True), start=1):
+        g = np.asarray(grad)[:N] * F32(scale)
+        m = F32(1 - cfg.b1) * g + b1 * mu
+        v = F32(1 - cfg.b2) * (g * g) + b2 * nu
+        bc1, bc2 = F32(1) - b1 ** F32(t), F32(1) - b2 ** F32(t)
+        u = (m / bc1) / (np.sqrt(v / bc2 + F32(0)) + eps)
+        if name == "adamw":
+            u[:DECAYED] = u[:DECAYED] + F32(cfg.weight_decay) * p[:DECAYED]
+        p = p + F32(-lr) * u
+        mu, nu = round_moment(m), round_moment(v)
+    return {"master": p, "mu": mu, "nu": nu}
+
+
+def _layout():
+    return SlabLayout(
+        leaves=(Leaf(("w",), (N,), 0, N),),
+        treedef=None,
+        tree_order=(0,),
+        num_decay=DECAYED,
+        size=N,
+        page_elems=PAGE,
+    )
+
+
+def _run_slab(opt, master, grads, clips, in_place):
+    state = opt.init("s", master)
+    for grad, clip in zip(grads, clips, strict=True):
+        slabs, scalars, _ = opt.update("s", *state, grad, clip, in_place=in_place)
+        state = (slabs, scalars)
+    return {k: np.concatenate([np.asarray(c) for c in v]) for k, v in state[0].items()}
+
+
+@pytest.mark.parametrize("kernel", ["native", "optax"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["xla-buffers", "host-buffers"])
+@pytest.mark.parametrize("name", ["adamw", "adam"])
+def test_bf16_moments_update_equals_the_numpy_reference(
+    compiler, monkeypatch, kernel, in_place, name
+):
+    """Four steps with bfloat16 moments, the second clipped: mu and nu equal the
+    reference's (float32 update, round to nearest even) bit for bit with the native
+    kernel, through XLA's buffers (the jitted FFI call: state in RAM) and in place on
+    host buffers (the NVMe tier's I/O buffers); the master agrees to float32 rounding
+    (the reference's bias corrections and learning rate are numpy's, not XLA's). optax's
+    jitted path widens, updates and rounds the same way: there XLA fuses one product of
+    each moment's sum into an FMA, so its moments agree to one bfloat16 rounding."""
+    import hetjax.optimizer.slab
+
+    monkeypatch.setattr(hetjax.optimizer.slab, "CHUNK_ELEMS", 2 * PAGE)
+    cfg = OptimizerConfig(
+        name=name, lr=1e-2, warmup_steps=2, host_kernel=kernel, state_dtype="bfloat16"
+    )
+    host = Shardings.single_device().optimizer
+    opt = SlabOptimizer(cfg, 10, {"s": _layout()}, host, "bfloat16")
+    assert opt.native == (kernel == "native")
+    rng = np.random.default_rng(1)
+    master = rng.normal(size=N).astype(F32)
+    grads = [aligned_concatenate([rng.normal(size=N).astype(F32)]) for _ in range(4)]
+    clips = [(8.0, 0.0), (8.0, 2.0), (8.0, 0.0), (8.0, 0.0)]
+    lrs = [1e-2 * 1 / 2, 1e-2]  # warmup: lr * (n + 1) / warmup, then cosine over 10 steps
+    lrs += [1e-3 + 0.5 * (1e-2 - 1e-3) * (1 + np.cos(np.pi * (n - 2) / 8)) for n in (2, 3)]
+    want = reference_adam(name, cfg, master, grads, [1, 0.25, 1, 1], lrs, bf16_round)
+    got = _run_slab(opt, master, grads, clips, in_place)
+    assert got["mu"].dtype == got["nu"].dtype == BF16 and got["master"].dtype == F32
+    for kind in ("mu", "nu"):
+        widened = got[kind].astype(F32)
+        if kernel == "native":
+            np.testing.assert_array_equal(widened, want[kind], err_msg=kind)
+        else:  # at most one bfloat16 ulp apart (an FMA's rounding moves the tie point)
+            ulps = np.abs(_bf16_ordinal(widened) - _bf16_ordinal(want[kind]))
+            assert ulps.max() <= 1, (kind, ulps.max())
+    np.testing.assert_allclose(got["master"], want["master"], rtol=2e-6, atol=1e-7)
+    assert not np.array_equal(got["master"], master)
+
+
+# -- the runtimes ----------------------------------------------------------------------------
+
+CLIP = dict(grad_clip=2.0)  # binds in some of the tiny runs' steps, not all (test_offload.py)
+
+
+# 5 s (30 s with the shared cores loaded: three tiny runs)
+@pytest.mark.slow
+def test_stream_with_bf16_moments_on_nvme_equals_state_in_ram(tiny, tmp_path):
+    """bfloat16 moments, optimizer state on NVMe (the native kernel in place on the I/O
+    buffers, ``native.host_update``) and in host RAM (the kernel through XLA's buffers,
+    the FFI call): the same kernel on the same operands, so the same training bit for
+    bit (each entry point equals the numpy reference above); the NVMe tier's files hold
+    bfloat16 moments, 4 + 2 + 2 bytes a parameter a generation. Against the in-memory
+    runtime (optax's update, widened and rounded) the runs differ by bfloat16 roundings
+    that an FMA moves (see the optax case above), so only the losses are compared,
+    to a tolerance of their own: that bound is this test's measurement, not an
+    equivalence."""
+    from hetjax.train import train
+    from models import build_model
+
+    optimizer = dict(state_dtype="bfloat16", **CLIP)
+    runs = {}
+    for tier in ("nvme", "host"):
+        config = tiny(
+            optimizer=optimizer,
+            offload=dict(mode="stream", optimizer=tier),
+            memory=dict(page_size="16KiB"),
+        )
+        runs[tier] = train(config, tmp_path / tier, verbose=False)
+    nvme, host = runs["nvme"], runs["host"]
+    assert nvme.losses == host.losses and nvme.val_loss == host.val_loss
+    jax.tree.map(np.testing.assert_array_equal, nvme.params, host.params)
+    root = tmp_path / "nvme" / "nvme" / "optimizer"
+    for kind, dtype in (("master", "float32"), ("mu", "bfloat16"), ("nu", "bfloat16")):
+        meta = json.loads((root / "gen1" / kind / "zarr.json").read_text())
+        assert meta["data_type"] == dtype, (kind, meta["data_type"])
+    params = build_model(config.model).param_count()
+    nvme_bytes = nvme.records[-1]["nvme_bytes"]
+    assert 2 * 8 * params <= nvme_bytes < 2 * 8 * params * 1.5  # whole pages: padding
+    assert nvme.records[-1]["nvme_read_bytes"] > 0
+    ref = train(tiny(optimizer=optimizer), tmp_path / "ref", verbose=False)
+    np.testing.assert_allclose(nvme.losses, ref.losses, rtol=1e-4)
+
+
+# -- int8 blocks ------------------------------------------------------------------------------
+
+
+def ref_code(signed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The code's magnitudes (index 0: zero) and the midpoints between neighbours, from
+    the definition: 2**((k - top) / 8) for k in 1..top, top 127 signed, 255 unsigned."""
+    top = 127 if signed else 255
+    magnitudes = [0.0] + [2.0 ** ((k - top) / 8) for k in range(1, top + 1)]
+    mids = [(a + b) / 2 for a, b in zip(magnitudes[:-1], magnitudes[1:], strict=True)]
+    return np.array(magnitudes, F32), np.array(mids, F32)
+
+
+def ref_quantize(x: np.ndarray, signed: bool, block: int = 2048):
+    """Codes (int32: the signed index, or the unsigned byte) and scales of ``x``: blocks
+    of the flattened ``x``; the nearest code to |x| / absmax (ties to the smaller); a
+    positive unsigned value never code 0."""
+    _, mids = ref_code(signed)
+    flat = np.asarray(x, F32).reshape(-1)
+    codes, scales = np.zeros(flat.size, np.int32), []
+    for start in range(0, flat.size, block):
+        part = flat[start : start + block]
+        scale = np.abs(part).max()
+        scales.append(scale)
+        y = np.abs(part) / (scale if scale > 0 else F32(1))
+        k = np.array([int((mids < v).sum()) for v in y])  # midpoints below: brute force
+        if signed:
+            k = np.where(part < 0, -k, k)
+        else:
+            k = np.where(y > 0, np.maximum(k, 1), 0)
+        codes[start : start + block] = k
+    return codes.reshape(np.shape(x)), np.array(scales, F32)
+
+
+def ref_dequantize(codes: np.ndarray, scales: np.ndarray, signed: bool, block: int = 2048):
+    magnitudes, _ = ref_code(signed)
+    flat = codes.reshape(-1)
+    values = np.sign(flat) * magnitudes[np.abs(flat)] if signed else magnitudes[flat]
+    return (values.astype(F32) * np.repeat(scales, block)[: flat.size]).reshape(codes.shape)
+
+
+def _codes(q) -> np.ndarray:
+    """An Int8Blocks' codes as the reference's integers (an unsigned moment's as bytes)."""
+    return np.asarray(q.codes).astype(np.int32)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["mu", "nu"])
+def test_int8_blocks_equal_the_numpy_reference(signed):
+    """Quantization of values over 30 octaves, zeros, a block of zeros and a partial last
+    block: codes and scales equal the reference's exactly; dequantization too."""
+    rng = np.random.default_rng(3)
+    n = 3 * 2048 + 700
+    x = rng.standard_normal(n).astype(F32) * np.exp2(rng.uniform(-30, 3, n)).astype(F32)
+    x[2048:4096] = 0  # a block of zeros: scale 0
+    x[:7] = 0
+    x[7] = np.float32(1e-30)  # far below the smallest code: 0 (signed) or code 1
+    x[8] = np.float32(300.0)  # the block's maximum
+    if not signed:
+        x = np.abs(x)
+    q = jax.jit(lambda a: moments.quantize(a, signed))(x)
+    codes = _codes(q) if signed else _codes(q) & 0xFF
+    want_codes, want_scales = ref_quantize(x, signed)
+    np.testing.assert_array_equal(np.asarray(q.scales), want_scales)
+    np.testing.assert_array_equal(codes, want_codes)
+    assert want_scales[1] == 0 and codes[7] == (0 if signed else 1)
+    got = jax.jit(lambda c: moments.dequantize(c, signed))(q)
+    np.testing.assert_array_equal(np.asarray(got), ref_dequantize(want_codes, want_scales, signed))
+    # the code's worst relative error: half a step of 2**(1/8) (4.4 %), where not floored
+    big = np.abs(x) > want_scales.repeat(2048)[:n] * 2**-15
+    err = np.abs(np.asarray(got) - x)[big] / np.abs(x)[big]
+    assert err.max() <= (2 ** (1 / 8) - 1) / 2 * 1.0001
+
+
+def test_int8_moments_update_equals_the_numpy_reference():
+    """Adam with int8 moments (``moments.low_precision``, what the in-memory runtime
+    runs) over four steps on a leaf of three blocks and a partial one, each step against
+    the numpy reference of the same quantized update from the same state (dequantize,
+    optax's formulas in float32, quantize): scales agree to float32 rounding, codes are
+    equal but where XLA's FMA moves a moment across a midpoint (one code step, at most 1
+    in 1000 of them), the params to float32 rounding."""
+    import optax
+
+    from hetjax.optimizer.state_format import moment_format
+
+    n, lr = 3 * 2048 + 500, 1e-2
+    b1, b2, eps = F32(0.9), F32(0.95), F32(1e-8)
+    tx = moments.low_precision(optax.adam(lr, 0.9, 0.95, 1e-8), moment_format("int8"))
+    rng = np.random.default_rng(5)
+    p = rng.normal(size=n).astype(F32)
+    state = tx.init(p)
+    update = jax.jit(tx.update)
+    for t in range(1, 5):
+        g = rng.normal(size=n).astype(F32) * F32(10.0 ** -(t % 3))
+        adam = state[0]  # ScaleByAdamState(count, mu, nu), mu and nu Int8Blocks
+        mu = ref_dequantize(_codes(adam.mu), np.asarray(adam.mu.scales), True)
+        nu = ref_dequantize(_codes(adam.nu) & 0xFF, np.asarray(adam.nu.scales), False)
+        m = F32(1 - 0.9) * g + b1 * mu
+        v = F32(1 - 0.95) * (g * g) + b2 * nu
+        want_p = p + F32(-lr) * (
+            (m / (F32(1) - b1 ** F32(t))) / (np.sqrt(v / (F32(1) - b2 ** F32(t))) + eps)
+        )
+        updates, state = update(g, state, p)
+        p = np.asarray(optax.apply_updates(p, updates))
+        adam = state[0]
+        for got, want, signed in ((adam.mu, m, True), (adam.nu, v, False)):
+            codes = _codes(got) if signed else _codes(got) & 0xFF
+            want_codes, want_scales = ref_quantize(want, signed)
+            np.testing.assert_allclose(np.asarray(got.scales), want_scales, rtol=2e-7)
+            moved = codes != want_codes
+            assert moved.mean() <= 1e-3 and np.abs(codes - want_codes).max() <= 1, (t, signed)
+        np.testing.assert_allclose(p, want_p, rtol=2e-6, atol=1e-7)
+        assert adam.mu.codes.dtype == adam.nu.codes.dtype == np.int8
+        assert adam.mu.scales.shape == adam.nu.scales.shape == (4,)
+
+
+def test_int8_moments_in_host_ram_update_equals_the_numpy_reference(monkeypatch):
+    """The host optimizer with int8 moments (state in host or device memory: optax's
+    jitted update on chunks, each chunk its own blocks) over three steps, the second
+    clipped, on a slab of three chunks with weight decay ending inside one: each step
+    against the numpy reference of the quantized update from the same state, chunk by
+    chunk (as ``test_int8_moments_update_equals_the_numpy_reference``)."""
+    import hetjax.optimizer.slab
+
+    monkeypatch.setattr(hetjax.optimizer.slab, "CHUNK_ELEMS", 2 * PAGE)
+    cfg = OptimizerConfig(lr=1e-2, warmup_steps=2, state_dtype="int8")
+    opt = SlabOptimizer(cfg, 10, {"s": _layout()}, Shardings.single_device().optimizer, "float32")
+    assert not opt.native  # the kernel refuses int8 blocks: optax's path
+    rng = np.random.default_rng(2)
+    p = rng.normal(size=N).astype(F32)
+    slabs, scalars = opt.init("s", p)
+    assert [c.scales.shape for c in slabs["mu"]] == [(4,)] * 3  # 2 pages = 4 blocks a chunk
+    b1, b2, eps, wd = F32(0.9), F32(0.95), F32(cfg.eps), F32(cfg.weight_decay)
+    lrs = [1e-2 / 2, 1e-2, 1e-3 + 0.5 * (1e-2 - 1e-3) * (1 + np.cos(np.pi * 0 / 8))]
+    for t, (scale, lr) in enumerate(zip([1.0, 0.25, 1.0], lrs, strict=True), start=1):
+        g = rng.normal(size=N).astype(F32)
+        mu = np.concatenate(
+            [ref_dequantize(_codes(c), np.asarray(c.scales), True) for c in slabs["mu"]]
+        )
+        nu = np.concatenate(
+            [ref_dequantize(_codes(c) & 0xFF, np.asarray(c.scales), False) for c in slabs["nu"]]
+        )
+        gs = g * F32(scale)
+        m = F32(1 - 0.9) * gs + b1 * mu
+        v = F32(1 - 0.95) * (gs * gs) + b2 * nu
+        u = (m / (F32(1) - b1 ** F32(t))) / (np.sqrt(v / (F32(1) - b2 ** F32(t))) + eps)
+        u[:DECAYED] = u[:DECAYED] + wd * p[:DECAYED]
+        want_p = p + F32(-lr) * u
+        clip = (8.0, 2.0) if scale != 1.0 else (8.0, 0.0)
+        slabs, scalars, _ = opt.update("s", slabs, scalars, aligned_concatenate([g]), clip)
+        for kind, want, signed in (("mu", m, True), ("nu", v, False)):
+            for (a, b), chunk in zip(opt.chunk_bounds("s"), slabs[kind], strict=True):
+                codes = _codes(chunk) if signed else _codes(chunk) & 0xFF
+                want_codes, want_scales = ref_quantize(want[a:b], signed)
+                np.testing.assert_allclose(np.asarray(chunk.scales), want_scales, rtol=2e-7)
+                moved = codes != want_codes
+                assert moved.mean() <= 1e-3 and np.abs(codes - want_codes).max() <= 1
+        p = np.concatenate([np.asarray(c) for c in slabs["master"]])
+        np.testing.assert_allclose(p, want_p, rtol=2e-6, atol=1e-7)
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+def _save_and_open(state, directory):
+    """``state`` (a runtime's ``save_state()``) written as checkpoint 2 of ``directory``
+    and opened again (read on demand)."""
+    from hetjax.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(directory, async_save=False)
+    ckpt.save(2, state, {"step": 2})
+    ckpt.wait()
+    stored, _ = ckpt.restore(2)
+    return stored
+
+
+def _moment_leaves(opt_state) -> dict[str, list]:
+    """The in-memory runtime's moments by kind (``mu``, ``nu``), leaf by leaf, as they
+    are held (arrays, or Int8Blocks)."""
+    adam = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "nu"))
+        if hasattr(s, "nu")
+    ]
+    assert len(adam) == 1
+    is_blocks = lambda x: isinstance(x, moments.Int8Blocks)
+    return {k: jax.tree.leaves(getattr(adam[0], k), is_leaf=is_blocks) for k in ("mu", "nu")}
+
+
+def _converted(saved: np.ndarray, kind: str, dtype: str):
+    """The reference conversion of a saved moment (float32 or bfloat16 values) to a run
+    of ``dtype``: widened exactly, then fp32 as is, bfloat16 rounded to nearest even,
+    int8 quantized; returned as the runtime holds it (codes and scales for int8)."""
+    wide = np.asarray(saved).astype(F32)
+    if dtype == "float32":
+        return wide
+    if dtype == "bfloat16":
+        return bf16_round(wide)
+    return ref_quantize(wide, signed=kind != "nu")
+
+
+# 7 s (90 s with the shared cores loaded: nine tiny in-memory runtimes, three checkpoints)
+@pytest.mark.slow
+def test_in_memory_checkpoints_round_trip_per_dtype_and_across(tiny, tmp_path):
+    """In memory, each state dtype trained two steps and checkpointed: the checkpoint
+    holds fp32 and bfloat16 moments as they are (int8 ones as the float32 values their
+    blocks hold: a checkpoint's kind has one dtype and no scales), and restoring it into
+    a run of each dtype gives that run's conversion of the saved values (reference
+    above): back into its own dtype, exactly the state it saved."""
+    from equivalence import training_batches
+
+    from hetjax.runtime.in_memory import InMemoryRuntime
+
+    saved_dtype = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32"}
+    for source in ("float32", "bfloat16", "int8"):
+        config = tiny(optimizer=dict(state_dtype=source))
+        runtime = InMemoryRuntime(config)
+        for batch in training_batches(config, 2):
+            runtime.train_step(batch)
+        stored = _save_and_open(runtime.save_state(), tmp_path / source)
+        assert stored.state_format.dtype("mu").name == saved_dtype[source]
+        assert stored.state_format.dtype("master").name == "float32"
+        held = _moment_leaves(runtime.state.opt_state)
+        for target in ("float32", "bfloat16", "int8"):
+            restored = InMemoryRuntime(tiny(optimizer=dict(state_dtype=target)))
+            restored.load_state(stored)
+            got = _moment_leaves(restored.state.opt_state)
+            for kind in ("mu", "nu"):
+                saved = jax.tree.leaves(stored.kind_tree(kind))
+                # the kind trees' leaves and the optax state's leaves: one order
+                for leaf, s, h in zip(got[kind], saved, held[kind], strict=True):
+                    want = _converted(s, kind, target)
+                    if target == "int8":
+                        codes = _codes(leaf) if kind == "mu" else _codes(leaf) & 0xFF
+                        np.testing.assert_array_equal(codes, want[0])
+                        np.testing.assert_array_equal(np.asarray(leaf.scales), want[1])
+                    else:
+                        assert leaf.dtype == np.dtype(target)
+                        np.testing.assert_array_equal(np.asarray(leaf).astype(F32), want)
+                    if target == source:  # its own dtype: the state it saved
+                        jax.tree.map(np.testing.assert_array_equal, leaf, h)
+            jax.tree.map(np.testing.assert_array_equal, restored.state.params, runtime.state.params)
+
+
+def _stream_values(runtime, stage: str) -> dict[str, np.ndarray]:
+    """A streaming run's committed state of ``stage`` as flat values: as held (float32,
+    bfloat16), int8 blocks as the float32 values they hold."""
+    from hetjax.storage.states import MemoryStateStore
+
+    if isinstance(runtime.states, MemoryStateStore):
+        held = runtime.states.slabs[stage]
+        return {k: runtime.optimizer.values(k, chunks) for k, chunks in held.items()}
+    return runtime.states.committed(stage)[0]
+
+
+# 12 s (65 s with the shared cores loaded: twelve tiny streaming runtimes, three checkpoints)
+@pytest.mark.slow
+def test_stream_checkpoints_round_trip_per_dtype_and_across(tiny, tmp_path):
+    """Streaming, float32 and bfloat16 moments on NVMe (the checkpoint hard-links the
+    tier's files) and int8 blocks in host RAM (saved as the float32 values they hold),
+    trained two steps and checkpointed; restored into a streaming run of each dtype with
+    its state in host RAM: every stage's committed state is the saved one converted
+    (bfloat16 widened exactly, float32 rounded to nearest even, int8 quantized chunk by
+    chunk: the reference above), and in its own dtype exactly the state it saved."""
+    from equivalence import training_batches
+
+    from hetjax.runtime.streaming import StreamingRuntime
+
+    def stream(dtype, tier, name):
+        config = tiny(
+            optimizer=dict(state_dtype=dtype),
+            offload=dict(mode="stream", optimizer=tier),
+            memory=dict(page_size="16KiB"),
+        )
+        return config, StreamingRuntime(config, workdir=tmp_path / name)
+
+    dtypes = ("float32", "bfloat16", "int8")
+    for source in dtypes:
+        tier = "host" if source == "int8" else "nvme"
+        config, runtime = stream(source, tier, f"{source}-{tier}")
+        try:
+            for batch in training_batches(config, 2):
+                runtime.train_step(batch)
+            runtime.settle()
+            held = {s: _stream_values(runtime, s) for s in runtime.stage_names}
+            stored = _save_and_open(runtime.save_state(), tmp_path / f"ckpt-{source}")
+        finally:
+            runtime.close()
+        saved = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32"}[source]
+        assert stored.state_format.dtype("nu").name == saved
+        for target in dtypes:
+            _, restored = stream(target, "host", f"{source}-to-{target}")
+            try:
+                restored.load_state(stored)
+                opt = restored.optimizer
+                for stage in restored.stage_names:
+                    got = restored.states.slabs[stage]
+                    master = np.concatenate([np.asarray(c) for c in got["master"]])
+                    np.testing.assert_array_equal(master, held[stage]["master"])
+                    for kind in ("mu", "nu"):
+                        values = held[stage][kind]
+                        if target == "int8":
+                            bounds = opt.chunk_bounds(_layout_of(stage))
+                            for (a, b), chunk in zip(bounds, got[kind], strict=True):
+                                want = ref_quantize(values[a:b].astype(F32), kind == "mu")
+                                codes = _codes(chunk) if kind == "mu" else _codes(chunk) & 0xFF
+                                np.testing.assert_array_equal(codes, want[0])
+                                np.testing.assert_array_equal(np.asarray(chunk.scales), want[1])
+                        else:
+                            flat = np.concatenate([np.asarray(c) for c in got[kind]])
+                            assert flat.dtype == np.dtype(target), (stage, kind)
+                            want = _converted(values, kind, target)
+                            np.testing.assert_array_equal(flat.astype(F32), want)
+                        if target == source:  # its own dtype: the state it saved
+                            now = opt.values(kind, got[kind])
+                            np.testing.assert_array_equal(now, values)
+            finally:
+                restored.close()
+
+
+def _layout_of(stage: str) -> str:
+    from hetjax.runtime.setup import layout_name
+
+    return layout_name(stage)
+
+
+# -- bytes ------------------------------------------------------------------------------------
+
+EIGHT = dict(num_layers=8, d_model=32, num_heads=4, max_seq_len=32)
+
+
+# 11 s (45 s with the shared cores loaded: five streaming runtimes)
+@pytest.mark.slow
+def test_planner_bytes_equal_the_runtimes_for_each_state_dtype(tiny, tmp_path):
+    """``optimizer.state_dtype`` moves the planner's bytes (``Workload.from_config``)
+    and the streaming runtime's (its plans, its NVMe store, the state it holds in host
+    RAM) together, to the bytes counted by hand: 4 + 4 + 4 bytes a parameter with fp32
+    moments, 4 + 2 + 2 with bfloat16, 4 + 1 + 1 and a 4-byte scale per 2048 of each
+    moment with int8 (in RAM; the NVMe tier refuses int8, naming the key)."""
+    from hetjax.memory_host import nvme_parts, plan_host
+    from hetjax.planning.workload import Workload, memory_sizes
+    from hetjax.runtime.streaming import StreamingRuntime
+
+    offload = dict(mode="stream", params="host", optimizer="nvme", prefetch_depth=1)
+    memory_cfg = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
+    for dtype, per_param in (("float32", 12), ("bfloat16", 8)):
+        config = tiny(
+            model=EIGHT, offload=offload, memory=memory_cfg, optimizer=dict(state_dtype=dtype)
+        )
+        runtime = StreamingRuntime(config, workdir=tmp_path / dtype)
+        try:
+            s, t = runtime.sizes, config.train
+            assert runtime.optimizer.state_format.bytes_per_param == per_param
+            measured = runtime.fns.memory_sizes(
+                t.micro_batch_size, t.seq_len, runtime.compute_dtype
+            )
+            w = Workload.from_config(config, measured)
+            assert w.state_bytes_per_param == per_param
+            planned = memory_sizes(w)
+            o = runtime.offload  # the placement the runtime resolved from the config
+            planned_host = plan_host(planned, o, config.memory.host_budget)
+            assert planned_host.parts == runtime.host_plan.parts
+            elems = sum(s.own(n) for n in s.stages())
+            assert nvme_parts(planned, o, planned_host)["optimizer"] == (runtime.states.nvme_bytes)
+            assert runtime.states.nvme_bytes == 2 * per_param * elems  # two generations
+        finally:
+            runtime.close()
+    # state in host RAM, each dtype: two generations held after a step (the committed
+    # state and the dead one kept as the next update's output), as the planner counts
+    from equivalence import training_batches
+
+    host = dict(mode="stream", params="host", optimizer="host", prefetch_depth=1)
+    for dtype in ("float32", "bfloat16", "int8"):
+        config = tiny(
+            model=EIGHT, offload=host, memory=memory_cfg, optimizer=dict(state_dtype=dtype)
+        )
+        runtime = StreamingRuntime(config, workdir=tmp_path / f"host-{dtype}")
+        try:
+            s, t = runtime.sizes, config.train
+            measured = runtime.fns.memory_sizes(
+                t.micro_batch_size, t.seq_len, runtime.compute_dtype
+            )
+            o = runtime.offload
+            planned = plan_host(
+                memory_sizes(Workload.from_config(config, measured)), o, config.memory.host_budget
+            )
+            for batch in training_batches(config, 2):
+                runtime.train_step(batch)
+            elems = sum(s.own(n) for n in s.stages())
+            by_hand = {  # per element, and int8: a 4-byte scale per 2048 of each moment
+                "float32": 12 * elems,
+                "bfloat16": 8 * elems,
+                "int8": 6 * elems + 2 * 4 * elems // 2048,
+            }[dtype]
+            assert runtime.states.host_bytes() == 2 * by_hand, dtype
+            assert planned.parts["optimizer"] == runtime.host_plan.parts["optimizer"] == 2 * by_hand
+        finally:
+            runtime.close()
+    int8 = tiny(model=EIGHT, offload=offload, memory=memory_cfg, optimizer=dict(state_dtype="int8"))
+    fmt = state_format(int8.optimizer)
+    assert fmt.bytes_per_param == 4 + 2 * (1 + 4 / 2048)
+    assert fmt.nbytes(4096) == 4096 * 4 + 2 * (4096 + 2 * 4)
+    with pytest.raises(ConfigError, match="optimizer.state_dtype"):
+        StreamingRuntime(int8, workdir=tmp_path / "int8")
+
+
+# 7 s (45 s with the shared cores loaded): a benchmark smoke test
+@pytest.mark.slow
+def test_state_dtype_bench_quick(tmp_path, monkeypatch, capsys):
+    from hetjax.bench import main
+
+    monkeypatch.chdir(tmp_path)  # its PNG: runs/bench/state_dtype.png
+    out = tmp_path / "state_dtype.json"
+    assert main(["state_dtype", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    runs = result["shapes"]["gpt_tiny"]["runs"]
+    assert sorted(runs) == ["bfloat16", "float32", "int8"]
+    assert all(np.isfinite(r["val_loss"]) and len(r["losses"]) == 6 for r in runs.values())
+    assert runs["float32"]["val_minus_fp32"] == 0
+    assert (tmp_path / "runs" / "bench" / "state_dtype.png").stat().st_size > 0
+    assert "int8" in capsys.readouterr().out
