@@ -55,9 +55,13 @@ me = os.environ["HETJAX_PROCESS_ID"]
 n = int(os.environ["HETJAX_NUM_PROCESSES"])
 deadline = time.monotonic() + 60
 if me == fail:
-    while sum(p.startswith("python.") for p in os.listdir(record)) < n:
+    # fail once this start's n processes have all recorded (every start's n: a restart's
+    # others would otherwise be stopped before they record)
+    starts = 1 + sum(p.startswith(f"failed.{{me}}.") for p in os.listdir(record))
+    while sum(p.startswith("python.") for p in os.listdir(record)) < n * starts:
         time.sleep(0.05)
     open(os.path.join(record, f"failed.{{me}}"), "w").close()
+    open(os.path.join(record, f"failed.{{me}}.{{os.getpid()}}"), "w").close()
     sys.exit(int(os.environ.get("FAKE_FAIL_STATUS", "3")))
 
 
