@@ -104,8 +104,9 @@ def _score_shapes(hlo: str, T: int) -> list[str]:
     return sorted(set(re.findall(rf"\w+\[[\d,]*\b{T},{T}\]", hlo)))
 
 
-# default run: gpt; llama with -m slow
-@pytest.mark.parametrize("family", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
+# both with -m slow (~5 s each): the blockwise attention's equality runs in the default run
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.slow
 def test_compiled_stages_hold_no_score_matrix(family):
     """The compiled block stage functions (forward, backward with recompute, kept
     forward at each level and backward from it): with blockwise attention at T = 112 in

@@ -67,7 +67,8 @@ def test_token_loss_by_hand():
     assert abs(float(token_loss(logits, jnp.array([[0, 2]]))) - both) < 1e-6
 
 
-@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+# default run: blockwise (the training path's); reference with -m slow (~8 s)
+@pytest.mark.parametrize("impl", [pytest.param("reference", marks=pytest.mark.slow), "blockwise"])
 def test_attention_within_a_record_equals_the_record_alone(impl):
     """Segment ids (records of 5, 7 and 4 plus padding): each record's outputs and the
     gradients of its q, k, v equal attention over that record alone (fp32, 1e-5)."""

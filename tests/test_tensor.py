@@ -143,6 +143,7 @@ def _block_backward_hlo(config) -> str:
         runtime.close()
 
 
+@pytest.mark.slow  # ~6 s: compiles two runtimes' block backward (tp2's equality: default run)
 def test_block_compute_splits_over_the_model_axis(tmp_path):
     """The split is XLA's, from the params' logical axes (no layer code): a block's
     backward compiled for 2 model devices computes half the MLP's hidden units (its

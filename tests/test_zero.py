@@ -196,9 +196,8 @@ def test_zero3_equals_plain_single_device_with_sgd(tiny, tmp_path):
 
 
 # Each offload feature once refused under data parallelism (hetjax/support.py), on 2
-# devices against the ordinary one-device run. Swapped blocks on NVMe in the default run:
-# it crosses both the residuals' sharding back onto each device (runtime/boundaries.py)
-# and the swap's per-process rows (storage/swap.py); the others are ~8 s each.
+# devices against the ordinary one-device run (all with -m slow: the one-device runs of
+# each are in the default run, tests/test_stream.py).
 DP_FEATURES = {
     "swap_nvme": dict(offload=dict(swap_blocks=2, swap_tier="nvme")),
     "swap_host": dict(offload=dict(swap_blocks=1)),
@@ -217,7 +216,7 @@ def plain_sgd(tmp_path_factory):
 @pytest.mark.parametrize(
     "feature",
     [
-        pytest.param(name, marks=[] if name == "swap_nvme" else pytest.mark.slow)
+        pytest.param(name, marks=pytest.mark.slow)  # ~8 s each
         for name in DP_FEATURES
     ],
 )
