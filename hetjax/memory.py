@@ -280,15 +280,6 @@ def block_grad_dtype(config: Config) -> np.dtype:
     return np.dtype(np.float32)
 
 
-def zero3_scatter_bytes(block_elems: int, grad_bytes: int, devices: int) -> int:
-    """Device temporaries a ZeRO-3 block backward adds to one device's for its
-    reduce-scatter (``zero.Zero3.grad_slab``): the device's whole gradient slab, stacked
-    from its pages, and the summed share it keeps (measured on the CPU backend: a 4-page
-    block's backward on 4 devices, 131 KiB of temporaries against 52 KiB on one device
-    at one device's rows; this gives 80)."""
-    return grad_bytes * block_elems * (devices + 1) // devices
-
-
 # -- what the model is given ---------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from hetjax import support
 from hetjax.config import Config, ConfigError
 from hetjax.data import decoder_length
-from hetjax.memory import Sizes, block_grad_dtype, grad_policy, zero3_scatter_bytes
+from hetjax.memory import Sizes, block_grad_dtype, grad_policy
 from hetjax.optimizer.deferred import deferrable
 from hetjax.optimizer.state_format import StateFormat, state_format
 from hetjax.planning.hardware import Hardware
@@ -264,10 +264,7 @@ class Workload:
         # where it was measured (the estimate's ratio between chunk counts)
         ratio = working / estimate(n_chunks) if sizes is not None else 1.0
         chunked = {n: int(estimate(n) * ratio) for n in chunk_counts if n != n_chunks}
-        if devices > 1:  # measured or estimated on one device: ZeRO-3's reduce-scatter adds
-            scatter = zero3_scatter_bytes(block, block_grad_dtype(config).itemsize, devices)
-            working += scatter
-            chunked = {n: ws + scatter for n, ws in chunked.items()}
+
         # What a kept block's backward recomputes at level matmuls (its other FLOPs are
         # elementwise: their cost is the bytes, see stage_times): the reference
         # attention's scores; the fused attention's forward (its softmax statistics are
