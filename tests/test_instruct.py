@@ -126,7 +126,7 @@ def test_jsonl_first_loss_data_parallel_is_the_mean_of_each_devices(tiny, tmp_pa
     from the initial params and the model's loss (not the runtime), 1e-5."""
     import jax
 
-    from hetjax.data import make_datasets
+    from hetjax.instruct import make_datasets
     from models import build_model
 
     path = _dataset(tmp_path)

@@ -153,14 +153,15 @@ def test_reduce_dtype_compute_halves_the_block_reduce_scatter(tiny, tmp_path):
 
 
 @pytest.mark.slow  # measures this machine (~10 s) twice, then trains
-@pytest.mark.parametrize("device_budget", ["480KiB", "2MiB"])  # streamed; blocks kept
+@pytest.mark.parametrize("device_budget", ["640KiB", "2MiB"])
 def test_auto_plans_zero3_on_4_devices_within_per_device_budgets(
     reference4, tiny, tmp_path, device_budget
 ):
     """offload.mode=auto with data parallelism plans (it streamed with defaults before):
     for the 4 devices, within a per-device budget that does not hold the whole state
-    (480 KiB: just above what the runtime counts for one streamed block, 461 KiB; the
-    planner, which does not count the reduce-scatter's temporaries, 382 KiB) and a host budget that is the process's, shared by its 4 devices;
+    (640 KiB: above what the runtime counts for one streamed block, 461-498 KiB in the
+    runs of 2026-11-26; the planner, which does not count the reduce-scatter's
+    temporaries, counts 382 KiB) and a host budget that is the process's, shared by its 4 devices;
     the run trains with the plan's placement and budgets and equals the one-device run.
     (Which tiers the plan takes is the planner's call from this machine's measurements,
     so not asserted: at 2 MiB it kept blocks in the runs of 2026-11-26.)"""
@@ -431,33 +432,6 @@ def test_two_processes_checkpoint_and_resume(reference4, tmp_path):
         np.testing.assert_allclose(resumed.losses, reference4.losses[3:], rtol=1e-5)
         assert_trees_close(without_key_bias(resumed.params), without_key_bias(reference4.params))
     saved = _run_two_processes(tmp_path, *shared, "checkpoint.at_end=true")
-    np.testing.assert_allclose(saved["losses"], reference4.losses[3:], rtol=1e-5)
-    params = _params_like(saved, reference4.params)
-    assert_trees_close(without_key_bias(params), without_key_bias(reference4.params))
-
-
-@pytest.mark.slow  # one run, then two child processes compile everything anew
-def test_one_device_checkpoint_with_nvme_state_resumes_on_two_processes(reference4, tmp_path):
-    """The other way: one process with one device and its params and optimizer state on
-    NVMe checkpoints step 3 (hard links of its NVMe pages); 2 processes x 2 devices
-    resume it, each reading only the page range it owns, with their state on NVMe
-    again, and end where the single-device run does."""
-    ckpt = tmp_path / "ckpt"
-    nvme = dict(mode="stream", optimizer="nvme", params="nvme")
-    one = tiny_config(
-        offload=nvme,
-        optimizer=SGD_CLIP,
-        train=dict(steps=3),
-        memory=dict(PAGES, nvme_path=str(tmp_path / "one-nvme")),
-        checkpoint=dict(dir=str(ckpt), at_end=True),
-    )
-    train(one, tmp_path / "one", verbose=False)
-    assert (ckpt / "3").is_dir()
-    tiers = ("offload.optimizer=nvme", "offload.params=nvme")
-    (tmp_path / "two").mkdir()
-    saved = _run_two_processes(
-        tmp_path / "two", f"checkpoint.dir={ckpt}", "checkpoint.at_end=true", *SGD_ARGS, *tiers
-    )
     np.testing.assert_allclose(saved["losses"], reference4.losses[3:], rtol=1e-5)
     params = _params_like(saved, reference4.params)
     assert_trees_close(without_key_bias(params), without_key_bias(reference4.params))

@@ -147,8 +147,9 @@ def lanes(
         disk_step += writes["params"] / hw.nvme_write_bw
     # boundaries and swapped activations: written in each micro-batch's forward, read
     # back in its backward
-    disk_f += writes["activations"] / A / hw.nvme_write_bw
-    disk_b += writes["activations"] / A / hw.nvme_read_bw
+    if writes["activations"]:  # (a profile without NVMe writes none)
+        disk_f += writes["activations"] / A / hw.nvme_write_bw
+        disk_b += writes["activations"] / A / hw.nvme_read_bw
     if grad_spill:
         disk_step += writes["gradients"] / hw.nvme_write_bw
     S = w.state_bytes_per_param
