@@ -282,14 +282,14 @@ def test_expert_slab_shares_hold_their_devices_experts(tiny):
     shares = slab.reshape(layout.devices, layout.share * P)
     for n, share in enumerate(shares):
         g = n % layout.groups  # the mesh is (data, expert): device n = (n // 2, n % 2)
-        experts = set(np.unique(share[: layout.expert_share * P])) - {0.0}
+        experts = set(np.unique(share[: layout.group_share * P])) - {0.0}
         assert experts and experts <= {2.0 * g + 1, 2.0 * g + 2}, (n, experts)
     host = jax.device_put(slab.reshape(-1, P), zero.sharded.slab_host)
     pages = zero.to_device(host, layout)
-    for shard in pages.experts.addressable_shards:
+    for shard in pages.group.addressable_shards:
         g = int(np.argwhere(zero.mesh.devices == shard.device)[0][1])
-        assert shard.data.shape == (layout.experts.num_pages, P)  # one group's pages
-        mine = layout.experts.unflatten(np.asarray(shard.data).reshape(-1))
+        assert shard.data.shape == (layout.group.num_pages, P)  # one group's pages
+        mine = layout.group.unflatten(np.asarray(shard.data).reshape(-1))
         for name, value in mine["moe"].items():
             np.testing.assert_array_equal(value, block["moe"][name][2 * g : 2 * g + 2])
     dense = np.concatenate([np.asarray(p) for p in pages.dense])
@@ -368,7 +368,7 @@ def test_bad_expert_parallel_settings_are_named(tiny):
     from hetjax.runtime.stages import stage_layouts
 
     wide = build_model(tiny(model={**TRAIN_MOE, "d_model": 1024, "d_ff": 16}).model)
-    with pytest.raises(ConfigError, match="'memory.page_size': a block's 2048 norm-scale"):
+    with pytest.raises(ConfigError, match="'memory.page_size': a stage's 2048 norm-scale"):
         stage_layouts(wide, 4096, page_multiple=4096, expert_parallel=2)
 
 

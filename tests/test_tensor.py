@@ -26,6 +26,7 @@ from equivalence import (
 )
 
 from hetjax.config import ConfigError
+from hetjax.runtime.grouped import GroupPages
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.runtime.zero import Zero3
 from hetjax.train import train
@@ -135,7 +136,12 @@ def _block_backward_hlo(config) -> str:
     try:
         B, sds = runtime.layouts["block"], jax.ShapeDtypeStruct
         zero, t = runtime.placement, config.train
-        pages = [sds((B.page_elems,), np.float32, sharding=zero.sharded.gathered)] * B.num_pages
+        pages = B.device_pages(np.float32)  # as the gather hands them over
+        if isinstance(pages, GroupPages):  # tensor parallelism: split weights by slice
+            shardings = zero.sharded.group_pages(B.dense.num_pages, B.grouping.axis)
+        else:
+            shardings = [zero.sharded.gathered] * B.num_pages
+        pages = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s), pages, shardings)
         x = sds((t.micro_batch_size, t.seq_len, config.model.d_model), np.float32,
                 sharding=zero.sharded.batch)  # fmt: skip
         return runtime.fns.block_bwd.lower(pages, x, x).compile().as_text()
@@ -162,6 +168,44 @@ def test_block_compute_splits_over_the_model_axis(tmp_path):
     assert {"f32[32,128]", "f32[2,4,8,8]"} <= dots(dp), dots(dp)
 
 
+def test_each_device_fetches_only_its_slice_of_the_split_weights():
+    """Streamed blocks arrive already split: at data x tensor = 2 x 2 each device's
+    gather of a block brings the dense pages whole and, of every weight the rules split
+    (the MLP's two kernels, the attention's output kernel), only its model index's slice,
+    cut here from the initial params by hand (numpy slicing on the split axis); the
+    bytes a device holds of the block are under the whole block's."""
+    config = tp_config(2, 2)
+    model = build_model(config.model)
+    zero = Zero3(config)
+    layout = zero.stage_layouts(model, config.memory.page_size)["block"]
+    assert isinstance(layout.device_pages(np.float32), GroupPages)
+    block = jax.tree.map(lambda a: np.asarray(a[0]), model.init(jax.random.key(0))["blocks"])
+    split = {  # GPT's block: leaf -> the axis Megatron splits it on (tiny: d 32, MLP 128)
+        ("c_fc", "kernel"): 1,  # column-parallel MLP in
+        ("c_proj_mlp", "kernel"): 0,  # row-parallel MLP out
+        ("c_proj", "kernel"): 0,  # row-parallel attention out (heads x head_dim rows)
+    }
+    assert dict(layout.grouping.axes) == split
+    host = jax.device_put(
+        layout.flatten_np(block).reshape(-1, layout.page_elems), zero.sharded.slab_host
+    )
+    pages = zero.to_device(host, layout)
+    P, G = layout.page_elems, layout.group
+    for shard in pages.group.addressable_shards:
+        m = list(zero.mesh.devices.flat).index(shard.device) % 2  # the model index
+        got = np.asarray(shard.data).reshape(-1)
+        assert got.size == G.num_pages * P  # one group: half the split weights
+        for leaf in G.leaves:
+            whole = block[leaf.path[0]][leaf.path[1]]
+            cut = np.moveaxis(whole, split[leaf.path], 0)
+            half = cut.shape[0] // 2
+            np.testing.assert_array_equal(
+                got[leaf.offset : leaf.offset + leaf.size], cut[m * half : (m + 1) * half].ravel()
+            )
+    held = (layout.dense.num_pages + G.num_pages) * P
+    assert held < layout.num_pages * P, (held, layout.num_pages * P)
+
+
 def test_tensor_parallel_refusals_name_the_key():
     """What tensor parallelism does not support yet is refused at start-up, naming the
     key and the fix (hetjax/support.py)."""
@@ -173,6 +217,21 @@ def test_tensor_parallel_refusals_name_the_key():
         tiny_config(distributed=dict(tensor_parallel=0))
     with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel' \(2\).*stream"):
         tiny_config(offload=dict(mode="none"), distributed=dict(tensor_parallel=2))
+
+
+@pytest.mark.slow  # two child processes compiling everything: ~90 s on 2 cores
+def test_two_processes_of_two_devices_at_2x2_equal_one_process(references, tmp_path):
+    """Data x tensor = 2 x 2 over 2 real processes x 2 CPU devices (each process one
+    model group, its devices splitting the blocks' compute): losses, validation loss and
+    every final param equal one device's with grad_accum 2 at 1e-5."""
+    from test_zero import SGD_ARGS, _params_like, _run_two_processes
+
+    saved = _run_two_processes(tmp_path, *SGD_ARGS, "distributed.tensor_parallel=2")
+    reference = references(2)
+    np.testing.assert_allclose(saved["losses"], reference.losses, rtol=1e-5)
+    np.testing.assert_allclose(saved["val_loss"], reference.val_loss, rtol=1e-5)
+    params = _params_like(saved, reference.params)
+    assert_trees_close(without_key_bias(params), without_key_bias(reference.params))
 
 
 @pytest.mark.slow  # four runs: ~60 s

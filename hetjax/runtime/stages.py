@@ -19,8 +19,10 @@ from hetjax.config import KEEP_LEVELS, SWAP_LEVELS, ConfigError
 from hetjax.distributed import AXIS_RULES, mesh_axes
 from hetjax.runtime import chunks, remat
 from hetjax.runtime.experts import ExpertSlabLayout
+from hetjax.runtime.grouped import GroupedSlabLayout
 from hetjax.runtime.routed import RoutedBlock
 from hetjax.runtime.signatures import SIGNATURES
+from hetjax.runtime.tensor import tensor_layout, tensor_specs
 from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems, shard_shapes
 from hetjax.types import ComputeLayout
 from models.staged import logical_axes
@@ -37,7 +39,8 @@ def stage_layouts(
     *,
     rules=AXIS_RULES,
     axis_sizes: dict[str, int] | None = None,
-) -> dict[str, SlabLayout | ExpertSlabLayout]:
+    tensor_parallel: int = 1,
+) -> dict[str, SlabLayout | GroupedSlabLayout]:
     """The slab layouts of a model's stages (``embed``, one block of each stage group by
     its name, e.g. ``block``, ``head``), from abstract shapes: nothing is allocated.
     Pages are at most ``page_size`` bytes, fitted to the largest block
@@ -53,8 +56,11 @@ def stage_layouts(
     axes, of ``axis_sizes`` (the axes that split a leaf for compute: the ``model``
     axis; None: none). With every such axis of size 1 (no tensor parallelism yet) the
     layouts are the whole leaves', as checkpoints have them. An expert-parallel
-    block's split of its experts is its own (``experts.ExpertSlabLayout``)."""
+    block's split of its experts is its own (``experts.ExpertSlabLayout``). With
+    ``tensor_parallel`` > 1 (of the ``page_multiple`` devices) a stage's weights that
+    ``rules`` split over the ``model`` axis are laid out by slice (``tensor.py``)."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
+    specs = tensor_specs(model, rules, shapes) if tensor_parallel > 1 else None
     if axis_sizes:
         names = logical_axes(model, shapes)
         specs = jax.tree.map(
@@ -76,11 +82,16 @@ def stage_layouts(
         block = lambda one: ExpertSlabLayout.of(one, page_size, expert_parallel, shares)
     else:
         block = layout
-    return {
-        "embed": layout(shapes["embed"]),
-        **{name: block(one) for name, one in blocks.items()},
-        "head": layout(shapes["head"]),
+    stages = {"embed": shapes["embed"], **blocks, "head": shapes["head"]}
+    layouts = {
+        name: (block if name in blocks else layout)(params) for name, params in stages.items()
     }
+    if specs is not None:  # tensor parallelism: split weights by slice where a stage has any
+        shares = page_multiple // tensor_parallel
+        for name, params in stages.items():
+            split = tensor_layout(params, specs[name], page_size, tensor_parallel, shares)
+            layouts[name] = split or layouts[name]
+    return layouts
 
 
 def context_bytes(model, batch: int, seq_len: int) -> int:
