@@ -234,34 +234,46 @@ def test_two_processes_of_two_devices_at_2x2_equal_one_process(references, tmp_p
     assert_trees_close(without_key_bias(params), without_key_bias(reference.params))
 
 
-@pytest.mark.slow  # two 2-process runs and two 1-process runs: ~3 min on 2 cores
-def test_checkpoint_at_2x2_resumes_across_process_counts(references, tmp_path):
-    """With params and optimizer state on NVMe: a checkpoint written at 2 x 2 by 2
-    processes resumes in 1 process at 1 x 4, and one written at 2 x 2 by 1 process
-    resumes in 2 processes at 2 x 2; each ends where the single-device run does."""
-    from test_zero import SGD_ARGS, _params_like, _run_two_processes
+NVME_TP2 = ("offload.optimizer=nvme", "offload.params=nvme", "distributed.tensor_parallel=2")
 
-    nvme = ("offload.optimizer=nvme", "offload.params=nvme", "distributed.tensor_parallel=2")
-    reference = references(2)
-    two = tmp_path / "two"
-    two.mkdir()
+
+@pytest.mark.slow  # a 2-process run and a 1-process run: ~2 min on 2 cores, more under load
+def test_checkpoint_of_two_processes_at_2x2_resumes_in_one_at_1x4(references, tmp_path):
+    """With params and optimizer state on NVMe, a checkpoint written at 2 x 2 by 2
+    processes resumes in 1 process at 1 x 4, ending where the single-device run does."""
+    from test_zero import SGD_ARGS, _run_two_processes
+
+    two, one = tmp_path / "two", tmp_path / "one"
     ckpt = f"checkpoint.dir={two / 'ckpt'}"
-    _run_two_processes(two, *SGD_ARGS, *nvme, ckpt, "checkpoint.at_end=true", "train.steps=3")
-    one = tmp_path / "one"
+    _run_two_processes(
+        two, *SGD_ARGS, *NVME_TP2, ckpt, "checkpoint.at_end=true", "train.steps=3", timeout=480
+    )
     shutil.copytree(two / "ckpt", one / "checkpoints")
     config = tp_config(
         1, 4, "nvme", memory=dict(PAGES, nvme_path=str(one / "nvme")), checkpoint=dict(at_end=True)
     )
     resumed = train(config, one, verbose=False)
+    reference = references(2)
     np.testing.assert_allclose(resumed.losses, reference.losses[3:], rtol=1e-5)
     assert_trees_close(without_key_bias(resumed.params), without_key_bias(reference.params))
 
+
+@pytest.mark.slow  # a 1-process run and a 2-process run: ~2 min on 2 cores, more under load
+def test_checkpoint_of_one_process_at_2x2_resumes_in_two(references, tmp_path):
+    """With params and optimizer state on NVMe, a checkpoint written at 2 x 2 by one
+    process resumes in 2 processes x 2 devices at 2 x 2, ending where the single-device
+    run does."""
+    from test_zero import SGD_ARGS, _params_like, _run_two_processes
+
     first = tp_config(2, 2, "nvme", train=dict(steps=3), checkpoint=dict(at_end=True))
     train(first, tmp_path / "first", verbose=False)
-    back = tmp_path / "back"  # (made by the copy)
+    back = tmp_path / "back"
     shutil.copytree(tmp_path / "first" / "checkpoints", back / "ckpt")
-    saved = _run_two_processes(back, *SGD_ARGS, *nvme, f"checkpoint.dir={back / 'ckpt'}",
-                               "checkpoint.at_end=true")  # fmt: skip
+    ckpt = f"checkpoint.dir={back / 'ckpt'}"
+    saved = _run_two_processes(
+        back, *SGD_ARGS, *NVME_TP2, ckpt, "checkpoint.at_end=true", timeout=480
+    )
+    reference = references(2)
     np.testing.assert_allclose(saved["losses"], reference.losses[3:], rtol=1e-5)
     params = _params_like(saved, reference.params)
     assert_trees_close(without_key_bias(params), without_key_bias(reference.params))

@@ -335,14 +335,15 @@ def _spawn(args: list[str], process_id: int, port: int, log: Path) -> subprocess
     )
 
 
-def _run_two_processes(workdir: Path, *overrides: str):
+def _run_two_processes(workdir: Path, *overrides: str, timeout: float = 240):
     """Trains the tiny model in 2 processes x 2 CPU devices (tests/zero_driver.py);
     returns process 0's losses and final params."""
+    workdir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     args = ["tests/zero_driver.py", str(workdir), "memory.page_size=16KiB", *overrides]
     procs = [_spawn(args, k, port, workdir / f"log{k}") for k in (0, 1)]
     try:
-        codes = [p.wait(timeout=240) for p in procs]
+        codes = [p.wait(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             p.kill()
