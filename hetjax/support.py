@@ -74,44 +74,45 @@ FEATURES: dict[str, Feature] = {
         "each device updates its shard on the host",
         fix="leave it 0",
     ),
-    # under data parallelism each device keeps, swaps or stores its own rows' activations
-    # (tests/test_zero.py); under expert parallelism a block's keep levels would be
-    # traced outside the mesh its all-to-all needs (runtime/remat.py)
+    # under data and tensor parallelism each device keeps, swaps or stores its own rows'
+    # activations (tests/test_zero.py, tests/test_tensor.py; a model group's devices
+    # their parts of them, or each the same rows); under expert parallelism a block's
+    # keep levels would be traced outside the mesh its all-to-all needs (runtime/remat.py)
     "keep_blocks": Feature(
         key="offload.keep_blocks",
         reason="kept activations are not supported with {parallel}",
         fix="leave it 0",
-        refused=frozenset({EXPERT, TENSOR}),
-        unplanned=frozenset({DATA}),
+        refused=frozenset({EXPERT}),
+        unplanned=frozenset({DATA, TENSOR}),
         why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
     "swap_blocks": Feature(
         key="offload.swap_blocks",
         reason="swapped activations are not supported with {parallel}",
         fix="leave it 0",
-        refused=frozenset({EXPERT, TENSOR}),
-        unplanned=frozenset({DATA}),
+        refused=frozenset({EXPERT}),
+        unplanned=frozenset({DATA, TENSOR}),
         why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
+    # the swaps to NVMe write each distinct part of a process's rows once (a model
+    # group's devices hold the same rows: written once per group, storage/swap.py)
     "swap_to_nvme": Feature(
         key="offload.swap_tier",
         reason="nvme is not supported with {parallel}",
         fix="use host",
-        refused=frozenset({EXPERT, TENSOR}),
+        refused=frozenset({EXPERT}),
     ),
-    # tensor parallelism: not yet tried with either (each device of a model group holds
-    # the same rows, which the swap would write once per device)
     "nvme_boundaries": Feature(
         key="offload.activations",
         reason="nvme boundary activations are not supported with {parallel} yet",
         fix="use device or host",
-        refused=frozenset({TENSOR}),
+        refused=frozenset(),
     ),
     "lockfree": Feature(
         key="optimizer.mode",
         reason="lockfree is not supported with {parallel} yet",
         fix="use optimizer.mode=sync",
-        refused=frozenset({TENSOR}),
+        refused=frozenset(),
     ),
     # the default: a data-parallel device takes a block's pages, not its leaves, so it
     # cannot copy some experts and not others (runtime/routed.py)
@@ -131,7 +132,7 @@ FEATURES: dict[str, Feature] = {
         key="offload.batch_chunks",
         reason="batch chunks are not supported with {parallel} yet",
         fix="leave it 1",
-        refused=frozenset({TENSOR}),
+        refused=frozenset(),
     ),
     # works, but the planner's per-device memory model would count it wrong
     # (docs/results/2026-11-26.md, "optimizer state on the device under data parallelism")

@@ -76,7 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import PartitionSpec, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import Config, ConfigError
 from hetjax.distributed import (
@@ -173,6 +173,10 @@ class Zero3:
         specs = self._param_specs.get(stage_layout(stage))
         if specs is None:
             return params
+        if jax.sharding.get_abstract_mesh().empty:
+            # traced outside the stage functions' shard_map (a kept block's levels and
+            # residual bytes, ``remat.py``, from abstract shapes): on the whole mesh
+            specs = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
         return jax.tree.map(
             lambda a, spec: jax.lax.with_sharding_constraint(a, spec), params, specs
         )
