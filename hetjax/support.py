@@ -61,6 +61,12 @@ UNPLANNED_ACTIVATIONS = (
     "a plan keeping or swapping blocks can miss by"
 )
 
+# a process's optimizer state on the device sits on its first device (runtime/zero.py)
+FIRST_DEVICE = (
+    "the data-parallel runtime keeps a process's optimizer state on its first device, "
+    "which would hold the share of every device the process drives"
+)
+
 FEATURES: dict[str, Feature] = {
     # offload.mode=none: the whole state on the device, one jitted step
     "in_memory": Feature(
@@ -68,11 +74,16 @@ FEATURES: dict[str, Feature] = {
         reason="{parallel} is built on the streaming runtime (ZeRO-3)",
         fix="set offload.mode=stream (or auto)",
     ),
+    # under ZeRO-3 the cached stages' state and update are on a process's first device
+    # (its devices' shards of them), their params in each device's memory (zero.py)
     "device_cache": Feature(
         key="offload.optimizer_device_stages",
         reason="a device cache of optimizer state is not supported with {parallel}, where "
         "each device updates its shard on the host",
         fix="leave it 0",
+        refused=frozenset(),
+        unplanned=SHARDED,
+        why_unplanned=FIRST_DEVICE,
     ),
     # under data and tensor parallelism each device keeps, swaps or stores its own rows'
     # activations (tests/test_zero.py, tests/test_tensor.py; a model group's devices
@@ -141,8 +152,7 @@ FEATURES: dict[str, Feature] = {
         reason="",
         refused=frozenset(),
         unplanned=SHARDED,
-        why_unplanned="the data-parallel runtime keeps a process's optimizer state on its "
-        "first device, which would hold the share of every device the process drives",
+        why_unplanned=FIRST_DEVICE,
     ),
 }
 

@@ -171,6 +171,7 @@ TP_FEATURES = {
     "nvme_boundaries": dict(offload=dict(activations="nvme")),
     "lockfree": dict(optimizer=dict(mode="lockfree", max_staleness=0)),
     "batch_chunks": dict(offload=dict(batch_chunks=2)),
+    "device_cache": dict(offload=dict(optimizer_device_stages=2)),
 }
 
 
@@ -180,7 +181,8 @@ def test_formerly_refused_features_under_tensor_parallelism_equal_single_device(
     references, tmp_path, feature, monkeypatch
 ):
     """Kept and swapped blocks (host and NVMe), boundaries on NVMe, lock-free mode
-    (staleness 0: its updates are sync's) and batch chunks at data x tensor = 2 x 2:
+    (staleness 0: its updates are sync's), batch chunks and the device cache of
+    optimizer state (embed's and block 0's updates on the device) at data x tensor = 2 x 2:
     losses, validation loss, every final param and the logits equal one device's
     (grad_accum 2) at 1e-5. Read ahead one block, so one swapped row (of the boundaries:
     block 0's) goes through the disk each step. A model group's devices hold the same
@@ -200,13 +202,16 @@ def test_formerly_refused_features_under_tensor_parallelism_equal_single_device(
         single = train(one, tmp_path / "one", verbose=False)
         for r, s in zip(result.records, single.records, strict=True):
             assert r["nvme_write_bytes"] == r["nvme_read_bytes"] == s["nvme_write_bytes"] > 0
+    if feature == "device_cache":  # embed and block 0: 4 pages of 4,096 each (16 KiB fp32),
+        # updated once per step and again in each step whose update was redone (counted so far)
+        updated = sum(r["optimizer_device_params"] for r in result.records)
+        redone = result.records[-1]["optimizer_redo"]
+        assert updated == 2 * 4 * 4096 * (len(result.records) + redone)
 
 
 def test_tensor_parallel_refusals_name_the_key():
     """What tensor parallelism does not support yet is refused at start-up, naming the
     key and the fix (hetjax/support.py)."""
-    with pytest.raises(ConfigError, match=r"'offload.optimizer_device_stages'.*tensor par"):
-        tp_config(1, 2, offload=dict(mode="stream", optimizer_device_stages=1))
     with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel' \(2\).*expert"):
         tiny_config(distributed=dict(tensor_parallel=2, expert_parallel=2))
     with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel'.*must be >= 1"):
