@@ -85,24 +85,25 @@ FEATURES: dict[str, Feature] = {
         unplanned=SHARDED,
         why_unplanned=FIRST_DEVICE,
     ),
-    # under data and tensor parallelism each device keeps, swaps or stores its own rows'
-    # activations (tests/test_zero.py, tests/test_tensor.py; a model group's devices
-    # their parts of them, or each the same rows); under expert parallelism a block's
-    # keep levels would be traced outside the mesh its all-to-all needs (runtime/remat.py)
+    # each device keeps, swaps or stores its own rows' activations (tests/test_zero.py,
+    # tests/test_tensor.py, tests/test_moe.py; a model group's devices their parts of
+    # them, or each the same rows); under expert parallelism a block's keep levels and
+    # residual bytes are measured on one device inside the mesh its all-to-all needs
+    # (stages.StageFunctions._measure)
     "keep_blocks": Feature(
         key="offload.keep_blocks",
         reason="kept activations are not supported with {parallel}",
         fix="leave it 0",
-        refused=frozenset({EXPERT}),
-        unplanned=frozenset({DATA, TENSOR}),
+        refused=frozenset(),
+        unplanned=SHARDED,
         why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
     "swap_blocks": Feature(
         key="offload.swap_blocks",
         reason="swapped activations are not supported with {parallel}",
         fix="leave it 0",
-        refused=frozenset({EXPERT}),
-        unplanned=frozenset({DATA, TENSOR}),
+        refused=frozenset(),
+        unplanned=SHARDED,
         why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
     # the swaps to NVMe write each distinct part of a process's rows once (a model
@@ -111,7 +112,7 @@ FEATURES: dict[str, Feature] = {
         key="offload.swap_tier",
         reason="nvme is not supported with {parallel}",
         fix="use host",
-        refused=frozenset({EXPERT}),
+        refused=frozenset(),
     ),
     "nvme_boundaries": Feature(
         key="offload.activations",
@@ -125,12 +126,13 @@ FEATURES: dict[str, Feature] = {
         fix="use optimizer.mode=sync",
         refused=frozenset(),
     ),
-    # the default: a data-parallel device takes a block's pages, not its leaves, so it
-    # cannot copy some experts and not others (runtime/routed.py)
+    # the default: a ZeRO-3 device takes its share of a block's pages and gathers the
+    # rest, pages that cut across the experts' leaves, so it cannot copy the routed
+    # experts and not the others (runtime/routed.py copies leaf by leaf on one device)
     "routed_experts": Feature(
         key="offload.expert_fetch",
-        reason="routed experts are not supported with {parallel}, whose devices take "
-        "whole pages of a block",
+        reason="routed experts are not supported with {parallel}, whose devices each take "
+        "a share of a block's pages (cut across its experts) and gather the rest",
         fallback="every streamed block copies all its experts, as offload.expert_fetch=all",
     ),
     # deferred expert updates need routed experts (optimizer/deferred.py)
