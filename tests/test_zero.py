@@ -390,6 +390,23 @@ def test_two_processes_swap_and_boundaries_through_nvme(tmp_path):
             assert (tmp_path / f"proc{k}" / "nvme" / f"proc{k}" / kind).is_dir(), kind
 
 
+@pytest.mark.slow  # two child processes compile everything anew: ~60 s on 2 cores
+def test_two_processes_with_a_device_cache_train_like_one(reference4, tmp_path):
+    """The device cache of optimizer state (embed and block 0) across 2 processes x 2
+    devices: each process updates its own devices' shards of the cached stages on its
+    first device (from its gradient shards, none of the other process's), and training
+    equals the single-device run."""
+    saved = _run_two_processes(tmp_path, *SGD_ARGS, "offload.optimizer_device_stages=2")
+    np.testing.assert_allclose(saved["losses"], reference4.losses, rtol=1e-5)
+    params = _params_like(saved, reference4.params)
+    assert_trees_close(without_key_bias(params), without_key_bias(reference4.params))
+    records = [json.loads(line) for line in (tmp_path / "proc0" / "metrics.jsonl").open()]
+    # process 0's half of embed's and block 0's 4 pages each (4,096 elements, 16 KiB fp32),
+    # once per step and again in the steps whose speculative update was redone
+    updated = sum(r["optimizer_device_params"] for r in records)
+    assert updated == 2 * 2 * 4096 * (len(records) + records[-1]["optimizer_redo"])
+
+
 @pytest.mark.slow  # two child processes compile everything anew
 def test_two_processes_train_like_one(reference4, tmp_path):
     """2 processes x 2 CPU devices over gloo equal the single-device run, validation
