@@ -219,10 +219,16 @@ class Zero3:
         axes (a gradient slab reduce-scattered by :meth:`grad_slab` inside), means
         averaged over the devices and whole on each, a device's local values (a kept
         block's vjp) stacked on a new leading axis and handed back to their device."""
-        split, whole = self._split_specs(), PartitionSpec()
+        batch, whole = PartitionSpec(self.rules["batch"]), PartitionSpec()
+        split = {Kind.BATCH: batch, Kind.CONTEXT: batch, Kind.GRAD: batch, Kind.LOCAL: batch}
         out_specs = jax.tree.map(lambda kind: split.get(kind, whole), signature.results)
         assert Kind.PAGES not in jax.tree.leaves(signature.results), signature
-        spec_in = self._spec_in
+
+        def spec_in(kind: str, arg):
+            if kind == Kind.PAGES and isinstance(arg, ExpertPages):
+                experts = PartitionSpec(self.rules["expert"])
+                return ExpertPages([whole] * len(arg.dense), experts)
+            return jax.tree.map(lambda _: split.get(kind, whole), arg)
 
         def finish(kind: str, result):  # on each device: a result as its kind leaves
             if kind == Kind.MEAN:  # the global batch's mean is the mean of the means
@@ -247,29 +253,12 @@ class Zero3:
                 mesh=self.mesh,
                 in_specs=tuple(spec_in(k, a) for k, a in zip(kinds, args, strict=True)),
                 out_specs=out_specs,
-                axis_names=self._manual_axes(),
+                # tensor parallelism: the model axis is XLA's to split (``constrain``)
+                axis_names=set(AXES) if self.tensor_parallel > 1 else set(self.mesh.axis_names),
                 check_vma=False,
             )(*args)
 
         return jax.jit(run)
-
-    def _split_specs(self) -> dict[str, PartitionSpec]:
-        """The kinds of stage function arguments and results split over the batch axes."""
-        batch = PartitionSpec(self.rules["batch"])
-        return {Kind.BATCH: batch, Kind.CONTEXT: batch, Kind.GRAD: batch, Kind.LOCAL: batch}
-
-    def _spec_in(self, kind: str, arg):
-        """The ``PartitionSpec`` of a stage function's argument of ``kind``: pages whole
-        (a block's experts, its group's), batch rows, contexts and gradients split."""
-        whole = PartitionSpec()
-        if kind == Kind.PAGES and isinstance(arg, ExpertPages):
-            return ExpertPages([whole] * len(arg.dense), PartitionSpec(self.rules["expert"]))
-        return jax.tree.map(lambda _: self._split_specs().get(kind, whole), arg)
-
-    def _manual_axes(self) -> set[str]:
-        """The mesh axes a stage function runs per device over (tensor parallelism: the
-        model axis is XLA's to split, ``constrain``)."""
-        return set(AXES) if self.tensor_parallel > 1 else set(self.mesh.axis_names)
 
     def per_device(self, fn, signature: StageSignature, args: tuple):
         """``fn(*args)`` traced (from abstract shapes) on one device's part of ``args``
@@ -283,18 +272,7 @@ class Zero3:
             results.append(fn(*part))
             return jnp.zeros((), F32)
 
-        kinds = signature.args[: len(args)]
-        jax.eval_shape(
-            jax.shard_map(
-                body,
-                mesh=self.mesh,
-                in_specs=tuple(self._spec_in(k, a) for k, a in zip(kinds, args, strict=True)),
-                out_specs=PartitionSpec(),
-                axis_names=self._manual_axes(),
-                check_vma=False,
-            ),
-            *args,
-        )
+        jax.eval_shape(self.jit(body, StageSignature(signature.args, Kind.WHOLE)), *args)
         return results[0]
 
     def grad_slab(self, pages: list[jax.Array] | ExpertPages, dtype=F32) -> jax.Array:
