@@ -206,11 +206,56 @@ def test_each_device_fetches_only_its_slice_of_the_split_weights():
     assert held < layout.num_pages * P, (held, layout.num_pages * P)
 
 
+# Each offload feature once refused under tensor parallelism (hetjax/support.py), at data x
+# tensor = 2 x 2 (the composition: rows over data, each block's compute over model)
+TP_FEATURES = {
+    "keep": dict(offload=dict(keep_blocks=1)),
+    "swap_host": dict(offload=dict(swap_blocks=1)),
+    "swap_nvme": dict(offload=dict(swap_blocks=2, swap_tier="nvme")),
+    "nvme_boundaries": dict(offload=dict(activations="nvme")),
+    "lockfree": dict(optimizer=dict(mode="lockfree", max_staleness=0)),
+    "batch_chunks": dict(offload=dict(batch_chunks=2)),
+    "device_cache": dict(offload=dict(optimizer_device_stages=2)),
+}
+
+
+@pytest.mark.slow  # ~5-25 s each (2 cores)
+@pytest.mark.parametrize("feature", list(TP_FEATURES))
+def test_formerly_refused_features_under_tensor_parallelism_equal_single_device(
+    references, tmp_path, feature, monkeypatch
+):
+    """Kept and swapped blocks (host and NVMe), boundaries on NVMe, lock-free mode
+    (staleness 0: its updates are sync's), batch chunks and the device cache of
+    optimizer state (embed's and block 0's updates on the device) at data x tensor = 2 x 2:
+    losses, validation loss, every final param and the logits equal one device's
+    (grad_accum 2) at 1e-5. Read ahead one block, so one swapped row (of the boundaries:
+    block 0's) goes through the disk each step. A model group's devices hold the same
+    rows: the swaps write them once per group, as many bytes as one device writes
+    (its run with the feature, measured here)."""
+    from hetjax import memory
+
+    monkeypatch.setattr(memory, "IO_READAHEAD", 1)
+    change = TP_FEATURES[feature]
+    optimizer = {**SGD_CLIP, **change.get("optimizer", {})}
+    offload = {**TIERS["host"], **change.get("offload", {})}
+    config = tp_config(2, 2, optimizer=optimizer, offload=offload)
+    result = train(config, tmp_path / "tp", verbose=False)
+    assert_gpt_training_equal(result, references(2), build_model(config.model), check_tokens())
+    if feature in ("swap_nvme", "nvme_boundaries"):  # through the disk, once per group
+        one = config.replace(distributed=dict(data_parallel=1, tensor_parallel=1))
+        single = train(one, tmp_path / "one", verbose=False)
+        for r, s in zip(result.records, single.records, strict=True):
+            assert r["nvme_write_bytes"] == r["nvme_read_bytes"] == s["nvme_write_bytes"] > 0
+    if feature == "device_cache":  # embed and block 0: 4 pages of 4,096 each (16 KiB fp32),
+        # updated once per step and again in each step whose update was redone (counted so far)
+        updated = sum(r["optimizer_device_params"] for r in result.records)
+        redone = result.records[-1]["optimizer_redo"]
+        assert updated == 2 * 4 * 4096 * (len(result.records) + redone)
+
+
 def test_tensor_parallel_refusals_name_the_key():
     """What tensor parallelism does not support yet is refused at start-up, naming the
     key and the fix (hetjax/support.py)."""
-    with pytest.raises(ConfigError, match=r"'offload.keep_blocks'.*tensor parallelism"):
-        tp_config(1, 2, offload=dict(mode="stream", keep_blocks=1))
     with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel' \(2\).*expert"):
         tiny_config(distributed=dict(tensor_parallel=2, expert_parallel=2))
     with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel'.*must be >= 1"):

@@ -10,7 +10,9 @@ arrays' ranks."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +117,11 @@ def page_squared_norms(grad) -> jax.Array:
     if isinstance(grad, (list, tuple)):
         return jnp.stack([jnp.sum(jnp.square(p.astype(F32))) for p in grad])
     return jnp.sum(jnp.square(grad.astype(F32)), axis=-1)
+
+
+def _nbytes(tree) -> int:
+    """Bytes of a tree of (abstract) arrays."""
+    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,11 +429,15 @@ class StageFunctions:
         activations its level saves), per level every group's block supports: the
         largest group's."""
         out: dict[str, int] = {}
-        for g, args in enumerate(self.block_args(batch, seq_len, dtype)):
-            fns = self.groups[g]
-            for lvl in remat.levels(fns._block_fwd, *args):
-                if lvl in SWAP_LEVELS:
-                    out[lvl] = max(out.get(lvl, 0), fns.swapped(lvl).residual_bytes(*args))
+        for fns, args in zip(self.groups, self.block_args(batch, seq_len, dtype), strict=True):
+
+            def residuals(*args, fns=fns) -> dict[str, int]:
+                levels = [lvl for lvl in remat.levels(fns._block_fwd, *args) if lvl in SWAP_LEVELS]
+                return {lvl: fns.swapped(lvl).residual_bytes(*args) for lvl in levels}
+
+            part, rows = self._measure(residuals, args)
+            for lvl, n in part.items():
+                out[lvl] = max(out.get(lvl, 0), n * rows)
         return out
 
     def block_args(self, batch: int, seq_len: int, dtype) -> list[tuple]:
@@ -495,27 +506,47 @@ class StageFunctions:
         # (memory.Sizes.per_device)
         return StageMemory(act, max(temps) + 3 * act // self.compute.batch_degree, kept, context)
 
+    def _measure(self, fn, args: tuple) -> tuple[Any, int]:
+        """``fn(pages, x, context)`` of a block's abstract arguments ``args`` (global) ->
+        (its result, how many devices split the rows it saw): the whole micro-batch's
+        (1), or where the block's all-to-all needs the mesh (expert parallelism), one
+        device's part, traced inside it (its rows and its group's experts: the
+        compute layout's batch degree)."""
+        if self.compute.expert_axis is None:
+            return fn(*args), 1
+        part = self.compute.per_device(fn, SIGNATURES["block_fwd"], args)
+        return part, self.compute.batch_degree
+
     def keep_levels(self, batch: int, seq_len: int, dtype) -> tuple[str, ...]:
         """The keep levels every group's block supports (``remat.levels``)."""
         args = self.block_args(batch, seq_len, dtype)
         supported = [
-            set(remat.levels(f._block_fwd, *a)) for f, a in zip(self.groups, args, strict=True)
+            set(self._measure(functools.partial(remat.levels, f._block_fwd), a)[0])
+            for f, a in zip(self.groups, args, strict=True)
         ]
         return tuple(lvl for lvl in KEEP_LEVELS if all(lvl in s for s in supported))
 
     def kept_bytes(self, batch: int, seq_len: int, dtype) -> dict[str, int]:
         """Bytes a kept block holds from forward to backward (its vjp's residuals: the
         kept activations, its param pages and input), per keep level every group's block
-        supports: the largest group's, from abstract shapes."""
+        supports: the largest group's, from abstract shapes (the micro-batch's
+        activations and the block's pages)."""
         levels = self.keep_levels(batch, seq_len, dtype)
         out = dict.fromkeys(levels, 0)
-        for fns, (slab, x, context) in zip(
-            self.groups, self.block_args(batch, seq_len, dtype), strict=True
-        ):
-            block = lambda pc, x, fns=fns: fns._block_fwd(pc[0], x, pc[1])
-            for lvl, n in remat.kept_bytes(block, (slab, context), x).items():
+        for fns, args in zip(self.groups, self.block_args(batch, seq_len, dtype), strict=True):
+
+            def activations(slab, x, context, fns=fns) -> dict[str, int]:
+                block = lambda pc, x: fns._block_fwd(pc[0], x, pc[1])
+                pages = _nbytes((slab, context))
+                return {
+                    lvl: n - pages for lvl, n in remat.kept_bytes(block, (slab, context), x).items()
+                }
+
+            part, rows = self._measure(activations, args)
+            pages = _nbytes((args[0], args[2]))
+            for lvl, n in part.items():
                 if lvl in out:
-                    out[lvl] = max(out[lvl], n)
+                    out[lvl] = max(out[lvl], pages + n * rows)
         return out
 
     def check_keep_level(self, offload, batch: int, seq_len: int, dtype) -> None:

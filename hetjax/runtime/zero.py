@@ -76,7 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import PartitionSpec, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import Config, ConfigError
 from hetjax.distributed import (
@@ -170,6 +170,10 @@ class Zero3:
         specs = self._param_specs.get(stage_layout(stage))
         if specs is None:
             return params
+        if jax.sharding.get_abstract_mesh().empty:
+            # traced outside the stage functions' shard_map (a kept block's levels and
+            # residual bytes, ``remat.py``, from abstract shapes): on the whole mesh
+            specs = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
         return jax.tree.map(
             lambda a, spec: jax.lax.with_sharding_constraint(a, spec), params, specs
         )
@@ -254,6 +258,21 @@ class Zero3:
             )(*args)
 
         return jax.jit(run)
+
+    def per_device(self, fn, signature: StageSignature, args: tuple):
+        """``fn(*args)`` traced (from abstract shapes) on one device's part of ``args``
+        (global, of ``signature``'s kinds) inside the mesh, as a stage function runs:
+        for the start-up measurements of a block (its keep levels, its residuals' bytes,
+        ``stages.StageFunctions``) whose all-to-all needs the mesh (expert
+        parallelism). Returns ``fn``'s (Python) result."""
+        results = []
+
+        def body(*part):
+            results.append(fn(*part))
+            return jnp.zeros((), F32)
+
+        jax.eval_shape(self.jit(body, StageSignature(signature.args, Kind.WHOLE)), *args)
+        return results[0]
 
     def grad_slab(self, pages: list[jax.Array] | GroupPages, dtype=F32) -> jax.Array:
         """Inside a stage function (per device): this device's gradient of the pages it
@@ -388,8 +407,11 @@ class Zero3:
         self, store: ParamStore, layouts: dict[str, SlabLayout], on_nvme: bool
     ) -> ParamStore:
         """Pages of this process's shards, handed out as global sharded slabs; kept in
-        ``store`` when that is on NVMe."""
-        return ShardedParamStore(self, layouts, store if on_nvme else None)
+        ``store`` when that is on NVMe; the device cache's stages (``store`` a
+        ``SplitParamStore``) in device memory."""
+        cached = frozenset(getattr(store, "stages", ()))
+        inner = getattr(store, "base", store) if on_nvme else None
+        return ShardedParamStore(self, layouts, inner, device_stages=cached)
 
     def describe(self, layouts: dict[str, SlabLayout]) -> list[str]:
         lay = max((v for k, v in layouts.items() if is_block(k)), key=lambda v: v.num_pages)
@@ -422,54 +444,76 @@ class ShardedParamStore:
     """Compute-dtype pages of this process's shards, handed to the streaming runtime as the
     global ``(pages, page_elems)`` slab sharded over ``data`` in host memory. Pages are
     kept here (``offload.params=host``) or in ``inner`` (an ``NvmeParamStore`` of this
-    process's page ranges)."""
+    process's page ranges); the device cache's stages (``device_stages``, updated on the
+    process's first device) here, each device's shard in its device memory."""
 
-    def __init__(self, zero: Zero3, layouts: dict[str, SlabLayout], inner=None):
+    def __init__(
+        self, zero: Zero3, layouts: dict[str, SlabLayout], inner=None, device_stages=frozenset()
+    ):
         self.zero, self.layouts, self.inner = zero, layouts, inner
+        self.device_stages = device_stages
         self.slabs: dict[str, jax.Array] = {}
         self._host = [
             SingleDeviceSharding(d, memory_kind="pinned_host") for d in zero.local_devices
         ]
+        self._device = [SingleDeviceSharding(d, memory_kind="device") for d in zero.local_devices]
 
     def _assemble(self, stage: str, pages: list) -> jax.Array:
         layout = self.layouts[stage_layout(stage)]
+        shape = (layout.num_pages, layout.page_elems)
+        if stage in self.device_stages:  # from the device that updated them, to each device
+            per_device = jnp.split(jnp.stack(pages), len(self._device))
+            arrays = [jax.device_put(a, s) for a, s in zip(per_device, self._device, strict=True)]
+            return jax.make_array_from_single_device_arrays(
+                shape, self.zero.sharded.slab_device, arrays
+            )
         rows = np.stack([np.asarray(p) for p in pages])  # (own pages, page_elems)
         per_device = np.split(rows, len(self._host))
         arrays = jax.device_put(per_device, self._host)
-        shape = (layout.num_pages, layout.page_elems)
         return jax.make_array_from_single_device_arrays(shape, self.zero.sharded.slab_host, arrays)
 
+    def _here(self, stage: str) -> bool:
+        return self.inner is None or stage in self.device_stages
+
     def publish(self, stage: str, pages: list) -> None:
-        if self.inner is not None:
-            self.inner.publish(stage, pages)
-        else:
+        if self._here(stage):
             self.slabs[stage] = self._assemble(stage, pages)
+        else:
+            self.inner.publish(stage, pages)
 
     def prefetch(self, stage: str) -> None:
-        if self.inner is not None:
+        if not self._here(stage):
             self.inner.prefetch(stage)
 
     def ready(self, stage: str) -> bool:
-        return self.inner is None or self.inner.ready(stage)
+        return self._here(stage) or self.inner.ready(stage)
 
     def get(self, stage: str, keep: bool = False) -> jax.Array:
-        if self.inner is None:
+        if self._here(stage):
             return self.slabs[stage]
         return self._assemble(stage, self.inner.get(stage, keep))
+
+    def device_arrays(self) -> list[jax.Array]:
+        """The device cache's param slabs (in device memory), for the ledger."""
+        return [self.slabs[s] for s in self.device_stages if s in self.slabs]
 
     def commit(self) -> None:
         if self.inner is not None:
             self.inner.commit()
 
     def abort(self) -> bool:
-        return True if self.inner is None else self.inner.abort()
+        """True: pages here are published in place (a dropped step's are republished)."""
+        if self.inner is None:
+            return True
+        return self.inner.abort() or bool(self.device_stages)
 
     def close(self) -> None:
         if self.inner is not None:
             self.inner.close()
 
     def host_bytes(self) -> int:
-        own = sum(s.data.nbytes for a in self.slabs.values() for s in a.addressable_shards)
+        host = [a for stage, a in self.slabs.items() if stage not in self.device_stages]
+        own = sum(s.data.nbytes for a in host for s in a.addressable_shards)
         return own + (self.inner.host_bytes() if self.inner is not None else 0)
 
     @property
