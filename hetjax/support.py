@@ -54,13 +54,6 @@ class Feature:
     why_unplanned: str = ""
 
 
-# the planner does not count the ZeRO-3 backward's reduce-scatter temporaries, which the
-# runtime measures: with kept or swapped blocks its plans can miss by them
-UNPLANNED_ACTIVATIONS = (
-    "the planner does not count the ZeRO-3 backward's reduce-scatter temporaries, which "
-    "a plan keeping or swapping blocks can miss by"
-)
-
 FEATURES: dict[str, Feature] = {
     # offload.mode=none: the whole state on the device, one jitted step
     "in_memory": Feature(
@@ -82,16 +75,12 @@ FEATURES: dict[str, Feature] = {
         reason="kept activations are not supported with {parallel}",
         fix="leave it 0",
         refused=frozenset({EXPERT, TENSOR}),
-        unplanned=frozenset({DATA}),
-        why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
     "swap_blocks": Feature(
         key="offload.swap_blocks",
         reason="swapped activations are not supported with {parallel}",
         fix="leave it 0",
         refused=frozenset({EXPERT, TENSOR}),
-        unplanned=frozenset({DATA}),
-        why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
     "swap_to_nvme": Feature(
         key="offload.swap_tier",
