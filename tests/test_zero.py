@@ -159,11 +159,11 @@ def test_auto_plans_zero3_on_4_devices_within_per_device_budgets(
 ):
     """offload.mode=auto with data parallelism plans (it streamed with defaults before):
     for the 4 devices, within a per-device budget that does not hold the whole state
-    (450 KiB: just above what the runtime counts for one streamed block, 439 KiB, and the
-    planner 440 KiB since it counts the reduce-scatter's temporaries; before, the planner
-    counted 382 KiB and the runtime 461 KiB, so it refused the plan made for 450 KiB) and a
-    host budget that is the process's, shared by its 4 devices; the run trains with the
-    plan's placement and budgets and equals the one-device run. (Which tiers the plan
+    (450 KiB: above what the runtime counts at prefetch depth 1, 429 KiB, and the planner
+    430 KiB since it counts the reduce-scatter's temporaries; before, the planner counted
+    446 KiB there and the runtime 525 KiB, 461 KiB even at depth 0, so it refused the plan)
+    and a host budget that is the process's, shared by its 4 devices; the run trains with
+    the plan's placement and budgets and equals the one-device run. (Which tiers the plan
     takes is the planner's call from this machine's measurements, so not asserted: at
     2 MiB it may keep or swap blocks, which it plans under data parallelism now.)"""
     config = tiny(
