@@ -54,11 +54,12 @@ class Feature:
     why_unplanned: str = ""
 
 
-# the planner does not count the ZeRO-3 backward's reduce-scatter temporaries, which the
-# runtime measures: with kept or swapped blocks its plans can miss by them
+# the planner's count of kept and swapped blocks (the ZeRO-3 backward's reduce-scatter
+# temporaries included) is checked against the runtime's under data parallelism only
+# (tests/test_memory_model.py)
 UNPLANNED_ACTIVATIONS = (
-    "the planner does not count the ZeRO-3 backward's reduce-scatter temporaries, which "
-    "a plan keeping or swapping blocks can miss by"
+    "the planner's memory model of kept and swapped blocks is checked against the "
+    "runtime's under data parallelism only"
 )
 
 # a process's optimizer state on the device sits on its first device (runtime/zero.py)
@@ -95,7 +96,7 @@ FEATURES: dict[str, Feature] = {
         reason="kept activations are not supported with {parallel}",
         fix="leave it 0",
         refused=frozenset(),
-        unplanned=SHARDED,
+        unplanned=frozenset({EXPERT, TENSOR}),
         why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
     "swap_blocks": Feature(
@@ -103,7 +104,7 @@ FEATURES: dict[str, Feature] = {
         reason="swapped activations are not supported with {parallel}",
         fix="leave it 0",
         refused=frozenset(),
-        unplanned=SHARDED,
+        unplanned=frozenset({EXPERT, TENSOR}),
         why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
     # the swaps to NVMe write each distinct part of a process's rows once (a model

@@ -136,6 +136,9 @@ class StageMemory:
     context: int = 0  # the stage groups' contexts and their gradients (context_bytes)
     # what a swapped block moves per level (StageFunctions.swap_bytes), where asked for
     swapped: dict[str, int] = dataclasses.field(default_factory=dict)
+    # devices the measured functions reduce-scatter their gradients over (ZeRO-3): their
+    # working set holds the scatter's temporaries (1: measured on one device, without)
+    grad_shards: int = 1
 
 
 class SwappedBlock:
@@ -504,7 +507,8 @@ class StageFunctions:
         # XLA's temporaries are one device's (a ZeRO-3 function is compiled for one
         # device's rows), and so are x / dx beside them; the rest is the micro-batch's
         # (memory.Sizes.per_device)
-        return StageMemory(act, max(temps) + 3 * act // self.compute.batch_degree, kept, context)
+        working = max(temps) + 3 * act // self.compute.batch_degree
+        return StageMemory(act, working, kept, context, grad_shards=self.compute.degree)
 
     def _measure(self, fn, args: tuple) -> tuple[Any, int]:
         """``fn(pages, x, context)`` of a block's abstract arguments ``args`` (global) ->
