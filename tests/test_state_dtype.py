@@ -3,6 +3,7 @@ state_format.py): each format's update against a numpy reference written here fr
 documented definition (never calling the code under test), in every tier and runtime;
 checkpoints per dtype and across dtypes; the planner's bytes against the runtime's."""
 
+import dataclasses
 import json
 
 import jax
@@ -299,9 +300,9 @@ def test_int8_moments_in_host_ram_update_equals_the_numpy_reference(monkeypatch)
     import hetjax.optimizer.slab
 
     monkeypatch.setattr(hetjax.optimizer.slab, "CHUNK_ELEMS", 2 * PAGE)
-    cfg = OptimizerConfig(lr=1e-2, warmup_steps=2, state_dtype="int8")
+    cfg = OptimizerConfig(lr=1e-2, warmup_steps=2, state_dtype="int8", host_kernel="optax")
     opt = SlabOptimizer(cfg, 10, {"s": _layout()}, Shardings.single_device().optimizer, "float32")
-    assert not opt.native  # the kernel refuses int8 blocks: optax's path
+    assert not opt.native  # optax's jitted path (the native kernel's: the test below)
     rng = np.random.default_rng(2)
     p = rng.normal(size=N).astype(F32)
     slabs, scalars = opt.init("s", p)
@@ -332,6 +333,104 @@ def test_int8_moments_in_host_ram_update_equals_the_numpy_reference(monkeypatch)
                 moved = codes != want_codes
                 assert moved.mean() <= 1e-3 and np.abs(codes - want_codes).max() <= 1
         p = np.concatenate([np.asarray(c) for c in slabs["master"]])
+        np.testing.assert_allclose(p, want_p, rtol=2e-6, atol=1e-7)
+
+
+INT8_PAGE = 3072  # a block and a half: each page ends in a short block of its own
+
+
+def ref_quantize_pages(x: np.ndarray, signed: bool, page: int):
+    """``ref_quantize`` page by page (blocks restart at each page), concatenated."""
+    parts = [ref_quantize(x[a : a + page], signed) for a in range(0, x.size, page)]
+    return np.concatenate([c for c, _ in parts]), np.concatenate([s for _, s in parts])
+
+
+def ref_dequantize_pages(codes: np.ndarray, scales: np.ndarray, signed: bool, page: int):
+    per = -(-page // 2048)
+    return np.concatenate(
+        [
+            ref_dequantize(codes[a : a + page], scales[j * per : (j + 1) * per], signed)
+            for j, a in enumerate(range(0, codes.size, page))
+        ]
+    )
+
+
+@pytest.mark.parametrize("entry", ["xla-buffers", "host-buffers"])
+def test_int8_native_kernel_equals_the_numpy_reference_bit_for_bit(compiler, monkeypatch, entry):
+    """The native kernel with int8 moments (dequantize, update, requantize in one pass)
+    over three AdamW steps, the second clipped, on pages of 3072 elements (each page's
+    blocks: one whole, one short) with decay ending inside a page: through XLA (the
+    jitted FFI call on chunks of two pages: state in RAM) and on host buffers in place
+    (``update_host``: the NVMe tier's I/O buffers). Each step against the numpy
+    reference of the same quantized update from the same state (dequantize page by
+    page, optax's formulas op by op in float32, quantize page by page): codes and scales
+    equal bit for bit, the master to float32 rounding (numpy's bias corrections)."""
+    import hetjax.optimizer.slab
+
+    P = INT8_PAGE
+    monkeypatch.setattr(hetjax.optimizer.slab, "CHUNK_ELEMS", 2 * P)
+    cfg = OptimizerConfig(lr=1e-2, warmup_steps=2, state_dtype="int8", host_kernel="native")
+    layout = dataclasses.replace(_layout(), page_elems=P)
+    opt = SlabOptimizer(cfg, 10, {"s": layout}, Shardings.single_device().optimizer, "float32")
+    assert opt.native
+    rng = np.random.default_rng(7)
+    p = rng.normal(size=N).astype(F32)
+    slabs, scalars = opt.init("s", p)
+    if entry == "host-buffers":  # one writable numpy buffer a kind (codes, scales)
+        whole = lambda cs: np.concatenate([np.asarray(c) for c in cs])
+        slabs = {
+            "master": whole(slabs["master"]),
+            **{
+                k: moments.Int8Blocks(
+                    whole([c.codes for c in slabs[k]]), whole([c.scales for c in slabs[k]])
+                )
+                for k in ("mu", "nu")
+            },
+        }
+    flat = lambda kind: (
+        slabs[kind]
+        if isinstance(slabs[kind], moments.Int8Blocks)
+        else moments.Int8Blocks(
+            np.concatenate([np.asarray(c.codes) for c in slabs[kind]]),
+            np.concatenate([np.asarray(c.scales) for c in slabs[kind]]),
+        )
+    )
+    b1, b2, eps, wd = F32(0.9), F32(0.95), F32(cfg.eps), F32(cfg.weight_decay)
+    lrs = [1e-2 / 2, 1e-2, 1e-3 + 0.5 * (1e-2 - 1e-3) * (1 + np.cos(np.pi * 0 / 8))]
+    for t, (scale, lr) in enumerate(zip([1.0, 0.25, 1.0], lrs, strict=True), start=1):
+        g = rng.normal(size=N).astype(F32) * F32(10.0 ** -(t % 3))
+        mu, nu = flat("mu"), flat("nu")
+        mu = ref_dequantize_pages(
+            np.asarray(mu.codes).astype(np.int32), np.asarray(mu.scales), True, P
+        )
+        nu = ref_dequantize_pages(
+            np.asarray(nu.codes).astype(np.int32) & 0xFF, np.asarray(nu.scales), False, P
+        )
+        gs = g * F32(scale)
+        m = F32(1 - 0.9) * gs + b1 * mu
+        v = F32(1 - 0.95) * (gs * gs) + b2 * nu
+        u = (m / (F32(1) - b1 ** F32(t))) / (np.sqrt(v / (F32(1) - b2 ** F32(t))) + eps)
+        u[:DECAYED] = u[:DECAYED] + wd * p[:DECAYED]
+        want_p = p + F32(-lr) * u
+        clip = (8.0, 2.0) if scale != 1.0 else (8.0, 0.0)
+        grad = aligned_concatenate([g])
+        if entry == "host-buffers":
+            slabs, scalars, _ = opt.update_host("s", slabs, scalars, grad, clip)
+        else:
+            slabs, scalars, _ = opt.update("s", slabs, scalars, grad, clip)
+        for kind, want, signed in (("mu", m, True), ("nu", v, False)):
+            got = flat(kind)
+            codes = np.asarray(got.codes).astype(np.int32)
+            codes = codes if signed else codes & 0xFF
+            want_codes, want_scales = ref_quantize_pages(want, signed, P)
+            assert np.asarray(got.scales).shape == (N // P * 2,)
+            np.testing.assert_array_equal(np.asarray(got.scales), want_scales, err_msg=kind)
+            np.testing.assert_array_equal(codes, want_codes, err_msg=kind)
+        p = np.asarray(
+            slabs["master"]
+            if entry == "host-buffers"
+            else np.concatenate([np.asarray(c) for c in slabs["master"]])
+        )
         np.testing.assert_allclose(p, want_p, rtol=2e-6, atol=1e-7)
 
 
@@ -425,7 +524,8 @@ def _stream_values(runtime, stage: str) -> dict[str, np.ndarray]:
 
     if isinstance(runtime.states, MemoryStateStore):
         held = runtime.states.slabs[stage]
-        return {k: runtime.optimizer.values(k, chunks) for k, chunks in held.items()}
+        values = runtime.optimizer.values
+        return {k: values(k, chunks, _layout_of(stage)) for k, chunks in held.items()}
     return runtime.states.committed(stage)[0]
 
 
@@ -488,7 +588,7 @@ def test_stream_checkpoints_round_trip_per_dtype_and_across(tiny, tmp_path):
                             want = _converted(values, kind, target)
                             np.testing.assert_array_equal(flat.astype(F32), want)
                         if target == source:  # its own dtype: the state it saved
-                            now = opt.values(kind, got[kind])
+                            now = opt.values(kind, got[kind], _layout_of(stage))
                             np.testing.assert_array_equal(now, values)
             finally:
                 restored.close()
