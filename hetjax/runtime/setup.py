@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from hetjax import memory, memory_host
-from hetjax.config import Config, ConfigError
+from hetjax.config import Config
 from hetjax.hf import open_checkpoint
 from hetjax.memory import DeviceCache, Sizes, grad_policy
 from hetjax.memory_host import HostMemoryPlan, nvme_parts
@@ -32,6 +32,7 @@ from hetjax.storage.params import (
     NvmeParamStore,
     SplitParamStore,
 )
+from hetjax.storage.scales import ScaledStateStore, has_scales
 from hetjax.storage.states import MemoryStateStore, NvmeStateStore, SplitStateStore
 from hetjax.storage.stripes import Stripes, stripes_of
 from hetjax.storage.swap import BoundarySwap, ResidualSwap
@@ -152,15 +153,9 @@ def make_stores(
     dtype = jnp.dtype(config.model.compute_dtype)
     offload = Placement.from_config(config)
     if off.optimizer == "nvme" and pages:
-        if any(state_format.kind(k).block_size for k in state_format.kinds):
-            raise ConfigError(
-                f"config key 'optimizer.state_dtype' ({config.optimizer.state_dtype}): "
-                "int8 moments are kept in memory (offload.optimizer=host or device, or "
-                "offload.mode=none), not yet on NVMe (offload.optimizer=nvme), whose "
-                "page files hold one dtype a kind without block scales: use bfloat16 "
-                "to halve the moments' bytes there"
-            )
-        states = NvmeStateStore(
+        # int8 moments: their scales in page files of their own (``storage/scales.py``)
+        store = ScaledStateStore if has_scales(state_format) else NvmeStateStore
+        states = store(
             nvme_dir / "optimizer",
             state_format,
             pages,
