@@ -177,6 +177,59 @@ def test_stream_with_bf16_moments_on_nvme_equals_state_in_ram(tiny, tmp_path):
     np.testing.assert_allclose(nvme.losses, ref.losses, rtol=1e-4)
 
 
+# 8 s (40 s with the shared cores loaded: four tiny runs)
+@pytest.mark.slow
+def test_stream_with_int8_moments_on_nvme_equals_state_in_ram(tiny, tmp_path):
+    """int8 moments, optimizer state on NVMe (the native kernel in place on the I/O
+    buffers: codes in the tier's page files, scales in files of their own,
+    ``storage/scales.py``), with two generations and with one written in place
+    (``optimizer.speculation=never``), and in host RAM (the kernel through XLA's
+    buffers): the same kernel on the same operands, so the same training bit for bit.
+    The files hold int8 codes (read and written with O_DIRECT) and float32 scales, 4 +
+    1 + 1 bytes a parameter and a scale per 2048 of each moment, per generation."""
+    from hetjax.runtime.streaming import StreamingRuntime
+    from hetjax.train import train
+
+    def config(tier, **optimizer):
+        return tiny(
+            optimizer=dict(state_dtype="int8", **CLIP, **optimizer),
+            offload=dict(mode="stream", optimizer=tier),
+            memory=dict(page_size="16KiB", nvme_generations=2 if tier == "nvme" else 0),
+        )
+
+    runs = {
+        "nvme": train(config("nvme"), tmp_path / "nvme", verbose=False),
+        "host": train(config("host"), tmp_path / "host", verbose=False),
+    }
+    in_place = config("nvme", speculation="never").replace(memory=dict(nvme_generations=1))
+    runs["in place"] = train(in_place, tmp_path / "in-place", verbose=False)
+    host = runs["host"]
+    for name in ("nvme", "in place"):
+        run = runs[name]
+        assert run.losses == host.losses and run.val_loss == host.val_loss, name
+        jax.tree.map(np.testing.assert_array_equal, run.params, host.params)
+        assert run.records[-1]["nvme_read_bytes"] > 0
+    root = tmp_path / "nvme" / "nvme"
+    kinds = (("optimizer", "master", "float32"), ("optimizer", "mu", "int8"))
+    kinds += (("optimizer", "nu", "int8"), ("optimizer_scales", "mu", "float32"))
+    kinds += (("optimizer_scales", "nu", "float32"),)
+    for store, kind, dtype in kinds:
+        meta = json.loads((root / store / "gen1" / kind / "zarr.json").read_text())
+        assert meta["data_type"] == dtype, (store, kind, meta["data_type"])
+    assert not (tmp_path / "in-place" / "nvme" / "optimizer" / "gen1").exists()
+    # the bytes: those of the stages' pages, counted by hand (no stage is cached)
+    runtime = StreamingRuntime(config("nvme"), workdir=tmp_path / "bytes")
+    try:
+        states, s = runtime.states, runtime.sizes
+        assert not states.cached and states.codes.disk[0].links  # O_DIRECT pages
+        elems = sum(s.own(n) for n in s.stages())
+        scales = 2 * 4 * -(-elems // 2048)  # each page whole blocks: 16 KiB pages
+        assert runtime.optimizer.layouts["block"].page_elems % 2048 == 0
+        assert states.nvme_bytes == 2 * (6 * elems + scales)  # two generations
+    finally:
+        runtime.close()
+
+
 # -- int8 blocks ------------------------------------------------------------------------------
 
 
@@ -519,25 +572,39 @@ def test_in_memory_checkpoints_round_trip_per_dtype_and_across(tiny, tmp_path):
 
 def _stream_values(runtime, stage: str) -> dict[str, np.ndarray]:
     """A streaming run's committed state of ``stage`` as flat values: as held (float32,
-    bfloat16), int8 blocks as the float32 values they hold."""
+    bfloat16), int8 blocks as the float32 values they hold (in host RAM, the code's
+    dequantization; on NVMe, the reference's of the codes and scales in its files)."""
     from hetjax.storage.states import MemoryStateStore
 
     if isinstance(runtime.states, MemoryStateStore):
         held = runtime.states.slabs[stage]
         values = runtime.optimizer.values
         return {k: values(k, chunks, _layout_of(stage)) for k, chunks in held.items()}
-    return runtime.states.committed(stage)[0]
+    slabs = runtime.states.committed(stage)[0]
+    P = runtime.optimizer.layouts[_layout_of(stage)].page_elems
+    return {k: _reference_values(v, k, P) for k, v in slabs.items()}
 
 
-# 12 s (65 s with the shared cores loaded: twelve tiny streaming runtimes, three checkpoints)
+def _reference_values(slab, kind: str, page: int) -> np.ndarray:
+    """A committed slab's values; int8 blocks dequantized by the reference, page by page."""
+    if not isinstance(slab, moments.Int8Blocks):
+        return np.asarray(slab)
+    codes = np.asarray(slab.codes).astype(np.int32)
+    codes = codes if kind != "nu" else codes & 0xFF
+    return ref_dequantize_pages(codes, np.asarray(slab.scales), kind != "nu", page)
+
+
+# 25 s (120 s with the shared cores loaded: twenty tiny streaming runtimes, four checkpoints)
 @pytest.mark.slow
 def test_stream_checkpoints_round_trip_per_dtype_and_across(tiny, tmp_path):
-    """Streaming, float32 and bfloat16 moments on NVMe (the checkpoint hard-links the
-    tier's files) and int8 blocks in host RAM (saved as the float32 values they hold),
-    trained two steps and checkpointed; restored into a streaming run of each dtype with
-    its state in host RAM: every stage's committed state is the saved one converted
-    (bfloat16 widened exactly, float32 rounded to nearest even, int8 quantized chunk by
-    chunk: the reference above), and in its own dtype exactly the state it saved."""
+    """Streaming, float32, bfloat16 and int8 moments on NVMe (float32 and bfloat16: the
+    checkpoint hard-links the tier's files; int8: codes and scales read back and saved
+    as the float32 values they hold) and int8 in host RAM (saved the same way), trained
+    two steps and checkpointed; restored into a streaming run of each dtype with its
+    state in host RAM and an int8 run on NVMe: every stage's committed state is the
+    saved one converted (bfloat16 widened exactly, float32 rounded to nearest even,
+    int8 quantized page by page: the reference above), and in its own dtype exactly the
+    state it saved."""
     from equivalence import training_batches
 
     from hetjax.runtime.streaming import StreamingRuntime
@@ -551,34 +618,42 @@ def test_stream_checkpoints_round_trip_per_dtype_and_across(tiny, tmp_path):
         return config, StreamingRuntime(config, workdir=tmp_path / name)
 
     dtypes = ("float32", "bfloat16", "int8")
-    for source in dtypes:
-        tier = "host" if source == "int8" else "nvme"
+    sources = [(d, "nvme") for d in dtypes] + [("int8", "host")]
+    for source, tier in sources:
         config, runtime = stream(source, tier, f"{source}-{tier}")
         try:
             for batch in training_batches(config, 2):
                 runtime.train_step(batch)
             runtime.settle()
             held = {s: _stream_values(runtime, s) for s in runtime.stage_names}
-            stored = _save_and_open(runtime.save_state(), tmp_path / f"ckpt-{source}")
+            stored = _save_and_open(runtime.save_state(), tmp_path / f"ckpt-{source}-{tier}")
         finally:
             runtime.close()
         saved = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32"}[source]
         assert stored.state_format.dtype("nu").name == saved
-        for target in dtypes:
-            _, restored = stream(target, "host", f"{source}-to-{target}")
+        for target, target_tier in [(d, "host") for d in dtypes] + [("int8", "nvme")]:
+            name = f"{source}-{tier}-to-{target}-{target_tier}"
+            _, restored = stream(target, target_tier, name)
             try:
                 restored.load_state(stored)
                 opt = restored.optimizer
                 for stage in restored.stage_names:
-                    got = restored.states.slabs[stage]
+                    layout = _layout_of(stage)
+                    P = opt.layouts[layout].page_elems
+                    if target_tier == "nvme":
+                        got = restored.states.committed(stage)[0]
+                        got = {k: [v] for k, v in got.items()}  # one chunk: the whole slab
+                        bounds = [(0, got["master"][0].size)]
+                    else:
+                        got = restored.states.slabs[stage]
+                        bounds = opt.chunk_bounds(layout)
                     master = np.concatenate([np.asarray(c) for c in got["master"]])
                     np.testing.assert_array_equal(master, held[stage]["master"])
                     for kind in ("mu", "nu"):
                         values = held[stage][kind]
                         if target == "int8":
-                            bounds = opt.chunk_bounds(_layout_of(stage))
                             for (a, b), chunk in zip(bounds, got[kind], strict=True):
-                                want = ref_quantize(values[a:b].astype(F32), kind == "mu")
+                                want = ref_quantize_pages(values[a:b].astype(F32), kind == "mu", P)
                                 codes = _codes(chunk) if kind == "mu" else _codes(chunk) & 0xFF
                                 np.testing.assert_array_equal(codes, want[0])
                                 np.testing.assert_array_equal(np.asarray(chunk.scales), want[1])
@@ -588,7 +663,10 @@ def test_stream_checkpoints_round_trip_per_dtype_and_across(tiny, tmp_path):
                             want = _converted(values, kind, target)
                             np.testing.assert_array_equal(flat.astype(F32), want)
                         if target == source:  # its own dtype: the state it saved
-                            now = opt.values(kind, got[kind], _layout_of(stage))
+                            if target_tier == "nvme":
+                                now = _reference_values(got[kind][0], kind, P)
+                            else:
+                                now = opt.values(kind, got[kind], layout)
                             np.testing.assert_array_equal(now, values)
             finally:
                 restored.close()
