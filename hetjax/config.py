@@ -486,12 +486,6 @@ class Config:
                 f"model.num_experts ({self.model.num_experts}): each device holds an equal "
                 "share of every block's experts"
             )
-        if self.optimizer.state_dtype == "int8" and dist.devices > 1:
-            raise ConfigError(
-                f"config key 'optimizer.state_dtype' (int8): int8 moments run on one device "
-                f"so far, not {dist.devices} (distributed.*): their blocks are not split "
-                "over devices; use bfloat16 or float32 there"
-            )
         # what the parallelism does not support (hetjax/support.py): these two first
         asked = support.asked(self)
         self._refuse_unsupported([f for f in asked if f in ("device_cache", "in_memory")])

@@ -358,8 +358,10 @@ class SlabOptimizer:
         return [(a, min(a + step, layout.padded_size)) for a in range(0, layout.padded_size, step)]
 
     def _split(self, slab, layout_name: str) -> list:
-        """A whole slab -> its chunks (numpy views, or slices inside jit)."""
-        return [slab[a:b] for a, b in self.chunk_bounds(layout_name)]
+        """A whole slab -> its chunks (numpy views, or slices inside jit; int8 blocks:
+        the chunk's codes and its pages' scales)."""
+        P = self.layouts[layout_name].page_elems
+        return [moments.elements(slab, a, b, P) for a, b in self.chunk_bounds(layout_name)]
 
     def as_chunks(self, layout_name: str, slab) -> list:
         """A kind's slab as its chunks (already chunks: unchanged)."""
