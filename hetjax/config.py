@@ -176,8 +176,8 @@ class OptimizerConfig:
     # optax; ``native`` (required) or ``optax`` (hetjax/optimizer/native.py)
     host_kernel: str = "auto"
     # the dtype the optimizer's moments (Adam's mu and nu, Lion's mu, SGD's trace) are
-    # kept in: ``float32``, ``bfloat16`` (every tier) or ``int8`` (blockwise, a scale per
-    # block; device and host memory, not NVMe yet); the master stays fp32
+    # kept in: ``float32``, ``bfloat16`` or ``int8`` (blockwise, a scale per block), in
+    # every tier and on any number of devices; the master stays fp32
     # (hetjax/optimizer/state_format.py, moments.py)
     state_dtype: str = "float32"
 

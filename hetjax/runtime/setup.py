@@ -5,6 +5,7 @@ constructor; nothing here runs during a step."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from hetjax.config import Config
 from hetjax.hf import open_checkpoint
 from hetjax.memory import DeviceCache, Sizes, grad_policy
 from hetjax.memory_host import HostMemoryPlan, nvme_parts
+from hetjax.optimizer import moments
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.state_format import StateFormat
 from hetjax.placement import Placement
@@ -154,7 +156,9 @@ def make_stores(
     offload = Placement.from_config(config)
     if off.optimizer == "nvme" and pages:
         # int8 moments: their scales in page files of their own (``storage/scales.py``)
-        store = ScaledStateStore if has_scales(state_format) else NvmeStateStore
+        store = NvmeStateStore
+        if has_scales(state_format):
+            store = functools.partial(ScaledStateStore, blocks=moments.Int8Blocks)
         states = store(
             nvme_dir / "optimizer",
             state_format,

@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 
-from hetjax.optimizer.moments import Int8Blocks
 from hetjax.optimizer.state_format import INT8_BLOCK, SCALE_DTYPE, KindFormat, StateFormat
 from hetjax.storage.states import NvmeStateStore
 from hetjax.storage.stripes import Stripes
@@ -72,11 +71,11 @@ def code_format(state_format: StateFormat) -> StateFormat:
     )
 
 
-def _join(codes: Any, scales: Any) -> Any:
-    """A moment's codes and scales (each a slab or a list of chunks) as int8 blocks."""
+def _join(blocks: Callable, codes: Any, scales: Any) -> Any:
+    """A moment's codes and scales (each a slab or a list of chunks) as ``blocks``."""
     if isinstance(codes, list):
-        return [Int8Blocks(c, s) for c, s in zip(codes, scales, strict=True)]
-    return Int8Blocks(codes, scales)
+        return [blocks(c, s) for c, s in zip(codes, scales, strict=True)]
+    return blocks(codes, scales)
 
 
 def _split(slab: Any) -> tuple[Any, Any]:
@@ -88,7 +87,9 @@ def _split(slab: Any) -> tuple[Any, Any]:
 
 class ScaledStateStore:
     """Optimizer state with int8 moments on NVMe (module docstring); the interface of
-    :class:`NvmeStateStore`, whose arguments it takes."""
+    :class:`NvmeStateStore`, whose arguments it takes, and ``blocks``: what holds a
+    moment's codes and scales, built from the two (``moments.Int8Blocks``: the
+    optimizer's type, handed in, as this group does not import the optimizer's)."""
 
     def __init__(
         self,
@@ -103,8 +104,10 @@ class ScaledStateStore:
         master_reads_kept: int = 0,
         generations: int = 2,
         stripes: Stripes | None = None,
+        blocks: Callable,
     ):
         path = Path(path)
+        self.blocks = blocks
         self.state_format = state_format
         self.kinds = state_format.kinds
         self.scaled = [k for k in self.kinds if state_format.kind(k).block_size]
@@ -130,7 +133,7 @@ class ScaledStateStore:
         return codes, scales
 
     def _join(self, codes: dict, scales: dict) -> dict:
-        return {k: _join(v, scales[k]) if k in scales else v for k, v in codes.items()}
+        return {k: _join(self.blocks, v, scales[k]) if k in scales else v for k, v in codes.items()}
 
     def init_stage(self, stage: str, slabs: dict, scalars: list) -> None:
         codes, scales = self._split(slabs)
@@ -206,7 +209,8 @@ class ScaledStateStore:
             release_codes()
 
         if isinstance(codes, tuple):  # a streamed stage's files
-            held = _FrozenPages(codes, scales, self.stage_pages[stage][1], self.scaled)
+            n = self.stage_pages[stage][1]
+            held = _FrozenPages(codes, scales, n, self.scaled, self.blocks)
         else:
             held = self._join(codes, scales)
         return held, scalars, release
@@ -269,16 +273,16 @@ class _FrozenPages(Mapping):
     iterated: ``{kind: [slab]}`` (an int8 moment as int8 blocks), the form a
     checkpoint's ``SlabOptimizer.values`` takes (one chunk, the whole slab)."""
 
-    def __init__(self, codes: tuple, scales: tuple, num_pages: int, scaled: list[str]):
+    def __init__(self, codes: tuple, scales: tuple, n: int, scaled: list[str], blocks: Callable):
         (self._codes, self._first), (self._scales, _) = codes, scales
-        self._n, self._scaled = num_pages, scaled
+        self._n, self._scaled, self._blocks = n, scaled, blocks
 
     def __getitem__(self, kind: str) -> list:
         codes = self._codes.read(kind, self._first, self._n).result().reshape(-1)
         if kind not in self._scaled:
             return [codes]
         scales = self._scales.read(kind, self._first, self._n).result().reshape(-1)
-        return [Int8Blocks(codes, scales)]
+        return [self._blocks(codes, scales)]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._codes.kinds)
