@@ -452,6 +452,7 @@ def test_int8_native_kernel_equals_the_numpy_reference_bit_for_bit(compiler, mon
     lrs = [1e-2 / 2, 1e-2, 1e-3 + 0.5 * (1e-2 - 1e-3) * (1 + np.cos(np.pi * 0 / 8))]
     for t, (scale, lr) in enumerate(zip([1.0, 0.25, 1.0], lrs, strict=True), start=1):
         g = rng.normal(size=N).astype(F32) * F32(10.0 ** -(t % 3))
+        g[t::97] *= F32(1e-7)  # nu far below its block's smallest code: code 1, never 0
         mu, nu = flat("mu"), flat("nu")
         mu = ref_dequantize_pages(
             np.asarray(mu.codes).astype(np.int32), np.asarray(mu.scales), True, P
@@ -475,6 +476,8 @@ def test_int8_native_kernel_equals_the_numpy_reference_bit_for_bit(compiler, mon
             got = flat(kind)
             codes = np.asarray(got.codes).astype(np.int32)
             codes = codes if signed else codes & 0xFF
+            if t == 1:  # from zero moments: the tiny ones at the floor (0; nu's 1)
+                assert (codes[t::97] == (0 if signed else 1)).all(), kind
             want_codes, want_scales = ref_quantize_pages(want, signed, P)
             assert np.asarray(got.scales).shape == (N // P * 2,)
             np.testing.assert_array_equal(np.asarray(got.scales), want_scales, err_msg=kind)
