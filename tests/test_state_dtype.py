@@ -829,6 +829,38 @@ def test_planner_bytes_equal_the_runtimes_for_each_state_dtype(tiny, tmp_path):
             assert planned.parts["optimizer"] == runtime.host_plan.parts["optimizer"] == 2 * by_hand
         finally:
             runtime.close()
+    # int8 on pages of 3072 elements (a block and a half: two scales a page), on NVMe
+    # and in host RAM: the planner counts each page's blocks as the runtime holds them
+    short = dict(memory_cfg, page_size="12KiB")
+    for tier in ("nvme", "host"):
+        config = tiny(
+            model=EIGHT,
+            offload=dict(offload, optimizer=tier),
+            memory=short,
+            optimizer=dict(state_dtype="int8"),
+        )
+        runtime = StreamingRuntime(config, workdir=tmp_path / f"int8-short-{tier}")
+        try:
+            s, t, o = runtime.sizes, config.train, runtime.offload
+            assert runtime.optimizer.layouts["block"].page_elems == 3072
+            measured = runtime.fns.memory_sizes(
+                t.micro_batch_size, t.seq_len, runtime.compute_dtype
+            )
+            planned = memory_sizes(Workload.from_config(config, measured))
+            planned_host = plan_host(planned, o, config.memory.host_budget)
+            assert planned_host.parts == runtime.host_plan.parts
+            elems = sum(s.own(n) for n in s.stages())
+            by_hand = 6 * elems + 2 * 4 * 2 * (elems // 3072)  # two 4-byte scales a page
+            if tier == "nvme":
+                assert nvme_parts(planned, o, planned_host)["optimizer"] == 2 * by_hand
+                assert runtime.states.nvme_bytes == 2 * by_hand
+            else:
+                for batch in training_batches(config, 1):
+                    runtime.train_step(batch)
+                held = runtime.states.host_bytes()  # two generations, as the plan counts
+                assert held == planned_host.parts["optimizer"] == 2 * by_hand
+        finally:
+            runtime.close()
     int8 = tiny(model=EIGHT, offload=offload, memory=memory_cfg, optimizer=dict(state_dtype="int8"))
     fmt = state_format(int8.optimizer)
     assert fmt.bytes_per_param == 4 + 2 * (1 + 4 / 2048)

@@ -557,4 +557,5 @@ class SlabOptimizer:
 
     def state_bytes(self, layout_name: str) -> int:
         """Bytes of one stage's slabs (all kinds, as ``state_format`` holds them)."""
-        return self.state_format.nbytes(self.layouts[layout_name].padded_size)
+        layout = self.layouts[layout_name]
+        return self.state_format.nbytes(layout.padded_size, page_elems=layout.page_elems)

@@ -86,6 +86,7 @@ def memory_sizes(
             else ()
         ),  # fmt: skip
         context=stage_memory.context,
+        page_elems=state_layouts["embed"].page_elems,
     )
 
 
