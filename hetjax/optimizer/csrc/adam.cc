@@ -279,19 +279,27 @@ constexpr int64_t kBlock = 2048;
 struct Code {
   float values[256];  // magnitude by index (index 0: 0)
   float mids[255];    // mids[i]: between values[i] and values[i + 1]
+  int8_t octave[256];  // round(8 log2(1 + m)) by the top 8 bits of a mantissa m
   int top;
   explicit Code(int t) : top(t) {
     double v[256];
     for (int k = 0; k <= t; ++k) v[k] = k == 0 ? 0.0 : std::pow(2.0, (k - t) / 8.0);
     for (int k = 0; k <= t; ++k) values[k] = static_cast<float>(v[k]);
     for (int k = 0; k < t; ++k) mids[k] = static_cast<float>((v[k] + v[k + 1]) / 2);
+    for (int i = 0; i < 256; ++i) octave[i] = std::lround(8 * std::log2(1 + (i + 0.5) / 256));
   }
-  // The number of midpoints below y (y >= 0): estimated from log2 (8 entries an
-  // octave), then moved until mids[k - 1] < y <= mids[k].
+  // The number of midpoints below y (0 <= y <= 1): estimated from y's exponent and the
+  // top of its mantissa (8 entries an octave), then moved until
+  // mids[k - 1] < y <= mids[k]: the midpoints decide, the estimate only saves steps.
   int nearest(float y) const {
-    int k = y > 0 ? static_cast<int>(std::lround(8 * std::log2(y))) + top : 0;
+    uint32_t bits;
+    std::memcpy(&bits, &y, 4);
+    const int exponent = static_cast<int>(bits >> 23) - 127;
+    int k = bits == 0 ? 0 : top + 8 * exponent + octave[(bits >> 15) & 0xff];
     k = std::min(std::max(k, 0), top);
-    while (k < top && y > mids[k]) ++k;
+    k += k < top && y > mids[k];  // the estimate is within one entry: one step each way
+    k -= k > 0 && y <= mids[k - 1];
+    while (k < top && y > mids[k]) ++k;  // (never taken: the guarantee, not the work)
     while (k > 0 && y <= mids[k - 1]) --k;
     return k;
   }
@@ -318,37 +326,52 @@ struct Int8Chunk {
   int64_t page, num_decay;
 };
 
-// Elements [lo, hi) of one block (hi - lo <= kBlock), its scales the b-th, in place.
+// Elements [lo, hi) of one block (hi - lo <= kBlock, within one page), its scales the
+// b-th, in place: the update over runs that lie in one gradient page each (no division
+// an element), keeping the new moments and their maxima, then the requantization.
 template <int kKind, int kGrad>
 void int8_block(const Coef& c, const Int8Chunk& k, int64_t lo, int64_t hi, int64_t b) {
   float mnew[kBlock], vnew[kBlock];
   const float ms = k.ms[b], vs = k.vs[b];
+  const int64_t op = lo / k.page;
+  void* out = static_cast<char*>(k.pages[op]) + (lo - op * k.page) * kOutBytes[kKind];
   float mmax = 0, vmax = 0;
-  for (int64_t j = lo; j < hi; ++j) {
-    const int64_t gp = j / k.grad_page, op = j / k.page;
-    const float gi = load<kGrad>(k.grads[gp], j - gp * k.grad_page) * c.scale;
-    const float mi = c.c1 * gi + c.b1 * dequant_signed(k.m[j], ms);
-    const float vi = c.c2 * (gi * gi) + c.b2 * dequant_unsigned(k.v[j], vs);
-    float u = (mi / c.bc1) / (std::sqrt(vi / c.bc2 + c.eps_root) + c.eps);
-    if (j < k.num_decay) u = u + c.wd * k.p[j];
-    const float pi = k.p[j] + c.step * u;
-    k.p[j] = pi;
-    store<kKind>(k.pages[op], j - op * k.page, pi);
-    mnew[j - lo] = mi;
-    vnew[j - lo] = vi;
-    mmax = std::max(mmax, std::fabs(mi));
-    vmax = std::max(vmax, std::fabs(vi));
+  for (int64_t run = lo; run < hi;) {
+    const int64_t gp = run / k.grad_page;
+    const int64_t end = std::min(hi, (gp + 1) * k.grad_page);
+    const void* g = static_cast<const char*>(k.grads[gp]) + (run - gp * k.grad_page) * kGradBytes[kGrad];
+    const int64_t len = end - run, at = run - lo, decayed = std::max<int64_t>(0, std::min(end, k.num_decay) - run);
+    float* p = k.p + run;
+    const int8_t* m = k.m + run;
+    const uint8_t* v = k.v + run;
+    for (int64_t i = 0; i < len; ++i) {
+      const float gi = load<kGrad>(g, i) * c.scale;
+      const float mi = c.c1 * gi + c.b1 * dequant_signed(m[i], ms);
+      const float vi = c.c2 * (gi * gi) + c.b2 * dequant_unsigned(v[i], vs);
+      float u = (mi / c.bc1) / (std::sqrt(vi / c.bc2 + c.eps_root) + c.eps);
+      if (i < decayed) u = u + c.wd * p[i];
+      const float pi = p[i] + c.step * u;
+      p[i] = pi;
+      store<kKind>(out, at + i, pi);
+      mnew[at + i] = mi;
+      vnew[at + i] = vi;
+      mmax = std::max(mmax, std::fabs(mi));
+      vmax = std::max(vmax, std::fabs(vi));
+    }
+    run = end;
   }
   k.ms[b] = mmax;
   k.vs[b] = vmax;
   const float msafe = mmax == 0 ? 1.0f : mmax, vsafe = vmax == 0 ? 1.0f : vmax;
-  for (int64_t j = lo; j < hi; ++j) {
-    const float mi = mnew[j - lo], ym = std::fabs(mi) / msafe;
-    const int km = kSigned.nearest(ym);
-    k.m[j] = static_cast<int8_t>(mi < 0 ? -km : km);
-    const float yv = std::fabs(vnew[j - lo]) / vsafe;
+  int8_t* m = k.m + lo;
+  uint8_t* v = k.v + lo;
+  for (int64_t i = 0; i < hi - lo; ++i) {
+    const float mi = mnew[i];
+    const int km = kSigned.nearest(std::fabs(mi) / msafe);
+    m[i] = static_cast<int8_t>(mi < 0 ? -km : km);
+    const float yv = std::fabs(vnew[i]) / vsafe;
     const int kv = kUnsigned.nearest(yv);
-    k.v[j] = static_cast<uint8_t>(yv > 0 ? std::max(kv, 1) : 0);
+    v[i] = static_cast<uint8_t>(yv > 0 ? std::max(kv, 1) : 0);
   }
 }
 
