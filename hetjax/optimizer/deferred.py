@@ -41,7 +41,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from hetjax.optimizer import moments, native
+from hetjax.optimizer import native
 
 
 def deferred_updates(config) -> bool:
@@ -229,7 +229,7 @@ class DeferredCatchUps:
         if not wanted:
             return {}
         slabs = self.states.read_pages(stage, wanted)
-        flat = {k: moments.flat(v) for k, v in slabs.items()}
+        flat = {k: v.reshape(-1) for k, v in slabs.items()}
         at = {p: i for i, p in enumerate(wanted)}
         fresh = {}
         layout = self.layout_of(stage)

@@ -148,14 +148,6 @@ def elements(slab: Any, start: int, stop: int, page: int) -> Any:
     return Int8Blocks(slab.codes[start:stop], slab.scales[first:last])
 
 
-def flat(slab: Any) -> Any:
-    """A kind's pages (numpy, (pages, page elements)) as a flat slab of views: int8
-    blocks' codes and scales each flat."""
-    if isinstance(slab, Int8Blocks):
-        return Int8Blocks(slab.codes.reshape(-1), slab.scales.reshape(-1))
-    return slab.reshape(-1)
-
-
 def encode(x: jax.Array, fmt: KindFormat, signed: bool, page: int | None = None) -> Any:
     """A float32 moment in ``fmt`` (``page``: as :func:`quantize`'s)."""
     if fmt.block_size is not None:

@@ -14,7 +14,8 @@ stages, pages and generations:
   the master (``params.MasterPages``);
 * ``scales`` (``<nvme>/optimizer_scales``): each moment's scales, pages of
   ``ceil(page_elems / INT8_BLOCK)`` fp32 (0.2 % of the codes' bytes), through
-  TensorStore where that is not whole 4 KiB blocks (pages under 2M elements).
+  TensorStore where that is not whole 4 KiB blocks (pages under 2M elements). No page
+  is left unwritten and linked (``links``: deferred updates update every page).
 
 Every call goes to both, each moment split into its codes and scales on the way in and
 joined on the way out (views of the two stores' pooled buffers: the native kernel
@@ -179,17 +180,9 @@ class ScaledStateStore:
         self.codes.flush()
 
     def links(self, stage: str) -> bool:
-        return self.codes.links(stage) and self.scales.links(stage)
-
-    def read_pages(self, stage: str, pages: list[int]) -> dict:
-        """``NvmeStateStore.read_pages``: an int8 moment as int8 blocks of its pages'
-        codes (pages, page elements) and scales (pages, scales a page)."""
-        return self._join(self.codes.read_pages(stage, pages), self.scales.read_pages(stage, pages))
-
-    def write_pages(self, stage: str, pages: list[int], slabs: dict) -> None:
-        codes, scales = self._split(slabs)
-        self.scales.write_pages(stage, pages, scales)
-        self.codes.write_pages(stage, pages, codes)
+        """False: a step updates every page of an int8 stage (deferred updates, which
+        leave pages unwritten and link them between generations, are not offered)."""
+        return False
 
     def committed(self, stage: str) -> tuple[dict, list]:
         """A stage's committed state as fresh host copies; an int8 moment as int8 blocks."""
