@@ -882,3 +882,30 @@ def test_state_dtype_bench_quick(tmp_path, monkeypatch, capsys):
     assert runs["float32"]["val_minus_fp32"] == 0
     assert (tmp_path / "runs" / "bench" / "state_dtype.png").stat().st_size > 0
     assert "int8" in capsys.readouterr().out
+
+
+# 22 s (90 s with the shared cores loaded: two runs and a killed one, a launched process)
+@pytest.mark.slow
+def test_int8_on_nvme_in_place_sigkill_mid_step_then_resume_equals_uninterrupted(tmp_path):
+    """int8 moments on NVMe, one generation written in place: killed with SIGKILL while
+    step 5 is half written over the pages (scales written, codes in flight) and resumed
+    from step 4's checkpoint (its int8 moments saved as the float32 values they hold and
+    requantized on restore, which gives back the same codes and scales), the run ends
+    with exactly the losses and params of the uninterrupted run (the crash harness of
+    tests/test_checkpoint.py)."""
+    from test_checkpoint import NVME, STEPS, config, launch
+
+    from hetjax.train import train
+
+    optimizer = dict(warmup_steps=2, lr=3e-3, speculation="never", state_dtype="int8")
+    cfg = config(NVME, optimizer=optimizer, checkpoint=dict(async_save=False))
+    reference = train(cfg, tmp_path / "ref", verbose=False)
+    killed = tmp_path / "killed"
+    launch(cfg, killed, faults="kill_mid_update@5", expect_rc=-9)
+    for store in ("optimizer", "optimizer_scales"):  # one copy each, in place
+        tier = killed / "nvme" / store
+        assert (tier / "gen0").is_dir() and not (tier / "gen1").exists(), store
+    resumed = train(cfg, killed, verbose=False)
+    assert 0 < len(resumed.losses) < STEPS  # it did resume, not start over
+    np.testing.assert_array_equal(resumed.losses, reference.losses[-len(resumed.losses) :])
+    jax.tree.map(np.testing.assert_array_equal, resumed.params, reference.params)
