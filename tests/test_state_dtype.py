@@ -565,6 +565,76 @@ def test_int8_moments_on_two_devices_train_as_one(tiny, tmp_path):
     assert json.loads((scales / "zarr.json").read_text())["data_type"] == "float32"
 
 
+def test_int8_moments_on_nvme_store_codes_and_scales_in_their_files(tmp_path):
+    """The NVMe tier's store of int8 moments (``storage/scales.py``) at the store's
+    level: a streamed stage's int8 blocks come back as views of pooled buffers (codes
+    and scales, each as written), updated in place and put, are the committed state
+    after the commit (the other generation), and what a checkpoint reads from the frozen
+    pages; a cached stage stays in RAM. The files: codes int8 and O_DIRECT, scales fp32
+    with a CRC-32 of every page checked on read (a flipped bit: ``DamagedPageError``),
+    ``4 + 1 + 1`` bytes an element and two 4-byte scales a page of 4096, a generation."""
+    from hetjax.storage.scales import ScaledStateStore
+    from hetjax.types import DamagedPageError
+
+    P, rng = 4096, np.random.default_rng(13)
+    fmt = state_format(OptimizerConfig(state_dtype="int8"))
+
+    def blocks(pages: int, kind: str) -> moments.Int8Blocks:
+        codes = rng.integers(-127, 128, pages * P).astype(np.int8)
+        if kind == "nu":
+            codes = rng.integers(0, 256, pages * P).astype(np.uint8).view(np.int8)
+        return moments.Int8Blocks(codes, rng.random(pages * 2).astype(F32))
+
+    def state(pages: int) -> dict:
+        return {"master": rng.normal(size=pages * P).astype(F32), "mu": blocks(pages, "mu"),
+                "nu": blocks(pages, "nu")}  # fmt: skip
+
+    def same(a: dict, b: dict) -> None:
+        for kind in ("master", "mu", "nu"):
+            x, y = (d[kind][0] if isinstance(d[kind], list) else d[kind] for d in (a, b))
+            for field in ("codes", "scales") if kind != "master" else ("",):
+                get = (lambda v, f=field: np.asarray(getattr(v, f))) if field else np.asarray
+                np.testing.assert_array_equal(get(x), get(y), err_msg=f"{kind} {field}")
+
+    store = ScaledStateStore(
+        tmp_path / "optimizer", fmt, {"a": (0, 2), "b": (2, 3)}, P, cached=["a"],
+        sharding=Shardings.single_device().optimizer, io_slots=2, blocks=moments.Int8Blocks,
+    )  # fmt: skip
+    try:
+        start = {"a": state(2), "b": state(3)}
+        for stage in ("a", "b"):
+            store.init_stage(stage, {k: [v] for k, v in start[stage].items()}, [np.int32(0)])
+        store.wait_init()
+        slabs, _ = store.get("b")
+        same(slabs, start["b"])
+        assert isinstance(slabs["mu"].scales, np.ndarray) and slabs["mu"].scales.size == 6
+        new = state(3)
+        for kind in ("master", "mu", "nu"):  # in place, as the native kernel updates
+            if kind == "master":
+                slabs[kind][:] = new[kind]
+            else:
+                slabs[kind].codes[:], slabs[kind].scales[:] = new[kind].codes, new[kind].scales
+        store.put("b", slabs, [np.int32(1)])
+        store.put("a", store.get("a")[0], [np.int32(1)])
+        store.commit()
+        same(store.committed("b")[0], new)
+        same(store.committed("a")[0], start["a"])
+        held, _, release = store.freeze("b")
+        same(dict(held), new)  # read from the frozen pages, page by page
+        release()
+        elems = 5 * P
+        assert store.nvme_bytes == 2 * (6 * elems + 2 * 4 * 2 * 5)
+        assert store.codes.disk[0].links  # the codes' pages: O_DIRECT
+        scales = tmp_path / "optimizer_scales" / f"gen{store.gen}" / "mu" / "c" / "3" / "0"
+        raw = bytearray(scales.read_bytes())
+        raw[0] ^= 1
+        scales.write_bytes(bytes(raw))
+        with pytest.raises(DamagedPageError):
+            store.committed("b")
+    finally:
+        store.flush()
+
+
 # -- checkpoints ------------------------------------------------------------------------------
 
 
