@@ -10,7 +10,9 @@ version, into ``$HETJAX_CACHE`` (default ``~/.cache/hetjax``), and registered wi
 ``optimizer.host_kernel`` chooses: ``auto`` (the default) uses the kernel for adam and
 adamw when it builds and falls back to optax with a warning when it does not (no
 compiler); ``native`` requires it; ``optax`` never uses it. Speed: ``python -m
-hetjax.bench optimizer`` (README).
+hetjax.bench optimizer`` (README). Moments in float32 or bfloat16 (``TARGET``), or in
+int8 blocks (``TARGET_INT8``: each block dequantized, updated and requantized in the one
+pass, ``moments.py``'s code bit for bit; tests/test_state_dtype.py).
 """
 
 from __future__ import annotations

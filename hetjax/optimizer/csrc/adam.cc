@@ -12,7 +12,8 @@
 // within a few ulps (tests/test_native.py). Built on first use by hetjax/optimizer/native.py.
 //
 // Two entry points: ``HetjaxAdam`` (an XLA FFI handler) and ``HetjaxAdamHost`` (plain
-// C, for buffers outside XLA: see the end of this file).
+// C, for buffers outside XLA: see the end of this file); and two more of the same pass
+// over int8 moments, ``HetjaxAdamInt8`` and ``HetjaxAdamInt8Host`` (see "int8 moments").
 //
 // Operands: master (f32[n]), mu, nu (f32[n] or bf16[n]: the moments' dtype,
 // ``optimizer.state_dtype``; a bf16 moment is widened exactly as it is read, updated in
