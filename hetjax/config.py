@@ -176,8 +176,8 @@ class OptimizerConfig:
     # optax; ``native`` (required) or ``optax`` (hetjax/optimizer/native.py)
     host_kernel: str = "auto"
     # the dtype the optimizer's moments (Adam's mu and nu, Lion's mu, SGD's trace) are
-    # kept in: ``float32``, ``bfloat16`` (every tier) or ``int8`` (blockwise, a scale per
-    # block; device and host memory, not NVMe yet); the master stays fp32
+    # kept in: ``float32``, ``bfloat16`` or ``int8`` (blockwise, a scale per block), in
+    # every tier and on any number of devices; the master stays fp32
     # (hetjax/optimizer/state_format.py, moments.py)
     state_dtype: str = "float32"
 
@@ -485,12 +485,6 @@ class Config:
                 f"config key 'distributed.expert_parallel' ({experts}) must divide "
                 f"model.num_experts ({self.model.num_experts}): each device holds an equal "
                 "share of every block's experts"
-            )
-        if self.optimizer.state_dtype == "int8" and dist.devices > 1:
-            raise ConfigError(
-                f"config key 'optimizer.state_dtype' (int8): int8 moments run on one device "
-                f"so far, not {dist.devices} (distributed.*): their blocks are not split "
-                "over devices; use bfloat16 or float32 there"
             )
         # what the parallelism does not support (hetjax/support.py): these two first
         asked = support.asked(self)

@@ -119,8 +119,8 @@ HELP: dict[str, str] = {
     "([offload](offload.md#native-adam-kernel))",
     "optimizer.state_dtype": "the moments' dtype in every tier: `float32`, `bfloat16` (8 "
     "bytes a parameter with the fp32 master, not 12) or `int8` (blockwise, a scale per "
-    "2048: about 6; kept in device or host memory, not yet on NVMe, one device); the "
-    "master stays fp32",
+    "2048 of each page: about 6; on NVMe its scales in files of their own); the master "
+    "stays fp32",
     # -- offload ----------------------------------------------------------------------
     "offload.mode": "`auto`: `none` when the state fits the device, else the planner's "
     "placement ([planner](planner.md)); `none`: whole state on the device, one jitted step "

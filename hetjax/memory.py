@@ -335,6 +335,9 @@ class Sizes:
     # reduce-scattered, 1/grad_shards of it on each device (the whole one is a
     # temporary of the backward, in ``working_set``: zero3_scatter_bytes)
     grad_shards: int = 1
+    # elements a page of the slabs (int8 moments: each page's blocks their own; 0: not
+    # known, a slab's blocks counted as one run)
+    page_elems: int = 0
 
     def per_device(self, devices: int, shards: int | None = None) -> Sizes:
         """These sizes as one of ``devices`` devices that split a micro-batch's rows
@@ -359,8 +362,9 @@ class Sizes:
 
     def state_nbytes(self, elems: int) -> int:
         """Bytes of ``elems`` elements of every kind of optimizer state (the master's
-        among them), as ``state_format`` stores them."""
-        return self.state_format.nbytes(elems)
+        among them), as ``state_format`` stores them (whole pages, int8 moments' scales
+        per page)."""
+        return self.state_format.nbytes(elems, page_elems=self.page_elems)
 
     def swap_bytes(self, level: str) -> int:
         """Bytes a swapped block moves to host memory and back: as measured, or its kept

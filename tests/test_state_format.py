@@ -71,11 +71,16 @@ def test_the_native_kernel_refuses_state_it_cannot_update():
     assert native.refusal(FP32) is None
     assert native.refusal(BF16_MOMENTS) is None  # bfloat16 moments: updated in one pass
     int8 = StateFormat.of({"master": np.float32, **dict.fromkeys(["mu", "nu"], INT8_BLOCKS)})
-    assert "float32, bfloat16" in native.refusal(int8)
+    assert native.refusal(int8) is None  # int8 blocks of 2048: updated in one pass
+    other = KindFormat(np.int8, block_size=4096)  # blocks the kernel does not lay out
+    wide = StateFormat.of({"master": np.float32, **dict.fromkeys(["mu", "nu"], other)})
+    assert "float32, bfloat16" in native.refusal(wide)
+    mixed = StateFormat.of({"master": np.float32, "mu": INT8_BLOCKS, "nu": np.float32})
+    assert "float32, bfloat16" in native.refusal(mixed)
     assert "state kinds" in native.refusal(StateFormat.fp32(["mu"]))
-    assert native.use_native("auto", "adamw", "cpu", int8) is False
+    assert native.use_native("auto", "adamw", "cpu", wide) is False
     with pytest.raises(native.NativeKernelError, match="float32, bfloat16"):
-        native.use_native("native", "adamw", "cpu", int8)
+        native.use_native("native", "adamw", "cpu", wide)
     slabs = {"master": np.zeros(8, np.float32)}
     slabs |= {k: np.zeros(8, np.int8) for k in ("mu", "nu")}
     grad = [np.zeros(8, np.float32)]

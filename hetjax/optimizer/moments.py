@@ -6,15 +6,18 @@ each kind is stored). Two formats besides fp32:
 
 * ``bfloat16``: rounded to nearest even (XLA's convert, ml_dtypes' ``astype``).
 * ``int8``, blockwise: each block of :data:`~hetjax.optimizer.state_format.INT8_BLOCK`
-  elements keeps its absolute maximum as an fp32 scale and each element the index of
-  the nearest entry of a logarithmic code of the value divided by that scale, ties to
-  the smaller magnitude (dynamic quantisation, as 8-bit optimizers do: Dettmers et al.,
-  "8-bit Optimizers via Block-wise Quantization"). A signed moment (``mu``) uses
-  ``±2**((k - 127) / 8)``, ``k`` in 1..127, and 0 (its smallest magnitude 1.9e-5 of
-  the block's maximum); Adam's ``nu`` is never negative and uses 255 codes
-  ``2**((k - 255) / 8)`` (stored as the byte ``k``, smallest 3.4e-10 of the maximum);
-  a positive ``nu`` maps to at least the smallest code, never to 0, so no element's
-  denominator ``sqrt(nu) + eps`` collapses to ``eps``. A block of zeros has scale 0.
+  elements keeps its absolute maximum as an fp32 scale and each element the index of the
+  nearest entry of a logarithmic code of the value divided by that scale, ties to the
+  smaller magnitude (dynamic quantisation, as 8-bit optimizers do: Dettmers et al.,
+  "8-bit Optimizers via Block-wise Quantization"). In a host slab the blocks start at
+  each page's first element (a page not whole blocks ends in a short block of its own),
+  so a page's blocks are the same in any chunk, device's shard or page file. A signed
+  moment (``mu``) uses ``±2**((k - 127) / 8)``, ``k`` in 1..127, and 0 (its smallest
+  magnitude 1.9e-5 of the block's maximum); Adam's ``nu`` is never negative and uses 255
+  codes ``2**((k - 255) / 8)`` (stored as the byte ``k``, smallest 3.4e-10 of the
+  maximum); a positive ``nu`` maps to at least the smallest code, never to 0, so no
+  element's denominator ``sqrt(nu) + eps`` collapses to ``eps``. A block of zeros has
+  scale 0.
 
 :func:`low_precision` wraps an optax transformation so its moments are kept in a
 format (the in-memory runtime, ``offload.mode=none``, and the host optimizer's jitted
@@ -63,11 +66,28 @@ class Int8Blocks:
     scales: jax.Array
 
 
-def _blocks(x: jax.Array) -> jax.Array:
-    """A moment flattened and zero-padded to whole blocks: (blocks, INT8_BLOCK)."""
-    flat = x.reshape(-1)
-    pad = -flat.shape[0] % INT8_BLOCK
-    return jnp.pad(flat, (0, pad)).reshape(-1, INT8_BLOCK)
+def _blocks(x: jax.Array, page: int | None) -> jax.Array:
+    """A moment flattened and zero-padded to whole blocks: (blocks, INT8_BLOCK). With
+    ``page``, the blocks restart at each page (of ``page`` elements; the size a
+    multiple of it): each page zero-padded to whole blocks of its own."""
+    rows = x.reshape(-1) if page is None else x.reshape(-1, page)
+    pad = -rows.shape[-1] % INT8_BLOCK
+    return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, pad)]).reshape(-1, INT8_BLOCK)
+
+
+def _unblock(blocks: jax.Array, n: int, page: int | None) -> jax.Array:
+    """:func:`_blocks`' inverse: the first ``n`` elements (of each page)."""
+    if page is None:
+        return blocks.reshape(-1)[:n]
+    return blocks.reshape(n // page, -1)[:, :page].reshape(-1)
+
+
+def scale_count(elems: int, page: int | None = None) -> int:
+    """Scales of ``elems`` elements: a block of ``INT8_BLOCK`` from the first (and with
+    ``page``, from each page's first)."""
+    if page is None:
+        return -(-elems // INT8_BLOCK)
+    return elems // page * -(-page // INT8_BLOCK)
 
 
 def _nearest(y: jax.Array, mids: np.ndarray) -> jax.Array:
@@ -85,10 +105,11 @@ def _nearest(y: jax.Array, mids: np.ndarray) -> jax.Array:
     return k - (y <= below[k])
 
 
-def quantize(x: jax.Array, signed: bool) -> Int8Blocks:
-    """``x`` (float32, any shape) as int8 blocks (module docstring)."""
+def quantize(x: jax.Array, signed: bool, page: int | None = None) -> Int8Blocks:
+    """``x`` (float32, any shape) as int8 blocks (module docstring); with ``page``, the
+    blocks restart at every page of ``page`` elements (a host slab's chunk)."""
     _, mids = SIGNED_CODE if signed else UNSIGNED_CODE
-    blocks = _blocks(x.astype(F32))  # (N, B)
+    blocks = _blocks(x.astype(F32), page)  # (N, B)
     scales = jnp.max(jnp.abs(blocks), axis=1)  # (N,)
     safe = jnp.where(scales == 0, jnp.float32(1), scales)
     y = jnp.abs(blocks) / safe[:, None]
@@ -98,35 +119,46 @@ def quantize(x: jax.Array, signed: bool) -> Int8Blocks:
         codes = k.astype(jnp.uint8).view(jnp.int8)
     else:
         codes = jnp.where(blocks < 0, -k, k).astype(jnp.int8)
-    codes = codes.reshape(-1)[: x.size].reshape(x.shape)
+    codes = _unblock(codes, x.size, page).reshape(x.shape)
     return Int8Blocks(codes, scales)
 
 
-def dequantize(q: Int8Blocks, signed: bool) -> jax.Array:
-    """The float32 moment int8 blocks hold: the code's value times the block's scale."""
+def dequantize(q: Int8Blocks, signed: bool, page: int | None = None) -> jax.Array:
+    """The float32 moment int8 blocks hold: the code's value times the block's scale
+    (``page``: as :func:`quantize`'s)."""
     values, _ = SIGNED_CODE if signed else UNSIGNED_CODE
-    codes = q.codes.reshape(-1)
+    n = q.codes.size
+    codes = _blocks(q.codes, page)  # (N, B)
     if signed:
         k = jnp.abs(codes.astype(jnp.int32))
         value = jnp.where(codes < 0, -1, 1) * jnp.asarray(values)[k]
     else:
         value = jnp.asarray(values)[codes.view(jnp.uint8).astype(jnp.int32)]
-    n = codes.shape[0]
-    scale = jnp.repeat(q.scales, INT8_BLOCK)[:n]
-    return (value * scale).reshape(q.codes.shape)
+    return _unblock(value * q.scales[:, None], n, page).reshape(q.codes.shape)
 
 
-def encode(x: jax.Array, fmt: KindFormat, signed: bool) -> Any:
-    """A float32 moment in ``fmt``."""
+def elements(slab: Any, start: int, stop: int, page: int) -> Any:
+    """Elements ``[start, stop)`` of a kind's flat host slab (numpy; whole pages of
+    ``page`` elements): a view; of int8 blocks (blocks from each page's first element),
+    the codes' and their pages' scales."""
+    if not isinstance(slab, Int8Blocks):
+        return slab[start:stop]
+    assert start % page == 0 and stop % page == 0, (start, stop, page)
+    first, last = scale_count(start, page), scale_count(stop, page)
+    return Int8Blocks(slab.codes[start:stop], slab.scales[first:last])
+
+
+def encode(x: jax.Array, fmt: KindFormat, signed: bool, page: int | None = None) -> Any:
+    """A float32 moment in ``fmt`` (``page``: as :func:`quantize`'s)."""
     if fmt.block_size is not None:
-        return quantize(x, signed)
+        return quantize(x, signed, page)
     return x.astype(fmt.dtype)
 
 
-def decode(x: Any, signed: bool) -> jax.Array:
+def decode(x: Any, signed: bool, page: int | None = None) -> jax.Array:
     """A moment in its format, as float32 (exact for bfloat16)."""
     if isinstance(x, Int8Blocks):
-        return dequantize(x, signed)
+        return dequantize(x, signed, page)
     return x.astype(F32)
 
 

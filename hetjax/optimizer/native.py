@@ -10,7 +10,9 @@ version, into ``$HETJAX_CACHE`` (default ``~/.cache/hetjax``), and registered wi
 ``optimizer.host_kernel`` chooses: ``auto`` (the default) uses the kernel for adam and
 adamw when it builds and falls back to optax with a warning when it does not (no
 compiler); ``native`` requires it; ``optax`` never uses it. Speed: ``python -m
-hetjax.bench optimizer`` (README).
+hetjax.bench optimizer`` (README). Moments in float32 or bfloat16 (``TARGET``), or in
+int8 blocks (``TARGET_INT8``: each block dequantized, updated and requantized in the one
+pass, ``moments.py``'s code bit for bit; tests/test_state_dtype.py).
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from pathlib import Path
 import numpy as np
 
 from hetjax.config import NATIVE_OPTIMIZERS
-from hetjax.optimizer.state_format import StateFormat
+from hetjax.optimizer.moments import Int8Blocks
+from hetjax.optimizer.state_format import INT8_BLOCK, KindFormat, StateFormat
 from hetjax.types import MASTER
 
 TARGET = "hetjax_adam"
+TARGET_INT8 = "hetjax_adam_int8"  # the same pass over int8 moments (``moments.py``)
 SOURCE = Path(__file__).parent / "csrc" / "adam.cc"
 # -ffp-contract=off: every multiply and add rounds as written, so mu and nu are optax's
 # formulas evaluated in float32 op by op (bit for bit, tests/test_native.py); GCC would
@@ -127,10 +131,16 @@ def load() -> ctypes.CDLL:
     except OSError as e:
         raise NativeKernelError(f"loading {lib}: {e}") from e
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.HetjaxAdam), platform="cpu")
+    capsule = jax.ffi.pycapsule(handle.HetjaxAdamInt8)
+    jax.ffi.register_ffi_target(TARGET_INT8, capsule, platform="cpu")
     f = handle.HetjaxAdamHost
     p = ctypes.c_void_p
     i64 = ctypes.c_int64
     f.argtypes = [p, p, p, ctypes.c_int, p, i64, ctypes.c_int, p, ctypes.c_float, i64, i64, i64,
+                  ctypes.c_int, p, ctypes.c_int]  # fmt: skip
+    f.restype = ctypes.c_int
+    f = handle.HetjaxAdamInt8Host
+    f.argtypes = [p, p, p, p, p, p, i64, ctypes.c_int, p, ctypes.c_float, i64, i64, i64,
                   ctypes.c_int, p, ctypes.c_int]  # fmt: skip
     f.restype = ctypes.c_int
     return handle
@@ -140,8 +150,8 @@ KINDS = (MASTER, "mu", "nu")  # the kernel's state operands, in this order
 
 # The kernel's codes of the dtypes it takes (``kind_of`` in ``csrc/adam.cc``): the
 # compute-dtype params it writes, the gradient pages it reads, and the moments it
-# updates (mu and nu, one dtype; the master is float32): a state format of other dtypes
-# (int8 blocks) is refused here.
+# updates (mu and nu, one dtype; the master is float32), or int8 blocks of
+# ``INT8_BLOCK`` elements (``moments.py``): a state format of other dtypes is refused here.
 _OUT_KINDS = {"float32": 0, "bfloat16": 1, "float16": 2}
 _GRAD_KINDS = {"float32": 0, "bfloat16": 1}
 _STATE_KINDS = {"float32": 0, "bfloat16": 1}
@@ -153,11 +163,12 @@ def refusal(state: StateFormat) -> str | None:
     if state.kinds != list(KINDS):
         return f"the native kernel updates the state kinds {list(KINDS)}, not {state.kinds}"
     moments = [state.kind(k) for k in KINDS[1:]]
-    if any(f.block_size or f.dtype.name not in _STATE_KINDS for f in moments) or (
-        moments[0] != moments[1]
-    ):
+    int8 = KindFormat(np.int8, block_size=INT8_BLOCK)
+    known = lambda f: f == int8 or (not f.block_size and f.dtype.name in _STATE_KINDS)
+    if not all(known(f) for f in moments) or moments[0] != moments[1]:
         return (
-            f"the native kernel updates moments in one of {', '.join(_STATE_KINDS)}, not "
+            f"the native kernel updates moments in one of {', '.join(_STATE_KINDS)} or int8 "
+            f"blocks of {INT8_BLOCK}, not "
             f"{state.describe()}"
         )
     return None
@@ -178,8 +189,14 @@ def host_update(
     ``out`` (the same size, the compute dtype) receives the new params. ``grad`` is the
     gradient as pages of one size covering the slab (float32 or bfloat16, each
     contiguous; one page: a flat slab), read where they are. ``coef`` as the FFI call's
-    operand. Releases the GIL while it runs (ctypes)."""
+    operand. Releases the GIL while it runs (ctypes). int8 moments: ``mu`` and ``nu``
+    each :class:`~hetjax.optimizer.moments.Int8Blocks` of numpy arrays (codes int8,
+    ``nu``'s bytes unsigned; scales float32, blocks of ``INT8_BLOCK`` from each page's
+    first element: ``moments.py``)."""
     n = out.size
+    if isinstance(slabs["mu"], Int8Blocks):
+        _host_update_int8(slabs, grad, coef, weight_decay, num_decay, out, page_elems)
+        return
     arrays = [slabs[k] for k in KINDS]
     state_kind = _STATE_KINDS.get(arrays[1].dtype.name)
     if (
@@ -193,6 +210,35 @@ def host_update(
             f"{', '.join(_STATE_KINDS)}) must be writable and of one size, not "
             + ", ".join(f"{k} {a.size} {a.dtype}" for k, a in zip(KINDS, arrays, strict=True))
         )
+    state = (*(a.ctypes.data for a in arrays), state_kind)
+    _call(load().HetjaxAdamHost, state, grad, coef, weight_decay, num_decay, out, page_elems)
+
+
+def _host_update_int8(slabs, grad, coef, weight_decay, num_decay, out, page_elems) -> None:
+    """:func:`host_update` with int8 moments (each codes and scales)."""
+    n = out.size
+    blocks = n // page_elems * -(-page_elems // INT8_BLOCK)
+    p, m, v = (slabs[k] for k in KINDS)
+    arrays = [(p, np.float32, n), (m.codes, np.int8, n), (m.scales, np.float32, blocks),
+              (v.codes, np.int8, n), (v.scales, np.float32, blocks)]  # fmt: skip
+    if any(
+        not isinstance(a, np.ndarray) or a.dtype != d or a.size != size or not a.flags.writeable
+        or not a.flags.c_contiguous
+        for a, d, size in arrays
+    ):  # fmt: skip
+        raise ValueError(
+            f"host_update: master (float32), mu and nu int8 blocks (codes int8, {blocks} "
+            f"float32 scales) of {n} elements, writable and contiguous, not "
+            + ", ".join(f"{a.size} {a.dtype}" for a, _, _ in arrays)
+        )
+    state = tuple(a.ctypes.data for a, _, _ in arrays)
+    _call(load().HetjaxAdamInt8Host, state, grad, coef, weight_decay, num_decay, out, page_elems)
+
+
+def _call(kernel, state, grad, coef, weight_decay, num_decay, out, page_elems) -> None:
+    """One of the host entry points on ``state`` (its pointers and codes) and the rest
+    of :func:`host_update`'s operands, checked."""
+    n = out.size
     kind = _GRAD_KINDS.get(grad[0].dtype.name)
     grad_page = grad[0].size
     if (
@@ -213,9 +259,8 @@ def host_update(
         *range(base, base + n * out.itemsize, page_elems * out.itemsize)
     )
     grad_pointers = (ctypes.c_void_p * len(grad))(*(g.ctypes.data for g in grad))
-    done = load().HetjaxAdamHost(
-        *(a.ctypes.data for a in arrays), state_kind, grad_pointers, grad_page, kind,
-        coef.ctypes.data,
+    done = kernel(
+        *state, grad_pointers, grad_page, kind, coef.ctypes.data,
         weight_decay, n, num_decay, page_elems, _OUT_KINDS[out.dtype.name], pointers,
         os.cpu_count() or 1,
     )  # fmt: skip

@@ -118,14 +118,21 @@ def _clip_scale(norm, max_norm):
 
 
 def _host_buffers(slabs: dict, state: StateFormat) -> bool:
-    """Whether every kind's slab is one writable numpy array in its ``state`` dtype
-    (host buffers the native kernel may update in place)."""
-    return all(
-        isinstance(slabs[k], np.ndarray)
-        and slabs[k].dtype == state.dtype(k)
-        and slabs[k].flags.writeable
-        for k in state.kinds
-    )
+    """Whether every kind's slab is one writable numpy array in its ``state`` dtype, or
+    int8 blocks of two (host buffers the native kernel may update in place)."""
+
+    def writable(a, dtype) -> bool:
+        return isinstance(a, np.ndarray) and a.dtype == dtype and a.flags.writeable
+
+    def held(kind: str) -> bool:
+        slab, fmt = slabs[kind], state.kind(kind)
+        if fmt.block_size is None:
+            return writable(slab, fmt.dtype)
+        return isinstance(slab, moments.Int8Blocks) and (
+            writable(slab.codes, fmt.dtype) and writable(slab.scales, np.float32)
+        )
+
+    return all(held(k) for k in state.kinds)
 
 
 def _decayed(num_decay: int, start: int, stop: int) -> int:
@@ -187,11 +194,12 @@ class SlabOptimizer:
         self._coef = jax.jit(self._host_coef, out_shardings=sharding)
         # a checkpoint's values to int8 blocks and back (``held_chunks``, ``values``),
         # computed in device memory as the update is
-        here = lambda f, k: lambda x: f(k, jax.device_put(x, self._compute))
+        here = lambda f, k: lambda x, page: f(k, jax.device_put(x, self._compute), page)
         self._quantize = {
-            k: jax.jit(here(self._encode, k), out_shardings=sharding) for k in self.kinds
+            k: jax.jit(here(self._encode, k), static_argnums=1, out_shardings=sharding)
+            for k in self.kinds
         }
-        self._dequantize = {k: jax.jit(here(self._decode, k)) for k in self.kinds}
+        self._dequantize = {k: jax.jit(here(self._decode, k), static_argnums=1) for k in self.kinds}
 
     # -- state <-> slabs ----------------------------------------------------------------
 
@@ -222,18 +230,22 @@ class SlabOptimizer:
         master = jax.device_put(master, self._compute)
         slabs, scalars = self._disassemble(self.tx.init((master[:num_decay], master[num_decay:])))
         slabs = {MASTER: master, **slabs}
+        P = self.layouts[layout_name].page_elems
         return {
-            k: [self._encode(k, c) for c in self._split(v, layout_name)] for k, v in slabs.items()
+            k: [self._encode(k, c, P) for c in self._split(v, layout_name)]
+            for k, v in slabs.items()
         }, scalars
 
-    def _encode(self, kind: str, x):
-        """A float32 chunk of ``kind`` as the state format holds it (``moments.py``):
-        float32, bfloat16 or int8 blocks (one block split per chunk: whole pages)."""
-        return moments.encode(x, self.state_format.kind(kind), kind not in moments.UNSIGNED_KINDS)
+    def _encode(self, kind: str, x, page: int):
+        """A float32 chunk of ``kind`` (whole pages of ``page`` elements) as the state
+        format holds it (``moments.py``): float32, bfloat16 or int8 blocks (from each
+        page's first element)."""
+        fmt, signed = self.state_format.kind(kind), kind not in moments.UNSIGNED_KINDS
+        return moments.encode(x, fmt, signed, page)
 
-    def _decode(self, kind: str, x):
+    def _decode(self, kind: str, x, page: int):
         """A chunk of ``kind`` as held, in float32."""
-        return moments.decode(x, kind not in moments.UNSIGNED_KINDS)
+        return moments.decode(x, kind not in moments.UNSIGNED_KINDS, page)
 
     def _update_chunk(
         self, slabs, spare, scalars, grad, clip, num_decay: int, page_elems: int, aliased=False
@@ -248,7 +260,7 @@ class SlabOptimizer:
         clipped = grad * scale.astype(grad.dtype)
         # moments kept in fewer bytes are updated in float32 and rounded to their
         # dtype (``moments.py``): optax would otherwise compute part of it in bfloat16
-        slabs = {k: self._decode(k, v) for k, v in slabs.items()}
+        slabs = {k: self._decode(k, v, page_elems) for k, v in slabs.items()}
         master = slabs[MASTER]
         params = (master[:num_decay], master[num_decay:])
         grads = (clipped[:num_decay], clipped[num_decay:])
@@ -256,7 +268,7 @@ class SlabOptimizer:
         updates, state = self.tx.update(grads, state, params)
         new = jnp.concatenate([p + u for p, u in zip(params, updates, strict=True)])
         new_slabs, new_scalars = self._disassemble(state)
-        new_slabs = {k: self._encode(k, v) for k, v in new_slabs.items()}
+        new_slabs = {k: self._encode(k, v, page_elems) for k, v in new_slabs.items()}
         # Each page cast straight from the new master (one pass), not a cast of the whole
         # chunk sliced into pages afterwards (a second pass of copies).
         step = page_elems
@@ -271,6 +283,11 @@ class SlabOptimizer:
         overwrite the operands (an update in place)."""
         coef, new_scalars = self._native_coef(scalars, scale)
         c = self.cfg
+        decay = c.weight_decay if c.name == "adamw" else 0.0
+        attrs = dict(num_decay=np.int64(num_decay if decay else 0), weight_decay=np.float32(decay))
+        if isinstance(slabs["mu"], moments.Int8Blocks):
+            new, pages = self._native_int8(slabs, coef, grad, page_elems, aliased, attrs)
+            return new, new_scalars, pages
         n = slabs[MASTER].shape[0]
         state = tuple(jax.ShapeDtypeStruct((n,), self.state_format.dtype(k)) for k in native.KINDS)
         page = jax.ShapeDtypeStruct((page_elems,), self.compute_dtype)
@@ -279,24 +296,36 @@ class SlabOptimizer:
             state + (page,) * (n // page_elems),
             input_output_aliases={0: 0, 1: 1, 2: 2} if aliased else None,
         )
-        decay = c.weight_decay if c.name == "adamw" else 0.0
-        out = call(
-            slabs[MASTER],
-            slabs["mu"],
-            slabs["nu"],
-            coef,
-            *grad,
-            num_decay=np.int64(num_decay if decay else 0),
-            weight_decay=np.float32(decay),
-        )
+        out = call(slabs[MASTER], slabs["mu"], slabs["nu"], coef, *grad, **attrs)
         return {MASTER: out[0], "mu": out[1], "nu": out[2]}, new_scalars, list(out[3:])
+
+    def _native_int8(self, slabs, coef, grad, page_elems, aliased, attrs):
+        """``_native_chunk``'s call with int8 moments: each moment's codes and scales
+        are operands of their own. Returns the new state and the params' pages."""
+        m, v = slabs["mu"], slabs["nu"]
+        state = [slabs[MASTER], m.codes, m.scales, v.codes, v.scales]
+        shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
+        page = jax.ShapeDtypeStruct((page_elems,), self.compute_dtype)
+        call = jax.ffi.ffi_call(
+            native.TARGET_INT8,
+            shapes + (page,) * (slabs[MASTER].shape[0] // page_elems),
+            input_output_aliases={i: i for i in range(5)} if aliased else None,
+        )
+        out = call(*state[:5], coef, *grad, **attrs)
+        new = {
+            MASTER: out[0],
+            "mu": moments.Int8Blocks(out[1], out[2]),
+            "nu": moments.Int8Blocks(out[3], out[4]),
+        }
+        return new, list(out[5:])
 
     def _native_coef(self, scalars, scale):
         """The native kernel's coefficients for a step (its ``coef`` operand) and the new
         scalars: optax computes the scalars (step counts) on empty slabs; the kernel gets
         the step's coefficients as optax derives them."""
         empty = jnp.zeros((0,), F32)
-        slabs = {k: jnp.zeros((0,), self.state_format.dtype(k)) for k in self.kinds}
+        held = lambda f: F32 if f.block_size else f.dtype  # the scalars ignore the dtype
+        slabs = {k: jnp.zeros((0,), held(self.state_format.kind(k))) for k in self.kinds}
         state = self._assemble(slabs, scalars, 0)
         _, new_state = self.tx.update((empty, empty), state, (empty, empty))
         _, new_scalars = self._disassemble(new_state)
@@ -329,8 +358,10 @@ class SlabOptimizer:
         return [(a, min(a + step, layout.padded_size)) for a in range(0, layout.padded_size, step)]
 
     def _split(self, slab, layout_name: str) -> list:
-        """A whole slab -> its chunks (numpy views, or slices inside jit)."""
-        return [slab[a:b] for a, b in self.chunk_bounds(layout_name)]
+        """A whole slab -> its chunks (numpy views, or slices inside jit; int8 blocks:
+        the chunk's codes and its pages' scales)."""
+        P = self.layouts[layout_name].page_elems
+        return [moments.elements(slab, a, b, P) for a, b in self.chunk_bounds(layout_name)]
 
     def as_chunks(self, layout_name: str, slab) -> list:
         """A kind's slab as its chunks (already chunks: unchanged)."""
@@ -456,7 +487,8 @@ class SlabOptimizer:
             grad_pages = list(grad_pages[0].reshape(num_pages, -1))
         for a, b in runs_outside(num_pages, skip) if skip else [(0, num_pages)]:
             native.host_update(
-                {k: slabs[k][a * P : b * P] for k in self.kinds}, grad_pages[a:b],
+                {k: moments.elements(slabs[k], a * P, b * P, P) for k in self.kinds},
+                grad_pages[a:b],
                 np.asarray(coef), decay, _decayed(layout.num_decay, a * P, b * P) if decay else 0,
                 out[a * P : b * P], P,
             )  # fmt: skip
@@ -486,7 +518,8 @@ class SlabOptimizer:
             for a, b in page_runs(pages):
                 s, e = positions[a] * P, (positions[a] + b - a) * P
                 native.host_update(
-                    {k: slabs[k][s:e] for k in self.kinds}, [zero] * (b - a), np.asarray(coef),
+                    {k: moments.elements(slabs[k], s, e, P) for k in self.kinds}, [zero] * (b - a),
+                    np.asarray(coef),
                     decay, _decayed(layout.num_decay, a * P, b * P) if decay else 0,
                     out[done : done + b - a].reshape(-1), P,
                 )  # fmt: skip
@@ -502,14 +535,16 @@ class SlabOptimizer:
         if fmt.block_size is None:
             return self.as_chunks(layout_name, np.asarray(values).astype(fmt.dtype, copy=False))
         chunks = self.as_chunks(layout_name, np.asarray(values, np.float32))
-        return [self._quantize[kind](jax.device_put(c, self.sharding)) for c in chunks]
+        P = self.layouts[layout_name].page_elems
+        return [self._quantize[kind](jax.device_put(c, self.sharding), P) for c in chunks]
 
-    def values(self, kind: str, chunks: list) -> np.ndarray:
+    def values(self, kind: str, chunks: list, layout_name: str) -> np.ndarray:
         """A kind's slab held as ``chunks`` as flat numpy values: its dtype, or float32
         where the format holds int8 blocks (what they dequantize to)."""
         if self.state_format.kind(kind).block_size is None:
             return np.concatenate([np.asarray(c) for c in chunks])
-        return np.concatenate([np.asarray(self._dequantize[kind](c)) for c in chunks])
+        P = self.layouts[layout_name].page_elems
+        return np.concatenate([np.asarray(self._dequantize[kind](c, P)) for c in chunks])
 
     def compute_pages(self, layout_name: str, master) -> list[jax.Array]:
         """A master slab (or its chunks) cast to the compute dtype, as pages. The master
@@ -522,4 +557,5 @@ class SlabOptimizer:
 
     def state_bytes(self, layout_name: str) -> int:
         """Bytes of one stage's slabs (all kinds, as ``state_format`` holds them)."""
-        return self.state_format.nbytes(self.layouts[layout_name].padded_size)
+        layout = self.layouts[layout_name]
+        return self.state_format.nbytes(layout.padded_size, page_elems=layout.page_elems)

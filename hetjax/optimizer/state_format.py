@@ -61,12 +61,18 @@ class KindFormat:
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"block_size must be positive, not {self.block_size}")
 
-    def nbytes(self, elems: int) -> int:
-        """Bytes of ``elems`` elements (with their blocks' scales)."""
+    def nbytes(self, elems: int, page_elems: int = 0) -> int:
+        """Bytes of ``elems`` elements (with their blocks' scales). ``page_elems``: the
+        elements are whole pages of that many, each page's blocks its own (a host slab's:
+        ``moments.py``); 0: one run of blocks."""
         data = elems * self.dtype.itemsize
         if self.block_size is None:
             return data
-        return data + -(-elems // self.block_size) * SCALE_DTYPE.itemsize
+        blocks = -(-elems // self.block_size)
+        if page_elems:
+            pages, rest = divmod(elems, page_elems)
+            blocks = pages * -(-page_elems // self.block_size) + -(-rest // self.block_size)
+        return data + blocks * SCALE_DTYPE.itemsize
 
     @property
     def bytes_per_elem(self) -> float:
@@ -142,13 +148,14 @@ class StateFormat:
         """``{kind: dtype}``, the master first (:meth:`dtype` of each)."""
         return {k: self.dtype(k) for k in self.kinds}
 
-    def nbytes(self, elems: int, kinds: Iterable[str] | None = None) -> int:
-        """Bytes of ``elems`` elements of each kind in ``kinds`` (default: every kind)."""
+    def nbytes(self, elems: int, kinds: Iterable[str] | None = None, page_elems: int = 0) -> int:
+        """Bytes of ``elems`` elements of each kind in ``kinds`` (default: every kind);
+        ``page_elems``: as :meth:`KindFormat.nbytes`'s."""
         if kinds is None:
             if self._elem_bytes is not None:  # the memory model's case, thousands of times
                 return elems * self._elem_bytes
             kinds = self.kinds
-        return sum(self.kind(k).nbytes(elems) for k in kinds)
+        return sum(self.kind(k).nbytes(elems, page_elems) for k in kinds)
 
     @property
     def bytes_per_param(self) -> float:

@@ -91,6 +91,7 @@ class Workload:
     # device's rows; empty where the blocks' rows are not independent, runtime/chunks.py)
     batch_chunks: int = 1
     chunked_working_sets: dict[int, int] = dataclasses.field(default_factory=dict)
+    page_elems: int = 0  # elements a page of the slabs (0: not known)
 
     def working_set_in(self, chunks: int) -> int:
         """The working set with the micro-batch in ``chunks`` chunks of rows."""
@@ -305,6 +306,7 @@ class Workload:
         )  # fmt: skip
         return cls(
             name=f"{m.family} {shape}, {_count(model.param_count())} params",
+            page_elems=layouts["embed"].page_elems,
             num_layers=L,
             embed_params=embed,
             block_params=block,
@@ -527,4 +529,5 @@ def _memory_sizes(w: Workload, devices: int, chunks: int) -> Sizes:
         groups=tuple((name, n, size, size // devices) for name, n, size in w.groups),
         context=w.context,
         grad_shards=devices,
+        page_elems=w.page_elems,
     )

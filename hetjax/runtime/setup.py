@@ -5,6 +5,7 @@ constructor; nothing here runs during a step."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from hetjax import memory, memory_host
-from hetjax.config import Config, ConfigError
+from hetjax.config import Config
 from hetjax.hf import open_checkpoint
 from hetjax.memory import DeviceCache, Sizes, grad_policy
 from hetjax.memory_host import HostMemoryPlan, nvme_parts
+from hetjax.optimizer import moments
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.state_format import StateFormat
 from hetjax.placement import Placement
@@ -33,6 +35,7 @@ from hetjax.storage.params import (
     NvmeParamStore,
     SplitParamStore,
 )
+from hetjax.storage.scales import ScaledStateStore, has_scales
 from hetjax.storage.states import MemoryStateStore, SplitStateStore
 from hetjax.storage.stripes import Stripes, stripes_of
 from hetjax.storage.swap import BoundarySwap, ResidualSwap
@@ -84,6 +87,7 @@ def memory_sizes(
             else ()
         ),  # fmt: skip
         context=stage_memory.context,
+        page_elems=state_layouts["embed"].page_elems,
     )
 
 
@@ -153,15 +157,11 @@ def make_stores(
     dtype = jnp.dtype(config.model.compute_dtype)
     offload = Placement.from_config(config)
     if off.optimizer == "nvme" and pages:
-        if any(state_format.kind(k).block_size for k in state_format.kinds):
-            raise ConfigError(
-                f"config key 'optimizer.state_dtype' ({config.optimizer.state_dtype}): "
-                "int8 moments are kept in memory (offload.optimizer=host or device, or "
-                "offload.mode=none), not yet on NVMe (offload.optimizer=nvme), whose "
-                "page files hold one dtype a kind without block scales: use bfloat16 "
-                "to halve the moments' bytes there"
-            )
-        states = NvmeStateStore(
+        # int8 moments: their scales in page files of their own (``storage/scales.py``)
+        store = NvmeStateStore
+        if has_scales(state_format):
+            store = functools.partial(ScaledStateStore, blocks=moments.Int8Blocks)
+        states = store(
             nvme_dir / "optimizer",
             state_format,
             pages,

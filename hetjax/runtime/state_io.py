@@ -35,14 +35,14 @@ def source(
     own_pages,
     loss_scale: tuple[float, int] | None,
     state_format: StateFormat | None = None,
-    values: Callable[[str, list], np.ndarray] | None = None,
+    values: Callable[[str, list, str], np.ndarray] | None = None,
 ) -> StateSource:
     """This process's committed state for a checkpoint, taken where it lives
     (``checkpoint_state.py``): each stage's slabs or NVMe files, frozen until written.
     ``own_pages(layout)``: the (first page, number of pages) of a slab this process
     holds; ``state_format``: the optimizer's (None: fp32 each kind). A kind held in
     int8 blocks is saved as the float32 values they hold (a checkpoint's kind is one
-    dtype, without scales), ``values(kind, chunks)`` (``SlabOptimizer.values``) giving
+    dtype, without scales), ``values(kind, chunks, layout)`` (``SlabOptimizer.values``) giving
     them stage by stage as the checkpoint writes."""
     saved_format = state_format
     blocks = state_format is not None and any(
@@ -68,7 +68,7 @@ def source(
         if files:
             part.pages = held
         elif blocks:
-            part.slabs = functools.partial(_values, held, values)
+            part.slabs = functools.partial(_values, held, values, layout_name(name))
         else:
             part.slabs = held
         parts.append(part)
@@ -92,8 +92,8 @@ def source(
     )
 
 
-def _values(held: dict, values, /) -> dict[str, np.ndarray]:
-    return {k: values(k, chunks) for k, chunks in held.items()}
+def _values(held: dict, values, layout: str, /) -> dict[str, np.ndarray]:
+    return {k: values(k, chunks, layout) for k, chunks in held.items()}
 
 
 def restore(

@@ -328,9 +328,12 @@ def _then(future, fn) -> concurrent.futures.Future:
 
 def _raw_chunks(array: ts.TensorStore) -> bool:
     """Whether ``array``'s chunk files are its chunks' raw little-endian bytes (zarr3's
-    ``bytes`` codec alone; a missing file is a chunk of the fill value, zero)."""
+    ``bytes`` codec alone, little-endian or, for one-byte elements, of no endianness; a
+    missing file is a chunk of the fill value, zero)."""
     codecs = array.codec.to_json().get("codecs", [])
-    plain = codecs == [{"name": "bytes", "configuration": {"endian": "little"}}]
+    little = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    one_byte = array.dtype.numpy_dtype.itemsize == 1 and codecs == [{"name": "bytes"}]
+    plain = codecs == little or one_byte
     return plain and float(array.fill_value) == 0
 
 
