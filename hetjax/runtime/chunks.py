@@ -85,10 +85,11 @@ def backward(block_fwd, n: int, cotangent, grad_pages, dtype):
             xc, dyc = rows
             _, vjp = jax.vjp(block_fwd, b, xc, context)
             db, dx, _ = vjp(cotangent(dyc, dstats))
-            pages = grad_pages(db)
-            return [a + p.astype(dtype) for a, p in zip(acc, pages, strict=True)], dx
+            pages = grad_pages(db)  # a list of pages, or a grouped stage's GroupPages
+            return jax.tree.map(lambda a, p: a + p.astype(dtype), acc, pages), dx
 
-        zeros = [jnp.zeros(p.shape, dtype) for p in jax.eval_shape(grad_pages, _abstract(b))]
+        shapes = jax.eval_shape(grad_pages, _abstract(b))
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), shapes)
         db, dx = jax.lax.scan(chunk, zeros, (split(x, n), split(dy, n)))
         return db, join(dx), dcontext
 
@@ -114,12 +115,12 @@ def head_backward(head_loss, n: int, head_pages, embed_pages):
             dh, de, dx = vjp(scale / n)  # d(mean of n means) / d(one chunk's mean)
             dh, de = head_pages(dh), embed_pages(de)
             acc_h, acc_e, total = acc
-            add = lambda acc, g: [a + p.astype(a.dtype) for a, p in zip(acc, g, strict=True)]
+            add = lambda acc, g: jax.tree.map(lambda a, p: a + p.astype(a.dtype), acc, g)
             return (add(acc_h, dh), add(acc_e, de), total + loss.astype(jnp.float32)), dx
 
-        zeros = lambda pages, tree: [
-            jnp.zeros(p.shape, jnp.float32) for p in jax.eval_shape(pages, _abstract(tree))
-        ]
+        zeros = lambda pages, tree: jax.tree.map(  # pages, or a grouped stage's GroupPages
+            lambda p: jnp.zeros(p.shape, jnp.float32), jax.eval_shape(pages, _abstract(tree))
+        )
         start = (zeros(head_pages, h), zeros(embed_pages, e), jnp.zeros((), jnp.float32))
         (dh, de, total), dx = jax.lax.scan(chunk, start, (split(x, n), split(targets, n)))
         return total / n, dh, de, join(dx)

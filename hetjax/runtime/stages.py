@@ -513,10 +513,11 @@ class StageFunctions:
     def _measure(self, fn, args: tuple) -> tuple[Any, int]:
         """``fn(pages, x, context)`` of a block's abstract arguments ``args`` (global) ->
         (its result, how many devices split the rows it saw): the whole micro-batch's
-        (1), or where the block's all-to-all needs the mesh (expert parallelism), one
-        device's part, traced inside it (its rows and its group's experts: the
-        compute layout's batch degree)."""
-        if self.compute.expert_axis is None:
+        (1), or where the block's all-to-all needs the mesh (expert parallelism) or its
+        compute is split over it (tensor parallelism, whose residuals traced whole miss
+        a split weight's), one device's part, traced inside it (its rows, its group's
+        experts or weights' slices: the compute layout's batch degree)."""
+        if self.compute.expert_axis is None and getattr(self.compute, "tensor_parallel", 1) == 1:
             return fn(*args), 1
         part = self.compute.per_device(fn, SIGNATURES["block_fwd"], args)
         return part, self.compute.batch_degree
