@@ -18,10 +18,13 @@ each row's when all are done.
 
 Placement (:class:`InMemoryBlocks`, :class:`StreamedBlocks`): ``offload.mode=none``
 holds every param on the device; ``offload.mode=stream`` (or ``auto`` for a model that
-does not fit) builds the streaming runtime with the configured tiers and brings each
-block's params to the device through its prefetch window, once per forward: the prompt
-is prefilled a block at a time over the whole batch, then every new token is one more
-pass over the blocks (offloaded inference: its speed is the tiers' bandwidth over the
+does not fit) builds the inference runtime (``runtime/inference.py``): the params, read
+once from the checkpoint stage by stage, wait in the training runtime's param store in
+the tier ``offload.params`` names (host RAM or NVMe files), with no optimizer state and
+no gradients, and each block comes to the device through the same prefetch window
+(``offload.prefetch_depth``) once per forward; its plan is printed. The prompt is
+prefilled a block at a time over the whole batch, then every new token is one more pass
+over the blocks (offloaded inference: its speed is the tier's bandwidth over the
 params' bytes per token). The KV cache of every block stays on the device:
 (L, B, S, N, K) twice in the compute dtype, S the prompt and the new tokens.
 

@@ -2,8 +2,9 @@
 the blocks run. See hetjax/generate.py's docstring for the command and the placements.
 
 :class:`InMemoryBlocks` holds every param on the device; :class:`StreamedBlocks` brings
-each block to the device through a streaming runtime's tiers and prefetch window
-(``StreamingRuntime.stream_blocks``), once per forward; :class:`WholeModel` runs an
+each block to the device once per forward through the inference runtime
+(``runtime/inference.InferenceRuntime.stream_blocks``: the training runtime's param
+store and prefetch window, no optimizer state, no gradients); :class:`WholeModel` runs an
 encoder-decoder model whole for every new token (no KV cache). :func:`generate` and
 :func:`generate_seq2seq` are the loops; :func:`open_blocks` builds the blocks of a run's
 checkpoint or an HF directory as ``offload.mode`` places them.
@@ -107,10 +108,10 @@ class InMemoryBlocks:
 
 
 class StreamedBlocks:
-    """The blocks brought to the device one at a time by a streaming runtime
-    (``runtime.stream_blocks``: its tiers and prefetch window); embed and head resident.
-    One jitted function per stage kind; each block's cache is its row of the stacked
-    cache."""
+    """The blocks brought to the device one at a time by an inference runtime
+    (``runtime/inference.InferenceRuntime.stream_blocks``: its tier and prefetch
+    window); embed and head resident. One jitted function per stage kind; each block's
+    cache is its row of the stacked cache."""
 
     def __init__(self, runtime):
         self.runtime, m = runtime, runtime.model
@@ -135,10 +136,8 @@ class StreamedBlocks:
         x = self._embed(rt.resident_pages("embed"), ids, positions)
         ks, vs = list(cache[0]), list(cache[1])
 
-        def step(slot, pages, x):
-            x, (ks[slot.index], vs[slot.index]) = self._block(
-                pages, x, positions, ks[slot.index], vs[slot.index], valid, start
-            )
+        def step(i, pages, x):
+            x, (ks[i], vs[i]) = self._block(pages, x, positions, ks[i], vs[i], valid, start)
             return x
 
         x = rt.stream_blocks(step, x)
@@ -148,8 +147,9 @@ class StreamedBlocks:
 
 class WholeModel:
     """An encoder-decoder model (T5) run whole for every new token (no KV cache):
-    ``logits(tokens (B, P), targets (B, N))`` -> fp32 (B, N, V), in memory or, given a
-    streaming runtime, through its window (``runtime.forward``)."""
+    ``logits(tokens (B, P), targets (B, N))`` -> fp32 (B, N, V), in memory or, given an
+    inference runtime, each stage group's input then its blocks through the runtime's
+    window (``stream_blocks``)."""
 
     def __init__(self, model, params=None, runtime=None):
         self.model, self.runtime = model, runtime
@@ -157,11 +157,26 @@ class WholeModel:
             cast = lambda a: jnp.asarray(a, model.config.compute_dtype)
             self.params = jax.tree.map(cast, params)
             self._logits = jax.jit(model.logits)
-        else:
-            E, H = runtime.layouts["embed"], runtime.layouts["head"]
-            self._head = jax.jit(
-                lambda h, e, x: model.head_logits(H.unflatten_pages(h), E.unflatten_pages(e), x)
+            return
+        L = runtime.layouts
+        E, H = L["embed"], L["head"]
+        self._input = [
+            jax.jit(
+                lambda e, prev, t, y, g=g: model.group_input(g, E.unflatten_pages(e), prev, t, y)
             )
+            for g in range(len(model.groups))
+        ]
+        self._block = [
+            jax.jit(
+                lambda b, x, c, g=g, B=L[grp.name]: model.group_block(
+                    g, B.unflatten_pages(b), x, c
+                )[0]
+            )
+            for g, grp in enumerate(model.groups)
+        ]
+        self._head = jax.jit(
+            lambda h, e, x: model.head_logits(H.unflatten_pages(h), E.unflatten_pages(e), x)
+        )
 
     def describe(self) -> str:
         if self.runtime is not None:
@@ -173,8 +188,13 @@ class WholeModel:
         if self.runtime is None:
             return self._logits(self.params, tokens, targets)
         rt = self.runtime
-        x = rt.forward(tokens, targets)
-        return self._head(rt.resident_pages("head"), rt.resident_pages("embed"), x)
+        embed, x = rt.resident_pages("embed"), None
+        for g in range(len(self._block)):
+            x, context = self._input[g](embed, x, tokens, targets)
+            x = rt.stream_blocks(
+                lambda i, pages, x, g=g, c=context: self._block[g](pages, x, c), x, g
+            )
+        return self._head(rt.resident_pages("head"), embed, x)
 
 
 def generate_seq2seq(
@@ -320,13 +340,9 @@ def open_blocks(config: Config, workdir=None, scratch: Path | None = None):
         if seq2seq:
             return WholeModel(model, params), config
         return InMemoryBlocks(model, params), config
-    from hetjax.train import build_runtime
+    from hetjax.runtime.inference import InferenceRuntime
 
-    # every expert of a block with it (expert-aware fetching routes a training batch)
-    config = config.replace(offload=dict(expert_fetch="all"))
-    runtime = build_runtime(config, scratch)
-    if state is not None:
-        runtime.load_state(state)
+    runtime = InferenceRuntime(config, state, scratch)
     if seq2seq:
         return WholeModel(runtime.model, runtime=runtime), config
     return StreamedBlocks(runtime), config
