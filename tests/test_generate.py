@@ -202,3 +202,57 @@ def test_prompt_outside_the_vocabulary_is_refused(checkpoints, tiny, tmp_path):
     _, directory = checkpoints("llama")
     with pytest.raises(ConfigError, match="token id 300, outside the model's vocabulary"):
         _ours(tiny, directory, tmp_path, [[1, 2, 300]])
+
+
+def _printer(texts, tty=False, width=0):
+    import io
+
+    from hetjax.generate import TokenPrinter
+    from hetjax.instruct import Tokens
+
+    tokens = Tokens("")  # bytes
+    tokens.eos = 0
+    out = io.StringIO()
+    return TokenPrinter(tokens, texts, out, tty, width), out
+
+
+# each step's tokens of two rows: "x" "y", then "z" and row 1's end, then both ended
+STEPS = [[ord("x"), ord("y")], [ord("z"), 0], [0, 0]]
+ROWS = [[ord("x"), ord("z"), 0], [ord("y"), 0]]
+
+
+def test_batched_prompts_print_as_they_come_tagged_by_prompt():
+    """Several prompts, output not a terminal: each step's new text of each row on a
+    line tagged by its prompt's index, as it comes; then each prompt and its text."""
+    show, out = _printer(["ab", "c"])
+    for i, step in enumerate(STEPS):
+        show(i, np.array(step))
+        if i == 0:
+            assert out.getvalue() == "[0] 'x'\n[1] 'y'\n"  # printed before the next step
+    show.finish(ROWS)
+    assert out.getvalue() == "[0] 'x'\n[1] 'y'\n[0] 'z'\nabxz\ncy\n"
+
+
+def test_batched_prompts_on_a_terminal_rewrite_one_line_each():
+    """On a terminal: one line per prompt, each step moves the cursor back up two lines
+    (ESC [2F) and writes both lines again (ESC [2K clears one); a line as wide as the
+    terminal is cut to its end behind "..." (it would wrap and not be rewritten)."""
+    show, out = _printer(["ab", "c"], tty=True)
+    for i, step in enumerate(STEPS[:2]):
+        show(i, np.array(step))
+    show.finish(ROWS)
+    line = lambda a, b: f"\x1b[2K{a}\n\x1b[2K{b}\n"
+    drawn = [line("ab", "c"), line("abx", "cy"), line("abxz", "cy"), line("abxz", "cy")]
+    assert out.getvalue() == "\x1b[2F".join(drawn)
+    show, out = _printer(["abcde", "c"], tty=True, width=6)
+    show(0, np.array([ord("f"), 0]))
+    assert out.getvalue().endswith("\x1b[2F\x1b[2K...ef\n\x1b[2Kc\n")
+
+
+def test_one_prompt_prints_its_text_appended():
+    show, out = _printer(["ab"])
+    show(0, np.array([ord("x")]))
+    assert out.getvalue() == "abx"
+    show(1, np.array([0]))
+    show.finish([[ord("x"), 0]])
+    assert out.getvalue() == "abx\n"
