@@ -508,13 +508,6 @@ class Config:
                 f"multiple of it ({row_devices})"
             )
         chunks = self.offload.batch_chunks
-        if chunks > 1 and self.data.format == "jsonl":
-            # the chunked head averages its chunks' means; a packed row's loss is a mean
-            # over the completion tokens of the whole micro-batch
-            raise ConfigError(
-                f"config key 'offload.batch_chunks' ({chunks}) must be 1 with data.format "
-                "'jsonl' (the loss is a mean over the micro-batch's completion tokens)"
-            )
         # a device's rows (every device, 0: known once the devices are; checked then
         # by the runtime's stage functions)
         rows = self.train.micro_batch_size // max(row_devices, 1)

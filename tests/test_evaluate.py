@@ -93,3 +93,30 @@ def test_eval_of_an_hf_directory_equals_transformers_loss(tiny, tmp_path):
         ids = torch.from_numpy(np.asarray(windows)).long()
         expected = float(hf(input_ids=ids, labels=ids).loss)
     assert_losses_close([result.loss], [expected])
+
+
+# ~40 s on 2 busy cores: two streamed runs and an evaluation
+@pytest.mark.slow
+def test_jsonl_in_batch_chunks_equals_unchunked_and_evaluates(tiny, tmp_path):
+    """offload.batch_chunks=2 on jsonl records (each chunk's completion tokens weigh
+    its loss, runtime/chunks.py): the steps' losses and the validation loss equal the
+    unchunked run's (fp32, SGD, 1e-5), and ``hetjax eval`` of the chunked run's
+    checkpoint, chunked too, equals its validation loss."""
+    from test_instruct import _dataset
+
+    path = _dataset(tmp_path)
+    config = _with_checkpoint(
+        tiny,
+        data=dict(format="jsonl", path=path, shuffle=False, val_fraction=0.2),
+        train=dict(steps=3, batch_size=4, seq_len=32, eval_batches=1),
+        model=dict(max_seq_len=32),
+        optimizer=dict(name="sgd", lr=0.1),
+    )
+    runs = {}
+    for n in (1, 2):
+        chunked = config.replace(offload=dict(mode="stream", batch_chunks=n))
+        runs[n] = train(chunked, tmp_path / f"run{n}", verbose=False)
+    assert_losses_close(runs[2].losses, runs[1].losses)
+    assert_losses_close([runs[2].val_loss], [runs[1].val_loss])
+    result = evaluate_checkpoint(chunked, tmp_path / "run2")
+    assert_losses_close([result.loss], [runs[2].val_loss])
