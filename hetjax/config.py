@@ -246,8 +246,9 @@ class DataConfig:
         _choice("data", "objective", self.objective, OBJECTIVES)
         _choice("data", "format", self.format, ("tokens", "jsonl"))
         _check(
-            self.format == "tokens" or (self.path and self.objective == "lm"),
-            "data.format", "'jsonl' needs data.path (a .jsonl file) and data.objective 'lm'",
+            self.format == "tokens" or (self.path and self.objective in ("lm", "prefix_lm")),
+            "data.format", "'jsonl' needs data.path (a .jsonl file) and data.objective 'lm' "
+            "(decoder-only) or 'prefix_lm' (T5)",
             self.format,
         )  # fmt: skip
         _check(

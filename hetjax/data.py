@@ -144,7 +144,7 @@ def split_window(objective: str, windows, seq_len: int):
     the model, as HF's T5 does from its labels). A packed row (``data.format=jsonl``,
     W = 3 T: ids | positions | targets, ``hetjax/instruct.py``) -> tokens (..., 2, T)
     and targets (..., T). Works on numpy and JAX arrays alike."""
-    if objective == "lm" and windows.shape[-1] == 3 * seq_len:
+    if objective in ("lm", "prefix_lm") and windows.shape[-1] == 3 * seq_len:
         tokens = windows[..., : 2 * seq_len].reshape(*windows.shape[:-1], 2, seq_len)
         return tokens, windows[..., 2 * seq_len :]
     if objective in ("prefix_lm", "span_corruption"):

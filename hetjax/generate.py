@@ -31,10 +31,12 @@ over the blocks (offloaded inference: its speed is the tier's bandwidth over the
 params' bytes per token). The KV cache of every block stays on the device:
 (L, B, S, N, K) twice in the compute dtype, S the prompt and the new tokens.
 
-T5 (an encoder-decoder model) has no KV cache here: each new token runs the whole model
-again over the prompt and the tokens so far, one compiled shape (the decoder's input
-padded to the new tokens' count; causal, so what follows a position changes nothing at
-it); prompts of different lengths run one at a time (the encoder has no padding mask).
+T5 (an encoder-decoder model, :class:`Seq2SeqBlocks`): the prompts, right-padded into
+one batch with the padding masked, go through the encoder once; then each new token is
+one pass over the decoder's blocks, each against its KV cache (its self-attention's keys
+and values so far and its cross-attention's of the encoder's output, computed at the
+first token), in memory or streamed as above. A T5 with experts (Switch) runs the whole
+model again for every new token (:class:`WholeModel`, no KV cache).
 """
 
 from __future__ import annotations
@@ -110,8 +112,7 @@ class TokenPrinter:
 
     def finish(self, rows: list[list[int]]) -> None:
         """The last line(s): each prompt's whole text, ``rows`` its new tokens (all of
-        them, those no step showed too: an encoder-decoder model's prompts of different
-        lengths run one at a time, unshown)."""
+        them, those no step showed too)."""
         eos = self.tokens.eos
         final = [self.tokens.decode([t for t in row if t != eos]) for row in rows]
         if len(self.texts) == 1:

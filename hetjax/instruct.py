@@ -27,6 +27,12 @@ a row is cut to the row's length, and counted: the count is in the data's descri
 the run logs. The held-out split is the last ``data.val_fraction`` of the records (at
 least one).
 
+An encoder-decoder model (T5, ``data.objective=prefix_lm``) takes one record a row
+(:func:`pack_seq2seq`, not packed): the prompt's ids and positions (the encoder's input;
+its padding masked there and in the cross-attention, ``models.t5.prompt_mask``) and the
+completion as the decoder's targets, the loss on every one of them; a record without a
+prompt is refused, a prompt or completion longer than a row cut to it and counted.
+
 Batch rows are int32 ``(B, 3 T)``: ids | positions | targets
 (:func:`hetjax.data.split_window` makes tokens (B, 2, T) and targets (B, T) of them).
 Which row a batch row is follows ``data.shuffle`` as token windows do
@@ -119,6 +125,7 @@ class Record:
     ids: tuple[int, ...]
     prompt: int
     line: int  # 1-based line of data.path
+    prompt_tokens: int = 0  # the prompt's own (``prompt`` is at least 1: a first token)
 
 
 def read_records(path: str, tokens: Tokens, vocab_size: int) -> list[Record]:
@@ -157,7 +164,7 @@ def read_records(path: str, tokens: Tokens, vocab_size: int) -> list[Record]:
                 )
             # a record's first token is never a target: with no prompt, the first
             # completion token is context only
-            records.append(Record(tuple(ids), max(n_prompt, 1), n))
+            records.append(Record(tuple(ids), max(n_prompt, 1), n, n_prompt))
     if not records:
         raise ConfigError(f"data.path {path!r} holds no records")
     return records
@@ -243,6 +250,34 @@ def _row(placed: list[tuple[Record, int]], seq_len: int) -> np.ndarray:
     return np.stack([ids, pos, tgt])
 
 
+def pack_seq2seq(records: list[Record], seq_len: int) -> Packed:
+    """An encoder-decoder model's rows (T5), one record a row: the prompt's ids and
+    positions (the encoder's tokens; the rest of the row padding, its positions from 0
+    again: ``models.t5.prompt_mask`` masks it), the completion's ids as the decoder's
+    targets (the rest ``IGNORED``). A prompt or completion longer than the row is cut
+    to it, and counted. Raises ``ConfigError`` for a record without a prompt (a
+    ``text`` record: the encoder would read nothing)."""
+    rows, cut = [], 0
+    for rec in records:
+        n = rec.prompt_tokens
+        if n == 0:
+            raise ConfigError(
+                f"line {rec.line}: an encoder-decoder model (T5) needs a prompt for its "
+                "encoder; this record has none (give 'prompt' and 'completion', or "
+                "'messages')"
+            )
+        prompt, completion = rec.ids[:n][:seq_len], rec.ids[n:][:seq_len]
+        cut += len(prompt) + len(completion) < len(rec.ids)
+        row = np.zeros((3, seq_len), np.int32)
+        row[0, : len(prompt)] = prompt
+        row[1, : len(prompt)] = np.arange(len(prompt))
+        row[1, len(prompt) :] = np.arange(seq_len - len(prompt))
+        row[2] = IGNORED
+        row[2, : len(completion)] = completion
+        rows.append(row)
+    return Packed(np.stack(rows), len(records), cut)
+
+
 @dataclass(kw_only=True)
 class PackedRows(data.TokenWindows):
     """Batches of packed rows ``(B / processes, 3 T)`` (ids | positions | targets), in
@@ -276,30 +311,33 @@ def make_packed_datasets(config) -> tuple[PackedRows, PackedRows, str]:
     import jax
 
     d, t, m = config.data, config.train, config.model
-    if m.family == "t5":
-        raise ConfigError(
-            "config key 'data.format' is 'jsonl', which trains decoder-only models "
-            "(gpt, llama); T5's encoder-decoder rows are not packed yet"
-        )
     tokens = Tokens(d.tokenizer)
     records = read_records(d.path, tokens, m.vocab_size)
+    rows_of = pack_seq2seq if m.encoder_decoder else pack
     n_val = max(int(len(records) * d.val_fraction), 1)
     if len(records) - n_val < 1:
         raise ConfigError(
             f"data.path {d.path!r} holds {len(records)} record(s): too few for a training "
             f"split and a held-out one of {n_val}"
         )
-    train, val = pack(records[:-n_val], t.seq_len), pack(records[-n_val:], t.seq_len)
+    train, val = rows_of(records[:-n_val], t.seq_len), rows_of(records[-n_val:], t.seq_len)
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
     common = dict(seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, **shard)
     train_rows = PackedRows(tokens=train.rows, shuffle=d.shuffle, grad_accum=t.grad_accum, **common)
     val_rows = PackedRows(tokens=val.rows, shuffle=False, **common)
     taken = int((train.rows[:, 2] >= 0).sum())
+    where = "longer than a row cut to it"
+    if m.encoder_decoder:
+        where = (
+            "whose prompt or completion is longer than a row cut to it; one record a row "
+            "(T5's rows are not packed: the prompt is the encoder's, the completion the "
+            "decoder's targets)"
+        )
     desc = (
         f"{d.path}: {len(records):,} records ({train.records:,} train in "
         f"{len(train.rows):,} rows of {t.seq_len}, {val.records:,} val in {len(val.rows):,}), "
-        f"tokenizer {d.tokenizer or 'bytes'}; {train.cut + val.cut} record(s) longer than "
-        f"a row cut to it; the loss is over completion tokens only ({taken:,} of "
-        f"{train.rows[:, 0].size:,} train positions); tokens/s counts every position"
+        f"tokenizer {d.tokenizer or 'bytes'}; {train.cut + val.cut} record(s) {where}; the "
+        f"loss is over completion tokens only ({taken:,} of {train.rows[:, 0].size:,} train "
+        "positions); tokens/s counts every position"
     )
     return train_rows, val_rows, desc

@@ -164,8 +164,7 @@ def _t5(tiny, tmp_path):
     return hf, config.replace(model=dataclasses.asdict(model))
 
 
-# ~30-60 s each on 2 busy cores (transformers' generate without its cache, our whole
-# model per token)
+# ~15-30 s each on 2 busy cores (transformers' generate without its cache)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "offload",
@@ -173,8 +172,10 @@ def _t5(tiny, tmp_path):
     ids=["in_memory", "streamed_nvme"],
 )
 def test_t5_greedy_equals_transformers(tiny, tmp_path, offload):
-    """T5 (2 encoder, 3 decoder blocks): the decoder's greedy tokens after its start
-    token equal transformers' generate, in memory and streamed from NVMe."""
+    """T5 (2 encoder, 3 decoder blocks) with its KV cache (Seq2SeqBlocks: the encoder
+    once, then one decoder pass per token against the self- and cross-attention caches):
+    the decoder's greedy tokens after its start token equal transformers' generate, in
+    memory and streamed from NVMe."""
     hf, config = _t5(tiny, tmp_path)
     prompts = _prompts((9, 9))
     ids = torch.tensor(prompts)
@@ -188,6 +189,7 @@ def test_t5_greedy_equals_transformers(tiny, tmp_path, offload):
     assert out[0, 0] == config.model.decoder_start_token
     blocks, _ = open_blocks(config.replace(offload=offload), scratch=tmp_path)
     try:
+        assert type(blocks).__name__ == "Seq2SeqBlocks"
         assert run(blocks, prompts, NEW) == out[:, 1:].tolist()
     finally:
         if getattr(blocks, "runtime", None) is not None:
@@ -256,3 +258,41 @@ def test_one_prompt_prints_its_text_appended():
     show(1, np.array([0]))
     show.finish([[ord("x"), 0]])
     assert out.getvalue() == "abx\n"
+
+
+def _tiny_t5(tiny):
+    import jax
+    from test_t5 import t5_config
+
+    from models import build_model
+
+    model = build_model(t5_config(tiny).model)
+    return model, jax.jit(model.init)(jax.random.key(3))
+
+
+# ~10 s: a tiny random T5's encoder, decoder step and whole model compiled
+def test_t5_kv_cache_equals_the_whole_model_per_token(tiny):
+    """A tiny random T5 (no transformers): greedy with the KV cache equals running the
+    whole model again for every new token, on prompts of 9, 4 and 6 tokens in one
+    batch (right-padded, the padding masked)."""
+    from hetjax.inference import Seq2SeqBlocks, WholeModel, generate_seq2seq
+
+    model, params = _tiny_t5(tiny)
+    prompts = _prompts((9, 4, 6))
+    cached = generate_seq2seq(Seq2SeqBlocks(model, params), prompts, 8)
+    assert generate_seq2seq(WholeModel(model, params), prompts, 8) == cached
+
+
+# ~20 s: three more prompt lengths compiled
+@pytest.mark.slow
+def test_t5_batched_prompts_equal_each_alone(tiny):
+    """Prompts of 9, 4 and 6 tokens right-padded into one batch, the padding masked in
+    the encoder and the cross-attention: each row equals its prompt alone."""
+    from hetjax.inference import Seq2SeqBlocks, generate_seq2seq
+
+    model, params = _tiny_t5(tiny)
+    blocks = Seq2SeqBlocks(model, params)
+    prompts = _prompts((9, 4, 6))
+    batched = generate_seq2seq(blocks, prompts, 8)
+    for prompt, row in zip(prompts, batched, strict=True):
+        assert generate_seq2seq(blocks, [prompt], 8) == [row]

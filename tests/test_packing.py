@@ -186,3 +186,23 @@ def test_chunk_loss_weights_by_hand():
     np.testing.assert_allclose(chunks.loss_weights(targets, 4), [2 / 6, 0, 3 / 6, 1 / 6])
     np.testing.assert_array_equal(chunks.loss_weights(jnp.full((2, 4), i), 2), [0, 0])
     np.testing.assert_allclose(chunks.loss_weights(jnp.zeros((4, 3), int), 4), [0.25] * 4)
+
+
+def test_t5_rows_by_hand():
+    """T5's rows (instruct.pack_seq2seq), bytes, rows of 4: "ab" -> "c" is ids 97 98 |
+    positions 0 1, then the padding's 0 1 again | targets 99 and ignored; a prompt of 5
+    and a completion of 6 are each cut to 4 (counted); a record without a prompt is
+    refused, naming its line."""
+    from hetjax.config import ConfigError
+    from hetjax.instruct import Record, pack_seq2seq
+
+    i = IGNORED
+    packed = pack_seq2seq([Record((97, 98, 99), 2, 1, 2), Record(tuple(range(11)), 5, 2, 5)], 4)
+    expected = [
+        [[97, 98, 0, 0], [0, 1, 0, 1], [99, i, i, i]],
+        [[0, 1, 2, 3], [0, 1, 2, 3], [5, 6, 7, 8]],
+    ]
+    np.testing.assert_array_equal(packed.rows, expected)
+    assert (packed.records, packed.cut) == (2, 1)
+    with pytest.raises(ConfigError, match="line 3: an encoder-decoder model"):
+        pack_seq2seq([Record((1, 2), 1, 3, 0)], 4)
