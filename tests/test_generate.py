@@ -102,6 +102,7 @@ def test_greedy_equals_transformers_streamed_from_nvme(checkpoints, tiny, tmp_pa
     try:
         store = blocks.runtime.param_store
         assert type(store).__name__ == "NvmeParamStore"
+        assert "no optimizer state" in blocks.describe()  # the plan printed
         assert generate(blocks, prompts, NEW) == expected
         # each block read from its file once per forward (the prefill and NEW - 1
         # tokens), embed and head once
@@ -162,6 +163,17 @@ def _t5(tiny, tmp_path):
     hf.generation_config.eos_token_id = None  # every row runs the whole length
     model = model_config_from_hf(tmp_path / "t5", config.model)
     return hf, config.replace(model=dataclasses.asdict(model))
+
+
+# ~7 s: the blocks streamed from host RAM
+@pytest.mark.slow
+def test_greedy_equals_transformers_streamed_from_host_ram(checkpoints, tiny, tmp_path):
+    """offload.params=host: the inference runtime's blocks in host RAM, no files."""
+    hf_model, directory = checkpoints("llama")
+    prompts = _prompts()
+    expected = hf_greedy(hf_model, prompts, NEW)
+    assert _ours(tiny, directory, tmp_path, prompts, mode="stream", params="host") == expected
+    assert not (tmp_path / "nvme").exists()
 
 
 # ~15-30 s each on 2 busy cores (transformers' generate without its cache)

@@ -99,7 +99,7 @@ class InferencePlan:
         return self.resident + self.window_slabs * self.block
 
     def describe(self, nvme_dir: Path | None) -> list[str]:
-        where = "host RAM" if self.params_tier == "host" else f"NVMe ({nvme_dir})"
+        where = "host RAM" if self.params_tier == "host" else f"NVMe files under {nvme_dir}"
         return [
             "inference plan (offloaded, no optimizer state, no gradients):",
             f"  device: embed and head resident {format_bytes(self.resident)}, a window of "
@@ -107,7 +107,7 @@ class InferencePlan:
             f"(offload.prefetch_depth={self.prefetch_depth}): "
             f"{format_bytes(self.device)} of params, and the KV cache",
             f"  blocks: {format_bytes(self.blocks)} in {where} (offload.params="
-            f"{self.params_tier}), each brought in once per forward",
+            f"{self.params_tier}), each brought to the device once per forward",
         ]
 
 
