@@ -164,7 +164,9 @@ def test_t5_jsonl_loss_equals_transformers_with_its_masks(tiny, tmp_path):
 
     hf, config = _t5_jsonl(tiny, tmp_path)
     result = evaluate_checkpoint(config)
-    rows = make_datasets(config)[1].batch(0).reshape(8, 3, 12)  # ids | positions | targets
+    _, val, described = make_datasets(config)
+    assert "one record a row (T5's rows are not packed" in described  # the log says so
+    rows = val.batch(0).reshape(8, 3, 12)  # ids | positions | targets
     ids, positions, targets = (torch.from_numpy(rows[:, k]).long() for k in range(3))
     prompt = (torch.cumsum((positions == 0).long(), dim=1) == 1).long()
     assert int(prompt.sum()) < prompt.numel()  # some rows padded
