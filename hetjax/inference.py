@@ -287,7 +287,7 @@ def generate_seq2seq(
 ) -> list[list[int]]:
     """:func:`generate` for an encoder-decoder model: the decoder's tokens after its
     start token. The prompts run as one batch, right-padded, the padding masked
-    (``models.t5.prompt_mask``); with :class:`Seq2SeqBlocks` the encoder runs once and
+    (``models.t5.row_records``); with :class:`Seq2SeqBlocks` the encoder runs once and
     each step is one decoder pass against the KV cache, with :class:`WholeModel` each
     step runs the whole model over the prompts and the tokens so far."""
     model = blocks.model

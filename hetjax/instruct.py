@@ -27,11 +27,13 @@ a row is cut to the row's length, and counted: the count is in the data's descri
 the run logs. The held-out split is the last ``data.val_fraction`` of the records (at
 least one).
 
-An encoder-decoder model (T5, ``data.objective=prefix_lm``) takes one record a row
-(:func:`pack_seq2seq`, not packed): the prompt's ids and positions (the encoder's input;
-its padding masked there and in the cross-attention, ``models.t5.prompt_mask``) and the
-completion as the decoder's targets, the loss on every one of them; a record without a
-prompt is refused, a prompt or completion longer than a row cut to it and counted.
+An encoder-decoder model (T5, ``data.objective=prefix_lm``) packs records on both sides
+(:func:`pack_seq2seq`): the prompts' ids and positions are the encoder's input, the
+completions the decoder's targets (the loss on every one of them) with their own
+positions, record k the k-th on each side; each record attends only to itself in the
+encoder, the decoder and the cross-attention (``models.t5.row_records``). A record
+without a prompt is refused, a prompt or completion longer than a row cut to it and
+counted. Its rows are ``(B, 4 T)``: ids | positions | decoder positions | targets.
 
 Batch rows are int32 ``(B, 3 T)``: ids | positions | targets
 (:func:`hetjax.data.split_window` makes tokens (B, 2, T) and targets (B, T) of them).
@@ -208,7 +210,8 @@ def _fields(rec, tokens: Tokens, where: str) -> tuple[str | None, str]:
 
 @dataclass(frozen=True)
 class Packed:
-    """Rows (N, 3, T) int32: ids, positions, targets; and how many records were cut."""
+    """Rows (N, 3, T) int32: ids, positions, targets (T5's (N, 4, T): :func:`pack_seq2seq`);
+    and how many records were cut."""
 
     rows: np.ndarray
     records: int
@@ -251,13 +254,16 @@ def _row(placed: list[tuple[Record, int]], seq_len: int) -> np.ndarray:
 
 
 def pack_seq2seq(records: list[Record], seq_len: int) -> Packed:
-    """An encoder-decoder model's rows (T5), one record a row: the prompt's ids and
-    positions (the encoder's tokens; the rest of the row padding, its positions from 0
-    again: ``models.t5.prompt_mask`` masks it), the completion's ids as the decoder's
-    targets (the rest ``IGNORED``). A prompt or completion longer than the row is cut
-    to it, and counted. Raises ``ConfigError`` for a record without a prompt (a
-    ``text`` record: the encoder would read nothing)."""
-    rows, cut = [], 0
+    """An encoder-decoder model's rows (T5), (N, 4, T): records packed first fit in
+    order, while both the prompt and the completion fit their side of the row: the
+    prompts' ids and positions (the encoder's input), the completions' positions, and
+    the completions' ids as the decoder's targets (record k is the k-th on both sides;
+    the rest of each side padding, its positions from 0 again, its targets
+    ``IGNORED``). A prompt or completion longer than the row is cut to it, and
+    counted. Raises ``ConfigError`` for a record without a prompt (a ``text`` record:
+    the encoder would read nothing)."""
+    rows, current, cut = [], [], 0
+    used = [0, 0]
     for rec in records:
         n = rec.prompt_tokens
         if n == 0:
@@ -268,21 +274,39 @@ def pack_seq2seq(records: list[Record], seq_len: int) -> Packed:
             )
         prompt, completion = rec.ids[:n][:seq_len], rec.ids[n:][:seq_len]
         cut += len(prompt) + len(completion) < len(rec.ids)
-        row = np.zeros((3, seq_len), np.int32)
-        row[0, : len(prompt)] = prompt
-        row[1, : len(prompt)] = np.arange(len(prompt))
-        row[1, len(prompt) :] = np.arange(seq_len - len(prompt))
-        row[2] = IGNORED
-        row[2, : len(completion)] = completion
-        rows.append(row)
+        if used[0] + len(prompt) > seq_len or used[1] + len(completion) > seq_len:
+            rows.append(_seq2seq_row(current, seq_len))
+            current, used = [], [0, 0]
+        current.append((prompt, completion))
+        used = [used[0] + len(prompt), used[1] + len(completion)]
+    rows.append(_seq2seq_row(current, seq_len))
     return Packed(np.stack(rows), len(records), cut)
+
+
+def _seq2seq_row(placed: list[tuple], seq_len: int) -> np.ndarray:
+    """Records' (prompt, completion) ids -> a row (4, T): encoder ids and positions,
+    decoder positions and targets."""
+    row = np.zeros((4, seq_len), np.int32)
+    row[3] = IGNORED
+    at = [0, 0]
+    for prompt, completion in placed:
+        for side, ids in enumerate((prompt, completion)):
+            n = len(ids)
+            pos = (1, 2)[side]
+            row[pos, at[side] : at[side] + n] = np.arange(n)
+            row[(0, 3)[side], at[side] : at[side] + n] = ids
+            at[side] += n
+    for side in (0, 1):  # padding: a record of its own on each side, no loss
+        row[(1, 2)[side], at[side] :] = np.arange(seq_len - at[side])
+    return row
 
 
 @dataclass(kw_only=True)
 class PackedRows(data.TokenWindows):
-    """Batches of packed rows ``(B / processes, 3 T)`` (ids | positions | targets), in
+    """Batches of packed rows ``(B / processes, K T)`` (ids | positions | targets; T5's
+    K = 4: ids | positions | the decoder's positions | targets), in
     :class:`TokenWindows`' order over rows instead of windows. ``tokens`` holds the rows
-    (N, 3, T)."""
+    (N, K, T)."""
 
     def __post_init__(self):
         if self.batch_size % (self.grad_accum * self.process_count):
@@ -295,7 +319,7 @@ class PackedRows(data.TokenWindows):
 
     def batch(self, i: int) -> np.ndarray:
         rows = [self.tokens[self.window_index(i, r)] for r in self.own_rows()]
-        return np.stack(rows).reshape(len(rows), 3 * self.seq_len)
+        return np.stack(rows).reshape(len(rows), -1)
 
 
 def make_datasets(config) -> tuple[data.TokenWindows, data.TokenWindows, str]:
@@ -325,13 +349,13 @@ def make_packed_datasets(config) -> tuple[PackedRows, PackedRows, str]:
     common = dict(seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, **shard)
     train_rows = PackedRows(tokens=train.rows, shuffle=d.shuffle, grad_accum=t.grad_accum, **common)
     val_rows = PackedRows(tokens=val.rows, shuffle=False, **common)
-    taken = int((train.rows[:, 2] >= 0).sum())
+    taken = int((train.rows[:, -1] >= 0).sum())
     where = "longer than a row cut to it"
     if m.encoder_decoder:
         where = (
-            "whose prompt or completion is longer than a row cut to it; one record a row "
-            "(T5's rows are not packed: the prompt is the encoder's, the completion the "
-            "decoder's targets)"
+            "whose prompt or completion is longer than a row cut to it; packed on both "
+            "sides (T5: the prompts the encoder's, the completions the decoder's targets, "
+            "each record attending only to itself)"
         )
     desc = (
         f"{d.path}: {len(records):,} records ({train.records:,} train in "

@@ -49,7 +49,7 @@ import numpy as np
 
 from hetjax.config import ModelConfig
 from models.attention import biased_attention
-from models.staged import AxisTable, Params, StageGroup, Stages, segment_ids, unpack
+from models.staged import AxisTable, Params, StageGroup, Stages, segment_ids
 
 F32 = jnp.float32
 EXPERT_PARAMS = ("wi_0", "wi_1", "wi", "wo")  # a Switch layer's, under "moe": (E, ...)
@@ -240,21 +240,23 @@ class T5EncoderBlock(nn.Module):
     part: str = "all"
 
     @nn.compact
-    def __call__(self, x: jax.Array, table: jax.Array, mask=None, routing=None):  # (B, T, D)
+    def __call__(self, x: jax.Array, table: jax.Array, seg=None, routing=None):  # (B, T, D)
         cfg = self.config
         if self.part != "mlp":
             T = x.shape[1]
             h = _norm(cfg, "self_attention_layer_norm")(x)
             bias = position_bias(table, T, T, False, cfg)
+            mask = None if seg is None else same_record(seg, seg)
             x = x + T5Attention(cfg, causal=False, name="SelfAttention")(h, h, bias, mask)
         return _feed_forward(cfg, self.sparse, x, self.held, self.part, routing)
 
 
 class T5DecoderBlock(nn.Module):
     """x + causal attn(rms(x)) with the decoder's bias; x + attn(rms(x)) over the
-    encoder's output ``memory`` (B, S, D) (its keys where ``mask`` (B, S) > 0, when
-    given: an instruction row's prompt, not its padding); x + ff(rms(x)) (experts when
-    ``sparse``)."""
+    encoder's output ``memory`` (B, S, D); x + ff(rms(x)) (experts when ``sparse``).
+    With an instruction row's records (``enc_seg`` (B, S), ``dec_seg`` (B, T): each
+    position's record, :func:`row_records`) a position attends only to its own record's
+    positions, in both attentions."""
 
     config: ModelConfig
     sparse: bool = False
@@ -262,15 +264,20 @@ class T5DecoderBlock(nn.Module):
     part: str = "all"
 
     @nn.compact
-    def __call__(self, x: jax.Array, memory: jax.Array, table: jax.Array, mask=None, routing=None):
+    def __call__(
+        self, x, memory: jax.Array, table: jax.Array, enc_seg=None, dec_seg=None, routing=None
+    ):
         cfg = self.config
         if self.part != "mlp":
             T = x.shape[1]
             h = _norm(cfg, "self_attention_layer_norm")(x)
             bias = position_bias(table, T, T, True, cfg)
-            x = x + T5Attention(cfg, causal=True, name="SelfAttention")(h, h, bias)
+            own = cross = None
+            if enc_seg is not None:
+                own, cross = same_record(dec_seg, dec_seg), same_record(dec_seg, enc_seg)
+            x = x + T5Attention(cfg, causal=True, name="SelfAttention")(h, h, bias, own)
             h = _norm(cfg, "cross_attention_layer_norm")(x)
-            x = x + T5Attention(cfg, causal=False, name="EncDecAttention")(h, memory, None, mask)
+            x = x + T5Attention(cfg, causal=False, name="EncDecAttention")(h, memory, None, cross)
         return _feed_forward(cfg, self.sparse, x, self.held, self.part, routing)
 
 
@@ -345,16 +352,17 @@ class T5DecoderStep(nn.Module):
     """:class:`T5DecoderBlock` (dense) for one new position against its caches
     (``T5.decode_block``): ``cache`` (k, v, cross k, cross v); ``memory`` the encoder's
     normed output at the first position (the cross keys and values made of it), None
-    after; ``bias`` (H, 1, S) this position's row of the decoder's; ``mask`` the
-    encoder's prompt mask (B, P) or None."""
+    after; ``bias`` (H, 1, S) this position's row of the decoder's; ``enc_seg`` the
+    prompts' records (B, P) (1: the prompt, 2: its padding) or None."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cache, memory, bias, mask, start):
+    def __call__(self, x, cache, memory, bias, enc_seg, start):
         cfg = self.config
         B, S = x.shape[0], cache[0].shape[1]
-        upto = jnp.broadcast_to(jnp.arange(S) <= start, (B, S))  # causal: the keys so far
+        upto = jnp.broadcast_to(jnp.arange(S) <= start, (B, 1, S))  # causal: the keys so far
+        prompt = None if enc_seg is None else (enc_seg == 1)[:, None, :]  # (B, 1, P)
         h = _norm(cfg, "self_attention_layer_norm")(x)
         a, (k, v) = T5CachedAttention(cfg, True, name="SelfAttention")(
             h, None, cache[:2], bias, upto, start
@@ -362,26 +370,44 @@ class T5DecoderStep(nn.Module):
         x = x + a
         h = _norm(cfg, "cross_attention_layer_norm")(x)
         a, (ck, cv) = T5CachedAttention(cfg, False, name="EncDecAttention")(
-            h, memory, cache[2:], None, mask, start
+            h, memory, cache[2:], None, prompt, start
         )
         return _feed_forward(cfg, False, x + a), (k, v, ck, cv)
 
 
-def prompt_mask(tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """An encoder's tokens (B, T) -> (them, None); an instruction row's (B, 2, T) (ids,
-    positions: the prompt's from 0, then its padding's from 0 again,
-    ``hetjax/instruct.py``) -> (ids (B, T), the prompt's mask (B, T) fp32, 1 on the
-    prompt's tokens: the keys the encoder and the decoder's cross-attention read; fp32,
-    as a stage group's context is differentiated)."""
-    ids, positions = unpack(tokens)
-    if positions is None:
-        return ids, None
-    return ids, (segment_ids(positions) == 1).astype(F32)
+def row_records(tokens: jax.Array, decoder_len: int):
+    """An encoder's tokens -> (ids (B, T), the encoder's records (B, T), the decoder's
+    (B, ``decoder_len``)), each position's record as ``models.staged.segment_ids``
+    numbers them, fp32 (a stage group's context is differentiated), or None for plain
+    tokens (B, T). An instruction row (``hetjax/instruct.py``) is (B, 2, T): ids and
+    positions (one record: the prompt's from 0, its padding's from 0 again; the
+    decoder's is record 1 throughout), or (B, 3, T), packed: ids, the encoder's
+    positions and the decoder's (record k's prompt and completion are record k on each
+    side)."""
+    if tokens.ndim == 2:
+        return tokens, None, None
+    enc = segment_ids(tokens[:, 1]).astype(F32)
+    if tokens.shape[1] == 2:
+        return tokens[:, 0], enc, jnp.ones((tokens.shape[0], decoder_len), F32)
+    return tokens[:, 0], enc, segment_ids(tokens[:, 2]).astype(F32)
 
 
-def shift_right(targets: jax.Array, start: int) -> jax.Array:
-    """The decoder's input (B, T): the targets shifted one right behind ``start``."""
-    return jnp.concatenate([jnp.full_like(targets[:, :1], start), targets[:, :-1]], axis=1)
+def same_record(query_seg: jax.Array, key_seg: jax.Array) -> jax.Array:
+    """Records (B, T) and (B, S) -> (B, T, S) bool: which keys a query may attend to."""
+    return query_seg[:, :, None] == key_seg[:, None, :]
+
+
+def shift_right(targets: jax.Array, start: int, records: jax.Array | None = None) -> jax.Array:
+    """The decoder's input (B, T): the targets shifted one right behind ``start``; with
+    ``records`` (B, T) (a packed row's, :func:`row_records`) each record's on its own,
+    ``start`` at the first position of every record."""
+    shifted = jnp.concatenate([jnp.full_like(targets[:, :1], start), targets[:, :-1]], axis=1)
+    if records is None:
+        return shifted
+    first = jnp.concatenate(
+        [records[:, :1] == records[:, :1], records[:, 1:] != records[:, :-1]], axis=1
+    )
+    return jnp.where(first, start, shifted)
 
 
 class T5Shared(nn.Module):
@@ -407,22 +433,24 @@ class T5Shared(nn.Module):
         return jnp.take(self.shared, tokens, axis=0).astype(self.config.compute_dtype)
 
     def encoder_input(self, tokens: jax.Array):
-        """tokens (B, T), or an instruction row's (B, 2, T) (``prompt_mask``) -> (x (B, T,
-        D), the encoder's context: its bias table, and the row's prompt mask)."""
-        ids, mask = prompt_mask(tokens)
+        """tokens (B, T), or an instruction row's (:func:`row_records`) -> (x (B, T, D),
+        the encoder's context: its bias table, and the row's records)."""
+        ids, enc_seg, _ = row_records(tokens, 1)
         table = self.encoder_relative_attention_bias
-        return self._embed(ids), (table,) if mask is None else (table, mask)
+        return self._embed(ids), (table,) if enc_seg is None else (table, enc_seg)
 
-    def decoder_input(self, encoder_out: jax.Array, targets: jax.Array, mask=None):
+    def decoder_input(self, encoder_out: jax.Array, targets: jax.Array, records=None):
         """-> (x (B, T, D), the decoder's context: the encoder's normed output, the
-        decoder's bias table, and the encoder's prompt mask (B, S) when given). Targets
-        that take no loss (``IGNORED``, an instruction row's padding) read as token 0, as
-        HF's ``_shift_right`` reads its -100 labels as the pad token."""
+        decoder's bias table, and an instruction row's records on both sides
+        (``records``: :func:`row_records`' two, or None)). Targets that take no loss
+        (``IGNORED``, an instruction row's padding) read as token 0, as HF's
+        ``_shift_right`` reads its -100 labels as the pad token."""
         start = self.config.decoder_start_token
-        x = self._embed(shift_right(jnp.maximum(targets, 0), start))
+        dec_seg = None if records is None else records[1]
+        x = self._embed(shift_right(jnp.maximum(targets, 0), start, dec_seg))
         memory = self.encoder_final_layer_norm(encoder_out)
         context = (memory, self.decoder_relative_attention_bias)
-        return x, context if mask is None else (*context, mask)
+        return x, context if records is None else (*context, *records)
 
     def __call__(self, tokens: jax.Array):  # init: every param
         x, _ = self.encoder_input(tokens)
@@ -510,8 +538,9 @@ class T5(Stages):
         shared = {"params": embed_params}
         if g == 0:
             return self._shared.apply(shared, tokens, method=T5Shared.encoder_input)
-        mask = prompt_mask(tokens)[1]
-        return self._shared.apply(shared, prev, targets, mask, method=T5Shared.decoder_input)
+        _, enc_seg, dec_seg = row_records(tokens, targets.shape[1])
+        records = None if enc_seg is None else (enc_seg, dec_seg)
+        return self._shared.apply(shared, prev, targets, records, method=T5Shared.decoder_input)
 
     def group_block(self, g: int, block_params: Params, x: jax.Array, context):
         out = self._blocks[g].apply({"params": block_params}, x, *context)
@@ -581,8 +610,8 @@ class T5(Stages):
 
     def decode_context(self, embed_params: Params, encoder_out: jax.Array, tokens: jax.Array):
         """The decoder's context for generation: (the encoder's normed output (B, P, D),
-        the decoder's bias table, the prompt mask (B, P) where ``tokens`` are an
-        instruction row's (B, 2, P))."""
+        the decoder's bias table, and the records of prompts right-padded (B, 2, P),
+        :func:`row_records`)."""
         targets = jnp.zeros((encoder_out.shape[0], 1), jnp.int32)
         return self.group_input(1, embed_params, encoder_out, tokens, targets)[1]
 
@@ -593,13 +622,13 @@ class T5(Stages):
         ``first``) -> (x (B, 1, D), the cache updated)."""
         if self.config.num_experts:
             raise ValueError("T5's KV cache is for dense blocks (a Switch T5 runs whole)")
-        memory, table, *mask = context
+        memory, table, *records = context
         S = cache[0].shape[1]
         bias = jax.lax.dynamic_slice_in_dim(
             position_bias(table, S, S, True, self.config), start, 1, axis=1
         )
         step = T5DecoderStep(self.config)
-        args = (memory if first else None, bias, mask[0] if mask else None, start)
+        args = (memory if first else None, bias, records[0] if records else None, start)
         return step.apply({"params": block_params}, x, cache, *args)
 
     def head_logits(self, head_params: Params, embed_params: Params, x: jax.Array) -> jax.Array:

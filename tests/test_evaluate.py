@@ -124,8 +124,9 @@ def test_jsonl_in_batch_chunks_equals_unchunked_and_evaluates(tiny, tmp_path):
 
 def _t5_jsonl(tiny, tmp_path):
     """A tiny random T5 made with transformers and a jsonl file whose prompts (3 to 16
-    bytes, some cut at the row's 12) and completions (1 to 10, with no EOS: bytes) differ
-    in length: (transformers' model, the config importing it, reading the file)."""
+    bytes) and completions (1 to 10, with no EOS: bytes) differ in length: (transformers'
+    model, the config importing it, reading the file; rows of 24: two or three records
+    a row)."""
     import dataclasses
 
     import numpy as np
@@ -144,20 +145,35 @@ def _t5_jsonl(tiny, tmp_path):
     return hf, config.replace(
         model=dataclasses.asdict(model),
         data=dict(format="jsonl", path=path, shuffle=False, val_fraction=0.4),
-        train=dict(batch_size=8, seq_len=12, eval_batches=1),
+        train=dict(batch_size=2, seq_len=24, eval_batches=1),
     )
+
+
+def _records_of(rows):
+    """Packed T5 rows (B, 4, T) -> each record's (prompt ids, completion ids), in order
+    (a side's padding, whose targets are all ignored, left out)."""
+    import numpy as np
+
+    from models.staged import segment_ids
+
+    out = []
+    for ids, enc, dec, targets in rows:
+        enc_seg, dec_seg = (np.asarray(segment_ids(p[None]))[0] for p in (enc, dec))
+        for k in range(1, int(dec_seg.max()) + 1):
+            completion = targets[dec_seg == k]
+            if (completion >= 0).all():
+                out.append((ids[enc_seg == k].tolist(), completion.tolist()))
+    return out
 
 
 # ~10-20 s on 2 busy cores: a transformers T5 built and saved, our loss compiled; the
 # default run's check of T5 rows is tests/test_packing.py's by hand
 @pytest.mark.slow
-def test_t5_jsonl_loss_equals_transformers_with_its_masks(tiny, tmp_path):
-    """T5 on jsonl (one record a row: the prompt the encoder's, the completion the
-    decoder's targets): ``hetjax eval --hf`` of the held-out rows equals transformers'
-    loss of the same records given as it takes them: input_ids with an attention_mask
-    over the prompt, labels -100 past the completion (1e-5 fp32). Without the mask the
-    losses differ (the padding is read)."""
-    import numpy as np
+def test_t5_jsonl_loss_equals_transformers_records_one_per_row(tiny, tmp_path):
+    """T5 on jsonl, records packed on both sides (the prompts the encoder's, the
+    completions the decoder's targets; each attends only to itself): ``hetjax eval
+    --hf`` of the held-out rows equals transformers' loss of the same records one per
+    row (the prompt's attention_mask, labels -100 past the completion), 1e-5 fp32."""
     import torch
 
     from hetjax.instruct import make_datasets
@@ -165,18 +181,19 @@ def test_t5_jsonl_loss_equals_transformers_with_its_masks(tiny, tmp_path):
     hf, config = _t5_jsonl(tiny, tmp_path)
     result = evaluate_checkpoint(config)
     _, val, described = make_datasets(config)
-    assert "one record a row (T5's rows are not packed" in described  # the log says so
-    rows = val.batch(0).reshape(8, 3, 12)  # ids | positions | targets
-    ids, positions, targets = (torch.from_numpy(rows[:, k]).long() for k in range(3))
-    prompt = (torch.cumsum((positions == 0).long(), dim=1) == 1).long()
-    assert int(prompt.sum()) < prompt.numel()  # some rows padded
-    labels = torch.where(targets >= 0, targets, -100)
+    assert "packed on both sides" in described  # the log says so
+    records = _records_of(val.batch(0).reshape(2, 4, 24))
+    assert len(records) > 2  # packed: more records than rows
+    P, N = (max(len(r[k]) for r in records) for k in (0, 1))
+    ids = torch.zeros((len(records), P), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full((len(records), N), -100, dtype=torch.long)
+    for r, (prompt, completion) in enumerate(records):
+        ids[r, : len(prompt)], mask[r, : len(prompt)] = torch.tensor(prompt), 1
+        labels[r, : len(completion)] = torch.tensor(completion)
     with torch.no_grad():
-        expected = float(hf(input_ids=ids, attention_mask=prompt, labels=labels).loss)
-        unmasked = float(hf(input_ids=ids, labels=labels).loss)
+        expected = float(hf(input_ids=ids, attention_mask=mask, labels=labels).loss)
     assert_losses_close([result.loss], [expected])
-    assert abs(unmasked - expected) > 1e-3
-    assert np.isfinite(result.loss)
 
 
 # ~40 s on 2 busy cores: two runs and an evaluation

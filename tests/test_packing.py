@@ -189,20 +189,68 @@ def test_chunk_loss_weights_by_hand():
 
 
 def test_t5_rows_by_hand():
-    """T5's rows (instruct.pack_seq2seq), bytes, rows of 4: "ab" -> "c" is ids 97 98 |
-    positions 0 1, then the padding's 0 1 again | targets 99 and ignored; a prompt of 5
-    and a completion of 6 are each cut to 4 (counted); a record without a prompt is
-    refused, naming its line."""
+    """T5's rows (instruct.pack_seq2seq), rows of 6, first fit in order while both sides
+    fit: "ab" -> "c" (97 98 | 99) and 1 2 3 -> 4 5 share a row; 7 8 -> 9 does not fit
+    its prompt (5 + 2 > 6): a new row; a prompt of 8 and a completion of 7 are each cut
+    to 6 (counted), a row of their own. Rows: encoder ids | positions | decoder
+    positions | targets, each side's padding a record of its own (positions from 0
+    again, targets ignored). A record without a prompt is refused, naming its line."""
     from hetjax.config import ConfigError
     from hetjax.instruct import Record, pack_seq2seq
 
     i = IGNORED
-    packed = pack_seq2seq([Record((97, 98, 99), 2, 1, 2), Record(tuple(range(11)), 5, 2, 5)], 4)
+    records = [
+        Record((97, 98, 99), 2, 1, 2),
+        Record((1, 2, 3, 4, 5), 3, 2, 3),
+        Record((7, 8, 9), 2, 3, 2),
+        Record(tuple(range(15)), 8, 4, 8),
+    ]
+    packed = pack_seq2seq(records, 6)
     expected = [
-        [[97, 98, 0, 0], [0, 1, 0, 1], [99, i, i, i]],
-        [[0, 1, 2, 3], [0, 1, 2, 3], [5, 6, 7, 8]],
+        [[97, 98, 1, 2, 3, 0], [0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 1, 2], [99, 4, 5, i, i, i]],
+        [[7, 8, 0, 0, 0, 0], [0, 1, 0, 1, 2, 3], [0, 0, 1, 2, 3, 4], [9, i, i, i, i, i]],
+        [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]],
     ]
     np.testing.assert_array_equal(packed.rows, expected)
-    assert (packed.records, packed.cut) == (2, 1)
+    assert (packed.records, packed.cut) == (4, 1)
     with pytest.raises(ConfigError, match="line 3: an encoder-decoder model"):
         pack_seq2seq([Record((1, 2), 1, 3, 0)], 4)
+
+
+# ~10-20 s on 2 busy cores: T5's loss and gradient compiled twice
+@pytest.mark.slow
+def test_t5_packed_rows_equal_records_one_per_row():
+    """T5 (2 encoder, 3 decoder blocks): three records packed into one row on both sides
+    (instruct.pack_seq2seq) give the loss and every param's gradient of the same records
+    one per row, each row's prompt padding masked (fp32, 1e-5)."""
+    from hetjax.instruct import Record, pack_seq2seq
+
+    model = build_model(
+        Config().replace(
+            model=dict(
+                family="t5", num_layers=2, num_decoder_layers=3, d_model=32, num_heads=4,
+                d_ff=64, relative_attention_num_buckets=8, relative_attention_max_distance=12,
+                tie_embeddings=False,
+            ),
+            data=dict(objective="prefix_lm"),
+            train=dict(seq_len=T),
+        ).model
+    )  # fmt: skip
+    params = model.init(jax.random.key(0))
+    rng = np.random.default_rng(1)
+    shapes = [(5, 3), (7, 2), (4, 4)]  # (prompt, completion) tokens of each record
+    records = [
+        Record(tuple(rng.integers(1, 256, p + c).tolist()), p, r + 1, p)
+        for r, (p, c) in enumerate(shapes)
+    ]
+    rows = pack_seq2seq(records, T).rows  # (1, 4, T): all three in one row
+    assert rows.shape[0] == 1
+    packed = (rows[:, :3], rows[:, 3])
+    alone = np.zeros((3, 2, T), np.int32)  # one per row: ids, positions (padding from 0)
+    targets = np.full((3, T), IGNORED, np.int32)
+    for r, (rec, (p, c)) in enumerate(zip(records, shapes, strict=True)):
+        alone[r, 0, :p] = rec.ids[:p]
+        alone[r, 1] = np.concatenate([np.arange(p), np.arange(T - p)])
+        targets[r, :c] = rec.ids[p:]
+    loss_grad = jax.jit(jax.value_and_grad(model.loss))
+    assert_trees_close(loss_grad(params, *packed), loss_grad(params, alone, targets))
