@@ -246,8 +246,9 @@ class DataConfig:
         _choice("data", "objective", self.objective, OBJECTIVES)
         _choice("data", "format", self.format, ("tokens", "jsonl"))
         _check(
-            self.format == "tokens" or (self.path and self.objective == "lm"),
-            "data.format", "'jsonl' needs data.path (a .jsonl file) and data.objective 'lm'",
+            self.format == "tokens" or (self.path and self.objective in ("lm", "prefix_lm")),
+            "data.format", "'jsonl' needs data.path (a .jsonl file) and data.objective 'lm' "
+            "(decoder-only) or 'prefix_lm' (T5)",
             self.format,
         )  # fmt: skip
         _check(
@@ -502,13 +503,6 @@ class Config:
                 f"multiple of it ({row_devices})"
             )
         chunks = self.offload.batch_chunks
-        if chunks > 1 and self.data.format == "jsonl":
-            # the chunked head averages its chunks' means; a packed row's loss is a mean
-            # over the completion tokens of the whole micro-batch
-            raise ConfigError(
-                f"config key 'offload.batch_chunks' ({chunks}) must be 1 with data.format "
-                "'jsonl' (the loss is a mean over the micro-batch's completion tokens)"
-            )
         # a device's rows (every device, 0: known once the devices are; checked then
         # by the runtime's stage functions)
         rows = self.train.micro_batch_size // max(row_devices, 1)

@@ -208,8 +208,8 @@ HELP: dict[str, str] = {
     "data.mean_noise_span": "`span_corruption`: the mean length of the dropped spans",
     "data.format": "`tokens`: `data.path` is a token file (or empty: the embedded corpus); "
     "`jsonl`: prompt/completion, chat `messages` or `text` records packed into rows, the "
-    "loss on completions only (decoder-only models; "
-    "[instruction data](models.md#instruction-data))",
+    "loss on completions only (T5 with `data.objective=prefix_lm`: packed on both sides, "
+    "the prompts the encoder's; [instruction data](models.md#instruction-data))",
     "data.tokenizer": "`jsonl`: a `tokenizer.json` or the checkpoint directory holding it; "
     "empty: bytes",
     # -- checkpoint -------------------------------------------------------------------

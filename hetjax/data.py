@@ -121,8 +121,8 @@ def window_length(data, seq_len: int) -> int:
     """Tokens of a batch row for ``data`` (:class:`~hetjax.config.DataConfig`) and
     ``train.seq_len``: ``T + 1`` (lm), ``2 T`` (prefix_lm), or the encoder's ``T`` and
     the decoder's targets (span_corruption); ``3 T`` for packed rows (jsonl)."""
-    if getattr(data, "format", "tokens") == "jsonl":
-        return 3 * seq_len
+    if getattr(data, "format", "tokens") == "jsonl":  # (T5's: with the decoder's positions)
+        return (4 if data.objective == "prefix_lm" else 3) * seq_len
     if data.objective == "prefix_lm":
         return 2 * seq_len
     if data.objective == "span_corruption":
@@ -144,9 +144,11 @@ def split_window(objective: str, windows, seq_len: int):
     the model, as HF's T5 does from its labels). A packed row (``data.format=jsonl``,
     W = 3 T: ids | positions | targets, ``hetjax/instruct.py``) -> tokens (..., 2, T)
     and targets (..., T). Works on numpy and JAX arrays alike."""
-    if objective == "lm" and windows.shape[-1] == 3 * seq_len:
-        tokens = windows[..., : 2 * seq_len].reshape(*windows.shape[:-1], 2, seq_len)
-        return tokens, windows[..., 2 * seq_len :]
+    packed = {"lm": 3, "prefix_lm": 4}.get(objective, 0)  # rows of an instruction row
+    if packed and windows.shape[-1] == packed * seq_len:
+        k = packed - 1
+        tokens = windows[..., : k * seq_len].reshape(*windows.shape[:-1], k, seq_len)
+        return tokens, windows[..., k * seq_len :]
     if objective in ("prefix_lm", "span_corruption"):
         return windows[..., :seq_len], windows[..., seq_len:]
     return windows[..., :-1], windows[..., 1:]

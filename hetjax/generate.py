@@ -13,22 +13,30 @@ Decoding: greedy (``--temperature 0``, the default), or sampling at a temperatur
 among the ``--top-k`` most likely tokens and the smallest set whose probability reaches
 ``--top-p``; the draw of step i is from ``jax.random.fold_in(key(seed), i)``, so a seed
 gives the same tokens for the same prompts. A row stops at the tokenizer's
-end-of-sequence token. One prompt: its text is printed as the tokens come; several:
-each row's when all are done.
+end-of-sequence token. The text is printed as the tokens come (:class:`TokenPrinter`):
+one prompt's appended to it; several prompts' on a terminal as one line per prompt,
+rewritten in place as its row grows, elsewhere (a pipe, a file) as each step's new text
+of each row on a line of its own tagged by the prompt's index (``[1] ' world'``), then
+every prompt and its whole text, a line each.
 
 Placement (:class:`InMemoryBlocks`, :class:`StreamedBlocks`): ``offload.mode=none``
 holds every param on the device; ``offload.mode=stream`` (or ``auto`` for a model that
-does not fit) builds the streaming runtime with the configured tiers and brings each
-block's params to the device through its prefetch window, once per forward: the prompt
-is prefilled a block at a time over the whole batch, then every new token is one more
-pass over the blocks (offloaded inference: its speed is the tiers' bandwidth over the
+does not fit) builds the inference runtime (``runtime/inference.py``): the params, read
+once from the checkpoint stage by stage, wait in the training runtime's param store in
+the tier ``offload.params`` names (host RAM or NVMe files), with no optimizer state and
+no gradients, and each block comes to the device through the same prefetch window
+(``offload.prefetch_depth``) once per forward; its plan is printed. The prompt is
+prefilled a block at a time over the whole batch, then every new token is one more pass
+over the blocks (offloaded inference: its speed is the tier's bandwidth over the
 params' bytes per token). The KV cache of every block stays on the device:
 (L, B, S, N, K) twice in the compute dtype, S the prompt and the new tokens.
 
-T5 (an encoder-decoder model) has no KV cache here: each new token runs the whole model
-again over the prompt and the tokens so far, one compiled shape (the decoder's input
-padded to the new tokens' count; causal, so what follows a position changes nothing at
-it); prompts of different lengths run one at a time (the encoder has no padding mask).
+T5 (an encoder-decoder model, :class:`Seq2SeqBlocks`): the prompts, right-padded into
+one batch with the padding masked, go through the encoder once; then each new token is
+one pass over the decoder's blocks, each against its KV cache (its self-attention's keys
+and values so far and its cross-attention's of the encoder's output, computed at the
+first token), in memory or streamed as above. A T5 with experts (Switch) runs the whole
+model again for every new token (:class:`WholeModel`, no KV cache).
 """
 
 from __future__ import annotations
@@ -48,6 +56,74 @@ def _tokenizer(spec: str):
     from hetjax.instruct import Tokens
 
     return Tokens(spec)
+
+
+class TokenPrinter:
+    """Prints each row's text as its tokens come (``on_tokens`` of the generation
+    loops), to ``out``: one prompt: the prompt, then its text appended; several on a
+    terminal (``tty``): one line per prompt, rewritten in place (ANSI: the cursor back
+    up to the first row's line, each line cleared and written again, cut to ``width``
+    columns until the last step); several elsewhere: a line ``[r] 'piece'`` per row
+    with new text each step, then each prompt and its whole text. ``tokens``: decodes
+    ids (``instruct.Tokens``); a row's ``eos`` ends it and is not shown."""
+
+    def __init__(self, tokens, texts: list[str], out, tty: bool = False, width: int = 0):
+        self.tokens, self.texts, self.out = tokens, texts, out
+        self.tty, self.width = tty, width
+        self.ids: list[list[int]] = [[] for _ in texts]
+        self.ended = [False] * len(texts)
+        self.shown = [""] * len(texts)
+        if len(texts) == 1:
+            out.write(texts[0])
+        elif tty:
+            self._draw(cut=True, first=True)
+        out.flush()
+
+    def __call__(self, step: int, step_tokens) -> None:
+        pieces = []
+        for r, t in enumerate(step_tokens.tolist()):
+            if self.ended[r] or t == self.tokens.eos:  # (an ended row repeats its eos)
+                self.ended[r] = True
+                pieces.append("")
+                continue
+            self.ids[r].append(int(t))
+            text = self.tokens.decode(self.ids[r])
+            pieces.append(text[len(self.shown[r]) :])
+            self.shown[r] = text
+        if len(self.texts) == 1:
+            self.out.write(pieces[0])
+        elif self.tty:
+            self._draw(cut=True)
+        else:
+            for r, piece in enumerate(pieces):
+                if piece:
+                    self.out.write(f"[{r}] {piece!r}\n")
+        self.out.flush()
+
+    def _draw(self, cut: bool, first: bool = False) -> None:
+        """Every row's line, written again over the last drawing (``first``: none)."""
+        if not first:
+            self.out.write(f"\x1b[{len(self.texts)}F")  # to the first row's line
+        for text, shown in zip(self.texts, self.shown, strict=True):
+            line = (text + shown).replace("\n", " ")
+            if cut and self.width and len(line) >= self.width:  # wrapped, it would not
+                line = "..." + line[len(line) - self.width + 4 :]  # be redrawn in place
+            self.out.write(f"\x1b[2K{line}\n")
+
+    def finish(self, rows: list[list[int]]) -> None:
+        """The last line(s): each prompt's whole text, ``rows`` its new tokens (all of
+        them, those no step showed too)."""
+        eos = self.tokens.eos
+        final = [self.tokens.decode([t for t in row if t != eos]) for row in rows]
+        if len(self.texts) == 1:
+            self.out.write(final[0][len(self.shown[0]) :] + "\n")
+        elif self.tty:
+            self.shown = final
+            self._draw(cut=False)
+        else:
+            for text, whole in zip(self.texts, final, strict=True):
+                self.out.write(f"{text}{whole}\n")
+        self.out.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,18 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         blocks, config = open_blocks(config, workdir, scratch)
         print(blocks.describe(), file=sys.stderr)
         prompts = [tokens.encode(t, special=True) for t in texts]
-        single = len(prompts) == 1
-        if single:
-            sys.stdout.write(texts[0])
-        shown: list[int] = []
-
-        def show(i, step_tokens):  # one prompt: its text as the tokens come
-            if single and step_tokens[0] != tokens.eos:
-                before = tokens.decode(shown)
-                shown.append(int(step_tokens[0]))
-                sys.stdout.write(tokens.decode(shown)[len(before) :])
-                sys.stdout.flush()
-
+        tty = sys.stdout.isatty()
+        width = shutil.get_terminal_size().columns if tty else 0
+        show = TokenPrinter(tokens, texts, sys.stdout, tty, width)
         t0 = time.perf_counter()
         rows = run(blocks, prompts, args.max_new_tokens, sampling, tokens.eos, show)
         elapsed = time.perf_counter() - t0
@@ -120,11 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(blocks, "runtime", None) is not None:
             blocks.runtime.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    if single:
-        sys.stdout.write("\n")
-    else:
-        for text, row in zip(texts, rows, strict=True):
-            print(f"{text}{tokens.decode(row)}")
+    show.finish(rows)
     n = sum(len(r) for r in rows)
     print(
         f"{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tokens/s, prefill included)",

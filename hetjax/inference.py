@@ -2,9 +2,11 @@
 the blocks run. See hetjax/generate.py's docstring for the command and the placements.
 
 :class:`InMemoryBlocks` holds every param on the device; :class:`StreamedBlocks` brings
-each block to the device through a streaming runtime's tiers and prefetch window
-(``StreamingRuntime.stream_blocks``), once per forward; :class:`WholeModel` runs an
-encoder-decoder model whole for every new token (no KV cache). :func:`generate` and
+each block to the device once per forward through the inference runtime
+(``runtime/inference.InferenceRuntime.stream_blocks``: the training runtime's param
+store and prefetch window, no optimizer state, no gradients); :class:`Seq2SeqBlocks` runs an
+encoder-decoder model (dense T5) with a KV cache, :class:`WholeModel` a Switch T5 whole
+for every new token (no KV cache). :func:`generate` and
 :func:`generate_seq2seq` are the loops; :func:`open_blocks` builds the blocks of a run's
 checkpoint or an HF directory as ``offload.mode`` places them.
 """
@@ -107,10 +109,10 @@ class InMemoryBlocks:
 
 
 class StreamedBlocks:
-    """The blocks brought to the device one at a time by a streaming runtime
-    (``runtime.stream_blocks``: its tiers and prefetch window); embed and head resident.
-    One jitted function per stage kind; each block's cache is its row of the stacked
-    cache."""
+    """The blocks brought to the device one at a time by an inference runtime
+    (``runtime/inference.InferenceRuntime.stream_blocks``: its tier and prefetch
+    window); embed and head resident. One jitted function per stage kind; each block's
+    cache is its row of the stacked cache."""
 
     def __init__(self, runtime):
         self.runtime, m = runtime, runtime.model
@@ -135,10 +137,8 @@ class StreamedBlocks:
         x = self._embed(rt.resident_pages("embed"), ids, positions)
         ks, vs = list(cache[0]), list(cache[1])
 
-        def step(slot, pages, x):
-            x, (ks[slot.index], vs[slot.index]) = self._block(
-                pages, x, positions, ks[slot.index], vs[slot.index], valid, start
-            )
+        def step(i, pages, x):
+            x, (ks[i], vs[i]) = self._block(pages, x, positions, ks[i], vs[i], valid, start)
             return x
 
         x = rt.stream_blocks(step, x)
@@ -148,8 +148,9 @@ class StreamedBlocks:
 
 class WholeModel:
     """An encoder-decoder model (T5) run whole for every new token (no KV cache):
-    ``logits(tokens (B, P), targets (B, N))`` -> fp32 (B, N, V), in memory or, given a
-    streaming runtime, through its window (``runtime.forward``)."""
+    ``logits(tokens (B, P), targets (B, N))`` -> fp32 (B, N, V), in memory or, given an
+    inference runtime, each stage group's input then its blocks through the runtime's
+    window (``stream_blocks``)."""
 
     def __init__(self, model, params=None, runtime=None):
         self.model, self.runtime = model, runtime
@@ -157,11 +158,26 @@ class WholeModel:
             cast = lambda a: jnp.asarray(a, model.config.compute_dtype)
             self.params = jax.tree.map(cast, params)
             self._logits = jax.jit(model.logits)
-        else:
-            E, H = runtime.layouts["embed"], runtime.layouts["head"]
-            self._head = jax.jit(
-                lambda h, e, x: model.head_logits(H.unflatten_pages(h), E.unflatten_pages(e), x)
+            return
+        L = runtime.layouts
+        E, H = L["embed"], L["head"]
+        self._input = [
+            jax.jit(
+                lambda e, prev, t, y, g=g: model.group_input(g, E.unflatten_pages(e), prev, t, y)
             )
+            for g in range(len(model.groups))
+        ]
+        self._block = [
+            jax.jit(
+                lambda b, x, c, g=g, B=L[grp.name]: model.group_block(
+                    g, B.unflatten_pages(b), x, c
+                )[0]
+            )
+            for g, grp in enumerate(model.groups)
+        ]
+        self._head = jax.jit(
+            lambda h, e, x: model.head_logits(H.unflatten_pages(h), E.unflatten_pages(e), x)
+        )
 
     def describe(self) -> str:
         if self.runtime is not None:
@@ -173,12 +189,96 @@ class WholeModel:
         if self.runtime is None:
             return self._logits(self.params, tokens, targets)
         rt = self.runtime
-        x = rt.forward(tokens, targets)
-        return self._head(rt.resident_pages("head"), rt.resident_pages("embed"), x)
+        embed, x = rt.resident_pages("embed"), None
+        for g in range(len(self._block)):
+            x, context = self._input[g](embed, x, tokens, targets)
+            x = rt.stream_blocks(
+                lambda i, pages, x, g=g, c=context: self._block[g](pages, x, c), x, g
+            )
+        return self._head(rt.resident_pages("head"), embed, x)
+
+
+class _InMemory:
+    """Params on the device served as the inference runtime serves pages: each group's
+    blocks in turn (:meth:`stream_blocks`), embed and head resident."""
+
+    def __init__(self, model, params):
+        cast = lambda a: jnp.asarray(a, model.config.compute_dtype)
+        params = jax.tree.map(cast, params)
+        self.resident = {s: params[s] for s in ("embed", "head")}
+        self.groups = [
+            [jax.tree.map(lambda a, i=i: a[i], params[g.key]) for i in range(g.num_layers)]
+            for g in model.groups
+        ]
+        self.size = sum(a.size for a in jax.tree.leaves(params))
+
+    def stream_blocks(self, step, carry, group: int):
+        for i, block in enumerate(self.groups[group]):
+            carry = step(i, block, carry)
+        return carry
+
+    def resident_pages(self, stage: str):
+        return self.resident[stage]
+
+
+class Seq2SeqBlocks:
+    """An encoder-decoder model (dense T5) with a KV cache: the prompts encoded once
+    (the encoder's blocks in turn), then each new token one pass over the decoder's
+    blocks, each against its caches (its self-attention's keys and values so far, and
+    its cross-attention's of the encoder's output, computed at the first token). The
+    blocks in memory (``params``) or brought through an inference runtime's window
+    (``runtime``); embed and head resident."""
+
+    def __init__(self, model, params=None, runtime=None):
+        self.model, self.runtime = model, runtime
+        self.source = runtime if runtime is not None else _InMemory(model, params)
+        if runtime is None:
+            E = H = Benc = Bdec = lambda p: p
+        else:
+            L = runtime.layouts
+            E, H = L["embed"].unflatten_pages, L["head"].unflatten_pages
+            Benc, Bdec = (L[g.name].unflatten_pages for g in model.groups)
+        m = model
+        self._enc_input = jax.jit(lambda e, t: m.group_input(0, E(e), None, t, None))
+        self._enc_block = jax.jit(lambda b, x, c: m.group_block(0, Benc(b), x, c)[0])
+        self._context = jax.jit(lambda e, out, t: m.decode_context(E(e), out, t))
+        self._embed = jax.jit(lambda e, ids: m.decode_input(E(e), ids))
+        self._dec_block = jax.jit(
+            lambda b, x, i, cache, c, first: m.decode_block(Bdec(b), x, i, cache, c, first),
+            static_argnums=5,
+        )
+        self._head = jax.jit(lambda h, e, x: m.head_logits(H(h), E(e), x)[:, 0])
+
+    def describe(self) -> str:
+        if self.runtime is not None:
+            return "\n".join(self.runtime.plan_lines())
+        n = self.source.size
+        return f"in memory: {n / 1e6:.2f}M params on {jax.devices()[0].platform}"
+
+    def encode(self, tokens: np.ndarray):
+        """The prompts (B, 2, P) (ids, positions) -> the decoder's context."""
+        src = self.source
+        embed = src.resident_pages("embed")
+        x, context = self._enc_input(embed, tokens)
+        x = src.stream_blocks(lambda i, b, x: self._enc_block(b, x, context), x, 0)
+        return self._context(embed, x, tokens)
+
+    def step(self, ids: np.ndarray, i: int, caches: list, context):
+        """New tokens (B, 1) at decoder position ``i`` -> (logits (B, V) fp32, the
+        decoder blocks' caches updated)."""
+        src, caches = self.source, list(caches)
+        embed = src.resident_pages("embed")
+
+        def block(j, b, x):
+            x, caches[j] = self._dec_block(b, x, jnp.int32(i), caches[j], context, i == 0)
+            return x
+
+        x = src.stream_blocks(block, self._embed(embed, ids), 1)
+        return self._head(src.resident_pages("head"), embed, x), caches
 
 
 def generate_seq2seq(
-    whole: WholeModel,
+    blocks,
     prompts: list[list[int]],
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
@@ -186,26 +286,59 @@ def generate_seq2seq(
     on_tokens: Callable[[int, np.ndarray], None] | None = None,
 ) -> list[list[int]]:
     """:func:`generate` for an encoder-decoder model: the decoder's tokens after its
-    start token, each step the whole model over the prompt and the tokens so far."""
-    if len({len(p) for p in prompts}) > 1:  # no encoder padding mask: one at a time
-        return [generate_seq2seq(whole, [p], max_new_tokens, sampling, eos)[0] for p in prompts]
-    tokens = np.asarray(prompts, np.int32)
-    B = len(prompts)
-    targets = np.zeros((B, max_new_tokens), np.int32)
+    start token. The prompts run as one batch, right-padded, the padding masked
+    (``models.t5.row_records``); with :class:`Seq2SeqBlocks` the encoder runs once and
+    each step is one decoder pass against the KV cache, with :class:`WholeModel` each
+    step runs the whole model over the prompts and the tokens so far."""
+    model = blocks.model
+    _check_prompts(model, prompts)
+    B, P = len(prompts), max(len(p) for p in prompts)
+    tokens = np.zeros((B, 2, P), np.int32)  # ids, positions (the padding's from 0 again)
+    for r, p in enumerate(prompts):
+        tokens[r, 0, : len(p)] = p
+        tokens[r, 1] = np.concatenate([np.arange(len(p)), np.arange(P - len(p))])
+    if isinstance(blocks, Seq2SeqBlocks):
+        context = blocks.encode(tokens)
+        L, cfg = model.groups[1].num_layers, model.config
+        dtype = cfg.compute_dtype
+        kv = lambda: jnp.zeros((B, max_new_tokens, cfg.num_heads, cfg.head_dim), dtype)
+        caches = [(kv(), kv(), None, None) for _ in range(L)]
+        ids = np.full((B, 1), cfg.decoder_start_token, np.int32)
+    else:
+        targets = np.zeros((B, max_new_tokens), np.int32)
     ended = np.zeros(B, bool)
+    out = np.zeros((B, max_new_tokens), np.int32)
     for i in range(max_new_tokens):
-        logits = whole.logits(tokens, targets)[:, i]  # position i predicts token i
+        if isinstance(blocks, Seq2SeqBlocks):
+            logits, caches = blocks.step(ids, i, caches, context)
+        else:
+            logits = blocks.logits(tokens, targets)[:, i]  # position i predicts token i
         step = np.asarray(_pick(logits, np.int32(sampling.seed), np.int32(i), sampling))
         if eos is not None:
             step = np.where(ended, eos, step)
             ended |= step == eos
-        targets[:, i] = step
+        out[:, i] = step
+        if isinstance(blocks, Seq2SeqBlocks):
+            ids = step[:, None]
+        else:
+            targets[:, i] = step
         if on_tokens is not None:
             on_tokens(i, step)
         if ended.all():
-            targets = targets[:, : i + 1]
             break
-    return _rows(targets[:, : i + 1], eos)
+    return _rows(out[:, : i + 1], eos)
+
+
+def _check_prompts(model, prompts: list[list[int]]) -> None:
+    """Refuses no prompt, an empty one, or a token id outside the model's vocabulary."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("generate needs at least one prompt, each of at least one token")
+    top = max(max(p) for p in prompts)
+    if top >= model.config.vocab_size:
+        raise ConfigError(
+            f"a prompt holds token id {top}, outside the model's vocabulary "
+            f"(model.vocab_size {model.config.vocab_size}): the tokenizer is not the model's"
+        )
 
 
 def _rows(out: np.ndarray, eos: int | None) -> list[list[int]]:
@@ -244,14 +377,7 @@ def generate(
     the whole batch, then one forward per new token. ``on_tokens(i, tokens (B,))`` is
     called as each step's tokens come (rows already ended repeat ``eos``)."""
     model = blocks.model
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ConfigError("generate needs at least one prompt, each of at least one token")
-    top = max(max(p) for p in prompts)
-    if top >= model.config.vocab_size:
-        raise ConfigError(
-            f"a prompt holds token id {top}, outside the model's vocabulary "
-            f"(model.vocab_size {model.config.vocab_size}): the tokenizer is not the model's"
-        )
+    _check_prompts(model, prompts)
     B, P = len(prompts), max(len(p) for p in prompts)
     S = P + max_new_tokens
     limit = model.config.max_seq_len
@@ -317,22 +443,22 @@ def open_blocks(config: Config, workdir=None, scratch: Path | None = None):
 
             params = open_checkpoint(config.model).params()
         model = build_model(config.model)
-        if seq2seq:
+        if seq2seq and model.config.num_experts:  # a Switch T5: no KV cache
             return WholeModel(model, params), config
+        if seq2seq:
+            return Seq2SeqBlocks(model, params), config
         return InMemoryBlocks(model, params), config
-    from hetjax.train import build_runtime
+    from hetjax.runtime.inference import InferenceRuntime
 
-    # every expert of a block with it (expert-aware fetching routes a training batch)
-    config = config.replace(offload=dict(expert_fetch="all"))
-    runtime = build_runtime(config, scratch)
-    if state is not None:
-        runtime.load_state(state)
-    if seq2seq:
+    runtime = InferenceRuntime(config, state, scratch)
+    if seq2seq and config.model.num_experts:
         return WholeModel(runtime.model, runtime=runtime), config
+    if seq2seq:
+        return Seq2SeqBlocks(runtime.model, runtime=runtime), config
     return StreamedBlocks(runtime), config
 
 
 def run(blocks, prompts, max_new_tokens, sampling=Sampling(), eos=None, on_tokens=None):
     """:func:`generate` or, for an encoder-decoder model, :func:`generate_seq2seq`."""
-    go = generate_seq2seq if isinstance(blocks, WholeModel) else generate
+    go = generate_seq2seq if isinstance(blocks, WholeModel | Seq2SeqBlocks) else generate
     return go(blocks, prompts, max_new_tokens, sampling, eos, on_tokens)

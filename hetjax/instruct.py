@@ -27,6 +27,14 @@ a row is cut to the row's length, and counted: the count is in the data's descri
 the run logs. The held-out split is the last ``data.val_fraction`` of the records (at
 least one).
 
+An encoder-decoder model (T5, ``data.objective=prefix_lm``) packs records on both sides
+(:func:`pack_seq2seq`): the prompts' ids and positions are the encoder's input, the
+completions the decoder's targets (the loss on every one of them) with their own
+positions, record k the k-th on each side; each record attends only to itself in the
+encoder, the decoder and the cross-attention (``models.t5.row_records``). A record
+without a prompt is refused, a prompt or completion longer than a row cut to it and
+counted. Its rows are ``(B, 4 T)``: ids | positions | decoder positions | targets.
+
 Batch rows are int32 ``(B, 3 T)``: ids | positions | targets
 (:func:`hetjax.data.split_window` makes tokens (B, 2, T) and targets (B, T) of them).
 Which row a batch row is follows ``data.shuffle`` as token windows do
@@ -119,6 +127,7 @@ class Record:
     ids: tuple[int, ...]
     prompt: int
     line: int  # 1-based line of data.path
+    prompt_tokens: int = 0  # the prompt's own (``prompt`` is at least 1: a first token)
 
 
 def read_records(path: str, tokens: Tokens, vocab_size: int) -> list[Record]:
@@ -157,7 +166,7 @@ def read_records(path: str, tokens: Tokens, vocab_size: int) -> list[Record]:
                 )
             # a record's first token is never a target: with no prompt, the first
             # completion token is context only
-            records.append(Record(tuple(ids), max(n_prompt, 1), n))
+            records.append(Record(tuple(ids), max(n_prompt, 1), n, n_prompt))
     if not records:
         raise ConfigError(f"data.path {path!r} holds no records")
     return records
@@ -201,7 +210,8 @@ def _fields(rec, tokens: Tokens, where: str) -> tuple[str | None, str]:
 
 @dataclass(frozen=True)
 class Packed:
-    """Rows (N, 3, T) int32: ids, positions, targets; and how many records were cut."""
+    """Rows (N, 3, T) int32: ids, positions, targets (T5's (N, 4, T): :func:`pack_seq2seq`);
+    and how many records were cut."""
 
     rows: np.ndarray
     records: int
@@ -243,11 +253,60 @@ def _row(placed: list[tuple[Record, int]], seq_len: int) -> np.ndarray:
     return np.stack([ids, pos, tgt])
 
 
+def pack_seq2seq(records: list[Record], seq_len: int) -> Packed:
+    """An encoder-decoder model's rows (T5), (N, 4, T): records packed first fit in
+    order, while both the prompt and the completion fit their side of the row: the
+    prompts' ids and positions (the encoder's input), the completions' positions, and
+    the completions' ids as the decoder's targets (record k is the k-th on both sides;
+    the rest of each side padding, its positions from 0 again, its targets
+    ``IGNORED``). A prompt or completion longer than the row is cut to it, and
+    counted. Raises ``ConfigError`` for a record without a prompt (a ``text`` record:
+    the encoder would read nothing)."""
+    rows, current, cut = [], [], 0
+    used = [0, 0]
+    for rec in records:
+        n = rec.prompt_tokens
+        if n == 0:
+            raise ConfigError(
+                f"line {rec.line}: an encoder-decoder model (T5) needs a prompt for its "
+                "encoder; this record has none (give 'prompt' and 'completion', or "
+                "'messages')"
+            )
+        prompt, completion = rec.ids[:n][:seq_len], rec.ids[n:][:seq_len]
+        cut += len(prompt) + len(completion) < len(rec.ids)
+        if used[0] + len(prompt) > seq_len or used[1] + len(completion) > seq_len:
+            rows.append(_seq2seq_row(current, seq_len))
+            current, used = [], [0, 0]
+        current.append((prompt, completion))
+        used = [used[0] + len(prompt), used[1] + len(completion)]
+    rows.append(_seq2seq_row(current, seq_len))
+    return Packed(np.stack(rows), len(records), cut)
+
+
+def _seq2seq_row(placed: list[tuple], seq_len: int) -> np.ndarray:
+    """Records' (prompt, completion) ids -> a row (4, T): encoder ids and positions,
+    decoder positions and targets."""
+    row = np.zeros((4, seq_len), np.int32)
+    row[3] = IGNORED
+    at = [0, 0]
+    for prompt, completion in placed:
+        for side, ids in enumerate((prompt, completion)):
+            n = len(ids)
+            pos = (1, 2)[side]
+            row[pos, at[side] : at[side] + n] = np.arange(n)
+            row[(0, 3)[side], at[side] : at[side] + n] = ids
+            at[side] += n
+    for side in (0, 1):  # padding: a record of its own on each side, no loss
+        row[(1, 2)[side], at[side] :] = np.arange(seq_len - at[side])
+    return row
+
+
 @dataclass(kw_only=True)
 class PackedRows(data.TokenWindows):
-    """Batches of packed rows ``(B / processes, 3 T)`` (ids | positions | targets), in
+    """Batches of packed rows ``(B / processes, K T)`` (ids | positions | targets; T5's
+    K = 4: ids | positions | the decoder's positions | targets), in
     :class:`TokenWindows`' order over rows instead of windows. ``tokens`` holds the rows
-    (N, 3, T)."""
+    (N, K, T)."""
 
     def __post_init__(self):
         if self.batch_size % (self.grad_accum * self.process_count):
@@ -260,7 +319,7 @@ class PackedRows(data.TokenWindows):
 
     def batch(self, i: int) -> np.ndarray:
         rows = [self.tokens[self.window_index(i, r)] for r in self.own_rows()]
-        return np.stack(rows).reshape(len(rows), 3 * self.seq_len)
+        return np.stack(rows).reshape(len(rows), -1)
 
 
 def make_datasets(config) -> tuple[data.TokenWindows, data.TokenWindows, str]:
@@ -276,30 +335,33 @@ def make_packed_datasets(config) -> tuple[PackedRows, PackedRows, str]:
     import jax
 
     d, t, m = config.data, config.train, config.model
-    if m.family == "t5":
-        raise ConfigError(
-            "config key 'data.format' is 'jsonl', which trains decoder-only models "
-            "(gpt, llama); T5's encoder-decoder rows are not packed yet"
-        )
     tokens = Tokens(d.tokenizer)
     records = read_records(d.path, tokens, m.vocab_size)
+    rows_of = pack_seq2seq if m.encoder_decoder else pack
     n_val = max(int(len(records) * d.val_fraction), 1)
     if len(records) - n_val < 1:
         raise ConfigError(
             f"data.path {d.path!r} holds {len(records)} record(s): too few for a training "
             f"split and a held-out one of {n_val}"
         )
-    train, val = pack(records[:-n_val], t.seq_len), pack(records[-n_val:], t.seq_len)
+    train, val = rows_of(records[:-n_val], t.seq_len), rows_of(records[-n_val:], t.seq_len)
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
     common = dict(seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, **shard)
     train_rows = PackedRows(tokens=train.rows, shuffle=d.shuffle, grad_accum=t.grad_accum, **common)
     val_rows = PackedRows(tokens=val.rows, shuffle=False, **common)
-    taken = int((train.rows[:, 2] >= 0).sum())
+    taken = int((train.rows[:, -1] >= 0).sum())
+    where = "longer than a row cut to it"
+    if m.encoder_decoder:
+        where = (
+            "whose prompt or completion is longer than a row cut to it; packed on both "
+            "sides (T5: the prompts the encoder's, the completions the decoder's targets, "
+            "each record attending only to itself)"
+        )
     desc = (
         f"{d.path}: {len(records):,} records ({train.records:,} train in "
         f"{len(train.rows):,} rows of {t.seq_len}, {val.records:,} val in {len(val.rows):,}), "
-        f"tokenizer {d.tokenizer or 'bytes'}; {train.cut + val.cut} record(s) longer than "
-        f"a row cut to it; the loss is over completion tokens only ({taken:,} of "
-        f"{train.rows[:, 0].size:,} train positions); tokens/s counts every position"
+        f"tokenizer {d.tokenizer or 'bytes'}; {train.cut + val.cut} record(s) {where}; the "
+        f"loss is over completion tokens only ({taken:,} of {train.rows[:, 0].size:,} train "
+        "positions); tokens/s counts every position"
     )
     return train_rows, val_rows, desc

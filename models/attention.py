@@ -148,12 +148,18 @@ def cached_attention(
 
 
 def biased_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None, causal: bool
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    causal: bool,
+    mask: jax.Array | None = None,
 ) -> jax.Array:
     """T5's attention: ``softmax(q k^T + bias (+ causal mask)) v``, the scores not scaled
     by 1/sqrt(K) (T5 folds that into its query projection's init). q (B, T, H, K), k and
-    v (B, S, H, K), bias (H, T, S) or None -> (B, T, H K) in q's dtype. The scores and
-    probabilities are whole fp32 tensors, as :func:`reference_attention`'s (the
+    v (B, S, H, K), bias (H, T, S) or None, ``mask`` (B, T, S) bool (the keys each query
+    attends to: its own record's in a packed row) or None -> (B, T, H K) in q's dtype.
+    The scores and probabilities are whole fp32 tensors, as :func:`reference_attention`'s (the
     probabilities rounded to the compute dtype and tagged ``attn_probs``)."""
     B, T, H, K = q.shape
     scores = jnp.einsum("BTHK,BSHK->BHTS", q, k).astype(F32)  # (B, H, T, S)
@@ -161,6 +167,8 @@ def biased_attention(
         scores = scores + bias.astype(F32)[None]
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((T, k.shape[1]), dtype=bool)), scores, MASKED)
+    if mask is not None:
+        scores = jnp.where(mask[:, None], scores, MASKED)
     probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(q.dtype), "attn_probs")
     out = jnp.einsum("BHTS,BSHK->BTHK", probs, v).reshape(B, T, H * K)
     return checkpoint_name(out, "attn_out")

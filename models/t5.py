@@ -49,7 +49,7 @@ import numpy as np
 
 from hetjax.config import ModelConfig
 from models.attention import biased_attention
-from models.staged import AxisTable, Params, StageGroup, Stages
+from models.staged import AxisTable, Params, StageGroup, Stages, segment_ids
 
 F32 = jnp.float32
 EXPERT_PARAMS = ("wi_0", "wi_1", "wi", "wo")  # a Switch layer's, under "moe": (E, ...)
@@ -124,7 +124,9 @@ class T5Attention(nn.Module):
     causal: bool
 
     @nn.compact
-    def __call__(self, x: jax.Array, kv: jax.Array, bias: jax.Array | None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, kv: jax.Array, bias: jax.Array | None, mask: jax.Array | None = None
+    ) -> jax.Array:
         cfg = self.config
         D, H, K = cfg.d_model, cfg.num_heads, cfg.head_dim
         B, T, _ = x.shape
@@ -132,7 +134,7 @@ class T5Attention(nn.Module):
         q = _dense(cfg, H * K, (D * K) ** -0.5, "q")(x).reshape(B, T, H, K)
         k = _dense(cfg, H * K, D**-0.5, "k")(kv).reshape(B, S, H, K)
         v = _dense(cfg, H * K, D**-0.5, "v")(kv).reshape(B, S, H, K)
-        out = biased_attention(q, k, v, bias, self.causal)  # (B, T, H K)
+        out = biased_attention(q, k, v, bias, self.causal, mask)  # (B, T, H K)
         return _dense(cfg, D, (H * K) ** -0.5, "o")(out)
 
 
@@ -238,19 +240,23 @@ class T5EncoderBlock(nn.Module):
     part: str = "all"
 
     @nn.compact
-    def __call__(self, x: jax.Array, table: jax.Array, routing=None):  # (B, T, D)
+    def __call__(self, x: jax.Array, table: jax.Array, seg=None, routing=None):  # (B, T, D)
         cfg = self.config
         if self.part != "mlp":
             T = x.shape[1]
             h = _norm(cfg, "self_attention_layer_norm")(x)
             bias = position_bias(table, T, T, False, cfg)
-            x = x + T5Attention(cfg, causal=False, name="SelfAttention")(h, h, bias)
+            mask = None if seg is None else same_record(seg, seg)
+            x = x + T5Attention(cfg, causal=False, name="SelfAttention")(h, h, bias, mask)
         return _feed_forward(cfg, self.sparse, x, self.held, self.part, routing)
 
 
 class T5DecoderBlock(nn.Module):
     """x + causal attn(rms(x)) with the decoder's bias; x + attn(rms(x)) over the
-    encoder's output ``memory`` (B, S, D); x + ff(rms(x)) (experts when ``sparse``)."""
+    encoder's output ``memory`` (B, S, D); x + ff(rms(x)) (experts when ``sparse``).
+    With an instruction row's records (``enc_seg`` (B, S), ``dec_seg`` (B, T): each
+    position's record, :func:`row_records`) a position attends only to its own record's
+    positions, in both attentions."""
 
     config: ModelConfig
     sparse: bool = False
@@ -258,15 +264,20 @@ class T5DecoderBlock(nn.Module):
     part: str = "all"
 
     @nn.compact
-    def __call__(self, x: jax.Array, memory: jax.Array, table: jax.Array, routing=None):
+    def __call__(
+        self, x, memory: jax.Array, table: jax.Array, enc_seg=None, dec_seg=None, routing=None
+    ):
         cfg = self.config
         if self.part != "mlp":
             T = x.shape[1]
             h = _norm(cfg, "self_attention_layer_norm")(x)
             bias = position_bias(table, T, T, True, cfg)
-            x = x + T5Attention(cfg, causal=True, name="SelfAttention")(h, h, bias)
+            own = cross = None
+            if enc_seg is not None:
+                own, cross = same_record(dec_seg, dec_seg), same_record(dec_seg, enc_seg)
+            x = x + T5Attention(cfg, causal=True, name="SelfAttention")(h, h, bias, own)
             h = _norm(cfg, "cross_attention_layer_norm")(x)
-            x = x + T5Attention(cfg, causal=False, name="EncDecAttention")(h, memory, None)
+            x = x + T5Attention(cfg, causal=False, name="EncDecAttention")(h, memory, None, cross)
         return _feed_forward(cfg, self.sparse, x, self.held, self.part, routing)
 
 
@@ -306,9 +317,97 @@ class T5SwitchBlock(nn.Module):
         return sparse(x, *context, routing=routing)
 
 
-def shift_right(targets: jax.Array, start: int) -> jax.Array:
-    """The decoder's input (B, T): the targets shifted one right behind ``start``."""
-    return jnp.concatenate([jnp.full_like(targets[:, :1], start), targets[:, :-1]], axis=1)
+class T5CachedAttention(nn.Module):
+    """:class:`T5Attention`'s params, for one new decoder position against a KV cache.
+    Self-attention (``causal``): this position's key and value go into ``cache`` (k, v
+    (B, S, H, K)) at ``start``, and it attends to the keys up to it. Cross-attention:
+    the keys and values of ``kv`` (the encoder's output) when given, else ``cache``'s
+    (computed once, at the first position). -> (out (B, 1, D), (k, v))."""
+
+    config: ModelConfig
+    causal: bool
+
+    @nn.compact
+    def __call__(self, x, kv, cache, bias, mask, start):
+        cfg = self.config
+        D, H, K = cfg.d_model, cfg.num_heads, cfg.head_dim
+        B, T, _ = x.shape
+        q = _dense(cfg, H * K, (D * K) ** -0.5, "q")(x).reshape(B, T, H, K)
+        keys, values = _dense(cfg, H * K, D**-0.5, "k"), _dense(cfg, H * K, D**-0.5, "v")
+        if self.causal:
+            k, v = (
+                jax.lax.dynamic_update_slice_in_dim(c, f(x).reshape(B, T, H, K), start, axis=1)
+                for c, f in zip(cache, (keys, values), strict=True)
+            )
+        elif kv is not None:
+            S = kv.shape[1]
+            k, v = keys(kv).reshape(B, S, H, K), values(kv).reshape(B, S, H, K)
+        else:
+            k, v = cache
+        out = biased_attention(q, k, v, bias, False, mask)  # (B, T, H K)
+        return _dense(cfg, D, (H * K) ** -0.5, "o")(out), (k, v)
+
+
+class T5DecoderStep(nn.Module):
+    """:class:`T5DecoderBlock` (dense) for one new position against its caches
+    (``T5.decode_block``): ``cache`` (k, v, cross k, cross v); ``memory`` the encoder's
+    normed output at the first position (the cross keys and values made of it), None
+    after; ``bias`` (H, 1, S) this position's row of the decoder's; ``enc_seg`` the
+    prompts' records (B, P) (1: the prompt, 2: its padding) or None."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, cache, memory, bias, enc_seg, start):
+        cfg = self.config
+        B, S = x.shape[0], cache[0].shape[1]
+        upto = jnp.broadcast_to(jnp.arange(S) <= start, (B, 1, S))  # causal: the keys so far
+        prompt = None if enc_seg is None else (enc_seg == 1)[:, None, :]  # (B, 1, P)
+        h = _norm(cfg, "self_attention_layer_norm")(x)
+        a, (k, v) = T5CachedAttention(cfg, True, name="SelfAttention")(
+            h, None, cache[:2], bias, upto, start
+        )
+        x = x + a
+        h = _norm(cfg, "cross_attention_layer_norm")(x)
+        a, (ck, cv) = T5CachedAttention(cfg, False, name="EncDecAttention")(
+            h, memory, cache[2:], None, prompt, start
+        )
+        return _feed_forward(cfg, False, x + a), (k, v, ck, cv)
+
+
+def row_records(tokens: jax.Array, decoder_len: int):
+    """An encoder's tokens -> (ids (B, T), the encoder's records (B, T), the decoder's
+    (B, ``decoder_len``)), each position's record as ``models.staged.segment_ids``
+    numbers them, fp32 (a stage group's context is differentiated), or None for plain
+    tokens (B, T). An instruction row (``hetjax/instruct.py``) is (B, 2, T): ids and
+    positions (one record: the prompt's from 0, its padding's from 0 again; the
+    decoder's is record 1 throughout), or (B, 3, T), packed: ids, the encoder's
+    positions and the decoder's (record k's prompt and completion are record k on each
+    side)."""
+    if tokens.ndim == 2:
+        return tokens, None, None
+    enc = segment_ids(tokens[:, 1]).astype(F32)
+    if tokens.shape[1] == 2:
+        return tokens[:, 0], enc, jnp.ones((tokens.shape[0], decoder_len), F32)
+    return tokens[:, 0], enc, segment_ids(tokens[:, 2]).astype(F32)
+
+
+def same_record(query_seg: jax.Array, key_seg: jax.Array) -> jax.Array:
+    """Records (B, T) and (B, S) -> (B, T, S) bool: which keys a query may attend to."""
+    return query_seg[:, :, None] == key_seg[:, None, :]
+
+
+def shift_right(targets: jax.Array, start: int, records: jax.Array | None = None) -> jax.Array:
+    """The decoder's input (B, T): the targets shifted one right behind ``start``; with
+    ``records`` (B, T) (a packed row's, :func:`row_records`) each record's on its own,
+    ``start`` at the first position of every record."""
+    shifted = jnp.concatenate([jnp.full_like(targets[:, :1], start), targets[:, :-1]], axis=1)
+    if records is None:
+        return shifted
+    first = jnp.concatenate(
+        [records[:, :1] == records[:, :1], records[:, 1:] != records[:, :-1]], axis=1
+    )
+    return jnp.where(first, start, shifted)
 
 
 class T5Shared(nn.Module):
@@ -334,15 +433,24 @@ class T5Shared(nn.Module):
         return jnp.take(self.shared, tokens, axis=0).astype(self.config.compute_dtype)
 
     def encoder_input(self, tokens: jax.Array):
-        """-> (x (B, T, D), the encoder's context: its bias table)."""
-        return self._embed(tokens), (self.encoder_relative_attention_bias,)
+        """tokens (B, T), or an instruction row's (:func:`row_records`) -> (x (B, T, D),
+        the encoder's context: its bias table, and the row's records)."""
+        ids, enc_seg, _ = row_records(tokens, 1)
+        table = self.encoder_relative_attention_bias
+        return self._embed(ids), (table,) if enc_seg is None else (table, enc_seg)
 
-    def decoder_input(self, encoder_out: jax.Array, targets: jax.Array):
-        """-> (x (B, T, D), the decoder's context: the encoder's normed output and the
-        decoder's bias table)."""
-        x = self._embed(shift_right(targets, self.config.decoder_start_token))
+    def decoder_input(self, encoder_out: jax.Array, targets: jax.Array, records=None):
+        """-> (x (B, T, D), the decoder's context: the encoder's normed output, the
+        decoder's bias table, and an instruction row's records on both sides
+        (``records``: :func:`row_records`' two, or None)). Targets that take no loss
+        (``IGNORED``, an instruction row's padding) read as token 0, as HF's
+        ``_shift_right`` reads its -100 labels as the pad token."""
+        start = self.config.decoder_start_token
+        dec_seg = None if records is None else records[1]
+        x = self._embed(shift_right(jnp.maximum(targets, 0), start, dec_seg))
         memory = self.encoder_final_layer_norm(encoder_out)
-        return x, (memory, self.decoder_relative_attention_bias)
+        context = (memory, self.decoder_relative_attention_bias)
+        return x, context if records is None else (*context, *records)
 
     def __call__(self, tokens: jax.Array):  # init: every param
         x, _ = self.encoder_input(tokens)
@@ -430,7 +538,9 @@ class T5(Stages):
         shared = {"params": embed_params}
         if g == 0:
             return self._shared.apply(shared, tokens, method=T5Shared.encoder_input)
-        return self._shared.apply(shared, prev, targets, method=T5Shared.decoder_input)
+        _, enc_seg, dec_seg = row_records(tokens, targets.shape[1])
+        records = None if enc_seg is None else (enc_seg, dec_seg)
+        return self._shared.apply(shared, prev, targets, records, method=T5Shared.decoder_input)
 
     def group_block(self, g: int, block_params: Params, x: jax.Array, context):
         out = self._blocks[g].apply({"params": block_params}, x, *context)
@@ -490,6 +600,36 @@ class T5(Stages):
             return self.block_param_count(g)
         expert = (3 if cfg.feed_forward_proj == "gated-gelu" else 2) * cfg.d_model * cfg.ff_dim
         return self.block_param_count(g) - (cfg.num_experts - 1) * expert
+
+    # -- generation with a KV cache (hetjax/inference.py) -------------------------------
+
+    def decode_input(self, embed_params: Params, ids: jax.Array) -> jax.Array:
+        """The decoder's new tokens (B, 1) int32 -> their embedding (B, 1, D)."""
+        embed = lambda m, ids: m._embed(ids)
+        return self._shared.apply({"params": embed_params}, ids, method=embed)
+
+    def decode_context(self, embed_params: Params, encoder_out: jax.Array, tokens: jax.Array):
+        """The decoder's context for generation: (the encoder's normed output (B, P, D),
+        the decoder's bias table, and the records of prompts right-padded (B, 2, P),
+        :func:`row_records`)."""
+        targets = jnp.zeros((encoder_out.shape[0], 1), jnp.int32)
+        return self.group_input(1, embed_params, encoder_out, tokens, targets)[1]
+
+    def decode_block(self, block_params: Params, x: jax.Array, start, cache, context, first):
+        """One dense decoder block over the new position ``start`` (the same for every
+        row) against its cache (k, v (B, S, H, K) of the positions so far; the cross
+        keys and values (B, P, H, K), made from ``context``'s encoder output when
+        ``first``) -> (x (B, 1, D), the cache updated)."""
+        if self.config.num_experts:
+            raise ValueError("T5's KV cache is for dense blocks (a Switch T5 runs whole)")
+        memory, table, *records = context
+        S = cache[0].shape[1]
+        bias = jax.lax.dynamic_slice_in_dim(
+            position_bias(table, S, S, True, self.config), start, 1, axis=1
+        )
+        step = T5DecoderStep(self.config)
+        args = (memory if first else None, bias, records[0] if records else None, start)
+        return step.apply({"params": block_params}, x, cache, *args)
 
     def head_logits(self, head_params: Params, embed_params: Params, x: jax.Array) -> jax.Array:
         """x (B, T, D) -> fp32 logits (B, T, V)."""

@@ -93,3 +93,127 @@ def test_eval_of_an_hf_directory_equals_transformers_loss(tiny, tmp_path):
         ids = torch.from_numpy(np.asarray(windows)).long()
         expected = float(hf(input_ids=ids, labels=ids).loss)
     assert_losses_close([result.loss], [expected])
+
+
+# ~40 s on 2 busy cores: two streamed runs and an evaluation
+@pytest.mark.slow
+def test_jsonl_in_batch_chunks_equals_unchunked_and_evaluates(tiny, tmp_path):
+    """offload.batch_chunks=2 on jsonl records (each chunk's completion tokens weigh
+    its loss, runtime/chunks.py): the steps' losses and the validation loss equal the
+    unchunked run's (fp32, SGD, 1e-5), and ``hetjax eval`` of the chunked run's
+    checkpoint, chunked too, equals its validation loss."""
+    from test_instruct import _dataset
+
+    path = _dataset(tmp_path)
+    config = _with_checkpoint(
+        tiny,
+        data=dict(format="jsonl", path=path, shuffle=False, val_fraction=0.2),
+        train=dict(steps=3, batch_size=4, seq_len=32, eval_batches=1),
+        model=dict(max_seq_len=32),
+        optimizer=dict(name="sgd", lr=0.1),
+    )
+    runs = {}
+    for n in (1, 2):
+        chunked = config.replace(offload=dict(mode="stream", batch_chunks=n))
+        runs[n] = train(chunked, tmp_path / f"run{n}", verbose=False)
+    assert_losses_close(runs[2].losses, runs[1].losses)
+    assert_losses_close([runs[2].val_loss], [runs[1].val_loss])
+    result = evaluate_checkpoint(chunked, tmp_path / "run2")
+    assert_losses_close([result.loss], [runs[2].val_loss])
+
+
+def _t5_jsonl(tiny, tmp_path):
+    """A tiny random T5 made with transformers and a jsonl file whose prompts (3 to 16
+    bytes) and completions (1 to 10, with no EOS: bytes) differ in length: (transformers'
+    model, the config importing it, reading the file; rows of 24: two or three records
+    a row)."""
+    import dataclasses
+
+    import numpy as np
+    from test_instruct import _write
+    from test_t5 import _hf_t5, t5_config
+
+    from hetjax.hf import model_config_from_hf
+
+    rng = np.random.default_rng(0)
+    letters = lambda lo, hi: "".join(rng.choice(list("abcdefgh"), rng.integers(lo, hi)))
+    records = [{"prompt": letters(3, 17), "completion": letters(1, 11)} for _ in range(20)]
+    path = _write(tmp_path / "t5.jsonl", records)
+    config = t5_config(tiny)
+    hf = _hf_t5(config, tmp_path / "t5")
+    model = model_config_from_hf(tmp_path / "t5", config.model)
+    return hf, config.replace(
+        model=dataclasses.asdict(model),
+        data=dict(format="jsonl", path=path, shuffle=False, val_fraction=0.4),
+        train=dict(batch_size=2, seq_len=24, eval_batches=1),
+    )
+
+
+def _records_of(rows):
+    """Packed T5 rows (B, 4, T) -> each record's (prompt ids, completion ids), in order
+    (a side's padding, whose targets are all ignored, left out)."""
+    import numpy as np
+
+    from models.staged import segment_ids
+
+    out = []
+    for ids, enc, dec, targets in rows:
+        enc_seg, dec_seg = (np.asarray(segment_ids(p[None]))[0] for p in (enc, dec))
+        for k in range(1, int(dec_seg.max()) + 1):
+            completion = targets[dec_seg == k]
+            if (completion >= 0).all():
+                out.append((ids[enc_seg == k].tolist(), completion.tolist()))
+    return out
+
+
+# ~10-20 s on 2 busy cores: a transformers T5 built and saved, our loss compiled; the
+# default run's check of T5 rows is tests/test_packing.py's by hand
+@pytest.mark.slow
+def test_t5_jsonl_loss_equals_transformers_records_one_per_row(tiny, tmp_path):
+    """T5 on jsonl, records packed on both sides (the prompts the encoder's, the
+    completions the decoder's targets; each attends only to itself): ``hetjax eval
+    --hf`` of the held-out rows equals transformers' loss of the same records one per
+    row (the prompt's attention_mask, labels -100 past the completion), 1e-5 fp32."""
+    import torch
+
+    from hetjax.instruct import make_datasets
+
+    hf, config = _t5_jsonl(tiny, tmp_path)
+    result = evaluate_checkpoint(config)
+    _, val, described = make_datasets(config)
+    assert "packed on both sides" in described  # the log says so
+    records = _records_of(val.batch(0).reshape(2, 4, 24))
+    assert len(records) > 2  # packed: more records than rows
+    P, N = (max(len(r[k]) for r in records) for k in (0, 1))
+    ids = torch.zeros((len(records), P), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full((len(records), N), -100, dtype=torch.long)
+    for r, (prompt, completion) in enumerate(records):
+        ids[r, : len(prompt)], mask[r, : len(prompt)] = torch.tensor(prompt), 1
+        labels[r, : len(completion)] = torch.tensor(completion)
+    with torch.no_grad():
+        expected = float(hf(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    assert_losses_close([result.loss], [expected])
+
+
+# ~40 s on 2 busy cores: two runs and an evaluation
+@pytest.mark.slow
+def test_t5_jsonl_trains_streamed_as_in_memory(tiny, tmp_path):
+    """T5 on jsonl, imported from transformers: a streamed run (params on NVMe) takes the
+    same steps as in memory (losses and validation loss 1e-5, SGD), and ``hetjax eval``
+    of its checkpoint equals its validation loss."""
+    _, config = _t5_jsonl(tiny, tmp_path)
+    config = _with_checkpoint(
+        lambda **kw: config.replace(**kw), train=dict(steps=3), optimizer=dict(name="sgd", lr=0.1)
+    )
+    runs = {}
+    for mode in ("none", "stream"):
+        placed = config.replace(
+            offload=dict(mode=mode, params="nvme" if mode == "stream" else "host")
+        )
+        runs[mode] = train(placed, tmp_path / mode, verbose=False)
+    assert_losses_close(runs["stream"].losses, runs["none"].losses)
+    assert_losses_close([runs["stream"].val_loss], [runs["none"].val_loss])
+    assert runs["stream"].losses[-1] < runs["stream"].losses[0]
+    result = evaluate_checkpoint(placed, tmp_path / "stream")
+    assert_losses_close([result.loss], [runs["stream"].val_loss])

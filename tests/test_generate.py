@@ -81,17 +81,37 @@ def test_greedy_equals_transformers_in_memory(checkpoints, tiny, tmp_path, famil
     assert _ours(tiny, directory, tmp_path, prompts) == expected
 
 
-# ~20 s each on 2 busy cores: a streaming runtime with its params on NVMe
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "llama",  # the default run's check of offloaded inference (~7 s)
+        pytest.param("gpt2", marks=pytest.mark.slow),  # ~7 s each
+        pytest.param("mixtral", marks=pytest.mark.slow),
+    ],
+)
 def test_greedy_equals_transformers_streamed_from_nvme(checkpoints, tiny, tmp_path, family):
-    """offload.mode=stream, params and optimizer state on NVMe: every block's params
-    come through the prefetch window for the prefill and for each new token."""
+    """offload.mode=stream, params on NVMe: the inference runtime
+    (hetjax/runtime/inference.py) brings every block's params through the prefetch
+    window from their files for the prefill and for each new token, with no optimizer
+    state anywhere."""
     hf_model, directory = checkpoints(family)
     prompts = _prompts()
     expected = hf_greedy(hf_model, prompts, NEW)
-    streamed = dict(mode="stream", params="nvme", optimizer="nvme")
-    assert _ours(tiny, directory, tmp_path, prompts, **streamed) == expected
+    config = _config(tiny, directory, mode="stream", params="nvme")
+    blocks, _ = open_blocks(config, scratch=tmp_path)
+    try:
+        store = blocks.runtime.param_store
+        assert type(store).__name__ == "NvmeParamStore"
+        assert "no optimizer state" in blocks.describe()  # the plan printed
+        assert generate(blocks, prompts, NEW) == expected
+        # each block read from its file once per forward (the prefill and NEW - 1
+        # tokens), embed and head once
+        blocks_read = {f"block{i}": NEW for i in range(config.model.num_layers)}
+        assert store.stage_reads == {"embed": 1, "head": 1, **blocks_read}
+    finally:
+        blocks.runtime.close()
+    # the params' files and nothing else: no optimizer state
+    assert [p.name for p in (tmp_path / "nvme").iterdir()] == ["inference"]
 
 
 # ~30 s on 2 busy cores: four generations
@@ -145,17 +165,29 @@ def _t5(tiny, tmp_path):
     return hf, config.replace(model=dataclasses.asdict(model))
 
 
-# ~30-60 s each on 2 busy cores (transformers' generate without its cache, our whole
-# model per token)
+# ~7 s: the blocks streamed from host RAM
+@pytest.mark.slow
+def test_greedy_equals_transformers_streamed_from_host_ram(checkpoints, tiny, tmp_path):
+    """offload.params=host: the inference runtime's blocks in host RAM, no files."""
+    hf_model, directory = checkpoints("llama")
+    prompts = _prompts()
+    expected = hf_greedy(hf_model, prompts, NEW)
+    assert _ours(tiny, directory, tmp_path, prompts, mode="stream", params="host") == expected
+    assert not (tmp_path / "nvme").exists()
+
+
+# ~15-30 s each on 2 busy cores (transformers' generate without its cache)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "offload",
-    [dict(mode="none"), dict(mode="stream", params="nvme", optimizer="nvme")],
+    [dict(mode="none"), dict(mode="stream", params="nvme")],
     ids=["in_memory", "streamed_nvme"],
 )
 def test_t5_greedy_equals_transformers(tiny, tmp_path, offload):
-    """T5 (2 encoder, 3 decoder blocks): the decoder's greedy tokens after its start
-    token equal transformers' generate, in memory and streamed from NVMe."""
+    """T5 (2 encoder, 3 decoder blocks) with its KV cache (Seq2SeqBlocks: the encoder
+    once, then one decoder pass per token against the self- and cross-attention caches):
+    the decoder's greedy tokens after its start token equal transformers' generate, in
+    memory and streamed from NVMe."""
     hf, config = _t5(tiny, tmp_path)
     prompts = _prompts((9, 9))
     ids = torch.tensor(prompts)
@@ -169,6 +201,7 @@ def test_t5_greedy_equals_transformers(tiny, tmp_path, offload):
     assert out[0, 0] == config.model.decoder_start_token
     blocks, _ = open_blocks(config.replace(offload=offload), scratch=tmp_path)
     try:
+        assert type(blocks).__name__ == "Seq2SeqBlocks"
         assert run(blocks, prompts, NEW) == out[:, 1:].tolist()
     finally:
         if getattr(blocks, "runtime", None) is not None:
@@ -183,3 +216,95 @@ def test_prompt_outside_the_vocabulary_is_refused(checkpoints, tiny, tmp_path):
     _, directory = checkpoints("llama")
     with pytest.raises(ConfigError, match="token id 300, outside the model's vocabulary"):
         _ours(tiny, directory, tmp_path, [[1, 2, 300]])
+
+
+def _printer(texts, tty=False, width=0):
+    import io
+
+    from hetjax.generate import TokenPrinter
+    from hetjax.instruct import Tokens
+
+    tokens = Tokens("")  # bytes
+    tokens.eos = 0
+    out = io.StringIO()
+    return TokenPrinter(tokens, texts, out, tty, width), out
+
+
+# each step's tokens of two rows: "x" "y", then "z" and row 1's end, then both ended
+STEPS = [[ord("x"), ord("y")], [ord("z"), 0], [0, 0]]
+ROWS = [[ord("x"), ord("z"), 0], [ord("y"), 0]]
+
+
+def test_batched_prompts_print_as_they_come_tagged_by_prompt():
+    """Several prompts, output not a terminal: each step's new text of each row on a
+    line tagged by its prompt's index, as it comes; then each prompt and its text."""
+    show, out = _printer(["ab", "c"])
+    for i, step in enumerate(STEPS):
+        show(i, np.array(step))
+        if i == 0:
+            assert out.getvalue() == "[0] 'x'\n[1] 'y'\n"  # printed before the next step
+    show.finish(ROWS)
+    assert out.getvalue() == "[0] 'x'\n[1] 'y'\n[0] 'z'\nabxz\ncy\n"
+
+
+def test_batched_prompts_on_a_terminal_rewrite_one_line_each():
+    """On a terminal: one line per prompt, each step moves the cursor back up two lines
+    (ESC [2F) and writes both lines again (ESC [2K clears one); a line as wide as the
+    terminal is cut to its end behind "..." (it would wrap and not be rewritten)."""
+    show, out = _printer(["ab", "c"], tty=True)
+    for i, step in enumerate(STEPS[:2]):
+        show(i, np.array(step))
+    show.finish(ROWS)
+    line = lambda a, b: f"\x1b[2K{a}\n\x1b[2K{b}\n"
+    drawn = [line("ab", "c"), line("abx", "cy"), line("abxz", "cy"), line("abxz", "cy")]
+    assert out.getvalue() == "\x1b[2F".join(drawn)
+    show, out = _printer(["abcde", "c"], tty=True, width=6)
+    show(0, np.array([ord("f"), 0]))
+    assert out.getvalue().endswith("\x1b[2F\x1b[2K...ef\n\x1b[2Kc\n")
+
+
+def test_one_prompt_prints_its_text_appended():
+    show, out = _printer(["ab"])
+    show(0, np.array([ord("x")]))
+    assert out.getvalue() == "abx"
+    show(1, np.array([0]))
+    show.finish([[ord("x"), 0]])
+    assert out.getvalue() == "abx\n"
+
+
+def _tiny_t5(tiny):
+    import jax
+    from test_t5 import t5_config
+
+    from models import build_model
+
+    model = build_model(t5_config(tiny).model)
+    return model, jax.jit(model.init)(jax.random.key(3))
+
+
+# ~10 s: a tiny random T5's encoder, decoder step and whole model compiled
+def test_t5_kv_cache_equals_the_whole_model_per_token(tiny):
+    """A tiny random T5 (no transformers): greedy with the KV cache equals running the
+    whole model again for every new token, on prompts of 9, 4 and 6 tokens in one
+    batch (right-padded, the padding masked)."""
+    from hetjax.inference import Seq2SeqBlocks, WholeModel, generate_seq2seq
+
+    model, params = _tiny_t5(tiny)
+    prompts = _prompts((9, 4, 6))
+    cached = generate_seq2seq(Seq2SeqBlocks(model, params), prompts, 8)
+    assert generate_seq2seq(WholeModel(model, params), prompts, 8) == cached
+
+
+# ~20 s: three more prompt lengths compiled
+@pytest.mark.slow
+def test_t5_batched_prompts_equal_each_alone(tiny):
+    """Prompts of 9, 4 and 6 tokens right-padded into one batch, the padding masked in
+    the encoder and the cross-attention: each row equals its prompt alone."""
+    from hetjax.inference import Seq2SeqBlocks, generate_seq2seq
+
+    model, params = _tiny_t5(tiny)
+    blocks = Seq2SeqBlocks(model, params)
+    prompts = _prompts((9, 4, 6))
+    batched = generate_seq2seq(blocks, prompts, 8)
+    for prompt, row in zip(prompts, batched, strict=True):
+        assert generate_seq2seq(blocks, [prompt], 8) == [row]

@@ -121,3 +121,136 @@ def test_packed_row_equals_records_one_per_row(family, impl):
     alone = _one_per_row(records)
     loss_grad = jax.jit(jax.value_and_grad(model.loss))
     assert_trees_close(loss_grad(params, *packed), loss_grad(params, *alone))
+
+
+PROMPTS = (1, 1, 3, 4)  # each packed row's records' prompt lengths
+
+
+def _chunk_run(n: int) -> tuple[dict, list]:
+    """A tiny Llama's stage functions in ``n`` chunks of rows (offload.batch_chunks) on 4
+    packed rows whose records have prompts of 1, 1, 3 and 4 tokens: the first chunk of
+    2 rows takes a loss on more tokens than the second. -> every result of a step's
+    block and head functions."""
+    from hetjax.runtime import stages
+    from hetjax.runtime.placement import SingleDevice
+
+    model = _model("llama", "blockwise")
+    layouts = stages.stage_layouts(model, 16 * 1024, leaf_buffers=True)
+    fns = stages.StageFunctions(model, layouts, SingleDevice(), batch_chunks=n)
+    rows = [_packed(_records(seed=r), prompt=p) for r, p in enumerate(PROMPTS)]
+    tokens = np.concatenate([t for t, _ in rows])  # (4, 2, T)
+    targets = np.concatenate([y for _, y in rows])  # (4, T)
+    rng = np.random.default_rng(0)
+    e, b, h = (
+        jax.tree.map(
+            jnp.asarray,
+            layouts[s].leaf_views(rng.normal(0, 0.1, layouts[s].padded_size).astype(np.float32)),
+        )
+        for s in ("embed", "block", "head")
+    )
+    group = fns.groups[0]
+    x, context = group.input_fwd(e, None, tokens, targets)
+    y, stats = group.block_fwd(b, x, context)
+    dy = jnp.asarray(rng.normal(0, 1, y.shape), jnp.float32)
+    (db, _), dx, _ = group.block_bwd(b, x, dy, stats, context, group.zero_context(context))
+    loss, (dh, _), (de, _), dhx = fns.head_fwd_bwd(h, e, y, targets, jnp.float32(1))
+    evaluated = fns.head_loss(h, e, y, targets)
+    halves = [float(fns.head_loss(h, e, y[k : k + 2], targets[k : k + 2])) for k in (0, 2)]
+    return dict(y=y, db=db, dx=dx, loss=loss, dh=dh, de=de, dhx=dhx, eval=evaluated), halves
+
+
+# ~10-25 s on 2 busy cores: the stage functions compiled twice; the default run's check
+# is the weights' (below)
+@pytest.mark.slow
+def test_chunked_step_on_packed_rows_equals_the_whole_micro_batch():
+    """offload.batch_chunks=2 on packed rows (a context of positions, loss weights that
+    differ by chunk): every result equals the unchunked functions' (fp32, 1e-5): the
+    loss is the micro-batch's mean over its completion tokens, not the mean of the two
+    chunks' means, which differs here by more than 1e-3 (the check can fail)."""
+    (whole, halves), (chunked, _) = _chunk_run(1), _chunk_run(2)
+    assert_trees_close(chunked, whole, rtol=1e-5)
+    # completion tokens of each half: 2 x (16 - 3 x 1) and (16 - 3 x 3) + (16 - 3 x 4)
+    weights = np.array([26, 11]) / 37
+    assert abs(float(whole["loss"]) - float(np.dot(weights, halves))) < 1e-5
+    assert abs(float(whole["loss"]) - np.mean(halves)) > 1e-3
+
+
+def test_chunk_loss_weights_by_hand():
+    """Each chunk's weight in the micro-batch's mean: its targets that take a loss over
+    the micro-batch's; rows 0-1 take 2 (0, 1), rows 2-3 take 4 (2, 3, 4 and 5)."""
+    from hetjax.runtime import chunks
+
+    i = IGNORED
+    targets = jnp.array([[0, 1, i, i], [i, i, i, i], [2, 3, 4, i], [5, i, i, i]])
+    np.testing.assert_allclose(chunks.loss_weights(targets, 2), [2 / 6, 4 / 6], rtol=1e-7)
+    np.testing.assert_allclose(chunks.loss_weights(targets, 4), [2 / 6, 0, 3 / 6, 1 / 6])
+    np.testing.assert_array_equal(chunks.loss_weights(jnp.full((2, 4), i), 2), [0, 0])
+    np.testing.assert_allclose(chunks.loss_weights(jnp.zeros((4, 3), int), 4), [0.25] * 4)
+
+
+def test_t5_rows_by_hand():
+    """T5's rows (instruct.pack_seq2seq), rows of 6, first fit in order while both sides
+    fit: "ab" -> "c" (97 98 | 99) and 1 2 3 -> 4 5 share a row; 7 8 -> 9 does not fit
+    its prompt (5 + 2 > 6): a new row; a prompt of 8 and a completion of 7 are each cut
+    to 6 (counted), a row of their own. Rows: encoder ids | positions | decoder
+    positions | targets, each side's padding a record of its own (positions from 0
+    again, targets ignored). A record without a prompt is refused, naming its line."""
+    from hetjax.config import ConfigError
+    from hetjax.instruct import Record, pack_seq2seq
+
+    i = IGNORED
+    records = [
+        Record((97, 98, 99), 2, 1, 2),
+        Record((1, 2, 3, 4, 5), 3, 2, 3),
+        Record((7, 8, 9), 2, 3, 2),
+        Record(tuple(range(15)), 8, 4, 8),
+    ]
+    packed = pack_seq2seq(records, 6)
+    expected = [
+        [[97, 98, 1, 2, 3, 0], [0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 1, 2], [99, 4, 5, i, i, i]],
+        [[7, 8, 0, 0, 0, 0], [0, 1, 0, 1, 2, 3], [0, 0, 1, 2, 3, 4], [9, i, i, i, i, i]],
+        [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]],
+    ]
+    np.testing.assert_array_equal(packed.rows, expected)
+    assert (packed.records, packed.cut) == (4, 1)
+    with pytest.raises(ConfigError, match="line 3: an encoder-decoder model"):
+        pack_seq2seq([Record((1, 2), 1, 3, 0)], 4)
+
+
+# ~10-20 s on 2 busy cores: T5's loss and gradient compiled twice
+@pytest.mark.slow
+def test_t5_packed_rows_equal_records_one_per_row():
+    """T5 (2 encoder, 3 decoder blocks): three records packed into one row on both sides
+    (instruct.pack_seq2seq) give the loss and every param's gradient of the same records
+    one per row, each row's prompt padding masked (fp32, 1e-5)."""
+    from hetjax.instruct import Record, pack_seq2seq
+
+    model = build_model(
+        Config().replace(
+            model=dict(
+                family="t5", num_layers=2, num_decoder_layers=3, d_model=32, num_heads=4,
+                d_ff=64, relative_attention_num_buckets=8, relative_attention_max_distance=12,
+                tie_embeddings=False,
+            ),
+            data=dict(objective="prefix_lm"),
+            train=dict(seq_len=T),
+        ).model
+    )  # fmt: skip
+    params = model.init(jax.random.key(0))
+    rng = np.random.default_rng(1)
+    shapes = [(5, 3), (7, 2), (4, 4)]  # (prompt, completion) tokens of each record
+    records = [
+        Record(tuple(rng.integers(1, 256, p + c).tolist()), p, r + 1, p)
+        for r, (p, c) in enumerate(shapes)
+    ]
+    rows = pack_seq2seq(records, T).rows  # (1, 4, T): all three in one row
+    assert rows.shape[0] == 1
+    packed = (rows[:, :3], rows[:, 3])
+    alone = np.zeros((3, 2, T), np.int32)  # one per row: ids, positions (padding from 0)
+    targets = np.full((3, T), IGNORED, np.int32)
+    for r, (rec, (p, c)) in enumerate(zip(records, shapes, strict=True)):
+        alone[r, 0, :p] = rec.ids[:p]
+        alone[r, 1] = np.concatenate([np.arange(p), np.arange(T - p)])
+        targets[r, :c] = rec.ids[p:]
+    loss_grad = jax.jit(jax.value_and_grad(model.loss))
+    assert_trees_close(loss_grad(params, *packed), loss_grad(params, alone, targets))

@@ -1,7 +1,8 @@
 """``python -m hetjax.bench generate``: ``hetjax generate``'s tokens/s with every param
 on the device (``offload.mode=none``) vs the blocks streamed from NVMe
-(``offload.mode=stream``, ``offload.params=nvme``: each new token is one pass of every
-block's params through the prefetch window), at GPT-2 small's shape (124M) and Llama
+(``offload.mode=stream``, ``offload.params=nvme``: the inference runtime,
+``runtime/inference.py``; each new token is one pass of every block's params through
+the prefetch window), at GPT-2 small's shape (124M) and Llama
 3.2 1B's (1.24B), random params, fp32, greedy. Each row runs in a child process (its
 peak RSS is the child's own). Prefill: the prompts' forward (B x P tokens); decode: the
 tokens/s of the new tokens after the first."""
@@ -23,7 +24,7 @@ def _row(config_name: str, mode: str, batch: int, prompt: int, new: int, out) ->
 
     from hetjax.config import load_config
     from hetjax.inference import InMemoryBlocks, StreamedBlocks, generate
-    from hetjax.train import build_runtime
+    from hetjax.runtime.inference import InferenceRuntime
     from models import build_model
 
     config = load_config(config_name).replace(
@@ -39,10 +40,9 @@ def _row(config_name: str, mode: str, batch: int, prompt: int, new: int, out) ->
         blocks = InMemoryBlocks(model, jax.jit(model.init)(jax.random.key(0)))
     else:
         config = config.replace(
-            offload=dict(mode="stream", params="nvme", optimizer="nvme", expert_fetch="all"),
-            memory=dict(nvme_path=scratch),
+            offload=dict(mode="stream", params="nvme"), memory=dict(nvme_path=scratch)
         )
-        blocks = StreamedBlocks(build_runtime(config, scratch))
+        blocks = StreamedBlocks(InferenceRuntime(config))
     setup_s = time.perf_counter() - t0
     generate(blocks, prompts, new)  # compiles (the cache's length is prompt + new)
     first = []
@@ -76,8 +76,8 @@ def bench_generate(quick: bool) -> dict:
     ctx = multiprocessing.get_context("spawn")
     rows = []
     print(
-        f"{'shape':<11}{'placement':<18}{'B':>3}{'prefill s':>11}{'decode tok/s':>14}"
-        f"{'all tok/s':>11}{'peak RSS GiB':>14}"
+        f"{'shape':<11}{'placement':<18}{'B':>3}{'setup s':>9}{'prefill s':>11}"
+        f"{'decode tok/s':>14}{'all tok/s':>11}{'peak RSS GiB':>14}"
     )
     for name, size in shapes.items():
         for mode in ("none", "stream"):
@@ -89,7 +89,7 @@ def bench_generate(quick: bool) -> dict:
             rows.append(row)
             where = "in memory" if mode == "none" else "streamed, NVMe"
             print(
-                f"{size:<11}{where:<18}{batch:>3}{row['prefill_s']:>11.3f}"
+                f"{size:<11}{where:<18}{batch:>3}{row['setup_s']:>9.1f}{row['prefill_s']:>11.3f}"
                 f"{row['decode_tokens_per_s']:>14.2f}{row['tokens_per_s']:>11.2f}"
                 f"{row['peak_rss_gib']:>14.2f}"
             )

@@ -389,11 +389,6 @@ class StageFunctions:
                 targets,
             )
 
-        def head_loss_chunked(h, e, x, targets):  # the mean of equal chunks' means
-            one = lambda rows: head_loss(h, e, *rows)
-            n = batch_chunks
-            return jnp.mean(jax.lax.map(one, (chunks.split(x, n), chunks.split(targets, n))))
-
         def head_fwd_bwd(h, e, x, targets, scale):
             if batch_chunks > 1:
                 run = chunks.head_backward(head_loss, batch_chunks, H.grad_pages, E.grad_pages)
@@ -418,7 +413,8 @@ class StageFunctions:
             return out(E.grad_pages(vjp(dx)[0]))
 
         sig = SIGNATURES
-        self.head_loss = jit(head_loss_chunked if batch_chunks > 1 else head_loss, sig["head_loss"])
+        chunked_loss = chunks.head_loss(head_loss, batch_chunks)  # the micro-batch's mean
+        self.head_loss = jit(chunked_loss if batch_chunks > 1 else head_loss, sig["head_loss"])
         self.head_fwd_bwd = jit(head_fwd_bwd, sig["head_fwd_bwd"])
         self.aux_fwd_bwd = jit(aux_fwd_bwd, sig["aux_fwd_bwd"])
         self.embed_fwd = jit(embed_fwd, sig["embed_fwd"])

@@ -414,40 +414,6 @@ class StreamingRuntime:
             loss = self.fns.aux_fwd_bwd(loss, stats, self.placement.put_scalar(1.0))[0]
         return float(loss)
 
-    # -- inference (hetjax/generate.py) -------------------------------------------------
-
-    def stream_blocks(self, step, carry):
-        """Folds ``carry = step(slot, pages, carry)`` over every block in forward order
-        (``slot``: its ``schedule.BlockSlot``), each block's compute-dtype pages brought
-        to the device through the prefetch window from their tier (``offload.params``),
-        as an evaluation's forward brings them: offloaded inference. The window waits on
-        the carry's first leaf. The embed and head pages: :meth:`resident_pages`."""
-        window = self._window(self.schedule.forward_uses)
-        for slot in self.schedule.blocks:
-            slab = window.get(slot.forward_use)
-            carry = step(slot, slab, carry)
-            del slab  # the window decides when a slab goes
-            window.done(slot.forward_use, after=jax.tree.leaves(carry)[0])
-        return carry
-
-    def forward(self, tokens: np.ndarray, targets: np.ndarray) -> jax.Array:
-        """The last group's output (B, T, D) for a batch's tokens and targets (host
-        arrays, as ``split_window`` makes them): an evaluation's forward, every group in
-        turn through the window (an encoder-decoder model's generation recomputes with
-        it; the head: :meth:`resident_pages`)."""
-        tokens, targets = (self.placement.put_batch(np.asarray(a)) for a in (tokens, targets))
-        window = self._window(self.schedule.forward_uses)
-        try:
-            x, _ = self._forward(window, tokens, targets, training=False)
-        finally:
-            for group in self.inputs:
-                group.reset()
-        return x
-
-    def resident_pages(self, stage: str):
-        """The device pages of an always-resident stage (``embed``, ``head``)."""
-        return self.resident[stage]
-
     def flush_deferred(self) -> None:
         """Catches up every deferred expert update and refreshes the params' copies."""
         pages_of = lambda s: self.optimizer.compute_pages(layout_name(s), self.states.master(s))
