@@ -139,6 +139,7 @@ class PageStore:
         to measure what that costs, ``python -m hetjax.bench io``). ``stripes``: the
         drives the pages stripe over (``stripes.py``; a row with all its chunks)."""
         self.path = Path(path)
+        self.stripes = stripes if stripes is not None and stripes.others else None
         if not isinstance(kinds, dict):
             kinds = {k: "float32" for k in kinds}
         self.dtypes = {k: np.dtype(jnp.dtype(d)) for k, d in kinds.items()}
