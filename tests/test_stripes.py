@@ -92,6 +92,19 @@ def test_striped_swap_returns_each_boundary_and_keeps_odd_rows_on_the_second_dri
     assert (on_a / "1").is_symlink() and not (on_a / "0").is_symlink()
 
 
+def test_striped_pages_in_relative_directories_reach_their_drive(tmp_path, monkeypatch):
+    """Drives named relative to the working directory (``memory.nvme_path=d0,d1``):
+    the odd page's link still reaches d1, and the page reads back."""
+    monkeypatch.chdir(tmp_path)
+    store = PageStore(
+        Path("d0") / "state", ["mu"], 2, 1024, stripes=Stripes(Path("d0"), (Path("d1"),))
+    )
+    data = np.arange(2 * 1024, dtype=np.float32)
+    store.write("mu", 0, data).result()
+    np.testing.assert_array_equal(store.read("mu", 0, 2).result().reshape(-1), data)
+    assert (tmp_path / "d1" / "state" / "mu" / "c" / "1" / "0").is_file()
+
+
 def test_a_drive_is_checked_for_its_rows_of_a_swap():
     """Three rows of 100 bytes over two drives: drive 0 holds rows 0 and 2."""
     assert Stripes(Path("a"), (Path("b"),)).rows_share(300, 3) == 200

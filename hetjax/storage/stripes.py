@@ -68,7 +68,8 @@ class Stripes:
                 link.unlink()
             elif link.is_dir():
                 shutil.rmtree(link)
-            link.symlink_to(target, target_is_directory=True)
+            # absolute: a relative target would resolve against the link's directory
+            link.symlink_to(target.absolute(), target_is_directory=True)
 
 
 def stripes_of(dirs: list[Path], subdir: str = "") -> Stripes:
