@@ -54,11 +54,18 @@ class Feature:
     why_unplanned: str = ""
 
 
-# the planner does not count the ZeRO-3 backward's reduce-scatter temporaries, which the
-# runtime measures: with kept or swapped blocks its plans can miss by them
+# the planner's count of kept and swapped blocks (the ZeRO-3 backward's reduce-scatter
+# temporaries included) is checked against the runtime's under data parallelism only
+# (tests/test_memory_model.py)
 UNPLANNED_ACTIVATIONS = (
-    "the planner does not count the ZeRO-3 backward's reduce-scatter temporaries, which "
-    "a plan keeping or swapping blocks can miss by"
+    "the planner's memory model of kept and swapped blocks is checked against the "
+    "runtime's under data parallelism only"
+)
+
+# a process's optimizer state on the device sits on its first device (runtime/zero.py)
+FIRST_DEVICE = (
+    "the data-parallel runtime keeps a process's optimizer state on its first device, "
+    "which would hold the share of every device the process drives"
 )
 
 FEATURES: dict[str, Feature] = {
@@ -68,57 +75,65 @@ FEATURES: dict[str, Feature] = {
         reason="{parallel} is built on the streaming runtime (ZeRO-3)",
         fix="set offload.mode=stream (or auto)",
     ),
+    # under ZeRO-3 the cached stages' state and update are on a process's first device
+    # (its devices' shards of them), their params in each device's memory (zero.py)
     "device_cache": Feature(
         key="offload.optimizer_device_stages",
         reason="a device cache of optimizer state is not supported with {parallel}, where "
         "each device updates its shard on the host",
         fix="leave it 0",
+        refused=frozenset(),
+        unplanned=SHARDED,
+        why_unplanned=FIRST_DEVICE,
     ),
-    # under data parallelism each device keeps, swaps or stores its own rows' activations
-    # (tests/test_zero.py); under expert parallelism a block's keep levels would be
-    # traced outside the mesh its all-to-all needs (runtime/remat.py)
+    # each device keeps, swaps or stores its own rows' activations (tests/test_zero.py,
+    # tests/test_tensor.py, tests/test_moe.py; a model group's devices their parts of
+    # them, or each the same rows); under expert parallelism a block's keep levels and
+    # residual bytes are measured on one device inside the mesh its all-to-all needs
+    # (stages.StageFunctions._measure)
     "keep_blocks": Feature(
         key="offload.keep_blocks",
         reason="kept activations are not supported with {parallel}",
         fix="leave it 0",
-        refused=frozenset({EXPERT, TENSOR}),
-        unplanned=frozenset({DATA}),
+        refused=frozenset(),
+        unplanned=frozenset({EXPERT, TENSOR}),
         why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
     "swap_blocks": Feature(
         key="offload.swap_blocks",
         reason="swapped activations are not supported with {parallel}",
         fix="leave it 0",
-        refused=frozenset({EXPERT, TENSOR}),
-        unplanned=frozenset({DATA}),
+        refused=frozenset(),
+        unplanned=frozenset({EXPERT, TENSOR}),
         why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
+    # the swaps to NVMe write each distinct part of a process's rows once (a model
+    # group's devices hold the same rows: written once per group, storage/swap.py)
     "swap_to_nvme": Feature(
         key="offload.swap_tier",
         reason="nvme is not supported with {parallel}",
         fix="use host",
-        refused=frozenset({EXPERT, TENSOR}),
+        refused=frozenset(),
     ),
-    # tensor parallelism: not yet tried with either (each device of a model group holds
-    # the same rows, which the swap would write once per device)
     "nvme_boundaries": Feature(
         key="offload.activations",
         reason="nvme boundary activations are not supported with {parallel} yet",
         fix="use device or host",
-        refused=frozenset({TENSOR}),
+        refused=frozenset(),
     ),
     "lockfree": Feature(
         key="optimizer.mode",
         reason="lockfree is not supported with {parallel} yet",
         fix="use optimizer.mode=sync",
-        refused=frozenset({TENSOR}),
+        refused=frozenset(),
     ),
-    # the default: a data-parallel device takes a block's pages, not its leaves, so it
-    # cannot copy some experts and not others (runtime/routed.py)
+    # the default: a ZeRO-3 device takes its share of a block's pages and gathers the
+    # rest, pages that cut across the experts' leaves, so it cannot copy the routed
+    # experts and not the others (runtime/routed.py copies leaf by leaf on one device)
     "routed_experts": Feature(
         key="offload.expert_fetch",
-        reason="routed experts are not supported with {parallel}, whose devices take "
-        "whole pages of a block",
+        reason="routed experts are not supported with {parallel}, whose devices each take "
+        "a share of a block's pages (cut across its experts) and gather the rest",
         fallback="every streamed block copies all its experts, as offload.expert_fetch=all",
     ),
     # deferred expert updates need routed experts (optimizer/deferred.py)
@@ -131,7 +146,7 @@ FEATURES: dict[str, Feature] = {
         key="offload.batch_chunks",
         reason="batch chunks are not supported with {parallel} yet",
         fix="leave it 1",
-        refused=frozenset({TENSOR}),
+        refused=frozenset(),
     ),
     # works, but the planner's per-device memory model would count it wrong
     # (docs/results/2026-11-26.md, "optimizer state on the device under data parallelism")
@@ -140,8 +155,7 @@ FEATURES: dict[str, Feature] = {
         reason="",
         refused=frozenset(),
         unplanned=SHARDED,
-        why_unplanned="the data-parallel runtime keeps a process's optimizer state on its "
-        "first device, which would hold the share of every device the process drives",
+        why_unplanned=FIRST_DEVICE,
     ),
 }
 

@@ -183,6 +183,49 @@ def test_zero_quick(tmp_path, capsys):
         assert fp32["all_gather_bytes"] == bf16["all_gather_bytes"]
         assert bf16["reduce_scatter_bytes"] < fp32["reduce_scatter_bytes"]
     assert "6(p-1)/p M" in capsys.readouterr().out
+    tensor = json.loads(out.read_text())["tensor_rows"]
+    assert [(r["data"], r["tensor"]) for r in tensor] == [
+        (1, 1),
+        (2, 1),
+        (4, 1),
+        (1, 2),
+        (1, 4),
+        (2, 2),
+    ]
+    for r in tensor:  # the blocks all-reduce over the model axis only with tensor parallelism
+        assert (r["tensor_bytes"] > 0) == (r["tensor"] > 1), r
+        assert (r["tensor_ops"].get("all-reduce", 0) > 0) == (r["tensor"] > 1), r
+    assert tensor[3]["zero_bytes"] > 0 and tensor[3]["megatron_bytes"] > 0
+
+
+def test_wire_bytes_of_hlo_collectives_by_hand():
+    """Bytes a device sends for collectives in compiled HLO text, each counted by hand
+    (ring algorithms over groups of g: all-reduce 2(g-1)/g of its bytes, all-gather
+    (g-1)/g of its result, reduce-scatter (g-1)/g of its operand, all-to-all (g-1)/g,
+    a permute its bytes), the three ways XLA writes replica groups."""
+    from hetjax.bench.zero import wire_bytes
+
+    hlo = "\n".join([
+        "%all-reduce.2 = f32[16,64,64]{2,1,0} all-reduce(%x), channel_id=27, "
+        "replica_groups=mesh['axis_0'=1,'axis_1'=1,'axis_2'=2] {'axis_2'}, to_apply=%add",
+        "%all-gather.4 = f32[4,13312]{0,1} all-gather(%y), channel_id=32, "
+        "replica_groups=mesh['axis_0'=1,'axis_1'=2] {'axis_1'}, dimensions={1}",
+        "%reduce_scatter.6 = f32[1,4096]{1,0} reduce-scatter(%z), channel_id=1, "
+        "replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add",
+        "%all-to-all.8 = (f32[1,8,64,32]{3,2,1,0}, f32[1,8,64,32]{3,2,1,0}) all-to-all(%a, %b), "
+        "channel_id=17, replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=1] {'axis_0'}",
+        "%collective-permute.1 = f32[256]{0} collective-permute(%c), channel_id=3, "
+        "source_target_pairs={{0,1},{1,0}}",
+        "%all-reduce.9 = bf16[8]{0} all-reduce(%d), replica_groups=[2,2]<=[4], to_apply=%add",
+        "%fusion.1 = f32[13312]{0} fusion(%all-reduce.2, %c), kind=kCustom",  # a use: no
+    ])  # fmt: skip
+    assert wire_bytes(hlo) == {
+        "all-reduce": 16 * 64 * 64 * 4 + 8 * 2,  # 2 x 1/2 of 262,144 B; of 16 B
+        "all-gather": 4 * 13312 * 4 // 2,
+        "reduce-scatter": 4 * 4096 * 4 * 3 // 4,  # the operand is 4 x the 16 KiB result
+        "all-to-all": 2 * 8 * 64 * 32 * 4 // 2,
+        "collective-permute": 256 * 4,
+    }
 
 
 @pytest.mark.slow

@@ -247,9 +247,10 @@ def test_device_cache_is_counted_on_the_device(tiny):
         ({"offload.mode": "auto"}, r"offload.mode=auto the planner chooses it"),
         ({"offload.optimizer": "device"}, r"offload.optimizer=device keeps every stage's"),
         ({"offload.optimizer_device_stages": "7"}, r"exceeds the number of stages, 6"),
-        ({"distributed.data_parallel": "2"}, r"not supported with data parallelism"),
     ],
-    ids=["negative", "none", "auto", "optimizer-device", "too-many", "data-parallel"],
+    # (supported under data, tensor and expert parallelism: tests/test_zero.py,
+    # tests/test_tensor.py, tests/test_moe.py)
+    ids=["negative", "none", "auto", "optimizer-device", "too-many"],
 )
 def test_config_errors_name_the_key_and_the_fix(overrides, pattern):
     base = {

@@ -16,7 +16,7 @@ from hetjax.config import ConfigError
 from hetjax.generations import nvme_generations
 from hetjax.optimizer.state_format import StateFormat
 from hetjax.placement import Placement
-from hetjax.storage.states import NvmeStateStore
+from hetjax.storage.nvme_states import NvmeStateStore
 from hetjax.train import train
 
 # every update waits for the global norm: nothing written is ever dropped

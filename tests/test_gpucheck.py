@@ -14,6 +14,7 @@ import pytest
 
 from hetjax import gpucheck
 from hetjax.config_values import format_bytes
+from hetjax.gpucheck import training
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -149,7 +150,8 @@ def test_working_set_check_reports_estimate_and_compiled(tmp_path):
     CPU at a small shape: one line per chunk count with both figures, failing where the
     estimate is below WORKING_SET_LOW of the compiled size (at this shape the CPU fit's
     4-chunk estimate lies near that edge)."""
-    from hetjax.gpucheck import Report, working_set
+    from hetjax.gpucheck.common import Report
+    from hetjax.gpucheck.training import working_set
 
     working_set(Report(tmp_path, "memory"), "cpu", d_model=256, batch=4, seq=256)
     rows = [json.loads(line) for line in (tmp_path / "gpucheck.jsonl").read_text().splitlines()]
@@ -189,7 +191,8 @@ def test_the_working_set_check_fails_below_three_quarters_of_the_compiled(
 ):
     """The working-set check's rule on figures picked by hand (no compilation): it
     fails where the planner's estimate is below 3/4 of XLA's compiled working set."""
-    from hetjax.gpucheck import Report, working_set
+    from hetjax.gpucheck.common import Report
+    from hetjax.gpucheck.training import working_set
     from hetjax.planning.workload import Workload
     from hetjax.runtime import stages
 
@@ -321,7 +324,7 @@ TINY_MFU = dict(d=32, heads=4, seq=16, batch=4, layers=2, steps=3, skip=1)
 
 @pytest.mark.slow  # two tiny trainings (the rows' code path; their figures need a GPU)
 def test_mfu_rows_report_their_figures(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpucheck, "_mfu_shape", lambda quick: TINY_MFU)
+    monkeypatch.setattr(training, "_mfu_shape", lambda quick: TINY_MFU)
     run = gpucheck.Run(quick=True, emulate=False, out=tmp_path)
     hbm, off = (gpucheck.mfu_row(row, run) for row in ("in_hbm", "offloaded"))
     assert (hbm["mode"], off["mode"]) == ("none", "stream")
@@ -347,7 +350,7 @@ def test_mfu_states_the_ratio_and_its_floor(tmp_path, monkeypatch):
         envs[row] = env
         return figures[row]
 
-    monkeypatch.setattr(gpucheck, "_mfu_child", child)
+    monkeypatch.setattr(training, "_mfu_child", child)
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
     gpucheck.mfu(gpucheck.Report(tmp_path, "mfu"), gpucheck.Run(False, False, tmp_path))
     got = rows(tmp_path)

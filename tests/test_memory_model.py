@@ -158,3 +158,42 @@ def test_planner_bytes_for_a_small_config_by_hand(tiny, tmp_path):
         assert 0 < report.metrics["host_bytes"] <= sum(f.host.values())
     finally:
         runtime.close()
+
+
+@pytest.mark.slow  # ~15 s: a 4-device runtime and the tracer
+@pytest.mark.parametrize("keep", [0, 1], ids=["streamed", "kept"])
+def test_planner_bytes_agree_with_the_runtime_on_4_devices(tiny, tmp_path, keep):
+    """ZeRO-3 on 4 devices (tiny GPT, 2 blocks of 4 pages of 16 KiB): the planner, from
+    what ``offload.mode=auto`` gives it (the tracer's one-device measurement at a
+    device's rows), counts each device's bytes as the built runtime does (XLA's own
+    measure of the ZeRO-3 stage functions): the gradient slabs each device holds after
+    the reduce-scatter byte for byte (two, a quarter of the block's 64 KiB each, counted
+    by hand), every other part but the measured ones equal, and the working set (the
+    reduce-scatter's temporaries: the whole gradient) and a kept block (its gathered
+    pages, padding included) not below the runtime's, nor 5% above it."""
+    from hetjax.planning.tracer import trace
+    from hetjax.runtime.zero import Zero3
+
+    offload = dict(mode="stream", params="host", optimizer="host", keep_blocks=keep)
+    memory = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
+    config = tiny(offload=offload, memory=memory, distributed=dict(data_parallel=4))
+    runtime = StreamingRuntime(config, workdir=tmp_path, placement=Zero3(config))
+    try:
+        w = trace(config, repeats=1, devices=4)
+        placement = Placement(
+            params="host", optimizer="host", activations="device", keep_blocks=keep,
+            prefetch_depth=config.offload.prefetch_depth, expert_fetch="all",
+        )  # fmt: skip
+        budgets = {"device": 64 << 20, "host": 64 << 20, "nvme": 1 << 40}
+        f = footprint(w, Candidate(placement=placement), budgets, 4)
+        ran = runtime.plan.parts
+        assert ran["gradients"] == 2 * 4 * (4 * 4096) // 4  # two fp32 slabs, a quarter each
+        measured = ("working set", "kept")
+        assert {k: v for k, v in f.device.items() if k not in measured} == {
+            k: v for k, v in ran.items() if k not in measured
+        }
+        for part in measured if keep else measured[:1]:
+            assert ran[part] <= f.device[part] <= 1.05 * ran[part], (part, f.device, ran)
+        assert f.candidate.placement.resident_blocks == runtime.plan.resident_blocks
+    finally:
+        runtime.close()

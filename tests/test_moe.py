@@ -258,6 +258,40 @@ def test_expert_parallel_on_4_devices_equals_single_device(
     np.testing.assert_allclose(*norms, rtol=1e-5)
 
 
+# Each offload feature once refused under expert parallelism (hetjax/support.py), at data x
+# expert = 2 x 2
+EP_FEATURES = {
+    "keep": dict(keep_blocks=1),
+    "swap_host": dict(swap_blocks=1),
+    "swap_nvme": dict(swap_blocks=2, swap_tier="nvme"),
+    "device_cache": dict(optimizer_device_stages=2),
+}
+
+
+@pytest.mark.slow  # ~20 s each (2 cores)
+@pytest.mark.parametrize("feature", list(EP_FEATURES))
+def test_formerly_refused_features_under_expert_parallelism_equal_single_device(
+    reference, tiny, tmp_path, feature, monkeypatch
+):
+    """Kept and swapped blocks (host and NVMe) and the device cache of optimizer state
+    (embed's and block 0's updates on the device) with experts split over 2 x 2
+    devices: losses, the validation loss, every final param and the logits equal one
+    device's at 1e-5 (fp32, SGD). A kept or swapped block's keep levels and residual
+    bytes are measured on one device inside the mesh (its all-to-all needs it); read
+    ahead one block, so one swapped block's residuals go through the disk each step."""
+    from hetjax import memory
+
+    monkeypatch.setattr(memory, "IO_READAHEAD", 1)
+    config = ep_config(tiny, 2, 2)
+    config = config.replace(offload=dict(mode="stream", **EP_FEATURES[feature]))
+    result = train(config, tmp_path, verbose=False)
+    assert_training_equal(result, reference, build_model(config.model), check_tokens())
+    if feature == "swap_nvme":
+        assert all(r["nvme_write_bytes"] == r["nvme_read_bytes"] > 0 for r in result.records)
+    if feature == "device_cache":
+        assert all(r["optimizer_device_params"] > 0 for r in result.records)
+
+
 def test_expert_slab_shares_hold_their_devices_experts(tiny):
     """A block's slab under expert parallelism (2 x 2 devices): device (s, g)'s share
     holds a share of its group g's experts (experts 2g, 2g + 1) and no other's; the
@@ -282,14 +316,14 @@ def test_expert_slab_shares_hold_their_devices_experts(tiny):
     shares = slab.reshape(layout.devices, layout.share * P)
     for n, share in enumerate(shares):
         g = n % layout.groups  # the mesh is (data, expert): device n = (n // 2, n % 2)
-        experts = set(np.unique(share[: layout.expert_share * P])) - {0.0}
+        experts = set(np.unique(share[: layout.group_share * P])) - {0.0}
         assert experts and experts <= {2.0 * g + 1, 2.0 * g + 2}, (n, experts)
     host = jax.device_put(slab.reshape(-1, P), zero.sharded.slab_host)
     pages = zero.to_device(host, layout)
-    for shard in pages.experts.addressable_shards:
+    for shard in pages.group.addressable_shards:
         g = int(np.argwhere(zero.mesh.devices == shard.device)[0][1])
-        assert shard.data.shape == (layout.experts.num_pages, P)  # one group's pages
-        mine = layout.experts.unflatten(np.asarray(shard.data).reshape(-1))
+        assert shard.data.shape == (layout.group.num_pages, P)  # one group's pages
+        mine = layout.group.unflatten(np.asarray(shard.data).reshape(-1))
         for name, value in mine["moe"].items():
             np.testing.assert_array_equal(value, block["moe"][name][2 * g : 2 * g + 2])
     dense = np.concatenate([np.asarray(p) for p in pages.dense])
@@ -368,7 +402,7 @@ def test_bad_expert_parallel_settings_are_named(tiny):
     from hetjax.runtime.stages import stage_layouts
 
     wide = build_model(tiny(model={**TRAIN_MOE, "d_model": 1024, "d_ff": 16}).model)
-    with pytest.raises(ConfigError, match="'memory.page_size': a block's 2048 norm-scale"):
+    with pytest.raises(ConfigError, match="'memory.page_size': a stage's 2048 norm-scale"):
         stage_layouts(wide, 4096, page_multiple=4096, expert_parallel=2)
 
 

@@ -28,7 +28,7 @@ from hetjax.planning.workload import Workload, memory_sizes
 from hetjax.runtime import setup
 from hetjax.runtime.stages import StageMemory
 from hetjax.runtime.streaming import StreamingRuntime
-from hetjax.storage.states import NvmeStateStore
+from hetjax.storage.nvme_states import NvmeStateStore
 from hetjax.types import RuntimeState
 
 FP32 = StateFormat.fp32(["mu", "nu"])

@@ -26,6 +26,7 @@ from equivalence import (
 )
 
 from hetjax.config import ConfigError
+from hetjax.runtime.grouped import GroupPages
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.runtime.zero import Zero3
 from hetjax.train import train
@@ -135,7 +136,12 @@ def _block_backward_hlo(config) -> str:
     try:
         B, sds = runtime.layouts["block"], jax.ShapeDtypeStruct
         zero, t = runtime.placement, config.train
-        pages = [sds((B.page_elems,), np.float32, sharding=zero.sharded.gathered)] * B.num_pages
+        pages = B.device_pages(np.float32)  # as the gather hands them over
+        if isinstance(pages, GroupPages):  # tensor parallelism: split weights by slice
+            shardings = zero.sharded.group_pages(B.dense.num_pages, B.grouping.axis)
+        else:
+            shardings = [zero.sharded.gathered] * B.num_pages
+        pages = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s), pages, shardings)
         x = sds((t.micro_batch_size, t.seq_len, config.model.d_model), np.float32,
                 sharding=zero.sharded.batch)  # fmt: skip
         return runtime.fns.block_bwd.lower(pages, x, x).compile().as_text()
@@ -162,17 +168,160 @@ def test_block_compute_splits_over_the_model_axis(tmp_path):
     assert {"f32[32,128]", "f32[2,4,8,8]"} <= dots(dp), dots(dp)
 
 
+def test_each_device_fetches_only_its_slice_of_the_split_weights():
+    """Streamed blocks arrive already split: at data x tensor = 2 x 2 each device's
+    gather of a block brings the dense pages whole and, of every weight the rules split
+    (the MLP's two kernels, the attention's output kernel), only its model index's slice,
+    cut here from the initial params by hand (numpy slicing on the split axis); the
+    bytes a device holds of the block are under the whole block's."""
+    config = tp_config(2, 2)
+    model = build_model(config.model)
+    zero = Zero3(config)
+    layout = zero.stage_layouts(model, config.memory.page_size)["block"]
+    assert isinstance(layout.device_pages(np.float32), GroupPages)
+    block = jax.tree.map(lambda a: np.asarray(a[0]), model.init(jax.random.key(0))["blocks"])
+    split = {  # GPT's block: leaf -> the axis Megatron splits it on (tiny: d 32, MLP 128)
+        ("c_fc", "kernel"): 1,  # column-parallel MLP in
+        ("c_proj_mlp", "kernel"): 0,  # row-parallel MLP out
+        ("c_proj", "kernel"): 0,  # row-parallel attention out (heads x head_dim rows)
+    }
+    assert dict(layout.grouping.axes) == split
+    host = jax.device_put(
+        layout.flatten_np(block).reshape(-1, layout.page_elems), zero.sharded.slab_host
+    )
+    pages = zero.to_device(host, layout)
+    P, G = layout.page_elems, layout.group
+    for shard in pages.group.addressable_shards:
+        m = list(zero.mesh.devices.flat).index(shard.device) % 2  # the model index
+        got = np.asarray(shard.data).reshape(-1)
+        assert got.size == G.num_pages * P  # one group: half the split weights
+        for leaf in G.leaves:
+            whole = block[leaf.path[0]][leaf.path[1]]
+            cut = np.moveaxis(whole, split[leaf.path], 0)
+            half = cut.shape[0] // 2
+            np.testing.assert_array_equal(
+                got[leaf.offset : leaf.offset + leaf.size], cut[m * half : (m + 1) * half].ravel()
+            )
+    held = (layout.dense.num_pages + G.num_pages) * P
+    assert held < layout.num_pages * P, (held, layout.num_pages * P)
+
+
+# Each offload feature once refused under tensor parallelism (hetjax/support.py), at data x
+# tensor = 2 x 2 (the composition: rows over data, each block's compute over model)
+TP_FEATURES = {
+    "keep": dict(offload=dict(keep_blocks=1)),
+    "swap_host": dict(offload=dict(swap_blocks=1)),
+    "swap_nvme": dict(offload=dict(swap_blocks=2, swap_tier="nvme")),
+    "nvme_boundaries": dict(offload=dict(activations="nvme")),
+    "lockfree": dict(optimizer=dict(mode="lockfree", max_staleness=0)),
+    "batch_chunks": dict(offload=dict(batch_chunks=2)),
+    "device_cache": dict(offload=dict(optimizer_device_stages=2)),
+}
+
+
+@pytest.mark.slow  # ~5-25 s each (2 cores)
+@pytest.mark.parametrize("feature", list(TP_FEATURES))
+def test_formerly_refused_features_under_tensor_parallelism_equal_single_device(
+    references, tmp_path, feature, monkeypatch
+):
+    """Kept and swapped blocks (host and NVMe), boundaries on NVMe, lock-free mode
+    (staleness 0: its updates are sync's), batch chunks and the device cache of
+    optimizer state (embed's and block 0's updates on the device) at data x tensor = 2 x 2:
+    losses, validation loss, every final param and the logits equal one device's
+    (grad_accum 2) at 1e-5. Read ahead one block, so one swapped row (of the boundaries:
+    block 0's) goes through the disk each step. A model group's devices hold the same
+    rows: the swaps write them once per group, as many bytes as one device writes
+    (its run with the feature, measured here)."""
+    from hetjax import memory
+
+    monkeypatch.setattr(memory, "IO_READAHEAD", 1)
+    change = TP_FEATURES[feature]
+    optimizer = {**SGD_CLIP, **change.get("optimizer", {})}
+    offload = {**TIERS["host"], **change.get("offload", {})}
+    config = tp_config(2, 2, optimizer=optimizer, offload=offload)
+    result = train(config, tmp_path / "tp", verbose=False)
+    assert_gpt_training_equal(result, references(2), build_model(config.model), check_tokens())
+    if feature in ("swap_nvme", "nvme_boundaries"):  # through the disk, once per group
+        one = config.replace(distributed=dict(data_parallel=1, tensor_parallel=1))
+        single = train(one, tmp_path / "one", verbose=False)
+        for r, s in zip(result.records, single.records, strict=True):
+            assert r["nvme_write_bytes"] == r["nvme_read_bytes"] == s["nvme_write_bytes"] > 0
+    if feature == "device_cache":  # embed and block 0: 4 pages of 4,096 each (16 KiB fp32),
+        # updated once per step and again in each step whose update was redone (counted so far)
+        updated = sum(r["optimizer_device_params"] for r in result.records)
+        redone = result.records[-1]["optimizer_redo"]
+        assert updated == 2 * 4 * 4096 * (len(result.records) + redone)
+
+
 def test_tensor_parallel_refusals_name_the_key():
     """What tensor parallelism does not support yet is refused at start-up, naming the
     key and the fix (hetjax/support.py)."""
-    with pytest.raises(ConfigError, match=r"'offload.keep_blocks'.*tensor parallelism"):
-        tp_config(1, 2, offload=dict(mode="stream", keep_blocks=1))
     with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel' \(2\).*expert"):
         tiny_config(distributed=dict(tensor_parallel=2, expert_parallel=2))
     with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel'.*must be >= 1"):
         tiny_config(distributed=dict(tensor_parallel=0))
     with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel' \(2\).*stream"):
         tiny_config(offload=dict(mode="none"), distributed=dict(tensor_parallel=2))
+
+
+@pytest.mark.slow  # two child processes compiling everything: ~90 s on 2 cores
+def test_two_processes_of_two_devices_at_2x2_equal_one_process(references, tmp_path):
+    """Data x tensor = 2 x 2 over 2 real processes x 2 CPU devices (each process one
+    model group, its devices splitting the blocks' compute): losses, validation loss and
+    every final param equal one device's with grad_accum 2 at 1e-5."""
+    from test_zero import SGD_ARGS, _params_like, _run_two_processes
+
+    saved = _run_two_processes(tmp_path, *SGD_ARGS, "distributed.tensor_parallel=2")
+    reference = references(2)
+    np.testing.assert_allclose(saved["losses"], reference.losses, rtol=1e-5)
+    np.testing.assert_allclose(saved["val_loss"], reference.val_loss, rtol=1e-5)
+    params = _params_like(saved, reference.params)
+    assert_trees_close(without_key_bias(params), without_key_bias(reference.params))
+
+
+NVME_TP2 = ("offload.optimizer=nvme", "offload.params=nvme", "distributed.tensor_parallel=2")
+
+
+@pytest.mark.slow  # a 2-process run and a 1-process run: ~2 min on 2 cores, more under load
+def test_checkpoint_of_two_processes_at_2x2_resumes_in_one_at_1x4(references, tmp_path):
+    """With params and optimizer state on NVMe, a checkpoint written at 2 x 2 by 2
+    processes resumes in 1 process at 1 x 4, ending where the single-device run does."""
+    from test_zero import SGD_ARGS, _run_two_processes
+
+    two, one = tmp_path / "two", tmp_path / "one"
+    ckpt = f"checkpoint.dir={two / 'ckpt'}"
+    _run_two_processes(
+        two, *SGD_ARGS, *NVME_TP2, ckpt, "checkpoint.at_end=true", "train.steps=3", timeout=480
+    )
+    shutil.copytree(two / "ckpt", one / "checkpoints")
+    config = tp_config(
+        1, 4, "nvme", memory=dict(PAGES, nvme_path=str(one / "nvme")), checkpoint=dict(at_end=True)
+    )
+    resumed = train(config, one, verbose=False)
+    reference = references(2)
+    np.testing.assert_allclose(resumed.losses, reference.losses[3:], rtol=1e-5)
+    assert_trees_close(without_key_bias(resumed.params), without_key_bias(reference.params))
+
+
+@pytest.mark.slow  # a 1-process run and a 2-process run: ~2 min on 2 cores, more under load
+def test_checkpoint_of_one_process_at_2x2_resumes_in_two(references, tmp_path):
+    """With params and optimizer state on NVMe, a checkpoint written at 2 x 2 by one
+    process resumes in 2 processes x 2 devices at 2 x 2, ending where the single-device
+    run does."""
+    from test_zero import SGD_ARGS, _params_like, _run_two_processes
+
+    first = tp_config(2, 2, "nvme", train=dict(steps=3), checkpoint=dict(at_end=True))
+    train(first, tmp_path / "first", verbose=False)
+    back = tmp_path / "back"
+    shutil.copytree(tmp_path / "first" / "checkpoints", back / "ckpt")
+    ckpt = f"checkpoint.dir={back / 'ckpt'}"
+    saved = _run_two_processes(
+        back, *SGD_ARGS, *NVME_TP2, ckpt, "checkpoint.at_end=true", timeout=480
+    )
+    reference = references(2)
+    np.testing.assert_allclose(saved["losses"], reference.losses[3:], rtol=1e-5)
+    params = _params_like(saved, reference.params)
+    assert_trees_close(without_key_bias(params), without_key_bias(reference.params))
 
 
 @pytest.mark.slow  # four runs: ~60 s

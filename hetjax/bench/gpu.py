@@ -1,4 +1,4 @@
-"""``python -m hetjax.bench gpu``: gpucheck's ``mfu`` section (``hetjax/gpucheck.py``):
+"""``python -m hetjax.bench gpu``: gpucheck's ``mfu`` section (``hetjax/gpucheck/training.py``):
 offloaded vs in-HBM MFU at a shape that fits the pool, and a model beyond the pool. The
 benchmark once sized its big row for NVMe files larger than an H100 machine's disk;
 gpucheck sizes it for the machine it runs on."""

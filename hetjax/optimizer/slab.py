@@ -5,7 +5,7 @@ few more slabs of the same size, one per *state kind* (``mu`` and ``nu`` for Ada
 ``mu`` for Lion, ``trace`` for SGD with momentum), plus a few scalars (step counts).
 :class:`SlabOptimizer` finds those kinds by looking at the optax state's structure, so
 any elementwise optax transformation works unchanged, and the slabs map one-to-one onto
-the NVMe page arrays (``nvme.py``) and the host cache (``storage/states.py``).
+the NVMe page arrays (``nvme.py``) and the host cache (``storage/nvme_states.py``).
 
 The weight-decay mask is a split point: optax sees the slab as a pair ``(decayed part,
 the rest)`` with the mask ``(True, False)``.

@@ -48,6 +48,7 @@ from hetjax.memory_host import HostMemoryPlan, host_minimum, in_memory_parts, nv
 from hetjax.placement import Placement
 from hetjax.planning.cost import ON_DEVICE, Candidate, lanes, nvme_writes
 from hetjax.planning.hardware import Hardware
+from hetjax.planning.split import describe_split
 from hetjax.planning.wear import Wear
 from hetjax.planning.workload import Workload, memory_sizes
 
@@ -175,6 +176,7 @@ class Plan:
                     "the forward's wait for each block's routing"
                 )
         lines += [f"  {line}" for line in self.fallbacks]
+        lines += [f"  {self.split}"] if self.split else []
         per = " per device" if self.num_devices > 1 else ""
         for tier in ("device", "host", "nvme"):
             held = getattr(self, tier)
@@ -213,6 +215,8 @@ class Plan:
     # what the config asks for that the plan's parallelism does not support, and what
     # the run does instead (support.fallbacks), one line each
     fallbacks: tuple[str, ...] = ()
+    # several devices: the data x model split taken and why (planning/split.py)
+    split: str = ""
 
 
 # -- evaluating one candidate ------------------------------------------------------------
@@ -489,6 +493,7 @@ def make_plan(
         ),
         fallbacks=tuple(support.fallbacks(config, parallel)) if c.mode == "stream" else (),
         wear=wear_of(chosen),
+        split=describe_split(w, hw, c.placement) if hw.num_devices > 1 else "",
     )
 
 

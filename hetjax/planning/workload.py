@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from hetjax import support
 from hetjax.config import Config, ConfigError
 from hetjax.data import decoder_length
-from hetjax.memory import Sizes, block_grad_dtype, grad_policy
+from hetjax.memory import Sizes, block_grad_dtype, grad_policy, zero3_scatter_bytes
 from hetjax.optimizer.deferred import deferrable
 from hetjax.optimizer.state_format import StateFormat, state_format
 from hetjax.planning.hardware import Hardware
@@ -250,9 +250,10 @@ class Workload:
                 fn = lambda pc, x, g=g: model.group_block(g, pc[0], x, pc[1])[0]
                 for level, n in remat.kept_bytes(fn, (one_block, context), x).items():
                     # Below level all the vjp holds the block's param pages, padding
-                    # included (at all, the unflattened weights).
+                    # included (at all, the unflattened weights; under ZeRO-3 the
+                    # gathered pages at every level).
                     pad = layouts[group.name].compute_size - used[group.name]
-                    n += 0 if level == "all" else pad * c
+                    n += 0 if level == "all" and devices == 1 else pad * c
                     kept[level] = max(kept.get(level, 0), n)
             working = estimate(n_chunks)
             boundary = tokens * D * c
@@ -260,11 +261,21 @@ class Workload:
         else:
             kept, working, boundary = sizes.kept, sizes.working_set, sizes.boundary
             context = sizes.context
+            if devices > 1 and sizes.grad_shards == 1:
+                # measured on one device, whose block takes its params leaf by leaf: under
+                # ZeRO-3 a kept block's vjp holds the gathered pages, padding included
+                pad = (block - block_used) * c
+                kept = {level: n + pad for level, n in kept.items()}
         # The other chunk counts' working sets: estimated; scaled to the measured one
         # where it was measured (the estimate's ratio between chunk counts)
         ratio = working / estimate(n_chunks) if sizes is not None else 1.0
         chunked = {n: int(estimate(n) * ratio) for n in chunk_counts if n != n_chunks}
-
+        if devices > 1 and (sizes is None or sizes.grad_shards == 1):
+            # estimated, or measured on one device (the tracer): ZeRO-3's reduce-scatter
+            # holds the block's whole gradient as a temporary of its backward
+            scatter = zero3_scatter_bytes(block, block_grad_dtype(config).itemsize, devices)
+            working += scatter
+            chunked = {n: ws + scatter for n, ws in chunked.items()}
         # What a kept block's backward recomputes at level matmuls (its other FLOPs are
         # elementwise: their cost is the bytes, see stage_times): the reference
         # attention's scores; the fused attention's forward (its softmax statistics are
@@ -515,4 +526,5 @@ def _memory_sizes(w: Workload, devices: int, chunks: int) -> Sizes:
         grad_policy=w.grad_policy,
         groups=tuple((name, n, size, size // devices) for name, n, size in w.groups),
         context=w.context,
+        grad_shards=devices,
     )

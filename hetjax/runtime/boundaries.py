@@ -11,6 +11,7 @@ import jax
 
 from hetjax import timeline
 from hetjax.runtime.ledger import Ledger, device_bytes
+from hetjax.storage.swap import distinct_devices, index_key
 
 
 class Boundaries:
@@ -132,10 +133,15 @@ class SwappedResiduals:
 
 def _sharded(shape: tuple[int, ...], sharding, pieces) -> jax.Array:
     """A residual of global ``shape`` and device ``sharding`` from the next of
-    ``pieces`` (this process's shards as the swap packed them, in device order)."""
-    devices = sorted(sharding.addressable_devices, key=lambda d: d.id)
+    ``pieces`` (this process's distinct shards as the swap packed them, in device
+    order: ``swap.host_pieces``), each on every device that holds its part."""
     on = lambda d: jax.sharding.SingleDeviceSharding(d, memory_kind="device")
-    shards = [jax.device_put(next(pieces), on(d)) for d in devices]  # (pinned ones too)
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return shards[0]
+        return jax.device_put(next(pieces), on(next(iter(sharding.device_set))))
+    parts = {index_key(sharding.addressable_devices_indices_map(shape)[d]): next(pieces)
+             for d in distinct_devices(sharding, shape)}  # fmt: skip
+    indices = sharding.addressable_devices_indices_map(shape)
+    devices = sorted(indices, key=lambda d: d.id)
+    # (pinned pieces too: put on the device)
+    shards = [jax.device_put(parts[index_key(indices[d])], on(d)) for d in devices]
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)

@@ -58,12 +58,24 @@ class DeviceGradients:
     average's squared norm)."""
 
     def __init__(self, device: jax.sharding.Sharding):
-        self.slab = jax.jit(
-            lambda pages: jnp.concatenate([p.astype(F32) for p in pages]), out_shardings=device
+        self.device = device
+        self._slab = jax.jit(
+            lambda pages: jnp.concatenate([p.astype(F32).reshape(-1) for p in pages]),
+            out_shardings=device,
         )
         # the divisor is static (one per run): a Python float argument would be an
         # implicit host-to-device transfer every step
         self.average = jax.jit(lambda g, d: (g / d, jnp.dot(g / d, g / d)), static_argnums=1)
+
+    def slab(self, pages):
+        """A gradient as its stage function returned it (a list of pages; ZeRO-3: a
+        ``(pages, page_elems)`` slab sharded over the mesh) -> this process's pages as one
+        fp32 slab on the device cache's device (ZeRO-3: its devices' shards, in page
+        order, copied there: the pages its optimizer updates)."""
+        if isinstance(pages, jax.Array):
+            shards = sorted(pages.addressable_shards, key=lambda s: s.index[0].start or 0)
+            pages = [jax.device_put(s.data, self.device) for s in shards]
+        return self._slab(pages)
 
 
 class StepGradients:

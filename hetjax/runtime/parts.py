@@ -141,7 +141,7 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     # as where pages are staged in pinned memory
     accelerator = placement.shardings.pinned_staging() is not None
     # per device: the devices a micro-batch's rows split over hold 1/N of its activations
-    per_device = sizes.per_device(placement.batch_degree)
+    per_device = sizes.per_device(placement.batch_degree, shards=placement.degree)
     plan = plan_device(per_device, offload, mem.device_budget, lag=window_wait_lag(accelerator))
     # expert-aware streaming (routed.py): the MoE blocks that stream and recompute
     routed = routed_blocks(

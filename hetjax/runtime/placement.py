@@ -31,8 +31,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import ConfigError
-from hetjax.distributed import AXIS_RULES, EXPERT_AXIS
-from hetjax.runtime.experts import ExpertPages
+from hetjax.distributed import AXIS_RULES
+from hetjax.runtime.grouped import GroupPages
 from hetjax.runtime.stages import stage_layouts
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
@@ -236,8 +236,6 @@ class ShardedPlacement:
     gathered: NamedSharding  # replicated on every device: the all-gathered pages
     grad: NamedSharding  # gradient pages reduce-scattered back to their owners
     batch: NamedSharding  # rows of the batch over the data axis
-    # expert parallelism: a group's expert pages on each device of the group
-    experts: NamedSharding | None = None
 
     @classmethod
     def over(
@@ -248,9 +246,6 @@ class ShardedPlacement:
         their rows)."""
         pages = PartitionSpec(axes, None)
         batch_axes = axes if batch_axes is None else batch_axes
-        experts = None
-        if EXPERT_AXIS in mesh.axis_names:
-            experts = NamedSharding(mesh, PartitionSpec(EXPERT_AXIS, None), memory_kind="device")
         return cls(
             mesh=mesh,
             slab_host=NamedSharding(mesh, pages, memory_kind="pinned_host"),
@@ -258,10 +253,10 @@ class ShardedPlacement:
             gathered=NamedSharding(mesh, PartitionSpec(), memory_kind="device"),
             grad=NamedSharding(mesh, pages, memory_kind="device"),
             batch=NamedSharding(mesh, PartitionSpec(batch_axes), memory_kind="device"),
-            experts=experts,
         )
 
-    def expert_pages(self, dense_pages: int):
-        """Shardings of an expert-parallel block's pages on the device
-        (``experts.ExpertPages``: the dense pages gathered, the experts by group)."""
-        return ExpertPages([self.gathered] * dense_pages, self.experts)
+    def group_pages(self, dense_pages: int, axis: str):
+        """Shardings of a grouped stage's pages on the device (``grouped.GroupPages``:
+        the dense pages gathered, the groups over ``axis``)."""
+        group = NamedSharding(self.mesh, PartitionSpec(axis, None), memory_kind="device")
+        return GroupPages([self.gathered] * dense_pages, group)

@@ -24,6 +24,7 @@ from hetjax.runtime.stages import StageMemory
 from hetjax.storage.gradients import GradientStore
 from hetjax.storage.iopool import SlabPool
 from hetjax.storage.nvme import check_nvme_path
+from hetjax.storage.nvme_states import NvmeStateStore
 from hetjax.storage.pages import SlabLayout
 from hetjax.storage.params import (
     DeviceParamStore,
@@ -32,7 +33,7 @@ from hetjax.storage.params import (
     NvmeParamStore,
     SplitParamStore,
 )
-from hetjax.storage.states import MemoryStateStore, NvmeStateStore, SplitStateStore
+from hetjax.storage.states import MemoryStateStore, SplitStateStore
 from hetjax.storage.stripes import Stripes, stripes_of
 from hetjax.storage.swap import BoundarySwap, ResidualSwap
 from hetjax.types import group_key, is_block, stage_layout

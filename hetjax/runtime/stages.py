@@ -10,7 +10,9 @@ arrays' ranks."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +21,10 @@ from hetjax.config import KEEP_LEVELS, SWAP_LEVELS, ConfigError
 from hetjax.distributed import AXIS_RULES, mesh_axes
 from hetjax.runtime import chunks, remat
 from hetjax.runtime.experts import ExpertSlabLayout
+from hetjax.runtime.grouped import GroupedSlabLayout
 from hetjax.runtime.routed import RoutedBlock
 from hetjax.runtime.signatures import SIGNATURES
+from hetjax.runtime.tensor import tensor_layout, tensor_specs
 from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems, shard_shapes
 from hetjax.types import ComputeLayout
 from models.staged import logical_axes
@@ -37,7 +41,8 @@ def stage_layouts(
     *,
     rules=AXIS_RULES,
     axis_sizes: dict[str, int] | None = None,
-) -> dict[str, SlabLayout | ExpertSlabLayout]:
+    tensor_parallel: int = 1,
+) -> dict[str, SlabLayout | GroupedSlabLayout]:
     """The slab layouts of a model's stages (``embed``, one block of each stage group by
     its name, e.g. ``block``, ``head``), from abstract shapes: nothing is allocated.
     Pages are at most ``page_size`` bytes, fitted to the largest block
@@ -53,8 +58,11 @@ def stage_layouts(
     axes, of ``axis_sizes`` (the axes that split a leaf for compute: the ``model``
     axis; None: none). With every such axis of size 1 (no tensor parallelism yet) the
     layouts are the whole leaves', as checkpoints have them. An expert-parallel
-    block's split of its experts is its own (``experts.ExpertSlabLayout``)."""
+    block's split of its experts is its own (``experts.ExpertSlabLayout``). With
+    ``tensor_parallel`` > 1 (of the ``page_multiple`` devices) a stage's weights that
+    ``rules`` split over the ``model`` axis are laid out by slice (``tensor.py``)."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
+    specs = tensor_specs(model, rules, shapes) if tensor_parallel > 1 else None
     if axis_sizes:
         names = logical_axes(model, shapes)
         specs = jax.tree.map(
@@ -76,11 +84,16 @@ def stage_layouts(
         block = lambda one: ExpertSlabLayout.of(one, page_size, expert_parallel, shares)
     else:
         block = layout
-    return {
-        "embed": layout(shapes["embed"]),
-        **{name: block(one) for name, one in blocks.items()},
-        "head": layout(shapes["head"]),
+    stages = {"embed": shapes["embed"], **blocks, "head": shapes["head"]}
+    layouts = {
+        name: (block if name in blocks else layout)(params) for name, params in stages.items()
     }
+    if specs is not None:  # tensor parallelism: split weights by slice where a stage has any
+        shares = page_multiple // tensor_parallel
+        for name, params in stages.items():
+            split = tensor_layout(params, specs[name], page_size, tensor_parallel, shares)
+            layouts[name] = split or layouts[name]
+    return layouts
 
 
 def context_bytes(model, batch: int, seq_len: int) -> int:
@@ -106,6 +119,11 @@ def page_squared_norms(grad) -> jax.Array:
     return jnp.sum(jnp.square(grad.astype(F32)), axis=-1)
 
 
+def _nbytes(tree) -> int:
+    """Bytes of a tree of (abstract) arrays."""
+    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
 @dataclasses.dataclass(frozen=True)
 class StageMemory:
     """Device bytes of one micro-batch's stage functions, as XLA compiles them."""
@@ -118,6 +136,9 @@ class StageMemory:
     context: int = 0  # the stage groups' contexts and their gradients (context_bytes)
     # what a swapped block moves per level (StageFunctions.swap_bytes), where asked for
     swapped: dict[str, int] = dataclasses.field(default_factory=dict)
+    # devices the measured functions reduce-scatter their gradients over (ZeRO-3): their
+    # working set holds the scatter's temporaries (1: measured on one device, without)
+    grad_shards: int = 1
 
 
 class SwappedBlock:
@@ -411,11 +432,15 @@ class StageFunctions:
         activations its level saves), per level every group's block supports: the
         largest group's."""
         out: dict[str, int] = {}
-        for g, args in enumerate(self.block_args(batch, seq_len, dtype)):
-            fns = self.groups[g]
-            for lvl in remat.levels(fns._block_fwd, *args):
-                if lvl in SWAP_LEVELS:
-                    out[lvl] = max(out.get(lvl, 0), fns.swapped(lvl).residual_bytes(*args))
+        for fns, args in zip(self.groups, self.block_args(batch, seq_len, dtype), strict=True):
+
+            def residuals(*args, fns=fns) -> dict[str, int]:
+                levels = [lvl for lvl in remat.levels(fns._block_fwd, *args) if lvl in SWAP_LEVELS]
+                return {lvl: fns.swapped(lvl).residual_bytes(*args) for lvl in levels}
+
+            part, rows = self._measure(residuals, args)
+            for lvl, n in part.items():
+                out[lvl] = max(out.get(lvl, 0), n * rows)
         return out
 
     def block_args(self, batch: int, seq_len: int, dtype) -> list[tuple]:
@@ -482,29 +507,50 @@ class StageFunctions:
         # XLA's temporaries are one device's (a ZeRO-3 function is compiled for one
         # device's rows), and so are x / dx beside them; the rest is the micro-batch's
         # (memory.Sizes.per_device)
-        return StageMemory(act, max(temps) + 3 * act // self.compute.batch_degree, kept, context)
+        working = max(temps) + 3 * act // self.compute.batch_degree
+        return StageMemory(act, working, kept, context, grad_shards=self.compute.degree)
+
+    def _measure(self, fn, args: tuple) -> tuple[Any, int]:
+        """``fn(pages, x, context)`` of a block's abstract arguments ``args`` (global) ->
+        (its result, how many devices split the rows it saw): the whole micro-batch's
+        (1), or where the block's all-to-all needs the mesh (expert parallelism), one
+        device's part, traced inside it (its rows and its group's experts: the
+        compute layout's batch degree)."""
+        if self.compute.expert_axis is None:
+            return fn(*args), 1
+        part = self.compute.per_device(fn, SIGNATURES["block_fwd"], args)
+        return part, self.compute.batch_degree
 
     def keep_levels(self, batch: int, seq_len: int, dtype) -> tuple[str, ...]:
         """The keep levels every group's block supports (``remat.levels``)."""
         args = self.block_args(batch, seq_len, dtype)
         supported = [
-            set(remat.levels(f._block_fwd, *a)) for f, a in zip(self.groups, args, strict=True)
+            set(self._measure(functools.partial(remat.levels, f._block_fwd), a)[0])
+            for f, a in zip(self.groups, args, strict=True)
         ]
         return tuple(lvl for lvl in KEEP_LEVELS if all(lvl in s for s in supported))
 
     def kept_bytes(self, batch: int, seq_len: int, dtype) -> dict[str, int]:
         """Bytes a kept block holds from forward to backward (its vjp's residuals: the
         kept activations, its param pages and input), per keep level every group's block
-        supports: the largest group's, from abstract shapes."""
+        supports: the largest group's, from abstract shapes (the micro-batch's
+        activations and the block's pages)."""
         levels = self.keep_levels(batch, seq_len, dtype)
         out = dict.fromkeys(levels, 0)
-        for fns, (slab, x, context) in zip(
-            self.groups, self.block_args(batch, seq_len, dtype), strict=True
-        ):
-            block = lambda pc, x, fns=fns: fns._block_fwd(pc[0], x, pc[1])
-            for lvl, n in remat.kept_bytes(block, (slab, context), x).items():
+        for fns, args in zip(self.groups, self.block_args(batch, seq_len, dtype), strict=True):
+
+            def activations(slab, x, context, fns=fns) -> dict[str, int]:
+                block = lambda pc, x: fns._block_fwd(pc[0], x, pc[1])
+                pages = _nbytes((slab, context))
+                return {
+                    lvl: n - pages for lvl, n in remat.kept_bytes(block, (slab, context), x).items()
+                }
+
+            part, rows = self._measure(activations, args)
+            pages = _nbytes((args[0], args[2]))
+            for lvl, n in part.items():
                 if lvl in out:
-                    out[lvl] = max(out[lvl], n)
+                    out[lvl] = max(out[lvl], pages + n * rows)
         return out
 
     def check_keep_level(self, offload, batch: int, seq_len: int, dtype) -> None:

@@ -18,16 +18,16 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   ``expert`` axis over ``expert``), never by an array's rank.
 * **Tensor parallelism** (``distributed.tensor_parallel`` M > 1): the mesh's third
   axis, ``model``, has M devices that share their rows; the pages split over every
-  device of the mesh (data x model) and are gathered whole, and inside the stage
-  functions, which are manual over the data axes only, each stage's params are
-  constrained by their logical axes under ``distributed.TENSOR_PARALLEL_RULES``
-  (:meth:`Zero3.constrain`: attention by heads, the MLP by its hidden units, the
-  vocabulary), so XLA splits the block's compute as Megatron does and adds the
-  all-reduces; no layer code knows. Gradients are reduce-scattered over the data axes
-  and each model device keeps its part. Storage stays whole leaves (ZeRO-3's pages),
-  so a checkpoint resumes at any data x tensor split (``tests/test_tensor.py``); the
-  device holds a block's whole pages while it computes with its part (the pages are
-  not yet laid out by shard).
+  device of the mesh (data x model), and inside the stage functions, which are manual
+  over the data axes only, each stage's params are constrained by their logical axes
+  under ``distributed.TENSOR_PARALLEL_RULES`` (:meth:`Zero3.constrain`: attention by
+  heads, the MLP by its hidden units, the vocabulary), so XLA splits the block's
+  compute as Megatron does and adds the all-reduces; no layer code knows. The split
+  weights are laid out by slice (``tensor.py``, ``grouped.py``): a device fetches the
+  dense pages whole and only its slice of each split weight (gathered over ``data``),
+  and its gradient of that slice is reduce-scattered over ``data`` only. A checkpoint
+  records each piece's split axis and resumes at any data x tensor split
+  (``tests/test_tensor.py``).
 * **Reduce-scatter of gradients.** A stage function's gradient slab is ``psum_scatter``-ed
   (``grad_slab``), so each device keeps only the summed gradient of its own pages, which
   go to the host as before, with their squared norms taken on the device. (Left to
@@ -76,7 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import PartitionSpec, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import Config, ConfigError
 from hetjax.distributed import (
@@ -87,11 +87,11 @@ from hetjax.distributed import (
     PAGE_AXES,
     TENSOR_PARALLEL_RULES,
     data_mesh,
-    mesh_axes,
 )
-from hetjax.runtime.experts import ExpertPages, ExpertSlabLayout
+from hetjax.runtime.grouped import GroupedSlabLayout, GroupPages
 from hetjax.runtime.placement import ShardedPlacement, Shardings
 from hetjax.runtime.stages import stage_layouts
+from hetjax.runtime.tensor import tensor_specs
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
 from hetjax.types import Kind, ParamStore, StageSignature, is_block, stage_layout
@@ -116,14 +116,6 @@ class Zero3:
         dist = config.distributed
         self.mesh = data_mesh(dist.data_parallel, dist.expert_parallel, dist.tensor_parallel)
         self.tensor_parallel = self.mesh.shape[MODEL_AXIS]
-        if self.tensor_parallel > 1 and jax.process_count() > 1:
-            # tried once (2 processes x 2 devices): 3 steps equal to one device's, then
-            # the processes waited on each other at the 4th; not yet understood
-            raise ConfigError(
-                f"config key 'distributed.tensor_parallel' ({self.tensor_parallel}): "
-                f"tensor parallelism across {jax.process_count()} processes is not "
-                "supported yet; run one process per machine with its devices, or set it to 1"
-            )
         if self.tensor_parallel > 1:
             self.axis_rules = TENSOR_PARALLEL_RULES
         self.rules = dict(self.axis_rules)
@@ -157,11 +149,16 @@ class Zero3:
         """The stages' slab layouts: one equal share of pages per device; with expert
         parallelism, the block's experts in groups (``experts.py``)."""
         if self.tensor_parallel > 1:  # how each stage's params split for compute
-            self._param_specs = _tensor_specs(model, self.rules)
-        # storage is of whole leaves, pages split over every device (ZeRO-3); tensor
-        # parallelism splits them for compute only (``constrain``)
+            self._param_specs = tensor_specs(model, self.rules)
+        # pages split over every device (ZeRO-3); with tensor parallelism a stage's split
+        # weights by slice, each device's slice in its model index's pages (``tensor.py``)
         return stage_layouts(
-            model, page_size, self.degree, self.expert_parallel, rules=self.axis_rules
+            model,
+            page_size,
+            self.degree,
+            self.expert_parallel,
+            rules=self.axis_rules,
+            tensor_parallel=self.tensor_parallel,
         )
 
     def constrain(self, stage: str, params):
@@ -173,6 +170,10 @@ class Zero3:
         specs = self._param_specs.get(stage_layout(stage))
         if specs is None:
             return params
+        if jax.sharding.get_abstract_mesh().empty:
+            # traced outside the stage functions' shard_map (a kept block's levels and
+            # residual bytes, ``remat.py``, from abstract shapes): on the whole mesh
+            specs = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
         return jax.tree.map(
             lambda a, spec: jax.lax.with_sharding_constraint(a, spec), params, specs
         )
@@ -221,9 +222,11 @@ class Zero3:
         assert Kind.PAGES not in jax.tree.leaves(signature.results), signature
 
         def spec_in(kind: str, arg):
-            if kind == Kind.PAGES and isinstance(arg, ExpertPages):
-                experts = PartitionSpec(self.rules["expert"])
-                return ExpertPages([whole] * len(arg.dense), experts)
+            if kind == Kind.PAGES and isinstance(arg, GroupPages):
+                # a group's pages split over their axis where it is manual (experts);
+                # tensor parallelism's model axis is XLA's, the array global over it
+                group = PartitionSpec(self.rules["expert"]) if self.tensor_parallel == 1 else whole
+                return GroupPages([whole] * len(arg.dense), group)
             return jax.tree.map(lambda _: split.get(kind, whole), arg)
 
         def finish(kind: str, result):  # on each device: a result as its kind leaves
@@ -256,30 +259,70 @@ class Zero3:
 
         return jax.jit(run)
 
-    def grad_slab(self, pages: list[jax.Array] | ExpertPages, dtype=F32) -> jax.Array:
+    def per_device(self, fn, signature: StageSignature, args: tuple):
+        """``fn(*args)`` traced (from abstract shapes) on one device's part of ``args``
+        (global, of ``signature``'s kinds) inside the mesh, as a stage function runs:
+        for the start-up measurements of a block (its keep levels, its residuals' bytes,
+        ``stages.StageFunctions``) whose all-to-all needs the mesh (expert
+        parallelism). Returns ``fn``'s (Python) result."""
+        results = []
+
+        def body(*part):
+            results.append(fn(*part))
+            return jnp.zeros((), F32)
+
+        jax.eval_shape(self.jit(body, StageSignature(signature.args, Kind.WHOLE)), *args)
+        return results[0]
+
+    def grad_slab(self, pages: list[jax.Array] | GroupPages, dtype=F32) -> jax.Array:
         """Inside a stage function (per device): this device's gradient of the pages it
         computed with -> the summed gradient of its own pages, ``(pages / N,
-        page_elems)``. Under expert parallelism (``ExpertPages``) the gradient of its
-        group's experts is summed over the devices holding them (the ``data`` axis)
-        and makes the first pages of its share, as they are laid out."""
+        page_elems)``. A grouped stage's (``GroupPages``: a block's experts, a stage's
+        tensor-parallel slices) group gradient is summed over the devices holding the
+        same group (the ``data`` axis) and makes the first pages of its share, as they
+        are laid out (``grouped.py``)."""
+
         # Seeded with the local mean, each device's gradient is N x its share of the
         # global mean's (exact for a power-of-two N).
         scatter = lambda g, axes: jax.lax.psum_scatter(g, axes, scatter_dimension=0, tiled=True)
-        if isinstance(pages, ExpertPages):
+        M = self.tensor_parallel
+        if isinstance(pages, GroupPages) and M > 1:
+            # the group global over the automatic model axis, (M x group pages, P), its
+            # row block m on model device m; the dense gradient whole on each. Scattered
+            # manual over the model axis too (XLA's partitioner would gather the group
+            # first): device m keeps its group's sum and part m of the dense one.
+            def own(group, dense):
+                group = scatter(group, DATA_AXIS)
+                if not dense.shape[0]:
+                    return group
+                dense = scatter(dense, AXES)
+                part = dense.shape[0] // M
+                m = jax.lax.axis_index(MODEL_AXIS)
+                return jnp.concatenate([group, jax.lax.dynamic_slice_in_dim(dense, m * part, part)])
+
+            P = pages.group.shape[-1]  # (a stage of split weights only has no dense pages)
+            dense = jnp.stack([p.astype(dtype) for p in pages.dense] or [jnp.zeros((0, P), dtype)])
+            dense = dense.reshape(-1, P)
+            model = PartitionSpec(MODEL_AXIS)
+            summed = jax.shard_map(
+                own, in_specs=(model, PartitionSpec()), out_specs=model,
+                axis_names={MODEL_AXIS}, check_vma=False,
+            )(pages.group.astype(dtype), dense)  # fmt: skip
+        elif isinstance(pages, GroupPages):
             dense = jnp.stack([p.astype(dtype) for p in pages.dense])  # (pages, page_elems)
-            experts = scatter(pages.experts.astype(dtype), DATA_AXIS)
-            summed = jnp.concatenate([experts, scatter(dense, AXES)])
+            group = scatter(pages.group.astype(dtype), DATA_AXIS)
+            summed = jnp.concatenate([group, scatter(dense, AXES)])
         else:
             summed = scatter(jnp.stack([p.astype(dtype) for p in pages]), AXES)
-            if self.tensor_parallel > 1:  # the model axis's devices keep a part each
+            if M > 1:  # the model axis's devices keep a part each
                 summed = jax.lax.with_sharding_constraint(summed, PartitionSpec(MODEL_AXIS))
         return summed / self.batch_degree
 
-    def gather(self, num_pages: int, layout: ExpertSlabLayout | None = None):
+    def gather(self, num_pages: int, layout: GroupedSlabLayout | None = None):
         """The jitted all-gather of a ``num_pages``-page stage slab (sharded over every
-        device, in device memory) into its pages whole on every device; with an
-        expert-parallel block ``layout``, into its :class:`ExpertPages` (the dense pages
-        whole, the experts whole on each device of their group)."""
+        device, in device memory) into its pages whole on every device; with a grouped
+        ``layout`` (a block's experts, a stage's tensor-parallel slices), into its
+        :class:`GroupPages` (the dense pages whole, a group whole on each device of it)."""
         key = (num_pages, layout)
         if key in self._gathers:
             return self._gathers[key]
@@ -299,37 +342,36 @@ class Zero3:
             gather = jax.jit(lambda s: list(all_gather(s)), out_shardings=self.sharded.gathered)
         else:
 
-            def split(share):  # (share, page_elems): its experts' pages, then the dense
-                experts, dense = share[: layout.expert_share], share[layout.expert_share :]
-                experts = jax.lax.all_gather(experts, DATA_AXIS, tiled=True)
-                return experts, jax.lax.all_gather(dense, AXES, tiled=True)
+            def split(share):  # (share, page_elems): its group's pages, then the dense
+                group, dense = share[: layout.group_share], share[layout.group_share :]
+                group = jax.lax.all_gather(group, DATA_AXIS, tiled=True)
+                if not layout.dense_share:  # a stage of grouped leaves only
+                    return group, dense
+                return group, jax.lax.all_gather(dense, self.page_axes, tiled=True)
 
-            split = per_device(
-                split, out_specs=(PartitionSpec(self.rules["expert"]), PartitionSpec())
-            )
+            axis = layout.grouping.axis
+            split = per_device(split, out_specs=(PartitionSpec(axis), PartitionSpec()))
 
             def gather(s):
-                experts, dense = split(s)
-                return ExpertPages(list(dense), experts)
+                group, dense = split(s)
+                return GroupPages(list(dense), group)
 
             gather = jax.jit(
-                gather, out_shardings=self.sharded.expert_pages(layout.dense.num_pages)
+                gather, out_shardings=self.sharded.group_pages(layout.dense.num_pages, axis)
             )
         self._gathers[key] = gather
         return gather
 
-    def to_device(self, slab: jax.Array, layout: SlabLayout | ExpertSlabLayout):
+    def to_device(self, slab: jax.Array, layout: SlabLayout | GroupedSlabLayout):
         """A stage's sharded host slab (of ``layout``) -> its pages on every device as
-        the stage computes with them (whole; an expert-parallel block's experts, their
-        group's): each device copies its own pages in, then all-gathers (both
+        the stage computes with them (whole; a grouped stage's group, the device's):
+        each device copies its own pages in, then all-gathers (both
         asynchronous)."""
         self.comm["all_gather"] += layout.gathered_size * slab.dtype.itemsize
-        expert_layout = layout if isinstance(layout, ExpertSlabLayout) else None
-        return self.gather(slab.shape[0], expert_layout)(
-            jax.device_put(slab, self.sharded.slab_device)
-        )
+        grouped = layout if isinstance(layout, GroupedSlabLayout) else None
+        return self.gather(slab.shape[0], grouped)(jax.device_put(slab, self.sharded.slab_device))
 
-    def sent_grad(self, grad: jax.Array, layout: SlabLayout | ExpertSlabLayout) -> None:
+    def sent_grad(self, grad: jax.Array, layout: SlabLayout | GroupedSlabLayout) -> None:
         """A gradient of a stage of ``layout`` left the device: its reduce-scatter moved
         what the stage's gather does, the other way."""
         self.comm["reduce_scatter"] += layout.gathered_size * grad.dtype.itemsize
@@ -365,8 +407,11 @@ class Zero3:
         self, store: ParamStore, layouts: dict[str, SlabLayout], on_nvme: bool
     ) -> ParamStore:
         """Pages of this process's shards, handed out as global sharded slabs; kept in
-        ``store`` when that is on NVMe."""
-        return ShardedParamStore(self, layouts, store if on_nvme else None)
+        ``store`` when that is on NVMe; the device cache's stages (``store`` a
+        ``SplitParamStore``) in device memory."""
+        cached = frozenset(getattr(store, "stages", ()))
+        inner = getattr(store, "base", store) if on_nvme else None
+        return ShardedParamStore(self, layouts, inner, device_stages=cached)
 
     def describe(self, layouts: dict[str, SlabLayout]) -> list[str]:
         lay = max((v for k, v in layouts.items() if is_block(k)), key=lambda v: v.num_pages)
@@ -376,11 +421,12 @@ class Zero3:
             f"{lay.num_pages} pages split {lay.num_pages // self.degree} per device; this "
             f"process holds pages [{first}, {first + n}) of each stage"
         ]
-        if isinstance(lay, ExpertSlabLayout):
+        if isinstance(lay, GroupedSlabLayout):
+            what = "experts" if lay.grouping.axis != MODEL_AXIS else "split weights' slices"
             lines.append(
-                f"expert parallelism: {lay.groups} groups of experts over the expert axis x "
-                f"{lay.shares} on the data axis; a device computes with {lay.dense.num_pages} "
-                f"dense pages and its group's {lay.experts.num_pages}"
+                f"{lay.groups} groups of {what} over the {lay.grouping.axis} axis x "
+                f"{lay.shares} on the data axis; a device fetches and computes with "
+                f"{lay.dense.num_pages} dense pages and its group's {lay.group.num_pages}"
             )
         return lines
 
@@ -394,76 +440,80 @@ class Zero3:
         return metrics
 
 
-def _tensor_specs(model, rules) -> dict[str, object]:
-    """Each stage's params' ``PartitionSpec``s under ``rules`` (a group's blocks without
-    their stacked layer axis), by stage: ``embed``, each group's name, ``head``."""
-    from models.staged import logical_axes
-
-    is_names = lambda n: isinstance(n, tuple)
-    # only the model axis: the stage functions are manual over the others (a MoE's
-    # expert axis has one device under tensor parallelism)
-    on_model = lambda axis: MODEL_AXIS if axis == MODEL_AXIS else None
-    spec = lambda names: PartitionSpec(*map(on_model, mesh_axes(names, rules)))
-    names = logical_axes(model)
-    specs = {"embed": jax.tree.map(spec, names["embed"], is_leaf=is_names)}
-    for g in model.groups:
-        specs[g.name] = jax.tree.map(lambda n: spec(n[1:]), names[g.key], is_leaf=is_names)
-    specs["head"] = jax.tree.map(spec, names["head"], is_leaf=is_names)
-    return specs
-
-
 class ShardedParamStore:
     """Compute-dtype pages of this process's shards, handed to the streaming runtime as the
     global ``(pages, page_elems)`` slab sharded over ``data`` in host memory. Pages are
     kept here (``offload.params=host``) or in ``inner`` (an ``NvmeParamStore`` of this
-    process's page ranges)."""
+    process's page ranges); the device cache's stages (``device_stages``, updated on the
+    process's first device) here, each device's shard in its device memory."""
 
-    def __init__(self, zero: Zero3, layouts: dict[str, SlabLayout], inner=None):
+    def __init__(
+        self, zero: Zero3, layouts: dict[str, SlabLayout], inner=None, device_stages=frozenset()
+    ):
         self.zero, self.layouts, self.inner = zero, layouts, inner
+        self.device_stages = device_stages
         self.slabs: dict[str, jax.Array] = {}
         self._host = [
             SingleDeviceSharding(d, memory_kind="pinned_host") for d in zero.local_devices
         ]
+        self._device = [SingleDeviceSharding(d, memory_kind="device") for d in zero.local_devices]
 
     def _assemble(self, stage: str, pages: list) -> jax.Array:
         layout = self.layouts[stage_layout(stage)]
+        shape = (layout.num_pages, layout.page_elems)
+        if stage in self.device_stages:  # from the device that updated them, to each device
+            per_device = jnp.split(jnp.stack(pages), len(self._device))
+            arrays = [jax.device_put(a, s) for a, s in zip(per_device, self._device, strict=True)]
+            return jax.make_array_from_single_device_arrays(
+                shape, self.zero.sharded.slab_device, arrays
+            )
         rows = np.stack([np.asarray(p) for p in pages])  # (own pages, page_elems)
         per_device = np.split(rows, len(self._host))
         arrays = jax.device_put(per_device, self._host)
-        shape = (layout.num_pages, layout.page_elems)
         return jax.make_array_from_single_device_arrays(shape, self.zero.sharded.slab_host, arrays)
 
+    def _here(self, stage: str) -> bool:
+        return self.inner is None or stage in self.device_stages
+
     def publish(self, stage: str, pages: list) -> None:
-        if self.inner is not None:
-            self.inner.publish(stage, pages)
-        else:
+        if self._here(stage):
             self.slabs[stage] = self._assemble(stage, pages)
+        else:
+            self.inner.publish(stage, pages)
 
     def prefetch(self, stage: str) -> None:
-        if self.inner is not None:
+        if not self._here(stage):
             self.inner.prefetch(stage)
 
     def ready(self, stage: str) -> bool:
-        return self.inner is None or self.inner.ready(stage)
+        return self._here(stage) or self.inner.ready(stage)
 
     def get(self, stage: str, keep: bool = False) -> jax.Array:
-        if self.inner is None:
+        if self._here(stage):
             return self.slabs[stage]
         return self._assemble(stage, self.inner.get(stage, keep))
+
+    def device_arrays(self) -> list[jax.Array]:
+        """The device cache's param slabs (in device memory), for the ledger."""
+        return [self.slabs[s] for s in self.device_stages if s in self.slabs]
 
     def commit(self) -> None:
         if self.inner is not None:
             self.inner.commit()
 
     def abort(self) -> bool:
-        return True if self.inner is None else self.inner.abort()
+        """True: pages here are published in place (a dropped step's are republished)."""
+        if self.inner is None:
+            return True
+        return self.inner.abort() or bool(self.device_stages)
 
     def close(self) -> None:
         if self.inner is not None:
             self.inner.close()
 
     def host_bytes(self) -> int:
-        own = sum(s.data.nbytes for a in self.slabs.values() for s in a.addressable_shards)
+        host = [a for stage, a in self.slabs.items() if stage not in self.device_stages]
+        own = sum(s.data.nbytes for a in host for s in a.addressable_shards)
         return own + (self.inner.host_bytes() if self.inner is not None else 0)
 
     @property

@@ -242,9 +242,11 @@ class Leaf:
     shape: tuple[int, ...]
     offset: int  # in elements
     size: int
-    # A piece of a leaf (an expert-parallel slab, ``runtime/experts.py``, cuts leaves by
-    # device): where its ``size`` elements start in the leaf's, row-major.
+    # A piece of a leaf (a grouped slab, ``runtime/grouped.py``, cuts leaves by device):
+    # where its ``size`` elements start in the leaf's, row-major, with the leaf's axis
+    # ``axis`` moved first (tensor parallelism's split axis; 0: as it is).
     start: int = 0
+    axis: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

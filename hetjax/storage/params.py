@@ -292,7 +292,7 @@ class MasterPages:
 
     def __init__(self, states):
         """``states``: the NvmeStateStore (offered each read of its master pages, which
-        its own read of the same stage may copy: ``states.MasterReads``)."""
+        its own read of the same stage may copy: ``nvme_states.MasterReads``)."""
         self.states = states
 
     def record(self, stage: str, read) -> None:

@@ -35,15 +35,35 @@ from hetjax.storage.stripes import Stripes
 KIND = "boundaries"
 
 
+def index_key(index: tuple[slice, ...]) -> tuple:
+    """A shard's index (a tuple of slices) as a hashable key."""
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def distinct_devices(sharding, shape: tuple[int, ...]) -> list:
+    """This process's devices of ``sharding`` that hold a distinct part of an array of
+    ``shape``, in device order: of the devices holding the same part (tensor
+    parallelism's model axis: a model group's devices hold the same rows) the first."""
+    seen, devices = set(), []
+    indices = sharding.addressable_devices_indices_map(shape)
+    for d in sorted(indices, key=lambda d: d.id):
+        key = index_key(indices[d])
+        if key not in seen:
+            seen.add(key)
+            devices.append(d)
+    return devices
+
+
 def host_pieces(host) -> list[np.ndarray]:
     """A host copy as this process's numpy pieces (waits for the copy to land): a numpy
     array itself; a JAX array its addressable shards in device order (one device: the
     whole array; ZeRO-3 over a mesh: this process's rows, or its devices' stacked
-    values, never another process's, which ``np.asarray`` of the whole would need)."""
+    values, never another process's, which ``np.asarray`` of the whole would need),
+    each distinct part once (:func:`distinct_devices`: written once per model group)."""
     if isinstance(host, np.ndarray):
         return [host]
-    shards = sorted(host.addressable_shards, key=lambda s: s.device.id)
-    return [np.asarray(s.data) for s in shards]
+    shards = {s.device: s for s in host.addressable_shards}
+    return [np.asarray(shards[d].data) for d in distinct_devices(host.sharding, host.shape)]
 
 
 def _to_host(host) -> np.ndarray:

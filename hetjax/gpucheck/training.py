@@ -1,0 +1,338 @@
+"""gpucheck's sections that train: equivalence, memory (the working set), mfu."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hetjax.gpucheck.common import (
+    DEVICE_BUDGET_SLACK,
+    MFU_RATIO,
+    ROOT,
+    GiB,
+    Report,
+    Run,
+)
+
+# the planner's measurements' timer and free-RAM reading (importing them starts no JAX)
+
+BF16_EQUIVALENCE = "tests/test_stream.py::test_stream_equals_none_in_compute_dtype[bfloat16-nvme]"
+BF16_ARGS = ("-n0", BF16_EQUIVALENCE)  # (the default marker selection: not slow)
+PYTEST_WORKERS = 4  # pytest-xdist processes sharing the GPU (16 cores on a lent H100)
+
+
+def equivalence(report: Report, run: Run) -> None:
+    """The equivalence tests themselves (their criterion lives in ``tests/``), then a
+    bf16 run that must train. The tests run in a pytest child; this process starts no
+    JAX until they are done, so the child has the device to itself."""
+    from hetjax import xla_env
+
+    if not (ROOT / "tests" / "test_two_client.py").is_file():
+        report.check("tests", None, f"no tests/ beside the package ({ROOT}): run from a checkout")
+    else:
+        env = dict(os.environ)
+        if run.emulate:
+            env.update(JAX_PLATFORMS="cpu", HETJAX_HOST_CLIENT="separate")
+            files, select = ["tests/test_two_client.py"], ["-n0"]
+        else:  # the accelerator first, the CPU client for the host optimizer
+            env["JAX_PLATFORMS"] = f"{run.platform or 'cuda'},cpu"
+            # Tiny models, dispatch- and compile-bound: PYTEST_WORKERS processes share
+            # the GPU, each growing its pool on demand up to a share of the memory.
+            env = xla_env.with_mem_fraction(0.8 / PYTEST_WORKERS, env)
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+            # one compilation cache per worker (tests/conftest.py's): JAX writes its
+            # entries without a lock
+            env.pop("JAX_COMPILATION_CACHE_DIR", None)
+            files = ["tests/test_two_client.py", "tests/test_stream.py", "tests/test_offload.py"]
+            files.append("tests/test_expert_fetch.py")  # routed experts' copies, both ways
+            files.append("tests/test_chunks.py")  # a micro-batch in chunks of rows
+            files.append("tests/test_deferred_updates.py")  # experts' state left on disk
+            if run.quick:
+                files = files[:1]
+            select = ["-k", "equal or two_client or pinned or fewer_bytes"]
+            select += ["-n", str(PYTEST_WORKERS), "--dist", "load"]  # test by test
+        _pytest(report, "tests", ["-m", "not slow", *select, *files], env)
+        if not run.emulate:
+            _pytest(report, "bf16_stream_equals_none", list(BF16_ARGS), env)
+    _bf16_trains(report, run.quick)
+
+
+def _pytest(report: Report, check: str, args: list[str], env: dict[str, str]) -> None:
+    """Runs pytest on ``args`` in a child; one check line."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    summary = tail[-1] if tail else "no output"
+    named = " ".join(a for a in args if a.startswith("tests/"))
+    report.check(
+        check,
+        proc.returncode == 0,
+        f"{named}: {summary} ({time.perf_counter() - t0:.0f} s)",
+        output_tail="\n".join(tail[-40:]),
+    )
+
+
+def _bf16_trains(report: Report, quick: bool) -> None:
+    import numpy as np
+
+    from hetjax.config import Config
+    from hetjax.train import train
+
+    config = Config().replace(
+        model=dict(num_layers=2, d_model=64, num_heads=4, compute_dtype="bfloat16"),
+        train=dict(steps=40, batch_size=8, seq_len=32, eval_batches=0, log_every=1000),
+        offload=dict(mode="stream", optimizer="host"),
+        checkpoint=dict(every_steps=0, at_end=False),
+        data=dict(corpus_bytes=300_000),
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        losses = train(config, tmp, verbose=False).losses
+    first, last = float(losses[0]), float(np.mean(losses[-5:]))
+    report.check(
+        "bf16_streaming_trains",
+        bool(np.all(np.isfinite(losses))) and last < 0.8 * first,
+        f"bf16 compute, streamed: loss {first:.3f} -> {last:.3f} over {len(losses)} steps "
+        "(must fall below 0.8x)",
+        losses=[float(x) for x in losses],
+    )
+
+
+def chosen_mode(workdir) -> str:
+    """The offload mode a run used (``auto`` resolved), from its ``config.json``."""
+    return json.loads((Path(workdir) / "config.json").read_text())["offload"]["mode"]
+
+
+def memory(report: Report, run: Run) -> None:
+    """A streamed run under a 2 GiB device budget: XLA's peak against it. Streaming is
+    forced (``auto`` could choose ``none`` and test nothing of it, and would measure the
+    machine first, its probes' buffers in the peak); the peak before training is read
+    and must be below the budget, so the peak after is the run's."""
+    import jax
+
+    from hetjax.config import Config
+    from hetjax.config_values import format_bytes
+    from hetjax.train import train
+
+    device = jax.devices()[0]
+    stats = device.memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        report.check("device_budget", None, f"{device.platform}: no memory_stats()")
+        return
+    budget = 2 * GiB
+    config = Config().replace(
+        model=dict(num_layers=8, d_model=1024, num_heads=16, compute_dtype="bfloat16"),
+        train=dict(steps=3, batch_size=8, seq_len=512, eval_batches=0, log_every=1000),
+        offload=dict(mode="stream"),
+        memory=dict(device_budget=budget),
+        checkpoint=dict(every_steps=0, at_end=False),
+        data=dict(corpus_bytes=2_000_000),
+    )
+    before = device.memory_stats()["peak_bytes_in_use"]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = train(config, tmp, verbose=False)
+        mode = chosen_mode(tmp)
+    peak = device.memory_stats()["peak_bytes_in_use"]
+    ledger = max(r.get("device_bytes_peak", 0) for r in result.records)
+    report.check(
+        "device_budget",
+        before < budget and before <= peak <= DEVICE_BUDGET_SLACK * budget,
+        f"{mode}: XLA peak {format_bytes(peak)} ({format_bytes(before)} before training) vs "
+        f"budget {format_bytes(budget)} (ceiling {DEVICE_BUDGET_SLACK:g}x), ledger peak "
+        f"{format_bytes(ledger)}",
+        peak=peak,
+        peak_before=before,
+        ledger=ledger,
+        budget=budget,
+    )
+    working_set(report, jax.default_backend())
+
+
+# The planner may over-estimate a working set (a plan that could fit more) but not
+# under-estimate it by more than the fit's band (tests/test_planner.py): a plan would
+# then not fit the device it was made for.
+WORKING_SET_LOW = 0.75
+
+
+def working_set(
+    report: Report, backend: str, d_model: int = 2048, batch: int = 8, seq: int = 1024
+) -> None:
+    """The planner's estimated working set (``Workload.from_config`` for ``backend``)
+    against the one XLA compiles here (``StageFunctions.memory_sizes``), for a GPT at a
+    shape where the blocks' activations dominate (by default d 2048, 8 x 1024 tokens),
+    bf16, whole and in 4 chunks of rows. A check per chunk count, with both figures."""
+    import jax.numpy as jnp
+
+    from hetjax.config import load_config
+    from hetjax.config_values import format_bytes
+    from hetjax.planning.workload import Workload
+    from hetjax.runtime import stages
+    from hetjax.runtime.placement import SingleDevice
+    from models import build_model
+
+    for n in (1, 4):
+        config = load_config("gpt_tiny", {
+            "model.num_layers": "2", "model.d_model": str(d_model), "model.num_heads": "16",
+            "model.vocab_size": "8192", "model.max_seq_len": str(seq),
+            "model.compute_dtype": "bfloat16", "train.seq_len": str(seq),
+            "train.batch_size": str(batch), "offload.mode": "stream",
+            "offload.batch_chunks": str(n),
+        })  # fmt: skip
+        model = build_model(config.model)
+        layouts = stages.stage_layouts(model, config.memory.page_size, leaf_buffers=True)
+        fns = stages.StageFunctions(
+            model, layouts, SingleDevice(),
+            block_grad_dtype=jnp.bfloat16, batch_chunks=n,
+        )  # fmt: skip
+        compiled = fns.memory_sizes(batch, seq, jnp.bfloat16).working_set
+        estimate = Workload.from_config(config, backend=backend).working_set
+        ratio = estimate / max(compiled, 1)
+        report.check(
+            f"working_set_{n}_chunks",
+            ratio >= WORKING_SET_LOW,
+            f"GPT d {d_model}, {batch} x {seq} tokens, bf16, {n} chunk(s): estimated "
+            f"{format_bytes(estimate)}, compiled {format_bytes(compiled)} ({ratio:.2f}x; "
+            f"at least {WORKING_SET_LOW:g}x)",
+            estimate=estimate,
+            compiled=compiled,
+            chunks=n,
+        )
+
+
+def mfu_floor(in_hbm_s: float, optimizer_s: float) -> float:
+    """The floor of offloaded / in-HBM TFLOP/s: MFU_RATIO where the host optimizer's
+    work per step (``optimizer_s``, measured in the offloaded run) fits within the
+    in-HBM step (``in_hbm_s``), scaled by ``in_hbm_s / optimizer_s`` where it does not:
+    an offloaded step cannot be shorter than its optimizer's work."""
+    return MFU_RATIO * min(1.0, in_hbm_s / optimizer_s) if optimizer_s > 0 else MFU_RATIO
+
+
+# Both rows without gradient clipping: with it, the host optimizer redoes the steps
+# whose global norm binds (every early step of a fresh model), twice the work.
+MFU_ROWS = {"in_hbm": dict(mode="none"), "offloaded": dict(mode="stream", optimizer="host")}
+ROW_PREFIX = "gpucheck-row: "  # the line a row's child prints its figures on
+
+
+def _mfu_shape(quick: bool) -> dict[str, int]:
+    if quick:
+        return dict(d=1024, heads=16, seq=512, batch=8, layers=4, steps=4, skip=1)
+    return dict(d=4096, heads=32, seq=2048, batch=8, layers=8, steps=6, skip=2)
+
+
+def mfu_row(row: str, run: Run) -> dict[str, Any]:
+    """One row of the mfu section, in its own process: ``in_hbm``, ``offloaded`` or
+    ``beyond_pool`` (a model whose fp32 state is 1.5x this process's pool: the device
+    memory fraction its parent gave it). Returns its median figures past the warm-up."""
+    import jax
+    import numpy as np
+
+    from hetjax import xla_env
+    from hetjax.config import Config
+    from hetjax.train import train
+
+    s = _mfu_shape(run.quick)
+    config = Config().replace(
+        model=dict(
+            d_model=s["d"], num_heads=s["heads"], max_seq_len=s["seq"], compute_dtype="bfloat16"
+        ),
+        train=dict(
+            steps=s["steps"], batch_size=s["batch"], seq_len=s["seq"], eval_batches=0,
+            log_every=1000,
+        ),
+        optimizer=dict(grad_clip=0.0),
+        checkpoint=dict(every_steps=0, at_end=False),
+        data=dict(corpus_bytes=4_000_000),
+    )  # fmt: skip
+    figures: dict[str, Any] = {}
+    if row == "beyond_pool":
+        pool = int((jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0))
+        if not pool:
+            return {"skip": "no bytes_limit: the pool is unknown"}
+        per_layer = 12 * s["d"] ** 2 * 16  # bytes of fp32 state (master, Adam, grads)
+        layers = max(s["layers"] + 1, int(1.5 * pool / per_layer))
+        fraction = xla_env.mem_fraction() or config.memory.device_fraction
+        config = config.replace(
+            model=dict(num_layers=layers), memory=dict(device_fraction=fraction)
+        )
+        figures = dict(layers=layers, pool_bytes=pool, state_bytes=layers * per_layer)
+    else:
+        config = config.replace(model=dict(num_layers=s["layers"]), offload=MFU_ROWS[row])
+        if row == "offloaded":
+            config = config.replace(train=dict(trace_every=s["steps"] - 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        result = train(config, tmp, verbose=False)
+        figures["mode"] = chosen_mode(tmp)
+        pngs = sorted(Path(tmp).rglob("step_*.png"))
+        if pngs:
+            keep = run.out / f"timeline_{row}.png"
+            shutil.copy(pngs[-1], keep)
+            figures["timeline"] = str(keep)
+    timed = result.records[s["skip"] :]
+    for key, name in [("step_time_s", "s_per_step"), ("mfu", "mfu"), ("tflops", "tflops")]:
+        figures[name] = float(np.median([r.get(key, 0.0) for r in timed]))
+    figures["optimizer_busy_s"] = float(np.median([r.get("optimizer_busy_s", 0.0) for r in timed]))
+    return figures
+
+
+def _mfu_child(row: str, run: Run, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Runs :func:`mfu_row` in a child process; its figures, or ``{"error": why}``."""
+    cmd = [sys.executable, "-m", "hetjax.gpucheck", "--section", "mfu", "--row", row]
+    cmd += ["--out", str(run.out)] + ["--quick"] * run.quick
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(ROW_PREFIX)]
+    if proc.returncode or not rows:
+        return {"error": f"the {row} row failed ({proc.returncode}): {proc.stderr.strip()[-500:]}"}
+    return json.loads(rows[-1].removeprefix(ROW_PREFIX))
+
+
+def mfu(report: Report, run: Run) -> None:
+    """Offloaded vs in-HBM MFU at one shape, and a model beyond the pool, each row in a
+    child process of its own: this one never starts JAX, so each row has the device's
+    whole pool, or, beyond the pool, a quarter of it (a sixteenth with --quick), its
+    state (in host RAM: no NVMe files on a small disk) 1.5x what that pool holds."""
+    from hetjax import xla_env
+
+    got = {row: _mfu_child(row, run) for row in MFU_ROWS}
+    failed = [r["error"] for r in got.values() if "error" in r]
+    if failed:
+        report.check("offloaded_vs_in_hbm", False, "; ".join(failed))
+    else:
+        hbm, off, shape = got["in_hbm"], got["offloaded"], _mfu_shape(run.quick)
+        ratio = off["tflops"] / hbm["tflops"]
+        floor = mfu_floor(hbm["s_per_step"], off["optimizer_busy_s"])
+        report.check(
+            "offloaded_vs_in_hbm",
+            ratio >= floor,
+            f"{shape['layers']} layers d {shape['d']}, no "
+            f"clipping: in HBM {hbm['tflops']:.1f} TFLOP/s (MFU {hbm['mfu']:.3f}, "
+            f"{hbm['s_per_step']:.3f} s/step), offloaded {off['tflops']:.1f} "
+            f"({off['s_per_step']:.3f} s/step, host optimizer busy "
+            f"{off['optimizer_busy_s']:.3f} s): {ratio:.2f}x (floor {floor:.2f}x: "
+            f"{MFU_RATIO:g}x, scaled by the in-HBM step over the optimizer's time where "
+            f"longer); timeline {off.get('timeline', 'none')}",
+            ratio=ratio,
+            floor=floor,
+            **{f"{k}_{f}": v for k, r in got.items() for f, v in r.items()},
+        )
+    fraction = (xla_env.mem_fraction() or 0.9) / (16 if run.quick else 4)
+    out = _mfu_child("beyond_pool", run, xla_env.with_mem_fraction(fraction))
+    if "error" in out or "skip" in out:
+        report.check(
+            "beyond_pool", None if "skip" in out else False, out.get("skip", out.get("error"))
+        )
+        return
+    report.check(
+        "beyond_pool",
+        out["mode"] != "none" and out["tflops"] > 0,
+        f"{out['layers']} layers, {out['state_bytes'] / GiB:.0f} GiB of state over a "
+        f"{out['pool_bytes'] / GiB:.1f} GiB pool ({xla_env.MEM_FRACTION}={fraction:g}): "
+        f"{out['mode']} at {out['tflops']:.1f} TFLOP/s",
+        **out,
+    )

@@ -1,0 +1,130 @@
+"""Tensor parallelism's stage slabs (``distributed.tensor_parallel`` M > 1): each stage's
+split weights laid out so that a device fetches only its slice of them.
+
+Inside the stage functions each param is constrained by its logical axes under
+``distributed.TENSOR_PARALLEL_RULES`` (:func:`tensor_specs`, ``zero.Zero3.constrain``:
+attention by heads, the MLP by its hidden units, the vocabulary), so XLA splits the
+compute as Megatron does. The pages follow that split: a stage's weight-decayed leaves
+that a rule splits over the ``model`` axis are grouped (:class:`TensorGrouping`, a
+:class:`~hetjax.runtime.grouped.GroupedSlabLayout`): the split axis moved first and cut
+into M slices, slice m held in the pages of the devices at ``model`` index m, so the
+gather brings each device only its slice (over ``data``) and the dense rest (norm
+scales, biases, unsplit weights: over every device). The biases a rule splits stay
+dense (whole on each device, split by the constraint): weight decay keeps one split
+point (``grouped.py``). Checkpoints record each piece's split axis and restore at any
+other data x tensor split (``tests/test_tensor.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from hetjax.distributed import MODEL_AXIS, mesh_axes
+from hetjax.runtime.grouped import GroupedSlabLayout
+from hetjax.storage.pages import weight_decay_mask
+from models.staged import logical_axes
+
+
+def tensor_specs(model, rules, shapes=None) -> dict[str, Any]:
+    """Each stage's params' ``PartitionSpec``s under ``rules``, over the ``model`` axis
+    only (a group's blocks without their stacked layer axis), by stage: ``embed``, each
+    group's name, ``head``."""
+    is_names = lambda n: isinstance(n, tuple)
+    # only the model axis: the stage functions are manual over the others (a MoE's
+    # expert axis has one device under tensor parallelism)
+    on_model = lambda axis: MODEL_AXIS if axis == MODEL_AXIS else None
+    spec = lambda names: PartitionSpec(*map(on_model, mesh_axes(names, rules)))
+    names = logical_axes(model, shapes)
+    specs = {"embed": jax.tree.map(spec, names["embed"], is_leaf=is_names)}
+    for g in model.groups:
+        specs[g.name] = jax.tree.map(lambda n: spec(n[1:]), names[g.key], is_leaf=is_names)
+    specs["head"] = jax.tree.map(spec, names["head"], is_leaf=is_names)
+    return specs
+
+
+def _items(tree: Any, prefix: tuple = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """A nested dict's leaves with their key paths, in key order."""
+    if isinstance(tree, dict):
+        return [kv for k in tree for kv in _items(tree[k], (*prefix, str(k)))]
+    return [(prefix, tree)]
+
+
+def _moveaxis(leaf: Any, source: int, dest: int) -> Any:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        shape = list(leaf.shape)
+        shape.insert(dest, shape.pop(source))
+        return jax.ShapeDtypeStruct(tuple(shape), leaf.dtype)
+    xp = np if isinstance(leaf, np.ndarray) else jnp
+    return xp.moveaxis(leaf, source, dest)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorGrouping:
+    """A stage's split weights, a 1/M slice of each per device of the ``model`` axis:
+    ``axes`` holds (leaf path, the axis the rules split it on) of each grouped leaf."""
+
+    axes: tuple[tuple[tuple[str, ...], int], ...]
+    axis: str = MODEL_AXIS
+
+    @classmethod
+    def of(cls, params: Any, specs: Any) -> TensorGrouping:
+        """The grouping of a stage's params (arrays or shapes) split as ``specs`` (its
+        ``PartitionSpec``s, :func:`tensor_specs`): every weight-decayed leaf split over
+        ``model``."""
+        decay = dict(_items(jax.tree.map(bool, weight_decay_mask(params))))
+        split = dict(_items(jax.tree.map(_model_dim, specs, is_leaf=_is_spec)))
+        paths = [path for path, _ in _items(params) if decay[path] and split[path] >= 0]
+        return cls(tuple((path, split[path]) for path in paths))
+
+    def split(self, params: Any) -> tuple[Any, Any]:
+        axes = dict(self.axes)
+        rest: dict = {}
+        grouped: dict = {}
+        for path, leaf in _items(params):
+            if path in axes:
+                _put(grouped, path, _moveaxis(leaf, axes[path], 0))
+            else:
+                _put(rest, path, leaf)
+        return rest, grouped
+
+    def join(self, rest: Any, grouped: Any) -> Any:
+        axes = dict(self.axes)
+        whole = jax.tree.map(lambda a: a, rest)  # a copy of its dicts
+        for path, leaf in _items(grouped):
+            _put(whole, path, _moveaxis(leaf, 0, axes[path]))
+        return whole
+
+    def moved_axis(self, path: tuple[str, ...]) -> int:
+        return dict(self.axes)[tuple(path)]
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _model_dim(spec: PartitionSpec) -> int:
+    """The dimension a spec splits over ``model`` (-1: none)."""
+    return next((d for d, axis in enumerate(spec) if axis == MODEL_AXIS), -1)
+
+
+def _put(tree: dict, path: tuple[str, ...], leaf: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = leaf
+
+
+def tensor_layout(
+    params: Any, specs: Any, page_bytes: int, tensor_parallel: int, shares: int
+) -> GroupedSlabLayout | None:
+    """A stage's slab laid out for tensor parallelism over ``tensor_parallel`` x
+    ``shares`` devices; None when no leaf of it is grouped (the plain layout then)."""
+    grouping = TensorGrouping.of(params, specs)
+    if not grouping.axes:
+        return None
+    return GroupedSlabLayout.of(params, page_bytes, tensor_parallel, shares, grouping)
