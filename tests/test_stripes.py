@@ -111,7 +111,7 @@ def test_a_drive_is_checked_for_its_rows_of_a_swap():
     assert Stripes(Path("a"), (Path("b"), Path("c"))).rows_share(300, 3) == 100
 
 
-@pytest.mark.slow  # ~40 s here (two runs of 6 layers); the swap above in the default run
+@pytest.mark.slow  # ~5 s alone, ~40 s at load 14 (two runs); the swap above in the default run
 def test_swapping_activations_to_two_directories_equals_one_bit_for_bit(tmp_path, monkeypatch):
     """Boundary activations and swapped blocks' activations on NVMe, over one directory
     and over two: the same losses and params bit for bit; the second directory holds
