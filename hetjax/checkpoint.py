@@ -25,7 +25,9 @@ complete.
 
 Layout on disk (``checkpoint.dir``, default ``<workdir>/checkpoints``)::
 
-    checkpoints/<step>/state/proc<p>/   the pages of process p, index.json
+    checkpoints/<step>/state/proc<p>/   the pages of process p, index.json (pages
+                                        striped over drives: links to each drive's
+                                        directory of the save, checkpoint_drives.py)
     checkpoints/<step>/meta/            JSON: step, data position, loss scale, kinds,
                                         each stage's leaves, optax scalars, config
 
@@ -57,6 +59,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from hetjax.checkpoint_drives import DriveLinks, DriveRetention
 from hetjax.checkpoint_state import (
     SaveReport,
     StateSource,
@@ -138,6 +141,7 @@ class Checkpointer:
             self.directory, options=options, handler_registry=registry
         )
         self._last_bytes = 0
+        self.drives = DriveRetention(self.directory)  # pages linked on their drives
 
     # -- queries ------------------------------------------------------------------------
 
@@ -162,6 +166,8 @@ class Checkpointer:
         try:
             self.wait()  # one save in flight at a time; surfaces a failed one
             self._check_space(step, source)
+            self.drives.note(source)
+            self.drives.collect(self.steps())  # (a crashed save's, found once its drives are)
         except BaseException:
             source.release_all()
             raise
@@ -180,7 +186,8 @@ class Checkpointer:
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=StreamedStateSave(source), meta=ocp.args.JsonSave(meta)
+                    state=StreamedStateSave(source, DriveLinks(self.directory, step)),
+                    meta=ocp.args.JsonSave(meta),
                 ),
                 force=True,
             )
@@ -220,6 +227,7 @@ class Checkpointer:
         self._pending = None
         if step is not None:
             self.completed.append(self.report.describe(step))
+            self.drives.collect(self.steps())  # those of checkpoints keep retired
 
     def close_manager(self, quiet: bool = False) -> None:
         """Closes orbax's manager at the end of a run. A background write that failed
@@ -290,6 +298,7 @@ class Checkpointer:
         self.wait()
         for step in self.steps():
             self.manager.delete(step)
+        self.drives.collect([])
 
     def close(self) -> None:
         try:

@@ -12,7 +12,8 @@ orbax (this is the ``state`` item of each checkpoint).
 Each process writes only the state it holds, in parallel with the others; nothing is
 gathered. Page size and page order are the writing process's own: those of its NVMe
 tier where its state lives there, so those pages are *hard links* to the tier's
-committed files (TensorStore writes a chunk to a new file and renames it over the old
+committed files (striped over several drives: each drive's linked on that drive,
+``checkpoint_drives.py``) (TensorStore writes a chunk to a new file and renames it over the old
 one, so a committed file never changes once a link holds it). Other state (host RAM,
 device memory, the NVMe tier's RAM cache, or NVMe files on another filesystem) is
 written, one stage at a time, straight from the buffers it lives in.
@@ -50,6 +51,7 @@ import tensorstore as ts
 from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future as ocp_future
 
+from hetjax.checkpoint_drives import DRIVES, DriveLinks, check_present
 from hetjax.config import format_bytes
 from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
 from hetjax.storage.nvme import PageStore, io_context
@@ -270,7 +272,7 @@ class StreamedStateHandler(ocp.AsyncCheckpointHandler):
                 live[part.stage] = {
                     k: store.checksums.expected(k, src_page, part.num_pages) for k in source.kinds
                 }
-                if self.link and _link(part, proc, source.kinds):
+                if self.link and _link(part, proc, source.kinds, args.drives):
                     report.linked_bytes += source.state_format.nbytes(
                         part.num_pages * source.page_elems
                     )
@@ -286,7 +288,7 @@ class StreamedStateHandler(ocp.AsyncCheckpointHandler):
             t1 = time.perf_counter()
             try:
                 crcs = _persist(source, proc, arrays, copy, report, live)
-                _write_index(proc, source, crcs)
+                _write_index(proc, source, crcs, args.drives)
             finally:
                 source.release_all()
             report.persist_s = time.perf_counter() - t1
@@ -309,6 +311,7 @@ class StreamedStateHandler(ocp.AsyncCheckpointHandler):
 @dataclasses.dataclass
 class StreamedStateSave(ocp.args.CheckpointArgs):
     source: StateSource
+    drives: DriveLinks | None = None  # where pages striped over drives link (None: here)
 
 
 @ocp.args.register_with_handler(StreamedStateHandler, for_restore=True)
@@ -317,16 +320,21 @@ class StreamedStateRestore(ocp.args.CheckpointArgs):
     pass
 
 
-def _link(part: StagePart, proc: Path, kinds: list[str]) -> bool:
-    """Hard-links a stage's committed NVMe page files into the checkpoint; False where
+def _link(part: StagePart, proc: Path, kinds: list[str], drives: DriveLinks | None) -> bool:
+    """Hard-links a stage's committed NVMe page files into the checkpoint (pages
+    striped over drives: each on its drive, in ``drives``' directory there); False where
     the filesystem cannot (another device, no hard links): then they are copied."""
     store, src_page = part.pages
     for kind in kinds:
         src_dir, dst_dir = store.path / kind, proc / kind
         for i in range(part.num_pages):
             src = _chunk_file(src_dir, src_page + i)
-            dst = _chunk_file(dst_dir, part.first_page + i)
-            dst.parent.mkdir(parents=True, exist_ok=True)
+            at = part.first_page + i
+            if store.stripes is not None and drives is not None:
+                dst = drives.chunk_file(proc, store.stripes, src_page + i, kind, at)
+            else:
+                dst = _chunk_file(dst_dir, at)
+                dst.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(src, dst)
             except FileNotFoundError:
@@ -430,7 +438,7 @@ def _sync_files(array_dir: Path, part: StagePart) -> None:
             os.close(fd)
 
 
-def _write_index(proc: Path, source: StateSource, crcs: dict) -> None:
+def _write_index(proc: Path, source: StateSource, crcs: dict, drives: DriveLinks | None) -> None:
     index = {
         "page_elems": source.page_elems,
         "num_pages": source.num_pages,
@@ -447,6 +455,8 @@ def _write_index(proc: Path, source: StateSource, crcs: dict) -> None:
     }
     if source.state_format != fp32_format(source.kinds):  # fp32 each: the index as it was
         index["dtypes"] = {k: source.state_format.dtype(k).name for k in source.kinds}
+    if drives is not None and drives.used:  # pages linked on their drives: where
+        index[DRIVES] = sorted(str(d) for d in drives.used)
     tmp = proc / (INDEX + ".tmp")
     with open(tmp, "w") as f:
         json.dump(index, f)
@@ -475,6 +485,7 @@ class StoredState:
                 raise CheckpointDamaged(
                     f"checkpoint {directory.parent} cannot be read ({proc / INDEX}: {e})"
                 ) from e
+            check_present(self._procs[-1][1], proc, directory.parent)
         if not self._procs:
             raise CheckpointDamaged(
                 f"checkpoint {directory.parent} cannot be read (no proc*/{INDEX} in {directory})"

@@ -76,12 +76,17 @@ def checkpoints_sharing(ckpt: Checkpointer, path: Path) -> list[int]:
         return []
     sharing = []
     for step in ckpt.steps():
-        for f in (ckpt.directory / str(step)).rglob("*"):
-            st = f.stat()
-            if (st.st_ino, st.st_dev) == (target.st_ino, target.st_dev):
+        # following links: pages striped over drives are on those (checkpoint_drives.py)
+        for top, _, files in os.walk(ckpt.directory / str(step), followlinks=True):
+            if any(_same_file(Path(top) / f, target) for f in files):
                 sharing.append(step)
                 break
     return sharing
+
+
+def _same_file(path: Path, target: os.stat_result) -> bool:
+    st = path.stat()
+    return (st.st_ino, st.st_dev) == (target.st_ino, target.st_dev)
 
 
 def set_aside(ckpt: Checkpointer, step: int) -> Path:

@@ -285,6 +285,58 @@ def test_attention_quick(tmp_path, capsys):
     assert "blockwise / reference" in capsys.readouterr().out
 
 
+def test_io_over_drives_probes_each_device_once_and_prints_the_planners_sum(
+    tmp_path, capsys, monkeypatch
+):
+    """bench io --nvme-path a,b,c with a and b on one device (stat faked) and c on
+    another: two probes (a's and c's, the planner's measure_nvme faked at 1.0/0.5 and
+    2.0/1.0 GB/s read/write), the sum printed and saved is 3.0/1.5 GB/s; the pages
+    striped over the three directories are measured for real."""
+    import os
+
+    from hetjax.bench import io
+    from hetjax.planning import hardware
+
+    dirs = [tmp_path / name for name in "abc"]
+    for d in dirs:
+        d.mkdir()
+    device = {"a": 1, "b": 1, "c": 2}
+    real_stat = os.stat
+
+    class Stat:  # the real stat, on the faked device
+        def __init__(self, real, st_dev):
+            self._real, self.st_dev = real, st_dev
+
+        def __getattr__(self, name):
+            return getattr(self._real, name)
+
+    def stat(p, *a, **k):
+        real = real_stat(p, *a, **k)
+        return Stat(real, device[Path(p).name]) if Path(p) in dirs else real
+
+    monkeypatch.setattr(os, "stat", stat)
+    probed = []
+
+    def measure_nvme(d):
+        probed.append(d.name)
+        return (1.0e9, 0.5e9) if d.name == "a" else (2.0e9, 1.0e9)
+
+    monkeypatch.setattr(hardware, "measure_nvme", measure_nvme)
+    monkeypatch.setattr(io, "_raw_disk_bandwidth", lambda d, n: (0.75, 1.25))
+    out = tmp_path / "io.json"
+    assert main(["io", "--quick", "--nvme-path", ",".join(map(str, dirs)), "--out", str(out)]) == 0
+    assert probed == ["a", "c"]
+    result = json.loads(out.read_text())
+    assert (result["drives_read"], result["drives_write"]) == (3.0e9, 1.5e9)
+    assert [d["dir"] for d in result["drives"]] == [str(dirs[0]), str(dirs[2])]
+    assert result["striped_write"] > 0 and result["striped_read"] > 0
+    text = capsys.readouterr().out
+    assert "sum (the planner's NVMe lane)" + " " * 15 + "1.50       3.00" in text, text
+    assert f"({dirs[1]}: on a device already measured, counted once)" in text
+    left = [p for d in dirs for p in d.rglob("*")]
+    assert not left, left  # the probes' files removed
+
+
 def test_scale_from_names_the_sizes_when_unknown(tmp_path):
     with pytest.raises(SystemExit, match="not one of the sizes: 2x32, 4x128"):
         main(["scale", "--quick", "--from", "3x99", "--out", str(tmp_path / "s.json")])

@@ -14,6 +14,7 @@ from hetjax.planning.hardware import drives_bandwidth
 from hetjax.storage.nvme import PageStore
 from hetjax.storage.pages import aligned_empty
 from hetjax.storage.stripes import Stripes
+from hetjax.storage.swap import BoundarySwap
 from hetjax.train import train
 
 NVME = dict(mode="stream", optimizer="nvme", params="nvme")
@@ -65,6 +66,79 @@ def test_striping_over_two_directories_equals_one_bit_for_bit(tmp_path):
     on_b = drives[1] / "optimizer" / "gen0" / "master" / "c"
     assert sorted(int(p.name) for p in on_b.iterdir()) == [p for p in pages if p % 2]
     assert all((on_b / str(p) / "0").is_file() for p in pages if p % 2)
+
+
+def test_striped_swap_returns_each_boundary_and_keeps_odd_rows_on_the_second_drive(tmp_path):
+    """An activation swap over two directories, rows of four chunks each: every
+    boundary comes back bit for bit, and the rows written with an odd slot (1 and 3:
+    slot 4, the last, stays in RAM) have their four chunk files on the second drive."""
+    stripes = Stripes(tmp_path / "a", (tmp_path / "b",))
+    swap = BoundarySwap(
+        tmp_path / "a" / "activations", 5, (4, 8), np.float32, chunk_elems=8, depth=1,
+        stripes=stripes,
+    )  # fmt: skip
+    rows = np.random.default_rng(0).random((5, 4, 8), dtype=np.float32)
+    swap.begin()
+    for slot in range(5):
+        swap.put(slot, rows[slot].copy())
+    for slot in reversed(range(5)):
+        np.testing.assert_array_equal(swap.get(slot), rows[slot])
+    swap.close()
+    assert swap.write_bytes == 4 * rows[0].nbytes
+    on_b = tmp_path / "b" / "activations" / "boundaries" / "c"
+    assert sorted(int(p.parent.name) for p in on_b.glob("*/*") if p.is_file()) == [1] * 4 + [3] * 4
+    on_a = tmp_path / "a" / "activations" / "boundaries" / "c"
+    assert sorted(p.name for p in (on_a / "0").iterdir()) == ["0", "1", "2", "3"]
+    assert (on_a / "1").is_symlink() and not (on_a / "0").is_symlink()
+
+
+def test_striped_pages_in_relative_directories_reach_their_drive(tmp_path, monkeypatch):
+    """Drives named relative to the working directory (``memory.nvme_path=d0,d1``):
+    the odd page's link still reaches d1, and the page reads back."""
+    monkeypatch.chdir(tmp_path)
+    store = PageStore(
+        Path("d0") / "state", ["mu"], 2, 1024, stripes=Stripes(Path("d0"), (Path("d1"),))
+    )
+    data = np.arange(2 * 1024, dtype=np.float32)
+    store.write("mu", 0, data).result()
+    np.testing.assert_array_equal(store.read("mu", 0, 2).result().reshape(-1), data)
+    assert (tmp_path / "d1" / "state" / "mu" / "c" / "1" / "0").is_file()
+
+
+def test_a_drive_is_checked_for_its_rows_of_a_swap():
+    """Three rows of 100 bytes over two drives: drive 0 holds rows 0 and 2."""
+    assert Stripes(Path("a"), (Path("b"),)).rows_share(300, 3) == 200
+    assert Stripes(Path("a"), (Path("b"), Path("c"))).rows_share(300, 3) == 100
+
+
+@pytest.mark.slow  # ~5 s alone, ~40 s at load 14 (two runs); the swap above in the default run
+def test_swapping_activations_to_two_directories_equals_one_bit_for_bit(tmp_path, monkeypatch):
+    """Boundary activations and swapped blocks' activations on NVMe, over one directory
+    and over two: the same losses and params bit for bit; the second directory holds
+    both swaps' odd rows (read ahead 1: slots 0 and 1 of each are written, slot 2 kept
+    in RAM), each row of several chunks (4 KiB pages)."""
+    from hetjax import memory as memory_model
+
+    monkeypatch.setattr(memory_model, "IO_READAHEAD", 1)
+    offload = dict(mode="stream", activations="nvme", swap_blocks=3, swap_tier="nvme")
+    one = tiny_config(
+        model=dict(num_layers=6),
+        offload=offload,
+        memory=dict(page_size="4KiB", nvme_path=str(tmp_path / "one")),
+        train=dict(steps=2, eval_batches=0),
+    )
+    drives = [tmp_path / "a", tmp_path / "b"]
+    two = one.replace(memory=dict(nvme_path=",".join(map(str, drives))))
+    a = train(one, tmp_path / "run1", verbose=False)
+    b = train(two, tmp_path / "run2", verbose=False)
+    np.testing.assert_array_equal(a.losses, b.losses)
+    jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
+    for swap in ("activations", "swapped"):  # (both stores' arrays are named boundaries)
+        rows = drives[1] / swap / "boundaries" / "c"
+        chunks = sorted(p.relative_to(rows).parts for p in rows.glob("*/*") if p.is_file())
+        assert {row for row, _ in chunks} == {"1"}, (swap, chunks)
+        assert len(chunks) > 1, (swap, chunks)  # a row of several chunks
+        assert (drives[0] / swap / "boundaries" / "c" / "1").is_symlink()
 
 
 def test_nvme_path_names_distinct_directories():

@@ -20,6 +20,7 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
   checkpoint  checkpoints of the NVMe tier at the peer shape: none, hard-linked, copied:
             time in the step and in the background, bytes linked and written, peak RSS
   io        the TensorStore tier's read/write GB/s vs the raw sequential disk (O_DIRECT)
+            (--nvme-path /a,/b: each drive probed, and their sum as the planner takes it)
   optimizer the host optimizer's params/s vs the memory-bandwidth bound (28 B/param)
   lockfree  optimizer.mode=lockfree vs sync on a tiny model: final losses, step time
   scale     the largest GPT that trains 3 steps offloaded within a 1 GiB device and 6 GiB
@@ -112,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         help="scale: start the offloaded sizes at this one (e.g. 72x1536)",
     )
     parser.add_argument(
+        "--nvme-path",
+        default="",
+        metavar="DIRS",
+        help="io: the NVMe directories, one per drive, comma-separated (memory.nvme_path): "
+        "each drive probed and the bandwidths summed as the planner sums them",
+    )
+    parser.add_argument(
         "--state-dtype",
         default="",
         help="scale: the optimizer moments' dtype (optimizer.state_dtype; default fp32)",
@@ -135,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"start": args.start} if args.start else {}
     if args.state_dtype:
         extra["state_dtype"] = args.state_dtype
+    if args.nvme_path and args.name != "io":
+        parser.error("--nvme-path applies to the io benchmark only")
+    if args.nvme_path:
+        extra["nvme_path"] = args.nvme_path
     result = BENCHMARKS[args.name](args.quick, **extra)
     result.update(
         name=args.name,

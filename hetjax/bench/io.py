@@ -1,7 +1,13 @@
 """``python -m hetjax.bench io``: the TensorStore tier's read/write GB/s vs the raw
 sequential disk (O_DIRECT), then a sweep of TensorStore's file I/O settings
 (``file_io_mode`` default / direct / memmap, concurrency, page size) against it, and
-the tier's reads and writes with and without the live page checksums."""
+the tier's reads and writes with and without the live page checksums.
+
+``--nvme-path /a,/b`` (several drives, as ``memory.nvme_path``): each distinct device
+probed once, as the planner probes it, and the bandwidths summed by the planner's own
+function (``planning/hardware.py:drives_bandwidth``), so the sum printed is the NVMe
+lane the planner prices; then pages striped over all the directories, written and read
+at once, against that sum."""
 
 from __future__ import annotations
 
@@ -14,9 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from hetjax.bench.common import _scratch_dir
+from hetjax.planning import hardware
 from hetjax.planning.hardware import drop_page_cache
 from hetjax.storage.nvme import IO_CONCURRENCY, IO_MODE
 from hetjax.storage.pages import DIRECT_ALIGN, aligned_empty
+from hetjax.storage.stripes import Stripes
 
 
 def _raw_disk_bandwidth(directory: Path, nbytes: int, block: int = 4 << 20) -> tuple[float, float]:
@@ -64,7 +72,12 @@ def _raw_disk_bandwidth(directory: Path, nbytes: int, block: int = 4 << 20) -> t
 
 
 def _tensorstore_bandwidth(
-    directory: Path, nbytes: int, page: int, io_mode: str = IO_MODE, concurrency=IO_CONCURRENCY
+    directory: Path,
+    nbytes: int,
+    page: int,
+    io_mode: str = IO_MODE,
+    concurrency=IO_CONCURRENCY,
+    others: tuple[Path, ...] = (),
 ) -> tuple[float, float, float]:
     """Write (until on disk: ``os.sync`` included) and cold-read GB/s of whole pages
     through :class:`PageStore`, all requests in flight at once as the loop issues them;
@@ -74,15 +87,18 @@ def _tensorstore_bandwidth(
     one untimed pass first writes every page, as start-up does. The first pass of a
     process is slower (0.43-0.65 GB/s against 0.97-1.31 for the passes after it, same
     files, measured here): glibc serves its first large buffers from fresh mmaps, a
-    page fault per 4 KiB, and reuses them afterwards."""
+    page fault per 4 KiB, and reuses them afterwards. ``others``: the pages striped
+    over ``directory`` and these (``storage/stripes.py``), as the tier stripes them."""
 
     from hetjax.storage.nvme import PageStore
 
     elems = page // 4
     pages = nbytes // page
+    stripes = Stripes(directory, tuple(others)) if others else None
     store = PageStore(
-        directory / "ts", ["master"], pages, elems, io_mode=io_mode, concurrency=concurrency
-    )
+        directory / "ts", ["master"], pages, elems, io_mode=io_mode, concurrency=concurrency,
+        stripes=stripes,
+    )  # fmt: skip
     data = np.random.default_rng(0).random(pages * elems, dtype=np.float32)
     stage = 4  # pages per request, as a stage of a few pages
 
@@ -122,7 +138,8 @@ def _tensorstore_bandwidth(
     tier_read = nbytes / (time.perf_counter() - t0) / 1e9
     if not np.array_equal(out, data):
         raise RuntimeError("bench io: the tier's read returned other data than was written")
-    shutil.rmtree(directory / "ts")
+    for d in (directory, *others):
+        shutil.rmtree(d / "ts", ignore_errors=True)
     return write, read, first, tier_read
 
 
@@ -227,7 +244,62 @@ def _disk_sweep(directory: Path, quick: bool) -> dict:
     return rows
 
 
-def bench_io(quick: bool) -> dict:
-    """TensorStore tier read/write GB/s vs the raw sequential disk bandwidth, one run."""
+def _drives(dirs: list[Path], quick: bool) -> dict:
+    """Several drives: each distinct device's probe (the planner's, ``measure_nvme``)
+    and raw O_DIRECT bandwidth, their sum as the planner takes it (``drives_bandwidth``),
+    and the tier's pages striped over all of them, measured at once."""
+    drives: list[dict] = []
+
+    def probe(d: Path) -> tuple[float, float]:  # once per device: drives_bandwidth's choice
+        read, write = hardware.measure_nvme(d)
+        raw_w, raw_r = _raw_disk_bandwidth(d, (64 if quick else 1024) << 20)  # GB/s
+        drives.append(
+            dict(dir=str(d), read=read, write=write, raw_read=raw_r * 1e9, raw_write=raw_w * 1e9)
+        )  # bytes/s each
+        return read, write
+
+    read, write, _ = hardware.drives_bandwidth(dirs, probe)
+    row = lambda name, w, r: print(f"{name:<38}{w:>10.2f} {r:>10.2f}")  # noqa: E731
+    print(f"{len(dirs)} directories, {len(drives)} distinct devices     GB/s write   GB/s read")
+    for i, d in enumerate(drives):
+        print(f"drive {i}: {d['dir']}")
+        row("  the planner's probe (measure_nvme)", d["write"] / 1e9, d["read"] / 1e9)
+        row("  raw O_DIRECT", d["raw_write"] / 1e9, d["raw_read"] / 1e9)
+    measured = {Path(d["dir"]) for d in drives}
+    for d in dirs:
+        if d not in measured:
+            print(f"({d}: on a device already measured, counted once)")
+    row("sum (the planner's NVMe lane)", write / 1e9, read / 1e9)
+    nbytes = (64 if quick else 1024) << 20
+    work = [Path(tempfile.mkdtemp(prefix=".hetjax-io-", dir=d)) for d in dirs]
+    try:
+        st_w, _, _, st_r = _tensorstore_bandwidth(work[0], nbytes, 4 << 20, others=tuple(work[1:]))
+    finally:
+        for w in work:
+            shutil.rmtree(w, ignore_errors=True)
+    row("pages striped over all, at once", st_w, st_r)
+    row("striped / sum", st_w / (write / 1e9), st_r / (read / 1e9))
+    return {
+        "drives": drives,
+        "drives_read": read,  # bytes/s, as the planner sums them
+        "drives_write": write,
+        "striped_write": st_w,  # GB/s, as the rows above
+        "striped_read": st_r,
+    }
+
+
+def bench_io(quick: bool, nvme_path: str = "") -> dict:
+    """TensorStore tier read/write GB/s vs the raw sequential disk bandwidth, one run;
+    ``nvme_path`` naming several directories (``memory.nvme_path``'s form): per drive
+    and summed instead (:func:`_drives`)."""
+    dirs = [Path(d.strip()) for d in nvme_path.split(",") if d.strip()]
+    for d in dirs:
+        if not d.is_dir():
+            raise SystemExit(f"bench io: --nvme-path names {d}, which is not a directory")
+    if len(dirs) > 1:
+        return _drives(dirs, quick)
+    if dirs:
+        with tempfile.TemporaryDirectory(prefix=".hetjax-io-", dir=dirs[0]) as tmp:
+            return _disk_sweep(Path(tmp), quick)
     with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # the disk hetjax would use
         return _disk_sweep(Path(tmp), quick)

@@ -127,9 +127,17 @@ def nvme_directory(
         paths = [Path(tempfile.mkdtemp(prefix="hetjax-nvme-"))]
     stripes = stripes_of(paths, subdir)
     # a drive holds every n-th page of each array: 1/n of it, up to a page more of each
-    # (a few arrays a part: 8 pages of slack)
+    # (a few arrays a part: 8 pages of slack); of a swap, every n-th row (a boundary or
+    # a block's activations, each maybe many pages): drive 0 the most, ceil(rows / n)
     n, slack = stripes.count, 8 * config.memory.page_size
     share = {k: -(-v // n) + slack * (n > 1 and v > 0) for k, v in needed.items()}
+    rows = {
+        names["boundaries"]: offload.recomputed_blocks(sizes.num_layers),
+        names["swapped activations"]: offload.swap_blocks,
+    }
+    for k, r in rows.items():
+        if needed.get(k) and r:
+            share[k] = stripes.rows_share(needed[k], r)
     for path in (stripes.root, *stripes.others):
         check_nvme_path(path, share)
     return stripes.root, temporary, stripes
@@ -219,10 +227,14 @@ def make_grad_store(
 
 
 def make_boundary_swap(
-    config: Config, nvme_dir: Path | None, boundary: jax.ShapeDtypeStruct, placement
+    config: Config,
+    nvme_dir: Path | None,
+    boundary: jax.ShapeDtypeStruct,
+    placement,
+    stripes: Stripes | None = None,
 ) -> BoundarySwap | None:
     """The NVMe swap of boundary activations (``offload.activations=nvme``): of this
-    process's rows (``placement.local_share`` of the batch)."""
+    process's rows (``placement.local_share`` of the batch), striped over the drives."""
     slots = Placement.from_config(config).recomputed_blocks(config.model.num_blocks)
     if config.offload.activations != "nvme" or not slots:
         return None
@@ -236,6 +248,7 @@ def make_boundary_swap(
         chunk_elems=config.memory.page_size // itemsize,
         depth=memory.IO_READAHEAD,
         stage_to=placement.swap_staging(),
+        stripes=stripes,
     )
 
 
@@ -370,17 +383,22 @@ def build_stores(
         states=states,
         params=placement.param_store(params, layouts, on_nvme),
         grads=make_grad_store(config, host, sizes, page_elems, nvme_dir, stripes),
-        swap=make_boundary_swap(config, nvme_dir, boundary, placement),
-        residual_swap=make_residual_swap(config, sizes, offload, nvme_dir, placement),
+        swap=make_boundary_swap(config, nvme_dir, boundary, placement, stripes),
+        residual_swap=make_residual_swap(config, sizes, offload, nvme_dir, placement, stripes),
         param_buffers=slabs,
     )
 
 
 def make_residual_swap(
-    config: Config, sizes: Sizes, offload: Placement, nvme_dir: Path | None, placement
+    config: Config,
+    sizes: Sizes,
+    offload: Placement,
+    nvme_dir: Path | None,
+    placement,
+    stripes: Stripes | None = None,
 ) -> ResidualSwap | None:
     """The NVMe swap of the swapped blocks' activations (``offload.swap_tier=nvme``):
-    this process's shards of them (``placement.local_share``)."""
+    this process's shards of them (``placement.local_share``), striped over the drives."""
     if not offload.swap_blocks or offload.swap_tier != "nvme":
         return None
     return ResidualSwap(
@@ -390,4 +408,5 @@ def make_residual_swap(
         chunk_bytes=config.memory.page_size,
         depth=memory.IO_READAHEAD,
         stage_to=placement.swap_staging(),
+        stripes=stripes,
     )

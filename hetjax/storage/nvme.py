@@ -137,8 +137,9 @@ class PageStore:
         them; the tier uses :data:`IO_MODE` and :data:`IO_CONCURRENCY`). ``verify``:
         sum every page written and check every page read (``checksums.py``; off only
         to measure what that costs, ``python -m hetjax.bench io``). ``stripes``: the
-        drives the pages stripe over (``stripes.py``; whole-page chunks only)."""
+        drives the pages stripe over (``stripes.py``; a row with all its chunks)."""
         self.path = Path(path)
+        self.stripes = stripes if stripes is not None and stripes.others else None
         if not isinstance(kinds, dict):
             kinds = {k: "float32" for k in kinds}
         self.dtypes = {k: np.dtype(jnp.dtype(d)) for k, d in kinds.items()}
@@ -155,7 +156,7 @@ class PageStore:
         for kind, future in zip(self.kinds, opened, strict=True):
             self.arrays[kind] = future.result()
         if stripes is not None and stripes.others:
-            assert self.chunk_elems == page_elems, "pages stripe as whole chunks"
+            # a row's chunks share its directory (c/<row>/<chunk>): striped with it
             for kind in self.kinds:
                 stripes.lay_out(self.path / kind, num_pages)
         # every row written is summed and every row read checked (checksums.py)

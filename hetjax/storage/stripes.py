@@ -1,9 +1,11 @@
 """Several NVMe drives (``memory.nvme_path`` naming one directory per drive): each page
-array's pages stripe over them, page ``p`` on drive ``p % n``.
+array's pages stripe over them, page ``p`` on drive ``p % n`` (the activation swaps'
+rows too, ``swap.py``: row ``s`` on drive ``s % n``, whatever its chunks).
 
 An array lives where it always does, under drive 0's directory (its ``zarr.json``, and
 the chunk files of pages ``0, n, 2n, ...``); the directory of every other page's chunk
-file (``<array>/c/<p>``, zarr3's default chunk keys) is a symbolic link to the same path
+files (``<array>/c/<p>/``, zarr3's default chunk keys: a row's chunks, one where a
+chunk is a page) is a symbolic link to the same path
 under drive ``p % n``'s directory. Everything that opens a page's file by its path (the
 O_DIRECT reads and writes of ``nvme.DirectIO``, TensorStore's own I/O, the hard links
 between generations) then reaches the drive that holds it, unchanged; a write's
@@ -39,6 +41,11 @@ class Stripes:
     def drive_of(self, page: int) -> int:
         return page % self.count
 
+    def rows_share(self, nbytes: int, rows: int) -> int:
+        """Bytes of an array of ``rows`` equal rows (``nbytes`` in all, row ``r`` on
+        drive ``r % n``) that the drive holding the most of them (drive 0) keeps."""
+        return -(-rows // self.count) * (nbytes // rows)
+
     def lay_out(self, array_dir: Path, num_pages: int) -> None:
         """Points the page directories of ``array_dir`` (under :attr:`root`) that belong
         on other drives at fresh, empty directories there (what was there before goes,
@@ -61,7 +68,8 @@ class Stripes:
                 link.unlink()
             elif link.is_dir():
                 shutil.rmtree(link)
-            link.symlink_to(target, target_is_directory=True)
+            # absolute: a relative target would resolve against the link's directory
+            link.symlink_to(target.absolute(), target_is_directory=True)
 
 
 def stripes_of(dirs: list[Path], subdir: str = "") -> Stripes:

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from hetjax.storage.nvme import PageStore
+from hetjax.storage.stripes import Stripes
 
 KIND = "boundaries"
 
@@ -87,9 +88,13 @@ class BoundarySwap:
         chunk_elems: int,
         depth: int,
         stage_to=None,
+        stripes: Stripes | None = None,
     ):
         """``stage_to``: the device's ``pinned_host`` memory, where boundaries read from
-        disk are copied on a worker thread (``Shardings.pinned_staging``; None: numpy)."""
+        disk are copied on a worker thread (``Shardings.pinned_staging``; None: numpy).
+        ``stripes``: the drives the rows stripe over, row ``s`` on drive ``s % n``
+        (``stripes.py``): backward's read-ahead and forward's write-behind then keep
+        consecutive slots on different drives at once."""
         self.shape, self.depth, self.slots = tuple(shape), max(depth, 1), slots
         self.stage_to = stage_to
         elems = math.prod(self.shape)
@@ -101,6 +106,7 @@ class BoundarySwap:
             page_elems=elems,
             chunk_elems=min(chunk_elems, elems),
             label="activations",
+            stripes=stripes,
         )
         self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="hetjax-boundaries")
         # slot -> future of its data (host numpy), resolved when the write is complete
@@ -220,10 +226,10 @@ class ResidualSwap(BoundarySwap):
     copies with ``stage_to``; one device: the arrays themselves)."""
 
     def __init__(self, path: Path, slots: int, nbytes: int, *, chunk_bytes: int, depth: int,
-                 stage_to=None):  # fmt: skip
+                 stage_to=None, stripes: Stripes | None = None):  # fmt: skip
         super().__init__(
             path, slots, (nbytes,), np.uint8, chunk_elems=chunk_bytes, depth=depth,
-            stage_to=stage_to,
+            stage_to=stage_to, stripes=stripes,
         )  # fmt: skip
         self._layout: list[tuple[tuple[int, ...], np.dtype]] | None = None
 
