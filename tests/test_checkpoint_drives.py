@@ -109,7 +109,7 @@ def test_striped_pages_link_on_their_drive_and_go_with_their_checkpoint(tmp_path
         moved.close()
 
 
-@pytest.mark.slow  # ~6 s alone, ~25 s at load 14 (four tiny runs); the test above in the default run
+@pytest.mark.slow  # ~6 s alone, ~25 s at load 14 (four tiny runs); the test above: default run
 def test_resume_from_drives_equals_uninterrupted_and_a_missing_drive_is_refused(tmp_path):
     """Checkpoints every 2 steps of a run striped over drives a and b, stopped after
     step 2: resuming with b's save directory moved away stops with a CheckpointError
