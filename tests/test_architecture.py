@@ -31,6 +31,7 @@ LAYERS = [
     {
         "hetjax.storage",
         "hetjax.checkpoint_state",  # a checkpoint's state on disk: what the stores hand it
+        "hetjax.checkpoint_drives",  # a checkpoint's page links on each drive
         "hetjax.hf",
         "hetjax.data",
         "hetjax.instruct",  # instruction records packed into rows (reads data's windows)
@@ -54,6 +55,7 @@ LAYERS = [
         "hetjax.config",
         "hetjax.config_model",
         "hetjax.config_offload",
+        "hetjax.config_distributed",
         "hetjax.config_help",
         "hetjax.config_values",
         "hetjax.types",

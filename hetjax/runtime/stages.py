@@ -62,7 +62,7 @@ def stage_layouts(
     ``tensor_parallel`` > 1 (of the ``page_multiple`` devices) a stage's weights that
     ``rules`` split over the ``model`` axis are laid out by slice (``tensor.py``)."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
-    specs = tensor_specs(model, rules, shapes) if tensor_parallel > 1 else None
+    split_specs = tensor_specs(model, rules, shapes) if tensor_parallel > 1 else None
     if axis_sizes:
         names = logical_axes(model, shapes)
         specs = jax.tree.map(
@@ -88,10 +88,10 @@ def stage_layouts(
     layouts = {
         name: (block if name in blocks else layout)(params) for name, params in stages.items()
     }
-    if specs is not None:  # tensor parallelism: split weights by slice where a stage has any
+    if split_specs is not None:  # tensor parallelism: split weights by slice where any
         shares = page_multiple // tensor_parallel
         for name, params in stages.items():
-            split = tensor_layout(params, specs[name], page_size, tensor_parallel, shares)
+            split = tensor_layout(params, split_specs[name], page_size, tensor_parallel, shares)
             layouts[name] = split or layouts[name]
     return layouts
 
