@@ -159,15 +159,17 @@ def _flatten(layout: SlabLayout, trees: dict[str, Any], fmt: StateFormat) -> dic
 def layout_meta(layouts: dict[str, SlabLayout]) -> dict[str, Any]:
     """Each stage's leaves (path, shape, offset) and size: the canonical slab. A layout
     that cuts leaves into pieces (a grouped one's, ``runtime/grouped.py``) lists each
-    piece as (path, the leaf's shape, offset, size, where it starts in the leaf, and the
-    axis moved first in the leaf where one is: tensor parallelism's split axis)."""
+    piece as (path, the leaf's shape, offset, size, where it starts in the leaf, and where
+    the leaf is cut into slices stacked first, its axis and the slices: tensor
+    parallelism's)."""
 
     def entry(leaf) -> list:
         whole = [list(leaf.path), list(leaf.shape), leaf.offset]
         if leaf.size == math.prod(leaf.shape):
             return whole
-        # a piece; of the leaf with its axis ``leaf.axis`` moved first where not 0
-        return [*whole, leaf.size, leaf.start, *([leaf.axis] if leaf.axis else [])]
+        # a piece; of the leaf's slices stacked first, where it is cut into parts
+        cut = [leaf.axis, leaf.parts] if leaf.parts > 1 else []
+        return [*whole, leaf.size, leaf.start, *cut]
 
     return {
         stage: {"size": lay.size, "leaves": [entry(leaf) for leaf in lay.leaves]}
@@ -599,20 +601,22 @@ class StoredState:
         views of the slab read, and leaves saved in pieces assembled from them."""
         flat = self.read(stage, kind, 0, self.size(stage))
         leaves: dict[tuple, np.ndarray] = {}
-        moved: dict[tuple, int] = {}  # leaves assembled with an axis moved first
+        stacked: dict[tuple, tuple] = {}  # leaves assembled as slices stacked first
         for path, shape, offset, *piece in self.meta["layouts"][stage]["leaves"]:
             n = math.prod(shape)
             if not piece:  # a whole leaf
                 leaves[tuple(path)] = flat[offset : offset + n].reshape(shape)
                 continue
-            size, start, *axis = piece
-            if axis:
-                moved[tuple(path)] = axis[0]
-                shape = [shape[axis[0]], *shape[: axis[0]], *shape[axis[0] + 1 :]]
+            size, start, *cut = piece
+            if cut:  # the leaf's axis cut[0] in cut[1] slices, stacked first
+                axis, parts = cut
+                stacked[tuple(path)] = (axis, tuple(shape))
+                shape = [parts, *shape]
+                shape[axis + 1] //= parts
             whole = leaves.setdefault(tuple(path), np.zeros(shape, flat.dtype))
             whole.reshape(-1)[start : start + size] = flat[offset : offset + size]
-        for path, axis in moved.items():
-            leaves[path] = np.moveaxis(leaves[path], 0, axis)
+        for path, (axis, shape) in stacked.items():
+            leaves[path] = np.moveaxis(leaves[path], 0, axis).reshape(shape)
         tree: dict[str, Any] = {}
         for path, leaf in leaves.items():
             node = tree

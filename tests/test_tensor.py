@@ -163,10 +163,8 @@ def test_block_compute_splits_over_the_model_axis(tmp_path):
     tp = _block_backward_hlo(tp_config(1, 2, memory=dict(PAGES, nvme_path=str(tmp_path / "a"))))
     dp = _block_backward_hlo(tp_config(2, 1, memory=dict(PAGES, nvme_path=str(tmp_path / "b"))))
     assert count(tp, "all-reduce") > 0 and count(dp, "all-reduce") == 0
-    assert "f32[4,2,8,8]" in dots(tp), dots(tp)
-    # the MLP-in kernel's half, (32, 64) or, as its slice is stored (split axis first), (64, 32)
-    assert {"f32[32,64]", "f32[64,32]"} & dots(tp), dots(tp)
-    assert not {"f32[32,128]", "f32[128,32]", "f32[32,96]"} & dots(tp), dots(tp)  # no whole one
+    assert {"f32[32,64]", "f32[4,2,8,8]"} <= dots(tp), dots(tp)  # half the MLP, half the heads
+    assert not {"f32[32,128]", "f32[32,96]"} & dots(tp), dots(tp)  # no whole kernel
     assert {"f32[32,128]", "f32[2,4,8,8]"} <= dots(dp), dots(dp)
 
 
@@ -197,13 +195,10 @@ def test_each_device_fetches_only_its_slice_of_the_split_weights():
         m = list(zero.mesh.devices.flat).index(shard.device) % 2  # the model index
         got = np.asarray(shard.data).reshape(-1)
         assert got.size == G.num_pages * P  # one group: half the split weights
-        for leaf in G.leaves:
+        for leaf in G.leaves:  # the slice in its own shape, row-major
             whole = block[leaf.path[0]][leaf.path[1]]
-            cut = np.moveaxis(whole, split[leaf.path], 0)
-            half = cut.shape[0] // 2
-            np.testing.assert_array_equal(
-                got[leaf.offset : leaf.offset + leaf.size], cut[m * half : (m + 1) * half].ravel()
-            )
+            mine = np.split(whole, 2, axis=split[leaf.path])[m]
+            np.testing.assert_array_equal(got[leaf.offset : leaf.offset + leaf.size], mine.ravel())
     held = (layout.dense.num_pages + G.num_pages) * P
     assert held < layout.num_pages * P, (held, layout.num_pages * P)
 
@@ -243,11 +238,15 @@ def test_formerly_refused_features_under_tensor_parallelism_equal_single_device(
     config = tp_config(2, 2, optimizer=optimizer, offload=offload)
     result = train(config, tmp_path / "tp", verbose=False)
     assert_gpt_training_equal(result, references(2), build_model(config.model), check_tokens())
-    if feature in ("swap_nvme", "nvme_boundaries"):  # through the disk, once per group
+    if feature == "nvme_boundaries":  # through the disk, once per group: one device's bytes
         one = config.replace(distributed=dict(data_parallel=1, tensor_parallel=1))
         single = train(one, tmp_path / "one", verbose=False)
         for r, s in zip(result.records, single.records, strict=True):
             assert r["nvme_write_bytes"] == r["nvme_read_bytes"] == s["nvme_write_bytes"] > 0
+    if feature == "swap_nvme":  # through the disk and back. Not one device's bytes since
+        # the split weights' pages: a swapped block's residuals are then its pages, with
+        # their padding (115,712 B a step against one device's leaves' 82,944; issue #42)
+        assert all(r["nvme_write_bytes"] == r["nvme_read_bytes"] > 0 for r in result.records)
     if feature == "device_cache":  # embed and block 0: 8 pages of 4,096 each (16 KiB fp32),
         # updated once per step and again in each step whose update was redone (counted so
         # far). Pages by hand (runtime/tensor.py's layout at 2 x 2): a block's dense part, its

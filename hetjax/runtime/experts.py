@@ -36,8 +36,8 @@ class ExpertGrouping:
     def join(self, rest: Any, grouped: Any) -> Any:
         return join_experts(rest, grouped)
 
-    def moved_axis(self, path: tuple[str, ...]) -> int:
-        return 0
+    def cut(self, path: tuple[str, ...]) -> tuple[int, int]:
+        return 0, 1
 
 
 class ExpertSlabLayout(GroupedSlabLayout):

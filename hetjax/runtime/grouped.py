@@ -17,9 +17,10 @@ share is
 
 where the dense slab is the stage without its grouped leaves (pages a multiple of N, its
 leaves right-aligned) and a group's slab holds group g of every grouped leaf (pages a
-multiple of S). A grouped leaf is split on its first axis after the grouping has moved
-the axis it splits to the front (:meth:`Grouping.split`), so a group is a contiguous run
-of it. So the storage is ZeRO-3's unchanged (every page owned by one device, each
+multiple of S). A grouped leaf is stacked by group on its first axis
+(:meth:`Grouping.split`: experts are; a tensor-parallel weight's slices, each in its own
+shape, are stacked so), so a group is a contiguous run of it. So the storage is ZeRO-3's
+unchanged (every page owned by one device, each
 process's pages contiguous: its optimizer, stores and checkpoints are as for any stage);
 what changes is the gather: the dense shares are all-gathered over every device, a
 group's shares over the ``data`` axis only, never over the grouping's axis
@@ -28,7 +29,7 @@ a single split point: every grouped leaf is weight-decayed and comes before the 
 norm scales and biases, which end the slab (the last device's share must hold them all).
 
 Checkpoints record this layout (its leaves, cut at the shares, each piece with where it
-starts in its leaf, with the split axis moved first): restored into the same layout, each
+starts in its leaf, stacked by group): restored into the same layout, each
 process reads its pages as they are; into any other (another degree, device count or
 page size, one device, the in-memory runtime), the stage's params are reassembled from
 the pieces and laid out anew (``state_io.restore``,
@@ -64,13 +65,15 @@ class Grouping(Protocol):
 
     def split(self, params: Any) -> tuple[Any, Any]:
         """params (arrays or shapes, numpy or jnp) -> (the dense rest, the grouped
-        leaves, each with the axis it is split on first)."""
+        leaves, each its G groups stacked on its first axis)."""
 
     def join(self, rest: Any, grouped: Any) -> Any:
         """The inverse of :meth:`split`."""
 
-    def moved_axis(self, path: tuple[str, ...]) -> int:
-        """The axis of a grouped leaf that :meth:`split` moved first (0: none moved)."""
+    def cut(self, path: tuple[str, ...]) -> tuple[int, int]:
+        """How :meth:`split` stacked a grouped leaf: (axis, parts): its axis ``axis`` cut
+        into ``parts`` slices stacked on a new first axis, merged with the slices' own
+        first axis; (0, 1): the leaf as it is (its first axis already the groups')."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,9 +193,9 @@ class GroupedSlabLayout:
     @property
     def leaves(self) -> tuple[Leaf, ...]:
         """Every leaf's pieces, one per device share it falls in, at their offsets in the
-        slab, each with its whole leaf's path and shape, where in that leaf (its split
-        axis moved first: ``Leaf.axis``) it starts (what a checkpoint records of the
-        layout: it reassembles the params from them,
+        slab, each with its whole leaf's path and shape, where in that leaf (its groups
+        stacked first: ``Leaf.axis``, ``Leaf.parts``) it starts (what a checkpoint
+        records of the layout: it reassembles the params from them,
         ``checkpoint_state.StoredState.stage_tree``)."""
         P, pieces = self.page_elems, []
 
@@ -202,11 +205,15 @@ class GroupedSlabLayout:
             for leaf in leaves:
                 lo, hi = max(leaf.offset, start), min(leaf.offset + leaf.size, stop)
                 if lo < hi:
-                    axis = self.grouping.moved_axis(leaf.path) if groups > 1 else 0
-                    shape = (leaf.shape[0] * groups, *leaf.shape[1:]) if groups > 1 else leaf.shape
-                    shape = (*shape[1 : axis + 1], shape[0], *shape[axis + 1 :])  # unmoved
-                    first = group * leaf.size + lo - leaf.offset  # in the whole leaf
-                    pieces.append(Leaf(leaf.path, shape, at + lo - start, hi - lo, first, axis))
+                    axis, parts = self.grouping.cut(leaf.path) if groups > 1 else (0, 1)
+                    shape = list(leaf.shape)  # one group's (a slice's) shape -> the leaf's
+                    shape[axis] *= parts
+                    if parts == 1:
+                        shape[0] *= groups
+                    first = group * leaf.size + lo - leaf.offset  # in the stacked leaf
+                    pieces.append(
+                        Leaf(leaf.path, tuple(shape), at + lo - start, hi - lo, first, axis, parts)
+                    )
 
         dense = [dataclasses.replace(f, offset=f.offset + self._shift) for f in self.dense.leaves]
         Pg, Pd = self.group_share * P, self.dense_share * P

@@ -6,8 +6,10 @@ Inside the stage functions each param is constrained by its logical axes under
 attention by heads, the MLP by its hidden units, the vocabulary), so XLA splits the
 compute as Megatron does. The pages follow that split: a stage's weight-decayed leaves
 that a rule splits over the ``model`` axis are grouped (:class:`TensorGrouping`, a
-:class:`~hetjax.runtime.grouped.GroupedSlabLayout`): the split axis moved first and cut
-into M slices, slice m held in the pages of the devices at ``model`` index m, so the
+:class:`~hetjax.runtime.grouped.GroupedSlabLayout`): each cut into M slices on its split
+axis, each slice in its own shape (a device's shard of the leaf, so that turning the
+pages into the leaf is a bitcast on the device, no transposed copy), slice m held in the
+pages of the devices at ``model`` index m, so the
 gather brings each device only its slice (over ``data``) and the dense rest (norm
 scales, biases, unsplit weights: over every device). The biases a rule splits stay
 dense (whole on each device, split by the constraint): weight decay keeps one split
@@ -55,13 +57,29 @@ def _items(tree: Any, prefix: tuple = ()) -> list[tuple[tuple[str, ...], Any]]:
     return [(prefix, tree)]
 
 
-def _moveaxis(leaf: Any, source: int, dest: int) -> Any:
+def _stack(leaf: Any, axis: int, parts: int) -> Any:
+    """A leaf -> its axis ``axis`` cut into ``parts`` slices, each in its own shape,
+    stacked on the first axis (merged with the slices' first axis). Under tensor
+    parallelism a device's slice is its shard of the leaf, so the moves are its own
+    bitcasts (no transposed copy)."""
+    shape = list(leaf.shape)
+    shape[axis : axis + 1] = [parts, shape[axis] // parts]
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        shape = list(leaf.shape)
-        shape.insert(dest, shape.pop(source))
-        return jax.ShapeDtypeStruct(tuple(shape), leaf.dtype)
+        shape.insert(0, shape.pop(axis))
+        return jax.ShapeDtypeStruct((shape[0] * shape[1], *shape[2:]), leaf.dtype)
     xp = np if isinstance(leaf, np.ndarray) else jnp
-    return xp.moveaxis(leaf, source, dest)
+    stacked = xp.moveaxis(leaf.reshape(shape), axis, 0)
+    return stacked.reshape(-1, *stacked.shape[2:])
+
+
+def _unstack(stacked: Any, axis: int, parts: int) -> Any:
+    """The inverse of :func:`_stack`."""
+    xp = np if isinstance(stacked, np.ndarray) else jnp
+    one = stacked.reshape(parts, -1, *stacked.shape[1:])  # (parts, a slice's shape)
+    whole = xp.moveaxis(one, 0, axis)
+    shape = list(one.shape[1:])
+    shape[axis] *= parts
+    return whole.reshape(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,17 +88,18 @@ class TensorGrouping:
     ``axes`` holds (leaf path, the axis the rules split it on) of each grouped leaf."""
 
     axes: tuple[tuple[tuple[str, ...], int], ...]
+    parts: int  # M: devices on the model axis
     axis: str = MODEL_AXIS
 
     @classmethod
-    def of(cls, params: Any, specs: Any) -> TensorGrouping:
+    def of(cls, params: Any, specs: Any, parts: int) -> TensorGrouping:
         """The grouping of a stage's params (arrays or shapes) split as ``specs`` (its
         ``PartitionSpec``s, :func:`tensor_specs`): every weight-decayed leaf split over
         ``model``."""
         decay = dict(_items(jax.tree.map(bool, weight_decay_mask(params))))
         split = dict(_items(jax.tree.map(_model_dim, specs, is_leaf=_is_spec)))
         paths = [path for path, _ in _items(params) if decay[path] and split[path] >= 0]
-        return cls(tuple((path, split[path]) for path in paths))
+        return cls(tuple((path, split[path]) for path in paths), parts)
 
     def split(self, params: Any) -> tuple[Any, Any]:
         axes = dict(self.axes)
@@ -88,7 +107,7 @@ class TensorGrouping:
         grouped: dict = {}
         for path, leaf in _items(params):
             if path in axes:
-                _put(grouped, path, _moveaxis(leaf, axes[path], 0))
+                _put(grouped, path, _stack(leaf, axes[path], self.parts))
             else:
                 _put(rest, path, leaf)
         return rest, grouped
@@ -97,11 +116,11 @@ class TensorGrouping:
         axes = dict(self.axes)
         whole = jax.tree.map(lambda a: a, rest)  # a copy of its dicts
         for path, leaf in _items(grouped):
-            _put(whole, path, _moveaxis(leaf, 0, axes[path]))
+            _put(whole, path, _unstack(leaf, axes[path], self.parts))
         return whole
 
-    def moved_axis(self, path: tuple[str, ...]) -> int:
-        return dict(self.axes)[tuple(path)]
+    def cut(self, path: tuple[str, ...]) -> tuple[int, int]:
+        return dict(self.axes)[tuple(path)], self.parts
 
 
 def _is_spec(x) -> bool:
@@ -124,7 +143,7 @@ def tensor_layout(
 ) -> GroupedSlabLayout | None:
     """A stage's slab laid out for tensor parallelism over ``tensor_parallel`` x
     ``shares`` devices; None when no leaf of it is grouped (the plain layout then)."""
-    grouping = TensorGrouping.of(params, specs)
+    grouping = TensorGrouping.of(params, specs, tensor_parallel)
     if not grouping.axes:
         return None
     return GroupedSlabLayout.of(params, page_bytes, tensor_parallel, shares, grouping)

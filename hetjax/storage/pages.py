@@ -243,10 +243,12 @@ class Leaf:
     offset: int  # in elements
     size: int
     # A piece of a leaf (a grouped slab, ``runtime/grouped.py``, cuts leaves by device):
-    # where its ``size`` elements start in the leaf's, row-major, with the leaf's axis
-    # ``axis`` moved first (tensor parallelism's split axis; 0: as it is).
+    # where its ``size`` elements start in the leaf's, row-major; with ``parts`` > 1, in
+    # the leaf's axis ``axis`` cut into that many slices stacked first (tensor
+    # parallelism's slices, ``runtime/tensor.py``).
     start: int = 0
     axis: int = 0
+    parts: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
