@@ -231,6 +231,10 @@ class Workload:
         # a device's share of a micro-batch's rows: what its FLOPs are (a model group
         # splits its data group's rows' compute tensor ways), and what the tracer times
         b, T, D = max(1, t.micro_batch_size // devices), t.seq_len, m.d_model
+        # a data group's rows (a model group's devices share them), and the rows' worth
+        # of FLOPs a device computes (its 1/tensor share of the group's)
+        group_rows = max(1, t.micro_batch_size // (devices // tensor))
+        flop_rows = group_rows / tensor if tensor > 1 else b
         T_dec = decoder_length(config.data, T)  # a decoder's rows (span corruption: fewer)
         tokens = b * T
         backend = backend or jax.default_backend()
@@ -278,11 +282,12 @@ class Workload:
                     n += 0 if level == "all" and devices == 1 else pad * c
                     kept[level] = max(kept.get(level, 0), n)
             working = estimate(n_chunks)
-            boundary = tensor * tokens * D * c  # the data group's rows
+            boundary = group_rows * T * D * c
             context = stages.context_bytes(model, b, T)
         else:
             kept, working, boundary = sizes.kept, sizes.working_set, sizes.boundary
-            boundary *= tensor if sizes.grad_shards == 1 else 1  # the data group's rows
+            if sizes.grad_shards == 1:  # measured at a device's rows: the data group's
+                boundary = boundary * group_rows // b
             context = sizes.context
             if devices > 1 and sizes.grad_shards == 1:
                 # measured on one device, whose block takes its params leaf by leaf: under
@@ -346,8 +351,8 @@ class Workload:
             kept=dict(kept),
             recompute_flops={level: recompute[level] for level in kept},
             # forward: a third of forward + backward
-            block_fwd_flops=b * model.block_flops_per_row(T, T_dec) / 3 / L,
-            head_fwd_flops=b * T_dec * 2 * m.vocab_size * D,
+            block_fwd_flops=flop_rows * model.block_flops_per_row(T, T_dec) / 3 / L,
+            head_fwd_flops=flop_rows * T_dec * 2 * m.vocab_size * D,
             attention_bwd_flops=attention_bwd,
             grad_policy=grad_policy(config),
             groups=(
