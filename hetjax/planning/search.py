@@ -25,10 +25,15 @@ runtimes implement and returns the fastest :class:`Plan` that fits every tier:
 * where none of those fits: every block recomputing, the micro-batch in chunks of rows
   (``offload.batch_chunks``).
 
+On several devices each data x model split the model allows (``split.tensor_degrees``)
+is planned so, from the slice layouts the runtime builds at that tensor-parallel degree,
+and the fastest split wins (``split.describe_split`` says why).
+
 The cost model is Fuyou's (section 4.5, equations 1-8) extended to our tiers: a step is
 its forward phase plus its backward phase; each phase takes the longest of its lanes
 (device compute, host->device, device->host, NVMe, the host optimizer overlapped with
-the last micro-batch's backward, collectives). On the CPU backend the "device", the
+the last micro-batch's backward, collectives: ZeRO-3's gathers and reduce-scatters,
+expert parallelism's all-to-alls, Megatron's all-reduces). On the CPU backend the "device", the
 copies and the host optimizer share the same cores, so their times add there, and so
 do data-parallel devices' (``Hardware.shared_cores``). Memory per tier follows the
 runtimes' own accounting (``hetjax/memory.py``:
