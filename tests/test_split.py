@@ -1,14 +1,22 @@
-"""The data x model split a plan prints (hetjax/planning/split.py): Megatron's
-tensor-parallel all-reduce volume against bytes counted by hand."""
+"""The data x model split a plan takes (hetjax/planning/split.py): Megatron's
+tensor-parallel all-reduce volume against bytes counted by hand, its price in the
+collectives lane, the split the planner chooses where tensor parallelism wins and where
+it loses, and ``offload.mode=auto`` training with the split it chose."""
+
+import dataclasses
+import json
 
 import pytest
 from conftest import tiny_config
+from equivalence import assert_gpt_training_equal, check_tokens
 
 from hetjax.placement import Placement
+from hetjax.planning.cost import Candidate, lanes
 from hetjax.planning.hardware import PROFILES
 from hetjax.planning.search import make_plan
-from hetjax.planning.split import tensor_allreduce_bytes
+from hetjax.planning.split import tensor_allreduce_bytes, tensor_degrees
 from hetjax.planning.workload import Workload
+from models import build_model
 
 
 def test_megatron_all_reduce_bytes_by_hand():
@@ -26,18 +34,124 @@ def test_megatron_all_reduce_bytes_by_hand():
     assert tensor_allreduce_bytes(w, streamed, 4) == pytest.approx(294_912)
     kept = Placement(keep_blocks=1)  # one block of the two: 6 + 4 all-reduces
     assert tensor_allreduce_bytes(w, kept, 2) == pytest.approx(10 * 8_192)
+    # the same volume from the workload planned at 2 devices a model group
+    at2 = Workload.from_config(config, devices=8, tensor=2)
+    assert tensor_allreduce_bytes(at2, streamed, 2) == pytest.approx(98_304)
 
 
-@pytest.mark.slow  # ~4 s: a plan on the profile
-def test_plan_on_eight_gpus_says_its_split_and_why():
-    """--plan on Angel-PTM's 8 x A100-40G names the split it takes (8 x 1), prices the
-    all-reduces of each tensor-parallel degree over the profile's links, and says why
-    it does not take them."""
-    config = tiny_config(train=dict(batch_size=16, seq_len=16))
+def test_collectives_lane_prices_the_all_reduces_and_the_grouped_gathers():
+    """The tiny GPT (2 blocks; a 4 x 16 micro-batch; 16 KiB pages, 16,384 B of fp32) on
+    2 GPUs of a profile: the collectives lane is the bytes counted by hand over its
+    interconnect. At data x tensor 1 x 2 a block's slab is 2 dense pages (a multiple of
+    the 2 devices) and 2 slices of 2 pages (tests/test_memory_model.py): a device
+    gathers half the dense pages (1 page) and none of its slice (one data device), in
+    forward and again in the recomputed forward (2 blocks: 4 pages); gradients
+    reduce-scatter the same block pages (2) and half of the embed's 4 + head's 2 pages
+    (3); Megatron's all-reduces: 6 a block of the (4, 16, 32) fp32 activation (8,192
+    B), 2(t-1)/t of it sent each: 2 x 6 x 8,192 B = 6 pages. 15 pages in all. At 2 x 1
+    a block's 4 whole pages: half gathered, 2 pages a block (8 pages), scattered (4),
+    and half the embed's 3 + head's 1 pages, to 4 + 2 (3): 15 pages, no all-reduce."""
+    config = tiny_config(memory=dict(page_size="16KiB"))
+    hw = dataclasses.replace(PROFILES["angel-a100-40g"], num_devices=2)
+    page = 4096 * 4
+    streamed = Candidate(placement=Placement())
+    for tensor, allreduces in ((2, 6 * page), (1, 0)):
+        w = Workload.from_config(config, devices=2, backend="gpu", tensor=tensor)
+        assert tensor_allreduce_bytes(w, streamed.placement, tensor) == allreduces
+        _, by_lane = lanes(w, hw, streamed, 0.0)
+        assert by_lane["collectives"] == pytest.approx(15 * page / hw.interconnect_bw)
+
+
+def test_tensor_degrees_divide_the_model_and_the_rows():
+    """t where t divides the devices, the heads (4), the MLP units (128) and the vocab
+    (256), and the micro-batch's 4 rows divide over devices/t data groups; a config's
+    own tensor_parallel is taken as given."""
+    assert tensor_degrees(tiny_config(), 4) == [1, 2, 4]
+    assert tensor_degrees(tiny_config(), 8) == [2, 4]  # not 1: 4 rows; not 8: 4 heads
+    assert tensor_degrees(tiny_config(model=dict(num_heads=2, d_model=32)), 4) == [1, 2]
+    assert tensor_degrees(tiny_config(train=dict(batch_size=2)), 4) == [2, 4]  # rows 2
+    assert tensor_degrees(tiny_config(distributed=dict(tensor_parallel=2)), 8) == [2]
+
+
+SPLIT_MODEL = dict(d_model=64, num_heads=4, d_ff=256)
+
+
+def test_plan_takes_tensor_parallelism_where_only_a_slice_fits():
+    """2 GPUs, the d-64 GPT (a block 50,048 params: 50 pages of 1,024 fp32 elements
+    whole; at 1 x 2 a device computes with its dense pages and a slice: 32 pages) and
+    a per-device budget of 900 KiB: at 2 x 1 a device cannot hold its window (the
+    planner's least: 1.05 MiB), at 1 x 2 it can (800 KiB), so the plan takes
+    tensor_parallel=2, says why, and gives the config the split to train with."""
+    hw = dataclasses.replace(PROFILES["angel-a100-40g"], num_devices=2)
+    config = tiny_config(model=SPLIT_MODEL, memory=dict(page_size="4KiB", device_budget="900KiB"))
+    plan = make_plan(config, hw)
+    assert plan.tensor_parallel == 2
+    assert plan.split.startswith("data x model: 1 x 2 (distributed.tensor_parallel=2)")
+    assert "1: does not fit (device short by" in plan.split
+    assert plan.config_overrides()["distributed"] == dict(data_parallel=1, tensor_parallel=2)
+    assert sum(plan.device.values()) <= 900 * 1024
+
+
+def test_plan_keeps_data_parallelism_where_the_all_reduces_cost_more():
+    """The same model and GPUs with room for a whole block (1 GiB) but 128 rows of 512
+    tokens a micro-batch and links of 1 GB/s: Megatron's all-reduces (6 a block of a
+    data group's (128, 512, 64) fp32 activation, 16 MiB, 2(t-1)/t of it sent each:
+    2 x 6 x 16 MiB = 201 MB a step) cost more than tensor parallelism saves (half a
+    block's gather), so the plan stays 2 x 1 and prices the split it did not take."""
+    hw = dataclasses.replace(PROFILES["angel-a100-40g"], num_devices=2, interconnect_bw=1e9)
+    train = dict(batch_size=128, seq_len=512)
+    model = dict(SPLIT_MODEL, max_seq_len=512)
+    config = tiny_config(model=model, train=train, memory=dict(device_budget="1GiB"))
+    plan = make_plan(config, hw)
+    assert plan.tensor_parallel == 1 and plan.allreduce_bytes == 0
+    assert plan.split.startswith("data x model: 2 x 1 (distributed.tensor_parallel=1)")
+    at2 = make_plan(config, hw, Workload.from_config(config, devices=2, backend="gpu", tensor=2))
+    allreduces = 2 * 6 * (128 * 512 * 64 * 4)
+    assert at2.allreduce_bytes == allreduces
+    assert at2.lanes["collectives"] >= allreduces / 1e9  # priced, over the 1 GB/s links
+    assert f"2: {at2.step_s:.4g} s/step" in plan.split
+    assert at2.step_s > plan.step_s * 1.02
+    assert "distributed" not in plan.config_overrides()
+
+
+def test_plan_for_llama_70b_on_eight_a100s_says_its_split():
+    """--plan for configs/llama_70b.py on Angel-PTM's 8 x A100-40G fits and names its
+    split: a micro-batch of 1 row leaves 1 x 8 the only split (a row cannot split over
+    data groups)."""
+    from hetjax.config import load_config
+
+    config = load_config("configs/llama_70b.py")
     plan = make_plan(config, PROFILES["angel-a100-40g"])
-    line = plan.split
-    assert line.startswith("data x model: 8 x 1") and "save no device memory" in line
-    w = Workload.from_config(config, devices=8, backend="gpu")
-    at2 = tensor_allreduce_bytes(w, plan.placement, 2) / PROFILES["angel-a100-40g"].interconnect_bw
-    assert f"{at2:.3g} s/step at 2" in line
-    assert line in plan.table()
+    assert plan.tensor_parallel == 8
+    assert plan.split.startswith("data x model: 1 x 8 (distributed.tensor_parallel=8)")
+    assert plan.split in plan.table()
+
+
+@pytest.mark.slow  # ~40 s: measures this machine, then trains 3 runs
+def test_auto_picks_tensor_parallelism_on_4_devices_and_trains_equal_to_none(tmp_path):
+    """offload.mode=auto on 4 virtual devices, the d-64 GPT with 2 heads (tensor
+    parallelism 1 or 2) and a per-device budget of 800 KiB, under which a device cannot
+    hold a whole block's window (the planner's least at 4 x 1: ~900 KiB) but can hold a
+    1/2 slice's (~730 KiB): the plan takes data x model 2 x 2, and the run trains with
+    it equal to offload.mode=none on one device (SGD, fp32, 1e-5)."""
+    from hetjax.planning.auto import plan_auto
+    from hetjax.train import train
+
+    sgd = dict(name="sgd", lr=0.1, grad_clip=2.0)
+    model = dict(d_model=64, num_heads=2, d_ff=256)
+    config = tiny_config(
+        model=model, optimizer=sgd, offload=dict(mode="auto"),
+        memory=dict(page_size="4KiB", device_budget="800KiB", host_budget="8MiB"),
+        distributed=dict(data_parallel=4),
+    )  # fmt: skip
+    logs: list[str] = []
+    planned, plan = plan_auto(config, tmp_path / "plan", logs.append)
+    assert plan is not None and plan.tensor_parallel == 2, logs
+    assert planned.distributed.tensor_parallel == 2 and planned.distributed.data_parallel == 2
+    assert any("data x model: 2 x 2" in line for line in logs), logs
+    result = train(config, tmp_path / "run", verbose=False)
+    ran = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert ran["distributed"]["tensor_parallel"] == 2
+    reference = tiny_config(model=model, optimizer=sgd, offload=dict(mode="none"))
+    expected = train(reference, tmp_path / "none", verbose=False)
+    assert_gpt_training_equal(result, expected, build_model(reference.model), check_tokens())

@@ -15,7 +15,8 @@ from hetjax.config import Config, format_bytes
 from hetjax.memory_host import in_memory_parts
 from hetjax.planning.hardware import device_capacity, measure_local
 from hetjax.planning.search import MARGIN, Plan, make_plan, process_host_budget
-from hetjax.planning.tracer import trace
+from hetjax.planning.split import tensor_degrees
+from hetjax.planning.tracer import trace_splits
 from hetjax.planning.workload import Workload, measured_expert_fraction, memory_sizes
 
 
@@ -33,17 +34,13 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     planner plans for the run's devices (per-device budgets, the collectives lane), and
     the plan's placement is returned with the budgets it planned for, so the streaming
     runtime plans within them. Several processes take process 0's plan: measurements
-    differ between machines, and every process must run the same placement."""
+    differ between machines, and every process must run the same placement. Several
+    devices: the plan's data x model split too (``split.tensor_degrees``, each
+    measured by the one trace), which the returned config trains with."""
     if config.offload.mode != "auto":
         return config, None
     parallel = support.parallelism(config.distributed)
     in_memory = support.supports("in_memory", parallel)
-    if parallel == support.TENSOR:  # the cost model has no tensor-parallel lane yet
-        log(
-            f"offload.mode=auto: {in_memory}; the planner does not plan it yet: "
-            "offload.mode=stream with the config's placement"
-        )
-        return config.replace(offload=dict(mode="stream")), None
     if in_memory:  # ZeRO-3 is the streaming runtime's
         log(f"offload.mode=auto: {in_memory}: planning the streaming runtime")
     else:
@@ -58,7 +55,9 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     if devices > 1:  # the devices this machine's measurements are shared by
         hw = dataclasses.replace(hw, num_devices=devices)
     fraction = measured_expert_fraction(workdir)
-    plan = make_plan(config, hw, trace(config, devices=devices, expert_fraction=fraction))
+    degrees = tensor_degrees(config, devices) if devices > 1 else [1]
+    workloads = trace_splits(config, devices=devices, expert_fraction=fraction, tensors=degrees)
+    plan = make_plan(config, hw, workloads=workloads)
     log(f"planned in {time.perf_counter() - t0:.1f} s")
     for line in plan.table().splitlines():
         log(line)

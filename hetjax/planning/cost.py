@@ -13,6 +13,7 @@ from typing import Any
 from hetjax.memory import IO_READAHEAD, DeviceCache, params_are_master
 from hetjax.placement import Placement
 from hetjax.planning.hardware import Hardware
+from hetjax.planning.split import allreduce_bytes
 from hetjax.planning.workload import Workload, kept_key, memory_sizes
 
 ADAM_BYTES = 28  # bytes a device-side AdamW moves per parameter (reads and writes)
@@ -135,6 +136,11 @@ def lanes(
         grads = 4 * (P - L * Ps) * (n - 1) / n + w.block_grad_bytes * L * Pg
         comm_f = L * (cb * Pg + w.exchange_bytes) / link
         comm_b = (recomputed * (cb * Pg + 2 * w.exchange_bytes) + grads) / link
+        # tensor parallelism: Megatron's all-reduces of each block's sub-layers
+        # (planning/split.py), over the same links
+        allreduce_f, allreduce_b = allreduce_bytes(w, o)
+        comm_f += allreduce_f / link
+        comm_b += allreduce_b / link
     disk_f = disk_b = disk_step = 0.0
     writes = nvme_writes(w, c, cached, grad_spill, n)  # bytes a step writes, by what
     if o.params == "nvme":

@@ -25,10 +25,15 @@ runtimes implement and returns the fastest :class:`Plan` that fits every tier:
 * where none of those fits: every block recomputing, the micro-batch in chunks of rows
   (``offload.batch_chunks``).
 
+On several devices each data x model split the model allows (``split.tensor_degrees``)
+is planned so, from the slice layouts the runtime builds at that tensor-parallel degree,
+and the fastest split wins (``split.describe_split`` says why).
+
 The cost model is Fuyou's (section 4.5, equations 1-8) extended to our tiers: a step is
 its forward phase plus its backward phase; each phase takes the longest of its lanes
 (device compute, host->device, device->host, NVMe, the host optimizer overlapped with
-the last micro-batch's backward, collectives). On the CPU backend the "device", the
+the last micro-batch's backward, collectives: ZeRO-3's gathers and reduce-scatters,
+expert parallelism's all-to-alls, Megatron's all-reduces). On the CPU backend the "device", the
 copies and the host optimizer share the same cores, so their times add there, and so
 do data-parallel devices' (``Hardware.shared_cores``). Memory per tier follows the
 runtimes' own accounting (``hetjax/memory.py``:
@@ -48,7 +53,7 @@ from hetjax.memory_host import HostMemoryPlan, host_minimum, in_memory_parts, nv
 from hetjax.placement import Placement
 from hetjax.planning.cost import ON_DEVICE, Candidate, lanes, nvme_writes
 from hetjax.planning.hardware import Hardware
-from hetjax.planning.split import describe_split
+from hetjax.planning.split import allreduce_bytes, describe_split, tensor_degrees
 from hetjax.planning.wear import Wear
 from hetjax.planning.workload import Workload, memory_sizes
 
@@ -97,8 +102,15 @@ class Plan:
         return self.candidate.placement
 
     def config_overrides(self) -> dict[str, dict[str, Any]]:
-        """The config sections that train with this plan (``Config.replace(**...)``)."""
-        return self.candidate.config_overrides()
+        """The config sections that train with this plan (``Config.replace(**...)``);
+        with tensor parallelism the data x model split too."""
+        overrides = self.candidate.config_overrides()
+        if self.tensor_parallel > 1:
+            overrides["distributed"] = dict(
+                data_parallel=self.num_devices // self.tensor_parallel,
+                tensor_parallel=self.tensor_parallel,
+            )
+        return overrides
 
     def table(self) -> str:
         c, p = self.candidate, self.candidate.placement
@@ -217,6 +229,8 @@ class Plan:
     fallbacks: tuple[str, ...] = ()
     # several devices: the data x model split taken and why (planning/split.py)
     split: str = ""
+    tensor_parallel: int = 1  # the devices of a model group (distributed.tensor_parallel)
+    allreduce_bytes: float = 0.0  # Megatron's all-reduces a step, per device
 
 
 # -- evaluating one candidate ------------------------------------------------------------
@@ -427,16 +441,61 @@ def make_plan(
     hw: Hardware,
     workload: Workload | None = None,
     expert_fraction: float | None = None,
+    workloads: dict[int, Workload] | None = None,
 ) -> Plan:
     """The fastest placement of ``config``'s model that fits every tier of ``hw`` (and
-    the config's budgets). Raises :class:`PlanError` naming the short tier and by how
-    much when nothing fits. ``expert_fraction``: as :meth:`Workload.from_config`'s."""
+    the config's budgets), at the fastest data x model split of ``hw``'s devices
+    (``split.tensor_degrees``; the least tensor-parallel within ``TIE`` of the
+    fastest). Raises :class:`PlanError` naming the short tier and by how much when
+    nothing fits. ``expert_fraction``: as :meth:`Workload.from_config`'s.
+    ``workload``: plan that one only (at its ``tensor``); ``workloads``: by degree,
+    those to plan (the tracer's); default: from the config's shapes at each degree."""
     backend = "cpu" if hw.shared_cores else "gpu"  # the profile's, not this process's
-    w = workload or Workload.from_config(
-        config, devices=hw.num_devices, backend=backend, expert_fraction=expert_fraction
+    if workload is not None:
+        workloads = {workload.tensor: workload}
+    elif workloads is None:
+        degrees = tensor_degrees(config, hw.num_devices) if hw.num_devices > 1 else [1]
+        workloads = {
+            t: Workload.from_config(
+                config, devices=hw.num_devices, backend=backend,
+                expert_fraction=expert_fraction, tensor=t,
+            )
+            for t in degrees
+        }  # fmt: skip
+    plans: dict[int, Plan] = {}
+    refused: dict[int, PlanError] = {}
+    for t, w in workloads.items():
+        try:
+            plans[t] = _plan_split(config, hw, w)
+        except PlanError as e:
+            refused[t] = e
+    if not plans:
+        raise refused[min(refused)]  # the least split's shortfall (one device's, if planned)
+    fastest = min(p.step_s for p in plans.values())
+    t = min(k for k, p in plans.items() if p.step_s <= TIE * fastest)
+    chosen = plans[t]
+    if hw.num_devices == 1:
+        return chosen
+    others = {k: f"{p.step_s:.4g} s/step" for k, p in plans.items() if k != t}
+    others |= {k: _short(e) for k, e in refused.items()}
+    return dataclasses.replace(
+        chosen, split=describe_split(hw, chosen, dict(sorted(others.items())))
     )
+
+
+def _short(e: PlanError) -> str:
+    """Why a split does not fit, in a few words: the first tier short and by how much."""
+    text = str(e)
+    tier = next((t for t in ("device", "host", "nvme") if f"{t} needs" in text), "")
+    short = text.split("short by ", 1)[1].split(" ", 2)[:2] if "short by " in text else []
+    return f"does not fit ({tier} short by {' '.join(short)})" if tier and short else "does not fit"
+
+
+def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
+    """The fastest placement of workload ``w`` (at its tensor-parallel degree) on
+    ``hw``, as :func:`make_plan` describes."""
     limit = budgets(config, hw)
-    parallel = planned_parallelism(config, hw)
+    parallel = planned_parallelism(config, hw, w.tensor)
     base = Placement.from_config(config)  # the knobs not searched come from the config
     search = lambda chunked: _fastest_per_placement(
         w, hw, limit, _candidates(w, parallel, chunked, base), parallel
@@ -493,7 +552,8 @@ def make_plan(
         ),
         fallbacks=tuple(support.fallbacks(config, parallel)) if c.mode == "stream" else (),
         wear=wear_of(chosen),
-        split=describe_split(w, hw, c.placement) if hw.num_devices > 1 else "",
+        tensor_parallel=w.tensor,
+        allreduce_bytes=w.micro_batches * sum(allreduce_bytes(w, c.placement)),
     )
 
 
@@ -517,12 +577,15 @@ def _choose(best: list[tuple], write_less: bool = False) -> tuple:
     return chosen
 
 
-def planned_parallelism(config: Config, hw: Hardware) -> str:
+def planned_parallelism(config: Config, hw: Hardware, tensor: int = 1) -> str:
     """The parallelism a plan of ``config`` on ``hw`` runs under (``support``'s): one
     device keeps the whole state; several shard it (ZeRO-3), splitting the experts too
-    with ``distributed.expert_parallel``."""
+    with ``distributed.expert_parallel``, or each block's compute over ``tensor``
+    devices."""
     if hw.num_devices == 1:
         return support.SINGLE
+    if tensor > 1:
+        return support.TENSOR
     return support.EXPERT if config.distributed.expert_parallel > 1 else support.DATA
 
 

@@ -1,58 +1,102 @@
-"""The data x model split of a plan's devices (``distributed.tensor_parallel``): what
-tensor parallelism would move between devices and save on a profile, and why a plan
-takes the split it takes (printed by ``--plan`` on several devices).
+"""The data x model split of a plan's devices (``distributed.tensor_parallel``): which
+tensor-parallel degrees a model allows, what Megatron's all-reduces move between a
+model group's devices, and why a plan takes the split it takes (printed by ``--plan``
+on several devices).
 
-The planner does not plan tensor parallelism yet: the runtime (``runtime/zero.py``)
-gathers a block's whole pages on every device of a model group, so a device holds what
-it holds without tensor parallelism while its blocks all-reduce activations besides:
-no plan gains by it. What is priced here is Megatron's volume, for when a device holds
-only its slice of a block (issue #42: the tensor-parallel page slices)."""
+Under tensor parallelism M a device holds a block's dense pages and only its 1/M slice
+of the split weights (``runtime/tensor.py``: the planner takes the sizes from the same
+layouts, ``Workload.from_config(..., tensor=M)``), computes 1/M of its data group's
+rows' heads and MLP units, and holds that data group's boundaries; its blocks
+all-reduce their attention's and MLP's outputs besides ZeRO-3's gathers (priced in the
+collectives lane, ``cost.lanes``). So a split can fit where a whole block cannot, and
+cost all-reduces where both fit: the planner plans every degree and takes the fastest
+(``search.make_plan``)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from hetjax.placement import Placement
 from hetjax.planning.hardware import Hardware
 from hetjax.planning.workload import Workload
 
+if TYPE_CHECKING:
+    from hetjax.config import Config
+
 # Megatron's all-reduces of one block per micro-batch: its attention's and its MLP's
 # outputs in forward, their inputs' gradients in backward (Shoeybi et al. 2019, fig. 4);
 # a block that recomputes in backward runs its forward's two again
-ALL_REDUCES = {"kept": 4, "recomputed": 6}
+ALL_REDUCES = {"forward": 2, "recomputed": 2, "backward": 2}
+
+
+def tensor_degrees(config: Config, devices: int) -> list[int]:
+    """The tensor-parallel degrees a plan of ``config`` on ``devices`` devices may take:
+    each divisor t of the device count that splits the model as the rules split it
+    (``distributed.TENSOR_PARALLEL_RULES``: t divides the heads, the key/value heads,
+    the MLP's hidden units and the vocabulary) and leaves the micro-batch's rows
+    dividing over the devices/t data groups (1 alone where none does: the runtime then
+    says why). The planner plans tensor parallelism for
+    one stage group of dense blocks (GPT, Llama): its memory model is checked there
+    (``tests/test_memory_model.py``); a config's ``distributed.tensor_parallel`` > 1 is
+    taken as given."""
+    m, dist = config.model, config.distributed
+    if dist.tensor_parallel > 1:
+        return [dist.tensor_parallel]
+    if dist.expert_parallel > 1 or m.num_experts or m.encoder_decoder:
+        return [1]
+    if m.family not in ("gpt", "llama"):
+        return [1]
+    kv = m.num_kv_heads or m.num_heads
+    sizes = (m.num_heads, kv, m.ff_dim, m.vocab_size)
+    rows = config.train.micro_batch_size
+    degrees = [
+        t
+        for t in range(1, devices + 1)
+        if devices % t == 0 and all(n % t == 0 for n in sizes) and rows % (devices // t) == 0
+    ]
+    return degrees or [1]  # (the runtime then says why the rows do not divide)
+
+
+def allreduce_bytes(w: Workload, placement: Placement, tensor: int | None = None):
+    """Bytes one device sends per micro-batch for Megatron's all-reduces at ``tensor``
+    devices a model group (default the workload's ``tensor``), as ``(forward,
+    backward)``: per block :data:`ALL_REDUCES`, each 2(t-1)/t of a ``(b, T, D)``
+    activation in the compute dtype, b the rows of its data group (``w.boundary`` is
+    the data group's activation at ``w.tensor``: a device's rows times it)."""
+    tensor = tensor or w.tensor
+    if tensor == 1:
+        return 0.0, 0.0
+    L = w.num_layers
+    recomputed = placement.recomputed_blocks(L)
+    activation = w.boundary * tensor / w.tensor
+    each = 2 * (tensor - 1) / tensor * activation
+    forward = L * ALL_REDUCES["forward"] * each
+    backward = (L * ALL_REDUCES["backward"] + recomputed * ALL_REDUCES["recomputed"]) * each
+    return forward, backward
 
 
 def tensor_allreduce_bytes(w: Workload, placement: Placement, tensor: int) -> float:
-    """Bytes one device sends per step for Megatron's all-reduces at ``tensor`` devices a
-    model group: per block and micro-batch :data:`ALL_REDUCES`, each 2(t-1)/t of a
-    ``(b, T, D)`` activation in the compute dtype, b the rows of its data group (t times
-    a device's rows at ``tensor`` 1: ``w.boundary`` is one device's activation)."""
-    if tensor == 1:
-        return 0.0
-    L = w.num_layers
-    recomputed = placement.recomputed_blocks(L)
-    per_micro_batch = (
-        recomputed * ALL_REDUCES["recomputed"] + (L - recomputed) * ALL_REDUCES["kept"]
-    )
-    activation = tensor * w.boundary
-    return w.micro_batches * per_micro_batch * 2 * (tensor - 1) / tensor * activation
+    """Bytes one device sends per step for Megatron's all-reduces at ``tensor`` devices
+    a model group (:func:`allreduce_bytes` of every micro-batch)."""
+    return w.micro_batches * sum(allreduce_bytes(w, placement, tensor))
 
 
-def describe_split(w: Workload, hw: Hardware, placement: Placement) -> str:
-    """One line: the data x model split a plan on ``hw``'s devices takes and why, with
-    the all-reduce time each tensor-parallel degree would add over the profile's
-    interconnect."""
-    n = hw.num_devices
-    degrees = [t for t in (2, 4, 8, 16) if t <= n and n % t == 0]
-    if not degrees:
-        return f"data x model: {n} x 1"
-    link = hw.interconnect_bw
-    cost = lambda t: (
-        f"{tensor_allreduce_bytes(w, placement, t) / link:.3g} s/step at {t}"
-        if link
-        else f"{tensor_allreduce_bytes(w, placement, t) / 1e9:.3g} GB a step at {t}"
-    )
-    return (
-        f"data x model: {n} x 1 (distributed.tensor_parallel=1): tensor parallelism would "
-        f"add Megatron's all-reduces ({', '.join(map(cost, degrees))}) and save "
-        "no device memory yet (each device gathers a block's whole pages), so the "
-        "planner does not offer it"
-    )
+def describe_split(hw: Hardware, chosen, others: dict[int, str]) -> str:
+    """One line: the data x model split a plan on ``hw``'s devices takes (``chosen``, a
+    ``search.Plan``) and why: each degree planned, its predicted step or why it does not
+    fit (``others``: by degree, those not chosen), and the all-reduce time the chosen
+    one adds over the profile's interconnect."""
+    n, t = hw.num_devices, chosen.tensor_parallel
+    line = f"data x model: {n // t} x {t} (distributed.tensor_parallel={t})"
+    if not others:
+        return line + (
+            ": the only split the model and the micro-batch's rows allow (split.tensor_degrees)"
+        )
+    options = [f"{t}: {chosen.step_s:.4g} s/step"] + [f"{k}: {why}" for k, why in others.items()]
+    why = "the fastest of tensor_parallel " + "; ".join(options)
+    if t > 1:
+        link = hw.interconnect_bw or hw.h2d_bw
+        s = chosen.allreduce_bytes / link if link else 0.0
+        why += f"; Megatron's all-reduces move {chosen.allreduce_bytes / 1e9:.3g} GB a step"
+        why += f" ({s:.3g} s over the interconnect)" if link else ""
+    return f"{line}: {why}"

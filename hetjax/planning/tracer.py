@@ -18,14 +18,33 @@ from models import build_model
 
 
 def trace(
-    config: Config, repeats: int = 5, devices: int = 1, expert_fraction: float | None = None
+    config: Config,
+    repeats: int = 5,
+    devices: int = 1,
+    expert_fraction: float | None = None,
+    tensor: int = 1,
 ) -> Workload:
+    """The model measured on this machine (:func:`trace_splits` at one degree)."""
+    return trace_splits(config, repeats, devices, expert_fraction, (tensor,))[tensor]
+
+
+def trace_splits(
+    config: Config,
+    repeats: int = 5,
+    devices: int = 1,
+    expert_fraction: float | None = None,
+    tensors: tuple[int, ...] = (1,),
+) -> dict[int, Workload]:
     """Measures the model on this machine: each stage function's time for one
     micro-batch (compiled and run on random params and tokens, median of ``repeats``) and
     XLA's memory sizes. Allocates one block's, the embedding's and the head's params.
     ``devices``: data-parallel devices sharing the batch; each runs its rows of the
     micro-batch, so that is what is timed and sized (on one device).
-    ``expert_fraction``: as :meth:`Workload.from_config`'s."""
+    ``expert_fraction``: as :meth:`Workload.from_config`'s. One workload per degree of
+    ``tensors`` (``tensor`` of :meth:`Workload.from_config`), from one measurement:
+    under tensor parallelism a device's rows with the whole block are what a model
+    group's device computes (its data group's rows, 1/tensor of the heads and MLP
+    units)."""
     m, t = config.model, config.train
     model = build_model(m)
     dtype = jnp.dtype(m.compute_dtype)
@@ -85,6 +104,10 @@ def trace(
     for group in fns.groups:
         x = time_group(group, x, group.group.num_layers / L)
     measured["head"] = best(lambda: fns.head_fwd_bwd(h, e, x, tokens, one))
-    w = Workload.from_config(config, sizes, devices, expert_fraction=expert_fraction)
-    w = dataclasses.replace(w, measured=measured)
-    return w
+    return {
+        t: dataclasses.replace(
+            Workload.from_config(config, sizes, devices, expert_fraction=expert_fraction, tensor=t),
+            measured=measured,
+        )
+        for t in tensors
+    }

@@ -12,11 +12,13 @@ import jax.numpy as jnp
 from hetjax import support
 from hetjax.config import Config, ConfigError
 from hetjax.data import decoder_length
+from hetjax.distributed import MODEL_AXIS, TENSOR_PARALLEL_RULES
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy, zero3_scatter_bytes
 from hetjax.optimizer.deferred import deferrable
 from hetjax.optimizer.state_format import StateFormat, state_format
 from hetjax.planning.hardware import Hardware
 from hetjax.runtime import remat, stages
+from hetjax.runtime.grouped import GroupedSlabLayout
 from hetjax.runtime.routed import expert_leaves
 from hetjax.runtime.stages import stage_layouts
 from models import attention, build_model
@@ -92,6 +94,12 @@ class Workload:
     batch_chunks: int = 1
     chunked_working_sets: dict[int, int] = dataclasses.field(default_factory=dict)
     page_elems: int = 0  # elements a page of the slabs (0: not known)
+    # Tensor parallelism (distributed.tensor_parallel): the devices of a model group.
+    # A device computes with its block's dense pages and 1/tensor of its split weights
+    # (block_params: the grouped layout's compute_size; stored and gathered as that
+    # layout stores and gathers them), its FLOPs 1/tensor of its data group's rows',
+    # and holds the boundaries of its data group's rows (tensor x a device's share)
+    tensor: int = 1
 
     def working_set_in(self, chunks: int) -> int:
         """The working set with the micro-batch in ``chunks`` chunks of rows."""
@@ -176,6 +184,7 @@ class Workload:
         devices: int = 1,
         backend: str | None = None,
         expert_fraction: float | None = None,
+        tensor: int = 1,
     ) -> Workload:
         """From abstract shapes only (``jax.eval_shape``): nothing is allocated.
         ``sizes``: a measured :class:`hetjax.runtime.stages.StageMemory`, else estimated.
@@ -185,7 +194,10 @@ class Workload:
         "gpu", ...; default this process's), which sizes the estimated working set
         (:func:`estimate_working_set`). ``expert_fraction``: the share of a routed
         block's experts a run measured copying (:func:`measured_expert_fraction`), else
-        uniform routing's expectation (:func:`expected_expert_fraction`)."""
+        uniform routing's expectation (:func:`expected_expert_fraction`). ``tensor``:
+        of the ``devices``, those a block's compute splits over (a model group, sharing
+        its rows; ``distributed.tensor_parallel``): the slabs are laid out as the
+        runtime lays them out then (``stage_layouts(..., tensor_parallel=tensor)``)."""
         m, t = config.model, config.train
         model = build_model(m)
         shapes = jax.eval_shape(model.init, jax.random.key(0))
@@ -201,17 +213,29 @@ class Workload:
         # The slabs as the runtime lays them out (whole pages of fp32 elements, fitted
         # to the largest block, a multiple of the devices': ZeRO-3 shards; the experts in
         # groups)
-        layouts = stage_layouts(model, config.memory.page_size, devices, G)
+        rules = {"rules": TENSOR_PARALLEL_RULES} if tensor > 1 else {}
+        layouts = stage_layouts(
+            model, config.memory.page_size, devices, G, tensor_parallel=tensor, **rules
+        )
         embed, head = layouts["embed"].padded_size, layouts["head"].padded_size
         # the block params a device computes with (a MoE's: its E/G experts), each group's
         used = {g.name: count(shapes[g.key]) // g.num_layers for g in model.groups}
         if G > 1:  # (expert parallelism: a llama's one group of blocks)
             used["block"] -= count(split_experts(shapes["blocks"])[1]) // L * (G - 1) // G
+        for name, layout in layouts.items():  # tensor parallelism: the dense and a slice
+            if isinstance(layout, GroupedSlabLayout) and name in used:
+                used[name] = layout.dense.size + layout.group.size
         largest = max(model.groups, key=lambda g: layouts[g.name].compute_size).name
         block = layouts[largest].compute_size  # a device's experts only
         block_used = used[largest]
         c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
+        # a device's share of a micro-batch's rows: what its FLOPs are (a model group
+        # splits its data group's rows' compute tensor ways), and what the tracer times
         b, T, D = max(1, t.micro_batch_size // devices), t.seq_len, m.d_model
+        # a data group's rows (a model group's devices share them), and the rows' worth
+        # of FLOPs a device computes (its 1/tensor share of the group's)
+        group_rows = max(1, t.micro_batch_size // (devices // tensor))
+        flop_rows = group_rows / tensor if tensor > 1 else b
         T_dec = decoder_length(config.data, T)  # a decoder's rows (span corruption: fewer)
         tokens = b * T
         backend = backend or jax.default_backend()
@@ -224,6 +248,8 @@ class Workload:
         # whose rows are independent (config.py refuses the others)
         separable = not (m.num_experts or m.encoder_decoder or model.stats_size)
         separable = separable and len(model.groups) == 1
+        # (not under tensor parallelism: no chunked working set is estimated there)
+        separable = separable and tensor == 1
         chunk_counts = [n for n in CHUNK_COUNTS if b % n == 0] if separable else []
 
         # Expert parallelism adds the exchange's fixed-capacity rows: G x a device's
@@ -257,10 +283,12 @@ class Workload:
                     n += 0 if level == "all" and devices == 1 else pad * c
                     kept[level] = max(kept.get(level, 0), n)
             working = estimate(n_chunks)
-            boundary = tokens * D * c
+            boundary = group_rows * T * D * c
             context = stages.context_bytes(model, b, T)
         else:
             kept, working, boundary = sizes.kept, sizes.working_set, sizes.boundary
+            if sizes.grad_shards == 1:  # measured at a device's rows: the data group's
+                boundary = boundary * group_rows // b
             context = sizes.context
             if devices > 1 and sizes.grad_shards == 1:
                 # measured on one device, whose block takes its params leaf by leaf: under
@@ -274,7 +302,7 @@ class Workload:
         if devices > 1 and (sizes is None or sizes.grad_shards == 1):
             # estimated, or measured on one device (the tracer): ZeRO-3's reduce-scatter
             # holds the block's whole gradient as a temporary of its backward
-            scatter = zero3_scatter_bytes(block, block_grad_dtype(config).itemsize, devices)
+            scatter = _scatter_bytes(layouts[largest], block_grad_dtype(config).itemsize, devices)
             working += scatter
             chunked = {n: ws + scatter for n, ws in chunked.items()}
         # What a kept block's backward recomputes at level matmuls (its other FLOPs are
@@ -301,6 +329,9 @@ class Workload:
             source = f"uniform routing of {tokens} tokens"
         else:
             fraction, source = expert_fraction, "measured by the last run in the workdir"
+        # the block's slab in groups (experts, or slices of its split weights), one stage
+        # group (several keep their padded slabs: Workload.stored_block)
+        grouped = (G > 1 or tensor > 1) and len(model.groups) == 1
         shape = f"{L} x {D}" if len(model.groups) == 1 else (
             " + ".join(f"{g.num_layers} {g.name}" for g in model.groups) + f" x {D}"
         )  # fmt: skip
@@ -322,8 +353,8 @@ class Workload:
             kept=dict(kept),
             recompute_flops={level: recompute[level] for level in kept},
             # forward: a third of forward + backward
-            block_fwd_flops=b * model.block_flops_per_row(T, T_dec) / 3 / L,
-            head_fwd_flops=b * T_dec * 2 * m.vocab_size * D,
+            block_fwd_flops=flop_rows * model.block_flops_per_row(T, T_dec) / 3 / L,
+            head_fwd_flops=flop_rows * T_dec * 2 * m.vocab_size * D,
             attention_bwd_flops=attention_bwd,
             grad_policy=grad_policy(config),
             groups=(
@@ -332,8 +363,8 @@ class Workload:
                 else ()
             ),
             context=context,
-            stored_block_params=layouts["block"].padded_size if G > 1 else 0,
-            gathered_block_params=layouts["block"].gathered_size if G > 1 else 0,
+            stored_block_params=layouts[largest].padded_size if grouped else 0,
+            gathered_block_params=layouts[largest].gathered_size if grouped else 0,
             # a block's forward sends and gets back its (token, expert) rows, at the
             # capacity that drops none (models/llama.py: exchange_with_experts)
             exchange_bytes=2 * G * tokens * m.experts_per_token * D * c * (G - 1) // G,
@@ -343,7 +374,22 @@ class Workload:
             deferred_expert_updates=bool(routed_experts) and deferrable(config),
             batch_chunks=n_chunks,
             chunked_working_sets=chunked,
+            tensor=tensor,
         )
+
+
+def _scatter_bytes(layout, grad_bytes: int, devices: int) -> int:
+    """The ZeRO-3 backward's reduce-scatter temporaries of a block of ``layout``
+    (:func:`~hetjax.memory.zero3_scatter_bytes`): the whole slab over ``devices``; a
+    tensor-parallel block's dense pages over every device and its slice over the data
+    axis only (none with one data group). Within 1.00-1.15 of XLA:CPU's at data x
+    tensor 1 x 2 and 2 x 2 (tests/test_memory_model.py)."""
+    if not (isinstance(layout, GroupedSlabLayout) and layout.grouping.axis == MODEL_AXIS):
+        return zero3_scatter_bytes(layout.compute_size, grad_bytes, devices)
+    pe, S = layout.page_elems, layout.shares
+    dense = zero3_scatter_bytes(layout.dense.num_pages * pe, grad_bytes, devices)
+    group = layout.group.num_pages * pe
+    return dense + (zero3_scatter_bytes(group, grad_bytes, S) if S > 1 else 0)
 
 
 def expected_expert_fraction(num_experts: int, per_token: int, tokens: int) -> float:
