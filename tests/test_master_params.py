@@ -3,8 +3,11 @@
 the state's committed master (or its RAM cache), and training equal to the in-memory
 reference."""
 
+import concurrent.futures
 import dataclasses
+import gc
 import json
+import weakref
 
 import jax
 import numpy as np
@@ -17,6 +20,7 @@ from hetjax.memory_host import nvme_parts, plan_host
 from hetjax.optimizer.state_format import StateFormat
 from hetjax.placement import Placement
 from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.storage.nvme_states import _copy_when_done
 from hetjax.storage.params import MasterPages, OwnPages
 from hetjax.train import train
 
@@ -194,3 +198,24 @@ def test_params_in_another_dtype_have_files_of_their_own(tiny, dtype):
         assert (runtime.nvme_dir / "params").is_dir()
     finally:
         runtime.close()
+
+
+def test_master_copy_lets_go_of_the_read_it_copied():
+    """The copy of a master read made elsewhere (``nvme_states._copy_when_done``) holds
+    that read only until it copies it: the read's callbacks stay with it, and a callback
+    naming the read was a cycle that kept its pages (a pooled param slab) alive until
+    a full collection, so the slab pool allocated a fresh one meanwhile."""
+    read = concurrent.futures.Future()  # (not done yet: the copy waits in it)
+    out = np.zeros(4, np.float32)
+    copied = _copy_when_done(read, out)
+    pages = np.arange(4, dtype=np.float32).reshape(2, 2)
+    held = weakref.ref(pages)
+    gc.disable()
+    try:
+        read.set_result(pages)
+        copied.result()
+        np.testing.assert_array_equal(out, [0, 1, 2, 3])
+        del read, pages
+        assert held() is None, "the copied read's pages outlived the copy"
+    finally:
+        gc.enable()

@@ -1,10 +1,16 @@
 """The NVMe page store: real TensorStore zarr3 files on disk."""
 
+import concurrent.futures
+import gc
+import time
+import weakref
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from hetjax.config import ConfigError
-from hetjax.storage.nvme import PageStore, check_nvme_path
+from hetjax.storage.nvme import PageFutures, PageStore, check_nvme_path
 
 
 def test_pages_round_trip_and_reopen(tmp_path):
@@ -57,3 +63,66 @@ def test_not_enough_disk_names_needed_and_free_and_leaves_nothing(tmp_path):
     with pytest.raises(ConfigError, match=r"needs .* on disk but only .* is free \(short by"):
         check_nvme_path(target, needed_bytes=10**18)  # 1 EB: more than any disk
     assert not target.exists()  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    "dtype, io_mode",
+    [("bfloat16", "direct"), ("float32", "default")],  # (pages of 2000 bytes: not O_DIRECT)
+)
+def test_io_through_tensorstore_frees_its_buffer_without_the_cyclic_collector(
+    tmp_path, dtype, io_mode
+):
+    """A read into a buffer, or a write from one, done and dropped: nothing holds the
+    buffer but its owner, so it is freed when the owner lets go. (Held in a reference
+    cycle, as bf16 stores' reads and writes left them, it waits for a full collection,
+    and the NVMe param store's slab pool, which reuses only unreferenced slabs,
+    allocated a fresh slab for every stage read meanwhile: RAM grew every step.)"""
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    page_elems = 2000 // np_dtype.itemsize
+    store = PageStore(tmp_path / "s", {"k": dtype}, 4, page_elems, io_mode=io_mode)
+    assert not store.links  # through TensorStore, the path under test
+    gc.disable()  # (the cyclic collector would free a cycle at some unknown time)
+    try:
+        data = np.ones(2 * page_elems, np_dtype)
+        written = weakref.ref(data)
+        future = store.write("k", 1, data, borrowed=True)
+        future.result()
+        del future, data
+        assert _freed(written), "the written buffer outlived its write"
+        out = np.zeros(2 * page_elems, np_dtype)
+        read = weakref.ref(out)
+        future = store.read_into("k", 1, out)
+        future.result()
+        np.testing.assert_array_equal(out.astype(np.float32), 1)
+        del future, out
+        assert _freed(read), "the buffer read into outlived its read"
+    finally:
+        gc.enable()
+
+
+def test_page_futures_let_go_of_a_done_callback_once_it_ran():
+    """A callback naming a buffer (as the param store's reads have, ``params._ReadInto``)
+    is let go once called: the futures keep their callbacks, and a callback holding
+    the page futures (which hold them) was a cycle keeping the buffer alive."""
+    page = concurrent.futures.Future()  # (not done yet: the callback waits in it)
+    futures = PageFutures([page])
+    buf = np.zeros(1024, np.float32)
+    held, called = weakref.ref(buf), []
+    futures.add_done_callback(lambda done, buf=buf: called.append(id(done)))
+    gc.disable()
+    try:
+        page.set_result(None)
+        assert called == [id(futures)]
+        del futures, buf
+        assert held() is None, "the buffer a done callback named outlived the callback"
+    finally:
+        gc.enable()
+
+
+def _freed(ref: weakref.ref, seconds: float = 2.0) -> bool:
+    """Whether ``ref``'s object is freed within ``seconds`` (the I/O thread that completed
+    a future may still be returning from its callbacks when ``result`` returns)."""
+    deadline = time.monotonic() + seconds
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return ref() is None

@@ -219,7 +219,11 @@ class PageStore:
         else:
             target = ts.array(pages, copy=False, write=True)
             write = target.write(self.arrays[kind][first_page : first_page + n])
-            read = _then(_commit_future(write), lambda _: self._check(kind, first_page, pages))
+
+            def check(_) -> None:  # (its result is not the pages: the future keeps it)
+                self._check(kind, first_page, pages)
+
+            read = _then(_commit_future(write), check)
             future = PageFutures([read])
         timeline.watch_future("nvme_read", self._span_name(kind, first_page, n), future)
         return future
@@ -314,12 +318,20 @@ class PageStore:
 
 def _then(future, fn) -> concurrent.futures.Future:
     """A future of ``fn(future's result)``, run by whichever thread completes
-    ``future`` (a TensorStore or ``concurrent.futures`` one); ``fn``'s error is its."""
+    ``future`` (a TensorStore or ``concurrent.futures`` one); ``fn``'s error is its.
+
+    The callback reads the future it is handed, not ``future``: a ``concurrent.futures``
+    future keeps its callbacks after running them, so a callback naming it is a
+    reference cycle, and what ``fn`` names (the buffer a read landed in) lived on until
+    a full collection. The NVMe param store's slab pool reuses only slabs nothing else
+    refers to, so meanwhile it allocated a fresh slab for every stage it read: host RAM
+    grew every step where reads went through TensorStore (bf16 moments, whose pages are
+    not whole O_DIRECT blocks)."""
     done: concurrent.futures.Future = concurrent.futures.Future()
 
-    def land(_) -> None:
+    def land(landed) -> None:
         try:
-            done.set_result(fn(future.result()))
+            done.set_result(fn(landed.result()))
         except BaseException as e:  # noqa: BLE001 — raised by result(), on the caller
             done.set_exception(e)
 
@@ -368,18 +380,22 @@ class PageFutures:
             f.result()
 
     def add_done_callback(self, callback) -> None:
+        # The futures keep ``one`` after running it, so it holds the call (and this
+        # object, which holds them) only until it is made: no cycle outlives it (see
+        # ``_then``).
+        call = [functools.partial(callback, self)]
         left = [len(self.futures)]
         lock = threading.Lock()
 
         def one(_) -> None:
             with lock:
                 left[0] -= 1
-                last = left[0] == 0
-            if last:
-                callback(self)
+                last = call.pop() if left[0] == 0 else None
+            if last is not None:
+                last()
 
         if not self.futures:
-            callback(self)
+            call.pop()()
         for f in self.futures:
             f.add_done_callback(one)
 

@@ -515,9 +515,9 @@ def _copy_when_done(read, out: np.ndarray) -> concurrent.futures.Future:
     the thread that lands it; the copy's future."""
     done: concurrent.futures.Future = concurrent.futures.Future()
 
-    def copy(_) -> None:
+    def copy(landed) -> None:  # (``landed``, not ``read``: no cycle, see ``nvme._then``)
         try:
-            np.copyto(out, read.result().reshape(-1))
+            np.copyto(out, landed.result().reshape(-1))
             done.set_result(None)
         except BaseException as e:  # noqa: BLE001 — raised by result(), on the caller
             done.set_exception(e)
