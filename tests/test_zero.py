@@ -256,6 +256,49 @@ def test_formerly_refused_features_under_zero3_equal_single_device(
             assert disk[feature] in (None, r["nvme_write_bytes"]), r
 
 
+@pytest.mark.parametrize(
+    "offload",
+    [
+        dict(optimizer_device_stages=3),
+        pytest.param(dict(optimizer="device"), marks=pytest.mark.slow),
+    ],
+    ids=["device_cache", "optimizer_device"],
+)
+def test_each_device_holds_and_updates_its_own_shard_of_the_state(tiny, offload):
+    """Optimizer state on the device under ZeRO-3 with 2 devices in one process (the
+    device cache's 3 stages, or every stage's): after a step each device holds only its
+    own pages of every kind of state, and its params' pages, never the other's."""
+    config = tiny(
+        optimizer=dict(name="sgd", lr=0.1, **CLIP),
+        offload=dict(ZERO, **offload),
+        memory=PAGES,
+        distributed=dict(data_parallel=2),
+    )
+    runtime = StreamingRuntime(config, placement=Zero3(config))
+    try:
+        data, _, _ = make_datasets(config)
+        runtime.train_step(data.batch(0).reshape(1, 4, 17))
+        devices = set(runtime.placement.local_devices)
+        assert len(devices) == 2
+        stages = runtime.device_stages or ("embed", "block0", "block1")
+        for stage in stages:
+            slabs, _ = runtime.states.get(stage)
+            for kind in ("master", "trace"):  # SGD with momentum's state
+                held = {}
+                for chunk in slabs[kind]:
+                    for shard in chunk.addressable_shards:
+                        held[shard.device] = held.get(shard.device, 0) + shard.data.size
+                # embed 9,216 params and a block 12,704: 3 pages of 4,096 each, padded
+                # to 4 (a multiple of the 2 devices): 2 pages on each device
+                assert held == dict.fromkeys(devices, 2 * 4096), (stage, kind, held)
+            params = runtime.param_store.get(stage)
+            assert {s.device: s.data.shape[0] for s in params.addressable_shards} == dict.fromkeys(
+                devices, 2
+            ), stage
+    finally:
+        runtime.close()
+
+
 @pytest.mark.slow  # the chunks' arithmetic is the one-device test's (test_stream.py)
 def test_zero3_with_batch_chunks_equals_plain_single_device(tiny, tmp_path):
     """offload.batch_chunks under ZeRO-3: each device runs its rows in chunks, sums

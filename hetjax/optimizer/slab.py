@@ -160,6 +160,7 @@ class SlabOptimizer:
         self.cfg = cfg
         self.layouts = layouts
         self.sharding = sharding
+        self.scalar_sharding = sharding  # where the scalars (step counts) live
         self._compute = jax.sharding.SingleDeviceSharding(
             next(iter(sharding.device_set)), memory_kind="device"
         )
