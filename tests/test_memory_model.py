@@ -275,3 +275,49 @@ def test_planner_bytes_agree_with_the_runtime_under_tensor_parallelism(tiny, tmp
         assert {k: n * v for k, v in f.host.items()} == runtime.host_plan.parts
     finally:
         runtime.close()
+
+
+MOE = dict(
+    family="llama", num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=48,
+    num_experts=4, experts_per_token=2, tie_embeddings=False, vocab_size=256, max_seq_len=32,
+)  # fmt: skip
+
+
+@pytest.mark.slow  # ~3 s each: a 4-device runtime and the tracer
+@pytest.mark.parametrize(
+    "model, dist, optimizer, cached",
+    [
+        (MOE, dict(data_parallel=2, expert_parallel=2), "device", 0),
+        ({}, dict(data_parallel=2, tensor_parallel=2), "host", 3),
+    ],
+    ids=["expert_2x2_optimizer_device", "tensor_2x2_device_cache"],
+)
+def test_planner_counts_device_state_per_device_as_the_runtime_does(
+    tiny, tmp_path, model, dist, optimizer, cached
+):
+    """Optimizer state on the device under expert and tensor parallelism (4 devices in
+    one process, each holding and updating its own pages: ``optimizer/sharded_slab.py``):
+    the planner, from the tracer's workload, counts each device's bytes of it as the
+    built runtime does."""
+    from hetjax.planning.tracer import trace
+    from hetjax.runtime.zero import Zero3
+
+    offload = dict(
+        mode="stream", params="host", optimizer=optimizer, optimizer_device_stages=cached,
+        expert_fetch="all",
+    )  # fmt: skip
+    memory = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
+    config = tiny(model=model, offload=offload, memory=memory, distributed=dist)
+    runtime = StreamingRuntime(config, workdir=tmp_path, placement=Zero3(config))
+    try:
+        w = trace(config, repeats=1, devices=4, tensor=dist.get("tensor_parallel", 1))
+        placement = Placement(
+            params="host", optimizer=optimizer, activations="device", expert_fetch="all",
+            prefetch_depth=config.offload.prefetch_depth, device_stages=cached,
+        )  # fmt: skip
+        budgets = {"device": 64 << 20, "host": 64 << 20, "nvme": 1 << 40}
+        f = footprint(w, Candidate(placement=placement), budgets, 4)
+        assert runtime.plan.parts["optimizer"] > 0
+        assert f.device["optimizer"] == runtime.plan.parts["optimizer"]
+    finally:
+        runtime.close()
