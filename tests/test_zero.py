@@ -438,9 +438,9 @@ def test_two_processes_swap_and_boundaries_through_nvme(tmp_path):
 @pytest.mark.slow  # two child processes compile everything anew: ~60 s on 2 cores
 def test_two_processes_with_a_device_cache_train_like_one(reference4, tmp_path):
     """The device cache of optimizer state (embed and block 0) across 2 processes x 2
-    devices: each process updates its own devices' shards of the cached stages on its
-    first device (from its gradient shards, none of the other process's), and training
-    equals the single-device run."""
+    devices: each device updates its own shard of the cached stages on itself (from its
+    gradient shard, none of another device's), and training equals the single-device
+    run."""
     saved = _run_two_processes(tmp_path, *SGD_ARGS, "offload.optimizer_device_stages=2")
     np.testing.assert_allclose(saved["losses"], reference4.losses, rtol=1e-5)
     params = _params_like(saved, reference4.params)
@@ -591,10 +591,26 @@ def test_data_rows_split_over_processes(tiny):
 
 
 # (default run: ~8 s; the restore chain across placements, test_checkpoint.py, is slow)
-def test_zero3_checkpoint_resumes_exactly(tiny, tmp_path):
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        # ~12 s: the device cache's state in int8 blocks, each device its own pages
+        pytest.param(
+            dict(offload=dict(optimizer_device_stages=3), optimizer=dict(state_dtype="int8")),
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["host", "int8_device_cache"],
+)
+def test_zero3_checkpoint_resumes_exactly(tiny, tmp_path, change):
     """A single-process ZeRO-3 run stopped at step 3 and resumed equals an uninterrupted
-    one (the checkpoint holds whole stages, gathered from the shards)."""
-    sections = dict(offload=ZERO, memory=PAGES, distributed=dict(data_parallel=4))
+    one (the checkpoint holds whole stages, gathered from the shards; of state on the
+    devices, from each device's pages)."""
+    offload = dict(ZERO, **change.get("offload", {}))
+    sections = dict(offload=offload, memory=PAGES, distributed=dict(data_parallel=4))
+    if "optimizer" in change:
+        sections["optimizer"] = change["optimizer"]
     whole = train(tiny(**sections), tmp_path / "whole", verbose=False)
     ckpt = dict(every_steps=0, at_end=True)
     train(tiny(**sections, train=dict(steps=3), checkpoint=ckpt), tmp_path / "cut", verbose=False)

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import OptimizerConfig
+from hetjax.optimizer import moments
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.storage.pages import GradPages, SlabLayout
 
@@ -99,11 +100,12 @@ class ShardedSlabOptimizer:
         device's part."""
         if isinstance(slab, list) and len(slab) == 1:
             slab = slab[0]
-        if isinstance(slab, jax.Array) and slab.sharding == self.sharding:
+        leaves = jax.tree.leaves(slab)
+        if all(isinstance(a, jax.Array) and a.sharding == self.sharding for a in leaves):
             return self._shards(slab)
-        if isinstance(slab, list):  # chunks: made whole
-            slab = np.concatenate([np.asarray(c) for c in slab])
-        return [slab[a:b] for a, b in self._bounds(layout_name)]
+        assert not isinstance(slab, list), "a whole slab or the global one"
+        P = self.layouts[layout_name].page_elems
+        return [moments.elements(slab, a, b, P) for a, b in self._bounds(layout_name)]
 
     def _global(self, parts: list):
         """Each device's chunk (an array, or an int8 pytree) -> the global one."""

@@ -36,7 +36,9 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
 * **One optimizer per process, on its shards.** A process holds the pages of its own
   devices, a contiguous page range of every stage (devices of a process are
   contiguous in the mesh); its host optimizer loop (``update_loop.py``) updates only
-  that range (``SlabLayout.shard``: the decay split point moves with it). The global
+  that range (``SlabLayout.shard``: the decay split point moves with it). Optimizer
+  state on the device (``offload.optimizer=device``, the device cache) is each
+  device's own pages, held and updated on it (``optimizer/sharded_slab.py``). The global
   gradient norm for clipping is the sum of every process's part.
 
 * **Expert parallelism** (``distributed.expert_parallel`` G > 1). The mesh is
