@@ -339,7 +339,7 @@ class Sizes:
     # known, a slab's blocks counted as one run)
     page_elems: int = 0
 
-    def per_device(self, devices: int, shards: int | None = None) -> Sizes:
+    def per_device(self, devices: int, shards: int | None = None, holders: int = 1) -> Sizes:
         """These sizes as one of ``devices`` devices that split a micro-batch's rows
         (ZeRO-3) holds them: the activations counted for the whole micro-batch
         (boundaries, swapped blocks' residuals, a kept block's residuals but its param
@@ -347,8 +347,18 @@ class Sizes:
         the working set are one device's already (``stages.StageFunctions.memory_sizes``);
         contexts stay counted whole (T5's hold a param table on every device).
         ``shards``: the devices the pages split over (default ``devices``; with tensor
-        parallelism more: :attr:`grad_shards`)."""
+        parallelism more: :attr:`grad_shards`). ``holders``: the process's devices its
+        own slabs split over (ZeRO-3: each holds and updates its own pages of optimizer
+        state on the device, ``optimizer/sharded_slab.py``): the own sizes per device."""
         shards = shards or devices
+        if holders > 1:
+            self = dataclasses.replace(
+                self,
+                own_embed=self.own_embed // holders,
+                own_block=self.own_block // holders,
+                own_head=self.own_head // holders,
+                groups=tuple((g, n, size, own // holders) for g, n, size, own in self.groups),
+            )
         if devices == 1:
             return dataclasses.replace(self, grad_shards=shards) if shards > 1 else self
         pages = self.compute_bytes * self.block

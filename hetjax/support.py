@@ -62,12 +62,6 @@ UNPLANNED_ACTIVATIONS = (
     "runtime's under data parallelism only"
 )
 
-# a process's optimizer state on the device sits on its first device (runtime/zero.py)
-FIRST_DEVICE = (
-    "the data-parallel runtime keeps a process's optimizer state on its first device, "
-    "which would hold the share of every device the process drives"
-)
-
 FEATURES: dict[str, Feature] = {
     # offload.mode=none: the whole state on the device, one jitted step
     "in_memory": Feature(
@@ -75,16 +69,15 @@ FEATURES: dict[str, Feature] = {
         reason="{parallel} is built on the streaming runtime (ZeRO-3)",
         fix="set offload.mode=stream (or auto)",
     ),
-    # under ZeRO-3 the cached stages' state and update are on a process's first device
-    # (its devices' shards of them), their params in each device's memory (zero.py)
+    # under ZeRO-3 each device holds and updates its own pages of the cached stages'
+    # state, and their params, in its memory (optimizer/sharded_slab.py; the planner's
+    # per-device bytes equal the runtime's: tests/test_memory_model.py)
     "device_cache": Feature(
         key="offload.optimizer_device_stages",
         reason="a device cache of optimizer state is not supported with {parallel}, where "
         "each device updates its shard on the host",
         fix="leave it 0",
         refused=frozenset(),
-        unplanned=SHARDED,
-        why_unplanned=FIRST_DEVICE,
     ),
     # each device keeps, swaps or stores its own rows' activations (tests/test_zero.py,
     # tests/test_tensor.py, tests/test_moe.py; a model group's devices their parts of
@@ -148,14 +141,12 @@ FEATURES: dict[str, Feature] = {
         fix="leave it 1",
         refused=frozenset(),
     ),
-    # works, but the planner's per-device memory model would count it wrong
-    # (docs/results/2026-11-26.md, "optimizer state on the device under data parallelism")
+    # under ZeRO-3 each device holds and updates its own pages of the state
+    # (optimizer/sharded_slab.py), as the planner counts (tests/test_memory_model.py)
     "optimizer_on_device": Feature(
         key="offload.optimizer",
         reason="",
         refused=frozenset(),
-        unplanned=SHARDED,
-        why_unplanned=FIRST_DEVICE,
     ),
 }
 

@@ -161,8 +161,12 @@ def test_planner_bytes_for_a_small_config_by_hand(tiny, tmp_path):
 
 
 @pytest.mark.slow  # ~15 s: a 4-device runtime and the tracer
-@pytest.mark.parametrize("keep", [0, 1], ids=["streamed", "kept"])
-def test_planner_bytes_agree_with_the_runtime_on_4_devices(tiny, tmp_path, keep):
+@pytest.mark.parametrize(
+    "keep, optimizer, cached",
+    [(0, "host", 0), (1, "host", 0), (0, "host", 3), (0, "device", 0)],
+    ids=["streamed", "kept", "device_cache", "optimizer_device"],
+)
+def test_planner_bytes_agree_with_the_runtime_on_4_devices(tiny, tmp_path, keep, optimizer, cached):
     """ZeRO-3 on 4 devices (tiny GPT, 2 blocks of 4 pages of 16 KiB): the planner, from
     what ``offload.mode=auto`` gives it (the tracer's one-device measurement at a
     device's rows), counts each device's bytes as the built runtime does (XLA's own
@@ -170,24 +174,39 @@ def test_planner_bytes_agree_with_the_runtime_on_4_devices(tiny, tmp_path, keep)
     the reduce-scatter byte for byte (two, a quarter of the block's 64 KiB each, counted
     by hand), every other part but the measured ones equal, and the working set (the
     reduce-scatter's temporaries: the whole gradient) and a kept block (its gathered
-    pages, padding included) not below the runtime's, nor 5% above it."""
+    pages, padding included) not below the runtime's, nor 5% above it. Optimizer state
+    on the device (the device cache's 3 stages, or every stage's): each device holds a
+    quarter of it (``optimizer/sharded_slab.py``), as the planner counts."""
     from hetjax.planning.tracer import trace
     from hetjax.runtime.zero import Zero3
 
-    offload = dict(mode="stream", params="host", optimizer="host", keep_blocks=keep)
+    offload = dict(
+        mode="stream", params="host", optimizer=optimizer, keep_blocks=keep,
+        optimizer_device_stages=cached,
+    )  # fmt: skip
     memory = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
     config = tiny(offload=offload, memory=memory, distributed=dict(data_parallel=4))
     runtime = StreamingRuntime(config, workdir=tmp_path, placement=Zero3(config))
     try:
         w = trace(config, repeats=1, devices=4)
         placement = Placement(
-            params="host", optimizer="host", activations="device", keep_blocks=keep,
+            params="host", optimizer=optimizer, activations="device", keep_blocks=keep,
             prefetch_depth=config.offload.prefetch_depth, expert_fetch="all",
+            device_stages=cached,
         )  # fmt: skip
         budgets = {"device": 64 << 20, "host": 64 << 20, "nvme": 1 << 40}
         f = footprint(w, Candidate(placement=placement), budgets, 4)
         ran = runtime.plan.parts
         assert ran["gradients"] == 2 * 4 * (4 * 4096) // 4  # two fp32 slabs, a quarter each
+        # the default AdamW: fp32 master, mu and nu (12 bytes an element), twice during a
+        # step; embed (3 pages) and each block (4) padded to 4 pages of 4,096, the head 4:
+        # a quarter of each on each device; the cache adds its params (fp32) and its
+        # stages' kept gradients (fp32: clipping keeps them)
+        quarter = 4096  # elements of one stage on one device
+        if optimizer == "device":  # embed, 2 blocks and the head
+            assert ran["optimizer"] == 2 * 12 * 4 * quarter
+        elif cached:
+            assert ran["optimizer"] == (2 * 12 + 4 + 4) * 3 * quarter
         measured = ("working set", "kept")
         assert {k: v for k, v in f.device.items() if k not in measured} == {
             k: v for k, v in ran.items() if k not in measured
@@ -254,5 +273,51 @@ def test_planner_bytes_agree_with_the_runtime_under_tensor_parallelism(tiny, tmp
         assert ran["working set"] <= f.device["working set"] <= 1.25 * ran["working set"]
         # host RAM per device: the process's (one process drives every device) / n
         assert {k: n * v for k, v in f.host.items()} == runtime.host_plan.parts
+    finally:
+        runtime.close()
+
+
+MOE = dict(
+    family="llama", num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=48,
+    num_experts=4, experts_per_token=2, tie_embeddings=False, vocab_size=256, max_seq_len=32,
+)  # fmt: skip
+
+
+@pytest.mark.slow  # ~3 s each: a 4-device runtime and the tracer
+@pytest.mark.parametrize(
+    "model, dist, optimizer, cached",
+    [
+        (MOE, dict(data_parallel=2, expert_parallel=2), "device", 0),
+        ({}, dict(data_parallel=2, tensor_parallel=2), "host", 3),
+    ],
+    ids=["expert_2x2_optimizer_device", "tensor_2x2_device_cache"],
+)
+def test_planner_counts_device_state_per_device_as_the_runtime_does(
+    tiny, tmp_path, model, dist, optimizer, cached
+):
+    """Optimizer state on the device under expert and tensor parallelism (4 devices in
+    one process, each holding and updating its own pages: ``optimizer/sharded_slab.py``):
+    the planner, from the tracer's workload, counts each device's bytes of it as the
+    built runtime does."""
+    from hetjax.planning.tracer import trace
+    from hetjax.runtime.zero import Zero3
+
+    offload = dict(
+        mode="stream", params="host", optimizer=optimizer, optimizer_device_stages=cached,
+        expert_fetch="all",
+    )  # fmt: skip
+    memory = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
+    config = tiny(model=model, offload=offload, memory=memory, distributed=dist)
+    runtime = StreamingRuntime(config, workdir=tmp_path, placement=Zero3(config))
+    try:
+        w = trace(config, repeats=1, devices=4, tensor=dist.get("tensor_parallel", 1))
+        placement = Placement(
+            params="host", optimizer=optimizer, activations="device", expert_fetch="all",
+            prefetch_depth=config.offload.prefetch_depth, device_stages=cached,
+        )  # fmt: skip
+        budgets = {"device": 64 << 20, "host": 64 << 20, "nvme": 1 << 40}
+        f = footprint(w, Candidate(placement=placement), budgets, 4)
+        assert runtime.plan.parts["optimizer"] > 0
+        assert f.device["optimizer"] == runtime.plan.parts["optimizer"]
     finally:
         runtime.close()

@@ -256,6 +256,49 @@ def test_formerly_refused_features_under_zero3_equal_single_device(
             assert disk[feature] in (None, r["nvme_write_bytes"]), r
 
 
+@pytest.mark.parametrize(
+    "offload",
+    [
+        dict(optimizer_device_stages=3),
+        pytest.param(dict(optimizer="device"), marks=pytest.mark.slow),
+    ],
+    ids=["device_cache", "optimizer_device"],
+)
+def test_each_device_holds_and_updates_its_own_shard_of_the_state(tiny, offload):
+    """Optimizer state on the device under ZeRO-3 with 2 devices in one process (the
+    device cache's 3 stages, or every stage's): after a step each device holds only its
+    own pages of every kind of state, and its params' pages, never the other's."""
+    config = tiny(
+        optimizer=dict(name="sgd", lr=0.1, **CLIP),
+        offload=dict(ZERO, **offload),
+        memory=PAGES,
+        distributed=dict(data_parallel=2),
+    )
+    runtime = StreamingRuntime(config, placement=Zero3(config))
+    try:
+        data, _, _ = make_datasets(config)
+        runtime.train_step(data.batch(0).reshape(1, 4, 17))
+        devices = set(runtime.placement.local_devices)
+        assert len(devices) == 2
+        stages = runtime.device_stages or ("embed", "block0", "block1")
+        for stage in stages:
+            slabs, _ = runtime.states.get(stage)
+            for kind in ("master", "trace"):  # SGD with momentum's state
+                held = {}
+                for chunk in slabs[kind]:
+                    for shard in chunk.addressable_shards:
+                        held[shard.device] = held.get(shard.device, 0) + shard.data.size
+                # embed 9,216 params and a block 12,704: 3 pages of 4,096 each, padded
+                # to 4 (a multiple of the 2 devices): 2 pages on each device
+                assert held == dict.fromkeys(devices, 2 * 4096), (stage, kind, held)
+            params = runtime.param_store.get(stage)
+            assert {s.device: s.data.shape[0] for s in params.addressable_shards} == dict.fromkeys(
+                devices, 2
+            ), stage
+    finally:
+        runtime.close()
+
+
 @pytest.mark.slow  # the chunks' arithmetic is the one-device test's (test_stream.py)
 def test_zero3_with_batch_chunks_equals_plain_single_device(tiny, tmp_path):
     """offload.batch_chunks under ZeRO-3: each device runs its rows in chunks, sums
@@ -395,9 +438,9 @@ def test_two_processes_swap_and_boundaries_through_nvme(tmp_path):
 @pytest.mark.slow  # two child processes compile everything anew: ~60 s on 2 cores
 def test_two_processes_with_a_device_cache_train_like_one(reference4, tmp_path):
     """The device cache of optimizer state (embed and block 0) across 2 processes x 2
-    devices: each process updates its own devices' shards of the cached stages on its
-    first device (from its gradient shards, none of the other process's), and training
-    equals the single-device run."""
+    devices: each device updates its own shard of the cached stages on itself (from its
+    gradient shard, none of another device's), and training equals the single-device
+    run."""
     saved = _run_two_processes(tmp_path, *SGD_ARGS, "offload.optimizer_device_stages=2")
     np.testing.assert_allclose(saved["losses"], reference4.losses, rtol=1e-5)
     params = _params_like(saved, reference4.params)
@@ -548,10 +591,26 @@ def test_data_rows_split_over_processes(tiny):
 
 
 # (default run: ~8 s; the restore chain across placements, test_checkpoint.py, is slow)
-def test_zero3_checkpoint_resumes_exactly(tiny, tmp_path):
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        # ~12 s: the device cache's state in int8 blocks, each device its own pages
+        pytest.param(
+            dict(offload=dict(optimizer_device_stages=3), optimizer=dict(state_dtype="int8")),
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["host", "int8_device_cache"],
+)
+def test_zero3_checkpoint_resumes_exactly(tiny, tmp_path, change):
     """A single-process ZeRO-3 run stopped at step 3 and resumed equals an uninterrupted
-    one (the checkpoint holds whole stages, gathered from the shards)."""
-    sections = dict(offload=ZERO, memory=PAGES, distributed=dict(data_parallel=4))
+    one (the checkpoint holds whole stages, gathered from the shards; of state on the
+    devices, from each device's pages)."""
+    offload = dict(ZERO, **change.get("offload", {}))
+    sections = dict(offload=offload, memory=PAGES, distributed=dict(data_parallel=4))
+    if "optimizer" in change:
+        sections["optimizer"] = change["optimizer"]
     whole = train(tiny(**sections), tmp_path / "whole", verbose=False)
     ckpt = dict(every_steps=0, at_end=True)
     train(tiny(**sections, train=dict(steps=3), checkpoint=ckpt), tmp_path / "cut", verbose=False)

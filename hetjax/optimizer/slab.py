@@ -160,6 +160,7 @@ class SlabOptimizer:
         self.cfg = cfg
         self.layouts = layouts
         self.sharding = sharding
+        self.scalar_sharding = sharding  # where the scalars (step counts) live
         self._compute = jax.sharding.SingleDeviceSharding(
             next(iter(sharding.device_set)), memory_kind="device"
         )
@@ -544,7 +545,9 @@ class SlabOptimizer:
         if self.state_format.kind(kind).block_size is None:
             return np.concatenate([np.asarray(c) for c in chunks])
         P = self.layouts[layout_name].page_elems
-        return np.concatenate([np.asarray(self._dequantize[kind](c, P)) for c in chunks])
+        # (a chunk held elsewhere, e.g. on several devices: ``sharded_slab.py``, put here)
+        put = lambda c: jax.device_put(c, self.sharding)
+        return np.concatenate([np.asarray(self._dequantize[kind](put(c), P)) for c in chunks])
 
     def compute_pages(self, layout_name: str, master) -> list[jax.Array]:
         """A master slab (or its chunks) cast to the compute dtype, as pages. The master

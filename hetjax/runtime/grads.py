@@ -63,6 +63,7 @@ class DeviceGradients:
             lambda pages: jnp.concatenate([p.astype(F32).reshape(-1) for p in pages]),
             out_shardings=device,
         )
+        self._flat = jax.jit(lambda shard: shard.astype(F32).reshape(-1))
         # the divisor is static (one per run): a Python float argument would be an
         # implicit host-to-device transfer every step
         self.average = jax.jit(lambda g, d: (g / d, jnp.dot(g / d, g / d)), static_argnums=1)
@@ -71,11 +72,20 @@ class DeviceGradients:
         """A gradient as its stage function returned it (a list of pages; ZeRO-3: a
         ``(pages, page_elems)`` slab sharded over the mesh) -> this process's pages as one
         fp32 slab on the device cache's device (ZeRO-3: its devices' shards, in page
-        order, copied there: the pages its optimizer updates)."""
-        if isinstance(pages, jax.Array):
-            shards = sorted(pages.addressable_shards, key=lambda s: s.index[0].start or 0)
-            pages = [jax.device_put(s.data, self.device) for s in shards]
-        return self._slab(pages)
+        order: the pages its optimizer updates; each on its own device where the device cache
+        spans the process's devices)."""
+        if not isinstance(pages, jax.Array):
+            return self._slab(pages)
+        shards = sorted(pages.addressable_shards, key=lambda s: s.index[0].start or 0)
+        if len(self.device.device_set) == 1:
+            return self._slab([jax.device_put(s.data, self.device) for s in shards])
+        # each device's shard flattened where it is, the whole a global slab over them
+        # (``optimizer/sharded_slab.py``): no copy between devices
+        devices = list(self.device.mesh.devices.flat)
+        assert [s.device for s in shards] == devices, (shards, devices)
+        flat = [self._flat(s.data) for s in shards]
+        size = sum(f.shape[0] for f in flat)
+        return jax.make_array_from_single_device_arrays((size,), self.device, flat)
 
 
 class StepGradients:

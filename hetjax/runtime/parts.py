@@ -20,6 +20,7 @@ from hetjax.config import Config, ConfigError
 from hetjax.memory import DeviceCache, Sizes, plan_device, window_wait_lag
 from hetjax.memory_host import HostMemoryPlan, plan_host
 from hetjax.optimizer.deferred import Deferred, deferred_updates
+from hetjax.optimizer.sharded_slab import ShardedSlabOptimizer
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.update_loop import LoopSettings, UpdateLoop
 from hetjax.placement import Placement
@@ -141,7 +142,9 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     # as where pages are staged in pinned memory
     accelerator = placement.shardings.pinned_staging() is not None
     # per device: the devices a micro-batch's rows split over hold 1/N of its activations
-    per_device = sizes.per_device(placement.batch_degree, shards=placement.degree)
+    per_device = sizes.per_device(
+        placement.batch_degree, shards=placement.degree, holders=placement.local_degree
+    )
     plan = plan_device(per_device, offload, mem.device_budget, lag=window_wait_lag(accelerator))
     # expert-aware streaming (routed.py): the MoE blocks that stream and recompute
     routed = routed_blocks(
@@ -166,7 +169,7 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
         temporary_nvme=stores.temporary, states=stores.states, param_store=stores.params,
         grad_store=stores.grads, swap=stores.swap, residual_swap=stores.residual_swap,
         residuals=residuals, loop=loop,
-        device_grads=DeviceGradients(shardings.device) if device_stages else None,
+        device_grads=DeviceGradients(shardings.state_on_device) if device_stages else None,
         routed=routed, experts=experts, deferred=deferred, ledger=ledger,
         boundaries=boundaries, io=io, schedule=schedule,
         blocks=blocks,
@@ -211,11 +214,13 @@ def _optimizers(config: Config, placement, state_layouts, dtype, names) -> tuple
     shardings = placement.shardings
 
     def opt(sharding) -> SlabOptimizer:
-        return SlabOptimizer(config.optimizer, config.train.steps, state_layouts, sharding, dtype)
+        # several devices (ZeRO-3): each device's pages held and updated on it
+        cls = SlabOptimizer if len(sharding.device_set) == 1 else ShardedSlabOptimizer
+        return cls(config.optimizer, config.train.steps, state_layouts, sharding, dtype)
 
     on_device = config.offload.optimizer == "device"
-    optimizer = opt(shardings.device if on_device else shardings.optimizer)
-    return optimizer, opt(shardings.device) if names["device_stages"] else None
+    optimizer = opt(shardings.state_on_device if on_device else shardings.optimizer)
+    return optimizer, opt(shardings.state_on_device) if names["device_stages"] else None
 
 
 def _stage_functions(config: Config, placement, compute_model, layouts, dtype) -> StageFunctions:

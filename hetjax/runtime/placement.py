@@ -75,6 +75,13 @@ class Shardings:
     device: SingleDeviceSharding
     host: SingleDeviceSharding
     optimizer: SingleDeviceSharding
+    # optimizer state on the device: ``device``, or under ZeRO-3 with several devices in
+    # a process each device's pages on it (``optimizer/sharded_slab.py``)
+    device_state: jax.sharding.Sharding | None = None
+
+    @property
+    def state_on_device(self) -> jax.sharding.Sharding:
+        return self.device_state or self.device
 
     @classmethod
     def single_device(cls, device: jax.Device | None = None) -> Shardings:
@@ -111,6 +118,7 @@ class SingleDevice:
     local_share = 1  # the fraction of a batch's rows (and per-device values) held here
     degree = 1  # devices a stage's pages split over
     batch_degree = 1  # devices a micro-batch's rows split over
+    local_degree = 1  # this process's devices, each holding its own pages of state
 
     def __init__(self, device: jax.Device | None = None):
         self.shardings = Shardings.single_device(device)

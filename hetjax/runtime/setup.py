@@ -161,7 +161,7 @@ def make_stores(
     the param stores hand stages out as leaf buffers (one device), else as pages;
     ``stripes``: the drives the NVMe arrays' pages stripe over."""
     off = config.offload
-    opt_sharding = shardings.device if off.optimizer == "device" else shardings.optimizer
+    opt_sharding = shardings.state_on_device if off.optimizer == "device" else shardings.optimizer
     dtype = jnp.dtype(config.model.compute_dtype)
     offload = Placement.from_config(config)
     if off.optimizer == "nvme" and pages:
@@ -201,7 +201,7 @@ def make_stores(
     else:
         params = HostParamStore(shardings.host, views)
     if device_stages:
-        device_states = MemoryStateStore(shardings.device, on_device=True)
+        device_states = MemoryStateStore(shardings.state_on_device, on_device=True)
         states = SplitStateStore(device_states, states, device_stages)
         device_params = DeviceParamStore(shardings.device, views)
         params = SplitParamStore(device_params, params, device_stages)

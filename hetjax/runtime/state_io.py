@@ -122,7 +122,7 @@ def restore(
         # each kind as this run holds it: a checkpoint of another state dtype converts
         # (bfloat16 widens exactly, float32 rounds to nearest even, int8 blocks quantize)
         slabs = {k: opt.held_chunks(kind, k, own[k]) for k in opt.kinds}
-        scalars = [jax.device_put(np.asarray(a), opt.sharding) for a in state.scalars[name]]
+        scalars = [jax.device_put(np.asarray(a), opt.scalar_sharding) for a in state.scalars[name]]
         states.init_stage(name, slabs, scalars)
         params.publish(name, opt.compute_pages(kind, slabs[MASTER]))
     states.wait_init()

@@ -36,7 +36,9 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
 * **One optimizer per process, on its shards.** A process holds the pages of its own
   devices, a contiguous page range of every stage (devices of a process are
   contiguous in the mesh); its host optimizer loop (``update_loop.py``) updates only
-  that range (``SlabLayout.shard``: the decay split point moves with it). The global
+  that range (``SlabLayout.shard``: the decay split point moves with it). Optimizer
+  state on the device (``offload.optimizer=device``, the device cache) is each
+  device's own pages, held and updated on it (``optimizer/sharded_slab.py``). The global
   gradient norm for clipping is the sum of every process's part.
 
 * **Expert parallelism** (``distributed.expert_parallel`` G > 1). The mesh is
@@ -69,6 +71,7 @@ slabs: PatrickStar's 6(p-1)/p M bytes with fp16 params and gradients.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import fractions
 import functools
 
@@ -88,6 +91,7 @@ from hetjax.distributed import (
     TENSOR_PARALLEL_RULES,
     data_mesh,
 )
+from hetjax.optimizer.sharded_slab import device_state_sharding
 from hetjax.runtime.grouped import GroupedSlabLayout, GroupPages
 from hetjax.runtime.placement import ShardedPlacement, Shardings
 from hetjax.runtime.stages import stage_layouts
@@ -135,12 +139,18 @@ class Zero3:
         me = jax.process_index()
         slots = [i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == me]
         self.local_devices = [self.mesh.devices.flat[i] for i in slots]
+        self.local_degree = len(slots)  # each holding its own pages of device state
         self.first_slot = slots[0]  # this process's first device in the mesh's flat order
         # the fraction of a batch's rows (and of the per-device values) this process holds
         self.local_share = fractions.Fraction(len(slots), self.degree)
         self.nvme_subdir = f"proc{me}"
-        # this process's optimizer and stores, on its first device's host side
-        self.shardings = Shardings.single_device(self.local_devices[0])
+        # this process's host optimizer and stores, on its first device's host side;
+        # optimizer state on the device, each device's pages on it (``sharded_slab.py``)
+        shardings = Shardings.single_device(self.local_devices[0])
+        if len(self.local_devices) > 1:
+            state = device_state_sharding(self.local_devices)
+            shardings = dataclasses.replace(shardings, device_state=state)
+        self.shardings = shardings
         self.comm = collections.Counter()  # bytes per device moved by collectives
         self._gathers: dict[tuple, object] = {}
         self._param_specs: dict[str, object] = {}  # stage -> its params' split (tensor)
@@ -444,8 +454,8 @@ class ShardedParamStore:
     """Compute-dtype pages of this process's shards, handed to the streaming runtime as the
     global ``(pages, page_elems)`` slab sharded over ``data`` in host memory. Pages are
     kept here (``offload.params=host``) or in ``inner`` (an ``NvmeParamStore`` of this
-    process's page ranges); the device cache's stages (``device_stages``, updated on the
-    process's first device) here, each device's shard in its device memory."""
+    process's page ranges); the device cache's stages (``device_stages``, each device's
+    pages updated on it) here, each device's shard in its device memory."""
 
     def __init__(
         self, zero: Zero3, layouts: dict[str, SlabLayout], inner=None, device_stages=frozenset()
@@ -461,9 +471,12 @@ class ShardedParamStore:
     def _assemble(self, stage: str, pages: list) -> jax.Array:
         layout = self.layouts[stage_layout(stage)]
         shape = (layout.num_pages, layout.page_elems)
-        if stage in self.device_stages:  # from the device that updated them, to each device
-            per_device = jnp.split(jnp.stack(pages), len(self._device))
-            arrays = [jax.device_put(a, s) for a, s in zip(per_device, self._device, strict=True)]
+        if stage in self.device_stages:  # each device's pages, where it updated them
+            n = len(pages) // len(self._device)
+            arrays = [
+                jax.device_put(jnp.stack(pages[i * n : (i + 1) * n]), s)
+                for i, s in enumerate(self._device)
+            ]
             return jax.make_array_from_single_device_arrays(
                 shape, self.zero.sharded.slab_device, arrays
             )

@@ -171,8 +171,9 @@ class MemoryStateStore:
         return 0
 
 
-def _nbytes(tree) -> int:
-    return sum(a.nbytes for a in jax.tree.leaves(tree))
+def _nbytes(tree) -> int:  # on each device: a slab sharded over N devices 1/N of it
+    leaves = jax.tree.leaves(tree)
+    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in leaves)
 
 
 class SplitStateStore(BaseCounters):
