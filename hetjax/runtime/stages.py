@@ -364,21 +364,11 @@ class StageFunctions:
         self.layouts, self.model = layouts, model
         m = model
         self.stats_size = m.stats_size  # 0: no auxiliary loss (aux_fwd_bwd is not needed)
-        self.groups = [
-            GroupFunctions(
-                m,
-                g,
-                layouts,
-                jit=jit,
-                out=out,
-                cast=cast,
-                keep_level=keep_level,
-                batch_chunks=batch_chunks,
-                grad_dtype=block_grad_dtype,
-                constrain=compute.constrain,
-            )
-            for g in range(len(m.groups))
-        ]
+        group = functools.partial(
+            GroupFunctions, jit=jit, out=out, cast=cast, keep_level=keep_level,
+            batch_chunks=batch_chunks, grad_dtype=block_grad_dtype, constrain=compute.constrain,
+        )  # fmt: skip
+        self.groups = [group(m, g, layouts) for g in range(len(m.groups))]
         first = self.groups[0]
 
         def head_loss(h, e, x, targets):

@@ -74,6 +74,7 @@ from hetjax.runtime.grads import StepGradients, to_host
 from hetjax.runtime.parts import assemble
 from hetjax.runtime.placement import SingleDevice
 from hetjax.runtime.setup import layout_name
+from hetjax.runtime.step_report import step_report
 from hetjax.runtime.window import PrefetchWindow
 from hetjax.support import fallbacks
 from hetjax.types import LossScale, RuntimeState, StepReport
@@ -190,7 +191,7 @@ class StreamingRuntime:
             scale,
             nonfinite=not finite and not fp16_overflow,
             spike=spike,
-            metrics=self._metrics(step, work, waited),
+            metrics=step_report(self, step, work, waited),
         )
 
     def compute_gradients(self, batch: np.ndarray) -> dict[str, np.ndarray]:
@@ -366,38 +367,6 @@ class StreamingRuntime:
         self.ledger.record(held, staged, self.states.device_bytes())
         if self.probe is not None:
             self.probe(self)
-
-    def _metrics(self, step: StepGradients, work, waited: float) -> dict[str, float | int]:
-        """The step's report fields: bytes per tier, NVMe I/O, optimizer work."""
-        host = self.param_store.host_bytes() + self.states.host_bytes() + step.peak_bytes
-        # boundaries in host RAM at their peak during the step (offload.activations)
-        host += self.boundaries.peak_host_bytes
-        read, written = self.io.take()
-        metrics = {
-            "host_bytes": int(host),
-            "nvme_bytes": int(self.io.nvme_bytes),
-            "optimizer_s": waited,  # optimizer time the step waited for
-            # the dispatching thread's time in forward and backward not spent dispatching
-            "dispatch_outside_s": step.dispatch_outside_s,
-            "dispatch_handoff_wait_s": step.handoff_wait_s,  # of it, the hand-off full
-            "grad_copy_wait_s": step.copy_wait_s,  # the gradient thread's waits ...
-            "grad_loop_wait_s": step.loop_wait_s,  # ... for copies, for the optimizer
-            "optimizer_busy_s": work.busy_s,  # time the loop worked (overlapped or not)
-            "optimizer_params": work.params,  # parameters updated (padded slabs, redos too)
-            "optimizer_device_params": work.device_params,  # of the device cache
-            "nvme_read_bytes": int(read),
-            "nvme_write_bytes": int(written),
-            "optimizer_redo": work.redo,
-            "optimizer_deferred": work.deferred,
-            **self.placement.step_metrics(),
-            **(self.experts.take() if self.experts else {}),
-            **self.deferred.take(),
-        }
-        if self.ledger.accounting:  # (the accounted steps only)
-            metrics["device_bytes_peak"] = int(self.ledger.peak.get("device", 0))
-        if self.config.optimizer.mode == "lockfree":
-            metrics["optimizer_lag_steps"] = self.loop.unapplied
-        return metrics
 
     # -- evaluation and state -----------------------------------------------------------
 
