@@ -592,16 +592,16 @@ def test_gpt175b_fits_the_rtx4090_at_batch_16_in_chunks_of_rows():
     assert chunked and all(b[2].placement.batch_chunks > 1 for b in chunked)
 
 
-def test_data_parallel_plans_keep_optimizer_state_off_the_device():
-    """The data-parallel runtime keeps its process's optimizer state on the process's
-    first device, and one process drives a machine's devices: a per-device plan of it
-    would overfill that device (found by bench plan's 2-device row, which trained
-    nothing: the runtime refused the plan). Only one device is offered it."""
+def test_data_parallel_plans_offer_optimizer_state_on_the_device():
+    """Each device of a data-parallel run holds and updates its own shard of optimizer
+    state kept on the device (optimizer/sharded_slab.py; before, the process's first
+    device held every device's, and only one device was offered it): the planner offers
+    the device tier with several devices as with one."""
     from hetjax.planning.search import _candidates
 
     w = Workload.from_config(load_config("gpt_tiny"), devices=2)
     several = {c.placement.optimizer for c in _candidates(w, "data")}
-    assert several == {"host", "nvme"}
+    assert several == {"device", "host", "nvme"}
     assert "device" in {c.placement.optimizer for c in _candidates(w, "single")}
 
 
