@@ -21,14 +21,17 @@ def _collectives(runtime) -> dict[str, int]:
     B, sds = runtime.layouts["block"], jax.ShapeDtypeStruct
     t, D = runtime.config.train, runtime.config.model.d_model
     zero = runtime.placement
-    pages = [sds((B.page_elems,), runtime.compute_dtype, sharding=zero.sharded.gathered)]
+    pages = zero.device_pages(B, runtime.compute_dtype)
     x = sds((t.micro_batch_size, t.seq_len, D), runtime.compute_dtype, sharding=zero.sharded.batch)
     slab = sds(
         (B.num_pages, B.page_elems), runtime.compute_dtype, sharding=zero.sharded.slab_device
     )
     texts = [
-        runtime.fns.block_bwd.lower(pages * B.num_pages, x, x).compile().as_text(),
-        zero.gather(B.num_pages).lower(slab).compile().as_text(),
+        runtime.fns.block_bwd.lower(pages, x, x).compile().as_text(),
+        zero.gather(B.num_pages, B if hasattr(B, "grouping") else None)
+        .lower(slab)
+        .compile()
+        .as_text(),
     ]
     ops = ("all-gather", "reduce-scatter", "all-reduce")
     return {
@@ -99,10 +102,10 @@ def _block_tensor_bytes(runtime) -> dict[str, int]:
     B, sds = runtime.layouts["block"], jax.ShapeDtypeStruct
     t, D = runtime.config.train, runtime.config.model.d_model
     zero = runtime.placement
-    pages = [sds((B.page_elems,), runtime.compute_dtype, sharding=zero.sharded.gathered)]
+    pages = zero.device_pages(B, runtime.compute_dtype)
     x = sds((t.micro_batch_size, t.seq_len, D), runtime.compute_dtype, sharding=zero.sharded.batch)
-    fwd = wire_bytes(runtime.fns.block_fwd.lower(pages * B.num_pages, x).compile().as_text())
-    bwd = wire_bytes(runtime.fns.block_bwd.lower(pages * B.num_pages, x, x).compile().as_text())
+    fwd = wire_bytes(runtime.fns.block_fwd.lower(pages, x).compile().as_text())
+    bwd = wire_bytes(runtime.fns.block_bwd.lower(pages, x, x).compile().as_text())
     bwd.pop("reduce-scatter", None)  # the gradient's (ZeRO-3), counted by the runtime
     ops = {op: fwd.get(op, 0) + bwd.get(op, 0) for op in {**fwd, **bwd}}
     return {"forward": sum(fwd.values()), "backward": sum(bwd.values()), "ops": ops}

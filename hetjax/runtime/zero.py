@@ -120,6 +120,16 @@ class Zero3:
         dist = config.distributed
         self.mesh = data_mesh(dist.data_parallel, dist.expert_parallel, dist.tensor_parallel)
         self.tensor_parallel = self.mesh.shape[MODEL_AXIS]
+        if self.tensor_parallel > 1 and jax.process_count() > 1:
+            # 2 processes x 2 devices trained equal to one device alone, but under load
+            # their gloo collectives mismatched ("Received data size doesn't match
+            # expected size": a model-axis exchange against a cross-process one), as an
+            # earlier try hung at step 4: not yet understood
+            raise ConfigError(
+                f"config key 'distributed.tensor_parallel' ({self.tensor_parallel}): "
+                f"tensor parallelism across {jax.process_count()} processes is not "
+                "supported yet; run one process per machine with its devices, or set it to 1"
+            )
         if self.tensor_parallel > 1:
             self.axis_rules = TENSOR_PARALLEL_RULES
         self.rules = dict(self.axis_rules)
@@ -371,6 +381,17 @@ class Zero3:
             )
         self._gathers[key] = gather
         return gather
+
+    def device_pages(self, layout: SlabLayout | GroupedSlabLayout, dtype) -> object:
+        """The abstract pages of a stage as its gather hands them to a stage function:
+        ``ShapeDtypeStruct``s with their shardings (to lower a stage function with)."""
+        pages = layout.device_pages(dtype)
+        if isinstance(pages, GroupPages):
+            shardings = self.sharded.group_pages(layout.dense.num_pages, layout.grouping.axis)
+        else:
+            shardings = [self.sharded.gathered] * len(pages)
+        sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        return jax.tree.map(sds, pages, shardings)
 
     def to_device(self, slab: jax.Array, layout: SlabLayout | GroupedSlabLayout):
         """A stage's sharded host slab (of ``layout``) -> its pages on every device as
