@@ -272,7 +272,7 @@ def test_tensor_parallelism_across_processes_is_refused(monkeypatch):
     collectives mismatched: docs/results/2026-11-27.md)."""
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel' \(2\).*2 processes"):
-        Zero3(tp_config(1, 2))
+        Zero3(tp_config(0, 2))  # (every device: with several processes, as it must be)
 
 
 NVME = ("offload.optimizer=nvme", "offload.params=nvme")
