@@ -278,28 +278,6 @@ def test_tensor_parallelism_across_processes_is_refused(monkeypatch):
 NVME = ("offload.optimizer=nvme", "offload.params=nvme")
 
 
-@pytest.mark.slow  # a 2-process run and a 1-process run: ~2 min on 2 cores, more under load
-def test_checkpoint_of_two_processes_resumes_in_one_at_1x4(references, tmp_path):
-    """With params and optimizer state on NVMe, a checkpoint written by 2 processes x 2
-    devices (data parallel, 4 x 1) resumes in 1 process at data x tensor 1 x 4, ending
-    where the single-device run does."""
-    from test_zero import SGD_ARGS, _run_two_processes
-
-    two, one = tmp_path / "two", tmp_path / "one"
-    ckpt = f"checkpoint.dir={two / 'ckpt'}"
-    _run_two_processes(
-        two, *SGD_ARGS, *NVME, ckpt, "checkpoint.at_end=true", "train.steps=3", timeout=480
-    )
-    shutil.copytree(two / "ckpt", one / "checkpoints")
-    config = tp_config(
-        1, 4, "nvme", memory=dict(PAGES, nvme_path=str(one / "nvme")), checkpoint=dict(at_end=True)
-    )
-    resumed = train(config, one, verbose=False)
-    reference = references(4)
-    np.testing.assert_allclose(resumed.losses, reference.losses[3:], rtol=1e-5)
-    assert_trees_close(without_key_bias(resumed.params), without_key_bias(reference.params))
-
-
 @pytest.mark.slow  # a 1-process run and a 2-process run: ~2 min on 2 cores, more under load
 def test_checkpoint_of_one_process_at_2x2_resumes_in_two(references, tmp_path):
     """With params and optimizer state on NVMe, a checkpoint written at data x tensor 2 x
