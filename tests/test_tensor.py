@@ -266,23 +266,52 @@ def test_tensor_parallel_refusals_name_the_key():
         tiny_config(offload=dict(mode="none"), distributed=dict(tensor_parallel=2))
 
 
-def test_tensor_parallelism_across_processes_is_refused(monkeypatch):
-    """Across processes tensor parallelism is refused at start-up, naming the key (2
-    processes x 2 devices trained equal to one device alone, but under load their
-    collectives mismatched: docs/results/2026-11-27.md)."""
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel' \(2\).*2 processes"):
-        Zero3(tp_config(0, 2))  # (every device: with several processes, as it must be)
+@pytest.mark.slow  # two child processes compiling everything: ~90 s on 2 cores
+def test_two_processes_of_two_devices_at_2x2_equal_one_process(references, tmp_path):
+    """Data x tensor = 2 x 2 over 2 real processes x 2 CPU devices (each process one
+    model group, its devices splitting the blocks' compute): losses, validation loss and
+    every final param equal one device's with grad_accum 2 at 1e-5."""
+    from test_zero import SGD_ARGS, _params_like, _run_two_processes
+
+    saved = _run_two_processes(tmp_path, *SGD_ARGS, "distributed.tensor_parallel=2")
+    reference = references(2)
+    np.testing.assert_allclose(saved["losses"], reference.losses, rtol=1e-5)
+    np.testing.assert_allclose(saved["val_loss"], reference.val_loss, rtol=1e-5)
+    params = _params_like(saved, reference.params)
+    assert_trees_close(without_key_bias(params), without_key_bias(reference.params))
 
 
 NVME = ("offload.optimizer=nvme", "offload.params=nvme")
 
 
+@pytest.mark.slow  # a 2-process run and a 1-process run: ~2 min on 2 cores, more under load
+def test_checkpoint_of_two_processes_at_2x2_resumes_in_one_at_1x4(references, tmp_path):
+    """With params and optimizer state on NVMe, a checkpoint written at data x tensor 2 x
+    2 by 2 processes x 2 devices resumes in 1 process at 1 x 4, ending where the
+    single-device run does."""
+    from test_zero import SGD_ARGS, _run_two_processes
+
+    two, one = tmp_path / "two", tmp_path / "one"
+    ckpt = f"checkpoint.dir={two / 'ckpt'}"
+    tp2 = "distributed.tensor_parallel=2"
+    _run_two_processes(
+        two, *SGD_ARGS, *NVME, tp2, ckpt, "checkpoint.at_end=true", "train.steps=3", timeout=480
+    )
+    shutil.copytree(two / "ckpt", one / "checkpoints")
+    config = tp_config(
+        1, 4, "nvme", memory=dict(PAGES, nvme_path=str(one / "nvme")), checkpoint=dict(at_end=True)
+    )
+    resumed = train(config, one, verbose=False)
+    reference = references(2)
+    np.testing.assert_allclose(resumed.losses, reference.losses[3:], rtol=1e-5)
+    assert_trees_close(without_key_bias(resumed.params), without_key_bias(reference.params))
+
+
 @pytest.mark.slow  # a 1-process run and a 2-process run: ~2 min on 2 cores, more under load
 def test_checkpoint_of_one_process_at_2x2_resumes_in_two(references, tmp_path):
     """With params and optimizer state on NVMe, a checkpoint written at data x tensor 2 x
-    2 by one process resumes in 2 processes x 2 devices (data parallel, 4 x 1), ending
-    where the single-device run does."""
+    2 by one process resumes in 2 processes x 2 devices at 2 x 2 (each process one model
+    group), ending where the single-device run does."""
     from test_zero import SGD_ARGS, _params_like, _run_two_processes
 
     first = tp_config(2, 2, "nvme", train=dict(steps=3), checkpoint=dict(at_end=True))
@@ -290,7 +319,10 @@ def test_checkpoint_of_one_process_at_2x2_resumes_in_two(references, tmp_path):
     back = tmp_path / "back"
     shutil.copytree(tmp_path / "first" / "checkpoints", back / "ckpt")
     ckpt = f"checkpoint.dir={back / 'ckpt'}"
-    saved = _run_two_processes(back, *SGD_ARGS, *NVME, ckpt, "checkpoint.at_end=true", timeout=480)
+    tp2 = "distributed.tensor_parallel=2"
+    saved = _run_two_processes(
+        back, *SGD_ARGS, *NVME, tp2, ckpt, "checkpoint.at_end=true", timeout=480
+    )
     reference = references(2)
     np.testing.assert_allclose(saved["losses"], reference.losses[3:], rtol=1e-5)
     params = _params_like(saved, reference.params)

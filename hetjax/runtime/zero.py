@@ -120,16 +120,6 @@ class Zero3:
         dist = config.distributed
         self.mesh = data_mesh(dist.data_parallel, dist.expert_parallel, dist.tensor_parallel)
         self.tensor_parallel = self.mesh.shape[MODEL_AXIS]
-        if self.tensor_parallel > 1 and jax.process_count() > 1:
-            # 2 processes x 2 devices trained equal to one device alone, but under load
-            # their gloo collectives mismatched ("Received data size doesn't match
-            # expected size": a model-axis exchange against a cross-process one), as an
-            # earlier try hung at step 4: not yet understood
-            raise ConfigError(
-                f"config key 'distributed.tensor_parallel' ({self.tensor_parallel}): "
-                f"tensor parallelism across {jax.process_count()} processes is not "
-                "supported yet; run one process per machine with its devices, or set it to 1"
-            )
         if self.tensor_parallel > 1:
             self.axis_rules = TENSOR_PARALLEL_RULES
         self.rules = dict(self.axis_rules)
@@ -412,8 +402,11 @@ class Zero3:
         return jax.make_array_from_process_local_data(self.sharded.batch, rows)
 
     def put_scalar(self, value: float) -> jax.Array:
-        """An fp32 scalar argument, replicated on every device of the mesh."""
-        return jax.device_put(np.float32(value), self.sharded.gathered)
+        """An fp32 scalar argument, replicated on every device of the mesh: put on this
+        process's devices only (``jax.device_put`` of a host value to a sharding over
+        every process checks it is equal everywhere, a collective of its own each call)."""
+        scalar = np.float32(value)
+        return jax.make_array_from_callback((), self.sharded.gathered, lambda _: scalar)
 
     def host_grad(self, grad: jax.Array) -> GradPages:
         """A gradient slab copied to the host -> this process's pages (its devices'
@@ -520,7 +513,14 @@ class ShardedParamStore:
             self.inner.prefetch(stage)
 
     def ready(self, stage: str) -> bool:
-        return self._here(stage) or self.inner.ready(stage)
+        """Whether ``stage`` can be copied in without waiting. The prefetch window
+        dispatches a stage's gather (a collective) when it is ready, and processes must
+        dispatch their collectives in one order (else they pair the wrong ones and hang,
+        or fail on a size mismatch): across processes, a read's landing, which is timing,
+        never decides it, only what holds on every process."""
+        if self._here(stage):
+            return True
+        return jax.process_count() == 1 and self.inner.ready(stage)
 
     def get(self, stage: str, keep: bool = False) -> jax.Array:
         if self._here(stage):
