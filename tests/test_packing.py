@@ -83,8 +83,13 @@ def test_attention_within_a_record_equals_the_record_alone(impl):
         run = lambda q, k, v, s: attention.reference_attention(q, k, v, s)
     else:  # tiles of 8: records cross tile edges, some tiles wholly masked for a row
         run = lambda q, k, v, s: attention.blockwise_attention(q, k, v, 8, s)
-    out, vjp = jax.vjp(lambda q, k, v: run(q, k, v, seg), q, k, v)
-    grads = vjp(dout)
+
+    @jax.jit  # one compiled program, not op by op (the tiles' loop eagerly took ~45 s)
+    def outputs_and_grads(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: run(q, k, v, seg), q, k, v)
+        return out, vjp(dout)
+
+    out, grads = outputs_and_grads(q, k, v)
     start = 0
     for n in LENGTHS:
         sl = slice(start, start + n)
