@@ -1,5 +1,6 @@
 """``python -m hetjax.bench plan``: the planner's predicted step time vs the measured one
-(tiny and small GPTs, and the tiny GPT data-parallel on 2 virtual CPU devices)."""
+(tiny and small GPTs, and the tiny GPT on 2 virtual CPU devices: data parallel, and
+tensor parallel)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
         "checkpoint.at_end": "false",
     }
     config = load_config(name, overrides)
-    if devices > 1:
-        config = config.replace(distributed=dict(data_parallel=devices))
+    if devices > 1:  # the devices' data x model split: the overrides' tensor_parallel
+        tensor = config.distributed.tensor_parallel
+        config = config.replace(distributed=dict(data_parallel=devices // tensor))
     with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
         planned, plan = plan_auto(config, tmp, log=lambda line: None)
         assert plan is not None, "the budget should make auto stream"
@@ -54,6 +56,8 @@ def _plan_row(name: str, overrides: dict, steps: int, devices: int = 1) -> dict:
     desc = f"{o.mode}, params {o.params}, optimizer {o.optimizer}, keep {o.keep_blocks}"
     if devices > 1:
         desc += f", {plan.placement.resident_blocks} resident"
+        if plan.tensor_parallel > 1:
+            desc += f", {devices // plan.tensor_parallel} x {plan.tensor_parallel}"
     if clipped:
         desc += ", clipped"
     return dict(
@@ -119,6 +123,19 @@ def bench_plan(quick: bool) -> dict:
         "tiny dp2": (
             "gpt_tiny",
             {"memory.device_budget": "88MiB"},
+            10,
+            2,
+        ),
+        # data x model 1 x 2: each device computes its half of every block's heads and
+        # MLP columns; under tensor parallelism a block's slices are padded to whole
+        # pages (4 pages where data parallelism has 2), so the host budget is raised
+        "tiny tp2": (
+            "gpt_tiny",
+            {
+                "distributed.tensor_parallel": "2",
+                "memory.device_budget": "88MiB",
+                "memory.host_budget": "200MiB",
+            },
             10,
             2,
         ),
