@@ -198,6 +198,20 @@ def test_zero_quick(tmp_path, capsys):
     assert tensor[3]["zero_bytes"] > 0 and tensor[3]["megatron_bytes"] > 0
 
 
+def test_zero_formula_bytes_by_hand():
+    """bench zero's ZeRO-3 bytes a device moves a step, fp32, from M params of which some
+    are split over the model axis: 3(p-1)/p M x 4 without tensor parallelism; with it the
+    dense params gathered twice over all p devices, a device's slice of the split ones
+    over the S data devices, and the gradient of both scattered over S."""
+    from hetjax.bench.zero import zero_formula_bytes
+
+    assert zero_formula_bytes(1000, 0, 4, 1) == 4 * 3 * 750  # 3/4 of 1,000, three times
+    assert zero_formula_bytes(1000, 600, 1, 2) == 4 * 2 * 200  # dense 400 over 2; no scatter
+    # 2 x 2: dense 400 over 4 (300 sent) and the slice 300 over 2 (150), twice; their
+    # gradient (400 + 300) over 2 (350)
+    assert zero_formula_bytes(1000, 600, 2, 2) == 4 * (2 * (300 + 150) + 350)
+
+
 def test_wire_bytes_of_hlo_collectives_by_hand():
     """Bytes a device sends for collectives in compiled HLO text, each counted by hand
     (ring algorithms over groups of g: all-reduce 2(g-1)/g of its bytes, all-gather

@@ -70,6 +70,25 @@ def tp_config(data_parallel: int, tensor: int, tier: str = "host", **sections):
     )
 
 
+# Reduce-scatter bytes a device sends a step (one micro-batch), by hand: each gradient
+# (n-1)/n of its pages over the n devices it is scattered on; the model axis's devices
+# compute the same rows, so with S data devices both a stage's split weights' slice and
+# its dense pages (padded to a multiple of all devices) go over S. A step sends 2 blocks'
+# gradients, the embedding's twice (its input's backward and the tied head's) and the
+# head's (64 norm elements, no split weight: plain pages). Pages (runtime/tensor.py's
+# layout, as in the device-cache comment below): a block's dense part 3,488 elements and
+# its split kernels 4,608 a model index, the embedding's positions 1,024 dense and its
+# vocabulary 4,096 a model index.
+#   1 x M: S = 1, nothing.
+#   2 x 2, pages of 4,096 (16 KiB): a block's dense 1 page padded to 4 (sends 2) and slice
+#     2 pages (sends 1), so 3; the embedding dense 4 (2) + slice 1 padded to 2 (1), 3; the
+#     head 4 pages (2): 2 x 3 + 2 x 3 + 2 = 14 pages.
+#   4 x 2, pages fitted to 2,048 (8 KiB; the block's 12,704 elements in 8 pages): a block's
+#     dense 2 padded to 8 (sends 6) and slice 3 padded to 4 (3), so 9; the embedding dense
+#     1 padded to 8 (6) + slice 2 padded to 4 (3), 9; the head 8 (6): 18 + 18 + 6 = 42.
+SCATTERED = {(1, 2): 0, (2, 2): 14 * 16384, (1, 4): 0, (4, 2): 42 * 8192}
+
+
 @pytest.mark.parametrize(
     "data, tensor, tier",
     [
@@ -83,13 +102,16 @@ def tp_config(data_parallel: int, tensor: int, tier: str = "host", **sections):
 def test_tensor_parallel_equals_single_device(references, tmp_path, data, tensor, tier):
     """GPT: losses, validation loss, every final param and the logits equal one
     device's (grad_accum = the data degree) at 1e-5, with params and optimizer state
-    in RAM or streamed from NVMe; every device stores 1/(data x tensor) of the pages."""
+    in RAM or streamed from NVMe; every device stores 1/(data x tensor) of the pages. The
+    gradients are reduce-scattered over the data axis only: the step's count of their
+    bytes is the hand-derived one (``SCATTERED``)."""
     config = tp_config(data, tensor, tier)
     result = train(config, tmp_path, verbose=False)
     reference = references(data)
     assert_gpt_training_equal(result, reference, build_model(config.model), check_tokens())
-    last = result.records[-1]
-    assert last["all_gather_bytes"] > 0 and last["reduce_scatter_bytes"] > 0
+    assert all(r["all_gather_bytes"] > 0 for r in result.records)
+    scattered = {r["reduce_scatter_bytes"] for r in result.records}  # every step's
+    assert scattered == {SCATTERED[data, tensor]}, scattered
     zero = Zero3(config)
     assert dict(zero.mesh.shape) == {"data": data, "expert": 1, "model": tensor}
     layout = zero.stage_layouts(build_model(config.model), config.memory.page_size)["block"]
@@ -131,17 +153,32 @@ def test_tensor_parallel_moe_and_t5_equal_single_device(tmp_path, family):
     assert_training_equal(runs[1], runs[0], *logits)  # T5's logits need targets: not here
 
 
-def _block_backward_hlo(config) -> str:
+def _backward_hlos(config, names=("block_bwd",)) -> dict[str, str]:
+    """The compiled HLO of the stage functions ``names`` (of ``block_bwd``, ``embed_bwd``,
+    ``head_fwd_bwd``), each on its abstract arguments, the pages as the gather hands them
+    over."""
     runtime = StreamingRuntime(config, placement=Zero3(config))
     try:
-        B, sds = runtime.layouts["block"], jax.ShapeDtypeStruct
-        zero, t = runtime.placement, config.train
-        pages = zero.device_pages(B, np.float32)  # as the gather hands them over
-        x = sds((t.micro_batch_size, t.seq_len, config.model.d_model), np.float32,
-                sharding=zero.sharded.batch)  # fmt: skip
-        return runtime.fns.block_bwd.lower(pages, x, x).compile().as_text()
+        sds, zero, t = jax.ShapeDtypeStruct, runtime.placement, config.train
+        pages = lambda stage: zero.device_pages(runtime.layouts[stage], np.float32)
+        rows = lambda dtype, *shape: sds(
+            (t.micro_batch_size, t.seq_len, *shape), dtype, sharding=zero.sharded.batch
+        )
+        x, tokens = rows(np.float32, config.model.d_model), rows(np.int32)
+        scale = sds((), np.float32, sharding=zero.sharded.gathered)
+        args = {
+            "block_bwd": (pages("block"), x, x),
+            "embed_bwd": (pages("embed"), tokens, x),
+            "head_fwd_bwd": (pages("head"), pages("embed"), x, tokens, scale),
+        }
+        fns = runtime.fns
+        return {n: getattr(fns, n).lower(*args[n]).compile().as_text() for n in names}
     finally:
         runtime.close()
+
+
+def _block_backward_hlo(config) -> str:
+    return _backward_hlos(config)["block_bwd"]
 
 
 @pytest.mark.slow  # ~6 s: compiles two runtimes' block backward (tp2's equality: default run)
@@ -161,6 +198,46 @@ def test_block_compute_splits_over_the_model_axis(tmp_path):
     assert {"f32[32,64]", "f32[4,2,8,8]"} <= dots(tp), dots(tp)  # half the MLP, half the heads
     assert not {"f32[32,128]", "f32[32,96]"} & dots(tp), dots(tp)  # no whole kernel
     assert {"f32[32,128]", "f32[2,4,8,8]"} <= dots(dp), dots(dp)
+
+
+# Pages of 16 KiB (4,096 fp32) each gradient's reduce-scatter sends a device, by hand
+# (``SCATTERED``'s derivation): the block's, the embedding's (its input's backward), the
+# head's, and the head function's (the head's and the tied embedding's).
+SCATTER_PAGES = {
+    (2, 2): dict(block=3, embed=3, head=2),
+    (1, 2): dict(block=0, embed=0, head=0),
+    (4, 1): dict(block=3, embed=3, head=3),  # every stage 4 pages over 4 devices
+}
+
+
+@pytest.mark.slow  # ~15 s: three runtimes' backwards compiled
+@pytest.mark.parametrize("data, tensor", list(SCATTER_PAGES))
+def test_reduce_scatter_counter_is_what_the_compiled_backwards_send(tmp_path, data, tensor):
+    """The runtime's count of a gradient's reduce-scatter bytes
+    (``Zero3.scattered_size``) is the hand-derived one and what XLA compiled the block's
+    and the embedding's backward to send (their HLO's reduce-scatters, ring: (g-1)/g of
+    the operand a device, ``bench.zero.wire_bytes``): over the data axis only under
+    tensor parallelism (at 1 x 2 nothing), over every device without. The head's
+    function sends the head's and the tied embedding's gradients, less under tensor
+    parallelism: the embedding's dense pages there are its position table alone, whose
+    gradient in the head is zeros, and XLA drops their scatter (2 pages at 2 x 2)."""
+    from hetjax.bench.zero import wire_bytes
+
+    config = tp_config(data, tensor, memory=dict(PAGES, nvme_path=str(tmp_path)))
+    zero = Zero3(config)
+    layouts = zero.stage_layouts(build_model(config.model), config.memory.page_size)
+    pages = SCATTER_PAGES[data, tensor]
+    page = 16384
+    for stage, n in pages.items():
+        assert zero.scattered_size(layouts[stage]) * 4 == n * page, stage
+    hlos = _backward_hlos(config, ("block_bwd", "embed_bwd", "head_fwd_bwd"))
+    sent = {name: wire_bytes(text).get("reduce-scatter", 0) for name, text in hlos.items()}
+    dropped = 2 if (data, tensor) == (2, 2) else 0  # the head's zero position gradient's
+    assert sent == {
+        "block_bwd": pages["block"] * page,
+        "embed_bwd": pages["embed"] * page,
+        "head_fwd_bwd": (pages["head"] + pages["embed"] - dropped) * page,
+    }
 
 
 def test_each_device_fetches_only_its_slice_of_the_split_weights():
@@ -233,15 +310,15 @@ def test_formerly_refused_features_under_tensor_parallelism_equal_single_device(
     config = tp_config(2, 2, optimizer=optimizer, offload=offload)
     result = train(config, tmp_path / "tp", verbose=False)
     assert_gpt_training_equal(result, references(2), build_model(config.model), check_tokens())
-    if feature == "nvme_boundaries":  # through the disk, once per group: one device's bytes
+    if feature in ("nvme_boundaries", "swap_nvme"):  # through the disk, once per group:
+        # one device's bytes. A swapped block's are its input and the activations its level
+        # saves, never its pages (fetched again for backward): with the split weights'
+        # pages one dense page went too, 16 KiB a data device (115,712 B a step against
+        # 82,944; issue #42)
         one = config.replace(distributed=dict(data_parallel=1, tensor_parallel=1))
         single = train(one, tmp_path / "one", verbose=False)
         for r, s in zip(result.records, single.records, strict=True):
             assert r["nvme_write_bytes"] == r["nvme_read_bytes"] == s["nvme_write_bytes"] > 0
-    if feature == "swap_nvme":  # through the disk and back. Not one device's bytes since
-        # the split weights' pages: a swapped block's residuals are then its pages, with
-        # their padding (115,712 B a step against one device's leaves' 82,944; issue #42)
-        assert all(r["nvme_write_bytes"] == r["nvme_read_bytes"] > 0 for r in result.records)
     if feature == "device_cache":  # embed and block 0: 8 pages of 4,096 each (16 KiB fp32),
         # updated once per step and again in each step whose update was redone (counted so
         # far). Pages by hand (runtime/tensor.py's layout at 2 x 2): a block's dense part, its

@@ -213,10 +213,34 @@ def bench_zero(quick: bool) -> dict:
 MESHES = ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2))
 
 
+def _split_params(runtime) -> int:
+    """Params of the weights tensor parallelism splits over the ``model`` axis (the
+    grouped leaves of each stage's layout, ``runtime/tensor.py``), every block's."""
+    count = {"embed": 1, "head": 1, **{g.name: g.num_layers for g in runtime.fns.model.groups}}
+    return sum(
+        lay.group.size * lay.groups * count[name]
+        for name, lay in runtime.layouts.items()
+        if hasattr(lay, "grouping")
+    )
+
+
+def zero_formula_bytes(params: int, split: int, data: int, tensor: int) -> float:
+    """fp32 bytes ZeRO-3 moves a device per step at data x tensor, from the params
+    (``split`` of them the weights tensor parallelism splits): a device's params gathered
+    twice (forward, backward), the dense ones over all p devices, its 1/t slice of the
+    split ones over the S data devices, and their gradient reduce-scattered once over
+    the S data devices (the model axis's devices hold the same gradient of the dense
+    ones); 3(p-1)/p M x 4 without tensor parallelism."""
+    p, S = data * tensor, data
+    dense, mine = params - split, split / tensor
+    return 4 * (2 * (dense * (p - 1) / p + mine * (S - 1) / S) + (dense + mine) * (S - 1) / S)
+
+
 def _tensor_rows(base: Config, dp_rows: list[dict], steps: int, skip: int) -> list[dict]:
     """DP, TP and DP x TP rows, fp32: ZeRO-3's bytes a device moves per step (the
-    runtime's counters: its pages split over all data x tensor devices) against
-    3(p-1)/p M x 4 bytes, and the blocks' tensor-parallel collectives (the compiled
+    runtime's counters: its pages split over all data x tensor devices, the gradients
+    scattered over the data devices) against :func:`zero_formula_bytes` (3(p-1)/p M x 4
+    without tensor parallelism), and the blocks' tensor-parallel collectives (the compiled
     forward's and backward's, times the blocks) against Megatron's volume: a block's
     forward all-reduces its attention's and its MLP's output, its backward their input
     gradients, each 2(t-1)/t x the device's (b, T, D) activation bytes (b its data
@@ -234,6 +258,7 @@ def _tensor_rows(base: Config, dp_rows: list[dict], steps: int, skip: int) -> li
         for data, tensor in MESHES:
             p = data * tensor
             config = base.replace(distributed=dict(data_parallel=data, tensor_parallel=tensor))
+            split = 0
             if tensor == 1:
                 r = fp32[p]
                 zero, step_s = r["measured_bytes"], r["step_s"]
@@ -245,6 +270,7 @@ def _tensor_rows(base: Config, dp_rows: list[dict], steps: int, skip: int) -> li
                 step_s = _steady_step_time(run.records, skip)
                 runtime = StreamingRuntime(config, placement=Zero3(config))
                 tp = _block_tensor_bytes(runtime)
+                split = _split_params(runtime)
                 runtime.close()
             b = base.train.micro_batch_size // data
             act = 2 * (tensor - 1) / tensor * b * T * D * 4
@@ -254,7 +280,7 @@ def _tensor_rows(base: Config, dp_rows: list[dict], steps: int, skip: int) -> li
                     tensor=tensor,
                     devices=p,
                     zero_bytes=zero,
-                    zero_formula_bytes=3 * (p - 1) / p * M * 4,
+                    zero_formula_bytes=zero_formula_bytes(M, split, data, tensor),
                     tensor_bytes=L * (tp["forward"] + tp["backward"]),
                     tensor_forward_bytes=L * tp["forward"],
                     megatron_bytes=L * 4 * act,  # 2 forward, 2 backward a block
@@ -265,10 +291,12 @@ def _tensor_rows(base: Config, dp_rows: list[dict], steps: int, skip: int) -> li
             )
     print(
         f"\ndata x tensor, fp32; ZeRO-3 counted by the runtime, tensor-parallel bytes from "
-        f"the compiled blocks (x {L} blocks; the vocabulary-parallel head's not counted)"
+        f"the compiled blocks (x {L} blocks; the vocabulary-parallel head's not counted); "
+        "formula: M_d dense and M_s split params, S data devices of p: "
+        "4 [2 (M_d (p-1)/p + M_s/t (S-1)/S) + (M_d + M_s/t)(S-1)/S], 3(p-1)/p M x4 at t = 1"
     )
     print(
-        f"{'data':>5}{'tensor':>7}{'ZeRO MB':>9}{'3(p-1)/p M x4':>15}{'ratio':>7}"
+        f"{'data':>5}{'tensor':>7}{'ZeRO MB':>9}{'formula':>15}{'ratio':>7}"
         f"{'TP MB':>8}{'fwd':>7}{'Megatron 4/layer':>18}{'6/layer':>9}{'ratio':>7}{'s/step':>9}"
     )
     for r in rows:

@@ -167,7 +167,9 @@ class SwappedBlock:
         def forward(b, x, context=()):
             y, vjp = jax.vjp(fwd, b, x, context)
             leaves, tree = jax.tree.flatten(vjp)
-            given = [*b, *jax.tree.leaves(context)]
+            # every array of the pages, however they came (one device's leaves, ZeRO-3's
+            # pages, a grouped stage's dense pages and its group: tensor parallelism's)
+            given = jax.tree.leaves((b, context))
             given_at = {id(a): k for k, a in enumerate(given)}
             where = tuple(given_at.get(id(leaf), -1) for leaf in leaves)
             self._structure = (tree, where)
@@ -177,7 +179,7 @@ class SwappedBlock:
             if self._structure is None:  # traced before any forward (e.g. compiled ahead)
                 jax.eval_shape(forward, b, dy, context)
             tree, where = self._structure
-            given = [*b, *jax.tree.leaves(context)]
+            given = jax.tree.leaves((b, context))
             rest = iter(residuals)
             leaves = [given[k] if k >= 0 else next(rest) for k in where]
             db, dx, dc = jax.tree.unflatten(tree, leaves)(cotangent(dy, dstats))

@@ -25,7 +25,8 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   compute as Megatron does and adds the all-reduces; no layer code knows. The split
   weights are laid out by slice (``tensor.py``, ``grouped.py``): a device fetches the
   dense pages whole and only its slice of each split weight (gathered over ``data``),
-  and its gradient of that slice is reduce-scattered over ``data`` only. A checkpoint
+  and its gradient of that slice is reduce-scattered over ``data`` only, as are the
+  dense pages' (the model axis's devices hold the same gradient of them). A checkpoint
   records each piece's split axis and resumes at any data x tensor split
   (``tests/test_tensor.py``).
 * **Reduce-scatter of gradients.** A stage function's gradient slab is ``psum_scatter``-ed
@@ -65,7 +66,9 @@ experts' router statistics, declared ``Kind.MEAN``) are means over the
 devices too, so the auxiliary loss pools the whole micro-batch, as one device running
 it does (``tests/test_moe.py``). Per step and device the all-gathers move
 (N-1)/N of the stage slabs fetched and the reduce-scatters (N-1)/N of the gradient
-slabs: PatrickStar's 6(p-1)/p M bytes with fp16 params and gradients.
+slabs: PatrickStar's 6(p-1)/p M bytes with fp16 params and gradients. With tensor
+parallelism the reduce-scatters move (S-1)/S of what a device computes with (S devices
+on the data axis; :meth:`Zero3.scattered_size`).
 """
 
 from __future__ import annotations
@@ -104,6 +107,20 @@ F32 = jnp.float32
 
 
 AXES = BATCH_AXES  # batch rows split over the data axes (and pages, but for the model axis)
+# The mesh axes :meth:`Zero3.grad_slab` reduce-scatters each part of a gradient over, and
+# the counter of its bytes reads (:meth:`Zero3.scattered_size`): a group's pages (a
+# block's experts, a stage's tensor-parallel slices) over the devices holding the same
+# group, the rest over the batch axes. Never over the model axis: its devices compute
+# with the same rows, their gradients of the dense pages already whole on each.
+GROUP_SCATTER_AXES = (DATA_AXIS,)
+DENSE_SCATTER_AXES = AXES
+
+
+def ring_sent(elements: int, devices: int) -> int:
+    """Elements one device sends in a ring all-gather of an ``elements`` result, or a
+    ring reduce-scatter of an ``elements`` operand, over ``devices`` devices: (n-1)/n of
+    them (none on one device)."""
+    return elements * (devices - 1) // devices
 
 
 class Zero3:
@@ -302,10 +319,10 @@ class Zero3:
             # manual over the model axis too (XLA's partitioner would gather the group
             # first): device m keeps its group's sum and part m of the dense one.
             def own(group, dense):
-                group = scatter(group, DATA_AXIS)
+                group = scatter(group, GROUP_SCATTER_AXES)
                 if not dense.shape[0]:
                     return group
-                dense = scatter(dense, AXES)
+                dense = scatter(dense, DENSE_SCATTER_AXES)
                 part = dense.shape[0] // M
                 m = jax.lax.axis_index(MODEL_AXIS)
                 return jnp.concatenate([group, jax.lax.dynamic_slice_in_dim(dense, m * part, part)])
@@ -320,10 +337,10 @@ class Zero3:
             )(pages.group.astype(dtype), dense)  # fmt: skip
         elif isinstance(pages, GroupPages):
             dense = jnp.stack([p.astype(dtype) for p in pages.dense])  # (pages, page_elems)
-            group = scatter(pages.group.astype(dtype), DATA_AXIS)
-            summed = jnp.concatenate([group, scatter(dense, AXES)])
+            group = scatter(pages.group.astype(dtype), GROUP_SCATTER_AXES)
+            summed = jnp.concatenate([group, scatter(dense, DENSE_SCATTER_AXES)])
         else:
-            summed = scatter(jnp.stack([p.astype(dtype) for p in pages]), AXES)
+            summed = scatter(jnp.stack([p.astype(dtype) for p in pages]), DENSE_SCATTER_AXES)
             if M > 1:  # the model axis's devices keep a part each
                 summed = jax.lax.with_sharding_constraint(summed, PartitionSpec(MODEL_AXIS))
         return summed / self.batch_degree
@@ -392,10 +409,26 @@ class Zero3:
         grouped = layout if isinstance(layout, GroupedSlabLayout) else None
         return self.gather(slab.shape[0], grouped)(jax.device_put(slab, self.sharded.slab_device))
 
+    def scattered_size(self, layout: SlabLayout | GroupedSlabLayout) -> int:
+        """Elements of a stage's gradient one device sends in :meth:`grad_slab`'s
+        reduce-scatters: each part (n-1)/n of its pages over the n devices of the axes it
+        is scattered on. Without tensor parallelism that is what the stage's gather
+        brings (``layout.gathered_size``); with it the dense pages are scattered over the
+        data axis only, not all data x tensor devices they are gathered from (at data x
+        tensor = 1 x M: none)."""
+        devices = lambda axes: int(np.prod([self.mesh.shape[a] for a in axes]))
+        group, dense = devices(GROUP_SCATTER_AXES), devices(DENSE_SCATTER_AXES)
+        if isinstance(layout, GroupedSlabLayout):
+            pages = ring_sent(layout.group.num_pages, group)
+            pages += ring_sent(layout.dense.num_pages, dense)
+        else:
+            pages = ring_sent(layout.num_pages, dense)
+        return pages * layout.page_elems
+
     def sent_grad(self, grad: jax.Array, layout: SlabLayout | GroupedSlabLayout) -> None:
-        """A gradient of a stage of ``layout`` left the device: its reduce-scatter moved
-        what the stage's gather does, the other way."""
-        self.comm["reduce_scatter"] += layout.gathered_size * grad.dtype.itemsize
+        """A gradient of a stage of ``layout`` left the device: count the bytes its
+        reduce-scatters sent (:meth:`scattered_size`)."""
+        self.comm["reduce_scatter"] += self.scattered_size(layout) * grad.dtype.itemsize
 
     def put_batch(self, rows: np.ndarray) -> jax.Array:
         """This process's rows of a batch -> the global batch, rows over ``data``."""
