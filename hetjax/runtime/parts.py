@@ -35,6 +35,7 @@ from hetjax.runtime.routed import (
     check_routed_experts,
     routed_blocks,
 )
+from hetjax.runtime.routed_zero import ShardedExpertFetcher
 from hetjax.runtime.schedule import Schedule
 from hetjax.runtime.setup import build_stores, init_state, layout_name, memory_sizes
 from hetjax.runtime.stages import StageFunctions, StageMemory
@@ -309,12 +310,13 @@ def _experts(config: Config, placement, fns, dtype, routed, loop) -> tuple:
     if routed:
         E, device = config.model.num_experts, placement.shardings.device
         stage_to = placement.shardings.pinned_staging()
-        experts = ExpertFetchers(
-            {
-                g: ExpertFetcher(group.routed(), dtype, device, E, stage_to=stage_to)
-                for g, group in enumerate(fns.groups)
-            }
-        )
+
+        def fetcher(group):  # the device takes a block's leaves (one device) or its pages
+            if group.layout.leaf_buffers:
+                return ExpertFetcher(group.routed(), dtype, device, E, stage_to=stage_to)
+            return ShardedExpertFetcher(group.routed(), placement, dtype, E)
+
+        experts = ExpertFetchers({g: fetcher(group) for g, group in enumerate(fns.groups)})
     deferring = bool(routed) and deferred_updates(config)
     if deferring:
         loop.use_deferred(Deferred(routed))

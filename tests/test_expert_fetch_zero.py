@@ -1,0 +1,144 @@
+"""Routed experts and deferred expert updates under ZeRO-3 data parallelism
+(hetjax/runtime/routed_zero.py): each device copies in and gathers only the pages of the
+experts some device routed to; training equals one device's routed run and copying every
+expert (tests/test_expert_fetch.py and tests/test_deferred_updates.py have the one-device
+versions)."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+from equivalence import assert_training_equal, check_tokens
+from test_deferred_updates import _adamw, _run
+from test_expert_fetch import SHORT, SPARSE, _config, _moved, _skewed
+
+from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.runtime.zero import Zero3
+from hetjax.train import train
+from models import build_model
+
+SGD_CLIP = dict(name="sgd", lr=0.1, grad_clip=2.0)  # clipping binds in some steps
+P = 4096 // 4  # elements of a 4 KiB page (the configs' memory.page_size)
+
+
+def _sgd(fetch: str, data: int, **train_section):
+    """16 experts top-1, SGD with clipping, 4 KiB pages, on ``data`` devices: 2 rows a
+    micro-batch (one per device under data parallelism)."""
+    config = _config(tiny_config, fetch).replace(
+        optimizer=SGD_CLIP,
+        train={**SHORT, "batch_size": 4, **train_section},
+        distributed=dict(data_parallel=data),
+    )
+    return config
+
+
+def test_routed_under_data_parallelism_trains_as_one_device(tmp_path):
+    """Data parallelism over 2 devices, both blocks routed (each device copying in and
+    gathering the pages of the experts either device routed to): losses, validation
+    loss, every param and the logits equal one device's routed run at 1e-5, and the
+    metrics say experts were left out (16 experts, top-1, 2 x 8 tokens a micro-batch: at
+    most 16 of 16, and fewer in practice)."""
+    zero = train(_sgd("routed", 2, steps=2), tmp_path / "zero", verbose=False)
+    one = train(_sgd("routed", 1, steps=2), tmp_path / "one", verbose=False)
+    assert_training_equal(zero, one, build_model(tiny_config(model=SPARSE).model), check_tokens())
+    for record in zero.records:
+        # 2 micro-batches x 3 block copies (block0 forward and backward, block1 once)
+        assert 0 < record["experts_fetched"] < 16 * 2 * 3
+        assert 0 < record["experts_fetched_fraction"] < 1
+    # the same experts as one device's: the union over the devices of the whole batch's
+    assert [r["experts_fetched"] for r in zero.records] == [
+        r["experts_fetched"] for r in one.records
+    ]
+
+
+@pytest.mark.slow  # 40 s: three runs
+def test_routed_under_data_parallelism_equals_fetching_every_expert(tmp_path):
+    """Data parallelism over 2 devices, SGD with clipping, 4 steps: routed equals
+    expert_fetch=all under the same parallelism at 1e-5."""
+    routed = train(_sgd("routed", 2), tmp_path / "routed", verbose=False)
+    every = train(_sgd("all", 2), tmp_path / "all", verbose=False)
+    model = build_model(tiny_config(model=SPARSE).model)
+    assert_training_equal(routed, every, model, check_tokens())
+    assert not any("experts_fetched" in r for r in every.records)
+
+
+def _zero3(config) -> StreamingRuntime:
+    """``config``'s runtime under ZeRO-3 (``hetjax.train``'s for data_parallel != 1)."""
+    return StreamingRuntime(config, placement=Zero3(config))
+
+
+def _block_pages(config) -> int:
+    runtime = _zero3(config)
+    try:
+        return runtime.layouts["block"].num_pages
+    finally:
+        runtime.close()
+
+
+@pytest.mark.slow  # 30 s cold
+def test_a_skewed_router_under_data_parallelism_copies_fewer_bytes():
+    """A router sending every token to 2 of 16 experts, 2 devices: a routed step copies
+    host -> device (each device its own pages, padded to the busier device's count) at
+    most the pages of attention, norms, router and experts 0-1 plus the padding, far
+    fewer than all the block's pages, for the same loss."""
+    batch = np.random.default_rng(1).integers(0, 256, (1, 2, 9), dtype=np.int32)
+    moved, losses = {}, {}
+    for fetch in ("routed", "all"):
+        config = _sgd(fetch, 2, grad_accum=1, batch_size=2)
+        skew = lambda r: _skewed(r, 2)
+        moved[fetch], losses[fetch], metrics = _moved(config, batch, skew, runtime_of=_zero3)
+        if fetch == "routed":
+            fetched = metrics["experts_fetched"]
+    np.testing.assert_allclose(losses["routed"], losses["all"], rtol=1e-6)
+    copies = 3  # block0's forward and backward, block1's forward
+    assert fetched == 2 * copies  # experts 0 and 1, in every copy
+    assert _block_pages(config) == 76  # 77,376 elements (below), 2 x 38 pages
+    # The block's slab in 1024-element pages (hand-counted from its leaves in slab
+    # order: k_proj 512, down_proj 16 x 32 x 48 = 24,576, gate_proj 24,576, router
+    # 32 x 16 = 512, up_proj 24,576, o_proj 1,024, q_proj 1,024, v_proj 512, two norms
+    # of 32): pages holding something but expert rows: 0 (k_proj), 48 (router), 73-75
+    # (o, q, v, norms); device 0 owns pages 0-37 (1 of them), device 1 pages 38-75 (4):
+    # the window's gather copies 2 x 4 pages. Experts 0-1 are 3,072 elements of each
+    # expert leaf, pages 1-3 of down_proj (page 0 is dense), 24-27 of gate_proj, 49-51 of
+    # up_proj: device 0 has 7, device 1 3, padded to a multiple of 38 // 8 = 4: 2 x 8
+    # pages. Copying every expert copies all 76 pages; routed copies 8 + 16 of them.
+    h2d = {f: m["host_to_device"] for f, m in moved.items()}
+    assert h2d["all"] - h2d["routed"] == copies * (76 - 8 - 16) * P * 4
+
+
+@pytest.mark.slow  # 60 s: three runs of 4 steps
+def test_deferred_updates_under_data_parallelism_equal_one_device():
+    """AdamW with weight decay and clipping, state and params on NVMe, tokens routed to
+    8 of 16 experts, 2 devices: deferring the updates of the experts no device routed to
+    (and catching them up before their next use) trains bit for bit as updating every
+    expert under the same parallelism, and defers and catches up as many pages as one
+    device deferring does, for losses within 1e-5 of its (its params differ by more:
+    the devices sum gradients in another order, which AdamW's first steps amplify, as
+    tests/test_zero.py says); some pages are deferred and some caught up."""
+    rng = np.random.default_rng(1)
+    # 2 micro-batches of 2 rows x 4 tokens: 8 tokens a micro-batch, so that experts
+    # routed in one step go unrouted in the next
+    batches = [rng.integers(0, 256, (2, 2, 5), dtype=np.int32) for _ in range(4)]
+
+    def config(updates: str, data: int):
+        return _adamw(tiny_config, updates).replace(
+            train=dict(batch_size=4, seq_len=4), distributed=dict(data_parallel=data)
+        )
+
+    runs = {
+        (u, d): _run(
+            config(u, d), batches, used=8, runtime_of=_zero3 if d > 1 else StreamingRuntime
+        )
+        for u, d in (("deferred", 2), ("all", 2), ("deferred", 1))
+    }
+    deferred, every, one = runs["deferred", 2], runs["all", 2], runs["deferred", 1]
+    assert deferred[0] == every[0] and deferred[2] == every[2]  # losses, evaluation loss
+    for a, b in zip(jax.tree.leaves(deferred[4]), jax.tree.leaves(every[4]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(deferred[0], one[0], rtol=1e-5)
+    np.testing.assert_allclose(deferred[2], one[2], rtol=1e-5)
+    metrics = deferred[1]
+    assert all(m["expert_pages_deferred"] > 0 for m in metrics)
+    assert sum(m["expert_pages_caught_up"] for m in metrics) > 0
+    for kind in ("expert_pages_deferred", "expert_pages_caught_up"):
+        assert [m[kind] for m in metrics] == [m[kind] for m in one[1]], kind
