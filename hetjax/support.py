@@ -121,23 +121,23 @@ FEATURES: dict[str, Feature] = {
         refused=frozenset(),
     ),
     # the default: one device copies the routed experts' rows (runtime/routed.py);
-    # under data parallelism each device copies in and gathers the pages of the
-    # experts some device routed to (runtime/routed_zero.py). Expert and tensor
-    # parallelism lay a block's experts out by group or slice (runtime/grouped.py),
-    # which no routed gather reads yet
+    # under data and expert parallelism each device copies in and gathers the pages of
+    # the experts some device routed to (runtime/routed_zero.py; under expert
+    # parallelism its group's, over the data axis). Tensor parallelism lays out each
+    # split weight by slice (runtime/tensor.py), which no routed gather reads yet
     "routed_experts": Feature(
         key="offload.expert_fetch",
         reason="routed experts are not supported with {parallel}, whose devices each take "
-        "a share of a block's pages laid out by group (runtime/grouped.py) and gather "
-        "the rest",
-        refused=frozenset({EXPERT, TENSOR}),
+        "a share of a block's pages laid out by weight slice (runtime/tensor.py) and "
+        "gather the rest",
+        refused=frozenset({TENSOR}),
         fallback="every streamed block copies all its experts, as offload.expert_fetch=all",
     ),
     # deferred expert updates need routed experts (optimizer/deferred.py)
     "deferred_updates": Feature(
         key="offload.expert_updates",
         reason="deferred expert updates are not supported with {parallel}, which routes no experts",
-        refused=frozenset({EXPERT, TENSOR}),
+        refused=frozenset({TENSOR}),
         fallback="every expert is updated every step, as offload.expert_updates=all",
     ),
     "batch_chunks": Feature(

@@ -1,6 +1,6 @@
-"""Routed experts under ZeRO-3 data parallelism (``offload.expert_fetch=routed`` with
-``distributed.data_parallel`` > 1): a streamed MoE block's devices copy in and gather
-only the pages of the experts some device of the data axis routed to.
+"""Routed experts under ZeRO-3 (``offload.expert_fetch=routed`` with
+``distributed.data_parallel`` or ``expert_parallel`` > 1): a streamed MoE block's devices
+copy in and gather only the pages of the experts some device routed to.
 
 On one device a routed block copies its experts leaf row by leaf row (``routed.py``).
 Under ZeRO-3 (``zero.py``) a device owns a contiguous share of a block's pages, cut
@@ -31,6 +31,14 @@ routed to. Deferred expert updates (``optimizer/deferred.py``) take the pages of
 process's share wholly in such experts (:meth:`ShardedExpertFetcher.zero_pages`, by
 page within the share, as the process's optimizer and state store number them) and
 catch them up before a routed expert's pages are copied in.
+
+Under expert parallelism (:class:`GroupedExpertFetcher`) a device holds a share of its
+group's slab (its E/G experts) and of the dense slab (``grouped.py``): the window gathers
+the dense slab whole, and after ``route`` each device copies in its share of its group's
+pages holding a routed expert's rows (padded to the busiest device's count over every
+group: one gather for the whole mesh) and all-gathers them over the data axis only, into
+its group's pages, the others zero; the tokens reach their experts by all-to-all as
+they do with every expert fetched (``models/llama.py``).
 """
 
 from __future__ import annotations
@@ -39,8 +47,12 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from hetjax.distributed import DATA_AXIS
+from hetjax.runtime.grouped import GroupPages
 from hetjax.runtime.routed import RoutedBlock, Routing
 from hetjax.storage.pages import SlabLayout
 
@@ -212,3 +224,160 @@ class ShardedExpertFetcher:
         copied = jax.make_array_from_process_local_data(sharding, local)
         self.zero.comm["all_gather"] += (self.devices - 1) * rows * P * self.dtype.itemsize
         return self.zero.gather(self.devices * rows)(copied), where
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass
+class GroupedRoutedSlab:
+    """A routed block's params as the window holds them under expert parallelism:
+    ``gathered``, the dense pages all-gathered (whole on every device), ``zero`` the
+    expert group's pages standing as zeros (global ``(G x group pages, page_elems)``,
+    split over the expert axis), and ``host``, the sharded host slab the group's pages
+    are copied from. A pytree of its device arrays only (the held group's included)."""
+
+    gathered: list
+    zero: jax.Array
+    host: Any
+    # the last routing's, (routing, the block's pages)
+    held: tuple | None = None
+
+    @property
+    def dense(self) -> GroupPages:
+        """The block's pages as ``route`` reads them: every expert zero."""
+        return GroupPages(self.gathered, self.zero)
+
+    def tree_flatten(self):
+        held = [self.held[1].group] if self.held else []
+        return (*self.gathered, *held), (self.zero, self.host, len(self.gathered))
+
+    @classmethod
+    def tree_unflatten(cls, aux, children) -> GroupedRoutedSlab:
+        zero, host, n = aux
+        return cls(list(children[:n]), zero, host)
+
+
+class GroupedExpertFetcher:
+    """:class:`ShardedExpertFetcher`'s interface under expert parallelism: device (s, g)
+    of S x G holds share s of its expert group g's slab and share n = s G + g of the
+    dense slab (``grouped.py``). The window gathers the dense pages whole; after
+    ``route`` each device copies in its own pages of its group's routed experts (those
+    of the union over every device's rows), padded to the busiest device's count (the
+    same on every device: the decision is global), and all-gathers them over the data
+    axis only, into its group's pages with the others zero."""
+
+    def __init__(self, block: RoutedBlock, zero, dtype: Any, num_experts: int):
+        self.block, self.zero, self.num_experts = block, zero, num_experts
+        layout = block.layout  # an ExpertSlabLayout
+        self.groups, self.shares = layout.groups, layout.shares
+        self.local = num_experts // layout.groups  # experts a group holds
+        self.pages = PageExperts.of(
+            layout.group, tuple(range(len(layout.group.leaves))), self.local
+        )
+        self.first_page, self.own = zero.own_pages(layout)  # this process's
+        self.dtype, self.page_elems = np.dtype(dtype), layout.page_elems
+        self.layout = layout
+        axis = layout.grouping.axis
+        self._group_sharding = NamedSharding(zero.mesh, PartitionSpec(axis, None))
+        self._index_sharding = NamedSharding(zero.mesh, PartitionSpec(axis))
+        shape = (layout.groups * layout.group.num_pages, layout.page_elems)
+        self._zero = jax.device_put(np.zeros(shape, dtype), self._group_sharding)
+        gathered = zero.sharded.gathered
+        self._every = jax.device_put(np.arange(num_experts, dtype=np.int32), gathered)
+        self._assemblers: dict[int, Any] = {}
+        self.fetched = self.offered = self.bytes = 0
+
+    def dense(self, slab: jax.Array) -> GroupedRoutedSlab:
+        """The window's copy of a routed block: its dense pages, each device's own copied
+        in and all-gathered (every one: no padding)."""
+        lay, P = self.layout, self.page_elems
+        shards = sorted(slab.addressable_shards, key=lambda a: a.index[0].start or 0)
+        local = np.concatenate([np.asarray(s.data)[lay.group_share :] for s in shards])
+        copied = jax.make_array_from_process_local_data(self.zero.sharded.slab_device, local)
+        N = lay.devices
+        self.zero.comm["all_gather"] += (N - 1) * lay.dense_share * P * self.dtype.itemsize
+        return GroupedRoutedSlab(self.zero.gather(N * lay.dense_share)(copied), self._zero, slab)
+
+    routing = ShardedExpertFetcher.routing
+    unsent_pages = ShardedExpertFetcher.unsent_pages
+
+    def experts(
+        self, slab: GroupedRoutedSlab, routing: Routing, fresh: dict[int, np.ndarray] | None = None
+    ) -> tuple[GroupPages, list]:
+        """The block's pages with each device's group's routed experts gathered in, and
+        the pages copied in (none when the slab holds them from this routing's forward).
+        ``fresh``: new params of some of this process's pages, by page within its share
+        (deferred updates caught up), which replace the slab's."""
+        if slab.held is not None and slab.held[0] is routing:
+            return slab.held[1], []
+        lay, P, G = self.layout, self.page_elems, self.groups
+        gs = lay.group_share
+        need = [self.pages.routed(self._local_ids(routing.ids, g)) for g in range(G)]
+        busiest = max(np.bincount(q // gs, minlength=self.shares).max() for q in need)
+        rows = padded_rows(int(busiest), gs)
+        if not rows:
+            pages = GroupPages(slab.gathered, self._zero)
+            slab.held = (routing, pages)
+            return pages, []
+        index = np.zeros((G, lay.group.num_pages), np.int32)  # 0: a zero row
+        for g, q in enumerate(need):
+            owner = q // gs
+            index[g, q] = 1 + owner * rows + np.arange(q.size) - np.searchsorted(owner, owner)
+        shards = sorted(slab.host.addressable_shards, key=lambda a: a.index[0].start or 0)
+        local = np.zeros((len(shards) * rows, P), self.dtype)
+        for i, shard in enumerate(shards):
+            n = self.zero.first_slot + i
+            s, g = divmod(n, G)
+            mine = need[g][need[g] // gs == s] - s * gs  # rows of the shard
+            local[i * rows : i * rows + mine.size] = np.asarray(shard.data)[mine]
+            for j, r in enumerate(mine.tolist()):
+                page = n * lay.share + r - self.first_page  # within this process's
+                if fresh and page in fresh:
+                    local[i * rows + j] = fresh[page]
+        copied = jax.make_array_from_process_local_data(self.zero.sharded.slab_device, local)
+        at = jax.device_put(index.reshape(-1), self._index_sharding)
+        group = self._assemble(rows)(copied, at)
+        self.zero.comm["all_gather"] += (self.shares - 1) * rows * P * self.dtype.itemsize
+        self.fetched += routing.ids.size
+        self.offered += self.num_experts
+        self.bytes += lay.devices * rows * P * self.dtype.itemsize
+        pages = GroupPages(slab.gathered, group)
+        slab.held = (routing, pages)  # (the copies go once gathered)
+        return pages, [copied]
+
+    def zero_pages(self, ids: np.ndarray) -> frozenset[int]:
+        """This process's pages (numbered within its share) wholly in experts not in
+        ``ids``: their gradient is zero."""
+        lay, gs, out = self.layout, self.layout.group_share, []
+        for g in range(self.groups):
+            q = self.pages.unrouted(self._local_ids(ids, g))
+            s = q // gs
+            out.append((s * self.groups + g) * lay.share + q - s * gs - self.first_page)
+        pages = np.concatenate(out)
+        return frozenset(pages[(pages >= 0) & (pages < self.own)].tolist())
+
+    def _local_ids(self, ids: np.ndarray, g: int) -> np.ndarray:
+        """Of ``ids`` (global experts), group ``g``'s, as its own (0 .. E/G - 1)."""
+        mine = ids[(ids >= g * self.local) & (ids < (g + 1) * self.local)]
+        return mine - g * self.local
+
+    def _assemble(self, rows: int):
+        """The jitted gather of ``rows`` copied pages a device (global ``(N rows,
+        page_elems)`` over every device) into each group's pages: all-gathered over the
+        data axis, each page placed by its index (0: a zero page)."""
+        if rows not in self._assemblers:
+
+            def per_device(copied, index):  # (rows, P), (group pages,)
+                gathered = jax.lax.all_gather(copied, DATA_AXIS, tiled=True)  # (S rows, P)
+                zero = jnp.zeros((1, gathered.shape[1]), gathered.dtype)
+                return jnp.concatenate([zero, gathered])[index]
+
+            axis = self.layout.grouping.axis
+            gather = jax.shard_map(
+                per_device,
+                mesh=self.zero.mesh,
+                in_specs=(PartitionSpec(self.zero.page_axes, None), PartitionSpec(axis)),
+                out_specs=PartitionSpec(axis, None),
+                check_vma=False,
+            )
+            self._assemblers[rows] = jax.jit(gather, out_shardings=self._group_sharding)
+        return self._assemblers[rows]
