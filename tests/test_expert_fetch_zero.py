@@ -163,3 +163,34 @@ def test_deferred_updates_under_zero3_equal_one_device(data, experts):
     if experts == 1:  # the same pages as one device's (expert parallelism has others)
         for kind in ("expert_pages_deferred", "expert_pages_caught_up"):
             assert [m[kind] for m in metrics] == [m[kind] for m in one[1]], kind
+
+
+@pytest.mark.slow  # two child processes compile everything anew: ~70 s on 2 cores
+def test_routed_across_two_processes_trains_as_one_device(tmp_path):
+    """2 processes x 2 CPU devices over gloo, data-parallel, both blocks routed: every
+    process reads the same averaged counts, so every device dispatches the same gathers;
+    losses, validation loss and final params equal one device's routed run, which
+    fetched the same experts."""
+    import json
+
+    from equivalence import assert_trees_close
+    from test_zero import _params_like, _run_two_processes
+
+    config = _sgd("routed", 1, batch_size=8)  # 2 micro-batches of 4 rows: 1 a device
+    one = train(config, tmp_path / "one", verbose=False)
+    t = config.train
+    saved = _run_two_processes(
+        tmp_path / "two",
+        *[f"model.{k}={v}" for k, v in SPARSE.items()],
+        *[f"optimizer.{k}={v}" for k, v in SGD_CLIP.items()],
+        "memory.page_size=4KiB",
+        *[f"train.{k}={getattr(t, k)}" for k in ("steps", "eval_batches", "batch_size")],
+        *[f"train.{k}={getattr(t, k)}" for k in ("grad_accum", "seq_len")],
+    )
+    np.testing.assert_allclose(saved["losses"], one.losses, rtol=1e-5)
+    np.testing.assert_allclose(saved["val_loss"], one.val_loss, rtol=1e-5)
+    assert_trees_close(_params_like(saved, one.params), one.params)
+    metrics = tmp_path / "two" / "proc0" / "metrics.jsonl"
+    fetched = [json.loads(line).get("experts_fetched") for line in metrics.open()]
+    assert fetched == [r["experts_fetched"] for r in one.records]
+    assert all(r["experts_fetched_fraction"] < 1 for r in one.records)
