@@ -131,7 +131,27 @@ def padded_rows(needed: int, share: int) -> int:
     return min(share, -(-needed // step) * step)
 
 
-class ShardedExpertFetcher:
+class ZeroFetcher:
+    """What the ZeRO-3 fetchers share: every expert is held (the unrouted ones' rows
+    zero, each expert its own row: ``_every``), and the gradient leaves whole."""
+
+    _every: jax.Array  # (E,) int32 0 .. E-1, replicated
+
+    def routing(self, counts: np.ndarray, top_e: jax.Array, put) -> Routing:
+        """The decision of ``route`` (``counts`` the devices' mean pairs per expert):
+        the experts some device routed to; every expert a row of its own."""
+        del put
+        ids = np.flatnonzero(counts).astype(np.int32)
+        return Routing(ids, top_e, self._every, self._every)
+
+    def unsent_pages(self, ids: np.ndarray) -> frozenset[int]:
+        """Pages of the block's gradient not copied to the host: none (the gradient
+        leaves reduce-scattered, each device's share whole)."""
+        del ids
+        return frozenset()
+
+
+class ShardedExpertFetcher(ZeroFetcher):
     """:class:`~hetjax.runtime.routed.ExpertFetcher`'s interface under ZeRO-3 (module
     docstring): :meth:`dense` the window's copy, :meth:`routing` the decision,
     :meth:`experts` the routed experts' pages, :meth:`zero_pages` the pages deferred
@@ -160,13 +180,6 @@ class ShardedExpertFetcher:
         index[self._dense] = where
         return ShardedRoutedSlab(gathered, self._zero, tuple(index.tolist()), slab)
 
-    def routing(self, counts: np.ndarray, top_e: jax.Array, put) -> Routing:
-        """The decision of ``route`` (``counts`` the devices' mean pairs per expert):
-        the experts some device routed to; every expert a row of its own."""
-        del put
-        ids = np.flatnonzero(counts).astype(np.int32)
-        return Routing(ids, top_e, self._every, self._every)
-
     def experts(
         self, slab: ShardedRoutedSlab, routing: Routing, fresh: dict[int, np.ndarray] | None = None
     ) -> tuple[list, list]:
@@ -186,12 +199,6 @@ class ShardedExpertFetcher:
         self.bytes += len(gathered) * self.page_elems * self.dtype.itemsize
         slab.held = (routing, pages, gathered)
         return pages, gathered
-
-    def unsent_pages(self, ids: np.ndarray) -> frozenset[int]:
-        """Pages of the block's gradient not copied to the host: none (the gradient
-        leaves reduce-scattered, each device's share whole)."""
-        del ids
-        return frozenset()
 
     def zero_pages(self, ids: np.ndarray) -> frozenset[int]:
         """This process's pages (numbered within its share) wholly in experts not in
@@ -256,7 +263,7 @@ class GroupedRoutedSlab:
         return cls(list(children[:n]), zero, host)
 
 
-class GroupedExpertFetcher:
+class GroupedExpertFetcher(ZeroFetcher):
     """:class:`ShardedExpertFetcher`'s interface under expert parallelism: device (s, g)
     of S x G holds share s of its expert group g's slab and share n = s G + g of the
     dense slab (``grouped.py``). The window gathers the dense pages whole; after
@@ -296,9 +303,6 @@ class GroupedExpertFetcher:
         N = lay.devices
         self.zero.comm["all_gather"] += (N - 1) * lay.dense_share * P * self.dtype.itemsize
         return GroupedRoutedSlab(self.zero.gather(N * lay.dense_share)(copied), self._zero, slab)
-
-    routing = ShardedExpertFetcher.routing
-    unsent_pages = ShardedExpertFetcher.unsent_pages
 
     def experts(
         self, slab: GroupedRoutedSlab, routing: Routing, fresh: dict[int, np.ndarray] | None = None
