@@ -120,19 +120,24 @@ FEATURES: dict[str, Feature] = {
         fix="use optimizer.mode=sync",
         refused=frozenset(),
     ),
-    # the default: a ZeRO-3 device takes its share of a block's pages and gathers the
-    # rest, pages that cut across the experts' leaves, so it cannot copy the routed
-    # experts and not the others (runtime/routed.py copies leaf by leaf on one device)
+    # the default: one device copies the routed experts' rows (runtime/routed.py);
+    # under data and expert parallelism each device copies in and gathers the pages of
+    # the experts some device routed to (runtime/routed_zero.py; under expert
+    # parallelism its group's, over the data axis). Tensor parallelism lays out each
+    # split weight by slice (runtime/tensor.py), which no routed gather reads yet
     "routed_experts": Feature(
         key="offload.expert_fetch",
         reason="routed experts are not supported with {parallel}, whose devices each take "
-        "a share of a block's pages (cut across its experts) and gather the rest",
+        "a share of a block's pages laid out by weight slice (runtime/tensor.py) and "
+        "gather the rest",
+        refused=frozenset({TENSOR}),
         fallback="every streamed block copies all its experts, as offload.expert_fetch=all",
     ),
     # deferred expert updates need routed experts (optimizer/deferred.py)
     "deferred_updates": Feature(
         key="offload.expert_updates",
         reason="deferred expert updates are not supported with {parallel}, which routes no experts",
+        refused=frozenset({TENSOR}),
         fallback="every expert is updated every step, as offload.expert_updates=all",
     ),
     "batch_chunks": Feature(

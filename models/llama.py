@@ -356,8 +356,9 @@ class Llama(FlaxStages):
             tied="embed_tokens" if config.tie_embeddings else None,
         )
         self.stats_size = router_stats_size(config)
-        # expert-aware streaming needs every expert in the block (none split over devices)
-        self.expert_routing = bool(config.num_experts) and expert_axis is None
+        # expert-aware streaming (hetjax/runtime/routed.py; with the experts split over
+        # devices, hetjax/runtime/routed_zero.py: a device holds its group's whole)
+        self.expert_routing = bool(config.num_experts)
         self.expert_params = EXPERT_PARAMS
 
     def route(self, g: int, block_params: dict, x: jax.Array, context=()):
@@ -374,8 +375,10 @@ class Llama(FlaxStages):
         the routed experts (``block_params``' expert leaves have one row each, in
         increasing expert order; ``slots`` (E,) maps an expert to its row): equal to
         the whole block for tokens routed so. ``part="mlp"``: x is :meth:`route`'s
-        residual stream and only the rest of the block runs. -> (y, statistics)."""
-        held = block_params["moe"]["gate_proj"].shape[0]
+        residual stream and only the rest of the block runs. With an ``expert_axis``
+        the leaves hold the device's whole group of experts (the unrouted ones' rows
+        zero) and ``slots`` is not read. -> (y, statistics)."""
+        held = None if self._block.expert_axis else block_params["moe"]["gate_proj"].shape[0]
         block = self._block.clone(part=part, held=held)
         out = block.apply({"params": block_params}, x, routing, **self._positions(context))
         return out if self.stats_size else (out, jnp.zeros((0,), jnp.float32))

@@ -23,14 +23,18 @@ def _batches(steps: int, seed: int = 1) -> list[np.ndarray]:
     return [rng.integers(0, 256, (2, 1, 9), dtype=np.int32) for _ in range(steps)]
 
 
-def _run(config, batches, used: int, tmp_path=None, save_at: int = 0, resume: bool = True):
+def _run(
+    config, batches, used: int, tmp_path=None, save_at: int = 0, resume: bool = True,
+    runtime_of=StreamingRuntime,
+):  # fmt: skip
     """Trains ``config`` from the skewed params (tokens routed to ``used`` experts of 16)
     on ``batches``; returns the losses, each step's metrics with the state store's bytes
     read by kind and written (``moments_read``, ``state_written``), the evaluation loss
     on the first batch, the deferred pages' count after each step, and the final master
     params. ``save_at``: a checkpoint then, resumed by a second runtime for the rest
-    (``resume``), or the same runtime going on."""
-    runtime = StreamingRuntime(config)
+    (``resume``), or the same runtime going on. ``runtime_of``: config -> the runtime
+    (one device's)."""
+    runtime = runtime_of(config)
     losses, metrics, behind = [], [], []
     ckpt = Checkpointer(tmp_path / "ckpt") if save_at else None
     try:
@@ -54,7 +58,7 @@ def _run(config, batches, used: int, tmp_path=None, save_at: int = 0, resume: bo
                 if not resume:
                     continue
                 runtime.close()
-                runtime = StreamingRuntime(config)
+                runtime = runtime_of(config)
                 runtime.load_state(ckpt.restore(step)[0])
         val = runtime.eval_loss(batches[0][0])
         return losses, metrics, val, behind, runtime.params()

@@ -127,11 +127,13 @@ def _skewed(runtime: StreamingRuntime, used: int, routers=(("blocks", "moe"),)) 
     )
 
 
-def _moved(config, batch, skew, check=None) -> tuple[dict, float, dict]:
+def _moved(
+    config, batch, skew, check=None, runtime_of=StreamingRuntime
+) -> tuple[dict, float, dict]:
     """A second training step of ``config`` on ``batch`` from the skewed params: the bytes
     its copies moved (the timeline's count), its loss and its metrics. ``check``: called
-    with the runtime first."""
-    runtime = StreamingRuntime(config)
+    with the runtime first; ``runtime_of``: config -> the runtime (one device's)."""
+    runtime = runtime_of(config)
     try:
         if check is not None:
             check(runtime)

@@ -183,8 +183,10 @@ def test_auto_says_what_falls_back(tiny):
     from hetjax.planning.auto import plan_auto
 
     lines = []
-    config = _config(tiny, support.DATA, offload=dict(mode="auto"))
-    planned, plan = plan_auto(config, log=lines.append)  # planned for the data-parallel devices
+    # routed experts fall back under tensor parallelism (data and expert parallelism
+    # route them)
+    config = _config(tiny, support.TENSOR, offload=dict(mode="auto"))
+    planned, plan = plan_auto(config, log=lines.append)  # planned for the tensor-parallel devices
     assert planned.offload.mode == "stream" and plan is not None and plan.num_devices > 1
     assert any("offload.expert_fetch: routed experts are not supported" in x for x in lines)
 

@@ -107,8 +107,8 @@ class Routed(Recomputed):
         block runs. -> (y, statistics, the routing)."""
         fns, parts = self.group.routed(), self.parts
         x_mid, top_e, counts = fns.route(slab.dense, x, c)
-        routing = Routing.of(np.asarray(counts), top_e, parts.put_batch)
         fetcher = parts.experts[self.group.index]
+        routing = fetcher.routing(np.asarray(counts), top_e, parts.put_batch)
         parts.deferred.forward(self.name, fetcher, routing, training=training)
         held, copied = fetcher.experts(slab, routing, parts.deferred.fresh.get(self.name))
         timeline.watch("host_to_device", "experts", copied)
@@ -126,7 +126,7 @@ class Routed(Recomputed):
         db, dx, dcontext = self.group.routed().backward(
             held, r.ids_device, r.top_e, r.slots, x, dy, dstats, c, dcontext
         )
-        zero_pages = fetcher.zero_pages(r.ids)
+        zero_pages = fetcher.unsent_pages(r.ids)
         del held, copied, r, fetcher
         self.parts.boundaries.drop(self.index)
         timeline.watch("compute", f"{self.name} bwd", (db, dx), after=(slab, x))

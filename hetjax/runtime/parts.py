@@ -27,6 +27,7 @@ from hetjax.placement import Placement
 from hetjax.runtime.blocks import BlockParts, GroupInput, make_blocks
 from hetjax.runtime.boundaries import Boundaries, SwappedResiduals
 from hetjax.runtime.grads import DeviceGradients
+from hetjax.runtime.grouped import GroupedSlabLayout
 from hetjax.runtime.ledger import IoMeter, Ledger
 from hetjax.runtime.routed import (
     DeferredExperts,
@@ -35,6 +36,7 @@ from hetjax.runtime.routed import (
     check_routed_experts,
     routed_blocks,
 )
+from hetjax.runtime.routed_zero import GroupedExpertFetcher, ShardedExpertFetcher
 from hetjax.runtime.schedule import Schedule
 from hetjax.runtime.setup import build_stores, init_state, layout_name, memory_sizes
 from hetjax.runtime.stages import StageFunctions, StageMemory
@@ -309,12 +311,15 @@ def _experts(config: Config, placement, fns, dtype, routed, loop) -> tuple:
     if routed:
         E, device = config.model.num_experts, placement.shardings.device
         stage_to = placement.shardings.pinned_staging()
-        experts = ExpertFetchers(
-            {
-                g: ExpertFetcher(group.routed(), dtype, device, E, stage_to=stage_to)
-                for g, group in enumerate(fns.groups)
-            }
-        )
+
+        def fetcher(group):  # the device takes a block's leaves (one device) or its pages
+            if group.layout.leaf_buffers:
+                return ExpertFetcher(group.routed(), dtype, device, E, stage_to=stage_to)
+            if isinstance(group.layout, GroupedSlabLayout):  # its experts by group
+                return GroupedExpertFetcher(group.routed(), placement, dtype, E)
+            return ShardedExpertFetcher(group.routed(), placement, dtype, E)
+
+        experts = ExpertFetchers({g: fetcher(group) for g, group in enumerate(fns.groups)})
     deferring = bool(routed) and deferred_updates(config)
     if deferring:
         loop.use_deferred(Deferred(routed))

@@ -31,13 +31,14 @@ with a zero gradient too, so they are caught up, not dropped). What it costs: on
 sync per routed block per forward, at which the device waits for the copy of the
 experts (and for the catch-up of the routed experts left behind).
 
-Used for the blocks that recompute (boundary blocks), on one device, for models with
+Used for the blocks that recompute (boundary blocks), on one device (under ZeRO-3's
+data and expert parallelism by page instead: ``routed_zero.py``), for models with
 ``expert_routing``: Mixtral-style Llama blocks (``models/llama.py``) and T5's Switch
 blocks (``models/t5.py``: a dense layer, then a sparse one whose attention and router
 run in ``route``; the decoder's take the encoder's output as their context, whose
 gradient the backward returns); kept, swapped, resident and device-cached blocks are
-whole on the device anyway, and expert parallelism splits the experts over devices
-instead.
+whole on the device anyway; tensor parallelism lays the experts out by slice
+(``tensor.py``) and copies them all (``support.py``).
 """
 
 from __future__ import annotations
@@ -197,6 +198,8 @@ class RoutedBlock:
             fwd = lambda b, x, c: model.routed_block(g, unflatten(b), x, (top_e, slots), c)
             _, vjp = jax.vjp(fwd, b, x, c)
             db, dx, dc = vjp(cotangent(dy, dstats))
+            if not isinstance(db, LeafBuffers):  # pages, every expert's (``routed_zero.py``)
+                return cast(db), dx, jax.tree.map(jnp.add, dcontext, dc)
             whole = list(db)
             for k in at:  # the held experts' rows into the whole leaf's gradient
                 leaf = layout.leaves[k]
@@ -234,6 +237,16 @@ class ExpertFetcher:
         shapes = [(1, *block.layout.leaves[k].shape[1:]) for k in block.expert_leaves]
         self._zero = [jax.device_put(np.zeros(s, dtype), device) for s in shapes]
         self.fetched = self.offered = self.bytes = 0
+
+    def routing(self, counts: np.ndarray, top_e: jax.Array, put) -> Routing:
+        """The decision of ``route`` (``counts`` pairs per expert; ``put``: a host array
+        onto the device)."""
+        return Routing.of(counts, top_e, put)
+
+    def unsent_pages(self, ids: np.ndarray) -> frozenset[int]:
+        """Pages of the block's gradient that do not leave the device: those known zero
+        (:meth:`zero_pages`; the host takes zeros of its own)."""
+        return self.zero_pages(ids)
 
     def dense(self, leaves: LeafBuffers) -> RoutedSlab:
         """The window's copy of a routed block: its leaves but the experts, and the host
@@ -350,10 +363,9 @@ def routed_blocks(
     blocks are whole on the device anyway."""
     if offload.expert_fetch != "routed" or not model.expert_routing:
         return frozenset()
-    # ZeRO-3's devices take pages, not leaves: the run says so (support.fallbacks)
+    # (where the parallelism does not support it the run says so: support.fallbacks)
     if supports("routed_experts", parallelism) is not None:
         return frozenset()
-    assert layouts[stage_layout(block_names[0])].leaf_buffers, "routing takes leaf buffers"
     first_swap = len(block_names) - offload.keep_blocks - offload.swap_blocks
     whole = {*block_names[:resident], *device_stages}
     return frozenset(n for n in block_names[:first_swap] if n not in whole)

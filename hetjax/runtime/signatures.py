@@ -43,8 +43,9 @@ SIGNATURES: dict[str, StageSignature] = {
     "head_fwd_bwd": StageSignature((_P, _P, _X, _X, _W), (_M, _G, _G, _X)),
     # (loss, [stats of each block], seed) -> (loss + aux loss, dstats)
     "aux_fwd_bwd": StageSignature((_W, _W, _W), (_M, _M)),
-    # routed blocks (routed.py; one device): (b, x, c) -> (x_mid, top_e, counts)
-    "routed_route": StageSignature((_P, _X, _C), (_X, _X, _L)),
+    # routed blocks (routed.py, routed_zero.py): (b, x, c) -> (x_mid, top_e, counts);
+    # counts the devices' mean: nonzero for an expert any device routed to
+    "routed_route": StageSignature((_P, _X, _C), (_X, _X, _M)),
     # (b, x_mid, top_e, slots, c) -> (y, stats)
     "routed_mlp": StageSignature((_P, _X, _X, _W, _C), (_X, _M)),
     # (b, ids, top_e, slots, x, dy, dstats, c, dc) -> ((db, norms), dx, dc)

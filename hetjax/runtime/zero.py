@@ -541,6 +541,14 @@ class ShardedParamStore:
         else:
             self.inner.publish(stage, pages)
 
+    def refresh(self, stage: str, pages_of) -> None:
+        """A stage's committed params changed outside an update (deferred updates caught
+        up): ``pages_of()`` gives this process's new pages."""
+        if self._here(stage):
+            self.publish(stage, pages_of())
+        else:
+            self.inner.refresh(stage, pages_of)
+
     def prefetch(self, stage: str) -> None:
         if not self._here(stage):
             self.inner.prefetch(stage)
