@@ -331,6 +331,13 @@ class Sizes:
     # what a swapped block moves, per level, where measured (the runtime:
     # stages.StageFunctions.swap_bytes); else derived from ``kept`` (swap_bytes)
     swapped: dict[str, int] = dataclasses.field(default_factory=dict)
+    # per device, per level: what one kept block's vjp and one swapped block's residuals
+    # (back on the device) hold, as XLA lays them out over the mesh where a block's
+    # compute needs it (tensor and expert parallelism; measured by compiling its forward,
+    # stages.StageFunctions.held_bytes: the ledger's count); per_device leaves them. A
+    # level not here: derived from ``kept`` and ``swapped`` (kept_held, swapped_held)
+    held_kept: dict[str, int] = dataclasses.field(default_factory=dict)
+    held_swapped: dict[str, int] = dataclasses.field(default_factory=dict)
     # devices a stage's pages split over (ZeRO-3): a gradient slab leaves the backward
     # reduce-scattered, 1/grad_shards of it on each device (the whole one is a
     # temporary of the backward, in ``working_set``: zero3_scatter_bytes)
@@ -384,6 +391,16 @@ class Sizes:
         if level in self.swapped:
             return self.swapped[level]
         return self.kept[level] - self.compute_bytes * self.block
+
+    def kept_held(self, level: str) -> int:
+        """Device bytes of one kept block at ``level``: as measured on the mesh
+        (:attr:`held_kept`), else its residuals, param pages included (:attr:`kept`)."""
+        return self.held_kept[level] if level in self.held_kept else self.kept[level]
+
+    def swapped_held(self, level: str) -> int:
+        """Device bytes of one swapped block's residuals at ``level``: as measured on the
+        mesh (:attr:`held_swapped`), else what it moves (:meth:`swap_bytes`)."""
+        return self.held_swapped[level] if level in self.held_swapped else self.swap_bytes(level)
 
     def stages(self) -> list[str]:
         return list(self._stages)
@@ -538,10 +555,10 @@ def device_parts(
         // s.grad_shards,
         "boundaries": boundaries * s.boundary,
         "contexts": s.context,
-        "kept": o.keep_blocks * s.kept[o.keep_level] if o.keep_blocks else 0,
+        "kept": o.keep_blocks * s.kept_held(o.keep_level) if o.keep_blocks else 0,
         # a swapped block's residuals on their way out in forward; in backward the one
         # computing and the next one's, copied in ahead of it
-        "swapped": min(2, o.swap_blocks) * s.swap_bytes(o.swap_level) if o.swap_blocks else 0,
+        "swapped": min(2, o.swap_blocks) * s.swapped_held(o.swap_level) if o.swap_blocks else 0,
         "working set": s.working_set,
         "optimizer": DeviceCache.of(s, o).device_bytes,
     }

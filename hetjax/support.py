@@ -54,14 +54,6 @@ class Feature:
     why_unplanned: str = ""
 
 
-# the planner's count of kept and swapped blocks (the ZeRO-3 backward's reduce-scatter
-# temporaries included) is checked against the runtime's under data parallelism only
-# (tests/test_memory_model.py)
-UNPLANNED_ACTIVATIONS = (
-    "the planner's memory model of kept and swapped blocks is checked against the "
-    "runtime's under data parallelism only"
-)
-
 FEATURES: dict[str, Feature] = {
     # offload.mode=none: the whole state on the device, one jitted step
     "in_memory": Feature(
@@ -83,22 +75,21 @@ FEATURES: dict[str, Feature] = {
     # tests/test_tensor.py, tests/test_moe.py; a model group's devices their parts of
     # them, or each the same rows); under expert parallelism a block's keep levels and
     # residual bytes are measured on one device inside the mesh its all-to-all needs
-    # (stages.StageFunctions._measure)
+    # (stages.StageFunctions._measure). Planned under every parallelism: the planner's
+    # per-device bytes of them are the runtime's, under expert and tensor parallelism
+    # both measured as XLA lays them out over the mesh (StageFunctions.held_bytes),
+    # checked against the runtime's ledger (tests/test_memory_model.py)
     "keep_blocks": Feature(
         key="offload.keep_blocks",
         reason="kept activations are not supported with {parallel}",
         fix="leave it 0",
         refused=frozenset(),
-        unplanned=frozenset({EXPERT, TENSOR}),
-        why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
     "swap_blocks": Feature(
         key="offload.swap_blocks",
         reason="swapped activations are not supported with {parallel}",
         fix="leave it 0",
         refused=frozenset(),
-        unplanned=frozenset({EXPERT, TENSOR}),
-        why_unplanned=UNPLANNED_ACTIVATIONS,
     ),
     # the swaps to NVMe write each distinct part of a process's rows once (a model
     # group's devices hold the same rows: written once per group, storage/swap.py)

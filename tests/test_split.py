@@ -8,7 +8,7 @@ import json
 
 import pytest
 from conftest import tiny_config
-from equivalence import assert_gpt_training_equal, check_tokens
+from equivalence import assert_gpt_training_equal, assert_training_equal, check_tokens
 
 from hetjax.placement import Placement
 from hetjax.planning.cost import Candidate, lanes
@@ -17,6 +17,19 @@ from hetjax.planning.search import make_plan
 from hetjax.planning.split import tensor_allreduce_bytes, tensor_degrees
 from hetjax.planning.workload import Workload
 from models import build_model
+
+# the tiny MoE (tests/test_moe.py's, 32 positions) and T5 (tests/test_t5.py's)
+MOE = dict(
+    family="llama", num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=48,
+    num_experts=4, experts_per_token=2, router_aux_loss_coef=0.02, tie_embeddings=False,
+    vocab_size=256, max_seq_len=32, rope_theta=5000.0,
+)  # fmt: skip
+T5 = dict(
+    family="t5", num_layers=2, num_decoder_layers=3, d_model=32, num_heads=4, d_ff=64,
+    layer_norm_eps=1e-6, tie_embeddings=False, relative_attention_num_buckets=8,
+    relative_attention_max_distance=12,
+)  # fmt: skip
+PREFIX_LM = dict(objective="prefix_lm")  # T5's encoder reads a prefix
 
 
 def test_megatron_all_reduce_bytes_by_hand():
@@ -64,13 +77,38 @@ def test_collectives_lane_prices_the_all_reduces_and_the_grouped_gathers():
 
 def test_tensor_degrees_divide_the_model_and_the_rows():
     """t where t divides the devices, the heads (4), the MLP units (128) and the vocab
-    (256), and the micro-batch's 4 rows divide over devices/t data groups; a config's
-    own tensor_parallel is taken as given."""
+    (256), and the micro-batch's 4 rows divide over devices/t data groups, for GPT and
+    (since the planner splits them) the MoE and T5 blocks; a config's own
+    tensor_parallel is taken as given."""
     assert tensor_degrees(tiny_config(), 4) == [1, 2, 4]
     assert tensor_degrees(tiny_config(), 8) == [2, 4]  # not 1: 4 rows; not 8: 4 heads
     assert tensor_degrees(tiny_config(model=dict(num_heads=2, d_model=32)), 4) == [1, 2]
     assert tensor_degrees(tiny_config(train=dict(batch_size=2)), 4) == [2, 4]  # rows 2
     assert tensor_degrees(tiny_config(distributed=dict(tensor_parallel=2)), 8) == [2]
+    # the tiny MoE (4 heads, 2 key/value heads, experts of 48 hidden units) and T5 (4
+    # heads, 64 hidden units), vocab 256
+    assert tensor_degrees(tiny_config(model=MOE), 4) == [1, 2]
+    assert tensor_degrees(tiny_config(model=T5, data=PREFIX_LM), 4) == [1, 2, 4]
+
+
+@pytest.mark.slow  # ~8 s: the MoE's and T5's workloads from their shapes
+def test_all_reduces_of_moe_and_t5_blocks_by_hand():
+    """The tiny MoE (experts of 48 hidden units, 2 a token) and T5 (2 encoder and 3
+    decoder blocks) on 8 devices at 2 a model group, a global batch of 16 x 16: a data
+    group's (4, 16, 32) fp32 activation, 8,192 B, 2(t-1)/t of it sent each all-reduce. Every block
+    recomputing: the MoE's 2 blocks all-reduce the attention's output and each token's
+    2 expert rows (3 activations) in forward, again in the recomputed forward and their
+    inputs' gradients in backward: 2 x 9 x 8,192 = 147,456 B; T5's 2 encoder blocks 2
+    in forward and recomputed and 2 in backward (6), its 3 decoder blocks 3 (self- and
+    cross-attention, MLP) in forward and recomputed and 4 in backward (the context's
+    gradient besides): (2 x 6 + 3 x 10) x 8,192 = 344,064 B."""
+    moe = tiny_config(model=MOE)
+    t5 = tiny_config(model=T5, data=PREFIX_LM)
+    streamed = Placement()
+    batch = dict(batch_size=16, seq_len=16)
+    for config, by_hand in ((moe, 2 * 9 * 8_192), (t5, (2 * 6 + 3 * 10) * 8_192)):
+        w = Workload.from_config(config.replace(train=batch), devices=8, tensor=2)
+        assert tensor_allreduce_bytes(w, streamed, 2) == pytest.approx(by_hand)
 
 
 SPLIT_MODEL = dict(d_model=64, num_heads=4, d_ff=256)
@@ -96,7 +134,8 @@ def test_plan_keeps_data_parallelism_where_the_all_reduces_cost_more():
     """The same model and GPUs with room for a whole block (1 GiB) but 128 rows of 512
     tokens a micro-batch and links of 1 GB/s: Megatron's all-reduces (6 a block of a
     data group's (128, 512, 64) fp32 activation, 16 MiB, 2(t-1)/t of it sent each:
-    2 x 6 x 16 MiB = 201 MB a step) cost more than tensor parallelism saves (half a
+    2 x 6 x 16 MiB = 201 MB a step; 4, not 6, a block that keeps its activations, as a
+    plan at 2 x 2 may now choose) cost more than tensor parallelism saves (half a
     block's gather), so the plan stays 2 x 1 and prices the split it did not take."""
     hw = dataclasses.replace(PROFILES["angel-a100-40g"], num_devices=2, interconnect_bw=1e9)
     train = dict(batch_size=128, seq_len=512)
@@ -106,7 +145,10 @@ def test_plan_keeps_data_parallelism_where_the_all_reduces_cost_more():
     assert plan.tensor_parallel == 1 and plan.allreduce_bytes == 0
     assert plan.split.startswith("data x model: 2 x 1 (distributed.tensor_parallel=1)")
     at2 = make_plan(config, hw, Workload.from_config(config, devices=2, backend="gpu", tensor=2))
-    allreduces = 2 * 6 * (128 * 512 * 64 * 4)
+    # 4 a block (2 forward, 2 backward), 2 more a block that recomputes (not one that
+    # keeps or swaps its activations, which the plan may choose)
+    recomputed = at2.candidate.placement.recomputed_blocks(2)
+    allreduces = (2 * 4 + recomputed * 2) * (128 * 512 * 64 * 4)
     assert at2.allreduce_bytes == allreduces
     assert at2.lanes["collectives"] >= allreduces / 1e9  # priced, over the 1 GB/s links
     assert f"2: {at2.step_s:.4g} s/step" in plan.split
@@ -155,3 +197,49 @@ def test_auto_picks_tensor_parallelism_on_4_devices_and_trains_equal_to_none(tmp
     reference = tiny_config(model=model, optimizer=sgd, offload=dict(mode="none"))
     expected = train(reference, tmp_path / "none", verbose=False)
     assert_gpt_training_equal(result, expected, build_model(reference.model), check_tokens())
+
+
+@pytest.mark.slow  # ~85 s each: measures this machine, then trains 2 runs
+@pytest.mark.parametrize("family", ["moe", "t5"])
+def test_auto_splits_moe_and_t5_blocks_on_4_devices_and_trains_equal_to_none(tmp_path, family):
+    """offload.mode=auto on 4 virtual devices, the tiny MoE (4 experts of 48 hidden
+    units, 2 a token; tensor parallelism 1 or 2) and the tiny T5 (2 encoder and 3
+    decoder blocks; 1, 2 or 4), under a per-device budget in which a device cannot
+    hold what it needs at 4 x 1 (the planner's least: the MoE ~655 KiB, T5 ~357 KiB)
+    but can at 2 x 2 (with 4 KiB pages: 500 KiB, 345 KiB): the plan takes data x model
+    2 x 2, the run trains with it equal to offload.mode=none on one device (SGD, fp32,
+    1e-5), and its device bytes as the run's runtime plans them (from the same mesh
+    measurement) are the plan's, within its budget."""
+    from hetjax.planning.auto import plan_auto
+    from hetjax.runtime.streaming import StreamingRuntime
+    from hetjax.runtime.zero import Zero3
+    from hetjax.train import train
+
+    model, data, budget = {
+        "moe": (MOE, {}, "500KiB"),
+        "t5": (T5, PREFIX_LM, "345KiB"),
+    }[family]
+    sgd = dict(name="sgd", lr=0.1, grad_clip=2.0)
+    config = tiny_config(
+        model=model, data=data, optimizer=sgd, offload=dict(mode="auto"),
+        memory=dict(page_size="4KiB", device_budget=budget, host_budget="8MiB"),
+        distributed=dict(data_parallel=4),
+    )  # fmt: skip
+    logs: list[str] = []
+    planned, plan = plan_auto(config, tmp_path / "plan", logs.append)
+    assert plan is not None and plan.tensor_parallel == 2, logs
+    assert planned.distributed.tensor_parallel == 2 and planned.distributed.data_parallel == 2
+    assert any("data x model: 2 x 2" in line and "1: does not fit" in line for line in logs)
+    runtime = StreamingRuntime(planned, workdir=tmp_path / "check", placement=Zero3(planned))
+    try:
+        assert runtime.plan.parts == plan.device
+        assert sum(plan.device.values()) <= plan.budgets["device"]
+    finally:
+        runtime.close()
+    result = train(config, tmp_path / "run", verbose=False)
+    ran = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert ran["distributed"]["tensor_parallel"] == 2
+    reference = tiny_config(model=model, data=data, optimizer=sgd, offload=dict(mode="none"))
+    expected = train(reference, tmp_path / "none", verbose=False)
+    logits = (build_model(reference.model), check_tokens()) if family == "moe" else ()
+    assert_training_equal(result, expected, *logits)

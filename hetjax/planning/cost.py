@@ -108,7 +108,7 @@ def lanes(
     # on NVMe, all but the last IO_READAHEAD (held in RAM for backward, which takes them
     # first) are written and read back. Swapped blocks' activations cross both ways.
     bounds = recomputed * w.boundary if o.activations in ("host", "nvme") else 0
-    swap = swapped * sizes.swap_bytes(o.swap_level) if swapped else 0
+    swap = swapped * sizes.swapped_held(o.swap_level) if swapped else 0  # a device's
     # each device copies in its share of the stored block (expert parallelism: every
     # expert's), then gathers the rest of what it computes with from the others
     Ps, Pg = w.stored_block, w.gathered_block(n)

@@ -23,11 +23,6 @@ from hetjax.planning.workload import Workload
 if TYPE_CHECKING:
     from hetjax.config import Config
 
-# Megatron's all-reduces of one block per micro-batch: its attention's and its MLP's
-# outputs in forward, their inputs' gradients in backward (Shoeybi et al. 2019, fig. 4);
-# a block that recomputes in backward runs its forward's two again
-ALL_REDUCES = {"forward": 2, "recomputed": 2, "backward": 2}
-
 
 def tensor_degrees(config: Config, devices: int) -> list[int]:
     """The tensor-parallel degrees a plan of ``config`` on ``devices`` devices may take:
@@ -35,16 +30,16 @@ def tensor_degrees(config: Config, devices: int) -> list[int]:
     (``distributed.TENSOR_PARALLEL_RULES``: t divides the heads, the key/value heads,
     the MLP's hidden units and the vocabulary) and leaves the micro-batch's rows
     dividing over the devices/t data groups (1 alone where none does: the runtime then
-    says why). The planner plans tensor parallelism for
-    one stage group of dense blocks (GPT, Llama): its memory model is checked there
-    (``tests/test_memory_model.py``); a config's ``distributed.tensor_parallel`` > 1 is
-    taken as given."""
+    says why). The planner plans tensor parallelism for the zoo's blocks (GPT, Llama,
+    its mixture of experts, whose experts' MLPs split by their hidden units, and T5's
+    encoder and decoder): its memory model is checked there
+    (``tests/test_memory_model.py``); not with expert parallelism, which the config
+    refuses beside it. A config's ``distributed.tensor_parallel`` > 1 is taken as
+    given."""
     m, dist = config.model, config.distributed
     if dist.tensor_parallel > 1:
         return [dist.tensor_parallel]
-    if dist.expert_parallel > 1 or m.num_experts or m.encoder_decoder:
-        return [1]
-    if m.family not in ("gpt", "llama"):
+    if dist.expert_parallel > 1 or m.family not in ("gpt", "llama", "t5"):
         return [1]
     kv = m.num_kv_heads or m.num_heads
     sizes = (m.num_heads, kv, m.ff_dim, m.vocab_size)
@@ -60,9 +55,10 @@ def tensor_degrees(config: Config, devices: int) -> list[int]:
 def allreduce_bytes(w: Workload, placement: Placement, tensor: int | None = None):
     """Bytes one device sends per micro-batch for Megatron's all-reduces at ``tensor``
     devices a model group (default the workload's ``tensor``), as ``(forward,
-    backward)``: per block :data:`ALL_REDUCES`, each 2(t-1)/t of a ``(b, T, D)``
-    activation in the compute dtype, b the rows of its data group (``w.boundary`` is
-    the data group's activation at ``w.tensor``: a device's rows times it)."""
+    backward)``: per block ``w.all_reduces`` (``workload.all_reduces``, the mean over its
+    blocks), each 2(t-1)/t of a ``(b, T, D)`` activation in the compute dtype, b the
+    rows of its data group (``w.boundary`` is the data group's activation at
+    ``w.tensor``: a device's rows times it)."""
     tensor = tensor or w.tensor
     if tensor == 1:
         return 0.0, 0.0
@@ -70,9 +66,8 @@ def allreduce_bytes(w: Workload, placement: Placement, tensor: int | None = None
     recomputed = placement.recomputed_blocks(L)
     activation = w.boundary * tensor / w.tensor
     each = 2 * (tensor - 1) / tensor * activation
-    forward = L * ALL_REDUCES["forward"] * each
-    backward = (L * ALL_REDUCES["backward"] + recomputed * ALL_REDUCES["recomputed"]) * each
-    return forward, backward
+    fwd, bwd = w.all_reduces
+    return L * fwd * each, (L * bwd + recomputed * fwd) * each
 
 
 def tensor_allreduce_bytes(w: Workload, placement: Placement, tensor: int) -> float:

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax.config import Config
+from hetjax.config import SWAP_LEVELS, Config
+from hetjax.memory import block_grad_dtype
 from hetjax.planning.workload import Workload, kept_key
 from hetjax.runtime.placement import Shardings, SingleDevice
 from hetjax.runtime.stages import StageFunctions
@@ -104,10 +105,52 @@ def trace_splits(
     for group in fns.groups:
         x = time_group(group, x, group.group.num_layers / L)
     measured["head"] = best(lambda: fns.head_fwd_bwd(h, e, x, tokens, one))
-    return {
-        t: dataclasses.replace(
-            Workload.from_config(config, sizes, devices, expert_fraction=expert_fraction, tensor=t),
-            measured=measured,
+    workloads = {}
+    for t in tensors:
+        w = Workload.from_config(config, sizes, devices, expert_fraction=expert_fraction, tensor=t)
+        workloads[t] = dataclasses.replace(
+            w, measured=measured, **measure_on_mesh(config, devices, t, w.kept)
         )
-        for t in tensors
-    }
+    return workloads
+
+
+def measure_on_mesh(config: Config, devices: int, tensor: int, levels) -> dict:
+    """Where a block's compute needs the mesh (``tensor`` > 1, or the config's
+    ``distributed.expert_parallel``), what XLA's layout over it decides, measured as the
+    runtime measures it at start-up, with its stage functions on a mesh of this
+    process's first ``devices`` devices (compiled, not run): the working set (the
+    largest stage function's temporaries, its collectives' included:
+    ``StageFunctions.memory_sizes``), the contexts, and what one kept block's vjp and
+    one swapped block's residuals hold on a device at each of ``levels``
+    (``StageFunctions.held_bytes``). As :class:`Workload` fields; empty where no mesh
+    is needed, or this process has fewer devices (then estimated from the one
+    device's measurement)."""
+    # (imported here: the runtime's ZeRO-3 placement is needed by this measurement only)
+    from hetjax.runtime.zero import Zero3
+
+    G = config.distributed.expert_parallel
+    if (tensor == 1 and G == 1) or jax.device_count() < devices or jax.process_count() > 1:
+        return {}
+    dist = dict(data_parallel=devices // (tensor * G), tensor_parallel=tensor, expert_parallel=G)
+    run = config.replace(distributed=dist)
+    placement = Zero3(run)
+    layouts = placement.stage_layouts(build_model(run.model), config.memory.page_size)
+    compute_model = build_model(run.model, placement.expert_axis)
+    fns = StageFunctions(
+        compute_model, layouts, placement, block_grad_dtype=block_grad_dtype(run),
+        kept_blocks=False, batch_chunks=run.offload.batch_chunks,
+    )  # fmt: skip
+    t, dtype = run.train, jnp.dtype(run.model.compute_dtype)
+    batch = (t.micro_batch_size, t.seq_len, dtype)
+    sizes = fns.memory_sizes(*batch)
+    swappable = len(fns.groups) == 1  # (swapped blocks: one stage group's, streaming.py)
+    return dict(
+        working_set=sizes.working_set,
+        context=sizes.context,
+        held_kept={level: fns.held_bytes("kept", level, *batch) for level in levels},
+        held_swapped={
+            level: fns.held_bytes("swapped", level, *batch)
+            for level in levels
+            if level in SWAP_LEVELS and swappable
+        },
+    )

@@ -100,6 +100,17 @@ class Workload:
     # layout stores and gathers them), its FLOPs 1/tensor of its data group's rows',
     # and holds the boundaries of its data group's rows (tensor x a device's share)
     tensor: int = 1
+    # Where a block's compute needs the mesh (tensor and expert parallelism): what one
+    # kept block's vjp and one swapped block's residuals hold on a device, per level, as
+    # XLA lays them out over it (measured by the tracer on this machine's devices with
+    # the runtime's functions, stages.StageFunctions.held_bytes; memory.Sizes.held_kept).
+    # Empty: ``kept`` and what it derives (a kept block's residuals whole over the model
+    # axis: not below what a device holds)
+    held_kept: dict[str, int] = dataclasses.field(default_factory=dict)
+    held_swapped: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Megatron's all-reduces of a block (the mean over every block) per micro-batch under
+    # tensor parallelism, in activations: (forward, backward) (:func:`all_reduces`)
+    all_reduces: tuple[float, float] = (2.0, 2.0)
 
     def working_set_in(self, chunks: int) -> int:
         """The working set with the micro-batch in ``chunks`` chunks of rows."""
@@ -375,6 +386,7 @@ class Workload:
             batch_chunks=n_chunks,
             chunked_working_sets=chunked,
             tensor=tensor,
+            all_reduces=all_reduces(attentions, m.experts_per_token if m.num_experts else 0),
         )
 
 
@@ -390,6 +402,19 @@ def _scatter_bytes(layout, grad_bytes: int, devices: int) -> int:
     dense = zero3_scatter_bytes(layout.dense.num_pages * pe, grad_bytes, devices)
     group = layout.group.num_pages * pe
     return dense + (zero3_scatter_bytes(group, grad_bytes, S) if S > 1 else 0)
+
+
+def all_reduces(attentions: float, experts_per_token: int = 0) -> tuple[float, float]:
+    """Megatron's all-reduces of one block per micro-batch, in ``(b, T, D)``
+    activations, as ``(forward, backward)`` (Shoeybi et al. 2019, fig. 4): each of its
+    ``attentions`` attention layers (a T5 decoder block's two) and its MLP all-reduce
+    their outputs in forward and their inputs' gradients in backward; a
+    cross-attention's keys and values come from its context (the encoder's output),
+    whose gradient is all-reduced too; a mixture of experts' MLP (``experts_per_token``
+    k > 0) does so on each token's k expert rows, k activations. A block that
+    recomputes in backward runs its forward's again. GPT's and Llama's block: 2, 2."""
+    mlp = experts_per_token or 1
+    return attentions + mlp, attentions + mlp + (attentions - 1)
 
 
 def expected_expert_fraction(num_experts: int, per_token: int, tokens: int) -> float:
@@ -574,6 +599,8 @@ def _memory_sizes(w: Workload, devices: int, chunks: int) -> Sizes:
         grad_policy=w.grad_policy,
         groups=tuple((name, n, size, size // devices) for name, n, size in w.groups),
         context=w.context,
+        held_kept=w.held_kept,
+        held_swapped=w.held_swapped,
         grad_shards=devices,
         page_elems=w.page_elems,
     )

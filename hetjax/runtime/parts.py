@@ -140,6 +140,13 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     sizes = dataclasses.replace(
         sizes, working_set=measured.working_set, kept=measured.kept, context=measured.context
     )
+    if fns.on_mesh:  # the kept and swapped blocks' residuals as XLA lays them out
+        held = lambda kind, level: {level: fns.held_bytes(kind, level, *batch)}
+        sizes = dataclasses.replace(
+            sizes,
+            held_kept=held("kept", off.keep_level) if off.keep_blocks else {},
+            held_swapped=held("swapped", off.swap_level) if off.swap_blocks else {},
+        )
     # an accelerator's dispatch order (or its two-client emulation's): the same test
     # as where pages are staged in pinned memory
     accelerator = placement.shardings.pinned_staging() is not None

@@ -510,6 +510,43 @@ class StageFunctions:
         part = self.compute.per_device(fn, SIGNATURES["block_fwd"], args)
         return part, self.compute.batch_degree
 
+    @property
+    def on_mesh(self) -> bool:
+        """Whether a block's compute needs the mesh (expert parallelism's all-to-all,
+        tensor parallelism's split weights): its residuals are then laid out over the
+        mesh by XLA, and :meth:`held_bytes` measures them."""
+        return self.compute.expert_axis is not None or (
+            getattr(self.compute, "tensor_parallel", 1) > 1
+        )
+
+    def held_bytes(self, kind: str, level: str, batch: int, seq_len: int, dtype) -> int:
+        """Bytes a device holds of one block between its forward and its backward at keep
+        ``level``: ``kind`` "kept", its vjp (``Kept``); "swapped", its residuals back on
+        the device (``Swapped``); the largest group's. As XLA lays them out over the mesh
+        (each array's shard on one device, ``ledger.device_bytes``: what the ledger
+        counts), compiled from the arguments the block's forward gets (pages gathered
+        as the placement gathers them, rows split over the data axes). Only where a
+        block's compute needs the mesh (:attr:`on_mesh`): elsewhere each device holds its
+        rows' share of the micro-batch's, which :meth:`kept_bytes` and
+        :meth:`swap_bytes` measure from shapes."""
+        assert self.on_mesh, "one device or data parallelism: kept_bytes / swap_bytes"
+        held = 0
+        for fns, (_, x, context) in zip(
+            self.groups, self.block_args(batch, seq_len, dtype), strict=True
+        ):
+            pages = self.compute.device_pages(self.layouts[fns.group.name], dtype)
+            rows = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.compute.sharded.batch)
+            forward = fns.kept_forward(level) if kind == "kept" else fns.swapped(level).forward
+            compiled = forward.lower(pages, rows, context).compile()
+            out = zip(
+                jax.tree.leaves(compiled.out_info[1]),
+                jax.tree.leaves(compiled.output_shardings[1]),
+                strict=True,
+            )
+            shard = lambda a, s: math.prod(s.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+            held = max(held, sum(shard(a, s) for a, s in out))
+        return held
+
     def keep_levels(self, batch: int, seq_len: int, dtype) -> tuple[str, ...]:
         """The keep levels every group's block supports (``remat.levels``)."""
         args = self.block_args(batch, seq_len, dtype)
