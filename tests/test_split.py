@@ -58,21 +58,26 @@ def test_collectives_lane_prices_the_all_reduces_and_the_grouped_gathers():
     interconnect. At data x tensor 1 x 2 a block's slab is 2 dense pages (a multiple of
     the 2 devices) and 2 slices of 2 pages (tests/test_memory_model.py): a device
     gathers half the dense pages (1 page) and none of its slice (one data device), in
-    forward and again in the recomputed forward (2 blocks: 4 pages); gradients
-    reduce-scatter the same block pages (2) and half of the embed's 4 + head's 2 pages
-    (3); Megatron's all-reduces: 6 a block of the (4, 16, 32) fp32 activation (8,192
-    B), 2(t-1)/t of it sent each: 2 x 6 x 8,192 B = 6 pages. 15 pages in all. At 2 x 1
+    forward and again in the recomputed forward (2 blocks: 4 pages); gradients are
+    reduce-scattered over the data axis only (zero.Zero3.grad_slab), one device: none;
+    Megatron's all-reduces: 6 a block of the (4, 16, 32) fp32 activation (8,192
+    B), 2(t-1)/t of it sent each: 2 x 6 x 8,192 B = 6 pages. 10 pages in all. At 2 x 1
     a block's 4 whole pages: half gathered, 2 pages a block (8 pages), scattered (4),
     and half the embed's 3 + head's 1 pages, to 4 + 2 (3): 15 pages, no all-reduce."""
     config = tiny_config(memory=dict(page_size="16KiB"))
     hw = dataclasses.replace(PROFILES["angel-a100-40g"], num_devices=2)
     page = 4096 * 4
     streamed = Candidate(placement=Placement())
-    for tensor, allreduces in ((2, 6 * page), (1, 0)):
+    for tensor, allreduces, pages in ((2, 6 * page, 10), (1, 0, 15)):
         w = Workload.from_config(config, devices=2, backend="gpu", tensor=tensor)
         assert tensor_allreduce_bytes(w, streamed.placement, tensor) == allreduces
         _, by_lane = lanes(w, hw, streamed, 0.0)
-        assert by_lane["collectives"] == pytest.approx(15 * page / hw.interconnect_bw)
+        assert by_lane["collectives"] == pytest.approx(pages * page / hw.interconnect_bw)
+    # at 2 x 2 a block's slab is 4 dense pages and 2 slices of 2 pages (runtime/tensor.py's
+    # layout, tests/test_tensor.py): a device sends half its slice's 2 pages and half the
+    # 4 dense ones over the 2 data devices, 3 pages, not the 4 of its gather
+    w = Workload.from_config(config, devices=4, backend="gpu", tensor=2)
+    assert w.scattered_block(4) == 3 * 4096 and w.gathered_block(4) == 4 * 4096
 
 
 def test_tensor_degrees_divide_the_model_and_the_rows():

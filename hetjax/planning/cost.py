@@ -133,7 +133,7 @@ def lanes(
         # blocks' in memory.block_grad_dtype, the rest fp32) and, with expert
         # parallelism, each block's all-to-alls (its backward recomputes the forward's,
         # then sends their cotangents)
-        grads = 4 * (P - L * Ps) * (n - 1) / n + w.block_grad_bytes * L * Pg
+        grads = 4 * w.scattered_rest(n) + w.block_grad_bytes * L * w.scattered_block(n)
         comm_f = L * (cb * Pg + w.exchange_bytes) / link
         comm_b = (recomputed * (cb * Pg + 2 * w.exchange_bytes) + grads) / link
         # tensor parallelism: Megatron's all-reduces of each block's sub-layers

@@ -12,13 +12,13 @@ import jax.numpy as jnp
 from hetjax import support
 from hetjax.config import Config, ConfigError
 from hetjax.data import decoder_length
-from hetjax.distributed import MODEL_AXIS, TENSOR_PARALLEL_RULES
+from hetjax.distributed import DATA_AXIS, EXPERT_AXIS, MODEL_AXIS, TENSOR_PARALLEL_RULES
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy, zero3_scatter_bytes
 from hetjax.optimizer.deferred import deferrable
 from hetjax.optimizer.state_format import StateFormat, state_format
 from hetjax.planning.hardware import Hardware
 from hetjax.runtime import remat, stages
-from hetjax.runtime.grouped import GroupedSlabLayout
+from hetjax.runtime.grouped import GroupedSlabLayout, scattered_elements
 from hetjax.runtime.routed import expert_leaves
 from hetjax.runtime.stages import stage_layouts
 from models import attention, build_model
@@ -78,6 +78,11 @@ class Workload:
     # (n-1)/n). And the bytes a device sends by all-to-all in one block's forward.
     stored_block_params: int = 0
     gathered_block_params: int = 0
+    # Under tensor parallelism, the elements of a block's gradient one device sends in
+    # ZeRO-3's reduce-scatters (grouped.scattered_elements: over the data axis only;
+    # without it, what its gather brings)
+    scattered_block_params: int = 0
+    scattered_rest_params: int = 0  # and of the embedding's and the head's (0: (n-1)/n)
     exchange_bytes: int = 0
     # Expert-aware streaming (offload.expert_fetch=routed, one device): the params of one
     # block's experts, of which a streamed block that recomputes copies only the routed
@@ -150,6 +155,20 @@ class Workload:
         if self.gathered_block_params or not self.groups:
             return self.gathered_block_params or self.block_params * (devices - 1) // devices
         return self.stored_block * (devices - 1) / devices
+
+    def scattered_block(self, devices: int) -> float:
+        """Params of one block's gradient a device sends in its reduce-scatters (of
+        several stage groups' blocks, the mean over every block)."""
+        if self.tensor > 1:
+            return self.scattered_block_params
+        return self.gathered_block(devices)
+
+    def scattered_rest(self, devices: int) -> float:
+        """Params of the embedding's and the head's gradients a device sends in their
+        reduce-scatters."""
+        if self.tensor > 1:
+            return self.scattered_rest_params
+        return (self.params - self.num_layers * self.stored_block) * (devices - 1) / devices
 
     @property
     def expert_step_share(self) -> float:
@@ -224,6 +243,7 @@ class Workload:
         # The slabs as the runtime lays them out (whole pages of fp32 elements, fitted
         # to the largest block, a multiple of the devices': ZeRO-3 shards; the experts in
         # groups)
+        mesh = {DATA_AXIS: devices // (G * tensor), EXPERT_AXIS: G, MODEL_AXIS: tensor}
         rules = {"rules": TENSOR_PARALLEL_RULES} if tensor > 1 else {}
         layouts = stage_layouts(
             model, config.memory.page_size, devices, G, tensor_parallel=tensor, **rules
@@ -376,6 +396,17 @@ class Workload:
             context=context,
             stored_block_params=layouts[largest].padded_size if grouped else 0,
             gathered_block_params=layouts[largest].gathered_size if grouped else 0,
+            scattered_block_params=(
+                sum(g.num_layers * scattered_elements(layouts[g.name], mesh) for g in model.groups)
+                // L
+                if tensor > 1
+                else 0
+            ),
+            scattered_rest_params=(
+                sum(scattered_elements(layouts[s], mesh) for s in ("embed", "head"))
+                if tensor > 1
+                else 0
+            ),
             # a block's forward sends and gets back its (token, expert) rows, at the
             # capacity that drops none (models/llama.py: exchange_with_experts)
             exchange_bytes=2 * G * tokens * m.experts_per_token * D * c * (G - 1) // G,

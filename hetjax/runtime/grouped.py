@@ -39,6 +39,7 @@ the pieces and laid out anew (``state_io.restore``,
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -46,7 +47,41 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax.config import ConfigError
+from hetjax.distributed import BATCH_AXES, DATA_AXIS
 from hetjax.storage.pages import Leaf, SlabLayout
+
+# The mesh axes ZeRO-3 reduce-scatters each part of a stage's gradient over
+# (``zero.Zero3.grad_slab``), which its byte count (:func:`scattered_elements`: the
+# runtime's counter and the planner's collectives lane) reads too: a group's pages (a
+# block's experts, a stage's tensor-parallel slices) over the devices holding the same
+# group, the rest over the batch axes. Never over the model axis: its devices compute
+# with the same rows, their gradients of the dense pages already whole on each.
+GROUP_SCATTER_AXES = (DATA_AXIS,)
+DENSE_SCATTER_AXES = BATCH_AXES
+
+
+def ring_sent(elements: int, devices: int) -> int:
+    """Elements one device sends in a ring all-gather of an ``elements`` result, or a
+    ring reduce-scatter of an ``elements`` operand, over ``devices`` devices: (n-1)/n of
+    them (none on one device)."""
+    return elements * (devices - 1) // devices
+
+
+def scattered_elements(layout: SlabLayout | GroupedSlabLayout, mesh_shape) -> int:
+    """Elements of a stage's gradient one device sends in ZeRO-3's reduce-scatters on a
+    mesh of ``mesh_shape`` (axis -> devices): each part (n-1)/n of its pages over the n
+    devices of the axes it is scattered on. Without tensor parallelism that is what the
+    stage's gather brings (``layout.gathered_size``); with it the dense pages are
+    scattered over the data axis only, not all data x tensor devices they are gathered
+    from (at data x tensor = 1 x M: none)."""
+    devices = lambda axes: math.prod(mesh_shape.get(a, 1) for a in axes)
+    group, dense = devices(GROUP_SCATTER_AXES), devices(DENSE_SCATTER_AXES)
+    if isinstance(layout, GroupedSlabLayout):
+        pages = ring_sent(layout.group.num_pages, group)
+        pages += ring_sent(layout.dense.num_pages, dense)
+    else:
+        pages = ring_sent(layout.num_pages, dense)
+    return pages * layout.page_elems
 
 
 class GroupPages(NamedTuple):

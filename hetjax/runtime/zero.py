@@ -95,7 +95,13 @@ from hetjax.distributed import (
     data_mesh,
 )
 from hetjax.optimizer.sharded_slab import device_state_sharding
-from hetjax.runtime.grouped import GroupedSlabLayout, GroupPages
+from hetjax.runtime.grouped import (
+    DENSE_SCATTER_AXES,
+    GROUP_SCATTER_AXES,
+    GroupedSlabLayout,
+    GroupPages,
+    scattered_elements,
+)
 from hetjax.runtime.placement import ShardedPlacement, Shardings
 from hetjax.runtime.stages import stage_layouts
 from hetjax.runtime.tensor import tensor_specs
@@ -107,20 +113,6 @@ F32 = jnp.float32
 
 
 AXES = BATCH_AXES  # batch rows split over the data axes (and pages, but for the model axis)
-# The mesh axes :meth:`Zero3.grad_slab` reduce-scatters each part of a gradient over, and
-# the counter of its bytes reads (:meth:`Zero3.scattered_size`): a group's pages (a
-# block's experts, a stage's tensor-parallel slices) over the devices holding the same
-# group, the rest over the batch axes. Never over the model axis: its devices compute
-# with the same rows, their gradients of the dense pages already whole on each.
-GROUP_SCATTER_AXES = (DATA_AXIS,)
-DENSE_SCATTER_AXES = AXES
-
-
-def ring_sent(elements: int, devices: int) -> int:
-    """Elements one device sends in a ring all-gather of an ``elements`` result, or a
-    ring reduce-scatter of an ``elements`` operand, over ``devices`` devices: (n-1)/n of
-    them (none on one device)."""
-    return elements * (devices - 1) // devices
 
 
 class Zero3:
@@ -411,19 +403,8 @@ class Zero3:
 
     def scattered_size(self, layout: SlabLayout | GroupedSlabLayout) -> int:
         """Elements of a stage's gradient one device sends in :meth:`grad_slab`'s
-        reduce-scatters: each part (n-1)/n of its pages over the n devices of the axes it
-        is scattered on. Without tensor parallelism that is what the stage's gather
-        brings (``layout.gathered_size``); with it the dense pages are scattered over the
-        data axis only, not all data x tensor devices they are gathered from (at data x
-        tensor = 1 x M: none)."""
-        devices = lambda axes: int(np.prod([self.mesh.shape[a] for a in axes]))
-        group, dense = devices(GROUP_SCATTER_AXES), devices(DENSE_SCATTER_AXES)
-        if isinstance(layout, GroupedSlabLayout):
-            pages = ring_sent(layout.group.num_pages, group)
-            pages += ring_sent(layout.dense.num_pages, dense)
-        else:
-            pages = ring_sent(layout.num_pages, dense)
-        return pages * layout.page_elems
+        reduce-scatters (:func:`~hetjax.runtime.grouped.scattered_elements`)."""
+        return scattered_elements(layout, self.mesh.shape)
 
     def sent_grad(self, grad: jax.Array, layout: SlabLayout | GroupedSlabLayout) -> None:
         """A gradient of a stage of ``layout`` left the device: count the bytes its
