@@ -9,6 +9,7 @@ from hetjax.bench.soak import plot, run_soak, verdicts
 
 
 @pytest.mark.slow  # ~100 s: 300 training steps in a child process
+@pytest.mark.alone  # its step-time trend is a measured bound: the machine to itself (.ci/run)
 def test_soak_300_steps_rss_descriptors_files_and_step_time_stay_flat(tmp_path):
     samples, records = run_soak(tmp_path / "run", steps=300)
     assert [s["step"] // 25 for s in samples] == list(range(1, 13))  # every 25 steps
