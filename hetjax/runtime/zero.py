@@ -420,7 +420,8 @@ class Zero3:
         process's devices only (``jax.device_put`` of a host value to a sharding over
         every process checks it is equal everywhere, a collective of its own each call)."""
         scalar = np.float32(value)
-        return jax.make_array_from_callback((), self.sharded.gathered, lambda _: scalar)
+        here = [jax.device_put(scalar, d) for d in self.local_devices]  # explicit copies
+        return jax.make_array_from_single_device_arrays((), self.sharded.gathered, here)
 
     def host_grad(self, grad: jax.Array) -> GradPages:
         """A gradient slab copied to the host -> this process's pages (its devices'
