@@ -136,17 +136,7 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
         stores.states, stores.params, placement.shardings.optimizer,
     )  # fmt: skip
     loop = _update_loop(config, optimizer, device_optimizer, stores, host_plan, names)
-    measured = fns.memory_sizes(*batch)
-    sizes = dataclasses.replace(
-        sizes, working_set=measured.working_set, kept=measured.kept, context=measured.context
-    )
-    if fns.on_mesh:  # the kept and swapped blocks' residuals as XLA lays them out
-        held = lambda kind, level: {level: fns.held_bytes(kind, level, *batch)}
-        sizes = dataclasses.replace(
-            sizes,
-            held_kept=held("kept", off.keep_level) if off.keep_blocks else {},
-            held_swapped=held("swapped", off.swap_level) if off.swap_blocks else {},
-        )
+    sizes = _measured_sizes(sizes, fns, off, batch)
     # an accelerator's dispatch order (or its two-client emulation's): the same test
     # as where pages are staged in pinned memory
     accelerator = placement.shardings.pinned_staging() is not None
@@ -184,6 +174,23 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
         blocks=blocks,
         inputs=tuple(GroupInput(group) for group in fns.groups),
     )  # fmt: skip
+
+
+def _measured_sizes(sizes, fns: StageFunctions, offload, batch: tuple):
+    """``sizes`` with the stage functions' measured working set, kept and context bytes
+    and, on a mesh, the kept and swapped blocks' residuals as XLA lays them out."""
+    measured = fns.memory_sizes(*batch)
+    sizes = dataclasses.replace(
+        sizes, working_set=measured.working_set, kept=measured.kept, context=measured.context
+    )
+    if not fns.on_mesh:
+        return sizes
+    held = lambda kind, level: {level: fns.held_bytes(kind, level, *batch)}
+    return dataclasses.replace(
+        sizes,
+        held_kept=held("kept", offload.keep_level) if offload.keep_blocks else {},
+        held_swapped=held("swapped", offload.swap_level) if offload.swap_blocks else {},
+    )
 
 
 def _per_layer(offload, names, routed, fns: StageFunctions, shared: BlockParts) -> tuple:
