@@ -168,11 +168,17 @@ def planned(feature: str, parallelism: str) -> str | None:
 
 def parallelism(distributed: Any) -> str:
     """The parallelism of a ``config.distributed`` section."""
-    if distributed.expert_parallel > 1:
+    d = distributed
+    return parallelism_of(d.data_parallel, d.expert_parallel, d.tensor_parallel)
+
+
+def parallelism_of(data: int, expert: int = 1, tensor: int = 1) -> str:
+    """The parallelism of a data x expert x tensor split (``data`` 0: every device)."""
+    if expert > 1:
         return EXPERT
-    if distributed.tensor_parallel > 1:
+    if tensor > 1:
         return TENSOR
-    return DATA if distributed.data_parallel != 1 else SINGLE
+    return DATA if data != 1 else SINGLE
 
 
 def asked(config: Any) -> list[str]:

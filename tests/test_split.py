@@ -96,6 +96,19 @@ def test_tensor_degrees_divide_the_model_and_the_rows():
     assert tensor_degrees(tiny_config(model=T5, data=PREFIX_LM), 4) == [1, 2, 4]
 
 
+def test_the_planner_routes_experts_where_the_runtime_does():
+    """The tiny MoE's routed experts (4 experts, each 3 matrices of 32 x 48: 18,432
+    params a block) are priced as routed on one device and under data parallelism,
+    where the runtime routes them, and not at a tensor-parallel split, where it copies
+    every expert (hetjax/support.py's fallback)."""
+    moe = tiny_config(model=MOE)
+    routed = lambda devices, tensor: (
+        Workload.from_config(moe, devices=devices, tensor=tensor).routed_expert_params
+    )
+    assert routed(1, 1) == routed(2, 1) == 4 * 3 * 32 * 48
+    assert routed(2, 2) == 0
+
+
 @pytest.mark.slow  # ~8 s: the MoE's and T5's workloads from their shapes
 def test_all_reduces_of_moe_and_t5_blocks_by_hand():
     """The tiny MoE (experts of 48 hidden units, 2 a token) and T5 (2 encoder and 3

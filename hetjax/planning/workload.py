@@ -347,7 +347,7 @@ class Workload:
         # expert-aware streaming where the support matrix has it (ZeRO-3 gathers whole
         # pages: hetjax/support.py)
         routed = model.expert_routing and config.offload.expert_fetch == "routed"
-        parallel = support.SINGLE if devices == 1 else support.DATA
+        parallel = support.parallelism_of(devices // (G * tensor), G, tensor)
         routed_experts = 0
         if routed and support.supports("routed_experts", parallel) is None:
             # the leaves the runtime routes (routed.py), per block
