@@ -187,21 +187,15 @@ def test_plan_for_llama_70b_on_eight_a100s_says_its_split():
     assert plan.split in plan.table()
 
 
-@pytest.mark.slow  # ~40 s: measures this machine, then trains 3 runs
-def test_auto_picks_tensor_parallelism_on_4_devices_and_trains_equal_to_none(tmp_path):
-    """offload.mode=auto on 4 virtual devices, the d-64 GPT with 2 heads (tensor
-    parallelism 1 or 2) and a per-device budget of 800 KiB, under which a device cannot
-    hold a whole block's window (the planner's least at 4 x 1: ~900 KiB) but can hold a
-    1/2 slice's (~730 KiB): the plan takes data x model 2 x 2, and the run trains with
-    it equal to offload.mode=none on one device (SGD, fp32, 1e-5)."""
+def _auto_plans_2x2(tmp_path, device_budget: str, **sections):
+    """``offload.mode=auto`` on 4 devices (4 KiB pages, ``device_budget`` a device, 8 MiB
+    of host) for a tiny config of ``sections``: the config, the planned config, the plan
+    and its log, checked to split data x model 2 x 2."""
     from hetjax.planning.auto import plan_auto
-    from hetjax.train import train
 
-    sgd = dict(name="sgd", lr=0.1, grad_clip=2.0)
-    model = dict(d_model=64, num_heads=2, d_ff=256)
     config = tiny_config(
-        model=model, optimizer=sgd, offload=dict(mode="auto"),
-        memory=dict(page_size="4KiB", device_budget="800KiB", host_budget="8MiB"),
+        **sections, offload=dict(mode="auto"),
+        memory=dict(page_size="4KiB", device_budget=device_budget, host_budget="8MiB"),
         distributed=dict(data_parallel=4),
     )  # fmt: skip
     logs: list[str] = []
@@ -209,6 +203,21 @@ def test_auto_picks_tensor_parallelism_on_4_devices_and_trains_equal_to_none(tmp
     assert plan is not None and plan.tensor_parallel == 2, logs
     assert planned.distributed.tensor_parallel == 2 and planned.distributed.data_parallel == 2
     assert any("data x model: 2 x 2" in line for line in logs), logs
+    return config, planned, plan, logs
+
+
+@pytest.mark.slow  # ~40 s: measures this machine, then trains 3 runs
+def test_auto_picks_tensor_parallelism_on_4_devices_and_trains_equal_to_none(tmp_path):
+    """offload.mode=auto on 4 virtual devices, the d-64 GPT with 2 heads (tensor
+    parallelism 1 or 2) and a per-device budget of 800 KiB, under which a device cannot
+    hold a whole block's window (the planner's least at 4 x 1: ~900 KiB) but can hold a
+    1/2 slice's (~730 KiB): the plan takes data x model 2 x 2, and the run trains with
+    it equal to offload.mode=none on one device (SGD, fp32, 1e-5)."""
+    from hetjax.train import train
+
+    sgd = dict(name="sgd", lr=0.1, grad_clip=2.0)
+    model = dict(d_model=64, num_heads=2, d_ff=256)
+    config, _, _, _ = _auto_plans_2x2(tmp_path, "800KiB", model=model, optimizer=sgd)
     result = train(config, tmp_path / "run", verbose=False)
     ran = json.loads((tmp_path / "run" / "config.json").read_text())
     assert ran["distributed"]["tensor_parallel"] == 2
@@ -228,7 +237,6 @@ def test_auto_splits_moe_and_t5_blocks_on_4_devices_and_trains_equal_to_none(tmp
     2 x 2, the run trains with it equal to offload.mode=none on one device (SGD, fp32,
     1e-5), and its device bytes as the run's runtime plans them (from the same mesh
     measurement) are the plan's, within its budget."""
-    from hetjax.planning.auto import plan_auto
     from hetjax.runtime.streaming import StreamingRuntime
     from hetjax.runtime.zero import Zero3
     from hetjax.train import train
@@ -238,15 +246,9 @@ def test_auto_splits_moe_and_t5_blocks_on_4_devices_and_trains_equal_to_none(tmp
         "t5": (T5, PREFIX_LM, "345KiB"),
     }[family]
     sgd = dict(name="sgd", lr=0.1, grad_clip=2.0)
-    config = tiny_config(
-        model=model, data=data, optimizer=sgd, offload=dict(mode="auto"),
-        memory=dict(page_size="4KiB", device_budget=budget, host_budget="8MiB"),
-        distributed=dict(data_parallel=4),
-    )  # fmt: skip
-    logs: list[str] = []
-    planned, plan = plan_auto(config, tmp_path / "plan", logs.append)
-    assert plan is not None and plan.tensor_parallel == 2, logs
-    assert planned.distributed.tensor_parallel == 2 and planned.distributed.data_parallel == 2
+    config, planned, plan, logs = _auto_plans_2x2(
+        tmp_path, budget, model=model, data=data, optimizer=sgd
+    )
     assert any("data x model: 2 x 2" in line and "1: does not fit" in line for line in logs)
     runtime = StreamingRuntime(planned, workdir=tmp_path / "check", placement=Zero3(planned))
     try:
