@@ -42,16 +42,28 @@ RECORDER = """#!{python}
 import json, os, signal, sys, time
 
 record = os.environ["LAUNCH_RECORD"]
+me = os.environ.get("HETJAX_PROCESS_ID")
+
+
+def stopped(*_):
+    open(os.path.join(record, f"stopped.{{me}}"), "w").close()
+    sys.exit(int(os.environ.get("FAKE_TERM_STATUS", "143")))
+
+
+# the handlers go in before this process records itself: a failing process waits for
+# every record and then its launcher stops the others at once
+signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_STUCK") else stopped)
+signal.signal(signal.SIGHUP, stopped)
+fail = os.environ.get("FAKE_FAIL_PROCESS")
+# a restart is a start after the failure, seen before recording: the failing process
+# waits for this record, so a first start cannot see its failure yet
+restart = fail is not None and os.path.exists(os.path.join(record, f"failed.{{fail}}"))
 env = {{k: v for k, v in os.environ.items() if k.startswith(("HETJAX_", "SLURM_"))}}
 env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS")
 with open(os.path.join(record, f"python.{{os.getpid()}}.json"), "w") as f:
     json.dump(dict(argv=sys.argv[1:], cwd=os.getcwd(), env=env), f)
-fail = os.environ.get("FAKE_FAIL_PROCESS")
-if fail is None:
+if fail is None or (os.environ.get("FAKE_FAIL_ONCE") and restart):
     sys.exit(0)
-if os.environ.get("FAKE_FAIL_ONCE") and os.path.exists(os.path.join(record, f"failed.{{fail}}")):
-    sys.exit(0)
-me = os.environ["HETJAX_PROCESS_ID"]
 n = int(os.environ["HETJAX_NUM_PROCESSES"])
 deadline = time.monotonic() + 60
 if me == fail:
@@ -64,14 +76,6 @@ if me == fail:
     open(os.path.join(record, f"failed.{{me}}.{{os.getpid()}}"), "w").close()
     sys.exit(int(os.environ.get("FAKE_FAIL_STATUS", "3")))
 
-
-def stopped(*_):
-    open(os.path.join(record, f"stopped.{{me}}"), "w").close()
-    sys.exit(int(os.environ.get("FAKE_TERM_STATUS", "143")))
-
-
-signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_STUCK") else stopped)
-signal.signal(signal.SIGHUP, stopped)
 parent = os.getppid()
 while time.monotonic() < deadline:
     if os.getppid() != parent:
