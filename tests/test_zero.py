@@ -343,8 +343,6 @@ def test_per_device_bytes_shrink_with_devices(tiny):
 
 
 def test_bad_data_parallel_settings_are_named(tiny):
-    with pytest.raises(ConfigError, match="offload.mode=stream"):
-        tiny(offload=dict(mode="none"), distributed=dict(data_parallel=4))
     with pytest.raises(ConfigError, match="multiple of it"):
         tiny(offload=ZERO, train=dict(batch_size=6), distributed=dict(data_parallel=4))
     with pytest.raises(ConfigError, match="xla_force_host_platform_device_count=64"):
