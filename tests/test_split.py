@@ -98,15 +98,14 @@ def test_tensor_degrees_divide_the_model_and_the_rows():
 
 def test_the_planner_routes_experts_where_the_runtime_does():
     """The tiny MoE's routed experts (4 experts, each 3 matrices of 32 x 48: 18,432
-    params a block) are priced as routed on one device and under data parallelism,
-    where the runtime routes them, and not at a tensor-parallel split, where it copies
-    every expert (hetjax/support.py's fallback)."""
+    params a block) are priced as routed on one device, under data parallelism and at
+    a tensor-parallel split, where the runtime routes them (each device its slice:
+    runtime/routed_tensor.py), every slice of them counted."""
     moe = tiny_config(model=MOE)
     routed = lambda devices, tensor: (
         Workload.from_config(moe, devices=devices, tensor=tensor).routed_expert_params
     )
-    assert routed(1, 1) == routed(2, 1) == 4 * 3 * 32 * 48
-    assert routed(2, 2) == 0
+    assert routed(1, 1) == routed(2, 1) == routed(2, 2) == routed(4, 2) == 4 * 3 * 32 * 48
 
 
 @pytest.mark.slow  # ~8 s: the MoE's and T5's workloads from their shapes

@@ -182,11 +182,15 @@ class RoutedBlock:
     ``backward(b, ids, top_e, slots, x, dy, dstats=None, c=(), dcontext=()) -> ((db, its
     norms), dx, dcontext + the block's)``, db the whole block's gradient pages (zero for
     the experts not held). ``cast``: a block gradient (leaf buffers) -> its pages as they
-    leave the device, and their norms; ``cotangent``: of the forward's results."""
+    leave the device, and their norms; ``cotangent``: of the forward's results;
+    ``unflatten``: the pages (or leaf buffers) -> the block's params as the compute
+    layout computes with them (tensor parallelism: split by their logical axes,
+    ``zero.Zero3.constrain``; else ``layout.unflatten_pages``)."""
 
-    def __init__(self, model, g: int, layout: SlabLayout, jit, cast, cotangent):
+    def __init__(self, model, g: int, layout: SlabLayout, jit, cast, cotangent, unflatten=None):
         self.expert_leaves = at = routed_expert_leaves(layout, model, f"stage group {g}")
-        unflatten = layout.unflatten_pages
+        self.is_expert = model.is_expert  # (a leaf path: the tensor-parallel fetcher's)
+        unflatten = unflatten or layout.unflatten_pages
 
         def route(b, x, c=()):
             return model.route(g, unflatten(b), x, c)
