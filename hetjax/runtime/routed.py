@@ -32,13 +32,13 @@ sync per routed block per forward, at which the device waits for the copy of the
 experts (and for the catch-up of the routed experts left behind).
 
 Used for the blocks that recompute (boundary blocks), on one device (under ZeRO-3's
-data and expert parallelism by page instead: ``routed_zero.py``), for models with
+data and expert parallelism by page instead: ``routed_zero.py``; under tensor
+parallelism by page of each device's slice: ``routed_tensor.py``), for models with
 ``expert_routing``: Mixtral-style Llama blocks (``models/llama.py``) and T5's Switch
 blocks (``models/t5.py``: a dense layer, then a sparse one whose attention and router
 run in ``route``; the decoder's take the encoder's output as their context, whose
 gradient the backward returns); kept, swapped, resident and device-cached blocks are
-whole on the device anyway; tensor parallelism lays the experts out by slice
-(``tensor.py``) and copies them all (``support.py``).
+whole on the device anyway.
 """
 
 from __future__ import annotations
