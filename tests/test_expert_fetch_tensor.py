@@ -135,3 +135,27 @@ def test_deferred_updates_under_tensor_parallelism_equal_one_device(data, tensor
     metrics = deferred[1]
     assert all(m["expert_pages_deferred"] > 0 for m in metrics)
     assert sum(m["expert_pages_caught_up"] for m in metrics) > 0
+
+
+@pytest.mark.slow  # ~170 s on 2 busy cores: two runs, compiling both T5 stacks
+def test_t5_switch_blocks_under_tensor_parallelism_train_as_one_device(tmp_path):
+    """T5-MoE at data x tensor 1 x 2: the Switch blocks of both stacks routed (a decoder
+    block's context, the encoder's output, whole on each model device), SGD with
+    clipping: losses, validation loss, every param and the logits equal one device's
+    routed run at 1e-5, with the same experts fetched, fewer than all."""
+    from test_expert_fetch import T5_MOE
+    from test_t5 import t5_config, t5_tokens
+
+    runs = {}
+    for tensor in (1, 2):
+        config = t5_config(tiny_config, **T5_MOE).replace(
+            train=dict(SHORT, seq_len=8),
+            optimizer=SGD_CLIP,
+            offload=dict(mode="stream", expert_fetch="routed"),
+            memory=dict(page_size="4KiB"),
+            distributed=dict(data_parallel=1, tensor_parallel=tensor),
+        )
+        runs[tensor] = train(config, tmp_path / str(tensor), verbose=False)
+    assert_training_equal(runs[2], runs[1], build_model(config.model), t5_tokens())
+    fetched = [[r["experts_fetched_fraction"] for r in runs[t].records] for t in (1, 2)]
+    assert fetched[0] == fetched[1] and all(0 < f < 1 for f in fetched[1])
