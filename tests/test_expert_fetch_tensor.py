@@ -101,7 +101,7 @@ def test_a_skewed_router_under_tensor_parallelism_copies_fewer_bytes(data, tenso
     assert h2d["all"] - h2d["routed"] == copies * SAVED[data, tensor] * P * 4
 
 
-@pytest.mark.slow  # 35-50 s each: three runs of 4 steps
+@pytest.mark.slow  # 20-50 s each: three runs of 4 steps
 @pytest.mark.parametrize("data, tensor", SPLITS, ids=IDS)
 def test_deferred_updates_under_tensor_parallelism_equal_one_device(data, tensor):
     """AdamW with weight decay and clipping, state and params on NVMe, tokens routed to
@@ -137,7 +137,7 @@ def test_deferred_updates_under_tensor_parallelism_equal_one_device(data, tensor
     assert sum(m["expert_pages_caught_up"] for m in metrics) > 0
 
 
-@pytest.mark.slow  # ~170 s on 2 busy cores: two runs, compiling both T5 stacks
+@pytest.mark.slow  # 20 s (170 s on 2 cores busy with other sessions): two runs
 def test_t5_switch_blocks_under_tensor_parallelism_train_as_one_device(tmp_path):
     """T5-MoE at data x tensor 1 x 2: the Switch blocks of both stacks routed (a decoder
     block's context, the encoder's output, whole on each model device), SGD with
