@@ -159,3 +159,31 @@ def test_t5_switch_blocks_under_tensor_parallelism_train_as_one_device(tmp_path)
     assert_training_equal(runs[2], runs[1], build_model(config.model), t5_tokens())
     fetched = [[r["experts_fetched_fraction"] for r in runs[t].records] for t in (1, 2)]
     assert fetched[0] == fetched[1] and all(0 < f < 1 for f in fetched[1])
+
+
+def test_the_pages_left_behind_are_every_slices_by_hand():
+    """At data x tensor 2 x 2 (SAVED's layout: 20 pages a device, its slice's 19 then a
+    dense one; device n = 2 s + m holds share s of slice m), tokens routed to experts 0-1:
+    a slice's pages wholly in experts 2-15 are 2-11, 14-23 and 26-35 (1, 12, 13, 24 and
+    25 hold a row of expert 0 or 1; 0, 36 and 37 attention). The pages the process's
+    optimizer may leave alone are those, at each device's share of each slice."""
+    from types import SimpleNamespace
+
+    from hetjax.runtime.routed_tensor import TensorExpertFetcher
+    from hetjax.runtime.zero import Zero3
+
+    config = _sgd("routed", 2, 2)
+    zero = Zero3(config)
+    model = build_model(config.model)
+    layout = zero.stage_layouts(model, config.memory.page_size)["block"]
+    block = SimpleNamespace(layout=layout, is_expert=model.is_expert)
+    fetcher = TensorExpertFetcher(block, zero, np.float32, 16)
+    assert fetcher.pages.routed(np.array([0, 1])).tolist() == [1, 12, 13, 24, 25]
+    by_hand = {
+        0: [*range(2, 12), *range(14, 19)],  # (s 0, m 0): slice pages 2-18 at 0-18
+        1: [*range(22, 32), *range(34, 39)],  # (0, 1): at 20-38
+        2: [*range(40, 45), *range(47, 57)],  # (1, 0): slice pages 19-35 at 40-56
+        3: [*range(60, 65), *range(67, 77)],  # (1, 1): at 60-76
+    }
+    expected = {p for pages in by_hand.values() for p in pages}
+    assert fetcher.zero_pages(np.array([0, 1], np.int32)) == expected
