@@ -106,7 +106,8 @@ class TensorExpertFetcher(ZeroFetcher):
         # the group-dense pages: each device's own (padded to the largest count), and
         # where each lands in a group's pages (0: a zero row, then the compact rows)
         dense = np.flatnonzero(self.pages.dense)
-        self._dense, self._dense_rows = dense, self._rows(dense, pad=False)
+        # (at least one row: a slice of split weights without attention copies a zero)
+        self._dense, self._dense_rows = dense, max(1, self._rows(dense, pad=False))
         self._dense_index = np.zeros(group.num_pages, np.int32)
         self._dense_index[dense] = 1 + self._where(dense, self._dense_rows)
         self._expand = self._jit_expand()
