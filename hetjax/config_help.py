@@ -153,7 +153,8 @@ HELP: dict[str, str] = {
     "the first N stages (embed, block 0, 1, ...) keep fp32 master and optimizer state on "
     "the device, are updated there and stay resident; `auto` lets the planner choose "
     "([offload](offload.md#device-cache-of-optimizer-state))",
-    "offload.expert_fetch": "`stream`, a Llama-family mixture of experts on one device: "
+    "offload.expert_fetch": "`stream`, a Llama-family or T5 mixture of experts (one device, "
+    "data, expert or tensor parallelism: each device its pages of them): "
     "`routed` copies a streamed block's experts only once its router has chosen them, "
     "only those with tokens (forward and backward; with `offload.mode=auto` where the "
     "planner predicts a gain); `all` copies every expert with the block "

@@ -121,21 +121,21 @@ FEATURES: dict[str, Feature] = {
     # the default: one device copies the routed experts' rows (runtime/routed.py);
     # under data and expert parallelism each device copies in and gathers the pages of
     # the experts some device routed to (runtime/routed_zero.py; under expert
-    # parallelism its group's, over the data axis). Tensor parallelism lays out each
-    # split weight by slice (runtime/tensor.py), which no routed gather reads yet
+    # parallelism its group's, over the data axis); under tensor parallelism its slice
+    # of them, from its group's slab laid out by weight slice (runtime/routed_tensor.py)
     "routed_experts": Feature(
         key="offload.expert_fetch",
-        reason="routed experts are not supported with {parallel}, whose devices each take "
-        "a share of a block's pages laid out by weight slice (runtime/tensor.py) and "
-        "gather the rest",
-        refused=frozenset({TENSOR}),
+        reason="routed experts are not supported with {parallel}",
+        refused=frozenset(),
         fallback="every streamed block copies all its experts, as offload.expert_fetch=all",
     ),
-    # deferred expert updates need routed experts (optimizer/deferred.py)
+    # deferred expert updates need routed experts (optimizer/deferred.py); each process
+    # defers its own pages wholly in experts no device routed to (under tensor
+    # parallelism: in every slice)
     "deferred_updates": Feature(
         key="offload.expert_updates",
-        reason="deferred expert updates are not supported with {parallel}, which routes no experts",
-        refused=frozenset({TENSOR}),
+        reason="deferred expert updates are not supported with {parallel}",
+        refused=frozenset(),
         fallback="every expert is updated every step, as offload.expert_updates=all",
     ),
     "batch_chunks": Feature(

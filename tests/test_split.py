@@ -104,15 +104,30 @@ def test_tensor_degrees_divide_the_model_and_the_rows():
 
 def test_the_planner_routes_experts_where_the_runtime_does():
     """The tiny MoE's routed experts (4 experts, each 3 matrices of 32 x 48: 18,432
-    params a block) are priced as routed on one device and under data parallelism,
-    where the runtime routes them, and not at a tensor-parallel split, where it copies
-    every expert (hetjax/support.py's fallback)."""
+    params a block) are priced as routed on one device, under data parallelism and at
+    a tensor-parallel split, where the runtime routes them (each device its slice:
+    runtime/routed_tensor.py), every slice of them counted."""
     moe = tiny_config(model=MOE)
     routed = lambda devices, tensor: (
         Workload.from_config(moe, devices=devices, tensor=tensor).routed_expert_params
     )
-    assert routed(1, 1) == routed(2, 1) == 4 * 3 * 32 * 48
-    assert routed(2, 2) == 0
+    assert routed(1, 1) == routed(2, 1) == routed(2, 2) == routed(4, 2) == 4 * 3 * 32 * 48
+
+
+@pytest.mark.parametrize("devices, tensor", [(1, 1), (2, 1), (2, 2), (4, 2)])
+def test_routed_experts_save_each_device_its_share_of_the_copies(devices, tensor):
+    """With half the experts routed, the tiny MoE's 2 streamed blocks (each 18,432 expert
+    params of fp32) copy in forward and again in backward half their experts less: a
+    device, which copies its 1/n of every page (ZeRO-3; under tensor parallelism its
+    share of its slice), saves 2 x 2 x 18,432 x 4 B x 1/2 / n a micro-batch."""
+    moe = tiny_config(model=MOE)
+    w = Workload.from_config(moe, devices=devices, backend="gpu", tensor=tensor)
+    w = dataclasses.replace(w, expert_fetch_fraction=0.5)
+    hw = dataclasses.replace(PROFILES["angel-a100-40g"], num_devices=devices)
+    every = Candidate(placement=Placement(expert_fetch="all"))
+    h2d = lambda c: lanes(w, hw, c, 0.0)[1]["host->device"]
+    saved = w.micro_batches * 2 * 2 * 18_432 * 4 * 0.5 / devices / hw.h2d_bw
+    assert h2d(every) - h2d(every.replace(expert_fetch="routed")) == pytest.approx(saved)
 
 
 @pytest.mark.slow  # ~8 s: the MoE's and T5's workloads from their shapes

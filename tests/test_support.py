@@ -180,13 +180,19 @@ def test_the_runtime_reads_the_matrix(tiny, parallelism):
         runtime.close()
 
 
-def test_auto_says_what_falls_back(tiny):
+def test_auto_says_what_falls_back(tiny, monkeypatch):
     from hetjax.planning.auto import plan_auto
 
-    lines = []
-    # routed experts fall back under tensor parallelism (data and expert parallelism
-    # route them)
+    # every parallelism routes experts now (tensor parallelism since the ninth session:
+    # runtime/routed_tensor.py), so auto says nothing of them; a fallback made here is said
     config = _config(tiny, support.TENSOR, offload=dict(mode="auto"))
+    quiet = []
+    plan_auto(config, log=quiet.append)
+    assert not any("offload.expert_fetch: " in x for x in quiet), quiet
+    row = support.FEATURES["routed_experts"]
+    refused = dataclasses.replace(row, refused=frozenset({support.TENSOR}))
+    monkeypatch.setitem(support.FEATURES, "routed_experts", refused)
+    lines = []
     planned, plan = plan_auto(config, log=lines.append)  # planned for the tensor-parallel devices
     assert planned.offload.mode == "stream" and plan is not None and plan.num_devices > 1
     assert any("offload.expert_fetch: routed experts are not supported" in x for x in lines)

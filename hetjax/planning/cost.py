@@ -118,7 +118,10 @@ def lanes(
     # host sync), so the device waits for it: ``serial_f``; backward's is known ahead.
     routing = w.routed_expert_params and o.expert_fetch == "routed"
     routed = max(0, recomputed - resident) if routing else 0
-    experts = routed * cb * w.routed_expert_params  # the routed blocks' experts, whole
+    # a device's share of the routed blocks' experts: under ZeRO-3 each device copies
+    # its 1/n of every page (routed_zero.py; under tensor parallelism its share of its
+    # slice, routed_tensor.py), the routed experts' pages of it among them
+    experts = routed * cb * w.routed_expert_params * frac
     skipped = experts * (1 - w.expert_fetch_fraction)
     serial_f = experts * w.expert_fetch_fraction / hw.h2d_bw
     h2d_f = streamed_f * cb * Ps * frac - skipped

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from hetjax import memory
 from hetjax.allocator import tune_host_allocator
 from hetjax.config import Config, ConfigError
+from hetjax.distributed import MODEL_AXIS
 from hetjax.memory import DeviceCache, Sizes, plan_device, window_wait_lag
 from hetjax.memory_host import HostMemoryPlan, plan_host
 from hetjax.optimizer.deferred import Deferred, deferred_updates
@@ -36,6 +37,7 @@ from hetjax.runtime.routed import (
     check_routed_experts,
     routed_blocks,
 )
+from hetjax.runtime.routed_tensor import TensorExpertFetcher
 from hetjax.runtime.routed_zero import GroupedExpertFetcher, ShardedExpertFetcher
 from hetjax.runtime.schedule import Schedule
 from hetjax.runtime.setup import build_stores, init_state, layout_name, memory_sizes
@@ -329,7 +331,9 @@ def _experts(config: Config, placement, fns, dtype, routed, loop) -> tuple:
         def fetcher(group):  # the device takes a block's leaves (one device) or its pages
             if group.layout.leaf_buffers:
                 return ExpertFetcher(group.routed(), dtype, device, E, stage_to=stage_to)
-            if isinstance(group.layout, GroupedSlabLayout):  # its experts by group
+            if isinstance(group.layout, GroupedSlabLayout):  # by expert group or by slice
+                if group.layout.grouping.axis == MODEL_AXIS:
+                    return TensorExpertFetcher(group.routed(), placement, dtype, E)
                 return GroupedExpertFetcher(group.routed(), placement, dtype, E)
             return ShardedExpertFetcher(group.routed(), placement, dtype, E)
 

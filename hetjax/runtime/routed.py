@@ -32,13 +32,13 @@ sync per routed block per forward, at which the device waits for the copy of the
 experts (and for the catch-up of the routed experts left behind).
 
 Used for the blocks that recompute (boundary blocks), on one device (under ZeRO-3's
-data and expert parallelism by page instead: ``routed_zero.py``), for models with
+data and expert parallelism by page instead: ``routed_zero.py``; under tensor
+parallelism by page of each device's slice: ``routed_tensor.py``), for models with
 ``expert_routing``: Mixtral-style Llama blocks (``models/llama.py``) and T5's Switch
 blocks (``models/t5.py``: a dense layer, then a sparse one whose attention and router
 run in ``route``; the decoder's take the encoder's output as their context, whose
 gradient the backward returns); kept, swapped, resident and device-cached blocks are
-whole on the device anyway; tensor parallelism lays the experts out by slice
-(``tensor.py``) and copies them all (``support.py``).
+whole on the device anyway.
 """
 
 from __future__ import annotations
@@ -182,11 +182,15 @@ class RoutedBlock:
     ``backward(b, ids, top_e, slots, x, dy, dstats=None, c=(), dcontext=()) -> ((db, its
     norms), dx, dcontext + the block's)``, db the whole block's gradient pages (zero for
     the experts not held). ``cast``: a block gradient (leaf buffers) -> its pages as they
-    leave the device, and their norms; ``cotangent``: of the forward's results."""
+    leave the device, and their norms; ``cotangent``: of the forward's results;
+    ``unflatten``: the pages (or leaf buffers) -> the block's params as the compute
+    layout computes with them (tensor parallelism: split by their logical axes,
+    ``zero.Zero3.constrain``; else ``layout.unflatten_pages``)."""
 
-    def __init__(self, model, g: int, layout: SlabLayout, jit, cast, cotangent):
+    def __init__(self, model, g: int, layout: SlabLayout, jit, cast, cotangent, unflatten=None):
         self.expert_leaves = at = routed_expert_leaves(layout, model, f"stage group {g}")
-        unflatten = layout.unflatten_pages
+        self.is_expert = model.is_expert  # (a leaf path: the tensor-parallel fetcher's)
+        unflatten = unflatten or layout.unflatten_pages
 
         def route(b, x, c=()):
             return model.route(g, unflatten(b), x, c)

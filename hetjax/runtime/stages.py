@@ -278,6 +278,7 @@ class GroupFunctions:
         self._block_fwd, self._kept_forward, self._swapped = block_fwd, {}, {}
         self._cast, self._cotangent = block_grad, cotangent
         self._model, self._jit, self._routed = m, jit, None
+        self._params = lambda b: params(group.name, B, b)  # (the routed block's)
         self.block_fwd_keep = self.kept_forward(keep_level)
 
     def kept_forward(self, level: str):
@@ -307,8 +308,9 @@ class GroupFunctions:
             # RoutedBlock compiles its route, mlp and backward by name
             jit = lambda fn: self._jit(fn, SIGNATURES[f"routed_{fn.__name__}"])
             self._routed = RoutedBlock(
-                self._model, self.index, self.layout, jit, self._cast, self._cotangent
-            )
+                self._model, self.index, self.layout, jit, self._cast, self._cotangent,
+                unflatten=self._params,
+            )  # fmt: skip
         return self._routed
 
 

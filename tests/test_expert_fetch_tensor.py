@@ -1,0 +1,222 @@
+"""Routed experts and deferred expert updates under tensor parallelism
+(hetjax/runtime/routed_tensor.py): each device copies in and gathers, over the data axis,
+only its slice of the pages of the experts some device routed to; training equals one
+device's routed run and copying every expert (tests/test_expert_fetch_zero.py has data
+and expert parallelism's)."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+from equivalence import assert_training_equal, check_tokens
+from test_deferred_updates import _adamw, _run
+from test_expert_fetch import SHORT, SPARSE, _config, _moved, _skewed
+from test_expert_fetch_zero import SGD_CLIP, P, _zero3
+
+from hetjax.train import train
+from models import build_model
+
+SPLITS = [(1, 2), (2, 2)]  # data x tensor, on 2 and 4 of the 8 virtual devices
+IDS = ["tensor2", "data2xtensor2"]
+
+
+def _sgd(fetch: str, data: int, tensor: int, **offload_and_train):
+    """16 experts top-1, SGD with clipping, 4 KiB pages, on ``data`` x ``tensor``
+    devices: 2 rows a micro-batch per data device (a model group's devices share them)."""
+    train_section = {k: v for k, v in offload_and_train.items() if k in SHORT or k == "steps"}
+    offload = {k: v for k, v in offload_and_train.items() if k not in train_section}
+    return _config(tiny_config, fetch, **offload).replace(
+        optimizer=SGD_CLIP,
+        train={**SHORT, "batch_size": 4 * data, **train_section},
+        distributed=dict(data_parallel=data, tensor_parallel=tensor),
+    )
+
+
+@pytest.mark.slow  # 6-26 s each on 2 cores (the first compiles most)
+@pytest.mark.parametrize("params", ["host", "nvme"])
+@pytest.mark.parametrize("data, tensor", SPLITS, ids=IDS)
+def test_routed_under_tensor_parallelism_trains_as_one_device(tmp_path, data, tensor, params):
+    """The experts' MLPs split by their hidden units over 2 model devices (beside 1 or 2
+    data devices), both blocks routed, params on the host or on NVMe: each device copies
+    in its slice of the routed experts' pages; losses, validation loss, every param and
+    the logits equal one device's routed run at 1e-5, and the same experts were fetched
+    (the union over the devices of the micro-batch's), fewer than all."""
+    config = _sgd("routed", data, tensor, steps=2, params=params)
+    many = train(config, tmp_path / "many", verbose=False)
+    rows = config.train.batch_size
+    one = _sgd("routed", 1, 1, steps=2, batch_size=rows, params=params)
+    single = train(one, tmp_path / "one", verbose=False)
+    assert_training_equal(many, single, build_model(one.model), check_tokens())
+    for record in many.records:
+        # 2 micro-batches x 3 block copies (block0 forward and backward, block1 once)
+        assert 0 < record["experts_fetched"] < 16 * 2 * 3
+        assert 0 < record["experts_fetched_fraction"] < 1
+    assert [r["experts_fetched"] for r in many.records] == [
+        r["experts_fetched"] for r in single.records
+    ]
+
+
+# A block's slabs in 1024-element pages, hand-counted (runtime/tensor.py's layout). A
+# model index's slice of the split weights, in slab order: k_proj 32 x 8 (256), down_proj
+# 16 experts x 24 x 32 (12,288, 768 an expert), gate_proj 16 x 32 x 24, up_proj 16 x 32
+# x 24, o_proj 16 x 32 (512), q_proj 32 x 16 (512), v_proj 32 x 8 (256): 38,400
+# elements, 38 pages (a multiple of the data devices). The dense slab (router 32 x 16,
+# two norms of 32: 576) is one page, padded to one a device. Pages of a slice holding
+# something but expert rows: 0 (k_proj), 36 and 37 (o, q, v). Experts 0-1's rows
+# (1,536 elements of each expert leaf): down_proj [256, 1792) pages 0-1, gate_proj
+# [12544, 14080) pages 12-13, up_proj [24832, 26368) pages 24-25: 1, 12, 13, 24, 25
+# beside the dense page 0 (the same pages in both slices).
+#
+# tensor2 (S = 1 data device, a slice's 38 pages a device): copying every expert copies
+#   the 2 dense pages and 2 x 38: 78. Routed: the dense 2, each slice's 3 dense pages
+#   (2 x 3), and experts 0-1's 5 pages a device padded to a multiple of 38 // 8 = 4, 8,
+#   2 x 8: 24 a copy.
+# data2xtensor2 (S = 2, 19 pages a device of a slice): every expert: the 4 dense pages
+#   and 2 x 38: 80. Routed: the dense 4; each slice's dense pages, 0 on data device 0 and
+#   36-37 on data device 1, padded to the busier's 2: 4 x 2; experts 0-1's, 1, 12, 13 on
+#   data device 0 and 24, 25 on 1, the busier's 3 padded to a multiple of 19 // 8 = 2,
+#   4: 4 x 4. 28 a copy.
+SAVED = {(1, 2): 78 - 2 - 6 - 16, (2, 2): 80 - 4 - 8 - 16}
+
+
+@pytest.mark.slow  # ~10 s each
+@pytest.mark.parametrize("data, tensor", SPLITS, ids=IDS)
+def test_a_skewed_router_under_tensor_parallelism_copies_fewer_bytes(data, tensor):
+    """A router sending every token to experts 0-1 of 16: a routed step copies host ->
+    device (each device its own pages of its slice, padded to the busiest device's
+    count) the block's pages but those wholly in experts 2-15 and the padding (SAVED's
+    hand count), for the same loss."""
+    batch = np.random.default_rng(1).integers(0, 256, (1, 2 * data, 9), dtype=np.int32)
+    moved, losses = {}, {}
+    for fetch in ("routed", "all"):
+        config = _sgd(fetch, data, tensor, grad_accum=1, batch_size=2 * data)
+        skew = lambda r: _skewed(r, 2)
+        moved[fetch], losses[fetch], metrics = _moved(config, batch, skew, runtime_of=_zero3)
+        if fetch == "routed":
+            fetched = metrics["experts_fetched"]
+    np.testing.assert_allclose(losses["routed"], losses["all"], rtol=1e-6)
+    copies = 3  # block0's forward and backward, block1's forward
+    assert fetched == 2 * copies  # experts 0 and 1, in every copy
+    h2d = {f: m["host_to_device"] for f, m in moved.items()}
+    assert h2d["all"] - h2d["routed"] == copies * SAVED[data, tensor] * P * 4
+
+
+@pytest.mark.slow  # 20-50 s each: three runs of 4 steps
+@pytest.mark.parametrize("data, tensor", SPLITS, ids=IDS)
+def test_deferred_updates_under_tensor_parallelism_equal_one_device(data, tensor):
+    """AdamW with weight decay and clipping, state and params on NVMe, tokens routed to
+    8 of 16 experts, data x tensor devices: deferring the updates of the experts no
+    device routed to (every slice of them, caught up before their next use) trains bit
+    for bit as updating every expert under the same split, for losses within 1e-5 of one
+    device deferring (tests/test_expert_fetch_zero.py's bound: the devices sum
+    gradients in another order); some pages are deferred and some caught up."""
+    rng = np.random.default_rng(1)
+    # 2 micro-batches of 2 rows x 4 tokens: 8 tokens a micro-batch, so that experts
+    # routed in one step go unrouted in the next
+    batches = [rng.integers(0, 256, (2, 2, 5), dtype=np.int32) for _ in range(4)]
+
+    def config(updates: str, data: int, tensor: int):
+        return _adamw(tiny_config, updates).replace(
+            train=dict(batch_size=4, seq_len=4),
+            distributed=dict(data_parallel=data, tensor_parallel=tensor),
+        )
+
+    runs = {
+        u: _run(config(u, data, tensor), batches, used=8, runtime_of=_zero3)
+        for u in ("deferred", "all")
+    }
+    one = _run(config("deferred", 1, 1), batches, used=8)
+    deferred, every = runs["deferred"], runs["all"]
+    assert deferred[0] == every[0] and deferred[2] == every[2]  # losses, evaluation loss
+    for a, b in zip(jax.tree.leaves(deferred[4]), jax.tree.leaves(every[4]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(deferred[0], one[0], rtol=1e-5)
+    np.testing.assert_allclose(deferred[2], one[2], rtol=1e-5)
+    metrics = deferred[1]
+    assert all(m["expert_pages_deferred"] > 0 for m in metrics)
+    assert sum(m["expert_pages_caught_up"] for m in metrics) > 0
+
+
+@pytest.mark.slow  # 20 s (170 s on 2 cores busy with other sessions): two runs
+def test_t5_switch_blocks_under_tensor_parallelism_train_as_one_device(tmp_path):
+    """T5-MoE at data x tensor 1 x 2: the Switch blocks of both stacks routed (a decoder
+    block's context, the encoder's output, whole on each model device), SGD with
+    clipping: losses, validation loss, every param and the logits equal one device's
+    routed run at 1e-5, with the same experts fetched, fewer than all."""
+    from test_expert_fetch import T5_MOE
+    from test_t5 import t5_config, t5_tokens
+
+    runs = {}
+    for tensor in (1, 2):
+        config = t5_config(tiny_config, **T5_MOE).replace(
+            train=dict(SHORT, seq_len=8),
+            optimizer=SGD_CLIP,
+            offload=dict(mode="stream", expert_fetch="routed"),
+            memory=dict(page_size="4KiB"),
+            distributed=dict(data_parallel=1, tensor_parallel=tensor),
+        )
+        runs[tensor] = train(config, tmp_path / str(tensor), verbose=False)
+    assert_training_equal(runs[2], runs[1], build_model(config.model), t5_tokens())
+    fetched = [[r["experts_fetched_fraction"] for r in runs[t].records] for t in (1, 2)]
+    assert fetched[0] == fetched[1] and all(0 < f < 1 for f in fetched[1])
+
+
+def test_the_pages_left_behind_are_every_slices_by_hand():
+    """At data x tensor 2 x 2 (SAVED's layout: 20 pages a device, its slice's 19 then a
+    dense one; device n = 2 s + m holds share s of slice m), tokens routed to experts 0-1:
+    a slice's pages wholly in experts 2-15 are 2-11, 14-23 and 26-35 (1, 12, 13, 24 and
+    25 hold a row of expert 0 or 1; 0, 36 and 37 attention). The pages the process's
+    optimizer may leave alone are those, at each device's share of each slice."""
+    from types import SimpleNamespace
+
+    from hetjax.runtime.routed_tensor import TensorExpertFetcher
+    from hetjax.runtime.zero import Zero3
+
+    config = _sgd("routed", 2, 2)
+    zero = Zero3(config)
+    model = build_model(config.model)
+    layout = zero.stage_layouts(model, config.memory.page_size)["block"]
+    block = SimpleNamespace(layout=layout, is_expert=model.is_expert)
+    fetcher = TensorExpertFetcher(block, zero, np.float32, 16)
+    assert fetcher.pages.routed(np.array([0, 1])).tolist() == [1, 12, 13, 24, 25]
+    by_hand = {
+        0: [*range(2, 12), *range(14, 19)],  # (s 0, m 0): slice pages 2-18 at 0-18
+        1: [*range(22, 32), *range(34, 39)],  # (0, 1): at 20-38
+        2: [*range(40, 45), *range(47, 57)],  # (1, 0): slice pages 19-35 at 40-56
+        3: [*range(60, 65), *range(67, 77)],  # (1, 1): at 60-76
+    }
+    expected = {p for pages in by_hand.values() for p in pages}
+    assert fetcher.zero_pages(np.array([0, 1], np.int32)) == expected
+
+
+@pytest.mark.slow  # two child processes compile everything anew: ~50 s on 2 cores
+def test_routed_across_two_processes_at_2x2_trains_as_one_device(tmp_path):
+    """2 processes x 2 CPU devices over gloo at data x tensor 2 x 2 (each process one
+    data index: both slices of its share), both blocks routed: every process copies in
+    its own devices' pages of the routed experts and reads the same averaged counts, so
+    every device dispatches the same gathers; losses, validation loss and final params
+    equal one device's routed run, which fetched the same experts."""
+    import json
+
+    from equivalence import assert_trees_close
+    from test_zero import _params_like, _run_two_processes
+
+    config = _sgd("routed", 1, 1, batch_size=8)  # 2 micro-batches of 4 rows: 2 a data index
+    one = train(config, tmp_path / "one", verbose=False)
+    t = config.train
+    saved = _run_two_processes(
+        tmp_path / "two",
+        *[f"model.{k}={v}" for k, v in SPARSE.items()],
+        *[f"optimizer.{k}={v}" for k, v in SGD_CLIP.items()],
+        "memory.page_size=4KiB",
+        "distributed.tensor_parallel=2",
+        *[f"train.{k}={getattr(t, k)}" for k in ("steps", "eval_batches", "batch_size")],
+        *[f"train.{k}={getattr(t, k)}" for k in ("grad_accum", "seq_len")],
+    )
+    np.testing.assert_allclose(saved["losses"], one.losses, rtol=1e-5)
+    np.testing.assert_allclose(saved["val_loss"], one.val_loss, rtol=1e-5)
+    assert_trees_close(_params_like(saved, one.params), one.params)
+    metrics = tmp_path / "two" / "proc0" / "metrics.jsonl"
+    fetched = [json.loads(line).get("experts_fetched") for line in metrics.open()]
+    assert fetched == [r["experts_fetched"] for r in one.records]
+    assert all(r["experts_fetched_fraction"] < 1 for r in one.records)
