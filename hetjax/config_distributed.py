@@ -63,12 +63,6 @@ class DistributedConfig:
             "must be >= 1 (1: no tensor parallelism)",
             self.tensor_parallel,
         )
-        if self.tensor_parallel > 1 and self.expert_parallel > 1:
-            raise ConfigError(
-                "config key 'distributed.tensor_parallel' "
-                f"({self.tensor_parallel}): tensor parallelism with expert parallelism "
-                "is not supported yet; set one of them to 1"
-            )
         _check(
             self.num_processes >= 0,
             "distributed.num_processes",

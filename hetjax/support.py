@@ -173,11 +173,13 @@ def parallelism(distributed: Any) -> str:
 
 
 def parallelism_of(data: int, expert: int = 1, tensor: int = 1) -> str:
-    """The parallelism of a data x expert x tensor split (``data`` 0: every device)."""
-    if expert > 1:
-        return EXPERT
+    """The parallelism of a data x expert x tensor split (``data`` 0: every device). An
+    expert x tensor split is tensor parallelism's row: its blocks' pages are laid out by
+    weight slice (``runtime/experts.py``), so what tensor parallelism refuses it does."""
     if tensor > 1:
         return TENSOR
+    if expert > 1:
+        return EXPERT
     return DATA if data != 1 else SINGLE
 
 

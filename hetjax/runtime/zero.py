@@ -97,7 +97,7 @@ from hetjax.distributed import (
 from hetjax.optimizer.sharded_slab import device_state_sharding
 from hetjax.runtime.grouped import (
     DENSE_SCATTER_AXES,
-    GROUP_SCATTER_AXES,
+    ExpertPages,
     GroupedSlabLayout,
     GroupPages,
     scattered_elements,
@@ -244,8 +244,10 @@ class Zero3:
             if kind == Kind.PAGES and isinstance(arg, GroupPages):
                 # a group's pages split over their axis where it is manual (experts);
                 # tensor parallelism's model axis is XLA's, the array global over it
-                group = PartitionSpec(self.rules["expert"]) if self.tensor_parallel == 1 else whole
-                return GroupPages([whole] * len(arg.dense), group)
+                group = (
+                    PartitionSpec(self.rules["expert"]) if isinstance(arg, ExpertPages) else whole
+                )
+                return type(arg)([whole] * len(arg.dense), group)
             return jax.tree.map(lambda _: split.get(kind, whole), arg)
 
         def finish(kind: str, result):  # on each device: a result as its kind leaves
@@ -305,13 +307,19 @@ class Zero3:
         # global mean's (exact for a power-of-two N).
         scatter = lambda g, axes: jax.lax.psum_scatter(g, axes, scatter_dimension=0, tiled=True)
         M = self.tensor_parallel
+        # a group's devices (its grouping's ``share_axes``): an expert group's (its slice
+        # of it, under tensor parallelism) on the data axis; a tensor-parallel slice's on
+        # the data axis, and the expert axis where it is a batch axis outside the experts
+        group_axes = (DATA_AXIS,)
+        if not isinstance(pages, ExpertPages) and self.expert_parallel > 1:
+            group_axes = BATCH_AXES
         if isinstance(pages, GroupPages) and M > 1:
             # the group global over the automatic model axis, (M x group pages, P), its
             # row block m on model device m; the dense gradient whole on each. Scattered
             # manual over the model axis too (XLA's partitioner would gather the group
             # first): device m keeps its group's sum and part m of the dense one.
             def own(group, dense):
-                group = scatter(group, GROUP_SCATTER_AXES)
+                group = scatter(group, group_axes)
                 if not dense.shape[0]:
                     return group
                 dense = scatter(dense, DENSE_SCATTER_AXES)
@@ -329,7 +337,7 @@ class Zero3:
             )(pages.group.astype(dtype), dense)  # fmt: skip
         elif isinstance(pages, GroupPages):
             dense = jnp.stack([p.astype(dtype) for p in pages.dense])  # (pages, page_elems)
-            group = scatter(pages.group.astype(dtype), GROUP_SCATTER_AXES)
+            group = scatter(pages.group.astype(dtype), group_axes)
             summed = jnp.concatenate([group, scatter(dense, DENSE_SCATTER_AXES)])
         else:
             summed = scatter(jnp.stack([p.astype(dtype) for p in pages]), DENSE_SCATTER_AXES)
@@ -363,7 +371,7 @@ class Zero3:
 
             def split(share):  # (share, page_elems): its group's pages, then the dense
                 group, dense = share[: layout.group_share], share[layout.group_share :]
-                group = jax.lax.all_gather(group, DATA_AXIS, tiled=True)
+                group = jax.lax.all_gather(group, layout.grouping.share_axes, tiled=True)
                 if not layout.dense_share:  # a stage of grouped leaves only
                     return group, dense
                 return group, jax.lax.all_gather(dense, self.page_axes, tiled=True)
@@ -373,11 +381,10 @@ class Zero3:
 
             def gather(s):
                 group, dense = split(s)
-                return GroupPages(list(dense), group)
+                return layout.grouping.pages(list(dense), group)
 
-            gather = jax.jit(
-                gather, out_shardings=self.sharded.group_pages(layout.dense.num_pages, axis)
-            )
+            out = self.sharded.group_pages(layout.dense.num_pages, axis, layout.grouping.pages)
+            gather = jax.jit(gather, out_shardings=out)
         self._gathers[key] = gather
         return gather
 
@@ -386,7 +393,9 @@ class Zero3:
         ``ShapeDtypeStruct``s with their shardings (to lower a stage function with)."""
         pages = layout.device_pages(dtype)
         if isinstance(pages, GroupPages):
-            shardings = self.sharded.group_pages(layout.dense.num_pages, layout.grouping.axis)
+            shardings = self.sharded.group_pages(
+                layout.dense.num_pages, layout.grouping.axis, layout.grouping.pages
+            )
         else:
             shardings = [self.sharded.gathered] * len(pages)
         sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
@@ -461,7 +470,7 @@ class Zero3:
             f"process holds pages [{first}, {first + n}) of each stage"
         ]
         if isinstance(lay, GroupedSlabLayout):
-            what = "experts" if lay.grouping.axis != MODEL_AXIS else "split weights' slices"
+            what = {MODEL_AXIS: "split weights' slices"}.get(lay.grouping.axis, "experts")
             lines.append(
                 f"{lay.groups} groups of {what} over the {lay.grouping.axis} axis x "
                 f"{lay.shares} on the data axis; a device fetches and computes with "
