@@ -23,6 +23,9 @@ class DistributedConfig:
     their experts' devices and back with all-to-alls), composed with ``data_parallel``
     over the remaining devices: data_parallel x expert_parallel devices in all
     (data_parallel 0: every device); every other param is ZeRO-3 over all of them.
+    ``tensor_parallel`` M > 1 splits each block's compute over M devices (the ``model``
+    axis), with either or both: a data x expert x model mesh (a MoE block's experts then
+    split over expert and model, ``runtime/experts.py``).
     ``coordinator``,
     ``num_processes`` and ``process_id`` start ``jax.distributed``: empty / 0 / -1 read
     them from the environment (``HETJAX_COORDINATOR``, ``HETJAX_NUM_PROCESSES``,

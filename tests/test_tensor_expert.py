@@ -17,6 +17,7 @@ from conftest import tiny_config
 from equivalence import assert_training_equal, assert_trees_close, check_tokens
 from test_moe import SGD, SHORT, TRAIN_MOE
 
+from hetjax import support
 from hetjax.runtime.grouped import ExpertPages
 from hetjax.runtime.zero import Zero3
 from hetjax.train import train
@@ -72,7 +73,8 @@ def test_each_device_fetches_its_expert_groups_slice_and_scatters_hand_counted_b
     the dense pages whole and, of each expert weight, experts [2e, 2e + 2) cut to model
     slice m on the hidden axis (cut here from the initial params by numpy slicing); the
     layout turns the pages back into the block; the byte count of each stage's
-    reduce-scatters is the hand count above (``SCATTER_PAGES``)."""
+    reduce-scatters is the hand count above (``SCATTER_PAGES``); routed experts fall
+    back as under tensor parallelism."""
     config = etp_config(2)
     model = build_model(config.model)
     zero = Zero3(config)
@@ -103,6 +105,13 @@ def test_each_device_fetches_its_expert_groups_slice_and_scatters_hand_counted_b
             mine = np.split(whole, 2, axis=split[name])[m]
             np.testing.assert_array_equal(got[leaf.offset : leaf.offset + leaf.size], mine.ravel())
     assert seen == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    # the mesh is tensor parallelism's row of the support matrix: routed experts (the
+    # default) fall back to copying every expert, as under tensor parallelism alone
+    assert support.parallelism(config.distributed) == support.TENSOR
+    assert [line.split(":")[0] for line in support.fallbacks(config)] == [
+        "offload.expert_fetch",
+        "offload.expert_updates",
+    ]
 
 
 @pytest.mark.slow  # ~30-40 s each on 2 cores
@@ -144,3 +153,33 @@ def test_checkpoint_at_2x2x2_resumes_on_one_device(tmp_path):
     resumed = run(4, "one", 1, 1, 1)
     np.testing.assert_allclose(resumed.losses, straight.losses[2:], rtol=1e-5)
     assert_trees_close(resumed.params, straight.params)
+
+
+@pytest.mark.slow  # ~5 s: the layouts and a plan of the tiny model
+def test_planner_prices_the_3d_mesh_as_the_runtime_lays_it_out():
+    """The planner's workload at 2 x 2 x 2 takes the runtime's layouts: a block's
+    reduce-scatters send the hand-counted 7 pages (``SCATTER_PAGES``), the embedding's
+    and head's 3 + 9, its gather brings 7 of the 8 dense pages and 1 of its group's 2,
+    and its all-to-all the fixed-capacity rows of its data group (by hand: the
+    micro-batch's 4 rows over 4 data groups, 1 row x 16 tokens x 2 experts a token,
+    sent to and back from the G = 2 expert devices, a send buffer of G slots, (G-1)/G
+    of it leaving: 2 x 2 x 16 x 2 x 32 x 4 B / 2 = 8,192 B). A plan on an 8-device
+    profile prices collectives; ``auto`` searches no tensor degree beside expert
+    parallelism (the config's is taken as given)."""
+    from hetjax.planning.hardware import get_profile
+    from hetjax.planning.search import make_plan
+    from hetjax.planning.split import tensor_degrees
+    from hetjax.planning.workload import Workload
+
+    config = etp_config(2)
+    w = Workload.from_config(config, devices=8, tensor=2)
+    page = PAGE // 4
+    assert w.scattered_block_params == 7 * page
+    assert w.scattered_rest_params == (3 + 9) * page
+    assert w.gathered_block_params == (7 + 1) * page
+    assert w.exchange_bytes == 8192
+    plan = make_plan(config, get_profile("angel-a100-40g"))
+    assert plan.tensor_parallel == 2 and plan.lanes["collectives"] > 0
+    assert tensor_degrees(config, 8) == [2]
+    assert tensor_degrees(etp_config(2, experts=1, tensor=1), 4) == [1, 2]  # searched
+    assert tensor_degrees(etp_config(2, tensor=1), 4) == [1]  # not beside experts

@@ -49,7 +49,11 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   the dense pages over every device and the experts over ``data`` only, so a device
   computes with E/G experts, and its tokens reach the other experts by all-to-all
   inside the block (``models/llama.py``). The experts' gradients are reduce-scattered
-  over ``data`` only (the devices holding the same experts).
+  over ``data`` only (the devices holding the same experts). With tensor parallelism
+  too (data x expert x model), each device's group is its experts' slice on the model
+  axis (``experts.ExpertTensorGrouping``, :class:`~hetjax.runtime.grouped.ExpertPages`:
+  manual over ``expert``, XLA's over ``model``), the other stages' slices shared over
+  data x expert.
 
 A stage group's context (``models/staged.py``; T5's decoder reads the encoder's output
 and a position-bias table) is declared ``Kind.CONTEXT``: its activations are split by
