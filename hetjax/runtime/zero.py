@@ -247,10 +247,10 @@ class Zero3:
         def spec_in(kind: str, arg):
             if kind == Kind.PAGES and isinstance(arg, GroupPages):
                 # a group's pages split over their axis where it is manual (experts);
-                # tensor parallelism's model axis is XLA's, the array global over it
-                group = (
-                    PartitionSpec(self.rules["expert"]) if isinstance(arg, ExpertPages) else whole
-                )
+                # tensor parallelism's model axis is XLA's, the array global over it.
+                # Without tensor parallelism every group is experts (routed_zero.py's too)
+                experts = isinstance(arg, ExpertPages) or self.tensor_parallel == 1
+                group = PartitionSpec(self.rules["expert"]) if experts else whole
                 return type(arg)([whole] * len(arg.dense), group)
             return jax.tree.map(lambda _: split.get(kind, whole), arg)
 
@@ -315,7 +315,7 @@ class Zero3:
         # of it, under tensor parallelism) on the data axis; a tensor-parallel slice's on
         # the data axis, and the expert axis where it is a batch axis outside the experts
         group_axes = (DATA_AXIS,)
-        if not isinstance(pages, ExpertPages) and self.expert_parallel > 1:
+        if M > 1 and self.expert_parallel > 1 and not isinstance(pages, ExpertPages):
             group_axes = BATCH_AXES
         if isinstance(pages, GroupPages) and M > 1:
             # the group global over the automatic model axis, (M x group pages, P), its
@@ -474,9 +474,12 @@ class Zero3:
             f"process holds pages [{first}, {first + n}) of each stage"
         ]
         if isinstance(lay, GroupedSlabLayout):
-            what = {MODEL_AXIS: "split weights' slices"}.get(lay.grouping.axis, "experts")
+            axis = lay.grouping.axis
+            axes = f"{axis} axis" if isinstance(axis, str) else " x ".join(axis) + " axes"
+            what = "split weights' slices" if axis == MODEL_AXIS else "experts"
+            what += "' slices" if MODEL_AXIS in axis and axis != MODEL_AXIS else ""
             lines.append(
-                f"{lay.groups} groups of {what} over the {lay.grouping.axis} axis x "
+                f"{lay.groups} groups of {what} over the {axes} x "
                 f"{lay.shares} on the data axis; a device fetches and computes with "
                 f"{lay.dense.num_pages} dense pages and its group's {lay.group.num_pages}"
             )
