@@ -133,7 +133,25 @@ def test_expert_and_tensor_parallel_equal_single_device(tmp_path, data, tier):
     assert all(r["all_gather_bytes"] > 0 for r in result.records)
 
 
-@pytest.mark.slow  # ~60 s: three runs
+@pytest.mark.slow  # ~15-25 s each (2 cores)
+@pytest.mark.parametrize(
+    "feature",
+    [dict(keep_blocks=1, swap_blocks=1), dict(optimizer_device_stages=2)],
+    ids=["keep_and_swap", "device_cache"],
+)
+def test_offload_features_on_expert2xmodel2_equal_single_device(tmp_path, feature):
+    """A kept block and a swapped one (their keep levels and residuals measured on one
+    device inside the mesh, whose all-to-all and split experts they need), and the
+    device cache of optimizer state (embed's and block 0's updates on each device), at
+    1 x 2 x 2: losses, validation loss, every final param and the logits equal one
+    device's at 1e-5."""
+    reference = train(etp_config(1, 1, 1), tmp_path / "one", verbose=False)
+    config = etp_config(1).replace(offload=dict(mode="stream", **feature))
+    result = train(config, tmp_path / "etp", verbose=False)
+    assert_training_equal(result, reference, build_model(config.model), check_tokens())
+
+
+@pytest.mark.slow  # ~10-20 s: three runs
 def test_checkpoint_at_2x2x2_resumes_on_one_device(tmp_path):
     """A checkpoint written at data x expert x model = 2 x 2 x 2 with state on NVMe (its
     block slabs cut by expert group and slice) resumes on one device, from the params
