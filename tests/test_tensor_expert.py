@@ -114,7 +114,7 @@ def test_each_device_fetches_its_expert_groups_slice_and_scatters_hand_counted_b
     ]
 
 
-@pytest.mark.slow  # ~30-40 s each on 2 cores
+@pytest.mark.slow  # ~6-15 s each on 2 cores
 @pytest.mark.parametrize(
     "data, tier", [(1, "host"), (2, "nvme")], ids=["expert2xmodel2", "data2xexpert2xmodel2-nvme"]
 )
@@ -133,7 +133,7 @@ def test_expert_and_tensor_parallel_equal_single_device(tmp_path, data, tier):
     assert all(r["all_gather_bytes"] > 0 for r in result.records)
 
 
-@pytest.mark.slow  # ~15-25 s each (2 cores)
+@pytest.mark.slow  # ~5-20 s each (2 cores)
 @pytest.mark.parametrize(
     "feature",
     [dict(keep_blocks=1, swap_blocks=1), dict(optimizer_device_stages=2)],
@@ -151,11 +151,12 @@ def test_offload_features_on_expert2xmodel2_equal_single_device(tmp_path, featur
     assert_training_equal(result, reference, build_model(config.model), check_tokens())
 
 
-@pytest.mark.slow  # ~10-20 s: three runs
-def test_checkpoint_at_2x2x2_resumes_on_one_device(tmp_path):
+@pytest.mark.slow  # ~10-25 s: four runs
+def test_checkpoint_at_2x2x2_resumes_on_one_device_and_at_1x2x2(tmp_path):
     """A checkpoint written at data x expert x model = 2 x 2 x 2 with state on NVMe (its
-    block slabs cut by expert group and slice) resumes on one device, from the params
-    reassembled from its pieces, ending where the uninterrupted run does."""
+    block slabs cut by expert group and slice) resumes on one device and at 1 x 2 x 2
+    (another layout: laid out anew from the params reassembled from its pieces), each
+    ending where the uninterrupted run does."""
 
     def run(steps, workdir, data=2, experts=2, tensor=2, tier="nvme"):
         config = etp_config(data, experts, tensor, tier).replace(
@@ -167,13 +168,14 @@ def test_checkpoint_at_2x2x2_resumes_on_one_device(tmp_path):
 
     straight = run(4, "straight", 1, 1, 1)
     run(2, "saved")
-    shutil.copytree(tmp_path / "saved" / "checkpoints", tmp_path / "one" / "checkpoints")
-    resumed = run(4, "one", 1, 1, 1)
-    np.testing.assert_allclose(resumed.losses, straight.losses[2:], rtol=1e-5)
-    assert_trees_close(resumed.params, straight.params)
+    for workdir, data, experts, tensor in [("one", 1, 1, 1), ("etp", 1, 2, 2)]:
+        shutil.copytree(tmp_path / "saved" / "checkpoints", tmp_path / workdir / "checkpoints")
+        resumed = run(4, workdir, data, experts, tensor)
+        np.testing.assert_allclose(resumed.losses, straight.losses[2:], rtol=1e-5)
+        assert_trees_close(resumed.params, straight.params)
 
 
-@pytest.mark.slow  # ~5 s: the layouts and a plan of the tiny model
+@pytest.mark.slow  # ~1-4 s: the layouts and a plan of the tiny model
 def test_planner_prices_the_3d_mesh_as_the_runtime_lays_it_out():
     """The planner's workload at 2 x 2 x 2 takes the runtime's layouts: a block's
     reduce-scatters send the hand-counted 7 pages (``SCATTER_PAGES``), the embedding's
