@@ -203,3 +203,28 @@ def test_planner_prices_the_3d_mesh_as_the_runtime_lays_it_out():
     assert tensor_degrees(config, 8) == [2]
     assert tensor_degrees(etp_config(2, experts=1, tensor=1), 4) == [1, 2]  # searched
     assert tensor_degrees(etp_config(2, tensor=1), 4) == [1]  # not beside experts
+
+
+@pytest.mark.slow  # two child processes compile everything anew (~60-90 s on 2 cores)
+def test_two_processes_at_expert2xmodel2_equal_single_device(tmp_path):
+    """2 processes x 2 CPU devices over gloo at 1 x 2 x 2: each process holds one expert
+    group's two model slices (the all-to-all crosses the processes, the model axis's
+    all-reduces stay in each): losses, validation loss and final params equal one
+    device's."""
+    from test_zero import _params_like, _run_two_processes
+
+    reference = train(etp_config(1, 1, 1), tmp_path / "one", verbose=False)
+    model = [f"model.{k}={v}" for k, v in TRAIN_MOE.items()]
+    saved = _run_two_processes(
+        tmp_path / "two",
+        *model,
+        "train.steps=4",
+        "train.eval_batches=1",
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        "distributed.expert_parallel=2",
+        "distributed.tensor_parallel=2",
+    )
+    np.testing.assert_allclose(saved["losses"], reference.losses, rtol=1e-5)
+    np.testing.assert_allclose(saved["val_loss"], reference.val_loss, rtol=1e-5)
+    assert_trees_close(_params_like(saved, reference.params), reference.params)
