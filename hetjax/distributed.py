@@ -158,11 +158,10 @@ def initialize(config: Config) -> ProcessGroup:
     group = process_group(cfg)
     if group.num_processes == 1:
         return group
-    if config.offload.mode != "stream" or not cfg.sharded:
+    if not cfg.sharded:
         raise ConfigError(
-            f"{group.num_processes} processes train one model only with ZeRO-3 data "
-            "parallelism: set offload.mode=stream and distributed.data_parallel=0 (every "
-            "device of every process)"
+            f"{group.num_processes} processes train one model only with data "
+            "parallelism: set distributed.data_parallel=0 (every device of every process)"
         )
     import jax
 

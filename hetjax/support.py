@@ -55,11 +55,18 @@ class Feature:
 
 
 FEATURES: dict[str, Feature] = {
-    # offload.mode=none: the whole state on the device, one jitted step
+    # offload.mode=none: the whole state on the device, one jitted step; under data
+    # parallelism the state replicated on every device, the rows split, XLA's all-reduce
+    # summing the gradients (runtime/in_memory.py). Not planned there: the planner sizes
+    # offload.mode=none for one device's whole batch
     "in_memory": Feature(
         key="",
         reason="{parallel} is built on the streaming runtime (ZeRO-3)",
         fix="set offload.mode=stream (or auto)",
+        refused=frozenset({EXPERT, TENSOR}),
+        unplanned=frozenset({DATA}),
+        why_unplanned="the planner sizes offload.mode=none for one device's rows of the "
+        "whole batch, not data parallelism's replicated state",
     ),
     # under ZeRO-3 each device holds and updates its own pages of the cached stages'
     # state, and their params, in its memory (optimizer/sharded_slab.py; the planner's

@@ -180,6 +180,7 @@ def test_bad_setting_names_the_key(tiny, bad):
         tiny(offload=bad)
 
 
+@pytest.mark.slow  # ~12 s (the default run's time, 2026-11-27)
 def test_the_planner_counts_the_state_deferred_experts_leave_on_disk():
     """With the state on NVMe, a plan counts only the share of the routed experts'
     state a step touches (uniform routing: an expert gets a token in one of A

@@ -51,6 +51,7 @@ def test_launcher_variables_come_from_the_config_and_the_environment_wins():
     assert (wanted - 1) * GiB < 0.9 * ram <= wanted * GiB
 
 
+@pytest.mark.slow  # ~16 s (the default run's time, 2026-11-27)
 def test_launch_sets_them_before_jax_starts(tmp_path):
     code = (
         "import sys, jax; from hetjax import launch; launch.main(); "

@@ -90,7 +90,9 @@ def test_block_forward_copies_no_weight_out_of_pages(tiny):
         (dict(mode="stream"), False),  # host RAM
         (dict(mode="stream", optimizer="nvme", params="nvme"), False),  # read as numpy
         (dict(mode="stream", optimizer="nvme", params="nvme"), True),  # landed in pinned
-        (dict(mode="stream", optimizer_device_stages=2), False),  # cut on the device
+        pytest.param(  # cut on the device (~9 s)
+            dict(mode="stream", optimizer_device_stages=2), False, marks=pytest.mark.slow
+        ),
     ],
     ids=["host", "nvme", "nvme-pinned", "device-cache"],
 )

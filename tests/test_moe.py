@@ -358,6 +358,7 @@ def test_planner_counts_a_devices_share_of_the_experts(tiny):
     assert 4 * sizes.own_block >= whole and 4 * zero3.own_block >= whole
 
 
+@pytest.mark.slow  # ~12 s (the default run's time, 2026-11-27)
 def test_mixtral_8x7b_plans_with_its_experts_over_8_devices():
     """``--plan`` of configs/mixtral_8x7b.py with expert_parallel=8 on an 8-GPU profile:
     a device computes with a block of its one expert and the dense params (under a

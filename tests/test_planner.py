@@ -605,6 +605,7 @@ def test_data_parallel_plans_offer_optimizer_state_on_the_device():
     assert "device" in {c.placement.optimizer for c in _candidates(w, "single")}
 
 
+@pytest.mark.slow  # ~10 s (the default run's time, 2026-11-27)
 def test_a_host_budget_is_the_process_s_shared_by_its_devices():
     """memory.host_budget bounds the runtime's process, which drives all 8 devices of
     the profile's machine: each device is planned within an eighth of it, and the budget

@@ -227,6 +227,7 @@ def test_run_lock_names_a_live_holder_and_passes_from_a_dead_one(tmp_path):
     assert (tmp_path / LOCK_NAME).read_text() == ""  # released: no holder recorded
 
 
+@pytest.mark.slow  # ~14 s (the default run's time, 2026-11-27)
 def test_second_run_refused_while_the_first_lives_then_resumes(tmp_path):
     """A run holds its workdir and its memory.nvme_path: a second run on either refuses
     at once naming the holder, --overwrite (checkpoint.overwrite) included. After the
@@ -263,6 +264,7 @@ def test_second_run_refused_while_the_first_lives_then_resumes(tmp_path):
 # -- a checkpoint write failing part-way --------------------------------------------------
 
 
+@pytest.mark.slow  # ~13 s (the default run's time, 2026-11-27)
 def test_write_failing_part_way_keeps_the_earlier_checkpoint(uninterrupted, tmp_path):
     """A real disk-full error in the middle of a checkpoint's write, after the free-space
     check passed: a tmpfs with megabytes to spare but few inodes (``nr_inodes``), in a

@@ -63,12 +63,13 @@ def test_collectives_lane_prices_the_all_reduces_and_the_grouped_gathers():
     Megatron's all-reduces: 6 a block of the (4, 16, 32) fp32 activation (8,192
     B), 2(t-1)/t of it sent each: 2 x 6 x 8,192 B = 6 pages. 10 pages in all. At 2 x 1
     a block's 4 whole pages: half gathered, 2 pages a block (8 pages), scattered (4),
-    and half the embed's 3 + head's 1 pages, to 4 + 2 (3): 15 pages, no all-reduce."""
+    and half of the embed's 4 pages, sent twice (the head's gradient of it and its
+    input's: runtime/streaming.py), and of the head's 2: 5. 17 pages, no all-reduce."""
     config = tiny_config(memory=dict(page_size="16KiB"))
     hw = dataclasses.replace(PROFILES["angel-a100-40g"], num_devices=2)
     page = 4096 * 4
     streamed = Candidate(placement=Placement())
-    for tensor, allreduces, pages in ((2, 6 * page, 10), (1, 0, 15)):
+    for tensor, allreduces, pages in ((2, 6 * page, 10), (1, 0, 17)):
         w = Workload.from_config(config, devices=2, backend="gpu", tensor=tensor)
         assert tensor_allreduce_bytes(w, streamed.placement, tensor) == allreduces
         _, by_lane = lanes(w, hw, streamed, 0.0)
@@ -78,6 +79,11 @@ def test_collectives_lane_prices_the_all_reduces_and_the_grouped_gathers():
     # 4 dense ones over the 2 data devices, 3 pages, not the 4 of its gather
     w = Workload.from_config(config, devices=4, backend="gpu", tensor=2)
     assert w.scattered_block(4) == 3 * 4096 and w.gathered_block(4) == 4 * 4096
+    # at 4 x 1 every stage is 4 pages: each device sends 3/4 of 2 blocks', the head's
+    # and the embed's twice: the runtime's count (tests/test_zero.py), 5 x 3 pages
+    w = Workload.from_config(config, devices=4, backend="gpu")
+    grads = 4 * w.scattered_rest(4) + w.block_grad_bytes * w.num_layers * w.scattered_block(4)
+    assert grads == 5 * 3 * page
 
 
 def test_tensor_degrees_divide_the_model_and_the_rows():

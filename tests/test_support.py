@@ -102,16 +102,17 @@ def test_existing_refusal_texts_stay():
     config = lambda **sections: Config().replace(**sections)
     dp = dict(distributed=dict(data_parallel=2))
     with pytest.raises(ConfigError) as e:
-        config(offload=dict(mode="none"), **dp)
+        config(offload=dict(mode="none"), distributed=dict(tensor_parallel=2))
     assert str(e.value) == (
-        "config key 'distributed.data_parallel' (2): data parallelism "
-        "(distributed.data_parallel != 1) is built on the streaming runtime (ZeRO-3); set "
+        "config key 'distributed.tensor_parallel' (2): tensor parallelism "
+        "(distributed.tensor_parallel > 1) is built on the streaming runtime (ZeRO-3); set "
         "offload.mode=stream (or auto)"
     )
     # supported under data parallelism since 2026-11-26 (tests/test_zero.py), the device
-    # cache since 2026-11-27
+    # cache and the in-memory runtime since 2026-11-27 (tests/test_in_memory_dp.py)
     config(offload=dict(mode="stream", keep_blocks=1), optimizer=dict(mode="lockfree"), **dp)
     config(offload=dict(mode="stream", optimizer_device_stages=1), **dp)
+    config(offload=dict(mode="none"), **dp)
 
 
 def _every_candidate(w: Workload, parallelism: str):

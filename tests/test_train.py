@@ -167,6 +167,7 @@ def test_learning_rate_schedule():
     assert float(learning_rate_schedule(const, 10)(7)) == 2.0
 
 
+@pytest.mark.slow  # ~13 s (the default run's time, 2026-11-27)
 def test_remat_does_not_change_training(tmp_path, tiny):
     from equivalence import assert_gpt_training_equal
 

@@ -343,12 +343,21 @@ def test_per_device_bytes_shrink_with_devices(tiny):
 
 
 def test_bad_data_parallel_settings_are_named(tiny):
-    with pytest.raises(ConfigError, match="offload.mode=stream"):
-        tiny(offload=dict(mode="none"), distributed=dict(data_parallel=4))
     with pytest.raises(ConfigError, match="multiple of it"):
         tiny(offload=ZERO, train=dict(batch_size=6), distributed=dict(data_parallel=4))
     with pytest.raises(ConfigError, match="xla_force_host_platform_device_count=64"):
         Zero3(tiny(offload=ZERO, train=dict(batch_size=64), distributed=dict(data_parallel=64)))
+
+
+def test_several_processes_need_data_parallelism(tiny):
+    """Several processes train one model only over a mesh of all their devices: without
+    data parallelism start-up stops (before joining) naming the key; any offload mode
+    goes (streamed, in memory, auto: tests/test_in_memory_dp.py and below)."""
+    from hetjax.distributed import initialize
+
+    group = dict(coordinator="localhost:1", num_processes=2, process_id=1)
+    with pytest.raises(ConfigError, match="set distributed.data_parallel=0"):
+        initialize(tiny(offload=dict(mode="none"), distributed=group))
 
 
 def test_process_group_from_environment():
@@ -474,6 +483,22 @@ def test_two_processes_train_like_one(reference4, tmp_path):
     assert (tmp_path / "proc1").is_dir()
     for log in ("metrics.jsonl", "summary.json"):  # process 0 writes them alone
         assert not (tmp_path / "proc1" / log).exists()
+
+
+@pytest.mark.slow  # ~60 s: two child processes plan and compile everything anew
+def test_two_processes_plan_auto_once_and_train_like_one(reference4, tmp_path):
+    """offload.mode=auto in 2 processes x 2 CPU devices under a per-device budget the
+    whole state does not fit: each process measures its own first device, process 0's
+    plan goes to both (they must run one placement), and the run streams and equals the
+    single-device run."""
+    budgets = ("memory.device_budget=450KiB", "memory.host_budget=1600KiB")
+    saved = _run_two_processes(tmp_path, *SGD_ARGS, "offload.mode=auto", *budgets)
+    np.testing.assert_allclose(saved["losses"], reference4.losses, rtol=1e-5)
+    params = _params_like(saved, reference4.params)
+    assert_trees_close(without_key_bias(params), without_key_bias(reference4.params))
+    ran = json.loads((tmp_path / "proc0" / "config.json").read_text())
+    assert ran["offload"]["mode"] == "stream"
+    assert ran["memory"]["device_budget"] <= 450 * 1024
 
 
 @pytest.mark.slow

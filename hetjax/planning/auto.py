@@ -40,7 +40,7 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     if config.offload.mode != "auto":
         return config, None
     parallel = support.parallelism(config.distributed)
-    in_memory = support.supports("in_memory", parallel)
+    in_memory = support.planned("in_memory", parallel)
     if in_memory:  # ZeRO-3 is the streaming runtime's
         log(f"offload.mode=auto: {in_memory}: planning the streaming runtime")
     else:

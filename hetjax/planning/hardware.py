@@ -343,7 +343,7 @@ def device_capacity(device=None) -> int:
     ``bytes_limit``) is an error, never taken for host RAM."""
     import jax
 
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     if device.platform == "cpu":
         return _mem_available()
     stats = device.memory_stats() or {}
@@ -387,7 +387,7 @@ def measure_local(nvme_path: str = "", dtype: str = "float32") -> Hardware:
     """This machine, measured now (a few seconds; cached for the process)."""
     import jax
 
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     cpu = device.platform == "cpu"
     host_free = _mem_available()
     try:

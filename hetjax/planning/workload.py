@@ -163,12 +163,21 @@ class Workload:
             return self.scattered_block_params
         return self.gathered_block(devices)
 
+    @property
+    def embed_grad_sends(self) -> int:
+        """Times a micro-batch's backward hands the embedding's gradient on (each
+        reduce-scattered under ZeRO-3): the head's (tied or not) and each stage group's
+        input's (runtime/streaming.py: ``_head``, ``_backward``)."""
+        return 1 + max(1, len(self.groups))
+
     def scattered_rest(self, devices: int) -> float:
         """Params of the embedding's and the head's gradients a device sends in their
-        reduce-scatters."""
+        reduce-scatters (the embedding's :attr:`embed_grad_sends` times)."""
         if self.tensor > 1:
             return self.scattered_rest_params
-        return (self.params - self.num_layers * self.stored_block) * (devices - 1) / devices
+        rest = self.params - self.num_layers * self.stored_block
+        rest += (self.embed_grad_sends - 1) * self.embed_params
+        return rest * (devices - 1) / devices
 
     @property
     def expert_step_share(self) -> float:
@@ -403,7 +412,9 @@ class Workload:
                 else 0
             ),
             scattered_rest_params=(
-                sum(scattered_elements(layouts[s], mesh) for s in ("embed", "head"))
+                # the embedding's gradient goes out from the head and each group's input
+                (1 + len(model.groups)) * scattered_elements(layouts["embed"], mesh)
+                + scattered_elements(layouts["head"], mesh)
                 if tensor > 1
                 else 0
             ),

@@ -1,6 +1,12 @@
 """The in-memory reference runtime (``offload.mode=none``): the whole state on the device
 and one jitted step with gradient accumulation. It is the reference every offloaded mode
-is tested against, so it is kept plain."""
+is tested against, so it is kept plain.
+
+Under data parallelism (``distributed.data_parallel`` != 1, any number of processes) it
+is plain data parallelism: the state replicated on every device of the mesh, each
+micro-batch's rows split over them (each process passes its own rows, ``data.py``), and
+XLA's all-reduce summing the gradients inside the one jitted step. Expert and tensor
+parallelism are the streaming runtime's (``support.py``)."""
 
 from __future__ import annotations
 
@@ -13,10 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax import timeline
 from hetjax.config import Config, ConfigError
 from hetjax.data import split_window, window_length
+from hetjax.distributed import BATCH_AXES, data_mesh
 from hetjax.hf import open_checkpoint
 from hetjax.optimizer.build import build_optimizer, optax_tree_slots
 from hetjax.optimizer.moments import decode_state, encode_state
@@ -53,10 +61,31 @@ class InMemoryRuntime:
             opt_state=self.tx.init(params),
             loss_scale=LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None,
         )
+        # data parallelism: the state on every device, the rows split over them (a
+        # training batch's second axis, an evaluation batch's first); None: the default
+        # device
+        self._replicated = self._rows = self._eval_rows = None
+        if config.distributed.sharded:
+            mesh = data_mesh(config.distributed.data_parallel)
+            self._replicated = NamedSharding(mesh, PartitionSpec())
+            self._rows = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
+            self._eval_rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+            self.state = self._global(self.state, self._replicated)
         objective, T = config.data.objective, config.train.seq_len
         step = functools.partial(step_fn, self.model, self.tx, objective=objective, seq_len=T)
-        self._step = jax.jit(step, donate_argnums=0)
+        self._step = jax.jit(step, donate_argnums=0, out_shardings=self._replicated)
         self._eval = jax.jit(lambda p, b: self.model.loss(p, *split_window(objective, b, T)))
+
+    @staticmethod
+    def _global(tree: Any, sharding: NamedSharding | None) -> Any:
+        """``tree`` as arrays of ``sharding`` over the mesh (None: as it is), each
+        process giving its own part (of a replicated sharding: the whole, the same on
+        every process). No collective: ``jax.device_put`` to a sharding over several
+        processes would check the values are equal across them."""
+        if sharding is None:
+            return tree
+        put = lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a))
+        return jax.tree.map(put, tree)
 
     def train_step(
         self,
@@ -66,8 +95,12 @@ class InMemoryRuntime:
         loss_gain: float = 1.0,
     ) -> StepReport:
         guard = np.array([loss_limit, loss_gain], np.float32)
+        poison = np.float32(np.nan if poison else 1.0)
+        batch, poison, guard = self._global(batch, self._rows), *self._global(
+            (poison, guard), self._replicated
+        )  # fmt: skip
         self.state, (loss, grad_norm, nonfinite, spike, scale) = self._step(
-            self.state, batch, np.float32(np.nan if poison else 1.0), guard
+            self.state, batch, poison, guard
         )
         timeline.watch("compute", "train step", loss)
         nonfinite, spike, scale = bool(nonfinite), bool(spike), float(scale)
@@ -82,7 +115,7 @@ class InMemoryRuntime:
         )
 
     def eval_loss(self, batch: np.ndarray) -> float:
-        return float(self._eval(self.state.params, batch))
+        return float(self._eval(self.state.params, self._global(batch, self._eval_rows)))
 
     def params(self) -> Any:
         # np.array copies: on CPU a device_get can alias a buffer the next step donates.
@@ -159,7 +192,7 @@ class InMemoryRuntime:
             loss_scale = loss_scale.replace(
                 scale=jnp.float32(state.loss_scale[0]), good_steps=jnp.int32(state.loss_scale[1])
             )
-        self.state = self.state.replace(
+        state = self.state.replace(
             params=params,
             opt_state=encode_state(
                 jax.tree.unflatten(jax.tree.structure(template), leaves),
@@ -167,6 +200,7 @@ class InMemoryRuntime:
             ),
             loss_scale=loss_scale,
         )
+        self.state = self._global(state, self._replicated)
 
 
 def step_fn(

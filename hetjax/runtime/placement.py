@@ -85,7 +85,7 @@ class Shardings:
 
     @classmethod
     def single_device(cls, device: jax.Device | None = None) -> Shardings:
-        device = device or jax.devices()[0]
+        device = device or jax.local_devices()[0]  # (this process's first)
         host = SingleDeviceSharding(device, memory_kind="pinned_host")
         if device.platform == "cpu" and os.environ.get(HOST_CLIENT_ENV) == "separate":
             optimizer = SingleDeviceSharding(separate_host_device())
