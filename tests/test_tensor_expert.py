@@ -179,7 +179,8 @@ def test_checkpoint_at_2x2x2_resumes_on_one_device_and_at_1x2x2(tmp_path):
 def test_planner_prices_the_3d_mesh_as_the_runtime_lays_it_out():
     """The planner's workload at 2 x 2 x 2 takes the runtime's layouts: a block's
     reduce-scatters send the hand-counted 7 pages (``SCATTER_PAGES``), the embedding's
-    and head's 3 + 9, its gather brings 7 of the 8 dense pages and 1 of its group's 2,
+    twice (the head function's and its input's backward's) and the head's, 2 x 3 + 9
+    (as ``step_scatter_bytes``), its gather brings 7 of the 8 dense pages and 1 of its group's 2,
     and its all-to-all the fixed-capacity rows of its data group (by hand: the
     micro-batch's 4 rows over 4 data groups, 1 row x 16 tokens x 2 experts a token,
     sent to and back from the G = 2 expert devices, a send buffer of G slots, (G-1)/G
@@ -195,7 +196,7 @@ def test_planner_prices_the_3d_mesh_as_the_runtime_lays_it_out():
     w = Workload.from_config(config, devices=8, tensor=2)
     page = PAGE // 4
     assert w.scattered_block_params == 7 * page
-    assert w.scattered_rest_params == (3 + 9) * page
+    assert w.scattered_rest_params == (2 * 3 + 9) * page
     assert w.gathered_block_params == (7 + 1) * page
     assert w.exchange_bytes == 8192
     plan = make_plan(config, get_profile("angel-a100-40g"))
