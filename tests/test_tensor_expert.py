@@ -69,12 +69,12 @@ def step_scatter_bytes(data: int) -> int:
 
 
 def test_each_device_fetches_its_expert_groups_slice_and_scatters_hand_counted_bytes():
-    """At data x expert x model = 2 x 2 x 2 a block's gather brings device (d, e, m)
-    the dense pages whole and, of each expert weight, experts [2e, 2e + 2) cut to model
-    slice m on the hidden axis (cut here from the initial params by numpy slicing); the
-    layout turns the pages back into the block; the byte count of each stage's
-    reduce-scatters is the hand count above (``SCATTER_PAGES``); routed experts fall
-    back as under tensor parallelism."""
+    """At data x expert x model = 2 x 2 x 2 a block's gather brings device (d, e, m),
+    of each expert weight, experts [2e, 2e + 2) cut to model slice m on the hidden axis
+    (cut here from the initial params by numpy slicing); the layout turns the pages
+    back into the block; the byte count of each stage's reduce-scatters is the hand
+    count above (``SCATTER_PAGES``); routed experts fall back as under tensor
+    parallelism."""
     config = etp_config(2)
     model = build_model(config.model)
     zero = Zero3(config)
