@@ -23,6 +23,9 @@ class DistributedConfig:
     their experts' devices and back with all-to-alls), composed with ``data_parallel``
     over the remaining devices: data_parallel x expert_parallel devices in all
     (data_parallel 0: every device); every other param is ZeRO-3 over all of them.
+    ``tensor_parallel`` M > 1 splits each block's compute over M devices (the ``model``
+    axis), with either or both: a data x expert x model mesh (a MoE block's experts then
+    split over expert and model, ``runtime/experts.py``).
     ``coordinator``,
     ``num_processes`` and ``process_id`` start ``jax.distributed``: empty / 0 / -1 read
     them from the environment (``HETJAX_COORDINATOR``, ``HETJAX_NUM_PROCESSES``,
@@ -63,12 +66,6 @@ class DistributedConfig:
             "must be >= 1 (1: no tensor parallelism)",
             self.tensor_parallel,
         )
-        if self.tensor_parallel > 1 and self.expert_parallel > 1:
-            raise ConfigError(
-                "config key 'distributed.tensor_parallel' "
-                f"({self.tensor_parallel}): tensor parallelism with expert parallelism "
-                "is not supported yet; set one of them to 1"
-            )
         _check(
             self.num_processes >= 0,
             "distributed.num_processes",

@@ -243,8 +243,8 @@ HELP: dict[str, str] = {
     "([distributed](distributed.md#expert-parallelism))",
     "distributed.tensor_parallel": "devices each block's compute is split over (Megatron's "
     "split by heads and MLP units, from the models' logical axes; the `model` mesh axis), "
-    "composed with ZeRO-3 over `distributed.data_parallel` "
-    "([distributed](distributed.md#tensor-parallelism))",
+    "composed with ZeRO-3 over `distributed.data_parallel` (and `expert_parallel`: a "
+    "data x expert x model mesh) ([distributed](distributed.md#tensor-parallelism))",
     "distributed.reduce_dtype": "`float32`: block gradients are reduce-scattered in fp32; "
     "`compute`: in the compute dtype where it is bf16 and the gradient leaves the device "
     "in it (one micro-batch, sync mode): half the bytes on the wire and to the host, the "

@@ -19,16 +19,21 @@ import dataclasses
 from typing import Any
 
 SINGLE, DATA, EXPERT, TENSOR = "single", "data", "expert", "tensor"
+TENSOR_EXPERT = "tensor_expert"
 # one device; ZeRO-3 over distributed.data_parallel devices; experts split over
 # distributed.expert_parallel devices (with ZeRO-3 over all of them); each block's
 # compute split over distributed.tensor_parallel devices (ZeRO-3 over all of them)
-PARALLELISMS = (SINGLE, DATA, EXPERT, TENSOR)
-SHARDED = frozenset({DATA, EXPERT, TENSOR})
+# (and both at once: a data x expert x model mesh, whose MoE blocks lay out each expert
+# by group and slice, runtime/experts.py)
+PARALLELISMS = (SINGLE, DATA, EXPERT, TENSOR, TENSOR_EXPERT)
+SHARDED = frozenset({DATA, EXPERT, TENSOR, TENSOR_EXPERT})
 _PHRASES = {
     SINGLE: "one device",
     DATA: "data parallelism (distributed.data_parallel != 1)",
     EXPERT: "expert parallelism (distributed.expert_parallel > 1)",
     TENSOR: "tensor parallelism (distributed.tensor_parallel > 1)",
+    TENSOR_EXPERT: "tensor with expert parallelism (distributed.tensor_parallel > 1 and "
+    "distributed.expert_parallel > 1)",
 }
 
 
@@ -63,7 +68,7 @@ FEATURES: dict[str, Feature] = {
         key="",
         reason="{parallel} is built on the streaming runtime (ZeRO-3)",
         fix="set offload.mode=stream (or auto)",
-        refused=frozenset({EXPERT, TENSOR}),
+        refused=frozenset({EXPERT, TENSOR, TENSOR_EXPERT}),
         unplanned=frozenset({DATA}),
         why_unplanned="the planner sizes offload.mode=none for one device's rows of the "
         "whole batch, not data parallelism's replicated state",
@@ -122,11 +127,14 @@ FEATURES: dict[str, Feature] = {
     # under data and expert parallelism each device copies in and gathers the pages of
     # the experts some device routed to (runtime/routed_zero.py; under expert
     # parallelism its group's, over the data axis); under tensor parallelism its slice
-    # of them, from its group's slab laid out by weight slice (runtime/routed_tensor.py)
+    # of them, from its group's slab laid out by weight slice (runtime/routed_tensor.py).
+    # Not with both: a block's experts laid out by group and slice (runtime/experts.py's
+    # ExpertTensorGrouping), which no routed gather reads yet
     "routed_experts": Feature(
         key="offload.expert_fetch",
-        reason="routed experts are not supported with {parallel}",
-        refused=frozenset(),
+        reason="routed experts are not supported with {parallel}, whose blocks lay out "
+        "each expert by group and slice",
+        refused=frozenset({TENSOR_EXPERT}),
         fallback="every streamed block copies all its experts, as offload.expert_fetch=all",
     ),
     # deferred expert updates need routed experts (optimizer/deferred.py); each process
@@ -134,8 +142,8 @@ FEATURES: dict[str, Feature] = {
     # parallelism: in every slice)
     "deferred_updates": Feature(
         key="offload.expert_updates",
-        reason="deferred expert updates are not supported with {parallel}",
-        refused=frozenset(),
+        reason="deferred expert updates are not supported with {parallel}, which routes no experts",
+        refused=frozenset({TENSOR_EXPERT}),
         fallback="every expert is updated every step, as offload.expert_updates=all",
     ),
     "batch_chunks": Feature(
@@ -181,10 +189,10 @@ def parallelism(distributed: Any) -> str:
 
 def parallelism_of(data: int, expert: int = 1, tensor: int = 1) -> str:
     """The parallelism of a data x expert x tensor split (``data`` 0: every device)."""
+    if tensor > 1:
+        return TENSOR_EXPERT if expert > 1 else TENSOR
     if expert > 1:
         return EXPERT
-    if tensor > 1:
-        return TENSOR
     return DATA if data != 1 else SINGLE
 
 

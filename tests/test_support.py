@@ -23,7 +23,8 @@ DISTRIBUTED = {
     support.SINGLE: dict(data_parallel=1, expert_parallel=1),
     support.DATA: dict(data_parallel=2, expert_parallel=1),
     support.EXPERT: dict(data_parallel=1, expert_parallel=2),
-    support.TENSOR: dict(data_parallel=1, tensor_parallel=2),
+    support.TENSOR: dict(data_parallel=1, expert_parallel=1, tensor_parallel=2),
+    support.TENSOR_EXPERT: dict(data_parallel=1, expert_parallel=2, tensor_parallel=2),
 }
 STREAM = dict(mode="stream")
 # what asks for each feature (a whole offload section, or other sections too)
@@ -45,7 +46,7 @@ ASKS = {
 def _config(tiny, parallelism: str, moe: bool = True, **sections) -> Config:
     """The tiny model (a mixture of experts: expert parallelism needs one) under
     ``parallelism``."""
-    model = MOE if moe or parallelism == support.EXPERT else {}
+    model = MOE if moe or parallelism in (support.EXPERT, support.TENSOR_EXPERT) else {}
     base = tiny(model=model, distributed=DISTRIBUTED[parallelism])
     return base.replace(**sections)
 
@@ -68,7 +69,7 @@ def test_config_validation_agrees_with_the_matrix(tiny, feature, parallelism):
     not, it fails with the matrix's reason (naming the key and the fix), or, for a
     feature the defaults ask for, builds and says what the run does instead."""
     moe = feature in ("routed_experts", "deferred_updates")
-    if feature == "batch_chunks" and parallelism == support.EXPERT:
+    if feature == "batch_chunks" and parallelism in (support.EXPERT, support.TENSOR_EXPERT):
         # chunks need rows that are independent, which a mixture of experts' are not
         # (model's rule, not the parallelism's): expert parallelism needs one
         with pytest.raises(ConfigError, match="rows are independent"):
@@ -134,7 +135,8 @@ def test_the_planner_offers_only_what_the_matrix_allows(tiny, parallelism):
     offered = set()
     for moe in (False, True):
         config = _config(tiny, parallelism, moe, offload=STREAM)
-        devices = 1 if parallelism == support.SINGLE else 2
+        d = DISTRIBUTED[parallelism]
+        devices = d["data_parallel"] * d["expert_parallel"] * d.get("tensor_parallel", 1)
         w = Workload.from_config(config, devices=devices)
         for c in _every_candidate(w, parallelism):
             planned = config.replace(**c.config_overrides())  # raises if refused

@@ -335,8 +335,6 @@ def test_formerly_refused_features_under_tensor_parallelism_equal_single_device(
 def test_tensor_parallel_refusals_name_the_key():
     """What tensor parallelism does not support yet is refused at start-up, naming the
     key and the fix (hetjax/support.py)."""
-    with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel' \(2\).*expert"):
-        tiny_config(distributed=dict(tensor_parallel=2, expert_parallel=2))
     with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel'.*must be >= 1"):
         tiny_config(distributed=dict(tensor_parallel=0))
     with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel' \(2\).*stream"):

@@ -584,9 +584,7 @@ def planned_parallelism(config: Config, hw: Hardware, tensor: int = 1) -> str:
     devices."""
     if hw.num_devices == 1:
         return support.SINGLE
-    if tensor > 1:
-        return support.TENSOR
-    return support.EXPERT if config.distributed.expert_parallel > 1 else support.DATA
+    return support.parallelism_of(0, config.distributed.expert_parallel, tensor)
 
 
 def _fastest_per_placement(

@@ -33,9 +33,11 @@ def tensor_degrees(config: Config, devices: int) -> list[int]:
     says why). The planner plans tensor parallelism for the zoo's blocks (GPT, Llama,
     its mixture of experts, whose experts' MLPs split by their hidden units, and T5's
     encoder and decoder): its memory model is checked there
-    (``tests/test_memory_model.py``); not with expert parallelism, which the config
-    refuses beside it. A config's ``distributed.tensor_parallel`` > 1 is taken as
-    given."""
+    (``tests/test_memory_model.py``); not beside expert parallelism, whose data x
+    expert x model meshes are not searched (a block's experts' exchange and its
+    all-reduces there are estimates from the buffers' shapes, not checked against a
+    compiled step). A config's ``distributed.tensor_parallel`` > 1 is taken as given
+    (with expert parallelism too: ``tests/test_tensor_expert.py``)."""
     m, dist = config.model, config.distributed
     if dist.tensor_parallel > 1:
         return [dist.tensor_parallel]

@@ -419,8 +419,9 @@ class Workload:
                 else 0
             ),
             # a block's forward sends and gets back its (token, expert) rows, at the
-            # capacity that drops none (models/llama.py: exchange_with_experts)
-            exchange_bytes=2 * G * tokens * m.experts_per_token * D * c * (G - 1) // G,
+            # capacity that drops none (models/llama.py: exchange_with_experts): its data
+            # group's rows (under tensor parallelism each model device sends them all)
+            exchange_bytes=2 * G * group_rows * T * m.experts_per_token * D * c * (G - 1) // G,
             routed_expert_params=routed_experts,
             expert_fetch_fraction=fraction if routed_experts else 1.0,
             expert_fetch_source=source if routed_experts else "",
@@ -428,7 +429,8 @@ class Workload:
             batch_chunks=n_chunks,
             chunked_working_sets=chunked,
             tensor=tensor,
-            all_reduces=all_reduces(attentions, m.experts_per_token if m.num_experts else 0),
+            # (an expert-parallel MoE's experts compute on the exchange's G x k rows a token)
+            all_reduces=all_reduces(attentions, G * m.experts_per_token if m.num_experts else 0),
         )
 
 
@@ -436,9 +438,11 @@ def _scatter_bytes(layout, grad_bytes: int, devices: int) -> int:
     """The ZeRO-3 backward's reduce-scatter temporaries of a block of ``layout``
     (:func:`~hetjax.memory.zero3_scatter_bytes`): the whole slab over ``devices``; a
     tensor-parallel block's dense pages over every device and its slice over the data
-    axis only (none with one data group). Within 1.00-1.15 of XLA:CPU's at data x
+    axis only (none with one data group; an expert x tensor block's slice of its expert
+    group likewise). Within 1.00-1.15 of XLA:CPU's at data x
     tensor 1 x 2 and 2 x 2 (tests/test_memory_model.py)."""
-    if not (isinstance(layout, GroupedSlabLayout) and layout.grouping.axis == MODEL_AXIS):
+    axes = getattr(getattr(layout, "grouping", None), "axis", ())
+    if MODEL_AXIS not in ((axes,) if isinstance(axes, str) else axes):
         return zero3_scatter_bytes(layout.compute_size, grad_bytes, devices)
     pe, S = layout.page_elems, layout.shares
     dense = zero3_scatter_bytes(layout.dense.num_pages * pe, grad_bytes, devices)

@@ -11,6 +11,14 @@ shares are all-gathered over every device, a group's expert shares over the ``da
 axis only, never over ``expert`` (``zero.py``), and the gradients are reduce-scattered
 the same ways. Checkpoints record the pieces and restore into any other layout
 (``grouped.py``).
+
+With tensor parallelism too (``distributed.tensor_parallel`` M > 1, a data x expert x
+model mesh), each expert group's weights are cut further by the model axis's slices
+(:class:`ExpertTensorGrouping`): device (s, e, m) holds share s of group e's slice m,
+gathered over ``data`` only, and computes its group's experts split over ``model`` as
+tensor parallelism splits any MLP (the logical axis rules; the tokens' all-to-all stays
+on ``expert``). The block's other split weights (attention) are dense pages there,
+gathered whole and split by the rules on each device.
 """
 
 from __future__ import annotations
@@ -18,8 +26,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hetjax.distributed import EXPERT_AXIS
-from hetjax.runtime.grouped import GroupedSlabLayout
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetjax.distributed import DATA_AXIS, EXPERT_AXIS, MODEL_AXIS
+from hetjax.runtime.grouped import ExpertPages, GroupedSlabLayout
+from hetjax.runtime.tensor import _is_spec, _items, _model_dim, _put, _stack, _unstack
 from models.llama import join_experts, split_experts
 
 
@@ -29,6 +42,8 @@ class ExpertGrouping:
     per device of the ``expert`` axis; nothing is moved (experts are the first axis)."""
 
     axis: str = EXPERT_AXIS
+    share_axes = (DATA_AXIS,)  # a group's devices
+    pages = ExpertPages
 
     def split(self, params: Any) -> tuple[Any, Any]:
         return split_experts(params)
@@ -39,6 +54,79 @@ class ExpertGrouping:
     def cut(self, path: tuple[str, ...]) -> tuple[int, int]:
         return 0, 1
 
+    def stacked_index(self, group: int) -> int:
+        return group
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTensorGrouping:
+    """A MoE block's experts under expert x tensor parallelism (X x M devices): group e
+    of E/X experts per device of the ``expert`` axis, each expert weight cut on the axis
+    the rules split over ``model`` into M slices (tensor parallelism's, ``tensor.py``),
+    slice m per device of the ``model`` axis. The G = X x M groups in the devices'
+    order (e major): group e's slices, each stacked as :class:`TensorGrouping` stacks a
+    leaf's (so that inside a stage function, manual over ``expert``, a device's group
+    is tensor parallelism's stacked slices of its E/X experts). A checkpoint stacks the
+    whole leaf's slices first (slice m of every expert), as tensor parallelism's
+    (:meth:`stacked_index`), so it restores at any other split."""
+
+    axes: tuple[tuple[tuple[str, ...], int], ...]  # (expert leaf path, its split axis)
+    experts: int  # X: devices on the expert axis
+    parts: int  # M: devices on the model axis
+    per_group: int  # E / X experts a group holds
+    axis: tuple[str, ...] = (EXPERT_AXIS, MODEL_AXIS)
+    share_axes = (DATA_AXIS,)  # a group's devices
+    pages = ExpertPages
+
+    @classmethod
+    def of(cls, block: Any, specs: Any, experts: int, parts: int) -> ExpertTensorGrouping:
+        """The grouping of a MoE block's params (arrays or shapes) whose ``specs`` (its
+        ``PartitionSpec``s, ``tensor.tensor_specs``) split each expert weight over
+        ``model``."""
+        _, grouped = split_experts(block)
+        split = dict(_items(jax.tree.map(_model_dim, specs, is_leaf=_is_spec)))
+        axes = tuple((path, split[path]) for path, _ in _items(grouped))
+        assert all(axis > 0 for _, axis in axes), axes  # split, never on the experts' axis
+        num_experts = jax.tree.leaves(grouped)[0].shape[0]
+        return cls(axes, experts, parts, num_experts // experts)
+
+    def split(self, params: Any) -> tuple[Any, Any]:
+        rest, experts = split_experts(params)
+        axes, grouped = dict(self.axes), {}
+        for path, leaf in _items(experts):
+            _put(grouped, path, self._stack(leaf, axes[path]))
+        return rest, grouped
+
+    def _stack(self, leaf: Any, axis: int) -> Any:
+        """(E, ...) -> each group of E/X experts' M slices stacked, the groups in order."""
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return _stack(leaf, axis, self.parts)  # the same shape
+        xp = np if isinstance(leaf, np.ndarray) else jnp
+        n = self.per_group
+        groups = [_stack(leaf[e * n : (e + 1) * n], axis, self.parts) for e in range(self.experts)]
+        return xp.concatenate(groups)
+
+    def join(self, rest: Any, grouped: Any) -> Any:
+        """The inverse of :meth:`split`, of every group or (inside a stage function) of
+        one device's: as many groups as the leaves hold."""
+        axes, experts = dict(self.axes), {}
+        for path, stacked in _items(grouped):
+            xp = np if isinstance(stacked, np.ndarray) else jnp
+            n = self.parts * self.per_group  # rows of a group
+            groups = [
+                _unstack(stacked[e * n : (e + 1) * n], axes[path], self.parts)
+                for e in range(stacked.shape[0] // n)
+            ]
+            _put(experts, path, groups[0] if len(groups) == 1 else xp.concatenate(groups))
+        return join_experts(rest, experts)
+
+    def cut(self, path: tuple[str, ...]) -> tuple[int, int]:
+        return dict(self.axes)[tuple(path)], self.parts
+
+    def stacked_index(self, group: int) -> int:
+        e, m = divmod(group, self.parts)  # device (e, m) -> slice m of expert group e
+        return m * self.experts + e
+
 
 class ExpertSlabLayout(GroupedSlabLayout):
     """A MoE block's slab laid out for expert parallelism (see the module docstring)."""
@@ -48,3 +136,12 @@ class ExpertSlabLayout(GroupedSlabLayout):
         """The layout of a block's params (arrays or shapes) with its experts split into
         ``groups`` groups, on ``groups`` x ``shares`` devices."""
         return super().of(block, page_bytes, groups, shares, ExpertGrouping())
+
+
+def expert_tensor_layout(
+    block: Any, specs: Any, page_bytes: int, experts: int, parts: int, shares: int
+) -> GroupedSlabLayout:
+    """A MoE block's slab laid out for ``experts`` x ``parts`` (expert x model) groups
+    on ``shares`` data devices each (:class:`ExpertTensorGrouping`)."""
+    grouping = ExpertTensorGrouping.of(block, specs, experts, parts)
+    return GroupedSlabLayout.of(block, page_bytes, experts * parts, shares, grouping)

@@ -47,16 +47,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax.config import ConfigError
-from hetjax.distributed import BATCH_AXES, DATA_AXIS
+from hetjax.distributed import BATCH_AXES
 from hetjax.storage.pages import Leaf, SlabLayout
 
-# The mesh axes ZeRO-3 reduce-scatters each part of a stage's gradient over
+# The mesh axes ZeRO-3 reduce-scatters the dense part of a stage's gradient over
 # (``zero.Zero3.grad_slab``), which its byte count (:func:`scattered_elements`: the
-# runtime's counter and the planner's collectives lane) reads too: a group's pages (a
-# block's experts, a stage's tensor-parallel slices) over the devices holding the same
-# group, the rest over the batch axes. Never over the model axis: its devices compute
-# with the same rows, their gradients of the dense pages already whole on each.
-GROUP_SCATTER_AXES = (DATA_AXIS,)
+# runtime's counter and the planner's collectives lane) reads too: the batch axes. A
+# group's pages (a block's experts, a stage's tensor-parallel slices) go over the
+# devices holding the same group, its grouping's ``share_axes``. Never over the model
+# axis: its devices compute with the same rows, their gradients of the dense pages
+# already whole on each.
 DENSE_SCATTER_AXES = BATCH_AXES
 
 
@@ -73,11 +73,13 @@ def scattered_elements(layout: SlabLayout | GroupedSlabLayout, mesh_shape) -> in
     devices of the axes it is scattered on. Without tensor parallelism that is what the
     stage's gather brings (``layout.gathered_size``); with it the dense pages are
     scattered over the data axis only, not all data x tensor devices they are gathered
-    from (at data x tensor = 1 x M: none)."""
+    from (at data x tensor = 1 x M: none); a group's pages over its grouping's
+    ``share_axes`` (the data axis; a tensor-parallel slice under expert parallelism too:
+    data x expert)."""
     devices = lambda axes: math.prod(mesh_shape.get(a, 1) for a in axes)
-    group, dense = devices(GROUP_SCATTER_AXES), devices(DENSE_SCATTER_AXES)
+    dense = devices(DENSE_SCATTER_AXES)
     if isinstance(layout, GroupedSlabLayout):
-        pages = ring_sent(layout.group.num_pages, group)
+        pages = ring_sent(layout.group.num_pages, devices(layout.grouping.share_axes))
         pages += ring_sent(layout.dense.num_pages, dense)
     else:
         pages = ring_sent(layout.num_pages, dense)
@@ -93,10 +95,22 @@ class GroupPages(NamedTuple):
     group: Any
 
 
-class Grouping(Protocol):
-    """Which leaves of a stage a device holds a group of, and on which mesh axis."""
+class ExpertPages(GroupPages):
+    """A :class:`GroupPages` whose groups lie (also) on the ``expert`` axis, over which
+    the stage functions are manual: each device's stage function sees its own group
+    (expert parallelism's experts, alone or cut by tensor parallelism's slices)."""
 
-    axis: str  # the mesh axis the groups lie on
+    __slots__ = ()
+
+
+class Grouping(Protocol):
+    """Which leaves of a stage a device holds a group of, and on which mesh axes."""
+
+    axis: str | tuple[str, ...]  # the mesh axis (or axes, major first) the groups lie on
+    # the mesh axes of a group's shares: its devices, over which its pages are gathered
+    # and its gradient reduce-scattered (the others on the mesh hold other groups)
+    share_axes: tuple[str, ...]
+    pages: type  # GroupPages, or ExpertPages where the groups lie on the expert axis
 
     def split(self, params: Any) -> tuple[Any, Any]:
         """params (arrays or shapes, numpy or jnp) -> (the dense rest, the grouped
@@ -109,6 +123,10 @@ class Grouping(Protocol):
         """How :meth:`split` stacked a grouped leaf: (axis, parts): its axis ``axis`` cut
         into ``parts`` slices stacked on a new first axis, merged with the slices' own
         first axis; (0, 1): the leaf as it is (its first axis already the groups')."""
+
+    def stacked_index(self, group: int) -> int:
+        """Where group ``group`` (of the devices' order) is among the leaf's groups as a
+        checkpoint stacks them (its ``cut`` axis's slices first, then its first axis)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,9 +261,9 @@ class GroupedSlabLayout:
                     axis, parts = self.grouping.cut(leaf.path) if groups > 1 else (0, 1)
                     shape = list(leaf.shape)  # one group's (a slice's) shape -> the leaf's
                     shape[axis] *= parts
-                    if parts == 1:
-                        shape[0] *= groups
-                    first = group * leaf.size + lo - leaf.offset  # in the stacked leaf
+                    shape[0] *= groups // parts  # groups of the first axis (experts)
+                    stacked = self.grouping.stacked_index(group) if groups > 1 else group
+                    first = stacked * leaf.size + lo - leaf.offset  # in the stacked leaf
                     pieces.append(
                         Leaf(leaf.path, tuple(shape), at + lo - start, hi - lo, first, axis, parts)
                     )
@@ -322,4 +340,4 @@ class GroupedSlabLayout:
         """The abstract pages a device computes with (global shapes)."""
         sds, P = jax.ShapeDtypeStruct, self.page_elems
         group = sds((self.groups * self.group.num_pages, P), dtype)
-        return GroupPages([sds((P,), dtype)] * self.dense.num_pages, group)
+        return self.grouping.pages([sds((P,), dtype)] * self.dense.num_pages, group)

@@ -263,8 +263,8 @@ class ShardedPlacement:
             batch=NamedSharding(mesh, PartitionSpec(batch_axes), memory_kind="device"),
         )
 
-    def group_pages(self, dense_pages: int, axis: str):
-        """Shardings of a grouped stage's pages on the device (``grouped.GroupPages``:
-        the dense pages gathered, the groups over ``axis``)."""
+    def group_pages(self, dense_pages: int, axis: str | tuple[str, ...], pages=GroupPages):
+        """Shardings of a grouped stage's pages on the device (``grouped.GroupPages``, or
+        its ``pages`` subclass: the dense pages gathered, the groups over ``axis``)."""
         group = NamedSharding(self.mesh, PartitionSpec(axis, None), memory_kind="device")
-        return GroupPages([self.gathered] * dense_pages, group)
+        return pages([self.gathered] * dense_pages, group)

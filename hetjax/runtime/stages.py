@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from hetjax.config import KEEP_LEVELS, SWAP_LEVELS, ConfigError
-from hetjax.distributed import AXIS_RULES, mesh_axes
+from hetjax.distributed import AXIS_RULES, BATCH_AXES, DATA_AXIS, mesh_axes
 from hetjax.runtime import chunks, remat
-from hetjax.runtime.experts import ExpertSlabLayout
+from hetjax.runtime.experts import ExpertSlabLayout, expert_tensor_layout
 from hetjax.runtime.grouped import GroupedSlabLayout
 from hetjax.runtime.routed import RoutedBlock
 from hetjax.runtime.signatures import SIGNATURES
@@ -60,7 +60,9 @@ def stage_layouts(
     layouts are the whole leaves', as checkpoints have them. An expert-parallel
     block's split of its experts is its own (``experts.ExpertSlabLayout``). With
     ``tensor_parallel`` > 1 (of the ``page_multiple`` devices) a stage's weights that
-    ``rules`` split over the ``model`` axis are laid out by slice (``tensor.py``)."""
+    ``rules`` split over the ``model`` axis are laid out by slice (``tensor.py``); with
+    both, a block's experts by group and slice (``experts.expert_tensor_layout``), the
+    other stages' split weights by slice shared over the data and expert axes."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     split_specs = tensor_specs(model, rules, shapes) if tensor_parallel > 1 else None
     if axis_sizes:
@@ -79,7 +81,7 @@ def stage_layouts(
     elems = fitted_page_elems(block_elems, page_size // MASTER_ITEMSIZE, page_multiple)
     page_size = elems * MASTER_ITEMSIZE
     layout = lambda params: SlabLayout.from_params(params, page_size, page_multiple, leaf_buffers)
-    if expert_parallel > 1:
+    if expert_parallel > 1 and tensor_parallel == 1:
         shares = page_multiple // expert_parallel
         block = lambda one: ExpertSlabLayout.of(one, page_size, expert_parallel, shares)
     else:
@@ -90,8 +92,23 @@ def stage_layouts(
     }
     if split_specs is not None:  # tensor parallelism: split weights by slice where any
         shares = page_multiple // tensor_parallel
+        # a slice's devices: the data axis, and the expert axis (a batch axis but for the
+        # experts, which a block's experts' groups lie on)
+        share_axes = BATCH_AXES if expert_parallel > 1 else (DATA_AXIS,)
         for name, params in stages.items():
-            split = tensor_layout(params, split_specs[name], page_size, tensor_parallel, shares)
+            if expert_parallel > 1 and name in blocks:
+                layouts[name] = expert_tensor_layout(
+                    params,
+                    split_specs[name],
+                    page_size,
+                    expert_parallel,
+                    tensor_parallel,
+                    shares // expert_parallel,
+                )
+                continue
+            split = tensor_layout(
+                params, split_specs[name], page_size, tensor_parallel, shares, share_axes
+            )
             layouts[name] = split or layouts[name]
     return layouts
 

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from hetjax.distributed import MODEL_AXIS, mesh_axes
-from hetjax.runtime.grouped import GroupedSlabLayout
+from hetjax.distributed import DATA_AXIS, MODEL_AXIS, mesh_axes
+from hetjax.runtime.grouped import GroupedSlabLayout, GroupPages
 from hetjax.storage.pages import weight_decay_mask
 from models.staged import logical_axes
 
@@ -90,16 +90,22 @@ class TensorGrouping:
     axes: tuple[tuple[tuple[str, ...], int], ...]
     parts: int  # M: devices on the model axis
     axis: str = MODEL_AXIS
+    # the devices holding the same slice: the data axis, and under expert parallelism
+    # the expert axis too (a batch axis outside a MoE block's experts)
+    share_axes: tuple[str, ...] = (DATA_AXIS,)
+    pages = GroupPages  # the model axis is XLA's inside the stage functions
 
     @classmethod
-    def of(cls, params: Any, specs: Any, parts: int) -> TensorGrouping:
+    def of(
+        cls, params: Any, specs: Any, parts: int, share_axes: tuple[str, ...] = (DATA_AXIS,)
+    ) -> TensorGrouping:
         """The grouping of a stage's params (arrays or shapes) split as ``specs`` (its
         ``PartitionSpec``s, :func:`tensor_specs`): every weight-decayed leaf split over
         ``model``."""
         decay = dict(_items(jax.tree.map(bool, weight_decay_mask(params))))
         split = dict(_items(jax.tree.map(_model_dim, specs, is_leaf=_is_spec)))
         paths = [path for path, _ in _items(params) if decay[path] and split[path] >= 0]
-        return cls(tuple((path, split[path]) for path in paths), parts)
+        return cls(tuple((path, split[path]) for path in paths), parts, share_axes=share_axes)
 
     def split(self, params: Any) -> tuple[Any, Any]:
         axes = dict(self.axes)
@@ -122,6 +128,9 @@ class TensorGrouping:
     def cut(self, path: tuple[str, ...]) -> tuple[int, int]:
         return dict(self.axes)[tuple(path)], self.parts
 
+    def stacked_index(self, group: int) -> int:
+        return group
+
 
 def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec)
@@ -139,11 +148,17 @@ def _put(tree: dict, path: tuple[str, ...], leaf: Any) -> None:
 
 
 def tensor_layout(
-    params: Any, specs: Any, page_bytes: int, tensor_parallel: int, shares: int
+    params: Any,
+    specs: Any,
+    page_bytes: int,
+    tensor_parallel: int,
+    shares: int,
+    share_axes: tuple[str, ...] = (DATA_AXIS,),
 ) -> GroupedSlabLayout | None:
     """A stage's slab laid out for tensor parallelism over ``tensor_parallel`` x
-    ``shares`` devices; None when no leaf of it is grouped (the plain layout then)."""
-    grouping = TensorGrouping.of(params, specs, tensor_parallel)
+    ``shares`` devices (the shares on ``share_axes``); None when no leaf of it is
+    grouped (the plain layout then)."""
+    grouping = TensorGrouping.of(params, specs, tensor_parallel, share_axes)
     if not grouping.axes:
         return None
     return GroupedSlabLayout.of(params, page_bytes, tensor_parallel, shares, grouping)

@@ -49,7 +49,11 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   the dense pages over every device and the experts over ``data`` only, so a device
   computes with E/G experts, and its tokens reach the other experts by all-to-all
   inside the block (``models/llama.py``). The experts' gradients are reduce-scattered
-  over ``data`` only (the devices holding the same experts).
+  over ``data`` only (the devices holding the same experts). With tensor parallelism
+  too (data x expert x model), each device's group is its experts' slice on the model
+  axis (``experts.ExpertTensorGrouping``, :class:`~hetjax.runtime.grouped.ExpertPages`:
+  manual over ``expert``, XLA's over ``model``), the other stages' slices shared over
+  data x expert.
 
 A stage group's context (``models/staged.py``; T5's decoder reads the encoder's output
 and a position-bias table) is declared ``Kind.CONTEXT``: its activations are split by
@@ -97,7 +101,7 @@ from hetjax.distributed import (
 from hetjax.optimizer.sharded_slab import device_state_sharding
 from hetjax.runtime.grouped import (
     DENSE_SCATTER_AXES,
-    GROUP_SCATTER_AXES,
+    ExpertPages,
     GroupedSlabLayout,
     GroupPages,
     scattered_elements,
@@ -243,9 +247,11 @@ class Zero3:
         def spec_in(kind: str, arg):
             if kind == Kind.PAGES and isinstance(arg, GroupPages):
                 # a group's pages split over their axis where it is manual (experts);
-                # tensor parallelism's model axis is XLA's, the array global over it
-                group = PartitionSpec(self.rules["expert"]) if self.tensor_parallel == 1 else whole
-                return GroupPages([whole] * len(arg.dense), group)
+                # tensor parallelism's model axis is XLA's, the array global over it.
+                # Without tensor parallelism every group is experts (routed_zero.py's too)
+                experts = isinstance(arg, ExpertPages) or self.tensor_parallel == 1
+                group = PartitionSpec(self.rules["expert"]) if experts else whole
+                return type(arg)([whole] * len(arg.dense), group)
             return jax.tree.map(lambda _: split.get(kind, whole), arg)
 
         def finish(kind: str, result):  # on each device: a result as its kind leaves
@@ -305,13 +311,19 @@ class Zero3:
         # global mean's (exact for a power-of-two N).
         scatter = lambda g, axes: jax.lax.psum_scatter(g, axes, scatter_dimension=0, tiled=True)
         M = self.tensor_parallel
+        # a group's devices (its grouping's ``share_axes``): an expert group's (its slice
+        # of it, under tensor parallelism) on the data axis; a tensor-parallel slice's on
+        # the data axis, and the expert axis where it is a batch axis outside the experts
+        group_axes = (DATA_AXIS,)
+        if M > 1 and self.expert_parallel > 1 and not isinstance(pages, ExpertPages):
+            group_axes = BATCH_AXES
         if isinstance(pages, GroupPages) and M > 1:
             # the group global over the automatic model axis, (M x group pages, P), its
             # row block m on model device m; the dense gradient whole on each. Scattered
             # manual over the model axis too (XLA's partitioner would gather the group
             # first): device m keeps its group's sum and part m of the dense one.
             def own(group, dense):
-                group = scatter(group, GROUP_SCATTER_AXES)
+                group = scatter(group, group_axes)
                 if not dense.shape[0]:
                     return group
                 dense = scatter(dense, DENSE_SCATTER_AXES)
@@ -329,7 +341,7 @@ class Zero3:
             )(pages.group.astype(dtype), dense)  # fmt: skip
         elif isinstance(pages, GroupPages):
             dense = jnp.stack([p.astype(dtype) for p in pages.dense])  # (pages, page_elems)
-            group = scatter(pages.group.astype(dtype), GROUP_SCATTER_AXES)
+            group = scatter(pages.group.astype(dtype), group_axes)
             summed = jnp.concatenate([group, scatter(dense, DENSE_SCATTER_AXES)])
         else:
             summed = scatter(jnp.stack([p.astype(dtype) for p in pages]), DENSE_SCATTER_AXES)
@@ -363,7 +375,7 @@ class Zero3:
 
             def split(share):  # (share, page_elems): its group's pages, then the dense
                 group, dense = share[: layout.group_share], share[layout.group_share :]
-                group = jax.lax.all_gather(group, DATA_AXIS, tiled=True)
+                group = jax.lax.all_gather(group, layout.grouping.share_axes, tiled=True)
                 if not layout.dense_share:  # a stage of grouped leaves only
                     return group, dense
                 return group, jax.lax.all_gather(dense, self.page_axes, tiled=True)
@@ -373,11 +385,10 @@ class Zero3:
 
             def gather(s):
                 group, dense = split(s)
-                return GroupPages(list(dense), group)
+                return layout.grouping.pages(list(dense), group)
 
-            gather = jax.jit(
-                gather, out_shardings=self.sharded.group_pages(layout.dense.num_pages, axis)
-            )
+            out = self.sharded.group_pages(layout.dense.num_pages, axis, layout.grouping.pages)
+            gather = jax.jit(gather, out_shardings=out)
         self._gathers[key] = gather
         return gather
 
@@ -386,7 +397,9 @@ class Zero3:
         ``ShapeDtypeStruct``s with their shardings (to lower a stage function with)."""
         pages = layout.device_pages(dtype)
         if isinstance(pages, GroupPages):
-            shardings = self.sharded.group_pages(layout.dense.num_pages, layout.grouping.axis)
+            shardings = self.sharded.group_pages(
+                layout.dense.num_pages, layout.grouping.axis, layout.grouping.pages
+            )
         else:
             shardings = [self.sharded.gathered] * len(pages)
         sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
@@ -461,9 +474,12 @@ class Zero3:
             f"process holds pages [{first}, {first + n}) of each stage"
         ]
         if isinstance(lay, GroupedSlabLayout):
-            what = "experts" if lay.grouping.axis != MODEL_AXIS else "split weights' slices"
+            axis = lay.grouping.axis
+            axes = f"{axis} axis" if isinstance(axis, str) else " x ".join(axis) + " axes"
+            what = "split weights' slices" if axis == MODEL_AXIS else "experts"
+            what += "' slices" if MODEL_AXIS in axis and axis != MODEL_AXIS else ""
             lines.append(
-                f"{lay.groups} groups of {what} over the {lay.grouping.axis} axis x "
+                f"{lay.groups} groups of {what} over the {axes} x "
                 f"{lay.shares} on the data axis; a device fetches and computes with "
                 f"{lay.dense.num_pages} dense pages and its group's {lay.group.num_pages}"
             )
