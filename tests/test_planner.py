@@ -617,3 +617,41 @@ def test_a_host_budget_is_the_process_s_shared_by_its_devices():
     assert plan.num_devices == 8 and plan.budgets["host"] == 160 * 2**30 // 8
     assert 0 < sum(plan.host.values()) <= plan.budgets["host"]
     assert process_host_budget(plan) == 160 * 2**30
+
+
+def test_the_nvme_probe_waits_for_its_own_files_and_keeps_its_best(tmp_path, monkeypatch):
+    """The planner's disk probe (``hardware.measure_nvme``) never waits for the whole
+    system's dirty pages (``os.sync``: another process's writes would count against the
+    drive) but fsyncs its own files; of its repeats it keeps the fastest read and write
+    (the drive's rate); it leaves nothing behind."""
+    import os
+    import time
+
+    from hetjax.planning import hardware
+
+    def no_sync():
+        raise AssertionError("os.sync waits for every process's writes")
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "sync", no_sync)
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    # each timed interval of the probe: 1 s, then 0.5 s, then 2 s ... (read and write
+    # alternate: write 1, read 0.5, write 2, read 0.25)
+    intervals = iter([1.0, 0.5, 2.0, 0.25])
+    clock = {"now": 0.0, "start": True}
+
+    def perf_counter():
+        if clock["start"]:
+            clock["start"] = False
+        else:
+            clock["now"] += next(intervals)
+            clock["start"] = True
+        return clock["now"]
+
+    monkeypatch.setattr(time, "perf_counter", perf_counter)
+    mib = 1 << 20
+    read, write = hardware.measure_nvme(tmp_path, nbytes=8 * mib, page=4 * mib, repeats=2)
+    assert synced  # its files went to disk
+    assert write == 8 * mib / 1.0 and read == 8 * mib / 0.25  # the faster of each
+    assert list(tmp_path.iterdir()) == []
