@@ -182,6 +182,8 @@ def test_the_runtime_reads_the_matrix(tiny, parallelism):
         runtime.close()
 
 
+@pytest.mark.slow  # ~24 s (plans: measures the machine, traces); the fallback lines
+# themselves: test_config_validation_agrees_with_the_matrix (default run)
 def test_auto_says_what_falls_back(tiny, monkeypatch):
     from hetjax.planning.auto import plan_auto
 
