@@ -4,14 +4,12 @@ only its slice of the pages of the experts some device routed to; training equal
 device's routed run and copying every expert (tests/test_expert_fetch_zero.py has data
 and expert parallelism's)."""
 
-import jax
 import numpy as np
 import pytest
 from conftest import tiny_config
 from equivalence import assert_training_equal, check_tokens
-from test_deferred_updates import _adamw, _run
 from test_expert_fetch import SHORT, SPARSE, _config, _moved, _skewed
-from test_expert_fetch_zero import SGD_CLIP, P, _zero3
+from test_expert_fetch_zero import SGD_CLIP, P, _zero3, deferred_equal_to_every_expert
 
 from hetjax.train import train
 from models import build_model
@@ -110,31 +108,7 @@ def test_deferred_updates_under_tensor_parallelism_equal_one_device(data, tensor
     for bit as updating every expert under the same split, for losses within 1e-5 of one
     device deferring (tests/test_expert_fetch_zero.py's bound: the devices sum
     gradients in another order); some pages are deferred and some caught up."""
-    rng = np.random.default_rng(1)
-    # 2 micro-batches of 2 rows x 4 tokens: 8 tokens a micro-batch, so that experts
-    # routed in one step go unrouted in the next
-    batches = [rng.integers(0, 256, (2, 2, 5), dtype=np.int32) for _ in range(4)]
-
-    def config(updates: str, data: int, tensor: int):
-        return _adamw(tiny_config, updates).replace(
-            train=dict(batch_size=4, seq_len=4),
-            distributed=dict(data_parallel=data, tensor_parallel=tensor),
-        )
-
-    runs = {
-        u: _run(config(u, data, tensor), batches, used=8, runtime_of=_zero3)
-        for u in ("deferred", "all")
-    }
-    one = _run(config("deferred", 1, 1), batches, used=8)
-    deferred, every = runs["deferred"], runs["all"]
-    assert deferred[0] == every[0] and deferred[2] == every[2]  # losses, evaluation loss
-    for a, b in zip(jax.tree.leaves(deferred[4]), jax.tree.leaves(every[4]), strict=True):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_allclose(deferred[0], one[0], rtol=1e-5)
-    np.testing.assert_allclose(deferred[2], one[2], rtol=1e-5)
-    metrics = deferred[1]
-    assert all(m["expert_pages_deferred"] > 0 for m in metrics)
-    assert sum(m["expert_pages_caught_up"] for m in metrics) > 0
+    deferred_equal_to_every_expert(dict(data_parallel=data, tensor_parallel=tensor))
 
 
 @pytest.mark.slow  # 20 s (170 s on 2 cores busy with other sessions): two runs

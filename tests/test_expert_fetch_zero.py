@@ -135,31 +135,10 @@ def test_deferred_updates_under_zero3_equal_one_device(data, experts):
     in another order, which AdamW's first steps amplify, as tests/test_zero.py says);
     some pages are deferred and some caught up, under data parallelism as many as one
     device's (the same pages: expert parallelism lays the experts out by group)."""
-    rng = np.random.default_rng(1)
-    # 2 micro-batches of 2 rows x 4 tokens: 8 tokens a micro-batch, so that experts
-    # routed in one step go unrouted in the next
-    batches = [rng.integers(0, 256, (2, 2, 5), dtype=np.int32) for _ in range(4)]
-
-    def config(updates: str, data: int, experts: int):
-        return _adamw(tiny_config, updates).replace(
-            train=dict(batch_size=4, seq_len=4),
-            distributed=dict(data_parallel=data, expert_parallel=experts),
-        )
-
-    runs = {
-        u: _run(config(u, data, experts), batches, used=8, runtime_of=_zero3)
-        for u in ("deferred", "all")
-    }
-    one = _run(config("deferred", 1, 1), batches, used=8)
-    deferred, every = runs["deferred"], runs["all"]
-    assert deferred[0] == every[0] and deferred[2] == every[2]  # losses, evaluation loss
-    for a, b in zip(jax.tree.leaves(deferred[4]), jax.tree.leaves(every[4]), strict=True):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_allclose(deferred[0], one[0], rtol=1e-5)
-    np.testing.assert_allclose(deferred[2], one[2], rtol=1e-5)
+    deferred, one = deferred_equal_to_every_expert(
+        dict(data_parallel=data, expert_parallel=experts)
+    )
     metrics = deferred[1]
-    assert all(m["expert_pages_deferred"] > 0 for m in metrics)
-    assert sum(m["expert_pages_caught_up"] for m in metrics) > 0
     if experts == 1:  # the same pages as one device's (expert parallelism has others)
         for kind in ("expert_pages_deferred", "expert_pages_caught_up"):
             assert [m[kind] for m in metrics] == [m[kind] for m in one[1]], kind
@@ -194,3 +173,36 @@ def test_routed_across_two_processes_trains_as_one_device(tmp_path):
     fetched = [json.loads(line).get("experts_fetched") for line in metrics.open()]
     assert fetched == [r["experts_fetched"] for r in one.records]
     assert all(r["experts_fetched_fraction"] < 1 for r in one.records)
+
+
+def deferred_equal_to_every_expert(distributed: dict):
+    """Routes 8 tokens a micro-batch of the tiny MoE to 8 of 16 experts for 4 steps of
+    AdamW (state and params on NVMe) on ``distributed``'s devices, deferring updates and
+    updating every expert: checks the two equal bit for bit, the deferred run's losses
+    within 1e-5 of one device deferring, and some pages deferred and some caught up.
+    -> (the deferred run's, one device's) ``_run`` results."""
+    rng = np.random.default_rng(1)
+    # 2 micro-batches of 2 rows x 4 tokens: 8 tokens a micro-batch, so that experts
+    # routed in one step go unrouted in the next
+    batches = [rng.integers(0, 256, (2, 2, 5), dtype=np.int32) for _ in range(4)]
+
+    def config(updates: str, devices: dict):
+        return _adamw(tiny_config, updates).replace(
+            train=dict(batch_size=4, seq_len=4), distributed=devices
+        )
+
+    runs = {
+        u: _run(config(u, distributed), batches, used=8, runtime_of=_zero3)
+        for u in ("deferred", "all")
+    }
+    one = _run(config("deferred", dict(data_parallel=1)), batches, used=8)
+    deferred, every = runs["deferred"], runs["all"]
+    assert deferred[0] == every[0] and deferred[2] == every[2]  # losses, evaluation loss
+    for a, b in zip(jax.tree.leaves(deferred[4]), jax.tree.leaves(every[4]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(deferred[0], one[0], rtol=1e-5)
+    np.testing.assert_allclose(deferred[2], one[2], rtol=1e-5)
+    metrics = deferred[1]
+    assert all(m["expert_pages_deferred"] > 0 for m in metrics)
+    assert sum(m["expert_pages_caught_up"] for m in metrics) > 0
+    return deferred, one
