@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 from equivalence import assert_training_equal, check_tokens
-from test_expert_fetch import SHORT, SPARSE, _config, _moved, _skewed
-from test_expert_fetch_zero import SGD_CLIP, P, _zero3, deferred_equal_to_every_expert
+from test_expert_fetch import SHORT, _config, _moved, _skewed
+from test_expert_fetch_zero import (
+    SGD_CLIP,
+    P,
+    _zero3,
+    deferred_equal_to_every_expert,
+    two_processes_route_as_one_device,
+)
 
 from hetjax.train import train
 from models import build_model
@@ -170,27 +176,5 @@ def test_routed_across_two_processes_at_2x2_trains_as_one_device(tmp_path):
     its own devices' pages of the routed experts and reads the same averaged counts, so
     every device dispatches the same gathers; losses, validation loss and final params
     equal one device's routed run, which fetched the same experts."""
-    import json
-
-    from equivalence import assert_trees_close
-    from test_zero import _params_like, _run_two_processes
-
     config = _sgd("routed", 1, 1, batch_size=8)  # 2 micro-batches of 4 rows: 2 a data index
-    one = train(config, tmp_path / "one", verbose=False)
-    t = config.train
-    saved = _run_two_processes(
-        tmp_path / "two",
-        *[f"model.{k}={v}" for k, v in SPARSE.items()],
-        *[f"optimizer.{k}={v}" for k, v in SGD_CLIP.items()],
-        "memory.page_size=4KiB",
-        "distributed.tensor_parallel=2",
-        *[f"train.{k}={getattr(t, k)}" for k in ("steps", "eval_batches", "batch_size")],
-        *[f"train.{k}={getattr(t, k)}" for k in ("grad_accum", "seq_len")],
-    )
-    np.testing.assert_allclose(saved["losses"], one.losses, rtol=1e-5)
-    np.testing.assert_allclose(saved["val_loss"], one.val_loss, rtol=1e-5)
-    assert_trees_close(_params_like(saved, one.params), one.params)
-    metrics = tmp_path / "two" / "proc0" / "metrics.jsonl"
-    fetched = [json.loads(line).get("experts_fetched") for line in metrics.open()]
-    assert fetched == [r["experts_fetched"] for r in one.records]
-    assert all(r["experts_fetched_fraction"] < 1 for r in one.records)
+    two_processes_route_as_one_device(tmp_path, config, "distributed.tensor_parallel=2")

@@ -150,29 +150,8 @@ def test_routed_across_two_processes_trains_as_one_device(tmp_path):
     process reads the same averaged counts, so every device dispatches the same gathers;
     losses, validation loss and final params equal one device's routed run, which
     fetched the same experts."""
-    import json
-
-    from equivalence import assert_trees_close
-    from test_zero import _params_like, _run_two_processes
-
     config = _sgd("routed", 1, batch_size=8)  # 2 micro-batches of 4 rows: 1 a device
-    one = train(config, tmp_path / "one", verbose=False)
-    t = config.train
-    saved = _run_two_processes(
-        tmp_path / "two",
-        *[f"model.{k}={v}" for k, v in SPARSE.items()],
-        *[f"optimizer.{k}={v}" for k, v in SGD_CLIP.items()],
-        "memory.page_size=4KiB",
-        *[f"train.{k}={getattr(t, k)}" for k in ("steps", "eval_batches", "batch_size")],
-        *[f"train.{k}={getattr(t, k)}" for k in ("grad_accum", "seq_len")],
-    )
-    np.testing.assert_allclose(saved["losses"], one.losses, rtol=1e-5)
-    np.testing.assert_allclose(saved["val_loss"], one.val_loss, rtol=1e-5)
-    assert_trees_close(_params_like(saved, one.params), one.params)
-    metrics = tmp_path / "two" / "proc0" / "metrics.jsonl"
-    fetched = [json.loads(line).get("experts_fetched") for line in metrics.open()]
-    assert fetched == [r["experts_fetched"] for r in one.records]
-    assert all(r["experts_fetched_fraction"] < 1 for r in one.records)
+    two_processes_route_as_one_device(tmp_path, config)
 
 
 def deferred_equal_to_every_expert(distributed: dict):
@@ -206,3 +185,33 @@ def deferred_equal_to_every_expert(distributed: dict):
     assert all(m["expert_pages_deferred"] > 0 for m in metrics)
     assert sum(m["expert_pages_caught_up"] for m in metrics) > 0
     return deferred, one
+
+
+def two_processes_route_as_one_device(tmp_path, config, *distributed: str) -> None:
+    """Trains ``config`` (routed, one device) and the same in 2 processes x 2 CPU devices
+    with the ``distributed.*`` overrides ``distributed`` (default: data-parallel):
+    losses, validation loss and final params equal, and the same experts fetched, fewer
+    than all."""
+    import json
+
+    from equivalence import assert_trees_close
+    from test_zero import _params_like, _run_two_processes
+
+    one = train(config, tmp_path / "one", verbose=False)
+    t = config.train
+    saved = _run_two_processes(
+        tmp_path / "two",
+        *[f"model.{k}={v}" for k, v in SPARSE.items()],
+        *[f"optimizer.{k}={v}" for k, v in SGD_CLIP.items()],
+        "memory.page_size=4KiB",
+        *distributed,
+        *[f"train.{k}={getattr(t, k)}" for k in ("steps", "eval_batches", "batch_size")],
+        *[f"train.{k}={getattr(t, k)}" for k in ("grad_accum", "seq_len")],
+    )
+    np.testing.assert_allclose(saved["losses"], one.losses, rtol=1e-5)
+    np.testing.assert_allclose(saved["val_loss"], one.val_loss, rtol=1e-5)
+    assert_trees_close(_params_like(saved, one.params), one.params)
+    metrics = tmp_path / "two" / "proc0" / "metrics.jsonl"
+    fetched = [json.loads(line).get("experts_fetched") for line in metrics.open()]
+    assert fetched == [r["experts_fetched"] for r in one.records]
+    assert all(r["experts_fetched_fraction"] < 1 for r in one.records)
