@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 from equivalence import assert_training_equal, check_tokens
-from test_expert_fetch import SHORT, _config, _moved, _skewed
+from test_expert_fetch import SHORT, _config
 from test_expert_fetch_zero import (
     SGD_CLIP,
-    P,
-    _zero3,
     deferred_equal_to_every_expert,
+    skewed_router_saves,
     two_processes_route_as_one_device,
 )
 
@@ -90,19 +89,8 @@ def test_a_skewed_router_under_tensor_parallelism_copies_fewer_bytes(data, tenso
     device (each device its own pages of its slice, padded to the busiest device's
     count) the block's pages but those wholly in experts 2-15 and the padding (SAVED's
     hand count), for the same loss."""
-    batch = np.random.default_rng(1).integers(0, 256, (1, 2 * data, 9), dtype=np.int32)
-    moved, losses = {}, {}
-    for fetch in ("routed", "all"):
-        config = _sgd(fetch, data, tensor, grad_accum=1, batch_size=2 * data)
-        skew = lambda r: _skewed(r, 2)
-        moved[fetch], losses[fetch], metrics = _moved(config, batch, skew, runtime_of=_zero3)
-        if fetch == "routed":
-            fetched = metrics["experts_fetched"]
-    np.testing.assert_allclose(losses["routed"], losses["all"], rtol=1e-6)
-    copies = 3  # block0's forward and backward, block1's forward
-    assert fetched == 2 * copies  # experts 0 and 1, in every copy
-    h2d = {f: m["host_to_device"] for f, m in moved.items()}
-    assert h2d["all"] - h2d["routed"] == copies * SAVED[data, tensor] * P * 4
+    config_of = lambda fetch: _sgd(fetch, data, tensor, grad_accum=1, batch_size=2 * data)
+    skewed_router_saves(config_of, 2 * data, SAVED[data, tensor])
 
 
 @pytest.mark.slow  # 20-50 s each: three runs of 4 steps

@@ -109,19 +109,8 @@ def test_a_skewed_router_under_zero3_copies_fewer_bytes(data, experts):
     host -> device (each device its own pages, padded to the busier device's count) the
     block's pages but those wholly in experts 2-15 and the padding (SAVED's count), for
     the same loss."""
-    batch = np.random.default_rng(1).integers(0, 256, (1, 2, 9), dtype=np.int32)
-    moved, losses = {}, {}
-    for fetch in ("routed", "all"):
-        config = _sgd(fetch, data, experts, grad_accum=1, batch_size=2)
-        skew = lambda r: _skewed(r, 2)
-        moved[fetch], losses[fetch], metrics = _moved(config, batch, skew, runtime_of=_zero3)
-        if fetch == "routed":
-            fetched = metrics["experts_fetched"]
-    np.testing.assert_allclose(losses["routed"], losses["all"], rtol=1e-6)
-    copies = 3  # block0's forward and backward, block1's forward
-    assert fetched == 2 * copies  # experts 0 and 1, in every copy
-    h2d = {f: m["host_to_device"] for f, m in moved.items()}
-    assert h2d["all"] - h2d["routed"] == copies * SAVED[data, experts] * P * 4
+    config_of = lambda fetch: _sgd(fetch, data, experts, grad_accum=1, batch_size=2)
+    skewed_router_saves(config_of, 2, SAVED[data, experts])
 
 
 @pytest.mark.slow  # 60 s each: three runs of 4 steps
@@ -215,3 +204,24 @@ def two_processes_route_as_one_device(tmp_path, config, *distributed: str) -> No
     fetched = [json.loads(line).get("experts_fetched") for line in metrics.open()]
     assert fetched == [r["experts_fetched"] for r in one.records]
     assert all(r["experts_fetched_fraction"] < 1 for r in one.records)
+
+
+def skewed_router_saves(config_of, rows: int, saved_pages: int) -> None:
+    """One step of ``config_of(fetch)`` (routed, and every expert fetched) on ``rows``
+    rows, the router sending every token to experts 0-1 of 16: the same loss, experts
+    0-1 fetched in each of the step's 3 block copies, and the routed step copying host
+    -> device ``saved_pages`` pages fewer a copy (the tests' hand counts)."""
+    batch = np.random.default_rng(1).integers(0, 256, (1, rows, 9), dtype=np.int32)
+    moved, losses = {}, {}
+    for fetch in ("routed", "all"):
+        skew = lambda r: _skewed(r, 2)
+        moved[fetch], losses[fetch], metrics = _moved(
+            config_of(fetch), batch, skew, runtime_of=_zero3
+        )
+        if fetch == "routed":
+            fetched = metrics["experts_fetched"]
+    np.testing.assert_allclose(losses["routed"], losses["all"], rtol=1e-6)
+    copies = 3  # block0's forward and backward, block1's forward
+    assert fetched == 2 * copies  # experts 0 and 1, in every copy
+    h2d = {f: m["host_to_device"] for f, m in moved.items()}
+    assert h2d["all"] - h2d["routed"] == copies * saved_pages * P * 4
