@@ -34,6 +34,13 @@ def kept_key(level: str) -> str:
     return "block_bwd_kept" if level == "all" else f"block_bwd_kept_{level}"
 
 
+def embed_grad_sends(stage_groups: int) -> int:
+    """Times a micro-batch's backward hands the embedding's gradient on, each
+    reduce-scattered under ZeRO-3: the head's (tied or not) and each of the model's
+    ``stage_groups`` inputs' (runtime/streaming.py: ``_head``, ``_backward``)."""
+    return 1 + stage_groups
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Workload:
     """The model and batch in the numbers the planner needs (bytes, FLOPs, seconds; per
@@ -165,10 +172,9 @@ class Workload:
 
     @property
     def embed_grad_sends(self) -> int:
-        """Times a micro-batch's backward hands the embedding's gradient on (each
-        reduce-scattered under ZeRO-3): the head's (tied or not) and each stage group's
-        input's (runtime/streaming.py: ``_head``, ``_backward``)."""
-        return 1 + max(1, len(self.groups))
+        """Times a micro-batch's backward hands the embedding's gradient on
+        (:func:`embed_grad_sends`)."""
+        return embed_grad_sends(max(1, len(self.groups)))
 
     def scattered_rest(self, devices: int) -> float:
         """Params of the embedding's and the head's gradients a device sends in their
@@ -412,8 +418,7 @@ class Workload:
                 else 0
             ),
             scattered_rest_params=(
-                # the embedding's gradient goes out from the head and each group's input
-                (1 + len(model.groups)) * scattered_elements(layouts["embed"], mesh)
+                embed_grad_sends(len(model.groups)) * scattered_elements(layouts["embed"], mesh)
                 + scattered_elements(layouts["head"], mesh)
                 if tensor > 1
                 else 0
