@@ -5,14 +5,14 @@ model mesh (2 x 2 x 2), params and optimizer state on NVMe, fp32, 1e-5.
 The multi-device tests elsewhere compare SGD because the devices sum gradients in
 another order than one device does, and AdamW's first steps divide a gradient near
 ``eps`` (1e-8) by its own size, amplifying that float32 rounding beyond 1e-5
-(tests/test_zero.py's docstring; measured here at 2 x 2 x 2: 1.2e-5 of a tensor's
-largest element). The matching reference is AdamW conditioned so that it does not
+(tests/test_zero.py's docstring; measured on the data x expert x model mesh: 1.2e-5
+of a tensor's largest element). The matching reference is AdamW conditioned so that it does not
 amplify: ``eps`` = 1e-3, below every gradient that moves a weight much, so the update of
 a gradient near zero is ~g / eps instead of ~sign(g). Everything else of AdamW runs as
 it does by default: both moments, bias correction, weight decay, warmup, clipping that
 binds; a wrong moment, step count or decay on any device's pages moves the params by
 ~lr, far beyond the tolerance. Measured (docs/results/2026-11-27.md, "Tenth session:
-AdamW on many devices"): worst param difference 2.0e-7 (Llama, 2 x 2) and 3.5e-7 (MoE,
+AdamW on many devices"): worst param difference 2.0e-7 (Llama, 2 x 2) and 2.0e-7 (MoE,
 2 x 2 x 2) of a tensor's largest element, against 6.6e-6 and 1.2e-5 with eps 1e-8.
 
 Llama, not GPT, at 2 x 2: GPT's row-parallel biases (attention's c_proj) get Adam's
