@@ -111,16 +111,22 @@ def test_keep_levels_hold_less_and_change_nothing(tiny, attention, levels):
         assert_trees_close(fns.block_bwd_kept(vjp, x), expected)
 
 
-def test_reference_attention_keeps_probs_and_equals_none(tiny, tmp_path):
-    """offload.keep_level=probs, which the reference attention supports, trains as
+@pytest.mark.parametrize(
+    "offload",
+    [
+        dict(keep_blocks=2, keep_level="probs"),
+        # ~10 s; keep1_swap1 and swap1_recompute1 cover swapping in the default run
+        pytest.param(dict(swap_blocks=2, swap_level="probs"), marks=pytest.mark.slow),
+    ],
+    ids=["keep_probs", "swap_probs"],
+)
+def test_reference_attention_keeps_or_swaps_probs_and_equals_none(tiny, tmp_path, offload):
+    """offload.keep_level=probs and offload.swap_level=probs (the attention
+    probabilities kept, or moved too), which the reference attention supports, train as
     offload.mode=none with the reference attention."""
     none, stream = (
-        train(
-            tiny(model=dict(attention="reference"), offload=offload),
-            tmp_path / offload["mode"],
-            verbose=False,
-        )
-        for offload in (dict(mode="none"), dict(mode="stream", keep_blocks=2, keep_level="probs"))
+        train(tiny(model=dict(attention="reference"), offload=o), tmp_path / m, verbose=False)
+        for m, o in [("none", dict(mode="none")), ("stream", dict(mode="stream", **offload))]
     )
     model = build_model(tiny(model=dict(attention="reference")).model)
     assert_gpt_training_equal(stream, none, model, check_tokens())
@@ -648,22 +654,6 @@ def test_blockwise_attention_cannot_swap_probs(tiny, tmp_path):
     config = tiny(offload=dict(mode="stream", swap_blocks=1, swap_level="probs"))
     with pytest.raises(ConfigError, match=r"'offload.swap_level' is 'probs'.*supports only"):
         train(config, tmp_path, verbose=False)
-
-
-@pytest.mark.slow  # ~10 s; keep1_swap1 and swap1_recompute1 cover swapping in the default run
-def test_reference_attention_swaps_probs_and_equals_none(tiny, tmp_path):
-    """offload.swap_level=probs (the attention probabilities move too) trains as
-    offload.mode=none with the reference attention."""
-    none, stream = (
-        train(
-            tiny(model=dict(attention="reference"), offload=offload),
-            tmp_path / offload["mode"],
-            verbose=False,
-        )
-        for offload in (dict(mode="none"), dict(mode="stream", swap_blocks=2, swap_level="probs"))
-    )
-    model = build_model(tiny(model=dict(attention="reference")).model)
-    assert_gpt_training_equal(stream, none, model, check_tokens())
 
 
 # Default-run representative of the NVMe tier of swapped activations.
