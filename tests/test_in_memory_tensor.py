@@ -28,6 +28,7 @@ from equivalence import (
 from test_split import MOE
 from test_zero import SGD_CLIP
 
+from hetjax.config import ConfigError
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.train import train
 from models import build_model
@@ -180,3 +181,11 @@ def test_expert_parallel_in_memory_equals_one_device(moe_one_device, tiny, tmp_p
     copies = distributed.get("data_parallel", 1)
     assert_split(moe["gate_proj"], (2, 2, 32, F), copies)
     assert_split(moe["down_proj"], (2, 2, F, 32), copies)
+
+
+def test_a_split_the_mesh_does_not_divide_is_refused_naming_the_key(tiny):
+    """A vocabulary of 255 rows cannot split in two over the model axis: the runtime
+    stops at start-up naming the key and the param, instead of splitting it unevenly."""
+    config = _config(tiny, model=dict(vocab_size=255), distributed=TP2)
+    with pytest.raises(ConfigError, match=r"'distributed.tensor_parallel' \(2\).*'wte'.*\(255\)"):
+        InMemoryRuntime(config)
