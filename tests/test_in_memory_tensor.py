@@ -153,6 +153,29 @@ def test_a_one_device_checkpoint_resumes_under_tensor_parallelism(one_device, ti
     jax.tree.map(np.testing.assert_array_equal, again.stages, saved.stages)
 
 
+@pytest.mark.slow  # ~10 s
+def test_int8_moments_split_their_codes_and_round_trip(tiny):
+    """With ``optimizer.state_dtype=int8`` at TP2 x DP2, AdamW's moments' codes are split
+    as the params (their block scales whole on every device), and a saved state loads
+    back and saves the same."""
+    from hetjax.optimizer.moments import Int8Blocks
+
+    config = _config(tiny, dict(ADAMW, state_dtype="int8"), TP2_DP2)
+    runtime = InMemoryRuntime(config)
+    runtime.train_step(training_batches(config, 1)[0])
+    is_blocks = lambda x: isinstance(x, Int8Blocks)
+    leaves = jax.tree.leaves(runtime.state.opt_state, is_leaf=is_blocks)
+    fc = [m for m in leaves if is_blocks(m) and m.codes.shape == (2, 32, 128)]
+    assert len(fc) == 2  # mu and nu of blocks.c_fc.kernel
+    for m in fc:
+        assert_split(m.codes, (2, 32, 64), copies=2)
+        assert m.scales.sharding.is_fully_replicated
+    saved = runtime.save_state()
+    again = InMemoryRuntime(config)
+    again.load_state(saved)
+    jax.tree.map(np.testing.assert_array_equal, again.save_state().stages, saved.stages)
+
+
 @pytest.fixture(scope="module")
 def moe_one_device(tmp_path_factory):
     from conftest import tiny_config

@@ -17,7 +17,8 @@ shardings, XLA's partitioner (GSPMD) adding the collectives:
 * expert parallelism (``distributed.expert_parallel`` X > 1, a mixture of experts): each
   block's stacked experts split over the ``expert`` axis, the rest replicated, the rows
   split over data x expert. The model is the plain one (no ``shard_map``, no
-  all-to-all): XLA gathers the experts a device computes with (``support.py``).
+  all-to-all): XLA brings the routed rows to every device, each computes its own
+  experts on them, and sums the results (no expert weight is gathered).
 
 Checkpoints hold the whole state, so a run resumes at any other split (one device
 included)."""

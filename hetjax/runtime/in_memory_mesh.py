@@ -13,7 +13,8 @@ their codes, ``optimizer/moments.py``, with the block scales whole on every devi
 A micro-batch's rows split over the batch axes (``distributed.BATCH_AXES``). The one
 jitted step then computes under these shardings and XLA's partitioner (GSPMD) adds the
 collectives: the gradients' all-reduce over the data axes, Megatron's all-reduces over
-``model``, the experts' gathers over ``expert``.
+``model``, under expert parallelism the routed rows brought to every expert's device
+and the results summed (the expert weights stay split).
 """
 
 from __future__ import annotations
