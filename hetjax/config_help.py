@@ -123,8 +123,10 @@ HELP: dict[str, str] = {
     "stays fp32",
     # -- offload ----------------------------------------------------------------------
     "offload.mode": "`auto`: `none` when the state fits the device, else the planner's "
-    "placement ([planner](planner.md)); `none`: whole state on the device, one jitted step "
-    "(the reference); `stream`: params on the host, streamed a stage at a time "
+    "placement ([planner](planner.md)); `none`: whole state on the device (on a mesh: "
+    "replicated, or split by tensor and expert parallelism's rules, "
+    "[distributed](distributed.md)), one jitted step (the reference); `stream`: params "
+    "on the host, streamed a stage at a time "
     "([offload](offload.md))",
     "offload.params": "`stream`: where the compute-dtype param slabs live: `host` or `nvme`",
     "offload.optimizer": "`stream`: where fp32 master params and optimizer state live: "

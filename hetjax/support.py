@@ -60,18 +60,20 @@ class Feature:
 
 
 FEATURES: dict[str, Feature] = {
-    # offload.mode=none: the whole state on the device, one jitted step; under data
-    # parallelism the state replicated on every device, the rows split, XLA's all-reduce
-    # summing the gradients (runtime/in_memory.py). Not planned there: the planner sizes
-    # offload.mode=none for one device's whole batch
+    # offload.mode=none: the whole state on the device, one jitted step; on a mesh the
+    # state placed by the streaming runtime's logical-axis rules (replicated under data
+    # parallelism, split over the model axis under tensor parallelism, the experts over
+    # the expert axis), the rows split, XLA's partitioner adding the collectives
+    # (runtime/in_memory.py, tests/test_in_memory_dp.py, tests/test_in_memory_tensor.py).
+    # Not planned on a mesh: the planner sizes offload.mode=none for one device's state
     "in_memory": Feature(
         key="",
-        reason="{parallel} is built on the streaming runtime (ZeRO-3)",
-        fix="set offload.mode=stream (or auto)",
-        refused=frozenset({EXPERT, TENSOR, TENSOR_EXPERT}),
-        unplanned=frozenset({DATA}),
-        why_unplanned="the planner sizes offload.mode=none for one device's rows of the "
-        "whole batch, not data parallelism's replicated state",
+        reason="",
+        refused=frozenset(),
+        unplanned=SHARDED,
+        why_unplanned="the planner sizes offload.mode=none for one device's whole state "
+        "and rows of the whole batch, not a mesh's replicated or split state and its "
+        "collectives",
     ),
     # under ZeRO-3 each device holds and updates its own pages of the cached stages'
     # state, and their params, in its memory (optimizer/sharded_slab.py; the planner's

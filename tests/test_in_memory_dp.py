@@ -14,7 +14,6 @@ from equivalence import assert_gpt_training_equal, check_tokens
 from test_zero import SGD_CLIP
 
 from hetjax import support
-from hetjax.config import ConfigError
 from hetjax.train import train
 from models import build_model
 
@@ -58,16 +57,18 @@ def test_a_data_parallel_checkpoint_resumes_on_one_device(one_device, tiny, tmp_
     )
 
 
-def test_tensor_and_expert_parallelism_stay_the_streaming_runtime_s():
-    """The matrix refuses in-memory training only under expert and tensor parallelism,
-    and the planner does not offer it under data parallelism (it sizes one device's
-    rows of the whole batch)."""
-    assert support.supports("in_memory", support.DATA) is None
-    assert support.planned("in_memory", support.DATA) is not None
+def test_in_memory_builds_under_every_parallelism_and_is_planned_on_one_device_only():
+    """The matrix refuses in-memory training under no parallelism (expert and tensor
+    parallelism: tests/test_in_memory_tensor.py), and the planner offers it only on one
+    device (it sizes one device's whole state and rows of the whole batch)."""
     from conftest import tiny_config
+    from test_split import MOE
 
-    with pytest.raises(ConfigError, match="tensor parallelism .* streaming runtime"):
-        tiny_config(offload=NONE, distributed=dict(tensor_parallel=2))
+    for p in support.PARALLELISMS:
+        assert support.supports("in_memory", p) is None
+        assert (support.planned("in_memory", p) is None) == (p == support.SINGLE), p
+    tiny_config(offload=NONE, distributed=dict(tensor_parallel=2, data_parallel=2))
+    tiny_config(model=MOE, offload=NONE, distributed=dict(expert_parallel=2, tensor_parallel=2))
 
 
 @pytest.mark.slow  # ~50 s: two child processes compile everything anew

@@ -98,22 +98,18 @@ def test_config_validation_agrees_with_the_matrix(tiny, feature, parallelism):
     assert f"config key '{key}" in message and support.FEATURES[first].fix in message
 
 
-def test_existing_refusal_texts_stay():
-    """The messages tests and users know, word for word where they were."""
+def test_what_was_refused_builds_now():
+    """Features the matrix once refused under a parallelism build there now."""
     config = lambda **sections: Config().replace(**sections)
     dp = dict(distributed=dict(data_parallel=2))
-    with pytest.raises(ConfigError) as e:
-        config(offload=dict(mode="none"), distributed=dict(tensor_parallel=2))
-    assert str(e.value) == (
-        "config key 'distributed.tensor_parallel' (2): tensor parallelism "
-        "(distributed.tensor_parallel > 1) is built on the streaming runtime (ZeRO-3); set "
-        "offload.mode=stream (or auto)"
-    )
     # supported under data parallelism since 2026-11-26 (tests/test_zero.py), the device
-    # cache and the in-memory runtime since 2026-11-27 (tests/test_in_memory_dp.py)
+    # cache and the in-memory runtime since 2026-11-27 (tests/test_in_memory_dp.py), the
+    # in-memory runtime under tensor parallelism since the tenth session
+    # (tests/test_in_memory_tensor.py)
     config(offload=dict(mode="stream", keep_blocks=1), optimizer=dict(mode="lockfree"), **dp)
     config(offload=dict(mode="stream", optimizer_device_stages=1), **dp)
     config(offload=dict(mode="none"), **dp)
+    config(offload=dict(mode="none"), distributed=dict(tensor_parallel=2))
 
 
 def _every_candidate(w: Workload, parallelism: str):

@@ -2,11 +2,26 @@
 and one jitted step with gradient accumulation. It is the reference every offloaded mode
 is tested against, so it is kept plain.
 
-Under data parallelism (``distributed.data_parallel`` != 1, any number of processes) it
-is plain data parallelism: the state replicated on every device of the mesh, each
-micro-batch's rows split over them (each process passes its own rows, ``data.py``), and
-XLA's all-reduce summing the gradients inside the one jitted step. Expert and tensor
-parallelism are the streaming runtime's (``support.py``)."""
+On a mesh (``distributed.*`` != 1) the state is placed by the streaming runtime's
+logical-axis rules (``in_memory_mesh.py``) and the one jitted step computes under those
+shardings, XLA's partitioner (GSPMD) adding the collectives:
+
+* data parallelism (``distributed.data_parallel`` != 1, any number of processes): the
+  state replicated on every device, each micro-batch's rows split over them (each
+  process passes its own rows, ``data.py``), XLA's all-reduce summing the gradients;
+* tensor parallelism (``distributed.tensor_parallel`` M > 1, with data parallelism a
+  data x model mesh): params and optimizer state split over the ``model`` axis as
+  Megatron splits them (attention by heads, the MLP by its hidden units, the
+  vocabulary: ``distributed.TENSOR_PARALLEL_RULES``), whole over ``data``; the rows
+  split over the data axis, the M devices of a model group computing on the same rows;
+* expert parallelism (``distributed.expert_parallel`` X > 1, a mixture of experts): each
+  block's stacked experts split over the ``expert`` axis, the rest replicated, the rows
+  split over data x expert. The model is the plain one (no ``shard_map``, no
+  all-to-all): XLA brings the routed rows to every device, each computes its own
+  experts on them, and sums the results (no expert weight is gathered).
+
+Checkpoints hold the whole state, so a run resumes at any other split (one device
+included)."""
 
 from __future__ import annotations
 
@@ -19,16 +34,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from hetjax import timeline
 from hetjax.config import Config, ConfigError
 from hetjax.data import split_window, window_length
-from hetjax.distributed import BATCH_AXES, data_mesh
 from hetjax.hf import open_checkpoint
 from hetjax.optimizer.build import build_optimizer, optax_tree_slots
 from hetjax.optimizer.moments import decode_state, encode_state
 from hetjax.optimizer.state_format import moment_format
+from hetjax.runtime.in_memory_mesh import MeshPlacement, put, whole
 from hetjax.types import MASTER, LossScale, RuntimeState, StepReport
 from models import build_model
 
@@ -42,50 +57,71 @@ class TrainState:
 
 
 class InMemoryRuntime:
-    """Everything on the default device; one jitted step with gradient accumulation."""
+    """The whole state on the default device, or on a mesh as ``MeshPlacement`` places
+    it; one jitted step with gradient accumulation."""
 
     def __init__(self, config: Config, params: Any | None = None):
         self.config = config
         self.model = build_model(config.model)
         rng = jax.random.key(config.train.seed)
         if params is None and config.model.init_from:
-            params = jax.device_put(open_checkpoint(config.model).params())
-        if params is None:
-            params = jax.jit(self.model.init)(rng)
-        self.tx = build_optimizer(config.optimizer, config.train.steps, params)
+            params = open_checkpoint(config.model).params()
         fp16 = config.model.compute_dtype == "float16"
         t = config.train
-        self.state = TrainState(
-            step=jnp.int32(0),
-            params=params,
-            opt_state=self.tx.init(params),
-            loss_scale=LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None,
-        )
-        # data parallelism: the state on every device, the rows split over them (a
-        # training batch's second axis, an evaluation batch's first); None: the default
-        # device
-        self._replicated = self._rows = self._eval_rows = None
+        loss_scale = LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None
+        # on a mesh: each leaf split as the logical-axis rules say (in_memory_mesh.py),
+        # the rows split over the batch axes (a training batch's second axis, an
+        # evaluation batch's first); None: everything on the default device
+        self.placement = placement = None
+        shapes = jax.eval_shape(self.model.init, rng)
+        self.tx = build_optimizer(config.optimizer, config.train.steps, shapes)
         if config.distributed.sharded:
-            mesh = data_mesh(config.distributed.data_parallel)
-            self._replicated = NamedSharding(mesh, PartitionSpec())
-            self._rows = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
-            self._eval_rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-            self.state = self._global(self.state, self._replicated)
+            self.placement = placement = MeshPlacement.of(config, self.model, self.tx)
+        # initialised straight into the placement (the same values on any split: JAX's
+        # random bits do not depend on the sharding)
+        param_shardings = placement.params if placement else None
+        if params is None:
+            params = jax.jit(self.model.init, out_shardings=param_shardings)(rng)
+        elif placement:
+            params = put(params, placement.params)
+        else:
+            params = jax.device_put(params)
+        opt_shardings = placement.opt_state if placement else None
+        opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
+        self.state = TrainState(jnp.int32(0), params, opt_state, loss_scale)
+        self._shardings = self._replicated = self._rows = self._eval_rows = None
+        if placement:
+            self._shardings = placement.state(self.state)
+            self._replicated, self._rows = placement.replicated, placement.rows
+            self._eval_rows = placement.eval_rows
+            self.state = self.state.replace(
+                step=put(self.state.step, self._replicated),
+                loss_scale=put(loss_scale, self._shardings.loss_scale),
+            )
         objective, T = config.data.objective, config.train.seq_len
-        step = functools.partial(step_fn, self.model, self.tx, objective=objective, seq_len=T)
-        self._step = jax.jit(step, donate_argnums=0, out_shardings=self._replicated)
+        step = functools.partial(
+            step_fn,
+            self.model,
+            self.tx,
+            objective=objective,
+            seq_len=T,
+            grad_shardings=param_shardings,
+        )
+        out_shardings = (self._shardings, self._replicated) if placement else None
+        self._step = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
         self._eval = jax.jit(lambda p, b: self.model.loss(p, *split_window(objective, b, T)))
 
     @staticmethod
     def _global(tree: Any, sharding: NamedSharding | None) -> Any:
-        """``tree`` as arrays of ``sharding`` over the mesh (None: as it is), each
-        process giving its own part (of a replicated sharding: the whole, the same on
-        every process). No collective: ``jax.device_put`` to a sharding over several
-        processes would check the values are equal across them."""
+        """``tree`` (this process's rows) as arrays of ``sharding`` over the mesh (None:
+        as it is), each process giving its own part (of a replicated sharding: the
+        whole, the same on every process). No collective: ``jax.device_put`` to a
+        sharding over several processes would check the values are equal across
+        them."""
         if sharding is None:
             return tree
-        put = lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a))
-        return jax.tree.map(put, tree)
+        one = lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a))
+        return jax.tree.map(one, tree)
 
     def train_step(
         self,
@@ -118,8 +154,7 @@ class InMemoryRuntime:
         return float(self._eval(self.state.params, self._global(batch, self._eval_rows)))
 
     def params(self) -> Any:
-        # np.array copies: on CPU a device_get can alias a buffer the next step donates.
-        return jax.tree.map(np.array, self.state.params)
+        return whole(self.state.params)
 
     def settle(self) -> None:
         pass
@@ -144,10 +179,11 @@ class InMemoryRuntime:
         return decode_state(self.state.opt_state)
 
     def save_state(self) -> RuntimeState:
-        n = len(jax.tree.leaves(self.state.params))
-        leaves = jax.tree.leaves(self._saved_opt_state())
-        trees, scalars, i = {MASTER: self.state.params}, [], 0
-        treedef = jax.tree.structure(self.state.params)
+        params = whole(self.state.params)  # a checkpoint holds the whole state
+        n = len(jax.tree.leaves(params))
+        leaves = jax.tree.leaves(whole(self._saved_opt_state()))
+        trees, scalars, i = {MASTER: params}, [], 0
+        treedef = jax.tree.structure(params)
         for kind in self._opt_slots():
             if kind is None:
                 scalars.append(np.array(leaves[i]))
@@ -200,7 +236,7 @@ class InMemoryRuntime:
             ),
             loss_scale=loss_scale,
         )
-        self.state = self._global(state, self._replicated)
+        self.state = put(state, self._shardings) if self.placement else state
 
 
 def step_fn(
@@ -212,13 +248,16 @@ def step_fn(
     guard: jax.Array,
     objective: str = "lm",
     seq_len: int = 0,
+    grad_shardings: Any = None,
 ):
     """One optimizer step of ``model`` with optax ``tx`` on a global batch (A, B/A, W) of
     windows (``data.objective``'s, ``hetjax/data.py``; ``seq_len`` the encoder's
     tokens where the objective has an encoder): gradients summed over the A
     micro-batches, averaged, applied unless not finite or a loss spike. ``guard`` (2,):
     the loss limit (a greater loss is a spike, the loop's ``train.spike_factor``) and a
-    gain the loss is multiplied by first (1; a fault injects a spike with more)."""
+    gain the loss is multiplied by first (1; a fault injects a spike with more).
+    ``grad_shardings``: the summed gradients' placement on a mesh (the params'), None:
+    XLA's choice."""
     scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
     seed = scale * poison  # the loss cotangent; poison is 1, or NaN to inject a fault
 
@@ -233,6 +272,8 @@ def step_fn(
         return jax.tree.map(jnp.add, grad_sum, grads), loss
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
+    if grad_shardings is not None:  # split as the params, not gathered whole
+        zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
     grad_sum, losses = jax.lax.scan(micro, zeros, batch)  # batch (A, B/A, T+1)
     grads = jax.tree.map(lambda g: g / (batch.shape[0] * scale), grad_sum)
     grad_norm = optax.tree.norm(grads)
