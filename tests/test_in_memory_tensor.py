@@ -6,7 +6,8 @@ mixture of experts' experts over the ``expert`` axis, whole over ``data``; the r
 split over the data axes; one jitted step with gradient accumulation, XLA's partitioner
 adding the collectives. It trains as one device does on the same global batch (the
 same sums, over devices in another order, rounding as float32 does, ~1e-7: SGD, and
-AdamW against its matching reference, compare at the usual 1e-5), and its checkpoints move to and from one device.
+AdamW against its matching reference, compare at the usual 1e-5), and its checkpoints
+move to and from one device.
 
 The expected shard shapes are the tiny models' (conftest.tiny_config: L 2, D 32, F 4D
 = 128, V 256; test_split.MOE: E 4 experts of D 32 x F 48) halved on the split axis, by
