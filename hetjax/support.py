@@ -41,8 +41,7 @@ _PHRASES = {
 class Feature:
     """One row of the matrix.
 
-    ``key``: the config key that asks for it ("": the parallelism's own key, for a
-    feature the parallelism itself rules out). ``reason``: why it is refused, one clause
+    ``key``: the config key that asks for it. ``reason``: why it is refused, one clause
     with ``{parallel}`` for the parallelism's phrase. ``fix``: what the error tells to
     do. ``refused``: the parallelisms it does not work under. ``fallback``: non-empty
     for a feature the defaults ask for: under a refusing parallelism the run does this
@@ -67,7 +66,7 @@ FEATURES: dict[str, Feature] = {
     # (runtime/in_memory.py, tests/test_in_memory_dp.py, tests/test_in_memory_tensor.py).
     # Not planned on a mesh: the planner sizes offload.mode=none for one device's state
     "in_memory": Feature(
-        key="",
+        key="offload.mode",
         reason="",
         refused=frozenset(),
         unplanned=SHARDED,
@@ -229,10 +228,6 @@ def refusal(config: Any, feature: str) -> str | None:
     reason = supports(feature, p)
     if reason is None or f.fallback:
         return None
-    if not f.key:  # the parallelism itself rules it out: name its key
-        name = {EXPERT: "expert_parallel", TENSOR: "tensor_parallel"}.get(p, "data_parallel")
-        value = getattr(config.distributed, name)
-        return f"config key 'distributed.{name}' ({value}): {reason}; {f.fix}"
     return f"config key '{f.key}': {reason}; {f.fix}"
 
 
