@@ -153,6 +153,21 @@ def test_a_one_device_checkpoint_resumes_under_tensor_parallelism(one_device, ti
     jax.tree.map(np.testing.assert_array_equal, again.stages, saved.stages)
 
 
+@pytest.mark.slow  # ~60 s: two child processes compile everything anew
+def test_two_processes_at_tp2_dp2_in_memory_equal_one_device(one_device, tmp_path):
+    """2 processes x 2 CPU devices over gloo, offload.mode=none at data x model 2 x 2
+    (each process one model group, its devices splitting the state and the compute, each
+    passing its own rows): losses, validation loss and every final param (gathered
+    whole from both processes) equal one device's at 1e-5."""
+    from test_zero import SGD_ARGS, _params_like, _run_two_processes
+
+    tensor = ("offload.mode=none", "distributed.tensor_parallel=2", "train.grad_accum=2")
+    saved = _run_two_processes(tmp_path, *SGD_ARGS, *tensor)
+    assert_losses_close(saved["losses"], one_device.losses)
+    assert_losses_close([saved["val_loss"]], [one_device.val_loss])
+    assert_trees_close(_params_like(saved, one_device.params), one_device.params)
+
+
 @pytest.mark.slow  # ~10 s
 def test_int8_moments_split_their_codes_and_round_trip(tiny):
     """With ``optimizer.state_dtype=int8`` at TP2 x DP2, AdamW's moments' codes are split
