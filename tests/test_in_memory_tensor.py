@@ -13,6 +13,8 @@ The expected shard shapes are the tiny models' (conftest.tiny_config: L 2, D 32,
 = 128, V 256; test_split.MOE: E 4 experts of D 32 x F 48) halved on the split axis, by
 hand."""
 
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -219,6 +221,32 @@ def test_expert_parallel_in_memory_equals_one_device(moe_one_device, tiny, tmp_p
     copies = distributed.get("data_parallel", 1)
     assert_split(moe["gate_proj"], (2, 2, 32, F), copies)
     assert_split(moe["down_proj"], (2, 2, F, 32), copies)
+
+
+@pytest.mark.slow  # ~60 s: two child processes compile everything anew
+def test_two_processes_at_ep4_in_memory_checkpoint_and_resume_on_one_device(
+    moe_one_device, tiny, tmp_path
+):
+    """2 processes x 2 CPU devices, offload.mode=none with the 4 experts split over the
+    4 devices (each process holds 2 experts of each block, so the state is gathered
+    across processes to be saved): 3 steps equal one device's, and one device resumes
+    their checkpoint: the rest of the run (losses, validation loss, every final param)
+    equals the uninterrupted one-device run's at 1e-5."""
+    from test_zero import SGD_ARGS, _run_two_processes
+
+    value = lambda v: str(v).lower() if isinstance(v, bool) else str(v)
+    moe = [f"model.{k}={value(v)}" for k, v in MOE.items()]
+    ckpt = tmp_path / "ckpt"
+    run = ("offload.mode=none", "distributed.expert_parallel=4", "train.grad_accum=2")
+    cut = (f"checkpoint.dir={ckpt}", "checkpoint.at_end=true", "train.steps=3")
+    saved = _run_two_processes(tmp_path, *SGD_ARGS, *moe, *run, "train.batch_size=8", *cut)
+    assert_losses_close(saved["losses"], moe_one_device.losses[:3])
+    shutil.copytree(ckpt, tmp_path / "one" / "checkpoints")
+    config = _config(tiny, model=MOE, train=MOE_TRAIN, checkpoint=dict(at_end=True))
+    rest = train(config, tmp_path / "one", verbose=False)
+    assert_losses_close(rest.losses, moe_one_device.losses[3:])
+    assert_losses_close([rest.val_loss], [moe_one_device.val_loss])
+    assert_trees_close(rest.params, moe_one_device.params)
 
 
 def test_a_split_the_mesh_does_not_divide_is_refused_naming_the_key(tiny):
