@@ -66,22 +66,24 @@ class TensorRoutedSlab:
     compact: jax.Array
     expand: Any
     host: Any
+    groupings: tuple  # the block layout's (``grouped.GroupPages``)
     # the last routing's, (routing, the block's pages)
     held: tuple | None = None
 
     @property
     def dense(self) -> GroupPages:
         """The block's pages as ``route`` reads them: every expert page zero."""
-        return GroupPages(self.gathered, self.expand(self.compact))
+        return GroupPages(self.gathered, (self.expand(self.compact),), self.groupings)
 
     def tree_flatten(self):
         held = [self.held[1].group] if self.held else []
-        return (*self.gathered, self.compact, *held), (self.expand, self.host, len(self.gathered))
+        aux = (self.expand, self.host, self.groupings, len(self.gathered))
+        return (*self.gathered, self.compact, *held), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children) -> TensorRoutedSlab:
-        expand, host, n = aux
-        return cls(list(children[:n]), children[n], expand, host)
+        expand, host, groupings, n = aux
+        return cls(list(children[:n]), children[n], expand, host, groupings)
 
 
 class TensorExpertFetcher(ZeroFetcher):
@@ -126,7 +128,8 @@ class TensorExpertFetcher(ZeroFetcher):
         gathered = self.zero.gather(N * lay.dense_share)(copied)
         compact = self._copy_in(shards, self._dense, self._dense_rows)
         self._count_gather(self._dense_rows)
-        return TensorRoutedSlab(gathered, self._gather_group()(compact), self._expand, slab)
+        group = self._gather_group()(compact)
+        return TensorRoutedSlab(gathered, group, self._expand, slab, lay.groupings)
 
     def experts(
         self, slab: TensorRoutedSlab, routing: Routing, fresh: dict[int, np.ndarray] | None = None
@@ -152,7 +155,7 @@ class TensorExpertFetcher(ZeroFetcher):
         self.fetched += routing.ids.size
         self.offered += self.num_experts
         self.bytes += self.layout.devices * rows * self.page_elems * self.dtype.itemsize
-        pages = GroupPages(slab.gathered, group)
+        pages = self.layout.pages(slab.gathered, group)
         slab.held = (routing, pages)  # (the copies go once gathered)
         return pages, [copied]
 

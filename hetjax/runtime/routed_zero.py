@@ -245,22 +245,24 @@ class GroupedRoutedSlab:
     gathered: list
     zero: jax.Array
     host: Any
+    groupings: tuple  # the block layout's (``grouped.GroupPages``)
     # the last routing's, (routing, the block's pages)
     held: tuple | None = None
 
     @property
     def dense(self) -> GroupPages:
         """The block's pages as ``route`` reads them: every expert zero."""
-        return GroupPages(self.gathered, self.zero)
+        return GroupPages(self.gathered, (self.zero,), self.groupings)
 
     def tree_flatten(self):
         held = [self.held[1].group] if self.held else []
-        return (*self.gathered, *held), (self.zero, self.host, len(self.gathered))
+        aux = (self.zero, self.host, self.groupings, len(self.gathered))
+        return (*self.gathered, *held), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children) -> GroupedRoutedSlab:
-        zero, host, n = aux
-        return cls(list(children[:n]), zero, host)
+        zero, host, groupings, n = aux
+        return cls(list(children[:n]), zero, host, groupings)
 
 
 class GroupedExpertFetcher(ZeroFetcher):
@@ -302,7 +304,8 @@ class GroupedExpertFetcher(ZeroFetcher):
         copied = jax.make_array_from_process_local_data(self.zero.sharded.slab_device, local)
         N = lay.devices
         self.zero.comm["all_gather"] += (N - 1) * lay.dense_share * P * self.dtype.itemsize
-        return GroupedRoutedSlab(self.zero.gather(N * lay.dense_share)(copied), self._zero, slab)
+        gathered = self.zero.gather(N * lay.dense_share)(copied)
+        return GroupedRoutedSlab(gathered, self._zero, slab, lay.groupings)
 
     def experts(
         self, slab: GroupedRoutedSlab, routing: Routing, fresh: dict[int, np.ndarray] | None = None
@@ -319,7 +322,7 @@ class GroupedExpertFetcher(ZeroFetcher):
         busiest = max(np.bincount(q // gs, minlength=self.shares).max() for q in need)
         rows = padded_rows(int(busiest), gs)
         if not rows:
-            pages = GroupPages(slab.gathered, self._zero)
+            pages = lay.pages(slab.gathered, self._zero)
             slab.held = (routing, pages)
             return pages, []
         index = np.zeros((G, lay.group.num_pages), np.int32)  # 0: a zero row
@@ -344,7 +347,7 @@ class GroupedExpertFetcher(ZeroFetcher):
         self.fetched += routing.ids.size
         self.offered += self.num_experts
         self.bytes += lay.devices * rows * P * self.dtype.itemsize
-        pages = GroupPages(slab.gathered, group)
+        pages = lay.pages(slab.gathered, group)
         slab.held = (routing, pages)  # (the copies go once gathered)
         return pages, [copied]
 
