@@ -46,7 +46,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetjax.distributed import DATA_AXIS
 from hetjax.runtime.grouped import GroupPages
 from hetjax.runtime.routed import RoutedBlock, Routing
 from hetjax.runtime.routed_zero import PageExperts, ZeroFetcher, padded_rows
@@ -222,7 +221,8 @@ class TensorExpertFetcher(ZeroFetcher):
         """The jitted all-gather over the data axis of rows copied in by every device
         (global ``(N rows, page_elems)``) -> ``(M x S rows, page_elems)`` over model."""
         if "dense" not in self._assemblers:
-            gather = lambda copied: jax.lax.all_gather(copied, DATA_AXIS, tiled=True)
+            share_axes = self.layout.grouping.share_axes  # a group's devices: data
+            gather = lambda copied: jax.lax.all_gather(copied, share_axes, tiled=True)
             spec = PartitionSpec(self.zero.page_axes, None)
             fn = self._shard_map(gather, (spec,))
             self._assemblers["dense"] = jax.jit(fn, out_shardings=self._group_sharding)
@@ -245,9 +245,10 @@ class TensorExpertFetcher(ZeroFetcher):
         into each group's pages, beside its dense pages (``compact``), each page placed
         by its index (0: a zero page)."""
         if rows not in self._assemblers:
+            share_axes = self.layout.grouping.share_axes  # a group's devices: data
 
             def per_device(compact, copied, index):  # (S dense rows, P), (rows, P), (pages,)
-                gathered = jax.lax.all_gather(copied, DATA_AXIS, tiled=True)  # (S rows, P)
+                gathered = jax.lax.all_gather(copied, share_axes, tiled=True)  # (S rows, P)
                 zero = jnp.zeros((1, gathered.shape[1]), gathered.dtype)
                 return jnp.concatenate([zero, compact, gathered])[index]
 

@@ -51,7 +51,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetjax.distributed import DATA_AXIS
 from hetjax.runtime.grouped import GroupPages
 from hetjax.runtime.routed import RoutedBlock, Routing
 from hetjax.storage.pages import SlabLayout
@@ -372,9 +371,10 @@ class GroupedExpertFetcher(ZeroFetcher):
         page_elems)`` over every device) into each group's pages: all-gathered over the
         data axis, each page placed by its index (0: a zero page)."""
         if rows not in self._assemblers:
+            share_axes = self.layout.grouping.share_axes  # a group's devices: data
 
             def per_device(copied, index):  # (rows, P), (group pages,)
-                gathered = jax.lax.all_gather(copied, DATA_AXIS, tiled=True)  # (S rows, P)
+                gathered = jax.lax.all_gather(copied, share_axes, tiled=True)  # (S rows, P)
                 zero = jnp.zeros((1, gathered.shape[1]), gathered.dtype)
                 return jnp.concatenate([zero, gathered])[index]
 
