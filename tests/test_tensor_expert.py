@@ -88,8 +88,8 @@ def test_each_device_fetches_its_expert_groups_slice_and_scatters_hand_counted_b
     of attention it holds (both cut here from the initial params by numpy slicing); the
     layout turns the pages back into the block; the byte counts of each stage's
     reduce-scatters and a block's gather are the hand counts above (``SCATTER_PAGES``,
-    ``GATHER_PAGES``), at 1 x 2 x 2 too; routed experts fall back as under tensor
-    parallelism."""
+    ``GATHER_PAGES``), at 1 x 2 x 2 too; routed experts and deferred updates (the
+    defaults) are supported."""
     for data in (1, 2):
         config = etp_config(data)
         zero = Zero3(config)
@@ -137,13 +137,10 @@ def test_each_device_fetches_its_expert_groups_slice_and_scatters_hand_counted_b
             mine = np.split(block[name]["kernel"], 2, axis=heads[name])[m]
             np.testing.assert_array_equal(got[leaf.offset : leaf.offset + leaf.size], mine.ravel())
     assert seen == {0, 1} and {f.path[0] for f in attention.layout.leaves} == set(heads)
-    # the mesh has its own row of the support matrix: routed experts (the default) fall
-    # back to copying every expert (no routed gather reads the group-and-slice layout)
+    # the mesh has its own row of the support matrix: routed experts (the default) are
+    # fetched by expert group and slice (test_routed_on_the_3d_mesh_...), and deferred
     assert support.parallelism(config.distributed) == support.TENSOR_EXPERT
-    assert [line.split(":")[0] for line in support.fallbacks(config)] == [
-        "offload.expert_fetch",
-        "offload.expert_updates",
-    ]
+    assert support.fallbacks(config) == []
 
 
 # A wider block (d 256: attention q and o 256 x 256, k and v 256 x 128, 196,608
@@ -218,6 +215,46 @@ def test_offload_features_on_expert2xmodel2_equal_single_device(tmp_path, featur
     config = etp_config(1).replace(offload=dict(mode="stream", **feature))
     result = train(config, tmp_path / "etp", verbose=False)
     assert_training_equal(result, reference, build_model(config.model), check_tokens())
+
+
+@pytest.mark.slow  # ~20-60 s each: two runs
+@pytest.mark.parametrize("data", [1, 2], ids=["expert2xmodel2", "data2xexpert2xmodel2"])
+def test_routed_on_the_3d_mesh_equals_fetching_every_expert(tmp_path, data):
+    """Routed experts at 1 x 2 x 2 and 2 x 2 x 2 (16 experts, top-1, 4 KiB pages: an expert's rows
+    span pages): each device copies in and gathers, over the data axis, its share of its
+    expert group's model slice of the routed experts' pages, beside the attention slice
+    and dense pages the window gathers. SGD with clipping, 3 steps: equal to copying
+    every expert at 1e-5 (losses, validation loss, every param, logits), fewer experts
+    fetched than the blocks hold."""
+    from test_expert_fetch import SPARSE
+    from test_expert_fetch_zero import _sgd
+
+    def run(fetch):
+        config = _sgd(fetch, data, 2).replace(
+            offload=dict(mode="stream", expert_fetch=fetch, expert_updates="all"),
+            distributed=dict(data_parallel=data, expert_parallel=2, tensor_parallel=2),
+        )
+        assert support.fallbacks(config) == []
+        return train(config, tmp_path / fetch, verbose=False)
+
+    routed, every = run("routed"), run("all")
+    assert_training_equal(
+        routed, every, build_model(etp_config(1, model=SPARSE).model), check_tokens()
+    )
+    # 2 micro-batches x 3 block copies (block 0's forward and backward, block 1's once)
+    assert all(0 < r["experts_fetched"] < 16 * 2 * 3 for r in routed.records)
+    assert not any("experts_fetched" in r for r in every.records)
+
+
+@pytest.mark.slow  # ~30-60 s: three runs
+def test_deferred_updates_on_expert2xmodel2_equal_every_expert():
+    """Deferred expert updates at 1 x 2 x 2 (AdamW, state on NVMe; each process defers
+    its pages wholly in experts no device routed to, of its expert group's slice): bit
+    for bit the run updating every expert, the losses within 1e-5 of one device
+    deferring, some pages deferred and some caught up (``deferred_equal_to_every_expert``)."""
+    from test_expert_fetch_zero import deferred_equal_to_every_expert
+
+    deferred_equal_to_every_expert(dict(data_parallel=1, expert_parallel=2, tensor_parallel=2))
 
 
 @pytest.mark.slow  # ~10-25 s: four runs
