@@ -309,9 +309,10 @@ class Zero3:
         """Inside a stage function (per device): this device's gradient of the pages it
         computed with -> the summed gradient of its own pages, ``(pages / N,
         page_elems)``. A grouped stage's (``GroupPages``: a block's experts, a stage's
-        tensor-parallel slices) group gradient is summed over the devices holding the
-        same group (the ``data`` axis) and makes the first pages of its share, as they
-        are laid out (``grouped.py``)."""
+        tensor-parallel slices) gradient of each part's group is summed over the devices
+        holding the same group (its grouping's ``share_axes``, which the pages carry) and
+        the parts make the first pages of its share, in order, as they are laid out
+        (``grouped.py``)."""
 
         # Seeded with the local mean, each device's gradient is N x its share of the
         # global mean's (exact for a power-of-two N).
