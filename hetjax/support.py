@@ -128,23 +128,23 @@ FEATURES: dict[str, Feature] = {
     # under data and expert parallelism each device copies in and gathers the pages of
     # the experts some device routed to (runtime/routed_zero.py; under expert
     # parallelism its group's, over the data axis); under tensor parallelism its slice
-    # of them, from its group's slab laid out by weight slice (runtime/routed_tensor.py).
-    # Not with both: a block's experts laid out by group and slice (runtime/experts.py's
-    # ExpertTensorGrouping), which no routed gather reads yet
+    # of them, from its group's slab laid out by weight slice (runtime/routed_tensor.py);
+    # with both, its expert group's slice (routed_zero.py's grouped fetcher, the block's
+    # attention slices gathered with its dense pages)
     "routed_experts": Feature(
         key="offload.expert_fetch",
-        reason="routed experts are not supported with {parallel}, whose blocks lay out "
-        "each expert by group and slice",
-        refused=frozenset({TENSOR_EXPERT}),
+        reason="routed experts are not supported with {parallel}",
+        refused=frozenset(),
         fallback="every streamed block copies all its experts, as offload.expert_fetch=all",
     ),
     # deferred expert updates need routed experts (optimizer/deferred.py); each process
     # defers its own pages wholly in experts no device routed to (under tensor
-    # parallelism: in every slice)
+    # parallelism: in every slice; on the data x expert x model mesh: of its expert
+    # group's slice)
     "deferred_updates": Feature(
         key="offload.expert_updates",
-        reason="deferred expert updates are not supported with {parallel}, which routes no experts",
-        refused=frozenset({TENSOR_EXPERT}),
+        reason="deferred expert updates are not supported with {parallel}",
+        refused=frozenset(),
         fallback="every expert is updated every step, as offload.expert_updates=all",
     ),
     "batch_chunks": Feature(

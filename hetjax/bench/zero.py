@@ -14,6 +14,7 @@ import numpy as np
 
 from hetjax.bench.common import _steady_step_time
 from hetjax.config import Config
+from hetjax.runtime.grouped import GroupedSlabLayout
 
 
 def _collectives(runtime) -> dict[str, int]:
@@ -28,7 +29,7 @@ def _collectives(runtime) -> dict[str, int]:
     )
     texts = [
         runtime.fns.block_bwd.lower(pages, x, x).compile().as_text(),
-        zero.gather(B.num_pages, B if hasattr(B, "grouping") else None)
+        zero.gather(B.num_pages, B if isinstance(B, GroupedSlabLayout) else None)
         .lower(slab)
         .compile()
         .as_text(),
@@ -218,9 +219,10 @@ def _split_params(runtime) -> int:
     grouped leaves of each stage's layout, ``runtime/tensor.py``), every block's."""
     count = {"embed": 1, "head": 1, **{g.name: g.num_layers for g in runtime.fns.model.groups}}
     return sum(
-        lay.group.size * lay.groups * count[name]
+        part.layout.size * part.groups * count[name]
         for name, lay in runtime.layouts.items()
-        if hasattr(lay, "grouping")
+        if isinstance(lay, GroupedSlabLayout)
+        for part in lay.parts
     )
 
 

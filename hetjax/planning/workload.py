@@ -18,7 +18,7 @@ from hetjax.optimizer.deferred import deferrable
 from hetjax.optimizer.state_format import StateFormat, state_format
 from hetjax.planning.hardware import Hardware
 from hetjax.runtime import remat, stages
-from hetjax.runtime.grouped import GroupedSlabLayout, scattered_elements
+from hetjax.runtime.grouped import GroupedSlabLayout, axes_of, scattered_elements
 from hetjax.runtime.routed import expert_leaves
 from hetjax.runtime.stages import stage_layouts
 from models import attention, build_model
@@ -270,7 +270,7 @@ class Workload:
             used["block"] -= count(split_experts(shapes["blocks"])[1]) // L * (G - 1) // G
         for name, layout in layouts.items():  # tensor parallelism: the dense and a slice
             if isinstance(layout, GroupedSlabLayout) and name in used:
-                used[name] = layout.dense.size + layout.group.size
+                used[name] = layout.dense.size + sum(p.layout.size for p in layout.parts)
         largest = max(model.groups, key=lambda g: layouts[g.name].compute_size).name
         block = layouts[largest].compute_size  # a device's experts only
         block_used = used[largest]
@@ -446,13 +446,16 @@ def _scatter_bytes(layout, grad_bytes: int, devices: int) -> int:
     axis only (none with one data group; an expert x tensor block's slice of its expert
     group likewise). Within 1.00-1.15 of XLA:CPU's at data x
     tensor 1 x 2 and 2 x 2 (tests/test_memory_model.py)."""
-    axes = getattr(getattr(layout, "grouping", None), "axis", ())
-    if MODEL_AXIS not in ((axes,) if isinstance(axes, str) else axes):
+    parts = layout.parts if isinstance(layout, GroupedSlabLayout) else ()
+    if not any(MODEL_AXIS in axes_of(part.grouping.axis) for part in parts):
         return zero3_scatter_bytes(layout.compute_size, grad_bytes, devices)
-    pe, S = layout.page_elems, layout.shares
+    pe = layout.page_elems
     dense = zero3_scatter_bytes(layout.dense.num_pages * pe, grad_bytes, devices)
-    group = layout.group.num_pages * pe
-    return dense + (zero3_scatter_bytes(group, grad_bytes, S) if S > 1 else 0)
+    return dense + sum(  # each part's group over its shares (an attention slice's too)
+        zero3_scatter_bytes(part.layout.num_pages * pe, grad_bytes, part.shares)
+        for part in parts
+        if part.shares > 1
+    )
 
 
 def all_reduces(attentions: float, experts_per_token: int = 0) -> tuple[float, float]:

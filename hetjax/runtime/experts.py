@@ -17,8 +17,14 @@ model mesh), each expert group's weights are cut further by the model axis's sli
 (:class:`ExpertTensorGrouping`): device (s, e, m) holds share s of group e's slice m,
 gathered over ``data`` only, and computes its group's experts split over ``model`` as
 tensor parallelism splits any MLP (the logical axis rules; the tokens' all-to-all stays
-on ``expert``). The block's other split weights (attention) are dense pages there,
-gathered whole and split by the rules on each device.
+on ``expert``). The block's other split weights (attention's, any the rules split over
+``model``) arrive split too: the layout's second part (:func:`expert_tensor_layout`) is
+tensor parallelism's slices of them (``tensor.TensorGrouping``), slice m per device of
+the ``model`` axis, shared over data x expert (the expert axis is a batch axis outside
+the experts), so device (s, e, m)'s share is [share s of expert group e's slice m |
+share s x X + e of attention's slice m | share n of the dense rest (norms, router)],
+and each device fetches 1/M of the attention that a block whose attention were dense
+pages would bring it.
 """
 
 from __future__ import annotations
@@ -30,9 +36,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax.distributed import DATA_AXIS, EXPERT_AXIS, MODEL_AXIS
-from hetjax.runtime.grouped import ExpertPages, GroupedSlabLayout
-from hetjax.runtime.tensor import _is_spec, _items, _model_dim, _put, _stack, _unstack
+from hetjax.distributed import BATCH_AXES, DATA_AXIS, EXPERT_AXIS, MODEL_AXIS
+from hetjax.runtime.grouped import GroupedSlabLayout
+from hetjax.runtime.tensor import (
+    TensorGrouping,
+    _is_spec,
+    _items,
+    _model_dim,
+    _put,
+    _stack,
+    _unstack,
+)
 from models.llama import join_experts, split_experts
 
 
@@ -41,9 +55,9 @@ class ExpertGrouping:
     """A MoE block's experts (``models.llama.split_experts``), a group of E/G experts
     per device of the ``expert`` axis; nothing is moved (experts are the first axis)."""
 
+    groups: int  # G: devices on the expert axis
     axis: str = EXPERT_AXIS
     share_axes = (DATA_AXIS,)  # a group's devices
-    pages = ExpertPages
 
     def split(self, params: Any) -> tuple[Any, Any]:
         return split_experts(params)
@@ -76,7 +90,10 @@ class ExpertTensorGrouping:
     per_group: int  # E / X experts a group holds
     axis: tuple[str, ...] = (EXPERT_AXIS, MODEL_AXIS)
     share_axes = (DATA_AXIS,)  # a group's devices
-    pages = ExpertPages
+
+    @property
+    def groups(self) -> int:
+        return self.experts * self.parts
 
     @classmethod
     def of(cls, block: Any, specs: Any, experts: int, parts: int) -> ExpertTensorGrouping:
@@ -135,13 +152,19 @@ class ExpertSlabLayout(GroupedSlabLayout):
     def of(cls, block: Any, page_bytes: int, groups: int, shares: int) -> ExpertSlabLayout:  # type: ignore[override]
         """The layout of a block's params (arrays or shapes) with its experts split into
         ``groups`` groups, on ``groups`` x ``shares`` devices."""
-        return super().of(block, page_bytes, groups, shares, ExpertGrouping())
+        return super().of(block, page_bytes, groups * shares, ExpertGrouping(groups))
 
 
 def expert_tensor_layout(
     block: Any, specs: Any, page_bytes: int, experts: int, parts: int, shares: int
 ) -> GroupedSlabLayout:
-    """A MoE block's slab laid out for ``experts`` x ``parts`` (expert x model) groups
-    on ``shares`` data devices each (:class:`ExpertTensorGrouping`)."""
-    grouping = ExpertTensorGrouping.of(block, specs, experts, parts)
-    return GroupedSlabLayout.of(block, page_bytes, experts * parts, shares, grouping)
+    """A MoE block's slab laid out on ``shares`` x ``experts`` x ``parts`` (data x
+    expert x model) devices: its experts in ``experts`` x ``parts`` groups
+    (:class:`ExpertTensorGrouping`, shared over ``data``), then its other weights that
+    ``specs`` split over ``model`` in ``parts`` slices (``tensor.TensorGrouping``,
+    shared over data x expert; no such part where none is split)."""
+    experts_part = ExpertTensorGrouping.of(block, specs, experts, parts)
+    rest, _ = experts_part.split(block)
+    split = TensorGrouping.of(rest, specs, parts, share_axes=BATCH_AXES)
+    groupings = (experts_part, split) if split.axes else (experts_part,)
+    return GroupedSlabLayout.of(block, page_bytes, shares * experts * parts, *groupings)

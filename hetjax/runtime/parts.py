@@ -332,7 +332,7 @@ def _experts(config: Config, placement, fns, dtype, routed, loop) -> tuple:
             if group.layout.leaf_buffers:
                 return ExpertFetcher(group.routed(), dtype, device, E, stage_to=stage_to)
             if isinstance(group.layout, GroupedSlabLayout):  # by expert group or by slice
-                if group.layout.grouping.axis == MODEL_AXIS:
+                if group.layout.parts[0].grouping.axis == MODEL_AXIS:  # (tensor alone)
                     return TensorExpertFetcher(group.routed(), placement, dtype, E)
                 return GroupedExpertFetcher(group.routed(), placement, dtype, E)
             return ShardedExpertFetcher(group.routed(), placement, dtype, E)

@@ -263,8 +263,9 @@ class ShardedPlacement:
             batch=NamedSharding(mesh, PartitionSpec(batch_axes), memory_kind="device"),
         )
 
-    def group_pages(self, dense_pages: int, axis: str | tuple[str, ...], pages=GroupPages):
-        """Shardings of a grouped stage's pages on the device (``grouped.GroupPages``, or
-        its ``pages`` subclass: the dense pages gathered, the groups over ``axis``)."""
-        group = NamedSharding(self.mesh, PartitionSpec(axis, None), memory_kind="device")
-        return pages([self.gathered] * dense_pages, group)
+    def group_pages(self, dense_pages: int, groupings: tuple) -> GroupPages:
+        """Shardings of a grouped stage's pages on the device (``grouped.GroupPages``: the
+        dense pages gathered, each part's groups over its grouping's axes)."""
+        on = lambda axis: NamedSharding(self.mesh, PartitionSpec(axis, None), memory_kind="device")
+        group = lambda grouping: on(grouping.axis)
+        return GroupPages([self.gathered] * dense_pages, map(group, groupings), groupings)

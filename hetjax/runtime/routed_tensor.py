@@ -46,7 +46,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetjax.distributed import DATA_AXIS
 from hetjax.runtime.grouped import GroupPages
 from hetjax.runtime.routed import RoutedBlock, Routing
 from hetjax.runtime.routed_zero import PageExperts, ZeroFetcher, padded_rows
@@ -66,22 +65,24 @@ class TensorRoutedSlab:
     compact: jax.Array
     expand: Any
     host: Any
+    groupings: tuple  # the block layout's (``grouped.GroupPages``)
     # the last routing's, (routing, the block's pages)
     held: tuple | None = None
 
     @property
     def dense(self) -> GroupPages:
         """The block's pages as ``route`` reads them: every expert page zero."""
-        return GroupPages(self.gathered, self.expand(self.compact))
+        return GroupPages(self.gathered, (self.expand(self.compact),), self.groupings)
 
     def tree_flatten(self):
         held = [self.held[1].group] if self.held else []
-        return (*self.gathered, self.compact, *held), (self.expand, self.host, len(self.gathered))
+        aux = (self.expand, self.host, self.groupings, len(self.gathered))
+        return (*self.gathered, self.compact, *held), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children) -> TensorRoutedSlab:
-        expand, host, n = aux
-        return cls(list(children[:n]), children[n], expand, host)
+        expand, host, groupings, n = aux
+        return cls(list(children[:n]), children[n], expand, host, groupings)
 
 
 class TensorExpertFetcher(ZeroFetcher):
@@ -126,7 +127,8 @@ class TensorExpertFetcher(ZeroFetcher):
         gathered = self.zero.gather(N * lay.dense_share)(copied)
         compact = self._copy_in(shards, self._dense, self._dense_rows)
         self._count_gather(self._dense_rows)
-        return TensorRoutedSlab(gathered, self._gather_group()(compact), self._expand, slab)
+        group = self._gather_group()(compact)
+        return TensorRoutedSlab(gathered, group, self._expand, slab, lay.groupings)
 
     def experts(
         self, slab: TensorRoutedSlab, routing: Routing, fresh: dict[int, np.ndarray] | None = None
@@ -152,7 +154,7 @@ class TensorExpertFetcher(ZeroFetcher):
         self.fetched += routing.ids.size
         self.offered += self.num_experts
         self.bytes += self.layout.devices * rows * self.page_elems * self.dtype.itemsize
-        pages = GroupPages(slab.gathered, group)
+        pages = self.layout.pages(slab.gathered, group)
         slab.held = (routing, pages)  # (the copies go once gathered)
         return pages, [copied]
 
@@ -219,7 +221,8 @@ class TensorExpertFetcher(ZeroFetcher):
         """The jitted all-gather over the data axis of rows copied in by every device
         (global ``(N rows, page_elems)``) -> ``(M x S rows, page_elems)`` over model."""
         if "dense" not in self._assemblers:
-            gather = lambda copied: jax.lax.all_gather(copied, DATA_AXIS, tiled=True)
+            share_axes = self.layout.grouping.share_axes  # a group's devices: data
+            gather = lambda copied: jax.lax.all_gather(copied, share_axes, tiled=True)
             spec = PartitionSpec(self.zero.page_axes, None)
             fn = self._shard_map(gather, (spec,))
             self._assemblers["dense"] = jax.jit(fn, out_shardings=self._group_sharding)
@@ -242,9 +245,10 @@ class TensorExpertFetcher(ZeroFetcher):
         into each group's pages, beside its dense pages (``compact``), each page placed
         by its index (0: a zero page)."""
         if rows not in self._assemblers:
+            share_axes = self.layout.grouping.share_axes  # a group's devices: data
 
             def per_device(compact, copied, index):  # (S dense rows, P), (rows, P), (pages,)
-                gathered = jax.lax.all_gather(copied, DATA_AXIS, tiled=True)  # (S rows, P)
+                gathered = jax.lax.all_gather(copied, share_axes, tiled=True)  # (S rows, P)
                 zero = jnp.zeros((1, gathered.shape[1]), gathered.dtype)
                 return jnp.concatenate([zero, compact, gathered])[index]
 

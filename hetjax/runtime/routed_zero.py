@@ -38,7 +38,10 @@ the dense slab whole, and after ``route`` each device copies in its share of its
 pages holding a routed expert's rows (padded to the busiest device's count over every
 group: one gather for the whole mesh) and all-gathers them over the data axis only, into
 its group's pages, the others zero; the tokens reach their experts by all-to-all as
-they do with every expert fetched (``models/llama.py``).
+they do with every expert fetched (``models/llama.py``). On the data x expert x model
+mesh the same, its group being its expert group's model slice; the window gathers the
+block's attention slices (the layout's second part, over data x expert) with the dense
+pages.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetjax.distributed import DATA_AXIS
 from hetjax.runtime.grouped import GroupPages
 from hetjax.runtime.routed import RoutedBlock, Routing
 from hetjax.storage.pages import SlabLayout
@@ -245,22 +247,26 @@ class GroupedRoutedSlab:
     gathered: list
     zero: jax.Array
     host: Any
+    groupings: tuple  # the block layout's (``grouped.GroupPages``)
+    # the layout's other parts' groups, gathered (the 3-D mesh's attention slices)
+    others: tuple = ()
     # the last routing's, (routing, the block's pages)
     held: tuple | None = None
 
     @property
     def dense(self) -> GroupPages:
         """The block's pages as ``route`` reads them: every expert zero."""
-        return GroupPages(self.gathered, self.zero)
+        return GroupPages(self.gathered, (self.zero, *self.others), self.groupings)
 
     def tree_flatten(self):
-        held = [self.held[1].group] if self.held else []
-        return (*self.gathered, *held), (self.zero, self.host, len(self.gathered))
+        held = [self.held[1].groups[0]] if self.held else []
+        aux = (self.zero, self.host, self.groupings, len(self.gathered), len(self.others))
+        return (*self.gathered, *self.others, *held), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children) -> GroupedRoutedSlab:
-        zero, host, n = aux
-        return cls(list(children[:n]), zero, host)
+        zero, host, groupings, n, k = aux
+        return cls(list(children[:n]), zero, host, groupings, tuple(children[n : n + k]))
 
 
 class GroupedExpertFetcher(ZeroFetcher):
@@ -270,23 +276,34 @@ class GroupedExpertFetcher(ZeroFetcher):
     ``route`` each device copies in its own pages of its group's routed experts (those
     of the union over every device's rows), padded to the busiest device's count (the
     same on every device: the decision is global), and all-gathers them over the data
-    axis only, into its group's pages with the others zero."""
+    axis only, into its group's pages with the others zero.
+
+    On the data x expert x model mesh the block's layout has the experts by (expert
+    group, model slice) as its first part and its attention by model slice as its
+    second (``experts.expert_tensor_layout``): a group is then expert group e's slice
+    m (the M slices of a group of experts hold the same experts), and the window
+    gathers the attention part (over data x expert) beside the dense pages."""
 
     def __init__(self, block: RoutedBlock, zero, dtype: Any, num_experts: int):
         self.block, self.zero, self.num_experts = block, zero, num_experts
-        layout = block.layout  # an ExpertSlabLayout
-        self.groups, self.shares = layout.groups, layout.shares
-        self.local = num_experts // layout.groups  # experts a group holds
+        layout = block.layout  # experts first (``experts.py``)
+        experts = layout.parts[0]
+        self.groups, self.shares = experts.groups, experts.shares
+        self.local = experts.layout.leaves[0].shape[0]  # experts a group holds
+        self.slices = self.groups * self.local // num_experts  # groups of the same experts
+        self.group_share = experts.share  # pages of its group a device holds
         self.pages = PageExperts.of(
-            layout.group, tuple(range(len(layout.group.leaves))), self.local
+            experts.layout, tuple(range(len(experts.layout.leaves))), self.local
         )
         self.first_page, self.own = zero.own_pages(layout)  # this process's
         self.dtype, self.page_elems = np.dtype(dtype), layout.page_elems
         self.layout = layout
-        axis = layout.grouping.axis
+        # the other parts and the dense slab, which the window gathers whole
+        self._rest = dataclasses.replace(layout, parts=layout.parts[1:])
+        axis = experts.grouping.axis
         self._group_sharding = NamedSharding(zero.mesh, PartitionSpec(axis, None))
         self._index_sharding = NamedSharding(zero.mesh, PartitionSpec(axis))
-        shape = (layout.groups * layout.group.num_pages, layout.page_elems)
+        shape = (self.groups * experts.layout.num_pages, layout.page_elems)
         self._zero = jax.device_put(np.zeros(shape, dtype), self._group_sharding)
         gathered = zero.sharded.gathered
         self._every = jax.device_put(np.arange(num_experts, dtype=np.int32), gathered)
@@ -296,13 +313,16 @@ class GroupedExpertFetcher(ZeroFetcher):
     def dense(self, slab: jax.Array) -> GroupedRoutedSlab:
         """The window's copy of a routed block: its dense pages, each device's own copied
         in and all-gathered (every one: no padding)."""
-        lay, P = self.layout, self.page_elems
+        lay, rest = self.layout, self._rest
         shards = sorted(slab.addressable_shards, key=lambda a: a.index[0].start or 0)
-        local = np.concatenate([np.asarray(s.data)[lay.group_share :] for s in shards])
+        local = np.concatenate([np.asarray(s.data)[self.group_share :] for s in shards])
         copied = jax.make_array_from_process_local_data(self.zero.sharded.slab_device, local)
-        N = lay.devices
-        self.zero.comm["all_gather"] += (N - 1) * lay.dense_share * P * self.dtype.itemsize
-        return GroupedRoutedSlab(self.zero.gather(N * lay.dense_share)(copied), self._zero, slab)
+        self.zero.comm["all_gather"] += rest.gathered_size * self.dtype.itemsize
+        if not rest.parts:  # the dense pages alone
+            gathered = self.zero.gather(rest.num_pages)(copied)
+            return GroupedRoutedSlab(gathered, self._zero, slab, lay.groupings)
+        pages = self.zero.gather(rest.num_pages, rest)(copied)
+        return GroupedRoutedSlab(pages.dense, self._zero, slab, lay.groupings, pages.groups)
 
     def experts(
         self, slab: GroupedRoutedSlab, routing: Routing, fresh: dict[int, np.ndarray] | None = None
@@ -314,15 +334,15 @@ class GroupedExpertFetcher(ZeroFetcher):
         if slab.held is not None and slab.held[0] is routing:
             return slab.held[1], []
         lay, P, G = self.layout, self.page_elems, self.groups
-        gs = lay.group_share
+        gs = self.group_share
         need = [self.pages.routed(self._local_ids(routing.ids, g)) for g in range(G)]
         busiest = max(np.bincount(q // gs, minlength=self.shares).max() for q in need)
         rows = padded_rows(int(busiest), gs)
         if not rows:
-            pages = GroupPages(slab.gathered, self._zero)
+            pages = slab.dense
             slab.held = (routing, pages)
             return pages, []
-        index = np.zeros((G, lay.group.num_pages), np.int32)  # 0: a zero row
+        index = np.zeros((G, lay.parts[0].layout.num_pages), np.int32)  # 0: a zero row
         for g, q in enumerate(need):
             owner = q // gs
             index[g, q] = 1 + owner * rows + np.arange(q.size) - np.searchsorted(owner, owner)
@@ -344,14 +364,14 @@ class GroupedExpertFetcher(ZeroFetcher):
         self.fetched += routing.ids.size
         self.offered += self.num_experts
         self.bytes += lay.devices * rows * P * self.dtype.itemsize
-        pages = GroupPages(slab.gathered, group)
+        pages = lay.pages(slab.gathered, group, *slab.others)
         slab.held = (routing, pages)  # (the copies go once gathered)
         return pages, [copied]
 
     def zero_pages(self, ids: np.ndarray) -> frozenset[int]:
         """This process's pages (numbered within its share) wholly in experts not in
         ``ids``: their gradient is zero."""
-        lay, gs, out = self.layout, self.layout.group_share, []
+        lay, gs, out = self.layout, self.group_share, []
         for g in range(self.groups):
             q = self.pages.unrouted(self._local_ids(ids, g))
             s = q // gs
@@ -360,22 +380,26 @@ class GroupedExpertFetcher(ZeroFetcher):
         return frozenset(pages[(pages >= 0) & (pages < self.own)].tolist())
 
     def _local_ids(self, ids: np.ndarray, g: int) -> np.ndarray:
-        """Of ``ids`` (global experts), group ``g``'s, as its own (0 .. E/G - 1)."""
-        mine = ids[(ids >= g * self.local) & (ids < (g + 1) * self.local)]
-        return mine - g * self.local
+        """Of ``ids`` (global experts), group ``g``'s, as its own (0 .. E/G - 1): its
+        expert group's (on the 3-D mesh, the M groups of one expert group's slices)."""
+        e = g // self.slices
+        mine = ids[(ids >= e * self.local) & (ids < (e + 1) * self.local)]
+        return mine - e * self.local
 
     def _assemble(self, rows: int):
         """The jitted gather of ``rows`` copied pages a device (global ``(N rows,
         page_elems)`` over every device) into each group's pages: all-gathered over the
         data axis, each page placed by its index (0: a zero page)."""
         if rows not in self._assemblers:
+            grouping = self.layout.parts[0].grouping  # the experts'
+            share_axes = grouping.share_axes  # a group's devices: data
 
             def per_device(copied, index):  # (rows, P), (group pages,)
-                gathered = jax.lax.all_gather(copied, DATA_AXIS, tiled=True)  # (S rows, P)
+                gathered = jax.lax.all_gather(copied, share_axes, tiled=True)  # (S rows, P)
                 zero = jnp.zeros((1, gathered.shape[1]), gathered.dtype)
                 return jnp.concatenate([zero, gathered])[index]
 
-            axis = self.layout.grouping.axis
+            axis = grouping.axis
             gather = jax.shard_map(
                 per_device,
                 mesh=self.zero.mesh,

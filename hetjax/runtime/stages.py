@@ -61,8 +61,9 @@ def stage_layouts(
     block's split of its experts is its own (``experts.ExpertSlabLayout``). With
     ``tensor_parallel`` > 1 (of the ``page_multiple`` devices) a stage's weights that
     ``rules`` split over the ``model`` axis are laid out by slice (``tensor.py``); with
-    both, a block's experts by group and slice (``experts.expert_tensor_layout``), the
-    other stages' split weights by slice shared over the data and expert axes."""
+    both, a block's experts by group and slice and its other split weights (attention)
+    by slice (``experts.expert_tensor_layout``), the other stages' split weights by
+    slice; a slice shared over the data and expert axes."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     split_specs = tensor_specs(model, rules, shapes) if tensor_parallel > 1 else None
     if axis_sizes:

@@ -14,7 +14,9 @@ gather brings each device only its slice (over ``data``) and the dense rest (nor
 scales, biases, unsplit weights: over every device). The biases a rule splits stay
 dense (whole on each device, split by the constraint): weight decay keeps one split
 point (``grouped.py``). Checkpoints record each piece's split axis and restore at any
-other data x tensor split (``tests/test_tensor.py``).
+other data x tensor split (``tests/test_tensor.py``). On the data x expert x model mesh
+a MoE block's split weights but its experts are such a part of its layout, beside its
+experts' (``experts.expert_tensor_layout``), shared over data x expert.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from hetjax.distributed import DATA_AXIS, MODEL_AXIS, mesh_axes
-from hetjax.runtime.grouped import GroupedSlabLayout, GroupPages
+from hetjax.runtime.grouped import GroupedSlabLayout
 from hetjax.storage.pages import weight_decay_mask
 from models.staged import logical_axes
 
@@ -93,7 +95,10 @@ class TensorGrouping:
     # the devices holding the same slice: the data axis, and under expert parallelism
     # the expert axis too (a batch axis outside a MoE block's experts)
     share_axes: tuple[str, ...] = (DATA_AXIS,)
-    pages = GroupPages  # the model axis is XLA's inside the stage functions
+
+    @property
+    def groups(self) -> int:
+        return self.parts
 
     @classmethod
     def of(
@@ -161,4 +166,4 @@ def tensor_layout(
     grouping = TensorGrouping.of(params, specs, tensor_parallel, share_axes)
     if not grouping.axes:
         return None
-    return GroupedSlabLayout.of(params, page_bytes, tensor_parallel, shares, grouping)
+    return GroupedSlabLayout.of(params, page_bytes, tensor_parallel * shares, grouping)

@@ -51,9 +51,11 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
   inside the block (``models/llama.py``). The experts' gradients are reduce-scattered
   over ``data`` only (the devices holding the same experts). With tensor parallelism
   too (data x expert x model), each device's group is its experts' slice on the model
-  axis (``experts.ExpertTensorGrouping``, :class:`~hetjax.runtime.grouped.ExpertPages`:
-  manual over ``expert``, XLA's over ``model``), the other stages' slices shared over
-  data x expert.
+  axis (``experts.ExpertTensorGrouping``: manual over ``expert``, XLA's over
+  ``model``), and a MoE block's other split weights (attention) and the other stages'
+  arrive as their model slice, shared over data x expert (``experts.py``). Each part's
+  group is gathered and its gradient reduce-scattered over its grouping's
+  ``share_axes``, which the pages carry (``grouped.GroupPages``).
 
 A stage group's context (``models/staged.py``; T5's decoder reads the encoder's output
 and a position-bias table) is declared ``Kind.CONTEXT``: its activations are split by
@@ -92,7 +94,7 @@ from hetjax.config import Config, ConfigError
 from hetjax.distributed import (
     AXIS_RULES,
     BATCH_AXES,
-    DATA_AXIS,
+    EXPERT_AXIS,
     MODEL_AXIS,
     PAGE_AXES,
     TENSOR_PARALLEL_RULES,
@@ -101,9 +103,9 @@ from hetjax.distributed import (
 from hetjax.optimizer.sharded_slab import device_state_sharding
 from hetjax.runtime.grouped import (
     DENSE_SCATTER_AXES,
-    ExpertPages,
     GroupedSlabLayout,
     GroupPages,
+    axes_of,
     scattered_elements,
 )
 from hetjax.runtime.placement import ShardedPlacement, Shardings
@@ -240,18 +242,23 @@ class Zero3:
         averaged over the devices and whole on each, a device's local values (a kept
         block's vjp) stacked on a new leading axis and handed back to their device."""
         batch, whole = PartitionSpec(self.rules["batch"]), PartitionSpec()
+        # tensor parallelism: the model axis is XLA's to split (``constrain``)
+        manual = set(AXES) if self.tensor_parallel > 1 else set(self.mesh.axis_names)
         split = {Kind.BATCH: batch, Kind.CONTEXT: batch, Kind.GRAD: batch, Kind.LOCAL: batch}
         out_specs = jax.tree.map(lambda kind: split.get(kind, whole), signature.results)
         assert Kind.PAGES not in jax.tree.leaves(signature.results), signature
 
         def spec_in(kind: str, arg):
             if kind == Kind.PAGES and isinstance(arg, GroupPages):
-                # a group's pages split over their axis where it is manual (experts);
-                # tensor parallelism's model axis is XLA's, the array global over it.
-                # Without tensor parallelism every group is experts (routed_zero.py's too)
-                experts = isinstance(arg, ExpertPages) or self.tensor_parallel == 1
-                group = PartitionSpec(self.rules["expert"]) if experts else whole
-                return type(arg)([whole] * len(arg.dense), group)
+                # a part's groups split over those of its grouping's axes that are manual
+                # (the experts'); tensor parallelism's model axis is XLA's, the array
+                # global over it
+                def group(grouping):
+                    axes = tuple(a for a in axes_of(grouping.axis) if a in manual)
+                    return PartitionSpec(axes) if axes else whole
+
+                groups = map(group, arg.groupings)
+                return GroupPages([whole] * len(arg.dense), groups, arg.groupings)
             return jax.tree.map(lambda _: split.get(kind, whole), arg)
 
         def finish(kind: str, result):  # on each device: a result as its kind leaves
@@ -277,8 +284,7 @@ class Zero3:
                 mesh=self.mesh,
                 in_specs=tuple(spec_in(k, a) for k, a in zip(kinds, args, strict=True)),
                 out_specs=out_specs,
-                # tensor parallelism: the model axis is XLA's to split (``constrain``)
-                axis_names=set(AXES) if self.tensor_parallel > 1 else set(self.mesh.axis_names),
+                axis_names=manual,
                 check_vma=False,
             )(*args)
 
@@ -303,46 +309,49 @@ class Zero3:
         """Inside a stage function (per device): this device's gradient of the pages it
         computed with -> the summed gradient of its own pages, ``(pages / N,
         page_elems)``. A grouped stage's (``GroupPages``: a block's experts, a stage's
-        tensor-parallel slices) group gradient is summed over the devices holding the
-        same group (the ``data`` axis) and makes the first pages of its share, as they
-        are laid out (``grouped.py``)."""
+        tensor-parallel slices) gradient of each part's group is summed over the devices
+        holding the same group (its grouping's ``share_axes``, which the pages carry) and
+        the parts make the first pages of its share, in order, as they are laid out
+        (``grouped.py``)."""
 
         # Seeded with the local mean, each device's gradient is N x its share of the
         # global mean's (exact for a power-of-two N).
         scatter = lambda g, axes: jax.lax.psum_scatter(g, axes, scatter_dimension=0, tiled=True)
         M = self.tensor_parallel
-        # a group's devices (its grouping's ``share_axes``): an expert group's (its slice
-        # of it, under tensor parallelism) on the data axis; a tensor-parallel slice's on
-        # the data axis, and the expert axis where it is a batch axis outside the experts
-        group_axes = (DATA_AXIS,)
-        if M > 1 and self.expert_parallel > 1 and not isinstance(pages, ExpertPages):
-            group_axes = BATCH_AXES
+
+        def parts(groups):  # each part's group over its devices, its grouping's share_axes
+            return [scatter(g, p.share_axes) for g, p in zip(groups, pages.groupings, strict=True)]
+
         if isinstance(pages, GroupPages) and M > 1:
-            # the group global over the automatic model axis, (M x group pages, P), its
-            # row block m on model device m; the dense gradient whole on each. Scattered
-            # manual over the model axis too (XLA's partitioner would gather the group
-            # first): device m keeps its group's sum and part m of the dense one.
-            def own(group, dense):
-                group = scatter(group, group_axes)
+            # each part's group global over the automatic model axis, (M x group pages,
+            # P), its row block m on model device m; the dense gradient whole on each.
+            # Scattered manual over the model axis too (XLA's partitioner would gather
+            # the group first): device m keeps its groups' sums and part m of the dense.
+            assert all(MODEL_AXIS in axes_of(p.axis) for p in pages.groupings), pages
+
+            def own(groups, dense):
+                groups = parts(groups)
                 if not dense.shape[0]:
-                    return group
+                    return jnp.concatenate(groups)
                 dense = scatter(dense, DENSE_SCATTER_AXES)
                 part = dense.shape[0] // M
                 m = jax.lax.axis_index(MODEL_AXIS)
-                return jnp.concatenate([group, jax.lax.dynamic_slice_in_dim(dense, m * part, part)])
+                mine = jax.lax.dynamic_slice_in_dim(dense, m * part, part)
+                return jnp.concatenate([*groups, mine])
 
-            P = pages.group.shape[-1]  # (a stage of split weights only has no dense pages)
+            P = pages.groups[0].shape[-1]  # (a stage of split weights only has no dense pages)
             dense = jnp.stack([p.astype(dtype) for p in pages.dense] or [jnp.zeros((0, P), dtype)])
             dense = dense.reshape(-1, P)
             model = PartitionSpec(MODEL_AXIS)
+            groups = tuple(g.astype(dtype) for g in pages.groups)
             summed = jax.shard_map(
-                own, in_specs=(model, PartitionSpec()), out_specs=model,
+                own, in_specs=((model,) * len(groups), PartitionSpec()), out_specs=model,
                 axis_names={MODEL_AXIS}, check_vma=False,
-            )(pages.group.astype(dtype), dense)  # fmt: skip
+            )(groups, dense)  # fmt: skip
         elif isinstance(pages, GroupPages):
             dense = jnp.stack([p.astype(dtype) for p in pages.dense])  # (pages, page_elems)
-            group = scatter(pages.group.astype(dtype), group_axes)
-            summed = jnp.concatenate([group, scatter(dense, DENSE_SCATTER_AXES)])
+            groups = parts([g.astype(dtype) for g in pages.groups])
+            summed = jnp.concatenate([*groups, scatter(dense, DENSE_SCATTER_AXES)])
         else:
             summed = scatter(jnp.stack([p.astype(dtype) for p in pages]), DENSE_SCATTER_AXES)
             if M > 1:  # the model axis's devices keep a part each
@@ -373,21 +382,25 @@ class Zero3:
             gather = jax.jit(lambda s: list(all_gather(s)), out_shardings=self.sharded.gathered)
         else:
 
-            def split(share):  # (share, page_elems): its group's pages, then the dense
-                group, dense = share[: layout.group_share], share[layout.group_share :]
-                group = jax.lax.all_gather(group, layout.grouping.share_axes, tiled=True)
+            def split(share):  # (share, page_elems): each part's group's pages, the dense
+                groups, at = [], 0
+                for part in layout.parts:  # over its devices, its grouping's share_axes
+                    mine = share[at : at + part.share]
+                    groups.append(jax.lax.all_gather(mine, part.grouping.share_axes, tiled=True))
+                    at += part.share
+                dense = share[at:]
                 if not layout.dense_share:  # a stage of grouped leaves only
-                    return group, dense
-                return group, jax.lax.all_gather(dense, self.page_axes, tiled=True)
+                    return tuple(groups), dense
+                return tuple(groups), jax.lax.all_gather(dense, self.page_axes, tiled=True)
 
-            axis = layout.grouping.axis
-            split = per_device(split, out_specs=(PartitionSpec(axis), PartitionSpec()))
+            groups = tuple(PartitionSpec(g.axis) for g in layout.groupings)
+            split = per_device(split, out_specs=(groups, PartitionSpec()))
 
             def gather(s):
-                group, dense = split(s)
-                return layout.grouping.pages(list(dense), group)
+                groups, dense = split(s)
+                return layout.pages(list(dense), *groups)
 
-            out = self.sharded.group_pages(layout.dense.num_pages, axis, layout.grouping.pages)
+            out = self.sharded.group_pages(layout.dense.num_pages, layout.groupings)
             gather = jax.jit(gather, out_shardings=out)
         self._gathers[key] = gather
         return gather
@@ -397,9 +410,7 @@ class Zero3:
         ``ShapeDtypeStruct``s with their shardings (to lower a stage function with)."""
         pages = layout.device_pages(dtype)
         if isinstance(pages, GroupPages):
-            shardings = self.sharded.group_pages(
-                layout.dense.num_pages, layout.grouping.axis, layout.grouping.pages
-            )
+            shardings = self.sharded.group_pages(layout.dense.num_pages, layout.groupings)
         else:
             shardings = [self.sharded.gathered] * len(pages)
         sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
@@ -474,15 +485,16 @@ class Zero3:
             f"process holds pages [{first}, {first + n}) of each stage"
         ]
         if isinstance(lay, GroupedSlabLayout):
-            axis = lay.grouping.axis
-            axes = f"{axis} axis" if isinstance(axis, str) else " x ".join(axis) + " axes"
-            what = "split weights' slices" if axis == MODEL_AXIS else "experts"
-            what += "' slices" if MODEL_AXIS in axis and axis != MODEL_AXIS else ""
-            lines.append(
-                f"{lay.groups} groups of {what} over the {axes} x "
-                f"{lay.shares} on the data axis; a device fetches and computes with "
-                f"{lay.dense.num_pages} dense pages and its group's {lay.group.num_pages}"
-            )
+            for part in lay.parts:
+                axes = axes_of(part.grouping.axis)
+                what = "experts" if EXPERT_AXIS in axes else "split weights"
+                what += "' slices" if MODEL_AXIS in axes else ""
+                lines.append(
+                    f"{part.groups} groups of {what} over the {' x '.join(axes)} axes x "
+                    f"{part.shares} on the {' x '.join(part.grouping.share_axes)} axes: a "
+                    f"device fetches its group's {part.layout.num_pages} pages"
+                )
+            lines.append(f"and every device the {lay.dense.num_pages} dense pages")
         return lines
 
     def step_metrics(self) -> dict[str, int]:
