@@ -129,12 +129,14 @@ class Plan:
                 "the device" + (" (model.remat: blocks recompute in backward)" if c.remat else "")
             )
             if self.num_devices > 1:
-                split = " split over the model axis by Megatron's rules" * (
-                    self.tensor_parallel > 1
-                )
+                data = self.num_devices // self.tensor_parallel
+                held = ["whole over data"] if data > 1 else []
+                if self.tensor_parallel > 1:
+                    held.append("split over the model axis by Megatron's rules")
                 lines.append(
-                    f"  each device holds the state whole over data{split}, the rows of its "
-                    "data group; the gradients all-reduced over the data axis"
+                    f"  each device holds the state ({', '.join(held)}) and its data group's "
+                    "rows' activations"
+                    + ("; the gradients all-reduced over data" if data > 1 else "")
                 )
         else:
             k = p.device_stages
