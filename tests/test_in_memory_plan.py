@@ -137,7 +137,12 @@ def test_auto_takes_none_at_the_least_split_that_fits_each_device():
     # a device's share shrinks with the split (the state 1/M, its rows' split layers)
     assert need[4, False] < need[1, False] and need[4, True] < need[2, True] < need[1, True]
     logs: list[str] = []
-    fits = lambda budget: auto._fits_in_memory(_auto(str(budget)), 4, [1, 2, 4], logs.append)
+
+    def fits(budget: int):  # the config auto trains, or None: it streams
+        config = _auto(str(budget))
+        sections = auto._fits_in_memory(config, 4, [1, 2, 4], logs.append)
+        return config.replace(**sections) if sections is not None else None
+
     roomy = fits(need[1, False])
     assert roomy.offload.mode == "none" and not roomy.model.remat
     assert roomy.distributed.data_parallel == 4 and roomy.distributed.tensor_parallel == 1

@@ -44,9 +44,10 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
         return config, None
     devices = _devices(config)
     degrees = tensor_degrees(config, devices) if devices > 1 else [1]
-    fits = _fits_in_memory(config, devices, degrees, log)
+    # process 0's decision on every process (each may measure another free memory)
+    fits = _process_zeros({"none": _fits_in_memory(config, devices, degrees, log)})["none"]
     if fits is not None:
-        return fits, None
+        return config.replace(**fits), None
     t0 = time.perf_counter()
     nvme = config.memory.nvme_path or (Path(workdir) / "nvme" if workdir else "")
     hw = measure_local(str(nvme), config.model.compute_dtype)
@@ -66,13 +67,13 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     return config.replace(**_process_zeros(overrides)), plan
 
 
-def _fits_in_memory(config: Config, devices: int, degrees: list[int], log) -> Config | None:
-    """``offload.mode=none`` when a device's share of the whole state fits it at one of
-    the data x model splits ``degrees`` of ``devices`` devices
+def _fits_in_memory(config: Config, devices: int, degrees: list[int], log) -> dict | None:
+    """The config sections of ``offload.mode=none`` when a device's share of the whole
+    state fits it at one of the data x model splits ``degrees`` of ``devices`` devices
     (``in_memory.in_memory_device_parts``, the planner's footprint), else None. Without
     ``model.remat`` at any split first (recomputing costs every device a third more
     compute), then with it; of those, the least tensor-parallel (its all-reduces cost
-    each block's sub-layers). The split taken is the returned config's."""
+    each block's sub-layers). The split taken is among the sections returned."""
     budget = config.memory.device_budget or int(MARGIN * device_capacity())
     splits = []
     for t in degrees:
@@ -96,12 +97,10 @@ def _fits_in_memory(config: Config, devices: int, degrees: list[int], log) -> Co
                 f"of {format_bytes(budget)}): offload.mode=none"
                 + (", model.remat=true" if remat else "")
             )
-            planned = config.replace(offload=dict(mode="none"), model=dict(remat=remat))
+            sections = dict(offload=dict(mode="none"), model=dict(remat=remat))
             if t > 1:
-                planned = planned.replace(
-                    distributed=dict(data_parallel=devices // t, tensor_parallel=t)
-                )
-            return planned
+                sections["distributed"] = dict(data_parallel=devices // t, tensor_parallel=t)
+            return sections
     if splits:
         log("offload.mode=auto: the state does not fit the device; measuring this machine")
     return None
