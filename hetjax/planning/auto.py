@@ -13,7 +13,7 @@ import numpy as np
 from hetjax import support
 from hetjax.config import Config, format_bytes
 from hetjax.planning.hardware import device_capacity, measure_local
-from hetjax.planning.in_memory import in_memory_device_parts, mesh_share
+from hetjax.planning.in_memory import in_memory_device_parts, mesh_share, model_group_in_process
 from hetjax.planning.search import MARGIN, Plan, make_plan, process_host_budget
 from hetjax.planning.split import tensor_degrees
 from hetjax.planning.tracer import trace_splits
@@ -77,8 +77,8 @@ def _fits_in_memory(config: Config, devices: int, degrees: list[int], log) -> di
     budget = config.memory.device_budget or int(MARGIN * device_capacity())
     splits = []
     for t in degrees:
-        if devices > 1 and _process_devices(devices) % t:
-            continue  # a model group's devices share rows: one process's (in_memory_mesh.py)
+        if not model_group_in_process(devices, t):
+            continue
         parallel = support.parallelism_of(devices // t, config.distributed.expert_parallel, t)
         if devices > 1 and (why := support.planned("in_memory", parallel)):
             log(f"offload.mode=auto: {why}: planning the streaming runtime")
@@ -113,13 +113,6 @@ def _devices(config: Config) -> int:
     import jax
 
     return config.distributed.devices or jax.device_count()
-
-
-def _process_devices(devices: int) -> int:
-    """The devices of one process of a run on ``devices`` (split evenly)."""
-    import jax
-
-    return devices // jax.process_count()
 
 
 def _process_zeros(overrides: dict) -> dict:

@@ -72,6 +72,14 @@ def mesh_share(config: Config, devices: int = 1, tensor: int = 1) -> MeshShare:
     )
 
 
+def model_group_in_process(devices: int, tensor: int) -> bool:
+    """Whether a model group of ``tensor`` devices lies within one process of a run on
+    ``devices`` (split evenly over ``jax.process_count()``): offload.mode=none's model
+    group shares its rows, which one process reads (``in_memory_mesh._check_processes``).
+    A plan from a profile is one process's."""
+    return (devices // jax.process_count()) % tensor == 0
+
+
 def in_memory_device_parts(w: Workload, share: MeshShare | None, remat: bool) -> dict[str, int]:
     """Device bytes of ``offload.mode=none`` on one device of ``share``'s mesh, by what
     they hold (``memory_host.in_memory_parts``): its params, fp32 gradients and

@@ -59,7 +59,12 @@ from hetjax.planning.cost import (
     nvme_writes,
 )
 from hetjax.planning.hardware import Hardware
-from hetjax.planning.in_memory import MeshShare, in_memory_device_parts, mesh_share
+from hetjax.planning.in_memory import (
+    MeshShare,
+    in_memory_device_parts,
+    mesh_share,
+    model_group_in_process,
+)
 from hetjax.planning.split import allreduce_bytes, describe_split, tensor_degrees
 from hetjax.planning.wear import Wear
 from hetjax.planning.workload import Workload, memory_sizes
@@ -520,8 +525,9 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
     limit = budgets(config, hw)
     parallel = planned_parallelism(config, hw, w.tensor)
     base = Placement.from_config(config)  # the knobs not searched come from the config
-    share = None
-    if support.planned("in_memory", parallel) is None:
+    share = None  # offload.mode=none: a device's share, where planned
+    in_memory = support.planned("in_memory", parallel) is None
+    if in_memory and model_group_in_process(hw.num_devices, w.tensor):
         share = mesh_share(config, hw.num_devices, w.tensor)
     search = lambda chunked: _fastest_per_placement(
         w, hw, limit, _candidates(w, parallel, chunked, base, share), parallel
