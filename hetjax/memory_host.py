@@ -340,13 +340,16 @@ def nvme_parts(s: Sizes, o: Placement, host: HostMemoryPlan) -> dict[str, int]:
 # -- offload.mode=none -------------------------------------------------------------------------
 
 
-def in_memory_parts(s: Sizes, remat: bool) -> dict[str, int]:
+def in_memory_parts(s: Sizes, remat: bool, params: int | None = None) -> dict[str, int]:
     """Device bytes of ``offload.mode=none`` (everything on the device: the params are
     the master, fp32 gradients), by what they hold: with ``remat`` the blocks keep their
-    boundaries only."""
-    params = s.embed + s.blocks_total + s.head
+    boundaries only, else each its residuals as a device holds them (``kept_held``).
+    ``params``: the elements of the params a device holds (on a mesh its share,
+    ``planning/in_memory.py``); default the whole state's slabs."""
+    if params is None:
+        params = s.embed + s.blocks_total + s.head
     L = s.num_layers
-    acts = (L * s.boundary if remat else L * s.kept["all"]) + s.working_set + s.context
+    acts = (L * s.boundary if remat else L * s.kept_held("all")) + s.working_set + s.context
     state = s.state_format
     return {
         "params": state.nbytes(params, [MASTER]),

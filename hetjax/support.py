@@ -64,15 +64,20 @@ FEATURES: dict[str, Feature] = {
     # parallelism, split over the model axis under tensor parallelism, the experts over
     # the expert axis), the rows split, XLA's partitioner adding the collectives
     # (runtime/in_memory.py, tests/test_in_memory_dp.py, tests/test_in_memory_tensor.py).
-    # Not planned on a mesh: the planner sizes offload.mode=none for one device's state
+    # Planned under data and tensor parallelism: a device's share of the state and its
+    # rows' activations (planning/in_memory.py, checked against the runtime's shards by
+    # tests/test_in_memory_plan.py), the gradients' and Megatron's all-reduces priced
+    # (cost.py). Not under expert parallelism: there XLA brings the routed rows to every
+    # expert's device and sums the results, an exchange whose bytes and activations
+    # nothing sizes (the streaming runtime's all-to-all is another)
     "in_memory": Feature(
         key="offload.mode",
         reason="",
         refused=frozenset(),
-        unplanned=SHARDED,
-        why_unplanned="the planner sizes offload.mode=none for one device's whole state "
-        "and rows of the whole batch, not a mesh's replicated or split state and its "
-        "collectives",
+        unplanned=frozenset({EXPERT, TENSOR_EXPERT}),
+        why_unplanned="the planner does not size offload.mode=none's exchange under expert "
+        "parallelism (XLA brings every routed row to each expert's device and sums the "
+        "results): neither its bytes nor its activations are priced",
     ),
     # under ZeRO-3 each device holds and updates its own pages of the cached stages'
     # state, and their params, in its memory (optimizer/sharded_slab.py; the planner's

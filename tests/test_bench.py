@@ -270,7 +270,7 @@ def test_plan_data_parallel_row():
     the ratio within the bench's bounds."""
     from hetjax.bench.plan import _plan_row_on_cpu_devices
 
-    overrides = {"memory.device_budget": "88MiB"}  # as the bench: gpt_tiny's host budget
+    overrides = {"memory.device_budget": "72MiB"}  # as the bench: gpt_tiny's host budget
     row = _plan_row_on_cpu_devices(2, "gpt_tiny", overrides, 8)
     _check_plan_row(row, 2)
 

@@ -57,16 +57,19 @@ def test_a_data_parallel_checkpoint_resumes_on_one_device(one_device, tiny, tmp_
     )
 
 
-def test_in_memory_builds_under_every_parallelism_and_is_planned_on_one_device_only():
+def test_in_memory_builds_under_every_parallelism_and_is_planned_but_with_experts_split():
     """The matrix refuses in-memory training under no parallelism (expert and tensor
-    parallelism: tests/test_in_memory_tensor.py), and the planner offers it only on one
-    device (it sizes one device's whole state and rows of the whole batch)."""
+    parallelism: tests/test_in_memory_tensor.py), and the planner offers it on one
+    device and under data and tensor parallelism (a device's share of the state:
+    tests/test_in_memory_plan.py), not where experts split over devices (their exchange
+    is not priced)."""
     from conftest import tiny_config
     from test_split import MOE
 
+    experts = {support.EXPERT, support.TENSOR_EXPERT}
     for p in support.PARALLELISMS:
         assert support.supports("in_memory", p) is None
-        assert (support.planned("in_memory", p) is None) == (p == support.SINGLE), p
+        assert (support.planned("in_memory", p) is None) == (p not in experts), p
     tiny_config(offload=NONE, distributed=dict(tensor_parallel=2, data_parallel=2))
     tiny_config(model=MOE, offload=NONE, distributed=dict(expert_parallel=2, tensor_parallel=2))
 

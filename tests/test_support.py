@@ -10,6 +10,7 @@ from hetjax import support
 from hetjax.config import Config, ConfigError, all_keys
 from hetjax.placement import Placement
 from hetjax.planning.cost import Candidate
+from hetjax.planning.in_memory import mesh_share
 from hetjax.planning.search import _cache_variants, _candidates, _routing
 from hetjax.planning.workload import Workload
 
@@ -112,11 +113,12 @@ def test_what_was_refused_builds_now():
     config(offload=dict(mode="none"), distributed=dict(tensor_parallel=2))
 
 
-def _every_candidate(w: Workload, parallelism: str):
+def _every_candidate(w: Workload, parallelism: str, share=None):
     """Every candidate the planner would evaluate under ``parallelism``, its device
-    caches and routed experts included (``search._fastest_per_placement``'s variants)."""
+    caches and routed experts included (``search._fastest_per_placement``'s variants);
+    ``share``: a device's share of the in-memory state (``search._plan_split``'s)."""
     for chunked in (False, True):
-        for c in _candidates(w, parallelism, chunked):
+        for c in _candidates(w, parallelism, chunked, share=share):
             yield c
             yield from _cache_variants(w, parallelism, c)
             if _routing(w, parallelism) and c.mode == "stream":
@@ -127,14 +129,18 @@ def _every_candidate(w: Workload, parallelism: str):
 def test_the_planner_offers_only_what_the_matrix_allows(tiny, parallelism):
     """Every candidate of the planner builds a valid config under its parallelism (the
     config refuses nothing it offers) and uses only features ``support.planned``
-    allows; on one device it offers every feature it plans."""
+    allows; on one device it offers every feature it plans, and offload.mode=none
+    wherever the matrix plans it (on a mesh: each device's share of the state)."""
     offered = set()
     for moe in (False, True):
         config = _config(tiny, parallelism, moe, offload=STREAM)
         d = DISTRIBUTED[parallelism]
-        devices = d["data_parallel"] * d["expert_parallel"] * d.get("tensor_parallel", 1)
+        tensor = d.get("tensor_parallel", 1)
+        devices = d["data_parallel"] * d["expert_parallel"] * tensor
         w = Workload.from_config(config, devices=devices)
-        for c in _every_candidate(w, parallelism):
+        in_memory = support.planned("in_memory", parallelism) is None
+        share = mesh_share(config, devices, tensor) if in_memory else None
+        for c in _every_candidate(w, parallelism, share):
             planned = config.replace(**c.config_overrides())  # raises if refused
             used = support.asked(planned)
             refused = {f: support.planned(f, parallelism) for f in used}
@@ -144,6 +150,7 @@ def test_the_planner_offers_only_what_the_matrix_allows(tiny, parallelism):
     chosen = set(support.FEATURES) - {"lockfree", "deferred_updates"}
     if parallelism == support.SINGLE:
         assert offered >= chosen, chosen - offered
+    assert ("in_memory" in offered) == (support.planned("in_memory", parallelism) is None)
     assert "optimizer_on_device" in offered  # each device its own pages (sharded_slab.py)
 
 
@@ -186,6 +193,11 @@ def test_auto_says_what_falls_back(tiny, monkeypatch):
     # every parallelism routes experts now (tensor parallelism since the ninth session:
     # runtime/routed_tensor.py), so auto says nothing of them; a fallback made here is said
     config = _config(tiny, support.TENSOR, offload=dict(mode="auto"))
+    # the tiny model's share fits a device whole, where auto trains offload.mode=none
+    # (tests/test_in_memory_plan.py), which routes nothing: this is the streamed plan's
+    row = support.FEATURES["in_memory"]
+    streamed = dataclasses.replace(row, unplanned=support.SHARDED)
+    monkeypatch.setitem(support.FEATURES, "in_memory", streamed)
     quiet = []
     plan_auto(config, log=quiet.append)
     assert not any("offload.expert_fetch: " in x for x in quiet), quiet

@@ -12,12 +12,12 @@ import numpy as np
 
 from hetjax import support
 from hetjax.config import Config, format_bytes
-from hetjax.memory_host import in_memory_parts
 from hetjax.planning.hardware import device_capacity, measure_local
+from hetjax.planning.in_memory import in_memory_device_parts, mesh_share, model_group_in_process
 from hetjax.planning.search import MARGIN, Plan, make_plan, process_host_budget
 from hetjax.planning.split import tensor_degrees
 from hetjax.planning.tracer import trace_splits
-from hetjax.planning.workload import Workload, measured_expert_fraction, memory_sizes
+from hetjax.planning.workload import Workload, measured_expert_fraction
 
 
 def resolve_auto(config: Config, workdir=None, log=print) -> Config:
@@ -27,35 +27,33 @@ def resolve_auto(config: Config, workdir=None, log=print) -> Config:
 
 def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | None]:
     """``offload.mode=auto``: the config to train with, and the plan when one was made.
-    On one device, when the whole state fits it (``memory.device_budget``, else the
-    device's free memory) that is ``offload.mode=none``, decided from shapes alone;
-    otherwise, and always under data or expert parallelism (ZeRO-3 is the streaming
-    runtime's), the tracer measures this machine and the model at one device's rows, the
-    planner plans for the run's devices (per-device budgets, the collectives lane), and
-    the plan's placement is returned with the budgets it planned for, so the streaming
-    runtime plans within them. Several processes take process 0's plan: measurements
-    differ between machines, and every process must run the same placement. Several
-    devices: the plan's data x model split too (``split.tensor_degrees``, each
-    measured by the one trace), which the returned config trains with."""
+    When a device's share of the whole state fits it (``memory.device_budget``, else the
+    device's free memory) that is ``offload.mode=none``, decided from shapes alone: on
+    one device the whole state; on several each device's share of it at a data x model
+    split (``split.tensor_degrees``, the least tensor-parallel that fits, without
+    ``model.remat`` first: ``_fits_in_memory``), where the support matrix plans it.
+    Otherwise (and under expert parallelism, where it does not) the tracer measures
+    this machine and the model at one device's rows, the planner plans for the run's
+    devices (per-device budgets, the collectives lane), and the plan's placement is
+    returned with the budgets it planned for, so the streaming runtime plans within
+    them. Several processes take process 0's plan: measurements differ between
+    machines, and every process must run the same placement. Several devices: the
+    plan's data x model split too (``split.tensor_degrees``, each measured by the one
+    trace), which the returned config trains with."""
     if config.offload.mode != "auto":
         return config, None
-    parallel = support.parallelism(config.distributed)
-    in_memory = support.planned("in_memory", parallel)
-    if in_memory:  # ZeRO-3 is the streaming runtime's
-        log(f"offload.mode=auto: {in_memory}: planning the streaming runtime")
-    else:
-        fits = _fits_in_memory(config, log)
-        if fits is not None:
-            return fits, None
-        log("offload.mode=auto: the state does not fit the device; measuring this machine")
-    t0 = time.perf_counter()
     devices = _devices(config)
+    degrees = tensor_degrees(config, devices) if devices > 1 else [1]
+    # process 0's decision on every process (each may measure another free memory)
+    fits = _process_zeros({"none": _fits_in_memory(config, devices, degrees, log)})["none"]
+    if fits is not None:
+        return config.replace(**fits), None
+    t0 = time.perf_counter()
     nvme = config.memory.nvme_path or (Path(workdir) / "nvme" if workdir else "")
     hw = measure_local(str(nvme), config.model.compute_dtype)
     if devices > 1:  # the devices this machine's measurements are shared by
         hw = dataclasses.replace(hw, num_devices=devices)
     fraction = measured_expert_fraction(workdir)
-    degrees = tensor_degrees(config, devices) if devices > 1 else [1]
     workloads = trace_splits(config, devices=devices, expert_fraction=fraction, tensors=degrees)
     plan = make_plan(config, hw, workloads=workloads)
     log(f"planned in {time.perf_counter() - t0:.1f} s")
@@ -69,20 +67,42 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     return config.replace(**_process_zeros(overrides)), plan
 
 
-def _fits_in_memory(config: Config, log) -> Config | None:
-    """``offload.mode=none`` (with ``model.remat`` where that is what fits) when the
-    whole state fits the device, else None."""
-    w = Workload.from_config(config)
+def _fits_in_memory(config: Config, devices: int, degrees: list[int], log) -> dict | None:
+    """The config sections of ``offload.mode=none`` when a device's share of the whole
+    state fits it at one of the data x model splits ``degrees`` of ``devices`` devices
+    (``in_memory.in_memory_device_parts``, the planner's footprint), else None. Without
+    ``model.remat`` at any split first (recomputing costs every device a third more
+    compute), then with it; of those, the least tensor-parallel (its all-reduces cost
+    each block's sub-layers). The split taken is among the sections returned."""
     budget = config.memory.device_budget or int(MARGIN * device_capacity())
+    splits = []
+    for t in degrees:
+        if not model_group_in_process(devices, t):
+            continue
+        parallel = support.parallelism_of(devices // t, config.distributed.expert_parallel, t)
+        if devices > 1 and (why := support.planned("in_memory", parallel)):
+            log(f"offload.mode=auto: {why}: planning the streaming runtime")
+            continue
+        w = Workload.from_config(config, devices=devices, tensor=t)
+        splits.append((t, w, mesh_share(config, devices, t)))
     for remat in (False, True):
-        need = sum(in_memory_parts(memory_sizes(w), remat).values())
-        if need <= budget:
+        for t, w, share in splits:
+            need = sum(in_memory_device_parts(w, share, remat).values())
+            if need > budget:
+                continue
+            where = "the device" if devices == 1 else f"each of {devices} devices"
+            split = f" at data x model {devices // t} x {t}" if devices > 1 else ""
             log(
-                f"offload.mode=auto: the whole state fits the device ({format_bytes(need)} "
+                f"offload.mode=auto: the state fits {where}{split} ({format_bytes(need)} "
                 f"of {format_bytes(budget)}): offload.mode=none"
                 + (", model.remat=true" if remat else "")
             )
-            return config.replace(offload=dict(mode="none"), model=dict(remat=remat))
+            sections = dict(offload=dict(mode="none"), model=dict(remat=remat))
+            if t > 1:
+                sections["distributed"] = dict(data_parallel=devices // t, tensor_parallel=t)
+            return sections
+    if splits:
+        log("offload.mode=auto: the state does not fit the device; measuring this machine")
     return None
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from hetjax.memory import IO_READAHEAD, DeviceCache, params_are_master
 from hetjax.placement import Placement
 from hetjax.planning.hardware import Hardware
+from hetjax.planning.in_memory import MeshShare
 from hetjax.planning.split import allreduce_bytes
 from hetjax.planning.workload import Workload, kept_key, memory_sizes
 
@@ -30,11 +31,13 @@ ON_DEVICE = Placement(
 class Candidate:
     """A placement the planner evaluates: ``mode`` ``stream``, the streaming runtime
     with ``placement``; or ``none``, the whole state on the device in one jitted step,
-    its blocks recomputing in backward or not (``remat``, ``model.remat``)."""
+    its blocks recomputing in backward or not (``remat``, ``model.remat``), each device
+    holding ``share`` of it (``planning/in_memory.py``: on a mesh, its split)."""
 
     mode: str = "stream"  # none | stream
     remat: bool = False  # mode none only
     placement: Placement = ON_DEVICE
+    share: MeshShare | None = None  # mode none only
 
     def replace(self, **changes) -> Candidate:
         """The candidate with some of its placement's fields changed."""
@@ -86,11 +89,7 @@ def lanes(
     P, cb = w.params, w.compute_bytes
     fwd = st["embed_fwd"] + L * st["block_fwd"]
     if c.mode == "none":
-        bwd_blocks = L * (st["block_bwd"] if c.remat else st["block_bwd_kept"])
-        compute_b = st["head"] + bwd_blocks + st["embed_bwd"]
-        dev_opt = _device_optimizer_s(hw, P)
-        step = A * (fwd + compute_b) + dev_opt
-        return step, {"compute": A * (fwd + compute_b), "optimizer": dev_opt}
+        return _in_memory_lanes(w, hw, c, fwd)
     o = c.placement
     kept, swapped = o.keep_blocks, o.swap_blocks
     recomputed = o.recomputed_blocks(L)
@@ -214,6 +213,40 @@ def lanes(
         "collectives": A * (comm_f + comm_b),
     }
     return step, lanes
+
+
+def in_memory_collective_bytes(w: Workload, c: Candidate) -> tuple[float, float]:
+    """Bytes one device sends a step in an ``offload.mode=none`` step on a mesh, as
+    ``(gradients' all-reduce, Megatron's all-reduces)``: each gradient leaf fp32
+    all-reduced over the batch axes it is replicated on, once a step (ring:
+    ``MeshShare.allreduced``), and every micro-batch's all-reduces of each block under
+    tensor parallelism (``split.allreduce_bytes``; with ``model.remat`` the blocks'
+    backward runs their forward's again)."""
+    share = c.share
+    if share is None:
+        return 0.0, 0.0
+    L = w.num_layers
+    recompute = dataclasses.replace(ON_DEVICE, keep_blocks=0 if c.remat else L)
+    return 4 * share.allreduced, w.micro_batches * sum(allreduce_bytes(w, recompute))
+
+
+def _in_memory_lanes(w: Workload, hw: Hardware, c: Candidate, fwd: float) -> tuple[float, dict]:
+    """:func:`lanes` of ``offload.mode=none``: every micro-batch's forward and backward
+    (``model.remat``: the blocks recompute), on a mesh the collectives
+    (:func:`in_memory_collective_bytes`, after the compute: XLA's step is not assumed
+    to overlap them), then each device's optimizer step over its share. On the CPU
+    backend the devices take turns on the same cores."""
+    st = w.stage_times(hw)
+    n, A, L = hw.num_devices, w.micro_batches, w.num_layers
+    bwd_blocks = L * (st["block_bwd"] if c.remat else st["block_bwd_kept"])
+    compute = A * (fwd + st["head"] + bwd_blocks + st["embed_bwd"])
+    dev_opt = _device_optimizer_s(hw, c.share.params if c.share else w.params)
+    link = hw.interconnect_bw or (hw.h2d_bw if hw.shared_cores else 0.0)
+    comm = sum(in_memory_collective_bytes(w, c)) / link if n > 1 and link else 0.0
+    step = compute + comm + dev_opt
+    if hw.shared_cores:
+        step *= n
+    return step, {"compute": compute, "optimizer": dev_opt, "collectives": comm}
 
 
 def nvme_writes(

@@ -49,10 +49,22 @@ from typing import Any
 from hetjax import support
 from hetjax.config import SWAP_LEVELS, Config, ConfigError, format_bytes
 from hetjax.memory import WAIT_LAG_HOST, DeviceCache, device_parts, plan_device, window_wait_lag
-from hetjax.memory_host import HostMemoryPlan, host_minimum, in_memory_parts, nvme_parts, plan_host
+from hetjax.memory_host import HostMemoryPlan, host_minimum, nvme_parts, plan_host
 from hetjax.placement import Placement
-from hetjax.planning.cost import ON_DEVICE, Candidate, lanes, nvme_writes
+from hetjax.planning.cost import (
+    ON_DEVICE,
+    Candidate,
+    in_memory_collective_bytes,
+    lanes,
+    nvme_writes,
+)
 from hetjax.planning.hardware import Hardware
+from hetjax.planning.in_memory import (
+    MeshShare,
+    in_memory_device_parts,
+    mesh_share,
+    model_group_in_process,
+)
 from hetjax.planning.split import allreduce_bytes, describe_split, tensor_degrees
 from hetjax.planning.wear import Wear
 from hetjax.planning.workload import Workload, memory_sizes
@@ -121,6 +133,16 @@ class Plan:
                 "  offload.mode=none: params, gradients, optimizer state and activations on "
                 "the device" + (" (model.remat: blocks recompute in backward)" if c.remat else "")
             )
+            if self.num_devices > 1:
+                data = self.num_devices // self.tensor_parallel
+                held = ["whole over data"] if data > 1 else []
+                if self.tensor_parallel > 1:
+                    held.append("split over the model axis by Megatron's rules")
+                lines.append(
+                    f"  each device holds the state ({', '.join(held)}) and its data group's "
+                    "rows' activations"
+                    + ("; the gradients all-reduced over data" if data > 1 else "")
+                )
         else:
             k = p.device_stages
             state = lambda cached: "device (cached)" if cached else p.optimizer
@@ -254,10 +276,10 @@ def footprint(
     """Candidate ``c`` on ``n`` data-parallel devices within the tier budgets ``limit``,
     planned by the same functions the runtimes plan with (``hetjax/memory.py``); None
     when it does not fit. ``lag``: the window's (``memory.window_wait_lag``)."""
-    s = memory_sizes(w, n, c.placement.batch_chunks)
-    if c.mode == "none":
-        device = in_memory_parts(s, c.remat)
+    if c.mode == "none":  # one device's share of the state (planning/in_memory.py)
+        device = in_memory_device_parts(w, c.share, c.remat)
         return Footprint(c, device, {}, {}) if sum(device.values()) <= limit["device"] else None
+    s = memory_sizes(w, n, c.placement.batch_chunks)
     o = c.placement
     try:
         dev = plan_device(s, o, limit["device"], lag=lag)
@@ -307,23 +329,29 @@ def process_host_budget(plan: Plan) -> int:
 
 
 def _candidates(
-    w: Workload, parallelism: str, chunked: bool = False, base: Placement | None = None
+    w: Workload,
+    parallelism: str,
+    chunked: bool = False,
+    base: Placement | None = None,
+    share: MeshShare | None = None,
 ):
     """Every placement the runtimes implement under ``parallelism`` (one of
-    ``support.PARALLELISMS``) that the planner may offer (``support.planned``: on one
-    device also ``none``, boundaries on NVMe and kept and swapped blocks). ``chunked``:
-    instead, the placements with every block recomputing and the micro-batch in chunks
-    of rows (``offload.batch_chunks``), at each chunk count the workload allows. ``base``:
-    the placement the knobs not searched here come from (the config's; None: the
-    defaults)."""
+    ``support.PARALLELISMS``) that the planner may offer (``support.planned``).
+    ``chunked``: instead, the placements with every block recomputing and the
+    micro-batch in chunks of rows (``offload.batch_chunks``), at each chunk count the
+    workload allows. ``base``: the placement the knobs not searched here come from (the
+    config's; None: the defaults). ``share``: a device's share of the state with
+    ``offload.mode=none`` at the workload's split (``in_memory.mesh_share``), which
+    offers ``none`` where the matrix plans it (on one device without it too: the whole
+    state)."""
     L, base = w.num_layers, base or Placement()
     offered = lambda feature: support.planned(feature, parallelism) is None
     if chunked:
         yield from _chunked_candidates(w, parallelism, base)
         return
-    if offered("in_memory"):
-        yield Candidate(mode="none", remat=False, placement=ON_DEVICE)
-        yield Candidate(mode="none", remat=True, placement=ON_DEVICE)
+    if offered("in_memory") and (share is not None or parallelism == support.SINGLE):
+        yield Candidate(mode="none", remat=False, placement=ON_DEVICE, share=share)
+        yield Candidate(mode="none", remat=True, placement=ON_DEVICE, share=share)
     # (kept blocks, their level, swapped blocks, their level, their tier): the last
     # blocks keep, the ones before them swap, the rest recompute
     counts = lambda most: sorted({1, 2, L // 4, L // 2, most} & set(range(1, most + 1)))
@@ -497,8 +525,12 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
     limit = budgets(config, hw)
     parallel = planned_parallelism(config, hw, w.tensor)
     base = Placement.from_config(config)  # the knobs not searched come from the config
+    share = None  # offload.mode=none: a device's share, where planned
+    in_memory = support.planned("in_memory", parallel) is None
+    if in_memory and model_group_in_process(hw.num_devices, w.tensor):
+        share = mesh_share(config, hw.num_devices, w.tensor)
     search = lambda chunked: _fastest_per_placement(
-        w, hw, limit, _candidates(w, parallel, chunked, base), parallel
+        w, hw, limit, _candidates(w, parallel, chunked, base, share), parallel
     )
     best = search(False)
     if not best:
@@ -553,7 +585,11 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
         fallbacks=tuple(support.fallbacks(config, parallel)) if c.mode == "stream" else (),
         wear=wear_of(chosen),
         tensor_parallel=w.tensor,
-        allreduce_bytes=w.micro_batches * sum(allreduce_bytes(w, c.placement)),
+        allreduce_bytes=(
+            in_memory_collective_bytes(w, c)[1]
+            if c.mode == "none"
+            else w.micro_batches * sum(allreduce_bytes(w, c.placement))
+        ),
     )
 
 

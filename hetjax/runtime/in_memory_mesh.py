@@ -66,11 +66,8 @@ class MeshPlacement:
         ``ConfigError`` naming the key."""
         dist = config.distributed
         mesh = data_mesh(dist.data_parallel, dist.expert_parallel, dist.tensor_parallel)
-        rules = TENSOR_PARALLEL_RULES if dist.tensor_parallel > 1 else AXIS_RULES
         shapes = jax.eval_shape(model.init, jax.random.key(0))
-        names = logical_axes(model, shapes)
-        is_names = lambda n: isinstance(n, tuple)
-        specs = jax.tree.map(lambda n: PartitionSpec(*mesh_axes(n, rules)), names, is_leaf=is_names)
+        specs = leaf_specs(model, shapes, dist.tensor_parallel)
         check = lambda path, shape, spec: _check_divides(mesh, path, shape, spec)
         jax.tree_util.tree_map_with_path(check, shapes, specs)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -103,6 +100,19 @@ class MeshPlacement:
             opt_state=self.opt_state,
             loss_scale=whole(state.loss_scale),
         )
+
+
+def leaf_specs(model, shapes: Any, tensor_parallel: int = 1) -> Any:
+    """The ``PartitionSpec`` of each param leaf of ``model`` (``shapes``: its ``init``
+    tree, abstract) on a mesh of ``tensor_parallel`` devices a model group: its logical
+    axes (``models/staged.py``) under the streaming runtime's rules
+    (``distributed.TENSOR_PARALLEL_RULES`` where ``tensor_parallel`` > 1, else
+    ``AXIS_RULES``). No mesh is needed: the planner counts what a device holds from
+    them (``planning/in_memory.py``)."""
+    rules = TENSOR_PARALLEL_RULES if tensor_parallel > 1 else AXIS_RULES
+    names = logical_axes(model, shapes)
+    is_names = lambda n: isinstance(n, tuple)
+    return jax.tree.map(lambda n: PartitionSpec(*mesh_axes(n, rules)), names, is_leaf=is_names)
 
 
 def mirror(
