@@ -6,8 +6,9 @@ orbax (this is the ``state`` item of each checkpoint).
 
     proc<p>/<kind>/      zarr3 array (pages, page_elems), one chunk file per page, in the
                          kind's dtype (the optimizer's state format: fp32)
-    proc<p>/index.json   the stage each page range holds; CRC-32 of every page; the kinds'
-                         dtypes where one is not fp32 (``dtypes``; absent: fp32 each)
+    proc<p>/index.json   the stage each page range holds; CRC-32C of every page (``crc32c``;
+                         checkpoints before 2026-11-29: zlib's CRC-32, ``crc32``); the
+                         kinds' dtypes where one is not fp32 (``dtypes``; absent: fp32 each)
 
 Each process writes only the state it holds, in parallel with the others; nothing is
 gathered. Page size and page order are the writing process's own: those of its NVMe
@@ -23,7 +24,8 @@ stage's *canonical slab* (its leaves back to back in ``SlabLayout`` order, witho
 padding: the same for every page size, device count and tier), and the checkpoint's
 meta lists each layout's leaves. A restore reads, for each range a process owns, the
 pages of whichever processes wrote it (:class:`StoredState`), checking each page's
-CRC-32: orbax's and TensorStore's raw chunks carry no checksum.
+CRC-32C (``storage/checksums.py``, the NVMe tier's own sum): orbax's and TensorStore's
+raw chunks carry no checksum.
 
 **RAM**: a save holds no copy of the state. The stage buffers it writes from are
 *frozen* until written: the store waits for that before it reuses them as output, which
@@ -39,7 +41,6 @@ import json
 import math
 import os
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from orbax.checkpoint._src.futures import future as ocp_future
 from hetjax.checkpoint_drives import DRIVES, DriveLinks, check_present
 from hetjax.config import format_bytes
 from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
+from hetjax.storage.checksums import ALGORITHM, CHECKSUMS, LEGACY_ALGORITHM
 from hetjax.storage.nvme import PageStore, io_context
 from hetjax.storage.pages import SlabLayout, aligned_empty, fitted_page_elems
 from hetjax.types import MASTER, CheckpointDamaged, CheckpointError, RuntimeState
@@ -208,9 +210,20 @@ def _chunk_file(array_dir: Path, page: int) -> Path:
     return array_dir / "c" / str(page) / "0"
 
 
-def page_crcs(pages: np.ndarray) -> list[int]:
-    # as bytes: a buffer of bfloat16 (ml_dtypes) has no format memoryview can cast
-    return [zlib.crc32(memoryview(p.view(np.uint8))) for p in pages]
+def page_crcs(pages: np.ndarray, algorithm: str = ALGORITHM) -> list[int]:
+    """The checksum of each page (row) of ``pages`` (``algorithm``: a key of
+    ``checksums.CHECKSUMS``, the one a checkpoint index names)."""
+    checksum = CHECKSUMS[algorithm]
+    return [checksum(p) for p in pages]
+
+
+_SUM_NAMES = {ALGORITHM: "CRC-32C", LEGACY_ALGORITHM: "CRC-32"}
+
+
+def index_sums(part: dict) -> tuple[str, dict[str, list[int]]]:
+    """A checkpoint index stage entry's checksum algorithm and per-kind page sums."""
+    algorithm = ALGORITHM if ALGORITHM in part else LEGACY_ALGORITHM
+    return algorithm, part[algorithm]
 
 
 def _check_finite(pages: np.ndarray, stage: str, kind: str) -> None:
@@ -359,7 +372,7 @@ def _persist(
     """The background part of a save: every part's pages written (or checked, where
     linked), one stage at a time, each released once done. Returns the CRCs. NVMe pages
     (linked or copied) must match ``live``, the sums the tier kept of what it wrote
-    (the same CRC-32): a checkpoint never takes a damaged page for a good one."""
+    (the same CRC-32C): a checkpoint never takes a damaged page for a good one."""
     crcs: dict[str, dict[str, list[int]]] = {}
     P = source.page_elems
     for part in source.parts:
@@ -403,7 +416,7 @@ def _check_live(sums: list[int], live: list[int], store: PageStore, first: int, 
         page = first + bad[0]
         raise CheckpointError(
             f"NVMe page damaged: {_chunk_file(store.path / kind, page)} (page {page} of "
-            f"{store.label} {kind}) reads with CRC-32 {sums[bad[0]]:#010x}, was written with "
+            f"{store.label} {kind}) reads with CRC-32C {sums[bad[0]]:#010x}, was written with "
             f"{live[bad[0]]:#010x}; this checkpoint is not written (the complete ones are "
             "intact). Restart: the run resumes from the newest checkpoint"
         )
@@ -450,7 +463,7 @@ def _write_index(proc: Path, source: StateSource, crcs: dict, drives: DriveLinks
                 "start": part.start,
                 "first_page": part.first_page,
                 "num_pages": part.num_pages,
-                "crc32": crcs[part.stage],
+                ALGORITHM: crcs[part.stage],
             }
             for part in source.parts
         },
@@ -551,7 +564,7 @@ class StoredState:
     def read(self, stage: str, kind: str, start: int, stop: int) -> np.ndarray:
         """Elements ``[start, stop)`` of ``stage``'s canonical slab of ``kind`` (in its
         saved dtype; zeros past its size), with every page read checked against its
-        CRC-32."""
+        checksum (CRC-32C; zlib CRC-32 in older checkpoints)."""
         # aligned: the host optimizer's buffer, uncopied
         out = aligned_empty(stop - start, self.state_format.dtype(kind))
         out[:] = 0
@@ -569,14 +582,15 @@ class StoredState:
             last = (hi - 1 - part["start"]) // P + 1
             page0 = part["first_page"]
             pages = self._array(p, proc, kind)[page0 + first : page0 + last].read().result()
-            saved = part["crc32"][kind][first:last]
-            sums = zip(page_crcs(pages), saved, strict=True)
+            algorithm, saved = index_sums(part)
+            sums = zip(page_crcs(pages, algorithm), saved[kind][first:last], strict=True)
             bad = [first + i for i, (a, b) in enumerate(sums) if a != b]
             if bad:
                 raise CheckpointDamaged(
                     f"checkpoint {self.directory.parent} is damaged: {len(bad)} of "
                     f"{last - first} pages read of stage {stage} ({kind}, {proc.name}) differ "
-                    f"from what was saved (CRC-32 of pages {bad[:3]}; the first is "
+                    f"from what was saved ({_SUM_NAMES[algorithm]} of pages {bad[:3]}; the first "
+                    "is "
                     f"{_chunk_file(proc / kind, page0 + bad[0])}). {self.hint}"
                 )
             flat = pages.reshape(-1)

@@ -24,14 +24,14 @@ class TrainingError(RuntimeError):
 
 
 class DamagedPageError(TrainingError):
-    """A live NVMe page read back is not what was written (its CRC-32 differs): silent
+    """A live NVMe page read back is not what was written (its CRC-32C differs): silent
     corruption on the SSD (``storage/checksums.py``). The training loop adds which
     checkpoint holds a good copy, or rolls back to it."""
 
     def __init__(self, path, page: int, what: str, got: int, want: int):
         self.path, self.page, self.what = path, page, what
         super().__init__(
-            f"NVMe page damaged: {path} (page {page} of {what}) reads with CRC-32 "
+            f"NVMe page damaged: {path} (page {page} of {what}) reads with CRC-32C "
             f"{got:#010x}, was written with {want:#010x}"
         )
 

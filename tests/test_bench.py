@@ -104,6 +104,17 @@ def test_io_quick(tmp_path, capsys):
     names = {f"{w}, {c}" for w in ("write", "read") for c in ("checked", "unchecked")}
     assert set(result["checksums"]) == names
     assert all(row["GBps"] > 0 for row in result["checksums"].values())
+    for what in ("write", "read"):  # checked over unchecked, as saved
+        checked, unchecked = (
+            result["checksums"][f"{what}, {c}"]["GBps"] for c in ("checked", "unchecked")
+        )
+        assert result["checksum_cost"][what] == pytest.approx(checked / unchecked)
+    assert set(result["checksum_rates"]) == {
+        "CRC-32C (storage/checksums.py)",
+        "zlib CRC-32 (before)",
+        "page copy (memory bound)",
+    }
+    assert all(rate > 0 for rate in result["checksum_rates"].values())
 
 
 def test_optimizer_quick(tmp_path, capsys):

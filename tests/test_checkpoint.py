@@ -484,7 +484,7 @@ def test_damaged_checkpoint_falls_back_to_the_older_one(
     resumed = train(longer, tmp_path / "run", verbose=True)
     log = capsys.readouterr().out
     pattern = (
-        r"warning: checkpoint .*/4 is damaged: 1 of \d+ pages read of stage .* \(CRC-32 of "
+        r"warning: checkpoint .*/4 is damaged: 1 of \d+ pages read of stage .* \(CRC-32C of "
         rf"pages \[\d+\]; the first is {re.escape(str(damaged))}\)"
     )
     assert re.search(pattern, log), log

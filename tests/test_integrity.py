@@ -218,3 +218,80 @@ def test_checkpoint_refuses_a_damaged_live_page(tmp_path, copy):
     finally:
         runtime.close()
         ckpt.close_manager(quiet=True)
+
+
+# -- the sum itself (storage/checksums.py) and checkpoints written before it ------------------
+
+
+def test_page_checksum_is_crc32c_of_the_bytes():
+    """CRC-32C's check value (RFC 3720 B.4: "123456789" -> 0xE3069283), and an array's
+    sum is that of its bytes whatever its dtype (bfloat16 has no buffer format)."""
+    from hetjax.storage.checksums import page_checksum
+
+    assert page_checksum(np.frombuffer(b"123456789", np.uint8)) == 0xE3069283
+    x = np.arange(12, dtype=np.float32).astype(jax.numpy.bfloat16)
+    assert page_checksum(x) == page_checksum(np.frombuffer(x.tobytes(), np.uint8))
+
+
+def test_software_crc32c_says_so_once(monkeypatch):
+    import crc32c
+
+    from hetjax.storage import checksums
+
+    monkeypatch.setattr(crc32c, "hardware_based", False)
+    monkeypatch.setattr(checksums, "_warned", False)
+    row = np.ones(8, np.float32)
+    with pytest.warns(UserWarning, match="no CRC-32C instructions") as warned:
+        checksums.page_checksum(row)
+        checksums.page_checksum(row)
+    assert len(warned) == 1
+
+
+def test_checkpoint_with_zlib_crc32_sums_restores_and_is_checked(tmp_path):
+    """A checkpoint written before CRC-32C (its index's sums under ``crc32``, zlib's)
+    restores equal, and a flipped bit in it is still found (named CRC-32)."""
+    import json
+    import zlib
+
+    import tensorstore as ts
+
+    cfg = tiny_config(
+        train=dict(steps=2, eval_batches=1),
+        checkpoint=dict(every_steps=2, at_end=True, copy_every=1),
+        offload=NVME,
+    )
+    result = train(cfg, tmp_path, verbose=False)
+    state_dir = tmp_path / "checkpoints" / "2" / "state"
+    indexes = sorted(state_dir.glob("proc*/index.json"))
+    assert indexes
+    for path in indexes:  # rewritten as the code of 2026-11-28 wrote it
+        index = json.loads(path.read_text())
+        for stage in index["stages"].values():
+            sums = stage.pop("crc32c")
+            for kind in sums:
+                spec = {
+                    "driver": "zarr3",
+                    "kvstore": {"driver": "file", "path": str(path.parent / kind)},
+                }
+                arr = ts.open(spec).result()
+                first, n = stage["first_page"], stage["num_pages"]
+                pages = arr[first : first + n].read().result()
+                sums[kind] = [zlib.crc32(p.tobytes()) for p in pages]
+            stage["crc32"] = sums
+        path.write_text(json.dumps(index))
+    ckpt = Checkpointer(tmp_path / "checkpoints", writing=False)
+    try:
+        state, _ = ckpt.restore(2)
+        jax.tree.map(np.testing.assert_array_equal, state.params(), result.params)
+    finally:
+        ckpt.close()
+    page_files = [f for f in state_dir.rglob("*") if f.is_file() and f.parent.parent.name == "c"]
+    for f in page_files:
+        flip(f)
+    ckpt = Checkpointer(tmp_path / "checkpoints", writing=False)
+    try:
+        state, _ = ckpt.restore(2)
+        with pytest.raises(CheckpointDamaged, match=r"is damaged: .*\(CRC-32 of pages"):
+            state.params()
+    finally:
+        ckpt.close()

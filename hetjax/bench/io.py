@@ -200,7 +200,7 @@ def _disk_rows(directory: Path, quick: bool, label: str = "") -> dict:
 
 def _checksum_rows(directory: Path, quick: bool, repeats: int = 5) -> dict:
     """The tier's page reads (O_DIRECT into aligned buffers) and borrowed writes with
-    the live page checksums (``storage/checksums.py``: a CRC-32 of every page written,
+    the live page checksums (``storage/checksums.py``: a CRC-32C of every page written,
     checked on every read) and without (``PageStore(verify=False)``): GB/s and the
     process's CPU seconds per GB, the median of ``repeats`` passes each."""
     from hetjax.storage.nvme import PageStore
@@ -237,10 +237,49 @@ def _checksum_rows(directory: Path, quick: bool, repeats: int = 5) -> dict:
     return rows
 
 
+def _checksum_cost(rows: dict) -> dict:
+    """Checked over unchecked GB/s of the tier's writes and reads (issue #58's goal:
+    within 3%, i.e. >= 0.97), from :func:`_checksum_rows`' rows."""
+    ratios = {}
+    for what in ("write", "read"):
+        ratios[what] = rows[f"{what}, checked"]["GBps"] / rows[f"{what}, unchecked"]["GBps"]
+        print(f"  {what + ', checked / unchecked':<36}{ratios[what]:>7.3f}   (goal >= 0.97)")
+    return ratios
+
+
+def _sum_rates(quick: bool, repeats: int = 5) -> dict:
+    """GB/s of one core summing ``pages`` one page at a time: the tier's CRC-32C
+    (``checksums.page_checksum``), zlib's CRC-32 (the sum before 2026-11-29) and a plain
+    copy of each page (the memory-speed bound), the median of ``repeats`` passes each."""
+    from hetjax.storage.checksums import legacy_checksum, page_checksum
+
+    elems = 1 << 20  # 4 MiB pages of fp32
+    pages = np.random.default_rng(1).random(((16 if quick else 64), elems), dtype=np.float32)
+    scratch = np.empty_like(pages[0])
+    ways = {
+        "CRC-32C (storage/checksums.py)": page_checksum,
+        "zlib CRC-32 (before)": legacy_checksum,
+        "page copy (memory bound)": lambda p: np.copyto(scratch, p),
+    }
+    rates = {}
+    for name, way in ways.items():
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for p in pages:
+                way(p)
+            times.append(time.perf_counter() - t)
+        rates[name] = pages.nbytes / float(np.median(times)) / 1e9
+        print(f"  {name:<36}{rates[name]:>7.2f} GB/s, one core")
+    return rates
+
+
 def _disk_sweep(directory: Path, quick: bool) -> dict:
     rows = _disk_rows(directory, quick)
     rows["settings"] = _sweep(directory, quick, rows["raw_write"], rows["raw_read"])
     rows["checksums"] = _checksum_rows(directory, quick)
+    rows["checksum_cost"] = _checksum_cost(rows["checksums"])
+    rows["checksum_rates"] = _sum_rates(quick)
     return rows
 
 

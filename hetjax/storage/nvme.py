@@ -35,7 +35,7 @@ import tensorstore as ts
 
 from hetjax import faults, timeline
 from hetjax.config import ConfigError, format_bytes
-from hetjax.storage.checksums import PageChecksums, crc32
+from hetjax.storage.checksums import PageChecksums, page_checksum
 from hetjax.storage.pages import DIRECT_ALIGN
 from hetjax.storage.stripes import Stripes
 
@@ -290,7 +290,7 @@ class PageStore:
             future = PageFutures([submit(r, p) for r, p in zip(rows, pages, strict=True)])
         else:
             # summed now: ``data`` may change once handed over
-            sums = [crc32(row) for row in pages] if self.checksums.enabled else []
+            sums = [page_checksum(row) for row in pages] if self.checksums.enabled else []
             target = self.arrays[kind][first_page : first_page + len(pages)]
             write = target.write(pages, can_reference_source_data_indefinitely=borrowed)
             written = _then(_commit_future(write), lambda _: self._record(kind, first_page, sums))
