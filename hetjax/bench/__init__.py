@@ -17,6 +17,8 @@ ratio, and writes its results as JSON (default ``runs/bench/<name>.json``).
   peer      the DeepSpeed comparison's shape (310.8M params) in memory, optimizer on
             NVMe, params and optimizer on NVMe, and with a 3 GiB host budget: s/step,
             peak RSS (child processes), disk bytes/step vs max(compute, disk time)
+  guard     the speed guard (CI's alone leg): a mid shape (23M params) in memory and with
+            params and optimizer on NVMe, offloaded / in-memory s/step against its bound
   checkpoint  checkpoints of the NVMe tier at the peer shape: none, hard-linked, copied:
             time in the step and in the background, bytes linked and written, peak RSS
   io        the TensorStore tier's read/write GB/s vs the raw sequential disk (O_DIRECT)
@@ -56,6 +58,7 @@ from hetjax.bench.attention import bench_attention
 from hetjax.bench.checkpoint import bench_checkpoint
 from hetjax.bench.generate import bench_generate
 from hetjax.bench.gpu import bench_gpu
+from hetjax.bench.guard import bench_guard
 from hetjax.bench.io import bench_io
 from hetjax.bench.keep import bench_keep
 from hetjax.bench.lockfree import bench_lockfree
@@ -76,6 +79,7 @@ BENCHMARKS = {
     "slabs": bench_slabs,
     "nvme": bench_nvme,
     "peer": bench_peer,
+    "guard": bench_guard,
     "checkpoint": bench_checkpoint,
     "io": bench_io,
     "optimizer": bench_optimizer,
@@ -90,6 +94,9 @@ BENCHMARKS = {
     "generate": bench_generate,
     "state_dtype": bench_state_dtype,
 }
+
+# Benchmarks that print their rows against the previous results file (the JSON at --out)
+AGAINST_PREVIOUS = frozenset({"peer", "guard"})
 
 # Benchmarks whose rows run in child processes that each need the device's whole memory
 # pool: this process never starts JAX's backend (on a GPU it would take the pool).
@@ -147,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--nvme-path applies to the io benchmark only")
     if args.nvme_path:
         extra["nvme_path"] = args.nvme_path
+    out = Path(args.out or f"runs/bench/{args.name}.json")
+    if args.name in AGAINST_PREVIOUS:
+        extra["previous"] = json.loads(out.read_text()) if out.is_file() else None
     result = BENCHMARKS[args.name](args.quick, **extra)
     result.update(
         name=args.name,
@@ -155,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         host_allocator_tuned=tuned,
         date=time.strftime("%Y-%m-%d"),
     )
-    out = Path(args.out or f"runs/bench/{args.name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

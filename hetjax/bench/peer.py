@@ -40,13 +40,16 @@ DEEPSPEED = {
 }
 
 
-def peer_run(what: str, quick: bool, tmp: Path, steps: int, *args: str) -> tuple:
-    """Trains the peer shape (the quick one with ``quick``) for ``steps`` in a child
-    process in ``tmp``, with ``args``: its peak RSS, output and metrics records."""
+def peer_run(
+    what: str, quick: bool, tmp: Path, steps: int, *args: str, shape: dict | None = None
+) -> tuple:
+    """Trains the peer shape (the quick one with ``quick``; ``shape``: these model keys
+    instead) for ``steps`` in a child process in ``tmp``, with ``args``: its peak RSS,
+    output and metrics records."""
     args = (*args, f"--config.train.steps={steps}", "--config.train.log_every=1")
     args += (f"--config.memory.nvme_path={tmp / 'nvme'}",)
-    if quick:
-        args += tuple(f"--config.model.{k}={v}" for k, v in PEER_SHAPE.items())
+    shape = shape or (PEER_SHAPE if quick else {})
+    args += tuple(f"--config.model.{k}={v}" for k, v in shape.items())
     cmd = [sys.executable, "-m", "hetjax.launch", "--config", str(CONFIG)]
     rss, output, code = run_peak_rss([*cmd, "--workdir", str(tmp / "run"), *args])
     if code != 0:
@@ -55,11 +58,13 @@ def peer_run(what: str, quick: bool, tmp: Path, steps: int, *args: str) -> tuple
     return rss, output, records
 
 
-def _row(name: str, quick: bool, tmp: Path, steps: int, skip: int) -> dict:
+def _row(
+    name: str, quick: bool, tmp: Path, steps: int, skip: int, shape: dict | None = None
+) -> dict:
     args = list(ROWS[name])
     if name == "the same, host budget":
         args.append(f"--config.memory.host_budget={BUDGET[quick]}")
-    rss, _, records = peer_run(f"peer, {name}", quick, tmp, steps, *args)
+    rss, _, records = peer_run(f"peer, {name}", quick, tmp, steps, *args, shape=shape)
     steady = records[skip:]
     return {
         "step_s": float(np.median([r["step_time_s"] for r in steady])),
@@ -89,7 +94,21 @@ def run_rows(names, quick: bool, row) -> tuple[dict, float, float]:
     return rows, disk_write, disk_read
 
 
-def bench_peer(quick: bool) -> dict:
+def against_previous(rows: dict, previous: dict | None, key: str = "vs_limit") -> None:
+    """Prints each row's ``key`` (a ratio measured in its own run) beside the previous
+    results file's (``previous``: that run's JSON, None when there is none) and their
+    quotient: a regression shows as a ratio of ratios, whatever the machine's speed."""
+    if not previous or "rows" not in previous:
+        print("  (no previous results file: nothing to compare against)")
+        return
+    print(f"  against the previous results ({previous.get('date', '?')}): {key} now / then")
+    for name, row in rows.items():
+        then = previous["rows"].get(name, {}).get(key)
+        if then:
+            print(f"    {name:<28}{row[key]:>7.2f} / {then:.2f} = {row[key] / then:.2f}")
+
+
+def bench_peer(quick: bool, previous: dict | None = None) -> dict:
     steps, skip = (3, 1) if quick else (6, 2)
     row = lambda name, directory: _row(name, quick, directory, steps, skip)
     rows, disk_write, disk_read = run_rows(ROWS, quick, row)
@@ -122,6 +141,7 @@ def bench_peer(quick: bool) -> dict:
             f"  {name}: one generation on NVMe {gen / 1e9:.2f} GB; a step reads "
             f"{row['read_vs_generation']:.2f}x and writes {row['write_vs_generation']:.2f}x it"
         )
+    against_previous(rows, previous)
     budgeted, unbudgeted = rows["the same, host budget"], rows["params + optimizer on NVMe"]
     slower = budgeted["step_s"] / unbudgeted["step_s"]
     print(
