@@ -158,7 +158,7 @@ def _flatten(layout: SlabLayout, trees: dict[str, Any], fmt: StateFormat) -> dic
 
 def layout_meta(layouts: dict[str, SlabLayout]) -> dict[str, Any]:
     """Each stage's leaves (path, shape, offset) and size: the canonical slab. A layout
-    that cuts leaves into pieces (a grouped one's, ``runtime/grouped.py``) lists each
+    that cuts leaves into pieces (a grouped one's, ``parallel/grouped.py``) lists each
     piece as (path, the leaf's shape, offset, size, where it starts in the leaf, and where
     the leaf is cut into slices stacked first, its axis and the slices: tensor
     parallelism's)."""

@@ -24,7 +24,7 @@ TENSOR_EXPERT = "tensor_expert"
 # distributed.expert_parallel devices (with ZeRO-3 over all of them); each block's
 # compute split over distributed.tensor_parallel devices (ZeRO-3 over all of them)
 # (and both at once: a data x expert x model mesh, whose MoE blocks lay out each expert
-# by group and slice, runtime/experts.py)
+# by group and slice, parallel/layouts.py)
 PARALLELISMS = (SINGLE, DATA, EXPERT, TENSOR, TENSOR_EXPERT)
 SHARDED = frozenset({DATA, EXPERT, TENSOR, TENSOR_EXPERT})
 _PHRASES = {

@@ -348,8 +348,8 @@ class StageSignature:
 @runtime_checkable
 class ComputeLayout(Protocol):
     """Where a stage function's arguments and results live while it computes, and how it
-    is compiled for that: one device (``runtime/placement.py``'s ``SingleDevice``) or
-    ZeRO-3 over a mesh (``runtime/zero.py``'s ``Zero3``). Every stage function the
+    is compiled for that: one device (``parallel/single.py``'s ``SingleDevice``) or
+    ZeRO-3 over a mesh (``parallel/zero.py``'s ``Zero3``). Every stage function the
     streaming runtime runs, kept and swapped blocks' included, is compiled with
     :meth:`jit` from its declared :class:`StageSignature`, never from its arrays' ranks.
     The params' layout is declared by the model too: each leaf names its logical axes

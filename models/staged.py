@@ -87,7 +87,7 @@ Params = dict[str, Any]
 # table of (pattern, axis names) whose first pattern matching a leaf's path inside its
 # stage (``c_fc/kernel``; matched at a ``/`` boundary, so ``q/kernel`` matches
 # ``SelfAttention/q/kernel``) names that leaf's axes, e.g. ``("embed", "mlp")``. A
-# placement maps the names to mesh axes (``hetjax/distributed.py``'s ``AXIS_RULES``).
+# placement maps the names to mesh axes (``hetjax/parallel/rules.py``'s ``RULES``).
 AxisTable = tuple[tuple[str, tuple[str, ...]], ...]
 LAYERS = "layers"  # the leading axis a stage group's blocks are stacked on
 

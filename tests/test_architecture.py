@@ -27,6 +27,7 @@ LAYERS = [
     },
     {"hetjax.planning"},
     {"hetjax.runtime"},
+    {"hetjax.parallel"},  # how devices split a run: rules, layouts, strategies
     {"hetjax.optimizer"},
     {
         "hetjax.storage",

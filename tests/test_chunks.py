@@ -11,8 +11,9 @@ import pytest
 from equivalence import assert_trees_close
 
 from hetjax.config import ConfigError, load_config
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.single import SingleDevice
 from hetjax.runtime import chunks, stages
-from hetjax.runtime.placement import SingleDevice
 from models import build_model
 
 ROWS, T = 4, 32
@@ -32,7 +33,7 @@ def _functions(family: str, n: int, dtype, leaf_buffers: bool):
     if family == "llama":
         overrides.update({"model.num_kv_heads": "2", "model.tie_embeddings": "false"})
     model = build_model(load_config("gpt_tiny", overrides).model)
-    layouts = stages.stage_layouts(model, 64 * 1024, leaf_buffers=leaf_buffers)
+    layouts = stage_layouts(model, 64 * 1024, leaf_buffers=leaf_buffers)
     fns = stages.StageFunctions(
         model, layouts, SingleDevice(),
         block_grad_dtype=dtype, batch_chunks=n,

@@ -12,8 +12,8 @@ from equivalence import assert_training_equal, check_tokens
 from test_deferred_updates import _adamw, _run
 from test_expert_fetch import SHORT, SPARSE, _config, _moved, _skewed
 
+from hetjax.parallel.zero import Zero3
 from hetjax.runtime.streaming import StreamingRuntime
-from hetjax.runtime.zero import Zero3
 from hetjax.train import train
 from models import build_model
 

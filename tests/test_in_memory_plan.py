@@ -1,6 +1,6 @@
 """The planner plans ``offload.mode=none`` on many devices (``planning/in_memory.py``):
 a device's share of the state at a data x model split is what the in-memory runtime
-holds there (``runtime/in_memory_mesh.py``), counted by hand; the step's collectives
+holds there (``parallel/in_memory.py``), counted by hand; the step's collectives
 are priced from hand-counted bytes; and ``offload.mode=auto`` on 4 devices takes
 ``none`` at the split where a device's share fits its budget, training as an explicit
 ``none`` run at that split does.

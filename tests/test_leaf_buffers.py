@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from equivalence import assert_trees_close, training_batches
 
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.single import HOST_CLIENT_ENV, SingleDevice
 from hetjax.runtime import stages
-from hetjax.runtime.placement import HOST_CLIENT_ENV, SingleDevice
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.pages import LeafBuffers, SlabLayout
 from models import build_model
@@ -75,7 +76,7 @@ def test_block_forward_copies_no_weight_out_of_pages(tiny):
     counts = {}
     for name, layouts in (
         ("leaves", SingleDevice().stage_layouts(model, config.memory.page_size)),
-        ("pages", stages.stage_layouts(model, config.memory.page_size)),
+        ("pages", stage_layouts(model, config.memory.page_size)),
     ):
         fns = stages.StageFunctions(model, layouts, SingleDevice())
         args = fns.abstract_args(B, T, jnp.float32)

@@ -57,8 +57,9 @@ def test_planner_bytes_equal_the_runtime_plans(
     if runtime is not None:
         sizes = runtime.fns.memory_sizes(t.micro_batch_size, t.seq_len, runtime.compute_dtype)
     else:  # the same sizes, measured without a runtime
-        from hetjax.runtime.placement import SingleDevice
-        from hetjax.runtime.stages import StageFunctions, stage_layouts
+        from hetjax.parallel.layouts import stage_layouts
+        from hetjax.parallel.single import SingleDevice
+        from hetjax.runtime.stages import StageFunctions
         from models import build_model
 
         model = build_model(config.model)
@@ -177,8 +178,8 @@ def test_planner_bytes_agree_with_the_runtime_on_4_devices(tiny, tmp_path, keep,
     pages, padding included) not below the runtime's, nor 5% above it. Optimizer state
     on the device (the device cache's 3 stages, or every stage's): each device holds a
     quarter of it (``optimizer/sharded_slab.py``), as the planner counts."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.planning.tracer import trace
-    from hetjax.runtime.zero import Zero3
 
     offload = dict(
         mode="stream", params="host", optimizer=optimizer, keep_blocks=keep,
@@ -238,8 +239,8 @@ def test_planner_bytes_agree_with_the_runtime_under_tensor_parallelism(tiny, tmp
     data x 16 x 32 x 4 B). The working set (XLA's, its collectives' temporaries
     included) the runtime's: the tracer measures it as the runtime does, on the mesh
     (estimated from the one device's measurement it was 1.09 and 1.19 of it)."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.planning.tracer import trace
-    from hetjax.runtime.zero import Zero3
 
     offload = dict(mode="stream", params="host", optimizer="host")
     memory = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
@@ -299,8 +300,8 @@ def test_planner_counts_device_state_per_device_as_the_runtime_does(
     one process, each holding and updating its own pages: ``optimizer/sharded_slab.py``):
     the planner, from the tracer's workload, counts each device's bytes of it as the
     built runtime does."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.planning.tracer import trace
-    from hetjax.runtime.zero import Zero3
 
     offload = dict(
         mode="stream", params="host", optimizer=optimizer, optimizer_device_stages=cached,
@@ -393,8 +394,8 @@ def test_planner_counts_kept_and_swapped_blocks_per_device_as_the_ledger_measure
     one-device trace.)"""
     from equivalence import training_batches
 
+    from hetjax.parallel.zero import Zero3
     from hetjax.planning.tracer import trace
-    from hetjax.runtime.zero import Zero3
 
     keep, swap = (1, 0) if blocks == "keep" else (0, 1)
     offload = dict(

@@ -136,11 +136,12 @@ def _chunk_run(n: int) -> tuple[dict, list]:
     packed rows whose records have prompts of 1, 1, 3 and 4 tokens: the first chunk of
     2 rows takes a loss on more tokens than the second. -> every result of a step's
     block and head functions."""
+    from hetjax.parallel.layouts import stage_layouts
+    from hetjax.parallel.single import SingleDevice
     from hetjax.runtime import stages
-    from hetjax.runtime.placement import SingleDevice
 
     model = _model("llama", "blockwise")
-    layouts = stages.stage_layouts(model, 16 * 1024, leaf_buffers=True)
+    layouts = stage_layouts(model, 16 * 1024, leaf_buffers=True)
     fns = stages.StageFunctions(model, layouts, SingleDevice(), batch_chunks=n)
     rows = [_packed(_records(seed=r), prompt=p) for r, p in enumerate(PROMPTS)]
     tokens = np.concatenate([t for t, _ in rows])  # (4, 2, T)

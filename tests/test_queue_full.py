@@ -12,7 +12,7 @@ from equivalence import training_batches
 
 from hetjax import memory
 from hetjax.config import ConfigError
-from hetjax.runtime.placement import HOST_CLIENT_ENV, Shardings
+from hetjax.parallel.single import HOST_CLIENT_ENV, Shardings
 
 
 class InstantStore:

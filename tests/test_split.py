@@ -74,7 +74,7 @@ def test_collectives_lane_prices_the_all_reduces_and_the_grouped_gathers():
         assert tensor_allreduce_bytes(w, streamed.placement, tensor) == allreduces
         _, by_lane = lanes(w, hw, streamed, 0.0)
         assert by_lane["collectives"] == pytest.approx(pages * page / hw.interconnect_bw)
-    # at 2 x 2 a block's slab is 4 dense pages and 2 slices of 2 pages (runtime/tensor.py's
+    # at 2 x 2 a block's slab is 4 dense pages and 2 slices of 2 pages (parallel/groupings.py's
     # layout, tests/test_tensor.py): a device sends half its slice's 2 pages and half the
     # 4 dense ones over the 2 data devices, 3 pages, not the 4 of its gather
     w = Workload.from_config(config, devices=4, backend="gpu", tensor=2)
@@ -260,8 +260,8 @@ def test_auto_splits_moe_and_t5_blocks_on_4_devices_and_trains_equal_to_none(tmp
     2 x 2, the run trains with it equal to offload.mode=none on one device (SGD, fp32,
     1e-5), and its device bytes as the run's runtime plans them (from the same mesh
     measurement) are the plan's, within its budget."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.runtime.streaming import StreamingRuntime
-    from hetjax.runtime.zero import Zero3
     from hetjax.train import train
 
     model, data, budget = {

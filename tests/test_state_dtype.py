@@ -16,7 +16,7 @@ from hetjax.config import OptimizerConfig
 from hetjax.optimizer import moments, native
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.state_format import state_format
-from hetjax.runtime.placement import Shardings
+from hetjax.parallel.single import Shardings
 from hetjax.storage.pages import Leaf, SlabLayout, aligned_concatenate
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

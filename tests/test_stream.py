@@ -22,9 +22,10 @@ from hetjax import memory, timeline
 from hetjax.config import ConfigError
 from hetjax.memory import Sizes, plan_device
 from hetjax.optimizer.state_format import StateFormat
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.single import SingleDevice, live_bytes_by_kind
 from hetjax.placement import Placement
 from hetjax.runtime import stages
-from hetjax.runtime.placement import SingleDevice, live_bytes_by_kind
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.nvme import PageStore
 from hetjax.train import train
@@ -92,7 +93,7 @@ def test_keep_levels_hold_less_and_change_nothing(tiny, attention, levels):
         train=dict(seq_len=64),
     )
     model = build_model(config.model)
-    layouts = stages.stage_layouts(model, 4096)
+    layouts = stage_layouts(model, 4096)
     fns = stages.StageFunctions(model, layouts, SingleDevice())
     block = layouts["block"]
     pages = block.to_pages(block.flatten(model.init_stage("block", jax.random.key(0))))
@@ -571,7 +572,7 @@ def test_swapped_block_moves_activations_not_params(tiny):
     them, pages given again, equals a kept block's at that level."""
     config = tiny(model=dict(attention="reference"))
     model = build_model(config.model)
-    layouts = stages.stage_layouts(model, 4096)
+    layouts = stage_layouts(model, 4096)
     fns = stages.StageFunctions(model, layouts, SingleDevice())
     block = layouts["block"]
     pages = block.to_pages(block.flatten(model.init_stage("block", jax.random.key(0))))

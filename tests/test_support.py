@@ -158,9 +158,9 @@ def test_the_planner_offers_only_what_the_matrix_allows(tiny, parallelism):
 def test_the_runtime_reads_the_matrix(tiny, parallelism):
     """The streaming runtime measures kept blocks and routes experts where the matrix
     supports them; where it does not, the start-up plan says what it does instead."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.runtime.routed import routed_blocks
     from hetjax.runtime.streaming import StreamingRuntime
-    from hetjax.runtime.zero import Zero3
 
     config = _config(
         tiny, parallelism, offload=STREAM, memory=dict(page_size="16KiB"),

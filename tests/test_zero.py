@@ -38,9 +38,9 @@ from hetjax.config import ConfigError
 from hetjax.config_values import parse_bytes
 from hetjax.data import make_datasets
 from hetjax.distributed import first_slurm_host, process_group
+from hetjax.parallel.zero import Zero3
 from hetjax.planning.auto import plan_auto
 from hetjax.runtime.streaming import StreamingRuntime
-from hetjax.runtime.zero import Zero3
 from hetjax.train import train
 from hetjax.types import Kind, StageSignature
 from models import build_model
@@ -619,7 +619,7 @@ def test_across_processes_no_read_s_timing_decides_a_collective(tiny, monkeypatc
     is what holds everywhere (pages in RAM), never whether a disk read has landed (a
     2-process run with params on NVMe hung at step 1 when one process's read landed
     before the other's)."""
-    from hetjax.runtime.zero import ShardedParamStore, Zero3
+    from hetjax.parallel.zero import ShardedParamStore, Zero3
 
     class Landed:  # an NVMe store whose every read has landed
         def ready(self, stage):

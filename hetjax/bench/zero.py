@@ -14,7 +14,7 @@ import numpy as np
 
 from hetjax.bench.common import _steady_step_time
 from hetjax.config import Config
-from hetjax.runtime.grouped import GroupedSlabLayout
+from hetjax.parallel.grouped import GroupedSlabLayout
 
 
 def _collectives(runtime) -> dict[str, int]:
@@ -128,8 +128,8 @@ def bench_zero(quick: bool) -> dict:
     formula for this run's dtypes (two gathers in the compute dtype, a reduce-scatter
     in ``distributed.reduce_dtype``); and the median s/step. fp32 compute, then bf16
     with the reduce-scatter in fp32 and in bf16 (``reduce_dtype=compute``)."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.runtime.streaming import StreamingRuntime
-    from hetjax.runtime.zero import Zero3
     from hetjax.train import train
     from models import build_model
 
@@ -216,7 +216,7 @@ MESHES = ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2))
 
 def _split_params(runtime) -> int:
     """Params of the weights tensor parallelism splits over the ``model`` axis (the
-    grouped leaves of each stage's layout, ``runtime/tensor.py``), every block's."""
+    grouped leaves of each stage's layout, ``parallel/groupings.py``), every block's."""
     count = {"embed": 1, "head": 1, **{g.name: g.num_layers for g in runtime.fns.model.groups}}
     return sum(
         part.layout.size * part.groups * count[name]
@@ -247,8 +247,8 @@ def _tensor_rows(base: Config, dp_rows: list[dict], steps: int, skip: int) -> li
     forward all-reduces its attention's and its MLP's output, its backward their input
     gradients, each 2(t-1)/t x the device's (b, T, D) activation bytes (b its data
     group's rows); a streamed block's backward recomputes its forward, two more."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.runtime.streaming import StreamingRuntime
-    from hetjax.runtime.zero import Zero3
     from hetjax.train import train
     from models import build_model
 

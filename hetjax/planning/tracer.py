@@ -12,8 +12,8 @@ import numpy as np
 
 from hetjax.config import SWAP_LEVELS, Config
 from hetjax.memory import block_grad_dtype
+from hetjax.parallel.single import Shardings, SingleDevice
 from hetjax.planning.workload import Workload, kept_key
-from hetjax.runtime.placement import Shardings, SingleDevice
 from hetjax.runtime.stages import StageFunctions
 from models import build_model
 
@@ -126,7 +126,7 @@ def measure_on_mesh(config: Config, devices: int, tensor: int, levels) -> dict:
     is needed, or this process has fewer devices (then estimated from the one
     device's measurement)."""
     # (imported here: the runtime's ZeRO-3 placement is needed by this measurement only)
-    from hetjax.runtime.zero import Zero3
+    from hetjax.parallel.zero import Zero3
 
     G = config.distributed.expert_parallel
     if (tensor == 1 and G == 1) or jax.device_count() < devices or jax.process_count() > 1:

@@ -12,15 +12,15 @@ import jax.numpy as jnp
 from hetjax import support
 from hetjax.config import Config, ConfigError
 from hetjax.data import decoder_length
-from hetjax.distributed import DATA_AXIS, EXPERT_AXIS, MODEL_AXIS, TENSOR_PARALLEL_RULES
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy, zero3_scatter_bytes
 from hetjax.optimizer.deferred import deferrable
 from hetjax.optimizer.state_format import StateFormat, state_format
+from hetjax.parallel.grouped import GroupedSlabLayout, axes_of, scattered_elements
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.rules import DATA_AXIS, EXPERT_AXIS, MODEL_AXIS
 from hetjax.planning.hardware import Hardware
 from hetjax.runtime import remat, stages
-from hetjax.runtime.grouped import GroupedSlabLayout, axes_of, scattered_elements
 from hetjax.runtime.routed import expert_leaves
-from hetjax.runtime.stages import stage_layouts
 from models import attention, build_model
 from models.llama import split_experts
 from models.staged import row_flops
@@ -259,10 +259,7 @@ class Workload:
         # to the largest block, a multiple of the devices': ZeRO-3 shards; the experts in
         # groups)
         mesh = {DATA_AXIS: devices // (G * tensor), EXPERT_AXIS: G, MODEL_AXIS: tensor}
-        rules = {"rules": TENSOR_PARALLEL_RULES} if tensor > 1 else {}
-        layouts = stage_layouts(
-            model, config.memory.page_size, devices, G, tensor_parallel=tensor, **rules
-        )
+        layouts = stage_layouts(model, config.memory.page_size, devices, G, tensor_parallel=tensor)
         embed, head = layouts["embed"].padded_size, layouts["head"].padded_size
         # the block params a device computes with (a MoE's: its E/G experts), each group's
         used = {g.name: count(shapes[g.key]) // g.num_layers for g in model.groups}

@@ -3,7 +3,7 @@ and one jitted step with gradient accumulation. It is the reference every offloa
 is tested against, so it is kept plain.
 
 On a mesh (``distributed.*`` != 1) the state is placed by the streaming runtime's
-logical-axis rules (``in_memory_mesh.py``) and the one jitted step computes under those
+logical-axis rules (``parallel/in_memory.py``) and the one jitted step computes under those
 shardings, XLA's partitioner (GSPMD) adding the collectives:
 
 * data parallelism (``distributed.data_parallel`` != 1, any number of processes): the
@@ -12,7 +12,7 @@ shardings, XLA's partitioner (GSPMD) adding the collectives:
 * tensor parallelism (``distributed.tensor_parallel`` M > 1, with data parallelism a
   data x model mesh): params and optimizer state split over the ``model`` axis as
   Megatron splits them (attention by heads, the MLP by its hidden units, the
-  vocabulary: ``distributed.TENSOR_PARALLEL_RULES``), whole over ``data``; the rows
+  vocabulary: ``parallel/rules.py``), whole over ``data``; the rows
   split over the data axis, the M devices of a model group computing on the same rows;
 * expert parallelism (``distributed.expert_parallel`` X > 1, a mixture of experts): each
   block's stacked experts split over the ``expert`` axis, the rest replicated, the rows
@@ -43,7 +43,7 @@ from hetjax.hf import open_checkpoint
 from hetjax.optimizer.build import build_optimizer, optax_tree_slots
 from hetjax.optimizer.moments import decode_state, encode_state
 from hetjax.optimizer.state_format import moment_format
-from hetjax.runtime.in_memory_mesh import MeshPlacement, put, whole
+from hetjax.parallel.in_memory import MeshPlacement, put, whole
 from hetjax.types import MASTER, LossScale, RuntimeState, StepReport
 from models import build_model
 
@@ -69,7 +69,7 @@ class InMemoryRuntime:
         fp16 = config.model.compute_dtype == "float16"
         t = config.train
         loss_scale = LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None
-        # on a mesh: each leaf split as the logical-axis rules say (in_memory_mesh.py),
+        # on a mesh: each leaf split as the logical-axis rules say (parallel/in_memory.py),
         # the rows split over the batch axes (a training batch's second axis, an
         # evaluation batch's first); None: everything on the default device
         self.placement = placement = None

@@ -30,7 +30,7 @@ from hetjax import memory
 from hetjax.config import Config
 from hetjax.config_values import format_bytes
 from hetjax.memory import window_wait_lag
-from hetjax.runtime.placement import SingleDevice
+from hetjax.parallel.single import SingleDevice
 from hetjax.runtime.setup import layout_name, progress
 from hetjax.runtime.window import PrefetchWindow
 from hetjax.storage.iopool import SlabPool

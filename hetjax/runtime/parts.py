@@ -17,18 +17,18 @@ import jax.numpy as jnp
 from hetjax import memory
 from hetjax.allocator import tune_host_allocator
 from hetjax.config import Config, ConfigError
-from hetjax.distributed import MODEL_AXIS
 from hetjax.memory import DeviceCache, Sizes, plan_device, window_wait_lag
 from hetjax.memory_host import HostMemoryPlan, plan_host
 from hetjax.optimizer.deferred import Deferred, deferred_updates
 from hetjax.optimizer.sharded_slab import ShardedSlabOptimizer
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.update_loop import LoopSettings, UpdateLoop
+from hetjax.parallel.grouped import GroupedSlabLayout
+from hetjax.parallel.rules import MODEL_AXIS
 from hetjax.placement import Placement
 from hetjax.runtime.blocks import BlockParts, GroupInput, make_blocks
 from hetjax.runtime.boundaries import Boundaries, SwappedResiduals
 from hetjax.runtime.grads import DeviceGradients
-from hetjax.runtime.grouped import GroupedSlabLayout
 from hetjax.runtime.ledger import IoMeter, Ledger
 from hetjax.runtime.routed import (
     DeferredExperts,

@@ -2,7 +2,7 @@
 ``distributed.tensor_parallel`` M > 1): a streamed MoE block's devices copy in and
 gather only their slice of the pages of the experts some device routed to.
 
-Tensor parallelism lays a block's split weights out by slice (``tensor.py``,
+Tensor parallelism lays a block's split weights out by slice (``parallel/groupings.py``,
 ``grouped.py``): device (s, m) of S x M (S on the ``data`` axis, M on ``model``) holds
 share s of group m's slab, which is slice m of every split weight, and share n = s M + m
 of the dense slab (norms, biases, the router). An expert weight (E, d, h) split on h is
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetjax.runtime.grouped import GroupPages
+from hetjax.parallel.grouped import GroupPages
 from hetjax.runtime.routed import RoutedBlock, Routing
 from hetjax.runtime.routed_zero import PageExperts, ZeroFetcher, padded_rows
 

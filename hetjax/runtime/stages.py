@@ -1,5 +1,5 @@
-"""The per-stage jitted functions the streaming runtime runs (and the tracer times), and
-the slab layouts of a model's stages.
+"""The per-stage jitted functions the streaming runtime runs (and the tracer times); the
+slab layouts of a model's stages are ``parallel/layouts.py``'s.
 
 Each function takes its stage's params as a list of pages and unflattens them inside
 the jit (``storage/pages.py``). Each is compiled by the placement's compute layout
@@ -18,100 +18,13 @@ import jax
 import jax.numpy as jnp
 
 from hetjax.config import KEEP_LEVELS, SWAP_LEVELS, ConfigError
-from hetjax.distributed import AXIS_RULES, BATCH_AXES, DATA_AXIS, mesh_axes
 from hetjax.runtime import chunks, remat
-from hetjax.runtime.experts import ExpertSlabLayout, expert_tensor_layout
-from hetjax.runtime.grouped import GroupedSlabLayout
 from hetjax.runtime.routed import RoutedBlock
 from hetjax.runtime.signatures import SIGNATURES
-from hetjax.runtime.tensor import tensor_layout, tensor_specs
-from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems, shard_shapes
+from hetjax.storage.pages import SlabLayout
 from hetjax.types import ComputeLayout
-from models.staged import logical_axes
 
 F32 = jnp.float32
-
-
-def stage_layouts(
-    model,
-    page_size: int,
-    page_multiple: int = 1,
-    expert_parallel: int = 1,
-    leaf_buffers: bool = False,
-    *,
-    rules=AXIS_RULES,
-    axis_sizes: dict[str, int] | None = None,
-    tensor_parallel: int = 1,
-) -> dict[str, SlabLayout | GroupedSlabLayout]:
-    """The slab layouts of a model's stages (``embed``, one block of each stage group by
-    its name, e.g. ``block``, ``head``), from abstract shapes: nothing is allocated.
-    Pages are at most ``page_size`` bytes, fitted to the largest block
-    (``pages.fitted_page_elems``); slabs pad to a multiple of ``page_multiple`` pages
-    (ZeRO-3: one equal share per device). With ``expert_parallel`` > 1 (of the
-    ``page_multiple`` devices) a block's experts are laid out in that many groups
-    (``experts.ExpertSlabLayout``). ``leaf_buffers``: the device takes each stage's
-    params leaf by leaf (one device: ``pages.LeafBuffers``), not as its pages. The
-    layouts are where both the runtime and the planner take the stages' sizes from.
-
-    Each layout is of one device's shard of every leaf (``pages.shard_shapes``): the
-    model's logical axes (``models.staged.logical_axes``) mapped by ``rules`` to mesh
-    axes, of ``axis_sizes`` (the axes that split a leaf for compute: the ``model``
-    axis; None: none). With every such axis of size 1 (no tensor parallelism yet) the
-    layouts are the whole leaves', as checkpoints have them. An expert-parallel
-    block's split of its experts is its own (``experts.ExpertSlabLayout``). With
-    ``tensor_parallel`` > 1 (of the ``page_multiple`` devices) a stage's weights that
-    ``rules`` split over the ``model`` axis are laid out by slice (``tensor.py``); with
-    both, a block's experts by group and slice and its other split weights (attention)
-    by slice (``experts.expert_tensor_layout``), the other stages' split weights by
-    slice; a slice shared over the data and expert axes."""
-    shapes = jax.eval_shape(model.init, jax.random.key(0))
-    split_specs = tensor_specs(model, rules, shapes) if tensor_parallel > 1 else None
-    if axis_sizes:
-        names = logical_axes(model, shapes)
-        specs = jax.tree.map(
-            lambda n: mesh_axes(n, rules), names, is_leaf=lambda n: isinstance(n, tuple)
-        )
-        shapes = shard_shapes(shapes, specs, axis_sizes)
-    blocks = {
-        g.name: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), shapes[g.key])
-        for g in model.groups
-    }
-    block_elems = max(
-        sum(math.prod(a.shape) for a in jax.tree.leaves(one)) for one in blocks.values()
-    )
-    elems = fitted_page_elems(block_elems, page_size // MASTER_ITEMSIZE, page_multiple)
-    page_size = elems * MASTER_ITEMSIZE
-    layout = lambda params: SlabLayout.from_params(params, page_size, page_multiple, leaf_buffers)
-    if expert_parallel > 1 and tensor_parallel == 1:
-        shares = page_multiple // expert_parallel
-        block = lambda one: ExpertSlabLayout.of(one, page_size, expert_parallel, shares)
-    else:
-        block = layout
-    stages = {"embed": shapes["embed"], **blocks, "head": shapes["head"]}
-    layouts = {
-        name: (block if name in blocks else layout)(params) for name, params in stages.items()
-    }
-    if split_specs is not None:  # tensor parallelism: split weights by slice where any
-        shares = page_multiple // tensor_parallel
-        # a slice's devices: the data axis, and the expert axis (a batch axis but for the
-        # experts, which a block's experts' groups lie on)
-        share_axes = BATCH_AXES if expert_parallel > 1 else (DATA_AXIS,)
-        for name, params in stages.items():
-            if expert_parallel > 1 and name in blocks:
-                layouts[name] = expert_tensor_layout(
-                    params,
-                    split_specs[name],
-                    page_size,
-                    expert_parallel,
-                    tensor_parallel,
-                    shares // expert_parallel,
-                )
-                continue
-            split = tensor_layout(
-                params, split_specs[name], page_size, tensor_parallel, shares, share_axes
-            )
-            layouts[name] = split or layouts[name]
-    return layouts
 
 
 def context_bytes(model, batch: int, seq_len: int) -> int:

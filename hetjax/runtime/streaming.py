@@ -69,10 +69,10 @@ from hetjax.config import Config, ConfigError
 from hetjax.data import split_window
 from hetjax.generations import nvme_generations
 from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.parallel.single import SingleDevice
 from hetjax.runtime import setup, state_io
 from hetjax.runtime.grads import StepGradients, to_host
 from hetjax.runtime.parts import assemble
-from hetjax.runtime.placement import SingleDevice
 from hetjax.runtime.setup import layout_name
 from hetjax.runtime.step_report import step_report
 from hetjax.runtime.window import PrefetchWindow

@@ -31,9 +31,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import ConfigError
-from hetjax.distributed import AXIS_RULES
-from hetjax.runtime.grouped import GroupPages
-from hetjax.runtime.stages import stage_layouts
+from hetjax.parallel.grouped import GroupPages
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.rules import rules_for
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
 from hetjax.types import ParamStore, StageSignature
@@ -114,7 +114,7 @@ class SingleDevice:
 
     nvme_subdir = ""  # this process's directory under the NVMe path ("": the path)
     expert_axis = None  # the mesh axis a MoE's experts are split over (zero.py)
-    axis_rules = AXIS_RULES  # no mesh: nothing is split by them
+    axis_rules = rules_for(1)  # no mesh: nothing is split by them
     local_share = 1  # the fraction of a batch's rows (and per-device values) held here
     degree = 1  # devices a stage's pages split over
     batch_degree = 1  # devices a micro-batch's rows split over
@@ -126,7 +126,7 @@ class SingleDevice:
         self._host_is_device = device.platform == "cpu"  # one RAM, two memory kinds
 
     def stage_layouts(self, model, page_size: int) -> dict[str, SlabLayout]:
-        """The stages' slab layouts (``stages.stage_layouts``): whole slabs, which the
+        """The stages' slab layouts (``layouts.stage_layouts``): whole slabs, which the
         device takes leaf by leaf (``pages.LeafBuffers``: every weight a buffer of its
         own, none cut out of the pages it spans at each use)."""
         return stage_layouts(model, page_size, leaf_buffers=True)
