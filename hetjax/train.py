@@ -57,7 +57,7 @@ def build_runtime(config: Config, workdir: str | Path | None = None) -> Runtime:
     if config.offload.mode == "none":
         return InMemoryRuntime(config)
     if config.offload.mode == "stream" and config.distributed.sharded:
-        return StreamingRuntime(config, workdir=workdir, placement=Zero3(config))
+        return StreamingRuntime(config, workdir=workdir, parallel=Zero3(config))
     if config.offload.mode == "stream":
         return StreamingRuntime(config, workdir=workdir)
     raise AssertionError(config.offload.mode)  # validated by OffloadConfig

@@ -81,7 +81,7 @@ def test_routed_under_zero3_equals_fetching_every_expert(tmp_path, data, experts
 
 def _zero3(config) -> StreamingRuntime:
     """``config``'s runtime under ZeRO-3 (``hetjax.train``'s for data_parallel != 1)."""
-    return StreamingRuntime(config, placement=Zero3(config))
+    return StreamingRuntime(config, parallel=Zero3(config))
 
 
 # The block's slabs in 1024-element pages, hand-counted from its leaves in slab order

@@ -76,7 +76,7 @@ def test_planner_counts_a_devices_share_of_in_memory_state_as_the_runtime_holds_
     parts = in_memory_device_parts(w, share, remat=False)
     assert parts["params"] == parts["gradients"] == parts["optimizer"] == 4 * held
     runtime = InMemoryRuntime(config)
-    for device in runtime.placement.mesh.devices.flat:
+    for device in runtime.mesh_shardings.mesh.devices.flat:
         assert _held_bytes(runtime.state.params, device) == parts["params"]
         assert _held_bytes(runtime.state.opt_state, device) == parts["optimizer"]
 

@@ -1,7 +1,7 @@
-"""Declared layouts (hetjax/types.py's ComputeLayout): every param leaf of every zoo model
+"""Declared layouts (hetjax/types.py's Parallelism): every param leaf of every zoo model
 names its logical axes, the placement's rules map them to mesh axes, a stage's page
 layout is built per shard of each leaf, and every stage function (kept and swapped
-blocks' included) is compiled by the compute layout from its declared signature."""
+blocks' included) is compiled by the parallelism from its declared signature."""
 
 import jax
 import numpy as np
@@ -28,7 +28,7 @@ from hetjax.runtime import stages
 from hetjax.runtime.signatures import SIGNATURES
 from hetjax.storage.pages import SlabLayout
 from hetjax.train import train
-from hetjax.types import ComputeLayout, Kind, StageSignature
+from hetjax.types import Kind, Parallelism, StageSignature
 from models import build_model
 from models.staged import LAYERS, logical_axes
 
@@ -140,7 +140,7 @@ def test_every_stage_function_compiles_through_the_compute_layout():
     config = tiny_config(model=MODELS["llama_moe"][0])
     model = build_model(config.model)
     compute = RecordingLayout()
-    assert isinstance(compute, ComputeLayout)
+    assert isinstance(compute, Parallelism)
     layouts = compute.stage_layouts(model, config.memory.page_size)
     fns = stages.StageFunctions(model, layouts, compute)
     names = ["head_loss", "head_fwd_bwd", "aux_fwd_bwd", "embed_fwd", "embed_bwd"]
@@ -164,7 +164,7 @@ def test_kept_and_swapped_blocks_run_under_zero3(tiny):
     block backward's, gradient shares and dx."""
     config = tiny(offload=dict(mode="stream"), distributed=dict(data_parallel=2))
     zero = Zero3(config)
-    assert isinstance(zero, ComputeLayout)
+    assert isinstance(zero, Parallelism)
     model = build_model(config.model)
     layouts = zero.stage_layouts(model, config.memory.page_size)
     fns = stages.StageFunctions(model, layouts, zero)

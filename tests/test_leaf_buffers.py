@@ -126,7 +126,7 @@ def test_every_store_hands_one_device_leaf_buffers(tiny, offload, emulate, monke
             pinned = emulate or "nvme" not in offload.values()
             if kind == "device" or pinned:
                 assert all(a.sharding.memory_kind == kind for a in got), stage
-            on_device = runtime.placement.to_device(got, layout)
+            on_device = runtime.parallel.to_device(got, layout)
             assert all(a.sharding.memory_kind == "device" for a in on_device)
             if kind != "device":  # the CPU's device memory is the host's: no copy
                 shared = [

@@ -187,7 +187,7 @@ def test_planner_bytes_agree_with_the_runtime_on_4_devices(tiny, tmp_path, keep,
     )  # fmt: skip
     memory = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
     config = tiny(offload=offload, memory=memory, distributed=dict(data_parallel=4))
-    runtime = StreamingRuntime(config, workdir=tmp_path, placement=Zero3(config))
+    runtime = StreamingRuntime(config, workdir=tmp_path, parallel=Zero3(config))
     try:
         w = trace(config, repeats=1, devices=4)
         placement = Placement(
@@ -247,7 +247,7 @@ def test_planner_bytes_agree_with_the_runtime_under_tensor_parallelism(tiny, tmp
     dist = dict(data_parallel=data, tensor_parallel=2)
     config = tiny(offload=offload, memory=memory, distributed=dist)
     n, page = 2 * data, 4 * 4096
-    runtime = StreamingRuntime(config, workdir=tmp_path, placement=Zero3(config))
+    runtime = StreamingRuntime(config, workdir=tmp_path, parallel=Zero3(config))
     try:
         w = trace(config, repeats=1, devices=n, tensor=2)
         placement = Placement(
@@ -309,7 +309,7 @@ def test_planner_counts_device_state_per_device_as_the_runtime_does(
     )  # fmt: skip
     memory = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
     config = tiny(model=model, offload=offload, memory=memory, distributed=dist)
-    runtime = StreamingRuntime(config, workdir=tmp_path, placement=Zero3(config))
+    runtime = StreamingRuntime(config, workdir=tmp_path, parallel=Zero3(config))
     try:
         w = trace(config, repeats=1, devices=4, tensor=dist.get("tensor_parallel", 1))
         placement = Placement(
@@ -408,7 +408,7 @@ def test_planner_counts_kept_and_swapped_blocks_per_device_as_the_ledger_measure
     tensor = dist.get("tensor_parallel", 1)
     devices = dist["data_parallel"] * tensor * dist.get("expert_parallel", 1)
     held = _held_by_blocks(monkeypatch)
-    runtime = StreamingRuntime(config, workdir=tmp_path, placement=Zero3(config))
+    runtime = StreamingRuntime(config, workdir=tmp_path, parallel=Zero3(config))
     try:
         runtime.train_step(training_batches(config, 1)[0])
         # the last block keeps or swaps (the last blocks keep, those before them swap);

@@ -428,7 +428,7 @@ def test_expert_parallel_runtime_holds_a_devices_share_of_the_experts(tiny):
     for data, experts in ((2, 2), (4, 1)):
         # experts 4 x wider than the tiny MoE's: in its pages padding hides the saving
         config = ep_config(tiny, data, experts, d_ff=192)
-        runtime = StreamingRuntime(config, placement=Zero3(config))
+        runtime = StreamingRuntime(config, parallel=Zero3(config))
         planned = memory_sizes(Workload.from_config(config, devices=4), 4)
         fields = ("embed", "block", "head")
         assert [getattr(planned, f) for f in fields] == [getattr(runtime.sizes, f) for f in fields]

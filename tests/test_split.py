@@ -273,7 +273,7 @@ def test_auto_splits_moe_and_t5_blocks_on_4_devices_and_trains_equal_to_none(tmp
         tmp_path, budget, model=model, data=data, optimizer=sgd
     )
     assert any("data x model: 2 x 2" in line and "1: does not fit" in line for line in logs)
-    runtime = StreamingRuntime(planned, workdir=tmp_path / "check", placement=Zero3(planned))
+    runtime = StreamingRuntime(planned, workdir=tmp_path / "check", parallel=Zero3(planned))
     try:
         assert runtime.plan.parts == plan.device
         assert sum(plan.device.values()) <= plan.budgets["device"]

@@ -136,7 +136,7 @@ def test_two_byte_moments_move_planner_and_runtime_bytes_together(tiny, tmp_path
             pages = setup.stage_pages(run, o, page_elems)
             store = NvmeStateStore(
                 tmp_path / "bf16", fmt, pages, page_elems, cached=[],
-                sharding=runtime.placement.shardings.optimizer, io_slots=memory.IO_SLOTS,
+                sharding=runtime.parallel.shardings.optimizer, io_slots=memory.IO_SLOTS,
             )  # fmt: skip
             assert store.nvme_bytes == run_nvme["optimizer"]
             for stage in pages:

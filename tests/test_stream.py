@@ -367,11 +367,11 @@ def test_nvme_boundaries_are_files_and_change_nothing(tiny, tmp_path):
     device = StreamingRuntime(tiny(offload=dict(mode="stream", keep_blocks=1), **common))
     batch = np.random.default_rng(0).integers(0, 256, (2, 2, 17)).astype(np.int32)
     # Inputs of blocks 0-2 (block 3 keeps its activations) for the last micro-batch.
-    x = nvme.fns.embed_fwd(nvme.resident["embed"], nvme.placement.put_batch(batch[-1, :, :-1]))
+    x = nvme.fns.embed_fwd(nvme.resident["embed"], nvme.parallel.put_batch(batch[-1, :, :-1]))
     inputs = []
     for i in range(3):
         inputs.append(np.asarray(x).reshape(-1))
-        x, _ = nvme.fns.block_fwd(nvme.placement.to_device(nvme.param_store.get(f"block{i}")), x)
+        x, _ = nvme.fns.block_fwd(nvme.parallel.to_device(nvme.param_store.get(f"block{i}")), x)
 
     recorder = timeline.Recorder()
     with timeline.recording(recorder):

@@ -167,7 +167,7 @@ def test_the_runtime_reads_the_matrix(tiny, parallelism):
         optimizer=dict(name="sgd", lr=0.1),
     )  # fmt: skip
     sharded = parallelism != support.SINGLE
-    runtime = StreamingRuntime(config, placement=Zero3(config) if sharded else None)
+    runtime = StreamingRuntime(config, parallel=Zero3(config) if sharded else None)
     try:
         keeps = support.supports("keep_blocks", parallelism) is None
         assert runtime.fns.kept_blocks == keeps

@@ -157,9 +157,9 @@ def _backward_hlos(config, names=("block_bwd",)) -> dict[str, str]:
     """The compiled HLO of the stage functions ``names`` (of ``block_bwd``, ``embed_bwd``,
     ``head_fwd_bwd``), each on its abstract arguments, the pages as the gather hands them
     over."""
-    runtime = StreamingRuntime(config, placement=Zero3(config))
+    runtime = StreamingRuntime(config, parallel=Zero3(config))
     try:
-        sds, zero, t = jax.ShapeDtypeStruct, runtime.placement, config.train
+        sds, zero, t = jax.ShapeDtypeStruct, runtime.parallel, config.train
         pages = lambda stage: zero.device_pages(runtime.layouts[stage], np.float32)
         rows = lambda dtype, *shape: sds(
             (t.micro_batch_size, t.seq_len, *shape), dtype, sharding=zero.sharded.batch

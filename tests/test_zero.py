@@ -284,11 +284,11 @@ def test_each_device_holds_and_updates_its_own_shard_of_the_state(tiny, offload)
         memory=PAGES,
         distributed=dict(data_parallel=2),
     )
-    runtime = StreamingRuntime(config, placement=Zero3(config))
+    runtime = StreamingRuntime(config, parallel=Zero3(config))
     try:
         data, _, _ = make_datasets(config)
         runtime.train_step(data.batch(0).reshape(1, 4, 17))
-        devices = set(runtime.placement.local_devices)
+        devices = set(runtime.parallel.local_devices)
         assert len(devices) == 2
         stages = runtime.device_stages or ("embed", "block0", "block1")
         for stage in stages:
@@ -335,7 +335,7 @@ def test_per_device_bytes_shrink_with_devices(tiny):
             memory=dict(page_size="4KiB"),
             distributed=dict(data_parallel=n),
         )
-        runtime = StreamingRuntime(config, placement=Zero3(config))
+        runtime = StreamingRuntime(config, parallel=Zero3(config))
         data, _, _ = make_datasets(config)
         runtime.train_step(data.batch(0).reshape(1, 4, 17))
         host[n] = runtime.ledger.peak["pinned_host"]

@@ -21,7 +21,7 @@ def _collectives(runtime) -> dict[str, int]:
     """Collective ops XLA compiled into a block's backward and a stage's all-gather."""
     B, sds = runtime.layouts["block"], jax.ShapeDtypeStruct
     t, D = runtime.config.train, runtime.config.model.d_model
-    zero = runtime.placement
+    zero = runtime.parallel
     pages = zero.device_pages(B, runtime.compute_dtype)
     x = sds((t.micro_batch_size, t.seq_len, D), runtime.compute_dtype, sharding=zero.sharded.batch)
     slab = sds(
@@ -102,7 +102,7 @@ def _block_tensor_bytes(runtime) -> dict[str, int]:
     collectives other than the ZeRO-3 reduce-scatter of the gradient."""
     B, sds = runtime.layouts["block"], jax.ShapeDtypeStruct
     t, D = runtime.config.train, runtime.config.model.d_model
-    zero = runtime.placement
+    zero = runtime.parallel
     pages = zero.device_pages(B, runtime.compute_dtype)
     x = sds((t.micro_batch_size, t.seq_len, D), runtime.compute_dtype, sharding=zero.sharded.batch)
     fwd = wire_bytes(runtime.fns.block_fwd.lower(pages, x).compile().as_text())
@@ -168,7 +168,7 @@ def bench_zero(quick: bool) -> dict:
             compute = np.dtype(config.model.compute_dtype).itemsize
             ops = {}
             if p > 1:
-                runtime = StreamingRuntime(config, placement=Zero3(config))
+                runtime = StreamingRuntime(config, parallel=Zero3(config))
                 ops = _collectives(runtime)
                 runtime.close()
             grad = compute if reduce == "compute" else 4
@@ -270,7 +270,7 @@ def _tensor_rows(base: Config, dp_rows: list[dict], steps: int, skip: int) -> li
                 last = run.records[-1]
                 zero = last.get("all_gather_bytes", 0) + last.get("reduce_scatter_bytes", 0)
                 step_s = _steady_step_time(run.records, skip)
-                runtime = StreamingRuntime(config, placement=Zero3(config))
+                runtime = StreamingRuntime(config, parallel=Zero3(config))
                 tp = _block_tensor_bytes(runtime)
                 split = _split_params(runtime)
                 runtime.close()

@@ -35,7 +35,7 @@ _KEYS = {MODEL_AXIS: "tensor_parallel", EXPERT_AXIS: "expert_parallel"}
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshPlacement:
+class MeshShardings:
     """The shardings of an in-memory run over ``mesh``: ``params`` and ``opt_state``
     (trees of ``NamedSharding``, the state's structure), ``replicated`` (a scalar's),
     ``rows`` (a training batch (A, B/A, W): its second axis split) and ``eval_rows``
@@ -49,7 +49,7 @@ class MeshPlacement:
     eval_rows: NamedSharding
 
     @classmethod
-    def of(cls, config: Config, model, tx) -> MeshPlacement:
+    def of(cls, config: Config, model, tx) -> MeshShardings:
         """The placement of ``model`` (its ``init`` tree) and of optax ``tx``'s state
         over ``config.distributed``'s mesh. A leaf whose split axis the mesh does not
         divide, or a micro-batch whose rows do not divide over the batch axes, is a

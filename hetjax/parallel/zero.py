@@ -6,7 +6,7 @@ instead of :class:`~hetjax.parallel.single.SingleDevice`, and calls the same met
 
 * **Sharded pages.** Every stage's slab pads to a multiple of N pages (N devices on the
   ``data`` axis) and is held as a ``(pages, page_elems)`` array sharded over that axis
-  (``ShardedPlacement``): each device owns 1/N of the pages, in its host memory, or on
+  (``PageShardings``): each device owns 1/N of the pages, in its host memory, or on
   its process's NVMe directory (``<nvme_path>/proc<k>``).
 * **All-gather per stage, prefetched.** When the window fetches a stage, each device
   copies its own pages to device memory and a jitted all-gather makes them whole on
@@ -108,7 +108,7 @@ from hetjax.parallel.rules import (
     data_mesh,
     param_specs,
 )
-from hetjax.parallel.single import ShardedPlacement, Shardings
+from hetjax.parallel.single import PageShardings, Shardings
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
 from hetjax.types import Kind, ParamStore, StageSignature, is_block, stage_layout
@@ -123,7 +123,7 @@ class Zero3:
     """The streaming runtime's placement strategy with every stage's pages sharded over
     the ``distributed.data_parallel`` x ``distributed.expert_parallel`` devices of the
     mesh (a MoE block's experts split over the ``expert`` axis). Its compute layout
-    (``hetjax.types.ComputeLayout``) places by ``axis_rules``; with
+    (``hetjax.types.Parallelism``) places by ``axis_rules``; with
     ``distributed.tensor_parallel`` > 1 the mesh's ``model`` axis splits each stage's
     compute (:meth:`constrain`)."""
 
@@ -146,7 +146,7 @@ class Zero3:
                 f"over the mesh's {self.batch_degree} devices; make batch_size / grad_accum "
                 "a multiple of it"
             )
-        self.sharded = ShardedPlacement.over(self.mesh, self.page_axes, batch_axes=AXES)
+        self.sharded = PageShardings.over(self.mesh, self.page_axes, batch_axes=AXES)
         me = jax.process_index()
         slots = [i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == me]
         self.local_devices = [self.mesh.devices.flat[i] for i in slots]
@@ -400,6 +400,16 @@ class Zero3:
         self._gathers[key] = gather
         return gather
 
+    @property
+    def on_mesh(self) -> bool:
+        """Whether a block's compute needs the mesh (expert parallelism's all-to-all,
+        tensor parallelism's split weights)."""
+        return self.expert_axis is not None or self.tensor_parallel > 1
+
+    def abstract_rows(self, x):
+        """A ``BATCH`` argument's abstract value: its rows split over the batch axes."""
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharded.batch)
+
     def device_pages(self, layout: SlabLayout | GroupedSlabLayout, dtype) -> object:
         """The abstract pages of a stage as its gather hands them to a stage function:
         ``ShapeDtypeStruct``s with their shardings (to lower a stage function with)."""
@@ -462,14 +472,13 @@ class Zero3:
         return float(np.sum(np.asarray(parts, np.float64)))
 
     def param_store(
-        self, store: ParamStore, layouts: dict[str, SlabLayout], on_nvme: bool
+        self, store: ParamStore, nvme_store, layouts: dict[str, SlabLayout], device_stages
     ) -> ParamStore:
         """Pages of this process's shards, handed out as global sharded slabs; kept in
-        ``store`` when that is on NVMe; the device cache's stages (``store`` a
-        ``SplitParamStore``) in device memory."""
-        cached = frozenset(getattr(store, "stages", ()))
-        inner = getattr(store, "base", store) if on_nvme else None
-        return ShardedParamStore(self, layouts, inner, device_stages=cached)
+        ``nvme_store`` when params are on NVMe; the device cache's stages
+        (``device_stages``) in device memory."""
+        cached = frozenset(device_stages)
+        return ShardedParamStore(self, layouts, nvme_store, device_stages=cached)
 
     def describe(self, layouts: dict[str, SlabLayout]) -> list[str]:
         lay = max((v for k, v in layouts.items() if is_block(k)), key=lambda v: v.num_pages)

@@ -133,11 +133,11 @@ def measure_on_mesh(config: Config, devices: int, tensor: int, levels) -> dict:
         return {}
     dist = dict(data_parallel=devices // (tensor * G), tensor_parallel=tensor, expert_parallel=G)
     run = config.replace(distributed=dist)
-    placement = Zero3(run)
-    layouts = placement.stage_layouts(build_model(run.model), config.memory.page_size)
-    compute_model = build_model(run.model, placement.expert_axis)
+    parallel = Zero3(run)
+    layouts = parallel.stage_layouts(build_model(run.model), config.memory.page_size)
+    compute_model = build_model(run.model, parallel.expert_axis)
     fns = StageFunctions(
-        compute_model, layouts, placement, block_grad_dtype=block_grad_dtype(run),
+        compute_model, layouts, parallel, block_grad_dtype=block_grad_dtype(run),
         kept_blocks=False, batch_chunks=run.offload.batch_chunks,
     )  # fmt: skip
     t, dtype = run.train, jnp.dtype(run.model.compute_dtype)

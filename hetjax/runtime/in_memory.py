@@ -43,7 +43,7 @@ from hetjax.hf import open_checkpoint
 from hetjax.optimizer.build import build_optimizer, optax_tree_slots
 from hetjax.optimizer.moments import decode_state, encode_state
 from hetjax.optimizer.state_format import moment_format
-from hetjax.parallel.in_memory import MeshPlacement, put, whole
+from hetjax.parallel.in_memory import MeshShardings, put, whole
 from hetjax.types import MASTER, LossScale, RuntimeState, StepReport
 from models import build_model
 
@@ -57,7 +57,7 @@ class TrainState:
 
 
 class InMemoryRuntime:
-    """The whole state on the default device, or on a mesh as ``MeshPlacement`` places
+    """The whole state on the default device, or on a mesh as ``MeshShardings`` places
     it; one jitted step with gradient accumulation."""
 
     def __init__(self, config: Config, params: Any | None = None):
@@ -72,28 +72,28 @@ class InMemoryRuntime:
         # on a mesh: each leaf split as the logical-axis rules say (parallel/in_memory.py),
         # the rows split over the batch axes (a training batch's second axis, an
         # evaluation batch's first); None: everything on the default device
-        self.placement = placement = None
+        self.mesh_shardings = mesh = None
         shapes = jax.eval_shape(self.model.init, rng)
         self.tx = build_optimizer(config.optimizer, config.train.steps, shapes)
         if config.distributed.sharded:
-            self.placement = placement = MeshPlacement.of(config, self.model, self.tx)
-        # initialised straight into the placement (the same values on any split: JAX's
+            self.mesh_shardings = mesh = MeshShardings.of(config, self.model, self.tx)
+        # initialised straight into its shardings (the same values on any split: JAX's
         # random bits do not depend on the sharding)
-        param_shardings = placement.params if placement else None
+        param_shardings = mesh.params if mesh else None
         if params is None:
             params = jax.jit(self.model.init, out_shardings=param_shardings)(rng)
-        elif placement:
-            params = put(params, placement.params)
+        elif mesh:
+            params = put(params, mesh.params)
         else:
             params = jax.device_put(params)
-        opt_shardings = placement.opt_state if placement else None
+        opt_shardings = mesh.opt_state if mesh else None
         opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
         self.state = TrainState(jnp.int32(0), params, opt_state, loss_scale)
         self._shardings = self._replicated = self._rows = self._eval_rows = None
-        if placement:
-            self._shardings = placement.state(self.state)
-            self._replicated, self._rows = placement.replicated, placement.rows
-            self._eval_rows = placement.eval_rows
+        if mesh:
+            self._shardings = mesh.state(self.state)
+            self._replicated, self._rows = mesh.replicated, mesh.rows
+            self._eval_rows = mesh.eval_rows
             self.state = self.state.replace(
                 step=put(self.state.step, self._replicated),
                 loss_scale=put(loss_scale, self._shardings.loss_scale),
@@ -107,7 +107,7 @@ class InMemoryRuntime:
             seq_len=T,
             grad_shardings=param_shardings,
         )
-        out_shardings = (self._shardings, self._replicated) if placement else None
+        out_shardings = (self._shardings, self._replicated) if mesh else None
         self._step = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
         self._eval = jax.jit(lambda p, b: self.model.loss(p, *split_window(objective, b, T)))
 
@@ -236,7 +236,7 @@ class InMemoryRuntime:
             ),
             loss_scale=loss_scale,
         )
-        self.state = put(state, self._shardings) if self.placement else state
+        self.state = put(state, self._shardings) if self.mesh_shardings else state
 
 
 def step_fn(

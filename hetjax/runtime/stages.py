@@ -2,8 +2,8 @@
 slab layouts of a model's stages are ``parallel/layouts.py``'s.
 
 Each function takes its stage's params as a list of pages and unflattens them inside
-the jit (``storage/pages.py``). Each is compiled by the placement's compute layout
-(``hetjax.types.ComputeLayout``: one device, or ZeRO-3 over a mesh) from its declared
+the jit (``storage/pages.py``). Each is compiled by the run's parallelism
+(``hetjax.types.Parallelism``: one device, or ZeRO-3 over a mesh) from its declared
 signature (``signatures.SIGNATURES``: what each argument and result is), never from its
 arrays' ranks."""
 
@@ -22,7 +22,7 @@ from hetjax.runtime import chunks, remat
 from hetjax.runtime.routed import RoutedBlock
 from hetjax.runtime.signatures import SIGNATURES
 from hetjax.storage.pages import SlabLayout
-from hetjax.types import ComputeLayout
+from hetjax.types import Parallelism
 
 F32 = jnp.float32
 
@@ -154,10 +154,10 @@ class GroupFunctions:
         self, model, g: int, layouts, *, jit, out, cast, keep_level: str, batch_chunks: int = 1,
         grad_dtype=F32, constrain=lambda stage, params: params,
     ):  # fmt: skip
-        # jit(fn, signature): the compute layout's (hetjax.types.ComputeLayout.jit)
+        # jit(fn, signature): the parallelism's (hetjax.types.Parallelism.jit)
         m, group = model, model.groups[g]
         E, B = layouts["embed"], layouts[group.name]
-        # a stage's params as the compute layout computes with them (tensor parallelism:
+        # a stage's params as the parallelism computes with them (tensor parallelism:
         # split by their logical axes; else as they are)
         params = lambda stage, layout, pages: constrain(stage, layout.unflatten_pages(pages))
         self.group, self.index, self.layout = group, g, B
@@ -214,7 +214,7 @@ class GroupFunctions:
 
     def kept_forward(self, level: str):
         """The jitted forward of a kept block at keep ``level``: (b, x, context=()) ->
-        (y, the vjp holding the residuals), compiled by the compute layout as any stage
+        (y, the vjp holding the residuals), compiled by the parallelism as any stage
         function (the vjp a ``Kind.LOCAL`` result: each device keeps its own)."""
         if level not in self._kept_forward:
             fwd = remat.kept_forward(self._block_fwd, level)
@@ -224,8 +224,8 @@ class GroupFunctions:
 
     def swapped(self, level: str) -> SwappedBlock:
         """The forward and backward of a block that swaps its in-block activations at
-        ``level`` to host memory (``offload.swap_blocks``), compiled by the compute
-        layout (the residuals ``Kind.LOCAL``)."""
+        ``level`` to host memory (``offload.swap_blocks``), compiled by the
+        parallelism (the residuals ``Kind.LOCAL``)."""
         if level not in self._swapped:
             self._swapped[level] = SwappedBlock(
                 self._block_fwd, level, self._cast, self._cotangent, self._jit
@@ -259,7 +259,7 @@ class StageFunctions:
     model without an auxiliary loss, ``stats_size`` 0, needs neither). Both declare those
     results means over the batch (``Kind.MEAN`` in ``signatures.SIGNATURES``).
 
-    ``compute`` (a :class:`~hetjax.types.ComputeLayout`: ``SingleDevice``, ``Zero3``)
+    ``parallel`` (a :class:`~hetjax.types.Parallelism`: ``SingleDevice``, ``Zero3``)
     compiles every stage function from its signature in ``signatures.SIGNATURES`` (one device:
     ``jax.jit`` onto it; ZeRO-3: per device with collectives) and its ``grad_slab(pages,
     dtype)`` shapes a gradient as it leaves the device; block gradients leave in
@@ -277,7 +277,7 @@ class StageFunctions:
         self,
         model,
         layouts: dict[str, SlabLayout],
-        compute: ComputeLayout,
+        parallel: Parallelism,
         *,
         block_grad_dtype=F32,
         keep_level: str = "all",
@@ -286,13 +286,13 @@ class StageFunctions:
     ):
         E, H = layouts["embed"], layouts["head"]
         chunks.check(model, batch_chunks)
-        self.compute = compute
+        self.parallel = parallel
         self.kept_blocks, self.batch_chunks = kept_blocks, batch_chunks
 
-        jit = compute.jit
+        jit = parallel.jit
 
         def out(pages, dtype=F32):  # a gradient as it leaves the device, and its norms
-            grad = compute.grad_slab(pages, dtype)
+            grad = parallel.grad_slab(pages, dtype)
             return grad, page_squared_norms(grad)
 
         cast = lambda pages: out(pages, block_grad_dtype)
@@ -301,15 +301,15 @@ class StageFunctions:
         self.stats_size = m.stats_size  # 0: no auxiliary loss (aux_fwd_bwd is not needed)
         group = functools.partial(
             GroupFunctions, jit=jit, out=out, cast=cast, keep_level=keep_level,
-            batch_chunks=batch_chunks, grad_dtype=block_grad_dtype, constrain=compute.constrain,
+            batch_chunks=batch_chunks, grad_dtype=block_grad_dtype, constrain=parallel.constrain,
         )  # fmt: skip
         self.groups = [group(m, g, layouts) for g in range(len(m.groups))]
         first = self.groups[0]
 
         def head_loss(h, e, x, targets):
             return m.head_loss(
-                compute.constrain("head", H.unflatten_pages(h)),
-                compute.constrain("embed", E.unflatten_pages(e)),
+                parallel.constrain("head", H.unflatten_pages(h)),
+                parallel.constrain("embed", E.unflatten_pages(e)),
                 x,
                 targets,
             )
@@ -330,7 +330,7 @@ class StageFunctions:
             return loss + aux, dstats * seed
 
         def embed_fwd(e, tokens):  # the first group's input: (B, T) -> (B, T, D)
-            embed = compute.constrain("embed", E.unflatten_pages(e))
+            embed = parallel.constrain("embed", E.unflatten_pages(e))
             return m.group_input(0, embed, None, tokens, tokens)[0]
 
         def embed_bwd(e, tokens, dx):
@@ -428,8 +428,8 @@ class StageFunctions:
         # XLA's temporaries are one device's (a ZeRO-3 function is compiled for one
         # device's rows), and so are x / dx beside them; the rest is the micro-batch's
         # (memory.Sizes.per_device)
-        working = max(temps) + 3 * act // self.compute.batch_degree
-        return StageMemory(act, working, kept, context, grad_shards=self.compute.degree)
+        working = max(temps) + 3 * act // self.parallel.batch_degree
+        return StageMemory(act, working, kept, context, grad_shards=self.parallel.degree)
 
     def _measure(self, fn, args: tuple) -> tuple[Any, int]:
         """``fn(pages, x, context)`` of a block's abstract arguments ``args`` (global) ->
@@ -437,20 +437,18 @@ class StageFunctions:
         (1), or where the block's all-to-all needs the mesh (expert parallelism) or its
         compute is split over it (tensor parallelism, whose residuals traced whole miss
         a split weight's), one device's part, traced inside it (its rows, its group's
-        experts or weights' slices: the compute layout's batch degree)."""
-        if self.compute.expert_axis is None and getattr(self.compute, "tensor_parallel", 1) == 1:
+        experts or weights' slices: the parallelism's batch degree)."""
+        if not self.parallel.on_mesh:
             return fn(*args), 1
-        part = self.compute.per_device(fn, SIGNATURES["block_fwd"], args)
-        return part, self.compute.batch_degree
+        part = self.parallel.per_device(fn, SIGNATURES["block_fwd"], args)
+        return part, self.parallel.batch_degree
 
     @property
     def on_mesh(self) -> bool:
         """Whether a block's compute needs the mesh (expert parallelism's all-to-all,
         tensor parallelism's split weights): its residuals are then laid out over the
         mesh by XLA, and :meth:`held_bytes` measures them."""
-        return self.compute.expert_axis is not None or (
-            getattr(self.compute, "tensor_parallel", 1) > 1
-        )
+        return self.parallel.on_mesh
 
     def held_bytes(self, kind: str, level: str, batch: int, seq_len: int, dtype) -> int:
         """Bytes a device holds of one block between its forward and its backward at keep
@@ -467,8 +465,8 @@ class StageFunctions:
         for fns, (_, x, context) in zip(
             self.groups, self.block_args(batch, seq_len, dtype), strict=True
         ):
-            pages = self.compute.device_pages(self.layouts[fns.group.name], dtype)
-            rows = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.compute.sharded.batch)
+            pages = self.parallel.device_pages(self.layouts[fns.group.name], dtype)
+            rows = self.parallel.abstract_rows(x)
             forward = fns.kept_forward(level) if kind == "kept" else fns.swapped(level).forward
             compiled = forward.lower(pages, rows, context).compile()
             out = zip(
