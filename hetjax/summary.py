@@ -275,7 +275,7 @@ def _wear_json(wear: Wear) -> dict[str, Any]:
 
 def _held_bytes(records: list[dict[str, Any]]) -> dict[str, int]:
     fields = (("device", "device_bytes_peak"), ("host", "host_bytes"), ("nvme", "nvme_bytes"))
-    # (device_bytes_peak: on the accounted steps only, runtime/ledger.py)
+    # (device_bytes_peak: on the accounted steps only, runtime/loop/ledger.py)
     return {
         tier: max(r[key] for r in records if key in r)
         for tier, key in fields

@@ -59,7 +59,7 @@ as ``embed(tokens, positions)`` and ``block(x, positions=positions)``; GPT and L
 take them (a user's modules that do not cannot train packed rows).
 
 Blocks the streaming runtime keeps (``offload.keep_blocks``) may keep only some
-in-block activations (``offload.keep_level``, ``hetjax/runtime/remat.py``): ``matmuls`` works
+in-block activations (``offload.keep_level``, ``hetjax/runtime/stages/remat.py``): ``matmuls`` works
 for any block (it keeps the outputs of its dots without batch dimensions); a block that
 tags its attention output ``jax.ad_checkpoint.checkpoint_name(attn, "attn_out")`` has it
 kept too (calling ``models.attention.attention`` does that), and ``probs`` needs the
@@ -241,7 +241,7 @@ class Stages:
     groups: tuple[StageGroup, ...]
     stats_size = 0  # no auxiliary loss: blocks return empty statistics
     # blocks can stream only the experts their tokens are routed to (models/llama.py's
-    # and models/t5.py's route and routed_block; hetjax/runtime/routed.py), whose expert
+    # and models/t5.py's route and routed_block; hetjax/runtime/experts/routed.py), whose expert
     # leaves are ``.../moe/<one of expert_params>``, the experts on their first axis
     expert_routing = False
     expert_params: tuple[str, ...] = ()

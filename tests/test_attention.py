@@ -11,7 +11,7 @@ from equivalence import assert_gpt_training_equal, assert_trees_close, check_tok
 from hetjax.config import Config, ConfigError
 from hetjax.parallel.layouts import stage_layouts
 from hetjax.parallel.single import SingleDevice
-from hetjax.runtime import stages
+from hetjax.runtime.stages import functions as stages
 from hetjax.train import train
 from models import attention, build_model
 

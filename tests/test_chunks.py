@@ -1,4 +1,4 @@
-"""offload.batch_chunks (hetjax/runtime/chunks.py): a stage function run over its
+"""offload.batch_chunks (hetjax/runtime/stages/chunks.py): a stage function run over its
 micro-batch in chunks of rows computes what the whole micro-batch's does. Training in
 chunks against offload.mode=none: tests/test_stream.py (one device), tests/test_zero.py
 (ZeRO-3); the planner's working set against the compiled one: tests/test_planner.py."""
@@ -13,7 +13,8 @@ from equivalence import assert_trees_close
 from hetjax.config import ConfigError, load_config
 from hetjax.parallel.layouts import stage_layouts
 from hetjax.parallel.single import SingleDevice
-from hetjax.runtime import chunks, stages
+from hetjax.runtime.stages import chunks
+from hetjax.runtime.stages import functions as stages
 from models import build_model
 
 ROWS, T = 4, 32

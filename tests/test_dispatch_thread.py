@@ -145,8 +145,8 @@ def test_the_dispatching_thread_does_no_host_work_on_a_gradient(tiny, monkeypatc
     from equivalence import assert_losses_close
 
     from hetjax.parallel import single as placement
-    from hetjax.runtime import grads
     from hetjax.runtime.in_memory import InMemoryRuntime
+    from hetjax.runtime.loop import grads
     from hetjax.runtime.streaming import StreamingRuntime
 
     callers: set[str] = set()

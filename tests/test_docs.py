@@ -116,7 +116,7 @@ def test_relative_links_resolve():
 
 DESIGN = ROOT / "docs" / "design.md"
 _PATH = re.compile(r"\b((?:hetjax|models)/[A-Za-z0-9_/]+\.py)\b")
-# a path inside hetjax/ without it, as docstrings cite their neighbours: runtime/window.py
+# a path inside hetjax/ without it, as docstrings cite their neighbours: runtime/loop/window.py
 _SHORT_PATH = re.compile(r"(?<![\w/.])((?:storage|optimizer|runtime|planning|bench)/[\w/]+\.py)\b")
 _GROUP_HEADING = re.compile(r"^### `(\w+)`", re.M)
 _EDGE = re.compile(r"^(\w+)\s*->\s*(.*?)\s*$")

@@ -1,5 +1,5 @@
 """Routed experts and deferred expert updates under tensor parallelism
-(hetjax/runtime/routed_tensor.py): each device copies in and gathers, over the data axis,
+(hetjax/runtime/experts/routed_tensor.py): each device copies in and gathers, over the data axis,
 only its slice of the pages of the experts some device routed to; training equals one
 device's routed run and copying every expert (tests/test_expert_fetch_zero.py has data
 and expert parallelism's)."""
@@ -138,7 +138,7 @@ def test_the_pages_left_behind_are_every_slices_by_hand():
     from types import SimpleNamespace
 
     from hetjax.parallel.zero import Zero3
-    from hetjax.runtime.routed_tensor import TensorExpertFetcher
+    from hetjax.runtime.experts.routed_tensor import TensorExpertFetcher
 
     config = _sgd("routed", 2, 2)
     zero = Zero3(config)

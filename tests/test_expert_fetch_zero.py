@@ -1,5 +1,5 @@
 """Routed experts and deferred expert updates under ZeRO-3 data parallelism
-(hetjax/runtime/routed_zero.py): each device copies in and gathers only the pages of the
+(hetjax/runtime/experts/routed_zero.py): each device copies in and gathers only the pages of the
 experts some device routed to; training equals one device's routed run and copying every
 expert (tests/test_expert_fetch.py and tests/test_deferred_updates.py have the one-device
 versions)."""

@@ -24,8 +24,8 @@ from hetjax.parallel.rules import (
 )
 from hetjax.parallel.single import SingleDevice
 from hetjax.parallel.zero import Zero3
-from hetjax.runtime import stages
-from hetjax.runtime.signatures import SIGNATURES
+from hetjax.runtime.stages import functions as stages
+from hetjax.runtime.stages.signatures import SIGNATURES
 from hetjax.storage.pages import SlabLayout
 from hetjax.train import train
 from hetjax.types import Kind, Parallelism, StageSignature

@@ -10,7 +10,7 @@ from equivalence import assert_trees_close, training_batches
 
 from hetjax.parallel.layouts import stage_layouts
 from hetjax.parallel.single import HOST_CLIENT_ENV, SingleDevice
-from hetjax.runtime import stages
+from hetjax.runtime.stages import functions as stages
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.pages import LeafBuffers, SlabLayout
 from models import build_model

@@ -59,7 +59,7 @@ def test_planner_bytes_equal_the_runtime_plans(
     else:  # the same sizes, measured without a runtime
         from hetjax.parallel.layouts import stage_layouts
         from hetjax.parallel.single import SingleDevice
-        from hetjax.runtime.stages import StageFunctions
+        from hetjax.runtime.stages.functions import StageFunctions
         from models import build_model
 
         model = build_model(config.model)
@@ -330,7 +330,7 @@ def _held_by_blocks(monkeypatch) -> dict[int, list[int]]:
     and back), per device (``ledger.device_bytes`` of each array), each time, by block."""
     import jax
 
-    from hetjax.runtime.ledger import Ledger, device_bytes
+    from hetjax.runtime.loop.ledger import Ledger, device_bytes
 
     held: dict[int, list[int]] = {}
     hold = Ledger.hold

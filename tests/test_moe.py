@@ -172,7 +172,7 @@ def test_stream_nvme_equals_none(reference, tiny, tmp_path):
 @pytest.mark.slow  # ~17 s; Zero3.jit's batch means: tests/test_zero.py in the default run
 def test_zero3_on_4_devices_equals_single_device(reference, tiny, tmp_path):
     """ZeRO-3 over 4 devices: each device's router statistics are averaged over the
-    devices before the aux loss (declared Kind.MEAN in runtime/signatures.py), so it
+    devices before the aux loss (declared Kind.MEAN in runtime/stages/signatures.py), so it
     equals one device's on the whole micro-batch, while the gradients' per-page squared
     norms stay split over the devices as the gradients: the step's gradient norm (their
     sum) equals the reference's."""

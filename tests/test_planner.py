@@ -23,7 +23,7 @@ from hetjax.planning.cost import lanes
 from hetjax.planning.hardware import PROFILES, get_profile
 from hetjax.planning.search import TIE, PlanError, make_plan
 from hetjax.planning.workload import Workload, kept_key, memory_sizes
-from hetjax.runtime import stages
+from hetjax.runtime.stages import functions as stages
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
 from models import build_model

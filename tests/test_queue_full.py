@@ -29,7 +29,7 @@ class InstantStore:
 
 
 def _window_events(monkeypatch, lag: int) -> list:
-    from hetjax.runtime import window as window_module
+    from hetjax.runtime.loop import window as window_module
 
     events = []
     monkeypatch.setattr(

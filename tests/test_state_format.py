@@ -26,7 +26,7 @@ from hetjax.optimizer import native
 from hetjax.optimizer.state_format import KindFormat, StateFormat, state_format
 from hetjax.planning.workload import Workload, memory_sizes
 from hetjax.runtime import setup
-from hetjax.runtime.stages import StageMemory
+from hetjax.runtime.stages.measure import StageMemory
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.nvme_states import NvmeStateStore
 from hetjax.types import RuntimeState

@@ -25,7 +25,7 @@ from hetjax.optimizer.state_format import StateFormat
 from hetjax.parallel.layouts import stage_layouts
 from hetjax.parallel.single import SingleDevice, live_bytes_by_kind
 from hetjax.placement import Placement
-from hetjax.runtime import stages
+from hetjax.runtime.stages import functions as stages
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.nvme import PageStore
 from hetjax.train import train
@@ -542,7 +542,7 @@ def test_stream_through_launch_reports_memory(tmp_path):
     assert rc == 0
     records = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
-    # the device peak: the first step's, accounted (the second is not: runtime/ledger.py)
+    # the device peak: the first step's, accounted (the second is not: runtime/loop/ledger.py)
     assert 0 < records[0]["device_bytes_peak"] <= 64 * 2**20
     assert "device_bytes_peak" not in records[1]
     for r in records:

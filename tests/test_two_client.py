@@ -294,7 +294,7 @@ def test_boundaries_read_from_nvme_land_in_pinned_memory(tmp_path):
 
 
 # The stages the prefetch window copies to the device in a step of the 4-block model,
-# written from its definition (runtime/window.py): the uses are forward's blocks 0-3,
+# written from its definition (runtime/loop/window.py): the uses are forward's blocks 0-3,
 # then backward's recomputed ones in reverse (block 3 too, unless kept: a kept block's
 # backward uses its forward's vjp, not its params); a stage is copied for a use unless
 # it is resident or its device copy is still there, which it is only when its previous

@@ -21,7 +21,7 @@ def bench_keep(quick: bool) -> dict:
 
     from hetjax.parallel.layouts import stage_layouts
     from hetjax.parallel.single import SingleDevice
-    from hetjax.runtime.stages import StageFunctions
+    from hetjax.runtime.stages.functions import StageFunctions
     from models import build_model
 
     B, T, D, H = (2, 64, 64, 4) if quick else (1, 1024, 768, 12)

@@ -73,7 +73,7 @@ def _compiled_block(config: Config, quick: bool) -> dict:
 
     from hetjax.parallel.layouts import stage_layouts
     from hetjax.parallel.single import SingleDevice
-    from hetjax.runtime.stages import StageFunctions
+    from hetjax.runtime.stages.functions import StageFunctions
     from models import build_model
 
     B, T = (1, 64) if quick else (1, 128)

@@ -175,7 +175,7 @@ def working_set(
     from hetjax.parallel.layouts import stage_layouts
     from hetjax.parallel.single import SingleDevice
     from hetjax.planning.workload import Workload
-    from hetjax.runtime import stages
+    from hetjax.runtime.stages import functions as stages
     from models import build_model
 
     for n in (1, 4):

@@ -14,7 +14,7 @@ from hetjax.config import SWAP_LEVELS, Config
 from hetjax.memory import block_grad_dtype
 from hetjax.parallel.single import Shardings, SingleDevice
 from hetjax.planning.workload import Workload, kept_key
-from hetjax.runtime.stages import StageFunctions
+from hetjax.runtime.stages.functions import StageFunctions
 from models import build_model
 
 

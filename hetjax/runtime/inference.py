@@ -31,8 +31,8 @@ from hetjax.config import Config
 from hetjax.config_values import format_bytes
 from hetjax.memory import window_wait_lag
 from hetjax.parallel.single import SingleDevice
+from hetjax.runtime.loop.window import PrefetchWindow
 from hetjax.runtime.setup import layout_name, progress
-from hetjax.runtime.window import PrefetchWindow
 from hetjax.storage.iopool import SlabPool
 from hetjax.storage.nvme import check_nvme_path
 from hetjax.storage.pages import SlabLayout

@@ -22,7 +22,7 @@ from hetjax.optimizer import moments
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.state_format import StateFormat
 from hetjax.placement import Placement
-from hetjax.runtime.stages import StageMemory
+from hetjax.runtime.stages.measure import StageMemory
 from hetjax.storage.gradients import GradientStore
 from hetjax.storage.iopool import SlabPool
 from hetjax.storage.nvme import check_nvme_path

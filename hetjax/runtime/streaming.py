@@ -21,16 +21,16 @@ How each block runs is its strategy's (``blocks.py``: recomputed, routed, swappe
 kept, and each group's input), holding its own state from forward to backward; the
 per-layer loop walks the schedule worked out at start-up (``schedule.py``: each block's
 kind and uses of the window). The runtime's parts (stores, plans, update loop,
-strategies) are built in order by ``parts.assemble``.
+strategies) are built in order by ``assemble.assemble``.
 
-The access order is known, so :class:`~hetjax.runtime.window.PrefetchWindow` copies the
+The access order is known, so :class:`~hetjax.runtime.loop.window.PrefetchWindow` copies the
 next ``offload.prefetch_depth`` slabs in while the current stage computes (JAX's async
 dispatch overlaps them) and drops each slab after its last use. Block-boundary
 activations (*boundaries*) stay on the device, go to host RAM, or are swapped through
 host RAM to NVMe (``offload.activations``, ``storage/swap.py``). Each stage's gradient
 goes to the host as soon as its backward is dispatched, with its squared norm from the
 backward itself; this thread only dispatches, the step's gradient thread takes the
-gradient from there (:class:`~hetjax.runtime.grads.StepGradients`); the host optimizer
+gradient from there (:class:`~hetjax.runtime.loop.grads.StepGradients`); the host optimizer
 loop (``optimizer/update_loop.py``) updates the stage as soon as its final gradient is
 there, reading its pages where they landed, while backward goes on, and refreshes the
 param slabs for the next step.
@@ -72,11 +72,11 @@ from hetjax.generations import nvme_generations
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.parallel.single import SingleDevice
 from hetjax.runtime import setup, state_io
-from hetjax.runtime.grads import StepGradients, to_host
-from hetjax.runtime.parts import assemble
+from hetjax.runtime.assemble import assemble
+from hetjax.runtime.loop.grads import StepGradients, to_host
+from hetjax.runtime.loop.step_report import step_report
+from hetjax.runtime.loop.window import PrefetchWindow
 from hetjax.runtime.setup import layout_name
-from hetjax.runtime.step_report import step_report
-from hetjax.runtime.window import PrefetchWindow
 from hetjax.support import fallbacks
 from hetjax.types import LossScale, RuntimeState, StepReport
 
@@ -87,8 +87,8 @@ class StreamingRuntime:
     """Trains with params on the host, streamed a stage at a time through the device.
     ``parallel``: how devices split the run, placing pages and compiling stage functions
     (``types.Parallelism``; default: one device); ``probe``: called after every dispatch
-    (tests sample live memory). Its parts (``parts.Parts``: stores, plans, update loop,
-    block strategies) are built by ``parts.assemble`` and are its attributes of the same
+    (tests sample live memory). Its parts (``assemble.Parts``: stores, plans, update loop,
+    block strategies) are built by ``assemble.assemble`` and are its attributes of the same
     names."""
 
     def __init__(

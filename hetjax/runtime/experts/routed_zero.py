@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax.parallel.grouped import GroupPages
-from hetjax.runtime.routed import RoutedBlock, Routing
+from hetjax.runtime.experts.routed import RoutedBlock, Routing
 from hetjax.storage.pages import SlabLayout
 
 
@@ -154,7 +154,7 @@ class ZeroFetcher:
 
 
 class ShardedExpertFetcher(ZeroFetcher):
-    """:class:`~hetjax.runtime.routed.ExpertFetcher`'s interface under ZeRO-3 (module
+    """:class:`~hetjax.runtime.experts.routed.ExpertFetcher`'s interface under ZeRO-3 (module
     docstring): :meth:`dense` the window's copy, :meth:`routing` the decision,
     :meth:`experts` the routed experts' pages, :meth:`zero_pages` the pages deferred
     updates may leave alone; counts the experts copied and the bytes."""

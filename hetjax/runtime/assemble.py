@@ -26,22 +26,23 @@ from hetjax.optimizer.update_loop import LoopSettings, UpdateLoop
 from hetjax.parallel.grouped import GroupedSlabLayout
 from hetjax.parallel.rules import MODEL_AXIS
 from hetjax.placement import Placement
-from hetjax.runtime.blocks import BlockParts, GroupInput, make_blocks
-from hetjax.runtime.boundaries import Boundaries, SwappedResiduals
-from hetjax.runtime.grads import DeviceGradients
-from hetjax.runtime.ledger import IoMeter, Ledger
-from hetjax.runtime.routed import (
+from hetjax.runtime.experts.routed import (
     DeferredExperts,
     ExpertFetcher,
     ExpertFetchers,
     check_routed_experts,
     routed_blocks,
 )
-from hetjax.runtime.routed_tensor import TensorExpertFetcher
-from hetjax.runtime.routed_zero import GroupedExpertFetcher, ShardedExpertFetcher
-from hetjax.runtime.schedule import Schedule
+from hetjax.runtime.experts.routed_tensor import TensorExpertFetcher
+from hetjax.runtime.experts.routed_zero import GroupedExpertFetcher, ShardedExpertFetcher
+from hetjax.runtime.loop.blocks import BlockParts, GroupInput, make_blocks
+from hetjax.runtime.loop.boundaries import Boundaries, SwappedResiduals
+from hetjax.runtime.loop.grads import DeviceGradients
+from hetjax.runtime.loop.ledger import IoMeter, Ledger
+from hetjax.runtime.loop.schedule import Schedule
 from hetjax.runtime.setup import build_stores, init_state, layout_name, memory_sizes
-from hetjax.runtime.stages import StageFunctions, StageMemory
+from hetjax.runtime.stages.functions import StageFunctions
+from hetjax.runtime.stages.measure import StageMemory
 from hetjax.storage.gradients import GradientStore
 from hetjax.storage.pages import SlabLayout
 from hetjax.storage.swap import BoundarySwap, ResidualSwap

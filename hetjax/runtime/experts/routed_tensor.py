@@ -47,8 +47,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax.parallel.grouped import GroupPages
-from hetjax.runtime.routed import RoutedBlock, Routing
-from hetjax.runtime.routed_zero import PageExperts, ZeroFetcher, padded_rows
+from hetjax.runtime.experts.routed import RoutedBlock, Routing
+from hetjax.runtime.experts.routed_zero import PageExperts, ZeroFetcher, padded_rows
 
 
 @jax.tree_util.register_pytree_node_class
@@ -86,7 +86,7 @@ class TensorRoutedSlab:
 
 
 class TensorExpertFetcher(ZeroFetcher):
-    """:class:`~hetjax.runtime.routed_zero.ShardedExpertFetcher`'s interface under
+    """:class:`~hetjax.runtime.experts.routed_zero.ShardedExpertFetcher`'s interface under
     tensor parallelism (module docstring): device (s, m) of S x M copies in its share
     of group m's pages that the window or the routing needs and all-gathers them over
     the data axis only."""
