@@ -53,7 +53,7 @@ from orbax.checkpoint._src.futures import future as ocp_future
 
 from hetjax.checkpoint_drives import DRIVES, DriveLinks, check_present
 from hetjax.config import format_bytes
-from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
+from hetjax.state_format import MASTER_DTYPE, StateFormat
 from hetjax.storage.nvme import PageStore, io_context
 from hetjax.storage.pages import SlabLayout, aligned_empty, fitted_page_elems
 from hetjax.types import MASTER, CheckpointDamaged, CheckpointError, RuntimeState

@@ -26,8 +26,8 @@ import ml_dtypes  # numpy's bfloat16 (a jax dependency)
 import numpy as np
 
 from hetjax.config import Config, ConfigError, format_bytes
-from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
 from hetjax.placement import Placement
+from hetjax.state_format import MASTER_DTYPE, StateFormat
 from hetjax.types import is_block, stage_layout
 
 # -- policy constants ----------------------------------------------------------------------

@@ -16,8 +16,8 @@ from hetjax import memory
 from hetjax.config import OptimizerConfig
 from hetjax.optimizer import native
 from hetjax.optimizer.slab import SlabOptimizer
-from hetjax.optimizer.state_format import StateFormat
 from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.state_format import StateFormat
 from hetjax.storage.iopool import IoPool, SlabPool
 from hetjax.storage.nvme import PageStore
 from hetjax.storage.pages import DIRECT_ALIGN, SlabLayout, aligned_empty, pages_slab

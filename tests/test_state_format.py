@@ -1,4 +1,4 @@
-"""The optimizer's state format (hetjax/optimizer/state_format.py) is the one source of
+"""The optimizer's state format (hetjax/state_format.py) is the one source of
 optimizer-state bytes: a format with 2-byte moments moves the planner's bytes and the
 runtime's together, to the bytes counted by hand, and the stores, the I/O pool and the
 checkpoint hold each kind in its dtype."""
@@ -23,11 +23,11 @@ from hetjax.checkpoint_state import (
 from hetjax.config import OptimizerConfig
 from hetjax.memory_host import in_memory_parts, nvme_parts, plan_host
 from hetjax.optimizer import native
-from hetjax.optimizer.state_format import KindFormat, StateFormat, state_format
 from hetjax.planning.workload import Workload, memory_sizes
 from hetjax.runtime import setup
 from hetjax.runtime.stages.measure import StageMemory
 from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.state_format import KindFormat, StateFormat, state_format
 from hetjax.storage.nvme_states import NvmeStateStore
 from hetjax.types import RuntimeState
 

@@ -21,12 +21,12 @@ from equivalence import (
 from hetjax import memory, timeline
 from hetjax.config import ConfigError
 from hetjax.memory import Sizes, plan_device
-from hetjax.optimizer.state_format import StateFormat
 from hetjax.parallel.layouts import stage_layouts
 from hetjax.parallel.single import SingleDevice, live_bytes_by_kind
 from hetjax.placement import Placement
 from hetjax.runtime.stages import functions as stages
 from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.state_format import StateFormat
 from hetjax.storage.nvme import PageStore
 from hetjax.train import train
 from models import build_model

@@ -14,7 +14,6 @@ from hetjax.config import Config, ConfigError
 from hetjax.data import decoder_length
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy, zero3_scatter_bytes
 from hetjax.optimizer.deferred import deferrable
-from hetjax.optimizer.state_format import StateFormat, state_format
 from hetjax.parallel.grouped import GroupedSlabLayout, axes_of, scattered_elements
 from hetjax.parallel.layouts import stage_layouts
 from hetjax.parallel.rules import DATA_AXIS, EXPERT_AXIS, MODEL_AXIS
@@ -22,6 +21,7 @@ from hetjax.planning.hardware import Hardware
 from hetjax.runtime.experts.routed import expert_leaves
 from hetjax.runtime.stages import remat
 from hetjax.runtime.stages.measure import context_bytes
+from hetjax.state_format import StateFormat, state_format
 from models import attention, build_model
 from models.llama import split_experts
 from models.staged import row_flops

@@ -42,8 +42,8 @@ from hetjax.data import split_window, window_length
 from hetjax.hf import open_checkpoint
 from hetjax.optimizer.build import build_optimizer, optax_tree_slots
 from hetjax.optimizer.moments import decode_state, encode_state
-from hetjax.optimizer.state_format import moment_format
 from hetjax.parallel.in_memory import MeshShardings, put, whole
+from hetjax.state_format import moment_format
 from hetjax.types import MASTER, LossScale, RuntimeState, StepReport
 from models import build_model
 

@@ -20,9 +20,9 @@ from hetjax.memory import DeviceCache, Sizes, grad_policy
 from hetjax.memory_host import HostMemoryPlan, nvme_parts
 from hetjax.optimizer import moments
 from hetjax.optimizer.slab import SlabOptimizer
-from hetjax.optimizer.state_format import StateFormat
 from hetjax.placement import Placement
 from hetjax.runtime.stages.measure import StageMemory
+from hetjax.state_format import StateFormat
 from hetjax.storage.gradients import GradientStore
 from hetjax.storage.iopool import SlabPool
 from hetjax.storage.nvme import check_nvme_path

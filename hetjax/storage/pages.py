@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax.optimizer.state_format import MASTER_DTYPE
+from hetjax.state_format import MASTER_DTYPE
 
 MASTER_ITEMSIZE = MASTER_DTYPE.itemsize  # pages are sized by fp32 master state
 PAGE_ALIGN = 1024  # elements: pages are whole 4 KiB blocks of fp32 (direct I/O's unit)
