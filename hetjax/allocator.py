@@ -6,7 +6,7 @@ A host budget used to switch to the second: the runtime's own buffers were alloc
 afresh every step (NVMe reads, refreshed params) and a dispatching thread running ahead
 held every block's, so kept freed blocks left the process 1.2x over its bound. With
 those pooled at their source (``storage/iopool.py``) and the device at most one use
-behind (``runtime/window.py``), the fast settings hold the bound, and returning freed
+behind (``runtime/loop/window.py``), the fast settings hold the bound, and returning freed
 blocks would only cost step time (docs/results/2026-11-25.md)."""
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ import shutil
 import time
 from pathlib import Path
 
+from hetjax.storage.nvme import page_dir, page_file
 from hetjax.storage.stripes import Stripes
 from hetjax.types import CheckpointError
 
@@ -70,14 +71,14 @@ class DriveLinks:
         directory there; the checkpoint's page directory made a link to it."""
         drive = drive_dirs(stripes)[stripes.drive_of(page)]
         directory = (drive / self.folder / self.name).absolute()
-        real = directory / kind / "c" / str(at)
+        real = page_dir(directory / kind, at)
         real.mkdir(parents=True, exist_ok=True)
         self.used.add(directory)
-        link = proc / kind / "c" / str(at)
+        link = page_dir(proc / kind, at)
         if not link.is_symlink():
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(real, target_is_directory=True)
-        return real / "0"
+        return page_file(directory / kind, at)
 
 
 def check_present(index: dict, proc: Path, checkpoint: Path) -> None:

@@ -54,9 +54,9 @@ from orbax.checkpoint._src.futures import future as ocp_future
 
 from hetjax.checkpoint_drives import DRIVES, DriveLinks, check_present
 from hetjax.config import format_bytes
-from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
+from hetjax.state_format import MASTER_DTYPE, StateFormat
 from hetjax.storage.checksums import ALGORITHM, CHECKSUMS, LEGACY_ALGORITHM
-from hetjax.storage.nvme import PageStore, io_context
+from hetjax.storage.nvme import PageStore, io_context, open_spec, page_array_spec, page_file
 from hetjax.storage.pages import SlabLayout, aligned_empty, fitted_page_elems
 from hetjax.types import MASTER, CheckpointDamaged, CheckpointError, RuntimeState
 
@@ -160,7 +160,7 @@ def _flatten(layout: SlabLayout, trees: dict[str, Any], fmt: StateFormat) -> dic
 
 def layout_meta(layouts: dict[str, SlabLayout]) -> dict[str, Any]:
     """Each stage's leaves (path, shape, offset) and size: the canonical slab. A layout
-    that cuts leaves into pieces (a grouped one's, ``runtime/grouped.py``) lists each
+    that cuts leaves into pieces (a grouped one's, ``parallel/grouped.py``) lists each
     piece as (path, the leaf's shape, offset, size, where it starts in the leaf, and where
     the leaf is cut into slices stacked first, its axis and the slices: tensor
     parallelism's)."""
@@ -192,22 +192,6 @@ def scalars_meta(scalars: dict[str, list]) -> dict[str, Any]:
 
 
 # -- save -----------------------------------------------------------------------------------
-
-
-def _spec(path: Path, num_pages: int, page_elems: int, dtype: np.dtype) -> dict:
-    return {  # the NVMe tier's state arrays' spec: their chunk files link in unchanged
-        "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": str(path)},
-        "metadata": {
-            "shape": [num_pages, page_elems],
-            "data_type": dtype.name,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, page_elems]}},
-        },
-    }
-
-
-def _chunk_file(array_dir: Path, page: int) -> Path:
-    return array_dir / "c" / str(page) / "0"
 
 
 def page_crcs(pages: np.ndarray, algorithm: str = ALGORITHM) -> list[int]:
@@ -276,7 +260,7 @@ class StreamedStateHandler(ocp.AsyncCheckpointHandler):
             arrays = {}
             for kind in source.kinds:
                 dtype = source.state_format.dtype(kind)
-                spec = _spec(proc / kind, source.num_pages, source.page_elems, dtype)
+                spec = page_array_spec(proc / kind, source.num_pages, source.page_elems, dtype)
                 arrays[kind] = ts.open(spec, create=True, context=context).result()
             copy, live = [], {}
             for part in source.parts:
@@ -343,12 +327,12 @@ def _link(part: StagePart, proc: Path, kinds: list[str], drives: DriveLinks | No
     for kind in kinds:
         src_dir, dst_dir = store.path / kind, proc / kind
         for i in range(part.num_pages):
-            src = _chunk_file(src_dir, src_page + i)
+            src = page_file(src_dir, src_page + i)
             at = part.first_page + i
             if store.stripes is not None and drives is not None:
                 dst = drives.chunk_file(proc, store.stripes, src_page + i, kind, at)
             else:
-                dst = _chunk_file(dst_dir, at)
+                dst = page_file(dst_dir, at)
                 dst.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(src, dst)
@@ -415,7 +399,7 @@ def _check_live(sums: list[int], live: list[int], store: PageStore, first: int, 
     if bad:
         page = first + bad[0]
         raise CheckpointError(
-            f"NVMe page damaged: {_chunk_file(store.path / kind, page)} (page {page} of "
+            f"NVMe page damaged: {page_file(store.path / kind, page)} (page {page} of "
             f"{store.label} {kind}) reads with CRC-32C {sums[bad[0]]:#010x}, was written with "
             f"{live[bad[0]]:#010x}; this checkpoint is not written (the complete ones are "
             "intact). Restart: the run resumes from the newest checkpoint"
@@ -444,7 +428,7 @@ def _sync_files(array_dir: Path, part: StagePart) -> None:
     """Makes a part's linked files durable: the NVMe tier writes without fsync."""
     for page in range(part.first_page, part.first_page + part.num_pages):
         try:
-            fd = os.open(_chunk_file(array_dir, page), os.O_RDONLY)
+            fd = os.open(page_file(array_dir, page), os.O_RDONLY)
         except FileNotFoundError:
             continue
         try:
@@ -590,8 +574,7 @@ class StoredState:
                     f"checkpoint {self.directory.parent} is damaged: {len(bad)} of "
                     f"{last - first} pages read of stage {stage} ({kind}, {proc.name}) differ "
                     f"from what was saved ({_SUM_NAMES[algorithm]} of pages {bad[:3]}; the first "
-                    "is "
-                    f"{_chunk_file(proc / kind, page0 + bad[0])}). {self.hint}"
+                    f"is {page_file(proc / kind, page0 + bad[0])}). {self.hint}"
                 )
             flat = pages.reshape(-1)
             offset = part["start"] + first * P
@@ -600,7 +583,7 @@ class StoredState:
 
     def _array(self, p: int, proc: Path, kind: str) -> ts.TensorStore:
         if (p, kind) not in self._arrays:
-            spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(proc / kind)}}
+            spec = open_spec(proc / kind)
             try:
                 self._arrays[p, kind] = ts.open(spec, read=True).result()
             except ValueError as e:

@@ -179,7 +179,7 @@ class OptimizerConfig:
     # the dtype the optimizer's moments (Adam's mu and nu, Lion's mu, SGD's trace) are
     # kept in: ``float32``, ``bfloat16`` or ``int8`` (blockwise, a scale per block), in
     # every tier and on any number of devices; the master stays fp32
-    # (hetjax/optimizer/state_format.py, moments.py)
+    # (hetjax/state_format.py, moments.py)
     state_dtype: str = "float32"
 
     def __post_init__(self):

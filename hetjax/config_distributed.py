@@ -13,7 +13,7 @@ REDUCE_DTYPES = ("float32", "compute")  # distributed.reduce_dtype
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    """Data and expert parallelism (ZeRO-3, hetjax/runtime/zero.py) and the processes of
+    """Data and expert parallelism (ZeRO-3, hetjax/parallel/zero.py) and the processes of
     a multi-host run (hetjax/distributed.py).
 
     ``data_parallel`` devices share every stage's pages, one 1/N shard each; 1 is the
@@ -25,7 +25,7 @@ class DistributedConfig:
     (data_parallel 0: every device); every other param is ZeRO-3 over all of them.
     ``tensor_parallel`` M > 1 splits each block's compute over M devices (the ``model``
     axis), with either or both: a data x expert x model mesh (a MoE block's experts then
-    split over expert and model, ``runtime/experts.py``).
+    split over expert and model, ``parallel/layouts.py``).
     ``coordinator``,
     ``num_processes`` and ``process_id`` start ``jax.distributed``: empty / 0 / -1 read
     them from the environment (``HETJAX_COORDINATOR``, ``HETJAX_NUM_PROCESSES``,

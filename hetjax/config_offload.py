@@ -10,7 +10,7 @@ from hetjax.config_values import ConfigError, _check, _choice, parse_bytes
 
 OFFLOAD_MODES = ("auto", "none", "stream")
 # offload.keep_level, highest swap benefit factor first (each keeps what the one before
-# it keeps, and more): see hetjax/runtime/remat.py.
+# it keeps, and more): see hetjax/runtime/stages/remat.py.
 KEEP_LEVELS = ("matmuls", "probs", "all")
 # offload.swap_level: the levels that leave the params out of what moves (``all`` holds
 # weight copies made in forward, which a swap would move for nothing)
@@ -41,8 +41,8 @@ class OffloadConfig:
 
     ``keep_blocks``: the last N blocks keep in-block activations on the device from
     forward to backward instead of recomputing them from their boundary activation;
-    ``keep_level`` says which (hetjax/runtime/remat.py): ``all`` of them, or only those with the
-    best recompute time saved per byte: ``matmuls`` (the matmul outputs; backward
+    ``keep_level`` says which (hetjax/runtime/stages/remat.py): ``all`` of them, or only
+    those with the best recompute time saved per byte: ``matmuls`` (the matmul outputs; backward
     recomputes the elementwise ops, and the attention forward where it is not the
     blockwise one) or ``probs`` (those and the attention probabilities; backward
     recomputes the elementwise ops; only blocks that tag them, as the zoo's reference
@@ -71,7 +71,7 @@ class OffloadConfig:
     ``expert_fetch``: how a streamed mixture-of-experts block (Mixtral-style Llama, T5 Switch; one
     device) fetches its experts. ``routed``: the block's attention and router run first,
     the host reads which experts got tokens, and only those are copied to the device,
-    for forward and again for backward (``hetjax/runtime/routed.py``); equal to
+    for forward and again for backward (``hetjax/runtime/experts/routed.py``); equal to
     ``all``, which copies every expert with the rest of the block. ``offload.mode=auto``
     routes only where the planner predicts a gain (``planning/cost.py``). With data or
     expert parallelism a device takes whole pages of a block, so the experts are copied
@@ -84,7 +84,7 @@ class OffloadConfig:
 
     ``batch_chunks``: the blocks that recompute and the head run each micro-batch in
     this many equal chunks of its rows, one after the other with the stage's params on
-    the device (``hetjax/runtime/chunks.py``): the device holds one chunk's temporaries
+    the device (``hetjax/runtime/stages/chunks.py``): the device holds one chunk's temporaries
     (a block's MLP activations, the head's logits), while params are still streamed
     once a micro-batch (``train.grad_accum`` streams them once per micro-batch). The
     block gradients are summed over the chunks in place, in

@@ -1,4 +1,5 @@
-"""Processes of a multi-host run: ``jax.distributed`` start-up, the device mesh, process 0.
+"""Processes of a multi-host run: ``jax.distributed`` start-up, process 0. (The device
+mesh and its axes: ``parallel/rules.py``.)
 
 Every process runs the same ``python -m hetjax.launch`` command; what differs is in the
 environment (or the ``distributed.*`` config keys, which win):
@@ -31,58 +32,6 @@ import threading
 import time
 
 from hetjax.config import Config, ConfigError, DistributedConfig
-
-DATA_AXIS = "data"
-EXPERT_AXIS = "expert"  # the mesh axis a mixture of experts' experts are split over
-# the mesh axis tensor parallelism would split weights over; size 1: there is none yet,
-# but every ZeRO-3 run goes through a mesh that has it
-MODEL_AXIS = "model"
-MESH_AXES = (DATA_AXIS, EXPERT_AXIS, MODEL_AXIS)
-BATCH_AXES = (DATA_AXIS, EXPERT_AXIS)  # the batch split over both
-PAGE_AXES = (*BATCH_AXES, MODEL_AXIS)  # ZeRO-3's pages: over every device of the mesh
-
-# Logical axis rules (MaxText's ``logical_axis_rules``, Levanter's axis mappings): the
-# logical axes models name on their params' leaves (``models/staged.py``'s
-# ``logical_axes``) and on activations (``batch``) -> the mesh axis each is split over
-# (a tuple: over several; None: whole on every device). The compute layouts
-# (``runtime/placement.py``, ``runtime/zero.py``) place by these, and a stage's page
-# layout is built from each leaf's shard under them (``stages.stage_layouts``).
-AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", BATCH_AXES),
-    ("expert", EXPERT_AXIS),  # expert parallelism: a group of experts per expert row
-    # whole here; TENSOR_PARALLEL_RULES splits them over MODEL_AXIS
-    ("vocab", None),
-    ("heads", None),
-    ("kv_heads", None),
-    ("mlp", None),
-    # never split: the model width, a group's stacked layers, fused q|k|v columns (not
-    # head-major), learned positions, T5's position buckets, a router's expert scores
-    ("embed", None),
-    ("layers", None),
-    ("qkv", None),
-    ("position", None),
-    ("buckets", None),
-    ("router", None),
-)
-# The rules tensor parallelism uses (Megatron's split: attention by heads,
-# the MLP by its hidden units, the vocabulary; zero.Zero3.constrain) with
-# distributed.tensor_parallel > 1.
-TENSOR_PARALLEL_RULES = tuple(
-    (name, MODEL_AXIS if name in ("vocab", "heads", "kv_heads", "mlp") else axis)
-    for name, axis in AXIS_RULES
-)
-
-
-def mesh_axes(logical: tuple[str | None, ...], rules=AXIS_RULES) -> tuple:
-    """Logical axis names (one per dimension; None: unnamed) -> the mesh axis each
-    dimension is split over under ``rules`` (None: whole), the entries of a
-    ``PartitionSpec``. A name the rules do not know is an error, not replicated."""
-    table = dict(rules)
-    unknown = [name for name in logical if name is not None and name not in table]
-    if unknown:
-        raise KeyError(f"logical axes {unknown} have no rule (known: {sorted(table)})")
-    return tuple(None if name is None else table[name] for name in logical)
-
 
 DEFAULT_PORT = 12355
 
@@ -242,40 +191,3 @@ def any_process(*flags: bool) -> tuple[bool, ...]:
 
     every = multihost_utils.process_allgather(np.asarray(flags, np.int32))  # (P, flags)
     return tuple(bool(f) for f in np.asarray(every).reshape(-1, len(flags)).any(axis=0))
-
-
-def data_mesh(degree: int, expert_parallel: int = 1, tensor_parallel: int = 1):
-    """A mesh (axes ``data``, ``expert``, ``model``) of ``degree`` x ``expert_parallel``
-    x ``tensor_parallel`` devices (``degree`` 0: every device of every process, the
-    others' product on each row). The devices are taken in process order, row by row
-    (``model`` innermost: a block's split stays within a process's devices where it
-    can), so each process's devices are contiguous in the mesh's flat order."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    devices = jax.devices()  # ordered by process
-    experts, model = expert_parallel, tensor_parallel
-    row = experts * model
-    if not degree and len(devices) % row:
-        key = "expert_parallel" if model == 1 else "tensor_parallel"
-        raise ConfigError(
-            f"config key 'distributed.{key}' ({row}) must divide the device "
-            f"count ({len(devices)}) when distributed.data_parallel is 0 (every device); "
-            "change one of them"
-        )
-    n = degree * row or len(devices)
-    if n > len(devices):
-        key = "data_parallel" if row == 1 else "data_parallel x expert_parallel x tensor_parallel"
-        raise ConfigError(
-            f"config key 'distributed.{key}' asks for {n} devices but {len(devices)} "
-            f"exist; lower it, or on CPU start with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={n}"
-        )
-    if jax.process_count() > 1 and n != len(devices):
-        raise ConfigError(
-            f"config key 'distributed.data_parallel' ({degree}): with "
-            f"{jax.process_count()} processes every device takes part; set it to 0 or "
-            f"{len(devices) // row}"
-        )
-    return Mesh(np.array(devices[:n]).reshape(n // row, experts, model), MESH_AXES)

@@ -26,8 +26,8 @@ import ml_dtypes  # numpy's bfloat16 (a jax dependency)
 import numpy as np
 
 from hetjax.config import Config, ConfigError, format_bytes
-from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
 from hetjax.placement import Placement
+from hetjax.state_format import MASTER_DTYPE, StateFormat
 from hetjax.types import is_block, stage_layout
 
 # -- policy constants ----------------------------------------------------------------------
@@ -43,7 +43,7 @@ DEVICE_GRAD_SLABS = 2  # gradient slabs on the device: one being produced, one t
 # forward holds it). They come from the param store's pool (``iopool.SlabPool``).
 PUBLISH_SLABS = 2
 # Uses the streaming window's dispatching thread may run ahead of the device
-# (``runtime/window.py``): before dispatching use j it waits for use j - lag. On the CPU
+# (``runtime/loop/window.py``): before dispatching use j it waits for use j - lag. On the CPU
 # backend 1: the device is the host's cores, a queued block only competes with them, and
 # its dropped slab is host memory the plan does not count. On an accelerator 2: a thread
 # that waits for j - 1 leaves the device's queue empty at every block boundary, so every
@@ -96,7 +96,7 @@ def window_wait_lag(accelerator: bool) -> int:
 POLICIES = ("release", "keep", "accumulate", "lockfree")
 GRAD_QUEUE = 1  # stages the loop holds not yet updated (the one updating) before submit waits
 # Gradients handed by the dispatching thread to the step's gradient thread and not yet
-# taken (``runtime/grads.py``): device-to-host copies in flight; one more makes the
+# taken (``runtime/loop/grads.py``): device-to-host copies in flight; one more makes the
 # hand-off wait.
 HANDOFF_DEPTH = 2
 # Gradient slabs a bounded host holds besides the embed's and the kept ones: the
@@ -326,7 +326,7 @@ class Sizes:
     grad_policy: str  # grad_policy(config)
     groups: tuple[tuple[str, int, int, int], ...] = ()  # (name, blocks, elements, own)
     # device bytes of the stage groups' contexts through a micro-batch (an encoder's
-    # output, read by every decoder block, with its gradient; ``stages.context_bytes``)
+    # output, read by every decoder block, with its gradient; ``stages/measure.py``)
     context: int = 0
     # what a swapped block moves, per level, where measured (the runtime:
     # stages.StageFunctions.swap_bytes); else derived from ``kept`` (swap_bytes)

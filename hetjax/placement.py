@@ -13,7 +13,7 @@ Deferred expert updates (``offload.expert_updates``) are not part of it: they ch
 which state a step reads and writes, not where it lives, and the planner predicts
 either from the config.
 
-Not ``runtime/placement.py``, which maps stages to devices and shardings.
+Not ``parallel/single.py``, which maps stages to devices and shardings.
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from hetjax.config import Config, OffloadConfig, format_bytes
-from hetjax.optimizer.state_format import state_format
 from hetjax.planning.wear import Wear
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.state_format import state_format
 from hetjax.types import Runtime
 
 TIER_NAMES = {"device": "on the device", "host": "in host RAM", "nvme": "on NVMe"}
@@ -194,7 +194,7 @@ def _tiers(config: Config, runtime: Runtime) -> dict[str, str]:
 
 def _state_words(config: Config) -> str:
     """The optimizer state's format in words: its kinds' dtypes and bytes a parameter
-    (``optimizer.state_dtype``, ``optimizer/state_format.py``)."""
+    (``optimizer.state_dtype``, ``state_format.py``)."""
     fmt = state_format(config.optimizer)
     return f"{fmt.describe()}: {fmt.bytes_per_param:g} bytes a parameter"
 
@@ -275,7 +275,7 @@ def _wear_json(wear: Wear) -> dict[str, Any]:
 
 def _held_bytes(records: list[dict[str, Any]]) -> dict[str, int]:
     fields = (("device", "device_bytes_peak"), ("host", "host_bytes"), ("nvme", "nvme_bytes"))
-    # (device_bytes_peak: on the accounted steps only, runtime/ledger.py)
+    # (device_bytes_peak: on the accounted steps only, runtime/loop/ledger.py)
     return {
         tier: max(r[key] for r in records if key in r)
         for tier, key in fields

@@ -2,7 +2,7 @@
 why not where they do not. The one place that decides it: ``Config`` validation refuses
 what it refuses (``config.py``), the planner offers no candidate using it
 (``planning/search.py``) and the runtime reads it where it decides
-(``runtime/streaming.py``, ``runtime/routed.py``); ``tests/test_support.py`` enumerates
+(``runtime/streaming.py``, ``runtime/experts/routed.py``); ``tests/test_support.py`` enumerates
 the matrix and checks the three agree.
 
 A feature refused under a parallelism is either an error at start-up that names the key
@@ -24,7 +24,7 @@ TENSOR_EXPERT = "tensor_expert"
 # distributed.expert_parallel devices (with ZeRO-3 over all of them); each block's
 # compute split over distributed.tensor_parallel devices (ZeRO-3 over all of them)
 # (and both at once: a data x expert x model mesh, whose MoE blocks lay out each expert
-# by group and slice, runtime/experts.py)
+# by group and slice, parallel/layouts.py)
 PARALLELISMS = (SINGLE, DATA, EXPERT, TENSOR, TENSOR_EXPERT)
 SHARDED = frozenset({DATA, EXPERT, TENSOR, TENSOR_EXPERT})
 _PHRASES = {
@@ -129,11 +129,11 @@ FEATURES: dict[str, Feature] = {
         fix="use optimizer.mode=sync",
         refused=frozenset(),
     ),
-    # the default: one device copies the routed experts' rows (runtime/routed.py);
+    # the default: one device copies the routed experts' rows (runtime/experts/routed.py);
     # under data and expert parallelism each device copies in and gathers the pages of
-    # the experts some device routed to (runtime/routed_zero.py; under expert
+    # the experts some device routed to (runtime/experts/routed_zero.py; under expert
     # parallelism its group's, over the data axis); under tensor parallelism its slice
-    # of them, from its group's slab laid out by weight slice (runtime/routed_tensor.py);
+    # of them, from its group's slab laid out by weight slice (runtime/experts/routed_tensor.py);
     # with both, its expert group's slice (routed_zero.py's grouped fetcher, the block's
     # attention slices gathered with its dense pages)
     "routed_experts": Feature(
@@ -205,7 +205,7 @@ def parallelism_of(data: int, expert: int = 1, tensor: int = 1) -> str:
 def asked(config: Any) -> list[str]:
     """The features of :data:`FEATURES` ``config`` asks for, in the matrix's order."""
     off, m = config.offload, config.model
-    moe_routing = bool(m.num_experts)  # Llama's and T5's experts route (runtime/routed.py)
+    moe_routing = bool(m.num_experts)  # Llama's and T5's experts route (runtime/experts/routed.py)
     wanted = {
         "in_memory": off.mode == "none",
         "device_cache": off.optimizer_device_stages > 0,

@@ -37,12 +37,12 @@ from hetjax.guards import (
 )
 from hetjax.instruct import make_datasets
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, plot_losses, step_record
+from hetjax.parallel.zero import Zero3
 from hetjax.planning.auto import resolve_auto
 from hetjax.preemption import Preempted, StopSignals
 from hetjax.run_lock import LOCK_NAME, RunLocks
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime
-from hetjax.runtime.zero import Zero3
 from hetjax.summary import report as report_run
 from hetjax.types import CheckpointDamaged, CheckpointError, Runtime, TrainingError
 from models import build_model
@@ -57,7 +57,7 @@ def build_runtime(config: Config, workdir: str | Path | None = None) -> Runtime:
     if config.offload.mode == "none":
         return InMemoryRuntime(config)
     if config.offload.mode == "stream" and config.distributed.sharded:
-        return StreamingRuntime(config, workdir=workdir, placement=Zero3(config))
+        return StreamingRuntime(config, workdir=workdir, parallel=Zero3(config))
     if config.offload.mode == "stream":
         return StreamingRuntime(config, workdir=workdir)
     raise AssertionError(config.offload.mode)  # validated by OffloadConfig

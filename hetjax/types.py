@@ -294,7 +294,7 @@ class ParamStore(Protocol):
     def nvme_bytes(self) -> int: ...
 
 
-# -- compute layouts ---------------------------------------------------------------------
+# -- parallelism ---------------------------------------------------------------------
 
 
 class Kind:
@@ -346,24 +346,70 @@ class StageSignature:
 
 
 @runtime_checkable
-class ComputeLayout(Protocol):
-    """Where a stage function's arguments and results live while it computes, and how it
-    is compiled for that: one device (``runtime/placement.py``'s ``SingleDevice``) or
-    ZeRO-3 over a mesh (``runtime/zero.py``'s ``Zero3``). Every stage function the
-    streaming runtime runs, kept and swapped blocks' included, is compiled with
-    :meth:`jit` from its declared :class:`StageSignature`, never from its arrays' ranks.
-    The params' layout is declared by the model too: each leaf names its logical axes
-    (``models/staged.py``'s ``logical_axes``) and ``axis_rules`` maps them (and
-    ``batch``) to mesh axes."""
+class Parallelism(Protocol):
+    """How the devices split a streamed run: one device (``parallel/single.py``'s
+    ``SingleDevice``) or a mesh (``parallel/zero.py``'s ``Zero3``: pages sharded over
+    it, data x expert x model). The streaming runtime is handed one (its ``parallel``)
+    and never asks which; this is every member it and the stage functions use.
+
+    Every stage function the streaming runtime runs, kept and swapped blocks' included,
+    is compiled with :meth:`jit` from its declared :class:`StageSignature`, never from
+    its arrays' ranks. The params' layout is declared by the model too: each leaf names
+    its logical axes (``models/staged.py``'s ``logical_axes``) and ``axis_rules`` maps
+    them (and ``batch``) to mesh axes (``parallel/rules.py``)."""
 
     shardings: Any  # this process's device, host and optimizer memory spaces
     expert_axis: str | None  # the mesh axis a MoE's experts are split over, if any
     # logical axis name -> mesh axis (or a tuple of them; None: whole on every device)
     axis_rules: tuple[tuple[str, Any], ...]
+    nvme_subdir: str  # this process's directory under the NVMe path ("": the path)
+    local_share: Any  # the fraction of a batch's rows (and per-device values) held here
+    degree: int  # devices a stage's pages split over
+    batch_degree: int  # devices a micro-batch's rows split over
+    local_degree: int  # this process's devices, each holding its own pages of state
+    tensor_parallel: int  # devices of the ``model`` axis, splitting a stage's compute
 
+    @property
+    def on_mesh(self) -> bool:
+        """Whether a block's compute needs the mesh (expert parallelism's all-to-all,
+        tensor parallelism's split weights)."""
+
+    # -- the stages' layouts and the state's shares
+    def stage_layouts(self, model: Any, page_size: int) -> dict[str, Any]:
+        """The stages' slab layouts (``parallel/layouts.py``)."""
+
+    def state_layouts(self, layouts: dict[str, Any]) -> dict[str, Any]:
+        """The part of each stage's layout whose state this process holds."""
+
+    def own_pages(self, layout: Any) -> tuple[int, int]:
+        """(first page, number of pages) of a stage slab that this process holds."""
+
+    def own_slab(self, layout: Any, slab: Any) -> Any:
+        """A whole stage slab -> this process's pages of it."""
+
+    def whole_slab(self, slab: Any) -> np.ndarray:
+        """This process's pages of a stage slab -> the whole slab (every process's)."""
+
+    def param_store(
+        self, store: ParamStore, nvme_store: ParamStore | None, layouts: dict, device_stages
+    ) -> ParamStore:
+        """The param store the runtime reads stages from, over ``store`` (its NVMe part
+        ``nvme_store`` where params are on NVMe; ``device_stages``: the device cache's)."""
+
+    # -- compiling and running the stage functions
     def jit(self, fn: Any, signature: StageSignature) -> Any:
         """``fn`` compiled to run in this layout, its arguments and results placed as
         ``signature`` declares."""
+
+    def per_device(self, fn: Any, signature: StageSignature, args: tuple) -> Any:
+        """``fn(*args)`` traced on one device's part of ``args`` (global), as a stage
+        function runs: the start-up measurements of a block on the mesh."""
+
+    def device_pages(self, layout: Any, dtype: Any) -> Any:
+        """A stage's abstract pages as a stage function gets them (to lower it with)."""
+
+    def abstract_rows(self, x: Any) -> Any:
+        """A ``BATCH`` argument's abstract value (shape, dtype, placement)."""
 
     def grad_slab(self, pages: Any, dtype: Any) -> Any:
         """Inside a stage function: the gradient of its pages as it leaves the device."""
@@ -372,14 +418,34 @@ class ComputeLayout(Protocol):
         """Inside a stage function: stage ``stage``'s params tree as it computes with them
         (tensor parallelism: split over the mesh's ``model`` axis by their logical axes)."""
 
-    def stage_layouts(self, model: Any, page_size: int) -> dict[str, Any]:
-        """The stages' slab layouts in this layout (each device's shard of a leaf)."""
-
     def to_device(self, pages: Any, layout: Any = None) -> Any:
         """A stage's params from its store -> on the device(s) as the stage computes."""
+
+    def swap_staging(self) -> Any:
+        """Where the NVMe swaps' reads wait for their copy to the device (None: each
+        device's share put on it)."""
 
     def put_batch(self, rows: np.ndarray) -> jax.Array:
         """This process's rows of a batch -> a ``BATCH`` argument."""
 
     def put_scalar(self, value: float) -> jax.Array:
         """An fp32 scalar -> a ``WHOLE`` argument."""
+
+    # -- gradients to the host, and what the step reports
+    def host_grad(self, grad: Any) -> Any:
+        """A ``GRAD`` result's pages -> this process's gradient pages on the host."""
+
+    def host_sq(self, sq: Any) -> float:
+        """A ``GRAD`` result's per-page squared norms -> this process's sum."""
+
+    def sum_over_processes(self, value: float) -> float:
+        """A per-process value summed over every process."""
+
+    def sent_grad(self, grad: Any, layout: Any = None) -> None:
+        """A gradient slab of a stage with ``layout`` left the device (counted)."""
+
+    def describe(self, layouts: dict[str, Any]) -> list[str]:
+        """Lines for the run's start-up log: how the stages split."""
+
+    def step_metrics(self) -> dict[str, int]:
+        """This step's collective traffic, for the step's report."""

@@ -3,7 +3,7 @@
 All three compute ``softmax(q k^T / sqrt(K) + causal mask) v`` for grouped-query
 attention: q (B, T, N, G, K), k and v (B, T, N, K), query head ``n * G + g`` reading
 key/value head n (HF's ``repeat_kv`` order; plain multi-head attention is G = 1). They
-return (B, T, N * G * K), tagged ``attn_out`` for the keep levels (hetjax/runtime/remat.py).
+return (B, T, N * G * K), tagged ``attn_out`` for the keep levels (hetjax/runtime/stages/remat.py).
 
 ``reference``  the textbook one: the fp32 scores and the probabilities (B, N, G, T, T) are
                whole tensors (the probabilities tagged ``attn_probs``). The tests'

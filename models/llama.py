@@ -356,8 +356,8 @@ class Llama(FlaxStages):
             tied="embed_tokens" if config.tie_embeddings else None,
         )
         self.stats_size = router_stats_size(config)
-        # expert-aware streaming (hetjax/runtime/routed.py; with the experts split over
-        # devices, hetjax/runtime/routed_zero.py: a device holds its group's whole)
+        # expert-aware streaming (hetjax/runtime/experts/routed.py; with the experts split over
+        # devices, hetjax/runtime/experts/routed_zero.py: a device holds its group's whole)
         self.expert_routing = bool(config.num_experts)
         self.expert_params = EXPERT_PARAMS
 

@@ -59,7 +59,7 @@ as ``embed(tokens, positions)`` and ``block(x, positions=positions)``; GPT and L
 take them (a user's modules that do not cannot train packed rows).
 
 Blocks the streaming runtime keeps (``offload.keep_blocks``) may keep only some
-in-block activations (``offload.keep_level``, ``hetjax/runtime/remat.py``): ``matmuls`` works
+in-block activations (``offload.keep_level``, ``hetjax/runtime/stages/remat.py``): ``matmuls`` works
 for any block (it keeps the outputs of its dots without batch dimensions); a block that
 tags its attention output ``jax.ad_checkpoint.checkpoint_name(attn, "attn_out")`` has it
 kept too (calling ``models.attention.attention`` does that), and ``probs`` needs the
@@ -87,7 +87,7 @@ Params = dict[str, Any]
 # table of (pattern, axis names) whose first pattern matching a leaf's path inside its
 # stage (``c_fc/kernel``; matched at a ``/`` boundary, so ``q/kernel`` matches
 # ``SelfAttention/q/kernel``) names that leaf's axes, e.g. ``("embed", "mlp")``. A
-# placement maps the names to mesh axes (``hetjax/distributed.py``'s ``AXIS_RULES``).
+# placement maps the names to mesh axes (``hetjax/parallel/rules.py``'s ``RULES``).
 AxisTable = tuple[tuple[str, tuple[str, ...]], ...]
 LAYERS = "layers"  # the leading axis a stage group's blocks are stacked on
 
@@ -241,7 +241,7 @@ class Stages:
     groups: tuple[StageGroup, ...]
     stats_size = 0  # no auxiliary loss: blocks return empty statistics
     # blocks can stream only the experts their tokens are routed to (models/llama.py's
-    # and models/t5.py's route and routed_block; hetjax/runtime/routed.py), whose expert
+    # and models/t5.py's route and routed_block; hetjax/runtime/experts/routed.py), whose expert
     # leaves are ``.../moe/<one of expert_params>``, the experts on their first axis
     expert_routing = False
     expert_params: tuple[str, ...] = ()

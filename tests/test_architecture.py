@@ -27,6 +27,7 @@ LAYERS = [
     },
     {"hetjax.planning"},
     {"hetjax.runtime"},
+    {"hetjax.parallel"},  # how devices split a run: rules, layouts, strategies
     {"hetjax.optimizer"},
     {
         "hetjax.storage",
@@ -60,9 +61,9 @@ LAYERS = [
         "hetjax.config_values",
         "hetjax.types",
         "hetjax.support",  # the support matrix: imports nothing of the project
-        # the optimizer's state format: owned by the optimizer, read below it by the
-        # memory model, the stores and checkpoints (docs/design.md's `formats` group)
-        "hetjax.optimizer.state_format",
+        # the optimizer's state format, read by the memory model, the stores and
+        # checkpoints as by the optimizer (docs/design.md's `formats` group)
+        "hetjax.state_format",
     },
 ]
 
@@ -149,13 +150,13 @@ def test_the_bottom_modules_import_nothing_from_the_project():
     assert graph["hetjax.types"] == set()
     # the memory model reads the config, the placement and the state format, all leaves
     # or one above the config
-    low = {"hetjax.config", "hetjax.types", "hetjax.placement", "hetjax.optimizer.state_format"}
+    low = {"hetjax.config", "hetjax.types", "hetjax.placement", "hetjax.state_format"}
     assert graph["hetjax.memory"] <= low
     assert graph["hetjax.memory_host"] <= low | {"hetjax.memory"}
     assert graph["hetjax.placement"] <= {"hetjax.config", "hetjax.generations"}
     assert graph["hetjax.generations"] <= {"hetjax.config"}
     assert graph["hetjax.support"] == set()
-    assert graph["hetjax.optimizer.state_format"] <= {"hetjax.config", "hetjax.types"}
+    assert graph["hetjax.state_format"] <= {"hetjax.config", "hetjax.types"}
     assert graph["models"] | graph["models.gpt"] <= {
         "hetjax.config",
         "models.attention",

@@ -9,8 +9,9 @@ import pytest
 from equivalence import assert_gpt_training_equal, assert_trees_close, check_tokens
 
 from hetjax.config import Config, ConfigError
-from hetjax.runtime import stages
-from hetjax.runtime.placement import SingleDevice
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.single import SingleDevice
+from hetjax.runtime.stages import functions as stages
 from hetjax.train import train
 from models import attention, build_model
 
@@ -116,7 +117,7 @@ def test_compiled_stages_hold_no_score_matrix(family):
     temps = {}
     for impl in ("blockwise", "reference"):
         model = build_model(_config(family, impl, seq_len=T, block=32).model)
-        layouts = stages.stage_layouts(model, 4096)
+        layouts = stage_layouts(model, 4096)
         fns = stages.StageFunctions(model, layouts, SingleDevice())
         args = fns.abstract_args(B, T, jnp.float32)
         compiled = {
@@ -153,7 +154,7 @@ def test_kept_matmuls_level_does_not_recompute_the_attention_forward():
     four."""
     config = _config("gpt", "blockwise", seq_len=64)
     model = build_model(config.model)
-    layouts = stages.stage_layouts(model, 4096)
+    layouts = stage_layouts(model, 4096)
     fns = stages.StageFunctions(model, layouts, SingleDevice())
     args = fns.abstract_args(2, 64, jnp.float32)
     x = args["block_fwd"][1]

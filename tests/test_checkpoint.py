@@ -614,7 +614,7 @@ def test_export_params_for_inference(tmp_path, capsys):
 def test_state_kinds_agree_between_runtimes(name):
     """The in-memory optax state and the slab optimizer name their state kinds alike,
     so a checkpoint of one restores into the other."""
-    from hetjax.runtime.placement import Shardings
+    from hetjax.parallel.single import Shardings
     from hetjax.storage.pages import SlabLayout
     from models import build_model
 

@@ -1,4 +1,4 @@
-"""offload.batch_chunks (hetjax/runtime/chunks.py): a stage function run over its
+"""offload.batch_chunks (hetjax/runtime/stages/chunks.py): a stage function run over its
 micro-batch in chunks of rows computes what the whole micro-batch's does. Training in
 chunks against offload.mode=none: tests/test_stream.py (one device), tests/test_zero.py
 (ZeRO-3); the planner's working set against the compiled one: tests/test_planner.py."""
@@ -11,8 +11,10 @@ import pytest
 from equivalence import assert_trees_close
 
 from hetjax.config import ConfigError, load_config
-from hetjax.runtime import chunks, stages
-from hetjax.runtime.placement import SingleDevice
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.single import SingleDevice
+from hetjax.runtime.stages import chunks
+from hetjax.runtime.stages import functions as stages
 from models import build_model
 
 ROWS, T = 4, 32
@@ -32,7 +34,7 @@ def _functions(family: str, n: int, dtype, leaf_buffers: bool):
     if family == "llama":
         overrides.update({"model.num_kv_heads": "2", "model.tie_embeddings": "false"})
     model = build_model(load_config("gpt_tiny", overrides).model)
-    layouts = stages.stage_layouts(model, 64 * 1024, leaf_buffers=leaf_buffers)
+    layouts = stage_layouts(model, 64 * 1024, leaf_buffers=leaf_buffers)
     fns = stages.StageFunctions(
         model, layouts, SingleDevice(),
         block_grad_dtype=dtype, batch_chunks=n,

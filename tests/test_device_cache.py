@@ -22,13 +22,13 @@ from jax.sharding import SingleDeviceSharding
 
 from hetjax.checkpoint import Checkpointer
 from hetjax.config import Config, ConfigError, load_config
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.single import Shardings, live_bytes_by_kind
 from hetjax.planning.cost import lanes
 from hetjax.planning.hardware import PROFILES
 from hetjax.planning.search import make_plan
 from hetjax.planning.workload import Workload
 from hetjax.runtime.in_memory import InMemoryRuntime
-from hetjax.runtime.placement import Shardings, live_bytes_by_kind
-from hetjax.runtime.stages import stage_layouts
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
 from models import build_model

@@ -13,7 +13,7 @@ from conftest import require
 from hetjax.config import OptimizerConfig
 from hetjax.optimizer import native
 from hetjax.optimizer.slab import SlabOptimizer
-from hetjax.runtime.placement import Shardings
+from hetjax.parallel.single import Shardings
 from hetjax.storage.pages import GradPages, Leaf, SlabLayout, aligned_concatenate
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -144,8 +144,9 @@ def test_the_dispatching_thread_does_no_host_work_on_a_gradient(tiny, monkeypatc
 
     from equivalence import assert_losses_close
 
-    from hetjax.runtime import grads, placement
+    from hetjax.parallel import single as placement
     from hetjax.runtime.in_memory import InMemoryRuntime
+    from hetjax.runtime.loop import grads
     from hetjax.runtime.streaming import StreamingRuntime
 
     callers: set[str] = set()

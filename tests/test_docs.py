@@ -115,9 +115,11 @@ def test_relative_links_resolve():
 # -- design.md against the code ------------------------------------------------------------
 
 DESIGN = ROOT / "docs" / "design.md"
-_PATH = re.compile(r"\b((?:hetjax|models)/[A-Za-z0-9_/]+\.py)\b")
-# a path inside hetjax/ without it, as docstrings cite their neighbours: runtime/window.py
-_SHORT_PATH = re.compile(r"(?<![\w/.])((?:storage|optimizer|runtime|planning|bench)/[\w/]+\.py)\b")
+_PATH = re.compile(r"\b((?:hetjax|models)/[A-Za-z0-9_/]+\.(?:py|cc)|docs/[A-Za-z0-9_/.-]+\.md)\b")
+# a path inside hetjax/ without it, as docstrings cite their neighbours: runtime/loop/window.py
+_SHORT_PATH = re.compile(
+    r"(?<![\w/.])((?:storage|optimizer|parallel|runtime|planning|bench)/[\w/]+\.(?:py|cc))\b"
+)
 _GROUP_HEADING = re.compile(r"^### `(\w+)`", re.M)
 _EDGE = re.compile(r"^(\w+)\s*->\s*(.*?)\s*$")
 

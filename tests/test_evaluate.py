@@ -99,7 +99,7 @@ def test_eval_of_an_hf_directory_equals_transformers_loss(tiny, tmp_path):
 @pytest.mark.slow
 def test_jsonl_in_batch_chunks_equals_unchunked_and_evaluates(tiny, tmp_path):
     """offload.batch_chunks=2 on jsonl records (each chunk's completion tokens weigh
-    its loss, runtime/chunks.py): the steps' losses and the validation loss equal the
+    its loss, runtime/stages/chunks.py): the steps' losses and the validation loss equal the
     unchunked run's (fp32, SGD, 1e-5), and ``hetjax eval`` of the chunked run's
     checkpoint, chunked too, equals its validation loss."""
     from test_instruct import _dataset

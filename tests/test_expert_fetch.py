@@ -1,4 +1,4 @@
-"""Expert-aware streaming (offload.expert_fetch=routed, hetjax/runtime/routed.py): a
+"""Expert-aware streaming (offload.expert_fetch=routed, hetjax/runtime/experts/routed.py): a
 streamed MoE block copies only the experts its tokens were routed to, and trains exactly
 as copying every expert does."""
 

@@ -1,5 +1,5 @@
 """Routed experts and deferred expert updates under tensor parallelism
-(hetjax/runtime/routed_tensor.py): each device copies in and gathers, over the data axis,
+(hetjax/runtime/experts/routed_tensor.py): each device copies in and gathers, over the data axis,
 only its slice of the pages of the experts some device routed to; training equals one
 device's routed run and copying every expert (tests/test_expert_fetch_zero.py has data
 and expert parallelism's)."""
@@ -59,7 +59,7 @@ def test_routed_under_tensor_parallelism_trains_as_one_device(tmp_path, data, te
     ]
 
 
-# A block's slabs in 1024-element pages, hand-counted (runtime/tensor.py's layout). A
+# A block's slabs in 1024-element pages, hand-counted (parallel/groupings.py's layout). A
 # model index's slice of the split weights, in slab order: k_proj 32 x 8 (256), down_proj
 # 16 experts x 24 x 32 (12,288, 768 an expert), gate_proj 16 x 32 x 24, up_proj 16 x 32
 # x 24, o_proj 16 x 32 (512), q_proj 32 x 16 (512), v_proj 32 x 8 (256): 38,400
@@ -137,8 +137,8 @@ def test_the_pages_left_behind_are_every_slices_by_hand():
     optimizer may leave alone are those, at each device's share of each slice."""
     from types import SimpleNamespace
 
-    from hetjax.runtime.routed_tensor import TensorExpertFetcher
-    from hetjax.runtime.zero import Zero3
+    from hetjax.parallel.zero import Zero3
+    from hetjax.runtime.experts.routed_tensor import TensorExpertFetcher
 
     config = _sgd("routed", 2, 2)
     zero = Zero3(config)

@@ -1,5 +1,5 @@
 """Routed experts and deferred expert updates under ZeRO-3 data parallelism
-(hetjax/runtime/routed_zero.py): each device copies in and gathers only the pages of the
+(hetjax/runtime/experts/routed_zero.py): each device copies in and gathers only the pages of the
 experts some device routed to; training equals one device's routed run and copying every
 expert (tests/test_expert_fetch.py and tests/test_deferred_updates.py have the one-device
 versions)."""
@@ -12,8 +12,8 @@ from equivalence import assert_training_equal, check_tokens
 from test_deferred_updates import _adamw, _run
 from test_expert_fetch import SHORT, SPARSE, _config, _moved, _skewed
 
+from hetjax.parallel.zero import Zero3
 from hetjax.runtime.streaming import StreamingRuntime
-from hetjax.runtime.zero import Zero3
 from hetjax.train import train
 from models import build_model
 
@@ -81,7 +81,7 @@ def test_routed_under_zero3_equals_fetching_every_expert(tmp_path, data, experts
 
 def _zero3(config) -> StreamingRuntime:
     """``config``'s runtime under ZeRO-3 (``hetjax.train``'s for data_parallel != 1)."""
-    return StreamingRuntime(config, placement=Zero3(config))
+    return StreamingRuntime(config, parallel=Zero3(config))
 
 
 # The block's slabs in 1024-element pages, hand-counted from its leaves in slab order

@@ -14,8 +14,8 @@ from test_checkpoint import NVME, STEPS, config, launch, saved_params
 
 from hetjax.config import ConfigError
 from hetjax.generations import nvme_generations
-from hetjax.optimizer.state_format import StateFormat
 from hetjax.placement import Placement
+from hetjax.state_format import StateFormat
 from hetjax.storage.nvme_states import NvmeStateStore
 from hetjax.train import train
 

@@ -194,7 +194,7 @@ def test_the_working_set_check_fails_below_three_quarters_of_the_compiled(
     from hetjax.gpucheck.common import Report
     from hetjax.gpucheck.training import working_set
     from hetjax.planning.workload import Workload
-    from hetjax.runtime import stages
+    from hetjax.runtime.stages import functions as stages
 
     monkeypatch.setattr(_Compiled, "working_sets", compiled)
     monkeypatch.setattr(stages, "StageFunctions", _Compiled)

@@ -1,6 +1,6 @@
 """The planner plans ``offload.mode=none`` on many devices (``planning/in_memory.py``):
 a device's share of the state at a data x model split is what the in-memory runtime
-holds there (``runtime/in_memory_mesh.py``), counted by hand; the step's collectives
+holds there (``parallel/in_memory.py``), counted by hand; the step's collectives
 are priced from hand-counted bytes; and ``offload.mode=auto`` on 4 devices takes
 ``none`` at the split where a device's share fits its budget, training as an explicit
 ``none`` run at that split does.
@@ -76,7 +76,7 @@ def test_planner_counts_a_devices_share_of_in_memory_state_as_the_runtime_holds_
     parts = in_memory_device_parts(w, share, remat=False)
     assert parts["params"] == parts["gradients"] == parts["optimizer"] == 4 * held
     runtime = InMemoryRuntime(config)
-    for device in runtime.placement.mesh.devices.flat:
+    for device in runtime.mesh_shardings.mesh.devices.flat:
         assert _held_bytes(runtime.state.params, device) == parts["params"]
         assert _held_bytes(runtime.state.opt_state, device) == parts["optimizer"]
 

@@ -1,5 +1,5 @@
 """``offload.mode=none`` under tensor and expert parallelism (``runtime/in_memory.py``,
-``runtime/in_memory_mesh.py``): params and optimizer state split by the streaming
+``parallel/in_memory.py``): params and optimizer state split by the streaming
 runtime's logical-axis rules, over the ``model`` axis as Megatron splits them (GPT's
 MLP by its hidden units, attention's output projection by heads, the vocabulary) or a
 mixture of experts' experts over the ``expert`` axis, whole over ``data``; the rows

@@ -16,8 +16,8 @@ from hetjax import memory
 from hetjax.config import OptimizerConfig
 from hetjax.optimizer import native
 from hetjax.optimizer.slab import SlabOptimizer
-from hetjax.optimizer.state_format import StateFormat
 from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.state_format import StateFormat
 from hetjax.storage.iopool import IoPool, SlabPool
 from hetjax.storage.nvme import PageStore
 from hetjax.storage.pages import DIRECT_ALIGN, SlabLayout, aligned_empty, pages_slab
@@ -124,7 +124,7 @@ def test_a_read_landing_late_delays_no_use_before_it(monkeypatch):
     """Depth 2: after use j is dispatched the window copies j + 1 in (waiting for its
     read) and j + 2 only if its read has landed, so a slow read of b2 never holds up
     the dispatch of b1; b2 is copied when it has landed or is next."""
-    from hetjax.runtime import window as window_module
+    from hetjax.runtime.loop import window as window_module
 
     monkeypatch.setattr(window_module.jax, "block_until_ready", lambda x: x)
     events, landed = [], {"b0", "b1", "b3"}
@@ -312,7 +312,7 @@ def test_the_device_runs_at_most_one_use_behind(monkeypatch):
     """The window waits for the previous use's result before it copies anything more in:
     a dropped slab lives on until the computations queued on it ran, so a dispatching
     thread running ahead would hold every block of the pass."""
-    from hetjax.runtime import window as window_module
+    from hetjax.runtime.loop import window as window_module
 
     events = []
     monkeypatch.setattr(

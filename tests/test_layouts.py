@@ -1,32 +1,34 @@
-"""Declared layouts (hetjax/types.py's ComputeLayout): every param leaf of every zoo model
+"""Declared layouts (hetjax/types.py's Parallelism): every param leaf of every zoo model
 names its logical axes, the placement's rules map them to mesh axes, a stage's page
 layout is built per shard of each leaf, and every stage function (kept and swapped
-blocks' included) is compiled by the compute layout from its declared signature."""
-
-import math
+blocks' included) is compiled by the parallelism from its declared signature."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
 from equivalence import assert_gpt_training_equal, assert_trees_close, check_tokens
+from jax.sharding import PartitionSpec
 
-from hetjax.distributed import (
-    AXIS_RULES,
+from hetjax.parallel.grouped import GroupedSlabLayout
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.rules import (
     DATA_AXIS,
     EXPERT_AXIS,
     MODEL_AXIS,
-    TENSOR_PARALLEL_RULES,
+    RULES,
+    leaf_specs,
     mesh_axes,
+    param_specs,
+    rules_for,
 )
-from hetjax.runtime import stages
-from hetjax.runtime.placement import SingleDevice
-from hetjax.runtime.signatures import SIGNATURES
-from hetjax.runtime.zero import Zero3
-from hetjax.storage.pages import shard_shapes
+from hetjax.parallel.single import SingleDevice
+from hetjax.parallel.zero import Zero3
+from hetjax.runtime.stages import functions as stages
+from hetjax.runtime.stages.signatures import SIGNATURES
+from hetjax.storage.pages import SlabLayout
 from hetjax.train import train
-from hetjax.types import ComputeLayout, Kind, StageSignature
+from hetjax.types import Kind, Parallelism, StageSignature
 from models import build_model
 from models.staged import LAYERS, logical_axes
 
@@ -46,6 +48,7 @@ MODELS = {
     ),
 }
 is_axes = lambda x: isinstance(x, tuple)
+is_spec = lambda x: isinstance(x, PartitionSpec)
 
 
 def model_of(name: str):
@@ -60,7 +63,7 @@ def test_every_param_leaf_of_every_model_names_its_axes(name):
     model = model_of(name)
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     axes = logical_axes(model, shapes)
-    known = dict(AXIS_RULES)
+    known = dict(RULES)
     group_keys = {g.key for g in model.groups}
     pairs = jax.tree_util.tree_leaves_with_path(axes, is_leaf=is_axes)
     assert len(pairs) == len(jax.tree.leaves(shapes))
@@ -87,82 +90,35 @@ def test_a_table_that_misses_a_leaf_or_its_rank_is_an_error():
 
 
 def test_rules_map_logical_axes_to_mesh_axes():
-    """Today's rules split nothing but the batch and the experts; the tensor-parallel
-    rules put heads, MLP units and the vocabulary on the model axis."""
+    """One table: the batch over data x expert, the experts over ``expert``, heads, MLP
+    units and the vocabulary over ``model``; a model axis of size 1 splits nothing."""
     names = (LAYERS, "expert", "embed", "mlp")
-    assert mesh_axes(names) == (None, EXPERT_AXIS, None, None)
-    assert mesh_axes(names, TENSOR_PARALLEL_RULES) == (None, EXPERT_AXIS, None, MODEL_AXIS)
-    assert mesh_axes(("batch", None)) == ((DATA_AXIS, EXPERT_AXIS), None)
+    assert mesh_axes(names) == (None, EXPERT_AXIS, None, MODEL_AXIS)
+    assert mesh_axes(names, rules_for(2)) == (None, EXPERT_AXIS, None, MODEL_AXIS)
+    assert mesh_axes(names, rules_for(1)) == (None, EXPERT_AXIS, None, None)
+    assert mesh_axes(("batch", None), rules_for(1)) == ((DATA_AXIS, EXPERT_AXIS), None)
     with pytest.raises(KeyError, match="'hidden'"):
         mesh_axes(("hidden",))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_layouts_over_a_model_axis_of_size_1_are_todays(name):
-    """A shard over a model axis of 1 is the whole leaf: the layouts (so the pages and
-    the checkpoints) are the ones built without any rules, field for field."""
+def test_a_model_axis_of_size_1_is_a_no_op(name):
+    """With ``tensor_parallel`` 1 no leaf names the model axis, the stage functions get
+    no split to constrain, and every stage is the plain layout (its pages are whole
+    leaves', as checkpoints have them); with 2 some leaf of every model is split and a
+    block is laid out in parts."""
     model, page = model_of(name), 16 * 1024
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    specs = jax.tree.leaves(leaf_specs(model, shapes, 1), is_leaf=is_spec)
+    assert not any(MODEL_AXIS in tuple(spec) for spec in specs)
+    assert param_specs(model, 1) == {}
     for multiple in (1, 4):
-        plain = stages.stage_layouts(model, page, multiple)
-        sharded = stages.stage_layouts(
-            model, page, multiple, rules=TENSOR_PARALLEL_RULES, axis_sizes={MODEL_AXIS: 1}
-        )
-        assert sharded == plain
-
-
-@pytest.mark.parametrize("name", ["gpt", "llama_moe", "t5"])
-def test_per_shard_layouts_over_a_model_axis_of_2_cover_exactly_the_shard(name):
-    """Under the tensor-parallel rules on a (hypothetical) model axis of 2, each stage's
-    layout is of one device's shard of every leaf: its leaves are the shard's shapes,
-    its pages hold exactly the shard's elements (padded only to a whole page), and
-    each device's shard of the real params flattens into them and back unchanged; the
-    two shards together are the whole leaf."""
-    model = model_of(name)
-    page = 4 * 1024
-    layouts = stages.stage_layouts(
-        model, page, rules=TENSOR_PARALLEL_RULES, axis_sizes={MODEL_AXIS: 2}
-    )
-    params = jax.tree.map(np.asarray, model.init(jax.random.key(1)))
-    names = logical_axes(model, params)
-    specs = jax.tree.map(lambda n: mesh_axes(n, TENSOR_PARALLEL_RULES), names, is_leaf=is_axes)
-    split_any = False
-    groups = {g.name: g.key for g in model.groups}
-    for stage, layout in layouts.items():
-        tree, spec = params[groups.get(stage, stage)], specs[groups.get(stage, stage)]
-        if stage in groups:  # a group's first block, without the layers axis
-            tree = jax.tree.map(lambda a: a[0], tree)
-            spec = jax.tree.map(lambda s: s[1:], spec, is_leaf=is_axes)
-        shard = jax.tree.leaves(shard_shapes(tree, spec, {MODEL_AXIS: 2}))
-        shard_elems = sum(math.prod(a.shape) for a in shard)
-        assert layout.size == shard_elems
-        assert 0 <= layout.padded_size - shard_elems < layout.page_elems
-        for k, leaf in enumerate(shard):
-            assert layout.leaves[layout.tree_order[k]].shape == leaf.shape
-        pieces = []
-        for device in range(2):
-            cut = jax.tree.map(lambda a, s, d=device: _shard_of(a, s, d), tree, spec)
-            slab = layout.flatten_np(cut)
-            assert not slab[layout.size :].any()  # the padding: nothing of the leaf
-            assert_trees_close(layout.unflatten(jnp.asarray(slab)), cut, rtol=0)
-            pieces.append(cut)
-        whole = jax.tree.map(_join, pieces[0], pieces[1], spec)
-        assert_trees_close(whole, tree, rtol=0)
-        split_any |= layout.size < sum(a.size for a in jax.tree.leaves(tree))
-    assert split_any
-
-
-def _split_dim(spec: tuple) -> int | None:
-    return next((d for d, axes in enumerate(spec) if axes == MODEL_AXIS), None)
-
-
-def _shard_of(a: np.ndarray, spec: tuple, device: int) -> np.ndarray:
-    dim = _split_dim(spec)
-    return a if dim is None else np.split(a, 2, axis=dim)[device]
-
-
-def _join(a: np.ndarray, b: np.ndarray, spec: tuple) -> np.ndarray:
-    dim = _split_dim(spec)
-    return a if dim is None else np.concatenate([a, b], axis=dim)
+        layouts = stage_layouts(model, page, multiple)
+        assert all(type(lay) is SlabLayout for lay in layouts.values()), layouts
+    split = jax.tree.leaves(leaf_specs(model, shapes, 2), is_leaf=is_spec)
+    assert any(MODEL_AXIS in tuple(spec) for spec in split)
+    layouts = stage_layouts(model, page, 2, tensor_parallel=2)
+    assert isinstance(layouts[model.groups[0].name], GroupedSlabLayout)
 
 
 class RecordingLayout(SingleDevice):
@@ -184,7 +140,7 @@ def test_every_stage_function_compiles_through_the_compute_layout():
     config = tiny_config(model=MODELS["llama_moe"][0])
     model = build_model(config.model)
     compute = RecordingLayout()
-    assert isinstance(compute, ComputeLayout)
+    assert isinstance(compute, Parallelism)
     layouts = compute.stage_layouts(model, config.memory.page_size)
     fns = stages.StageFunctions(model, layouts, compute)
     names = ["head_loss", "head_fwd_bwd", "aux_fwd_bwd", "embed_fwd", "embed_bwd"]
@@ -208,7 +164,7 @@ def test_kept_and_swapped_blocks_run_under_zero3(tiny):
     block backward's, gradient shares and dx."""
     config = tiny(offload=dict(mode="stream"), distributed=dict(data_parallel=2))
     zero = Zero3(config)
-    assert isinstance(zero, ComputeLayout)
+    assert isinstance(zero, Parallelism)
     model = build_model(config.model)
     layouts = zero.stage_layouts(model, config.memory.page_size)
     fns = stages.StageFunctions(model, layouts, zero)

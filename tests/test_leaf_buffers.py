@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from equivalence import assert_trees_close, training_batches
 
-from hetjax.runtime import stages
-from hetjax.runtime.placement import HOST_CLIENT_ENV, SingleDevice
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.single import HOST_CLIENT_ENV, SingleDevice
+from hetjax.runtime.stages import functions as stages
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.pages import LeafBuffers, SlabLayout
 from models import build_model
@@ -75,7 +76,7 @@ def test_block_forward_copies_no_weight_out_of_pages(tiny):
     counts = {}
     for name, layouts in (
         ("leaves", SingleDevice().stage_layouts(model, config.memory.page_size)),
-        ("pages", stages.stage_layouts(model, config.memory.page_size)),
+        ("pages", stage_layouts(model, config.memory.page_size)),
     ):
         fns = stages.StageFunctions(model, layouts, SingleDevice())
         args = fns.abstract_args(B, T, jnp.float32)
@@ -125,7 +126,7 @@ def test_every_store_hands_one_device_leaf_buffers(tiny, offload, emulate, monke
             pinned = emulate or "nvme" not in offload.values()
             if kind == "device" or pinned:
                 assert all(a.sharding.memory_kind == kind for a in got), stage
-            on_device = runtime.placement.to_device(got, layout)
+            on_device = runtime.parallel.to_device(got, layout)
             assert all(a.sharding.memory_kind == "device" for a in on_device)
             if kind != "device":  # the CPU's device memory is the host's: no copy
                 shared = [

@@ -1,4 +1,4 @@
-"""The ledger (``runtime/ledger.py``): arrays held for long are added and removed as their
+"""The ledger (``runtime/loop/ledger.py``): arrays held for long are added and removed as their
 holders take and drop them; a record counts those and the ones passed to it, each once."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax import timeline
-from hetjax.runtime.ledger import Ledger
+from hetjax.runtime.loop.ledger import Ledger
 from hetjax.runtime.streaming import StreamingRuntime
 
 

@@ -17,9 +17,9 @@ from equivalence import assert_losses_close, assert_trees_close, training_batche
 from hetjax import memory
 from hetjax.memory import Sizes
 from hetjax.memory_host import nvme_parts, plan_host
-from hetjax.optimizer.state_format import StateFormat
 from hetjax.placement import Placement
 from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.state_format import StateFormat
 from hetjax.storage.nvme_states import _copy_when_done
 from hetjax.storage.params import MasterPages, OwnPages
 from hetjax.train import train

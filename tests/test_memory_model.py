@@ -57,8 +57,9 @@ def test_planner_bytes_equal_the_runtime_plans(
     if runtime is not None:
         sizes = runtime.fns.memory_sizes(t.micro_batch_size, t.seq_len, runtime.compute_dtype)
     else:  # the same sizes, measured without a runtime
-        from hetjax.runtime.placement import SingleDevice
-        from hetjax.runtime.stages import StageFunctions, stage_layouts
+        from hetjax.parallel.layouts import stage_layouts
+        from hetjax.parallel.single import SingleDevice
+        from hetjax.runtime.stages.functions import StageFunctions
         from models import build_model
 
         model = build_model(config.model)
@@ -177,8 +178,8 @@ def test_planner_bytes_agree_with_the_runtime_on_4_devices(tiny, tmp_path, keep,
     pages, padding included) not below the runtime's, nor 5% above it. Optimizer state
     on the device (the device cache's 3 stages, or every stage's): each device holds a
     quarter of it (``optimizer/sharded_slab.py``), as the planner counts."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.planning.tracer import trace
-    from hetjax.runtime.zero import Zero3
 
     offload = dict(
         mode="stream", params="host", optimizer=optimizer, keep_blocks=keep,
@@ -186,7 +187,7 @@ def test_planner_bytes_agree_with_the_runtime_on_4_devices(tiny, tmp_path, keep,
     )  # fmt: skip
     memory = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
     config = tiny(offload=offload, memory=memory, distributed=dict(data_parallel=4))
-    runtime = StreamingRuntime(config, workdir=tmp_path, placement=Zero3(config))
+    runtime = StreamingRuntime(config, workdir=tmp_path, parallel=Zero3(config))
     try:
         w = trace(config, repeats=1, devices=4)
         placement = Placement(
@@ -238,15 +239,15 @@ def test_planner_bytes_agree_with_the_runtime_under_tensor_parallelism(tiny, tmp
     data x 16 x 32 x 4 B). The working set (XLA's, its collectives' temporaries
     included) the runtime's: the tracer measures it as the runtime does, on the mesh
     (estimated from the one device's measurement it was 1.09 and 1.19 of it)."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.planning.tracer import trace
-    from hetjax.runtime.zero import Zero3
 
     offload = dict(mode="stream", params="host", optimizer="host")
     memory = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
     dist = dict(data_parallel=data, tensor_parallel=2)
     config = tiny(offload=offload, memory=memory, distributed=dist)
     n, page = 2 * data, 4 * 4096
-    runtime = StreamingRuntime(config, workdir=tmp_path, placement=Zero3(config))
+    runtime = StreamingRuntime(config, workdir=tmp_path, parallel=Zero3(config))
     try:
         w = trace(config, repeats=1, devices=n, tensor=2)
         placement = Placement(
@@ -299,8 +300,8 @@ def test_planner_counts_device_state_per_device_as_the_runtime_does(
     one process, each holding and updating its own pages: ``optimizer/sharded_slab.py``):
     the planner, from the tracer's workload, counts each device's bytes of it as the
     built runtime does."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.planning.tracer import trace
-    from hetjax.runtime.zero import Zero3
 
     offload = dict(
         mode="stream", params="host", optimizer=optimizer, optimizer_device_stages=cached,
@@ -308,7 +309,7 @@ def test_planner_counts_device_state_per_device_as_the_runtime_does(
     )  # fmt: skip
     memory = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
     config = tiny(model=model, offload=offload, memory=memory, distributed=dist)
-    runtime = StreamingRuntime(config, workdir=tmp_path, placement=Zero3(config))
+    runtime = StreamingRuntime(config, workdir=tmp_path, parallel=Zero3(config))
     try:
         w = trace(config, repeats=1, devices=4, tensor=dist.get("tensor_parallel", 1))
         placement = Placement(
@@ -329,7 +330,7 @@ def _held_by_blocks(monkeypatch) -> dict[int, list[int]]:
     and back), per device (``ledger.device_bytes`` of each array), each time, by block."""
     import jax
 
-    from hetjax.runtime.ledger import Ledger, device_bytes
+    from hetjax.runtime.loop.ledger import Ledger, device_bytes
 
     held: dict[int, list[int]] = {}
     hold = Ledger.hold
@@ -393,8 +394,8 @@ def test_planner_counts_kept_and_swapped_blocks_per_device_as_the_ledger_measure
     one-device trace.)"""
     from equivalence import training_batches
 
+    from hetjax.parallel.zero import Zero3
     from hetjax.planning.tracer import trace
-    from hetjax.runtime.zero import Zero3
 
     keep, swap = (1, 0) if blocks == "keep" else (0, 1)
     offload = dict(
@@ -407,7 +408,7 @@ def test_planner_counts_kept_and_swapped_blocks_per_device_as_the_ledger_measure
     tensor = dist.get("tensor_parallel", 1)
     devices = dist["data_parallel"] * tensor * dist.get("expert_parallel", 1)
     held = _held_by_blocks(monkeypatch)
-    runtime = StreamingRuntime(config, workdir=tmp_path, placement=Zero3(config))
+    runtime = StreamingRuntime(config, workdir=tmp_path, parallel=Zero3(config))
     try:
         runtime.train_step(training_batches(config, 1)[0])
         # the last block keeps or swaps (the last blocks keep, those before them swap);

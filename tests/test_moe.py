@@ -172,7 +172,7 @@ def test_stream_nvme_equals_none(reference, tiny, tmp_path):
 @pytest.mark.slow  # ~17 s; Zero3.jit's batch means: tests/test_zero.py in the default run
 def test_zero3_on_4_devices_equals_single_device(reference, tiny, tmp_path):
     """ZeRO-3 over 4 devices: each device's router statistics are averaged over the
-    devices before the aux loss (declared Kind.MEAN in runtime/signatures.py), so it
+    devices before the aux loss (declared Kind.MEAN in runtime/stages/signatures.py), so it
     equals one device's on the whole micro-batch, while the gradients' per-page squared
     norms stay split over the devices as the gradients: the step's gradient norm (their
     sum) equals the reference's."""
@@ -302,14 +302,16 @@ def test_expert_slab_shares_hold_their_devices_experts(tiny):
     holds a share of its group g's experts (experts 2g, 2g + 1) and no other's; the
     gather gives each device the dense params whole and its group's experts whole,
     and none of the other group's; flatten / unflatten round-trip the block exactly."""
-    from hetjax.runtime.experts import ExpertSlabLayout
-    from hetjax.runtime.zero import Zero3
+    from hetjax.parallel.grouped import GroupedSlabLayout
+    from hetjax.parallel.groupings import ExpertGrouping
+    from hetjax.parallel.zero import Zero3
 
     config = ep_config(tiny, 2, 2)
     zero = Zero3(config)
     model = build_model(config.model)
     layout = zero.stage_layouts(model, config.memory.page_size)["block"]
-    assert isinstance(layout, ExpertSlabLayout) and (layout.groups, layout.shares) == (2, 2)
+    assert isinstance(layout, GroupedSlabLayout) and (layout.groups, layout.shares) == (2, 2)
+    assert [type(p.grouping) for p in layout.parts] == [ExpertGrouping]
     block = jax.tree.map(np.asarray, model.init_stage("block", jax.random.key(0)))
     E = config.model.num_experts
     for name in ("gate_proj", "up_proj", "down_proj"):  # expert e's entries all e + 1
@@ -384,7 +386,7 @@ def test_mixtral_8x7b_plans_with_its_experts_over_8_devices():
 
 
 def test_bad_expert_parallel_settings_are_named(tiny):
-    from hetjax.runtime.zero import Zero3
+    from hetjax.parallel.zero import Zero3
 
     with pytest.raises(ConfigError, match="'distributed.expert_parallel' .3. must divide"):
         ep_config(tiny, 1, 3)  # 4 experts
@@ -403,7 +405,7 @@ def test_bad_expert_parallel_settings_are_named(tiny):
     # of the dense pages: 2 D of them, against a share of at least a page and 1/N of
     # the dense params (4 D^2 and more), so only some thousand devices cut them: 4096
     # devices (shapes alone), 1024-element pages, d 1024.
-    from hetjax.runtime.stages import stage_layouts
+    from hetjax.parallel.layouts import stage_layouts
 
     wide = build_model(tiny(model={**TRAIN_MOE, "d_model": 1024, "d_ff": 16}).model)
     with pytest.raises(ConfigError, match="'memory.page_size': a stage's 2048 norm-scale"):
@@ -418,15 +420,15 @@ def test_expert_parallel_runtime_holds_a_devices_share_of_the_experts(tiny):
     is less with the experts split over 2 devices than with ZeRO-3 over 4, whose
     window gathers every expert."""
     from hetjax.data import make_datasets
+    from hetjax.parallel.zero import Zero3
     from hetjax.planning.workload import Workload, memory_sizes
     from hetjax.runtime.streaming import StreamingRuntime
-    from hetjax.runtime.zero import Zero3
 
     peak, blocks = {}, {}
     for data, experts in ((2, 2), (4, 1)):
         # experts 4 x wider than the tiny MoE's: in its pages padding hides the saving
         config = ep_config(tiny, data, experts, d_ff=192)
-        runtime = StreamingRuntime(config, placement=Zero3(config))
+        runtime = StreamingRuntime(config, parallel=Zero3(config))
         planned = memory_sizes(Workload.from_config(config, devices=4), 4)
         fields = ("embed", "block", "head")
         assert [getattr(planned, f) for f in fields] == [getattr(runtime.sizes, f) for f in fields]

@@ -9,7 +9,7 @@ from conftest import require
 from hetjax.config import ConfigError, OptimizerConfig
 from hetjax.optimizer import native
 from hetjax.optimizer.slab import SlabOptimizer
-from hetjax.runtime.placement import Shardings
+from hetjax.parallel.single import Shardings
 from hetjax.storage.pages import Leaf, SlabLayout, aligned_concatenate
 
 

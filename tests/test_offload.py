@@ -17,8 +17,8 @@ from equivalence import (
 from hetjax.config import ConfigError
 from hetjax.memory import belady_cache
 from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.parallel.single import Shardings
 from hetjax.runtime.in_memory import InMemoryRuntime
-from hetjax.runtime.placement import Shardings
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.storage.nvme import PageStore
 from hetjax.storage.pages import SlabLayout

@@ -136,11 +136,12 @@ def _chunk_run(n: int) -> tuple[dict, list]:
     packed rows whose records have prompts of 1, 1, 3 and 4 tokens: the first chunk of
     2 rows takes a loss on more tokens than the second. -> every result of a step's
     block and head functions."""
-    from hetjax.runtime import stages
-    from hetjax.runtime.placement import SingleDevice
+    from hetjax.parallel.layouts import stage_layouts
+    from hetjax.parallel.single import SingleDevice
+    from hetjax.runtime.stages import functions as stages
 
     model = _model("llama", "blockwise")
-    layouts = stages.stage_layouts(model, 16 * 1024, leaf_buffers=True)
+    layouts = stage_layouts(model, 16 * 1024, leaf_buffers=True)
     fns = stages.StageFunctions(model, layouts, SingleDevice(), batch_chunks=n)
     rows = [_packed(_records(seed=r), prompt=p) for r, p in enumerate(PROMPTS)]
     tokens = np.concatenate([t for t, _ in rows])  # (4, 2, T)
@@ -183,7 +184,7 @@ def test_chunked_step_on_packed_rows_equals_the_whole_micro_batch():
 def test_chunk_loss_weights_by_hand():
     """Each chunk's weight in the micro-batch's mean: its targets that take a loss over
     the micro-batch's; rows 0-1 take 2 (0, 1), rows 2-3 take 4 (2, 3, 4 and 5)."""
-    from hetjax.runtime import chunks
+    from hetjax.runtime.stages import chunks
 
     i = IGNORED
     targets = jnp.array([[0, 1, i, i], [i, i, i, i], [2, 3, 4, i], [5, i, i, i]])

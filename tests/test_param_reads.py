@@ -9,9 +9,9 @@ from equivalence import training_batches
 from hetjax import memory_host
 from hetjax.memory import Sizes
 from hetjax.memory_host import plan_host
-from hetjax.optimizer.state_format import StateFormat
 from hetjax.placement import Placement
 from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.state_format import StateFormat
 
 BLOCK = 10_000  # elements of a block slab
 ADAM = StateFormat.fp32(["mu", "nu"])

@@ -15,14 +15,15 @@ from equivalence import assert_gpt_training_equal, check_tokens
 from hetjax import launch, memory
 from hetjax.config import Config, load_config
 from hetjax.memory import block_grad_dtype, device_parts
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.single import SingleDevice
 from hetjax.placement import Placement
 from hetjax.planning.auto import resolve_auto
 from hetjax.planning.cost import lanes
 from hetjax.planning.hardware import PROFILES, get_profile
 from hetjax.planning.search import TIE, PlanError, make_plan
 from hetjax.planning.workload import Workload, kept_key, memory_sizes
-from hetjax.runtime import stages
-from hetjax.runtime.placement import SingleDevice
+from hetjax.runtime.stages import functions as stages
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
 from models import build_model
@@ -385,7 +386,7 @@ def _compiled_sizes(family, d_model, seq_len, batch, dtype, overrides):
         overrides.update({"model.num_kv_heads": "2", "model.tie_embeddings": "false"})
     config = load_config("gpt_tiny", overrides)
     model = build_model(config.model)
-    layouts = stages.stage_layouts(model, config.memory.page_size)
+    layouts = stage_layouts(model, config.memory.page_size)
     fns = stages.StageFunctions(
         model, layouts, SingleDevice(),
         batch_chunks=config.offload.batch_chunks,

@@ -12,7 +12,7 @@ from equivalence import training_batches
 
 from hetjax import memory
 from hetjax.config import ConfigError
-from hetjax.runtime.placement import HOST_CLIENT_ENV, Shardings
+from hetjax.parallel.single import HOST_CLIENT_ENV, Shardings
 
 
 class InstantStore:
@@ -29,7 +29,7 @@ class InstantStore:
 
 
 def _window_events(monkeypatch, lag: int) -> list:
-    from hetjax.runtime import window as window_module
+    from hetjax.runtime.loop import window as window_module
 
     events = []
     monkeypatch.setattr(

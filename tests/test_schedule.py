@@ -1,7 +1,7 @@
-"""The streaming runtime's schedule (``runtime/schedule.py``): each block's kind and its
+"""The streaming runtime's schedule (``runtime/loop/schedule.py``): each block's kind and its
 uses of the prefetch window, in the order the per-layer loop walks them."""
 
-from hetjax.runtime.schedule import Schedule
+from hetjax.runtime.loop.schedule import Schedule
 
 
 def test_recompute_blocks_use_the_window_forward_then_backward():

@@ -74,7 +74,7 @@ def test_collectives_lane_prices_the_all_reduces_and_the_grouped_gathers():
         assert tensor_allreduce_bytes(w, streamed.placement, tensor) == allreduces
         _, by_lane = lanes(w, hw, streamed, 0.0)
         assert by_lane["collectives"] == pytest.approx(pages * page / hw.interconnect_bw)
-    # at 2 x 2 a block's slab is 4 dense pages and 2 slices of 2 pages (runtime/tensor.py's
+    # at 2 x 2 a block's slab is 4 dense pages and 2 slices of 2 pages (parallel/groupings.py's
     # layout, tests/test_tensor.py): a device sends half its slice's 2 pages and half the
     # 4 dense ones over the 2 data devices, 3 pages, not the 4 of its gather
     w = Workload.from_config(config, devices=4, backend="gpu", tensor=2)
@@ -106,7 +106,7 @@ def test_the_planner_routes_experts_where_the_runtime_does():
     """The tiny MoE's routed experts (4 experts, each 3 matrices of 32 x 48: 18,432
     params a block) are priced as routed on one device, under data parallelism and at
     a tensor-parallel split, where the runtime routes them (each device its slice:
-    runtime/routed_tensor.py), every slice of them counted."""
+    runtime/experts/routed_tensor.py), every slice of them counted."""
     moe = tiny_config(model=MOE)
     routed = lambda devices, tensor: (
         Workload.from_config(moe, devices=devices, tensor=tensor).routed_expert_params
@@ -260,8 +260,8 @@ def test_auto_splits_moe_and_t5_blocks_on_4_devices_and_trains_equal_to_none(tmp
     2 x 2, the run trains with it equal to offload.mode=none on one device (SGD, fp32,
     1e-5), and its device bytes as the run's runtime plans them (from the same mesh
     measurement) are the plan's, within its budget."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.runtime.streaming import StreamingRuntime
-    from hetjax.runtime.zero import Zero3
     from hetjax.train import train
 
     model, data, budget = {
@@ -273,7 +273,7 @@ def test_auto_splits_moe_and_t5_blocks_on_4_devices_and_trains_equal_to_none(tmp
         tmp_path, budget, model=model, data=data, optimizer=sgd
     )
     assert any("data x model: 2 x 2" in line and "1: does not fit" in line for line in logs)
-    runtime = StreamingRuntime(planned, workdir=tmp_path / "check", placement=Zero3(planned))
+    runtime = StreamingRuntime(planned, workdir=tmp_path / "check", parallel=Zero3(planned))
     try:
         assert runtime.plan.parts == plan.device
         assert sum(plan.device.values()) <= plan.budgets["device"]

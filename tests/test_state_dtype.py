@@ -15,8 +15,8 @@ from conftest import require
 from hetjax.config import OptimizerConfig
 from hetjax.optimizer import moments, native
 from hetjax.optimizer.slab import SlabOptimizer
-from hetjax.optimizer.state_format import state_format
-from hetjax.runtime.placement import Shardings
+from hetjax.parallel.single import Shardings
+from hetjax.state_format import state_format
 from hetjax.storage.pages import Leaf, SlabLayout, aligned_concatenate
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -311,7 +311,7 @@ def test_int8_moments_update_equals_the_numpy_reference():
     in 1000 of them), the params to float32 rounding."""
     import optax
 
-    from hetjax.optimizer.state_format import moment_format
+    from hetjax.state_format import moment_format
 
     n, lr = 3 * 2048 + 500, 1e-2
     b1, b2, eps = F32(0.9), F32(0.95), F32(1e-8)

@@ -1,4 +1,4 @@
-"""The optimizer's state format (hetjax/optimizer/state_format.py) is the one source of
+"""The optimizer's state format (hetjax/state_format.py) is the one source of
 optimizer-state bytes: a format with 2-byte moments moves the planner's bytes and the
 runtime's together, to the bytes counted by hand, and the stores, the I/O pool and the
 checkpoint hold each kind in its dtype."""
@@ -23,11 +23,11 @@ from hetjax.checkpoint_state import (
 from hetjax.config import OptimizerConfig
 from hetjax.memory_host import in_memory_parts, nvme_parts, plan_host
 from hetjax.optimizer import native
-from hetjax.optimizer.state_format import KindFormat, StateFormat, state_format
 from hetjax.planning.workload import Workload, memory_sizes
 from hetjax.runtime import setup
-from hetjax.runtime.stages import StageMemory
+from hetjax.runtime.stages.measure import StageMemory
 from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.state_format import KindFormat, StateFormat, state_format
 from hetjax.storage.nvme_states import NvmeStateStore
 from hetjax.types import RuntimeState
 
@@ -136,7 +136,7 @@ def test_two_byte_moments_move_planner_and_runtime_bytes_together(tiny, tmp_path
             pages = setup.stage_pages(run, o, page_elems)
             store = NvmeStateStore(
                 tmp_path / "bf16", fmt, pages, page_elems, cached=[],
-                sharding=runtime.placement.shardings.optimizer, io_slots=memory.IO_SLOTS,
+                sharding=runtime.parallel.shardings.optimizer, io_slots=memory.IO_SLOTS,
             )  # fmt: skip
             assert store.nvme_bytes == run_nvme["optimizer"]
             for stage in pages:

@@ -21,11 +21,12 @@ from equivalence import (
 from hetjax import memory, timeline
 from hetjax.config import ConfigError
 from hetjax.memory import Sizes, plan_device
-from hetjax.optimizer.state_format import StateFormat
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.single import SingleDevice, live_bytes_by_kind
 from hetjax.placement import Placement
-from hetjax.runtime import stages
-from hetjax.runtime.placement import SingleDevice, live_bytes_by_kind
+from hetjax.runtime.stages import functions as stages
 from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.state_format import StateFormat
 from hetjax.storage.nvme import PageStore
 from hetjax.train import train
 from models import build_model
@@ -92,7 +93,7 @@ def test_keep_levels_hold_less_and_change_nothing(tiny, attention, levels):
         train=dict(seq_len=64),
     )
     model = build_model(config.model)
-    layouts = stages.stage_layouts(model, 4096)
+    layouts = stage_layouts(model, 4096)
     fns = stages.StageFunctions(model, layouts, SingleDevice())
     block = layouts["block"]
     pages = block.to_pages(block.flatten(model.init_stage("block", jax.random.key(0))))
@@ -366,11 +367,11 @@ def test_nvme_boundaries_are_files_and_change_nothing(tiny, tmp_path):
     device = StreamingRuntime(tiny(offload=dict(mode="stream", keep_blocks=1), **common))
     batch = np.random.default_rng(0).integers(0, 256, (2, 2, 17)).astype(np.int32)
     # Inputs of blocks 0-2 (block 3 keeps its activations) for the last micro-batch.
-    x = nvme.fns.embed_fwd(nvme.resident["embed"], nvme.placement.put_batch(batch[-1, :, :-1]))
+    x = nvme.fns.embed_fwd(nvme.resident["embed"], nvme.parallel.put_batch(batch[-1, :, :-1]))
     inputs = []
     for i in range(3):
         inputs.append(np.asarray(x).reshape(-1))
-        x, _ = nvme.fns.block_fwd(nvme.placement.to_device(nvme.param_store.get(f"block{i}")), x)
+        x, _ = nvme.fns.block_fwd(nvme.parallel.to_device(nvme.param_store.get(f"block{i}")), x)
 
     recorder = timeline.Recorder()
     with timeline.recording(recorder):
@@ -541,7 +542,7 @@ def test_stream_through_launch_reports_memory(tmp_path):
     assert rc == 0
     records = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
-    # the device peak: the first step's, accounted (the second is not: runtime/ledger.py)
+    # the device peak: the first step's, accounted (the second is not: runtime/loop/ledger.py)
     assert 0 < records[0]["device_bytes_peak"] <= 64 * 2**20
     assert "device_bytes_peak" not in records[1]
     for r in records:
@@ -571,7 +572,7 @@ def test_swapped_block_moves_activations_not_params(tiny):
     them, pages given again, equals a kept block's at that level."""
     config = tiny(model=dict(attention="reference"))
     model = build_model(config.model)
-    layouts = stages.stage_layouts(model, 4096)
+    layouts = stage_layouts(model, 4096)
     fns = stages.StageFunctions(model, layouts, SingleDevice())
     block = layouts["block"]
     pages = block.to_pages(block.flatten(model.init_stage("block", jax.random.key(0))))

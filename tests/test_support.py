@@ -158,16 +158,16 @@ def test_the_planner_offers_only_what_the_matrix_allows(tiny, parallelism):
 def test_the_runtime_reads_the_matrix(tiny, parallelism):
     """The streaming runtime measures kept blocks and routes experts where the matrix
     supports them; where it does not, the start-up plan says what it does instead."""
-    from hetjax.runtime.routed import routed_blocks
+    from hetjax.parallel.zero import Zero3
+    from hetjax.runtime.experts.routed import routed_blocks
     from hetjax.runtime.streaming import StreamingRuntime
-    from hetjax.runtime.zero import Zero3
 
     config = _config(
         tiny, parallelism, offload=STREAM, memory=dict(page_size="16KiB"),
         optimizer=dict(name="sgd", lr=0.1),
     )  # fmt: skip
     sharded = parallelism != support.SINGLE
-    runtime = StreamingRuntime(config, placement=Zero3(config) if sharded else None)
+    runtime = StreamingRuntime(config, parallel=Zero3(config) if sharded else None)
     try:
         keeps = support.supports("keep_blocks", parallelism) is None
         assert runtime.fns.kept_blocks == keeps
@@ -191,7 +191,7 @@ def test_auto_says_what_falls_back(tiny, monkeypatch):
     from hetjax.planning.auto import plan_auto
 
     # every parallelism routes experts now (tensor parallelism since the ninth session:
-    # runtime/routed_tensor.py), so auto says nothing of them; a fallback made here is said
+    # runtime/experts/routed_tensor.py), so auto says nothing of them; a fallback made here is said
     config = _config(tiny, support.TENSOR, offload=dict(mode="auto"))
     # the tiny model's share fits a device whole, where auto trains offload.mode=none
     # (tests/test_in_memory_plan.py), which routes nothing: this is the streamed plan's

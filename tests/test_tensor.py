@@ -1,4 +1,4 @@
-"""Tensor parallelism (``distributed.tensor_parallel``, hetjax/runtime/zero.py): each
+"""Tensor parallelism (``distributed.tensor_parallel``, hetjax/parallel/zero.py): each
 block's compute split over the mesh's ``model`` axis by the models' logical axes
 (Megatron's split: attention by heads, the MLP by its hidden units, the vocabulary),
 composed with ZeRO-3 over every device, equals single-device training.
@@ -26,9 +26,9 @@ from equivalence import (
 )
 
 from hetjax.config import ConfigError
-from hetjax.runtime.grouped import GroupPages
+from hetjax.parallel.grouped import GroupPages
+from hetjax.parallel.zero import Zero3
 from hetjax.runtime.streaming import StreamingRuntime
-from hetjax.runtime.zero import Zero3
 from hetjax.train import train
 from models import build_model
 
@@ -75,7 +75,7 @@ def tp_config(data_parallel: int, tensor: int, tier: str = "host", **sections):
 # compute the same rows, so with S data devices both a stage's split weights' slice and
 # its dense pages (padded to a multiple of all devices) go over S. A step sends 2 blocks'
 # gradients, the embedding's twice (its input's backward and the tied head's) and the
-# head's (64 norm elements, no split weight: plain pages). Pages (runtime/tensor.py's
+# head's (64 norm elements, no split weight: plain pages). Pages (parallel/groupings.py's
 # layout, as in the device-cache comment below): a block's dense part 3,488 elements and
 # its split kernels 4,608 a model index, the embedding's positions 1,024 dense and its
 # vocabulary 4,096 a model index.
@@ -133,7 +133,7 @@ def test_tensor_parallel_llama_equals_single_device(references, tmp_path):
 @pytest.mark.parametrize("family", ["mixtral", "t5"])
 def test_tensor_parallel_moe_and_t5_equal_single_device(tmp_path, family):
     """The mixture-of-experts block (experts' MLPs split by their hidden units, the
-    router whole; its routed experts' slices copied, runtime/routed_tensor.py) and T5
+    router whole; its routed experts' slices copied, runtime/experts/routed_tensor.py) and T5
     (an encoder and a decoder group, relative position buckets whole) at tensor 2 equal
     one device's streaming run."""
     from test_moe import SHORT as MOE_SHORT
@@ -157,9 +157,9 @@ def _backward_hlos(config, names=("block_bwd",)) -> dict[str, str]:
     """The compiled HLO of the stage functions ``names`` (of ``block_bwd``, ``embed_bwd``,
     ``head_fwd_bwd``), each on its abstract arguments, the pages as the gather hands them
     over."""
-    runtime = StreamingRuntime(config, placement=Zero3(config))
+    runtime = StreamingRuntime(config, parallel=Zero3(config))
     try:
-        sds, zero, t = jax.ShapeDtypeStruct, runtime.placement, config.train
+        sds, zero, t = jax.ShapeDtypeStruct, runtime.parallel, config.train
         pages = lambda stage: zero.device_pages(runtime.layouts[stage], np.float32)
         rows = lambda dtype, *shape: sds(
             (t.micro_batch_size, t.seq_len, *shape), dtype, sharding=zero.sharded.batch
@@ -321,7 +321,7 @@ def test_formerly_refused_features_under_tensor_parallelism_equal_single_device(
             assert r["nvme_write_bytes"] == r["nvme_read_bytes"] == s["nvme_write_bytes"] > 0
     if feature == "device_cache":  # embed and block 0: 8 pages of 4,096 each (16 KiB fp32),
         # updated once per step and again in each step whose update was redone (counted so
-        # far). Pages by hand (runtime/tensor.py's layout at 2 x 2): a block's dense part, its
+        # far). Pages by hand (parallel/groupings.py's layout at 2 x 2): a block's dense part, its
         # q|k|v kernel 32 x 96, biases 96 + 32 + 128 + 32 and norms 4 x 32 (3,488), is one
         # page padded to 4 (one a device); its split kernels, 32 x 128 + 32 x 32 + 128 x 32,
         # are 4,608 a model index, 2 pages (a multiple of the 2 data devices), so 4; the

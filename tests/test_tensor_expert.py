@@ -2,10 +2,10 @@
 mesh (``distributed.expert_parallel`` and ``distributed.tensor_parallel`` both > 1).
 
 A block's experts are split over both axes (device (d, e, m) holds share d of expert
-group e's slice m: ``runtime/experts.py``'s ``ExpertTensorGrouping``), its attention
+group e's slice m: ``parallel/layouts.py``'s ``ExpertTensorGrouping``), its attention
 by model slice shared over data x expert (the layout's second part,
-``experts.expert_tensor_layout``), its norms and router dense pages; the embedding's and
-head's split weights by slice, shared over data x expert (``runtime/tensor.py``).
+``layouts.groupings``), its norms and router dense pages; the embedding's and
+head's split weights by slice, shared over data x expert (``parallel/groupings.py``).
 Training equals one device's (fp32, SGD, as the expert- and tensor-parallel tests
 compare: tests/test_moe.py, tests/test_tensor.py) and a checkpoint written on the 3-D
 mesh resumes on one device."""
@@ -20,8 +20,8 @@ from equivalence import assert_training_equal, assert_trees_close, check_tokens
 from test_moe import SGD, SHORT, TRAIN_MOE
 
 from hetjax import support
-from hetjax.runtime.grouped import GroupedSlabLayout, GroupPages
-from hetjax.runtime.zero import Zero3
+from hetjax.parallel.grouped import GroupedSlabLayout, GroupPages
+from hetjax.parallel.zero import Zero3
 from hetjax.train import train
 from models import build_model
 

@@ -10,7 +10,7 @@ import pytest
 from hetjax import timeline
 from hetjax.data import make_datasets
 from hetjax.metrics import step_record
-from hetjax.runtime.placement import live_bytes_by_kind
+from hetjax.parallel.single import live_bytes_by_kind
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
 
@@ -224,7 +224,7 @@ def test_trace_counts_the_bytes_each_copy_lane_moved(traced_run):
     # in whole pages (TINY_SLAB_ELEMS). All fp32.
     from conftest import tiny_config
 
-    from hetjax.runtime.placement import SingleDevice
+    from hetjax.parallel.single import SingleDevice
     from models import build_model
 
     workdir, _ = traced_run

@@ -1,5 +1,5 @@
 """A GPU's topology on a CPU (issue #19 item 7): the host optimizer on a second JAX
-client (``HETJAX_HOST_CLIENT=separate``, ``runtime/placement.py``), as on a GPU where it
+client (``HETJAX_HOST_CLIENT=separate``, ``parallel/single.py``), as on a GPU where it
 runs on the CPU client while the stages run on the GPU's. Every array between the
 optimizer and the "device" then crosses clients: gradients out, refreshed params back,
 the device cache's state, the republication after a poisoned step. The streaming
@@ -19,7 +19,7 @@ from equivalence import (
 )
 
 from hetjax import memory
-from hetjax.runtime.placement import HOST_CLIENT_ENV, Shardings
+from hetjax.parallel.single import HOST_CLIENT_ENV, Shardings
 from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.train import train
 from models import build_model
@@ -184,7 +184,7 @@ def test_jax_platforms_without_cpu_is_a_clear_error(monkeypatch):
     """On a GPU machine ``JAX_PLATFORMS=cuda`` hides the CPU backend the host optimizer
     needs: the error names the variable and the fix."""
     from hetjax.config import ConfigError
-    from hetjax.runtime import placement
+    from hetjax.parallel import single as placement
 
     def devices(backend=None):
         raise RuntimeError("Unknown backend cpu. Available backends are ['cuda']")
@@ -294,7 +294,7 @@ def test_boundaries_read_from_nvme_land_in_pinned_memory(tmp_path):
 
 
 # The stages the prefetch window copies to the device in a step of the 4-block model,
-# written from its definition (runtime/window.py): the uses are forward's blocks 0-3,
+# written from its definition (runtime/loop/window.py): the uses are forward's blocks 0-3,
 # then backward's recomputed ones in reverse (block 3 too, unless kept: a kept block's
 # backward uses its forward's vjp, not its params); a stage is copied for a use unless
 # it is resident or its device copy is still there, which it is only when its previous
@@ -385,7 +385,7 @@ def test_every_transfer_is_planned_and_counted(tiny, offload, copies, resident):
 @pytest.mark.parametrize("optimizer", ["host", pytest.param("nvme", marks=pytest.mark.slow)])
 def test_zero3_steps_have_no_implicit_transfers(tiny, optimizer):
     """ZeRO-3 over 2 devices: its scalars are put replicated, its batches as global
-    arrays, its pages by explicit copies (``runtime/zero.py``)."""
+    arrays, its pages by explicit copies (``parallel/zero.py``)."""
     from hetjax.train import build_runtime
 
     config = tiny(

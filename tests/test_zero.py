@@ -38,9 +38,9 @@ from hetjax.config import ConfigError
 from hetjax.config_values import parse_bytes
 from hetjax.data import make_datasets
 from hetjax.distributed import first_slurm_host, process_group
+from hetjax.parallel.zero import Zero3
 from hetjax.planning.auto import plan_auto
 from hetjax.runtime.streaming import StreamingRuntime
-from hetjax.runtime.zero import Zero3
 from hetjax.train import train
 from hetjax.types import Kind, StageSignature
 from models import build_model
@@ -284,11 +284,11 @@ def test_each_device_holds_and_updates_its_own_shard_of_the_state(tiny, offload)
         memory=PAGES,
         distributed=dict(data_parallel=2),
     )
-    runtime = StreamingRuntime(config, placement=Zero3(config))
+    runtime = StreamingRuntime(config, parallel=Zero3(config))
     try:
         data, _, _ = make_datasets(config)
         runtime.train_step(data.batch(0).reshape(1, 4, 17))
-        devices = set(runtime.placement.local_devices)
+        devices = set(runtime.parallel.local_devices)
         assert len(devices) == 2
         stages = runtime.device_stages or ("embed", "block0", "block1")
         for stage in stages:
@@ -335,7 +335,7 @@ def test_per_device_bytes_shrink_with_devices(tiny):
             memory=dict(page_size="4KiB"),
             distributed=dict(data_parallel=n),
         )
-        runtime = StreamingRuntime(config, placement=Zero3(config))
+        runtime = StreamingRuntime(config, parallel=Zero3(config))
         data, _, _ = make_datasets(config)
         runtime.train_step(data.batch(0).reshape(1, 4, 17))
         host[n] = runtime.ledger.peak["pinned_host"]
@@ -619,7 +619,7 @@ def test_across_processes_no_read_s_timing_decides_a_collective(tiny, monkeypatc
     is what holds everywhere (pages in RAM), never whether a disk read has landed (a
     2-process run with params on NVMe hung at step 1 when one process's read landed
     before the other's)."""
-    from hetjax.runtime.zero import ShardedParamStore, Zero3
+    from hetjax.parallel.zero import ShardedParamStore, Zero3
 
     class Landed:  # an NVMe store whose every read has landed
         def ready(self, stage):

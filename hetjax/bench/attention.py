@@ -19,8 +19,9 @@ def bench_attention(quick: bool) -> dict:
     interleaved rounds)."""
     import jax.numpy as jnp
 
-    from hetjax.runtime.placement import SingleDevice
-    from hetjax.runtime.stages import StageFunctions, stage_layouts
+    from hetjax.parallel.layouts import stage_layouts
+    from hetjax.parallel.single import SingleDevice
+    from hetjax.runtime.stages.functions import StageFunctions
     from models import build_model
 
     B, D, H, lengths, block = (2, 64, 4, (128, 256), 32) if quick else (1, 768, 12, (1024, 2048), 0)

@@ -19,8 +19,9 @@ def bench_keep(quick: bool) -> dict:
     for comparison. Functions are timed in interleaved rounds, the minimum of each."""
     import jax.numpy as jnp
 
-    from hetjax.runtime.placement import SingleDevice
-    from hetjax.runtime.stages import StageFunctions, stage_layouts
+    from hetjax.parallel.layouts import stage_layouts
+    from hetjax.parallel.single import SingleDevice
+    from hetjax.runtime.stages.functions import StageFunctions
     from models import build_model
 
     B, T, D, H = (2, 64, 64, 4) if quick else (1, 1024, 768, 12)

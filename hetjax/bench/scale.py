@@ -113,7 +113,7 @@ def _scale_attempt(spec: str) -> None:
                 disk_bytes_per_param=last["nvme_bytes"] / params,
                 moved_bytes_per_step_per_param=moved / params,
             )
-        # the accounted step's (the first: runtime/ledger.py)
+        # the accounted step's (the first: runtime/loop/ledger.py)
         accounted = [r["device_bytes_peak"] for r in run.records if "device_bytes_peak" in r]
         if accounted:
             out["device_bytes_peak"] = max(accounted)

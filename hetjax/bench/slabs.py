@@ -14,7 +14,7 @@ from hetjax.config import Config
 
 def bench_slabs(quick: bool) -> dict:
     """Host -> device time of one block's params as one slab vs as separate leaves."""
-    from hetjax.runtime.placement import Shardings
+    from hetjax.parallel.single import Shardings
     from hetjax.storage.pages import SlabLayout
     from models import build_model
 
@@ -65,14 +65,15 @@ def bench_slabs(quick: bool) -> dict:
 
 def _compiled_block(config: Config, quick: bool) -> dict:
     """A GPT block's forward and backward (recompute + vjp), compiled taking its params
-    as pages (``stages.stage_layouts``, ZeRO-3's) and as leaf buffers (the one-device
+    as pages (``layouts.stage_layouts``, ZeRO-3's) and as leaf buffers (the one-device
     placement's): XLA's temporary bytes and the concatenates in the optimized HLO (a
     weight cut out of the pages it spans, a copy at every use; the backward's also build
     the gradient's pages), in fp32 and bf16."""
     import jax.numpy as jnp
 
-    from hetjax.runtime.placement import SingleDevice
-    from hetjax.runtime.stages import StageFunctions, stage_layouts
+    from hetjax.parallel.layouts import stage_layouts
+    from hetjax.parallel.single import SingleDevice
+    from hetjax.runtime.stages.functions import StageFunctions
     from models import build_model
 
     B, T = (1, 64) if quick else (1, 128)

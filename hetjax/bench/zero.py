@@ -14,14 +14,14 @@ import numpy as np
 
 from hetjax.bench.common import _steady_step_time
 from hetjax.config import Config
-from hetjax.runtime.grouped import GroupedSlabLayout
+from hetjax.parallel.grouped import GroupedSlabLayout
 
 
 def _collectives(runtime) -> dict[str, int]:
     """Collective ops XLA compiled into a block's backward and a stage's all-gather."""
     B, sds = runtime.layouts["block"], jax.ShapeDtypeStruct
     t, D = runtime.config.train, runtime.config.model.d_model
-    zero = runtime.placement
+    zero = runtime.parallel
     pages = zero.device_pages(B, runtime.compute_dtype)
     x = sds((t.micro_batch_size, t.seq_len, D), runtime.compute_dtype, sharding=zero.sharded.batch)
     slab = sds(
@@ -102,7 +102,7 @@ def _block_tensor_bytes(runtime) -> dict[str, int]:
     collectives other than the ZeRO-3 reduce-scatter of the gradient."""
     B, sds = runtime.layouts["block"], jax.ShapeDtypeStruct
     t, D = runtime.config.train, runtime.config.model.d_model
-    zero = runtime.placement
+    zero = runtime.parallel
     pages = zero.device_pages(B, runtime.compute_dtype)
     x = sds((t.micro_batch_size, t.seq_len, D), runtime.compute_dtype, sharding=zero.sharded.batch)
     fwd = wire_bytes(runtime.fns.block_fwd.lower(pages, x).compile().as_text())
@@ -128,8 +128,8 @@ def bench_zero(quick: bool) -> dict:
     formula for this run's dtypes (two gathers in the compute dtype, a reduce-scatter
     in ``distributed.reduce_dtype``); and the median s/step. fp32 compute, then bf16
     with the reduce-scatter in fp32 and in bf16 (``reduce_dtype=compute``)."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.runtime.streaming import StreamingRuntime
-    from hetjax.runtime.zero import Zero3
     from hetjax.train import train
     from models import build_model
 
@@ -168,7 +168,7 @@ def bench_zero(quick: bool) -> dict:
             compute = np.dtype(config.model.compute_dtype).itemsize
             ops = {}
             if p > 1:
-                runtime = StreamingRuntime(config, placement=Zero3(config))
+                runtime = StreamingRuntime(config, parallel=Zero3(config))
                 ops = _collectives(runtime)
                 runtime.close()
             grad = compute if reduce == "compute" else 4
@@ -216,7 +216,7 @@ MESHES = ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2))
 
 def _split_params(runtime) -> int:
     """Params of the weights tensor parallelism splits over the ``model`` axis (the
-    grouped leaves of each stage's layout, ``runtime/tensor.py``), every block's."""
+    grouped leaves of each stage's layout, ``parallel/groupings.py``), every block's."""
     count = {"embed": 1, "head": 1, **{g.name: g.num_layers for g in runtime.fns.model.groups}}
     return sum(
         part.layout.size * part.groups * count[name]
@@ -247,8 +247,8 @@ def _tensor_rows(base: Config, dp_rows: list[dict], steps: int, skip: int) -> li
     forward all-reduces its attention's and its MLP's output, its backward their input
     gradients, each 2(t-1)/t x the device's (b, T, D) activation bytes (b its data
     group's rows); a streamed block's backward recomputes its forward, two more."""
+    from hetjax.parallel.zero import Zero3
     from hetjax.runtime.streaming import StreamingRuntime
-    from hetjax.runtime.zero import Zero3
     from hetjax.train import train
     from models import build_model
 
@@ -270,7 +270,7 @@ def _tensor_rows(base: Config, dp_rows: list[dict], steps: int, skip: int) -> li
                 last = run.records[-1]
                 zero = last.get("all_gather_bytes", 0) + last.get("reduce_scatter_bytes", 0)
                 step_s = _steady_step_time(run.records, skip)
-                runtime = StreamingRuntime(config, placement=Zero3(config))
+                runtime = StreamingRuntime(config, parallel=Zero3(config))
                 tp = _block_tensor_bytes(runtime)
                 split = _split_params(runtime)
                 runtime.close()

@@ -172,9 +172,10 @@ def working_set(
 
     from hetjax.config import load_config
     from hetjax.config_values import format_bytes
+    from hetjax.parallel.layouts import stage_layouts
+    from hetjax.parallel.single import SingleDevice
     from hetjax.planning.workload import Workload
-    from hetjax.runtime import stages
-    from hetjax.runtime.placement import SingleDevice
+    from hetjax.runtime.stages import functions as stages
     from models import build_model
 
     for n in (1, 4):
@@ -186,7 +187,7 @@ def working_set(
             "offload.batch_chunks": str(n),
         })  # fmt: skip
         model = build_model(config.model)
-        layouts = stages.stage_layouts(model, config.memory.page_size, leaf_buffers=True)
+        layouts = stage_layouts(model, config.memory.page_size, leaf_buffers=True)
         fns = stages.StageFunctions(
             model, layouts, SingleDevice(),
             block_grad_dtype=jnp.bfloat16, batch_chunks=n,

@@ -65,7 +65,7 @@ def placement(report: Report, run: Run) -> None:
     import jax
     import numpy as np
 
-    from hetjax.runtime.placement import Shardings
+    from hetjax.parallel.single import Shardings
 
     place = Shardings.single_device()
     x = np.random.default_rng(0).standard_normal(4 << 20).astype(np.float32)
@@ -103,7 +103,7 @@ def bandwidth(report: Report, run: Run) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from hetjax.runtime.placement import Shardings
+    from hetjax.parallel.single import Shardings
 
     place = Shardings.single_device()
     nbytes = (256 << 20) if run.quick else (2 << 30)
@@ -190,7 +190,7 @@ def overlap(report: Report, run: Run) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from hetjax.runtime.placement import Shardings
+    from hetjax.parallel.single import Shardings
 
     place = Shardings.single_device()
     cpu = jax.devices()[0].platform == "cpu"  # the code path only: a CPU has no copy engines

@@ -15,7 +15,7 @@ import optax
 
 from hetjax.config import OptimizerConfig
 from hetjax.optimizer.moments import low_precision
-from hetjax.optimizer.state_format import moment_format
+from hetjax.state_format import moment_format
 from hetjax.storage.pages import weight_decay_mask
 from hetjax.types import MASTER
 

@@ -1,7 +1,7 @@
 """Deferred updates: the optimizer state of experts that got no token stays on disk.
 
 A streamed mixture-of-experts block copies only its routed experts to the device
-(``runtime/routed.py``); the other experts' gradient is zero. With AdamW an expert with a
+(``runtime/experts/routed.py``); the other experts' gradient is zero. With AdamW an expert with a
 zero gradient still moves (its moments decay, its momentum and weight decay change its
 params), so skipping its update would change training. Deferring it does not: the update
 of a page whose gradient is zero depends only on the page's state and the step's
@@ -12,7 +12,7 @@ caught up before anything reads it:
 
 * the forward of a micro-batch that routes a token to its expert (the host learns the
   routing from the router, then catches the routed experts' pages up before copying
-  them in: ``runtime/blocks.py``'s ``Routed._route``);
+  them in: ``runtime/loop/blocks.py``'s ``Routed._route``);
 * its stage's next update that touches it (in RAM, before the update);
 * a checkpoint, the final params, an export (``StreamingRuntime.flush_deferred``).
 
@@ -24,8 +24,8 @@ steps is read and written once when caught up, instead of k times.
 
 Where: streamed stages of a routed block with their state on NVMe (not cached in RAM),
 the native Adam/AdamW kernel, ``optimizer.mode=sync``, one device, data, expert or tensor
-parallelism (each process defers its own pages: ``runtime/routed_zero.py``,
-``runtime/routed_tensor.py``). Elsewhere every page is updated every step, as before.
+parallelism (each process defers its own pages: ``runtime/experts/routed_zero.py``,
+``runtime/experts/routed_tensor.py``). Elsewhere every page is updated every step, as before.
 
 :class:`Deferred` is the bookkeeping, kept by the optimizer loop's thread (the runtime's
 thread only calls :meth:`Deferred.defer`): how many updates each stage has committed, how

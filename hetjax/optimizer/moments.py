@@ -5,7 +5,7 @@ reads, updates them as in fp32 and rounds what it keeps (``state_format.py`` say
 each kind is stored). Two formats besides fp32:
 
 * ``bfloat16``: rounded to nearest even (XLA's convert, ml_dtypes' ``astype``).
-* ``int8``, blockwise: each block of :data:`~hetjax.optimizer.state_format.INT8_BLOCK`
+* ``int8``, blockwise: each block of :data:`~hetjax.state_format.INT8_BLOCK`
   elements keeps its absolute maximum as an fp32 scale and each element the index of the
   nearest entry of a logarithmic code of the value divided by that scale, ties to the
   smaller magnitude (dynamic quantisation, as 8-bit optimizers do: Dettmers et al.,
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetjax.optimizer.state_format import INT8_BLOCK, KindFormat
+from hetjax.state_format import INT8_BLOCK, KindFormat
 
 F32 = jnp.float32
 UNSIGNED_KINDS = ("nu",)  # moments that are never negative (Adam's second moment)

@@ -32,7 +32,7 @@ import numpy as np
 
 from hetjax.config import NATIVE_OPTIMIZERS
 from hetjax.optimizer.moments import Int8Blocks
-from hetjax.optimizer.state_format import INT8_BLOCK, KindFormat, StateFormat
+from hetjax.state_format import INT8_BLOCK, KindFormat, StateFormat
 from hetjax.types import MASTER
 
 TARGET = "hetjax_adam"

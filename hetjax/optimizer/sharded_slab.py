@@ -1,7 +1,7 @@
 """Optimizer state on a process's devices, each device holding and updating its own pages.
 
 Under ZeRO-3 a process drives several devices and updates the pages of all of them
-(``runtime/zero.py``: a contiguous page range of every stage). With its optimizer state
+(``parallel/zero.py``: a contiguous page range of every stage). With its optimizer state
 in device memory (``offload.optimizer=device``, or the device cache of
 ``offload.optimizer_device_stages``), each device keeps its own pages' state: a kind's
 slab is one global array over the process's devices (``NamedSharding``, split on its

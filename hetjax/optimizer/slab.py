@@ -39,7 +39,7 @@ import optax
 from hetjax.config import OptimizerConfig
 from hetjax.optimizer import moments, native
 from hetjax.optimizer.build import base_optimizer, learning_rate_schedule, state_kind_name
-from hetjax.optimizer.state_format import StateFormat, state_format
+from hetjax.state_format import StateFormat, state_format
 from hetjax.storage.pages import (
     GradPages,
     SlabLayout,

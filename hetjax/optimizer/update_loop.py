@@ -1,7 +1,7 @@
 """The host optimizer loop: a background thread that updates stages as gradients arrive.
 
 **Synchronous mode** (``optimizer.mode=sync``, the default). During the last
-micro-batch's backward the step's gradient thread (``runtime/grads.py``) hands each
+micro-batch's backward the step's gradient thread (``runtime/loop/grads.py``) hands each
 stage's final gradient to :meth:`UpdateLoop.submit` the moment it reaches the host (as
 the pages it landed in, when nothing had to be summed), in backward order (head,
 block L-1 .. block 0, embed). The thread reads the stage's state ahead (the next

@@ -111,7 +111,7 @@ def lanes(
     # each device copies in its share of the stored block (expert parallelism: every
     # expert's), then gathers the rest of what it computes with from the others
     Ps, Pg = w.stored_block, w.gathered_block(n)
-    # expert-aware streaming (runtime/routed.py): the streamed blocks that recompute copy
+    # expert-aware streaming (runtime/experts/routed.py): the streamed blocks that recompute copy
     # only their routed experts; kept and swapped blocks copy them all. The disk still
     # reads whole blocks. In forward the routed experts' copy waits for the routing (a
     # host sync), so the device waits for it: ``serial_f``; backward's is known ahead.

@@ -238,7 +238,7 @@ def measure_transfer(nbytes: int = 64 << 20, page: int = 4 << 20) -> tuple[float
     one ``device_put``, the way the streaming runtime moves slabs."""
     import jax
 
-    from hetjax.runtime.placement import Shardings
+    from hetjax.parallel.single import Shardings
 
     place = Shardings.single_device()
     pages = [np.ones(page // 4, np.float32) for _ in range(nbytes // page)]
@@ -310,7 +310,7 @@ def slab_optimizer(n: int, compute_dtype: str, page_elems: int = 1 << 20, kernel
 
     from hetjax.config import OptimizerConfig
     from hetjax.optimizer.slab import SlabOptimizer
-    from hetjax.runtime.placement import Shardings
+    from hetjax.parallel.single import Shardings
     from hetjax.storage.pages import Leaf, SlabLayout
 
     layout = SlabLayout(

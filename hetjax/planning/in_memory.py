@@ -1,9 +1,9 @@
 """``offload.mode=none`` as the planner sees it on a data x expert x model mesh: what one
 device holds and what its step sends (``runtime/in_memory.py``, whose state
-``runtime/in_memory_mesh.py`` places).
+``parallel/in_memory.py`` places).
 
 Each param leaf is split as the runtime splits it: its logical axes under the streaming
-runtime's rules (``in_memory_mesh.leaf_specs``, the one table both read): under tensor
+runtime's rules (``parallel/rules.py``'s ``leaf_specs``, the one table both read): under tensor
 parallelism M attention by heads, the MLP by its hidden units and the vocabulary 1/M a
 device, under expert parallelism X the stacked experts 1/X, every other leaf whole, and
 every leaf whole over ``data``. The fp32 gradients and the optimizer state mirror the
@@ -24,10 +24,9 @@ import math
 import jax
 
 from hetjax.config import Config
-from hetjax.distributed import BATCH_AXES, DATA_AXIS, EXPERT_AXIS, MODEL_AXIS
 from hetjax.memory_host import in_memory_parts
+from hetjax.parallel.rules import BATCH_AXES, DATA_AXIS, EXPERT_AXIS, MODEL_AXIS, leaf_specs
 from hetjax.planning.workload import Workload, memory_sizes
-from hetjax.runtime.in_memory_mesh import leaf_specs
 from models import build_model
 
 
@@ -75,7 +74,7 @@ def mesh_share(config: Config, devices: int = 1, tensor: int = 1) -> MeshShare:
 def model_group_in_process(devices: int, tensor: int) -> bool:
     """Whether a model group of ``tensor`` devices lies within one process of a run on
     ``devices`` (split evenly over ``jax.process_count()``): offload.mode=none's model
-    group shares its rows, which one process reads (``in_memory_mesh._check_processes``).
+    group shares its rows, which one process reads (``parallel.in_memory._check_processes``).
     A plan from a profile is one process's."""
     return (devices // jax.process_count()) % tensor == 0
 

@@ -16,7 +16,7 @@ runtimes implement and returns the fastest :class:`Plan` that fits every tier:
   kept resident on the device (fewer copies) and blocks that keep their in-block
   activations from forward to backward instead of recomputing them
   (``offload.keep_blocks``: Fuyou's swap-instead-of-recompute), all of them or only
-  those of the best swap benefit factor (``offload.keep_level``, hetjax/runtime/remat.py),
+  those of the best swap benefit factor (``offload.keep_level``, hetjax/runtime/stages/remat.py),
   and, with the optimizer on the host or NVMe, a device cache of the optimizer state of
   the first stages (``offload.optimizer_device_stages``, Angel-PTM section 4.2): the
   stages the device memory left after everything else holds, updated there at device

@@ -4,7 +4,7 @@ model group's devices, and why a plan takes the split it takes (printed by ``--p
 on several devices).
 
 Under tensor parallelism M a device holds a block's dense pages and only its 1/M slice
-of the split weights (``runtime/tensor.py``: the planner takes the sizes from the same
+of the split weights (``parallel/groupings.py``: the planner takes the sizes from the same
 layouts, ``Workload.from_config(..., tensor=M)``), computes 1/M of its data group's
 rows' heads and MLP units, and holds that data group's boundaries; its blocks
 all-reduce their attention's and MLP's outputs besides ZeRO-3's gathers (priced in the
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def tensor_degrees(config: Config, devices: int) -> list[int]:
     """The tensor-parallel degrees a plan of ``config`` on ``devices`` devices may take:
     each divisor t of the device count that splits the model as the rules split it
-    (``distributed.TENSOR_PARALLEL_RULES``: t divides the heads, the key/value heads,
+    (``parallel/rules.py``: t divides the heads, the key/value heads,
     the MLP's hidden units and the vocabulary) and leaves the micro-batch's rows
     dividing over the devices/t data groups (1 alone where none does: the runtime then
     says why). The planner plans tensor parallelism for the zoo's blocks (GPT, Llama,

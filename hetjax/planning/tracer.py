@@ -12,9 +12,9 @@ import numpy as np
 
 from hetjax.config import SWAP_LEVELS, Config
 from hetjax.memory import block_grad_dtype
+from hetjax.parallel.single import Shardings, SingleDevice
 from hetjax.planning.workload import Workload, kept_key
-from hetjax.runtime.placement import Shardings, SingleDevice
-from hetjax.runtime.stages import StageFunctions
+from hetjax.runtime.stages.functions import StageFunctions
 from models import build_model
 
 
@@ -126,18 +126,18 @@ def measure_on_mesh(config: Config, devices: int, tensor: int, levels) -> dict:
     is needed, or this process has fewer devices (then estimated from the one
     device's measurement)."""
     # (imported here: the runtime's ZeRO-3 placement is needed by this measurement only)
-    from hetjax.runtime.zero import Zero3
+    from hetjax.parallel.zero import Zero3
 
     G = config.distributed.expert_parallel
     if (tensor == 1 and G == 1) or jax.device_count() < devices or jax.process_count() > 1:
         return {}
     dist = dict(data_parallel=devices // (tensor * G), tensor_parallel=tensor, expert_parallel=G)
     run = config.replace(distributed=dist)
-    placement = Zero3(run)
-    layouts = placement.stage_layouts(build_model(run.model), config.memory.page_size)
-    compute_model = build_model(run.model, placement.expert_axis)
+    parallel = Zero3(run)
+    layouts = parallel.stage_layouts(build_model(run.model), config.memory.page_size)
+    compute_model = build_model(run.model, parallel.expert_axis)
     fns = StageFunctions(
-        compute_model, layouts, placement, block_grad_dtype=block_grad_dtype(run),
+        compute_model, layouts, parallel, block_grad_dtype=block_grad_dtype(run),
         kept_blocks=False, batch_chunks=run.offload.batch_chunks,
     )  # fmt: skip
     t, dtype = run.train, jnp.dtype(run.model.compute_dtype)

@@ -12,15 +12,16 @@ import jax.numpy as jnp
 from hetjax import support
 from hetjax.config import Config, ConfigError
 from hetjax.data import decoder_length
-from hetjax.distributed import DATA_AXIS, EXPERT_AXIS, MODEL_AXIS, TENSOR_PARALLEL_RULES
 from hetjax.memory import Sizes, block_grad_dtype, grad_policy, zero3_scatter_bytes
 from hetjax.optimizer.deferred import deferrable
-from hetjax.optimizer.state_format import StateFormat, state_format
+from hetjax.parallel.grouped import GroupedSlabLayout, axes_of, scattered_elements
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.rules import DATA_AXIS, EXPERT_AXIS, MODEL_AXIS
 from hetjax.planning.hardware import Hardware
-from hetjax.runtime import remat, stages
-from hetjax.runtime.grouped import GroupedSlabLayout, axes_of, scattered_elements
-from hetjax.runtime.routed import expert_leaves
-from hetjax.runtime.stages import stage_layouts
+from hetjax.runtime.experts.routed import expert_leaves
+from hetjax.runtime.stages import remat
+from hetjax.runtime.stages.measure import context_bytes
+from hetjax.state_format import StateFormat, state_format
 from models import attention, build_model
 from models.llama import split_experts
 from models.staged import row_flops
@@ -77,7 +78,7 @@ class Workload:
     # Block FLOPs and stage times are then means over every block, the kept activations
     # the largest group's
     groups: tuple[tuple[str, int, int], ...] = ()
-    context: int = 0  # device bytes of the groups' contexts (stages.context_bytes)
+    context: int = 0  # device bytes of the groups' contexts (stages/measure.py)
     # Expert parallelism: the whole block slab the devices store (every expert; ZeRO-3
     # gives each 1/devices of it) and what one block's gather brings a device from the
     # others (the dense pages' (n-1)/n, its experts' share of their group's); 0: none,
@@ -102,7 +103,7 @@ class Workload:
     deferred_expert_updates: bool = False
     # offload.batch_chunks: the chunks of rows ``working_set`` is for (the config's), and
     # the working set at each other chunk count the planner may choose (a divisor of a
-    # device's rows; empty where the blocks' rows are not independent, runtime/chunks.py)
+    # device's rows; empty where the blocks' rows are not independent, runtime/stages/chunks.py)
     batch_chunks: int = 1
     chunked_working_sets: dict[int, int] = dataclasses.field(default_factory=dict)
     page_elems: int = 0  # elements a page of the slabs (0: not known)
@@ -232,7 +233,7 @@ class Workload:
         tensor: int = 1,
     ) -> Workload:
         """From abstract shapes only (``jax.eval_shape``): nothing is allocated.
-        ``sizes``: a measured :class:`hetjax.runtime.stages.StageMemory`, else estimated.
+        ``sizes``: a measured :class:`~hetjax.runtime.stages.measure.StageMemory`, else estimated.
         ``devices``: data-parallel devices sharing the batch (per-device sizes), of which
         ``distributed.expert_parallel`` split a mixture of experts' experts.
         ``backend``: the XLA backend the stage functions would compile for ("cpu",
@@ -259,10 +260,7 @@ class Workload:
         # to the largest block, a multiple of the devices': ZeRO-3 shards; the experts in
         # groups)
         mesh = {DATA_AXIS: devices // (G * tensor), EXPERT_AXIS: G, MODEL_AXIS: tensor}
-        rules = {"rules": TENSOR_PARALLEL_RULES} if tensor > 1 else {}
-        layouts = stage_layouts(
-            model, config.memory.page_size, devices, G, tensor_parallel=tensor, **rules
-        )
+        layouts = stage_layouts(model, config.memory.page_size, devices, G, tensor_parallel=tensor)
         embed, head = layouts["embed"].padded_size, layouts["head"].padded_size
         # the block params a device computes with (a MoE's: its E/G experts), each group's
         used = {g.name: count(shapes[g.key]) // g.num_layers for g in model.groups}
@@ -330,7 +328,7 @@ class Workload:
                     kept[level] = max(kept.get(level, 0), n)
             working = estimate(n_chunks)
             boundary = group_rows * T * D * c
-            context = stages.context_bytes(model, b, T)
+            context = context_bytes(model, b, T)
         else:
             kept, working, boundary = sizes.kept, sizes.working_set, sizes.boundary
             if sizes.grad_shards == 1:  # measured at a device's rows: the data group's
@@ -583,7 +581,7 @@ def estimate_working_set(
     also picks the attention (:func:`block_attention`); ``attentions``: a block's
     attention layers (a T5 decoder block's two hold two score matrices). ``chunks``:
     the recomputed blocks and the head run the micro-batch in that many chunks of rows
-    (``offload.batch_chunks``, ``runtime/chunks.py``): their activation terms are one
+    (``offload.batch_chunks``, ``runtime/stages/chunks.py``): their activation terms are one
     chunk's, their param terms unchanged (the gradients summed in place); x / dx stay
     the whole micro-batch's. Checked against the compiled chunked stages by
     tests/test_planner.py."""

@@ -3,7 +3,7 @@ and one jitted step with gradient accumulation. It is the reference every offloa
 is tested against, so it is kept plain.
 
 On a mesh (``distributed.*`` != 1) the state is placed by the streaming runtime's
-logical-axis rules (``in_memory_mesh.py``) and the one jitted step computes under those
+logical-axis rules (``parallel/in_memory.py``) and the one jitted step computes under those
 shardings, XLA's partitioner (GSPMD) adding the collectives:
 
 * data parallelism (``distributed.data_parallel`` != 1, any number of processes): the
@@ -12,7 +12,7 @@ shardings, XLA's partitioner (GSPMD) adding the collectives:
 * tensor parallelism (``distributed.tensor_parallel`` M > 1, with data parallelism a
   data x model mesh): params and optimizer state split over the ``model`` axis as
   Megatron splits them (attention by heads, the MLP by its hidden units, the
-  vocabulary: ``distributed.TENSOR_PARALLEL_RULES``), whole over ``data``; the rows
+  vocabulary: ``parallel/rules.py``), whole over ``data``; the rows
   split over the data axis, the M devices of a model group computing on the same rows;
 * expert parallelism (``distributed.expert_parallel`` X > 1, a mixture of experts): each
   block's stacked experts split over the ``expert`` axis, the rest replicated, the rows
@@ -42,8 +42,8 @@ from hetjax.data import split_window, window_length
 from hetjax.hf import open_checkpoint
 from hetjax.optimizer.build import build_optimizer, optax_tree_slots
 from hetjax.optimizer.moments import decode_state, encode_state
-from hetjax.optimizer.state_format import moment_format
-from hetjax.runtime.in_memory_mesh import MeshPlacement, put, whole
+from hetjax.parallel.in_memory import MeshShardings, put, whole
+from hetjax.state_format import moment_format
 from hetjax.types import MASTER, LossScale, RuntimeState, StepReport
 from models import build_model
 
@@ -57,7 +57,7 @@ class TrainState:
 
 
 class InMemoryRuntime:
-    """The whole state on the default device, or on a mesh as ``MeshPlacement`` places
+    """The whole state on the default device, or on a mesh as ``MeshShardings`` places
     it; one jitted step with gradient accumulation."""
 
     def __init__(self, config: Config, params: Any | None = None):
@@ -69,31 +69,31 @@ class InMemoryRuntime:
         fp16 = config.model.compute_dtype == "float16"
         t = config.train
         loss_scale = LossScale.create(t.loss_scale_init, t.loss_scale_period) if fp16 else None
-        # on a mesh: each leaf split as the logical-axis rules say (in_memory_mesh.py),
+        # on a mesh: each leaf split as the logical-axis rules say (parallel/in_memory.py),
         # the rows split over the batch axes (a training batch's second axis, an
         # evaluation batch's first); None: everything on the default device
-        self.placement = placement = None
+        self.mesh_shardings = mesh = None
         shapes = jax.eval_shape(self.model.init, rng)
         self.tx = build_optimizer(config.optimizer, config.train.steps, shapes)
         if config.distributed.sharded:
-            self.placement = placement = MeshPlacement.of(config, self.model, self.tx)
-        # initialised straight into the placement (the same values on any split: JAX's
+            self.mesh_shardings = mesh = MeshShardings.of(config, self.model, self.tx)
+        # initialised straight into its shardings (the same values on any split: JAX's
         # random bits do not depend on the sharding)
-        param_shardings = placement.params if placement else None
+        param_shardings = mesh.params if mesh else None
         if params is None:
             params = jax.jit(self.model.init, out_shardings=param_shardings)(rng)
-        elif placement:
-            params = put(params, placement.params)
+        elif mesh:
+            params = put(params, mesh.params)
         else:
             params = jax.device_put(params)
-        opt_shardings = placement.opt_state if placement else None
+        opt_shardings = mesh.opt_state if mesh else None
         opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
         self.state = TrainState(jnp.int32(0), params, opt_state, loss_scale)
         self._shardings = self._replicated = self._rows = self._eval_rows = None
-        if placement:
-            self._shardings = placement.state(self.state)
-            self._replicated, self._rows = placement.replicated, placement.rows
-            self._eval_rows = placement.eval_rows
+        if mesh:
+            self._shardings = mesh.state(self.state)
+            self._replicated, self._rows = mesh.replicated, mesh.rows
+            self._eval_rows = mesh.eval_rows
             self.state = self.state.replace(
                 step=put(self.state.step, self._replicated),
                 loss_scale=put(loss_scale, self._shardings.loss_scale),
@@ -107,7 +107,7 @@ class InMemoryRuntime:
             seq_len=T,
             grad_shardings=param_shardings,
         )
-        out_shardings = (self._shardings, self._replicated) if placement else None
+        out_shardings = (self._shardings, self._replicated) if mesh else None
         self._step = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
         self._eval = jax.jit(lambda p, b: self.model.loss(p, *split_window(objective, b, T)))
 
@@ -236,7 +236,7 @@ class InMemoryRuntime:
             ),
             loss_scale=loss_scale,
         )
-        self.state = put(state, self._shardings) if self.placement else state
+        self.state = put(state, self._shardings) if self.mesh_shardings else state
 
 
 def step_fn(

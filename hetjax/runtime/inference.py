@@ -30,9 +30,9 @@ from hetjax import memory
 from hetjax.config import Config
 from hetjax.config_values import format_bytes
 from hetjax.memory import window_wait_lag
-from hetjax.runtime.placement import SingleDevice
+from hetjax.parallel.single import SingleDevice
+from hetjax.runtime.loop.window import PrefetchWindow
 from hetjax.runtime.setup import layout_name, progress
-from hetjax.runtime.window import PrefetchWindow
 from hetjax.storage.iopool import SlabPool
 from hetjax.storage.nvme import check_nvme_path
 from hetjax.storage.pages import SlabLayout
@@ -120,9 +120,9 @@ class InferenceRuntime:
     def __init__(self, config: Config, state=None, workdir=None):
         self.config = config
         off, mem = config.offload, config.memory
-        self.placement = SingleDevice()
+        self.parallel = SingleDevice()
         self.model = model = build_model(config.model)
-        self.layouts = self.placement.stage_layouts(model, mem.page_size)
+        self.layouts = self.parallel.stage_layouts(model, mem.page_size)
         self.dtype = jnp.dtype(config.model.compute_dtype)
         self.groups = [[g.stage(i) for i in range(g.num_layers)] for g in model.groups]
         self.block_names = [n for names in self.groups for n in names]
@@ -146,9 +146,9 @@ class InferenceRuntime:
         if isinstance(self.param_store, NvmeParamStore):
             self.param_store.wait()  # every write landed: nothing held in RAM
         self.param_store.commit()
-        to = self.placement.to_device
+        to = self.parallel.to_device
         self.resident = {n: to(self.param_store.get(n), self.layouts[n]) for n in ("embed", "head")}
-        accelerator = self.placement.shardings.pinned_staging() is not None
+        accelerator = self.parallel.shardings.pinned_staging() is not None
         self._lag = window_wait_lag(accelerator)
 
     @property
@@ -159,7 +159,7 @@ class InferenceRuntime:
         """The param store of ``offload.params``: host RAM, or one generation of NVMe
         files (checked for their bytes) under ``memory.nvme_path``, the workdir's
         ``nvme/inference`` or a temporary directory."""
-        shardings = self.placement.shardings
+        shardings = self.parallel.shardings
         views = LeafViews(self.layouts) if self.layouts["embed"].leaf_buffers else None
         if self.config.offload.params != "nvme":
             return HostParamStore(shardings.host, views)
@@ -188,7 +188,7 @@ class InferenceRuntime:
         )  # fmt: skip
 
     def _to_device(self, stage: str, slab):
-        return self.placement.to_device(slab, self.layouts[layout_name(stage)])
+        return self.parallel.to_device(slab, self.layouts[layout_name(stage)])
 
     def stream_blocks(self, step, carry, group: int | None = None):
         """Folds ``carry = step(index, pages, carry)`` over the blocks of stage group

@@ -20,9 +20,9 @@ from hetjax.memory import DeviceCache, Sizes, grad_policy
 from hetjax.memory_host import HostMemoryPlan, nvme_parts
 from hetjax.optimizer import moments
 from hetjax.optimizer.slab import SlabOptimizer
-from hetjax.optimizer.state_format import StateFormat
 from hetjax.placement import Placement
-from hetjax.runtime.stages import StageMemory
+from hetjax.runtime.stages.measure import StageMemory
+from hetjax.state_format import StateFormat
 from hetjax.storage.gradients import GradientStore
 from hetjax.storage.iopool import SlabPool
 from hetjax.storage.nvme import check_nvme_path
@@ -230,7 +230,7 @@ def make_boundary_swap(
     config: Config,
     nvme_dir: Path | None,
     boundary: jax.ShapeDtypeStruct,
-    placement,
+    parallel,
     stripes: Stripes | None = None,
 ) -> BoundarySwap | None:
     """The NVMe swap of boundary activations (``offload.activations=nvme``): of this
@@ -239,7 +239,7 @@ def make_boundary_swap(
     if config.offload.activations != "nvme" or not slots:
         return None
     itemsize = jnp.dtype(boundary.dtype).itemsize
-    rows = boundary.shape[0] * placement.local_share
+    rows = boundary.shape[0] * parallel.local_share
     return BoundarySwap(
         nvme_dir / "activations",
         slots,
@@ -247,7 +247,7 @@ def make_boundary_swap(
         boundary.dtype,
         chunk_elems=config.memory.page_size // itemsize,
         depth=memory.IO_READAHEAD,
-        stage_to=placement.swap_staging(),
+        stage_to=parallel.swap_staging(),
         stripes=stripes,
     )
 
@@ -341,7 +341,7 @@ class Stores:
     nvme_dir: Path | None
     temporary: bool  # the NVMe directory is a temporary one, removed at close
     states: Any  # StateStore
-    params: Any  # ParamStore, as the placement hands stages out
+    params: Any  # ParamStore, as the parallelism hands stages out
     grads: GradientStore
     swap: BoundarySwap | None
     residual_swap: ResidualSwap | None = None  # swapped activations on NVMe
@@ -356,7 +356,7 @@ def build_stores(
     offload: Placement,
     host: HostMemoryPlan,
     layouts: dict[str, SlabLayout],
-    placement,
+    parallel,
     device_stages: tuple[str, ...],
     boundary: jax.ShapeDtypeStruct,
     workdir,
@@ -364,7 +364,7 @@ def build_stores(
     """The NVMe directory (checked against what the memory model puts there) and every
     store of the run's tiers (the optimizer state in ``sizes.state_format``)."""
     nvme_dir, temporary, stripes = nvme_directory(
-        config, sizes, offload, host, workdir, placement.nvme_subdir
+        config, sizes, offload, host, workdir, parallel.nvme_subdir
     )
     page_elems = layouts["embed"].page_elems  # every stage's
     pages = stage_pages(sizes, offload, page_elems)
@@ -372,19 +372,21 @@ def build_stores(
     views = LeafViews(layouts) if layouts["embed"].leaf_buffers else None
     slabs = SlabPool(host.param_slabs + host.kept_params + host.published)  # as planned
     states, params = make_stores(
-        config, nvme_dir, pages, page_elems, sizes.state_format, host, placement.shardings,
+        config, nvme_dir, pages, page_elems, sizes.state_format, host, parallel.shardings,
         device_stages,
         views, slabs, stripes,
     )  # fmt: skip
-    on_nvme = config.offload.params == "nvme"
+    # the NVMe store under the device cache's split (``make_stores``), where params are there
+    base = params.base if isinstance(params, SplitParamStore) else params
+    nvme_params = base if config.offload.params == "nvme" else None
     return Stores(
         nvme_dir=nvme_dir,
         temporary=temporary,
         states=states,
-        params=placement.param_store(params, layouts, on_nvme),
+        params=parallel.param_store(params, nvme_params, layouts, device_stages),
         grads=make_grad_store(config, host, sizes, page_elems, nvme_dir, stripes),
-        swap=make_boundary_swap(config, nvme_dir, boundary, placement, stripes),
-        residual_swap=make_residual_swap(config, sizes, offload, nvme_dir, placement, stripes),
+        swap=make_boundary_swap(config, nvme_dir, boundary, parallel, stripes),
+        residual_swap=make_residual_swap(config, sizes, offload, nvme_dir, parallel, stripes),
         param_buffers=slabs,
     )
 
@@ -394,7 +396,7 @@ def make_residual_swap(
     sizes: Sizes,
     offload: Placement,
     nvme_dir: Path | None,
-    placement,
+    parallel,
     stripes: Stripes | None = None,
 ) -> ResidualSwap | None:
     """The NVMe swap of the swapped blocks' activations (``offload.swap_tier=nvme``):
@@ -404,9 +406,9 @@ def make_residual_swap(
     return ResidualSwap(
         nvme_dir / "swapped",
         offload.swap_blocks,
-        int(sizes.swap_bytes(offload.swap_level) * placement.local_share),
+        int(sizes.swap_bytes(offload.swap_level) * parallel.local_share),
         chunk_bytes=config.memory.page_size,
         depth=memory.IO_READAHEAD,
-        stage_to=placement.swap_staging(),
+        stage_to=parallel.swap_staging(),
         stripes=stripes,
     )

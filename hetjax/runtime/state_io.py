@@ -11,8 +11,8 @@ import jax
 import numpy as np
 
 from hetjax.checkpoint_state import StagePart, StateSource, StoredState
-from hetjax.optimizer.state_format import MASTER_DTYPE, StateFormat
 from hetjax.runtime.setup import layout_name
+from hetjax.state_format import MASTER_DTYPE, StateFormat
 from hetjax.storage.pages import SlabLayout
 from hetjax.types import MASTER, RuntimeState, StateStore, stages_tree
 

@@ -21,16 +21,16 @@ How each block runs is its strategy's (``blocks.py``: recomputed, routed, swappe
 kept, and each group's input), holding its own state from forward to backward; the
 per-layer loop walks the schedule worked out at start-up (``schedule.py``: each block's
 kind and uses of the window). The runtime's parts (stores, plans, update loop,
-strategies) are built in order by ``parts.assemble``.
+strategies) are built in order by ``assemble.assemble``.
 
-The access order is known, so :class:`~hetjax.runtime.window.PrefetchWindow` copies the
+The access order is known, so :class:`~hetjax.runtime.loop.window.PrefetchWindow` copies the
 next ``offload.prefetch_depth`` slabs in while the current stage computes (JAX's async
 dispatch overlaps them) and drops each slab after its last use. Block-boundary
 activations (*boundaries*) stay on the device, go to host RAM, or are swapped through
 host RAM to NVMe (``offload.activations``, ``storage/swap.py``). Each stage's gradient
 goes to the host as soon as its backward is dispatched, with its squared norm from the
 backward itself; this thread only dispatches, the step's gradient thread takes the
-gradient from there (:class:`~hetjax.runtime.grads.StepGradients`); the host optimizer
+gradient from there (:class:`~hetjax.runtime.loop.grads.StepGradients`); the host optimizer
 loop (``optimizer/update_loop.py``) updates the stage as soon as its final gradient is
 there, reading its pages where they landed, while backward goes on, and refreshes the
 param slabs for the next step.
@@ -41,12 +41,13 @@ params live on the device, those blocks are resident, their gradient is summed,
 averaged and normed on the device and their update dispatched there
 (``UpdateLoop.submit_device``).
 
-Where a stage's pages live and how a stage function is compiled is the placement
-strategy's (``placement.py``: one device; ``zero.py``: ZeRO-3 over devices), handed to
-the runtime. What the runtime may hold in each tier is the memory model's
-(``hetjax/memory.py``): the plans are made at start-up and the ledger records what the
-step really held (``ledger.py``: what is held for long is added and removed as it comes
-and goes, so a dispatch's record walks only what is held briefly).
+Where a stage's pages live and how a stage function is compiled is the run's
+parallelism's (``types.Parallelism``: ``parallel/single.py``, one device;
+``parallel/zero.py``, ZeRO-3 over a mesh), handed to the runtime. What the runtime may
+hold in each tier is the memory model's (``hetjax/memory.py``): the plans are made at
+start-up and the ledger records what the step really held (``ledger.py``: what is held
+for long is added and removed as it comes and goes, so a dispatch's record walks only
+what is held briefly).
 """
 
 from __future__ import annotations
@@ -69,13 +70,13 @@ from hetjax.config import Config, ConfigError
 from hetjax.data import split_window
 from hetjax.generations import nvme_generations
 from hetjax.optimizer.slab import SlabOptimizer
+from hetjax.parallel.single import SingleDevice
 from hetjax.runtime import setup, state_io
-from hetjax.runtime.grads import StepGradients, to_host
-from hetjax.runtime.parts import assemble
-from hetjax.runtime.placement import SingleDevice
+from hetjax.runtime.assemble import assemble
+from hetjax.runtime.loop.grads import StepGradients, to_host
+from hetjax.runtime.loop.step_report import step_report
+from hetjax.runtime.loop.window import PrefetchWindow
 from hetjax.runtime.setup import layout_name
-from hetjax.runtime.step_report import step_report
-from hetjax.runtime.window import PrefetchWindow
 from hetjax.support import fallbacks
 from hetjax.types import LossScale, RuntimeState, StepReport
 
@@ -84,15 +85,16 @@ F32 = jnp.float32
 
 class StreamingRuntime:
     """Trains with params on the host, streamed a stage at a time through the device.
-    ``placement``: the strategy placing pages and compiling stage functions (default:
-    one device); ``probe``: called after every dispatch (tests sample live memory).
-    Its parts (``parts.Parts``: stores, plans, update loop, block strategies) are built
-    by ``parts.assemble`` and are its attributes of the same names."""
+    ``parallel``: how devices split the run, placing pages and compiling stage functions
+    (``types.Parallelism``; default: one device); ``probe``: called after every dispatch
+    (tests sample live memory). Its parts (``assemble.Parts``: stores, plans, update loop,
+    block strategies) are built by ``assemble.assemble`` and are its attributes of the same
+    names."""
 
     def __init__(
-        self, config: Config, probe=None, workdir: str | Path | None = None, placement=None
+        self, config: Config, probe=None, workdir: str | Path | None = None, parallel=None
     ):
-        parts = assemble(config, placement or SingleDevice(), workdir)
+        parts = assemble(config, parallel or SingleDevice(), workdir)
         for field in dataclasses.fields(parts):
             setattr(self, field.name, getattr(parts, field.name))
         self.probe = probe
@@ -130,7 +132,7 @@ class StreamingRuntime:
         (a routed block: its leaves but the experts, ``routed.RoutedSlab``)."""
         if stage in self.routed:
             return self.experts[self.stage_group[stage]].dense(slab)
-        return self.placement.to_device(slab, self.layouts[layout_name(stage)])
+        return self.parallel.to_device(slab, self.layouts[layout_name(stage)])
 
     def _window(self, uses: list[str]) -> PrefetchWindow:
         return PrefetchWindow(
@@ -213,9 +215,9 @@ class StreamingRuntime:
             scale=scale,
             seed=seed,
             loop=loop,
-            host_grad=self.placement.host_grad,
-            host_sq=self.placement.host_sq,
-            sum_over_processes=self.placement.sum_over_processes,
+            host_grad=self.parallel.host_grad,
+            host_sq=self.parallel.host_sq,
+            sum_over_processes=self.parallel.sum_over_processes,
             device=self.device_grads,
         )
         self._step = step
@@ -255,7 +257,7 @@ class StreamingRuntime:
     def _batch(self, window_np: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """A micro-batch's windows (B, W) -> tokens and targets on the device."""
         objective, T = self.config.data.objective, self.config.train.seq_len
-        return tuple(self.placement.put_batch(a) for a in split_window(objective, window_np, T))
+        return tuple(self.parallel.put_batch(a) for a in split_window(objective, window_np, T))
 
     def _forward(self, window, tokens, targets, training: bool) -> tuple[Any, list]:
         """Every block's forward in order (each group's input before its first block);
@@ -287,7 +289,7 @@ class StreamingRuntime:
         cotangent: None without an auxiliary loss)."""
         fns = self.fns
         # the loss is fp32 (fp16 cannot hold scales); put explicitly: a planned transfer
-        seed = self.placement.put_scalar(self._step.seed)
+        seed = self.parallel.put_scalar(self._step.seed)
         embed, head = self.resident["embed"], self.resident["head"]
         loss, dh, de_head, dx = fns.head_fwd_bwd(head, embed, x, targets, seed)
         dstats = None
@@ -340,7 +342,7 @@ class StreamingRuntime:
         if name in self.device_grad_stages:
             self._step.add_device(name, g)
             return
-        self.placement.sent_grad(g, self.layouts[layout_name(name)])
+        self.parallel.sent_grad(g, self.layouts[layout_name(name)])
         on_host, copied = to_host(g, zero_pages)
         timeline.watch("device_to_host", f"{name} grad", copied, after=g)
         self._step.add(name, on_host, sq)
@@ -380,7 +382,7 @@ class StreamingRuntime:
                 group.reset()
         loss = self.fns.head_loss(self.resident["head"], self.resident["embed"], x, targets)
         if self.fns.stats_size:  # + the blocks' auxiliary loss
-            loss = self.fns.aux_fwd_bwd(loss, stats, self.placement.put_scalar(1.0))[0]
+            loss = self.fns.aux_fwd_bwd(loss, stats, self.parallel.put_scalar(1.0))[0]
         return float(loss)
 
     def flush_deferred(self) -> None:
@@ -392,7 +394,7 @@ class StreamingRuntime:
         """The fp32 master params as the model's pytree (host numpy)."""
         self.flush_deferred()
         return state_io.master_params(
-            self.stage_names, self.layouts, self.states, self.placement.whole_slab
+            self.stage_names, self.layouts, self.states, self.parallel.whole_slab
         )
 
     def plan_lines(self) -> list[str]:
@@ -400,7 +402,7 @@ class StreamingRuntime:
         generations = nvme_generations(self.config)
         copy = (self.states.nvme_bytes + self.param_store.nvme_bytes) // generations.count
         return setup.describe_plans(
-            self.placement.describe(self.layouts), self.plan, self.host_plan,
+            self.parallel.describe(self.layouts), self.plan, self.host_plan,
             self.device_stages, self.nvme_dir, self.config.offload,
             generations, copy,
         ) + fallbacks(self.config)  # fmt: skip
@@ -422,7 +424,7 @@ class StreamingRuntime:
         ls = self.loss_scale
         loss_scale = (float(ls.scale), int(ls.good_steps)) if ls is not None else None
         return state_io.source(
-            self.stage_names, self.layouts, self.states, self.placement.own_pages, loss_scale,
+            self.stage_names, self.layouts, self.states, self.parallel.own_pages, loss_scale,
             self.optimizer.state_format, self.optimizer.values,
         )  # fmt: skip
 
@@ -443,7 +445,7 @@ class StreamingRuntime:
         what = f"restoring state ({self.config.offload.optimizer})"
         stages = setup.progress(self.stage_names, what)
         state_io.restore(
-            state, stages, self.layouts, self._opt_of, self.placement.own_pages, self.states,
+            state, stages, self.layouts, self._opt_of, self.parallel.own_pages, self.states,
             self.param_store,
         )  # fmt: skip
         if self.loss_scale is not None and state.loss_scale is not None:

@@ -9,7 +9,7 @@ The pool allocates its slots once; TensorStore reads into them and writes from t
 without a copy, and the host optimizer's native kernel updates them in place.
 
 A slot holds one stage's slabs of every kind (sized for the biggest stage), each in its
-kind's dtype (the optimizer's state format, ``optimizer/state_format.py``). Its life:
+kind's dtype (the optimizer's state format, ``state_format.py``). Its life:
 taken for a read (``take``), held while the stage updates, and given back with the
 futures of the I/O that still uses it (``give``: the write-back, or a read-ahead that a
 commit made stale); it is free again once those are done. The number of slots is the

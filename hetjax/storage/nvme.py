@@ -112,6 +112,47 @@ def check_nvme_path(
     return path
 
 
+# -- the page files --------------------------------------------------------------------------
+# One format for every page array on disk, the tier's and a checkpoint's alike (whose
+# restore hard-links the tier's files in): a zarr3 array over the ``file`` kvstore, shape
+# (pages, page_elems), one chunk a page (a row), its chunk keys zarr3's default, so page
+# p's bytes are the file ``<array>/c/<p>/0`` (raw where the codecs are, ``_raw_chunks``).
+
+
+def page_array_spec(
+    path: str | Path, num_pages: int, page_elems: int, dtype: Any, chunk_elems: int | None = None
+) -> dict:
+    """The TensorStore spec creating a page array at ``path`` (``chunk_elems``: a chunk's
+    elements, a page's unless given)."""
+    return {
+        **open_spec(path),
+        "metadata": {
+            "shape": [num_pages, page_elems],
+            "data_type": jnp.dtype(dtype).name,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": [1, chunk_elems or page_elems]},
+            },
+        },
+    }
+
+
+def open_spec(path: str | Path) -> dict:
+    """The TensorStore spec opening an existing page array at ``path``."""
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}
+
+
+def page_dir(array_dir: str | Path, page: int) -> Path:
+    """The directory of page ``page``'s chunk files (``<array>/c/<page>``; striped over
+    drives, ``stripes.py``, and linked into checkpoints, ``checkpoint_drives.py``)."""
+    return Path(array_dir) / "c" / str(page)
+
+
+def page_file(array_dir: str | Path, page: int) -> Path:
+    """The file of page ``page`` of a page array (``<array>/c/<page>/0``)."""
+    return page_dir(array_dir, page) / "0"
+
+
 class PageStore:
     """fp32 pages of several state kinds on disk, one TensorStore array per kind."""
 
@@ -171,19 +212,9 @@ class PageStore:
         )
 
     def _spec(self, kind: str) -> dict:
-        dtype = jnp.dtype(self.dtypes[kind]).name
-        return {
-            "driver": "zarr3",
-            "kvstore": {"driver": "file", "path": str(self.path / kind)},
-            "metadata": {
-                "shape": [self.num_pages, self.page_elems],
-                "data_type": dtype,
-                "chunk_grid": {
-                    "name": "regular",
-                    "configuration": {"chunk_shape": [1, self.chunk_elems]},
-                },
-            },
-        }
+        return page_array_spec(
+            self.path / kind, self.num_pages, self.page_elems, self.dtypes[kind], self.chunk_elems
+        )
 
     @property
     def nbytes(self) -> int:
@@ -272,8 +303,8 @@ class PageStore:
             faults.flip_bit(next((f for f in files if f.exists()), None))
 
     def _chunk_file(self, kind: str, page: int) -> Path:
-        """The file of one page's chunk (zarr3's default chunk keys: ``c/<row>/0``)."""
-        return self.path / kind / "c" / str(page) / "0"
+        """The file of one page's chunk (:func:`page_file`)."""
+        return page_file(self.path / kind, page)
 
     def write(
         self, kind: str, first_page: int, data: np.ndarray, borrowed: bool = False
@@ -312,7 +343,7 @@ class PageStore:
     @staticmethod
     def open_existing(path: str | Path, kind: str) -> ts.TensorStore:
         """Reopens one kind's array read-only (e.g. to inspect state after a run)."""
-        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(Path(path) / kind)}}
+        spec = open_spec(Path(path) / kind)
         return ts.open(spec, read=True).result()
 
 

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from hetjax import faults
-from hetjax.optimizer.state_format import StateFormat
+from hetjax.state_format import StateFormat
 from hetjax.storage.iopool import IoPool, Slot
 from hetjax.storage.nvme import PageStore, bound_writes, forget_done
 from hetjax.storage.pages import page_runs, runs_outside
@@ -54,7 +54,7 @@ class NvmeStateStore:
         generations: int = 2,
         stripes: Stripes | None = None,
     ):
-        """``state_format``: the kinds and their dtypes (``optimizer/state_format.py``).
+        """``state_format``: the kinds and their dtypes (``state_format.py``).
         ``stage_pages``: stage -> (first page, number of pages); ``cached``: the
         stages kept in host RAM (``sharding``); ``io_slots``: stages' worth of pooled
         I/O buffers (``iopool.py``), what the host plan counts (``memory.IO_SLOTS``);

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetjax.optimizer.state_format import MASTER_DTYPE
+from hetjax.state_format import MASTER_DTYPE
 
 MASTER_ITEMSIZE = MASTER_DTYPE.itemsize  # pages are sized by fp32 master state
 PAGE_ALIGN = 1024  # elements: pages are whole 4 KiB blocks of fp32 (direct I/O's unit)
@@ -191,34 +191,6 @@ def weight_decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
-def shard_shapes(params: Any, specs: Any, axis_sizes: dict[str, int]) -> Any:
-    """The shapes of one device's shard of each leaf of ``params`` (arrays or
-    ShapeDtypeStructs) -> ShapeDtypeStructs, the leaf split as its entry of ``specs``
-    says (a tuple per leaf: per dimension the mesh axis, or tuple of axes, it is split
-    over, or None) on a mesh of ``axis_sizes``. A slab laid out from these shapes
-    (:meth:`SlabLayout.from_params`) holds one shard, as an expert-parallel block's
-    group slab holds one group's experts (``runtime/experts.py``); where every split
-    axis has size 1 the shapes, so the layouts, are the whole leaves'."""
-
-    def shard(leaf, spec: tuple) -> jax.ShapeDtypeStruct:
-        shape = list(leaf.shape)
-        for dim, axes in enumerate(spec):
-            axes = (axes,) if isinstance(axes, str) else axes or ()
-            parts = math.prod(axis_sizes.get(a, 1) for a in axes)
-            if shape[dim] % parts:
-                raise ValueError(
-                    f"a leaf of shape {tuple(leaf.shape)} cannot split its axis {dim} over "
-                    f"{axes} ({parts} devices)"
-                )
-            shape[dim] //= parts
-        return jax.ShapeDtypeStruct(tuple(shape), leaf.dtype)
-
-    is_spec = lambda x: (
-        isinstance(x, tuple) and all(a is None or isinstance(a, (str, tuple)) for a in x)
-    )
-    return jax.tree.map(lambda spec, leaf: shard(leaf, spec), specs, params, is_leaf=is_spec)
-
-
 @jax.tree_util.register_pytree_node_class
 class LeafBuffers(tuple):
     """A stage's params as one device takes them: each leaf its own buffer, shaped, in
@@ -242,10 +214,10 @@ class Leaf:
     shape: tuple[int, ...]
     offset: int  # in elements
     size: int
-    # A piece of a leaf (a grouped slab, ``runtime/grouped.py``, cuts leaves by device):
+    # A piece of a leaf (a grouped slab, ``parallel/grouped.py``, cuts leaves by device):
     # where its ``size`` elements start in the leaf's, row-major; with ``parts`` > 1, in
     # the leaf's axis ``axis`` cut into that many slices stacked first (tensor
-    # parallelism's slices, ``runtime/tensor.py``).
+    # parallelism's slices, ``parallel/groupings.py``).
     start: int = 0
     axis: int = 0
     parts: int = 1
@@ -327,7 +299,7 @@ class SlabLayout:
     @property
     def compute_size(self) -> int:
         """Elements a device computes with: the whole slab (an expert-parallel block's
-        layout, ``runtime/experts.py``, has its device's experts only)."""
+        layout, ``parallel/layouts.py``, has its device's experts only)."""
         return self.padded_size
 
     @property

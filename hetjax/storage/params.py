@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hetjax.optimizer.state_format import MASTER_DTYPE
+from hetjax.state_format import MASTER_DTYPE
 from hetjax.storage.iopool import SlabPool
 from hetjax.storage.nvme import (
     BaseCounters,

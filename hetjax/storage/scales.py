@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from hetjax.optimizer.state_format import INT8_BLOCK, SCALE_DTYPE, KindFormat, StateFormat
+from hetjax.state_format import INT8_BLOCK, SCALE_DTYPE, KindFormat, StateFormat
 from hetjax.storage.nvme_states import NvmeStateStore
 from hetjax.storage.stripes import Stripes
 

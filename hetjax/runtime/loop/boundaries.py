@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from hetjax import timeline
-from hetjax.runtime.ledger import Ledger, device_bytes
+from hetjax.runtime.loop.ledger import Ledger, device_bytes
 from hetjax.storage.swap import distinct_devices, index_key
 
 

@@ -28,7 +28,7 @@ def step_report(runtime, step, work, waited: float) -> dict[str, float | int]:
         "nvme_write_bytes": int(written),
         "optimizer_redo": work.redo,
         "optimizer_deferred": work.deferred,
-        **runtime.placement.step_metrics(),
+        **runtime.parallel.step_metrics(),
         **(runtime.experts.take() if runtime.experts else {}),
         **runtime.deferred.take(),
     }

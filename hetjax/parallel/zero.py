@@ -2,11 +2,11 @@
 
 The streaming runtime's loop (``streaming.py``) runs unchanged; what changes is where
 its arrays live: the runtime is handed this placement strategy (:class:`Zero3`)
-instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same methods:
+instead of :class:`~hetjax.parallel.single.SingleDevice`, and calls the same methods:
 
 * **Sharded pages.** Every stage's slab pads to a multiple of N pages (N devices on the
   ``data`` axis) and is held as a ``(pages, page_elems)`` array sharded over that axis
-  (``ShardedPlacement``): each device owns 1/N of the pages, in its host memory, or on
+  (``PageShardings``): each device owns 1/N of the pages, in its host memory, or on
   its process's NVMe directory (``<nvme_path>/proc<k>``).
 * **All-gather per stage, prefetched.** When the window fetches a stage, each device
   copies its own pages to device memory and a jitted all-gather makes them whole on
@@ -14,16 +14,16 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
 * **Declared compute layout.** Each stage function runs per device on its rows of
   the global batch (``shard_map``), its arguments and results placed as its signature
   declares (``stages.SIGNATURES``, ``hetjax.types.Kind``), by the axis rules
-  (``distributed.AXIS_RULES``: ``batch`` over ``data`` x ``expert``, a MoE's
+  (``parallel/rules.py``: ``batch`` over ``data`` x ``expert``, a MoE's
   ``expert`` axis over ``expert``), never by an array's rank.
 * **Tensor parallelism** (``distributed.tensor_parallel`` M > 1): the mesh's third
   axis, ``model``, has M devices that share their rows; the pages split over every
   device of the mesh (data x model), and inside the stage functions, which are manual
   over the data axes only, each stage's params are constrained by their logical axes
-  under ``distributed.TENSOR_PARALLEL_RULES`` (:meth:`Zero3.constrain`: attention by
+  under ``rules.RULES`` (:meth:`Zero3.constrain`: attention by
   heads, the MLP by its hidden units, the vocabulary), so XLA splits the block's
   compute as Megatron does and adds the all-reduces; no layer code knows. The split
-  weights are laid out by slice (``tensor.py``, ``grouped.py``): a device fetches the
+  weights are laid out by slice (``layouts.py``, ``grouped.py``): a device fetches the
   dense pages whole and only its slice of each split weight (gathered over ``data``),
   and its gradient of that slice is reduce-scattered over ``data`` only, as are the
   dense pages' (the model axis's devices hold the same gradient of them). A checkpoint
@@ -45,15 +45,15 @@ instead of :class:`~hetjax.runtime.placement.SingleDevice`, and calls the same m
 * **Expert parallelism** (``distributed.expert_parallel`` G > 1). The mesh is
   ``data`` x ``expert`` (x ``model`` 1): S x G devices; pages and batch rows split over
   both axes as above, but a mixture of experts' block slab is laid out so that each device's share
-  holds a share of its own group of experts (``experts.py``): its gather all-gathers
+  holds a share of its own group of experts (``layouts.py``): its gather all-gathers
   the dense pages over every device and the experts over ``data`` only, so a device
   computes with E/G experts, and its tokens reach the other experts by all-to-all
   inside the block (``models/llama.py``). The experts' gradients are reduce-scattered
   over ``data`` only (the devices holding the same experts). With tensor parallelism
   too (data x expert x model), each device's group is its experts' slice on the model
-  axis (``experts.ExpertTensorGrouping``: manual over ``expert``, XLA's over
+  axis (``groupings.ExpertTensorGrouping``: manual over ``expert``, XLA's over
   ``model``), and a MoE block's other split weights (attention) and the other stages'
-  arrive as their model slice, shared over data x expert (``experts.py``). Each part's
+  arrive as their model slice, shared over data x expert (``layouts.py``). Each part's
   group is gathered and its gradient reduce-scattered over its grouping's
   ``share_axes``, which the pages carry (``grouped.GroupPages``).
 
@@ -91,26 +91,24 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import Config, ConfigError
-from hetjax.distributed import (
-    AXIS_RULES,
-    BATCH_AXES,
-    EXPERT_AXIS,
-    MODEL_AXIS,
-    PAGE_AXES,
-    TENSOR_PARALLEL_RULES,
-    data_mesh,
-)
 from hetjax.optimizer.sharded_slab import device_state_sharding
-from hetjax.runtime.grouped import (
+from hetjax.parallel.grouped import (
     DENSE_SCATTER_AXES,
     GroupedSlabLayout,
     GroupPages,
     axes_of,
     scattered_elements,
 )
-from hetjax.runtime.placement import ShardedPlacement, Shardings
-from hetjax.runtime.stages import stage_layouts
-from hetjax.runtime.tensor import tensor_specs
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.rules import (
+    BATCH_AXES,
+    EXPERT_AXIS,
+    MODEL_AXIS,
+    Split,
+    data_mesh,
+    param_specs,
+)
+from hetjax.parallel.single import PageShardings, Shardings
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
 from hetjax.types import Kind, ParamStore, StageSignature, is_block, stage_layout
@@ -125,24 +123,22 @@ class Zero3:
     """The streaming runtime's placement strategy with every stage's pages sharded over
     the ``distributed.data_parallel`` x ``distributed.expert_parallel`` devices of the
     mesh (a MoE block's experts split over the ``expert`` axis). Its compute layout
-    (``hetjax.types.ComputeLayout``) places by ``axis_rules``; with
+    (``hetjax.types.Parallelism``) places by ``axis_rules``; with
     ``distributed.tensor_parallel`` > 1 the mesh's ``model`` axis splits each stage's
     compute (:meth:`constrain`)."""
-
-    axis_rules = AXIS_RULES
 
     def __init__(self, config: Config):
         dist = config.distributed
         self.mesh = data_mesh(dist.data_parallel, dist.expert_parallel, dist.tensor_parallel)
-        self.tensor_parallel = self.mesh.shape[MODEL_AXIS]
-        if self.tensor_parallel > 1:
-            self.axis_rules = TENSOR_PARALLEL_RULES
+        self.split = Split.of_mesh(self.mesh)  # the rules' mappings on this mesh
+        self.tensor_parallel = self.split.model
+        self.axis_rules = self.split.rules
         self.rules = dict(self.axis_rules)
         self.degree = self.mesh.size  # devices sharing the pages: data x expert x model
         self.batch_degree = self.degree // self.tensor_parallel  # splitting the rows
-        self.page_axes = PAGE_AXES if self.tensor_parallel > 1 else AXES
+        self.page_axes = self.split.page_axes
         self.expert_parallel = dist.expert_parallel
-        self.expert_axis = self.rules["expert"] if dist.expert_parallel > 1 else None
+        self.expert_axis = self.split.expert_axis
         if config.train.micro_batch_size % self.batch_degree:  # data_parallel 0: known now
             raise ConfigError(
                 f"config key 'train.batch_size' ({config.train.batch_size}): its "
@@ -150,7 +146,7 @@ class Zero3:
                 f"over the mesh's {self.batch_degree} devices; make batch_size / grad_accum "
                 "a multiple of it"
             )
-        self.sharded = ShardedPlacement.over(self.mesh, self.page_axes, batch_axes=AXES)
+        self.sharded = PageShardings.over(self.mesh, self.page_axes, batch_axes=AXES)
         me = jax.process_index()
         slots = [i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == me]
         self.local_devices = [self.mesh.devices.flat[i] for i in slots]
@@ -172,24 +168,23 @@ class Zero3:
 
     def stage_layouts(self, model, page_size: int) -> dict[str, SlabLayout]:
         """The stages' slab layouts: one equal share of pages per device; with expert
-        parallelism, the block's experts in groups (``experts.py``)."""
-        if self.tensor_parallel > 1:  # how each stage's params split for compute
-            self._param_specs = tensor_specs(model, self.rules)
+        parallelism, the block's experts in groups (``layouts.py``)."""
+        # how each stage's params split for compute (none: a model axis of 1)
+        self._param_specs = param_specs(model, self.tensor_parallel)
         # pages split over every device (ZeRO-3); with tensor parallelism a stage's split
-        # weights by slice, each device's slice in its model index's pages (``tensor.py``)
+        # weights by slice, each device's slice in its model index's pages
         return stage_layouts(
             model,
             page_size,
             self.degree,
             self.expert_parallel,
-            rules=self.axis_rules,
             tensor_parallel=self.tensor_parallel,
         )
 
     def constrain(self, stage: str, params):
         """Inside a stage function: ``stage``'s params as it computes with them: as they
         are, or with tensor parallelism split over the ``model`` axis by their logical
-        axes (``distributed.TENSOR_PARALLEL_RULES``: attention by heads, the MLP by its
+        axes (``rules.RULES``: attention by heads, the MLP by its
         hidden units, the vocabulary), so XLA splits the block's compute as Megatron
         does and adds the all-reduces; no layer code knows."""
         specs = self._param_specs.get(stage_layout(stage))
@@ -243,7 +238,7 @@ class Zero3:
         block's vjp) stacked on a new leading axis and handed back to their device."""
         batch, whole = PartitionSpec(self.rules["batch"]), PartitionSpec()
         # tensor parallelism: the model axis is XLA's to split (``constrain``)
-        manual = set(AXES) if self.tensor_parallel > 1 else set(self.mesh.axis_names)
+        manual = set(self.split.manual_axes)
         split = {Kind.BATCH: batch, Kind.CONTEXT: batch, Kind.GRAD: batch, Kind.LOCAL: batch}
         out_specs = jax.tree.map(lambda kind: split.get(kind, whole), signature.results)
         assert Kind.PAGES not in jax.tree.leaves(signature.results), signature
@@ -405,6 +400,16 @@ class Zero3:
         self._gathers[key] = gather
         return gather
 
+    @property
+    def on_mesh(self) -> bool:
+        """Whether a block's compute needs the mesh (expert parallelism's all-to-all,
+        tensor parallelism's split weights)."""
+        return self.expert_axis is not None or self.tensor_parallel > 1
+
+    def abstract_rows(self, x):
+        """A ``BATCH`` argument's abstract value: its rows split over the batch axes."""
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharded.batch)
+
     def device_pages(self, layout: SlabLayout | GroupedSlabLayout, dtype) -> object:
         """The abstract pages of a stage as its gather hands them to a stage function:
         ``ShapeDtypeStruct``s with their shardings (to lower a stage function with)."""
@@ -427,7 +432,7 @@ class Zero3:
 
     def scattered_size(self, layout: SlabLayout | GroupedSlabLayout) -> int:
         """Elements of a stage's gradient one device sends in :meth:`grad_slab`'s
-        reduce-scatters (:func:`~hetjax.runtime.grouped.scattered_elements`)."""
+        reduce-scatters (:func:`~hetjax.parallel.grouped.scattered_elements`)."""
         return scattered_elements(layout, self.mesh.shape)
 
     def sent_grad(self, grad: jax.Array, layout: SlabLayout | GroupedSlabLayout) -> None:
@@ -467,14 +472,13 @@ class Zero3:
         return float(np.sum(np.asarray(parts, np.float64)))
 
     def param_store(
-        self, store: ParamStore, layouts: dict[str, SlabLayout], on_nvme: bool
+        self, store: ParamStore, nvme_store, layouts: dict[str, SlabLayout], device_stages
     ) -> ParamStore:
         """Pages of this process's shards, handed out as global sharded slabs; kept in
-        ``store`` when that is on NVMe; the device cache's stages (``store`` a
-        ``SplitParamStore``) in device memory."""
-        cached = frozenset(getattr(store, "stages", ()))
-        inner = getattr(store, "base", store) if on_nvme else None
-        return ShardedParamStore(self, layouts, inner, device_stages=cached)
+        ``nvme_store`` when params are on NVMe; the device cache's stages
+        (``device_stages``) in device memory."""
+        cached = frozenset(device_stages)
+        return ShardedParamStore(self, layouts, nvme_store, device_stages=cached)
 
     def describe(self, layouts: dict[str, SlabLayout]) -> list[str]:
         lay = max((v for k, v in layouts.items() if is_block(k)), key=lambda v: v.num_pages)

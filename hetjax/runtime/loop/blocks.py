@@ -33,11 +33,11 @@ import jax
 import numpy as np
 
 from hetjax import timeline
-from hetjax.runtime.boundaries import Boundaries, SwappedResiduals
-from hetjax.runtime.ledger import Ledger
-from hetjax.runtime.routed import DeferredExperts, ExpertFetchers, Routing
-from hetjax.runtime.schedule import BlockSlot, Schedule
-from hetjax.runtime.stages import GroupFunctions
+from hetjax.runtime.experts.routed import DeferredExperts, ExpertFetchers, Routing
+from hetjax.runtime.loop.boundaries import Boundaries, SwappedResiduals
+from hetjax.runtime.loop.ledger import Ledger
+from hetjax.runtime.loop.schedule import BlockSlot, Schedule
+from hetjax.runtime.stages.functions import GroupFunctions
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

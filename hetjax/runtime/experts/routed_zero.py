@@ -54,8 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetjax.runtime.grouped import GroupPages
-from hetjax.runtime.routed import RoutedBlock, Routing
+from hetjax.parallel.grouped import GroupPages
+from hetjax.runtime.experts.routed import RoutedBlock, Routing
 from hetjax.storage.pages import SlabLayout
 
 
@@ -154,7 +154,7 @@ class ZeroFetcher:
 
 
 class ShardedExpertFetcher(ZeroFetcher):
-    """:class:`~hetjax.runtime.routed.ExpertFetcher`'s interface under ZeRO-3 (module
+    """:class:`~hetjax.runtime.experts.routed.ExpertFetcher`'s interface under ZeRO-3 (module
     docstring): :meth:`dense` the window's copy, :meth:`routing` the decision,
     :meth:`experts` the routed experts' pages, :meth:`zero_pages` the pages deferred
     updates may leave alone; counts the experts copied and the bytes."""
@@ -280,13 +280,13 @@ class GroupedExpertFetcher(ZeroFetcher):
 
     On the data x expert x model mesh the block's layout has the experts by (expert
     group, model slice) as its first part and its attention by model slice as its
-    second (``experts.expert_tensor_layout``): a group is then expert group e's slice
+    second (``layouts.groupings``): a group is then expert group e's slice
     m (the M slices of a group of experts hold the same experts), and the window
     gathers the attention part (over data x expert) beside the dense pages."""
 
     def __init__(self, block: RoutedBlock, zero, dtype: Any, num_experts: int):
         self.block, self.zero, self.num_experts = block, zero, num_experts
-        layout = block.layout  # experts first (``experts.py``)
+        layout = block.layout  # experts first (``parallel/layouts.py``)
         experts = layout.parts[0]
         self.groups, self.shares = experts.groups, experts.shares
         self.local = experts.layout.leaves[0].shape[0]  # experts a group holds

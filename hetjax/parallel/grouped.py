@@ -1,9 +1,10 @@
 """A stage slab whose devices each compute with one group of some of its leaves, so that
 ZeRO-3's pages split those leaves by device: expert parallelism's experts
-(``experts.py``: a group of E/G experts per device of the ``expert`` axis) and tensor
-parallelism's split weights (``tensor.py``: a 1/M slice of each split weight per device
-of the ``model`` axis). A :class:`Grouping` says which leaves are grouped and how;
-:class:`GroupedSlabLayout` lays the slab out for one or more of them, its parts.
+(a group of E/G experts per device of the ``expert`` axis) and tensor parallelism's
+split weights (a 1/M slice of each split weight per device of the ``model`` axis), the
+groupings of ``groupings.py``, which ``layouts.py`` hands a stage. A :class:`Grouping`
+says which leaves are grouped and how; :class:`GroupedSlabLayout` lays the slab out for
+one or more of them, its parts.
 
 Under ZeRO-3 (``zero.py``) a stage's slab is a ``(pages, page_elems)`` array of which
 each of the N devices of the mesh owns one contiguous share, and its pages are
@@ -22,7 +23,7 @@ leaves right-aligned) and a part's group slab holds group g of every leaf of the
 shape, are stacked so), so a group is a contiguous run of it. The parts split the stage
 in order (part 1 groups what part 0 left, the dense slab is what the last left). One
 part is expert parallelism's experts or tensor parallelism's split weights; the data x
-expert x model mesh's MoE block has two (``experts.expert_tensor_layout``): its experts
+expert x model mesh's MoE block has two (``layouts.groupings``): its experts
 by expert group and model slice (X x M groups, shares over ``data``) and its other split
 weights (attention) by model slice (M groups, shares over data x expert).
 
@@ -55,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax.config import ConfigError
-from hetjax.distributed import BATCH_AXES
+from hetjax.parallel.rules import BATCH_AXES
 from hetjax.storage.pages import Leaf, SlabLayout
 
 # The mesh axes ZeRO-3 reduce-scatters the dense part of a stage's gradient over

@@ -1,6 +1,6 @@
 """The declared layout of every stage function (``stages.py``, ``routed.py``): what each
 of its arguments and results is (``hetjax.types.Kind``), by which the placement's compute
-layout (``hetjax.types.ComputeLayout``: one device, or ZeRO-3 over a mesh) compiles it,
+layout (``hetjax.types.Parallelism``: one device, or ZeRO-3 over a mesh) compiles it,
 places its arguments and reduces its results, never by their ranks."""
 
 from __future__ import annotations

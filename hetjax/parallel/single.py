@@ -31,9 +31,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hetjax.config import ConfigError
-from hetjax.distributed import AXIS_RULES
-from hetjax.runtime.grouped import GroupPages
-from hetjax.runtime.stages import stage_layouts
+from hetjax.parallel.grouped import GroupPages
+from hetjax.parallel.layouts import stage_layouts
+from hetjax.parallel.rules import rules_for
 from hetjax.storage.pages import GradPages, SlabLayout
 from hetjax.storage.states import flat
 from hetjax.types import ParamStore, StageSignature
@@ -106,19 +106,20 @@ class Shardings:
 
 
 class SingleDevice:
-    """The streaming runtime's placement strategy on one device: every stage whole, in
-    this process. The data-parallel strategy (``zero.py``) has the same methods; the
-    runtime is handed one and never asks which. Its compute layout
-    (``hetjax.types.ComputeLayout``): every argument and result on the one device, of
-    whatever kind its stage function declares."""
+    """The streaming runtime's parallelism on one device (``hetjax.types.Parallelism``):
+    every stage whole, in this process, every argument and result of a stage function on
+    the one device, of whatever kind it declares. The mesh's (``zero.py``) has the same
+    members; the runtime is handed one and never asks which."""
 
     nvme_subdir = ""  # this process's directory under the NVMe path ("": the path)
     expert_axis = None  # the mesh axis a MoE's experts are split over (zero.py)
-    axis_rules = AXIS_RULES  # no mesh: nothing is split by them
+    axis_rules = rules_for(1)  # no mesh: nothing is split by them
     local_share = 1  # the fraction of a batch's rows (and per-device values) held here
     degree = 1  # devices a stage's pages split over
     batch_degree = 1  # devices a micro-batch's rows split over
     local_degree = 1  # this process's devices, each holding its own pages of state
+    tensor_parallel = 1  # devices splitting a stage's compute
+    on_mesh = False  # a block's compute needs no mesh
 
     def __init__(self, device: jax.Device | None = None):
         self.shardings = Shardings.single_device(device)
@@ -126,7 +127,7 @@ class SingleDevice:
         self._host_is_device = device.platform == "cpu"  # one RAM, two memory kinds
 
     def stage_layouts(self, model, page_size: int) -> dict[str, SlabLayout]:
-        """The stages' slab layouts (``stages.stage_layouts``): whole slabs, which the
+        """The stages' slab layouts (``layouts.stage_layouts``): whole slabs, which the
         device takes leaf by leaf (``pages.LeafBuffers``: every weight a buffer of its
         own, none cut out of the pages it spans at each use)."""
         return stage_layouts(model, page_size, leaf_buffers=True)
@@ -203,10 +204,23 @@ class SingleDevice:
         return value
 
     def param_store(
-        self, store: ParamStore, layouts: dict[str, SlabLayout], on_nvme: bool
+        self, store: ParamStore, nvme_store, layouts: dict[str, SlabLayout], device_stages
     ) -> ParamStore:
         """The param store the runtime reads stages from: ``store`` itself."""
         return store
+
+    def per_device(self, fn, signature: StageSignature, args: tuple):
+        """``fn(*args)``: one device's part is the whole."""
+        return fn(*args)
+
+    def device_pages(self, layout: SlabLayout, dtype):
+        """A stage's abstract pages (or leaves) on the device."""
+        sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.shardings.device)
+        return jax.tree.map(sds, layout.device_pages(dtype))
+
+    def abstract_rows(self, x):
+        """A ``BATCH`` argument's abstract value: on the device."""
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.shardings.device)
 
     def sent_grad(self, grad: jax.Array, layout=None) -> None:
         """A gradient slab of a stage with ``layout`` left the device (ZeRO-3 counts its
@@ -232,7 +246,7 @@ def live_bytes_by_kind() -> dict[str, int]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ShardedPlacement:
+class PageShardings:
     """ZeRO-3 (``zero.py``): a stage's slab is a ``(pages, page_elems)`` array whose
     pages are split evenly over the ``axes`` of ``mesh`` (every device); the batch is
     split over the same axes. Storage layout (sharded) and compute layout (gathered)
@@ -248,7 +262,7 @@ class ShardedPlacement:
     @classmethod
     def over(
         cls, mesh: Mesh, axes: str | tuple[str, ...] = "data", batch_axes=None
-    ) -> ShardedPlacement:
+    ) -> PageShardings:
         """Pages split over ``axes``; the batch's rows over ``batch_axes`` (None: the
         same; tensor parallelism: the data axes only, the model axis's devices share
         their rows)."""

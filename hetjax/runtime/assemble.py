@@ -17,31 +17,32 @@ import jax.numpy as jnp
 from hetjax import memory
 from hetjax.allocator import tune_host_allocator
 from hetjax.config import Config, ConfigError
-from hetjax.distributed import MODEL_AXIS
 from hetjax.memory import DeviceCache, Sizes, plan_device, window_wait_lag
 from hetjax.memory_host import HostMemoryPlan, plan_host
 from hetjax.optimizer.deferred import Deferred, deferred_updates
 from hetjax.optimizer.sharded_slab import ShardedSlabOptimizer
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.update_loop import LoopSettings, UpdateLoop
+from hetjax.parallel.grouped import GroupedSlabLayout
+from hetjax.parallel.rules import MODEL_AXIS
 from hetjax.placement import Placement
-from hetjax.runtime.blocks import BlockParts, GroupInput, make_blocks
-from hetjax.runtime.boundaries import Boundaries, SwappedResiduals
-from hetjax.runtime.grads import DeviceGradients
-from hetjax.runtime.grouped import GroupedSlabLayout
-from hetjax.runtime.ledger import IoMeter, Ledger
-from hetjax.runtime.routed import (
+from hetjax.runtime.experts.routed import (
     DeferredExperts,
     ExpertFetcher,
     ExpertFetchers,
     check_routed_experts,
     routed_blocks,
 )
-from hetjax.runtime.routed_tensor import TensorExpertFetcher
-from hetjax.runtime.routed_zero import GroupedExpertFetcher, ShardedExpertFetcher
-from hetjax.runtime.schedule import Schedule
+from hetjax.runtime.experts.routed_tensor import TensorExpertFetcher
+from hetjax.runtime.experts.routed_zero import GroupedExpertFetcher, ShardedExpertFetcher
+from hetjax.runtime.loop.blocks import BlockParts, GroupInput, make_blocks
+from hetjax.runtime.loop.boundaries import Boundaries, SwappedResiduals
+from hetjax.runtime.loop.grads import DeviceGradients
+from hetjax.runtime.loop.ledger import IoMeter, Ledger
+from hetjax.runtime.loop.schedule import Schedule
 from hetjax.runtime.setup import build_stores, init_state, layout_name, memory_sizes
-from hetjax.runtime.stages import StageFunctions, StageMemory
+from hetjax.runtime.stages.functions import StageFunctions
+from hetjax.runtime.stages.measure import StageMemory
 from hetjax.storage.gradients import GradientStore
 from hetjax.storage.pages import SlabLayout
 from hetjax.storage.swap import BoundarySwap, ResidualSwap
@@ -57,7 +58,7 @@ class Parts:
     names)."""
 
     config: Config
-    placement: Any  # where pages live, how stage functions compile (placement.py, zero.py)
+    parallel: Any  # how devices split the run (types.Parallelism: parallel/single.py, zero.py)
     model: Any  # the model (models/), as stored
     compute_dtype: Any
     num_layers: int  # every group's blocks
@@ -99,7 +100,7 @@ class Parts:
     inputs: tuple[GroupInput, ...]  # each stage group's input
 
 
-def assemble(config: Config, placement, workdir=None) -> Parts:
+def assemble(config: Config, parallel, workdir=None) -> Parts:
     """Builds a streaming run's parts in order: the model and its stage functions, the
     memory plans (host first: it needs sizes only; the device plan once the stage
     functions are measured), the stores and the initial state, the update loop, the
@@ -108,15 +109,15 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     t, off, mem = config.train, config.offload, config.memory
     model = build_model(config.model)
     dtype = jnp.dtype(config.model.compute_dtype)
-    layouts = placement.stage_layouts(model, mem.page_size)
-    state_layouts = placement.state_layouts(layouts)  # what this process holds
+    layouts = parallel.stage_layouts(model, mem.page_size)
+    state_layouts = parallel.state_layouts(layouts)  # what this process holds
     names = _names(model, off.optimizer_device_stages)
     check_routed_experts(
         off, model, layouts, names["block_names"], parallelism=parallelism(config.distributed)
     )
-    optimizer, device_optimizer = _optimizers(config, placement, state_layouts, dtype, names)
-    compute_model = build_model(config.model, placement.expert_axis)
-    fns = _stage_functions(config, placement, compute_model, layouts, dtype)
+    optimizer, device_optimizer = _optimizers(config, parallel, state_layouts, dtype, names)
+    compute_model = build_model(config.model, parallel.expert_axis)
+    fns = _stage_functions(config, parallel, compute_model, layouts, dtype)
     batch = (t.micro_batch_size, t.seq_len, dtype)
     boundary = fns.abstract_args(*batch)["block_fwd"][1]
     sizes = _host_sizes(config, fns, model.groups, layouts, state_layouts, boundary, optimizer)
@@ -129,22 +130,22 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
     to_host = DeviceCache.of(sizes, offload).grad_stages(sizes)
     device_stages = names["device_stages"]
     stores = build_stores(
-        config, sizes, offload, host_plan, layouts, placement, device_stages, boundary, workdir,
+        config, sizes, offload, host_plan, layouts, parallel, device_stages, boundary, workdir,
     )  # fmt: skip
     optimizer.param_buffers = stores.param_buffers
     optimizer_of = lambda s: device_optimizer if s in device_stages else optimizer
     init_state(
-        config, model, layouts, names["stage_names"], optimizer_of, placement.own_slab,
-        stores.states, stores.params, placement.shardings.optimizer,
+        config, model, layouts, names["stage_names"], optimizer_of, parallel.own_slab,
+        stores.states, stores.params, parallel.shardings.optimizer,
     )  # fmt: skip
     loop = _update_loop(config, optimizer, device_optimizer, stores, host_plan, names)
     sizes = _measured_sizes(sizes, fns, off, batch)
     # an accelerator's dispatch order (or its two-client emulation's): the same test
     # as where pages are staged in pinned memory
-    accelerator = placement.shardings.pinned_staging() is not None
+    accelerator = parallel.shardings.pinned_staging() is not None
     # per device: the devices a micro-batch's rows split over hold 1/N of its activations
     per_device = sizes.per_device(
-        placement.batch_degree, shards=placement.degree, holders=placement.local_degree
+        parallel.batch_degree, shards=parallel.degree, holders=parallel.local_degree
     )
     plan = plan_device(per_device, offload, mem.device_budget, lag=window_wait_lag(accelerator))
     # expert-aware streaming (routed.py): the MoE blocks that stream and recompute
@@ -152,14 +153,14 @@ def assemble(config: Config, placement, workdir=None) -> Parts:
         off, compute_model, layouts, names["block_names"], plan.resident_blocks, device_stages,
         parallelism=parallelism(config.distributed),
     )  # fmt: skip
-    experts, deferred = _experts(config, placement, fns, dtype, routed, loop)
-    shared = _block_parts(config, placement, stores, experts, deferred)
+    experts, deferred = _experts(config, parallel, fns, dtype, routed, loop)
+    shared = _block_parts(config, parallel, stores, experts, deferred)
     boundaries, residuals, ledger = shared.boundaries, shared.residuals, shared.ledger
-    shardings = placement.shardings
+    shardings = parallel.shardings
     schedule, blocks = _per_layer(off, names, routed, fns, shared)
     io = IoMeter([stores.states, stores.params, stores.grads, stores.swap, stores.residual_swap])
     return Parts(
-        config=config, placement=placement, model=model, compute_dtype=dtype,
+        config=config, parallel=parallel, model=model, compute_dtype=dtype,
         num_layers=config.model.num_blocks, layouts=layouts, state_layouts=state_layouts,
         block_names=names["block_names"], stage_group=names["stage_group"],
         stage_names=names["stage_names"], update_order=names["update_order"],
@@ -226,10 +227,10 @@ def _names(model, device_cached: int) -> dict[str, Any]:
     }
 
 
-def _optimizers(config: Config, placement, state_layouts, dtype, names) -> tuple:
+def _optimizers(config: Config, parallel, state_layouts, dtype, names) -> tuple:
     """The host optimizer (or the device one, ``offload.optimizer=device``) and the
     device cache's (None without one)."""
-    shardings = placement.shardings
+    shardings = parallel.shardings
 
     def opt(sharding) -> SlabOptimizer:
         # several devices (ZeRO-3): each device's pages held and updated on it
@@ -241,7 +242,7 @@ def _optimizers(config: Config, placement, state_layouts, dtype, names) -> tuple
     return optimizer, opt(shardings.state_on_device) if names["device_stages"] else None
 
 
-def _stage_functions(config: Config, placement, compute_model, layouts, dtype) -> StageFunctions:
+def _stage_functions(config: Config, parallel, compute_model, layouts, dtype) -> StageFunctions:
     """The jitted stage functions, of the model the stage functions run (with expert
     parallelism: blocks holding their device's experts, exchanging tokens over the
     placement's expert axis); checks the keep level and the swapped blocks' support."""
@@ -249,7 +250,7 @@ def _stage_functions(config: Config, placement, compute_model, layouts, dtype) -
     fns = StageFunctions(
         compute_model,
         layouts,
-        placement,
+        parallel,
         block_grad_dtype=memory.block_grad_dtype(config),
         keep_level=off.keep_level,
         kept_blocks=supports("keep_blocks", parallelism(config.distributed)) is None,
@@ -282,20 +283,20 @@ def _host_sizes(config, fns, groups, layouts, state_layouts, boundary, optimizer
     return memory_sizes(config, groups, layouts, state_layouts, stage_memory, state_format)
 
 
-def _block_parts(config: Config, placement, stores, experts, deferred) -> BlockParts:
+def _block_parts(config: Config, parallel, stores, experts, deferred) -> BlockParts:
     """What every block strategy shares: the boundaries, the swapped residuals, the
     ledger, the routed experts and their deferred updates."""
     ledger = Ledger()
     boundaries = Boundaries(
         config.offload.activations, config.model.num_blocks, stores.swap,
-        placement.put_batch, ledger,
+        parallel.put_batch, ledger,
     )  # fmt: skip
     return BlockParts(
         boundaries=boundaries,
         residuals=SwappedResiduals(stores.residual_swap),
         ledger=ledger,
         swap_level=config.offload.swap_level,
-        put_batch=placement.put_batch,
+        put_batch=parallel.put_batch,
         experts=experts,
         deferred=deferred,
     )
@@ -320,22 +321,22 @@ def _update_loop(config: Config, optimizer, device_optimizer, stores, host_plan,
     )
 
 
-def _experts(config: Config, placement, fns, dtype, routed, loop) -> tuple:
+def _experts(config: Config, parallel, fns, dtype, routed, loop) -> tuple:
     """The routed blocks' expert fetchers by group (None without routed blocks) and
     the deferred expert updates (``optimizer/deferred.py``), told to the loop."""
     experts = None
     if routed:
-        E, device = config.model.num_experts, placement.shardings.device
-        stage_to = placement.shardings.pinned_staging()
+        E, device = config.model.num_experts, parallel.shardings.device
+        stage_to = parallel.shardings.pinned_staging()
 
         def fetcher(group):  # the device takes a block's leaves (one device) or its pages
             if group.layout.leaf_buffers:
                 return ExpertFetcher(group.routed(), dtype, device, E, stage_to=stage_to)
             if isinstance(group.layout, GroupedSlabLayout):  # by expert group or by slice
                 if group.layout.parts[0].grouping.axis == MODEL_AXIS:  # (tensor alone)
-                    return TensorExpertFetcher(group.routed(), placement, dtype, E)
-                return GroupedExpertFetcher(group.routed(), placement, dtype, E)
-            return ShardedExpertFetcher(group.routed(), placement, dtype, E)
+                    return TensorExpertFetcher(group.routed(), parallel, dtype, E)
+                return GroupedExpertFetcher(group.routed(), parallel, dtype, E)
+            return ShardedExpertFetcher(group.routed(), parallel, dtype, E)
 
         experts = ExpertFetchers({g: fetcher(group) for g, group in enumerate(fns.groups)})
     deferring = bool(routed) and deferred_updates(config)

@@ -2,9 +2,8 @@
 state and rows on a data x expert x model mesh (``distributed.*`` != 1).
 
 Each param leaf is split as its logical axes say (``models/staged.py``'s
-``logical_axes``) under the streaming runtime's rules (``distributed.AXIS_RULES``, with
-``distributed.tensor_parallel`` > 1 ``distributed.TENSOR_PARALLEL_RULES``, as
-``zero.Zero3`` picks them): under tensor parallelism attention by heads, the MLP by its
+``logical_axes``) under the one rule table (``rules.leaf_specs``, as ``zero.Zero3``
+reads it): under tensor parallelism attention by heads, the MLP by its
 hidden units and the vocabulary over the ``model`` axis (Megatron's split), under
 expert parallelism a mixture of experts' stacked experts over the ``expert`` axis, and
 whole over ``data`` (replicated). The optimizer state mirrors the params (each
@@ -29,23 +28,14 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetjax.config import Config, ConfigError
-from hetjax.distributed import (
-    AXIS_RULES,
-    BATCH_AXES,
-    EXPERT_AXIS,
-    MODEL_AXIS,
-    TENSOR_PARALLEL_RULES,
-    data_mesh,
-    mesh_axes,
-)
 from hetjax.optimizer.moments import Int8Blocks
-from models.staged import logical_axes
+from hetjax.parallel.rules import BATCH_AXES, EXPERT_AXIS, MODEL_AXIS, data_mesh, leaf_specs
 
 _KEYS = {MODEL_AXIS: "tensor_parallel", EXPERT_AXIS: "expert_parallel"}
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshPlacement:
+class MeshShardings:
     """The shardings of an in-memory run over ``mesh``: ``params`` and ``opt_state``
     (trees of ``NamedSharding``, the state's structure), ``replicated`` (a scalar's),
     ``rows`` (a training batch (A, B/A, W): its second axis split) and ``eval_rows``
@@ -59,7 +49,7 @@ class MeshPlacement:
     eval_rows: NamedSharding
 
     @classmethod
-    def of(cls, config: Config, model, tx) -> MeshPlacement:
+    def of(cls, config: Config, model, tx) -> MeshShardings:
         """The placement of ``model`` (its ``init`` tree) and of optax ``tx``'s state
         over ``config.distributed``'s mesh. A leaf whose split axis the mesh does not
         divide, or a micro-batch whose rows do not divide over the batch axes, is a
@@ -100,19 +90,6 @@ class MeshPlacement:
             opt_state=self.opt_state,
             loss_scale=whole(state.loss_scale),
         )
-
-
-def leaf_specs(model, shapes: Any, tensor_parallel: int = 1) -> Any:
-    """The ``PartitionSpec`` of each param leaf of ``model`` (``shapes``: its ``init``
-    tree, abstract) on a mesh of ``tensor_parallel`` devices a model group: its logical
-    axes (``models/staged.py``) under the streaming runtime's rules
-    (``distributed.TENSOR_PARALLEL_RULES`` where ``tensor_parallel`` > 1, else
-    ``AXIS_RULES``). No mesh is needed: the planner counts what a device holds from
-    them (``planning/in_memory.py``)."""
-    rules = TENSOR_PARALLEL_RULES if tensor_parallel > 1 else AXIS_RULES
-    names = logical_axes(model, shapes)
-    is_names = lambda n: isinstance(n, tuple)
-    return jax.tree.map(lambda n: PartitionSpec(*mesh_axes(n, rules)), names, is_leaf=is_names)
 
 
 def mirror(

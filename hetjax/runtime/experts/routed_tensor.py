@@ -2,7 +2,7 @@
 ``distributed.tensor_parallel`` M > 1): a streamed MoE block's devices copy in and
 gather only their slice of the pages of the experts some device routed to.
 
-Tensor parallelism lays a block's split weights out by slice (``tensor.py``,
+Tensor parallelism lays a block's split weights out by slice (``parallel/groupings.py``,
 ``grouped.py``): device (s, m) of S x M (S on the ``data`` axis, M on ``model``) holds
 share s of group m's slab, which is slice m of every split weight, and share n = s M + m
 of the dense slab (norms, biases, the router). An expert weight (E, d, h) split on h is
@@ -46,9 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetjax.runtime.grouped import GroupPages
-from hetjax.runtime.routed import RoutedBlock, Routing
-from hetjax.runtime.routed_zero import PageExperts, ZeroFetcher, padded_rows
+from hetjax.parallel.grouped import GroupPages
+from hetjax.runtime.experts.routed import RoutedBlock, Routing
+from hetjax.runtime.experts.routed_zero import PageExperts, ZeroFetcher, padded_rows
 
 
 @jax.tree_util.register_pytree_node_class
@@ -86,7 +86,7 @@ class TensorRoutedSlab:
 
 
 class TensorExpertFetcher(ZeroFetcher):
-    """:class:`~hetjax.runtime.routed_zero.ShardedExpertFetcher`'s interface under
+    """:class:`~hetjax.runtime.experts.routed_zero.ShardedExpertFetcher`'s interface under
     tensor parallelism (module docstring): device (s, m) of S x M copies in its share
     of group m's pages that the window or the routing needs and all-gathers them over
     the data axis only."""

@@ -1,0 +1,1 @@
+"""parallel: how devices split a run (mesh axes, rules, layouts, strategies)."""

@@ -1,0 +1,1 @@
+"""Routed experts: a mixture of experts' blocks that fetch only the experts routed to."""

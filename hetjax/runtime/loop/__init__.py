@@ -1,0 +1,1 @@
+"""The per-layer loop: the schedule, block kinds, prefetch window, boundaries, gradients."""

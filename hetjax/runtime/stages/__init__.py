@@ -1,0 +1,1 @@
+"""The compiled stage functions: signatures, keep levels, row chunks, start-up measurements."""
