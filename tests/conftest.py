@@ -21,6 +21,7 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import _cost  # noqa: E402
 import pytest  # noqa: E402
 
 from hetjax.config import Config  # noqa: E402
@@ -72,7 +73,12 @@ def require(available: bool, what: str) -> None:
     pytest.skip(f"needs {what}")
 
 
+def pytest_addoption(parser):
+    _cost.addoption(parser)
+
+
 def pytest_configure(config):
+    _cost.configure(config)  # --cost: each test's compile and run time (tests/_cost.py)
     if IN_CI:
         # Without a C++ compiler the offloaded runtimes fall back to optax with this
         # warning, and every equivalence test would silently test optax: in CI, an error.
