@@ -1,6 +1,8 @@
 """What each test costs (issue #56): its wall time split into JAX's compile time and the
 rest, and the programs it compiles. On with ``--cost`` or ``HETJAX_TEST_COST=1``
-(``--cost-json PATH`` also writes the figures); off, it registers nothing.
+(``--cost-json PATH`` or ``HETJAX_TEST_COST_JSON=PATH`` also writes the figures, and
+the session's wall time: ``.ci/run`` reads it against the budget); off, it registers
+nothing.
 
 Per test (setup, call and teardown together: a module fixture's compiles count in the
 test that first asks for it), from JAX's monitoring events (jax 0.10):
@@ -40,7 +42,15 @@ TOP = 30
 
 
 def enabled(config) -> bool:
-    return bool(config.getoption("cost") or os.environ.get("HETJAX_TEST_COST", "") not in ("", "0"))
+    """``--cost``, or the environment's ``HETJAX_TEST_COST`` (taken out of the environment,
+    so that a test's own child pytest neither reports nor writes the figures; the
+    controller tells its pytest-xdist workers: :class:`Handover`)."""
+    on = os.environ.pop("HETJAX_TEST_COST", "") not in ("", "0")
+    on = on or getattr(config, "workerinput", {}).get(PROPERTY, False)
+    path = os.environ.pop("HETJAX_TEST_COST_JSON", "")
+    config.option.cost = config.option.cost or on
+    config.option.cost_json = config.option.cost_json or path
+    return bool(config.option.cost)
 
 
 def addoption(parser):
@@ -180,8 +190,18 @@ class Collector:
         )
         path = self.config.getoption("cost_json")
         if path:
-            doc = dict(total=total, caches=caches, files=files, tests=rows)
+            session = time.time() - self.start
+            doc = dict(session_s=session, total=total, caches=caches, files=files, tests=rows)
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps(doc, indent=1, sort_keys=True))
+
+
+class Handover:
+    """The controller's: each pytest-xdist worker measures too."""
+
+    @staticmethod
+    def pytest_configure_node(node):
+        node.workerinput[PROPERTY] = True
 
 
 def format_table(title: str, items, total) -> str:
@@ -209,5 +229,7 @@ def configure(config):
     distributed = not worker and (config.getoption("numprocesses", None) or 0) not in (0, "0")
     if not distributed:  # a process that runs tests: -n0, or an xdist worker
         config.pluginmanager.register(WorkerCost(), "hetjax-cost-worker")
+    else:
+        config.pluginmanager.register(Handover(), "hetjax-cost-handover")
     if not worker:
         config.pluginmanager.register(Collector(config), "hetjax-cost-collector")
