@@ -22,6 +22,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import _cost  # noqa: E402
+import _matrix  # noqa: E402
 import pytest  # noqa: E402
 
 from hetjax.config import Config  # noqa: E402
@@ -111,6 +112,10 @@ def cpu_only_deselected(items: list, platforms: str | None) -> tuple[list, list]
 
 
 def pytest_collection_modifyitems(config, items):
+    try:  # the support matrix's guards name known cells (tests/_matrix.py)
+        _matrix.check_items(items)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
     kept, deselected = cpu_only_deselected(items, os.environ.get("JAX_PLATFORMS"))
     if deselected:
         config.hook.pytest_deselected(items=deselected)

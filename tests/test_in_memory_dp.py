@@ -28,6 +28,7 @@ def one_device(tmp_path_factory):
     return train(config, tmp_path_factory.mktemp("one"), verbose=False)
 
 
+@pytest.mark.guards(tier="device", parallel="data")
 def test_data_parallel_in_memory_equals_one_device(one_device, tiny, tmp_path):
     """4 devices: losses, validation loss, every final param and the logits equal one
     device's at 1e-5; the params are replicated on the 4 devices of the mesh."""

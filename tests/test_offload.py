@@ -44,6 +44,7 @@ PAGES = dict(page_size="16KiB")  # several pages per stage; small files
     ],
     ids=str,
 )
+@pytest.mark.guards(tier="nvme", parallel="single")
 def test_nvme_optimizer_and_params_equal_in_memory(tiny, tmp_path, optimizer):
     ref = train(tiny(optimizer=optimizer), tmp_path / "ref", verbose=False)
     config = tiny(
@@ -67,6 +68,7 @@ def test_nvme_optimizer_and_params_equal_in_memory(tiny, tmp_path, optimizer):
 
 # Default-run tier representative (keep out of -m slow): [host] for optimizer state on host.
 @pytest.mark.parametrize("tier", ["host", "device"])
+@pytest.mark.guards(tier="host", parallel="single", ids="host")
 def test_ram_optimizer_tiers_equal_in_memory(tiny, tmp_path, tier):
     ref = train(tiny(optimizer=CLIP), tmp_path / "ref", verbose=False)
     config = tiny(optimizer=CLIP, offload=dict(mode="stream", optimizer=tier))

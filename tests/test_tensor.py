@@ -99,6 +99,8 @@ SCATTERED = {(1, 2): 0, (2, 2): 14 * 16384, (1, 4): 0, (4, 2): 42 * 8192}
     ],
     ids=["tp2", "dp2xtp2-nvme", "tp4", "dp4xtp2-nvme"],
 )
+@pytest.mark.guards(tier="host", parallel="tensor", ids=("tp2", "tp4"))
+@pytest.mark.guards(tier="nvme", parallel="tensor", ids=("dp2xtp2-nvme", "dp4xtp2-nvme"))
 def test_tensor_parallel_equals_single_device(references, tmp_path, data, tensor, tier):
     """GPT: losses, validation loss, every final param and the logits equal one
     device's (grad_accum = the data degree) at 1e-5, with params and optimizer state

@@ -184,6 +184,8 @@ def test_a_wide_blocks_attention_arrives_as_each_devices_model_slice(data, split
 @pytest.mark.parametrize(
     "data, tier", [(1, "host"), (2, "nvme")], ids=["expert2xmodel2", "data2xexpert2xmodel2-nvme"]
 )
+@pytest.mark.guards(tier="host", parallel="tensor_expert", ids="expert2xmodel2")
+@pytest.mark.guards(tier="nvme", parallel="tensor_expert", ids="data2xexpert2xmodel2-nvme")
 def test_expert_and_tensor_parallel_equal_single_device(tmp_path, data, tier):
     """On 1 x 2 x 2 (4 devices, state in RAM) and 2 x 2 x 2 (8 devices, params streamed
     from NVMe and optimizer state on NVMe): losses, the validation loss, every final

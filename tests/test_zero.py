@@ -70,6 +70,8 @@ def reference4(tmp_path_factory):
     [dict(ZERO, optimizer="host"), dict(ZERO, optimizer="nvme", params="nvme")],
     ids=["optimizer_host", "optimizer_nvme"],
 )
+@pytest.mark.guards(tier="host", parallel="data", ids="optimizer_host")
+@pytest.mark.guards(tier="nvme", parallel="data", ids="optimizer_nvme")
 def test_zero3_on_4_devices_equals_single_device(reference4, tiny, tmp_path, offload):
     config = tiny(
         optimizer=SGD_CLIP, offload=offload, memory=PAGES, distributed=dict(data_parallel=4)
