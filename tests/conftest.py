@@ -7,25 +7,25 @@ if "--xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests (and the child processes of the crash tests, which inherit this) compile the
-# same small programs: a persistent compilation cache halves their CPU time.
-# One cache per pytest-xdist worker: JAX writes cache entries without a lock, so a
-# worker could read another's half-written entry.
+# same small programs: a persistent compilation cache halves their CPU time. One
+# directory for the whole run: the pytest-xdist workers inherit the controller's
+# setting, and CI's slow suite starts with the default run's programs; each process
+# writes its entries whole (tests/_cache.py).
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(
-        os.path.dirname(os.path.dirname(__file__)),
-        ".pytest_cache",
-        "jax-" + os.environ.get("PYTEST_XDIST_WORKER", "main"),
-    ),
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import _cache  # noqa: E402
 import _cost  # noqa: E402
 import _matrix  # noqa: E402
 import pytest  # noqa: E402
 
 from hetjax.config import Config  # noqa: E402
+
+_cache.write_entries_whole()
 
 
 def tiny_config(**sections) -> Config:

@@ -115,3 +115,29 @@ def test_every_cell_of_the_support_matrix_has_a_guard_in_ci():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| host | single | float32 |" in proc.stdout
+
+
+def test_the_compilation_cache_writes_entries_whole(tmp_path, monkeypatch):
+    """The one cache every process of a run shares (tests/_cache.py): an entry appears
+    whole, by a rename, never written in place where another process could read it
+    half-written; an existing entry stays."""
+    from jax._src import lru_cache
+
+    assert getattr(lru_cache.LRUCache.put, "writes_whole", False)  # conftest patched it
+    cache = lru_cache.LRUCache(str(tmp_path), max_size=-1)
+    entry = tmp_path / "k-cache"
+    written = []
+    path_type = type(cache.path)  # pathlib's, or etils' where it is installed
+    write_bytes = path_type.write_bytes
+
+    def recording(path, data):
+        written.append(str(path))
+        assert not entry.exists()
+        return write_bytes(path, data)
+
+    monkeypatch.setattr(path_type, "write_bytes", recording)
+    cache.put("k", b"whole entry")
+    assert written and str(entry) not in written  # written elsewhere, renamed into place
+    cache.put("k", b"another")
+    assert cache.get("k") == b"whole entry"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k-cache"]
