@@ -54,6 +54,26 @@ def tiny():
     return tiny_config
 
 
+_REFERENCE_RUNS: dict = {}
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """``run(config)``: ``hetjax.train.train(config)``, once per config in this process:
+    the reference run an equivalence test compares against, shared by every test and
+    module that asks for the same config (read it, never change it)."""
+
+    def run(config: Config):
+        if config not in _REFERENCE_RUNS:
+            from hetjax.train import train
+
+            workdir = tmp_path_factory.mktemp("reference")
+            _REFERENCE_RUNS[config] = train(config, workdir, verbose=False)
+        return _REFERENCE_RUNS[config]
+
+    return run
+
+
 # -- prerequisites ------------------------------------------------------------------------
 
 # CI must run every test: there (CI=true, as GitHub Actions and most CI services set it) a

@@ -21,11 +21,10 @@ NONE = dict(mode="none")
 
 
 @pytest.fixture(scope="module")
-def one_device(tmp_path_factory):
+def one_device(reference_run):
     from conftest import tiny_config
 
-    config = tiny_config(optimizer=SGD_CLIP, offload=NONE)
-    return train(config, tmp_path_factory.mktemp("one"), verbose=False)
+    return reference_run(tiny_config(optimizer=SGD_CLIP, offload=NONE))
 
 
 @pytest.mark.guards(tier="device", parallel="data")

@@ -34,10 +34,10 @@ ADAM = StateFormat.fp32(["mu", "nu"])  # AdamW's state: fp32 master, mu and nu
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(reference_run):
     from conftest import tiny_config
 
-    return train(tiny_config(), tmp_path_factory.mktemp("ref"), verbose=False)
+    return reference_run(tiny_config())
 
 
 # Default-run tier representatives (keep out of -m slow): [depth2] for params on host,

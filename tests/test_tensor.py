@@ -45,7 +45,7 @@ LLAMA = dict(
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
+def references(reference_run):
     """One device, ``grad_accum`` micro-batches (the data-parallel degree), per model."""
     runs = {}
 
@@ -55,7 +55,7 @@ def references(tmp_path_factory):
             config = tiny_config(optimizer=SGD_CLIP, train=dict(grad_accum=accum))
             if model:
                 config = config.replace(model=model)
-            runs[key] = train(config, tmp_path_factory.mktemp("ref"), verbose=False)
+            runs[key] = reference_run(config)
         return runs[key]
 
     return reference
