@@ -162,8 +162,6 @@ class Collector:
 
     def pytest_terminal_summary(self, terminalreporter):
         rows = self.rows()
-        if not rows:
-            return
         files = collections.defaultdict(lambda: dict.fromkeys(FIELDS, 0.0) | {"tests": 0})
         for nodeid, row in rows.items():
             f = files[nodeid.split("::")[0]]
@@ -175,6 +173,17 @@ class Collector:
             for k in FIELDS:
                 total[k] += f[k]
         caches = self.distinct_programs()
+        path = self.config.getoption("cost_json")
+        if path:  # the session's time too, whatever ran (.ci/run reads it)
+            session = time.time() - self.start
+            doc = dict(session_s=session, total=total, caches=caches, files=files, tests=rows)
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(doc, indent=1, sort_keys=True))
+        if rows:
+            self.print(terminalreporter, files, rows, total, caches)
+
+    @staticmethod
+    def print(terminalreporter, files, rows, total, caches):
         write = terminalreporter.write_line
         terminalreporter.section("test cost (tests/_cost.py)")
         write(format_table("file", sorted(files.items(), key=lambda kv: -kv[1]["wall"]), total))
@@ -188,12 +197,6 @@ class Collector:
             f"{caches['dirs']} dirs, {caches['entries']} entries, {caches['distinct']} distinct "
             f"programs, {caches['written_now']} written by this run"
         )
-        path = self.config.getoption("cost_json")
-        if path:
-            session = time.time() - self.start
-            doc = dict(session_s=session, total=total, caches=caches, files=files, tests=rows)
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(json.dumps(doc, indent=1, sort_keys=True))
 
 
 class Handover:
