@@ -7,23 +7,25 @@ if "--xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests (and the child processes of the crash tests, which inherit this) compile the
-# same small programs: a persistent compilation cache halves their CPU time.
-# One cache per pytest-xdist worker: JAX writes cache entries without a lock, so a
-# worker could read another's half-written entry.
+# same small programs: a persistent compilation cache halves their CPU time. One
+# directory for the whole run: the pytest-xdist workers inherit the controller's
+# setting, and CI's slow suite starts with the default run's programs; each process
+# writes its entries whole (tests/_cache.py).
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(
-        os.path.dirname(os.path.dirname(__file__)),
-        ".pytest_cache",
-        "jax-" + os.environ.get("PYTEST_XDIST_WORKER", "main"),
-    ),
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import _cache  # noqa: E402
+import _cost  # noqa: E402
+import _matrix  # noqa: E402
 import pytest  # noqa: E402
 
 from hetjax.config import Config  # noqa: E402
+
+_cache.write_entries_whole()
 
 
 def tiny_config(**sections) -> Config:
@@ -52,6 +54,26 @@ def tiny():
     return tiny_config
 
 
+_REFERENCE_RUNS: dict = {}
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """``run(config)``: ``hetjax.train.train(config)``, once per config in this process:
+    the reference run an equivalence test compares against, shared by every test and
+    module that asks for the same config (read it, never change it)."""
+
+    def run(config: Config):
+        if config not in _REFERENCE_RUNS:
+            from hetjax.train import train
+
+            workdir = tmp_path_factory.mktemp("reference")
+            _REFERENCE_RUNS[config] = train(config, workdir, verbose=False)
+        return _REFERENCE_RUNS[config]
+
+    return run
+
+
 # -- prerequisites ------------------------------------------------------------------------
 
 # CI must run every test: there (CI=true, as GitHub Actions and most CI services set it) a
@@ -72,7 +94,12 @@ def require(available: bool, what: str) -> None:
     pytest.skip(f"needs {what}")
 
 
+def pytest_addoption(parser):
+    _cost.addoption(parser)
+
+
 def pytest_configure(config):
+    _cost.configure(config)  # --cost: each test's compile and run time (tests/_cost.py)
     if IN_CI:
         # Without a C++ compiler the offloaded runtimes fall back to optax with this
         # warning, and every equivalence test would silently test optax: in CI, an error.
@@ -105,6 +132,10 @@ def cpu_only_deselected(items: list, platforms: str | None) -> tuple[list, list]
 
 
 def pytest_collection_modifyitems(config, items):
+    try:  # the support matrix's guards name known cells (tests/_matrix.py)
+        _matrix.check_items(items)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
     kept, deselected = cpu_only_deselected(items, os.environ.get("JAX_PLATFORMS"))
     if deselected:
         config.hook.pytest_deselected(items=deselected)

@@ -37,6 +37,7 @@ PAGES = dict(page_size="16KiB")
 
 
 @pytest.mark.slow  # ~25 s: two runs
+@pytest.mark.guards(tier="nvme", parallel="tensor")
 def test_adamw_at_data2xmodel2_with_state_on_nvme_equals_one_device(tmp_path):
     """Llama at data x model 2 x 2, params streamed from NVMe and AdamW's state on NVMe:
     losses, validation loss, every final param and the logits equal one device's with 2
@@ -52,6 +53,7 @@ def test_adamw_at_data2xmodel2_with_state_on_nvme_equals_one_device(tmp_path):
 
 
 @pytest.mark.slow  # ~30 s: two runs, 8 devices
+@pytest.mark.guards(tier="nvme", parallel="tensor_expert")
 def test_adamw_on_data2xexpert2xmodel2_with_state_on_nvme_equals_one_device(tmp_path):
     """The tiny MoE on the data x expert x model mesh 2 x 2 x 2, params streamed from
     NVMe and AdamW's state on NVMe: losses, validation loss, every final param and the

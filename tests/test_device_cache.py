@@ -51,8 +51,8 @@ def _state_bytes(runtime, stages) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train(tiny_config(optimizer=CLIP), tmp_path_factory.mktemp("ref"), verbose=False)
+def reference(reference_run):
+    return reference_run(tiny_config(optimizer=CLIP))
 
 
 # Default-run tier representative (keep out of -m slow): [host] for the device cache of

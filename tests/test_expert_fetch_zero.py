@@ -115,6 +115,8 @@ def test_a_skewed_router_under_zero3_copies_fewer_bytes(data, experts):
 
 @pytest.mark.slow  # 60 s each: three runs of 4 steps
 @pytest.mark.parametrize("data, experts", [(2, 1), (1, 2)], ids=["data2", "expert2"])
+@pytest.mark.guards(tier="nvme", parallel="data", ids="data2")
+@pytest.mark.guards(tier="nvme", parallel="expert", ids="expert2")
 def test_deferred_updates_under_zero3_equal_one_device(data, experts):
     """AdamW with weight decay and clipping, state and params on NVMe, tokens routed to
     8 of 16 experts, 2 devices (data- or expert-parallel): deferring the updates of the

@@ -21,13 +21,13 @@ NONE = dict(mode="none")
 
 
 @pytest.fixture(scope="module")
-def one_device(tmp_path_factory):
+def one_device(reference_run):
     from conftest import tiny_config
 
-    config = tiny_config(optimizer=SGD_CLIP, offload=NONE)
-    return train(config, tmp_path_factory.mktemp("one"), verbose=False)
+    return reference_run(tiny_config(optimizer=SGD_CLIP, offload=NONE))
 
 
+@pytest.mark.guards(tier="device", parallel="data")
 def test_data_parallel_in_memory_equals_one_device(one_device, tiny, tmp_path):
     """4 devices: losses, validation loss, every final param and the logits equal one
     device's at 1e-5; the params are replicated on the 4 devices of the mesh."""

@@ -86,6 +86,7 @@ def assert_gpt_split(runtime: InMemoryRuntime, copies: int) -> None:
 
 @pytest.mark.slow  # ~15 s each: two runs' compiles on 2 cores
 @pytest.mark.parametrize("distributed", [TP2, TP2_DP2], ids=["tp2", "tp2_dp2"])
+@pytest.mark.guards(tier="device", parallel="tensor")
 def test_tensor_parallel_in_memory_equals_one_device(one_device, tiny, tmp_path, distributed):
     """Losses, validation loss, every final param and the logits equal one device's at
     1e-5 (SGD); the params and the momentum are split in two over the model axis (on
@@ -207,6 +208,8 @@ def moe_one_device(tmp_path_factory):
     [dict(expert_parallel=2, data_parallel=2), dict(expert_parallel=2, tensor_parallel=2)],
     ids=["ep2_dp2", "ep2_tp2"],
 )
+@pytest.mark.guards(tier="device", parallel="expert", ids="ep2_dp2")
+@pytest.mark.guards(tier="device", parallel="tensor_expert", ids="ep2_tp2")
 def test_expert_parallel_in_memory_equals_one_device(moe_one_device, tiny, tmp_path, distributed):
     """A mixture of experts (4 experts, top 2, SGD) with its experts split over the
     expert axis (and under tensor parallelism their hidden units over the model axis):

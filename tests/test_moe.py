@@ -156,6 +156,7 @@ def reference(tmp_path_factory):
 # reference); the others are slow (ZeRO-3 alone over 4 devices among them).
 
 
+@pytest.mark.guards(tier="nvme", parallel="single")
 def test_stream_nvme_equals_none(reference, tiny, tmp_path):
     """offload.mode=stream with the optimizer on NVMe, the last block kept (its vjp from
     forward) and the other swapped (its activations to host memory and back) trains as
@@ -244,6 +245,7 @@ def ep_config(tiny, data: int, experts: int, **model):
     [(2, 2), pytest.param(1, 4, marks=pytest.mark.slow)],  # ~20 s each on 2 cores
     ids=["data2xexpert2", "expert4"],
 )
+@pytest.mark.guards(tier="host", parallel="expert")
 def test_expert_parallel_on_4_devices_equals_single_device(
     reference, tiny, tmp_path, data, experts
 ):

@@ -44,8 +44,9 @@ PAGES = dict(page_size="16KiB")  # several pages per stage; small files
     ],
     ids=str,
 )
-def test_nvme_optimizer_and_params_equal_in_memory(tiny, tmp_path, optimizer):
-    ref = train(tiny(optimizer=optimizer), tmp_path / "ref", verbose=False)
+@pytest.mark.guards(tier="nvme", parallel="single")
+def test_nvme_optimizer_and_params_equal_in_memory(tiny, tmp_path, optimizer, reference_run):
+    ref = reference_run(tiny(optimizer=optimizer))
     config = tiny(
         optimizer=optimizer,
         offload=dict(mode="stream", optimizer="nvme", params="nvme"),
@@ -67,8 +68,9 @@ def test_nvme_optimizer_and_params_equal_in_memory(tiny, tmp_path, optimizer):
 
 # Default-run tier representative (keep out of -m slow): [host] for optimizer state on host.
 @pytest.mark.parametrize("tier", ["host", "device"])
-def test_ram_optimizer_tiers_equal_in_memory(tiny, tmp_path, tier):
-    ref = train(tiny(optimizer=CLIP), tmp_path / "ref", verbose=False)
+@pytest.mark.guards(tier="host", parallel="single", ids="host")
+def test_ram_optimizer_tiers_equal_in_memory(tiny, tmp_path, tier, reference_run):
+    ref = reference_run(tiny(optimizer=CLIP))
     config = tiny(optimizer=CLIP, offload=dict(mode="stream", optimizer=tier))
     result = train(config, tmp_path / tier, verbose=False)
     assert_gpt_training_equal(result, ref, build_model(config.model), check_tokens())

@@ -35,10 +35,10 @@ ADAM = StateFormat.fp32(["mu", "nu"])  # AdamW's state: fp32 master, mu and nu
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(reference_run):
     from conftest import tiny_config
 
-    return train(tiny_config(), tmp_path_factory.mktemp("ref"), verbose=False)
+    return reference_run(tiny_config())
 
 
 # Default-run tier representatives (keep out of -m slow): [depth2] for params on host,
@@ -68,6 +68,7 @@ def reference(tmp_path_factory):
         "swap1_recompute1",
     ],
 )
+@pytest.mark.guards(tier="host", parallel="single")
 def test_stream_equals_none(reference, tiny, tmp_path, offload):
     config = tiny(offload=offload)
     result = train(config, tmp_path, verbose=False)
@@ -322,6 +323,10 @@ def assert_dtype_training_equal(result, reference, dtype: str, model) -> None:
         ("float16", "nvme"),
     ],
 )
+@pytest.mark.guards(tier="host", parallel="single", dtype="bfloat16", ids="bfloat16-host")
+@pytest.mark.guards(tier="nvme", parallel="single", dtype="bfloat16", ids="bfloat16-nvme")
+@pytest.mark.guards(tier="host", parallel="single", dtype="float16", ids="float16-host")
+@pytest.mark.guards(tier="nvme", parallel="single", dtype="float16", ids="float16-nvme")
 def test_stream_equals_none_in_compute_dtype(dtype_reference, tmp_path, dtype, tier):
     reference = dtype_reference(dtype)
     config = _dtype_config(dtype, TIERS[tier])

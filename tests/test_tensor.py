@@ -45,7 +45,7 @@ LLAMA = dict(
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
+def references(reference_run):
     """One device, ``grad_accum`` micro-batches (the data-parallel degree), per model."""
     runs = {}
 
@@ -55,7 +55,7 @@ def references(tmp_path_factory):
             config = tiny_config(optimizer=SGD_CLIP, train=dict(grad_accum=accum))
             if model:
                 config = config.replace(model=model)
-            runs[key] = train(config, tmp_path_factory.mktemp("ref"), verbose=False)
+            runs[key] = reference_run(config)
         return runs[key]
 
     return reference
@@ -99,6 +99,8 @@ SCATTERED = {(1, 2): 0, (2, 2): 14 * 16384, (1, 4): 0, (4, 2): 42 * 8192}
     ],
     ids=["tp2", "dp2xtp2-nvme", "tp4", "dp4xtp2-nvme"],
 )
+@pytest.mark.guards(tier="host", parallel="tensor", ids=("tp2", "tp4"))
+@pytest.mark.guards(tier="nvme", parallel="tensor", ids=("dp2xtp2-nvme", "dp4xtp2-nvme"))
 def test_tensor_parallel_equals_single_device(references, tmp_path, data, tensor, tier):
     """GPT: losses, validation loss, every final param and the logits equal one
     device's (grad_accum = the data degree) at 1e-5, with params and optimizer state

@@ -184,12 +184,14 @@ def test_a_wide_blocks_attention_arrives_as_each_devices_model_slice(data, split
 @pytest.mark.parametrize(
     "data, tier", [(1, "host"), (2, "nvme")], ids=["expert2xmodel2", "data2xexpert2xmodel2-nvme"]
 )
-def test_expert_and_tensor_parallel_equal_single_device(tmp_path, data, tier):
+@pytest.mark.guards(tier="host", parallel="tensor_expert", ids="expert2xmodel2")
+@pytest.mark.guards(tier="nvme", parallel="tensor_expert", ids="data2xexpert2xmodel2-nvme")
+def test_expert_and_tensor_parallel_equal_single_device(tmp_path, data, tier, reference_run):
     """On 1 x 2 x 2 (4 devices, state in RAM) and 2 x 2 x 2 (8 devices, params streamed
     from NVMe and optimizer state on NVMe): losses, the validation loss, every final
     param, the logits and the gradient norms equal one device's at 1e-5; every step's
     reduce-scatter bytes are the hand count (``step_scatter_bytes``)."""
-    reference = train(etp_config(1, 1, 1, "host"), tmp_path / "one", verbose=False)
+    reference = reference_run(etp_config(1, 1, 1, "host"))
     config = etp_config(data, tier=tier)
     result = train(config, tmp_path / "etp", verbose=False)
     assert_training_equal(result, reference, build_model(config.model), check_tokens())
@@ -205,13 +207,13 @@ def test_expert_and_tensor_parallel_equal_single_device(tmp_path, data, tier):
     [dict(keep_blocks=1, swap_blocks=1), dict(optimizer_device_stages=2)],
     ids=["keep_and_swap", "device_cache"],
 )
-def test_offload_features_on_expert2xmodel2_equal_single_device(tmp_path, feature):
+def test_offload_features_on_expert2xmodel2_equal_single_device(tmp_path, feature, reference_run):
     """A kept block and a swapped one (their keep levels and residuals measured on one
     device inside the mesh, whose all-to-all and split experts they need), and the
     device cache of optimizer state (embed's and block 0's updates on each device), at
     1 x 2 x 2: losses, validation loss, every final param and the logits equal one
     device's at 1e-5."""
-    reference = train(etp_config(1, 1, 1), tmp_path / "one", verbose=False)
+    reference = reference_run(etp_config(1, 1, 1, "host"))
     config = etp_config(1).replace(offload=dict(mode="stream", **feature))
     result = train(config, tmp_path / "etp", verbose=False)
     assert_training_equal(result, reference, build_model(config.model), check_tokens())
@@ -314,14 +316,14 @@ def test_planner_prices_the_3d_mesh_as_the_runtime_lays_it_out():
 
 
 @pytest.mark.slow  # two child processes compile everything anew (~60-90 s on 2 cores)
-def test_two_processes_at_expert2xmodel2_equal_single_device(tmp_path):
+def test_two_processes_at_expert2xmodel2_equal_single_device(tmp_path, reference_run):
     """2 processes x 2 CPU devices over gloo at 1 x 2 x 2: each process holds one expert
     group's two model slices (the all-to-all crosses the processes, the model axis's
     all-reduces stay in each): losses, validation loss and final params equal one
     device's."""
     from test_zero import _params_like, _run_two_processes
 
-    reference = train(etp_config(1, 1, 1), tmp_path / "one", verbose=False)
+    reference = reference_run(etp_config(1, 1, 1, "host"))
     model = [f"model.{k}={v}" for k, v in TRAIN_MOE.items()]
     saved = _run_two_processes(
         tmp_path / "two",

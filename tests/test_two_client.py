@@ -34,10 +34,10 @@ def separate_client(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(reference_run):
     from conftest import tiny_config
 
-    return train(tiny_config(optimizer=CLIP), tmp_path_factory.mktemp("ref"), verbose=False)
+    return reference_run(tiny_config(optimizer=CLIP))
 
 
 def test_the_host_optimizer_runs_on_another_client():

@@ -58,11 +58,10 @@ ZERO = dict(mode="stream")
 
 
 @pytest.fixture(scope="module")
-def reference4(tmp_path_factory):
+def reference4(reference_run):
     from conftest import tiny_config
 
-    config = tiny_config(optimizer=SGD_CLIP, train=dict(grad_accum=4))
-    return train(config, tmp_path_factory.mktemp("ref4"), verbose=False)
+    return reference_run(tiny_config(optimizer=SGD_CLIP, train=dict(grad_accum=4)))
 
 
 @pytest.mark.parametrize(
@@ -70,6 +69,8 @@ def reference4(tmp_path_factory):
     [dict(ZERO, optimizer="host"), dict(ZERO, optimizer="nvme", params="nvme")],
     ids=["optimizer_host", "optimizer_nvme"],
 )
+@pytest.mark.guards(tier="host", parallel="data", ids="optimizer_host")
+@pytest.mark.guards(tier="nvme", parallel="data", ids="optimizer_nvme")
 def test_zero3_on_4_devices_equals_single_device(reference4, tiny, tmp_path, offload):
     config = tiny(
         optimizer=SGD_CLIP, offload=offload, memory=PAGES, distributed=dict(data_parallel=4)
@@ -222,9 +223,9 @@ DP_FEATURES = {
 
 
 @pytest.fixture(scope="module")
-def plain_sgd(tmp_path_factory):
+def plain_sgd(reference_run):
     opt = dict(name="sgd", lr=0.1, **CLIP)
-    return train(tiny_config(optimizer=opt), tmp_path_factory.mktemp("plain"), verbose=False)
+    return reference_run(tiny_config(optimizer=opt))
 
 
 @pytest.mark.parametrize(
