@@ -56,13 +56,14 @@ AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", None),
     ("mlp", None),
     # never split: the model width, a group's stacked layers, fused q|k|v columns (not
-    # head-major), learned positions, T5's position buckets, a router's expert scores
+    # head-major), learned positions, T5's position buckets, a router's expert scores,
     ("embed", None),
     ("layers", None),
     ("qkv", None),
     ("position", None),
     ("buckets", None),
     ("router", None),
+    ("head_dim", None),  # a head's features (Qwen3's q/k norms, shared by every head)
 )
 # The rules tensor parallelism uses (Megatron's split: attention by heads,
 # the MLP by its hidden units, the vocabulary; zero.Zero3.constrain) with
