@@ -95,6 +95,29 @@ LLAMA_SHAPED = {
     ),
 }
 SUPPORTED_MODEL_TYPES = {"gpt2": "gpt", **dict.fromkeys(LLAMA_SHAPED, "llama"), "t5": "t5"}
+
+
+def llama_model_type(config: ModelConfig) -> str:
+    """The architecture (:data:`LLAMA_SHAPED`) a ``model.family=llama`` config is
+    exported as: mixtral with experts, qwen2 with q/k/v biases, qwen3 with q/k norms,
+    mistral with a sliding window, else llama. Raises ConfigError for a combination no
+    transformers architecture has."""
+    options = [k for k in ("num_experts", "qkv_bias", "qk_norm") if getattr(config, k)]
+    if len(options) > 1:
+        raise ConfigError(
+            f"model.{' and model.'.join(options)}: no Hugging Face architecture has both "
+            "(Mixtral: experts; Qwen2: q/k/v biases; Qwen3: q/k norms), so this model "
+            "cannot be exported; hetjax trains it, its checkpoints hold it"
+        )
+    if config.num_experts:
+        return "mixtral"
+    if config.qkv_bias:
+        return "qwen2"
+    if config.qk_norm:
+        return "qwen3"
+    return "mistral" if config.sliding_window else "llama"
+
+
 # Options of models/llama.py that a GPT-2 or T5 checkpoint has off
 LLAMA_OPTIONS_OFF = dict(qkv_bias=False, qk_norm=False, sliding_window=0)
 INDEX_FILE = "model.safetensors.index.json"
