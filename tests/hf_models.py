@@ -18,9 +18,9 @@ def build_hf_model(
 ):
     """A 2-layer, d 64 GPT-2, Llama, Qwen2, Qwen3, Mistral or Mixtral (4 experts, top 2,
     aux loss weighted 0.02 and on in transformers' loss: output_router_logits) with
-    random weights, every
-    norm weight and bias perturbed too (so a mapping mistake anywhere shows in the
-    logits), fp32, eval mode.
+    random weights, every norm weight and bias perturbed too (so a mapping mistake
+    anywhere shows in the logits), fp32, eval mode. Qwen2 has q/k/v biases, Qwen3 q/k
+    norms, Mistral a sliding window of 4096 (longer than any test sequence).
     ``rope_scaling``: Llama 3.1's, with an original context of 16 so that the 16-wide
     heads have stretched, interpolated and kept frequencies. ``norm_eps``: every norm's
     epsilon (``layer_norm_epsilon``, ``rms_norm_eps``)."""
