@@ -384,3 +384,26 @@ def test_bfloat16_checkpoint_imports_as_its_fp32_values(checkpoints, tiny, tmp_p
         HFCheckpoint(directory, config).params(),
     )
     jax.tree.map(np.testing.assert_array_equal, HFCheckpoint(tmp_path, config).params(), expected)
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "generate"])
+def test_truncated_safetensors_is_one_line_in_every_command(checkpoints, tmp_path, capsys, command):
+    """train, eval and generate all load through hetjax/hf.py: one line naming the
+    file, exit status 1, no traceback."""
+    from hetjax import cli
+
+    broken = _copy_with(checkpoints["llama"][1], tmp_path)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) - 100])
+    args = {
+        "train": ["--config", "llama_tiny", "--workdir", str(tmp_path / "run")],
+        "eval": ["--config", "llama_tiny"],
+        "generate": ["--prompt", "hi"],
+    }[command]
+    rc = cli.main([command, "--hf", str(broken), *args])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if "model.safetensors" in line]
+    assert len(lines) == 1 and "cannot be read as safetensors" in lines[0]
+    assert "truncated or damaged" in lines[0]
