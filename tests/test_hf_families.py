@@ -197,3 +197,16 @@ def test_options_without_an_architecture_are_not_exported(tiny, tmp_path):
     config = tiny(model=dict(family="llama", qkv_bias=True, qk_norm=True)).model
     with pytest.raises(ConfigError, match="no Hugging Face architecture has both"):
         export_hf(config, {}, tmp_path)
+
+
+def test_generation_longer_than_the_window_is_refused(tiny):
+    """Checked before anything runs: the blocks are not touched."""
+    config = tiny(model=dict(family="llama", sliding_window=16)).model
+
+    class Blocks:
+        model = build_model(config)
+
+    with pytest.raises(ConfigError, match=r"exceed model.sliding_window 16"):
+        generate(Blocks(), [[1] * 10], 7)
+    with pytest.raises(AttributeError):  # within the window: past the check, into the blocks
+        generate(Blocks(), [[1] * 10], 6)
