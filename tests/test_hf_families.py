@@ -16,9 +16,9 @@ import pytest
 from hf_models import build_hf_model, hf_logits, hf_sgd_losses
 from test_generate import hf_greedy
 
-from hetjax.config import Config, ConfigError
+from hetjax.config import Config, ConfigError, load_config
 from hetjax.export import export_hf, hf_config_json
-from hetjax.hf import hf_model_fields, model_config_from_hf, open_checkpoint
+from hetjax.hf import check_model_config, hf_model_fields, model_config_from_hf, open_checkpoint
 from hetjax.inference import generate, open_blocks
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime
@@ -210,3 +210,35 @@ def test_generation_longer_than_the_window_is_refused(tiny):
         generate(Blocks(), [[1] * 10], 7)
     with pytest.raises(AttributeError):  # within the window: past the check, into the blocks
         generate(Blocks(), [[1] * 10], 6)
+
+
+# The Hub's config.json of each model a config in configs/ names (as published)
+HUB = {
+    "qwen2_5_7b": dict(
+        architectures=["Qwen2ForCausalLM"], attention_dropout=0.0, hidden_act="silu",
+        hidden_size=3584, intermediate_size=18944, max_position_embeddings=131072,
+        max_window_layers=28, model_type="qwen2", num_attention_heads=28, num_hidden_layers=28,
+        num_key_value_heads=4, rms_norm_eps=1e-06, rope_theta=1000000.0, sliding_window=131072,
+        tie_word_embeddings=False, use_sliding_window=False, vocab_size=152064,
+    ),
+    "qwen3_8b": dict(
+        architectures=["Qwen3ForCausalLM"], attention_bias=False, attention_dropout=0.0,
+        head_dim=128, hidden_act="silu", hidden_size=4096, intermediate_size=12288,
+        max_position_embeddings=40960, max_window_layers=36, model_type="qwen3",
+        num_attention_heads=32, num_hidden_layers=36, num_key_value_heads=8, rms_norm_eps=1e-06,
+        rope_scaling=None, rope_theta=1000000, sliding_window=None, tie_word_embeddings=False,
+        use_sliding_window=False, vocab_size=151936,
+    ),
+    "mistral_7b": dict(
+        architectures=["MistralForCausalLM"], attention_dropout=0.0, hidden_act="silu",
+        hidden_size=4096, intermediate_size=14336, max_position_embeddings=32768,
+        model_type="mistral", num_attention_heads=32, num_hidden_layers=32,
+        num_key_value_heads=8, rms_norm_eps=1e-05, rope_theta=1000000.0, sliding_window=None,
+        tie_word_embeddings=False, vocab_size=32768,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", HUB)
+def test_config_describes_the_hub_checkpoint(name):
+    check_model_config(load_config(name).model, HUB[name], "config.json")
