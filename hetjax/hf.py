@@ -18,7 +18,10 @@ The name mapping, one table per family used both ways (import and export):
           ``mlp.c_proj`` is ``c_proj_mlp``; LayerNorm ``weight`` is ``scale``.
   Llama   ``model.layers.{i}.self_attn.q_proj.weight`` (out, in) <-> block
           ``q_proj/kernel`` (in, out), transposed; RMSNorm ``weight`` is ``scale``;
-          ``lm_head.weight`` (V, D) <-> head ``lm_head/kernel`` (D, V).
+          ``lm_head.weight`` (V, D) <-> head ``lm_head/kernel`` (D, V). Mistral's and
+          the Qwens' names are Llama's; Qwen2 adds ``self_attn.{q,k,v}_proj.bias`` <->
+          ``{q,k,v}_proj/bias``, Qwen3 ``self_attn.{q,k}_norm.weight`` (K,) <->
+          ``{q,k}_norm/scale``.
   Mixtral Llama's names, the MLP replaced by ``block_sparse_moe.gate.weight`` (E, D) <->
           ``moe/router`` (D, E), and per expert e ``block_sparse_moe.experts.{e}.w1``,
           ``w3``, ``w2`` (out, in) <-> row e of ``moe/gate_proj``, ``up_proj`` (E, D, F),
