@@ -76,6 +76,9 @@ def test_causal(tiny):
         (dict(family="gpt", num_kv_heads=2), "model.num_kv_heads"),
         (dict(family="gpt", num_kv_heads=0, tie_embeddings=False), "model.tie_embeddings"),
         (dict(family="lama"), "model.family"),
+        (dict(family="gpt", num_kv_heads=0, qkv_bias=True), "model.qkv_bias"),
+        (dict(family="t5", num_kv_heads=0, qk_norm=True), "model.qk_norm"),
+        (dict(sliding_window=-1), "model.sliding_window"),
         (dict(init_from="/some/dir"), "model.init_from"),
         (dict(custom="x.y:z"), "model.custom"),
         (dict(family="custom", custom="not a factory"), "model.custom"),
@@ -155,7 +158,7 @@ def test_qkv_bias_and_qk_norm_leaves_and_their_axes(tiny):
     assert "bias" not in shapes["o_proj"]  # Qwen2 has none on the output projection
 
 
-@pytest.mark.slow  # two runs' compiles: 150 s at 5 steps on 2 loaded cores, so 2 steps
+@pytest.mark.slow  # two runs' compiles: ~110 s at 2 steps on 2 cores loaded by others
 def test_qwen_options_tensor_parallel_equal_one_device(tiny, tmp_path):
     """At tensor parallelism 2 (in memory) the biases and norms train as on one device
     (SGD: the same sums in another order, 1e-5), the q bias held in halves."""
