@@ -344,6 +344,14 @@ class Config:
                 f"'model.max_seq_len' ({self.model.max_seq_len}); raise model.max_seq_len "
                 "or shorten train.seq_len"
             )
+        window = self.model.sliding_window
+        if window and self.train.seq_len > window:
+            raise ConfigError(
+                f"config key 'train.seq_len' ({self.train.seq_len}) exceeds "
+                f"'model.sliding_window' ({window}): hetjax's attention has no window and "
+                "reads every earlier position, which equals the window's only up to its "
+                f"length; set train.seq_len <= {window}"
+            )
         self._check_objective()
         blocks = self.model.num_blocks
         counted = (

@@ -43,6 +43,13 @@ HELP: dict[str, str] = {
     "model.rope_original_max_len": "`llama3` rotary rescaling: the original context length "
     "the two thresholds above divide",
     "model.tie_embeddings": "output head tied to the token embedding (`gpt` always ties)",
+    "model.qkv_bias": "`llama`: biases on the query, key and value projections "
+    "(Qwen2/Qwen2.5; [models](models.md#llama-shaped-families))",
+    "model.qk_norm": "`llama`: an RMSNorm over each query and key head before the rotary "
+    "embedding (Qwen3; [models](models.md#llama-shaped-families))",
+    "model.sliding_window": "`llama`: a Mistral/Mixtral checkpoint's attention window, 0 = "
+    "none; hetjax's attention has no window, so `train.seq_len` and generation are "
+    "refused past it ([models](models.md#llama-shaped-families))",
     "model.num_experts": "`llama`: mixture-of-experts MLP of this many SwiGLU experts "
     "(each `d_ff` wide); 0 = the dense MLP ([models](models.md#mixture-of-experts)). "
     "`t5`: Switch's experts in every other layer ([T5](models.md#t5))",

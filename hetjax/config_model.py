@@ -55,6 +55,15 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     tie_embeddings: bool = True  # output head = token embedding; gpt always ties
+    # llama: biases on the query, key and value projections (Qwen2, Qwen2.5)
+    qkv_bias: bool = False
+    # llama: an RMSNorm over each query and key head's features before the rotary
+    # embedding (Qwen3)
+    qk_norm: bool = False
+    # llama: the attention window of a Mistral/Mixtral checkpoint (0: none). hetjax's
+    # attention reads every earlier position, which equals the window's as long as no
+    # sequence is longer: a longer train.seq_len (or generation) is refused
+    sliding_window: int = 0
     # llama: mixture-of-experts MLP (Mixtral / Qwen-MoE style): num_experts SwiGLU experts
     # of width d_ff each, 0 for the dense MLP. t5: Switch Transformer's, every other
     # layer's feed-forward layer num_experts experts (T5-MoE)
@@ -138,6 +147,7 @@ class ModelConfig:
             "must be >= 1",
             self.rope_original_max_len,
         )
+        self._check_llama_options()
         if self.family == "gpt" and not self.tie_embeddings:
             raise ConfigError(
                 "config key 'model.tie_embeddings': family 'gpt' always ties its output "
@@ -181,6 +191,20 @@ class ModelConfig:
                 f"config key 'model.custom' ({self.custom!r}) is used only with "
                 f"model.family='custom', but model.family is {self.family!r}"
             )
+
+    def _check_llama_options(self) -> None:
+        _check(
+            self.sliding_window >= 0,
+            "model.sliding_window",
+            "must be >= 0 (0: no window)",
+            self.sliding_window,
+        )
+        for key in ("qkv_bias", "qk_norm", "sliding_window"):
+            if getattr(self, key) and self.family != "llama":
+                raise ConfigError(
+                    f"config key 'model.{key}' ({getattr(self, key)!r}) is an option of "
+                    f"family 'llama' (models/llama.py), but model.family is {self.family!r}"
+                )
 
     def _check_encoder_decoder(self) -> None:
         _check(

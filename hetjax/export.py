@@ -11,8 +11,11 @@ The params come from the run config: without ``--train``, the initial params (th
 ``--train``, the params at the end of ``hetjax.train.train`` on that config (metrics in
 ``--workdir``); with ``--checkpoint``, those of the newest checkpoint in ``--workdir``.
 The output loads with ``transformers``' ``from_pretrained`` and with
-``model.init_from=hf:<out>``; a ``model.num_experts`` config writes a MixtralForCausalLM
-(the Hub's per-expert layout), a ``model.family=t5`` one a T5ForConditionalGeneration.
+``model.init_from=hf:<out>``; a ``model.family=llama`` config writes the architecture
+``hetjax.hf.llama_model_type`` picks (Llama, or Mistral with ``model.sliding_window``,
+Qwen2 with ``model.qkv_bias``, Qwen3 with ``model.qk_norm``, a MixtralForCausalLM in the
+Hub's per-expert layout with ``model.num_experts``), a ``model.family=t5`` one a
+T5ForConditionalGeneration.
 :func:`export_hf` is the same from Python, for any params tree (e.g.
 ``hetjax.train.train(...).params``); the tensor names are
 ``hetjax.hf.stage_tensor_names``, the mapping import uses.
@@ -32,8 +35,10 @@ import numpy as np
 from hetjax.config import Config, ConfigError, ModelConfig, parse_bytes
 from hetjax.hf import (
     INDEX_FILE,
+    LLAMA_SHAPED,
     SINGLE_FILE,
     Params,
+    llama_model_type,
     open_checkpoint,
     param_at,
     stage_tensor_names,
@@ -64,68 +69,61 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
             "eos_token_id": None,
             "dtype": "float32",
         }
-    if config.family == "llama" and config.num_experts:
-        return _mixtral_config_json(config)
     if config.family == "t5":
         return _t5_config_json(config)
     if config.family == "llama":
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "num_hidden_layers": config.num_layers,
-            "hidden_size": config.d_model,
-            "num_attention_heads": config.num_heads,
-            "num_key_value_heads": config.kv_heads,
-            "head_dim": config.head_dim,
-            "intermediate_size": config.ff_dim,
-            "vocab_size": config.vocab_size,
-            "max_position_embeddings": config.max_seq_len,
-            "rms_norm_eps": config.layer_norm_eps,
-            "rope_theta": config.rope_theta,
-            "rope_parameters": _rope_parameters(config),
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": config.tie_embeddings,
-            "bos_token_id": None,
-            "eos_token_id": None,
-            "dtype": "float32",
-        }
+        return _llama_config_json(config)
     stage_tensor_names(config, "embed")  # raises the unsupported-family ConfigError
     raise AssertionError(config.family)
 
 
-def _mixtral_config_json(config: ModelConfig) -> dict[str, Any]:
-    """A MoE llama's ``config.json``: transformers' MixtralForCausalLM. With
-    ``output_router_logits`` as ``router_aux_loss_coef`` > 0, transformers' loss is
-    hetjax's: the cross-entropy plus the weighted load-balancing loss."""
-    return {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
+def _llama_config_json(config: ModelConfig) -> dict[str, Any]:
+    """A Llama-shaped model's ``config.json``, as the architecture
+    :func:`hetjax.hf.llama_model_type` picks: LlamaForCausalLM, MistralForCausalLM
+    (a sliding window), Qwen2ForCausalLM (q/k/v biases), Qwen3ForCausalLM (q/k norms)
+    or MixtralForCausalLM (experts). A Mixtral's ``output_router_logits`` is
+    ``router_aux_loss_coef`` > 0, so that transformers' loss is hetjax's: the
+    cross-entropy plus the weighted load-balancing loss."""
+    model_type = llama_model_type(config)
+    window = config.sliding_window or None
+    body: dict[str, Any] = {
+        "architectures": [LLAMA_SHAPED[model_type].architecture],
+        "model_type": model_type,
         "num_hidden_layers": config.num_layers,
         "hidden_size": config.d_model,
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.kv_heads,
         "head_dim": config.head_dim,
         "intermediate_size": config.ff_dim,
-        "num_local_experts": config.num_experts,
-        "num_experts_per_tok": config.experts_per_token,
-        "router_aux_loss_coef": config.router_aux_loss_coef,
-        "output_router_logits": config.router_aux_loss_coef > 0,
-        "router_jitter_noise": 0.0,
         "vocab_size": config.vocab_size,
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.layer_norm_eps,
         "rope_theta": config.rope_theta,
         "rope_parameters": _rope_parameters(config),
-        "sliding_window": None,
-        "attention_dropout": 0.0,
         "hidden_act": "silu",
+        "attention_dropout": 0.0,
         "tie_word_embeddings": config.tie_embeddings,
         "bos_token_id": None,
         "eos_token_id": None,
         "dtype": "float32",
     }
+    if model_type in ("llama", "qwen3"):
+        body["attention_bias"] = False
+    if model_type == "llama":
+        body["mlp_bias"] = False
+    if model_type in ("mistral", "mixtral"):
+        body["sliding_window"] = window
+    if LLAMA_SHAPED[model_type].window_switch:  # Qwen: the window on every layer, or off
+        body.update(use_sliding_window=bool(window), sliding_window=window, max_window_layers=0)
+    if model_type == "mixtral":
+        body.update(
+            num_local_experts=config.num_experts,
+            num_experts_per_tok=config.experts_per_token,
+            router_aux_loss_coef=config.router_aux_loss_coef,
+            output_router_logits=config.router_aux_loss_coef > 0,
+            router_jitter_noise=0.0,
+        )
+    return body
 
 
 def _t5_config_json(config: ModelConfig) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Hugging Face checkpoints: import a stage at a time, and export, for GPT-2, Llama,
-Mixtral and T5.
+"""Hugging Face checkpoints: import a stage at a time, and export, for GPT-2, the
+Llama-shaped architectures (:data:`LLAMA_SHAPED`: Llama, Mistral, Mixtral, Qwen2/Qwen2.5,
+Qwen3) and T5.
 
 A checkpoint directory is what ``save_pretrained`` writes: ``config.json`` plus either
 ``model.safetensors`` or shards ``model-0000k-of-0000n.safetensors`` listed in
@@ -17,7 +18,10 @@ The name mapping, one table per family used both ways (import and export):
           ``mlp.c_proj`` is ``c_proj_mlp``; LayerNorm ``weight`` is ``scale``.
   Llama   ``model.layers.{i}.self_attn.q_proj.weight`` (out, in) <-> block
           ``q_proj/kernel`` (in, out), transposed; RMSNorm ``weight`` is ``scale``;
-          ``lm_head.weight`` (V, D) <-> head ``lm_head/kernel`` (D, V).
+          ``lm_head.weight`` (V, D) <-> head ``lm_head/kernel`` (D, V). Mistral's and
+          the Qwens' names are Llama's; Qwen2 adds ``self_attn.{q,k,v}_proj.bias`` <->
+          ``{q,k,v}_proj/bias``, Qwen3 ``self_attn.{q,k}_norm.weight`` (K,) <->
+          ``{q,k}_norm/scale``.
   Mixtral Llama's names, the MLP replaced by ``block_sparse_moe.gate.weight`` (E, D) <->
           ``moe/router`` (D, E), and per expert e ``block_sparse_moe.experts.{e}.w1``,
           ``w3``, ``w2`` (out, in) <-> row e of ``moe/gate_proj``, ``up_proj`` (E, D, F),
@@ -45,9 +49,11 @@ Tied output heads have no tensor of their own (HF drops ``lm_head.weight`` too).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +61,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from hetjax.config import ConfigError, ModelConfig
 from hetjax.types import is_block, stage_layout, stage_names, stages_tree
@@ -63,7 +69,60 @@ from models import build_model
 
 Params = dict[str, Any]
 
-SUPPORTED_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama", "mixtral": "llama", "t5": "t5"}
+
+@dataclass(frozen=True)
+class LlamaShaped:
+    """A Hugging Face architecture hetjax imports and exports as ``model.family=llama``:
+    the class export writes, the options of models/llama.py it always has, and
+    transformers' defaults for the fields its config.json may leave out."""
+
+    architecture: str  # the *ForCausalLM class
+    kv_heads: int | None  # num_key_value_heads' default (None: num_attention_heads)
+    norm_eps: float  # rms_norm_eps'
+    rope_theta: float
+    qkv_bias: bool = False  # model.qkv_bias: q/k/v biases (Qwen2)
+    qk_norm: bool = False  # model.qk_norm: q/k RMSNorms per head (Qwen3)
+    head_dim: int | None = None  # head_dim's default (None: hidden_size / heads)
+    sliding_window: int | None = None  # sliding_window's default
+    window_switch: bool = False  # the window applies only with use_sliding_window (Qwen)
+
+
+# The supported architectures: the one place that says which model types import.
+LLAMA_SHAPED = {
+    "llama": LlamaShaped("LlamaForCausalLM", None, 1e-6, 10000.0),
+    "mistral": LlamaShaped("MistralForCausalLM", 8, 1e-6, 10000.0, sliding_window=4096),
+    "mixtral": LlamaShaped("MixtralForCausalLM", 8, 1e-5, 1e6),
+    "qwen2": LlamaShaped("Qwen2ForCausalLM", 32, 1e-6, 10000.0, qkv_bias=True, window_switch=True),
+    "qwen3": LlamaShaped(
+        "Qwen3ForCausalLM", 32, 1e-6, 10000.0, qk_norm=True, head_dim=128, window_switch=True
+    ),
+}
+SUPPORTED_MODEL_TYPES = {"gpt2": "gpt", **dict.fromkeys(LLAMA_SHAPED, "llama"), "t5": "t5"}
+
+
+def llama_model_type(config: ModelConfig) -> str:
+    """The architecture (:data:`LLAMA_SHAPED`) a ``model.family=llama`` config is
+    exported as: mixtral with experts, qwen2 with q/k/v biases, qwen3 with q/k norms,
+    mistral with a sliding window, else llama. Raises ConfigError for a combination no
+    transformers architecture has."""
+    options = [k for k in ("num_experts", "qkv_bias", "qk_norm") if getattr(config, k)]
+    if len(options) > 1:
+        raise ConfigError(
+            f"model.{' and model.'.join(options)}: no Hugging Face architecture has both "
+            "(Mixtral: experts; Qwen2: q/k/v biases; Qwen3: q/k norms), so this model "
+            "cannot be exported; hetjax trains it, its checkpoints hold it"
+        )
+    if config.num_experts:
+        return "mixtral"
+    if config.qkv_bias:
+        return "qwen2"
+    if config.qk_norm:
+        return "qwen3"
+    return "mistral" if config.sliding_window else "llama"
+
+
+# Options of models/llama.py that a GPT-2 or T5 checkpoint has off
+LLAMA_OPTIONS_OFF = dict(qkv_bias=False, qk_norm=False, sliding_window=0)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -151,9 +210,18 @@ def stage_tensor_names(
             return [TensorName("model.embed_tokens.weight", ("embed_tokens",), False)]
         if stage == "block":
             h = f"model.layers.{layer}"
+            qkv = ("q_proj", "k_proj", "v_proj")
             return [
                 rms(f"{h}.input_layernorm", "input_layernorm"),
-                *(linear(f"{h}.self_attn.{n}", n) for n in ("q_proj", "k_proj", "v_proj")),
+                *(linear(f"{h}.self_attn.{n}", n) for n in qkv),
+                *(
+                    TensorName(f"{h}.self_attn.{n}.bias", (n, "bias"), False)
+                    for n in (qkv if config.qkv_bias else ())
+                ),
+                *(
+                    rms(f"{h}.self_attn.{n}", n)
+                    for n in (("q_norm", "k_norm") if config.qk_norm else ())
+                ),
                 linear(f"{h}.self_attn.o_proj", "o_proj"),
                 rms(f"{h}.post_attention_layernorm", "post_attention_layernorm"),
                 *(
@@ -285,6 +353,7 @@ def hf_model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str,
             num_kv_heads=0,
             tie_embeddings=True,
             num_experts=0,
+            **LLAMA_OPTIONS_OFF,
         )
     return _llama_fields(hf, where, model_type, unsupported)
 
@@ -292,10 +361,10 @@ def hf_model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str,
 def _llama_fields(
     hf: dict[str, Any], where: str, model_type: str, unsupported: Callable[[str, Any, Any], None]
 ) -> dict[str, Any]:
-    """hf_model_fields of a ``llama`` or ``mixtral`` config.json. A field config.json
-    leaves out has transformers' default for the model type, as from_pretrained gives it;
-    the shape fields must be there."""
-    mixtral = model_type == "mixtral"
+    """hf_model_fields of a Llama-shaped config.json (:data:`LLAMA_SHAPED`). A field
+    config.json leaves out has transformers' default for the model type, as
+    from_pretrained gives it; the shape fields must be there."""
+    arch = LLAMA_SHAPED[model_type]
 
     def need(key: str) -> Any:
         if key not in hf:
@@ -322,38 +391,50 @@ def _llama_fields(
             rope_original_max_len=int(rope["original_max_position_embeddings"]),
         )
     unsupported("hidden_act", hf.get("hidden_act", "silu"), "silu")
-    unsupported("attention_bias", hf.get("attention_bias", False), False)
+    if not arch.qkv_bias:  # qwen2's q/k/v biases are always there, its o_proj never has one
+        unsupported("attention_bias", hf.get("attention_bias", False), False)
     unsupported("mlp_bias", hf.get("mlp_bias", False), False)
     unsupported("attention_dropout", float(hf.get("attention_dropout", 0.0)), 0.0)
     d, heads = need("hidden_size"), need("num_attention_heads")
-    if hf.get("head_dim") not in (None, d // heads):
-        unsupported("head_dim", hf["head_dim"], d // heads)
+    head_dim = hf.get("head_dim", arch.head_dim)
+    if head_dim not in (None, d // heads):
+        raise ConfigError(
+            f"{where}: head_dim = {head_dim} is not supported: hetjax's llama has heads of "
+            f"hidden_size / num_attention_heads = {d // heads} features"
+        )
     fields = dict(
         family="llama",
         num_layers=need("num_hidden_layers"),
         d_model=d,
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads", 8 if mixtral else None) or heads,
+        num_kv_heads=hf.get("num_key_value_heads", arch.kv_heads) or heads,
         d_ff=need("intermediate_size"),
         vocab_size=need("vocab_size"),
-        layer_norm_eps=hf.get("rms_norm_eps", 1e-5 if mixtral else 1e-6),
-        rope_theta=float(
-            rope.get("rope_theta") or hf.get("rope_theta") or (1e6 if mixtral else 10000.0)
-        ),
+        layer_norm_eps=hf.get("rms_norm_eps", arch.norm_eps),
+        rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or arch.rope_theta),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=arch.qkv_bias,
+        qk_norm=arch.qk_norm,
+        sliding_window=_sliding_window(hf, arch),
         num_experts=0,
         **scaling,
     )
-    if not mixtral:
-        return fields
-    window = hf.get("sliding_window")
-    if window is not None:
-        raise ConfigError(
-            f"{where}: sliding_window = {window!r} is not supported: hetjax's attention "
-            "reads every earlier position. A window at least as long as the sequences "
-            f"changes nothing: to train on at most {window} tokens (train.seq_len <= "
-            f'{window}), set "sliding_window": null in config.json'
-        )
+    if model_type == "mixtral":
+        fields.update(_mixtral_fields(hf, where, need))
+    return fields
+
+
+def _sliding_window(hf: dict[str, Any], arch: LlamaShaped) -> int:
+    """model.sliding_window of a Llama-shaped config.json (0: none). Qwen's window
+    applies only with ``use_sliding_window`` (and to the layers from
+    ``max_window_layers`` on: a sequence within the window is unaffected either way)."""
+    if arch.window_switch and not hf.get("use_sliding_window", False):
+        return 0
+    return int(hf.get("sliding_window", arch.sliding_window) or 0)
+
+
+def _mixtral_fields(hf: dict[str, Any], where: str, need: Callable[[str], Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a ``mixtral`` config.json."""
     jitter = hf.get("router_jitter_noise", 0.0)
     if jitter:
         raise ConfigError(
@@ -363,12 +444,11 @@ def _llama_fields(
         )
     # output_router_logits is not read: it decides whether transformers' forward adds
     # the load-balancing loss at all; hetjax adds it whenever router_aux_loss_coef > 0.
-    fields.update(
+    return dict(
         num_experts=need("num_local_experts"),
         experts_per_token=need("num_experts_per_tok"),
         router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
     )
-    return fields
 
 
 def _t5_fields(
@@ -414,6 +494,7 @@ def _t5_fields(
         decoder_start_token=hf.get("decoder_start_token_id", hf.get("pad_token_id", 0)),
         tie_embeddings=bool(tied),
         num_experts=0,
+        **LLAMA_OPTIONS_OFF,
     )
 
 
@@ -503,6 +584,7 @@ class HFCheckpoint:
             self.aliases["lm_head.weight"] = "shared.weight"
         model = build_model(config)
         self.stage_names = stage_names([(g.name, g.num_layers) for g in model.groups])
+        self._check_tensor_names()
         # Expected param shapes of each stage kind: structure and shape checks.
         self.expected = {
             kind: jax.eval_shape(lambda k, kind=kind: model.init_stage(kind, k), jax.random.key(0))
@@ -512,10 +594,16 @@ class HFCheckpoint:
     def _tensor_files(self, spec: str) -> dict[str, Path]:
         index, single = self.directory / INDEX_FILE, self.directory / SINGLE_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ConfigError(
+                    f"model.init_from {spec!r}: {index} is not a safetensors index (JSON with "
+                    f"a weight_map) ({type(e).__name__}: {e}); copy it again from the source"
+                ) from e
             return {name: self.directory / file for name, file in weight_map.items()}
         if single.is_file():
-            with safe_open(single, framework="numpy") as f:
+            with _open_safetensors(single, self.directory) as f:
                 return dict.fromkeys(f.keys(), single)
         present = sorted(p.name for p in self.directory.iterdir())
         raise ConfigError(
@@ -585,10 +673,57 @@ class HFCheckpoint:
                     f"model.init_from hf:{self.directory}: {INDEX_FILE} lists {path.name} "
                     f"(for {names[0]!r}) but the file is missing; copy every shard"
                 )
-            with safe_open(path, framework="numpy") as f:
+            with _open_safetensors(path, self.directory) as f:
                 for n in names:
                     arrays[n] = _read_tensor(f, path, self.aliases.get(n, n))
         return arrays
+
+    def _check_tensor_names(self) -> None:
+        """Strict import: every tensor of the checkpoint is read into a param, or is a
+        buffer transformers recomputes (:data:`IGNORED_BUFFERS`), or a copy of a tied
+        tensor equal to it (:func:`tied_copies`); every tensor the model needs is
+        there. Otherwise raises ConfigError naming the unexpected and the missing ones
+        (a Qwen2 checkpoint whose config.json says llama would lose its q/k/v biases)."""
+        wanted: set[str] = set()
+        for name in self.stage_names:
+            kind = stage_layout(name)
+            layer = int(name[len(kind) :]) if is_block(name) else 0
+            names = stage_tensor_names(self.config, kind, layer, self.prefix, self.fused_experts)
+            wanted.update(n.hf for n in names)
+        ignored = IGNORED_BUFFERS[self.config.family]
+        copies = tied_copies(self.config, self.prefix)
+        unexpected = sorted(
+            n
+            for n in self.files
+            if n not in wanted and n not in copies and not (ignored and ignored.search(n))
+        )
+        missing = sorted(wanted - set(self.files), key=_natural)
+        if unexpected or missing:
+            unexpected.sort(key=_natural)
+            parts = [
+                f"{what} {_some(found)}"
+                for found, what in (
+                    (unexpected, "unexpected (the model would not read them):"),
+                    (missing, "missing:"),
+                )
+                if found
+            ]
+            raise ConfigError(
+                f"model.init_from hf:{self.directory}: the checkpoint's tensors are not "
+                f"those of the {self.model_type} model its config.json describes; "
+                f"{'; '.join(parts)}. Its config.json names the wrong model_type (a Qwen2's "
+                "q/k/v biases need model_type qwen2) or the checkpoint is incomplete; "
+                "hetjax imports every tensor or none"
+            )
+        present = [(copy, source) for copy, source in copies.items() if copy in self.files]
+        for copy, source in present:
+            arrays = self._read([copy, source], "the tied weights' check")
+            if not np.array_equal(arrays[copy], arrays[source]):
+                raise ConfigError(
+                    f"model.init_from hf:{self.directory}: tensor {copy!r} differs from "
+                    f"{source!r}, but config.json ties them (tie_word_embeddings); set "
+                    '"tie_word_embeddings": false in config.json to import both'
+                )
 
     def params(self) -> Params:
         """The whole model as fp32 numpy params, each group's blocks stacked on axis 0
@@ -601,6 +736,55 @@ def param_at(tree: Params, path: tuple[str, ...]) -> Any:
     for key in path:
         tree = tree[key]
     return tree
+
+
+# Buffers some checkpoints hold that transformers recomputes from config.json and
+# ignores on load (its _keys_to_ignore_on_load_unexpected); hetjax ignores them too:
+# Llama's rotary inv_freq (older transformers saved it), GPT-2's causal-mask buffers.
+IGNORED_BUFFERS = {
+    "gpt": re.compile(r"(^|\.)attn\.(masked_)?bias$"),
+    "llama": re.compile(r"(^|\.)rotary_emb\.inv_freq$"),
+    "t5": None,
+    "custom": None,
+}
+
+
+def tied_copies(config: ModelConfig, prefix: str | None = None) -> dict[str, str]:
+    """Tensors a checkpoint may hold as copies of a tensor they are tied to (older
+    transformers saved them): copy -> source. Import accepts a copy equal to its
+    source and refuses one that differs."""
+    if config.family == "t5":
+        copies = {f"{s}.embed_tokens.weight": "shared.weight" for s in ("encoder", "decoder")}
+        return {**copies, "lm_head.weight": "shared.weight"} if config.tie_embeddings else copies
+    if config.family == "gpt":
+        return {"lm_head.weight": f"{'transformer.' if prefix is None else prefix}wte.weight"}
+    if config.family == "llama" and config.tie_embeddings:
+        return {"lm_head.weight": "model.embed_tokens.weight"}
+    return {}
+
+
+def _natural(name: str) -> list:
+    """Sort key: layer 10 after layer 9."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _some(names: list[str], shown: int = 4) -> str:
+    listed = ", ".join(repr(n) for n in names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path, directory: Path):
+    """``safe_open`` of a checkpoint file, a damaged one (truncated, not safetensors)
+    a ConfigError naming it."""
+    try:
+        with safe_open(path, framework="numpy") as f:
+            yield f
+    except SafetensorError as e:
+        raise ConfigError(
+            f"model.init_from hf:{directory}: {path.name} cannot be read as safetensors "
+            f"({e}); the file is truncated or damaged: copy or download it again"
+        ) from e
 
 
 def _read_tensor(f: Any, path: Path, name: str) -> np.ndarray:

@@ -386,6 +386,13 @@ def generate(
             f"the longest prompt ({P} tokens) and --max-new-tokens {max_new_tokens} exceed "
             f"model.max_seq_len {limit}, GPT's learned positions"
         )
+    window = model.config.sliding_window
+    if window and window < S:
+        raise ConfigError(
+            f"the longest prompt ({P} tokens) and --max-new-tokens {max_new_tokens} exceed "
+            f"model.sliding_window {window}: hetjax's attention has no window, equal to "
+            "it only within its length; shorten the prompt or --max-new-tokens"
+        )
     lengths = np.array([len(p) for p in prompts])
     pad = P - lengths
     ids = np.zeros((B, P), np.int32)

@@ -3,7 +3,10 @@
 Architecture: a token embedding with no position embedding, N pre-RMSNorm blocks
 (causal grouped-query attention with rotary position embeddings on queries and keys,
 SwiGLU MLP), a final RMSNorm and an output projection, untied by default
-(``model.tie_embeddings``). No biases anywhere. Rotary embeddings use the
+(``model.tie_embeddings``). No biases, unless ``model.qkv_bias`` (Qwen2/Qwen2.5: biases
+on the query, key and value projections); ``model.qk_norm`` (Qwen3) adds an RMSNorm of
+each query and key head (``q_norm``, ``k_norm``, (K,) shared by the heads) before the
+rotary embedding. Rotary embeddings use the
 ``rotate_half`` convention of HF's ``modeling_llama`` (the first and second halves of a
 head's features form the pairs), so HF checkpoints load without permuting q/k rows.
 
@@ -14,6 +17,7 @@ Stages (see :class:`models.staged.StagedModel`):
   ``embed``  {embed_tokens (V, D)}                               tokens (B, T) -> (B, T, D)
   ``blocks`` {input_layernorm, q_proj, k_proj, v_proj, o_proj,
               post_attention_layernorm, gate_proj, up_proj, down_proj}, stacked on L
+             (q/k/v_proj with a ``bias`` under qkv_bias; q_norm, k_norm under qk_norm)
   ``head``   {norm, lm_head (D, V)} (no lm_head when tied to embed_tokens)
 
 With ``model.num_experts`` E > 0 the MLP is Mixtral's mixture of experts
@@ -112,9 +116,9 @@ class LlamaBlock(nn.Module):
     def _call(self, x, routing, positions, cache=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.compute_dtype)
-        dense = lambda features, name: nn.Dense(
+        dense = lambda features, name, bias=False: nn.Dense(
             features,
-            use_bias=False,
+            use_bias=bias,
             dtype=dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(cfg.init_std),
@@ -145,9 +149,12 @@ class LlamaBlock(nn.Module):
         G = cfg.num_heads // N
         h = norm("input_layernorm")(x)
         # Query head n * G + g uses key/value head n (HF's repeat_kv order).
-        q = dense(N * G * K, "q_proj")(h).reshape(B, T, N, G, K)
-        k = dense(N * K, "k_proj")(h).reshape(B, T, N, K)
-        v = dense(N * K, "v_proj")(h).reshape(B, T, N, K)
+        bias = cfg.qkv_bias
+        q = dense(N * G * K, "q_proj", bias)(h).reshape(B, T, N, G, K)
+        k = dense(N * K, "k_proj", bias)(h).reshape(B, T, N, K)
+        v = dense(N * K, "v_proj", bias)(h).reshape(B, T, N, K)
+        if cfg.qk_norm:  # over each head's K features (Qwen3), before the rotation
+            q, k = norm("q_norm")(q), norm("k_norm")(k)
         if positions is None:
             cos, sin = rotary_tables(T, rotary_frequencies(cfg))  # (T, K)
             segments = None
@@ -328,6 +335,9 @@ LOGICAL_AXES: AxisTable = (
     ("embed_tokens", ("vocab", "embed")),
     ("q_proj/kernel", ("embed", "heads")),  # (D, N G K)
     ("(k_proj|v_proj)/kernel", ("embed", "kv_heads")),  # (D, N K)
+    ("q_proj/bias", ("heads",)),  # qkv_bias: split with its kernel's columns
+    ("(k_proj|v_proj)/bias", ("kv_heads",)),
+    ("(q_norm|k_norm)/scale", ("head_dim",)),  # qk_norm: (K,), one for every head
     ("o_proj/kernel", ("heads", "embed")),
     ("(gate_proj|up_proj)/kernel", ("embed", "mlp")),
     ("down_proj/kernel", ("mlp", "embed")),

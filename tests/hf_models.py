@@ -16,10 +16,11 @@ VOCAB, SEQ = 256, 64
 def build_hf_model(
     family: str, tied: bool = False, rope_scaling: bool = False, seed: int = 0, norm_eps=1e-5
 ):
-    """A 2-layer, d 64 GPT-2, Llama or Mixtral (4 experts, top 2, aux loss weighted
-    0.02 and on in transformers' loss: output_router_logits) with random weights, every
-    norm weight and bias perturbed too (so a mapping mistake anywhere shows in the
-    logits), fp32, eval mode.
+    """A 2-layer, d 64 GPT-2, Llama, Qwen2, Qwen3, Mistral or Mixtral (4 experts, top 2,
+    aux loss weighted 0.02 and on in transformers' loss: output_router_logits) with
+    random weights, every norm weight and bias perturbed too (so a mapping mistake
+    anywhere shows in the logits), fp32, eval mode. Qwen2 has q/k/v biases, Qwen3 q/k
+    norms, Mistral a sliding window of 4096 (longer than any test sequence).
     ``rope_scaling``: Llama 3.1's, with an original context of 16 so that the 16-wide
     heads have stretched, interpolated and kept frequencies. ``norm_eps``: every norm's
     epsilon (``layer_norm_epsilon``, ``rms_norm_eps``)."""
@@ -41,6 +42,8 @@ def build_hf_model(
             bos_token_id=None, eos_token_id=None,
         )  # fmt: skip
         model = transformers.MixtralForCausalLM(config)
+    elif family in LLAMA_SHAPED:
+        model = _llama_shaped(family, tied, norm_eps)
     else:
         config = transformers.LlamaConfig(
             num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -62,6 +65,27 @@ def build_hf_model(
             elif p.ndim == 3:  # Mixtral's fused experts: not every version initialises them
                 p.copy_(0.1 * torch.randn_like(p))
     return model.float().eval()
+
+
+# Llama-shaped families: (config class, model class, their options)
+LLAMA_SHAPED = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, use_sliding_window=False)),
+    # a window longer than any test sequence: it changes nothing, hetjax accepts it
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=4096)),
+}
+
+
+def _llama_shaped(family: str, tied: bool, norm_eps: float):
+    """A Qwen2 (q/k/v biases), Qwen3 (q/k norms) or Mistral of the Llama's shape."""
+    config_class, model_class, options = LLAMA_SHAPED[family]
+    config = getattr(transformers, config_class)(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=SEQ,
+        rms_norm_eps=norm_eps, rope_theta=5000.0, tie_word_embeddings=tied,
+        initializer_range=0.1, bos_token_id=None, eos_token_id=None, **options,
+    )  # fmt: skip
+    return getattr(transformers, model_class)(config)
 
 
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:

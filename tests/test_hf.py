@@ -266,12 +266,67 @@ def _copy_with(directory, out, edit_tensors=None, edit_config=None):
 
 
 def test_error_missing_tensor(checkpoints, tiny, tmp_path):
+    """Refused when the checkpoint is opened, before any stage is read."""
     directory = checkpoints["llama"][1]
     broken = _copy_with(directory, tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    checkpoint = HFCheckpoint(broken, _config(tiny, directory).model)
-    checkpoint.stage("block0")  # fine
-    with pytest.raises(ConfigError, match="no tensor 'model.layers.1.mlp.up_proj.weight'.*block1"):
-        checkpoint.stage("block1")
+    with pytest.raises(ConfigError, match="missing: 'model.layers.1.mlp.up_proj.weight'"):
+        HFCheckpoint(broken, _config(tiny, directory).model)
+
+
+def test_error_unexpected_tensors_a_qwen2_saved_as_llama(checkpoints, tiny, tmp_path):
+    """A Qwen2's q/k/v biases under a config.json that says llama: refused naming them
+    (they used to be dropped silently), with the model_type that reads them."""
+    directory = checkpoints["llama"][1]
+
+    def add_biases(tensors):
+        for i in range(2):
+            for n, width in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+                tensors[f"model.layers.{i}.self_attn.{n}.bias"] = np.ones(width, np.float32)
+
+    broken = _copy_with(directory, tmp_path, add_biases)
+    with pytest.raises(ConfigError) as e:
+        HFCheckpoint(broken, _config(tiny, directory).model)
+    message = str(e.value)
+    assert (
+        "unexpected (the model would not read them): 'model.layers.0.self_attn.k_proj.bias'"
+        in message
+    )
+    assert "and 2 more" in message and "model_type qwen2" in message
+    assert "missing" not in message
+
+
+def test_buffers_and_equal_tied_copies_are_accepted(checkpoints, tiny, tmp_path):
+    """Rotary inv_freq buffers (older transformers saved them; recomputed from
+    config.json) are ignored, and a tied model's lm_head.weight equal to the embedding
+    is accepted; one that differs is refused."""
+    directory = checkpoints["llama_tied"][1]
+    config = _config(tiny, directory).model
+    reference = HFCheckpoint(directory, config).params()
+
+    def extras(tensors):
+        tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+
+    (tmp_path / "a").mkdir()
+    extra = _copy_with(directory, tmp_path / "a", extras)
+    jax.tree.map(np.testing.assert_array_equal, HFCheckpoint(extra, config).params(), reference)
+
+    def differing(tensors):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 1
+
+    (tmp_path / "b").mkdir()
+    broken = _copy_with(directory, tmp_path / "b", differing)
+    with pytest.raises(ConfigError, match="'lm_head.weight' differs from 'model.embed_tokens"):
+        HFCheckpoint(broken, config)
+
+
+def test_error_truncated_safetensors_names_the_file(checkpoints, tiny, tmp_path):
+    directory = checkpoints["llama"][1]
+    broken = _copy_with(directory, tmp_path)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match="model.safetensors cannot be read.*truncated"):
+        HFCheckpoint(broken, _config(tiny, directory).model)
 
 
 def test_error_tensor_shape_mismatch(checkpoints, tiny, tmp_path):
@@ -329,3 +384,26 @@ def test_bfloat16_checkpoint_imports_as_its_fp32_values(checkpoints, tiny, tmp_p
         HFCheckpoint(directory, config).params(),
     )
     jax.tree.map(np.testing.assert_array_equal, HFCheckpoint(tmp_path, config).params(), expected)
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "generate"])
+def test_truncated_safetensors_is_one_line_in_every_command(checkpoints, tmp_path, capsys, command):
+    """train, eval and generate all load through hetjax/hf.py: one line naming the
+    file, exit status 1, no traceback."""
+    from hetjax import cli
+
+    broken = _copy_with(checkpoints["llama"][1], tmp_path)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) - 100])
+    args = {
+        "train": ["--config", "llama_tiny", "--workdir", str(tmp_path / "run")],
+        "eval": ["--config", "llama_tiny"],
+        "generate": ["--prompt", "hi"],
+    }[command]
+    rc = cli.main([command, "--hf", str(broken), *args])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if "model.safetensors" in line]
+    assert len(lines) == 1 and "cannot be read as safetensors" in lines[0]
+    assert "truncated or damaged" in lines[0]

@@ -266,8 +266,6 @@ def _copy_with(directory, out, edit_tensors=None, edit_config=None):
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("sliding_window", 4096, r"sliding_window = 4096 is not supported.*at most 4096 tokens.*"
-         r'"sliding_window": null in config.json'),
         ("router_jitter_noise", 0.01, r"router_jitter_noise = 0.01 is not supported.*"
          r'"router_jitter_noise": 0.0 in config.json'),
         ("hidden_act", "gelu", r"hidden_act = 'gelu' is not supported.*needs 'silu'"),
@@ -283,6 +281,16 @@ def test_error_config_json_field_hetjax_cannot_honour(
         HFCheckpoint(broken, _config(tiny, directory).model)
     with pytest.raises(ConfigError, match=message):
         model_config_from_hf(broken)
+
+
+def test_sliding_window_is_read_and_checked(checkpoints, tiny, tmp_path):
+    """A window is model.sliding_window (sequences past it refused: tests/
+    test_hf_families.py), checked against the model config like the shape."""
+    directory = checkpoints[1]["per_expert"]
+    windowed = _copy_with(directory, tmp_path, edit_config=lambda c: c.update(sliding_window=64))
+    assert model_config_from_hf(windowed).sliding_window == 64
+    with pytest.raises(ConfigError, match="model.sliding_window is 0 but the checkpoint has 64"):
+        HFCheckpoint(windowed, _config(tiny, directory).model)
 
 
 def test_error_missing_expert_count(tmp_path):
@@ -322,10 +330,8 @@ def test_error_missing_expert_tensor(checkpoints, tiny, tmp_path):
     directory = checkpoints[1]["per_expert"]
     name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
     broken = _copy_with(directory, tmp_path, lambda t: t.pop(name))
-    checkpoint = HFCheckpoint(broken, _config(tiny, directory).model)
-    checkpoint.stage("block0")  # fine
-    with pytest.raises(ConfigError, match=f"no tensor '{name}'.*block1.*not a mixtral checkpoint"):
-        checkpoint.stage("block1")
+    with pytest.raises(ConfigError, match=f"missing: '{name}'.*wrong model_type"):
+        HFCheckpoint(broken, _config(tiny, directory).model)
 
 
 @pytest.mark.parametrize(

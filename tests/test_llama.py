@@ -76,6 +76,9 @@ def test_causal(tiny):
         (dict(family="gpt", num_kv_heads=2), "model.num_kv_heads"),
         (dict(family="gpt", num_kv_heads=0, tie_embeddings=False), "model.tie_embeddings"),
         (dict(family="lama"), "model.family"),
+        (dict(family="gpt", num_kv_heads=0, qkv_bias=True), "model.qkv_bias"),
+        (dict(family="t5", num_kv_heads=0, qk_norm=True), "model.qk_norm"),
+        (dict(sliding_window=-1), "model.sliding_window"),
         (dict(init_from="/some/dir"), "model.init_from"),
         (dict(custom="x.y:z"), "model.custom"),
         (dict(family="custom", custom="not a factory"), "model.custom"),
@@ -124,3 +127,49 @@ def test_tied_llama_stream_equals_none(tiny, tmp_path):
     config = tiny(model=model, train=SHORT, optimizer=TIED_SGD, offload=dict(mode="stream"))
     result = train(config, tmp_path / "stream", verbose=False)
     assert_training_equal(result, ref, build_model(config.model), check_tokens())
+
+
+# Qwen2's q/k/v biases and Qwen3's q/k norms together (no HF model has both; each alone
+# is checked against transformers in tests/test_hf_families.py)
+QWEN = dict(LLAMA, qkv_bias=True, qk_norm=True)
+
+
+def test_qkv_bias_and_qk_norm_leaves_and_their_axes(tiny):
+    """The biases are split over the model axis as their kernels' columns (by heads), the
+    per-head-dim norms whole on every device (tensor parallelism's rules)."""
+    from hetjax.parallel.rules import MODEL_AXIS, RULES, mesh_axes
+    from models.staged import LAYERS, logical_axes
+
+    model = build_model(tiny(model=QWEN).model)
+    shapes = jax.eval_shape(model.init, jax.random.key(0))["blocks"]
+    axes = logical_axes(model)["blocks"]
+    L, D, K = 2, 32, 8
+    expected = {
+        ("q_proj", "bias"): ((L, D), (LAYERS, "heads"), (None, MODEL_AXIS)),
+        ("k_proj", "bias"): ((L, D // 2), (LAYERS, "kv_heads"), (None, MODEL_AXIS)),
+        ("v_proj", "bias"): ((L, D // 2), (LAYERS, "kv_heads"), (None, MODEL_AXIS)),
+        ("q_norm", "scale"): ((L, K), (LAYERS, "head_dim"), (None, None)),
+        ("k_norm", "scale"): ((L, K), (LAYERS, "head_dim"), (None, None)),
+    }
+    for (module, leaf), (shape, names, split) in expected.items():
+        assert shapes[module][leaf].shape == shape
+        assert axes[module][leaf] == names
+        assert mesh_axes(names, RULES) == split
+    assert "bias" not in shapes["o_proj"]  # Qwen2 has none on the output projection
+
+
+@pytest.mark.slow  # two runs' compiles: ~110 s at 2 steps on 2 cores loaded by others
+def test_qwen_options_tensor_parallel_equal_one_device(tiny, tmp_path):
+    """At tensor parallelism 2 (in memory) the biases and norms train as on one device
+    (SGD: the same sums in another order, 1e-5), the q bias held in halves."""
+    from test_in_memory_tensor import _config
+
+    from hetjax.runtime.in_memory import InMemoryRuntime
+
+    model = dict(model=QWEN, train=dict(grad_accum=2, steps=2))
+    one = train(_config(tiny, **model), tmp_path / "one", verbose=False)
+    config = _config(tiny, distributed=dict(tensor_parallel=2), **model)
+    result = train(config, tmp_path / "tp", verbose=False)
+    assert_training_equal(result, one, build_model(config.model), check_tokens())
+    bias = InMemoryRuntime(config).state.params["blocks"]["q_proj"]["bias"]
+    assert {s.data.shape for s in bias.addressable_shards} == {(2, 16)}

@@ -284,6 +284,7 @@ _TINY |= {"mixtral_tiny", "t5_tiny", "angel_t5_1p4b", "t5_moe_tiny"}
 # 128 GPUs and more.
 NOWHERE = {"angel_t5_moe_1p2t"}
 _T5 = ("angel_t5_27b", "angel_t5_58b")
+_FINE_TUNED = ("qwen2_5_7b", "qwen3_8b", "mistral_7b")  # the Hub's, at train.seq_len 4096
 FITS = {
     "a100-80g": {  # Fuyou's server: 768 GB RAM, 12 SSDs
         *_TINY,
@@ -293,10 +294,12 @@ FITS = {
         *("fuyou_gpt412b", "fuyou_gpt805b"),
         *("mixtral_8x7b", "moe_fine_7b"),
         *_T5,
+        *_FINE_TUNED,
     },
     "rtx4090": {  # in bf16 (the papers' half precision) up to Fuyou's 276B, as in its fig. 4
         *_TINY,
         *("gpt2p7b", "gpt6p7b", "gpt13b", "gpt175b", "llama_8b"),
+        *_FINE_TUNED,
         *("angel_gpt13b", "angel_gpt30b", "angel_gpt55b", "angel_gpt175b"),
         *("fuyou_gpt33b", "fuyou_gpt65b", "fuyou_gpt135b", "fuyou_gpt276b"),
         "moe_fine_7b",
@@ -309,6 +312,7 @@ FITS = {
         *("fuyou_gpt33b", "fuyou_gpt65b", "fuyou_gpt135b"),
         *("mixtral_8x7b", "moe_fine_7b"),
         *_T5,
+        *_FINE_TUNED,
     },
     # gpt_tiny's (8 devices sharing its 80 MiB host budget) and moe_fine_7b's state fit
     # only on the devices: each device holds its own shard of the optimizer state
@@ -316,7 +320,18 @@ FITS = {
     # (angel_t5_27b) fits with offload.mode=none at data x model 1 x 8: 16 bytes a
     # param (fp32 master, gradient, AdamW's two moments) 1/8 a device, 25 of 28.8 GiB,
     # the blocks recomputing (tests/test_in_memory_plan.py)
-    "patrickstar-v100": {*_TINY, "gpt2p7b", "gpt6p7b", "moe_fine_7b", "angel_t5_27b"},
+    # A batch of one row leaves 8 devices tensor parallelism 8 alone: Qwen3-8B's and
+    # Mistral-7B's 32 heads (8 key/value heads) split so, Qwen2.5-7B's 28 (4) do not,
+    # and streamed it needs 30.5 GiB of the 25 GiB host budget
+    "patrickstar-v100": {
+        *_TINY,
+        "gpt2p7b",
+        "gpt6p7b",
+        "moe_fine_7b",
+        "angel_t5_27b",
+        "qwen3_8b",
+        "mistral_7b",
+    },
     "h100": {*_TINY, "gpt2p7b"},
 }
 

@@ -54,6 +54,7 @@ RULES: Rules = (
     ("position", None),
     ("buckets", None),
     ("router", None),
+    ("head_dim", None),  # a head's features (Qwen3's q/k norms, shared by every head)
 )
 
 
