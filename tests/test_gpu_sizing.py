@@ -171,3 +171,41 @@ def test_the_device_cache_norm_is_taken_at_the_highest_precision():
     text = grads.average.lower(jnp.ones(8), 2.0).as_text()
     (dot,) = [line for line in text.splitlines() if "dot_general" in line]
     assert "precision = [HIGHEST, HIGHEST]" in dot
+
+
+def test_auto_attention_falls_back_to_blockwise_where_cudnn_fails_its_probe(monkeypatch, capsys):
+    """``auto`` on a GPU in bf16 picks cuDNN's fused attention; where its probe fails
+    (injected: the kernel raises), one warning line, and the blockwise attention runs:
+    its output equals the blockwise attention's exactly. The probe runs once."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from conftest import tiny_config
+
+    from models import attention
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cuDNN: injected failure\nmore detail")
+
+    monkeypatch.setattr(attention, "PROBED", {})
+    monkeypatch.setattr(attention, "fused_supported", lambda *a: True)  # as on a GPU
+    monkeypatch.setattr(attention, "fused_attention", broken)
+    m = tiny_config(model=dict(compute_dtype="bfloat16", attention="auto")).model
+    assert attention.resolve("auto", "gpu", jnp.bfloat16, m.head_dim) == "fused"
+    attention.probe_for(m, 16)  # train's start-up probe
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        f"hetjax: warning: cuDNN fused attention failed its probe (bfloat16, head width "
+        f"{m.head_dim}, 16 positions: RuntimeError: cuDNN: injected failure); "
+        "model.attention=auto runs the blockwise attention"
+    )
+    assert attention.chosen(m) == (
+        "blockwise (cuDNN failed its probe: RuntimeError: cuDNN: injected failure)"
+    )
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 16, m.num_heads, 1, m.head_dim)), jnp.bfloat16)
+    k, v = (q[:, :, :, 0] * s for s in (0.5, 2.0))
+    got = jax.jit(lambda q, k, v: attention.attention(q, k, v, m))(q, k, v)
+    block = attention.block_size(m.attention_block, 16)
+    np.testing.assert_array_equal(got, attention.blockwise_attention(q, k, v, block))
+    assert capsys.readouterr().err == ""  # probed once
