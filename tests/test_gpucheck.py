@@ -200,15 +200,31 @@ def _running(pid: int) -> bool:
 
 
 def _driver(out: Path, box: int) -> tuple[subprocess.Popen, list[int]]:
-    driver = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, str(out), str(box), SLEEPER],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    """The driver (its output in ``out/driver.log``: a pipe would stay open as long as
+    an orphaned section's process holds it) and its section's and grandchild's pids."""
+    with open(out / "driver.log", "w") as log:
+        driver = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, str(out), str(box), SLEEPER],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     deadline = time.monotonic() + 60
     while not (out / "pids").exists():
-        assert time.monotonic() < deadline and driver.poll() is None, driver.communicate()
+        assert time.monotonic() < deadline and driver.poll() is None, _log(out)
         time.sleep(0.05)
     return driver, [int(p) for p in (out / "pids").read_text().split()]
+
+
+def _log(out: Path) -> str:
+    return (out / "driver.log").read_text()
+
+
+def _end(pids: list[int]) -> list[int]:
+    """Ends those of ``pids`` still running (a failed test leaves none behind); returns
+    them."""
+    running = [pid for pid in pids if _running(pid)]
+    for pid in running:
+        os.kill(pid, signal.SIGKILL)
+    return running
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
@@ -219,15 +235,22 @@ def test_a_signal_to_gpucheck_ends_the_sections_whole_group(tmp_path, signum):
     driver, pids = _driver(tmp_path, 600)
     assert all(_running(pid) for pid in pids)
     driver.send_signal(signum)
-    assert driver.wait(timeout=60) == 128 + signum, driver.communicate()
-    assert not any(_running(pid) for pid in pids)
+    try:
+        code = driver.wait(timeout=60)
+    finally:
+        driver.kill()  # (gone already where the test passes)
+        left = _end(pids)
+    assert code == 128 + signum, _log(tmp_path)
+    assert not left, f"the section's processes {left} outlived the driver"
 
 
 def test_a_time_box_ends_the_sections_whole_group(tmp_path):
     driver, pids = _driver(tmp_path, 3)
-    assert driver.wait(timeout=60) == 0, driver.communicate()
-    assert "FAIL" in driver.stdout.read()
-    assert not any(_running(pid) for pid in pids)
+    try:
+        assert driver.wait(timeout=60) == 0, _log(tmp_path)
+    finally:
+        left = _end(pids)
+    assert not left and _log(tmp_path).splitlines()[-1] == "FAIL", _log(tmp_path)
     assert rows(tmp_path)["overlap.time_box"]["line"] == "did not finish within 3 s"
 
 
@@ -530,3 +553,35 @@ def test_mfu_states_the_ratio_and_its_floor(tmp_path, monkeypatch):
     assert got["mfu.beyond_pool"]["status"] == "PASS"
     assert envs["beyond_pool"]["XLA_CLIENT_MEM_FRACTION"] == "0.225"  # a quarter of 0.9
     assert envs["in_hbm"] is None  # the whole pool, from this process's environment
+
+
+# -- deterministic ops, the runtime's copy sizes ------------------------------------------
+
+
+def test_deterministic_ops_are_probed_in_a_child_before_use(tmp_path, monkeypatch):
+    """XLA aborts on a flag it does not know: the equivalence section adds
+    ``--xla_gpu_exclude_nondeterministic_ops`` to the tests' XLA_FLAGS only after a
+    child process started JAX with it; a flag XLA refuses leaves the flags as they
+    were, with a SKIP line saying why."""
+    from hetjax.gpucheck.common import DETERMINISTIC_OPS, Report
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
+    got = training._deterministic(Report(tmp_path, "equivalence"), env)
+    assert got["XLA_FLAGS"] == f"--xla_cpu_enable_fast_math=false {DETERMINISTIC_OPS}"
+    assert rows(tmp_path)["equivalence.deterministic_ops"]["status"] == "PASS"
+    bogus = "--xla_gpu_no_such_flag=true"
+    monkeypatch.setattr(training, "DETERMINISTIC_OPS", bogus)
+    assert training._deterministic(Report(tmp_path, "equivalence"), env) is env
+    row = rows(tmp_path)["equivalence.deterministic_ops"]
+    assert row["status"] == "SKIP" and "no_such_flag" in row["line"], row
+
+
+def test_bandwidth_moves_the_sizes_the_runtime_moves():
+    """A d4096 bf16 block: its 12 params leaves to the device (its largest 128 MiB),
+    its gradient back as 193 pages of the default 4 MiB fp32 page's bf16 half."""
+    from hetjax.gpucheck.transfer import runtime_copies
+
+    copies = runtime_copies(4096, 32)
+    assert len(copies["h2d"]) == 12 and max(copies["h2d"]) == 4096 * 16384 * 2
+    assert len(copies["d2h"]) == 193 and set(copies["d2h"]) == {1_043_456 * 2}
+    assert sum(copies["d2h"]) >= sum(copies["h2d"]) == 12 * 4096**2 * 2 + 13 * 4096 * 2
