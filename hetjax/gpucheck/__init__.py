@@ -83,10 +83,10 @@ from hetjax.gpucheck.common import (  # noqa: F401
     time_boxes,
 )
 from hetjax.gpucheck.training import (  # noqa: F401
-    BF16_ARGS,
     BF16_EQUIVALENCE,
     ROW_PREFIX,
     equivalence,
+    equivalence_tests,
     memory,
     mfu,
     mfu_floor,

@@ -53,14 +53,15 @@ MFU_RATIO = 0.8
 # The compiles are counted on the CPU by gpucheck's own counter (``timing.py``), the
 # GPU's compile seconds printed per section on the first run: the figures to refit by.
 START_SECONDS = 6
-COMPILE_SECONDS = 1.0
+COMPILE_SECONDS = 0.5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Work:
-    """What one run of a section does: processes that start JAX, XLA compiles (spread
-    over ``parallel`` processes at once), seconds of work beside them, and the free RAM
-    it needs to start."""
+    """What one run of a section does: its waits for processes to start JAX (one after
+    another; pytest's workers start together: one wait), XLA compiles (spread over
+    ``parallel`` processes at once), seconds of work beside them, and the free RAM it
+    needs to start."""
 
     starts: int
     compiles: int
@@ -144,24 +145,30 @@ MEMORY_RUN = dict(layers=12, d=2048, heads=16, vocab=8192, seq=512, batch=4)
 MEMORY_BUDGET = 1 * GiB
 MEMORY_RAM = streamed_ram(gpt_params(MEMORY_RUN["layers"], MEMORY_RUN["d"], MEMORY_RUN["vocab"]))
 
-# XLA compiles (--quick, full), counted on the CPU by timing.py (2026-11-29): the
-# equivalence tests' pytest (its workers together), the memory section's streamed run
-# and working sets, the mfu section's three rows
-EQUIVALENCE_COMPILES = (0, 0)
-MEMORY_COMPILES = (0, 0)
-MFU_COMPILES = 0
+# pytest-xdist processes sharing the GPU in the equivalence section (16 cores on a lent
+# machine; a tenth of an H200's memory each is plenty for the tests' tiny models)
+PYTEST_WORKERS = 8
 
-# The backend probe's box: JAX's import and a GPU's start (seconds on an H100).
-PROBE_SECONDS = 30
+# XLA compiles (--quick, full), counted on the CPU by timing.py (2026-11-29, JAX 0.10):
+# the equivalence tests (--emulate's 17 two-client tests and its bf16 run: 380; the full
+# selection's 43 tests: EQUIVALENCE_FULL), the memory section's streamed run (32) and
+# working sets (8), the mfu rows (in HBM 8, offloaded 32, beyond the pool as offloaded),
+# each with cuDNN's probe
+EQUIVALENCE_FULL = 1000  # (provisional: being counted)
+EQUIVALENCE_COMPILES = (440, EQUIVALENCE_FULL)
+MEMORY_COMPILES = 42
+MFU_COMPILES = 78
+
+# The backend probe's box: one JAX start (seconds on a GPU, a cold CUDA context's).
+PROBE_SECONDS = 20
 # The boxes add up to what one 10-minute call on a lent machine leaves after its start
-# and the transfers: 540 s, and 300 s with --quick (tests/test_gpucheck.py). Compiles
-# counted on the CPU (2026-11-29); run seconds predicted for an H200.
+# and the transfers: 540 s, and 300 s with --quick (tests/test_gpucheck.py).
 SECTIONS = [
-    # the native kernel's build (g++, cold: ~10 s) and cuDNN's probe
+    # the native kernel's build (g++, cold) and cuDNN's probe
     Section(
         name="environment",
-        quick=Work(starts=1, compiles=2, run=15, ram=1 * GiB),
-        full=Work(starts=1, compiles=2, run=15, ram=1 * GiB),
+        quick=Work(starts=1, compiles=4, run=12, ram=1 * GiB),
+        full=Work(starts=1, compiles=4, run=12, ram=1 * GiB),
         disk=0,
     ),
     Section(
@@ -170,41 +177,55 @@ SECTIONS = [
         full=Work(starts=1, compiles=2, run=5, ram=2 * GiB),
         disk=0,
     ),
-    # the runtime's page and leaf sizes: a d4096 block's, ~400 MB each way, best of 3
+    # the runtime's copy sizes: a d2048 (quick) or d4096 block's, best of 3 each way
     Section(
         name="bandwidth",
-        quick=Work(starts=1, compiles=2, run=10, ram=4 * GiB),
-        full=Work(starts=1, compiles=2, run=20, ram=4 * GiB),
+        quick=Work(starts=1, compiles=2, run=6, ram=4 * GiB),
+        full=Work(starts=1, compiles=2, run=12, ram=6 * GiB),
         disk=0,
     ),
     Section(
         name="overlap",
-        quick=Work(starts=1, compiles=2, run=8, ram=4 * GiB),
-        full=Work(starts=1, compiles=2, run=12, ram=10 * GiB),
+        quick=Work(starts=1, compiles=3, run=6, ram=4 * GiB),
+        full=Work(starts=1, compiles=3, run=10, ram=10 * GiB),
         disk=0,
     ),
-    # pytest: 4 workers, each a JAX start, plus the deterministic-ops probe and the
-    # section's own; --emulate on 2 busy CPU cores took 298 s
+    # the deterministic-ops probe, pytest's workers, then the section's bf16 run (its
+    # compiles, one after another, in its run seconds); --emulate on 2 busy CPU cores
+    # took 298 s (458 s under a load of 22)
     Section(
         name="equivalence",
-        quick=Work(starts=6, compiles=EQUIVALENCE_COMPILES[0], run=25, ram=8 * GiB, parallel=4),
-        full=Work(starts=7, compiles=EQUIVALENCE_COMPILES[1], run=60, ram=8 * GiB, parallel=4),
+        quick=Work(
+            starts=3,
+            compiles=EQUIVALENCE_COMPILES[0],
+            run=40,
+            ram=8 * GiB,
+            parallel=PYTEST_WORKERS,
+        ),
+        full=Work(
+            starts=3,
+            compiles=EQUIVALENCE_COMPILES[1],
+            run=75,
+            ram=8 * GiB,
+            parallel=PYTEST_WORKERS,
+        ),
         disk=2 * GiB,
         gpu_only=False,
         emulate_seconds=480,
-    ),
+    ),  # fmt: skip
     # a streamed run beyond its budget, then the working set's stage functions
     Section(
         name="memory",
-        quick=Work(starts=1, compiles=MEMORY_COMPILES[0], run=10, ram=MEMORY_RAM),
-        full=Work(starts=1, compiles=MEMORY_COMPILES[1], run=20, ram=MEMORY_RAM),
+        quick=Work(starts=1, compiles=MEMORY_COMPILES, run=10, ram=MEMORY_RAM),
+        full=Work(starts=1, compiles=MEMORY_COMPILES, run=20, ram=MEMORY_RAM),
         disk=1 * GiB,
     ),
-    # three rows, each its own process: in HBM, offloaded, beyond the pool
+    # three rows, each its own process: in HBM, offloaded, beyond the pool (the
+    # section's own process starts no JAX); the d4096 rows' compiles in the run seconds
     Section(
         name="mfu",
-        quick=Work(starts=4, compiles=MFU_COMPILES, run=30, ram=mfu_ram(quick=True)),
-        full=Work(starts=4, compiles=MFU_COMPILES, run=120, ram=mfu_ram(quick=False)),
+        quick=Work(starts=3, compiles=MFU_COMPILES, run=35, ram=mfu_ram(quick=True)),
+        full=Work(starts=3, compiles=MFU_COMPILES, run=150, ram=mfu_ram(quick=False)),
         disk=2 * GiB,
     ),
 ]

@@ -20,6 +20,7 @@ from hetjax.gpucheck.common import (
     MFU_RATIO,
     MFU_SHAPES,
     PROBE_SECONDS,
+    PYTEST_WORKERS,
     ROOT,
     GiB,
     Report,
@@ -32,14 +33,28 @@ from hetjax.gpucheck.timing import PLUGIN
 # the planner's measurements' timer and free-RAM reading (importing them starts no JAX)
 
 BF16_EQUIVALENCE = "tests/test_stream.py::test_stream_equals_none_in_compute_dtype[bfloat16-nvme]"
-BF16_ARGS = ("-n0", BF16_EQUIVALENCE)  # (the default marker selection: not slow)
-PYTEST_WORKERS = 4  # pytest-xdist processes sharing the GPU (16 cores on a lent H100)
+EQUIVALENCE_K = "equal or two_client or pinned or fewer_bytes"  # the tests' -k
+
+
+def equivalence_tests(quick: bool) -> list[str]:
+    """The equivalence section's pytest arguments on an accelerator: the tests selected
+    from these files by :data:`EQUIVALENCE_K` and not slow, in PYTEST_WORKERS
+    processes; --quick, the two-client file and the bf16 streamed-vs-in-memory test
+    (:data:`BF16_EQUIVALENCE`, the full selection's already)."""
+    files = ["tests/test_two_client.py", "tests/test_stream.py", "tests/test_offload.py"]
+    files.append("tests/test_expert_fetch.py")  # routed experts' copies, both ways
+    files.append("tests/test_chunks.py")  # a micro-batch in chunks of rows
+    files.append("tests/test_deferred_updates.py")  # experts' state left on disk
+    files = [files[0], BF16_EQUIVALENCE] if quick else files
+    workers = ["-n", str(PYTEST_WORKERS), "--dist", "load"]  # test by test
+    return ["-m", "not slow", "-k", EQUIVALENCE_K, *workers, *files]
 
 
 def equivalence(report: Report, run: Run) -> None:
-    """The equivalence tests themselves (their criterion lives in ``tests/``), then a
-    bf16 run that must train. The tests run in a pytest child; this process starts no
-    JAX until they are done, so the child has the device to itself."""
+    """The equivalence tests themselves (their criterion lives in ``tests/``;
+    :func:`equivalence_tests`), then a bf16 run that must train. The tests run in a
+    pytest child; this process starts no JAX until they are done, so the child has the
+    device to itself."""
     from hetjax import xla_env
 
     if not (ROOT / "tests" / "test_two_client.py").is_file():
@@ -48,7 +63,6 @@ def equivalence(report: Report, run: Run) -> None:
         env = dict(os.environ)
         if run.emulate:
             env.update(JAX_PLATFORMS="cpu", HETJAX_HOST_CLIENT="separate")
-            files, select = ["tests/test_two_client.py"], ["-n0"]
         else:  # the accelerator first, the CPU client for the host optimizer
             env["JAX_PLATFORMS"] = f"{run.platform or 'cuda'},cpu"
             # Tiny models, dispatch- and compile-bound: PYTEST_WORKERS processes share
@@ -58,18 +72,9 @@ def equivalence(report: Report, run: Run) -> None:
             # one compilation cache per worker (tests/conftest.py's): JAX writes its
             # entries without a lock
             env.pop("JAX_COMPILATION_CACHE_DIR", None)
-            files = ["tests/test_two_client.py", "tests/test_stream.py", "tests/test_offload.py"]
-            files.append("tests/test_expert_fetch.py")  # routed experts' copies, both ways
-            files.append("tests/test_chunks.py")  # a micro-batch in chunks of rows
-            files.append("tests/test_deferred_updates.py")  # experts' state left on disk
-            if run.quick:
-                files = files[:1]
-            select = ["-k", "equal or two_client or pinned or fewer_bytes"]
-            select += ["-n", str(PYTEST_WORKERS), "--dist", "load"]  # test by test
             env = _deterministic(report, env)
-        _pytest(report, "tests", ["-m", "not slow", *select, *files], env)
-        if not run.emulate:
-            _pytest(report, "bf16_stream_equals_none", list(BF16_ARGS), env)
+        args = ["-m", "not slow", "-n0", "tests/test_two_client.py"]
+        _pytest(report, "tests", args if run.emulate else equivalence_tests(run.quick), env)
     _bf16_trains(report, run.quick)
 
 
