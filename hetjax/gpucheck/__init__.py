@@ -1,40 +1,48 @@
-"""``python -m hetjax.gpucheck [--quick] [--out DIR] [--emulate]``: the first thing to run
-on a GPU machine (issue #19). One command, whole within 10 minutes on an H100 with 128 GB
-of RAM and a 64 GB disk, that says whether hetjax's data path works there and how fast.
+"""``python -m hetjax.gpucheck [--quick] [--out DIR] [--emulate] [--dry-run]``: the first
+thing to run on a GPU machine (issue #19). One command, whole within 10 minutes on an
+H100 or H200 with 128 GB of RAM and a 64 GB disk, that says whether hetjax's data path
+works there and how fast.
 
 It needs a CUDA jaxlib (``pip install -e '.[cuda13]'``, or ``.[cuda12]`` for an older
 driver; on a machine with only an image's packages, ``python3 -m hetjax.gpucheck`` from
 the repository root). It first asks a short child process which backend JAX starts:
 on a CPU it stops there (exit 2, a line naming the install), so it never trains on a
-CPU by accident. It sets the XLA variables (``xla_env.py``) and a compilation cache
-under ``DIR`` (a rerun compiles less), prints the time boxes' sum, then runs each
-section in a child process (its own process group) under a time box: a section that
-hangs or runs out of memory is a FAIL, not a stuck command. Free RAM and disk are
-checked before each. The driver itself never starts JAX, so every child has the GPU to
-itself. Every check prints one line, ``PASS``/``FAIL``/``SKIP`` with its figures, and
-is appended to ``DIR/gpucheck.jsonl`` as it goes. The command exits 0 only when nothing
+CPU by accident. It sets the XLA variables (``xla_env.py``) and one compilation cache
+for every section under the system's temp dir (:func:`compilation_cache`), prints the
+time boxes' sum, then runs each section in a child process (its own process group)
+under a time box sized from its work (``common.Work``; ``--dry-run`` prints them): a
+section that hangs or runs out of memory is a FAIL, not a stuck command, and a line
+gives its wall time and its compiles' count and seconds. SIGTERM or SIGINT to the
+driver end the running section's whole group first. Free RAM and disk are checked
+before each. The driver itself never starts JAX, so every child has the GPU to itself.
+Every check prints one line, ``PASS``/``FAIL``/``SKIP`` with its figures, and is
+appended to ``DIR/gpucheck.jsonl`` as it goes. The command exits 0 only when nothing
 failed.
 
 Sections:
 
-* ``environment``: versions, the device, its memory kinds and ``bytes_limit``, the
-  native Adam kernel's build (SKIP without a C++ compiler).
+* ``environment``: versions, the device, its memory kinds and ``bytes_limit``, which
+  attention ``auto`` runs (cuDNN's, where its probe passes), the native Adam kernel's
+  build (SKIP without a C++ compiler).
 * ``placement``: round trips device <-> ``pinned_host`` and device <-> the CPU client;
   ``np.asarray`` of a ``pinned_host`` array is a view of its buffer (no copy).
-* ``bandwidth``: host -> device and back, as pages vs one slab, both directions at
-  once, from pageable vs pinned memory, and the host optimizer's refreshed params going
-  to the device's ``pinned_host`` through numpy (the runtime's path) vs across clients.
+* ``bandwidth``: host -> device and back, at the sizes the runtime moves (a block's
+  leaves in, its gradient's pages out) vs one slab, both directions at once, from
+  pageable vs pinned memory, and the host optimizer's refreshed params going to the
+  device's ``pinned_host`` through numpy (the runtime's path) vs across clients.
 * ``overlap``: a matmul chain's completion alone vs with copies both ways under it,
   the copies sized to take about as long as the chain.
 * ``equivalence``: the two-client and streaming equivalence tests (``tests/``, 1e-5,
-  ``precision=highest``), a bf16 streamed-vs-in-memory test, and a bf16 run that must
-  train.
-* ``memory``: a streamed run's ``memory.device_budget`` vs the device's
+  ``precision=highest``; XLA's deterministic ops where its flag is known), a bf16
+  streamed-vs-in-memory test, and a bf16 run that must train.
+* ``memory``: a streamed run's ``memory.device_budget`` (its blocks' params beyond it)
+  vs the device's
   ``peak_bytes_in_use`` vs the runtime's ledger; the planner's working-set estimate for
   a GPU in bf16 (the fp32 XLA:CPU fit scaled, never measured on a GPU before) vs the
   compiled stage functions', whole and in chunks of rows (``offload.batch_chunks``):
-  the figures to refit it by.
-* ``mfu``: offloaded vs in-HBM MFU at a shape that fits the pool, and a model beyond
+  the ratio, within a band, the figures to refit it by.
+* ``mfu``: offloaded vs in-HBM MFU at a shape that fits the pool (the same tokens per
+  step; the floor's overlap: ``training.mfu_floor``), and a model beyond
   the pool under a reduced device memory fraction, each row in its own child process,
   with a timeline PNG (what ``bench gpu`` measured, sized for this machine: no NVMe
   files, state in host RAM).
