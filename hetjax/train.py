@@ -46,6 +46,7 @@ from hetjax.runtime.streaming import StreamingRuntime
 from hetjax.summary import report as report_run
 from hetjax.types import CheckpointDamaged, CheckpointError, Runtime, TrainingError
 from models import build_model
+from models.attention import probe_for
 from models.staged import row_flops
 
 
@@ -145,6 +146,7 @@ def _train(
             state, meta, resume = restore_good(ckpt, resume, out.log)
             out.log(f"checkpoint read in {time.perf_counter() - t0:.1f} s")
             check_compatible(meta, config, ckpt.directory)
+        probe_for(config.model, t.seq_len)  # cuDNN's attention, before the plan counts on it
         if config.offload.mode == "auto":  # decide the placement first (hetjax/planning/)
             config = resolve_auto(config, workdir, out.log)
         if main:

@@ -18,7 +18,10 @@ return (B, T, N * G * K), tagged ``attn_out`` for the keep levels (hetjax/runtim
                (the reference rounds the probabilities to the compute dtype).
 ``fused``      ``jax.nn.dot_product_attention`` with cuDNN's fused kernel (GPU, fp16 or
                bf16, head width a multiple of 8 up to 128).
-``auto``       ``fused`` where cuDNN supports the shape and dtype, else ``blockwise``.
+``auto``       ``fused`` where cuDNN supports the shape and dtype and its kernel passed
+               a probe (:func:`probe_fused`: forward and backward once, at the run's
+               head width and sequence; a failure falls back to ``blockwise`` with one
+               warning line), else ``blockwise``.
 
 Packed rows (``data.format=jsonl``, hetjax/instruct.py): each takes ``segment_ids``
 (B, T) int32, the record each position belongs to; a query then attends only to keys of
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -66,10 +70,67 @@ def fused_supported(backend: str, dtype, head_dim: int) -> bool:
 
 def resolve(setting: str, backend: str, dtype, head_dim: int) -> str:
     """The implementation ``model.attention=setting`` runs on ``backend`` ("cpu",
-    "gpu", ...): ``auto`` becomes ``fused`` or ``blockwise``."""
+    "gpu", ...): ``auto`` becomes ``fused`` or ``blockwise`` (``blockwise`` too where
+    this process's probe of cuDNN failed at that dtype and head width)."""
     if setting != "auto":
         return setting
-    return "fused" if fused_supported(backend, dtype, head_dim) else "blockwise"
+    failed = PROBED.get((jnp.dtype(dtype).name, head_dim))
+    return "fused" if fused_supported(backend, dtype, head_dim) and not failed else "blockwise"
+
+
+# cuDNN's fused attention as this process probed it, by (dtype name, head width): "" where
+# it ran forward and backward, else why not (one line).
+PROBED: dict[tuple[str, int], str] = {}
+
+
+def probe_fused(dtype, head_dim: int, seq_len: int, heads: tuple[int, int] = (1, 1)) -> bool:
+    """Whether cuDNN's fused attention runs here, forward and backward, in ``dtype`` at
+    head width ``head_dim`` and ``seq_len`` positions (one row, ``heads``: key/value
+    heads N and query heads per one G): tried once per dtype and head width per process
+    (:data:`PROBED`), compiled and run at once even inside a trace. A failure prints one
+    warning line on stderr; ``auto`` then runs the blockwise attention."""
+    key = (jnp.dtype(dtype).name, head_dim)
+    if key not in PROBED:
+        N, G = heads
+        try:
+            with jax.ensure_compile_time_eval():
+                q = jnp.full((1, seq_len, N, G, head_dim), 0.1, dtype)
+                kv = jnp.full((1, seq_len, N, head_dim), 0.1, dtype)
+                loss = lambda q, k, v: fused_attention(q, k, v).astype(F32).sum()
+                jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, kv, kv))
+            PROBED[key] = ""
+        except Exception as e:  # noqa: BLE001 — whatever cuDNN or XLA raise: fall back
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            PROBED[key] = why[:300]
+            print(
+                f"hetjax: warning: cuDNN fused attention failed its probe ({key[0]}, head "
+                f"width {head_dim}, {seq_len} positions: {PROBED[key]}); model.attention=auto "
+                "runs the blockwise attention",
+                file=sys.stderr,
+                flush=True,
+            )
+    return not PROBED[key]
+
+
+def probe_for(m, seq_len: int) -> None:
+    """A run's start-up probe (``hetjax/train.py``): ``m`` (a ModelConfig) at
+    ``seq_len`` positions, where ``auto`` would choose cuDNN on this backend."""
+    if (
+        m.family in ("gpt", "llama")
+        and resolve(m.attention, jax.default_backend(), m.compute_dtype, m.head_dim) == "fused"
+        and m.attention == "auto"
+    ):
+        probe_fused(m.compute_dtype, m.head_dim, seq_len, (m.kv_heads, m.num_heads // m.kv_heads))
+
+
+def chosen(m) -> str:
+    """What ``auto`` (or the set implementation) ran for ``m`` (a ModelConfig) in this
+    process, for a report: ``fused (cuDNN)``, ``blockwise (cuDNN failed its probe: ...)``."""
+    impl = resolve(m.attention, jax.default_backend(), m.compute_dtype, m.head_dim)
+    failed = PROBED.get((jnp.dtype(m.compute_dtype).name, m.head_dim))
+    if impl == "fused":
+        return "fused (cuDNN)"
+    return f"{impl} (cuDNN failed its probe: {failed})" if failed else impl
 
 
 def block_size(setting: int, seq_len: int) -> int:
@@ -86,6 +147,9 @@ def attention(
     (B, T, N G K) in q's dtype."""
     head_dim = q.shape[-1]
     impl = resolve(config.attention, jax.default_backend(), q.dtype, head_dim)
+    if impl == "fused" and config.attention == "auto":  # probed once (at start-up in train)
+        heads = q.shape[2:4]
+        impl = "fused" if probe_fused(q.dtype, head_dim, q.shape[1], heads) else "blockwise"
     if impl == "reference":
         return reference_attention(q, k, v, segment_ids)
     if impl == "fused":

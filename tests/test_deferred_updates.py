@@ -6,6 +6,7 @@ bit for bit, and moves fewer bytes."""
 import jax
 import numpy as np
 import pytest
+from equivalence import assert_losses_close, assert_trees_close, bit_exact_here
 from test_expert_fetch import _config, _skewed
 
 from hetjax.checkpoint import Checkpointer
@@ -115,10 +116,14 @@ def test_deferred_equals_updating_every_expert_and_moves_fewer_bytes(tiny, used,
         u: _run(_adamw(tiny, u, params, dtype), batches, used=used) for u in ("deferred", "all")
     }
     (losses, metrics, val, behind, params), every = runs["deferred"], runs["all"]
-    assert losses == every[0]
-    assert val == every[2]
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(every[4]), strict=True):
-        np.testing.assert_array_equal(a, b)
+    if bit_exact_here():
+        assert losses == every[0]
+        assert val == every[2]
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(every[4]), strict=True):
+            np.testing.assert_array_equal(a, b)
+    else:  # a GPU's scatter atomics without XLA's deterministic ops
+        assert_losses_close([*losses, val], [*every[0], every[2]], 1e-5)
+        assert_trees_close(params, every[4], 1e-5)
     assert any(m["optimizer_redo"] for m in metrics)  # clipping bound: a redo ran
     cfg = _adamw(tiny, "all").model
     rows = cfg.d_model * cfg.d_ff  # one expert's elements in one expert leaf

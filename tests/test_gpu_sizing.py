@@ -115,3 +115,97 @@ def test_pinned_part_of_the_host_plan_is_checked_against_the_cap():
     plan.check_pinned(80 * GiB)
     with pytest.raises(ConfigError, match=r"75.00 GiB of pinned.*allows 64.00 GiB: short by"):
         plan.check_pinned(64 * GiB)
+
+
+# -- issue #59: the H200 and GH200, the kernel's key on Arm, the norms that clip ------------
+
+
+def test_the_h200_and_gh200_profiles_plan_a_model():
+    from hetjax.config import load_config
+    from hetjax.planning.hardware import NAMES, get_profile
+    from hetjax.planning.search import make_plan
+
+    h200, gh200 = PROFILES["h200"], PROFILES["gh200"]
+    assert h200.device_memory == 143_771 << 20  # an H200 141GB, as nvidia-smi says
+    assert {"h200", "gh200"} <= set(NAMES) and get_profile("gh200") is gh200
+    assert gh200.host_memory > h200.host_memory and gh200.h2d_bw > h200.h2d_bw  # C2C
+    for hw in (h200, gh200):
+        plan = make_plan(load_config("gpt_tiny"), hw)
+        assert plan.hardware == hw.name and plan.step_s > 0 and plan.tflops > 0
+
+
+# /proc/cpuinfo of an Arm machine (fields as Linux prints them on aarch64): no
+# "model name", no "flags"; NVIDIA Grace (Neoverse V2, part 0xd4f) vs Graviton3 (V1)
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 2000.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics {features}
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x0
+CPU part\t: {part}
+CPU revision\t: 1
+"""
+
+
+def test_the_native_kernels_key_tells_arm_cpus_apart():
+    """A kernel built with -march=native for one Arm CPU must not be loaded on another:
+    the build key reads Arm's fields (the x86 ones are absent there)."""
+    from hetjax.optimizer.native import _cpu_signature
+
+    grace = _cpu_signature(ARM_CPUINFO.format(features="sve sve2 bf16", part="0xd4f"))
+    graviton = _cpu_signature(ARM_CPUINFO.format(features="sve bf16", part="0xd40"))
+    assert grace != graviton
+    assert "CPU part\t: 0xd4f" in grace and "sve2" in grace and "BogoMIPS" not in grace
+    x86 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2\nbogomips\t: 1\n"
+    assert _cpu_signature(x86) == "flags\t\t: fpu avx2\nmodel name\t: AMD EPYC"
+
+
+def test_the_device_cache_norm_is_taken_at_the_highest_precision():
+    """The norm feeds clipping: on a GPU a dot at default precision is TF32 or bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    from hetjax.runtime.grads import DeviceGradients
+
+    grads = DeviceGradients(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    text = grads.average.lower(jnp.ones(8), 2.0).as_text()
+    (dot,) = [line for line in text.splitlines() if "dot_general" in line]
+    assert "precision = [HIGHEST, HIGHEST]" in dot
+
+
+def test_auto_attention_falls_back_to_blockwise_where_cudnn_fails_its_probe(monkeypatch, capsys):
+    """``auto`` on a GPU in bf16 picks cuDNN's fused attention; where its probe fails
+    (injected: the kernel raises), one warning line, and the blockwise attention runs:
+    its output equals the blockwise attention's exactly. The probe runs once."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from conftest import tiny_config
+
+    from models import attention
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cuDNN: injected failure\nmore detail")
+
+    monkeypatch.setattr(attention, "PROBED", {})
+    monkeypatch.setattr(attention, "fused_supported", lambda *a: True)  # as on a GPU
+    monkeypatch.setattr(attention, "fused_attention", broken)
+    m = tiny_config(model=dict(compute_dtype="bfloat16", attention="auto")).model
+    assert attention.resolve("auto", "gpu", jnp.bfloat16, m.head_dim) == "fused"
+    attention.probe_for(m, 16)  # train's start-up probe
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        f"hetjax: warning: cuDNN fused attention failed its probe (bfloat16, head width "
+        f"{m.head_dim}, 16 positions: RuntimeError: cuDNN: injected failure); "
+        "model.attention=auto runs the blockwise attention"
+    )
+    assert attention.chosen(m) == (
+        "blockwise (cuDNN failed its probe: RuntimeError: cuDNN: injected failure)"
+    )
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 16, m.num_heads, 1, m.head_dim)), jnp.bfloat16)
+    k, v = (q[:, :, :, 0] * s for s in (0.5, 2.0))
+    got = jax.jit(lambda q, k, v: attention.attention(q, k, v, m))(q, k, v)
+    block = attention.block_size(m.attention_block, 16)
+    np.testing.assert_array_equal(got, attention.blockwise_attention(q, k, v, block))
+    assert capsys.readouterr().err == ""  # probed once

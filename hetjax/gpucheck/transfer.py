@@ -51,6 +51,7 @@ def environment(report: Report, run: Run) -> None:
         f"{xla_env.pinned_limit() / GiB:.0f} GiB)",
         bytes_limit=limit,
     )
+    _attention(report, run)
     if native._compiler() is None:  # the kernel is optional: optax runs instead
         report.check("native_kernel", None, "no C++ compiler (g++, c++, clang++ or CXX): optax")
         return
@@ -59,6 +60,32 @@ def environment(report: Report, run: Run) -> None:
         report.check("native_kernel", True, f"built: {lib._name}")
     except native.NativeKernelError as e:
         report.check("native_kernel", False, f"{e} (optax runs instead, slower)")
+
+
+def _attention(report: Report, run: Run) -> None:
+    """Which attention ``model.attention=auto`` runs here in bf16 at the mfu section's
+    head width and sequence: cuDNN's fused kernel where its probe (forward and
+    backward) passes, else the blockwise attention (a FAIL: cuDNN is part of a CUDA
+    jaxlib, and the runs go on slower without it)."""
+    import jax
+
+    from hetjax.gpucheck.common import MFU_SHAPES
+    from models import attention
+
+    s = MFU_SHAPES[run.quick]
+    head, backend = s["d"] // s["heads"], jax.default_backend()
+    if not attention.fused_supported(backend, "bfloat16", head):
+        report.check("attention", None, f"{backend}: auto runs the blockwise attention (no cuDNN)")
+        return
+    ok = attention.probe_fused("bfloat16", head, s["seq"], (s["heads"], 1))
+    why = attention.PROBED[("bfloat16", head)]
+    report.check(
+        "attention",
+        ok,
+        f"bf16, head width {head}, {s['seq']} positions: auto runs "
+        + ("cuDNN's fused attention" if ok else f"the blockwise attention; cuDNN: {why}"),
+        attention="fused" if ok else "blockwise",
+    )
 
 
 def placement(report: Report, run: Run) -> None:
@@ -98,7 +125,42 @@ def placement(report: Report, run: Run) -> None:
     )
 
 
+def runtime_copies(d_model: int = 4096, heads: int = 32) -> dict[str, list[int]]:
+    """The bytes of each copy the streaming runtime makes for one block of a bf16 GPT of
+    width ``d_model`` (by default the mfu section's, d 4096): ``h2d``, its params to the
+    device leaf by leaf (``pages.LeafBuffers``), and ``d2h``, its gradient to the host
+    page by page (``memory.page_size``'s pages, in ``memory.block_grad_dtype``). From
+    the layouts the runtime makes (abstract shapes: nothing allocated)."""
+    import numpy as np
+
+    from hetjax.config import Config
+    from hetjax.memory import block_grad_dtype
+    from hetjax.runtime import stages
+    from models import build_model
+
+    config = Config().replace(
+        model=dict(d_model=d_model, num_heads=heads, num_layers=1, compute_dtype="bfloat16"),
+    )
+    model = build_model(config.model)
+    layout = stages.stage_layouts(model, config.memory.page_size, leaf_buffers=True)["block"]
+    grad = np.dtype(block_grad_dtype(config)).itemsize
+    param = np.dtype(config.model.compute_dtype).itemsize
+    return {
+        "h2d": [leaf.size * param for leaf in layout.leaves],
+        "d2h": [layout.page_elems * grad] * (layout.padded_size // layout.page_elems),
+    }
+
+
+def _sized(sizes: list[int]) -> list:
+    import numpy as np
+
+    return [np.ones(n // 2, np.uint16) for n in sizes]  # 2-byte elements, as bf16
+
+
 def bandwidth(report: Report, run: Run) -> None:
+    """Host <-> device rates at the sizes the runtime moves (:func:`runtime_copies`: a
+    d4096 block's params as leaves, its gradient as ~2 MiB pages) against one slab of
+    the same bytes; --quick: a d2048 block (a quarter of the bytes)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -106,18 +168,18 @@ def bandwidth(report: Report, run: Run) -> None:
     from hetjax.parallel.single import Shardings
 
     place = Shardings.single_device()
-    nbytes = (256 << 20) if run.quick else (2 << 30)
-    page = 16 << 20
-    n = nbytes // 4
-    slab = np.ones(n, np.float32)
-    pages = [np.ones(page // 4, np.float32) for _ in range(nbytes // page)]
+    copies = runtime_copies(*((2048, 16) if run.quick else (4096, 32)))
+    nbytes = sum(copies["d2h"])
+    slab = np.ones(nbytes // 4, np.float32)
+    leaves, pages = _sized(copies["h2d"]), _sized(copies["d2h"])
     put = lambda a, s: jax.block_until_ready(jax.device_put(a, s))
-    pinned_slab, pinned_pages = put(slab, place.host), put(pages, place.host)
+    pinned_slab, pinned_leaves = put(slab, place.host), put(leaves, place.host)
     dev_slab, dev_pages = put(slab, place.device), put(pages, place.device)
     on_cpu_client = put(slab, place.optimizer)
+    sum_leaves = sum(copies["h2d"])
     rate = {
         "h2d_slab": _gbs(nbytes, _best_time(lambda: put(pinned_slab, place.device))),
-        "h2d_pages": _gbs(nbytes, _best_time(lambda: put(pinned_pages, place.device))),
+        "h2d_pages": _gbs(sum_leaves, _best_time(lambda: put(pinned_leaves, place.device))),
         "d2h_slab": _gbs(nbytes, _best_time(lambda: put(dev_slab, place.host))),
         "d2h_pages": _gbs(nbytes, _best_time(lambda: put(dev_pages, place.host))),
         "h2d_pageable": _gbs(nbytes, _best_time(lambda: put(slab, place.device))),
@@ -139,6 +201,11 @@ def bandwidth(report: Report, run: Run) -> None:
         nbytes, _best_time(lambda: put(np.asarray(on_cpu_client), place.host))
     )
     size = f"{nbytes >> 20} MiB"
+    described = {
+        "h2d": f"a block's params as its {len(leaves)} leaves ({max(copies['h2d']) >> 20} "
+        "MiB the largest)",
+        "d2h": f"a block's gradient as {len(pages)} pages of {copies['d2h'][0] / MiB:.1f} MiB",
+    }
     for way in ("h2d", "d2h"):
         r = rate[f"{way}_slab"]
         report.check(
@@ -151,9 +218,10 @@ def bandwidth(report: Report, run: Run) -> None:
         report.check(
             f"{way}_pages",
             ratio >= PAGES_VS_SLAB,
-            f"{rate[f'{way}_pages']:.1f} GB/s as {page >> 20} MiB pages, {ratio:.2f}x the slab "
-            f"(floor {PAGES_VS_SLAB:g})",
+            f"{rate[f'{way}_pages']:.1f} GB/s as the runtime moves them, "
+            f"{described[way]}: {ratio:.2f}x the slab (floor {PAGES_VS_SLAB:g})",
             gbs=rate[f"{way}_pages"],
+            sizes=sorted(set(copies[way])),
         )
         pageable = rate[f"{way}_pageable"]
         report.check(

@@ -57,14 +57,23 @@ class NativeKernelError(RuntimeError):
     """The native kernel could not be built or loaded; the message says why."""
 
 
-def _cpu_signature() -> str:
-    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
+# /proc/cpuinfo's fields that name the CPU and its features: x86's "model name" and
+# "flags"; Arm's (a GH200's Grace) "CPU implementer/architecture/variant/part/revision"
+# and "Features" (it has no "model name" or "flags").
+CPUINFO_FIELDS = ("model name", "flags", "Features", "CPU implementer", "CPU architecture")
+CPUINFO_FIELDS += ("CPU variant", "CPU part", "CPU revision")
+
+
+def _cpu_signature(text: str | None = None) -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags, from
+    ``/proc/cpuinfo`` (or ``text``), on x86 and Arm alike."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return platform.processor()
+    lines = {ln for ln in text.splitlines() if ln.split(":")[0].strip() in CPUINFO_FIELDS}
+    return "\n".join(sorted(lines)) or platform.processor()
 
 
 def cache_dir() -> Path:

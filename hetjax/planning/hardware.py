@@ -176,6 +176,50 @@ PROFILES: dict[str, Hardware] = {
         optimizer_params_per_s=1.3e9,
         device_memory_bw=3.35e12,  # H100 SXM HBM3: 3.35 TB/s
     ),
+    # The H200 the device tool lends (issue #59): 141 GB HBM3e (143,771 MiB as nvidia-smi
+    # reports an H200; the tool says "about 139 GiB"), the H100's machine otherwise (128
+    # GB RAM, 64 GB disk, 16 cores, PCIe 5). Assumed as the h100's: 60% of the same 989
+    # TFLOP/s bf16 dense peak (same SMs), PCIe at 50 GB/s, the optimizer at 1.3 G
+    # params/s; its HBM3e moves 4.8 TB/s.
+    "h200": Hardware(
+        name="h200",
+        description="one H200-141GB, 128 GB RAM, 64 GB disk",
+        source="the device tool's machine (/work/.library/device/README.md); assumptions "
+        "in hetjax/planning/hardware.py",
+        num_devices=1,
+        device_memory=143_771 << 20,
+        device_flops=0.6 * 989e12,
+        host_memory=128 * GB,
+        h2d_bw=50 * GB,
+        d2h_bw=50 * GB,
+        nvme_read_bw=2 * GB,
+        nvme_write_bw=2 * GB,
+        nvme_capacity=64 * GB,
+        optimizer_params_per_s=1.3e9,
+        device_memory_bw=4.8e12,  # H200 HBM3e: 4.8 TB/s
+    ),
+    # NVIDIA GH200 Grace Hopper (the 96 GB HBM3 part): a Hopper GPU (the H100's 989
+    # TFLOP/s bf16 dense peak, 4 TB/s HBM3) joined to a 72-core Arm Grace CPU with 480 GB
+    # LPDDR5X by NVLink-C2C, 900 GB/s both ways together (450 each way), NVIDIA's
+    # datasheet. Assumed: 60% of the peak on a block, half the C2C's nominal rate each
+    # way, one 4 GB/s NVMe drive with 1 TB free, and the optimizer at 4x the h100
+    # machine's 16 cores' rate (72 cores, LPDDR5X at 500 GB/s). Not yet measured.
+    "gh200": Hardware(
+        name="gh200",
+        description="one GH200 (96 GB HBM3, 72-core Grace, 480 GB LPDDR5X)",
+        source="NVIDIA's GH200 datasheet; assumptions in hetjax/planning/hardware.py",
+        num_devices=1,
+        device_memory=96 * GB,
+        device_flops=0.6 * 989e12,
+        host_memory=480 * GB,
+        h2d_bw=225 * GB,
+        d2h_bw=225 * GB,
+        nvme_read_bw=4 * GB,
+        nvme_write_bw=4 * GB,
+        nvme_capacity=1000 * GB,
+        optimizer_params_per_s=4 * 1.3e9,
+        device_memory_bw=4.0e12,  # Hopper HBM3 (96 GB): 4 TB/s
+    ),
 }
 
 NAMES = (*PROFILES, "local")

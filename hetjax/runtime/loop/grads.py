@@ -66,7 +66,9 @@ class DeviceGradients:
         self._flat = jax.jit(lambda shard: shard.astype(F32).reshape(-1))
         # the divisor is static (one per run): a Python float argument would be an
         # implicit host-to-device transfer every step
-        self.average = jax.jit(lambda g, d: (g / d, jnp.dot(g / d, g / d)), static_argnums=1)
+        self.average = jax.jit(
+            lambda g, d: (g / d, jnp.dot(g / d, g / d, precision="highest")), static_argnums=1
+        )
 
     def slab(self, pages):
         """A gradient as its stage function returned it (a list of pages; ZeRO-3: a
