@@ -142,3 +142,172 @@ def test_jsonl_first_loss_data_parallel_is_the_mean_of_each_devices(tiny, tmp_pa
     assert abs(whole - halves) > 1e-4 * whole  # the halves' counts differ: the two differ
     assert_losses_close([one.losses[0]], [whole])
     assert_losses_close([two.losses[0]], [halves])
+
+
+# -- chat records: as transformers' apply_chat_template(tokenize=True) -----------------
+
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+CHATML = (  # Qwen2.5's shape: a default system turn, no BOS
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + "
+    "messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}\n"
+    "{%- for message in messages %}{%- if not (message.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
+)
+MISTRAL = (  # the system message folded into the first user turn; a BOS of its own
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}"
+    "{%- endif %}{{- bos_token }}{%- for message in loop_messages %}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.first and system_message is defined %}"
+    "{{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}"
+    "{%- else %}{{- ' [INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}"
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported!') }}"
+    "{%- endif %}{%- endfor %}"
+)
+GENERATION = CHATML.replace(  # transformers' assistant markers, saved as chat_template.jinja
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}",
+    "{{- '<|im_start|>' + message.role + '\\n' }}{%- if message.role == 'assistant' %}"
+    "{% generation %}{{- message.content + '<|im_end|>' }}{% endgeneration %}{%- else %}"
+    "{{- message.content + '<|im_end|>' }}{%- endif %}{{- '\\n' }}",
+)
+SPECIALS = ["<s>", "</s>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+            "<|im_start|>", "<|im_end|>"]  # fmt: skip
+CONVERSATION = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "what colour is the sky?"},
+    {"role": "assistant", "content": "blue, mostly."},
+    {"role": "user", "content": "and grass?"},
+    {"role": "assistant", "content": "green"},
+]
+SHAPES = {  # name: (template, where it is saved, the tokenizer's pre-tokenizer, adds a BOS)
+    "llama3_own_bos": (LLAMA3, "config", "bytes", True),
+    "chatml_no_bos": (CHATML, "config", "bytes", False),
+    "mistral_system_folded": (MISTRAL, "config", "metaspace", True),
+    "jinja_file": (GENERATION, "file", "bytes", False),
+}
+
+
+def _tokenizer_dir(tmp_path, shape: str):
+    """A tokenizer made here (BPE of 160 ids over the conversation's characters, so a
+    256-id model takes it), saved by transformers with its chat template where the shape
+    says: (directory, transformers' tokenizer loaded back from it)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    template, where, pre, bos = SHAPES[shape]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    if pre == "metaspace":  # sentencepiece-like: a word-start marker, the first word too
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+    text = [json.dumps(CONVERSATION), LLAMA3, CHATML, MISTRAL] * 4  # every character used
+    trainer = trainers.BpeTrainer(vocab_size=160, special_tokens=["<unk>", *SPECIALS])
+    tok.train_from_iterator(text, trainer)
+    if bos:  # as Llama's and Mistral's tokenizers: a BOS added to every encoding
+        bos_id = tok.token_to_id("<s>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+        )
+    eos = "<|eot_id|>" if template is LLAMA3 else "<|im_end|>" if "im_end" in template else "</s>"
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token=eos, unk_token="<unk>"
+    )
+    hf.chat_template = template
+    out = tmp_path / shape
+    hf.save_pretrained(out)
+    if where == "config":  # the older layout: the template in tokenizer_config.json
+        (out / "chat_template.jinja").unlink()
+        cfg = json.loads((out / "tokenizer_config.json").read_text())
+        (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    assert (out / "chat_template.jinja").is_file() == (where == "file")
+    return out, transformers.PreTrainedTokenizerFast.from_pretrained(out)
+
+
+def _reference_ids(hf_tok, messages, **kwargs) -> list[int]:
+    out = hf_tok.apply_chat_template(messages, tokenize=True, **kwargs)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_chat_record_is_apply_chat_template_token_for_token(tmp_path, shape):
+    """A two-turn chat record's ids equal transformers' apply_chat_template(tokenize=
+    True) (one BOS where the template writes it, none added again); the loss is on both
+    assistant turns: the tokens of each turn's content and end of turn, read back as
+    text, and nothing of the system or user turns."""
+    folder, hf_tok = _tokenizer_dir(tmp_path, shape)
+    path = _write(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
+    (rec,) = read_records(path, Tokens(str(folder)), 256)
+    assert list(rec.ids) == _reference_ids(hf_tok, CONVERSATION)
+    assert hf_tok.unk_token_id not in rec.ids
+    writes_bos = shape in ("llama3_own_bos", "mistral_system_folded")
+    assert rec.ids.count(hf_tok.convert_tokens_to_ids("<s>")) == writes_bos
+    taken = [hf_tok.decode([i for i, m in zip(rec.ids, rec.mask) if m])]
+    text = taken[0].replace(" ", "")
+    for part in ("blue,mostly.", "green", "user", "sky", "grass", "brief"):
+        assert (part in text) == (part in ("blue,mostly.", "green")), (shape, taken)
+
+
+# ~45 s on 2 busy cores: a transformers model, its import, a loss per template shape
+@pytest.mark.slow
+def test_chat_loss_equals_torch_masked_loss(tiny, tmp_path):
+    """Chat records of every template shape (a two-turn conversation and two short
+    ones, packed into one or two rows), through an imported
+    tiny random Llama: hetjax's loss equals torch's cross-entropy of the same model over
+    each conversation's apply_chat_template ids, labels -100 outside its assistant turns
+    (the mean over every assistant token of the rows), 1e-5."""
+    import dataclasses
+
+    import torch
+    from hf_models import build_hf_model
+
+    from hetjax.hf import model_config_from_hf, open_checkpoint
+    from hetjax.instruct import make_datasets
+    from models import build_model
+
+    hf = build_hf_model("llama")
+    hf.save_pretrained(tmp_path / "hf")
+    short = [{"role": "user", "content": "grass?"}, {"role": "assistant", "content": "green"}]
+    for shape in SHAPES:
+        folder, hf_tok = _tokenizer_dir(tmp_path, shape)
+        records = [{"messages": m} for m in (CONVERSATION, short, short)]
+        path = _write(tmp_path / f"{shape}.jsonl", records + records)
+        model_config = model_config_from_hf(tmp_path / "hf", tiny().model)
+        config = tiny(
+            model=dict(dataclasses.asdict(model_config), max_seq_len=128),
+            data=dict(format="jsonl", path=path, tokenizer=str(folder), val_fraction=0.5),
+            train=dict(batch_size=2, seq_len=128),
+        )
+        train_rows = make_datasets(config)[0]
+        assert train_rows.num_windows < 3  # three records, two in a row at least
+        model = build_model(config.model)
+        params = open_checkpoint(config.model).params()
+        ours = float(model.loss(params, *split_window("lm", train_rows.batch(0), 128)))
+        total, count = 0.0, 0
+        for messages in (CONVERSATION, short, short):
+            ids = torch.tensor([_reference_ids(hf_tok, messages)])
+            labels = torch.full_like(ids, -100)
+            for i, m in enumerate(messages):  # each assistant turn's tokens, by transformers
+                if m["role"] == "assistant":
+                    a = len(_reference_ids(hf_tok, messages[:i], add_generation_prompt=True))
+                    b = len(_reference_ids(hf_tok, messages[: i + 1]))
+                    labels[0, a:b] = ids[0, a:b]
+            with torch.no_grad():
+                logits = hf(input_ids=ids).logits[0, :-1]
+            loss = torch.nn.functional.cross_entropy(logits, labels[0, 1:], reduction="sum")
+            total, count = total + float(loss), count + int((labels[0, 1:] >= 0).sum())
+        assert_losses_close([ours], [total / count])
