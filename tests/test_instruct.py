@@ -256,8 +256,8 @@ def test_chat_record_is_apply_chat_template_token_for_token(tmp_path, shape):
     assert hf_tok.unk_token_id not in rec.ids
     writes_bos = shape in ("llama3_own_bos", "mistral_system_folded")
     assert rec.ids.count(hf_tok.convert_tokens_to_ids("<s>")) == writes_bos
-    taken = [hf_tok.decode([i for i, m in zip(rec.ids, rec.mask) if m])]
-    text = taken[0].replace(" ", "")
+    taken = hf_tok.decode([i for i, m in zip(rec.ids, rec.mask, strict=True) if m])
+    text = taken.replace(" ", "")
     for part in ("blue,mostly.", "green", "user", "sky", "grass", "brief"):
         assert (part in text) == (part in ("blue,mostly.", "green")), (shape, taken)
 
