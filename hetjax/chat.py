@@ -55,6 +55,9 @@ def sources_line(config, tokenizer: str | None = None) -> str:
         f"{init} (model.init_from)" if init else f"random init (train.seed {config.train.seed})"
     )
     spec = tokenizer_spec(config) if tokenizer is None else tokenizer
+    if tokenizer is None and config.data.format != "jsonl":
+        data = config.data.path or "the embedded corpus"
+        return f"initial weights: {weights}; data: {data} (token ids, no tokenizer)"
     if not spec:
         tok = "bytes (ids 0..255; set data.tokenizer for a tokenizer.json)"
     elif spec == config.data.tokenizer and tokenizer is None:

@@ -35,6 +35,7 @@ from hetjax.guards import (
     restore_good,
     set_aside,
 )
+from hetjax.chat import sources_line
 from hetjax.instruct import make_datasets
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, plot_losses, step_record
 from hetjax.planning.auto import resolve_auto
@@ -130,6 +131,7 @@ def _train(
     faults = Faults.from_env()
     main = is_main_process()
     out = MetricsWriter(workdir, t.steps, t.log_every, enabled=verbose and main)
+    out.log(f"hetjax: {sources_line(config)}")  # where the weights and the tokens come from
     ckpt = (
         _open_checkpoints(config, workdir, out)
         if ck.enabled or t.on_nonfinite == "rollback"

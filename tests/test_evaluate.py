@@ -17,14 +17,24 @@ def _with_checkpoint(tiny, **sections):
     return tiny(checkpoint=dict(every_steps=0, at_end=True), **sections)
 
 
-def test_eval_equals_the_runs_validation_loss(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny GPT run of 1 step in memory with a checkpoint at its end: (config,
+    workdir, the run's result), shared by this module's default-run tests."""
+    from conftest import tiny_config
+
+    config = _with_checkpoint(tiny_config, train=dict(steps=1, eval_batches=1))
+    workdir = tmp_path_factory.mktemp("tiny_run")
+    return config, workdir, train(config, workdir, verbose=False)
+
+
+def test_eval_equals_the_runs_validation_loss(tiny_run):
     """A tiny GPT run (1 step, in memory) and the evaluation of its checkpoint: the same
     loss within 1e-5 (fp32; the run evaluates its published params, eval the restored
     masters)."""
-    config = _with_checkpoint(tiny, train=dict(steps=1, eval_batches=1))
-    run = train(config, tmp_path, verbose=False)
+    config, workdir, run = tiny_run
     assert math.isfinite(run.val_loss)
-    assert_losses_close([evaluate_checkpoint(config, tmp_path).loss], [run.val_loss])
+    assert_losses_close([evaluate_checkpoint(config, workdir).loss], [run.val_loss])
 
 
 # ~25 s on 2 busy cores: a run, then the command
@@ -217,3 +227,45 @@ def test_t5_jsonl_trains_streamed_as_in_memory(tiny, tmp_path):
     assert runs["stream"].losses[-1] < runs["stream"].losses[0]
     result = evaluate_checkpoint(placed, tmp_path / "stream")
     assert_losses_close([result.loss], [runs["stream"].val_loss])
+
+
+def test_eval_batches_0_evaluates_every_row_once(tiny_run):
+    """``--batches 0`` over a held-out split of 15 windows with batch 4: 15 rows, each
+    once (the last partial batch of 3 included), the loss the mean of the 15 windows'
+    own losses (the model's loss of each alone, from the checkpoint's params); and of a
+    split of 3 windows, fewer than a batch, each of the 3 once (not the first twice)."""
+    import jax
+    import numpy as np
+
+    from hetjax.checkpoint import restore_newest
+    from hetjax.data import make_datasets, split_window
+    from models import build_model
+
+    config, workdir, _ = tiny_run
+    state, _ = restore_newest(config, workdir)
+    loss, params = jax.jit(build_model(config.model).loss), state.params()
+    T = config.train.seq_len
+    # the corpus' last 250 and 50 tokens: 15 and 3 windows of 17 every 16
+    for val_fraction, windows in ((250 / 200_000, 15), (50 / 200_000, 3)):
+        config = config.replace(data=dict(val_fraction=val_fraction))
+        val = make_datasets(config)[1].tokens
+        result = evaluate_checkpoint(config, workdir, batches=0)
+        assert result.rows == windows
+        rows = [val[k * T : k * T + T + 1][None].astype(np.int32) for k in range(windows)]
+        own = [float(loss(params, *split_window("lm", r, T))) for r in rows]
+        assert_losses_close([result.loss], [np.mean(own)])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "--batches", "-2"], "--batches must be 0 (every row once) or more, got -2"),
+        (["eval", "--step", "-1"], "--step must be a checkpoint's step"),
+    ],
+)
+def test_eval_refuses_bad_arguments_before_loading(tmp_path, capsys, argv, message):
+    """A negative count is one line and exit status 2, before any config or checkpoint
+    is read (the workdir named does not exist)."""
+    assert cli.main([*argv, "--workdir", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
