@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = run_args.workdir
     if workdir is None and run_args.hf is None:
         workdir = str(Path("runs") / Path(run_args.config).stem)
-    print(f"hetjax eval: {where}; {sources_line(config)}", file=sys.stderr)
+    print(f"hetjax eval: {where}; {sources_line(config)}")
     try:
         result = evaluate_checkpoint(
             config, workdir, split=args.split, batches=args.batches, step=args.step

@@ -311,3 +311,157 @@ def test_chat_loss_equals_torch_masked_loss(tiny, tmp_path):
             loss = torch.nn.functional.cross_entropy(logits, labels[0, 1:], reduction="sum")
             total, count = total + float(loss), count + int((labels[0, 1:] >= 0).sum())
         assert_losses_close([ours], [total / count])
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (  # the template's raise_exception: a role it does not know
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "wizard", "content": "x"},
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "y"},
+                ]
+            },
+            "line 2: the chat template refused the record: Only user and assistant roles",
+        ),
+        ({"messages": ["hi", "hello"]}, "line 2: 'messages' must be a non-empty list of objects"),
+        ({"messages": "hi"}, "line 2: 'messages' must be a non-empty list of objects"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}]},
+            "line 2: 'messages' has no non-empty assistant message",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "content": "x"},
+                    {"role": "assistant", "content": "y"},
+                ]
+            },
+            "line 2: the chat template refused the record: Conversation roles must alternate",
+        ),
+    ],
+    ids=["unknown_role", "strings", "not_a_list", "no_assistant", "not_alternating"],
+)
+def test_bad_chat_record_names_its_file_and_line(tmp_path, record, message):
+    folder, _ = _tokenizer_dir(tmp_path, "mistral_system_folded")
+    path = _write(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}, record])
+    with pytest.raises(ConfigError, match=f"^{path} {message}"):
+        read_records(path, Tokens(str(folder)), 256)
+
+
+@pytest.mark.parametrize(
+    "content", [b"\xff\xfe{}\n", bytes(range(255, -1, -1))], ids=["latin1_bytes", "binary"]
+)
+def test_jsonl_not_utf8_names_its_file_and_line(tmp_path, content):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a", "completion": "b"}\n' + content)
+    with pytest.raises(ConfigError, match=f"^{path} line 2: not UTF-8 text"):
+        read_records(str(path), Tokens(""), 256)
+
+
+def test_named_chat_templates_take_the_default(tmp_path):
+    """The list form of tokenizer_config.json's chat_template (named templates): the one
+    named "default", as transformers takes it; a list without one is refused."""
+    folder, hf_tok = _tokenizer_dir(tmp_path, "chatml_no_bos")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [
+        {"name": "tool_use", "template": "{{ raise_exception('not this one') }}"},
+        {"name": "default", "template": CHATML},
+    ]
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ids, _ = Tokens(str(folder)).chat(CONVERSATION, "test")
+    assert ids == _reference_ids(hf_tok, CONVERSATION)
+    cfg["chat_template"] = cfg["chat_template"][:1]
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="lists templates .'tool_use'. but none named 'default'"):
+        Tokens(str(folder))
+
+
+BAD_FILES = {
+    "not_utf8": (b'{"prompt": "a", "completion": "b"}\n\xff\xfe\n', "line 2: not UTF-8 text"),
+    "unknown_role": (
+        b'{"prompt": "a", "completion": "b"}\n{"messages": [{"role": "user", "content": "a"}, '
+        b'{"role": "wizard", "content": "b"}, {"role": "user", "content": "a"}, '
+        b'{"role": "assistant", "content": "b"}]}\n',
+        "line 2: the chat template refused the record: Only user and assistant roles",
+    ),
+    "strings": (b'{"messages": ["hi", "hello"]}\n', "line 1: 'messages' must be a non-empty"),
+}
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_jsonl_is_one_line_in_every_command(tmp_path, capsys, command, case):
+    """train and eval of a bad jsonl file: exit status 1, one line on stderr naming the
+    file and line, no traceback, no checkpoint written."""
+    from hetjax import cli
+
+    folder, _ = _tokenizer_dir(tmp_path, "mistral_system_folded")
+    content, message = BAD_FILES[case]
+    (tmp_path / "bad.jsonl").write_bytes(content)
+    argv = [
+        command, "--workdir", str(tmp_path / "run"), "--config", "gpt_tiny",
+        "--config.data.format=jsonl", f"--config.data.path={tmp_path / 'bad.jsonl'}",
+        f"--config.data.tokenizer={folder}", "--config.offload.mode=none",
+    ]  # fmt: skip
+    if command == "eval":
+        argv += ["--hf", str(_hf_dir(tmp_path))]
+    capsys.readouterr()
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path / 'bad.jsonl'} {message}" in err[0], err
+    assert not list((tmp_path / "run").glob("**/step_*"))
+
+
+def _hf_dir(tmp_path):
+    """A tiny Llama's config.json saved by transformers (vocab 256), no weights: what
+    is read before the data (the weights load after it)."""
+    import transformers
+
+    transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, vocab_size=256, max_position_embeddings=128,
+    ).save_pretrained(tmp_path / "hf")  # fmt: skip
+    return tmp_path / "hf"
+
+
+def test_hf_directory_tokenizer_is_the_default_everywhere(tmp_path, capsys):
+    """--hf DIR holding a tokenizer, no data.tokenizer: train's data (make_datasets,
+    which eval uses too) and generate's prompts are the directory's tokenizer's ids, not
+    bytes; train's first line and generate's name it and the weights' checkpoint;
+    data.tokenizer, when set, wins."""
+    from hetjax import cli, launch
+    from hetjax.generate import _prepare
+    from hetjax.instruct import make_datasets
+
+    hf = _hf_dir(tmp_path)
+    folder, hf_tok = _tokenizer_dir(tmp_path, "chatml_no_bos")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (folder / name).is_file():
+            (hf / name).write_bytes((folder / name).read_bytes())
+    path = _write(tmp_path / "d.jsonl", [{"messages": CONVERSATION}] * 2)
+    jsonl = [
+        "--config.data.format=jsonl", f"--config.data.path={path}", "--config.train.seq_len=128",
+        "--config.model.max_seq_len=128", "--config.offload.mode=none",
+    ]  # fmt: skip
+    config = launch.run_config(*launch.parse_args(["--hf", str(hf), *jsonl]))
+    rows = make_datasets(config)[0].tokens
+    assert rows[0, 0, :77].tolist() == _reference_ids(hf_tok, CONVERSATION)
+    generate_line = _prepare(["--hf", str(hf), "--prompt", "sky"])[-1]
+    tokens = _prepare(["--hf", str(hf), "--prompt", "sky"])[-2]
+    assert tokens.spec == str(hf) and tokens.encode("sky", True) == hf_tok("sky").input_ids
+    named = f"initial weights: hf:{hf} (model.init_from); tokenizer: {hf}"
+    assert named in generate_line
+    capsys.readouterr()
+    argv = ["train", "--hf", str(hf), "--workdir", str(tmp_path / "run"), *jsonl]
+    assert cli.main([*argv, "--config.data.path=missing.jsonl"]) == 1
+    assert named in capsys.readouterr().out.splitlines()[0]
+    own = launch.run_config(
+        *launch.parse_args(["--hf", str(hf), *jsonl, "--config.data.tokenizer="])
+    )
+    assert Tokens(str(folder)).spec != own.data.tokenizer  # (empty: the directory's)
+    bytes_config = own.replace(data=dict(tokenizer=str(folder)))
+    assert make_datasets(bytes_config)[2].count(str(folder)) == 1
