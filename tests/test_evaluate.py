@@ -269,3 +269,64 @@ def test_eval_refuses_bad_arguments_before_loading(tmp_path, capsys, argv, messa
     assert cli.main([*argv, "--workdir", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_eval_without_config_reads_the_workdirs(tiny_run, capsys):
+    """``hetjax eval --workdir W`` without --config evaluates with the config the run
+    wrote (W/config.json; the default config's model would not even restore): the run's
+    validation loss, and the first line says where the config came from."""
+    config, workdir, run = tiny_run
+    capsys.readouterr()
+    assert cli.main(["eval", "--workdir", str(workdir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"config: {workdir / 'config.json'} (the run's)" in out[0]
+    assert_losses_close([json.loads(out[-1])["loss"]], [run.val_loss])
+
+
+# a tiny Llama's config.json as transformers writes it (the keys hetjax reads)
+LLAMA_CONFIG_JSON = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "intermediate_size": 96, "vocab_size": 256, "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}  # fmt: skip
+
+
+def test_command_config_sources(tmp_path):
+    """eval's and generate's config: --config when given; else the workdir's
+    config.json (overrides applied); else with --hf the library's defaults (auto, the
+    budgets measured, no trace), not the tiny demo's 104 MiB / 80 MiB and step-60 trace;
+    train's --hf without --config alike."""
+    from conftest import tiny_config
+
+    from hetjax import launch
+    from hetjax.cli_config import command_config
+    from hetjax.config import Config
+
+    saved = tiny_config(train=dict(seq_len=24))
+    (tmp_path / "config.json").write_text(json.dumps(saved.to_dict()))
+    _, config, where = command_config(["--workdir", str(tmp_path), "--config.train.steps=3"])
+    assert config == saved.replace(train=dict(steps=3)) and "(the run's)" in where
+    _, config, _ = command_config(["--workdir", str(tmp_path), "--config", "gpt_tiny"])
+    assert config.train.seq_len == 128 and config.memory.device_budget == 104 * 2**20
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(LLAMA_CONFIG_JSON))
+    for argv in (
+        ["--hf", str(tmp_path / "hf")],
+        ["--workdir", str(tmp_path / "x"), "--hf", str(tmp_path / "hf")],
+    ):
+        _, config, _ = command_config(argv)
+        defaults = Config()
+        assert (config.memory, config.offload, config.train) == (
+            defaults.memory,
+            defaults.offload,
+            defaults.train,
+        )
+        assert config.offload.mode == "auto" and config.memory.device_budget == 0
+    trained = launch.run_config(*launch.parse_args(["--hf", str(tmp_path / "hf")]))
+    assert trained.memory == Config().memory and trained.train.trace_every == 0
+    demo = launch.run_config(
+        *launch.parse_args(["--config", "gpt_tiny", "--hf", str(tmp_path / "hf")])
+    )
+    assert demo.memory.host_budget == 80 * 2**20
