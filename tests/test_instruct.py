@@ -465,3 +465,41 @@ def test_hf_directory_tokenizer_is_the_default_everywhere(tmp_path, capsys):
     assert Tokens(str(folder)).spec != own.data.tokenizer  # (empty: the directory's)
     bytes_config = own.replace(data=dict(tokenizer=str(folder)))
     assert make_datasets(bytes_config)[2].count(str(folder)) == 1
+
+
+# ~5 min on 2 busy cores (pip installs hetjax's dependencies from its cache or index)
+@pytest.mark.slow
+def test_clean_install_trains_a_chat_record(tmp_path):
+    """A venv made as the README makes one (``pip install -e .``, no test extra: no
+    transformers, no torch) trains on chat records: the chat template's jinja2 is
+    hetjax's own dependency. Needs pip to reach its index (or a cache holding the
+    wheels); offline CI without one cannot run it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    folder, _ = _tokenizer_dir(tmp_path, "chatml_no_bos")
+    path = _write(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 2)
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    run = lambda *argv: subprocess.run(
+        argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert run(sys.executable, "-m", "venv", str(venv)).returncode == 0
+    pip = run(str(venv / "bin/pip"), "install", "-q", "-e", str(root))
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    assert run(str(venv / "bin/python"), "-c", "import transformers").returncode != 0
+    out = run(
+        str(venv / "bin/hetjax"), "train", "--workdir", str(tmp_path / "run"),
+        "--config.data.format=jsonl", f"--config.data.path={path}",
+        f"--config.data.tokenizer={folder}", "--config.offload.mode=none",
+        "--config.train.steps=1", "--config.train.batch_size=1", "--config.train.seq_len=128",
+        "--config.model.max_seq_len=128", "--config.train.eval_batches=1",
+        "--config.train.trace_every=0", "--config.train.in_memory_steps=0",
+        "--config.data.val_fraction=0.5",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert np.isfinite(record["loss"])
