@@ -62,6 +62,8 @@ def sources_line(config, tokenizer: str | None = None) -> str:
         tok = "bytes (ids 0..255; set data.tokenizer for a tokenizer.json)"
     elif spec == config.data.tokenizer and tokenizer is None:
         tok = f"{spec} (data.tokenizer)"
+    elif spec == init.removeprefix("hf:"):
+        tok = f"{spec} (the checkpoint's tokenizer.json)"
     else:
         tok = spec
     return f"initial weights: {weights}; tokenizer: {tok}"

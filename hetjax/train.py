@@ -22,6 +22,7 @@ import numpy as np
 
 from hetjax import census, timeline
 from hetjax.allocator import tune_host_allocator
+from hetjax.chat import sources_line
 from hetjax.checkpoint import Checkpointer, check_compatible, checkpoint_dir
 from hetjax.config import Config, format_bytes
 from hetjax.data import decoder_length
@@ -35,7 +36,6 @@ from hetjax.guards import (
     restore_good,
     set_aside,
 )
-from hetjax.chat import sources_line
 from hetjax.instruct import make_datasets
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, plot_losses, step_record
 from hetjax.planning.auto import resolve_auto
