@@ -157,7 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     workdir = run_args.workdir
     if workdir is None and run_args.hf is None:
         workdir = str(Path("runs") / Path(run_args.config).stem)
-    print(f"hetjax eval: {where}; {sources_line(config)}")
+    line = f"hetjax eval: {where}; {sources_line(config)}"
+    if workdir is not None:
+        which = "the newest checkpoint" if args.step is None else f"checkpoint step {args.step}"
+        line += f"; weights: {which} in {workdir}"
+    print(line)
     try:
         result = evaluate_checkpoint(
             config, workdir, split=args.split, batches=args.batches, step=args.step

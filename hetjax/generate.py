@@ -183,6 +183,8 @@ def _prepare(argv: list[str]):
     prompts = [tokens.encode(t, special=True) for t in texts]
     check_prompts(prompts, config.model.vocab_size)
     line = f"hetjax generate: {where}; {sources_line(config, spec)}"
+    if run_args.workdir:
+        line += f"; weights: the newest checkpoint in {run_args.workdir}"
     return args, run_args, config, sampling, texts, prompts, tokens, line
 
 
