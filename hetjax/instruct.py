@@ -86,7 +86,7 @@ def read_records(path: str, tokens: Tokens, vocab_size: int) -> list[Record]:
         for n, raw in enumerate(f, 1):
             where = f"{path} line {n}"
             try:
-                text = raw.decode("utf-8")
+                text = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # (a BOM first)
             except UnicodeDecodeError as e:
                 raise ConfigError(
                     f"{where}: not UTF-8 text (byte {e.start} of the line is "

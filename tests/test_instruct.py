@@ -362,6 +362,12 @@ def test_jsonl_not_utf8_names_its_file_and_line(tmp_path, content):
         read_records(str(path), Tokens(""), 256)
 
 
+def test_jsonl_starting_with_a_utf8_bom_reads(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "completion": "b"}\n')
+    assert read_records(str(path), Tokens(""), 256)[0].ids == (97, 98)
+
+
 def test_named_chat_templates_take_the_default(tmp_path):
     """The list form of tokenizer_config.json's chat_template (named templates): the one
     named "default", as transformers takes it; a list without one is refused."""
