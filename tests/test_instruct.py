@@ -262,7 +262,7 @@ def test_chat_record_is_apply_chat_template_token_for_token(tmp_path, shape):
         assert (part in text) == (part in ("blue,mostly.", "green")), (shape, taken)
 
 
-# ~45 s on 2 busy cores: a transformers model, its import, a loss per template shape
+# ~10 s: a transformers model, its import, a loss per template shape
 @pytest.mark.slow
 def test_chat_loss_equals_torch_masked_loss(tiny, tmp_path):
     """Chat records of every template shape (a two-turn conversation and two short
@@ -473,7 +473,7 @@ def test_hf_directory_tokenizer_is_the_default_everywhere(tmp_path, capsys):
     assert make_datasets(bytes_config)[2].count(str(folder)) == 1
 
 
-# ~5 min on 2 busy cores (pip installs hetjax's dependencies from its cache or index)
+# ~3-5 min on 2 busy cores (pip installs hetjax's dependencies from its cache or index)
 @pytest.mark.slow
 def test_clean_install_trains_a_chat_record(tmp_path):
     """A venv made as the README makes one (``pip install -e .``, no test extra: no
