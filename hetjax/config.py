@@ -240,7 +240,8 @@ class DataConfig:
     # messages or text records, packed into rows with a loss on completions only
     # (hetjax/instruct.py)
     format: str = "tokens"
-    # jsonl: a tokenizer.json or the directory holding it (an HF checkpoint's); empty: bytes
+    # jsonl: a tokenizer.json or the directory holding it (an HF checkpoint's); empty: the
+    # model.init_from directory's when it has one, else bytes (hetjax/chat.py)
     tokenizer: str = ""
 
     def __post_init__(self):

@@ -221,7 +221,7 @@ HELP: dict[str, str] = {
     "loss on completions only (T5 with `data.objective=prefix_lm`: packed on both sides, "
     "the prompts the encoder's; [instruction data](models.md#instruction-data))",
     "data.tokenizer": "`jsonl`: a `tokenizer.json` or the checkpoint directory holding it; "
-    "empty: bytes",
+    "empty: the `model.init_from` directory's `tokenizer.json` when it has one, else bytes",
     # -- checkpoint -------------------------------------------------------------------
     "checkpoint.every_steps": "complete-state checkpoint every N steps; 0: none periodic",
     "checkpoint.every_minutes": "also a checkpoint when this many minutes have passed since "

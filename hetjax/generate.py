@@ -5,10 +5,13 @@ cache, in memory or with the blocks streamed from host RAM or NVMe.
     hetjax generate --hf /path/to/ckpt --prompts prompts.txt --max-new-tokens 64 \\
         --temperature 0.8 --top-p 0.9 --seed 1 --config.offload.mode=stream
 
-Prompts (``--prompt``, repeatable, or ``--prompts FILE``, one a line) are tokenised with
-the checkpoint's ``tokenizer.json`` (``--tokenizer``; default: the ``--hf`` directory's
-when it has one, else ``data.tokenizer``; none: bytes), left-padded to the longest and
-run as one batch.
+Prompts (``--prompt``, repeatable, or ``--prompts FILE``, one a line of UTF-8 text) are
+tokenised with ``--tokenizer``, else the run's tokenizer as training used it
+(:func:`hetjax.chat.tokenizer_spec`: ``data.tokenizer``, else the weights' HF directory's
+``tokenizer.json``, else bytes), left-padded to the longest and run as one batch. The
+config is ``--config``, else the workdir's ``config.json`` (``hetjax/cli_config.py``).
+Every argument and prompt is checked before the model loads; the first line names the
+config, the initial weights and the tokenizer.
 Decoding: greedy (``--temperature 0``, the default), or sampling at a temperature,
 among the ``--top-k`` most likely tokens and the smallest set whose probability reaches
 ``--top-p``; the draw of step i is from ``jax.random.fold_in(key(seed), i)``, so a seed
@@ -49,13 +52,7 @@ import time
 from pathlib import Path
 
 from hetjax.config import ConfigError
-from hetjax.inference import Sampling, open_blocks, run
-
-
-def _tokenizer(spec: str):
-    from hetjax.instruct import Tokens
-
-    return Tokens(spec)
+from hetjax.inference import Sampling, check_prompts, open_blocks, run
 
 
 class TokenPrinter:
@@ -126,15 +123,13 @@ class TokenPrinter:
         self.out.flush()
 
 
-def main(argv: list[str] | None = None) -> int:
-    from hetjax import launch
-
-    argv = sys.argv[1:] if argv is None else argv
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hetjax.generate",
         description="Generate text from a run's newest checkpoint (--workdir) or an HF "
-        "checkpoint directory (--hf, without --workdir). Also takes launch's --config, "
-        "--workdir, --hf and --config.<key>=<value> (offload.mode=stream streams the blocks).",
+        "checkpoint directory (--hf, without --workdir). Also takes launch's --config "
+        "(default: the workdir's config.json), --workdir, --hf and --config.<key>=<value> "
+        "(offload.mode=stream streams the blocks).",
     )
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompts", default=None, help="a file of prompts, one a line")
@@ -144,27 +139,65 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    args, rest = parser.parse_known_args(argv)
+    return parser
+
+
+def read_prompts(path: str) -> list[str]:
+    """The non-blank lines of a prompts file; ``ConfigError`` naming the file (and the
+    line that is not UTF-8)."""
     try:
-        run_args, overrides = launch.parse_args(rest)
-        config = launch.run_config(run_args, overrides)
-        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-        texts = list(args.prompt)
-        if args.prompts:
-            texts += [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
-        if not texts:
-            raise ConfigError("give --prompt TEXT (repeatable) or --prompts FILE")
-        spec = args.tokenizer
-        if spec is None:  # the checkpoint's own, else the data's, else bytes
-            hf = run_args.hf
-            has = hf and (Path(hf) / "tokenizer.json").is_file()
-            spec = hf if has else config.data.tokenizer
-        tokens = _tokenizer(spec or "")
-    except (ConfigError, OSError) as e:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"--prompts {path!r}: {e.strerror or e}") from None
+    texts = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"--prompts {path} line {n}: not UTF-8 text (byte {e.start} of the line "
+                f"is {line[e.start : e.start + 1]!r})"
+            ) from None
+        if text.strip():
+            texts.append(text)
+    return texts
+
+
+def _prepare(argv: list[str]):
+    """Every argument checked and the prompts tokenised, nothing of the model loaded:
+    (launch's arguments, config, sampling, prompts' texts, their ids, tokens, what the
+    first line says). Raises ``ConfigError``."""
+    from hetjax.chat import Tokens, sources_line, tokenizer_spec
+    from hetjax.cli_config import command_config
+
+    args, rest = _parser().parse_known_args(argv)
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be 1 or more, got {args.max_new_tokens}")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    texts = list(args.prompt) + (read_prompts(args.prompts) if args.prompts else [])
+    if not texts:
+        raise ConfigError("give --prompt TEXT (repeatable) or --prompts FILE")
+    run_args, config, where = command_config(rest)
+    spec = tokenizer_spec(config) if args.tokenizer is None else args.tokenizer
+    tokens = Tokens(spec)
+    prompts = [tokens.encode(t, special=True) for t in texts]
+    check_prompts(prompts, config.model.vocab_size)
+    line = f"hetjax generate: {where}; {sources_line(config, spec)}"
+    if run_args.workdir:
+        line += f"; weights: the newest checkpoint in {run_args.workdir}"
+    return args, run_args, config, sampling, texts, prompts, tokens, line
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, run_args, config, sampling, texts, prompts, tokens, line = _prepare(argv)
+    except ConfigError as e:
         print(f"hetjax generate: error: {e}", file=sys.stderr)
         return 2
     from hetjax.types import CheckpointError
 
+    print(line, file=sys.stderr)
     workdir = run_args.workdir
     if workdir is None and run_args.hf is None:
         workdir = str(Path("runs") / Path(run_args.config).stem)
@@ -173,7 +206,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         blocks, config = open_blocks(config, workdir, scratch)
         print(blocks.describe(), file=sys.stderr)
-        prompts = [tokens.encode(t, special=True) for t in texts]
         tty = sys.stdout.isatty()
         width = shutil.get_terminal_size().columns if tty else 0
         show = TokenPrinter(tokens, texts, sys.stdout, tty, width)

@@ -330,14 +330,18 @@ def generate_seq2seq(
 
 
 def _check_prompts(model, prompts: list[list[int]]) -> None:
+    check_prompts(prompts, model.config.vocab_size)
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
     """Refuses no prompt, an empty one, or a token id outside the model's vocabulary."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("generate needs at least one prompt, each of at least one token")
     top = max(max(p) for p in prompts)
-    if top >= model.config.vocab_size:
+    if top >= vocab_size:
         raise ConfigError(
             f"a prompt holds token id {top}, outside the model's vocabulary "
-            f"(model.vocab_size {model.config.vocab_size}): the tokenizer is not the model's"
+            f"(model.vocab_size {vocab_size}): the tokenizer is not the model's"
         )
 
 

@@ -5,17 +5,18 @@ Each line of ``data.path`` is one JSON record, one of:
 
 * ``{"prompt": ..., "completion": ...}``: the loss is taken on the completion's tokens;
 * ``{"messages": [{"role": ..., "content": ...}, ...]}``: rendered by the tokenizer's
-  chat template (``chat_template`` in the ``tokenizer_config.json`` next to
-  ``data.tokenizer``); the last message is the completion (the assistant's), the
-  conversation before it, rendered with the generation prompt, the prompt;
+  chat template and encoded as transformers' ``apply_chat_template(tokenize=True)``
+  encodes it (no special tokens added to the rendered text); the loss is taken on every
+  assistant turn (``hetjax/chat.py``); T5's completion is the last assistant turn;
 * ``{"text": ...}``: plain text, the loss on every token.
 
-Tokens come from ``data.tokenizer`` (a ``tokenizer.json`` or the checkpoint directory
-holding it: the ``tokenizers`` package, as ``hetjax tokenize``) or, when empty, bytes
-(ids 0..255). The prompt is encoded with the tokenizer's special tokens (a BOS where the
-tokenizer adds one), the completion without, followed by the tokenizer's end-of-sequence
-token (``eos_token`` of ``tokenizer_config.json``) when it names one (a chat record ends
-as its template ends the assistant's turn).
+Tokens come from the run's tokenizer (:func:`hetjax.chat.tokenizer_spec`:
+``data.tokenizer``, else the ``tokenizer.json`` of the HF directory the weights come
+from, else bytes, ids 0..255). A prompt is encoded with the tokenizer's special tokens
+(a BOS where the tokenizer adds one), the completion without, followed by the
+tokenizer's end-of-sequence token (``eos_token`` of ``tokenizer_config.json``) when it
+names one (a chat record ends as its template ends the assistant's turn). A line that is
+not UTF-8 or JSON, or a record that is malformed, is refused naming the file and line.
 
 Packing: records are placed in rows in file order, a record in the current row while it
 fits, else in a new row (first fit in order); the rest of a row is padding, a record of
@@ -53,71 +54,10 @@ from pathlib import Path
 import numpy as np
 
 from hetjax import data
+from hetjax.chat import BYTE_VOCAB, Tokens, tokenizer_spec  # noqa: F401 (instruct.Tokens)
 from hetjax.config_values import ConfigError
 
 IGNORED = -1  # models/staged.py's IGNORED: a target that takes no loss
-BYTE_VOCAB = 256
-
-
-class Tokens:
-    """Text -> token ids: a ``tokenizers.Tokenizer`` with its chat template and EOS, or
-    bytes. ``vocab_size``: the ids it can produce."""
-
-    def __init__(self, spec: str):
-        self.spec = spec
-        self.chat_template: str | None = None
-        self.eos: int | None = None
-        self.bos_token = self.eos_token = ""
-        if not spec:
-            self._tok, self.vocab_size = None, BYTE_VOCAB
-            return
-        from tokenizers import Tokenizer  # start-up cost: only jsonl runs need it
-
-        path = Path(spec)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
-            raise ConfigError(
-                f"config key 'data.tokenizer': no tokenizer file {str(file)!r}; give a "
-                "tokenizer.json or the checkpoint directory holding one"
-            )
-        self._tok = Tokenizer.from_file(str(file))
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        settings = (path if path.is_dir() else path.parent) / "tokenizer_config.json"
-        if settings.is_file():
-            cfg = json.loads(settings.read_text())
-            self.chat_template = cfg.get("chat_template") or None
-            name = lambda t: t.get("content", "") if isinstance(t, dict) else (t or "")
-            self.eos_token, self.bos_token = name(cfg.get("eos_token")), name(cfg.get("bos_token"))
-            if self.eos_token:
-                self.eos = self._tok.token_to_id(self.eos_token)
-
-    def encode(self, text: str, special: bool) -> list[int]:
-        """``text`` -> ids; ``special``: with the tokenizer's added special tokens (BOS)."""
-        if self._tok is None:
-            return list(text.encode("utf-8"))
-        return self._tok.encode(text, add_special_tokens=special).ids
-
-    def decode(self, ids) -> str:
-        if self._tok is None:
-            return bytes(int(i) for i in ids if i < BYTE_VOCAB).decode("utf-8", "replace")
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def render(self, messages: list, generation_prompt: bool) -> str:
-        """Messages rendered by the chat template (Jinja, as transformers renders it)."""
-        import jinja2  # only chat records need it
-
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise ValueError(message)
-
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-        )
 
 
 @dataclass(frozen=True)
@@ -128,52 +68,84 @@ class Record:
     prompt: int
     line: int  # 1-based line of data.path
     prompt_tokens: int = 0  # the prompt's own (``prompt`` is at least 1: a first token)
+    # per id, whether it takes the loss (a chat record's assistant turns); None: every id
+    # from ``prompt`` on
+    mask: tuple[bool, ...] | None = None
 
 
 def read_records(path: str, tokens: Tokens, vocab_size: int) -> list[Record]:
-    """The records of a jsonl file, tokenised. Raises ``ConfigError`` naming the line of
-    a record that is not JSON, has none of the fields, an empty completion, messages
-    without a chat template, or a token id the model's vocabulary lacks."""
+    """The records of a jsonl file, tokenised. Raises ``ConfigError`` naming the file
+    and line of a record that is not UTF-8 or JSON, has none of the fields, an empty
+    completion, messages that are malformed or that the chat template refuses (or
+    without a chat template), or a token id the model's vocabulary lacks."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config key 'data.path': no such file {path!r}")
     records = []
-    with p.open(encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
+    with p.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{path} line {n}"
+            try:
+                text = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # (a BOM first)
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    f"{where}: not UTF-8 text (byte {e.start} of the line is "
+                    f"{raw[e.start : e.start + 1]!r}); data.format=jsonl reads JSON lines"
+                ) from None
             if not text.strip():
                 continue
-            where = f"{path} line {n}"
             try:
                 rec = json.loads(text)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where}: not a JSON record ({e.msg})") from None
-            prompt, completion = _fields(rec, tokens, where)
-            ids = tokens.encode(prompt, special=True) if prompt else []
-            n_prompt = len(ids)
-            ids += tokens.encode(completion, special=not prompt)
-            # a chat template writes its own end of turn
-            if "prompt" in rec and tokens.eos is not None:
-                ids.append(tokens.eos)
-            if len(ids) - n_prompt < 1:
-                raise ConfigError(f"{where}: the completion encodes to no tokens")
-            top = max(ids)
+            record = _record(rec, tokens, where, n)
+            top = max(record.ids)
             if top >= vocab_size:
                 raise ConfigError(
-                    f"{where}: token id {top} from data.tokenizer "
+                    f"{where}: token id {top} from the tokenizer "
                     f"({tokens.spec or 'bytes'}, {tokens.vocab_size} tokens) is outside the "
                     f"model's vocabulary (model.vocab_size {vocab_size}): the tokenizer is "
                     "not the checkpoint's"
                 )
-            # a record's first token is never a target: with no prompt, the first
-            # completion token is context only
-            records.append(Record(tuple(ids), max(n_prompt, 1), n, n_prompt))
+            records.append(record)
     if not records:
         raise ConfigError(f"data.path {path!r} holds no records")
     return records
 
 
-def _fields(rec, tokens: Tokens, where: str) -> tuple[str | None, str]:
-    """(prompt or None for plain text, completion) of a parsed record."""
+def _record(rec, tokens: Tokens, where: str, line: int) -> Record:
+    """A parsed record's tokens: a chat record's from its template (the loss on its
+    assistant turns), else the prompt encoded with the tokenizer's special tokens and
+    the completion without, then EOS."""
+    if isinstance(rec, dict) and "messages" in rec and "prompt" not in rec:
+        if not tokens.chat_template:
+            raise ConfigError(
+                f"{where}: a 'messages' record needs the tokenizer's chat template "
+                f"(chat_template.jinja, or chat_template in tokenizer_config.json, beside "
+                f"the tokenizer {tokens.spec or '(bytes)'!r}); there is none"
+            )
+        ids, mask = tokens.chat(rec["messages"], where)
+        if sum(mask[1:]) < 1:
+            raise ConfigError(f"{where}: the assistant turns encode to no tokens")
+        first = mask.index(True)
+        last = len(mask) - 1 - mask[::-1].index(True)
+        start = max(j for j in range(last + 1) if mask[j] and not (j and mask[j - 1]))
+        return Record(tuple(ids), max(first, 1), line, start, tuple(mask))
+    prompt, completion = _fields(rec, where)
+    ids = tokens.encode(prompt, special=True) if prompt else []
+    n_prompt = len(ids)
+    ids += tokens.encode(completion, special=not prompt)
+    if prompt is not None and tokens.eos is not None:
+        ids.append(tokens.eos)
+    if len(ids) - n_prompt < 1:
+        raise ConfigError(f"{where}: the completion encodes to no tokens")
+    # a record's first token is never a target: with no prompt, the first completion
+    # token is context only
+    return Record(tuple(ids), max(n_prompt, 1), line, n_prompt)
+
+
+def _fields(rec, where: str) -> tuple[str | None, str]:
+    """(prompt or None for plain text, completion) of a parsed non-chat record."""
     if not isinstance(rec, dict):
         raise ConfigError(f"{where}: a record must be a JSON object")
     if "prompt" in rec and "completion" in rec:
@@ -183,21 +155,6 @@ def _fields(rec, tokens: Tokens, where: str) -> tuple[str | None, str]:
         if not completion:
             raise ConfigError(f"{where}: the completion is empty")
         return prompt, completion
-    if "messages" in rec:
-        messages = rec["messages"]
-        if not tokens.chat_template:
-            raise ConfigError(
-                f"{where}: a 'messages' record needs the tokenizer's chat template "
-                f"(chat_template in tokenizer_config.json next to data.tokenizer "
-                f"{tokens.spec or '(bytes)'!r}); there is none"
-            )
-        if not isinstance(messages, list) or not messages or not messages[-1].get("content"):
-            raise ConfigError(f"{where}: 'messages' must end with a non-empty message")
-        prompt = tokens.render(messages[:-1], generation_prompt=True)
-        whole = tokens.render(messages, generation_prompt=False)
-        if not whole.startswith(prompt):
-            raise ConfigError(f"{where}: the chat template does not extend the prompt")
-        return prompt, whole[len(prompt) :]
     if "text" in rec:
         if not isinstance(rec["text"], str) or not rec["text"]:
             raise ConfigError(f"{where}: 'text' must be a non-empty string")
@@ -247,7 +204,8 @@ def _row(placed: list[tuple[Record, int]], seq_len: int) -> np.ndarray:
         pos[at : at + n] = np.arange(n)
         # target of position t is token t + 1 where that token is a completion token
         for t in range(max(rec.prompt - 1, 0), n - 1):
-            tgt[at + t] = r[t + 1]
+            if rec.mask is None or rec.mask[t + 1]:
+                tgt[at + t] = r[t + 1]
         at += n
     pos[at:] = np.arange(seq_len - at)  # padding: a record of its own, no loss
     return np.stack([ids, pos, tgt])
@@ -335,7 +293,7 @@ def make_packed_datasets(config) -> tuple[PackedRows, PackedRows, str]:
     import jax
 
     d, t, m = config.data, config.train, config.model
-    tokens = Tokens(d.tokenizer)
+    tokens = Tokens(tokenizer_spec(config))
     records = read_records(d.path, tokens, m.vocab_size)
     rows_of = pack_seq2seq if m.encoder_decoder else pack
     n_val = max(int(len(records) * d.val_fraction), 1)
@@ -360,7 +318,7 @@ def make_packed_datasets(config) -> tuple[PackedRows, PackedRows, str]:
     desc = (
         f"{d.path}: {len(records):,} records ({train.records:,} train in "
         f"{len(train.rows):,} rows of {t.seq_len}, {val.records:,} val in {len(val.rows):,}), "
-        f"tokenizer {d.tokenizer or 'bytes'}; {train.cut + val.cut} record(s) {where}; the "
+        f"tokenizer {tokens.spec or 'bytes'}; {train.cut + val.cut} record(s) {where}; the "
         f"loss is over completion tokens only ({taken:,} of {train.rows[:, 0].size:,} train "
         "positions); tokens/s counts every position"
     )

@@ -66,8 +66,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     )
     parser.add_argument(
         "--config",
-        default=DEFAULT_CONFIG,
-        help="config file: a path, or a name in configs/ (default: gpt_tiny)",
+        default=None,
+        help="config file: a path, or a name in configs/ (default: gpt_tiny; with --hf, "
+        "the library's defaults: offload.mode=auto within this machine's memory)",
     )
     parser.add_argument(
         "--workdir",
@@ -108,6 +109,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
         "angel-a100-40g, patrickstar-v100, h100) or local (measured here; the default)",
     )
     args = parser.parse_args(rest)
+    args.config_given = args.config is not None  # --hf without it: not the tiny demo's
+    args.config = args.config or DEFAULT_CONFIG
     if args.resume is not None:
         overrides["checkpoint.resume"] = args.resume
     if args.overwrite:
@@ -118,8 +121,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
 def run_config(args: argparse.Namespace, overrides: dict[str, str]) -> Config:
     """The config of parsed arguments: the config file with the overrides, and with
     ``--hf`` its model read off the checkpoint's ``config.json`` (shape fields and
-    ``init_from``; the overrides' other model fields kept)."""
-    config = load_config(args.config, overrides)
+    ``init_from``; the overrides' other model fields kept). ``--hf`` without ``--config``
+    starts from the library's defaults (``offload.mode=auto``, the budgets measured from
+    this machine), not the tiny demo's budgets and trace."""
+    if args.hf and not getattr(args, "config_given", True):
+        config = Config().override(overrides)
+    else:
+        config = load_config(args.config, overrides)
     if args.hf:
         from hetjax.hf import model_config_from_hf
 

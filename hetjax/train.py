@@ -22,6 +22,7 @@ import numpy as np
 
 from hetjax import census, timeline
 from hetjax.allocator import tune_host_allocator
+from hetjax.chat import sources_line
 from hetjax.checkpoint import Checkpointer, check_compatible, checkpoint_dir
 from hetjax.config import Config, format_bytes
 from hetjax.data import decoder_length
@@ -131,6 +132,7 @@ def _train(
     faults = Faults.from_env()
     main = is_main_process()
     out = MetricsWriter(workdir, t.steps, t.log_every, enabled=verbose and main)
+    out.log(f"hetjax: {sources_line(config)}")  # where the weights and the tokens come from
     ckpt = (
         _open_checkpoints(config, workdir, out)
         if ck.enabled or t.on_nonfinite == "rollback"

@@ -17,14 +17,24 @@ def _with_checkpoint(tiny, **sections):
     return tiny(checkpoint=dict(every_steps=0, at_end=True), **sections)
 
 
-def test_eval_equals_the_runs_validation_loss(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny GPT run of 1 step in memory with a checkpoint at its end: (config,
+    workdir, the run's result), shared by this module's default-run tests."""
+    from conftest import tiny_config
+
+    config = _with_checkpoint(tiny_config, train=dict(steps=1, eval_batches=1))
+    workdir = tmp_path_factory.mktemp("tiny_run")
+    return config, workdir, train(config, workdir, verbose=False)
+
+
+def test_eval_equals_the_runs_validation_loss(tiny_run):
     """A tiny GPT run (1 step, in memory) and the evaluation of its checkpoint: the same
     loss within 1e-5 (fp32; the run evaluates its published params, eval the restored
     masters)."""
-    config = _with_checkpoint(tiny, train=dict(steps=1, eval_batches=1))
-    run = train(config, tmp_path, verbose=False)
+    config, workdir, run = tiny_run
     assert math.isfinite(run.val_loss)
-    assert_losses_close([evaluate_checkpoint(config, tmp_path).loss], [run.val_loss])
+    assert_losses_close([evaluate_checkpoint(config, workdir).loss], [run.val_loss])
 
 
 # ~25 s on 2 busy cores: a run, then the command
@@ -217,3 +227,106 @@ def test_t5_jsonl_trains_streamed_as_in_memory(tiny, tmp_path):
     assert runs["stream"].losses[-1] < runs["stream"].losses[0]
     result = evaluate_checkpoint(placed, tmp_path / "stream")
     assert_losses_close([result.loss], [runs["stream"].val_loss])
+
+
+def test_eval_batches_0_evaluates_every_row_once(tiny_run):
+    """``--batches 0`` over a held-out split of 15 windows with batch 4: 15 rows, each
+    once (the last partial batch of 3 included), the loss the mean of the 15 windows'
+    own losses (the model's loss of each alone, from the checkpoint's params); and of a
+    split of 3 windows, fewer than a batch, each of the 3 once (not the first twice)."""
+    import jax
+    import numpy as np
+
+    from hetjax.checkpoint import restore_newest
+    from hetjax.data import make_datasets, split_window
+    from models import build_model
+
+    config, workdir, _ = tiny_run
+    state, _ = restore_newest(config, workdir)
+    loss, params = jax.jit(build_model(config.model).loss), state.params()
+    T = config.train.seq_len
+    # the corpus' last 250 and 50 tokens: 15 and 3 windows of 17 every 16
+    for val_fraction, windows in ((250 / 200_000, 15), (50 / 200_000, 3)):
+        config = config.replace(data=dict(val_fraction=val_fraction))
+        val = make_datasets(config)[1].tokens
+        result = evaluate_checkpoint(config, workdir, batches=0)
+        assert result.rows == windows
+        rows = [val[k * T : k * T + T + 1][None].astype(np.int32) for k in range(windows)]
+        own = [float(loss(params, *split_window("lm", r, T))) for r in rows]
+        assert_losses_close([result.loss], [np.mean(own)])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "--batches", "-2"], "--batches must be 0 (every row once) or more, got -2"),
+        (["eval", "--step", "-1"], "--step must be a checkpoint's step"),
+    ],
+)
+def test_eval_refuses_bad_arguments_before_loading(tmp_path, capsys, argv, message):
+    """A negative count is one line and exit status 2, before any config or checkpoint
+    is read (the workdir named does not exist)."""
+    assert cli.main([*argv, "--workdir", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_eval_without_config_reads_the_workdirs(tiny_run, capsys):
+    """``hetjax eval --workdir W`` without --config evaluates with the config the run
+    wrote (W/config.json; the default config's model would not even restore): the run's
+    validation loss, and the first line says where the config came from."""
+    config, workdir, run = tiny_run
+    capsys.readouterr()
+    assert cli.main(["eval", "--workdir", str(workdir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"config: {workdir / 'config.json'} (the run's)" in out[0]
+    assert_losses_close([json.loads(out[-1])["loss"]], [run.val_loss])
+
+
+# a tiny Llama's config.json as transformers writes it (the keys hetjax reads)
+LLAMA_CONFIG_JSON = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "intermediate_size": 96, "vocab_size": 256, "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}  # fmt: skip
+
+
+def test_command_config_sources(tmp_path):
+    """eval's and generate's config: --config when given; else the workdir's
+    config.json (overrides applied); else with --hf the library's defaults (auto, the
+    budgets measured, no trace), not the tiny demo's 104 MiB / 80 MiB and step-60 trace;
+    train's --hf without --config alike."""
+    from conftest import tiny_config
+
+    from hetjax import launch
+    from hetjax.cli_config import command_config
+    from hetjax.config import Config
+
+    saved = tiny_config(train=dict(seq_len=24))
+    (tmp_path / "config.json").write_text(json.dumps(saved.to_dict()))
+    _, config, where = command_config(["--workdir", str(tmp_path), "--config.train.steps=3"])
+    assert config == saved.replace(train=dict(steps=3)) and "(the run's)" in where
+    _, config, _ = command_config(["--workdir", str(tmp_path), "--config", "gpt_tiny"])
+    assert config.train.seq_len == 128 and config.memory.device_budget == 104 * 2**20
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(LLAMA_CONFIG_JSON))
+    for argv in (
+        ["--hf", str(tmp_path / "hf")],
+        ["--workdir", str(tmp_path / "x"), "--hf", str(tmp_path / "hf")],
+    ):
+        _, config, _ = command_config(argv)
+        defaults = Config()
+        assert (config.memory, config.offload, config.train) == (
+            defaults.memory,
+            defaults.offload,
+            defaults.train,
+        )
+        assert config.offload.mode == "auto" and config.memory.device_budget == 0
+    trained = launch.run_config(*launch.parse_args(["--hf", str(tmp_path / "hf")]))
+    assert trained.memory == Config().memory and trained.train.trace_every == 0
+    demo = launch.run_config(
+        *launch.parse_args(["--config", "gpt_tiny", "--hf", str(tmp_path / "hf")])
+    )
+    assert demo.memory.host_budget == 80 * 2**20

@@ -308,3 +308,38 @@ def test_t5_batched_prompts_equal_each_alone(tiny):
     batched = generate_seq2seq(blocks, prompts, 8)
     for prompt, row in zip(prompts, batched, strict=True):
         assert generate_seq2seq(blocks, [prompt], 8) == [row]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", "a", "--max-new-tokens", "-3"], "--max-new-tokens must be 1 or more, got -3"),
+        (["--prompt", "a", "--top-p", "0"], "sampling needs temperature >= 0"),
+        ([], "give --prompt TEXT"),
+        (["--prompts", "PROMPTS"], "PROMPTS line 2: not UTF-8 text"),
+        (["--prompts", "MISSING"], "--prompts 'MISSING': No such file"),
+        (["--prompt", "a", "--tokenizer", "MISSING"], "no tokenizer file 'MISSING'"),
+    ],
+    ids=[
+        "max_new_tokens",
+        "top_p",
+        "no_prompt",
+        "prompts_not_utf8",
+        "no_prompts_file",
+        "no_tokenizer",
+    ],
+)
+def test_bad_arguments_refused_before_loading(tmp_path, capsys, args, message):
+    """Every argument and prompt is checked before anything loads (the workdir named
+    has no checkpoint; the model would load first otherwise): one line on stderr, exit
+    status 2."""
+    from hetjax import cli
+
+    (tmp_path / "prompts.txt").write_bytes(b"fine\n\xff\xfe\n")
+    places = {"PROMPTS": str(tmp_path / "prompts.txt"), "MISSING": str(tmp_path / "missing")}
+    args = [places.get(a, a) for a in args]
+    for placeholder, path in places.items():
+        message = message.replace(placeholder, path)
+    assert cli.main(["generate", "--workdir", str(tmp_path / "none"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
