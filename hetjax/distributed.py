@@ -31,6 +31,7 @@ import threading
 import time
 
 from hetjax.config import Config, ConfigError, DistributedConfig
+from hetjax.errors import UserError
 
 DATA_AXIS = "data"
 EXPERT_AXIS = "expert"  # the mesh axis a mixture of experts' experts are split over
@@ -87,7 +88,7 @@ def mesh_axes(logical: tuple[str | None, ...], rules=AXIS_RULES) -> tuple:
 DEFAULT_PORT = 12355
 
 
-class DistributedError(RuntimeError):
+class DistributedError(UserError, RuntimeError):
     """The processes of a run could not be brought together; the message says why."""
 
 

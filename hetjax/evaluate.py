@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from hetjax.config import Config, ConfigError
+from hetjax.errors import entry_point
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,7 @@ def evaluate_checkpoint(
     return EvalResult(loss, n, source)
 
 
+@entry_point("hetjax eval")
 def main(argv: list[str] | None = None) -> int:
     from hetjax import launch
 

@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 from hetjax.config import ConfigError
+from hetjax.errors import entry_point
 from hetjax.inference import Sampling, open_blocks, run
 
 
@@ -126,6 +127,7 @@ class TokenPrinter:
         self.out.flush()
 
 
+@entry_point("hetjax generate")
 def main(argv: list[str] | None = None) -> int:
     from hetjax import launch
 

@@ -57,6 +57,8 @@ import sys
 import time
 from pathlib import Path
 
+from hetjax.errors import check_output_dir, entry_point
+
 # the sections (the names tests and docs read here too)
 from hetjax.gpucheck.common import (  # noqa: F401
     FULL_SECONDS,
@@ -197,6 +199,7 @@ def _count(out: Path) -> int:
     return len(_rows(out))
 
 
+@entry_point("hetjax.gpucheck")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hetjax.gpucheck",
@@ -217,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row", default="", help=argparse.SUPPRESS)  # an mfu row's child
     parser.add_argument("--platform", default="", help=argparse.SUPPRESS)  # the probe's
     args = parser.parse_args(argv)
-    out = Path(args.out or f"gpucheck-{time.strftime('%Y-%m-%d')}")
+    out = check_output_dir(args.out or f"gpucheck-{time.strftime('%Y-%m-%d')}", "--out")
     out.mkdir(parents=True, exist_ok=True)
     if args.section:
         return _child(args, out)
