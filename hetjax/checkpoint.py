@@ -429,12 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     if not directory.is_dir():
         raise CheckpointError(f"no checkpoint directory {directory}")
     if args.export is not None:  # before reading anything
-        check_output_dir(Path(args.export).parent, "--export's directory")
         if Path(args.export).exists():
             raise CheckpointError(
                 f"--export {args.export} exists: refusing to replace it; remove it or choose "
                 "another path"
             )
+        check_output_dir(args.export, "--export")  # not under a file, writable
     ckpt = Checkpointer(directory, writing=False)
     try:
         if args.export is None:

@@ -218,6 +218,24 @@ def load_tokens(path: str) -> np.ndarray:
 FULL_SCAN = 16 * 1024 * 1024  # token files up to this many ids are checked whole at start
 
 
+def check_token_file(config: Config) -> None:
+    """Checks ``data.path``'s token file (``data.format=tokens``): readable, not empty,
+    its ids those of the model. Cheap (no JAX): a command runs it before anything heavy."""
+    d = config.data
+    if d.format == "tokens" and d.path:
+        spans = spans_of(d, config.train.seq_len)
+        scan_token_ids(load_tokens(d.path), config, spans, f"data.path {d.path!r}")
+
+
+def scan_token_ids(tokens, config: Config, spans: Spans | None, where: str):
+    """Checks every id of ``tokens`` when there are at most :data:`FULL_SCAN`; returns
+    None then, else the check for each batch row's ids, ``(low, top) -> None``."""
+    if len(tokens) <= FULL_SCAN:  # a full scan is cheap; huge files are checked per batch
+        check_token_ids(int(tokens.min()), int(tokens.max()), config, spans, where)
+        return None
+    return functools.partial(check_token_ids, config=config, spans=spans, where=where)
+
+
 def check_token_ids(low: int, top: int, config: Config, spans: Spans | None, where: str):
     """Raises ConfigError unless the ids ``low``..``top`` (of ``where``) are token ids of
     ``model.vocab_size``, below span corruption's sentinels when there are any."""
@@ -324,13 +342,9 @@ def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
         tokens = embedded_corpus(d.corpus_bytes)
         source = f"embedded corpus (Python {sys.version.split()[0]} stdlib, bytes)"
     spans = spans_of(d, t.seq_len)
-    # span corruption's sentinels take the top ids: the data's must lie below them
-    where = f"data.path {d.path!r}" if d.path else "the data"
-    if len(tokens) <= FULL_SCAN:  # a full scan is cheap; huge files are checked per batch
-        check_token_ids(int(tokens.min()), int(tokens.max()), config, spans, where)
-        checked = None
-    else:
-        checked = functools.partial(check_token_ids, config=config, spans=spans, where=where)
+    checked = scan_token_ids(
+        tokens, config, spans, f"data.path {d.path!r}" if d.path else "the data"
+    )
     window = spans.window if spans else window_length(d, t.seq_len)
     n_val = max(int(len(tokens) * d.val_fraction), window)
     import jax

@@ -135,16 +135,9 @@ def check_output_dir(path: str | Path, key: str, exists_ok: bool = True) -> Path
     refuses a directory that exists and is not empty (``--overwrite`` to replace)."""
     path = Path(path)
     note_path(key, path)
-    blocking = _blocking_file(path)
-    if blocking == path:
+    if _blocking_file(path) == path:
         raise UserError(f"{key} {path} is a file, not a directory: give a directory")
-    if blocking is not None:
-        raise UserError(
-            f"{key} {path}: {blocking} is a file, so nothing can be made under it: give a directory"
-        )
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{key} {path}: {existing} is not writable: give another directory")
+    _check_makeable(path, path, key)
     if not exists_ok and path.is_dir() and any(path.iterdir()):
         raise UserError(
             f"{key} {path} exists and is not empty: refusing to write over it. Pass "
@@ -161,10 +154,24 @@ def check_output_file(path: str | Path, key: str, overwrite: bool) -> Path:
     note_path(key, path)
     if path.is_dir():
         raise UserError(f"{key} {path} is a directory: give a file name")
-    check_output_dir(path.parent, f"{key}'s directory")
+    _check_makeable(path.parent, path, key)
     if path.exists() and not overwrite:
         raise UserError(
             f"{key} {path} exists: refusing to replace it. Pass --overwrite to replace it, "
             "or choose another path"
         )
     return path
+
+
+def _check_makeable(directory: Path, path: Path, key: str) -> None:
+    """``directory`` (``path``'s, given as ``key``) exists or can be made: no file at
+    or above it, and the nearest existing directory writable."""
+    blocking = _blocking_file(directory)
+    if blocking is not None:
+        raise UserError(
+            f"{key} {path}: {blocking} is a file, so nothing can be made under it: give "
+            "another path"
+        )
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{key} {path}: {existing} is not writable: give another path")

@@ -34,6 +34,7 @@ from pathlib import Path
 from hetjax import xla_env
 from hetjax.allocator import tune_malloc
 from hetjax.config import Config, ConfigError, load_config
+from hetjax.data import check_token_file
 from hetjax.errors import UserError, check_output_dir, entry_point, note_path
 
 DEFAULT_CONFIG = "gpt_tiny"
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         return _plan(config, args.hardware, workdir)
     check_output_dir(workdir, "--workdir")
+    check_token_file(config)  # in a second, not after JAX has started
 
     from hetjax.distributed import initialize  # imports JAX: after argument checks
     from hetjax.train import train

@@ -139,6 +139,7 @@ def _train(
     runtime = None
     failed = False  # an error is on its way out: closing must not mask it
     try:
+        train_data, val_data, data_desc = make_datasets(config)  # the cheap checks first
         resume = ckpt.latest() if ckpt is not None and ck.resume == "auto" else None
         if resume is not None:
             t0 = time.perf_counter()
@@ -148,7 +149,6 @@ def _train(
             check_compatible(meta, config, ckpt.directory)
         if config.offload.mode == "auto":  # decide the placement first (hetjax/planning/)
             config = resolve_auto(config, workdir, out.log)
-        train_data, val_data, data_desc = make_datasets(config)
         t0 = time.perf_counter()
         out.log(f"building the {config.offload.mode} runtime: initialising state, planning ...")
         runtime = build_runtime(config, workdir)

@@ -66,6 +66,19 @@ def launch(cfg, workdir, faults="", devices=None, expect_rc=0, flags=()):
     return proc
 
 
+def files_of(path: Path, skip=()) -> dict[str, bytes]:
+    """Every file under ``path`` (or ``path`` itself) by relative name, with its bytes;
+    names in ``skip`` left out."""
+    path = Path(path)
+    if path.is_file():
+        return {".": path.read_bytes()}
+    return {
+        str(f.relative_to(path)): f.read_bytes()
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name not in skip
+    }
+
+
 def saved_params(workdir, step=None):
     ckpt = Checkpointer(Path(workdir) / "checkpoints", writing=False)
     try:
@@ -328,14 +341,31 @@ def test_consecutive_nonfinite_steps_stop_the_run(tmp_path, monkeypatch):
 
 
 def test_resume_never_refuses_then_overwrites(tmp_path):
+    """``resume=never`` refuses a workdir with checkpoints; with ``overwrite`` and a
+    start that fails (no data), or a resume that fails, nothing in the workdir changes;
+    with ``overwrite`` and a good start the last run's checkpoints and outputs go."""
     cfg = config(train=dict(steps=2, eval_batches=1))
     train(cfg, tmp_path, verbose=False)
+    for name in ("metrics.jsonl", "summary.json", "loss.png", "tensorboard/events", "trace/a"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)  # as a verbose run leaves them
+        (tmp_path / name).write_text(f"the last run's {name}\n")
+    before = files_of(tmp_path, skip=("hetjax.lock",))
     never = cfg.replace(checkpoint=dict(resume="never"))
     with pytest.raises(TrainingError, match=r"holds checkpoints \(steps \[2\]\).*--overwrite"):
         train(never, tmp_path, verbose=False)
-    assert saved_params(tmp_path)[1]["step"] == 2  # untouched
-    fresh = train(never.replace(checkpoint=dict(overwrite=True)), tmp_path, verbose=False)
-    assert len(fresh.losses) == 2  # started over
+    no_data = dict(path=str(tmp_path / "missing.bin"))
+    overwrite = never.replace(checkpoint=dict(overwrite=True))
+    for failing in (overwrite.replace(data=no_data), cfg.replace(data=no_data)):
+        with pytest.raises(ConfigError, match="data.path.*missing.bin"):
+            train(failing, tmp_path, verbose=False)
+    assert files_of(tmp_path, skip=("hetjax.lock",)) == before  # untouched
+    assert saved_params(tmp_path)[1]["step"] == 2
+    fresh = train(overwrite.replace(train=dict(steps=1)), tmp_path, verbose=False)
+    assert len(fresh.losses) == 1  # started over
+    left = {p.name for p in tmp_path.iterdir()}
+    assert not left & {"metrics.jsonl", "summary.json", "loss.png", "tensorboard", "trace"}
+    assert saved_params(tmp_path)[1]["step"] == 1  # step 2 of the last run is gone
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 1
 
 
 @pytest.mark.slow  # ~12 s; test_resume_never_refuses_then_overwrites in the default run
