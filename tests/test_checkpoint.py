@@ -363,7 +363,8 @@ def test_resume_never_refuses_then_overwrites(tmp_path):
     fresh = train(overwrite.replace(train=dict(steps=1)), tmp_path, verbose=False)
     assert len(fresh.losses) == 1  # started over
     left = {p.name for p in tmp_path.iterdir()}
-    assert not left & {"metrics.jsonl", "summary.json", "loss.png", "tensorboard", "trace"}
+    assert not left & {"metrics.jsonl", "loss.png", "tensorboard", "trace"}  # a quiet run's
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1  # the new run's
     assert saved_params(tmp_path)[1]["step"] == 1  # step 2 of the last run is gone
     assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 1
 
@@ -631,13 +632,24 @@ def test_full_disk_leaves_earlier_checkpoints_loadable(tmp_path):
 
 
 def test_export_params_for_inference(tmp_path, capsys):
-    result = train(config(train=dict(steps=2, eval_batches=1)), tmp_path, verbose=False)
+    """Export, refusals, and the listing: a checkpoint whose metadata is gone is not
+    listed complete but named with what is missing."""
+    result = train(config(train=dict(steps=4, eval_batches=1)), tmp_path, verbose=False)
     assert checkpoint_main(["--workdir", str(tmp_path), "--export", str(tmp_path / "out")]) == 0
     exported = load_params(tmp_path / "out")
     jax.tree.map(np.testing.assert_array_equal, exported, result.params)
     with pytest.raises(CheckpointError, match="exists"):
         export_params(result.params, tmp_path / "out")
     assert checkpoint_main(["--workdir", str(tmp_path / "none")]) == 1
+    shutil.rmtree(tmp_path / "checkpoints" / "4" / "meta")
+    capsys.readouterr()
+    assert checkpoint_main(["--workdir", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed == [
+        f"{tmp_path}/checkpoints: complete checkpoints at steps [2]",
+        f"{tmp_path}/checkpoints/4: not complete, its metadata (meta/metadata) is missing "
+        "(the newest: a run resuming stops on it); delete it",
+    ]
 
 
 @pytest.mark.parametrize("name", ["adamw", "lion", "sgd"])
