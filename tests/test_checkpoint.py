@@ -340,10 +340,11 @@ def test_consecutive_nonfinite_steps_stop_the_run(tmp_path, monkeypatch):
 # -- refusals and errors ------------------------------------------------------------------
 
 
-def test_resume_never_refuses_then_overwrites(tmp_path):
+def test_resume_never_refuses_then_overwrites(tmp_path, capsys):
     """``resume=never`` refuses a workdir with checkpoints; with ``overwrite`` and a
     start that fails (no data), or a resume that fails, nothing in the workdir changes;
-    with ``overwrite`` and a good start the last run's checkpoints and outputs go."""
+    with ``overwrite`` and a good start the last run's checkpoints and outputs go. A run
+    with nothing left to train names the three ways on and leaves summary.json."""
     cfg = config(train=dict(steps=2, eval_batches=1))
     train(cfg, tmp_path, verbose=False)
     for name in ("metrics.jsonl", "summary.json", "loss.png", "tensorboard/events", "trace/a"):
@@ -365,6 +366,13 @@ def test_resume_never_refuses_then_overwrites(tmp_path):
     left = {p.name for p in tmp_path.iterdir()}
     assert not left & {"metrics.jsonl", "loss.png", "tensorboard", "trace"}  # a quiet run's
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1  # the new run's
+    summary = (tmp_path / "summary.json").read_bytes()
+    capsys.readouterr()
+    assert not train(cfg.replace(train=dict(steps=1)), tmp_path).losses
+    said = capsys.readouterr().out
+    assert "nothing to train: the checkpoint is at step 1 of 1. To go on:" in said
+    assert all(way in said for way in ("train.steps", "--resume=never --overwrite", "--workdir"))
+    assert (tmp_path / "summary.json").read_bytes() == summary  # not replaced by a no-op
     assert saved_params(tmp_path)[1]["step"] == 1  # step 2 of the last run is gone
     assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 1
 
