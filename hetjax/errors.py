@@ -8,7 +8,8 @@ place that turns an error into its line and its status:
   and the key or flag it came from); 2: a bad config or command line
   (:class:`~hetjax.config_values.ConfigError`; argparse's own errors exit 2 too);
 * 75 (:data:`~hetjax.preemption.PREEMPTED_EXIT_STATUS`): preempted with a complete
-  checkpoint (SIGTERM, SIGUSR1 or Ctrl-C; ``hetjax/preemption.py``);
+  checkpoint (SIGTERM, SIGUSR1 or Ctrl-C; :class:`~hetjax.preemption.Preempted` is a
+  :class:`UserError` of that status);
 * 130 (128 + SIGINT, the shell's status of a Ctrl-C): interrupted outside training, or
   by a second Ctrl-C during training (which ends the process at once, by the signal).
 
@@ -18,8 +19,8 @@ The ``--out``/``--workdir`` checks (:func:`check_output_dir`, :func:`check_outpu
 run before a command does any work, so a bad path stops it at once and nothing is
 replaced without ``--overwrite``.
 
-This module imports nothing else from hetjax but :mod:`hetjax.preemption`, which imports
-nothing, so every layer can raise :class:`UserError`.
+This module imports nothing else from hetjax, so every layer can raise
+:class:`UserError`.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from hetjax.preemption import PREEMPTED_EXIT_STATUS, Preempted
-
 INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
 
 
@@ -41,7 +40,10 @@ class UserError(Exception):
     the fix. ``status`` is the exit status."""
 
     status = 1
-    label = "error"
+    label = "error"  # the line is "<prog>: <label>: <message>" ("<prog>: <message>" if empty)
+
+    def line(self) -> str:
+        return f"{self.label}: {self}" if self.label else str(self)
 
 
 # path -> the key or flag it came from, for an OSError's line (note_path)
@@ -100,9 +102,7 @@ def entry_point(prog: str) -> Callable:
             try:
                 return run(argv)
             except UserError as e:
-                return _say(prog, f"{e.label}: {e}", e.status)
-            except Preempted as e:
-                return _say(prog, str(e), PREEMPTED_EXIT_STATUS)
+                return _say(prog, e.line(), e.status)
             except OSError as e:
                 return _say(prog, f"error: {os_error_line(e)}", 1)
             except KeyboardInterrupt:

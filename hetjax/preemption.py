@@ -22,7 +22,7 @@ of the steps since the last one, no traceback, the status a shell reports as 130
 the complete checkpoints intact, a partial one ignored by the next run. A process that
 started with SIGINT ignored (a background job of a script) keeps ignoring it.
 
-This module imports nothing else from hetjax.
+This module imports nothing else from hetjax but the error base (``hetjax/errors.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import signal
 import threading
 import time
 from pathlib import Path
+
+from hetjax.errors import UserError
 
 # EX_TEMPFAIL of sysexits.h: "a temporary failure; the user is invited to retry".
 PREEMPTED_EXIT_STATUS = 75
@@ -43,10 +45,14 @@ CTRL_C_NOTE = (
 )
 
 
-class Preempted(Exception):
+class Preempted(UserError):
     """The run stopped on a signal at a safe point, after writing a complete checkpoint
     of ``step`` into ``directory`` (``directory`` is None when there was nothing new to
-    save: the newest checkpoint already was of this step, or no step had run)."""
+    save: the newest checkpoint already was of this step, or no step had run). A
+    command exits with :data:`PREEMPTED_EXIT_STATUS` on it (``hetjax/errors.py``)."""
+
+    status = PREEMPTED_EXIT_STATUS
+    label = ""
 
     def __init__(self, reason: str, step: int, directory: Path | None):
         self.reason, self.step, self.directory = reason, step, directory
