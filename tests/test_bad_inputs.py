@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from test_checkpoint import ROOT, config, files_of, launch, saved_params
 
+from hetjax.config import ConfigError
 from hetjax.errors import (
     INTERRUPTED_EXIT_STATUS,
     UserError,
@@ -28,12 +29,19 @@ from hetjax.errors import (
 
 # Runs each case (a JSON list of argv lists on stdin) through ``<module>.main`` as the
 # command line does (argparse's exit included); prints {"rc", "stderr"} a case.
+# A case still running after CASE_SECONDS (it went on to train) fails with its traceback.
 DRIVER = r"""
-import contextlib, importlib, io, json, sys, traceback
+import contextlib, importlib, io, json, signal, sys, traceback
+class CaseTimeout(BaseException):
+    pass
+def timeout(signum, frame):
+    raise CaseTimeout(f"still running after {sys.argv[2]} s")
+signal.signal(signal.SIGALRM, timeout)
 module = importlib.import_module(sys.argv[1])
 for argv in json.loads(sys.stdin.read()):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        signal.alarm(int(sys.argv[2]))
         try:
             rc = module.main(argv)
         except SystemExit as e:
@@ -41,8 +49,10 @@ for argv in json.loads(sys.stdin.read()):
         except BaseException:
             rc = None
             traceback.print_exc()
-    print(json.dumps({"rc": rc, "stderr": err.getvalue()}))
+        signal.alarm(0)
+    print(json.dumps({"rc": rc, "stderr": err.getvalue()}), flush=True)
 """
+CASE_SECONDS = 60
 
 LONG = "x" * 300  # a path component longer than any file system takes: a real OSError
 
@@ -232,12 +242,12 @@ class BadInputs:
             before = [[files_of(Path(self.fill(k))) for k in c.kept] for c in cases]
             argvs = [[self.fill(a) for a in c.argv] for c in cases]
             proc = subprocess.run(
-                [sys.executable, "-c", DRIVER, module],
+                [sys.executable, "-c", DRIVER, module, str(CASE_SECONDS)],
                 input=json.dumps(argvs),
                 cwd=ROOT,
                 capture_output=True,
                 text=True,
-                timeout=300,
+                timeout=60 + CASE_SECONDS * len(cases),
             )
             assert proc.returncode == 0, proc.stderr[-3000:]
             results = [json.loads(line) for line in proc.stdout.splitlines()[-len(cases) :]]
@@ -331,3 +341,20 @@ def test_overwrite_with_a_budget_that_does_not_fit_keeps_the_run(tmp_path):
     assert_one_line(proc.stderr, 1, 1, ["memory.device_budget", "short by"])
     assert files_of(tmp_path, skip=("hetjax.lock",)) == before
     assert saved_params(tmp_path)[1]["step"] == 2
+
+
+def test_token_file_too_big_to_scan_is_checked_batch_by_batch(tmp_path, monkeypatch, tiny):
+    """Above FULL_SCAN tokens the ids are checked as each batch row is read: a negative
+    id stops the run naming the file, instead of training on it."""
+    from hetjax import data
+
+    tokens = np.arange(4096, dtype=np.int32) % 200
+    tokens[3000] = -1
+    np.save(tmp_path / "t.npy", tokens)
+    monkeypatch.setattr(data, "FULL_SCAN", 1000)
+    cfg = tiny(data=dict(path=str(tmp_path / "t.npy"), val_fraction=0.1))
+    train_data, _, _ = data.make_datasets(cfg)  # not scanned whole: no error yet
+    train_data.batch(0)  # rows of tokens 0..80: good ids
+    with pytest.raises(ConfigError, match=r"data.path '.*t.npy' holds token id -1"):
+        for i in range(train_data.num_windows // train_data.batch_size + 1):
+            train_data.batch(i)
