@@ -71,6 +71,7 @@ from hetjax.checkpoint_state import (
     scalars_meta,
 )
 from hetjax.config import Config, ConfigError, format_bytes
+from hetjax.errors import check_output_dir, entry_point
 from hetjax.types import CheckpointError, RuntimeState
 
 FORMAT_VERSION = 2
@@ -153,6 +154,23 @@ class Checkpointer:
     def latest(self) -> int | None:
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def missing_parts(self, step: int) -> str | None:
+        """What of checkpoint ``step``, listed complete by orbax, is gone or unreadable
+        (its metadata, its state), or None. A cheap look at the files, for listings:
+        the pages are checked as they are restored."""
+        where = self.directory / str(step)
+        try:
+            meta = json.loads((where / "meta" / "metadata").read_text())
+        except FileNotFoundError:
+            return "its metadata (meta/metadata) is missing"
+        except (OSError, ValueError) as e:
+            return f"its metadata (meta/metadata) cannot be read ({_os_reason(e)})"
+        if not isinstance(meta, dict) or meta.get("step") != step:
+            return "its metadata (meta/metadata) is not this checkpoint's"
+        if not any((where / "state").glob("proc*")):
+            return "its state (state/proc*) is missing"
+        return None
 
     # -- save ---------------------------------------------------------------------------
 
@@ -394,6 +412,7 @@ def load_params(path: str | Path) -> Any:
         return jax.tree.map(np.asarray, ckptr.restore(Path(path).absolute()))
 
 
+@entry_point("hetjax")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hetjax.checkpoint",
@@ -408,26 +427,39 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     directory = Path(args.dir) if args.dir else Path(args.workdir) / "checkpoints"
     if not directory.is_dir():
-        print(f"hetjax: error: no checkpoint directory {directory}", file=sys.stderr)
-        return 1
+        raise CheckpointError(f"no checkpoint directory {directory}")
+    if args.export is not None:  # before reading anything
+        if Path(args.export).exists():
+            raise CheckpointError(
+                f"--export {args.export} exists: refusing to replace it; remove it or choose "
+                "another path"
+            )
+        check_output_dir(args.export, "--export")  # not under a file, writable
+    ckpt = Checkpointer(directory, writing=False)
     try:
-        ckpt = Checkpointer(directory, writing=False)
-        try:
-            steps = ckpt.steps()
-            if args.export is None:
-                print(f"{directory}: complete checkpoints at steps {steps or 'none'}")
-                return 0
-            state, meta = ckpt.restore(args.step)
-            out = export_params(state.params(), args.export)
-        finally:
-            ckpt.close()
-    except CheckpointError as e:
-        print(f"hetjax: error: {e}", file=sys.stderr)
-        return 1
+        if args.export is None:
+            _list(ckpt, directory)
+            return 0
+        state, meta = ckpt.restore(args.step)
+        out = export_params(state.params(), args.export)
+    finally:
+        ckpt.close()
     n = sum(a.size for a in jax.tree.leaves(state.params()))
     print(f"exported the params of step {meta['step']} ({n:,} values) to {out}")
     print(json.dumps({"step": meta["step"], "path": str(out)}))
     return 0
+
+
+def _list(ckpt: Checkpointer, directory: Path) -> None:
+    """Prints the complete checkpoints in ``directory``, and each one orbax lists whose
+    files are not all there, with what is missing."""
+    steps = ckpt.steps()
+    missing = {s: why for s in steps if (why := ckpt.missing_parts(s)) is not None}
+    complete = [s for s in steps if s not in missing]
+    print(f"{directory}: complete checkpoints at steps {complete or 'none'}")
+    for step, why in missing.items():
+        newest = " (the newest: a run resuming stops on it)" if step == steps[-1] else ""
+        print(f"{directory / str(step)}: not complete, {why}{newest}; delete it")
 
 
 if __name__ == "__main__":

@@ -21,9 +21,11 @@ On the command line every key can be overridden with a dotted name,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
+import traceback
 import types
 from pathlib import Path
 from typing import Any
@@ -548,7 +550,8 @@ def load_config_module(name: str | Path) -> types.ModuleType:
     path = resolve_config_path(name)
     spec = importlib.util.spec_from_file_location(f"hetjax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with _config_file_errors(path):
+        spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} has no get_config() function")
     return module
@@ -556,10 +559,28 @@ def load_config_module(name: str | Path) -> types.ModuleType:
 
 def load_config(name: str | Path, overrides: dict[str, str] | None = None) -> Config:
     """Loads a config file and applies dotted command-line overrides."""
-    config = load_config_module(name).get_config()
+    module = load_config_module(name)
+    with _config_file_errors(Path(module.__file__)):
+        config = module.get_config()
     if not isinstance(config, Config):
         raise ConfigError(f"get_config() in {name} must return hetjax.config.Config")
     return config.override(overrides or {})
+
+
+@contextlib.contextmanager
+def _config_file_errors(path: Path):
+    """A config file that does not parse, or raises as it runs: ConfigError
+    ``config file X line N: ...``, the line the file's own code reached."""
+    try:
+        yield
+    except SyntaxError as e:  # IndentationError too
+        where = f" line {e.lineno}" if e.lineno else ""
+        raise ConfigError(f"config file {path}{where}: {e.msg}") from None
+    except Exception as e:  # noqa: BLE001 - any error of the user's code
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path)]
+        where = f" line {lines[-1]}" if lines else ""
+        what = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
+        raise ConfigError(f"config file {path}{where}: {what}") from None
 
 
 # -- documentation: python -m hetjax.config --markdown > docs/guide/config.md ---------------

@@ -1,6 +1,7 @@
 """Config values: the error every bad key or value raises, byte sizes, and parsing a
-command-line value into a field's type. Imports nothing else from hetjax, so every layer
-(the memory model and the model zoo too) can raise and format with it."""
+command-line value into a field's type. Imports nothing else from hetjax but the error
+base (``hetjax/errors.py``), so every layer (the memory model and the model zoo too) can
+raise and format with it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,15 @@ import types
 import typing
 from typing import Any
 
+from hetjax.errors import UserError
 
-class ConfigError(ValueError):
-    """A config key is unknown or its value is invalid; the message names the key."""
+
+class ConfigError(UserError, ValueError):
+    """A config key is unknown or its value is invalid; the message names the key. A
+    command exits 2 on it (``hetjax/errors.py``)."""
+
+    status = 2
+    label = "config error"
 
 
 _BYTE_UNITS = {

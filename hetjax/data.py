@@ -37,8 +37,10 @@ per-process ones, and a run reads the same data at any process count.
 
 from __future__ import annotations
 
+import functools
 import sys
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,25 +184,80 @@ def embedded_corpus(max_bytes: int) -> np.ndarray:
 
 
 def load_tokens(path: str) -> np.ndarray:
-    """Memory-maps a token file: flat little-endian uint16 ``.bin`` or 1-D ``.npy``."""
+    """Memory-maps a token file: flat little-endian uint16 ``.bin`` or 1-D ``.npy`` of
+    integers (:func:`check_token_ids` checks the ids against the model)."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"data.path {path!r} is a directory: give a .bin or .npy token file")
     if not p.is_file():
         raise ConfigError(f"config key 'data.path': no such file {path!r}")
-    if p.suffix == ".npy":
-        tokens = np.load(p, mmap_mode="r")
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ConfigError(
-                f"data.path {path!r}: expected a 1-D integer array, got {tokens.dtype} "
-                f"with shape {tokens.shape}"
-            )
-        return tokens
+    if p.suffix not in (".npy", ".bin"):
+        raise ConfigError(f"data.path {path!r}: unknown token file type; use .bin (uint16) or .npy")
+    if p.stat().st_size == 0:
+        raise ConfigError(f"data.path {path!r} is empty: it holds no tokens")
     if p.suffix == ".bin":
         if p.stat().st_size % 2:
             raise ConfigError(
                 f"data.path {path!r}: a .bin token file holds uint16, so its size must be even"
             )
         return np.memmap(p, dtype="<u2", mode="r")
-    raise ConfigError(f"data.path {path!r}: unknown token file type; use .bin (uint16) or .npy")
+    try:
+        tokens = np.load(p, mmap_mode="r")
+    except ValueError as e:  # not an .npy array (a pickle, a damaged header)
+        raise ConfigError(f"data.path {path!r} is not a .npy array file ({e})") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ConfigError(
+            f"data.path {path!r}: expected a 1-D integer array, got {tokens.dtype} "
+            f"with shape {tokens.shape}"
+        )
+    if not len(tokens):
+        raise ConfigError(f"data.path {path!r} is empty: it holds no tokens")
+    return tokens
+
+
+FULL_SCAN = 16 * 1024 * 1024  # token files up to this many ids are checked whole at start
+
+
+def check_token_file(config: Config) -> None:
+    """Checks ``data.path``'s token file (``data.format=tokens``): readable, not empty,
+    its ids those of the model. Cheap (no JAX): a command runs it before anything heavy."""
+    d = config.data
+    if d.format == "tokens" and d.path:
+        spans = spans_of(d, config.train.seq_len)
+        scan_token_ids(load_tokens(d.path), config, spans, f"data.path {d.path!r}")
+
+
+def scan_token_ids(tokens, config: Config, spans: Spans | None, where: str):
+    """Checks every id of ``tokens`` when there are at most :data:`FULL_SCAN`; returns
+    None then, else the check for each batch row's ids, ``(low, top) -> None``."""
+    if len(tokens) <= FULL_SCAN:  # a full scan is cheap; huge files are checked per batch
+        check_token_ids(int(tokens.min()), int(tokens.max()), config, spans, where)
+        return None
+    return functools.partial(check_token_ids, config=config, spans=spans, where=where)
+
+
+def check_token_ids(low: int, top: int, config: Config, spans: Spans | None, where: str):
+    """Raises ConfigError unless the ids ``low``..``top`` (of ``where``) are token ids of
+    ``model.vocab_size``, below span corruption's sentinels when there are any."""
+    vocab = config.model.vocab_size
+    ids = vocab - (spans.spans if spans else 0)
+    if low < 0:
+        raise ConfigError(
+            f"{where} holds token id {low}: token ids are 0 or more. The file is not a "
+            "token file, or was written with another dtype (python -m hetjax.tokenize "
+            "writes one)"
+        )
+    if top >= ids and spans:
+        raise ConfigError(
+            f"{where} holds token id {top}, but span corruption's {spans.spans} sentinels "
+            f"take ids {ids}..{vocab - 1} of model.vocab_size {vocab}; raise "
+            f"model.vocab_size to at least {top + 1 + spans.spans}"
+        )
+    if top >= ids:
+        raise ConfigError(
+            f"{where} holds token id {top} but model.vocab_size is {vocab}; raise "
+            "model.vocab_size to at least max id + 1"
+        )
 
 
 @dataclass(kw_only=True)
@@ -219,6 +276,7 @@ class TokenWindows:
     window: int = 0  # tokens per window; 0: seq_len + 1 (data.objective=lm)
     spans: Spans | None = None  # span corruption's (its window is ``spans.window``)
     vocab_size: int = 0  # whose top ids are the sentinels (span corruption)
+    check_ids: Callable[[int, int], None] | None = None  # (low, top) of each row read
 
     def __post_init__(self):
         if self.batch_size % (self.grad_accum * self.process_count):
@@ -260,7 +318,10 @@ class TokenWindows:
         rows = []
         for r in self.own_rows():
             k = self.window_index(i, r)
-            row = np.asarray(self.tokens[k * T : k * T + W]).astype(np.int32)
+            raw = np.asarray(self.tokens[k * T : k * T + W])
+            if self.check_ids is not None:  # a file too big to scan whole at start
+                self.check_ids(int(raw.min()), int(raw.max()))
+            row = raw.astype(np.int32)
             if self.spans is not None:
                 rng = np.random.default_rng([self.seed, SPAN_STREAM, k])
                 row = self.spans.corrupt(row, self.vocab_size, rng)
@@ -281,22 +342,9 @@ def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
         tokens = embedded_corpus(d.corpus_bytes)
         source = f"embedded corpus (Python {sys.version.split()[0]} stdlib, bytes)"
     spans = spans_of(d, t.seq_len)
-    # span corruption's sentinels take the top ids: the data's must lie below them
-    ids = config.model.vocab_size - (spans.spans if spans else 0)
-    if len(tokens) <= 16 * 1024 * 1024:  # a full scan is cheap; huge files are checked per batch
-        top = int(tokens.max())
-        if top >= ids and spans:
-            raise ConfigError(
-                f"data holds token id {top}, but span corruption's {spans.spans} sentinels "
-                f"take ids {ids}..{config.model.vocab_size - 1} of model.vocab_size "
-                f"{config.model.vocab_size}; raise model.vocab_size to at least "
-                f"{top + 1 + spans.spans}"
-            )
-        if top >= ids:
-            raise ConfigError(
-                f"data holds token id {top} but model.vocab_size is {config.model.vocab_size}; "
-                "raise model.vocab_size to at least max id + 1"
-            )
+    checked = scan_token_ids(
+        tokens, config, spans, f"data.path {d.path!r}" if d.path else "the data"
+    )
     window = spans.window if spans else window_length(d, t.seq_len)
     n_val = max(int(len(tokens) * d.val_fraction), window)
     import jax
@@ -313,10 +361,12 @@ def make_datasets(config: Config) -> tuple[TokenWindows, TokenWindows, str]:
         window=window,
         spans=spans,
         vocab_size=config.model.vocab_size,
+        check_ids=checked,
     )
     val = TokenWindows(
         tokens=tokens[-n_val:], seq_len=t.seq_len, batch_size=t.batch_size, shuffle=False,
         seed=t.seed, **shard, window=window, spans=spans, vocab_size=config.model.vocab_size,
+        check_ids=checked,
     )  # fmt: skip
     desc = f"{source}: {len(tokens):,} tokens ({len(tokens) - n_val:,} train, {n_val:,} val)"
     return train, val, desc

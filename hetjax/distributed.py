@@ -32,11 +32,12 @@ import threading
 import time
 
 from hetjax.config import Config, ConfigError, DistributedConfig
+from hetjax.errors import UserError
 
 DEFAULT_PORT = 12355
 
 
-class DistributedError(RuntimeError):
+class DistributedError(UserError, RuntimeError):
     """The processes of a run could not be brought together; the message says why."""
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from hetjax.config import Config, ConfigError
+from hetjax.errors import entry_point
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,7 @@ def every_row(runtime, data) -> tuple[float, int]:
     return total / max(weight, 1), data.num_windows
 
 
+@entry_point("hetjax eval")
 def main(argv: list[str] | None = None) -> int:
     from hetjax.chat import sources_line
     from hetjax.cli_config import command_config

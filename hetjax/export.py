@@ -18,7 +18,8 @@ Hub's per-expert layout with ``model.num_experts``), a ``model.family=t5`` one a
 T5ForConditionalGeneration.
 :func:`export_hf` is the same from Python, for any params tree (e.g.
 ``hetjax.train.train(...).params``); the tensor names are
-``hetjax.hf.stage_tensor_names``, the mapping import uses.
+``hetjax.hf.stage_tensor_names``, the mapping import uses. A ``--out`` that exists and is
+not empty is refused unless ``--overwrite`` (checked before anything is loaded or trained).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import jax
 import numpy as np
 
 from hetjax.config import Config, ConfigError, ModelConfig, parse_bytes
+from hetjax.errors import UserError, check_output_dir, entry_point
 from hetjax.hf import (
     INDEX_FILE,
     LLAMA_SHAPED,
@@ -230,6 +232,7 @@ def initial_params(config: Config):
     return jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(config.train.seed)))
 
 
+@entry_point("hetjax.export")
 def main(argv: list[str] | None = None) -> int:
     from hetjax import launch
 
@@ -241,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write over an existing export in --out (else a non-empty --out is refused)",
+    )
+    parser.add_argument(
         "--train", action="store_true", help="train the config first and export the result"
     )
     parser.add_argument(
@@ -250,19 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         "--max-shard-size", default="5GiB", help="largest safetensors shard (default 5GiB)"
     )
     args, rest = parser.parse_known_args(argv)
-    try:
-        run_args, overrides = launch.parse_args(rest)
-        config = launch.run_config(run_args, overrides)
-        shard_bytes = parse_bytes(args.max_shard_size, "--max-shard-size")
-    except ConfigError as e:
-        print(f"hetjax.export: config error: {e}", file=sys.stderr)
-        return 2
+    run_args, overrides = launch.parse_args(rest)
+    config = launch.run_config(run_args, overrides)
+    shard_bytes = parse_bytes(args.max_shard_size, "--max-shard-size")
+    check_output_dir(args.out, "--out", exists_ok=args.overwrite)  # before any work
+    workdir = Path(run_args.workdir or Path("runs") / Path(run_args.config).stem)
+    if args.train:
+        check_output_dir(workdir, "--workdir")
 
     from hetjax.checkpoint import restore_newest
     from hetjax.train import train
-    from hetjax.types import CheckpointError, TrainingError
 
-    workdir = Path(run_args.workdir or Path("runs") / Path(run_args.config).stem)
     try:
         if args.train:
             params = train(config, workdir).params
@@ -270,10 +276,9 @@ def main(argv: list[str] | None = None) -> int:
             params = restore_newest(config, workdir)[0].params()
         else:
             params = initial_params(config)
-        out = export_hf(config.model, params, args.out, shard_bytes)
-    except (ConfigError, TrainingError, CheckpointError) as e:
-        print(f"hetjax.export: error: {e}", file=sys.stderr)
-        return 1
+    except ConfigError as e:  # found once running (a busy workdir, another model's state)
+        raise UserError(str(e)) from None
+    out = export_hf(config.model, params, args.out, shard_bytes)
     print(f"hetjax.export: wrote {config.model.family} checkpoint to {out}")
     return 0
 

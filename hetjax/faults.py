@@ -31,6 +31,7 @@ KINDS = {
     "kill_saved": "SIGKILL once step N's checkpoint is complete",
     "sigterm": "SIGTERM while step N runs (from a timer thread, as a kill from outside arrives)",
     "sigusr1": "SIGUSR1 while step N runs (likewise)",
+    "sigint": "SIGINT (Ctrl-C) while step N runs (likewise)",
     "optimizer_raise": "the host optimizer loop raises in its first stage update from step N",
     "nvme_bitflip": (
         "a bit flipped on disk in the first NVMe page file read from step N on (a live "
@@ -43,7 +44,12 @@ KINDS = {
 }
 # armed by the loop, fired where they happen
 IN_RUNTIME = ("optimizer_raise", "nvme_write_fail", "nvme_bitflip", "kill_mid_update")
-MID_STEP = {"kill_mid_step": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1}
+MID_STEP = {
+    "kill_mid_step": signal.SIGKILL,
+    "sigterm": signal.SIGTERM,
+    "sigusr1": signal.SIGUSR1,
+    "sigint": signal.SIGINT,
+}
 
 
 class InjectedFault(RuntimeError):

@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 
 from hetjax.config import ConfigError
+from hetjax.errors import entry_point
 from hetjax.inference import Sampling, check_prompts, open_blocks, run
 
 
@@ -188,6 +189,7 @@ def _prepare(argv: list[str]):
     return args, run_args, config, sampling, texts, prompts, tokens, line
 
 
+@entry_point("hetjax generate")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:

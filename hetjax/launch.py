@@ -7,10 +7,13 @@ A workdir that holds checkpoints resumes from the newest complete one; ``--resum
 starts fresh (refusing to delete them unless ``--overwrite`` is given). One run at a time
 holds a workdir (``hetjax/run_lock.py``).
 
-Exit status: 0 trained to the end; 1 an error (the message says what to change); 2 a bad
-config or command line; 75 (:data:`~hetjax.preemption.PREEMPTED_EXIT_STATUS`) preempted
-by SIGTERM or SIGUSR1 with a complete checkpoint written: run the same command again to
-resume (``hetjax/preemption.py``).
+Exit status (``hetjax/errors.py``): 0 trained to the end; 1 an error (the message says
+what to change); 2 a bad config or command line; 75
+(:data:`~hetjax.preemption.PREEMPTED_EXIT_STATUS`) preempted by SIGTERM, SIGUSR1 or
+Ctrl-C with a complete checkpoint written: run the same command again to resume
+(``hetjax/preemption.py``); 130 a second Ctrl-C, which stops the run at once. Everything
+that can fail at start-up (the config, the data, the budgets, the workdir) is checked
+before anything in the workdir is written or deleted.
 
 Every config key can be overridden as ``--config.<section>.<name>=<value>`` (or with
 the value as the next argument). With no ``--config`` the embedded default,
@@ -31,7 +34,8 @@ from pathlib import Path
 from hetjax import xla_env
 from hetjax.allocator import tune_malloc
 from hetjax.config import Config, ConfigError, load_config
-from hetjax.preemption import PREEMPTED_EXIT_STATUS, Preempted
+from hetjax.data import check_token_file
+from hetjax.errors import UserError, check_output_dir, entry_point, note_path
 
 DEFAULT_CONFIG = "gpt_tiny"
 
@@ -132,18 +136,20 @@ def run_config(args: argparse.Namespace, overrides: dict[str, str]) -> Config:
         from hetjax.hf import model_config_from_hf
 
         config = dataclasses.replace(config, model=model_config_from_hf(args.hf, config.model))
+    for key in ("data.path", "data.tokenizer", "checkpoint.dir"):  # named in an OSError's line
+        section, name = key.split(".")
+        note_path(key, getattr(getattr(config, section), name))
+    for drive in config.memory.nvme_paths:
+        note_path("memory.nvme_path", drive)
     return config
 
 
+@entry_point("hetjax")
 def main(argv: list[str] | None = None) -> int:
     command_line = argv is None  # tests pass their argv: no process-wide change
     argv = sys.argv[1:] if command_line else argv
-    try:
-        args, overrides = parse_args(argv)
-        config = run_config(args, overrides)
-    except ConfigError as e:
-        print(f"hetjax: config error: {e}", file=sys.stderr)
-        return 2
+    args, overrides = parse_args(argv)
+    config = run_config(args, overrides)
     # HETJAX_MALLOC=1 trades step time for a smaller RSS (MALLOC_ENV); a host budget is
     # held without it (hetjax/allocator.py)
     if command_line and os.environ.get("HETJAX_MALLOC") == "1" and tune_malloc():
@@ -160,13 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
     if args.plan:
         return _plan(config, args.hardware, workdir)
+    check_output_dir(workdir, "--workdir")
+    check_token_file(config)  # in a second, not after JAX has started
 
-    from hetjax.distributed import DistributedError, initialize
+    from hetjax.distributed import initialize  # imports JAX: after argument checks
     from hetjax.train import train
-    from hetjax.types import (
-        CheckpointError,  # imports JAX: after argument checks
-        TrainingError,
-    )
 
     if command_line:  # before JAX starts its backends: XLA reads these once
         for note in xla_env.apply(config):
@@ -174,12 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         initialize(config)  # jax.distributed, when the run has several processes
         train(config, workdir, return_params=False)
-    except Preempted as e:
-        print(f"hetjax: {e}", file=sys.stderr)
-        return PREEMPTED_EXIT_STATUS
-    except (ConfigError, TrainingError, CheckpointError, DistributedError) as e:
-        print(f"hetjax: error: {e}", file=sys.stderr)
-        return 1
+    except ConfigError as e:  # found once running (a busy workdir, another model's state)
+        raise UserError(str(e)) from None
     return 0
 
 

@@ -13,15 +13,16 @@ from tqdm import tqdm
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``<workdir>/metrics.jsonl``; logs every N steps."""
+    """Appends one JSON object per line to ``<workdir>/metrics.jsonl``; logs every N steps.
+    The file (and TensorBoard's) is opened at the first step: a run that fails to start
+    leaves the last run's as it was."""
 
     def __init__(self, workdir: Path, total_steps: int, log_every: int, enabled: bool = True):
         self.path = Path(workdir) / "metrics.jsonl"
         self.log_every = log_every
         self.enabled = enabled
         self._since_log: list[float] = []  # losses since the last log line
-        self._file = open(self.path, "a") if enabled else None  # noqa: SIM115
-        self._board = _tensorboard(Path(workdir) / "tensorboard") if enabled else None
+        self._file = self._board = None  # opened by the first step
         # disable=None: a bar on a terminal, none in CI logs (log lines still print).
         self._bar = tqdm(
             total=total_steps,
@@ -35,6 +36,9 @@ class MetricsWriter:
     def step(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        if self._file is None:
+            self._file = open(self.path, "a")  # noqa: SIM115 (closed by close)
+            self._board = _tensorboard(self.path.parent / "tensorboard")
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._board is not None:

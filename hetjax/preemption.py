@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM or SIGUSR1 stop the run at the next safe point with a checkpoint.
+"""Preemption: SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) stop the run at the next safe point
+with a checkpoint.
 
 A scheduler that wants a job's resources back sends SIGTERM (SLURM at the time limit,
 Kubernetes on eviction), and SLURM can send SIGUSR1 ahead of it (``launch/slurm.sh``
@@ -13,25 +14,45 @@ With several processes the loop combines every process's flag at that point
 (:func:`hetjax.distributed.any_process`), so all of them stop at the same step even when
 the signal reached only some.
 
-This module imports nothing else from hetjax.
+Ctrl-C is the same stop, from a terminal; it says so on stderr at once, since the step
+in flight and the checkpoint take a while. A second Ctrl-C stops the process at once,
+by the signal itself (the first one puts SIGINT's default action back): no checkpoint
+of the steps since the last one, no traceback, the status a shell reports as 130
+(128 + SIGINT; Python's ``subprocess`` sees -2). What is on disk is as after SIGKILL:
+the complete checkpoints intact, a partial one ignored by the next run. A process that
+started with SIGINT ignored (a background job of a script) keeps ignoring it.
+
+This module imports nothing else from hetjax but the error base (``hetjax/errors.py``).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
 from pathlib import Path
 
+from hetjax.errors import UserError
+
 # EX_TEMPFAIL of sysexits.h: "a temporary failure; the user is invited to retry".
 PREEMPTED_EXIT_STATUS = 75
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+CTRL_C_NOTE = (
+    "\nhetjax: Ctrl-C: stopping after the step in flight, with a checkpoint (exit status "
+    f"{PREEMPTED_EXIT_STATUS}; run the same command again to resume). Ctrl-C again stops "
+    "at once, without one\n"
+)
 
 
-class Preempted(Exception):
+class Preempted(UserError):
     """The run stopped on a signal at a safe point, after writing a complete checkpoint
     of ``step`` into ``directory`` (``directory`` is None when there was nothing new to
-    save: the newest checkpoint already was of this step, or no step had run)."""
+    save: the newest checkpoint already was of this step, or no step had run). A
+    command exits with :data:`PREEMPTED_EXIT_STATUS` on it (``hetjax/errors.py``)."""
+
+    status = PREEMPTED_EXIT_STATUS
+    label = ""
 
     def __init__(self, reason: str, step: int, directory: Path | None):
         self.reason, self.step, self.directory = reason, step, directory
@@ -47,12 +68,15 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    """While entered, SIGTERM and SIGUSR1 only record that the run should stop
+    """While entered, SIGTERM, SIGUSR1 and SIGINT only record that the run should stop
     (:attr:`received`); the previous handlers come back on exit. Python runs signal
     handlers in the main thread, between bytecodes, so recording is all this does:
-    the loop decides when it is safe to stop. Not ``active`` (a run without
-    checkpoints), or entered off the main thread (where handlers cannot be installed),
-    it installs nothing: the signals keep their default action, ending the process."""
+    the loop decides when it is safe to stop. The first SIGINT puts back SIGINT's
+    default action, so a second ends the process at once. Not ``active`` (a run
+    without checkpoints), or entered off the main thread (where handlers cannot be
+    installed), it installs nothing: the signals keep their actions (Ctrl-C raises
+    KeyboardInterrupt, which the command reports in one line, ``hetjax/errors.py``).
+    A signal ignored on entry stays ignored."""
 
     def __init__(self, active: bool = True):
         self.active = active
@@ -67,7 +91,8 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if self.active and threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._record)
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._record)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -76,6 +101,9 @@ class StopSignals:
         self._previous.clear()
 
     def _record(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C: stop now
+            os.write(2, CTRL_C_NOTE.encode())  # not print: this may interrupt a print
         if self.received is None:
             self.received = signal.Signals(signum).name
             self._received_at = time.monotonic()

@@ -9,21 +9,25 @@ without the tokenizer's added special tokens (no BOS per file); ``--separator`` 
 token (e.g. an end-of-text token) written after every document. Documents are
 concatenated in the order given. ``--out`` ending in ``.bin`` writes flat little-endian
 uint16 (nanoGPT's format; vocabularies up to 65536), ``.npy`` a 1-D uint16 or uint32
-array (for larger vocabularies such as Llama 3's 128256). See ``hetjax/data.py``.
+array (for larger vocabularies such as Llama 3's 128256). See ``hetjax/data.py``. An
+existing ``--out`` is refused unless ``--overwrite``; the file appears once whole.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from hetjax.errors import UserError, check_output_file, entry_point
+
 UINT16_VOCAB = 2**16
 
 
-class TokenizeError(ValueError):
+class TokenizeError(UserError, ValueError):
     """The inputs cannot be tokenised as asked; the message says what to change."""
 
 
@@ -39,7 +43,10 @@ def load_tokenizer(path: str | Path):
             f"no tokenizer file {str(path)!r}: give a tokenizer.json (HF checkpoints ship "
             "one next to config.json) or the directory holding it"
         )
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+        raise TokenizeError(f"tokenizer file {str(path)!r} cannot be read: {e}") from None
 
 
 def tokenize_files(
@@ -68,17 +75,28 @@ def tokenize_files(
         path = Path(text)
         if not path.is_file():
             raise TokenizeError(f"no text file {str(path)!r}")
-        ids = tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False).ids
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizeError(
+                f"--text {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); give "
+                "text files"
+            ) from None
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
         documents.append(np.asarray(ids + sep, dtype))
     tokens = np.concatenate(documents) if documents else np.zeros(0, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".bin":
-        tokens.astype("<u2").tofile(out)
-    else:
-        np.save(out, tokens)
+    partial = out.with_name(f".{out.name}.partial")  # renamed once whole: no half file
+    with open(partial, "wb") as f:
+        if out.suffix == ".bin":
+            tokens.astype("<u2").tofile(f)
+        else:
+            np.save(f, tokens)
+    os.replace(partial, out)
     return len(tokens)
 
 
+@entry_point("hetjax.tokenize")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hetjax.tokenize",
@@ -88,13 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text", required=True, nargs="+", help="UTF-8 text files (documents)")
     parser.add_argument("--out", required=True, help="output .bin (uint16) or .npy")
     parser.add_argument("--separator", default=None, help="token written after each document")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace --out if it exists (else refused)"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        tokenizer = load_tokenizer(args.tokenizer)
-        n = tokenize_files(tokenizer, args.text, args.out, args.separator)
-    except TokenizeError as e:
-        print(f"hetjax.tokenize: error: {e}", file=sys.stderr)
-        return 1
+    check_output_file(args.out, "--out", args.overwrite)  # before any work
+    tokenizer = load_tokenizer(args.tokenizer)
+    n = tokenize_files(tokenizer, args.text, args.out, args.separator)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     print(f"hetjax.tokenize: {n:,} tokens from {len(args.text)} file(s) -> {args.out}")
     print(f"  train with --config.data.path={args.out} --config.model.vocab_size={vocab}")

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -141,6 +142,7 @@ def _train(
     runtime = None
     failed = False  # an error is on its way out: closing must not mask it
     try:
+        train_data, val_data, data_desc = make_datasets(config)  # the cheap checks first
         resume = ckpt.latest() if ckpt is not None and ck.resume == "auto" else None
         if resume is not None:
             t0 = time.perf_counter()
@@ -151,13 +153,13 @@ def _train(
         probe_for(config.model, t.seq_len)  # cuDNN's attention, before the plan counts on it
         if config.offload.mode == "auto":  # decide the placement first (hetjax/planning/)
             config = resolve_auto(config, workdir, out.log)
-        if main:
-            (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-        train_data, val_data, data_desc = make_datasets(config)
         t0 = time.perf_counter()
         out.log(f"building the {config.offload.mode} runtime: initialising state, planning ...")
         runtime = build_runtime(config, workdir)
         out.log(f"runtime ready in {time.perf_counter() - t0:.1f} s")
+        # the run is valid (config, data, budgets, checkpoint): only now is the workdir
+        # changed, so a start that fails leaves the last run's files as they were
+        _begin_writing(config, workdir, ckpt, signals, resume, out, main)
         model = build_model(config.model)
         n_params = model.param_count()
         tokens_per_step = t.batch_size * t.seq_len
@@ -324,7 +326,12 @@ def _train(
                 f"(train loss first {losses[0]:.4f}, last {losses[-1]:.4f})"
             )
         elif not losses:
-            out.log(f"nothing to train: the checkpoint is at step {step} of {t.steps}")
+            out.log(
+                f"nothing to train: the checkpoint is at step {step} of {t.steps}. To go on: "
+                f"more steps (--config.train.steps=N, N > {step}) resume it; "
+                "--resume=never --overwrite starts over here; another --workdir starts "
+                "afresh beside it"
+            )
         times = [r["step_time_s"] for r in records]
         summary = {
             "val_loss": val_loss,
@@ -334,7 +341,7 @@ def _train(
             "mean_step_time_s": float(np.mean(times[1:] or times)) if times else None,
             "loss_spikes": guard.spikes,
         }
-        if main:
+        if main and (losses or not (workdir / "summary.json").exists()):  # a no-op keeps it
             (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             if losses and out.enabled:  # from metrics.jsonl, which a quiet run does not write
                 plot = plot_losses(workdir / "metrics.jsonl", workdir / "loss.png", val_loss)
@@ -387,9 +394,40 @@ def _preempt(signals: StopSignals, step: int, unsaved: bool, save, ckpt, out) ->
     raise Preempted(reason, step, ckpt.directory / str(step) if unsaved else None)
 
 
+# what a run writes into its workdir besides checkpoints, config.json and its NVMe state:
+# a run started over (--resume=never --overwrite) removes the last run's
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "loss.png", "trace", "tensorboard")
+
+
+def _begin_writing(config, workdir, ckpt, signals, resume, out, main) -> None:
+    """Once start-up has checked everything: stops if a signal came during it (nothing
+    written yet); with ``resume=never`` and ``overwrite`` deletes the last run's
+    checkpoints and outputs (:data:`RUN_OUTPUTS`); writes ``config.json``."""
+    (stop,) = any_process(signals.received is not None)  # every process stops alike
+    if stop:
+        step, reason = resume or 0, signals.received or "a signal to another process"
+        out.log(f"{reason}: stopping before step {step + 1}; nothing in the workdir changed")
+        raise Preempted(reason, step, None)
+    ck = config.checkpoint
+    if ck.resume == "never" and ck.overwrite:
+        steps = ckpt.steps() if ckpt is not None else []
+        if steps:
+            out.log(f"checkpoint.overwrite: deleting checkpoints {steps} in {ckpt.directory}")
+            ckpt.delete_all()
+        if main:
+            for name in RUN_OUTPUTS:
+                old = workdir / name
+                if old.is_dir():
+                    shutil.rmtree(old)
+                else:
+                    old.unlink(missing_ok=True)
+    if main:
+        (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+
 def _open_checkpoints(config: Config, workdir: Path, out: MetricsWriter) -> Checkpointer:
-    """Opens ``checkpoint.dir``; with ``resume=never`` refuses to touch existing
-    checkpoints unless ``overwrite`` (which deletes them)."""
+    """Opens ``checkpoint.dir``; with ``resume=never`` refuses existing checkpoints
+    unless ``overwrite`` (:func:`_begin_writing` deletes them once the run is checked)."""
     ck = config.checkpoint
     ckpt = Checkpointer(
         checkpoint_dir(config, workdir),
@@ -399,17 +437,14 @@ def _open_checkpoints(config: Config, workdir: Path, out: MetricsWriter) -> Chec
         copy_every=ck.copy_every,
     )
     steps = ckpt.steps()
-    if steps and ck.resume == "never":
-        if not ck.overwrite:
-            ckpt.manager.close()
-            raise TrainingError(
-                f"{ckpt.directory} holds checkpoints (steps {steps}) and "
-                "checkpoint.resume=never: refusing to overwrite them. Resume with "
-                "checkpoint.resume=auto, pass --overwrite (checkpoint.overwrite=true) to "
-                "delete them, or use another --workdir"
-            )
-        out.log(f"checkpoint.overwrite: deleting checkpoints {steps} in {ckpt.directory}")
-        ckpt.delete_all()
+    if steps and ck.resume == "never" and not ck.overwrite:
+        ckpt.manager.close()
+        raise TrainingError(
+            f"{ckpt.directory} holds checkpoints (steps {steps}) and "
+            "checkpoint.resume=never: refusing to overwrite them. Resume with "
+            "checkpoint.resume=auto, pass --overwrite (checkpoint.overwrite=true) to "
+            "delete them, or use another --workdir"
+        )
     return ckpt
 
 

@@ -1,6 +1,7 @@
 """Small shared types at the bottom of the package: what a step reports, the fp16 loss
 scale, the placement-free training state, errors, and the Protocols runtimes and stores
-implement. This module imports nothing else from hetjax, so every layer can use it."""
+implement. This module imports nothing else from hetjax but the error base
+(``hetjax/errors.py``), so every layer can use it."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetjax.errors import UserError
+
 MASTER = "master"  # the fp32 master params' slab kind (optimizer state kinds follow it)
 
 
 # -- errors ------------------------------------------------------------------------------
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message says what to change."""
 
 
@@ -36,7 +39,7 @@ class DamagedPageError(TrainingError):
         )
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be written or read; the message says what to do. Earlier
     complete checkpoints are never touched by a failed save."""
 

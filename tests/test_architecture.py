@@ -65,6 +65,7 @@ LAYERS = [
         # checkpoints as by the optimizer (docs/design.md's `formats` group)
         "hetjax.state_format",
     },
+    {"hetjax.errors"},  # UserError, the base of every error a command reports in one line
 ]
 
 
@@ -147,7 +148,8 @@ def test_imports_point_down_the_layers():
 
 def test_the_bottom_modules_import_nothing_from_the_project():
     graph = _imports(_modules())
-    assert graph["hetjax.types"] == set()
+    assert graph["hetjax.types"] <= {"hetjax.errors"}
+    assert graph["hetjax.errors"] == set()
     # the memory model reads the config, the placement and the state format, all leaves
     # or one above the config
     low = {"hetjax.config", "hetjax.types", "hetjax.placement", "hetjax.state_format"}

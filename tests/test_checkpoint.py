@@ -66,6 +66,19 @@ def launch(cfg, workdir, faults="", devices=None, expect_rc=0, flags=()):
     return proc
 
 
+def files_of(path: Path, skip=()) -> dict[str, bytes]:
+    """Every file under ``path`` (or ``path`` itself) by relative name, with its bytes;
+    names in ``skip`` left out."""
+    path = Path(path)
+    if path.is_file():
+        return {".": path.read_bytes()}
+    return {
+        str(f.relative_to(path)): f.read_bytes()
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name not in skip
+    }
+
+
 def saved_params(workdir, step=None):
     ckpt = Checkpointer(Path(workdir) / "checkpoints", writing=False)
     try:
@@ -327,15 +340,41 @@ def test_consecutive_nonfinite_steps_stop_the_run(tmp_path, monkeypatch):
 # -- refusals and errors ------------------------------------------------------------------
 
 
-def test_resume_never_refuses_then_overwrites(tmp_path):
+def test_resume_never_refuses_then_overwrites(tmp_path, capsys):
+    """``resume=never`` refuses a workdir with checkpoints; with ``overwrite`` and a
+    start that fails (no data), or a resume that fails, nothing in the workdir changes;
+    with ``overwrite`` and a good start the last run's checkpoints and outputs go. A run
+    with nothing left to train names the three ways on and leaves summary.json."""
     cfg = config(train=dict(steps=2, eval_batches=1))
     train(cfg, tmp_path, verbose=False)
+    for name in ("metrics.jsonl", "summary.json", "loss.png", "tensorboard/events", "trace/a"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)  # as a verbose run leaves them
+        (tmp_path / name).write_text(f"the last run's {name}\n")
+    before = files_of(tmp_path, skip=("hetjax.lock",))
     never = cfg.replace(checkpoint=dict(resume="never"))
     with pytest.raises(TrainingError, match=r"holds checkpoints \(steps \[2\]\).*--overwrite"):
         train(never, tmp_path, verbose=False)
-    assert saved_params(tmp_path)[1]["step"] == 2  # untouched
-    fresh = train(never.replace(checkpoint=dict(overwrite=True)), tmp_path, verbose=False)
-    assert len(fresh.losses) == 2  # started over
+    no_data = dict(path=str(tmp_path / "missing.bin"))
+    overwrite = never.replace(checkpoint=dict(overwrite=True))
+    for failing in (overwrite.replace(data=no_data), cfg.replace(data=no_data)):
+        with pytest.raises(ConfigError, match="data.path.*missing.bin"):
+            train(failing, tmp_path, verbose=False)
+    assert files_of(tmp_path, skip=("hetjax.lock",)) == before  # untouched
+    assert saved_params(tmp_path)[1]["step"] == 2
+    fresh = train(overwrite.replace(train=dict(steps=1)), tmp_path, verbose=False)
+    assert len(fresh.losses) == 1  # started over
+    left = {p.name for p in tmp_path.iterdir()}
+    assert not left & {"metrics.jsonl", "loss.png", "tensorboard", "trace"}  # a quiet run's
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1  # the new run's
+    summary = (tmp_path / "summary.json").read_bytes()
+    capsys.readouterr()
+    assert not train(cfg.replace(train=dict(steps=1)), tmp_path).losses
+    said = capsys.readouterr().out
+    assert "nothing to train: the checkpoint is at step 1 of 1. To go on:" in said
+    assert all(way in said for way in ("train.steps", "--resume=never --overwrite", "--workdir"))
+    assert (tmp_path / "summary.json").read_bytes() == summary  # not replaced by a no-op
+    assert saved_params(tmp_path)[1]["step"] == 1  # step 2 of the last run is gone
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 1
 
 
 @pytest.mark.slow  # ~12 s; test_resume_never_refuses_then_overwrites in the default run
@@ -601,13 +640,24 @@ def test_full_disk_leaves_earlier_checkpoints_loadable(tmp_path):
 
 
 def test_export_params_for_inference(tmp_path, capsys):
-    result = train(config(train=dict(steps=2, eval_batches=1)), tmp_path, verbose=False)
+    """Export, refusals, and the listing: a checkpoint whose metadata is gone is not
+    listed complete but named with what is missing."""
+    result = train(config(train=dict(steps=4, eval_batches=1)), tmp_path, verbose=False)
     assert checkpoint_main(["--workdir", str(tmp_path), "--export", str(tmp_path / "out")]) == 0
     exported = load_params(tmp_path / "out")
     jax.tree.map(np.testing.assert_array_equal, exported, result.params)
     with pytest.raises(CheckpointError, match="exists"):
         export_params(result.params, tmp_path / "out")
     assert checkpoint_main(["--workdir", str(tmp_path / "none")]) == 1
+    shutil.rmtree(tmp_path / "checkpoints" / "4" / "meta")
+    capsys.readouterr()
+    assert checkpoint_main(["--workdir", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed == [
+        f"{tmp_path}/checkpoints: complete checkpoints at steps [2]",
+        f"{tmp_path}/checkpoints/4: not complete, its metadata (meta/metadata) is missing "
+        "(the newest: a run resuming stops on it); delete it",
+    ]
 
 
 @pytest.mark.parametrize("name", ["adamw", "lion", "sgd"])

@@ -164,7 +164,6 @@ def test_the_device_cache_norm_is_taken_at_the_highest_precision():
     """The norm feeds clipping: on a GPU a dot at default precision is TF32 or bf16."""
     import jax
     import jax.numpy as jnp
-
     from hetjax.runtime.grads import DeviceGradients
 
     grads = DeviceGradients(jax.sharding.SingleDeviceSharding(jax.devices()[0]))

@@ -27,7 +27,7 @@ from test_zero import _free_port, _launch_args, _spawn
 
 from hetjax.checkpoint import Checkpointer
 from hetjax.config import ConfigError
-from hetjax.preemption import PREEMPTED_EXIT_STATUS
+from hetjax.preemption import PREEMPTED_EXIT_STATUS, StopSignals
 from hetjax.run_lock import LOCK_NAME, RunLocks
 from hetjax.train import train
 
@@ -104,8 +104,13 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "sig, offload",
-    [("SIGTERM", None), pytest.param("SIGUSR1", NVME, marks=pytest.mark.slow)],
-    ids=["sigterm", "sigusr1-stream-nvme"],
+    [
+        ("SIGTERM", None),
+        pytest.param("SIGUSR1", NVME, marks=pytest.mark.slow),
+        # Ctrl-C: the same stop (its handler's own part is checked in the default run below)
+        pytest.param("SIGINT", None, marks=pytest.mark.slow),
+    ],
+    ids=["sigterm", "sigusr1-stream-nvme", "sigint"],
 )
 def test_signal_stops_between_steps_with_a_checkpoint(sig, offload, uninterrupted, tmp_path):
     """The signal arrives while step 3 runs: step 3 finishes, step 4 never starts, a
@@ -126,6 +131,61 @@ def test_signal_stops_between_steps_with_a_checkpoint(sig, offload, uninterrupte
     resumed = train(cfg, tmp_path, verbose=False)
     np.testing.assert_array_equal(resumed.losses, reference.losses[3:])
     jax.tree.map(np.testing.assert_array_equal, resumed.params, reference.params)
+
+
+CTRL_C = """
+import os, signal, sys, time
+from hetjax.preemption import StopSignals
+with StopSignals() as stop:
+    print(signal.getsignal(signal.SIGINT) is not signal.default_int_handler, flush=True)
+    while stop.received is None:  # a step in flight
+        time.sleep(0.01)
+    print(stop.received, signal.getsignal(signal.SIGINT) is signal.SIG_DFL, flush=True)
+    if sys.argv[1:] == ["once"]:
+        sys.exit(0)
+    time.sleep(60)  # the checkpoint being written, when the second Ctrl-C comes
+"""
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_is_a_preemption_and_a_second_stops_at_once(presses):
+    """Ctrl-C (SIGINT) is recorded like SIGTERM, with a line on stderr saying so and
+    what a second does; the second ends the process at once, by the signal (the
+    status a shell shows as 130), without a traceback. (The whole stop, checkpoint and
+    exact resume: test_signal_stops_between_steps_with_a_checkpoint[sigint].)"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CTRL_C, "once" if presses == 1 else "twice"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "True\n"  # the handler is installed
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline() == "SIGINT True\n"  # recorded; the next one ends it
+        if presses == 2:
+            proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert rc == (0 if presses == 1 else -signal.SIGINT), err
+    assert "Traceback" not in err
+    note = [line for line in err.splitlines() if line.strip()]
+    assert len(note) == 1 and "Ctrl-C again stops at once" in note[0], err
+    assert f"exit status {PREEMPTED_EXIT_STATUS}" in note[0]
+
+
+def test_ignored_ctrl_c_stays_ignored():
+    """A process started with SIGINT ignored (a script's background job) keeps it so."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.slow  # one more child process; the test above sends the signal from inside

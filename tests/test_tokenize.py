@@ -85,3 +85,16 @@ def test_errors(tokenizer_json, text_files, tmp_path):
     big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)}, unk_token="w0"))
     with pytest.raises(tokenize.TokenizeError, match="70000 tokens.*write a .npy"):
         tokenize.tokenize_files(big, text_files, tmp_path / "t.bin")
+
+
+def test_out_is_replaced_only_when_asked(tokenizer_json, text_files, tmp_path, capsys):
+    """An existing --out is refused (unchanged), and replaced with --overwrite."""
+    out = tmp_path / "tokens.bin"
+    out.write_bytes(b"an earlier token file")
+    args = ["--tokenizer", str(tokenizer_json), "--text", str(text_files[0]), "--out", str(out)]
+    assert tokenize.main(args) == 1
+    assert out.read_bytes() == b"an earlier token file"
+    assert f"--out {out} exists: refusing to replace it" in capsys.readouterr().err
+    assert tokenize.main([*args, "--overwrite"]) == 0
+    assert len(load_tokens(str(out))) > 10
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no partial

@@ -66,6 +66,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hetjax.errors import check_output_dir, entry_point
 from hetjax.gpucheck import timing
 
 # the sections (the names tests and docs read here too)
@@ -298,6 +299,7 @@ def _count(out: Path) -> int:
     return len(_rows(out))
 
 
+@entry_point("hetjax.gpucheck")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hetjax.gpucheck",
@@ -332,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print_work(sections, args.quick, args.emulate)
         return 0
-    out = Path(args.out or f"gpucheck-{time.strftime('%Y-%m-%d')}")
+    out = check_output_dir(args.out or f"gpucheck-{time.strftime('%Y-%m-%d')}", "--out")
     out.mkdir(parents=True, exist_ok=True)
     if args.section:
         return _child(args, out)
