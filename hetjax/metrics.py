@@ -15,10 +15,18 @@ from tqdm import tqdm
 class MetricsWriter:
     """Appends one JSON object per line to ``<workdir>/metrics.jsonl``; logs every N steps."""
 
-    def __init__(self, workdir: Path, total_steps: int, log_every: int, enabled: bool = True):
+    def __init__(
+        self,
+        workdir: Path,
+        total_steps: int,
+        log_every: int,
+        enabled: bool = True,
+        details: bool = False,
+    ):
         self.path = Path(workdir) / "metrics.jsonl"
         self.log_every = log_every
         self.enabled = enabled
+        self.details = details  # --verbose: detail() lines are logged too
         self._since_log: list[float] = []  # losses since the last log line
         self._file = open(self.path, "a") if enabled else None  # noqa: SIM115
         self._board = _tensorboard(Path(workdir) / "tensorboard") if enabled else None
@@ -60,6 +68,12 @@ class MetricsWriter:
     def advance(self, steps: int) -> None:
         """Moves the progress bar on (a resumed run starts at its checkpoint's step)."""
         self._bar.update(steps)
+
+    def detail(self, msg: str) -> None:
+        """A line for ``--verbose`` only (the plans' parts, the summary's breakdown:
+        ``summary.json`` holds them either way)."""
+        if self.details:
+            self.log(msg)
 
     def log(self, msg: str) -> None:
         if self.enabled:
