@@ -67,8 +67,9 @@ class RunSummary:
         if self.wear_warning:
             out.append(f"summary: {self.wear_warning}")
         out.append(
-            "summary: where the state lived and the bytes moved a step are in summary.json "
-            "(--verbose prints them; docs/guide/running.md#the-run-summary); outputs:"
+            "summary: the tier each kind of state used and the bytes moved a step are in "
+            "summary.json (--verbose prints them; docs/guide/running.md#the-run-summary); "
+            "outputs:"
         )
         out += [f"  {name:<12} {path}" for name, path in self.paths.items()]
         return out
