@@ -75,6 +75,9 @@ class TrainResult:
     workdir: Path  # where metrics.jsonl and summary.json were written (process 0)
 
 
+# the runtime's start-up plan lines printed with --verbose only (the mesh's and the
+# fallbacks' always): the memory plans' parts (hetjax/runtime/setup.py, describe_plans)
+PLAN_DETAILS = ("device plan:", "host plan:", "nvme:", "NVMe generations:", "optimizer state of")
 SPIKE_GAIN = 1000.0  # HETJAX_FAULTS loss_spike@N: step N's loss as the guard sees it, x this
 
 
@@ -178,7 +181,7 @@ def _train(
             f"grad_accum {t.grad_accum}, {t.steps} steps -> {workdir}"
         )
         for line in runtime.plan_lines():  # the terms: docs/guide/running.md#the-runs-output
-            out.detail(line)
+            (out.detail if line.startswith(PLAN_DETAILS) else out.log)(line)
         _log_nvme(config, runtime, out)
         peak = peak_flops(config.model.compute_dtype)
         out.detail(
