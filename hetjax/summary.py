@@ -177,7 +177,7 @@ def report(
         paths={k: str(p) for k, p in paths.items() if p is not None},
         wear=_wear_json(wear) if wear.written_per_step else {},
         wear_line=_wear_line(wear, config.memory.nvme_wear_budget),
-        wear_warning=wear.warning() if wear.written_per_step else "",
+        wear_warning=_wear_warning(wear, config.memory.nvme_wear_budget),
     )
     for line in summary.lines() if details else summary.brief():
         log(line)
@@ -289,6 +289,15 @@ def _wear_line(wear: Wear, budget: float) -> str:
         return ""
     over = wear.over_budget(budget)
     return wear.describe() + (f"; measured over the budget: {over}" if over else "")
+
+
+def _wear_warning(wear: Wear, budget: float) -> str:
+    """The wear line the short summary shows: the budget's excess, measured, else
+    ``Wear.warning`` ("" for most runs)."""
+    if not wear.written_per_step:
+        return ""
+    over = wear.over_budget(budget)
+    return f"warning: SSD wear measured over the budget: {over}" if over else wear.warning()
 
 
 def _wear_json(wear: Wear) -> dict[str, Any]:
