@@ -10,8 +10,8 @@
     hetjax generate --hf llama-hf/ --prompt "Hello"           python -m hetjax.generate ...
     hetjax gpucheck --quick                                   python -m hetjax.gpucheck ...
 
-``hetjax --config ...`` (options first, no subcommand) trains, as the command did before it
-had subcommands.
+``hetjax`` alone prints this list of commands; ``hetjax --config ...`` (options first, no
+subcommand) trains, as the command did before it had subcommands.
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in ("-h", "--help"):  # bare `hetjax`: what it can do, not a run
         sys.stdout.write(usage())
         return 0
-    if not argv or argv[0].startswith("-"):  # options only: train (the command's old form)
+    if argv[0].startswith("-"):  # options only: train (the command's old form)
         argv = ["train", *argv]
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

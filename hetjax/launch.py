@@ -101,6 +101,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
     parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the plans' parts and the run summary in full (summary.json holds them "
+        "either way; the terms: docs/guide/running.md#the-runs-output)",
+    )
+    parser.add_argument(
         "--plan",
         action="store_true",
         help="print where the planner puts every kind of state and the predicted step "
@@ -177,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hetjax: {note}", file=sys.stderr)
     try:
         initialize(config)  # jax.distributed, when the run has several processes
-        train(config, workdir, return_params=False)
+        train(config, workdir, return_params=False, details=args.verbose)
     except ConfigError as e:  # found once running (a busy workdir, another model's state)
         raise UserError(str(e)) from None
     return 0

@@ -17,10 +17,18 @@ class MetricsWriter:
     The file (and TensorBoard's) is opened at the first step: a run that fails to start
     leaves the last run's as it was."""
 
-    def __init__(self, workdir: Path, total_steps: int, log_every: int, enabled: bool = True):
+    def __init__(
+        self,
+        workdir: Path,
+        total_steps: int,
+        log_every: int,
+        enabled: bool = True,
+        details: bool = False,
+    ):
         self.path = Path(workdir) / "metrics.jsonl"
         self.log_every = log_every
         self.enabled = enabled
+        self.details = details  # --verbose: detail() lines are logged too
         self._since_log: list[float] = []  # losses since the last log line
         self._file = self._board = None  # opened by the first step
         # disable=None: a bar on a terminal, none in CI logs (log lines still print).
@@ -64,6 +72,12 @@ class MetricsWriter:
     def advance(self, steps: int) -> None:
         """Moves the progress bar on (a resumed run starts at its checkpoint's step)."""
         self._bar.update(steps)
+
+    def detail(self, msg: str) -> None:
+        """A line for ``--verbose`` only (the plans' parts, the summary's breakdown:
+        ``summary.json`` holds them either way)."""
+        if self.details:
+            self.log(msg)
 
     def log(self, msg: str) -> None:
         if self.enabled:

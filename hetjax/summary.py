@@ -47,9 +47,35 @@ class RunSummary:
     # step and a day, the fraction of drive life a run of train.steps consumes
     wear: dict[str, Any] = dataclasses.field(default_factory=dict)
     wear_line: str = ""
+    wear_warning: str = ""  # Wear.warning: only where the run uses much of the drives
+
+    def brief(self) -> list[str]:
+        """The summary in a few log lines (the rest: :meth:`lines`, ``--verbose``, and
+        ``summary.json``): the step time, the losses, a wear warning where it matters
+        (``Wear.warning``) and the outputs."""
+        out = [f"summary: step time {self.step_s:.3f} s (median of the run's steps)"]
+        if self.in_memory_step_s is not None:
+            out[0] += (
+                f", {self.step_s / self.in_memory_step_s:.2f}x the in-memory step "
+                f"({self.in_memory_step_s:.3f} s, timed after the run)"
+            )
+        loss = self.losses
+        out.append(
+            f"summary: loss {loss['first']:.4f} at the first step, {loss['last_tenth_mean']:.4f} "
+            f"over the last tenth of the steps, validation {loss['val']:.4f}"
+        )
+        if self.wear_warning:
+            out.append(f"summary: {self.wear_warning}")
+        out.append(
+            "summary: the tier each kind of state used and the bytes moved a step are in "
+            "summary.json (--verbose prints them; docs/guide/running.md#the-run-summary); "
+            "outputs:"
+        )
+        out += [f"  {name:<12} {path}" for name, path in self.paths.items()]
+        return out
 
     def lines(self) -> list[str]:
-        """The summary as log lines."""
+        """The summary as log lines, in full."""
         out = ["summary: where the state lived"]
         out += [f"  {kind:<32} {how}" for kind, how in self.where.items()]
         if self.held_bytes:
@@ -99,10 +125,12 @@ def report(
     checkpoint: Path | None,
     val_loss: float,
     log=print,
+    details: bool = True,
 ) -> RunSummary | None:
     """Builds the run's summary, measures the in-memory reference step when
-    ``train.in_memory_steps`` asks (and the run streamed), logs it and adds it to
-    ``summary.json`` under ``"run"``. ``records``: the run's metrics.jsonl records;
+    ``train.in_memory_steps`` asks (and the run streamed), logs it (in full with
+    ``details``, else :meth:`RunSummary.brief`) and adds it to ``summary.json`` under
+    ``"run"``. ``records``: the run's metrics.jsonl records;
     ``checkpoint``: the newest checkpoint's directory (None: none). None when the run
     trained no step."""
     if not records:
@@ -149,8 +177,9 @@ def report(
         paths={k: str(p) for k, p in paths.items() if p is not None},
         wear=_wear_json(wear) if wear.written_per_step else {},
         wear_line=_wear_line(wear, config.memory.nvme_wear_budget),
+        wear_warning=_wear_warning(wear, config.memory.nvme_wear_budget),
     )
-    for line in summary.lines():
+    for line in summary.lines() if details else summary.brief():
         log(line)
     path = workdir / "summary.json"
     written = json.loads(path.read_text()) if path.exists() else {}
@@ -260,6 +289,15 @@ def _wear_line(wear: Wear, budget: float) -> str:
         return ""
     over = wear.over_budget(budget)
     return wear.describe() + (f"; measured over the budget: {over}" if over else "")
+
+
+def _wear_warning(wear: Wear, budget: float) -> str:
+    """The wear line the short summary shows: the budget's excess, measured, else
+    ``Wear.warning`` ("" for most runs)."""
+    if not wear.written_per_step:
+        return ""
+    over = wear.over_budget(budget)
+    return f"warning: SSD wear measured over the budget: {over}" if over else wear.warning()
 
 
 def _wear_json(wear: Wear) -> dict[str, Any]:

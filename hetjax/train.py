@@ -78,6 +78,9 @@ class TrainResult:
     workdir: Path  # where metrics.jsonl and summary.json were written (process 0)
 
 
+# the runtime's start-up plan lines printed with --verbose only (the mesh's and the
+# fallbacks' always): the memory plans' parts (hetjax/runtime/setup.py, describe_plans)
+PLAN_DETAILS = ("device plan:", "host plan:", "nvme:", "NVMe generations:", "optimizer state of")
 SPIKE_GAIN = 1000.0  # HETJAX_FAULTS loss_spike@N: step N's loss as the guard sees it, x this
 
 
@@ -89,12 +92,17 @@ def _signal_later(seconds: float, sig: signal.Signals) -> threading.Timer:
 
 
 def train(
-    config: Config, workdir: str | Path, verbose: bool = True, return_params: bool = True
+    config: Config,
+    workdir: str | Path,
+    verbose: bool = True,
+    return_params: bool = True,
+    details: bool = False,
 ) -> TrainResult:
     """Trains to step ``config.train.steps``; writes ``metrics.jsonl``, ``config.json``
     and checkpoints into ``workdir`` and returns the losses, validation loss and params
     (``return_params`` False: None, and the model is never gathered into RAM whole; the
-    command line's choice, where state on NVMe is bigger than RAM).
+    command line's choice, where state on NVMe is bigger than RAM). ``verbose``: log at
+    all; ``details`` (``--verbose``): the plans' parts and the summary's breakdown too.
 
     With checkpoints in ``workdir`` (``checkpoint.resume=auto``) the run continues from
     the newest complete one. ``losses`` holds the steps this call ran.
@@ -123,16 +131,21 @@ def train(
                     "point memory.nvme_path at another directory",
                     name=LOCK_NAME if process == 0 else f"hetjax.proc{process}.lock",
                 )
-        return _train(config, workdir, verbose, signals, return_params)
+        return _train(config, workdir, verbose, signals, return_params, details)
 
 
 def _train(
-    config: Config, workdir: Path, verbose: bool, signals: StopSignals, return_params: bool
+    config: Config,
+    workdir: Path,
+    verbose: bool,
+    signals: StopSignals,
+    return_params: bool,
+    details: bool = False,
 ) -> TrainResult:
     t, ck = config.train, config.checkpoint
     faults = Faults.from_env()
     main = is_main_process()
-    out = MetricsWriter(workdir, t.steps, t.log_every, enabled=verbose and main)
+    out = MetricsWriter(workdir, t.steps, t.log_every, enabled=verbose and main, details=details)
     out.log(f"hetjax: {sources_line(config)}")  # where the weights and the tokens come from
     ckpt = (
         _open_checkpoints(config, workdir, out)
@@ -152,7 +165,7 @@ def _train(
             check_compatible(meta, config, ckpt.directory)
         probe_for(config.model, t.seq_len)  # cuDNN's attention, before the plan counts on it
         if config.offload.mode == "auto":  # decide the placement first (hetjax/planning/)
-            config = resolve_auto(config, workdir, out.log)
+            config = resolve_auto(config, workdir, out.log, out.detail)
         t0 = time.perf_counter()
         out.log(f"building the {config.offload.mode} runtime: initialising state, planning ...")
         runtime = build_runtime(config, workdir)
@@ -173,10 +186,11 @@ def _train(
             f"batch {t.batch_size} x seq {t.seq_len} = {tokens_per_step:,} tokens/step, "
             f"grad_accum {t.grad_accum}, {t.steps} steps -> {workdir}"
         )
-        for line in runtime.plan_lines():
-            out.log(line)
+        for line in runtime.plan_lines():  # the terms: docs/guide/running.md#the-runs-output
+            (out.detail if line.startswith(PLAN_DETAILS) else out.log)(line)
+        _log_nvme(config, runtime, out)
         peak = peak_flops(config.model.compute_dtype)
-        out.log(
+        out.detail(
             f"mfu against {peak / 1e12:.3f} TFLOP/s ({config.model.compute_dtype} matmul, measured)"
         )
         step, data_offset = 0, 0
@@ -197,6 +211,10 @@ def _train(
         bad_streak = damaged_streak = 0
         guard = SpikeGuard(t.spike_factor, t.spike_window)
         last_saved, last_saved_at = step, time.monotonic()
+        if step < t.steps:
+            out.log(
+                f"step {step + 1} compiles the step functions first: seconds more than the rest ..."
+            )
 
         def save(at: int) -> None:
             nonlocal last_saved, last_saved_at
@@ -356,6 +374,7 @@ def _train(
                     ckpt.directory / str(last_saved) if ckpt is not None and last_saved else None,
                     val_loss,
                     log=out.log,
+                    details=out.details,
                 )
         params = runtime.params() if return_params else None
         if ckpt is not None:
@@ -372,6 +391,17 @@ def _train(
         if ckpt is not None:
             ckpt.close_manager(quiet=failed)
     return TrainResult(losses, val_loss, params, records, workdir)
+
+
+def _log_nvme(config: Config, runtime: Runtime, out: MetricsWriter) -> None:
+    """Where the run's NVMe tier is, and what "NVMe" means, when it holds state."""
+    nvme = getattr(runtime, "nvme_dir", None)
+    o = config.offload
+    if nvme is not None and "nvme" in (o.params, o.optimizer, o.activations):
+        out.log(
+            f"NVMe tier: {nvme} (memory.nvme_path: any directory, best on an NVMe SSD; "
+            "docs/guide/offload.md#nvme-tier-and-the-host-optimizer-loop)"
+        )
 
 
 def _log_completed(ckpt: Checkpointer, out: MetricsWriter) -> None:

@@ -1,11 +1,12 @@
 # Shared by launch/local.sh and launch/ssh.sh (sourced, not run).
 #
 # A script sets `launcher` (its name, for messages), defines start_all (starts every
-# process, in the background, appending each one's pid to `pids` and its name, e.g.
-# "process 1 (node-b)", to `names[pid]`) and calls `supervise MAX_RESTARTS`.
+# process, in the background, appending each one's pid to `pids`, its name, e.g.
+# "process 1 (node-b)", to `names[pid]` and, where its output goes to a file, that file
+# to `logs[pid]`) and calls `supervise MAX_RESTARTS`.
 
 pids=()
-declare -A names=()
+declare -A names=() logs=()
 signalled=""  # the stop signal this script got, if any: no restart after it
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
 # SIGTERM or SIGUSR1 to the script (a scheduler's preemption) go to every process, which
@@ -20,6 +21,29 @@ trap 'forward USR1 USR1' USR1
 trap 'forward INT TERM' INT
 
 say() { echo "$launcher: $*" >&2; }
+
+# default_python DIR: the Python to run hetjax with when PYTHON is not set: an active
+# virtual environment's (python3 on PATH), else DIR/.venv/bin/python where the README's
+# set-up made one, else python3.
+default_python() {
+  if [[ -z ${VIRTUAL_ENV:-} && -x $1/.venv/bin/python ]]; then
+    echo "$1/.venv/bin/python"
+  else
+    echo python3
+  fi
+}
+
+# failed PID STATUS WHAT: says that process PID failed with STATUS (WHAT: what happens
+# next), and where its output went to a log, names the log and shows its last lines
+# (the cause, e.g. a Python without JAX, is there, not on this terminal).
+failed() {
+  say "${names[$1]:-process $1} failed ($(status_words "$2"))$3"
+  local log=${logs[$1]:-}
+  if [[ -n $log && -s $log ]]; then
+    say "its output is in $log, which ends:"
+    tail -n 10 "$log" | sed 's/^/    /' >&2
+  fi
+}
 
 # status_words STATUS: "exit status 3", or "killed by SIGKILL" for 128+N.
 status_words() {
@@ -67,10 +91,10 @@ wait_all() {
       preempted=75
     elif ((status)); then
       if ((${#running[@]})); then
-        say "${names[$finished]:-process $finished} failed ($(status_words "$status")); stopping the other ${#running[@]}"
+        failed "$finished" "$status" "; stopping the other ${#running[@]}"
         stop "${running[@]}"
       else
-        say "${names[$finished]:-process $finished} failed ($(status_words "$status"))"
+        failed "$finished" "$status" ""
       fi
       return "$status"
     fi
@@ -107,6 +131,7 @@ supervise() {
   while :; do
     pids=()
     names=()
+    logs=()
     start_all
     status=0
     wait_all || status=$?

@@ -9,9 +9,12 @@
 #   launch/local.sh 2 --config gpt_tiny --workdir runs/zero2 --config.offload.mode=stream \
 #       --config.distributed.data_parallel=0
 #
+# A process that fails is named with its log's last lines.
+#
 # Environment: HETJAX_PORT (coordinator port, default 12355), HETJAX_DEVICES_PER_PROCESS
 # (virtual CPU devices per process, default 1; ignored when XLA_FLAGS is set),
-# PYTHON (default python3).
+# PYTHON (default: an active virtual environment's python3, else this repository's
+# .venv/bin/python if there is one, else python3).
 set -euo pipefail
 launcher=launch/local.sh
 source "$(dirname "$0")/common.sh"
@@ -19,7 +22,7 @@ n=${1:?usage: launch/local.sh NUM_PROCESSES [--max-restarts R] [hetjax.launch ar
 shift
 take_max_restarts "$@"
 port=${HETJAX_PORT:-12355}
-python=${PYTHON:-python3}
+python=${PYTHON:-$(default_python "$(dirname "$0")/..")}
 workdir=runs/local
 for ((i = 0; i < ${#args[@]}; i++)); do  # find --workdir for the logs
   if [[ ${args[i]} == --workdir ]]; then workdir=${args[i + 1]}; fi
@@ -34,6 +37,7 @@ start_all() {
     HETJAX_PROCESS_ID=$k "$python" -m hetjax.launch "${args[@]}" >>"$workdir/proc$k.log" 2>&1 &
     pids+=($!)
     names[$!]="process $k"
+    logs[$!]="$workdir/proc$k.log"
   done
   HETJAX_PROCESS_ID=0 "$python" -m hetjax.launch "${args[@]}" &
   pids+=($!)

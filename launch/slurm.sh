@@ -7,7 +7,9 @@
 #       --config.offload.mode=stream --config.distributed.data_parallel=0
 #
 # One task per node drives all of its node's accelerators; the time limit, partition and
-# GPUs per node are the site's sbatch options. PYTHON: the Python to run (default python3).
+# GPUs per node are the site's sbatch options. PYTHON: the Python to run (default: an
+# active virtual environment's python3, else .venv/bin/python in the directory the job
+# was submitted from if there is one, else python3).
 #
 # A task that fails ends the job step at once: it says which and cancels the step, so
 # the others stop now rather than after distributed.timeout_s. Not srun's
@@ -27,6 +29,10 @@
 #SBATCH --signal=B:USR1@120
 set -euo pipefail
 export HETJAX_COORDINATOR_PORT=${HETJAX_COORDINATOR_PORT:-12355}
+# (launch/common.sh's default_python, inline: sbatch runs a copy of this script, away from
+# the repository's other files)
+python=python3
+[[ -n ${VIRTUAL_ENV:-} || ! -x .venv/bin/python ]] || python=.venv/bin/python
 # Each task, in bash: runs hetjax (the signals SLURM sends the step reach it directly:
 # the traps only keep this shell alive to see its status), and when it fails with
 # anything but 75, cancels the step.
@@ -40,4 +46,4 @@ if ((status != 0 && status != 75)); then
   scancel --signal=KILL "$SLURM_JOB_ID.$SLURM_STEP_ID"
 fi
 exit "$status"'
-exec srun --kill-on-bad-exit=0 bash -c "$task" "${PYTHON:-python3}" "$@"
+exec srun --kill-on-bad-exit=0 bash -c "$task" "${PYTHON:-$python}" "$@"

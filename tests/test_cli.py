@@ -47,3 +47,14 @@ def test_unknown_command_names_the_commands(capsys):
     assert cli.main(["trian"]) == 2
     err = capsys.readouterr().err
     assert "unknown command 'trian'" in err and "train" in err and "plan" in err
+
+
+def test_bare_command_prints_help_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    """``hetjax`` with no arguments lists the commands (as ``--help`` does) and starts
+    no run: nothing is written in the current directory."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    cli.main(["--help"])
+    assert out == capsys.readouterr().out and "\n  train " in out
+    assert not list(tmp_path.iterdir())

@@ -301,3 +301,27 @@ def test_one_word_per_concept():
         "say 'runtime' for what runs a step and 'boundary activations' for each block's "
         "input kept for its backward:\n" + "\n".join(found)
     )
+
+
+_GUIDE_POINTER = re.compile(r"docs/guide/(\w+\.md)#([\w-]+)")
+
+
+def test_the_runs_output_points_at_guide_headings():
+    """The pointers the run's output gives for its terms (``docs/guide/X.md#anchor``
+    in hetjax's messages) name headings that exist (issue #54)."""
+    broken = []
+    for path in sorted((ROOT / "hetjax").rglob("*.py")):
+        text = re.sub(r'"\s*\n\s*f?"', "", path.read_text())  # adjacent literals joined
+        for page, anchor in _GUIDE_POINTER.findall(text):
+            target = ROOT / "docs" / "guide" / page
+            if not target.exists() or anchor not in _anchors(target):
+                broken.append(f"{path.relative_to(ROOT)}: docs/guide/{page}#{anchor}")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_benchmark_is_in_the_guide():
+    """docs/guide/benchmarks.md has a row for every ``python -m hetjax.bench`` name."""
+    from hetjax.bench import BENCHMARKS
+
+    rows = set(re.findall(r"^\| `(\w+)` \|", (ROOT / "docs/guide/benchmarks.md").read_text(), re.M))
+    assert set(BENCHMARKS) <= rows, sorted(set(BENCHMARKS) - rows)

@@ -53,6 +53,7 @@ def peak_rss(workdir: Path, *args: str) -> tuple[int, str]:
     2026-11-26): a cached baseline against a budgeted run that compiled left the bound
     27 MiB short on a fresh clone (issue #46)."""
     cmd = [sys.executable, "-m", "hetjax.launch", "--config", str(ROOT / "configs/gpt_tiny.py")]
+    cmd.append("--verbose")  # the device plan's line
     env = {
         k: v
         for k, v in os.environ.items()

@@ -29,9 +29,11 @@ USER_ARGS = [
     "--config.distributed.data_parallel=0", "--workdir", "runs/a b$HOME",
 ]  # fmt: skip
 
-# Stands in for `python`: records its arguments, working directory and the process-group
-# variables into $LAUNCH_RECORD/python.<pid>.json. With FAKE_FAIL_PROCESS=k, process k
-# exits FAKE_FAIL_STATUS (default 3) once every process has recorded itself, and the
+# Stands in for `python`: records how it was called (argv[0]), its arguments, working
+# directory and the process-group variables into $LAUNCH_RECORD/python.<pid>.json. With
+# FAKE_FAIL_PROCESS=k, process k exits FAKE_FAIL_STATUS (default 3) once every process
+# has recorded itself, saying why on stderr as a Python without JAX would (but not with
+# 75, preempted), and the
 # others run until they are stopped (SIGTERM, or their ssh shim killed: a real ssh -tt
 # session's remote process gets SIGHUP then), leaving stopped.<process id>; they give up
 # after 60 s. With FAKE_FAIL_ONCE set too, only the first start fails: once process k
@@ -61,7 +63,7 @@ restart = fail is not None and os.path.exists(os.path.join(record, f"failed.{{fa
 env = {{k: v for k, v in os.environ.items() if k.startswith(("HETJAX_", "SLURM_"))}}
 env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS")
 with open(os.path.join(record, f"python.{{os.getpid()}}.json"), "w") as f:
-    json.dump(dict(argv=sys.argv[1:], cwd=os.getcwd(), env=env), f)
+    json.dump(dict(exe=sys.argv[0], argv=sys.argv[1:], cwd=os.getcwd(), env=env), f)
 if fail is None or (os.environ.get("FAKE_FAIL_ONCE") and restart):
     sys.exit(0)
 n = int(os.environ["HETJAX_NUM_PROCESSES"])
@@ -74,7 +76,11 @@ if me == fail:
         time.sleep(0.05)
     open(os.path.join(record, f"failed.{{me}}"), "w").close()
     open(os.path.join(record, f"failed.{{me}}.{{os.getpid()}}"), "w").close()
-    sys.exit(int(os.environ.get("FAKE_FAIL_STATUS", "3")))
+    status = int(os.environ.get("FAKE_FAIL_STATUS", "3"))
+    if status != 75:  # (75: preempted, nothing wrong)
+        cause = "ModuleNotFoundError: No module named 'jax'"
+        print("Traceback ...", cause, sep="\\n", file=sys.stderr)
+    sys.exit(status)
 
 parent = os.getppid()
 while time.monotonic() < deadline:
@@ -138,7 +144,8 @@ def _env(bin_dir: Path, record: Path, **extra: str) -> dict[str, str]:
     base = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("HETJAX_", "SLURM_")) and k not in ("XLA_FLAGS", "PYTHON")
+        if not k.startswith(("HETJAX_", "SLURM_"))
+        and k not in ("XLA_FLAGS", "PYTHON", "VIRTUAL_ENV")
     }
     path = f"{bin_dir}{os.pathsep}{base.get('PATH', '')}"
     return {**base, "PATH": path, "LAUNCH_RECORD": str(record), **extra}
@@ -173,7 +180,8 @@ def test_slurm_script_runs_one_launch_per_task(tmp_path):
     the default port) off the variables it gets."""
     bin_dir, record = _shims(tmp_path)
     slurm = dict(SLURM_NTASKS="4", SLURM_JOB_NODELIST="gpu[07-09],login2", SLURM_JOB_ID="1")
-    code, _, pid = _run([LAUNCH / "slurm.sh", *USER_ARGS], _env(bin_dir, record, **slurm), ROOT)
+    env = _env(bin_dir, record, **slurm)
+    code, _, pid = _run([LAUNCH / "slurm.sh", *USER_ARGS], env, tmp_path)
     assert code == 0
     assert int((record / "srun.pid").read_text()) == pid  # exec'd
     srun = _argv(record / "srun")
@@ -192,7 +200,7 @@ def test_slurm_script_keeps_the_users_port(tmp_path):
     bin_dir, record = _shims(tmp_path)
     env = _env(bin_dir, record, SLURM_NTASKS="2", SLURM_JOB_NODELIST="n1,n2",
                HETJAX_COORDINATOR_PORT="23456")  # fmt: skip
-    assert _run([LAUNCH / "slurm.sh", "--config", "gpt_tiny"], env, ROOT)[0] == 0
+    assert _run([LAUNCH / "slurm.sh", "--config", "gpt_tiny"], env, tmp_path)[0] == 0
     for task in _pythons(record).values():
         assert process_group(DistributedConfig(), task["env"]).coordinator == "n1:23456"
 
@@ -247,22 +255,68 @@ def test_ssh_script_refuses_a_host_file_without_hosts(tmp_path):
     assert not list(record.iterdir())
 
 
-def test_local_script_runs_n_processes_on_this_machine(tmp_path):
+def _repository(tmp_path: Path, bin_dir: Path, venv: bool) -> Path:
+    """A copy of the repository's launch scripts, with a ``.venv/bin/python`` (the
+    recording shim) when ``venv``, as the README's set-up makes one."""
+    repo = tmp_path / "repo"
+    (repo / "launch").mkdir(parents=True)
+    for script in LAUNCH.glob("*.sh"):
+        (repo / "launch" / script.name).write_bytes(script.read_bytes())
+        (repo / "launch" / script.name).chmod(0o755)
+    if venv:
+        (repo / ".venv" / "bin").mkdir(parents=True)
+        (repo / ".venv" / "bin" / "python").symlink_to(bin_dir / "python3")
+    return repo
+
+
+@pytest.mark.parametrize("venv", [True, False])
+def test_local_script_runs_n_processes_on_this_machine(tmp_path, venv):
     """local.sh 3 with HETJAX_DEVICES_PER_PROCESS=2 and no XLA_FLAGS: three processes
     with ids 0-2, the coordinator localhost:HETJAX_PORT, 2 virtual CPU devices each
-    (XLA_FLAGS), the user's arguments; processes 1 and 2 log to <workdir>/proc<k>.log."""
+    (XLA_FLAGS), the user's arguments; processes 1 and 2 log to <workdir>/proc<k>.log.
+    Without PYTHON each runs the repository's .venv/bin/python where there is one (a
+    fresh machine's python3 has no JAX), else python3."""
     bin_dir, record = _shims(tmp_path)
+    repo = _repository(tmp_path, bin_dir, venv)
     env = _env(bin_dir, record, HETJAX_DEVICES_PER_PROCESS="2", HETJAX_PORT="23457")
     args = ["--workdir", "runs/w", "--config.offload.mode=stream"]
-    assert _run([LAUNCH / "local.sh", "3", *args], env, tmp_path)[0] == 0
+    assert _run([repo / "launch" / "local.sh", "3", *args], env, tmp_path)[0] == 0
     processes = _pythons(record)
     assert sorted(processes) == [0, 1, 2]
+    python = f"{repo}/launch/../.venv/bin/python" if venv else str(bin_dir / "python3")
     for process in processes.values():
+        assert process["exe"] == python
         assert process["argv"] == ["-m", "hetjax.launch", *args]
         assert process["env"]["HETJAX_COORDINATOR"] == "localhost:23457"
         assert process["env"]["HETJAX_NUM_PROCESSES"] == "3"
         assert process["env"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     assert sorted(p.name for p in (tmp_path / "runs" / "w").iterdir()) == ["proc1.log", "proc2.log"]
+
+
+def test_slurm_script_runs_the_submit_directory_s_venv(tmp_path):
+    """slurm.sh submitted from a directory with a .venv (sbatch runs a copy of the
+    script there) runs its .venv/bin/python on every task."""
+    bin_dir, record = _shims(tmp_path)
+    repo = _repository(tmp_path, bin_dir, venv=True)
+    env = _env(bin_dir, record, SLURM_NTASKS="2", SLURM_JOB_NODELIST="n1,n2")
+    assert _run([LAUNCH / "slurm.sh", "--config", "gpt_tiny"], env, repo)[0] == 0
+    assert _argv(record / "srun")[4] == ".venv/bin/python"
+    assert [p["exe"] for p in _pythons(record).values()] == [".venv/bin/python"] * 2
+
+
+def test_a_failed_process_is_named_with_its_log(tmp_path):
+    """Process 1 of 2 fails, its cause in its log (not on the terminal): local.sh names
+    the log and shows its last lines, the cause among them."""
+    bin_dir, record = _shims(tmp_path)
+    env = _env(bin_dir, record, FAKE_FAIL_PROCESS="1", PYTHON=str(bin_dir / "python3"))
+    out = subprocess.run(
+        [LAUNCH / "local.sh", "2", "--workdir", "runs/w"], env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 3, out.stderr
+    assert "launch/local.sh: process 1 failed (exit status 3)" in out.stderr, out.stderr
+    assert "its output is in runs/w/proc1.log, which ends:\n" in out.stderr, out.stderr
+    assert "    ModuleNotFoundError: No module named 'jax'\n" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("script", ["local.sh", "ssh.sh"])
@@ -295,7 +349,7 @@ def test_slurm_task_that_fails_cancels_the_step(tmp_path, status):
                FAKE_FAIL_PROCESS="0", FAKE_FAIL_STATUS=str(status),
                HETJAX_PROCESS_ID="0", HETJAX_NUM_PROCESSES="1")  # fmt: skip
     out = subprocess.run(
-        [LAUNCH / "slurm.sh", "--config", "gpt_tiny"], env=env, cwd=ROOT,
+        [LAUNCH / "slurm.sh", "--config", "gpt_tiny"], env=env, cwd=tmp_path,
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == status, out.stderr

@@ -13,7 +13,7 @@ import pytest
 from equivalence import assert_gpt_training_equal, check_tokens
 
 from hetjax import launch, memory
-from hetjax.config import Config, load_config
+from hetjax.config import Config, format_bytes, load_config
 from hetjax.memory import block_grad_dtype, device_parts
 from hetjax.parallel.layouts import stage_layouts
 from hetjax.parallel.single import SingleDevice
@@ -463,7 +463,50 @@ def test_chunked_sizes_match_the_compiled_ones(family):
 def test_local_profile_is_measured():
     hw = get_profile("local")
     assert hw.device_flops > 1e9 and hw.h2d_bw > 1e8 and hw.optimizer_params_per_s > 1e6
-    assert hw.host_memory > 0 and hw.shared_cores  # the CPU backend
+    assert hw.host_memory > 0 and hw.shared_cores and hw.shared_memory  # the CPU backend
+
+
+def _cpu(ram: int):
+    """A CPU-backend machine as ``local`` measures one: its "device" memory is the same
+    ``ram`` as its host memory (``Hardware.shared_memory``)."""
+    return dataclasses.replace(
+        PROFILES["h100"], name="cpu", shared_cores=True, shared_memory=True,
+        device_memory=ram, host_memory=ram, measured_pool=False,
+    )  # fmt: skip
+
+
+NO_BUDGETS = {"memory.device_budget": "0", "memory.host_budget": "0"}
+
+
+def test_cpu_ram_is_counted_once():
+    """On the CPU backend the device's memory is host RAM: a streamed plan's device and
+    host bytes together fit MARGIN of it (before, each tier had most of it: a 400 MiB
+    machine got a plan of 323 MiB device + 183 MiB host), and a budget given for one
+    tier leaves the other the rest."""
+    from hetjax.planning.search import MARGIN, budgets
+
+    ram = 400 << 20
+    config = load_config("gpt_tiny", {**NO_BUDGETS, "train.batch_size": "64"})
+    plan = make_plan(config, _cpu(ram))
+    assert plan.candidate.mode == "stream", plan.table()
+    assert plan.budgets["device"] + plan.budgets["host"] <= MARGIN * ram
+    _fits(plan)
+    assert sum(plan.device.values()) + sum(plan.host.values()) <= MARGIN * ram, plan.table()
+    given = budgets(config.replace(memory=dict(host_budget="100MiB")), _cpu(ram))
+    assert given["host"] == 100 << 20 and given["device"] == int(MARGIN * ram) - (100 << 20)
+
+
+def test_cpu_in_memory_plan_takes_the_whole_ram():
+    """offload.mode=none holds nothing in host RAM: on the CPU backend its device budget
+    is the whole pool, not the streamed plans' device share (half of it), as auto's
+    in-memory check has it."""
+    from hetjax.planning.search import IN_MEMORY, MARGIN
+
+    plan = make_plan(load_config("gpt_tiny", NO_BUDGETS), _cpu(200 << 20))
+    need = sum(plan.device.values())
+    assert plan.candidate.mode == "none" and plan.budgets["device"] < need, plan.table()
+    assert need <= plan.budgets[IN_MEMORY] == int(MARGIN * (200 << 20))
+    assert f"of {format_bytes(plan.budgets[IN_MEMORY])}" in plan.table()
 
 
 # -- auto mode ---------------------------------------------------------------------------

@@ -21,11 +21,21 @@ from hetjax.types import LossScale
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _check_default_run(workdir, out):
-    """The default run's outputs: it streamed, kept the optimizer state on NVMe, printed
-    the plan, and wrote the timeline PNG, loss.png and the run summary."""
-    assert "offload.mode=stream" in out and "plan for gpt" in out, out
-    assert "summary: where the state lived" in out and "summary: outputs" in out, out
+# what the default output leaves to --verbose (docs/guide/running.md#the-runs-output)
+TERMS = ("prefetch depth", "resident", "boundar", "working set", "generations", "ledger")
+
+
+def _check_default_run(workdir, out, verbose=False):
+    """The default run's outputs: it streamed, kept the optimizer state on NVMe, said so
+    in a line (the plan and the summary in full with --verbose, their terms explained in
+    the guide), said what takes time, and wrote the timeline PNG, loss.png and the run
+    summary."""
+    assert "offload.mode=stream" in out and "stream from host RAM" in out, out
+    assert "measuring this machine" in out and "step 1 compiles" in out, out
+    assert "NVMe tier: " in out and "any directory, best on an NVMe SSD" in out, out
+    full = ("plan for gpt", "summary: where the state lived", "lanes (s/step)", *TERMS)
+    assert all((term in out) == verbose for term in full), out
+    assert "SSD wear" not in out and "TB a day" not in out or verbose, out
     run = json.loads((workdir / "summary.json").read_text())["run"]
     assert run["tiers"]["optimizer"] == "nvme" and run["tiers"]["params"] == "host"
     assert run["moved_bytes"]["nvme_read"] > 0 and run["moved_bytes"]["host_to_device"] > 0
@@ -49,8 +59,8 @@ def test_default_config_streams_with_nvme(tmp_path, capsys):
 @pytest.mark.slow  # the whole default run: ~3 min on 2 CPU cores
 def test_default_run_loss_falls_clearly(tmp_path, capsys):
     workdir = tmp_path / "run"
-    assert main(["--workdir", str(workdir)]) == 0
-    run = _check_default_run(workdir, capsys.readouterr().out)
+    assert main(["--workdir", str(workdir), "--verbose"]) == 0
+    run = _check_default_run(workdir, capsys.readouterr().out, verbose=True)
     loss = run["losses"]
     assert loss["first"] > 5.0  # untrained byte model: ~log(256) = 5.55
     assert loss["last_tenth_mean"] < 0.6 * loss["first"], loss

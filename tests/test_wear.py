@@ -30,6 +30,23 @@ def test_wear_arithmetic_by_hand():
     assert Wear(1e12, 86.4, 1000).life_fraction is None  # no rating: no fraction
 
 
+def test_wear_is_a_warning_only_past_a_fraction_of_the_drives_life():
+    """The run's output warns about wear only when a run of train.steps uses more than
+    WARN_FRACTION of the drives' life (rated, else ASSUMED_TBW): never for the default
+    run's 60 steps of 54 MiB (7 TB a day at its speed, but 3.4 GB in all)."""
+    from hetjax.planning.wear import ASSUMED_TBW, TB, WARN_FRACTION
+
+    assert Wear(54.28 * 2**20, 0.8, 60).warning() == ""  # the demo
+    over = WARN_FRACTION * ASSUMED_TBW * TB * 1.01  # bytes just past the threshold
+    warning = Wear(over / 1000, 1.0, 1000).warning()
+    assert warning.startswith("warning: SSD wear: a run of 1000 steps writes 6.06 TB"), warning
+    assert "1.01% of the life of 1 drive(s) at 600 TBW assumed (memory.nvme_tbw)" in warning
+    assert Wear(over / 1000, 1.0, 1000, drives=2).warning() == ""  # the writes shared
+    rated = Wear(over / 1000, 1.0, 1000, tbw=300).warning()  # a drive rated lower
+    assert "2.02% of the life of 1 drive(s) at rated 300 TBW each" in rated, rated
+    assert Wear(over / 1000 / 1.02, 1.0, 1000).warning() == ""
+
+
 def test_a_wear_budget_prefers_writing_less_when_it_costs_little_time():
     # (step s, rank, name, ..., NVMe bytes written a step), as the planner evaluates them
     plans = [

@@ -20,12 +20,12 @@ from hetjax.planning.tracer import trace_splits
 from hetjax.planning.workload import Workload, measured_expert_fraction
 
 
-def resolve_auto(config: Config, workdir=None, log=print) -> Config:
+def resolve_auto(config: Config, workdir=None, log=print, detail=None) -> Config:
     """``offload.mode=auto``: the config to train with (see :func:`plan_auto`)."""
-    return plan_auto(config, workdir, log)[0]
+    return plan_auto(config, workdir, log, detail)[0]
 
 
-def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | None]:
+def plan_auto(config: Config, workdir=None, log=print, detail=None) -> tuple[Config, Plan | None]:
     """``offload.mode=auto``: the config to train with, and the plan when one was made.
     When a device's share of the whole state fits it (``memory.device_budget``, else the
     device's free memory) that is ``offload.mode=none``, decided from shapes alone: on
@@ -39,7 +39,9 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     them. Several processes take process 0's plan: measurements differ between
     machines, and every process must run the same placement. Several devices: the
     plan's data x model split too (``split.tensor_degrees``, each measured by the one
-    trace), which the returned config trains with."""
+    trace), which the returned config trains with. ``log`` takes the decision in a few
+    lines, ``detail`` (default: ``log``) the plan's table (``--verbose``)."""
+    detail = detail or log
     if config.offload.mode != "auto":
         return config, None
     devices = _devices(config)
@@ -56,9 +58,11 @@ def plan_auto(config: Config, workdir=None, log=print) -> tuple[Config, Plan | N
     fraction = measured_expert_fraction(workdir)
     workloads = trace_splits(config, devices=devices, expert_fraction=fraction, tensors=degrees)
     plan = make_plan(config, hw, workloads=workloads)
-    log(f"planned in {time.perf_counter() - t0:.1f} s")
+    log(f"planned in {time.perf_counter() - t0:.1f} s: {_brief(plan, config)}")
     for line in plan.table().splitlines():
-        log(line)
+        detail(line)
+    if plan.wear is not None and plan.wear.warning():
+        log(plan.wear.warning())
     overrides = plan.config_overrides()
     if plan.candidate.mode == "stream":
         overrides["memory"] = dict(
@@ -102,8 +106,31 @@ def _fits_in_memory(config: Config, devices: int, degrees: list[int], log) -> di
                 sections["distributed"] = dict(data_parallel=devices // t, tensor_parallel=t)
             return sections
     if splits:
-        log("offload.mode=auto: the state does not fit the device; measuring this machine")
+        log(
+            f"offload.mode=auto: the state does not fit the device ({format_bytes(budget)}"
+            f"{', memory.device_budget' if config.memory.device_budget else ' free'}); "
+            "measuring this machine and the model to plan what goes to host RAM and NVMe "
+            "(seconds) ..."
+        )
     return None
+
+
+def _brief(plan: Plan, config: Config) -> str:
+    """The plan in a line: what streams from where, where the optimizer state lives, the
+    predicted step (the table: ``--verbose``, or ``--plan``)."""
+    c, p = plan.candidate, plan.candidate.placement
+    more = "--verbose prints the plan (docs/guide/planner.md)"
+    if c.mode == "none":
+        return f"the whole state on the device, offload.mode=none; {more}"
+    tier = {"host": "host RAM", "nvme": "NVMe", "device": "the device"}
+    held = {"host": "in host RAM", "nvme": "on NVMe", "device": "on the device"}
+    L, r = plan.num_layers, p.resident_blocks
+    blocks = lambda a, b: f"block {a}" if a == b else f"blocks {a}-{b}"
+    params = f"{blocks(r, L - 1)} of {L} stream from {tier[p.params]}" if r < L else ""
+    params += f" ({blocks(0, r - 1)} stay on the device)" if 0 < r < L else ""
+    params = params or "every block stays on the device"
+    optimizer = f"the fp32 master and {config.optimizer.name} state {held[p.optimizer]}"
+    return f"{params}; {optimizer}; predicted {plan.step_s:.3g} s/step; {more}"
 
 
 def _devices(config: Config) -> int:

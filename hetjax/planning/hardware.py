@@ -49,6 +49,9 @@ class Hardware:
     # True on the CPU backend: "device" compute, copies and the host optimizer run on the
     # same cores, so their times add instead of overlapping.
     shared_cores: bool = False
+    # True on the CPU backend: the "device" memory is host RAM, the same bytes as
+    # ``host_memory``: the device and host budgets share them (``search.budgets``).
+    shared_memory: bool = False
     # ``device_memory`` is the physical memory (a named profile), or what this process's
     # allocator has free, measured (``local``): the pool the fraction already applies to
     measured_pool: bool = False
@@ -482,5 +485,6 @@ def measure_local(nvme_path: str = "", dtype: str = "float32") -> Hardware:
         optimizer_params_per_s=measure_optimizer(compute_dtype=dtype),
         device_memory_bw=measure_device_bandwidth(64 << 20 if cpu else 1 << 30),
         shared_cores=cpu,
+        shared_memory=cpu,
         measured_pool=not cpu,
     )

@@ -70,6 +70,9 @@ from hetjax.planning.wear import Wear
 from hetjax.planning.workload import Workload, memory_sizes
 
 MARGIN = 0.9  # of a tier's capacity the planner may use when no budget is given
+# budgets' key for offload.mode=none's device budget where it differs from a streamed
+# plan's: on the CPU backend, the RAM the host tier would otherwise share (_shared_ram)
+IN_MEMORY = "device, in memory"
 # Plans predicted within this factor of the fastest tie: the least offloaded of them wins
 # (Candidate.rank). So a larger budget's plan is never slower than this factor times a
 # smaller one's (its fastest is no slower).
@@ -219,6 +222,8 @@ class Plan:
                 continue
             parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in held.items() if v)
             budget = self.budgets.get(tier, 0)
+            if tier == "device" and self.candidate.mode == "none":
+                budget = self.budgets.get(IN_MEMORY, budget)
             lines.append(
                 f"  {tier:<7}{format_bytes(total):>12} of {format_bytes(budget)}{per}  ({parts})"
             )
@@ -278,7 +283,8 @@ def footprint(
     when it does not fit. ``lag``: the window's (``memory.window_wait_lag``)."""
     if c.mode == "none":  # one device's share of the state (planning/in_memory.py)
         device = in_memory_device_parts(w, c.share, c.remat)
-        return Footprint(c, device, {}, {}) if sum(device.values()) <= limit["device"] else None
+        fits = sum(device.values()) <= limit.get(IN_MEMORY, limit["device"])
+        return Footprint(c, device, {}, {}) if fits else None
     s = memory_sizes(w, n, c.placement.batch_chunks)
     o = c.placement
     try:
@@ -296,8 +302,9 @@ def footprint(
 def budgets(config: Config, hw: Hardware) -> dict[str, int]:
     """Bytes the plan may use per tier and device: the config's budgets, else the
     profile's capacity: the device's allocator pool (``memory.device_fraction`` of an
-    accelerator's memory; ``MARGIN`` of free RAM on the CPU backend), host RAM and disks
-    with a margin, shared by the machine's devices. ``memory.host_budget`` is the
+    accelerator's memory), host RAM and disks with a margin, shared by the machine's
+    devices; on the CPU backend the device's memory is the same RAM as the host's, split
+    between the two tiers (:func:`_shared_ram`). ``memory.host_budget`` is the
     process's, which drives every device of the machine (one process a machine): each
     device gets its share, and what is written back for the runtime is the process's
     (:func:`process_host_budget`)."""
@@ -310,13 +317,37 @@ def budgets(config: Config, hw: Hardware) -> dict[str, int]:
         )
     device = int(MARGIN * pool) if hw.shared_cores else pool
     host = int(MARGIN * hw.host_memory / n)
+    shared = {}
+    if hw.shared_memory and not (mem.device_budget and mem.host_budget):
+        device, host = _shared_ram(mem, hw)
+        if not mem.device_budget:  # offload.mode=none holds nothing in host RAM
+            shared = {IN_MEMORY: device + host}
     return {
         "device": min(mem.device_budget, pool or mem.device_budget)
         if mem.device_budget
         else device,
         "host": min(mem.host_budget, hw.host_memory) // n if mem.host_budget else host,
         "nvme": int(MARGIN * hw.nvme_capacity / n),
+        **shared,
     }
+
+
+def _shared_ram(mem, hw: Hardware) -> tuple[int, int]:
+    """The device and host budgets per device where the device's memory is host RAM
+    (the CPU backend, ``Hardware.shared_memory``): one pool, ``MARGIN`` of the free RAM
+    shared by the devices, counted once. The tier the config gives a budget for takes
+    it (at most the pool), the other what it leaves; with neither, half each (and
+    ``offload.mode=none``, which holds nothing on the host, the whole pool:
+    ``budgets()[IN_MEMORY]``)."""
+    n = hw.num_devices
+    ram = int(MARGIN * hw.host_memory) // n
+    if mem.device_budget:
+        device = min(mem.device_budget, ram)
+        return device, ram - device
+    if mem.host_budget:
+        host = min(mem.host_budget // n, ram)
+        return ram - host, host
+    return ram // 2, ram - ram // 2
 
 
 def process_host_budget(plan: Plan) -> int:

@@ -20,6 +20,13 @@ from hetjax.config import Config, format_bytes
 
 TB = 1e12  # drives are rated in decimal terabytes
 DAY_S = 86400.0
+# The run's output warns about wear (Wear.warning) only when a run of train.steps uses
+# more than this fraction of the drives' rated life: a short demo writing tens of MiB a
+# step never does, a long run streaming a large model's state may.
+WARN_FRACTION = 0.01
+# A drive's rated endurance where memory.nvme_tbw is not set, for that warning only: a
+# 1 TB consumer NVMe SSD's (600 TBW: Samsung 990 Pro 1 TB, WD SN850X 1 TB datasheets).
+ASSUMED_TBW = 600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +82,22 @@ class Wear:
         else:
             line += "; set memory.nvme_tbw for the fraction of drive life"
         return line
+
+    def warning(self) -> str:
+        """A warning for the run's output when the run uses more than ``WARN_FRACTION``
+        of the drives' life (rated, ``memory.nvme_tbw``, else ``ASSUMED_TBW``), or ""."""
+        tbw = self.tbw or ASSUMED_TBW
+        fraction = self.run_bytes / (tbw * TB * self.drives)
+        if fraction <= WARN_FRACTION:
+            return ""
+        rated = f"rated {tbw:g} TBW" if self.tbw else f"{tbw:g} TBW assumed (memory.nvme_tbw)"
+        return (
+            f"warning: SSD wear: a run of {self.steps} steps writes {self.run_bytes / TB:.3g} "
+            f"TB to NVMe ({format_bytes(self.written_per_step)} a step), {fraction:.2%} of "
+            f"the life of {self.drives} drive(s) at {rated} each; more host RAM "
+            "(memory.host_budget) writes less (docs/guide/offload.md#files-metrics-and-"
+            "start-up-checks)"
+        )
 
     def over_budget(self, budget: float) -> str:
         """Why the run exceeds ``budget`` (a fraction of drive life), or ""."""
