@@ -129,8 +129,10 @@ def _meets(lane: tuple[float, float], compute: float) -> float:
     """Where ``a + b x`` (a lane's time, ``lane = (a, b)``) meets ``compute * x``: the x
     from which the lane is no longer (inf: never; 0: at any x)."""
     a, b = lane
-    if compute <= b * (1 + 1e-12):
-        return math.inf if a > 0 else 0.0
+    if abs(compute - b) <= 1e-12 * compute:  # as fast as the compute: hidden, or never
+        return 0.0 if a <= 0 else math.inf
+    if compute < b:  # faster: never at large x
+        return math.inf
     return max(0.0, a / (compute - b))
 
 
