@@ -23,6 +23,7 @@ import numpy as np
 
 from hetjax.config import Config, OffloadConfig, format_bytes
 from hetjax.optimizer.state_format import state_format
+from hetjax.planning.search import Plan
 from hetjax.planning.wear import Wear
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime
@@ -47,6 +48,9 @@ class RunSummary:
     # step and a day, the fraction of drive life a run of train.steps consumes
     wear: dict[str, Any] = dataclasses.field(default_factory=dict)
     wear_line: str = ""
+    # what the batch costs at the planned placement (planning/batch.py), where the run
+    # was planned (offload.mode=auto): the plan's lines
+    batch_cost: list[str] = dataclasses.field(default_factory=list)
 
     def lines(self) -> list[str]:
         """The summary as log lines."""
@@ -77,6 +81,8 @@ class RunSummary:
                 f"(median of {self.in_memory_steps} steps with the whole state on the "
                 f"device, no budgets): {self.step_s / self.in_memory_step_s:.2f}x"
             )
+        out += [f"summary: {line}" for line in self.batch_cost[:1]]  # predicted by the plan
+        out += self.batch_cost[1:]
         loss = self.losses
         out.append(
             f"summary: loss {loss['first']:.4f} at the first step, {loss['last_tenth_mean']:.4f} "
@@ -99,12 +105,14 @@ def report(
     checkpoint: Path | None,
     val_loss: float,
     log=print,
+    plan: Plan | None = None,
 ) -> RunSummary | None:
     """Builds the run's summary, measures the in-memory reference step when
     ``train.in_memory_steps`` asks (and the run streamed), logs it and adds it to
     ``summary.json`` under ``"run"``. ``records``: the run's metrics.jsonl records;
     ``checkpoint``: the newest checkpoint's directory (None: none). None when the run
-    trained no step."""
+    trained no step. ``plan``: the planner's (``offload.mode=auto``), whose batch
+    cost the summary repeats."""
     if not records:
         return None
     streamed = isinstance(runtime, StreamingRuntime)
@@ -149,6 +157,7 @@ def report(
         paths={k: str(p) for k, p in paths.items() if p is not None},
         wear=_wear_json(wear) if wear.written_per_step else {},
         wear_line=_wear_line(wear, config.memory.nvme_wear_budget),
+        batch_cost=plan.batch_cost.lines() if plan is not None and plan.batch_cost else [],
     )
     for line in summary.lines():
         log(line)

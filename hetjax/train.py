@@ -37,7 +37,7 @@ from hetjax.guards import (
 )
 from hetjax.instruct import make_datasets
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, plot_losses, step_record
-from hetjax.planning.auto import resolve_auto
+from hetjax.planning.auto import plan_auto, resolve_auto
 from hetjax.preemption import Preempted, StopSignals
 from hetjax.run_lock import LOCK_NAME, RunLocks
 from hetjax.runtime.in_memory import InMemoryRuntime
@@ -145,8 +145,9 @@ def _train(
             state, meta, resume = restore_good(ckpt, resume, out.log)
             out.log(f"checkpoint read in {time.perf_counter() - t0:.1f} s")
             check_compatible(meta, config, ckpt.directory)
+        plan = None  # the planner's, where offload.mode=auto made one (the summary's batch cost)
         if config.offload.mode == "auto":  # decide the placement first (hetjax/planning/)
-            config = resolve_auto(config, workdir, out.log)
+            config, plan = plan_auto(config, workdir, out.log)
         if main:
             (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         train_data, val_data, data_desc = make_datasets(config)
@@ -345,6 +346,7 @@ def _train(
                     ckpt.directory / str(last_saved) if ckpt is not None and last_saved else None,
                     val_loss,
                     log=out.log,
+                    plan=plan,
                 )
         params = runtime.params() if return_params else None
         if ckpt is not None:
