@@ -209,9 +209,9 @@ def _most_rows(w: Workload, planned, rows: int, unit: int, limit: int = 1 << 20)
     """The largest micro-batch (a multiple of ``unit`` rows) within the memory budgets,
     0 where none fits; at most ``limit`` units."""
     fits = lambda units: planned(resized(w, units * unit / rows, w.micro_batches)) is not None
-    lo = rows // unit if fits(rows // unit) else 0
-    if not lo:
-        lo = 1 if fits(1) else 0
+    lo = max(1, rows // unit)
+    if not fits(lo):
+        lo = 1 if lo > 1 and fits(1) else 0
         if not lo:
             return 0
     hi = lo * 2

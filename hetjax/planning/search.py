@@ -492,9 +492,18 @@ def plan_batch_cost(
 
     chunks = c.placement.batch_chunks if c.mode == "stream" else 1
     host_optimizer = c.mode == "stream" and c.placement.optimizer != "device"
-    unit = hw.num_devices // w.tensor * chunks  # rows a device's chunks need, every device
+    row_devices = hw.num_devices // w.tensor
+    unit = row_devices * chunks  # rows a device's chunks need, every device
+    # the workload gives each device at least one row: its batch is that many rows
+    planned_rows = max(1, rows // row_devices) * row_devices
+    if planned_rows != rows:
+        w = dataclasses.replace(
+            w,
+            tokens_per_step=w.tokens_per_step * planned_rows // rows,
+            flops_per_step=w.flops_per_step * planned_rows / rows,
+        )
     return batch_cost(
-        w, timed, planned, rows=rows, unit=unit, step_s=step, host_optimizer=host_optimizer
+        w, timed, planned, rows=planned_rows, unit=unit, step_s=step, host_optimizer=host_optimizer
     )
 
 
