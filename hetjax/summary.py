@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from hetjax.config import Config, OffloadConfig, format_bytes
+from hetjax.planning.search import Plan
 from hetjax.planning.wear import Wear
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime
@@ -48,6 +49,9 @@ class RunSummary:
     wear: dict[str, Any] = dataclasses.field(default_factory=dict)
     wear_line: str = ""
     wear_warning: str = ""  # Wear.warning: only where the run uses much of the drives
+    # what the batch costs at the planned placement (planning/batch.py), where the run
+    # was planned (offload.mode=auto): the plan's lines
+    batch_cost: list[str] = dataclasses.field(default_factory=list)
 
     def brief(self) -> list[str]:
         """The summary in a few log lines (the rest: :meth:`lines`, ``--verbose``, and
@@ -66,6 +70,7 @@ class RunSummary:
         )
         if self.wear_warning:
             out.append(f"summary: {self.wear_warning}")
+        out += self.batch_cost  # the plan's (offload.mode=auto): what the batch costs
         out.append(
             "summary: the tier each kind of state used and the bytes moved a step are in "
             "summary.json (--verbose prints them; docs/guide/running.md#the-run-summary); "
@@ -103,6 +108,8 @@ class RunSummary:
                 f"(median of {self.in_memory_steps} steps with the whole state on the "
                 f"device, no budgets): {self.step_s / self.in_memory_step_s:.2f}x"
             )
+        out += [f"summary: {line}" for line in self.batch_cost[:1]]  # predicted by the plan
+        out += self.batch_cost[1:]
         loss = self.losses
         out.append(
             f"summary: loss {loss['first']:.4f} at the first step, {loss['last_tenth_mean']:.4f} "
@@ -126,13 +133,15 @@ def report(
     val_loss: float,
     log=print,
     details: bool = True,
+    plan: Plan | None = None,
 ) -> RunSummary | None:
     """Builds the run's summary, measures the in-memory reference step when
     ``train.in_memory_steps`` asks (and the run streamed), logs it (in full with
     ``details``, else :meth:`RunSummary.brief`) and adds it to ``summary.json`` under
     ``"run"``. ``records``: the run's metrics.jsonl records;
     ``checkpoint``: the newest checkpoint's directory (None: none). None when the run
-    trained no step."""
+    trained no step. ``plan``: the planner's (``offload.mode=auto``), whose batch
+    cost the summary repeats."""
     if not records:
         return None
     streamed = isinstance(runtime, StreamingRuntime)
@@ -178,6 +187,7 @@ def report(
         wear=_wear_json(wear) if wear.written_per_step else {},
         wear_line=_wear_line(wear, config.memory.nvme_wear_budget),
         wear_warning=_wear_warning(wear, config.memory.nvme_wear_budget),
+        batch_cost=plan.batch_cost.lines() if plan is not None and plan.batch_cost else [],
     )
     for line in summary.lines() if details else summary.brief():
         log(line)

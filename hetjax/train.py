@@ -40,7 +40,7 @@ from hetjax.guards import (
 from hetjax.instruct import make_datasets
 from hetjax.metrics import MetricsWriter, StepTimer, peak_flops, plot_losses, step_record
 from hetjax.parallel.zero import Zero3
-from hetjax.planning.auto import resolve_auto
+from hetjax.planning.auto import plan_auto, resolve_auto
 from hetjax.preemption import Preempted, StopSignals
 from hetjax.run_lock import LOCK_NAME, RunLocks
 from hetjax.runtime.in_memory import InMemoryRuntime
@@ -164,8 +164,9 @@ def _train(
             out.log(f"checkpoint read in {time.perf_counter() - t0:.1f} s")
             check_compatible(meta, config, ckpt.directory)
         probe_for(config.model, t.seq_len)  # cuDNN's attention, before the plan counts on it
+        plan = None  # the planner's, where offload.mode=auto made one (the summary's batch cost)
         if config.offload.mode == "auto":  # decide the placement first (hetjax/planning/)
-            config = resolve_auto(config, workdir, out.log, out.detail)
+            config, plan = plan_auto(config, workdir, out.log, out.detail)
         t0 = time.perf_counter()
         out.log(f"building the {config.offload.mode} runtime: initialising state, planning ...")
         runtime = build_runtime(config, workdir)
@@ -375,6 +376,7 @@ def _train(
                     val_loss,
                     log=out.log,
                     details=out.details,
+                    plan=plan,
                 )
         params = runtime.params() if return_params else None
         if ckpt is not None:

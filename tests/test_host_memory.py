@@ -11,6 +11,7 @@ from a child process (``os.wait4``), not the runtime's own ledger.
 import os
 import re
 import sys
+import tracemalloc
 from pathlib import Path
 
 import jax
@@ -85,3 +86,41 @@ def test_offloaded_runs_hold_no_more_than_in_memory_and_stay_in_budget(tmp_path)
     assert in_memory > overhead + 256 * MiB, report  # the model's state shows in the RSS
     assert offloaded <= in_memory, report
     assert budgeted <= budget + device_plan + overhead, report
+
+
+def test_a_save_allocates_no_copy_of_the_state(tiny, tmp_path):
+    """A checkpoint of the NVMe tier's stages cached in RAM, written from their own
+    buffers (``checkpoint_state.py``): what the save allocates (numpy and Python,
+    tracemalloc, from the save to its last write) is below one stage's slab of one kind,
+    a byte count that any copy of the embedding's state exceeds (issue #58 item 5)."""
+    from equivalence import training_batches
+
+    from hetjax.checkpoint import Checkpointer
+    from hetjax.runtime.streaming import StreamingRuntime
+
+    offload = dict(mode="stream", optimizer="nvme", params="nvme")
+    memory = dict(nvme_path=str(tmp_path / "nvme"), host_budget="40MiB")
+    # vocab 8192: the embedding's and the head's stages 1 MiB a kind, well above what a
+    # save's own bookkeeping allocates
+    config = tiny(model=dict(vocab_size=8192), offload=offload, memory=memory)
+    runtime = StreamingRuntime(config)
+    ckpt = Checkpointer(tmp_path / "checkpoints")
+    try:
+        cached = runtime.states.cached
+        assert "embed" in cached, cached
+        for batch in training_batches(config, 1):
+            runtime.train_step(batch)
+        slab = max(runtime.layouts[s].padded_size for s in ("embed", "head")) * 4
+        tracemalloc.start()
+        try:
+            ckpt.save(1, runtime.save_state(), {"step": 1})
+            ckpt.wait()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        report = ckpt.report
+        assert report.written_bytes > 3 * slab, report
+        assert peak < slab, f"a save allocated {peak / MiB:.2f} MiB (a slab: {slab / MiB:.2f})"
+    finally:
+        ckpt.close()
+        runtime.close()

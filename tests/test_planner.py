@@ -248,6 +248,11 @@ def test_gpt3_configs_are_set_up_as_fuyou_ran_them():
         plan = make_plan(config, hw)
         _fits(plan)
         assert plan.candidate.mode == "stream" and 50e12 < plan.tflops < 250e12, plan.table()
+        # compute-bound at batch 16 (planning/batch.py): a smaller batch reaches 90%
+        cost = plan.batch_cost
+        assert cost.bound == "compute" and cost.compute_fraction > 0.99, plan.table()
+        assert cost.suggested[0] <= 16 and cost.suggested[2] >= 0.9, plan.table()
+        assert cost.hidden_at.get("nvme", 0) < 16 * 1024 and "batch cost:" in plan.table()
 
 
 def test_clipping_that_binds_is_predicted_without_overlap():
@@ -366,7 +371,7 @@ def test_plan_cli_on_this_machine(capsys):
 def _check_plan_outcome(name, hardware, rc, out, err, fits):
     if fits:
         assert rc == 0, (name, hardware, err[-2000:])
-        assert "predicted:" in out and "tokens/s" in out, out
+        assert "predicted:" in out and "tokens/s" in out and "batch cost:" in out, out
     else:
         assert rc == 1, (name, hardware, out[-2000:])
         assert "does not fit" in err and "short by" in err, err

@@ -40,6 +40,8 @@ def _check_default_run(workdir, out, verbose=False):
     assert run["tiers"]["optimizer"] == "nvme" and run["tiers"]["params"] == "host"
     assert run["moved_bytes"]["nvme_read"] > 0 and run["moved_bytes"]["host_to_device"] > 0
     assert run["in_memory_step_s"] > 0
+    # the plan's batch cost repeated (planning/batch.py)
+    assert "summary: batch cost:" in out and "of the compute bound" in run["batch_cost"][0]
     assert Path(run["paths"]["timeline"]).read_bytes()[:8] == PNG
     assert (workdir / "loss.png").read_bytes()[:8] == PNG
     assert any((workdir / "nvme").iterdir())

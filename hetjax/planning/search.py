@@ -51,6 +51,7 @@ from hetjax.config import SWAP_LEVELS, Config, ConfigError, format_bytes
 from hetjax.memory import WAIT_LAG_HOST, DeviceCache, device_parts, plan_device, window_wait_lag
 from hetjax.memory_host import HostMemoryPlan, host_minimum, nvme_parts, plan_host
 from hetjax.placement import Placement
+from hetjax.planning.batch import BatchCost, batch_cost
 from hetjax.planning.cost import (
     ON_DEVICE,
     Candidate,
@@ -240,6 +241,7 @@ class Plan:
             )
         if self.wear is not None and self.wear.written_per_step:
             lines.append(f"  {self.wear.describe()}")
+        lines += [f"  {line}" for line in self.batch_cost.lines()] if self.batch_cost else []
         return "\n".join(lines)
 
     num_layers: int = 0
@@ -258,6 +260,9 @@ class Plan:
     split: str = ""
     tensor_parallel: int = 1  # the devices of a model group (distributed.tensor_parallel)
     allreduce_bytes: float = 0.0  # Megatron's all-reduces a step, per device
+    # what the batch costs at this placement and what would reach 90% of the compute
+    # bound (planning/batch.py)
+    batch_cost: BatchCost | None = None
 
 
 # -- evaluating one candidate ------------------------------------------------------------
@@ -486,13 +491,51 @@ def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) ->
         return []
     c, host, nvme = f.candidate, f.host, f.nvme
     cache = host.get("optimizer cache", 0)
-    cached = cache / nvme["optimizer"] if nvme.get("optimizer") else 0.0
-    spill = nvme.get("gradients", 0)
-    kept = host.get("params kept for backward", 0)
+    cached, spill, kept = _lane_inputs(host, nvme)
     step, by_lane = lanes(w, hw, c, cached, spill, kept_params=kept)
     clipped, _ = lanes(w, hw, c, cached, spill, after_backward=True, kept_params=kept)
     written = sum(nvme_writes(w, c, cached, spill, hw.num_devices).values())
     return [(step, c.rank, c, f.device, host, nvme, cache, by_lane, clipped, written)]
+
+
+def _lane_inputs(host: dict[str, int], nvme: dict[str, int]) -> tuple[float, int, int]:
+    """What :func:`~hetjax.planning.cost.lanes` takes from a footprint: the cached
+    fraction of the NVMe optimizer state, the gradient bytes spilled to NVMe, the params
+    kept in RAM for backward."""
+    cache = host.get("optimizer cache", 0)
+    cached = cache / nvme["optimizer"] if nvme.get("optimizer") else 0.0
+    return cached, nvme.get("gradients", 0), host.get("params kept for backward", 0)
+
+
+def plan_batch_cost(
+    w: Workload, hw: Hardware, limit: dict[str, int], chosen: tuple, rows: int
+) -> BatchCost:
+    """What the batch of the plan ``chosen`` (:func:`_evaluate`'s tuple) costs, the
+    micro-batch ``rows`` rows (``train.micro_batch_size``): the cost model at its
+    placement (``planning/batch.py``), resized workloads checked against ``limit``."""
+    step, _, c, _, host, nvme = chosen[:6]
+    cached, spill, kept = _lane_inputs(host, nvme)
+    timed = lambda v: lanes(v, hw, c, cached, spill, kept_params=kept)[1]
+
+    def planned(v: Workload):
+        found = _evaluate(v, hw, limit, c)
+        return (found[0][0], found[0][7]) if found else None
+
+    chunks = c.placement.batch_chunks if c.mode == "stream" else 1
+    host_optimizer = c.mode == "stream" and c.placement.optimizer != "device"
+    row_devices = hw.num_devices // w.tensor
+    unit = row_devices * chunks  # rows a device's chunks need, every device
+    # the workload gives each device at least one row: its batch is that many rows
+    planned_rows = max(1, rows // row_devices) * row_devices
+    if planned_rows != rows:
+        w = dataclasses.replace(
+            w,
+            tokens_per_step=w.tokens_per_step * planned_rows // rows,
+            flops_per_step=w.flops_per_step * planned_rows / rows,
+        )
+    return batch_cost(
+        w, timed, planned, rows=planned_rows, unit=unit, step_s=step, host_optimizer=host_optimizer
+    )
 
 
 def make_plan(
@@ -616,6 +659,7 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
         fallbacks=tuple(support.fallbacks(config, parallel)) if c.mode == "stream" else (),
         wear=wear_of(chosen),
         tensor_parallel=w.tensor,
+        batch_cost=plan_batch_cost(w, hw, limit, chosen, config.train.micro_batch_size),
         allreduce_bytes=(
             in_memory_collective_bytes(w, c)[1]
             if c.mode == "none"
