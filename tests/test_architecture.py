@@ -16,6 +16,7 @@ LAYERS = [
         "hetjax.gpucheck",
         "hetjax.generate",
         "hetjax.evaluate",
+        "hetjax.cli_config",  # the commands' config: --config, the workdir's, or --hf's
     },
     {
         "hetjax.train",
@@ -36,6 +37,7 @@ LAYERS = [
         "hetjax.hf",
         "hetjax.data",
         "hetjax.instruct",  # instruction records packed into rows (reads data's windows)
+        "hetjax.chat",  # tokenizers and chat templates (the run's tokenizer, named)
         "hetjax.distributed",
         "models",
     },

@@ -33,7 +33,7 @@ DUPLEX_GAIN = 1.2  # both directions at once move this much more than one alone
 # slower of the two, beyond best-of-3 timing noise.
 NUMPY_VS_CROSS_CLIENT = 0.9
 # XLA's deterministic GPU ops (scatter, GEMMs, attention), for the equivalence tests
-# that compare bit for bit (XLA's docs/determinism.md); probed before use
+# that compare bit for bit (XLA's determinism notes); probed before use
 DETERMINISTIC_OPS = "--xla_gpu_exclude_nondeterministic_ops=true"
 OVERLAP_SLOWDOWN = 1.3  # compute under copies both ways, at most this much slower
 DEVICE_BUDGET_SLACK = 1.10  # XLA's peak vs the budget: its scratch and fragmentation

@@ -43,7 +43,7 @@ ALGORITHM = "crc32c"  # the sum of every page written now (a checkpoint index's 
 LEGACY_ALGORITHM = "crc32"  # zlib's, in checkpoints written before 2026-11-29
 SOFTWARE_WARNING = (
     "hetjax: this CPU has no CRC-32C instructions (SSE4.2 / Arm CRC): page checksums run "
-    "in software, several times slower (docs/guide/checkpoints.md#damaged-state-in-flight)"
+    "in software, several times slower (docs/guide/checkpoints.md)"
 )
 _warned = False
 
