@@ -5,7 +5,6 @@ suggested batch, against values solved by hand; ``--plan`` prints them."""
 import dataclasses
 
 import pytest
-from hetjax.optimizer.state_format import StateFormat
 
 from hetjax import launch
 from hetjax.memory import window_wait_lag
@@ -15,6 +14,7 @@ from hetjax.planning.cost import Candidate
 from hetjax.planning.hardware import Hardware
 from hetjax.planning.search import _evaluate, plan_batch_cost
 from hetjax.planning.workload import Workload, memory_sizes
+from hetjax.state_format import StateFormat
 
 # 10 blocks of 1M params, embed and head 1M each (12M params, bf16 compute, fp32 master
 # and Adam moments: 12 bytes a param on NVMe); micro-batches of `rows` rows of 100 tokens;

@@ -164,7 +164,8 @@ def test_the_device_cache_norm_is_taken_at_the_highest_precision():
     """The norm feeds clipping: on a GPU a dot at default precision is TF32 or bf16."""
     import jax
     import jax.numpy as jnp
-    from hetjax.runtime.grads import DeviceGradients
+
+    from hetjax.runtime.loop.grads import DeviceGradients
 
     grads = DeviceGradients(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     text = grads.average.lower(jnp.ones(8), 2.0).as_text()

@@ -369,9 +369,8 @@ def test_a_skipped_update_fails_the_rounding_criterion(dtype_reference, tmp_path
     """The accelerator's criterion (:func:`assert_within_rounding`) keeps its teeth: a
     bf16 streamed run through the two-client emulation whose step-2 update is skipped
     (the host optimizer's own skip, as on an fp16 overflow) fails it."""
-    from hetjax.runtime.placement import HOST_CLIENT_ENV
-
     from hetjax.optimizer.update_loop import UpdateLoop
+    from hetjax.parallel.single import HOST_CLIENT_ENV
 
     monkeypatch.setenv(HOST_CLIENT_ENV, "separate")
     finish, calls = UpdateLoop.finish, []
