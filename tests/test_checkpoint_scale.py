@@ -162,7 +162,14 @@ BIG = [
 
 def _run(workdir: Path, *args: str, faults: str = "") -> tuple[int, str, int]:
     cmd = [sys.executable, "-m", "hetjax.launch", "--config", str(ROOT / "configs/gpt_tiny.py")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    # without the tests' persistent compilation cache: a child that finds its programs
+    # there peaks ~160 MiB lower than one that compiles them (2026-11-29), which would
+    # swing the with/without comparison either way (tests/test_host_memory.py, #46)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("MALLOC_") and k != "JAX_COMPILATION_CACHE_DIR"
+    }
     if faults:
         env["HETJAX_FAULTS"] = faults
     nvme = f"--config.memory.nvme_path={workdir / 'nvme'}"
