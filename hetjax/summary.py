@@ -70,7 +70,8 @@ class RunSummary:
         )
         if self.wear_warning:
             out.append(f"summary: {self.wear_warning}")
-        out += self.batch_cost  # the plan's (offload.mode=auto): what the batch costs
+        out += [f"summary: {line}" for line in self.batch_cost[:1]]  # the plan's (auto)
+        out += self.batch_cost[1:]
         out.append(
             "summary: the tier each kind of state used and the bytes moved a step are in "
             "summary.json (--verbose prints them; docs/guide/running.md#the-run-summary); "

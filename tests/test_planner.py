@@ -338,6 +338,14 @@ FITS = {
         "mistral_7b",
     },
     "h100": {*_TINY, "gpt2p7b"},
+    # the lent machine (128 GB RAM, a 64 GB disk): up to 7B, Qwen3-8B's state is past it
+    "h200": {*_TINY, "gpt2p7b", "gpt6p7b", "moe_fine_7b", "qwen2_5_7b", "mistral_7b"},
+    # Grace Hopper: 480 GB of LPDDR5X beside the GPU, a 1 TB drive
+    "gh200": {
+        *_TINY,
+        *("gpt2p7b", "gpt6p7b", "gpt13b", "llama_8b", "angel_gpt13b", "angel_gpt30b"),
+        *("fuyou_gpt33b", "moe_fine_7b", *_T5, *_FINE_TUNED),
+    },
 }
 
 

@@ -135,14 +135,14 @@ def runtime_copies(d_model: int = 4096, heads: int = 32) -> dict[str, list[int]]
 
     from hetjax.config import Config
     from hetjax.memory import block_grad_dtype
-    from hetjax.runtime import stages
+    from hetjax.parallel.layouts import stage_layouts
     from models import build_model
 
     config = Config().replace(
         model=dict(d_model=d_model, num_heads=heads, num_layers=1, compute_dtype="bfloat16"),
     )
     model = build_model(config.model)
-    layout = stages.stage_layouts(model, config.memory.page_size, leaf_buffers=True)["block"]
+    layout = stage_layouts(model, config.memory.page_size, leaf_buffers=True)["block"]
     grad = np.dtype(block_grad_dtype(config)).itemsize
     param = np.dtype(config.model.compute_dtype).itemsize
     return {
