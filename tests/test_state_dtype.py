@@ -539,10 +539,18 @@ def test_int8_moments_on_two_devices_train_as_one(tiny, tmp_path):
     process's files, scales beside codes): SGD with momentum (its ``trace`` in int8)
     equals the one-device streaming run of the same batch in 2 micro-batches to the
     tolerance the fp32 ZeRO-3 tests hold (tests/test_zero.py's reference: the devices'
-    gradient sum rounds otherwise, ~1e-7; the blocks are the same, the test above).
-    Against one micro-batch the int8 runs part by 3e-5 of the loss (measured): a
+    gradient sum rounds otherwise, ~1e-7; the blocks are the same, the test above), but
+    for the few elements a rounding moves across a code's midpoint
+    (``equivalence.assert_int8_trees_close``). Against one micro-batch the int8 runs part by 3e-5 of the loss (measured): a
     gradient's rounding moves a moment across a code's midpoint, one step of 2**(1/8)."""
-    from equivalence import assert_gpt_training_equal, check_tokens
+    from equivalence import (
+        assert_evaluation_equal,
+        assert_int8_trees_close,
+        assert_logits_close,
+        assert_losses_close,
+        check_tokens,
+        without_key_bias,
+    )
 
     from hetjax.train import train
     from models import build_model
@@ -560,7 +568,11 @@ def test_int8_moments_on_two_devices_train_as_one(tiny, tmp_path):
             distributed=dict(data_parallel=2),
         )
         two = train(config, tmp_path / tier, verbose=False)
-        assert_gpt_training_equal(two, one, build_model(config.model), check_tokens())
+        assert_losses_close(two.losses, one.losses)
+        assert_evaluation_equal(two, one)
+        assert_int8_trees_close(without_key_bias(two.params), without_key_bias(one.params))
+        model = build_model(config.model)
+        assert_logits_close(model, two.params, one.params, check_tokens(), rtol=1e-5)
     scales = tmp_path / "nvme" / "nvme" / "proc0" / "optimizer_scales" / "gen1" / "trace"
     assert json.loads((scales / "zarr.json").read_text())["data_type"] == "float32"
 
@@ -989,7 +1001,7 @@ def test_int8_moments_on_nvme_in_two_processes_train_as_one(tiny, tmp_path):
     its pages' scales beside its codes): SGD with momentum equals the one-device
     streaming run of the same batch in 4 micro-batches to the ZeRO-3 tests' tolerance
     (test_int8_moments_on_two_devices_train_as_one says why that reference)."""
-    from equivalence import assert_trees_close, without_key_bias
+    from equivalence import assert_int8_trees_close, without_key_bias
     from test_zero import _params_like, _run_two_processes
 
     from hetjax.train import train
@@ -1007,7 +1019,7 @@ def test_int8_moments_on_nvme_in_two_processes_train_as_one(tiny, tmp_path):
     saved = _run_two_processes(tmp_path, *args)
     np.testing.assert_allclose(saved["losses"], ref.losses, rtol=1e-5)
     params = _params_like(saved, ref.params)
-    assert_trees_close(without_key_bias(params), without_key_bias(ref.params))
+    assert_int8_trees_close(without_key_bias(params), without_key_bias(ref.params))
     for k in (0, 1):  # each process its own codes and scales
         for store in ("optimizer", "optimizer_scales"):
             root = tmp_path / f"proc{k}" / "nvme" / f"proc{k}" / store

@@ -62,9 +62,10 @@ class BatchCost:
         seq = self.tokens_per_step // self.batch_size
         hidden = []
         for lane, tokens in self.hidden_at.items():
-            at = f"{math.ceil(tokens):,}" if tokens else "any batch"
             if math.isinf(tokens):
                 at = "never (it grows with the micro-batch as fast as the compute)"
+            else:
+                at = f"{math.ceil(tokens):,}" if tokens else "any batch"
             again = " (not by grad_accum: each micro-batch moves it)" * (
                 lane in self.per_micro_batch and not math.isinf(tokens)
             )
