@@ -483,8 +483,9 @@ def _cache_variants(w: Workload, parallelism: str, c: Candidate):
 
 def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) -> list[tuple]:
     """Candidate ``c``'s footprint per tier and predicted step, as ``[(step, rank, c,
-    device, host, nvme, optimizer cache, lanes, step when clipping binds, NVMe bytes
-    written a step)]``; empty when it does not fit."""
+    device, host, nvme, optimizer cache, lanes, None, NVMe bytes written a step)]``;
+    empty when it does not fit. (The step when clipping binds, the ninth, only for the
+    chosen: :func:`_clipped`.)"""
     # the window's lag on the profile's backend (its, not this process's), as there
     f = footprint(w, c, limit, hw.num_devices, lag=window_wait_lag(not hw.shared_cores))
     if f is None:
@@ -493,9 +494,16 @@ def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) ->
     cache = host.get("optimizer cache", 0)
     cached, spill, kept = _lane_inputs(host, nvme)
     step, by_lane = lanes(w, hw, c, cached, spill, kept_params=kept)
-    clipped, _ = lanes(w, hw, c, cached, spill, after_backward=True, kept_params=kept)
     written = sum(nvme_writes(w, c, cached, spill, hw.num_devices).values())
-    return [(step, c.rank, c, f.device, host, nvme, cache, by_lane, clipped, written)]
+    return [(step, c.rank, c, f.device, host, nvme, cache, by_lane, None, written)]
+
+
+def _clipped(w: Workload, hw: Hardware, chosen: tuple) -> float:
+    """The step of the plan ``chosen`` (:func:`_evaluate`'s tuple) when clipping binds
+    (``cost.lanes``' ``after_backward``)."""
+    _, _, c, _, host, nvme = chosen[:6]
+    cached, spill, kept = _lane_inputs(host, nvme)
+    return lanes(w, hw, c, cached, spill, after_backward=True, kept_params=kept)[0]
 
 
 def _lane_inputs(host: dict[str, int], nvme: dict[str, int]) -> tuple[float, int, int]:
@@ -628,7 +636,7 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
             )
         best = within
     chosen = _choose(best, write_less=bool(budget))
-    step, _, c, device, host, nvme, cache, lanes, clipped, _ = chosen
+    step, _, c, device, host, nvme, cache, lanes, _, _ = chosen
     busiest = max(lanes, key=lanes.get)
     o = config.optimizer
     return Plan(
@@ -645,7 +653,7 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
         tokens_per_s=w.tokens_per_step / step,
         tflops=w.flops_per_step / step / hw.num_devices,
         bottleneck=busiest,
-        step_clipped_s=clipped if o.grad_clip > 0 and o.mode == "sync" else step,
+        step_clipped_s=_clipped(w, hw, chosen) if o.grad_clip > 0 and o.mode == "sync" else step,
         num_devices=hw.num_devices,
         num_layers=w.num_layers,
         groups=tuple((name, n) for name, n, _ in w.groups),
