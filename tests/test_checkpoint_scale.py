@@ -157,7 +157,14 @@ BIG = [
     "--config.offload.params=nvme",
     "--config.memory.host_budget=52MiB",
     "--config.checkpoint.at_end=false",
+    "--config.train.in_memory_steps=0",  # (its compile after the run: not a checkpoint's)
 ]
+
+# The peak is counted from the first step's log line on (bench/common.py run_peak_rss):
+# past the compiles, whose transient memory swings the whole run's peak by +-100 MiB
+# run to run (2026-11-29: +99 MiB on CI with checkpoints, -56 MiB here), more than the
+# checkpoints' own cost this test bounds.
+AFTER_COMPILES = f"step {1:>6}  loss"
 
 
 def _run(workdir: Path, *args: str, faults: str = "") -> tuple[int, str, int]:
@@ -173,7 +180,9 @@ def _run(workdir: Path, *args: str, faults: str = "") -> tuple[int, str, int]:
     if faults:
         env["HETJAX_FAULTS"] = faults
     nvme = f"--config.memory.nvme_path={workdir / 'nvme'}"
-    return run_peak_rss([*cmd, "--workdir", str(workdir), *BIG, nvme, *args], env)
+    return run_peak_rss(
+        [*cmd, "--workdir", str(workdir), *BIG, nvme, *args], env, reset_at=AFTER_COMPILES
+    )
 
 
 def _losses(workdir: Path) -> dict[int, float]:
@@ -183,15 +192,19 @@ def _losses(workdir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the checkpoint writer's overlap with the steps, and so the peak,
+# moves with the load: +67 MiB beside another test, +5 MiB alone (2026-11-29)
 def test_state_twice_the_host_budget_checkpoints_within_a_quarter_of_it(tmp_path):
     without, out, code = _run(tmp_path / "plain", "--config.checkpoint.every_steps=0")
     assert code == 0, out[-3000:]
+    assert f"hetjax-peak-rss counted from: {AFTER_COMPILES}" in out, out[-3000:]
     state = 3 * 4 * float(re.search(r"hetjax: ([\d.]+)M params", out)[1]) * 1e6
     assert state > 2 * 52 * MiB, out[-2000:]
     every2 = "--config.checkpoint.every_steps=2"
     with_ckpt, out, code = _run(tmp_path / "ckpt", every2)
     assert code == 0, out[-3000:]
     assert "hard-linked" in out, out[-3000:]
+    assert f"hetjax-peak-rss counted from: {AFTER_COMPILES}" in out, out[-3000:]
     print(f"peak RSS without checkpoints {without / MiB:.0f} MiB, with {with_ckpt / MiB:.0f} MiB")
     assert with_ckpt <= without + 52 * MiB // 4
     _, out, code = _run(tmp_path / "cut", every2, faults="kill_mid_step@6")

@@ -33,25 +33,41 @@ PEER_S_PER_STEP = 0.5
 
 # Runs its argv as a child and reports the child's peak RSS: a small process in between,
 # because Linux counts into a child's ru_maxrss the RSS of the process it was forked
-# from at its exec (a test worker's gigabytes would be the child's peak).
+# from at its exec (a test worker's gigabytes would be the child's peak). Given a line
+# (argv[1], "" for none), the child's high-water mark is reset at the first line of its
+# output starting with it (/proc/PID/clear_refs, "5"): the peak from there on.
 _MEASURE = """
 import os, subprocess, sys
-proc = subprocess.Popen(sys.argv[1:])
+mark, cmd = sys.argv[1], sys.argv[2:]
+proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+for line in proc.stdout:
+    sys.stdout.write(line)
+    if mark and line.startswith(mark):
+        with open(f"/proc/{proc.pid}/clear_refs", "w") as f:
+            f.write("5")
+        sys.stdout.write(f"hetjax-peak-rss counted from: {line.strip()}\\n")
+        mark = ""
+    sys.stdout.flush()
 _, status, usage = os.wait4(proc.pid, 0)
 proc.returncode = os.waitstatus_to_exitcode(status)
 print(f"\\nhetjax-peak-rss {usage.ru_maxrss * 1024} {proc.returncode}", flush=True)
 """
 
 
-def run_peak_rss(cmd: list[str], env: dict | None = None) -> tuple[int, str, int]:
+def run_peak_rss(
+    cmd: list[str], env: dict | None = None, *, reset_at: str = ""
+) -> tuple[int, str, int]:
     """Runs ``cmd`` to its end as a child process: its peak RSS in bytes (``wait4``'s
     ``ru_maxrss``, taken by a small process in between: see ``_MEASURE``), its output
-    (stdout and stderr) and its exit status (negative: the signal that killed it)."""
+    (stdout and stderr) and its exit status (negative: the signal that killed it).
+    ``reset_at``: the peak from the first output line starting with it on (past the
+    child's compiles, whose transient memory varies by a hundred MiB run to run); the
+    whole run's where no line does."""
     import subprocess
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-c", _MEASURE, *cmd],
+        [sys.executable, "-c", _MEASURE, reset_at, *cmd],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
