@@ -737,3 +737,28 @@ def test_swapped_activations_through_nvme_equal_none(reference, tiny, tmp_path, 
         runtime.close()
     for r in result.records:  # one of the two written and read back per step
         assert r["nvme_write_bytes"] == r["nvme_read_bytes"] == row, r
+
+
+def test_start_up_measurement_compiles_what_the_first_step_runs(tiny, tmp_path):
+    """The start-up measurement of the backward functions' temporaries (XLA's, by
+    compiling them: ``stages/measure.py``) compiles them as the steps call them, on the
+    device with the cotangents they pass: the block's, the head's and the embedding's
+    backward are each compiled once in a run, not once to measure and again to run
+    (issue #59 item 13: on a GPU the block's backward at d 4096 compiles for a minute)."""
+    import collections
+
+    from jax._src import monitoring
+
+    compiles = collections.Counter()
+
+    def listen(event: str, duration: float, fun_name: str = "", **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles[fun_name] += 1
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        train(tiny(offload=dict(mode="stream"), train=dict(steps=2)), tmp_path, verbose=False)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    backward = ("jit(block_bwd)", "jit(head_fwd_bwd)", "jit(embed_bwd)")
+    assert {name: compiles[name] for name in backward} == dict.fromkeys(backward, 1), compiles

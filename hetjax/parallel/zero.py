@@ -406,6 +406,13 @@ class Zero3:
         tensor parallelism's split weights)."""
         return self.expert_axis is not None or self.tensor_parallel > 1
 
+    def as_called(self, args: tuple) -> tuple:
+        """Abstract arguments of a stage function for a start-up measurement: as given
+        (global, unplaced). The measurement compiles the function for one device's rows
+        where the calls compile it over the mesh (``single.py``'s places them as called:
+        one compile)."""
+        return args
+
     def abstract_rows(self, x):
         """A ``BATCH`` argument's abstract value: its rows split over the batch axes."""
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharded.batch)

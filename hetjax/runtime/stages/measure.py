@@ -102,7 +102,9 @@ class StageMeasurements:
         tokens = sds((batch, seq_len), jnp.int32)
         slab, x, context = self.block_args(batch, seq_len, dtype)[g]
         prev = None if g == 0 else x
+        # the statistics' cotangent as backward passes it: None without an auxiliary loss
         stats = jax.eval_shape(self.groups[g].block_fwd, slab, x, context)[1]
+        stats = stats if self.stats_size else None
         return {
             "embed_fwd": (self._slab("embed", dtype), tokens),
             "input_fwd": (self._slab("embed", dtype), prev, tokens, tokens),
@@ -130,7 +132,7 @@ class StageMeasurements:
                 compiled.append((fns.input_bwd, args["input_bwd"]))
         temps = []
         for fn, args in compiled:
-            analysis = fn.lower(*args).compile().memory_analysis()
+            analysis = fn.lower(*self.parallel.as_called(args)).compile().memory_analysis()
             temps.append(getattr(analysis, "temp_size_in_bytes", 0) if analysis else 0)
         x = first["block_fwd"][1]
         act = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
