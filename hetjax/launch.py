@@ -36,6 +36,7 @@ from hetjax.allocator import tune_malloc
 from hetjax.config import Config, ConfigError, load_config
 from hetjax.data import check_token_file
 from hetjax.errors import UserError, check_output_dir, entry_point, note_path
+from hetjax.planning.hardware import PROFILES
 
 DEFAULT_CONFIG = "gpt_tiny"
 
@@ -115,8 +116,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     parser.add_argument(
         "--hardware",
         default="local",
-        help="with --plan: the machine to plan for, a profile (a100-80g, rtx4090, "
-        "angel-a100-40g, patrickstar-v100, h100) or local (measured here; the default)",
+        help="with --plan: the machine to plan for, a profile (" + ", ".join(PROFILES) + ") "
+        "or local (measured here; the default)",
     )
     args = parser.parse_args(rest)
     args.config_given = args.config is not None  # --hf without it: not the tiny demo's
