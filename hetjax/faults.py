@@ -13,6 +13,7 @@ nothing from hetjax but the config's error type, so the storage layer can use it
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -52,8 +53,26 @@ MID_STEP = {
 }
 
 
+SPIKE_GAIN = 1000.0  # loss_spike@N: step N's loss as the guard sees it, x this
+
+
 class InjectedFault(RuntimeError):
     """The error an ``optimizer_raise`` fault raises."""
+
+
+@dataclasses.dataclass
+class StepFaults:
+    """One step's faults as the loop applies them (:meth:`Faults.start_step`): the
+    runtime's step arguments and the timer of a signal due while it runs."""
+
+    poison: bool  # the step's gradients NaN
+    loss_gain: float  # its loss as the spike guard sees it, times this
+    timer: threading.Timer | None
+
+    def step_ended(self) -> None:
+        """The step outlived the signal's timer: the signal now, still before any save."""
+        if self.timer is not None:
+            self.timer.join()
 
 
 class Faults:
@@ -95,6 +114,29 @@ class Faults:
         if due:
             with _lock:
                 _armed.update(due)
+
+    def start_step(self, step: int, last_step_s: float) -> StepFaults:
+        """The faults of ``step``, which starts now: a signal due while it runs is sent
+        from a timer thread half the last step's time (``last_step_s``) later, the
+        runtime's own faults are armed (:meth:`arm`), and its NaN gradients and loss
+        spike are the step's arguments."""
+        sig, timer = self.mid_step_signal(step), None
+        if sig is not None:
+            timer = threading.Timer(0.5 * last_step_s, os.kill, (os.getpid(), sig))
+            timer.daemon = True
+            timer.start()
+        self.arm(step)
+        gain = SPIKE_GAIN if self.hit("loss_spike", step) else 1.0
+        return StepFaults(poison=self.hit("nan", step), loss_gain=gain, timer=timer)
+
+    def checkpoint_handed_over(self, step: int, wait) -> None:
+        """Step ``step``'s checkpoint went to the background writer: SIGKILL now
+        (``kill_saving``), or once ``wait()`` says it is complete (``kill_saved``)."""
+        if self.hit("kill_saving", step):
+            self.kill()
+        if self.hit("kill_saved", step):
+            wait()
+            self.kill()
 
     @staticmethod
     def disarm() -> None:

@@ -36,12 +36,26 @@ from hetjax.allocator import tune_malloc
 from hetjax.config import Config, ConfigError, load_config
 from hetjax.data import check_token_file
 from hetjax.errors import UserError, check_output_dir, entry_point, note_path
+from hetjax.planning.hardware import PROFILES
 
 DEFAULT_CONFIG = "gpt_tiny"
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
-    """Splits ``--config.a.b=v`` overrides from the ordinary flags."""
+    """Splits ``--config.a.b=v`` overrides from the ordinary flags (:func:`_parser`)."""
+    overrides, rest = _split_overrides(argv)
+    args = _parser().parse_args(rest)
+    args.config_given = args.config is not None  # --hf without it: not the tiny demo's
+    args.config = args.config or DEFAULT_CONFIG
+    if args.resume is not None:
+        overrides["checkpoint.resume"] = args.resume
+    if args.overwrite:
+        overrides["checkpoint.overwrite"] = "true"
+    return args, overrides
+
+
+def _split_overrides(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """``--config.a.b=v`` and ``--config.a.b v`` (as ``{"a.b": "v"}``), and the rest."""
     overrides: dict[str, str] = {}
     rest: list[str] = []
     i = 0
@@ -63,6 +77,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
         else:
             rest.append(arg)
         i += 1
+    return overrides, rest
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line's flags (the overrides aside)."""
     parser = argparse.ArgumentParser(
         prog="python -m hetjax.launch",
         description="Train a transformer with hetjax. Override any config key with "
@@ -115,17 +134,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     parser.add_argument(
         "--hardware",
         default="local",
-        help="with --plan: the machine to plan for, a profile (a100-80g, rtx4090, "
-        "angel-a100-40g, patrickstar-v100, h100) or local (measured here; the default)",
+        help="with --plan: the machine to plan for, a profile (" + ", ".join(PROFILES) + ") "
+        "or local (measured here; the default)",
     )
-    args = parser.parse_args(rest)
-    args.config_given = args.config is not None  # --hf without it: not the tiny demo's
-    args.config = args.config or DEFAULT_CONFIG
-    if args.resume is not None:
-        overrides["checkpoint.resume"] = args.resume
-    if args.overwrite:
-        overrides["checkpoint.overwrite"] = "true"
-    return args, overrides
+    return parser
 
 
 def run_config(args: argparse.Namespace, overrides: dict[str, str]) -> Config:

@@ -10,10 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,14 +78,6 @@ class TrainResult:
 # the runtime's start-up plan lines printed with --verbose only (the mesh's and the
 # fallbacks' always): the memory plans' parts (hetjax/runtime/setup.py, describe_plans)
 PLAN_DETAILS = ("device plan:", "host plan:", "nvme:", "NVMe generations:", "optimizer state of")
-SPIKE_GAIN = 1000.0  # HETJAX_FAULTS loss_spike@N: step N's loss as the guard sees it, x this
-
-
-def _signal_later(seconds: float, sig: signal.Signals) -> threading.Timer:
-    timer = threading.Timer(seconds, os.kill, (os.getpid(), sig))
-    timer.daemon = True
-    timer.start()
-    return timer
 
 
 def train(
@@ -142,59 +131,61 @@ def _train(
     return_params: bool,
     details: bool = False,
 ) -> TrainResult:
-    t, ck = config.train, config.checkpoint
-    faults = Faults.from_env()
-    main = is_main_process()
-    out = MetricsWriter(workdir, t.steps, t.log_every, enabled=verbose and main, details=details)
-    out.log(f"hetjax: {sources_line(config)}")  # where the weights and the tokens come from
-    ckpt = (
-        _open_checkpoints(config, workdir, out)
-        if ck.enabled or t.on_nonfinite == "rollback"
-        else None
+    """The run: start-up (:func:`_start`), the steps (:meth:`_Run.step`), the end
+    (:meth:`_Run.finish`); what it opened closed whatever happens."""
+    t = config.train
+    out = MetricsWriter(
+        workdir, t.steps, t.log_every, enabled=verbose and is_main_process(), details=details
     )
-    runtime = None
+    out.log(f"hetjax: {sources_line(config)}")  # where the weights and the tokens come from
+    uses_checkpoints = config.checkpoint.enabled or t.on_nonfinite == "rollback"
+    ckpt = _open_checkpoints(config, workdir, out) if uses_checkpoints else None
+    run = None
     failed = False  # an error is on its way out: closing must not mask it
     try:
-        train_data, val_data, data_desc = make_datasets(config)  # the cheap checks first
-        resume = ckpt.latest() if ckpt is not None and ck.resume == "auto" else None
-        if resume is not None:
-            t0 = time.perf_counter()
-            out.log(f"restoring checkpoint step {resume} from {ckpt.directory} ...")
-            state, meta, resume = restore_good(ckpt, resume, out.log)
-            out.log(f"checkpoint read in {time.perf_counter() - t0:.1f} s")
-            check_compatible(meta, config, ckpt.directory)
-        probe_for(config.model, t.seq_len)  # cuDNN's attention, before the plan counts on it
-        plan = None  # the planner's, where offload.mode=auto made one (the summary's batch cost)
-        if config.offload.mode == "auto":  # decide the placement first (hetjax/planning/)
-            config, plan = plan_auto(config, workdir, out.log, out.detail)
+        run = _start(config, workdir, out, ckpt, signals, Faults.from_env())
+        while run.step < t.steps:
+            run.step_once()
+        return run.finish(return_params)
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        Faults.disarm()
+        out.close()
+        if run is not None:
+            run.runtime.close()
+        if ckpt is not None:
+            ckpt.close_manager(quiet=failed)
+
+
+def _start(config, workdir, out, ckpt, signals, faults) -> _Run:
+    """Start-up, the cheap checks first: data, the checkpoint to resume (read), the
+    placement (``offload.mode=auto``), the runtime; only then is the workdir changed
+    (:func:`_begin_writing`: a start that fails leaves the last run's files as they
+    were), the run described and the checkpoint's state loaded."""
+    t, ck = config.train, config.checkpoint
+    train_data, val_data, data_desc = make_datasets(config)
+    resume = ckpt.latest() if ckpt is not None and ck.resume == "auto" else None
+    if resume is not None:
         t0 = time.perf_counter()
-        out.log(f"building the {config.offload.mode} runtime: initialising state, planning ...")
-        runtime = build_runtime(config, workdir)
+        out.log(f"restoring checkpoint step {resume} from {ckpt.directory} ...")
+        state, meta, resume = restore_good(ckpt, resume, out.log)
+        out.log(f"checkpoint read in {time.perf_counter() - t0:.1f} s")
+        check_compatible(meta, config, ckpt.directory)
+    probe_for(config.model, t.seq_len)  # cuDNN's attention, before the plan counts on it
+    plan = None  # the planner's, where offload.mode=auto made one (the summary's batch cost)
+    if config.offload.mode == "auto":  # decide the placement first (hetjax/planning/)
+        config, plan = plan_auto(config, workdir, out.log, out.detail)
+    t0 = time.perf_counter()
+    out.log(f"building the {config.offload.mode} runtime: initialising state, planning ...")
+    runtime = build_runtime(config, workdir)
+    try:
         out.log(f"runtime ready in {time.perf_counter() - t0:.1f} s")
-        # the run is valid (config, data, budgets, checkpoint): only now is the workdir
-        # changed, so a start that fails leaves the last run's files as they were
-        _begin_writing(config, workdir, ckpt, signals, resume, out, main)
-        model = build_model(config.model)
-        n_params = model.param_count()
-        tokens_per_step = t.batch_size * t.seq_len
-        target_len = decoder_length(config.data, t.seq_len)
-        flops_per_step = row_flops(model, t.seq_len, target_len) * t.batch_size
-        out.log(
-            f"hetjax: {n_params / 1e6:.2f}M params, offload.mode={config.offload.mode}, "
-            f"{jax.devices()[0].platform} x{jax.device_count()}; data: {data_desc}"
-        )
-        out.log(
-            f"batch {t.batch_size} x seq {t.seq_len} = {tokens_per_step:,} tokens/step, "
-            f"grad_accum {t.grad_accum}, {t.steps} steps -> {workdir}"
-        )
-        for line in runtime.plan_lines():  # the terms: docs/guide/running.md#the-runs-output
-            (out.detail if line.startswith(PLAN_DETAILS) else out.log)(line)
-        _log_nvme(config, runtime, out)
-        peak = peak_flops(config.model.compute_dtype)
-        out.detail(
-            f"mfu against {peak / 1e12:.3f} TFLOP/s ({config.model.compute_dtype} matmul, measured)"
-        )
-        step, data_offset = 0, 0
+        _begin_writing(config, workdir, ckpt, signals, resume, out, is_main_process())
+        run = _Run(config, workdir, out, ckpt, signals, faults, runtime, train_data, val_data)
+        run.plan = plan
+        run.describe(data_desc)
         while resume is not None:
             try:
                 runtime.load_state(state)
@@ -202,143 +193,207 @@ def _train(
             except CheckpointDamaged as e:  # its pages fail their CRC-32 as they are read
                 state, meta, resume = fall_back(ckpt, resume, e, out.log)
                 check_compatible(meta, config, ckpt.directory)
-        if resume is not None:
-            step, data_offset = int(meta["step"]), int(meta.get("data_offset", 0))
-            out.log(f"resumed from checkpoint step {step} in {ckpt.directory}")
-            out.advance(step)
-            del state
-        losses, records = [], []
-        timer = StepTimer()
-        bad_streak = damaged_streak = 0
-        guard = SpikeGuard(t.spike_factor, t.spike_window)
-        last_saved, last_saved_at = step, time.monotonic()
-        if step < t.steps:
-            out.log(
-                f"step {step + 1} compiles the step functions first: seconds more than the rest ..."
-            )
+    except BaseException:
+        runtime.close()
+        raise
+    if resume is not None:
+        run.step = run.last_saved = int(meta["step"])
+        run.data_offset = int(meta.get("data_offset", 0))
+        out.log(f"resumed from checkpoint step {run.step} in {ckpt.directory}")
+        out.advance(run.step)
+    if run.step < t.steps:
+        out.log(
+            f"step {run.step + 1} compiles the step functions first: seconds more than the rest ..."
+        )
+    return run
 
-        def save(at: int) -> None:
-            nonlocal last_saved, last_saved_at
-            t0 = time.perf_counter()
-            meta = {"step": at, "data_offset": data_offset, "config": config.to_dict()}
-            ckpt.save(at, runtime.save_state(), meta)
-            last_saved, last_saved_at = at, time.monotonic()
-            _log_completed(ckpt, out)
-            linked = ckpt.report.linked_bytes
-            out.log(
-                f"checkpoint: step {at} snapshot in {time.perf_counter() - t0:.2f} s"
-                + (f" ({format_bytes(linked)} of NVMe state hard-linked)" if linked else "")
-                + f", writing to {ckpt.directory / str(at)} in the background"
-            )
-            if faults.hit("kill_saving", at):
-                Faults.kill()
-            if faults.hit("kill_saved", at):
-                ckpt.wait()
-                Faults.kill()
 
-        while step < t.steps:
-            # The safe point, between steps: stop on a signal, or save if one is due by
-            # time. Every process takes the same decision (one tiny all-gather).
-            minutes = (time.monotonic() - last_saved_at) / 60
-            stop, due = any_process(
-                signals.received is not None, ck.every_minutes and minutes >= ck.every_minutes
-            )
-            if stop:
-                _preempt(signals, step, last_saved != step, save, ckpt, out)
-            if due and last_saved != step:
-                save(step)
-            step += 1
-            batch = train_data.batch(step - 1 + data_offset)  # (B, W): data.objective's windows
-            batch = batch.reshape(t.grad_accum, -1, batch.shape[-1])  # this process's rows
-            sig = faults.mid_step_signal(step)
-            killer = (
-                _signal_later(0.5 * (records[-1]["step_time_s"] if records else 0.05), sig)
-                if sig is not None
-                else None
-            )
-            recorder = (
-                timeline.Recorder(step) if t.trace_every and step % t.trace_every == 0 else None
-            )
-            faults.arm(step)  # the faults inside the runtime's work (hetjax/faults.py)
-            limit = guard.limit()
-            try:
-                with timeline.recording(recorder):
-                    stats = runtime.train_step(
-                        batch,
-                        poison=faults.hit("nan", step),
-                        loss_limit=limit,
-                        loss_gain=SPIKE_GAIN if faults.hit("loss_spike", step) else 1.0,
-                    )
-            except Exception as e:
-                damaged = damaged_page(e)
-                if damaged is None:
-                    raise
-                damaged_streak += 1
-                runtime, step, data_offset = _on_damaged_page(
-                    config, workdir, damaged, e, step, damaged_streak, runtime, ckpt, out
+@dataclasses.dataclass
+class _Run:
+    """A run between its start-up and its end: what its steps share."""
+
+    config: Config
+    workdir: Path
+    out: MetricsWriter
+    ckpt: Checkpointer | None
+    signals: StopSignals
+    faults: Faults
+    runtime: Runtime
+    train_data: Any
+    val_data: Any
+    plan: Any = None  # offload.mode=auto's (planning/search.py Plan)
+    step: int = 0  # the last step done
+    data_offset: int = 0  # batches skipped by rollbacks
+    losses: list[float] = dataclasses.field(default_factory=list)
+    records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    timer: StepTimer = dataclasses.field(default_factory=StepTimer)
+    guard: SpikeGuard | None = None
+    bad_streak: int = 0  # non-finite or spiking steps in a row
+    damaged_streak: int = 0  # steps in a row that read a damaged page
+    last_saved: int = 0
+    last_saved_at: float = dataclasses.field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        t = self.config.train
+        self.guard = SpikeGuard(t.spike_factor, t.spike_window)
+        model = build_model(self.config.model)
+        self.n_params = model.param_count()
+        self.tokens_per_step = t.batch_size * t.seq_len
+        target_len = decoder_length(self.config.data, t.seq_len)
+        self.flops_per_step = row_flops(model, t.seq_len, target_len) * t.batch_size
+        self.peak = peak_flops(self.config.model.compute_dtype)
+
+    def describe(self, data_desc: str) -> None:
+        """The run's first lines: the model, the batch, the plans, the NVMe tier."""
+        config, out, t = self.config, self.out, self.config.train
+        out.log(
+            f"hetjax: {self.n_params / 1e6:.2f}M params, offload.mode={config.offload.mode}, "
+            f"{jax.devices()[0].platform} x{jax.device_count()}; data: {data_desc}"
+        )
+        out.log(
+            f"batch {t.batch_size} x seq {t.seq_len} = {self.tokens_per_step:,} tokens/step, "
+            f"grad_accum {t.grad_accum}, {t.steps} steps -> {self.workdir}"
+        )
+        for line in self.runtime.plan_lines():  # the terms: docs/guide/running.md#the-runs-output
+            (out.detail if line.startswith(PLAN_DETAILS) else out.log)(line)
+        _log_nvme(config, self.runtime, out)
+        out.detail(
+            f"mfu against {self.peak / 1e12:.3f} TFLOP/s ({config.model.compute_dtype} "
+            "matmul, measured)"
+        )
+
+    def save(self, at: int) -> None:
+        """A checkpoint of step ``at``, handed to the background writer."""
+        t0 = time.perf_counter()
+        meta = {"step": at, "data_offset": self.data_offset, "config": self.config.to_dict()}
+        self.ckpt.save(at, self.runtime.save_state(), meta)
+        self.last_saved, self.last_saved_at = at, time.monotonic()
+        _log_completed(self.ckpt, self.out)
+        linked = self.ckpt.report.linked_bytes
+        self.out.log(
+            f"checkpoint: step {at} snapshot in {time.perf_counter() - t0:.2f} s"
+            + (f" ({format_bytes(linked)} of NVMe state hard-linked)" if linked else "")
+            + f", writing to {self.ckpt.directory / str(at)} in the background"
+        )
+        self.faults.checkpoint_handed_over(at, self.ckpt.wait)
+
+    def safe_point(self) -> None:
+        """Between steps: stop on a signal, or save if one is due by time. Every process
+        takes the same decision (one tiny all-gather)."""
+        ck = self.config.checkpoint
+        minutes = (time.monotonic() - self.last_saved_at) / 60
+        stop, due = any_process(
+            self.signals.received is not None, ck.every_minutes and minutes >= ck.every_minutes
+        )
+        if stop:
+            unsaved = self.last_saved != self.step
+            _preempt(self.signals, self.step, unsaved, self.save, self.ckpt, self.out)
+        if due and self.last_saved != self.step:
+            self.save(self.step)
+
+    def step_once(self) -> None:
+        """The next step: the safe point before it, the step, its record, then what its
+        outcome asks for (a rollback, a skip, a checkpoint)."""
+        t = self.config.train
+        self.safe_point()
+        self.step += 1
+        step = self.step
+        batch = self.train_data.batch(step - 1 + self.data_offset)  # (B, W): windows
+        batch = batch.reshape(t.grad_accum, -1, batch.shape[-1])  # this process's rows
+        last_s = self.records[-1]["step_time_s"] if self.records else 0.05
+        faults = self.faults.start_step(step, last_s)
+        traced = t.trace_every and step % t.trace_every == 0
+        recorder = timeline.Recorder(step) if traced else None
+        try:
+            with timeline.recording(recorder):
+                stats = self.runtime.train_step(
+                    batch,
+                    poison=faults.poison,
+                    loss_limit=self.guard.limit(),
+                    loss_gain=faults.loss_gain,
                 )
-                faults.disarm()
-                timer.lap()
-                continue
-            if killer is not None:
-                killer.join()  # the step outlived the timer: signal now, still before any save
-            trace = recorder.finish() if recorder is not None else None
-            step_time = timer.lap()
-            losses.append(stats.loss)
-            rec = step_record(
-                step,
-                stats.loss,
-                step_time,
-                tokens_per_step,
-                flops_per_step,
-                peak,
-                grad_norm=stats.grad_norm,
-                **stats.metrics,
-                **census.step_fields(),  # the process's RSS and what malloc holds
+        except Exception as e:
+            damaged = damaged_page(e)
+            if damaged is None:
+                raise
+            self.damaged_streak += 1
+            self.runtime, self.step, self.data_offset = _on_damaged_page(
+                self.config, self.workdir, damaged, e, step, self.damaged_streak,
+                self.runtime, self.ckpt, self.out,
+            )  # fmt: skip
+            Faults.disarm()
+            self.timer.lap()
+            return
+        faults.step_ended()
+        self.records.append(rec := self.record(stats, recorder))
+        self.out.step(rec)
+        if stats.nonfinite or stats.spike:
+            self.bad_streak += 1
+            self.step, self.data_offset = _on_nonfinite(
+                self.config, self.bad_news(stats), step, self.data_offset, self.bad_streak,
+                self.runtime, self.ckpt, self.out,
+            )  # fmt: skip
+            return
+        if not stats.skipped:  # an fp16 overflow's loss is not one to compare with
+            self.guard.add(stats.loss)
+        self.bad_streak = self.damaged_streak = 0
+        every = self.config.checkpoint.every_steps
+        if every and step % every == 0:
+            self.save(step)
+
+    def record(self, stats, recorder) -> dict[str, Any]:
+        """The step's record (metrics.jsonl): its loss, time and rates, its trace's
+        overlap, the fp16 scale, the guards' flags, the validation loss when due."""
+        t, step = self.config.train, self.step
+        trace = recorder.finish() if recorder is not None else None
+        step_time = self.timer.lap()
+        self.losses.append(stats.loss)
+        rec = step_record(
+            step, stats.loss, step_time, self.tokens_per_step, self.flops_per_step, self.peak,
+            grad_norm=stats.grad_norm,
+            **stats.metrics,
+            **census.step_fields(),  # the process's RSS and what malloc holds
+        )  # fmt: skip
+        if trace is not None:
+            trace.write(self.workdir / "trace")
+            overlap = trace.overlap()
+            rec.update(
+                trace_busiest_lane=overlap["busiest_lane"],
+                trace_step_over_busiest=overlap["step_over_busiest"],
             )
-            if trace is not None:
-                trace.write(workdir / "trace")
-                overlap = trace.overlap()
-                rec.update(
-                    trace_busiest_lane=overlap["busiest_lane"],
-                    trace_step_over_busiest=overlap["step_over_busiest"],
-                )
-                timer.lap()  # writing the trace is not the next step's time
-            if config.model.compute_dtype == "float16":
-                rec.update(loss_scale=stats.loss_scale, skipped=stats.skipped)
-            if stats.nonfinite:
-                rec["nonfinite"] = True
-            if stats.spike:
-                guard.spikes += 1
-                rec.update(loss_spike=True, loss_spikes=guard.spikes)
-            if t.eval_every and t.eval_batches and step % t.eval_every == 0 and step < t.steps:
-                runtime.settle()  # lock-free: the updates so far applied
-                rec["val_loss"] = evaluate(runtime, val_data, t.eval_batches)
-                timer.lap()  # the evaluation is not the next step's time
-            records.append(rec)
-            out.step(rec)
-            if stats.nonfinite or stats.spike:
-                bad_streak += 1
-                what = f"loss {stats.loss}, gradient norm {stats.grad_norm}"
-                if stats.spike:
-                    what = (
-                        f"loss spike: loss {stats.loss:.4g} > train.spike_factor "
-                        f"{t.spike_factor:g} x {guard.median():.4g}, the median loss of the "
-                        f"last {t.spike_window} steps"
-                    )
-                step, data_offset = _on_nonfinite(
-                    config, what, step, data_offset, bad_streak, runtime, ckpt, out
-                )
-                continue
-            if not stats.skipped:  # an fp16 overflow's loss is not one to compare with
-                guard.add(stats.loss)
-            bad_streak = damaged_streak = 0
-            if ck.every_steps and step % ck.every_steps == 0:
-                save(step)
-        runtime.settle()  # outstanding optimizer work done, state written out
-        if ck.at_end and last_saved != step:
-            save(step)
-        val_loss = evaluate(runtime, val_data, t.eval_batches)
+            self.timer.lap()  # writing the trace is not the next step's time
+        if self.config.model.compute_dtype == "float16":
+            rec.update(loss_scale=stats.loss_scale, skipped=stats.skipped)
+        if stats.nonfinite:
+            rec["nonfinite"] = True
+        if stats.spike:
+            self.guard.spikes += 1
+            rec.update(loss_spike=True, loss_spikes=self.guard.spikes)
+        if t.eval_every and t.eval_batches and step % t.eval_every == 0 and step < t.steps:
+            self.runtime.settle()  # lock-free: the updates so far applied
+            rec["val_loss"] = evaluate(self.runtime, self.val_data, t.eval_batches)
+            self.timer.lap()  # the evaluation is not the next step's time
+        return rec
+
+    def bad_news(self, stats) -> str:
+        """What was wrong with a non-finite or spiking step, in words."""
+        if not stats.spike:
+            return f"loss {stats.loss}, gradient norm {stats.grad_norm}"
+        t = self.config.train
+        return (
+            f"loss spike: loss {stats.loss:.4g} > train.spike_factor {t.spike_factor:g} x "
+            f"{self.guard.median():.4g}, the median loss of the last {t.spike_window} steps"
+        )
+
+    def finish(self, return_params: bool) -> TrainResult:
+        """The end: outstanding work done, the last checkpoint, the validation loss,
+        ``summary.json`` and the run's report (:meth:`report`)."""
+        t, ck, out, step = self.config.train, self.config.checkpoint, self.out, self.step
+        self.runtime.settle()  # outstanding optimizer work done, state written out
+        if ck.at_end and self.last_saved != step:
+            self.save(step)
+        val_loss = evaluate(self.runtime, self.val_data, t.eval_batches)
+        losses = self.losses
         if t.eval_batches and losses:
             out.log(
                 f"final validation loss {val_loss:.4f} over {t.eval_batches} batches "
@@ -351,48 +406,40 @@ def _train(
                 "--resume=never --overwrite starts over here; another --workdir starts "
                 "afresh beside it"
             )
-        times = [r["step_time_s"] for r in records]
+        if is_main_process():
+            self.report(val_loss)
+        params = self.runtime.params() if return_params else None
+        if self.ckpt is not None:
+            self.ckpt.wait()  # the last checkpoint is complete before the run says it is done
+            _log_completed(self.ckpt, out)
+        return TrainResult(losses, val_loss, params, self.records, self.workdir)
+
+    def report(self, val_loss: float) -> None:
+        """``summary.json`` (a run that trained nothing keeps the last one's), the loss
+        curves and the run summary (``summary.py``)."""
+        losses, workdir, out = self.losses, self.workdir, self.out
+        if not losses and (workdir / "summary.json").exists():
+            return
+        times = [r["step_time_s"] for r in self.records]
         summary = {
             "val_loss": val_loss,
             "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None,
-            "steps": t.steps,
+            "steps": self.config.train.steps,
             "mean_step_time_s": float(np.mean(times[1:] or times)) if times else None,
-            "loss_spikes": guard.spikes,
+            "loss_spikes": self.guard.spikes,
         }
-        if main and (losses or not (workdir / "summary.json").exists()):  # a no-op keeps it
-            (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            if losses and out.enabled:  # from metrics.jsonl, which a quiet run does not write
-                plot = plot_losses(workdir / "metrics.jsonl", workdir / "loss.png", val_loss)
-                out.log(f"loss curves: {plot}")
-            if losses and out.enabled:
-                report_run(
-                    config,
-                    runtime,
-                    records,
-                    workdir,
-                    train_data,
-                    ckpt.directory / str(last_saved) if ckpt is not None and last_saved else None,
-                    val_loss,
-                    log=out.log,
-                    details=out.details,
-                    plan=plan,
-                )
-        params = runtime.params() if return_params else None
-        if ckpt is not None:
-            ckpt.wait()  # the last checkpoint is complete before the run says it is done
-            _log_completed(ckpt, out)
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        faults.disarm()
-        out.close()
-        if runtime is not None:
-            runtime.close()
-        if ckpt is not None:
-            ckpt.close_manager(quiet=failed)
-    return TrainResult(losses, val_loss, params, records, workdir)
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if not (losses and out.enabled):  # from metrics.jsonl, which a quiet run does not write
+            return
+        plot = plot_losses(workdir / "metrics.jsonl", workdir / "loss.png", val_loss)
+        out.log(f"loss curves: {plot}")
+        ckpt, saved = self.ckpt, self.last_saved
+        report_run(
+            self.config, self.runtime, self.records, workdir, self.train_data,
+            ckpt.directory / str(saved) if ckpt is not None and saved else None,
+            val_loss, log=out.log, details=out.details, plan=self.plan,
+        )  # fmt: skip
 
 
 def _log_nvme(config: Config, runtime: Runtime, out: MetricsWriter) -> None:

@@ -730,3 +730,11 @@ def test_the_nvme_probe_waits_for_its_own_files_and_keeps_its_best(tmp_path, mon
     assert synced  # its files went to disk
     assert write == 8 * mib / 1.0 and read == 8 * mib / 0.25  # the faster of each
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hardware_help_names_every_profile(capsys):
+    """``--help`` lists every profile ``--hardware`` takes, from the profiles' table."""
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in PROFILES), text

@@ -541,8 +541,9 @@ def test_int8_moments_on_two_devices_train_as_one(tiny, tmp_path):
     tolerance the fp32 ZeRO-3 tests hold (tests/test_zero.py's reference: the devices'
     gradient sum rounds otherwise, ~1e-7; the blocks are the same, the test above), but
     for the few elements a rounding moves across a code's midpoint
-    (``equivalence.assert_int8_trees_close``). Against one micro-batch the int8 runs part by 3e-5 of the loss (measured): a
-    gradient's rounding moves a moment across a code's midpoint, one step of 2**(1/8)."""
+    (``equivalence.assert_int8_trees_close``). Against one micro-batch the int8 runs
+    part by 3e-5 of the loss (measured): a gradient's rounding moves a moment across a
+    code's midpoint, one step of 2**(1/8)."""
     from equivalence import (
         assert_evaluation_equal,
         assert_int8_trees_close,

@@ -95,6 +95,29 @@ _FUYOU = dict(
     optimizer_params_per_s=204.8 * GB / 2 / 28,
 )
 
+# The H100 machine this project is sometimes lent: 80 GB HBM3 (81,559 MiB, as
+# nvidia-smi reports an H100 80GB), 128 GB RAM, 64 GB disk, 16 CPU cores. Assumed:
+# 60% of the 989 TFLOP/s bf16 dense peak on a block,
+# PCIe 5 at 50 GB/s, the disk at 2 GB/s, the optimizer at 1.3 G params/s (the
+# DeepSpeed CPU Adam rate measured on 2 cores here, scaled by nothing: conservative).
+_H100 = Hardware(
+    name="h100",
+    description="one H100-80GB, 128 GB RAM, 64 GB disk",
+    source="the device tool's machine (/work/.library/device/README.md); assumptions "
+    "in hetjax/planning/hardware.py",
+    num_devices=1,
+    device_memory=81_559 << 20,
+    device_flops=0.6 * 989e12,
+    host_memory=128 * GB,
+    h2d_bw=50 * GB,
+    d2h_bw=50 * GB,
+    nvme_read_bw=2 * GB,
+    nvme_write_bw=2 * GB,
+    nvme_capacity=64 * GB,
+    optimizer_params_per_s=1.3e9,
+    device_memory_bw=3.35e12,  # H100 SXM HBM3: 3.35 TB/s
+)
+
 PROFILES: dict[str, Hardware] = {
     "a100-80g": Hardware(
         name="a100-80g",
@@ -157,48 +180,16 @@ PROFILES: dict[str, Hardware] = {
         interconnect_bw=150 * GB,
         device_memory_bw=0.9e12,  # V100 HBM2: 900 GB/s
     ),
-    # The H100 machine this project is sometimes lent: 80 GB HBM3 (81,559 MiB, as
-    # nvidia-smi reports an H100 80GB), 128 GB RAM, 64 GB disk, 16 CPU cores. Assumed:
-    # 60% of the 989 TFLOP/s bf16 dense peak on a block,
-    # PCIe 5 at 50 GB/s, the disk at 2 GB/s, the optimizer at 1.3 G params/s (the
-    # DeepSpeed CPU Adam rate measured on 2 cores here, scaled by nothing: conservative).
-    "h100": Hardware(
-        name="h100",
-        description="one H100-80GB, 128 GB RAM, 64 GB disk",
-        source="the device tool's machine (/work/.library/device/README.md); assumptions "
-        "in hetjax/planning/hardware.py",
-        num_devices=1,
-        device_memory=81_559 << 20,
-        device_flops=0.6 * 989e12,
-        host_memory=128 * GB,
-        h2d_bw=50 * GB,
-        d2h_bw=50 * GB,
-        nvme_read_bw=2 * GB,
-        nvme_write_bw=2 * GB,
-        nvme_capacity=64 * GB,
-        optimizer_params_per_s=1.3e9,
-        device_memory_bw=3.35e12,  # H100 SXM HBM3: 3.35 TB/s
-    ),
+    "h100": _H100,
     # The H200 the device tool lends (issue #59): 141 GB HBM3e (143,771 MiB as nvidia-smi
     # reports an H200; the tool says "about 139 GiB"), the H100's machine otherwise (128
-    # GB RAM, 64 GB disk, 16 cores, PCIe 5). Assumed as the h100's: 60% of the same 989
-    # TFLOP/s bf16 dense peak (same SMs), PCIe at 50 GB/s, the optimizer at 1.3 G
-    # params/s; its HBM3e moves 4.8 TB/s.
-    "h200": Hardware(
+    # GB RAM, 64 GB disk, 16 cores, PCIe 5), the h100's assumptions (60% of the same 989
+    # TFLOP/s bf16 dense peak: same SMs); its HBM3e moves 4.8 TB/s.
+    "h200": dataclasses.replace(
+        _H100,
         name="h200",
         description="one H200-141GB, 128 GB RAM, 64 GB disk",
-        source="the device tool's machine (/work/.library/device/README.md); assumptions "
-        "in hetjax/planning/hardware.py",
-        num_devices=1,
         device_memory=143_771 << 20,
-        device_flops=0.6 * 989e12,
-        host_memory=128 * GB,
-        h2d_bw=50 * GB,
-        d2h_bw=50 * GB,
-        nvme_read_bw=2 * GB,
-        nvme_write_bw=2 * GB,
-        nvme_capacity=64 * GB,
-        optimizer_params_per_s=1.3e9,
         device_memory_bw=4.8e12,  # H200 HBM3e: 4.8 TB/s
     ),
     # NVIDIA GH200 Grace Hopper (the 96 GB HBM3 part): a Hopper GPU (the H100's 989
