@@ -220,7 +220,7 @@ class SingleDevice:
 
     def abstract_rows(self, x):
         """A ``BATCH`` argument's abstract value: on the device."""
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.shardings.device)
+        return self.as_called(x)
 
     def as_called(self, args: tuple) -> tuple:
         """Abstract arguments of a stage function (shapes and dtypes) as its calls pass

@@ -483,9 +483,8 @@ def _cache_variants(w: Workload, parallelism: str, c: Candidate):
 
 def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) -> list[tuple]:
     """Candidate ``c``'s footprint per tier and predicted step, as ``[(step, rank, c,
-    device, host, nvme, optimizer cache, lanes, None, NVMe bytes written a step)]``;
-    empty when it does not fit. (The step when clipping binds, the ninth, only for the
-    chosen: :func:`_clipped`.)"""
+    device, host, nvme, optimizer cache, lanes, NVMe bytes written a step)]``; empty
+    when it does not fit. (The step when clipping binds: the chosen's only, :func:`_clipped`.)"""
     # the window's lag on the profile's backend (its, not this process's), as there
     f = footprint(w, c, limit, hw.num_devices, lag=window_wait_lag(not hw.shared_cores))
     if f is None:
@@ -495,7 +494,7 @@ def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) ->
     cached, spill, kept = _lane_inputs(host, nvme)
     step, by_lane = lanes(w, hw, c, cached, spill, kept_params=kept)
     written = sum(nvme_writes(w, c, cached, spill, hw.num_devices).values())
-    return [(step, c.rank, c, f.device, host, nvme, cache, by_lane, None, written)]
+    return [(step, c.rank, c, f.device, host, nvme, cache, by_lane, written)]
 
 
 def _clipped(w: Workload, hw: Hardware, chosen: tuple) -> float:
@@ -622,12 +621,12 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
         best = search(True)
     if not best:
         raise PlanError(_shortfall(config, w, hw, limit, parallel))
-    wear_of = lambda b: Wear.of(config, b[9], b[0])
+    wear_of = lambda b: Wear.of(config, b[8], b[0])
     budget = config.memory.nvme_wear_budget
     if budget:  # refuse what wears the drives past the budget; prefer writing less
         within = [b for b in best if not wear_of(b).over_budget(budget)]
         if not within:
-            least = wear_of(min(best, key=lambda b: b[9]))
+            least = wear_of(min(best, key=lambda b: b[8]))
             raise PlanError(
                 f"{w.name} on {hw.name}: no placement stays within the SSD wear budget; "
                 f"the one that writes least: {least.over_budget(budget)}. Lower "
@@ -636,7 +635,7 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
             )
         best = within
     chosen = _choose(best, write_less=bool(budget))
-    step, _, c, device, host, nvme, cache, lanes, _, _ = chosen
+    step, _, c, device, host, nvme, cache, lanes, _ = chosen
     busiest = max(lanes, key=lanes.get)
     o = config.optimizer
     return Plan(
