@@ -35,18 +35,21 @@ PEER_S_PER_STEP = 0.5
 # because Linux counts into a child's ru_maxrss the RSS of the process it was forked
 # from at its exec (a test worker's gigabytes would be the child's peak). Given a line
 # (argv[1], "" for none), the child's high-water mark is reset at the first line of its
-# output starting with it (/proc/PID/clear_refs, "5"): the peak from there on.
+# output starting with it (/proc/PID/clear_refs, "5"): the peak from there on; given a
+# second (argv[2], "" for none), reset again at every later line starting with that.
 _MEASURE = """
 import os, subprocess, sys
-mark, cmd = sys.argv[1], sys.argv[2:]
+mark, every, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+reset = lambda: open(f"/proc/{proc.pid}/clear_refs", "w").write("5")
 for line in proc.stdout:
     sys.stdout.write(line)
     if mark and line.startswith(mark):
-        with open(f"/proc/{proc.pid}/clear_refs", "w") as f:
-            f.write("5")
+        reset()
         sys.stdout.write(f"hetjax-peak-rss counted from: {line.strip()}\\n")
         mark = ""
+    elif every and not mark and line.startswith(every):
+        reset()
     sys.stdout.flush()
 _, status, usage = os.wait4(proc.pid, 0)
 proc.returncode = os.waitstatus_to_exitcode(status)
@@ -55,19 +58,22 @@ print(f"\\nhetjax-peak-rss {usage.ru_maxrss * 1024} {proc.returncode}", flush=Tr
 
 
 def run_peak_rss(
-    cmd: list[str], env: dict | None = None, *, reset_at: str = ""
+    cmd: list[str], env: dict | None = None, *, reset_at: str = "", reset_every: str = ""
 ) -> tuple[int, str, int]:
     """Runs ``cmd`` to its end as a child process: its peak RSS in bytes (``wait4``'s
     ``ru_maxrss``, taken by a small process in between: see ``_MEASURE``), its output
     (stdout and stderr) and its exit status (negative: the signal that killed it).
     ``reset_at``: the peak from the first output line starting with it on (past the
     child's compiles, whose transient memory varies by a hundred MiB run to run); the
-    whole run's where no line does."""
+    whole run's where no line does. ``reset_every``: past that line, the peak is reset
+    again at each line starting with this, so that the child's own readings of its peak
+    (``census.rss``: metrics.jsonl's ``rss_peak_bytes`` with ``train.log_every=1``) are
+    each step's; the peak returned is then the last step's."""
     import subprocess
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-c", _MEASURE, reset_at, *cmd],
+        [sys.executable, "-c", _MEASURE, reset_at, reset_every, *cmd],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
