@@ -222,27 +222,18 @@ def plan_gradients(
 
 
 def belady_cache(order: list[str], sizes: dict[str, int], capacity: int) -> list[str]:
-    """The stages a cache of ``capacity`` bytes holds in steady state when ``order``
-    repeats forever and eviction follows Belady's rule (furthest next use first;
-    a stage whose own next use is the furthest is not cached at all). Simulated over
-    two cycles: the second starts from the first one's end state."""
-    n = len(order)
-    trace = order * 2
-    position = {stage: k for k, stage in enumerate(order)}  # each stage once per cycle
-    cache: set[str] = set()
-    held = 0
-    for t, stage in enumerate(trace):
-        if stage in cache:
-            continue
-        cache.add(stage)
-        held += sizes[stage]
-        while held > capacity:
-            # the next use of s after time t: the same position in the next cycle
-            next_use = lambda s, t=t: (position[s] - t) % n or n
-            evicted = max(cache, key=lambda s: (next_use(s), s == stage))
-            cache.discard(evicted)
-            held -= sizes[evicted]
-    return [s for s in order if s in cache]
+    """The stages a cache of ``capacity`` bytes holds in steady state when ``order`` (each
+    stage once) repeats forever and eviction follows Belady's rule (furthest next use
+    first). On a cycle the stage just used is the one whose next use is furthest (a
+    whole cycle away), so a stage that does not fit beside those held is never cached
+    and the cache, once full, never changes: the stages taken in order while they fit
+    (tests/test_offload.py checks this against the rule simulated over two cycles)."""
+    cached, held = set(), 0
+    for stage in order:
+        if held + sizes[stage] <= capacity:
+            cached.add(stage)
+            held += sizes[stage]
+    return [s for s in order if s in cached]
 
 
 def grad_policy(config: Config) -> str:
@@ -465,6 +456,8 @@ class DeviceCache:
     host_biggest: int = 0  # of the largest host stage's
     grad_order: tuple[str, ...] = ()  # grad_stages
     grad_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # bytes by stage
+    # the host stages' optimizer state in RAM, by stage: twice (committed and speculative)
+    host_state: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, s: Sizes, o: Placement) -> DeviceCache:
@@ -481,6 +474,7 @@ class DeviceCache:
                 host_biggest=max((s.own(n) for n in host), default=0),
                 grad_order=order,
                 grad_sizes=grads,
+                host_state={n: 2 * s.state_nbytes(s.own(n)) for n in host},
             )
         return s.device_caches[key]
 

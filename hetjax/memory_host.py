@@ -261,10 +261,9 @@ def plan_host(s: Sizes, o: Placement, budget: int, strict: bool = True) -> HostM
     required += published
     cached: list[str] = []
     if tier == "nvme" and budget and required < budget:
-        stage_state = {n: s.state_nbytes(s.own(n)) for n in cache_of.host}
-        doubled = {n: 2 * b for n, b in stage_state.items()}
+        doubled = cache_of.host_state
         cached = belady_cache([n for n in order if n in doubled], doubled, budget - required)
-    cache = sum(2 * s.state_nbytes(s.own(n)) for n in cached)
+    cache = sum(cache_of.host_state[n] for n in cached)
     kept_blocks = kept_param_blocks(s, o, budget - required - cache if budget else 0)
     kept = kept_blocks * s.compute_bytes * s.own_block
     return HostMemoryPlan(

@@ -201,6 +201,33 @@ def test_belady_cache_keeps_a_fixed_set_on_a_cycle():
     assert "embed" not in belady_cache(order, sizes, 40)
 
 
+def _belady_simulated(order, sizes, capacity):
+    """Belady's rule itself: ``order`` run twice from an empty cache, evicting the stage
+    whose next use is furthest (the one just used first among equals)."""
+    n, position = len(order), {stage: k for k, stage in enumerate(order)}
+    cache, held = set(), 0
+    for t, stage in enumerate(order * 2):
+        if stage in cache:
+            continue
+        cache.add(stage)
+        held += sizes[stage]
+        while held > capacity:
+            next_use = lambda s, t=t: (position[s] - t) % n or n
+            evicted = max(cache, key=lambda s: (next_use(s), s == stage))
+            cache.discard(evicted)
+            held -= sizes[evicted]
+    return [s for s in order if s in cache]
+
+
+def test_belady_cache_is_the_rule_simulated():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        order = [f"s{k}" for k in rng.permutation(int(rng.integers(1, 12)))]
+        sizes = {s: int(rng.integers(0, 50)) for s in order}
+        capacity = int(rng.integers(0, sum(sizes.values()) + 2))
+        assert belady_cache(order, sizes, capacity) == _belady_simulated(order, sizes, capacity)
+
+
 @pytest.mark.parametrize(
     "name,kinds",
     [("adamw", ["master", "mu", "nu"]), ("lion", ["master", "mu"]), ("sgd", ["master", "trace"])],

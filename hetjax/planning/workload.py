@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -243,10 +244,31 @@ class Workload:
         uniform routing's expectation (:func:`expected_expert_fraction`). ``tensor``:
         of the ``devices``, those a block's compute splits over (a model group, sharing
         its rows; ``distributed.tensor_parallel``): the slabs are laid out as the
-        runtime lays them out then (``stage_layouts(..., tensor_parallel=tensor)``)."""
+        runtime lays them out then (``stage_layouts(..., tensor_parallel=tensor)``).
+        Estimated ones are kept by their arguments: the same object for the same config,
+        split and backend (the planner asks for each profile's splits, and tracing the
+        model's shapes is most of a small plan's time)."""
+        backend = backend or jax.default_backend()
+        if sizes is not None:
+            return cls._from_config(config, sizes, devices, backend, expert_fraction, tensor)
+        # (the attention too: model.attention=auto follows this process's probe of cuDNN)
+        attention_impl = block_attention(config.model, backend)
+        key = (config, devices, backend, expert_fraction, tensor, attention_impl)
+        if key not in _ESTIMATED:
+            if len(_ESTIMATED) > 64:
+                _ESTIMATED.clear()
+            _ESTIMATED[key] = cls._from_config(
+                config, None, devices, backend, expert_fraction, tensor
+            )
+        return _ESTIMATED[key]
+
+    @classmethod
+    def _from_config(
+        cls, config: Config, sizes, devices: int, backend: str, expert_fraction, tensor: int
+    ) -> Workload:
         m, t = config.model, config.train
         model = build_model(m)
-        shapes = jax.eval_shape(model.init, jax.random.key(0))
+        shapes = _param_shapes(model, m)
         count = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
         L = m.num_blocks
         G = config.distributed.expert_parallel
@@ -282,7 +304,6 @@ class Workload:
         flop_rows = group_rows / tensor if tensor > 1 else b
         T_dec = decoder_length(config.data, T)  # a decoder's rows (span corruption: fewer)
         tokens = b * T
-        backend = backend or jax.default_backend()
         impl = block_attention(m, backend)
         # attention layers per block, averaged over every block (a T5 decoder block has
         # two: self and cross)
@@ -310,16 +331,9 @@ class Workload:
             # The residuals of one block's vjp at each keep level, from abstract shapes
             # (its params unflattened, in the compute dtype): the largest group's at
             # each level.
-            dtype = jnp.dtype(m.compute_dtype)
             kept: dict[str, int] = {}
-            inputs = model.abstract_inputs(b, T)
-            for g, group in enumerate(model.groups):
-                one_block = jax.tree.map(
-                    lambda a: jax.ShapeDtypeStruct(a.shape[1:], dtype), shapes[group.key]
-                )
-                x, context = inputs[g]  # the context is an argument, as in the runtime
-                fn = lambda pc, x, g=g: model.group_block(g, pc[0], x, pc[1])[0]
-                for level, n in remat.kept_bytes(fn, (one_block, context), x).items():
+            for group, residuals in zip(model.groups, _vjp_kept(model, m, b, T), strict=True):
+                for level, n in residuals.items():
                     # Below level all the vjp holds the block's param pages, padding
                     # included (at all, the unflattened weights; under ZeRO-3 the
                     # gathered pages at every level).
@@ -608,6 +622,48 @@ def estimate_working_set(
     # the embedding's gradient, fp32, and before that in the compute dtype
     embed_bwd = embed_params * (4 + (c if c < 4 else 0))
     return int(max(block, head_fwd_bwd, embed_bwd) + 3 * whole * D * c)
+
+
+# What the planner traces of a model, by its config (a ModelConfig) and rows: each
+# profile's splits ask for the same.
+_SHAPES: dict[Any, Any] = {}
+_KEPT: dict[tuple, list[dict[str, int]]] = {}
+
+
+def _param_shapes(model, m) -> Any:
+    """``model``'s params as abstract shapes (``jax.eval_shape`` of its init); ``m``:
+    its ModelConfig, what they are kept by."""
+    if m not in _SHAPES:
+        if len(_SHAPES) > 64:
+            _SHAPES.clear()
+        _SHAPES[m] = jax.eval_shape(model.init, jax.random.key(0))
+    return _SHAPES[m]
+
+
+def _vjp_kept(model, m, b: int, T: int) -> list[dict[str, int]]:
+    """The residuals of one block's vjp at each keep level (``remat.kept_bytes``) for
+    each stage group of ``model`` (ModelConfig ``m``), at ``b`` rows of ``T`` positions,
+    from abstract shapes (its params unflattened, in the compute dtype)."""
+    key = (m, b, T)
+    if key not in _KEPT:
+        if len(_KEPT) > 64:
+            _KEPT.clear()
+        dtype = jnp.dtype(m.compute_dtype)
+        shapes, inputs = _param_shapes(model, m), model.abstract_inputs(b, T)
+        _KEPT[key] = []
+        for g, group in enumerate(model.groups):
+            one_block = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape[1:], dtype), shapes[group.key]
+            )
+            x, context = inputs[g]  # the context is an argument, as in the runtime
+            fn = lambda pc, x, g=g: model.group_block(g, pc[0], x, pc[1])[0]
+            _KEPT[key].append(remat.kept_bytes(fn, (one_block, context), x))
+    return _KEPT[key]
+
+
+# Workload.from_config's estimated workloads by their arguments (config, devices, backend,
+# expert fraction, tensor degree) and the attention the blocks run.
+_ESTIMATED: dict[tuple, Workload] = {}
 
 
 # memory_sizes' results by (id(workload), devices, chunks), with the workload they came from: the
