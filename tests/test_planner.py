@@ -354,8 +354,8 @@ def test_fits_table_names_every_config():
     assert FITS["a100-80g"] | NOWHERE == set(CONFIGS)  # so every config has an expectation
 
 
-# Every profile with -m slow (22 s each: the default run's 10 minutes on 2 cores from a
-# cold cache has no room; it took 622 s with patrickstar-v100's here).
+# Every profile with -m slow (27-205 s each, 636 s together on 2 cores, 2026-11-29: the
+# default run has no room).
 @pytest.mark.slow
 @pytest.mark.parametrize("hardware", list(PROFILES))
 def test_plan_cli_for_every_config(hardware, capsys):
