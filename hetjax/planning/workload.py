@@ -644,7 +644,8 @@ def _vjp_kept(model, m, b: int, T: int) -> list[dict[str, int]]:
     """The residuals of one block's vjp at each keep level (``remat.kept_bytes``) for
     each stage group of ``model`` (ModelConfig ``m``), at ``b`` rows of ``T`` positions,
     from abstract shapes (its params unflattened, in the compute dtype)."""
-    key = (m, b, T)
+    # (the attention the trace runs: this process's, after its cuDNN probe)
+    key = (m, b, T, block_attention(m, jax.default_backend()))
     if key not in _KEPT:
         if len(_KEPT) > 64:
             _KEPT.clear()
