@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from hetjax import support
 from hetjax.config import Config, ConfigError
@@ -19,8 +17,8 @@ from hetjax.parallel.grouped import GroupedSlabLayout, axes_of, scattered_elemen
 from hetjax.parallel.layouts import stage_layouts
 from hetjax.parallel.rules import DATA_AXIS, EXPERT_AXIS, MODEL_AXIS
 from hetjax.planning.hardware import Hardware
+from hetjax.planning.traced import keep, param_shapes, vjp_kept
 from hetjax.runtime.experts.routed import expert_leaves
-from hetjax.runtime.stages import remat
 from hetjax.runtime.stages.measure import context_bytes
 from hetjax.state_format import StateFormat, state_format
 from models import attention, build_model
@@ -254,13 +252,8 @@ class Workload:
         # (the attention too: model.attention=auto follows this process's probe of cuDNN)
         attention_impl = block_attention(config.model, backend)
         key = (config, devices, backend, expert_fraction, tensor, attention_impl)
-        if key not in _ESTIMATED:
-            if len(_ESTIMATED) > 64:
-                _ESTIMATED.clear()
-            _ESTIMATED[key] = cls._from_config(
-                config, None, devices, backend, expert_fraction, tensor
-            )
-        return _ESTIMATED[key]
+        make = lambda: cls._from_config(config, None, devices, backend, expert_fraction, tensor)
+        return keep(_ESTIMATED, key, make)
 
     @classmethod
     def _from_config(
@@ -268,7 +261,7 @@ class Workload:
     ) -> Workload:
         m, t = config.model, config.train
         model = build_model(m)
-        shapes = _param_shapes(model, m)
+        shapes = param_shapes(model, m)
         count = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
         L = m.num_blocks
         G = config.distributed.expert_parallel
@@ -332,7 +325,8 @@ class Workload:
             # (its params unflattened, in the compute dtype): the largest group's at
             # each level.
             kept: dict[str, int] = {}
-            for group, residuals in zip(model.groups, _vjp_kept(model, m, b, T), strict=True):
+            residuals_of = vjp_kept(model, m, b, T, block_attention(m, jax.default_backend()))
+            for group, residuals in zip(model.groups, residuals_of, strict=True):
                 for level, n in residuals.items():
                     # Below level all the vjp holds the block's param pages, padding
                     # included (at all, the unflattened weights; under ZeRO-3 the
@@ -622,44 +616,6 @@ def estimate_working_set(
     # the embedding's gradient, fp32, and before that in the compute dtype
     embed_bwd = embed_params * (4 + (c if c < 4 else 0))
     return int(max(block, head_fwd_bwd, embed_bwd) + 3 * whole * D * c)
-
-
-# What the planner traces of a model, by its config (a ModelConfig) and rows: each
-# profile's splits ask for the same.
-_SHAPES: dict[Any, Any] = {}
-_KEPT: dict[tuple, list[dict[str, int]]] = {}
-
-
-def _param_shapes(model, m) -> Any:
-    """``model``'s params as abstract shapes (``jax.eval_shape`` of its init); ``m``:
-    its ModelConfig, what they are kept by."""
-    if m not in _SHAPES:
-        if len(_SHAPES) > 64:
-            _SHAPES.clear()
-        _SHAPES[m] = jax.eval_shape(model.init, jax.random.key(0))
-    return _SHAPES[m]
-
-
-def _vjp_kept(model, m, b: int, T: int) -> list[dict[str, int]]:
-    """The residuals of one block's vjp at each keep level (``remat.kept_bytes``) for
-    each stage group of ``model`` (ModelConfig ``m``), at ``b`` rows of ``T`` positions,
-    from abstract shapes (its params unflattened, in the compute dtype)."""
-    # (the attention the trace runs: this process's, after its cuDNN probe)
-    key = (m, b, T, block_attention(m, jax.default_backend()))
-    if key not in _KEPT:
-        if len(_KEPT) > 64:
-            _KEPT.clear()
-        dtype = jnp.dtype(m.compute_dtype)
-        shapes, inputs = _param_shapes(model, m), model.abstract_inputs(b, T)
-        _KEPT[key] = []
-        for g, group in enumerate(model.groups):
-            one_block = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape[1:], dtype), shapes[group.key]
-            )
-            x, context = inputs[g]  # the context is an argument, as in the runtime
-            fn = lambda pc, x, g=g: model.group_block(g, pc[0], x, pc[1])[0]
-            _KEPT[key].append(remat.kept_bytes(fn, (one_block, context), x))
-    return _KEPT[key]
 
 
 # Workload.from_config's estimated workloads by their arguments (config, devices, backend,
