@@ -341,6 +341,18 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self):
+        self._check_sequence()
+        self._check_objective()
+        self._check_blocks()
+        self._check_expert_parallel()
+        # what the parallelism does not support (hetjax/support.py): these two first
+        asked = support.asked(self)
+        self._refuse_unsupported([f for f in asked if f in ("device_cache", "in_memory")])
+        self._check_rows()
+        self._refuse_unsupported(asked)
+
+    def _check_sequence(self) -> None:
+        """The training sequence against the model's positions and window."""
         if self.train.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"config key 'train.seq_len' ({self.train.seq_len}) exceeds "
@@ -355,7 +367,9 @@ class Config:
                 "reads every earlier position, which equals the window's only up to its "
                 f"length; set train.seq_len <= {window}"
             )
-        self._check_objective()
+
+    def _check_blocks(self) -> None:
+        """Kept, swapped and device-cached counts against the model's blocks and stages."""
         blocks = self.model.num_blocks
         counted = (
             f"'model.num_layers' + 'model.num_decoder_layers' ({blocks} blocks)"
@@ -382,8 +396,11 @@ class Config:
                 f"{stages} (embed, {counted}, head); at most every stage keeps its "
                 "optimizer state on the device"
             )
+
+    def _check_expert_parallel(self) -> None:
+        """Expert parallelism against the model's experts."""
         dist = self.distributed
-        data, experts = dist.data_parallel, dist.expert_parallel
+        experts = dist.expert_parallel
         if experts > 1 and not self.model.num_experts:
             raise ConfigError(
                 f"config key 'distributed.expert_parallel' ({experts}): expert parallelism "
@@ -402,9 +419,11 @@ class Config:
                 f"model.num_experts ({self.model.num_experts}): each device holds an equal "
                 "share of every block's experts"
             )
-        # what the parallelism does not support (hetjax/support.py): these two first
-        asked = support.asked(self)
-        self._refuse_unsupported([f for f in asked if f in ("device_cache", "in_memory")])
+
+    def _check_rows(self) -> None:
+        """A micro-batch's rows split over the devices and into chunks."""
+        dist = self.distributed
+        data, experts = dist.data_parallel, dist.expert_parallel
         # the devices the rows split over (a model axis's devices share theirs)
         row_devices = dist.data_parallel * experts
         if row_devices > 1 and self.train.micro_batch_size % row_devices:
@@ -436,7 +455,6 @@ class Config:
                 f"rows are independent, and {kind} model's are not (its blocks pool "
                 "router statistics or take the encoder's output as a context); leave it 1"
             )
-        self._refuse_unsupported(asked)
 
     def _refuse_unsupported(self, features: list[str]) -> None:
         """Raises the support matrix's error (hetjax/support.py: the key, why, the fix)

@@ -86,6 +86,15 @@ class ModelConfig:
     custom: str = ""
 
     def __post_init__(self):
+        self._check_shape()
+        self._check_positions()
+        self._check_llama_options()
+        self._check_experts()
+        self._check_encoder_decoder()
+        self._check_source()
+
+    def _check_shape(self) -> None:
+        """The family, the attention and the sizes of the layers and heads."""
         _choice("model", "family", self.family, FAMILIES)
         _choice("model", "attention", self.attention, ATTENTIONS)
         _check(
@@ -123,6 +132,15 @@ class ModelConfig:
                 f"config key 'model.num_kv_heads' ({self.num_kv_heads}): family 'gpt' has "
                 "multi-head attention only; leave it 0 or use model.family='llama'"
             )
+        if self.family == "gpt" and not self.tie_embeddings:
+            raise ConfigError(
+                "config key 'model.tie_embeddings': family 'gpt' always ties its output "
+                "head to the token embedding (as GPT-2 does); set it true or use "
+                "model.family='llama'"
+            )
+
+    def _check_positions(self) -> None:
+        """Rotary positions and their scaling."""
         _check(self.rope_theta > 0, "model.rope_theta", "must be > 0", self.rope_theta)
         _check(
             self.rope_scaling_factor == 0 or self.rope_scaling_factor >= 1,
@@ -147,13 +165,9 @@ class ModelConfig:
             "must be >= 1",
             self.rope_original_max_len,
         )
-        self._check_llama_options()
-        if self.family == "gpt" and not self.tie_embeddings:
-            raise ConfigError(
-                "config key 'model.tie_embeddings': family 'gpt' always ties its output "
-                "head to the token embedding (as GPT-2 does); set it true or use "
-                "model.family='llama'"
-            )
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts MLP."""
         _check(self.num_experts >= 0, "model.num_experts", "must be >= 0", self.num_experts)
         if self.num_experts:
             if self.family not in ("llama", "t5"):
@@ -174,7 +188,9 @@ class ModelConfig:
             "must be >= 0 (0 disables the auxiliary loss)",
             self.router_aux_loss_coef,
         )
-        self._check_encoder_decoder()
+
+    def _check_source(self) -> None:
+        """Where the model comes from: a Hugging Face checkpoint, a custom factory."""
         if self.init_from and not self.init_from.startswith("hf:"):
             raise ConfigError(
                 f"config key 'model.init_from' must be empty or 'hf:<checkpoint dir>', "
