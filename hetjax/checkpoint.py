@@ -216,7 +216,7 @@ class Checkpointer:
 
     def _check_space(self, step: int, source: StateSource) -> None:
         """Every process's bytes (equal shares), hard-linked ones included: those stay
-        on the disk once the NVMe tier writes newer generations."""
+        on the disk once the NVMe tier writes newer copies."""
         per_page = source.state_format.nbytes(source.page_elems)
         need = source.num_pages * per_page * jax.process_count() + (64 << 10)
         free = shutil.disk_usage(self.directory).free

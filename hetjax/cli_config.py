@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hetjax.config import Config, ConfigError
+from hetjax.config import Config, ConfigError, with_renamed_keys
 
 
 def saved_config(path: Path) -> Config:
     """A run's ``config.json`` as a :class:`Config`; ``ConfigError`` naming the file."""
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
-        return Config().replace(**saved)
+        return Config().replace(**with_renamed_keys(saved))
     except (ValueError, TypeError) as e:  # ConfigError is a ValueError too
         raise ConfigError(f"{path}: not a run's config ({e}); give --config") from None
 

@@ -173,7 +173,7 @@ class OptimizerConfig:
     # sync mode with clipping: ``adaptive`` updates during backward as if clipping did not
     # bind unless it bound in the step before (then after backward, once); ``always``
     # every step; ``never`` updates after backward, clipped or not, so no update is ever
-    # dropped (hetjax/optimizer/update_loop.py; NVMe state in place: generations.py)
+    # dropped (hetjax/optimizer/update_loop.py; NVMe state in place: nvme_copies.py)
     speculation: str = "adaptive"
     # the host optimizer's kernel for adam/adamw: ``auto`` native when it builds, else
     # optax; ``native`` (required) or ``optax`` (hetjax/optimizer/native.py)
@@ -534,7 +534,28 @@ def all_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, c in _SECTIONS.items() for f in dataclasses.fields(c)]
 
 
+# Keys that were renamed: the old name is refused naming the new one; a run's own
+# config.json written before the rename reads with the new name (``with_renamed_keys``).
+RENAMED = {"memory.nvme_generations": "memory.nvme_copies"}
+
+
+def with_renamed_keys(saved: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A saved config's sections (``Config.to_dict``'s shape) with each old key of
+    :data:`RENAMED` under its new name."""
+    out = {section: dict(values) for section, values in saved.items()}
+    for old, new in RENAMED.items():
+        (section, name), (new_section, new_name) = old.split(".", 1), new.split(".", 1)
+        if name in out.get(section, {}):
+            out.setdefault(new_section, {})[new_name] = out[section].pop(name)
+    return out
+
+
 def _unknown_key_message(key: str, valid: list[str]) -> str:
+    if key in RENAMED:
+        return (
+            f"config key '{key}' was renamed '{RENAMED[key]}' (the same meaning and "
+            f"values); write {RENAMED[key]} instead"
+        )
     # Same field name in another section first ('train.lr' -> 'optimizer.lr'), then spelling.
     leaf = key.rsplit(".", 1)[-1]
     close = [k for k in valid if "." in key and k.rsplit(".", 1)[-1] == leaf and k != key]

@@ -48,7 +48,7 @@ HELP: dict[str, str] = {
     "model.qk_norm": "`llama`: an RMSNorm over each query and key head before the rotary "
     "embedding (Qwen3; [models](models.md#llama-shaped-families))",
     "model.sliding_window": "`llama`: a Mistral/Mixtral checkpoint's attention window, 0 = "
-    "none; hetjax's attention has no window, so `train.seq_len` and generation are "
+    "none; hetjax's attention has no window, so `train.seq_len` and copy are "
     "refused past it ([models](models.md#llama-shaped-families))",
     "model.num_experts": "`llama`: mixture-of-experts MLP of this many SwiGLU experts "
     "(each `d_ff` wide); 0 = the dense MLP ([models](models.md#mixture-of-experts)). "
@@ -190,7 +190,7 @@ HELP: dict[str, str] = {
     "memory.nvme_path": "directory on a local SSD for NVMe state and boundary activations, "
     "or several comma-separated, one per drive (pages stripe over them); empty: "
     "`<workdir>/nvme`",
-    "memory.nvme_generations": "copies of the NVMe state and params: `2` (the committed one "
+    "memory.nvme_copies": "copies of the NVMe state and params: `2` (the committed one "
     "and the one a step writes), `1` (written in place: only where no written update can be "
     "dropped, e.g. `optimizer.speculation=never`), `0` auto (1 where that holds)",
     "memory.nvme_tbw": "each drive's rated endurance in terabytes written (0 = unknown): "

@@ -214,8 +214,8 @@ class MemoryConfig:
     nvme_path: str = ""
     # copies of the NVMe state and params: 2, the committed one and the one a step
     # writes; 1, written in place (where no written update can be dropped); 0: auto, 1
-    # where that holds (hetjax/generations.py)
-    nvme_generations: int = 0
+    # where that holds (hetjax/nvme_copies.py)
+    nvme_copies: int = 0
     # each drive's rated endurance in terabytes written (TBW; 0: unknown), and the
     # fraction of that a run of train.steps may consume (0: no limit; needs nvme_tbw)
     nvme_tbw: float = 0.0
@@ -246,10 +246,10 @@ class MemoryConfig:
         _check(host >= 0, "memory.host_budget", "must be >= 0 (0: no limit)", host)
         object.__setattr__(self, "host_budget", host)
         _check(
-            self.nvme_generations in (0, 1, 2),
-            "memory.nvme_generations",
+            self.nvme_copies in (0, 1, 2),
+            "memory.nvme_copies",
             "must be 0 (auto), 1 or 2",
-            self.nvme_generations,
+            self.nvme_copies,
         )
         dirs = self.nvme_paths
         _check(

@@ -311,14 +311,14 @@ def host_minimum(s: Sizes, o: Placement) -> HostMemoryPlan:
 
 
 def nvme_parts(s: Sizes, o: Placement, host: HostMemoryPlan) -> dict[str, int]:
-    """NVMe bytes per process, by what they hold: ``o.generations`` copies of optimizer
+    """NVMe bytes per process, by what they hold: ``o.copies`` copies of optimizer
     state and of params (two: the committed one and the one being written; one: written
-    in place, ``generations.py``; none of params that are the master,
+    in place, ``nvme_copies.py``; none of params that are the master,
     :func:`~hetjax.memory.params_are_master`), every boundary activation not kept in a
     block, and the gradients the host plan spills."""
     own = DeviceCache.of(s, o).host_own
     slots = o.recomputed_blocks(s.num_layers)
-    g = o.generations
+    g = o.copies
     return {
         "optimizer": g * s.state_nbytes(own) if o.optimizer == "nvme" else 0,
         "params": (

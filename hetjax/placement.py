@@ -56,9 +56,9 @@ class Placement:
     # sync | lockfree: how the host optimizer's updates meet the step (lock-free holds
     # the gradient buffers twice); the config's, which the planner does not search
     update_mode: str = _knob("optimizer.mode")
-    # copies of the NVMe state and params (1: in place), as ``memory.nvme_generations``
-    # resolves for the config (``generations.py``); not searched
-    generations: int = 2
+    # copies of the NVMe state and params (1: in place), as ``memory.nvme_copies``
+    # resolves for the config (``nvme_copies.py``); not searched
+    copies: int = 2
 
     @classmethod
     def from_config(cls, config: Config) -> Placement:
@@ -68,9 +68,9 @@ class Placement:
         for f, section, name in _keyed_fields():
             values[f.name] = getattr(getattr(config, section), name)
         # (imported here: storage imports the config, which imports nothing of placement)
-        from hetjax.generations import nvme_generations
+        from hetjax.nvme_copies import nvme_copies
 
-        return cls(**values, generations=nvme_generations(config).count)
+        return cls(**values, copies=nvme_copies(config).count)
 
     def config_overrides(self) -> dict[str, dict[str, Any]]:
         """The config sections that train with this placement in the streaming runtime

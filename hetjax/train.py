@@ -77,7 +77,7 @@ class TrainResult:
 
 # the runtime's start-up plan lines printed with --verbose only (the mesh's and the
 # fallbacks' always): the memory plans' parts (hetjax/runtime/setup.py, describe_plans)
-PLAN_DETAILS = ("device plan:", "host plan:", "nvme:", "NVMe generations:", "optimizer state of")
+PLAN_DETAILS = ("device plan:", "host plan:", "nvme:", "NVMe copies:", "optimizer state of")
 
 
 def train(

@@ -45,7 +45,7 @@ LAYERS = [
         "hetjax.memory",
         "hetjax.memory_host",
         "hetjax.placement",  # the one placement description (config -> placement)
-        "hetjax.generations",  # one NVMe generation or two (config -> the choice)
+        "hetjax.nvme_copies",  # one NVMe copy or two (config -> the choice)
         "hetjax.allocator",
         "hetjax.timeline",
         "hetjax.census",
@@ -157,8 +157,8 @@ def test_the_bottom_modules_import_nothing_from_the_project():
     low = {"hetjax.config", "hetjax.types", "hetjax.placement", "hetjax.state_format"}
     assert graph["hetjax.memory"] <= low
     assert graph["hetjax.memory_host"] <= low | {"hetjax.memory"}
-    assert graph["hetjax.placement"] <= {"hetjax.config", "hetjax.generations"}
-    assert graph["hetjax.generations"] <= {"hetjax.config"}
+    assert graph["hetjax.placement"] <= {"hetjax.config", "hetjax.nvme_copies"}
+    assert graph["hetjax.nvme_copies"] <= {"hetjax.config"}
     assert graph["hetjax.support"] == set()
     assert graph["hetjax.state_format"] <= {"hetjax.config", "hetjax.types"}
     assert graph["models"] | graph["models.gpt"] <= {

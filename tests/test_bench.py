@@ -373,7 +373,7 @@ def test_scale_from_names_the_sizes_when_unknown(tmp_path):
 def test_peer_quick(tmp_path, capsys):
     """bench peer's rows on the small peer shape: each its own child run with its peak
     RSS; offloaded rows move bytes to and from the disk, the in-memory row none; the
-    limit is max(compute, disk time). One generation of the NVMe state is the quick
+    limit is max(compute, disk time). One copy of the NVMe state is the quick
     shape's, counted by hand: each step of the optimizer-only row reads and writes it
     exactly once."""
     out = tmp_path / "peer.json"
@@ -396,17 +396,17 @@ def test_peer_quick(tmp_path, capsys):
     # (4 MiB pages hold it whole: one page of 789,760 rounded up to 1024, 790,528): 3
     # pages the embed, 1 each block and the head, 8 pages. fp32 master, mu and nu: 12
     # bytes an element.
-    generation = 8 * 790_528 * 12
+    copy = 8 * 790_528 * 12
     for name in list(rows)[1:]:
         row = rows[name]
-        assert row["generation_bytes"] == generation, name
+        assert row["nvme_copy_bytes"] == copy, name
         assert row["read_bytes"] > 0 and row["write_bytes"] > 0, name
         # every byte on NVMe written once a step (a cached stage's only when evicted)
-        assert row["write_bytes"] <= generation, name
+        assert row["write_bytes"] <= copy, name
     # no host budget (no state cache) and no clipping (no redo): every stage's state
     # read and written once
-    assert rows["optimizer on NVMe"]["read_bytes"] == generation
-    assert rows["optimizer on NVMe"]["write_bytes"] == generation
+    assert rows["optimizer on NVMe"]["read_bytes"] == copy
+    assert rows["optimizer on NVMe"]["write_bytes"] == copy
     # params on NVMe add their reads (forward and backward) to the optimizer's
     assert (
         rows["params + optimizer on NVMe"]["read_bytes"] > rows["optimizer on NVMe"]["read_bytes"]

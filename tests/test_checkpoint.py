@@ -90,7 +90,7 @@ def saved_params(workdir, step=None):
 
 def assert_no_nonfinite_files(workdir: Path) -> int:
     """Every complete checkpoint under ``workdir`` and every NVMe page array (both
-    generations) holds only finite values. Returns the number of arrays checked."""
+    copies) holds only finite values. Returns the number of arrays checked."""
     import tensorstore as ts
 
     checked = 0
@@ -198,7 +198,7 @@ def test_runtime_failure_stops_with_its_cause_then_resume_equals_uninterrupted(
 def test_param_write_failing_before_the_commit_is_raised_not_dropped(tmp_path, monkeypatch):
     """A write of published params that fails after ``publish`` checked it, but before
     the commit: the commit raises its error. (It used to forget completed writes unread,
-    and the next forward read the stage's stale generation.)"""
+    and the next forward read the stage's stale copy.)"""
     store = NvmeParamStore(tmp_path, np.float32, {"head": (0, 1)}, page_elems=4)
     promise, write = ts.Promise.new()
     monkeypatch.setattr(store.disk[0], "write", lambda kind, first, data, **_: write)
@@ -268,7 +268,7 @@ def test_injected_nan_is_skipped(offload, tmp_path, monkeypatch):
     assert bad == [3] and len(result.records) == STEPS
     assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves(result.params))
     assert np.isfinite(result.losses[-1]) and result.losses[-1] < result.losses[0]
-    assert assert_no_nonfinite_files(tmp_path) > 0  # checkpoints and NVMe generations
+    assert assert_no_nonfinite_files(tmp_path) > 0  # checkpoints and NVMe copies
     if offload is None:
         return
     # both runtimes skip the same way: equal to the in-memory run with the same fault

@@ -2,7 +2,7 @@
 state lives, never gathered into RAM.
 
 - NVMe-resident state is hard-linked into the checkpoint, and what the checkpoint holds
-  stays as saved while the tier writes newer generations; where links are impossible
+  stays as saved while the tier writes newer copies; where links are impossible
   (another filesystem) it is copied, with the same result.
 - State in RAM is written from its own buffers, frozen until written: training goes on
   meanwhile and reuses them only once they are (a slowed-down writer proves it).
@@ -64,7 +64,7 @@ def _linked_files(directory: Path) -> list[Path]:
 @pytest.mark.parametrize("links", [True, False], ids=["hard-linked", "copied"])
 def test_nvme_state_is_linked_and_stays_as_saved(tiny, tmp_path, monkeypatch, links):
     """Saved at step 2, checked after step 5 (by then the tier has rewritten that
-    generation): the checkpoint reads back the state of step 2. Linked, its page files
+    copy): the checkpoint reads back the state of step 2. Linked, its page files
     are the tier's (same inodes when saved) and nothing is written; without links
     (``os.link`` failing as across filesystems) every byte is copied."""
     if not links:
@@ -104,7 +104,7 @@ def test_nvme_state_is_linked_and_stays_as_saved(tiny, tmp_path, monkeypatch, li
 @pytest.mark.parametrize("tier", ["host", "nvme-cached"])
 def test_state_in_ram_is_frozen_until_written(tiny, tmp_path, monkeypatch, tier):
     """The background writer held up for a second: training goes on (its next step
-    updates into the other generation), the step after waits for the writer before it
+    updates into the other copy), the step after waits for the writer before it
     reuses the saved buffers, and the checkpoint holds the state of the step saved."""
     persist = checkpoint_state._persist
 

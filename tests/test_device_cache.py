@@ -226,7 +226,7 @@ def test_device_cache_is_counted_on_the_device(tiny):
             deferred.append(report.metrics["optimizer_deferred"])
         assert losses[-1] < losses[0]
         assert deferred == [0, 1, 2]
-        # committed, and the generation it replaced (the next update's output buffers)
+        # committed, and the copy it replaced (the next update's output buffers)
         assert runtime.states.host_bytes() == 2 * _state_bytes(runtime, runtime.host_stages)
         # their params as the device takes them: leaf buffers, without the slab's padding
         layout = lambda n: runtime.layouts[runtime.layout_name(n)]

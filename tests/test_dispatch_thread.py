@@ -47,7 +47,7 @@ KERNEL_MODES.append(("native", "host"))
 def test_update_from_pages_equals_update_from_a_slab(monkeypatch, kernel, grad_dtype, mode):
     """The optimizer fed a gradient as its pages (bf16 or f32, never concatenated) gives
     bit for bit what it gives fed the same gradient as one float32 slab, in every way
-    the loop calls it: fresh buffers, a spare generation, in place through XLA, and (the
+    the loop calls it: fresh buffers, a spare copy, in place through XLA, and (the
     NVMe tier) in place on host buffers."""
     if kernel == "native":
         require(native._compiler() is not None, "a C++ compiler: apt-get install g++")

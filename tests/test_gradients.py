@@ -124,7 +124,7 @@ def test_clipping_redo_reads_gradients_spilled_to_nvme(tiny, tmp_path, speculati
     assert runtime.host_plan.cached_stages == ()  # all state streams from disk
     for step, record in enumerate(result.records):
         assert record["host_bytes"] <= budget
-        assert record["nvme_bytes"] == 2 * state + grads.spill_bytes  # 2 generations
+        assert record["nvme_bytes"] == 2 * state + grads.spill_bytes  # 2 copies
         # A redone step reads and writes the state twice (speculative update, redo); a
         # deferred one once. Either writes the spilled gradients once and reads them
         # back once, for the update after backward.

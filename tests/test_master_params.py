@@ -60,7 +60,7 @@ def test_which_params_are_the_master():
     o = Placement(params="nvme", optimizer="nvme")
     parts = nvme_parts(sizes, o, plan_host(sizes, o, 0))
     assert parts["params"] == 0 and parts["optimizer"] > 0
-    # bf16 params: two generations of their own, 2 bytes a param (4 blocks, embed, head)
+    # bf16 params: two copies of their own, 2 bytes a param (4 blocks, embed, head)
     bf16 = dataclasses.replace(sizes, compute_bytes=2)
     assert nvme_parts(bf16, o, plan_host(bf16, o, 0))["params"] == 2 * 2 * 46_000
 
@@ -83,7 +83,7 @@ def _run(config, steps: int, check_step=None):
 
 @pytest.mark.slow  # 13 s; master params in the default run: ..._train_as_params_of_their_own
 def test_fp32_params_on_nvme_are_the_state_s_master(tiny, tmp_path):
-    """No param files; a step writes one generation of state and nothing for the params,
+    """No param files; a step writes one copy of state and nothing for the params,
     and reads the state (or copies its master from the params' reads) and every block's
     master at most twice (forward, backward's recompute) beside it; the run equals
     offload.mode=none (SGD, 1e-5)."""
@@ -114,7 +114,7 @@ def test_master_params_train_as_params_of_their_own(tiny, monkeypatch):
     """AdamW: the params read from the master train bit for bit as those written to files
     of their own (what fp32 params on NVMe had before). The host optimizer's state reads
     take the master of blocks whose backward read is at hand from that read: per step
-    the state store reads one generation less those blocks' masters."""
+    the state store reads one copy less those blocks' masters."""
     config = _config(tiny)
     state_reads = []
 
@@ -124,7 +124,7 @@ def test_master_params_train_as_params_of_their_own(tiny, monkeypatch):
     losses, params = _run(config, 4, check_step)
     runtime = StreamingRuntime(config)
     try:
-        generation = runtime.states.nvme_bytes // 2
+        copy = runtime.states.nvme_bytes // 2
         one_master = (
             runtime.param_store.stage_pages["block1"][1] * runtime.param_store.page_elems * 4
         )
@@ -132,8 +132,8 @@ def test_master_params_train_as_params_of_their_own(tiny, monkeypatch):
         runtime.close()
     per_step = np.diff(state_reads)
     # at least one of the 3 blocks' masters copied, at most all of them
-    assert all(generation - 3 * one_master <= r <= generation - one_master for r in per_step), (
-        per_step, generation, one_master,
+    assert all(copy - 3 * one_master <= r <= copy - one_master for r in per_step), (
+        per_step, copy, one_master,
     )  # fmt: skip
     monkeypatch.setattr(memory, "params_are_master", lambda o, compute_bytes: False)
     own = StreamingRuntime(config)

@@ -133,7 +133,7 @@ def test_planner_bytes_for_a_small_config_by_hand(tiny, tmp_path):
         "swapped activations": 0,
         "optimizer cache": 2 * state * stages,  # all of it (old and new) fits the budget
     }
-    nvme = {"optimizer": 2 * state * stages}  # two generations
+    nvme = {"optimizer": 2 * state * stages}  # two copies
     nvme |= {"params": 0, "boundaries": 0, "swapped activations": 0, "gradients": 0}
 
     runtime = StreamingRuntime(config, workdir=tmp_path)

@@ -58,7 +58,7 @@ def test_nvme_optimizer_and_params_equal_in_memory(tiny, tmp_path, optimizer, re
     assert 0 < redo[-1] < len(redo), redo  # clipping bound in some steps, not in all
     last = result.records[-1]
     assert last["nvme_read_bytes"] > 0 and last["nvme_write_bytes"] > 0
-    # 2 generations of the fp32 master and the moments (adamw 2, lion 1): the params are
+    # 2 copies of the fp32 master and the moments (adamw 2, lion 1): the params are
     # the master (fp32 compute), with no files of their own (tests/test_master_params.py)
     kinds = 1 + {"adamw": 2, "lion": 1}[optimizer["name"]]
     state_bytes = 2 * kinds * 4 * build_model(config.model).param_count()

@@ -145,7 +145,7 @@ def test_stream_with_bf16_moments_on_nvme_equals_state_in_ram(tiny, tmp_path):
     buffers, ``native.host_update``) and in host RAM (the kernel through XLA's buffers,
     the FFI call): the same kernel on the same operands, so the same training bit for
     bit (each entry point equals the numpy reference above); the NVMe tier's files hold
-    bfloat16 moments, 4 + 2 + 2 bytes a parameter a generation. Against the in-memory
+    bfloat16 moments, 4 + 2 + 2 bytes a parameter a copy. Against the in-memory
     runtime (optax's update, widened and rounded) the runs differ by bfloat16 roundings
     that an FMA moves (see the optax case above), so only the losses are compared,
     to a tolerance of their own: that bound is this test's measurement, not an
@@ -182,11 +182,11 @@ def test_stream_with_bf16_moments_on_nvme_equals_state_in_ram(tiny, tmp_path):
 def test_stream_with_int8_moments_on_nvme_equals_state_in_ram(tiny, tmp_path):
     """int8 moments, optimizer state on NVMe (the native kernel in place on the I/O
     buffers: codes in the tier's page files, scales in files of their own,
-    ``storage/scales.py``), with two generations and with one written in place
+    ``storage/scales.py``), with two copies and with one written in place
     (``optimizer.speculation=never``), and in host RAM (the kernel through XLA's
     buffers): the same kernel on the same operands, so the same training bit for bit.
     The files hold int8 codes (read and written with O_DIRECT) and float32 scales, 4 +
-    1 + 1 bytes a parameter and a scale per 2048 of each moment, per generation."""
+    1 + 1 bytes a parameter and a scale per 2048 of each moment, per copy."""
     from hetjax.runtime.streaming import StreamingRuntime
     from hetjax.train import train
 
@@ -194,14 +194,14 @@ def test_stream_with_int8_moments_on_nvme_equals_state_in_ram(tiny, tmp_path):
         return tiny(
             optimizer=dict(state_dtype="int8", **CLIP, **optimizer),
             offload=dict(mode="stream", optimizer=tier),
-            memory=dict(page_size="16KiB", nvme_generations=2 if tier == "nvme" else 0),
+            memory=dict(page_size="16KiB", nvme_copies=2 if tier == "nvme" else 0),
         )
 
     runs = {
         "nvme": train(config("nvme"), tmp_path / "nvme", verbose=False),
         "host": train(config("host"), tmp_path / "host", verbose=False),
     }
-    in_place = config("nvme", speculation="never").replace(memory=dict(nvme_generations=1))
+    in_place = config("nvme", speculation="never").replace(memory=dict(nvme_copies=1))
     runs["in place"] = train(in_place, tmp_path / "in-place", verbose=False)
     host = runs["host"]
     for name in ("nvme", "in place"):
@@ -225,7 +225,7 @@ def test_stream_with_int8_moments_on_nvme_equals_state_in_ram(tiny, tmp_path):
         elems = sum(s.own(n) for n in s.stages())
         scales = 2 * 4 * -(-elems // 2048)  # each page whole blocks: 16 KiB pages
         assert runtime.optimizer.layouts["block"].page_elems % 2048 == 0
-        assert states.nvme_bytes == 2 * (6 * elems + scales)  # two generations
+        assert states.nvme_bytes == 2 * (6 * elems + scales)  # two copies
     finally:
         runtime.close()
 
@@ -582,10 +582,10 @@ def test_int8_moments_on_nvme_store_codes_and_scales_in_their_files(tmp_path):
     """The NVMe tier's store of int8 moments (``storage/scales.py``) at the store's
     level: a streamed stage's int8 blocks come back as views of pooled buffers (codes
     and scales, each as written), updated in place and put, are the committed state
-    after the commit (the other generation), and what a checkpoint reads from the frozen
+    after the commit (the other copy), and what a checkpoint reads from the frozen
     pages; a cached stage stays in RAM. The files: codes int8 and O_DIRECT, scales fp32
     with a CRC-32 of every page checked on read (a flipped bit: ``DamagedPageError``),
-    ``4 + 1 + 1`` bytes an element and two 4-byte scales a page of 4096, a generation."""
+    ``4 + 1 + 1`` bytes an element and two 4-byte scales a page of 4096, a copy."""
     from hetjax.storage.scales import ScaledStateStore
     from hetjax.types import DamagedPageError
 
@@ -638,7 +638,7 @@ def test_int8_moments_on_nvme_store_codes_and_scales_in_their_files(tmp_path):
         elems = 5 * P
         assert store.nvme_bytes == 2 * (6 * elems + 2 * 4 * 2 * 5)
         assert store.codes.disk[0].links  # the codes' pages: O_DIRECT
-        scales = tmp_path / "optimizer_scales" / f"gen{store.gen}" / "mu" / "c" / "3" / "0"
+        scales = tmp_path / "optimizer_scales" / f"gen{store.current}" / "mu" / "c" / "3" / "0"
         raw = bytearray(scales.read_bytes())
         raw[0] ^= 1
         scales.write_bytes(bytes(raw))
@@ -878,10 +878,10 @@ def test_planner_bytes_equal_the_runtimes_for_each_state_dtype(tiny, tmp_path):
             elems = sum(s.own(n) for n in s.stages())
             assert nvme_parts(planned, o, planned_host)["optimizer"] == (runtime.states.nvme_bytes)
             assert elems % 2048 == 0  # whole int8 blocks: the scales' bytes are whole too
-            assert runtime.states.nvme_bytes == 2 * per_param * elems  # two generations
+            assert runtime.states.nvme_bytes == 2 * per_param * elems  # two copies
         finally:
             runtime.close()
-    # state in host RAM, each dtype: two generations held after a step (the committed
+    # state in host RAM, each dtype: two copies held after a step (the committed
     # state and the dead one kept as the next update's output), as the planner counts
     from equivalence import training_batches
 
@@ -940,7 +940,7 @@ def test_planner_bytes_equal_the_runtimes_for_each_state_dtype(tiny, tmp_path):
             else:
                 for batch in training_batches(config, 1):
                     runtime.train_step(batch)
-                held = runtime.states.host_bytes()  # two generations, as the plan counts
+                held = runtime.states.host_bytes()  # two copies, as the plan counts
                 assert held == planned_host.parts["optimizer"] == 2 * by_hand
         finally:
             runtime.close()
@@ -970,7 +970,7 @@ def test_state_dtype_bench_quick(tmp_path, monkeypatch, capsys):
 # 22 s (90 s with the shared cores loaded: two runs and a killed one, a launched process)
 @pytest.mark.slow
 def test_int8_on_nvme_in_place_sigkill_mid_step_then_resume_equals_uninterrupted(tmp_path):
-    """int8 moments on NVMe, one generation written in place: killed with SIGKILL while
+    """int8 moments on NVMe, one copy written in place: killed with SIGKILL while
     step 5 is half written over the pages (scales written, codes in flight) and resumed
     from step 4's checkpoint (its int8 moments saved as the float32 values they hold and
     requantized on restore, which gives back the same codes and scales), the run ends

@@ -120,7 +120,7 @@ def test_two_byte_moments_move_planner_and_runtime_bytes_together(tiny, tmp_path
             assert run_host.cached_stages == planned_host.cached_stages
             run_nvme = nvme_parts(run, o, run_host)
             assert run_nvme == nvme_parts(planned, o, planned_host)
-            # by hand: two generations of every stage's state on NVMe; I/O buffers for
+            # by hand: two copies of every stage's state on NVMe; I/O buffers for
             # IO_SLOTS of the biggest stage; a cached stage's old and new state in RAM
             assert run_nvme["optimizer"] == 2 * per_param * elems
             assert run_host.optimizer_io == memory.IO_SLOTS * per_param * biggest

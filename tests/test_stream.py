@@ -610,7 +610,7 @@ def test_stream_through_launch_reports_memory(tmp_path):
 @pytest.mark.parametrize("params", ["host", "nvme"])
 def test_stream_fp16_skips_overflow_then_trains(tiny, params):
     """A skipped step must leave every tier untouched: with params on NVMe, the forward
-    after a skip must read the committed generation, not the dropped update's."""
+    after a skip must read the committed copy, not the dropped update's."""
     model = dict(num_layers=2, d_model=32, num_heads=4, max_seq_len=32, compute_dtype="float16")
     config = tiny(
         model=model,

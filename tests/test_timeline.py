@@ -125,7 +125,7 @@ def test_metrics_fields_of_an_offloaded_run(traced_run, tiny, tmp_path):
         assert abs(m["device_bytes_peak"] - peak) <= 0.05 * peak, (m["device_bytes_peak"], peak)
         assert m["device_bytes_peak"] <= runtime.plan.required
         assert m["nvme_read_bytes"] == m["nvme_write_bytes"] == TINY_ADAM_STATE_BYTES
-        assert m["nvme_bytes"] == 2 * TINY_ADAM_STATE_BYTES  # two generations on disk
+        assert m["nvme_bytes"] == 2 * TINY_ADAM_STATE_BYTES  # two copies on disk
         assert m["optimizer_params"] == TINY_SLAB_ELEMS
         # Host bytes: the param slabs and gradient buffers, within the host plan. (No
         # clipping: gradients are dropped once updated, so how many were held at once

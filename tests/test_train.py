@@ -22,7 +22,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 # what the default output leaves to --verbose (docs/guide/running.md#the-runs-output)
-TERMS = ("prefetch depth", "resident", "boundar", "working set", "generations", "ledger")
+TERMS = ("prefetch depth", "resident", "boundar", "working set", "copies", "ledger")
 
 
 def _check_default_run(workdir, out, verbose=False):

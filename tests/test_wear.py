@@ -95,7 +95,7 @@ def test_planner_refuses_a_run_over_the_wear_budget_and_prefers_writing_less():
 @pytest.mark.slow  # ~25 s: the local machine measured, then 5 steps
 def test_plan_wear_projection_equals_the_bytes_written(tmp_path):
     """A plan with the state on NVMe (budgets too small for the device and RAM), one
-    generation written in place: the bytes a step writes that the plan projects are
+    copy written in place: the bytes a step writes that the plan projects are
     those the run's steps measured, within 10%, and so is the run summary's wear."""
     config = tiny_config(
         model=dict(num_layers=4, d_model=32, num_heads=4, max_seq_len=32),

@@ -52,7 +52,7 @@ def _step_parts(runtime, batch) -> dict:
                     layout.unflatten_pages(params.get(n)), runtime.compute_dtype
                 )
                 params.publish(n, list(slab.reshape(-1, layout.page_elems)))
-        states.abort()  # waits for the writes (into the uncommitted generation)
+        states.abort()  # waits for the writes (into the uncommitted copy)
         if nvme_params:
             params.abort()
         return time.perf_counter() - t0

@@ -55,7 +55,7 @@ class _Run:
         )
         jax.block_until_ready((slabs, pages))
         self.times.append(time.perf_counter() - t0)
-        if self.spare is not None:  # the generation before last, as the loop recycles
+        if self.spare is not None:  # the copy before last, as the loop recycles
             self.spare = self.state[0]
         self.state = (slabs, scalars)
 
@@ -66,7 +66,7 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
     machine's copy bandwidth (all cores, as the update runs) / 28. Measured refreshing
     bf16 params (the GPU compute dtype: 2 B/param more), for both kernels
     (``optimizer.host_kernel``) and both ways the loop writes the new state: into the
-    generation before last (``spare``: state in RAM) and over a stage just read
+    copy before last (``spare``: state in RAM) and over a stage just read
     (``in place``), and for the native kernel also in place over host buffers outside
     XLA (``host``: what the NVMe tier runs, ``SlabOptimizer.update_host``) and into fresh
     buffers (what the loop avoids: each costs page faults on the first touch).

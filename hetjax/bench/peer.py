@@ -2,7 +2,7 @@
 gpt310m_peer.py, 310.8M params) in one run, each row a training run in a child process:
 in memory, optimizer state on NVMe, params and optimizer state on NVMe, and the same
 with a 3 GiB host budget. For each: s/step (median after the first steps), peak RSS of
-the process, disk bytes per step (also against one generation of the NVMe state: the
+the process, disk bytes per step (also against one copy of the NVMe state: the
 least a step can move), and the limit max(compute, disk time) where compute
 is the in-memory row's step and disk time is the step's reads and writes at the raw
 disk bandwidth measured in the same run (O_DIRECT, ``bench io``). DeepSpeed's rows are
@@ -30,7 +30,7 @@ ROWS = {
 }
 # full, quick: each below what caching every stage's state would take, so the budgeted
 # row still streams state from the disk (the quick shape's minimum host working set is
-# 223 MiB and a generation of its state 72 MiB: 512 MiB cached it all, and read nothing)
+# 223 MiB and a copy of its state 72 MiB: 512 MiB cached it all, and read nothing)
 BUDGET = {False: "3GiB", True: "256MiB"}
 # DeepSpeed ZeRO-3 0.19 on this machine at this shape (the table): s/step, GiB
 DEEPSPEED = {
@@ -71,9 +71,9 @@ def _row(
         "peak_rss": rss,
         "read_bytes": float(np.median([r.get("nvme_read_bytes", 0) for r in steady])),
         "write_bytes": float(np.median([r.get("nvme_write_bytes", 0) for r in steady])),
-        # one generation of what lives on NVMe: the least a step reads and writes there
+        # one copy of what lives on NVMe: the least a step reads and writes there
         # (every byte of it once each way; a host state cache reads and writes less)
-        "generation_bytes": records[-1].get("nvme_bytes", 0) / 2,
+        "nvme_copy_bytes": records[-1].get("nvme_bytes", 0) / 2,
     }
 
 
@@ -134,12 +134,12 @@ def bench_peer(quick: bool, previous: dict | None = None) -> dict:
             f"{row['limit_s']:>9.2f}{row['vs_limit']:>9.2f}   {peer_text}"
         )
     for name, row in list(rows.items())[1:]:
-        gen = row["generation_bytes"]
-        row["read_vs_generation"] = row["read_bytes"] / gen
-        row["write_vs_generation"] = row["write_bytes"] / gen
+        gen = row["nvme_copy_bytes"]
+        row["read_vs_copy"] = row["read_bytes"] / gen
+        row["write_vs_copy"] = row["write_bytes"] / gen
         print(
-            f"  {name}: one generation on NVMe {gen / 1e9:.2f} GB; a step reads "
-            f"{row['read_vs_generation']:.2f}x and writes {row['write_vs_generation']:.2f}x it"
+            f"  {name}: one copy on NVMe {gen / 1e9:.2f} GB; a step reads "
+            f"{row['read_vs_copy']:.2f}x and writes {row['write_vs_copy']:.2f}x it"
         )
     against_previous(rows, previous)
     budgeted, unbudgeted = rows["the same, host budget"], rows["params + optimizer on NVMe"]

@@ -16,11 +16,11 @@ from hetjax.config import Config
 
 # GPT shapes (layers, d_model, heads), smallest first; vocab 256, so ~12 L d^2 params.
 # Offloaded without clipping and stopping at a non-finite step, no written update can be
-# dropped, so the NVMe files are one generation written in place
-# (hetjax/generations.py): 12 B/param of fp32 master, m and v (the fp32 params
+# dropped, so the NVMe files are one copy written in place
+# (hetjax/nvme_copies.py): 12 B/param of fp32 master, m and v (the fp32 params
 # are the master; no gradients kept): 48.2 GB at 142 x 1536 (4.02B), checked against
 # the disk's free space at start-up. (Before 2026-11-26 the bench clipped: two
-# generations and spilled gradients, ~36 B/param, 72.4 GB at 72 x 1536.) Each size's
+# copies and spilled gradients, ~36 B/param, 72.4 GB at 72 x 1536.) Each size's
 # files are deleted before the next.
 SCALE_SHAPES = [
     (4, 512, 8),
@@ -43,7 +43,7 @@ SCALE_SHAPES_QUICK = [(2, 32, 4), (4, 128, 4)]
 def _scale_config(shape, mode: str, quick: bool, state_dtype: str = "") -> Config:
     """3 steps of a tiny batch; ``stream``: params and optimizer state on NVMe within
     the device and host budgets, no clipping and a non-finite step stops the run (so
-    the state is one generation written in place); ``none``: everything on the device.
+    the state is one copy written in place); ``none``: everything on the device.
     ``state_dtype``: the optimizer moments' dtype (``optimizer.state_dtype``, where
     that key exists; "": fp32)."""
     layers, d, heads = shape

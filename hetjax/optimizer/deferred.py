@@ -18,7 +18,7 @@ caught up before anything reads it:
 
 What the step saves: the pages wholly in experts without a token in any of the step's
 micro-batches (``ExpertFetcher.zero_pages``) are not read (but their master, which the
-params come from), not updated and not written: the step's generation of the NVMe state
+params come from), not updated and not written: the step's copy of the NVMe state
 gets hard links to their committed files (``NvmeStateStore``). A page skipped over k
 steps is read and written once when caught up, instead of k times.
 

@@ -183,7 +183,7 @@ class SlabOptimizer:
         # Two ways to give XLA the output buffers instead of fresh allocations (fresh
         # buffers cost a page fault per 4 KiB on the first touch: about half the update's
         # time on the CPU backend, measured with ``bench optimizer``): ``_update_into``
-        # writes the new state into ``spare`` (a dead generation of the same slabs),
+        # writes the new state into ``spare`` (a dead copy of the same slabs),
         # ``_update_in_place`` into the input slabs themselves (a fresh NVMe read).
         update = functools.partial(jax.jit, static_argnums=(5, 6, 7), out_shardings=sharding)
         self._update = update(self._update_chunk)
@@ -402,7 +402,7 @@ class SlabOptimizer:
         two chunks run at once on two cores); on an accelerator one chunk per stage.
 
         Output buffers: ``spare`` (the same kinds, as chunks, in ``sharding``) is a dead
-        generation of this stage's state that the new state is written into (its arrays
+        copy of this stage's state that the new state is written into (its arrays
         are deleted); ``in_place`` writes it over ``slabs`` (which must be a copy nobody
         else holds, e.g. a fresh NVMe read). Otherwise the new state gets fresh buffers."""
         if in_place and self.native and _host_buffers(slabs, self.state_format):

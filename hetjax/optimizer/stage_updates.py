@@ -102,7 +102,7 @@ class StageUpdates:
         t0 = time.perf_counter()
         self.states.commit()  # the last stages' write-back may still be landing
         self.params.commit()
-        self._reads.clear()  # read-ahead was of the generation just replaced
+        self._reads.clear()  # read-ahead was of the copy just replaced
         if self.catch_ups is not None:
             self.catch_ups.commit()  # (read-ahead below: of every page)
         for stage in self.order[: self.readahead]:  # the next step's first stages

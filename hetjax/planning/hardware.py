@@ -370,7 +370,7 @@ def slab_optimizer(n: int, compute_dtype: str, page_elems: int = 1 << 20, kernel
 
 def measure_optimizer(n: int = 1 << 22, compute_dtype: str = "float32") -> float:
     """AdamW updates per second of the host optimizer (:class:`SlabOptimizer`, as the
-    update loop runs it: new state into the generation before last, the gradient an
+    update loop runs it: new state into the copy before last, the gradient an
     aligned slab as the streaming runtime hands it over) on one ``n``-element slab in RAM,
     refreshing ``compute_dtype`` params; best of a few."""
     import jax
@@ -383,7 +383,7 @@ def measure_optimizer(n: int = 1 << 22, compute_dtype: str = "float32") -> float
     spare = opt.init("s", np.ones(size, np.float32))[0]
     grad = aligned_concatenate([np.full(size, 1e-3, np.float32)])
 
-    def update():  # the new state into the generation before last, as the loop does
+    def update():  # the new state into the copy before last, as the loop does
         nonlocal state, spare
         slabs, scalars, pages = opt.update("s", *state, grad, (0.0, 0.0), spare=spare)
         jax.block_until_ready((slabs, pages))

@@ -1,7 +1,7 @@
 """Offloaded inference's runtime (``hetjax generate`` with ``offload.mode=stream``): the
 model's compute-dtype params in the training runtime's param store (``offload.params``:
 host RAM, ``storage/params.HostParamStore``, or NVMe, ``storage/params.NvmeParamStore``
-with one generation of files of its own), each block brought to the device through the
+with one copy of files of its own), each block brought to the device through the
 same prefetch window (``window.PrefetchWindow``) a training forward uses; embed and head
 resident. No optimizer state, no gradients, no update loop: the params are read once,
 stage by stage, from the run's newest checkpoint, an HF directory or a random init
@@ -156,7 +156,7 @@ class InferenceRuntime:
         return self.layouts["embed"].page_elems
 
     def _store(self, nbytes, workdir):
-        """The param store of ``offload.params``: host RAM, or one generation of NVMe
+        """The param store of ``offload.params``: host RAM, or one copy of NVMe
         files (checked for their bytes) under ``memory.nvme_path``, the workdir's
         ``nvme/inference`` or a temporary directory."""
         shardings = self.parallel.shardings
@@ -184,7 +184,7 @@ class InferenceRuntime:
         return NvmeParamStore(
             stripes.root / "params", self.dtype, pages, self._page_elems,
             stage_to=shardings.pinned_staging(), views=views,
-            slabs=SlabPool(reads * self.plan.block), generations=1, stripes=stripes,
+            slabs=SlabPool(reads * self.plan.block), copies=1, stripes=stripes,
         )  # fmt: skip
 
     def _to_device(self, stage: str, slab):

@@ -178,7 +178,7 @@ def make_stores(
             sharding=shardings.optimizer,
             io_slots=memory.IO_SLOTS,
             master_reads_kept=memory_host.master_reads_kept(offload, dtype.itemsize),
-            generations=offload.generations,
+            copies=offload.copies,
             stripes=stripes,
         )
     else:
@@ -195,7 +195,7 @@ def make_stores(
             slabs=slabs,
             master_of=states if master else None,
             keep_published=host.published_stages,
-            generations=offload.generations,
+            copies=offload.copies,
             stripes=stripes,
         )
     else:
@@ -267,11 +267,11 @@ def describe_plans(
     device_stages,
     nvme_dir,
     offload,
-    generations=None,
+    copies=None,
     copy_bytes: int = 0,
 ) -> list[str]:
-    """The start-up plans, for the log (``generations``: the NVMe tier's,
-    ``generations.py``, ``copy_bytes`` one copy of its state and params)."""
+    """The start-up plans, for the log (``copies``: the NVMe tier's,
+    ``nvme_copies.py``, ``copy_bytes`` one copy of its state and params)."""
     lines = [*placement_lines, device_plan.describe(), host_plan.describe()]
     if device_stages:
         n = len(device_stages)
@@ -284,8 +284,8 @@ def describe_plans(
             f"nvme: {nvme_dir} (offload.optimizer={offload.optimizer}, "
             f"offload.params={offload.params}, offload.activations={offload.activations})"
         )
-        if generations is not None and "nvme" in (offload.optimizer, offload.params):
-            lines.append(generations.describe(copy_bytes))
+        if copies is not None and "nvme" in (offload.optimizer, offload.params):
+            lines.append(copies.describe(copy_bytes))
     return lines
 
 

@@ -68,7 +68,7 @@ from hetjax import timeline
 from hetjax.checkpoint_state import StateSource, StoredState
 from hetjax.config import Config, ConfigError
 from hetjax.data import split_window
-from hetjax.generations import nvme_generations
+from hetjax.nvme_copies import nvme_copies
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.parallel.single import SingleDevice
 from hetjax.runtime import setup, state_io
@@ -399,12 +399,12 @@ class StreamingRuntime:
 
     def plan_lines(self) -> list[str]:
         """The start-up plans, for the log."""
-        generations = nvme_generations(self.config)
-        copy = (self.states.nvme_bytes + self.param_store.nvme_bytes) // generations.count
+        copies = nvme_copies(self.config)
+        copy = (self.states.nvme_bytes + self.param_store.nvme_bytes) // copies.count
         return setup.describe_plans(
             self.parallel.describe(self.layouts), self.plan, self.host_plan,
             self.device_stages, self.nvme_dir, self.config.offload,
-            generations, copy,
+            copies, copy,
         ) + fallbacks(self.config)  # fmt: skip
 
     def settle(self) -> None:

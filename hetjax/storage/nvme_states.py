@@ -6,9 +6,9 @@ whose next use is furthest) simulated over that order at start-up
 (``memory_host.belady_cache``); the other stages stream from disk every step, with
 read-ahead and delayed write-back (writes complete while later stages update).
 
-On disk there are two generations of every array, one holding the committed state and
+On disk there are two copies of every array, one holding the committed state and
 one receiving the step's writes, and ``commit`` flips them; or one, written in place,
-where no written update can be dropped (``generations.py``). See ``states.py`` for the
+where no written update can be dropped (``nvme_copies.py``). See ``states.py`` for the
 stores' interface and why updates are speculative until committed.
 """
 
@@ -37,7 +37,7 @@ from hetjax.types import MASTER
 
 
 class NvmeStateStore:
-    """Optimizer state in TensorStore arrays under ``path``, in ``generations`` copies
+    """Optimizer state in TensorStore arrays under ``path``, ``copies`` copies of it
     (two, or one written in place), with a host cache of the stages in ``cached``."""
 
     def __init__(
@@ -51,7 +51,7 @@ class NvmeStateStore:
         sharding: jax.sharding.Sharding,
         io_slots: int,
         master_reads_kept: int = 0,
-        generations: int = 2,
+        copies: int = 2,
         stripes: Stripes | None = None,
     ):
         """``state_format``: the kinds and their dtypes (``state_format.py``).
@@ -60,8 +60,8 @@ class NvmeStateStore:
         I/O buffers (``iopool.py``), what the host plan counts (``memory.IO_SLOTS``);
         ``master_reads_kept``: how many reads of the committed master pages made
         elsewhere are kept for this store's reads (:class:`MasterReads`);
-        ``generations``: 2, or 1 where no written update can be dropped
-        (``generations.py``: a step writes the committed pages in place); ``stripes``:
+        ``copies``: 2, or 1 where no written update can be dropped
+        (``nvme_copies.py``: a step writes the committed pages in place); ``stripes``:
         the drives the pages stripe over (``stripes.py``)."""
         self.path = Path(path)
         self.state_format = state_format
@@ -74,19 +74,19 @@ class NvmeStateStore:
         dtypes = state_format.dtypes
         self.disk = [
             PageStore(self.path / f"gen{g}", dtypes, num_pages, page_elems, stripes=stripes)
-            for g in range(generations)
+            for g in range(copies)
         ]
-        self.gen = 0  # the generation holding the committed state
-        # streamed stages a dropped step wrote in place (one generation): neither read
+        self.current = 0  # the copy holding the committed state
+        # streamed stages a dropped step wrote in place (one copy): neither read
         # nor checkpointed until a restore rewrites them
         self._torn: set[str] = set()
         self.cache: dict[str, dict[str, jax.Array]] = {}
         self.scalars: dict[str, list] = {}
         self._pending_cache: dict[str, dict] = {}
         self._pending_scalars: dict[str, list] = {}
-        self._spare: dict[str, dict] = {}  # cached stages' dead generations (recycle)
+        self._spare: dict[str, dict] = {}  # cached stages' dead copies (recycle)
         self._writes: list = []  # (future, data kept alive until the write completes)
-        # stage -> its write futures into the committed generation that a commit did not
+        # stage -> its write futures into the committed copy that a commit did not
         # wait for (the step's tail: see ``commit``); a read of the stage waits for them
         self._landing: dict[str, list] = {}
         self._by_stage: dict[str, list] = {}  # the step's writes, by stage
@@ -96,10 +96,10 @@ class NvmeStateStore:
         # Write-back in flight: the biggest stage's state, as the host plan counts it.
         self._write_window = state_format.nbytes(biggest)
         self._pool = IoPool(dtypes, biggest, io_slots)
-        self._reads: dict[str, _Read] = {}  # read-ahead into the pool, this generation
+        self._reads: dict[str, _Read] = {}  # read-ahead into the pool, this copy
         self._held: dict[str, Slot] = {}  # read and handed out, not yet written back
         self._catching: dict[str, Slot] = {}  # read for a catch-up, not yet written back
-        self._frozen = Frozen()  # cached slabs and generations a checkpoint writes from
+        self._frozen = Frozen()  # cached slabs and copies a checkpoint writes from
         self.read_bytes = self.write_bytes = 0
         self.read_kinds: collections.Counter[str] = collections.Counter()  # bytes by kind
         # The committed state's version (a commit or a restore makes a new one), and
@@ -119,7 +119,7 @@ class NvmeStateStore:
             self.cache[stage] = jax.device_put(slabs, self.sharding)
         else:
             self._wait_writes()  # one stage in flight: start-up RAM stays bounded
-            self._write(self.gen, stage, slabs)
+            self._write(self.current, stage, slabs)
 
     def wait_init(self) -> None:
         self._wait_writes()
@@ -128,7 +128,7 @@ class NvmeStateStore:
 
     def prefetch(self, stage: str, skip: frozenset[int] = frozenset()) -> Any:
         """Starts reading a streamed stage's slabs into a pooled buffer (once per
-        generation: a second call returns the same read); None for cached stages.
+        copy: a second call returns the same read); None for cached stages.
         ``skip``: the stage's pages (indices within it) the step's update leaves alone
         (zero gradients, ``optimizer/deferred.py``): only their master is read."""
         if stage in self.cached:
@@ -145,7 +145,7 @@ class NvmeStateStore:
         if landed is not None:  # the master's pages are read already: copied, not read
             futures.append(_copy_when_done(landed, slot.view(MASTER, elems)))
             kinds = [k for k in kinds if k != MASTER]
-        disk, P = self.disk[self.gen], self.page_elems
+        disk, P = self.disk[self.current], self.page_elems
         runs = runs_outside(n, skip) if skip else [(0, n)]
         read_kinds: collections.Counter[str] = collections.Counter()
         for k in kinds:  # the master whole: the params not updated are published too
@@ -173,7 +173,7 @@ class NvmeStateStore:
             for k in self.kinds:
                 for a, b in page_runs(missing) if k != MASTER else []:
                     view = read.slot.view(k, read.elems)[a * P : b * P]
-                    futures.append(self.disk[self.gen].read_into(k, first + a, view))
+                    futures.append(self.disk[self.current].read_into(k, first + a, view))
                     read.kinds[k] += self.state_format.nbytes((b - a) * P, [k])
             for future in futures:
                 future.result()
@@ -185,7 +185,7 @@ class NvmeStateStore:
 
     def recycle(self, stage: str) -> tuple[dict | None, bool]:
         """Output buffers for a stage's next update (see ``MemoryStateStore``): a cached
-        stage's dead generation; a streamed stage's own read (updated in place)."""
+        stage's dead copy; a streamed stage's own read (updated in place)."""
         if stage in self.cached:
             spare = self._spare.pop(stage, None)
             self._frozen.wait(stage, spare)
@@ -196,9 +196,9 @@ class NvmeStateStore:
         self, stage: str, slabs: dict, scalars: list, skip: frozenset[int] = frozenset()
     ) -> None:
         """A stage's updated state: kept in the cache, or written (asynchronously) to
-        the generation that ``commit`` will make current; its pooled buffers go back
+        the copy that ``commit`` will make current; its pooled buffers go back
         to the pool once written. ``skip``: pages the update left alone (see
-        :meth:`prefetch`), hard-linked from the committed generation, not written."""
+        :meth:`prefetch`), hard-linked from the committed copy, not written."""
         self._pending_scalars[stage] = scalars
         if stage in self.cached:
             self._pending_cache[stage] = slabs
@@ -227,24 +227,24 @@ class NvmeStateStore:
         self.scalars.update(self._pending_scalars)
         self._pending_cache.clear()
         self._pending_scalars.clear()
-        self.gen = self._target
+        self.current = self._target
         self.version += 1
-        self._drop_reads()  # of the generation just replaced
+        self._drop_reads()  # of the copy just replaced
         self._manifest_due = True
         if not self._writes:
             self._land_all()
 
     @property
     def _target(self) -> int:
-        """The generation a step's updates write: the other one, or (one generation)
+        """The copy a step's updates write: the other one, or (one copy)
         the committed one, in place."""
-        return (1 - self.gen) % len(self.disk)
+        return (1 - self.current) % len(self.disk)
 
     def _check_whole(self, stage: str) -> None:
         if stage in self._torn:
             raise RuntimeError(
                 f"the NVMe state of {stage} was written in place by a step whose updates "
-                "were then dropped (memory.nvme_generations=1): it is neither read nor "
+                "were then dropped (memory.nvme_copies=1): it is neither read nor "
                 "checkpointed until a restore rewrites it; the run resumes from its newest "
                 "checkpoint"
             )
@@ -252,7 +252,7 @@ class NvmeStateStore:
     def abort(self) -> None:
         if len(self.disk) == 1:  # written in place: those stages hold no committed state
             self._torn.update(self._by_stage)
-        self._wait_writes()  # into the uncommitted generation; then forgotten
+        self._wait_writes()  # into the uncommitted copy; then forgotten
         self._drop_reads()
         self._spare.update(self._pending_cache)
         self._pending_cache.clear()
@@ -277,7 +277,7 @@ class NvmeStateStore:
             return flat(self.cache[stage]["master"])
         self._land(stage)
         first, n = self.stage_pages[stage]
-        return self.disk[self.gen].read("master", first, n).result().reshape(-1)
+        return self.disk[self.current].read("master", first, n).result().reshape(-1)
 
     def committed(self, stage: str) -> tuple[dict[str, np.ndarray], list]:
         """A stage's committed state as fresh host copies (for a checkpoint)."""
@@ -287,7 +287,7 @@ class NvmeStateStore:
             self._check_whole(stage)
             self._land(stage)
             first, n = self.stage_pages[stage]
-            reads = {k: self.disk[self.gen].read(k, first, n) for k in self.kinds}
+            reads = {k: self.disk[self.current].read(k, first, n) for k in self.kinds}
             slabs = {k: f.result().reshape(-1) for k, f in reads.items()}
         return slabs, [np.array(s) for s in self.scalars[stage]]
 
@@ -295,20 +295,20 @@ class NvmeStateStore:
         """A stage's committed state for a checkpoint, unchanged until the returned
         release is called: a cached stage's slabs (see ``MemoryStateStore.freeze``), or a
         streamed stage's files, as ``(PageStore, first page)``, once their writes have
-        landed (writes into that generation wait for the release); and its scalars."""
+        landed (writes into that copy wait for the release); and its scalars."""
         scalars = [np.array(s) for s in self.scalars[stage]]
         if stage in self.cached:
             return self.cache[stage], scalars, self._frozen.add(stage, self.cache[stage])
         self._check_whole(stage)
         self._land(stage)
-        files = (self.disk[self.gen], self.stage_pages[stage][0])
-        return files, scalars, self._frozen.add(stage, self.gen)
+        files = (self.disk[self.current], self.stage_pages[stage][0])
+        return files, scalars, self._frozen.add(stage, self.current)
 
     def flush(self) -> None:
-        """Writes the cached stages into the committed generation too, so the files
-        alone hold the whole state (``manifest.json`` says which generation)."""
+        """Writes the cached stages into the committed copy too, so the files
+        alone hold the whole state (``manifest.json`` says which copy)."""
         for stage, slabs in self.cache.items():
-            self._write(self.gen, stage, slabs)
+            self._write(self.current, stage, slabs)
         self._wait_writes()
         self._write_manifest()
 
@@ -328,7 +328,7 @@ class NvmeStateStore:
 
     def _write(
         self,
-        gen: int,
+        which: int,
         stage: str,
         slabs: dict,
         speculative: str = "",
@@ -339,10 +339,10 @@ class NvmeStateStore:
         ``speculative``: the stage, when these are a step's writes that commit may
         leave in flight; ``slot``: the pooled buffers the stage was read into (slabs
         in them are written without a copy); ``skip``: pages (of the stage, whole
-        slabs only) not written but linked from the committed generation
+        slabs only) not written but linked from the committed copy
         (:meth:`PageStore.link_from`: they were not updated). Returns the futures."""
         first, n = self.stage_pages[stage]
-        self._frozen.wait(stage, gen)
+        self._frozen.wait(stage, which)
         futures = []
         P = self.page_elems
         for k in self.kinds:
@@ -357,15 +357,15 @@ class NvmeStateStore:
                 page = page if at is None else at
                 data = np.asarray(chunk)  # waits for this chunk's update only
                 pooled = slot is not None and np.shares_memory(data, slot.arrays[k])
-                future = self.disk[gen].write(k, page, data, borrowed=pooled)
+                future = self.disk[which].write(k, page, data, borrowed=pooled)
                 self._track(future, data, speculative, k)
                 futures.append(future)
                 self.write_bytes += data.nbytes
                 page += data.size // P
                 bound_writes(self._writes, self._write_window)
-            if skip and gen != self.gen:  # (in place: those pages are there already)
+            if skip and which != self.current:  # (in place: those pages are there already)
                 linked = [first + p for p in sorted(skip)]
-                future = self.disk[gen].link_from(self.disk[1 - gen], k, linked)
+                future = self.disk[which].link_from(self.disk[1 - which], k, linked)
                 self._track(future, _NOTHING, speculative, k)
                 futures.append(future)
         return futures
@@ -378,7 +378,7 @@ class NvmeStateStore:
 
     def links(self, stage: str) -> bool:
         """Whether a step may leave some of ``stage``'s pages unwritten (linked from
-        the committed generation instead): a streamed stage, one file per page."""
+        the committed copy instead): a streamed stage, one file per page."""
         return stage not in self.cached and self.disk[0].links
 
     def read_pages(self, stage: str, pages: list[int]) -> dict[str, np.ndarray]:
@@ -395,7 +395,7 @@ class NvmeStateStore:
             at = 0
             for a, b in page_runs(pages):
                 view = out[k][at : at + b - a].reshape(-1)
-                futures.append(self.disk[self.gen].read_into(k, first + a, view))
+                futures.append(self.disk[self.current].read_into(k, first + a, view))
                 at += b - a
         for future in futures:
             future.result()
@@ -410,12 +410,12 @@ class NvmeStateStore:
         state whatever the step does. Read-ahead of the stage, and reads of its master
         offered (:meth:`offer_master_read`), are of the old state: forgotten."""
         first, _ = self.stage_pages[stage]
-        self._frozen.wait(stage, self.gen)
+        self._frozen.wait(stage, self.current)
         futures, at = [], 0
         for a, b in page_runs(pages):
             for k in self.kinds:
                 data = slabs[k][at : at + b - a].reshape(-1)
-                futures.append(self.disk[self.gen].write(k, first + a, data, borrowed=True))
+                futures.append(self.disk[self.current].write(k, first + a, data, borrowed=True))
                 self.write_bytes += data.nbytes
             at += b - a
         for future in futures:
@@ -457,7 +457,7 @@ class NvmeStateStore:
 
     def _write_manifest(self) -> None:
         manifest = {
-            "generation": self.gen,
+            "generation": self.current,  # (the on-disk names predate memory.nvme_copies)
             "kinds": self.kinds,
             "page_elems": self.page_elems,
             "stages": {s: list(r) for s, r in self.stage_pages.items()},

@@ -14,7 +14,7 @@ class ParamCache:
     """Where a stage's compute-dtype params are in RAM besides the committed files of a
     ``params.NvmeParamStore``, one named map per reason, and the rules that move them:
 
-    * ``reads``: read ahead from the committed generation (in flight or landed), taken by
+    * ``reads``: read ahead from the committed copy (in flight or landed), taken by
       the stage's next ``get``; dropped where a newer copy is in RAM.
     * ``kept``: what a ``get`` with ``keep`` handed out, for the stage's next ``get`` (a
       block's backward after its forward, ``memory_host.kept_param_blocks``), which

@@ -1,7 +1,7 @@
 """Where the compute-dtype params wait for the next forward (``offload.params``).
 
 :class:`HostParamStore` keeps each stage's pages in host RAM (``host``);
-:class:`NvmeParamStore` in TensorStore page arrays (``nvme``: two generations, the
+:class:`NvmeParamStore` in TensorStore page arrays (``nvme``: two copies, the
 committed one and the one the step's updates write, read ahead by the runtime's
 window; fp32 params with the state on NVMe are its master pages instead); the
 device-cached stages' params stay on the device (:class:`DeviceParamStore`), routed by
@@ -172,7 +172,7 @@ class SplitParamStore(BaseCounters):
     def abort(self) -> bool:
         """True: the device pages are published in place, so a dropped step's updates
         need them republished (the loop republishes every stage; for ``base`` on NVMe
-        that rewrites the uncommitted generation, which the next step overwrites)."""
+        that rewrites the uncommitted copy, which the next step overwrites)."""
         self.base.abort()
         return self.device.abort()
 
@@ -233,9 +233,9 @@ def pinned(pieces, sharding: jax.sharding.Sharding):
 
 
 class OwnPages:
-    """The param pages' own files: two generations of TensorStore arrays under ``path``
+    """The param pages' own files: two copies of TensorStore arrays under ``path``
     (the committed one, read, and the one the step's updates write), or one written in
-    place (``generations.py``)."""
+    place (``nvme_copies.py``)."""
 
     kind = "params"
     writes = True  # publish writes the pages
@@ -246,19 +246,19 @@ class OwnPages:
         dtype: Any,
         num_pages: int,
         page_elems: int,
-        generations: int = 2,
+        copies: int = 2,
         stripes: Stripes | None = None,
     ):
         kinds = {self.kind: np.dtype(dtype).name}
         self.disk = [
             PageStore(Path(path) / f"gen{g}", kinds, num_pages, page_elems, stripes=stripes)
-            for g in range(generations)
+            for g in range(copies)
         ]
-        self.gen = 0
-        self._target = 0  # the generation publish writes into (the first commit keeps 0)
+        self.current = 0
+        self._target = 0  # the copy publish writes into (the first commit keeps 0)
 
     def committed(self) -> PageStore:
-        return self.disk[self.gen]
+        return self.disk[self.current]
 
     def cached(self, stage: str) -> None:
         return None
@@ -270,9 +270,9 @@ class OwnPages:
         return self.disk[self._target].write(self.kind, first, data, borrowed=True)
 
     def commit(self) -> None:
-        if self._target != self.gen:
-            self.gen = self._target
-        self._target = (1 - self.gen) % len(self.disk)
+        if self._target != self.current:
+            self.current = self._target
+        self._target = (1 - self.current) % len(self.disk)
 
     @property
     def nbytes(self) -> int:
@@ -300,11 +300,11 @@ class MasterPages:
         self.states.offer_master_read(stage, read)
 
     def committed(self) -> PageStore:
-        return self.states.disk[self.states.gen]
+        return self.states.disk[self.states.current]
 
     def cached(self, stage: str):
         """A cached stage's committed master (a slab or its chunks), else None. The
-        update after the next commit writes into the other generation of it
+        update after the next commit writes into the other copy of it
         (``states.recycle``)."""
         if stage not in self.states.cached:
             return None
@@ -317,14 +317,14 @@ class MasterPages:
         return PageFutures(self.states.written(stage, self.kind))
 
     def commit(self) -> None:
-        pass  # the state store's commit made its generation current
+        pass  # the state store's commit made its copy current
 
     nbytes = 0
 
 
 class NvmeParamStore:
     """Compute-dtype param pages on disk, read ahead for the forward and backward by the
-    runtime's window: two generations of their own (:class:`OwnPages`), or, fp32 with
+    runtime's window: two copies of their own (:class:`OwnPages`), or, fp32 with
     the state on NVMe, the state's master (:class:`MasterPages`); copies in RAM by
     :class:`ParamCache`'s rules."""
 
@@ -340,7 +340,7 @@ class NvmeParamStore:
         slabs: SlabPool | None = None,
         master_of=None,
         keep_published: tuple[str, ...] = (),
-        generations: int = 2,
+        copies: int = 2,
         stripes: Stripes | None = None,
     ):
         """``stage_to``: the device's ``pinned_host`` memory, where pages read from disk
@@ -354,7 +354,7 @@ class NvmeParamStore:
         params are (:class:`MasterPages`; ``path`` unused), else they have files of
         their own under ``path`` (:class:`OwnPages`). ``keep_published``: stages whose
         published pages are kept to the commit, landed or not, and handed to their
-        first ``get`` after it from RAM (:class:`ParamCache`). ``generations``: of own
+        first ``get`` after it from RAM (:class:`ParamCache`). ``copies``: of own
         files (:class:`OwnPages`): 2, or 1 written in place; ``stripes``: the drives
         their pages stripe over."""
         self.stage_pages = stage_pages
@@ -368,7 +368,7 @@ class NvmeParamStore:
             assert self.dtype == MASTER_DTYPE, "only params in the master's dtype are the master"
             self.pages = MasterPages(master_of)
         else:
-            self.pages = OwnPages(path, dtype, num_pages, page_elems, generations, stripes)
+            self.pages = OwnPages(path, dtype, num_pages, page_elems, copies, stripes)
         self.cache = ParamCache(keep_published)
         # stage -> (landing data, future of its pinned copy): with ``stage_to``, a
         # landing stage's published data staged ahead by ``prefetch`` as a read would be
@@ -384,7 +384,7 @@ class NvmeParamStore:
 
     @property
     def disk(self) -> list[PageStore]:
-        """The param pages' own generations (:class:`OwnPages`)."""
+        """The param pages' own copies (:class:`OwnPages`)."""
         return self.pages.disk
 
     def publish(self, stage: str, pages: list) -> None:
@@ -506,12 +506,12 @@ class NvmeParamStore:
         }
         forget_done(self._writes)  # a write done by now is not landing: had it failed?
         self.pages.commit()
-        # Reads still in flight were of the old generation: a consistent snapshot, one
+        # Reads still in flight were of the old copy: a consistent snapshot, one
         # update old (sync mode has none outstanding at a commit).
 
     def abort(self) -> bool:
-        """Drops the step's writes: the generation stays; the next publish overwrites
-        them. Returns False: the committed generation was never touched."""
+        """Drops the step's writes: the copy stays; the next publish overwrites
+        them. Returns False: the committed copy was never touched."""
         self.wait()
         return False
 

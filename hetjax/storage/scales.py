@@ -6,11 +6,11 @@ scale a block of ``INT8_BLOCK`` elements, the blocks restarting at each page's f
 element (``moments.py``), so a page's scales are its own: ``ceil(page / INT8_BLOCK)``
 of them. A page file holds one dtype and one page size, so :class:`ScaledStateStore`
 keeps two :class:`~hetjax.storage.states.NvmeStateStore` side by side with the same
-stages, pages and generations:
+stages, pages and copies:
 
 * ``codes`` (``<nvme>/optimizer``): the master (fp32) and each moment's codes (int8),
   pages of ``page_elems``: the pages every other format has, O_DIRECT where their
-  bytes are whole 4 KiB blocks, hard links between generations, the params' reads of
+  bytes are whole 4 KiB blocks, hard links between copies, the params' reads of
   the master (``params.MasterPages``);
 * ``scales`` (``<nvme>/optimizer_scales``): each moment's scales, pages of
   ``ceil(page_elems / INT8_BLOCK)`` fp32 (0.2 % of the codes' bytes), through
@@ -20,10 +20,10 @@ stages, pages and generations:
 Every call goes to both, each moment split into its codes and scales on the way in and
 joined on the way out (views of the two stores' pooled buffers: the native kernel
 updates them in place). Each store keeps its own CRC-32s of every page, its
-generations (two, or one written in place: ``generations.py``) and its manifest; a
+copies (two, or one written in place: ``nvme_copies.py``) and its manifest; a
 commit or abort flips both. A checkpoint takes an int8 moment as the float32 values it
 holds (as from host RAM, ``runtime/state_io.py``), read page by page from the frozen
-committed generation of both stores when the checkpoint writes the stage: nothing of
+committed copy of both stores when the checkpoint writes the stage: nothing of
 the tier is hard-linked into it.
 """
 
@@ -103,7 +103,7 @@ class ScaledStateStore:
         sharding,
         io_slots: int,
         master_reads_kept: int = 0,
-        generations: int = 2,
+        copies: int = 2,
         stripes: Stripes | None = None,
         blocks: Callable,
     ):
@@ -115,7 +115,7 @@ class ScaledStateStore:
         assert all(state_format.kind(k).block_size == INT8_BLOCK for k in self.scaled)
         self.stage_pages, self.page_elems = stage_pages, page_elems
         both = dict(cached=cached, sharding=sharding, io_slots=io_slots)
-        both |= dict(generations=generations, stripes=stripes)
+        both |= dict(copies=copies, stripes=stripes)
         self.codes = NvmeStateStore(
             path, code_format(state_format), stage_pages, page_elems,
             master_reads_kept=master_reads_kept, **both,
@@ -181,7 +181,7 @@ class ScaledStateStore:
 
     def links(self, stage: str) -> bool:
         """False: a step updates every page of an int8 stage (deferred updates, which
-        leave pages unwritten and link them between generations, are not offered)."""
+        leave pages unwritten and link them between copies, are not offered)."""
         return False
 
     def committed(self, stage: str) -> tuple[dict, list]:
@@ -232,8 +232,8 @@ class ScaledStateStore:
         return self.codes.disk
 
     @property
-    def gen(self) -> int:
-        return self.codes.gen
+    def current(self) -> int:
+        return self.codes.current
 
     # -- bytes --------------------------------------------------------------------------
 
@@ -262,7 +262,7 @@ class ScaledStateStore:
 
 
 class _FrozenPages(Mapping):
-    """A streamed stage's committed pages in both stores' frozen generation, read when
+    """A streamed stage's committed pages in both stores' frozen copy, read when
     iterated: ``{kind: [slab]}`` (an int8 moment as int8 blocks), the form a
     checkpoint's ``SlabOptimizer.values`` takes (one chunk, the whole slab)."""
 

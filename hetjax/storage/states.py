@@ -14,13 +14,13 @@ Optimizer state (``offload.optimizer``): each stage's slabs by kind (``master``,
 Updates are *speculative* until committed: the loop may update a stage before the
 global gradient norm is known (``optimizer/update_loop.py``), and if clipping then binds, or an
 fp16 step overflows, the step's updates are thrown away. So a step never overwrites the
-state it read: on disk there are two generations of every array, one holding the
+state it read: on disk there are two copies of every array, one holding the
 committed state and one receiving the step's writes, and ``commit`` flips them; cached
 stages keep their old slabs until ``commit``. A crash or a bad step leaves the committed
-generation intact.
+copy intact.
 
-Where no written update can be dropped (``generations.py``) one generation is kept and
-a step writes it in place (``generations=1``): half the files, the same bytes written.
+Where no written update can be dropped (``nvme_copies.py``) one copy is kept and
+a step writes it in place (``copies=1``): half the files, the same bytes written.
 
 Compute-dtype params follow the same pattern in ``params.py``.
 """
@@ -70,7 +70,7 @@ class MemoryStateStore:
         self.slabs: dict[str, dict[str, jax.Array]] = {}
         self.scalars: dict[str, list] = {}
         self._pending: dict[str, tuple[dict, list]] = {}
-        self._spare: dict[str, dict] = {}  # dead generations, reused as output buffers
+        self._spare: dict[str, dict] = {}  # dead copies, reused as output buffers
         self.read_bytes = self.write_bytes = 0
         self._bytes: dict[str, int] = {}  # committed slab bytes by stage
         self._pending_bytes: dict[str, int] = {}
@@ -95,8 +95,8 @@ class MemoryStateStore:
 
     def recycle(self, stage: str) -> tuple[dict | None, bool]:
         """Output buffers for a stage's next update (``SlabOptimizer.update``'s
-        ``spare`` and ``in_place``): the generation its last commit or abort replaced.
-        Speculative updates keep two generations of state anyway (the host plan counts
+        ``spare`` and ``in_place``): the copy its last commit or abort replaced.
+        Speculative updates keep two copies of state anyway (the host plan counts
         them), so holding the dead one between steps costs no peak memory and saves
         the page faults of fresh buffers."""
         self._spare_bytes.pop(stage, None)  # counted again as pending by ``put``
@@ -162,7 +162,7 @@ class MemoryStateStore:
 
     def device_bytes(self) -> int:
         """Device bytes held now: the committed slabs, a step's speculative ones and the
-        dead generations kept for reuse (the ledger's count, kept as a sum: no walk over
+        dead copies kept for reuse (the ledger's count, kept as a sum: no walk over
         every chunk at each dispatch)."""
         return self._held if self.on_device else 0
 
@@ -242,7 +242,7 @@ class SplitStateStore(BaseCounters):
 
 
 class Frozen:
-    """State a checkpoint writes from, by stage: the slabs (or the generation) and an
+    """State a checkpoint writes from, by stage: the slabs (or the copy) and an
     event set once written. Reusing frozen buffers waits for their event."""
 
     def __init__(self):
@@ -254,7 +254,7 @@ class Frozen:
         return done.set
 
     def wait(self, stage: str, what: Any) -> None:
-        """Waits until ``what`` (slabs or a generation) of ``stage`` is released."""
+        """Waits until ``what`` (slabs or a copy) of ``stage`` is released."""
         entry = self._entries.get(stage)
         same = entry is not None and (
             entry[0] is what or (isinstance(what, int) and entry[0] == what)

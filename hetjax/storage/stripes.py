@@ -8,7 +8,7 @@ files (``<array>/c/<p>/``, zarr3's default chunk keys: a row's chunks, one where
 chunk is a page) is a symbolic link to the same path
 under drive ``p % n``'s directory. Everything that opens a page's file by its path (the
 O_DIRECT reads and writes of ``nvme.DirectIO``, TensorStore's own I/O, the hard links
-between generations) then reaches the drive that holds it, unchanged; a write's
+between copies) then reaches the drive that holds it, unchanged; a write's
 temporary file is made in the page's directory, so its rename stays on that drive. A
 checkpoint hard-links a page where the filesystems allow and copies the stage otherwise
 (``checkpoint_state.py``).

@@ -1,6 +1,6 @@
-"""How many copies of the NVMe state and params a run keeps (``memory.nvme_generations``).
+"""How many copies of the NVMe state and params a run keeps (``memory.nvme_copies``).
 
-Two generations (``states.py``, ``params.py``): the committed one, which a step reads,
+Two copies (``states.py``, ``params.py``): the committed one, which a step reads,
 and the one its updates write; the commit flips them. The second copy exists for two
 reasons, and only those:
 
@@ -19,7 +19,7 @@ reasons, and only those:
   ``checkpoint.link_nvme`` false) freezes the stage's pages until copied, and the step's
   write of them waits for that (``states.Frozen``).
 
-So one generation, written in place, is exact wherever no written update can be
+So one copy, written in place, is exact wherever no written update can be
 dropped: every update waits for the global norm (``optimizer.speculation=never``), or
 nothing can drop one (no clipping, no fp16 loss scaling, and a non-finite step stops
 the run or rolls back to a checkpoint, which replaces the whole state). Should a
@@ -40,7 +40,7 @@ from hetjax.config import Config, ConfigError, format_bytes
 
 
 @dataclasses.dataclass(frozen=True)
-class Generations:
+class NvmeCopies:
     """The NVMe tier's copies (1 or 2) and why, as the plan says it."""
 
     count: int
@@ -49,7 +49,7 @@ class Generations:
     def describe(self, copy_bytes: int = 0) -> str:
         """The plan's line; ``copy_bytes``: one copy of the state and params on NVMe."""
         how = "written in place" if self.count == 1 else "committed + being written"
-        line = f"NVMe generations: {self.count} ({how}): {self.why}"
+        line = f"NVMe copies: {self.count} ({how}): {self.why}"
         if copy_bytes and self.count == 1:
             line += (
                 f"; saves {format_bytes(copy_bytes)} of files (a second copy); a step "
@@ -82,23 +82,23 @@ def droppers(config: Config) -> list[str]:
     return out
 
 
-def nvme_generations(config: Config) -> Generations:
-    """The generations ``config`` gets (``memory.nvme_generations``: 0 chooses 1 where
+def nvme_copies(config: Config) -> NvmeCopies:
+    """The copies ``config`` gets (``memory.nvme_copies``: 0 chooses 1 where
     :func:`droppers` is empty). Raises ``ConfigError`` for 1 where an update may be
     dropped, naming what drops it."""
-    asked = config.memory.nvme_generations
+    asked = config.memory.nvme_copies
     drop = droppers(config)
     if asked == 2:
-        return Generations(2, "memory.nvme_generations=2")
+        return NvmeCopies(2, "memory.nvme_copies=2")
     if asked == 1 and drop:
         raise ConfigError(
-            "config key 'memory.nvme_generations' is 1 (state written in place), but a "
+            "config key 'memory.nvme_copies' is 1 (state written in place), but a "
             f"written update may have to be dropped: {'; '.join(drop)}. Set "
             "optimizer.speculation=never (every update waits for the global norm) or "
-            "memory.nvme_generations=0"
+            "memory.nvme_copies=0"
         )
     if drop:
-        return Generations(2, f"auto: {drop[0]}")
+        return NvmeCopies(2, f"auto: {drop[0]}")
     if config.optimizer.speculation == "never":
         why = "optimizer.speculation=never: every update waits for the global norm"
     else:
@@ -106,4 +106,4 @@ def nvme_generations(config: Config) -> Generations:
             "no clipping, no fp16 loss scaling, and a non-finite step stops or rolls back "
             f"(train.on_nonfinite={config.train.on_nonfinite})"
         )
-    return Generations(1, ("" if asked else "auto: ") + why)
+    return NvmeCopies(1, ("" if asked else "auto: ") + why)
