@@ -407,11 +407,10 @@ class Config:
                 "splits a mixture of experts' experts, and this model has none "
                 "(model.num_experts is 0); leave it 1"
             )
-        if experts > 1 and self.model.family != "llama":
+        why = support.parallel_refusal(support.parallelism(dist), support.model_kinds(self.model))
+        if why:
             raise ConfigError(
-                f"config key 'distributed.expert_parallel' ({experts}): expert parallelism "
-                f"is implemented for family 'llama''s mixture of experts, not "
-                f"{self.model.family!r}'s (a T5's Switch experts are not split); leave it 1"
+                f"config key 'distributed.expert_parallel' ({experts}): {why}; leave it 1"
             )
         if experts > 1 and self.model.num_experts % experts:
             raise ConfigError(
@@ -447,13 +446,6 @@ class Config:
                 f"train.grad_accum {self.train.grad_accum}"
                 + (f" / {dist.devices} devices" if dist.devices > 1 else "")
                 + "); choose a divisor of it"
-            )
-        if chunks > 1 and (self.model.num_experts or self.model.encoder_decoder):
-            kind = "a mixture of experts" if self.model.num_experts else "an encoder-decoder"
-            raise ConfigError(
-                f"config key 'offload.batch_chunks' ({chunks}): chunks need blocks whose "
-                f"rows are independent, and {kind} model's are not (its blocks pool "
-                "router statistics or take the encoder's output as a context); leave it 1"
             )
 
     def _refuse_unsupported(self, features: list[str]) -> None:

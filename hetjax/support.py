@@ -10,6 +10,12 @@ and the fix, or, for a feature a default asks for (``offload.expert_fetch=routed
 fallback the run takes openly: :func:`fallbacks` says it at start-up, in the log and
 in the planner's output. Nothing is switched off silently.
 
+Its second axis is the model's kind (:data:`MODEL_KINDS`): what a model's blocks do that
+a feature or a parallelism may need them not to (pool statistics over the micro-batch's
+rows, take a context from another stage group). The built-in families' kinds are read
+off the config (:func:`model_kinds`), a custom model's off the built model
+(:func:`model_kinds_of`); config validation and the runtime refuse with the same line.
+
 Imports nothing from the project: the config imports it.
 """
 
@@ -37,6 +43,21 @@ _PHRASES = {
 }
 
 
+# The model axis. POOLED: the blocks work over the micro-batch as a whole (a mixture of
+# experts: router statistics for its auxiliary loss, models/staged.py ``stats_size``,
+# and the experts fetched for the rows routed to them), so a block's rows are not
+# independent. CONTEXT: several stage groups
+# (an encoder-decoder), whose later blocks take the earlier group's output as a context.
+POOLED, CONTEXT = "pooled", "context"
+MODEL_KINDS = (POOLED, CONTEXT)
+_MODEL_PHRASES = {
+    POOLED: "a mixture of experts, whose blocks pool statistics over the micro-batch (the "
+    "router's)",
+    CONTEXT: "an encoder-decoder (several stage groups, whose decoder blocks take the "
+    "encoder's output as a context)",
+}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Feature:
     """One row of the matrix.
@@ -47,7 +68,9 @@ class Feature:
     for a feature the defaults ask for: under a refusing parallelism the run does this
     instead, and says so (:func:`fallbacks`), instead of failing. ``unplanned``: the
     parallelisms where it works but the planner does not offer it, and ``why_unplanned``
-    (:func:`planned`)."""
+    (:func:`planned`). ``models``: the model kinds (:data:`MODEL_KINDS`) it does not
+    work for, ``model_reason`` (with ``{model}`` for the kind's phrase) and
+    ``model_fix`` (:func:`model_refusal`)."""
 
     key: str
     reason: str
@@ -56,6 +79,9 @@ class Feature:
     fallback: str = ""
     unplanned: frozenset[str] = frozenset()
     why_unplanned: str = ""
+    models: frozenset[str] = frozenset()
+    model_reason: str = ""
+    model_fix: str = ""
 
 
 FEATURES: dict[str, Feature] = {
@@ -103,11 +129,16 @@ FEATURES: dict[str, Feature] = {
         fix="leave it 0",
         refused=frozenset(),
     ),
+    # a swapped block's activations are written out per stage group's schedule, which
+    # the runtime keeps for one group (runtime/loop/)
     "swap_blocks": Feature(
         key="offload.swap_blocks",
         reason="swapped activations are not supported with {parallel}",
         fix="leave it 0",
         refused=frozenset(),
+        models=frozenset({CONTEXT}),
+        model_reason="swapped activations are not supported for {model}",
+        model_fix="leave it 0 (offload.keep_blocks keeps activations instead)",
     ),
     # the swaps to NVMe write each distinct part of a process's rows once (a model
     # group's devices hold the same rows: written once per group, storage/swap.py)
@@ -152,11 +183,15 @@ FEATURES: dict[str, Feature] = {
         refused=frozenset(),
         fallback="every expert is updated every step, as offload.expert_updates=all",
     ),
+    # chunks run a block over a micro-batch's rows a part at a time (runtime/stages/chunks.py)
     "batch_chunks": Feature(
         key="offload.batch_chunks",
         reason="batch chunks are not supported with {parallel} yet",
         fix="leave it 1",
         refused=frozenset(),
+        models=frozenset({POOLED, CONTEXT}),
+        model_reason="chunks need blocks whose rows are independent, and this model is {model}",
+        model_fix="leave it 1 (train.grad_accum splits the batch instead)",
     ),
     # under ZeRO-3 each device holds and updates its own pages of the state
     # (optimizer/sharded_slab.py), as the planner counts (tests/test_memory_model.py)
@@ -165,6 +200,19 @@ FEATURES: dict[str, Feature] = {
         reason="",
         refused=frozenset(),
     ),
+}
+
+
+# parallelism x model: the parallelisms a model kind does not train under, and why
+# (expert parallelism splits the experts of a decoder's blocks, parallel/layouts.py; a
+# T5's Switch experts are not split)
+_SPLIT_EXPERTS = (
+    "expert parallelism splits the experts of a decoder's mixture of experts (family "
+    "'llama'), and this model is {model}, whose Switch experts are not split"
+)
+PARALLEL_MODELS: dict[str, dict[str, str]] = {
+    EXPERT: {CONTEXT: _SPLIT_EXPERTS},
+    TENSOR_EXPERT: {CONTEXT: _SPLIT_EXPERTS},
 }
 
 
@@ -225,6 +273,47 @@ def asked(config: Any) -> list[str]:
     return [name for name in FEATURES if wanted[name]]
 
 
+def model_kinds(model: Any) -> frozenset[str]:
+    """The kinds (:data:`MODEL_KINDS`) of a built-in family's ``config.model``; a custom
+    model's are known once it is built (:func:`model_kinds_of`)."""
+    kinds = set()
+    if model.num_experts:  # (with or without the auxiliary loss's statistics, as before)
+        kinds.add(POOLED)
+    if model.encoder_decoder:
+        kinds.add(CONTEXT)
+    return frozenset(kinds)
+
+
+def model_kinds_of(model: Any) -> frozenset[str]:
+    """The kinds of a built staged model (models/staged.py): its statistics, its groups."""
+    kinds = {POOLED} if model.stats_size else set()
+    return frozenset(kinds | ({CONTEXT} if len(model.groups) > 1 else set()))
+
+
+def supports_model(feature: str, kinds: frozenset[str]) -> str | None:
+    """None when ``feature`` works for a model of ``kinds``, else the one-line reason."""
+    f = FEATURES[feature]
+    refused = [k for k in MODEL_KINDS if k in kinds and k in f.models]
+    return f.model_reason.format(model=_MODEL_PHRASES[refused[0]]) if refused else None
+
+
+def model_refusal(feature: str, kinds: frozenset[str], value: Any) -> str | None:
+    """The error for asking for ``feature`` (its key set to ``value``) for a model of
+    ``kinds`` that it does not work for, naming the key and the fix; or None."""
+    reason = supports_model(feature, kinds)
+    if reason is None:
+        return None
+    f = FEATURES[feature]
+    return f"config key '{f.key}' ({value}): {reason}; {f.model_fix}"
+
+
+def parallel_refusal(parallelism: str, kinds: frozenset[str]) -> str | None:
+    """Why a model of ``kinds`` does not train under ``parallelism``, or None."""
+    cells = PARALLEL_MODELS.get(parallelism, {})
+    refused = [k for k in MODEL_KINDS if k in kinds and k in cells]
+    return cells[refused[0]].format(model=_MODEL_PHRASES[refused[0]]) if refused else None
+
+
 def refusal(config: Any, feature: str) -> str | None:
     """The error ``config`` gets for asking for ``feature`` where its parallelism does
     not support it (naming the key and the fix), or None (supported, or a fallback)."""
@@ -232,7 +321,9 @@ def refusal(config: Any, feature: str) -> str | None:
     p = parallelism(config.distributed)
     reason = supports(feature, p)
     if reason is None or f.fallback:
-        return None
+        section, name = f.key.split(".")
+        value = getattr(getattr(config, section), name)
+        return model_refusal(feature, model_kinds(config.model), value)
     return f"config key '{f.key}': {reason}; {f.fix}"
 
 

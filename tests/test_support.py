@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from hetjax import support
-from hetjax.config import Config, ConfigError, all_keys
+from hetjax.config import Config, ConfigError, all_keys, load_config
 from hetjax.placement import Placement
 from hetjax.planning.cost import Candidate
 from hetjax.planning.in_memory import mesh_share
@@ -71,10 +71,11 @@ def test_config_validation_agrees_with_the_matrix(tiny, feature, parallelism):
     feature the defaults ask for, builds and says what the run does instead."""
     moe = feature in ("routed_experts", "deferred_updates")
     if feature == "batch_chunks" and parallelism in (support.EXPERT, support.TENSOR_EXPERT):
-        # chunks need rows that are independent, which a mixture of experts' are not
-        # (model's rule, not the parallelism's): expert parallelism needs one
-        with pytest.raises(ConfigError, match="rows are independent"):
+        # expert parallelism needs a mixture of experts, whose rows the matrix's model
+        # axis does not chunk (test_the_model_axis_refuses_in_one_place)
+        with pytest.raises(ConfigError) as refused:
             _config(tiny, parallelism, **ASKS[feature])
+        assert support.supports_model(feature, frozenset({support.POOLED})) in str(refused.value)
         return
     reason = support.supports(feature, parallelism)
     f = support.FEATURES[feature]
@@ -97,6 +98,51 @@ def test_config_validation_agrees_with_the_matrix(tiny, feature, parallelism):
     assert support.supports(first, parallelism) in message
     key = support.FEATURES[first].key or "distributed."
     assert f"config key '{key}" in message and support.FEATURES[first].fix in message
+
+
+# a model of each kind of the matrix's model axis (hetjax/support.py MODEL_KINDS)
+KINDS = {
+    "gpt_tiny": frozenset(),
+    "mixtral_tiny": frozenset({support.POOLED}),
+    "t5_tiny": frozenset({support.CONTEXT}),
+    "t5_moe_tiny": frozenset({support.POOLED, support.CONTEXT}),
+}
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_the_model_axis_refuses_in_one_place(name):
+    """The model kinds read off the config are the built model's, and the config refuses
+    a feature, or a parallelism, for a model exactly where the matrix's model axis does,
+    with its line (the runtime's own checks, for a custom model, read the same rows:
+    tests/test_chunks.py, tests/test_t5.py::test_swapped_activations_refused)."""
+    from models import build_model
+
+    config = load_config(name)
+    kinds = support.model_kinds(config.model)
+    assert kinds == KINDS[name] == support.model_kinds_of(build_model(config.model))
+    for feature, f in support.FEATURES.items():
+        if not f.models:
+            continue
+        value = {"swap_blocks": 1, "batch_chunks": 2}[feature]
+        asks = dict(offload=dict(STREAM, **{f.key.split(".")[1]: value}))
+        why = support.model_refusal(feature, kinds, value)
+        assert (why is None) == (not kinds & f.models), (feature, kinds)
+        if why is None:
+            config.replace(**asks)
+        else:
+            with pytest.raises(ConfigError) as refused:
+                config.replace(**asks)
+            assert str(refused.value) == why
+    for parallelism, cells in support.PARALLEL_MODELS.items():
+        split = {k: v for k, v in DISTRIBUTED[parallelism].items()}
+        why = support.parallel_refusal(parallelism, kinds)
+        assert (why is None) == (not kinds & set(cells)), (parallelism, kinds)
+        if why and config.model.num_experts:  # (a dense model has no experts to split)
+            with pytest.raises(ConfigError) as refused:
+                config.replace(distributed=split)
+            assert why in str(refused.value)
+        elif config.model.num_experts and config.model.num_experts % 2 == 0:
+            config.replace(distributed=split, train=dict(batch_size=4))
 
 
 def test_what_was_refused_builds_now():

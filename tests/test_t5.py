@@ -86,8 +86,16 @@ def test_stream_placements_equal_none(reference, tiny, tmp_path, offload):
 
 
 def test_swapped_activations_refused(tiny):
-    config = t5_config(tiny).replace(offload=dict(mode="stream", swap_blocks=1))
-    with pytest.raises(ConfigError, match="offload.swap_blocks"):
+    """The support matrix's model axis (hetjax/support.py) refuses swapped blocks for an
+    encoder-decoder: the config does, and so does the runtime from the built model's
+    stage groups (what a custom model, unknown to the config, reaches)."""
+    refused = r"'offload.swap_blocks' \(1\): swapped activations are not supported for an encoder"
+    with pytest.raises(ConfigError, match=refused):
+        t5_config(tiny).replace(offload=dict(mode="stream", swap_blocks=1))
+    config = t5_config(tiny).replace(offload=dict(mode="stream"))
+    swapping = dataclasses.replace(config.offload, swap_blocks=1)
+    object.__setattr__(config, "offload", swapping)  # past the config's own check
+    with pytest.raises(ConfigError, match=refused):
         from hetjax.runtime.streaming import StreamingRuntime
 
         StreamingRuntime(config)

@@ -46,7 +46,7 @@ from hetjax.runtime.stages.measure import StageMemory
 from hetjax.storage.gradients import GradientStore
 from hetjax.storage.pages import SlabLayout
 from hetjax.storage.swap import BoundarySwap, ResidualSwap
-from hetjax.support import parallelism, supports
+from hetjax.support import model_kinds_of, model_refusal, parallelism, supports
 from hetjax.xla_env import PINNED_MARGIN, pinned_limit
 from models import build_model
 
@@ -257,12 +257,9 @@ def _stage_functions(config: Config, parallel, compute_model, layouts, dtype) ->
         batch_chunks=off.batch_chunks,
     )
     fns.check_keep_level(off, t.micro_batch_size, t.seq_len, dtype)
-    if off.swap_blocks and len(compute_model.groups) > 1:
-        raise ConfigError(
-            f"config key 'offload.swap_blocks' ({off.swap_blocks}): swapped activations "
-            f"are not supported for a model of several stage groups (model.family="
-            f"{config.model.family!r}); leave it 0 (keep_blocks keeps activations instead)"
-        )
+    kinds = model_kinds_of(compute_model)  # (a custom model's: the config cannot know)
+    if off.swap_blocks and (why := model_refusal("swap_blocks", kinds, off.swap_blocks)):
+        raise ConfigError(why)
     return fns
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hetjax import support
 from hetjax.config import ConfigError
 
 
@@ -50,20 +51,11 @@ def join(a: jax.Array) -> jax.Array:
 
 
 def check(model, n: int) -> None:
-    """Raises ``ConfigError`` when ``model``'s blocks cannot run in ``n`` chunks of rows."""
-    if n == 1:
-        return
-    why = None
-    if model.stats_size:
-        why = "its blocks pool statistics over the micro-batch (an auxiliary loss)"
-    elif len(model.groups) > 1:
-        why = "it has several stage groups, whose blocks take a context"
-    if why:
-        raise ConfigError(
-            f"config key 'offload.batch_chunks' ({n}): the model's blocks must treat the "
-            f"micro-batch's rows independently, but {why}; leave it 1 (train.grad_accum "
-            "splits the batch instead)"
-        )
+    """Raises ``ConfigError`` when ``model``'s blocks cannot run in ``n`` chunks of rows
+    (the support matrix's model axis, ``support.model_kinds_of``: a custom model reaches
+    this without the config's check)."""
+    if n > 1 and (why := support.model_refusal("batch_chunks", support.model_kinds_of(model), n)):
+        raise ConfigError(why)
 
 
 def split_rows(context, n: int):
