@@ -75,28 +75,12 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
     times the copy and then every update, and a ratio is the median over rounds of the
     round's rate / the round's bound. The headline is the run's kernel on the NVMe
     tier's path (in place)."""
-    from hetjax.planning.hardware import slab_optimizer
     from hetjax.storage.pages import aligned_concatenate
-    from hetjax.storage.states import flat
 
     n = (4 if quick else 32) << 20
     cores = os.cpu_count() or 1
     grad = aligned_concatenate([np.full(n, 1e-3, np.float32)])
-    runs = {}
-    for kernel in ("auto", "optax"):
-        opt = slab_optimizer(n, "bfloat16", page_elems=1 << 18, kernel=kernel)
-        name = "native" if opt.native else "optax"
-        if name in {k for k, _ in runs}:
-            continue  # auto fell back to optax
-        modes = ("spare", "in place")
-        if opt.native:  # and over host buffers, the NVMe tier's pooled ones (update_host)
-            modes = ("fresh", *modes, "host")
-        for mode in modes:
-            state = opt.init("s", np.ones(n, np.float32))
-            if mode == "host":
-                state = ({k: np.array(flat(v)) for k, v in state[0].items()}, state[1])
-            spare = opt.init("s", np.ones(n, np.float32))[0] if mode == "spare" else None
-            runs[name, mode] = _Run(opt, mode, state, spare)
+    runs = _runs(n)
     copy, copy1 = _Copy(n, cores), _Copy(n)
     bws, bws1 = [], []
     for _ in range(4 if quick else 10):
@@ -116,6 +100,50 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
     bw, bw1 = float(np.median(bws)), float(np.median(bws1))
     bound = bw * 1e9 / 28
     rate32 = measure_optimizer(n, "float32")
+    kernel, rate, ratio = _print_rows(label, n, cores, bw, bw1, bound, rows, rate32)
+    return {
+        "slab_params": n,
+        "memory_gbs": bw,
+        "memory_gbs_one_thread": bw1,
+        "bound_params_s": bound,
+        "kernel": kernel,
+        "optimizer_params_s": rate,
+        "optimizer_ram_params_s": rows[kernel, "spare"][0],
+        "optimizer_fp32_params_s": rate32,
+        "optimizer_vs_bound": ratio,
+        "optimizer_ram_vs_bound": rows[kernel, "spare"][2],
+        "rows": {
+            f"{k} {m}": {"median": a, "best": b, "vs_bound": c}
+            for (k, m), (a, b, c) in rows.items()
+        },
+    }
+
+
+def _runs(n: int) -> dict:
+    """(kernel, how the new state is written) -> its timed run, each kernel that builds."""
+    from hetjax.planning.hardware import slab_optimizer
+    from hetjax.storage.states import flat
+
+    runs = {}
+    for kernel in ("auto", "optax"):
+        opt = slab_optimizer(n, "bfloat16", page_elems=1 << 18, kernel=kernel)
+        name = "native" if opt.native else "optax"
+        if name in {k for k, _ in runs}:
+            continue  # auto fell back to optax
+        modes = ("spare", "in place")
+        if opt.native:  # and over host buffers, the NVMe tier's pooled ones (update_host)
+            modes = ("fresh", *modes, "host")
+        for mode in modes:
+            state = opt.init("s", np.ones(n, np.float32))
+            if mode == "host":
+                state = ({k: np.array(flat(v)) for k, v in state[0].items()}, state[1])
+            spare = opt.init("s", np.ones(n, np.float32))[0] if mode == "spare" else None
+            runs[name, mode] = _Run(opt, mode, state, spare)
+    return runs
+
+
+def _print_rows(label, n, cores, bw, bw1, bound, rows, rate32) -> tuple[str, float, float]:
+    """The table; returns the headline's kernel, rate and rate / bound."""
     pad = " " * len(label)
     print(
         f"{label}host optimizer (AdamW, {n >> 20}M-param slab, bf16 params): memory "
@@ -135,22 +163,7 @@ def _optimizer_rows(quick: bool, label: str = "") -> dict:
         f"state in RAM {rows[kernel, 'spare'][2]:.2f}; fp32 params {rate32 / 1e6:.0f} M "
         f"params/s"
     )
-    return {
-        "slab_params": n,
-        "memory_gbs": bw,
-        "memory_gbs_one_thread": bw1,
-        "bound_params_s": bound,
-        "kernel": kernel,
-        "optimizer_params_s": rate,
-        "optimizer_ram_params_s": rows[kernel, "spare"][0],
-        "optimizer_fp32_params_s": rate32,
-        "optimizer_vs_bound": ratio,
-        "optimizer_ram_vs_bound": rows[kernel, "spare"][2],
-        "rows": {
-            f"{k} {m}": {"median": a, "best": b, "vs_bound": c}
-            for (k, m), (a, b, c) in rows.items()
-        },
-    }
+    return kernel, rate, ratio
 
 
 def bench_optimizer(quick: bool) -> dict:

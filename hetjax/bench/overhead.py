@@ -11,6 +11,36 @@ import numpy as np
 from hetjax.bench.common import _scratch_dir, _steady_step_time
 from hetjax.config import Config
 
+LABELS = {
+    "none": "none (in memory)",
+    "none_remat": "none, remat per block",
+    "stream": "stream (params host, opt NVMe)",
+    "stream_swap": "stream, all blocks swapped",
+    "stream_keep": "stream, all blocks kept",
+    "stream_depth0": "stream, prefetch depth 0",
+    "stream_traced": "stream, every 2nd step traced",
+}
+
+
+def _runs(layers: int) -> dict[str, tuple]:
+    """name -> (offload.mode, model.remat, offload.prefetch_depth, train.trace_every,
+    offload.keep_blocks, offload.swap_blocks)."""
+    return {
+        "none": ("none", False, 2, 0, 0, 0),
+        "none_remat": ("none", True, 2, 0, 0, 0),  # the same block recompute as streaming
+        "stream": ("stream", False, 2, 0, 0, 0),
+        # every block swaps its in-block activations (offload.swap_level's default,
+        # matmuls) to host memory in forward and back for backward: host traffic and the
+        # elementwise recompute instead of recomputing the matmuls, params fetched again
+        "stream_swap": ("stream", False, 2, 0, 0, layers),
+        # every block keeps its in-block activations: the same FLOPs as `none`, so the
+        # difference is streaming's own cost (params in, gradients out, host optimizer)
+        "stream_keep": ("stream", False, 2, 0, layers, 0),
+        "stream_depth0": ("stream", False, 0, 0, 0, 0),  # no prefetch: what overlap buys
+        # every other step traced: traced vs untraced steps of one run, the timeline's cost
+        "stream_traced": ("stream", False, 2, 2, 0, 0),
+    }
+
 
 def bench_overhead(quick: bool) -> dict:
     """Step time of the offloaded runtime (``stream``: params on the host, optimizer
@@ -35,33 +65,7 @@ def bench_overhead(quick: bool) -> dict:
         memory=dict(page_size="64KiB" if quick else "4MiB"),
         data=dict(corpus_bytes=500_000),
     )
-    layers = model["num_layers"]
-    # name -> (offload.mode, model.remat, offload.prefetch_depth, train.trace_every,
-    #          offload.keep_blocks, offload.swap_blocks)
-    runs = {
-        "none": ("none", False, 2, 0, 0, 0),
-        "none_remat": ("none", True, 2, 0, 0, 0),  # the same block recompute as streaming
-        "stream": ("stream", False, 2, 0, 0, 0),
-        # every block swaps its in-block activations (offload.swap_level's default,
-        # matmuls) to host memory in forward and back for backward: host traffic and the
-        # elementwise recompute instead of recomputing the matmuls, params fetched again
-        "stream_swap": ("stream", False, 2, 0, 0, layers),
-        # every block keeps its in-block activations: the same FLOPs as `none`, so the
-        # difference is streaming's own cost (params in, gradients out, host optimizer)
-        "stream_keep": ("stream", False, 2, 0, layers, 0),
-        "stream_depth0": ("stream", False, 0, 0, 0, 0),  # no prefetch: what overlap buys
-        # every other step traced: traced vs untraced steps of one run, the timeline's cost
-        "stream_traced": ("stream", False, 2, 2, 0, 0),
-    }
-    labels = {
-        "none": "none (in memory)",
-        "none_remat": "none, remat per block",
-        "stream": "stream (params host, opt NVMe)",
-        "stream_swap": "stream, all blocks swapped",
-        "stream_keep": "stream, all blocks kept",
-        "stream_depth0": "stream, prefetch depth 0",
-        "stream_traced": "stream, every 2nd step traced",
-    }
+    runs = _runs(model["num_layers"])
     results = {}
     with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:  # NVMe state: the local disk
         for name, (mode, remat, depth, trace_every, keep, swap) in runs.items():
@@ -77,33 +81,54 @@ def bench_overhead(quick: bool) -> dict:
                 train=dict(trace_every=trace_every),
             )
             run = train(config, Path(tmp) / name, verbose=False)
-            timed = run.records[skip:]
-            results[name] = _steady_step_time(run.records, skip)
-            results[f"{name}_tflops"] = float(np.median([r["tflops"] for r in timed]))
-            if mode == "stream":
-                results[f"{name}_optimizer"] = float(np.median([r["optimizer_s"] for r in timed]))
-                outside = [r["dispatch_outside_s"] for r in timed]
-                results[f"{name}_outside"] = float(np.median(outside))
-                work = [r["dispatch_outside_s"] - r["dispatch_handoff_wait_s"] for r in timed]
-                results[f"{name}_outside_work"] = float(np.median(work))
-                for wait in ("grad_copy_wait_s", "grad_loop_wait_s"):
-                    results[f"{name}_{wait}"] = float(np.median([r[wait] for r in timed]))
-            if trace_every:  # interleaved, so load changes hit both sides alike
-                traced = [r["step_time_s"] for r in timed if "trace_busiest_lane" in r]
-                plain = [r["step_time_s"] for r in timed if "trace_busiest_lane" not in r]
-                results["traced_step_s"] = float(np.median(traced))
-                results["untraced_step_s"] = float(np.median(plain))
-                results["trace_overlap"] = float(
-                    np.median(
-                        [r["trace_step_over_busiest"] for r in timed if "trace_busiest_lane" in r]
-                    )
-                )
+            results |= _measured(name, run.records, skip, mode == "stream", trace_every)
+    summary = _print_overhead(results)
+    return {
+        "model": model,
+        "batch": batch,
+        "steps_timed": steps - skip,
+        **{f"{name}_s": results[name] for name in runs},
+        "stream_optimizer_s": results["stream_optimizer"],
+        "stream_dispatch_outside_s": results["stream_outside"],
+        **summary,
+        "traced_step_s": results["traced_step_s"],
+        "untraced_step_s": results["untraced_step_s"],
+        "trace_step_over_busiest": results["trace_overlap"],
+    }
+
+
+def _measured(name: str, records: list, skip: int, streamed: bool, traced: int) -> dict:
+    """One run's figures: its steady step time and TFLOP/s; streamed, the host
+    optimizer's time, the dispatch thread's time outside dispatch and the gradient
+    thread's waits; traced, its traced and untraced steps apart."""
+    timed = records[skip:]
+    median = lambda key: float(np.median([r[key] for r in timed]))
+    out = {name: _steady_step_time(records, skip), f"{name}_tflops": median("tflops")}
+    if streamed:
+        out[f"{name}_optimizer"] = median("optimizer_s")
+        out[f"{name}_outside"] = median("dispatch_outside_s")
+        work = [r["dispatch_outside_s"] - r["dispatch_handoff_wait_s"] for r in timed]
+        out[f"{name}_outside_work"] = float(np.median(work))
+        for wait in ("grad_copy_wait_s", "grad_loop_wait_s"):
+            out[f"{name}_{wait}"] = median(wait)
+    if traced:  # interleaved, so load changes hit both sides alike
+        with_trace = [r for r in timed if "trace_busiest_lane" in r]
+        out["traced_step_s"] = float(np.median([r["step_time_s"] for r in with_trace]))
+        plain = [r["step_time_s"] for r in timed if "trace_busiest_lane" not in r]
+        out["untraced_step_s"] = float(np.median(plain))
+        busiest = [r["trace_step_over_busiest"] for r in with_trace]
+        out["trace_overlap"] = float(np.median(busiest))
+    return out
+
+
+def _print_overhead(results: dict) -> dict:
+    """Prints the table and the ratios; returns the ratios."""
     ratio = results["stream"] / results["none"]
     ratio_remat = results["stream"] / results["none_remat"]
     ratio_keep = results["stream_keep"] / results["none"]
     ratio_swap = results["stream_swap"] / results["none"]
     print(f"{'mode':<32}{'s/step':>10}{'TFLOP/s':>10}{'optimizer s':>13}{'outside dispatch s':>20}")
-    for name, label in labels.items():
+    for name, label in LABELS.items():
         opt, outside = results.get(f"{name}_optimizer"), results.get(f"{name}_outside")
         opt_text = f"{opt:>13.4f}" if opt is not None else f"{'-':>13}"
         outside_text = f"{outside:>20.4f}" if outside is not None else f"{'-':>20}"
@@ -145,12 +170,6 @@ def bench_overhead(quick: bool) -> dict:
         f" traced steps: step / busiest lane {results['trace_overlap']:.2f}"
     )
     return {
-        "model": model,
-        "batch": batch,
-        "steps_timed": steps - skip,
-        **{f"{name}_s": results[name] for name in runs},
-        "stream_optimizer_s": results["stream_optimizer"],
-        "stream_dispatch_outside_s": results["stream_outside"],
         "stream_dispatch_outside_frac": outside,
         "stream_dispatch_work_frac": work,
         "stream_grad_copy_wait_s": copy_wait,
@@ -159,8 +178,5 @@ def bench_overhead(quick: bool) -> dict:
         "ratio_vs_remat": ratio_remat,
         "ratio_keep": ratio_keep,
         "ratio_swap": ratio_swap,
-        "traced_step_s": results["traced_step_s"],
-        "untraced_step_s": results["untraced_step_s"],
         "trace_cost": trace_cost,
-        "trace_step_over_busiest": results["trace_overlap"],
     }

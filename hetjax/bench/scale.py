@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -122,6 +124,45 @@ def _scale_attempt(spec: str) -> None:
     print("SCALE " + json.dumps(out), flush=True)
 
 
+def _attempt(spec: dict, timeout: float) -> dict:
+    """One size, in a child process (:func:`_scale_attempt`) with a timeout: its result
+    (an out-of-memory kill, a crash or the timeout: one that does not fit), printed."""
+    code = f"from hetjax.bench.scale import _scale_attempt; _scale_attempt({json.dumps(spec)!r})"
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **MALLOC_ENV},
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SCALE ")]
+        if lines:
+            attempt = json.loads(lines[-1][len("SCALE ") :])
+        else:  # killed (out of memory) or crashed
+            tail = proc.stderr.strip().splitlines()[-1:] or [""]
+            attempt = dict(fits=False, why=f"exit {proc.returncode}: {tail[0]}")
+    except subprocess.TimeoutExpired:
+        attempt = dict(fits=False, why=f"timeout after {timeout} s")
+    mode, shape = spec["mode"], spec["shape"]
+    attempt.update(mode=mode, shape=list(shape), wall_s=time.perf_counter() - t0)
+    params = attempt.get("params", 0)
+    status = "trains" if attempt["fits"] else f"fails: {attempt.get('why', '')[:90]}"
+    rss = f"RSS {attempt['peak_rss'] / 2**30:5.2f} GiB" if "peak_rss" in attempt else ""
+    if "disk_bytes_per_param" in attempt:
+        rss += (
+            f"  {attempt['disk_bytes_per_param']:.1f} B/param on disk, "
+            f"{attempt['moved_bytes_per_step_per_param']:.1f} B/param moved a step"
+        )
+    print(
+        f"{mode:<7} {shape[0]:>3} x {shape[1]:<5} {params / 1e6:>9.1f}M params  "
+        f"{attempt['wall_s']:>7.1f} s  {rss:>14}  {status}",
+        flush=True,
+    )
+    return attempt
+
+
 def bench_scale(quick: bool, start: str | None = None, state_dtype: str = "") -> dict:
     """The largest GPT that trains 3 steps offloaded (params and optimizer state on
     NVMe) within ``memory.device_budget=1GiB`` and ``memory.host_budget=6GiB`` vs the
@@ -131,8 +172,6 @@ def bench_scale(quick: bool, start: str | None = None, state_dtype: str = "") ->
     out-of-memory kill or a hang ends only that attempt. ``start`` (``"LAYERSxD"``, e.g.
     ``72x1536``) begins the offloaded sizes there (the full sweep takes over an hour).
     ``state_dtype``: the optimizer moments' dtype (``optimizer.state_dtype``; "": fp32)."""
-    import subprocess
-
     shapes = SCALE_SHAPES_QUICK if quick else SCALE_SHAPES
     stream_shapes = shapes
     if start:
@@ -151,54 +190,19 @@ def bench_scale(quick: bool, start: str | None = None, state_dtype: str = "") ->
             best = None
             for shape in shapes if mode == "none" else stream_shapes:
                 workdir = Path(tmp) / f"{mode}_{'x'.join(map(str, shape))}"
-                spec = json.dumps(
-                    dict(
-                        shape=shape,
-                        mode=mode,
-                        quick=quick,
-                        workdir=str(workdir),
-                        device_budget=device_budget,
-                        state_dtype=state_dtype,
-                    )
+                spec = dict(
+                    shape=shape,
+                    mode=mode,
+                    quick=quick,
+                    workdir=str(workdir),
+                    device_budget=device_budget,
+                    state_dtype=state_dtype,
                 )
-                code = f"from hetjax.bench.scale import _scale_attempt; _scale_attempt({spec!r})"
-                t0 = time.perf_counter()
-                try:
-                    proc = subprocess.run(
-                        [sys.executable, "-c", code],
-                        capture_output=True,
-                        text=True,
-                        timeout=timeout,
-                        env={**os.environ, **MALLOC_ENV},
-                    )
-                    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SCALE ")]
-                    if lines:
-                        attempt = json.loads(lines[-1][len("SCALE ") :])
-                    else:  # killed (out of memory) or crashed
-                        tail = proc.stderr.strip().splitlines()[-1:] or [""]
-                        attempt = dict(fits=False, why=f"exit {proc.returncode}: {tail[0]}")
-                except subprocess.TimeoutExpired:
-                    attempt = dict(fits=False, why=f"timeout after {timeout} s")
-                attempt.update(mode=mode, shape=list(shape), wall_s=time.perf_counter() - t0)
+                attempt = _attempt(spec, timeout)
                 results["attempts"].append(attempt)
-                params = attempt.get("params", 0)
-                status = "trains" if attempt["fits"] else f"fails: {attempt.get('why', '')[:90]}"
-                rss = f"RSS {attempt['peak_rss'] / 2**30:5.2f} GiB" if "peak_rss" in attempt else ""
-                if "disk_bytes_per_param" in attempt:
-                    rss += (
-                        f"  {attempt['disk_bytes_per_param']:.1f} B/param on disk, "
-                        f"{attempt['moved_bytes_per_step_per_param']:.1f} B/param moved a step"
-                    )
-                print(
-                    f"{mode:<7} {shape[0]:>3} x {shape[1]:<5} {params / 1e6:>9.1f}M params  "
-                    f"{attempt['wall_s']:>7.1f} s  {rss:>14}  {status}",
-                    flush=True,
-                )
                 if not attempt["fits"]:
                     break
                 best = attempt
-                import shutil
-
                 shutil.rmtree(workdir, ignore_errors=True)  # free the disk for the next size
             results[f"{mode}_largest_params"] = best["params"] if best else 0
             results[f"{mode}_largest_shape"] = best["shape"] if best else None

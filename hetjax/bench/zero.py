@@ -128,8 +128,6 @@ def bench_zero(quick: bool) -> dict:
     formula for this run's dtypes (two gathers in the compute dtype, a reduce-scatter
     in ``distributed.reduce_dtype``); and the median s/step. fp32 compute, then bf16
     with the reduce-scatter in fp32 and in bf16 (``reduce_dtype=compute``)."""
-    from hetjax.parallel.zero import Zero3
-    from hetjax.runtime.streaming import StreamingRuntime
     from hetjax.train import train
     from models import build_model
 
@@ -161,31 +159,46 @@ def bench_zero(quick: bool) -> dict:
                 distributed=dict(data_parallel=p, reduce_dtype=reduce),
             )
             run = train(config, Path(tmp) / f"{dtype}-{reduce}-{p}", verbose=False)
-            last = run.records[-1]
-            # p = 1 is the single-device streaming runtime: no collectives
-            gathered = last.get("all_gather_bytes", 0)
-            scattered = last.get("reduce_scatter_bytes", 0)
-            compute = np.dtype(config.model.compute_dtype).itemsize
-            ops = {}
-            if p > 1:
-                runtime = StreamingRuntime(config, parallel=Zero3(config))
-                ops = _collectives(runtime)
-                runtime.close()
-            grad = compute if reduce == "compute" else 4
-            rows.append(
-                dict(
-                    compute_dtype=dtype,
-                    reduce_dtype=reduce,
-                    devices=p,
-                    all_gather_bytes=gathered,
-                    reduce_scatter_bytes=scattered,
-                    measured_bytes=gathered + scattered,
-                    paper_bytes=6 * (p - 1) / p * M,  # fp16 params and grads
-                    dtype_bytes=(p - 1) / p * M * (2 * compute + grad),
-                    step_s=_steady_step_time(run.records, skip),
-                    hlo_collectives=ops,
-                )
-            )
+            rows.append(_row(config, run.records, M, skip))
+    _print_rows(base, M, rows)
+    return {"params": M, "rows": rows, "tensor_rows": _tensor_rows(base, rows, steps, skip)}
+
+
+def _row(config: Config, records: list, M: int, skip: int) -> dict:
+    """One run's row: the collectives' bytes counted by the run and by the formulas,
+    its step time, the collectives its compiled steps hold."""
+    from hetjax.parallel.zero import Zero3
+    from hetjax.runtime.streaming import StreamingRuntime
+
+    dtype, reduce = config.model.compute_dtype, config.distributed.reduce_dtype
+    p = config.distributed.data_parallel
+    last = records[-1]
+    # p = 1 is the single-device streaming runtime: no collectives
+    gathered = last.get("all_gather_bytes", 0)
+    scattered = last.get("reduce_scatter_bytes", 0)
+    compute = np.dtype(dtype).itemsize
+    ops = {}
+    if p > 1:
+        runtime = StreamingRuntime(config, parallel=Zero3(config))
+        ops = _collectives(runtime)
+        runtime.close()
+    grad = compute if reduce == "compute" else 4
+    return dict(
+        compute_dtype=dtype,
+        reduce_dtype=reduce,
+        devices=p,
+        all_gather_bytes=gathered,
+        reduce_scatter_bytes=scattered,
+        measured_bytes=gathered + scattered,
+        paper_bytes=6 * (p - 1) / p * M,  # fp16 params and grads
+        dtype_bytes=(p - 1) / p * M * (2 * compute + grad),
+        step_s=_steady_step_time(records, skip),
+        hlo_collectives=ops,
+    )
+
+
+def _print_rows(base: Config, M: int, rows: list[dict]) -> None:
+    """The table; each row gets its measured / formula ratio."""
     print(
         f"model {M / 1e6:.2f}M params, global batch {base.train.batch_size} x "
         f"{base.train.seq_len}; embed and head gradients reduce-scatter in fp32 always"
@@ -206,7 +219,6 @@ def bench_zero(quick: bool) -> dict:
             f"{r['paper_bytes'] / 1e6:>12.2f}{r['dtype_bytes'] / 1e6:>14.2f}{ratio:>7.3f}"
             f"{r['step_s']:>9.3f}  {ops}"
         )
-    return {"params": M, "rows": rows, "tensor_rows": _tensor_rows(base, rows, steps, skip)}
 
 
 # (data, tensor) of each row of the data x tensor table (fp32); (1, 1), (2, 1) and (4, 1)

@@ -161,6 +161,12 @@ def bandwidth(report: Report, run: Run) -> None:
     """Host <-> device rates at the sizes the runtime moves (:func:`runtime_copies`: a
     d4096 block's params as leaves, its gradient as ~2 MiB pages) against one slab of
     the same bytes; --quick: a d2048 block (a quarter of the bytes)."""
+    copies = runtime_copies(*((2048, 16) if run.quick else (4096, 32)))
+    _check_rates(report, _rates(copies), copies)
+
+
+def _rates(copies: dict) -> dict:
+    """GB/s of each way of copying ``copies``' bytes (:func:`bandwidth`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -168,7 +174,6 @@ def bandwidth(report: Report, run: Run) -> None:
     from hetjax.parallel.single import Shardings
 
     place = Shardings.single_device()
-    copies = runtime_copies(*((2048, 16) if run.quick else (4096, 32)))
     nbytes = sum(copies["d2h"])
     slab = np.ones(nbytes // 4, np.float32)
     leaves, pages = _sized(copies["h2d"]), _sized(copies["d2h"])
@@ -200,6 +205,13 @@ def bandwidth(report: Report, run: Run) -> None:
     rate["publish_via_numpy"] = _gbs(
         nbytes, _best_time(lambda: put(np.asarray(on_cpu_client), place.host))
     )
+    return rate
+
+
+def _check_rates(report: Report, rate: dict, copies: dict) -> None:
+    """The checks of :func:`bandwidth` on the measured ``rate``s."""
+    nbytes = sum(copies["d2h"])
+    leaves, pages = copies["h2d"], copies["d2h"]
     size = f"{nbytes >> 20} MiB"
     described = {
         "h2d": f"a block's params as its {len(leaves)} leaves ({max(copies['h2d']) >> 20} "
