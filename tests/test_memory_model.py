@@ -35,23 +35,26 @@ _TRACES: dict = {}
 
 def _stage_memory(config):
     """XLA's measure of the single-device stage functions (``StageFunctions.memory_sizes``)
-    of ``config``'s model, pages, micro-batch and dtypes, as the runtime builds them:
-    measured once per module and shared by every placement of a grid (placements do not
-    change the stage functions; a runtime that measured differently for one would fail
-    its cell, its plan against the planner's from these)."""
+    of ``config``'s model, pages, micro-batch and dtypes, built as the runtime builds them
+    (``runtime/assemble.py``): measured once per module and shared by every placement of
+    a grid (placements do not change the stage functions; a runtime that measured
+    differently for one would fail its cell: its plan against the planner's from these)."""
     from hetjax.memory import block_grad_dtype
-    from hetjax.parallel.layouts import stage_layouts
     from hetjax.parallel.single import SingleDevice
     from hetjax.runtime.stages.functions import StageFunctions
     from models import build_model
 
-    t, m = config.train, config.model
+    t, m, off = config.train, config.model, config.offload
     grad_dtype = block_grad_dtype(config)
     key = (m, config.memory.page_size, t.micro_batch_size, t.seq_len, grad_dtype)
+    key += (off.keep_level, off.batch_chunks)
     if key not in _STAGE_MEMORY:
-        model = build_model(m)
-        layouts = stage_layouts(model, config.memory.page_size)
-        fns = StageFunctions(model, layouts, SingleDevice(), block_grad_dtype=grad_dtype)
+        parallel = SingleDevice()
+        layouts = parallel.stage_layouts(build_model(m), config.memory.page_size)
+        fns = StageFunctions(
+            build_model(m, parallel.expert_axis), layouts, parallel, block_grad_dtype=grad_dtype,
+            keep_level=off.keep_level, batch_chunks=off.batch_chunks,
+        )  # fmt: skip
         _STAGE_MEMORY[key] = fns.memory_sizes(t.micro_batch_size, t.seq_len, m.compute_dtype)
     return _STAGE_MEMORY[key]
 
