@@ -10,6 +10,7 @@ from hetjax.config import ConfigError
 from hetjax.memory_host import nvme_parts
 from hetjax.placement import Placement
 from hetjax.planning.search import Candidate, footprint
+from hetjax.planning.tracer import trace
 from hetjax.planning.workload import Workload
 from hetjax.runtime.streaming import StreamingRuntime
 
@@ -26,6 +27,55 @@ PLACEMENTS = [
     pytest.param(("host", "nvme", "device", 2, 0, 10), marks=SLOW),  # every stage cached
 ]
 BUDGETS = [("64MiB", "64MiB"), ("1MiB", "3MiB")]  # (device, host): roomy, then tight
+
+# -- what the cells of a grid share (issue #56: a compile paid once per module) -----------
+_STAGE_MEMORY: dict = {}
+_TRACES: dict = {}
+
+
+def _stage_memory(config):
+    """XLA's measure of the single-device stage functions (``StageFunctions.memory_sizes``)
+    of ``config``'s model, pages, micro-batch and dtypes, built as the runtime builds them
+    (``runtime/assemble.py``): measured once per module and shared by every placement of
+    a grid (placements do not change the stage functions; a runtime that measured
+    differently for one would fail its cell: its plan against the planner's from these)."""
+    from hetjax.memory import block_grad_dtype
+    from hetjax.parallel.single import SingleDevice
+    from hetjax.runtime.stages.functions import StageFunctions
+    from models import build_model
+
+    t, m, off = config.train, config.model, config.offload
+    grad_dtype = block_grad_dtype(config)
+    key = (m, config.memory.page_size, t.micro_batch_size, t.seq_len, grad_dtype)
+    key += (off.keep_level, off.batch_chunks)
+    if key not in _STAGE_MEMORY:
+        parallel = SingleDevice()
+        layouts = parallel.stage_layouts(build_model(m), config.memory.page_size)
+        fns = StageFunctions(
+            build_model(m, parallel.expert_axis), layouts, parallel, block_grad_dtype=grad_dtype,
+            keep_level=off.keep_level, batch_chunks=off.batch_chunks,
+        )  # fmt: skip
+        _STAGE_MEMORY[key] = fns.memory_sizes(t.micro_batch_size, t.seq_len, m.compute_dtype)
+    return _STAGE_MEMORY[key]
+
+
+def _traced(config, devices: int, tensor: int = 1):
+    """``planning.tracer.trace(config, repeats=1, devices, tensor)`` of ``config`` with its
+    placement at the defaults, once per module for each model, split and pages: the
+    tracer reads of the offload section only ``batch_chunks`` (and the workload
+    ``expert_fetch``, "all" in every cell here), the placement is the candidate's
+    (``footprint``), so the cells that differ only in placement plan from one trace, as
+    ``offload.mode=auto`` traces a config before it chooses a placement."""
+    placement_free = config.replace(
+        offload=dict(
+            params="host", optimizer="host", activations="device", prefetch_depth=2,
+            keep_blocks=0, swap_blocks=0, optimizer_device_stages=0, expert_fetch="all",
+        )
+    )  # fmt: skip
+    key = (placement_free, devices, tensor)
+    if key not in _TRACES:
+        _TRACES[key] = trace(placement_free, repeats=1, devices=devices, tensor=tensor)
+    return _TRACES[key]
 
 
 @pytest.mark.parametrize(  # clipping kept gradients (keep) is the default
@@ -52,21 +102,9 @@ def test_planner_bytes_equal_the_runtime_plans(
         runtime = StreamingRuntime(config, workdir=tmp_path)
     except ConfigError as e:  # a placement that does not fit: the planner must say so too
         runtime, refused = None, e
-    t = config.train
-    sizes = None
-    if runtime is not None:
-        sizes = runtime.fns.memory_sizes(t.micro_batch_size, t.seq_len, runtime.compute_dtype)
-    else:  # the same sizes, measured without a runtime
-        from hetjax.parallel.layouts import stage_layouts
-        from hetjax.parallel.single import SingleDevice
-        from hetjax.runtime.stages.functions import StageFunctions
-        from models import build_model
-
-        model = build_model(config.model)
-        layouts = stage_layouts(model, config.memory.page_size)
-        fns = StageFunctions(model, layouts, SingleDevice())
-        sizes = fns.memory_sizes(t.micro_batch_size, t.seq_len, config.model.compute_dtype)
-    w = Workload.from_config(config, sizes)
+    # the stage functions' sizes, measured once for every cell (the runtime measures its
+    # own: its plans are checked against the planner's from these)
+    w = Workload.from_config(config, _stage_memory(config))
     c = Candidate(
         placement=Placement(
             params=params, optimizer=optimizer, activations=acts, prefetch_depth=depth,
@@ -179,7 +217,6 @@ def test_planner_bytes_agree_with_the_runtime_on_4_devices(tiny, tmp_path, keep,
     on the device (the device cache's 3 stages, or every stage's): each device holds a
     quarter of it (``optimizer/sharded_slab.py``), as the planner counts."""
     from hetjax.parallel.zero import Zero3
-    from hetjax.planning.tracer import trace
 
     offload = dict(
         mode="stream", params="host", optimizer=optimizer, keep_blocks=keep,
@@ -189,7 +226,7 @@ def test_planner_bytes_agree_with_the_runtime_on_4_devices(tiny, tmp_path, keep,
     config = tiny(offload=offload, memory=memory, distributed=dict(data_parallel=4))
     runtime = StreamingRuntime(config, workdir=tmp_path, parallel=Zero3(config))
     try:
-        w = trace(config, repeats=1, devices=4)
+        w = _traced(config, devices=4)
         placement = Placement(
             params="host", optimizer=optimizer, activations="device", keep_blocks=keep,
             prefetch_depth=config.offload.prefetch_depth, expert_fetch="all",
@@ -240,7 +277,6 @@ def test_planner_bytes_agree_with_the_runtime_under_tensor_parallelism(tiny, tmp
     included) the runtime's: the tracer measures it as the runtime does, on the mesh
     (estimated from the one device's measurement it was 1.09 and 1.19 of it)."""
     from hetjax.parallel.zero import Zero3
-    from hetjax.planning.tracer import trace
 
     offload = dict(mode="stream", params="host", optimizer="host")
     memory = dict(page_size="16KiB", device_budget="64MiB", host_budget="64MiB")
@@ -249,7 +285,7 @@ def test_planner_bytes_agree_with_the_runtime_under_tensor_parallelism(tiny, tmp
     n, page = 2 * data, 4 * 4096
     runtime = StreamingRuntime(config, workdir=tmp_path, parallel=Zero3(config))
     try:
-        w = trace(config, repeats=1, devices=n, tensor=2)
+        w = _traced(config, devices=n, tensor=2)
         placement = Placement(
             params="host", optimizer="host", activations="device",
             prefetch_depth=config.offload.prefetch_depth, expert_fetch="all",
@@ -301,7 +337,6 @@ def test_planner_counts_device_state_per_device_as_the_runtime_does(
     the planner, from the tracer's workload, counts each device's bytes of it as the
     built runtime does."""
     from hetjax.parallel.zero import Zero3
-    from hetjax.planning.tracer import trace
 
     offload = dict(
         mode="stream", params="host", optimizer=optimizer, optimizer_device_stages=cached,
@@ -311,7 +346,7 @@ def test_planner_counts_device_state_per_device_as_the_runtime_does(
     config = tiny(model=model, offload=offload, memory=memory, distributed=dist)
     runtime = StreamingRuntime(config, workdir=tmp_path, parallel=Zero3(config))
     try:
-        w = trace(config, repeats=1, devices=4, tensor=dist.get("tensor_parallel", 1))
+        w = _traced(config, devices=4, tensor=dist.get("tensor_parallel", 1))
         placement = Placement(
             params="host", optimizer=optimizer, activations="device", expert_fetch="all",
             prefetch_depth=config.offload.prefetch_depth, device_stages=cached,
@@ -395,7 +430,6 @@ def test_planner_counts_kept_and_swapped_blocks_per_device_as_the_ledger_measure
     from equivalence import training_batches
 
     from hetjax.parallel.zero import Zero3
-    from hetjax.planning.tracer import trace
 
     keep, swap = (1, 0) if blocks == "keep" else (0, 1)
     offload = dict(
@@ -417,7 +451,7 @@ def test_planner_counts_kept_and_swapped_blocks_per_device_as_the_ledger_measure
         last = config.model.num_blocks - 1
         measured = held[last][-1]
         assert measured > 0 and held == {last: [measured] if keep else [0, measured]}, held
-        w = trace(config, repeats=1, devices=devices, tensor=tensor)
+        w = _traced(config, devices=devices, tensor=tensor)
         placement = Placement(
             params="host", optimizer="host", activations="device", keep_blocks=keep,
             swap_blocks=swap, prefetch_depth=config.offload.prefetch_depth,

@@ -210,11 +210,15 @@ def test_plan_for_llama_70b_on_eight_a100s_says_its_split():
     assert plan.split in plan.table()
 
 
-def _auto_plans_2x2(tmp_path, device_budget: str, **sections):
-    """``offload.mode=auto`` on 4 devices (4 KiB pages, ``device_budget`` a device, 8 MiB
-    of host) for a tiny config of ``sections``: the config, the planned config, the plan
-    and its log, checked to split data x model 2 x 2."""
-    from hetjax.planning.auto import plan_auto
+def _train_auto_2x2(monkeypatch, tmp_path, device_budget: str, **sections):
+    """Trains ``offload.mode=auto`` on 4 devices (4 KiB pages, ``device_budget`` a device,
+    8 MiB of host) for a tiny config of ``sections``, watching the run plan and build its
+    runtime (``train.plan_auto`` and ``train.build_runtime``, each called once, as they
+    are): the config, the planned config, the plan and its log lines (``log`` and
+    ``detail``), the runtime the run built and its result; checked to split data x model
+    2 x 2. (One plan and one runtime: the run's own, not a second of each beside it.)"""
+    import hetjax.train
+    from hetjax.train import train
 
     config = tiny_config(
         **sections, offload=dict(mode="auto"),
@@ -222,15 +226,33 @@ def _auto_plans_2x2(tmp_path, device_budget: str, **sections):
         distributed=dict(data_parallel=4),
     )  # fmt: skip
     logs: list[str] = []
-    planned, plan = plan_auto(config, tmp_path / "plan", logs.append)
+    plans, runtimes = [], []
+    plan_auto, build_runtime = hetjax.train.plan_auto, hetjax.train.build_runtime
+
+    def planning(config, workdir=None, log=print, detail=None):
+        kept = lambda to: lambda line: (logs.append(line), to(line))
+        plans.append(plan_auto(config, workdir, kept(log), kept(detail or log)))
+        return plans[-1]
+
+    def building(config, workdir=None):
+        runtimes.append(build_runtime(config, workdir))
+        return runtimes[-1]
+
+    monkeypatch.setattr(hetjax.train, "plan_auto", planning)
+    monkeypatch.setattr(hetjax.train, "build_runtime", building)
+    result = train(config, tmp_path / "run", verbose=False)
+    assert len(plans) == 1 and len(runtimes) == 1, (plans, runtimes)
+    (planned, plan), runtime = plans[0], runtimes[0]
     assert plan is not None and plan.tensor_parallel == 2, logs
     assert planned.distributed.tensor_parallel == 2 and planned.distributed.data_parallel == 2
     assert any("data x model: 2 x 2" in line for line in logs), logs
-    return config, planned, plan, logs
+    ran = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert ran["distributed"]["tensor_parallel"] == 2
+    return config, planned, plan, logs, runtime, result
 
 
-@pytest.mark.slow  # ~40 s: measures this machine, then trains 3 runs
-def test_auto_picks_tensor_parallelism_on_4_devices_and_trains_equal_to_none(tmp_path):
+@pytest.mark.slow  # ~40 s: measures this machine, then trains 2 runs
+def test_auto_picks_tensor_parallelism_on_4_devices_and_trains_equal_to_none(tmp_path, monkeypatch):
     """offload.mode=auto on 4 virtual devices, the d-64 GPT with 2 heads (tensor
     parallelism 1 or 2) and a per-device budget of 800 KiB, under which a device cannot
     hold a whole block's window (the planner's least at 4 x 1: ~900 KiB) but can hold a
@@ -240,10 +262,7 @@ def test_auto_picks_tensor_parallelism_on_4_devices_and_trains_equal_to_none(tmp
 
     sgd = dict(name="sgd", lr=0.1, grad_clip=2.0)
     model = dict(d_model=64, num_heads=2, d_ff=256)
-    config, _, _, _ = _auto_plans_2x2(tmp_path, "800KiB", model=model, optimizer=sgd)
-    result = train(config, tmp_path / "run", verbose=False)
-    ran = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert ran["distributed"]["tensor_parallel"] == 2
+    *_, result = _train_auto_2x2(monkeypatch, tmp_path, "800KiB", model=model, optimizer=sgd)
     reference = tiny_config(model=model, optimizer=sgd, offload=dict(mode="none"))
     expected = train(reference, tmp_path / "none", verbose=False)
     assert_gpt_training_equal(result, expected, build_model(reference.model), check_tokens())
@@ -251,7 +270,9 @@ def test_auto_picks_tensor_parallelism_on_4_devices_and_trains_equal_to_none(tmp
 
 @pytest.mark.slow  # ~85 s each: measures this machine, then trains 2 runs
 @pytest.mark.parametrize("family", ["moe", "t5"])
-def test_auto_splits_moe_and_t5_blocks_on_4_devices_and_trains_equal_to_none(tmp_path, family):
+def test_auto_splits_moe_and_t5_blocks_on_4_devices_and_trains_equal_to_none(
+    tmp_path, monkeypatch, family
+):
     """offload.mode=auto on 4 virtual devices, the tiny MoE (4 experts of 48 hidden
     units, 2 a token; tensor parallelism 1 or 2) and the tiny T5 (2 encoder and 3
     decoder blocks; 1, 2 or 4), under a per-device budget in which a device cannot
@@ -260,8 +281,6 @@ def test_auto_splits_moe_and_t5_blocks_on_4_devices_and_trains_equal_to_none(tmp
     2 x 2, the run trains with it equal to offload.mode=none on one device (SGD, fp32,
     1e-5), and its device bytes as the run's runtime plans them (from the same mesh
     measurement) are the plan's, within its budget."""
-    from hetjax.parallel.zero import Zero3
-    from hetjax.runtime.streaming import StreamingRuntime
     from hetjax.train import train
 
     model, data, budget = {
@@ -269,19 +288,12 @@ def test_auto_splits_moe_and_t5_blocks_on_4_devices_and_trains_equal_to_none(tmp
         "t5": (T5, PREFIX_LM, "345KiB"),
     }[family]
     sgd = dict(name="sgd", lr=0.1, grad_clip=2.0)
-    config, planned, plan, logs = _auto_plans_2x2(
-        tmp_path, budget, model=model, data=data, optimizer=sgd
+    _, _, plan, logs, runtime, result = _train_auto_2x2(
+        monkeypatch, tmp_path, budget, model=model, data=data, optimizer=sgd
     )
     assert any("data x model: 2 x 2" in line and "1: does not fit" in line for line in logs)
-    runtime = StreamingRuntime(planned, workdir=tmp_path / "check", parallel=Zero3(planned))
-    try:
-        assert runtime.plan.parts == plan.device
-        assert sum(plan.device.values()) <= plan.budgets["device"]
-    finally:
-        runtime.close()
-    result = train(config, tmp_path / "run", verbose=False)
-    ran = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert ran["distributed"]["tensor_parallel"] == 2
+    assert runtime.plan.parts == plan.device
+    assert sum(plan.device.values()) <= plan.budgets["device"]
     reference = tiny_config(model=model, data=data, optimizer=sgd, offload=dict(mode="none"))
     expected = train(reference, tmp_path / "none", verbose=False)
     logits = (build_model(reference.model), check_tokens()) if family == "moe" else ()
