@@ -58,6 +58,7 @@ from hetjax.planning.cost import (
     in_memory_collective_bytes,
     lanes,
     nvme_writes,
+    step_floor,
 )
 from hetjax.planning.hardware import Hardware
 from hetjax.planning.in_memory import (
@@ -610,8 +611,11 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
     in_memory = support.planned("in_memory", parallel) is None
     if in_memory and model_group_in_process(hw.num_devices, w.tensor):
         share = mesh_share(config, hw.num_devices, w.tensor)
+    budget = config.memory.nvme_wear_budget
+    # a wear budget chooses among the plans that stay within it, and by bytes written:
+    # the floor's pruning (relative to the fastest of all) does not hold there
     search = lambda chunked: _fastest_per_placement(
-        w, hw, limit, _candidates(w, parallel, chunked, base, share), parallel
+        w, hw, limit, _candidates(w, parallel, chunked, base, share), parallel, not budget
     )
     best = search(False)
     if not best:
@@ -622,7 +626,6 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
     if not best:
         raise PlanError(_shortfall(config, w, hw, limit, parallel))
     wear_of = lambda b: Wear.of(config, b[8], b[0])
-    budget = config.memory.nvme_wear_budget
     if budget:  # refuse what wears the drives past the budget; prefer writing less
         within = [b for b in best if not wear_of(b).over_budget(budget)]
         if not within:
@@ -706,15 +709,27 @@ def planned_parallelism(config: Config, hw: Hardware, tensor: int = 1) -> str:
 
 
 def _fastest_per_placement(
-    w: Workload, hw: Hardware, limit: dict[str, int], candidates, parallelism: str
+    w: Workload,
+    hw: Hardware,
+    limit: dict[str, int],
+    candidates,
+    parallelism: str,
+    prune: bool = True,
 ):
     """Each candidate that fits at its fastest (:func:`_evaluate`), with the device caches
     of optimizer state and the routed experts ``parallelism`` allows: ``[(step, rank,
-    candidate, ...)]``."""
+    candidate, ...)]``. ``prune``: leave out the candidates :func:`_choose` cannot
+    choose, those whose every variant is slower than ``TIE`` times a plan already found
+    (``cost.step_floor``): the fastest of all is no slower than that plan, so they are
+    not within ``TIE`` of it, and the fastest is not among them (without a wear budget,
+    ``_choose`` looks at nothing else)."""
     routing = _routing(w, parallelism)
     best = []
+    fastest, floors = float("inf"), {}
     for base in candidates:
         if base.placement.uses_nvme and not hw.nvme_capacity:
+            continue
+        if prune and step_floor(w, hw, base, floors) > TIE * fastest:
             continue
         options = _evaluate(w, hw, limit, base)
         for c in _cache_variants(w, parallelism, base):
@@ -730,6 +745,7 @@ def _fastest_per_placement(
             ]
         if options:  # this placement's fastest split of device memory
             best.append(min(options, key=lambda b: b[0]))
+            fastest = min(fastest, best[-1][0])
     return best
 
 
