@@ -247,27 +247,50 @@ def _collectives_s(w: Workload, hw: Hardware, o: Placement) -> tuple[float, floa
     return comm_f + allreduce_f / link, comm_b + allreduce_b / link
 
 
-def step_floor(w: Workload, hw: Hardware, c: Candidate, kept: dict) -> float:
-    """A step no faster than :func:`lanes`' (outside ``after_backward``) of any
-    streamed candidate that differs from ``c`` only in its params and activations
-    tiers, prefetch depth, resident blocks, device cache (``device_stages``) or expert
-    fetch: its lanes that depend on none of those. ``kept``: a dict this keeps its
-    floors in, for one ``w`` and ``hw``. 0.0 where no floor is proven (see
-    :func:`_floor`)."""
+@dataclasses.dataclass(frozen=True)
+class Floors:
+    """Steps no faster than :func:`lanes`' (outside ``after_backward``) of the streamed
+    candidates that differ from one only in their params and activations tiers,
+    prefetch depth, resident blocks, device cache (``device_stages``) or expert fetch
+    (:func:`step_floors`), by their device cache."""
+
+    each: tuple[float, ...]  # [k]: with the optimizer state of k stages cached
+    after: tuple[float, ...]  # [k]: the least of each[k:]
+
+    def at(self, k: int) -> float:
+        """The floor with ``k`` stages cached."""
+        return self.each[min(k, len(self.each) - 1)]
+
+    def from_(self, k: int) -> float:
+        """The least floor with ``k`` or more stages cached."""
+        return self.after[min(k, len(self.after) - 1)]
+
+
+NO_FLOOR = Floors((0.0,), (0.0,))
+
+
+def step_floors(w: Workload, hw: Hardware, c: Candidate, kept: dict) -> Floors:
+    """:class:`Floors` of ``c``: its lanes that depend on none of what may differ.
+    ``kept``: a dict this keeps them in, for one ``w`` and ``hw``. :data:`NO_FLOOR`
+    where none is proven (see :func:`_floors`)."""
     o = c.placement
-    # all the floor depends on besides w and hw
+    # all the floors depend on besides w and hw
     key = (c.mode, o.optimizer, o.batch_chunks, o.keep_blocks, o.keep_level)
     key += (o.swap_blocks, o.swap_level)
     if key not in kept:
-        kept[key] = _floor(w, hw, c, kept)
+        each = _floors(w, hw, c, kept)
+        after = list(each)
+        for k in range(len(after) - 2, -1, -1):
+            after[k] = min(after[k], after[k + 1])
+        kept[key] = Floors(each, tuple(after))
     return kept[key]
 
 
-def _floor(w: Workload, hw: Hardware, c: Candidate, kept: dict) -> float:
-    """:func:`step_floor`. On an accelerator ``lanes`` takes each phase as the longest
-    of its lanes, device compute and the collectives among them (neither depends on
-    what may differ), the last backward's also the optimizer's (the device's update
-    after it, or the host's beside it: at the least of any device cache's): ``t_f >=
+def _floors(w: Workload, hw: Hardware, c: Candidate, kept: dict) -> tuple[float, ...]:
+    """:func:`step_floors`' ``each``. On an accelerator ``lanes`` takes each phase as
+    the longest of its lanes, device compute and the collectives among them (neither
+    depends on what may differ), the last backward's also the optimizer's (the device's
+    update after it, or the host's beside it, both set by the device cache): ``t_f >=
     max(fwd, comm_f)``, ``t_b >= max(compute_b, comm_b)``, ``t_last >= max(t_b,
     optimizer)``; ``serial_f`` and ``catch_up`` only add. Each term is computed as
     ``lanes`` computes it and summed in the same order, so rounding keeps the floor
@@ -277,32 +300,30 @@ def _floor(w: Workload, hw: Hardware, c: Candidate, kept: dict) -> float:
     non-negative)."""
     o = c.placement
     if c.mode != "stream" or hw.shared_cores:
-        return 0.0
+        return (0.0,)
     if o.optimizer == "nvme" and w.routed_expert_params and w.deferred_expert_updates:
-        return 0.0
+        return (0.0,)
     A, P = w.micro_batches, w.params
     fwd, compute_b = _forward_s(w, hw), _backward_s(w, hw, o)
     comm_f, comm_b = _collectives_s(w, hw, o)
     t_b = max(compute_b, comm_b)
-    if o.optimizer == "device":
+    phases = A * max(fwd, comm_f) + (A - 1) * t_b
+    if o.optimizer == "device":  # no device cache
         opt = _device_optimizer_s(hw, P * (1.0 / hw.num_devices))
-        t_last = max(t_b, compute_b + opt)
-    else:  # the host's update of the stages not cached beside the device's of those cached
-        cached = (o.optimizer, o.batch_chunks)  # the params every device cache holds
-        if cached not in kept:
-            sizes = memory_sizes(w, hw.num_devices, o.batch_chunks)
-            kept[cached] = [
-                DeviceCache.of(sizes, dataclasses.replace(o, device_stages=k)).params
-                for k in range(w.num_layers + 3)
-            ]
-        t_last = max(
-            t_b,
-            min(
-                max(compute_b + _device_optimizer_s(hw, p), (P - p) / hw.optimizer_params_per_s)
-                for p in kept[cached]
-            ),
-        )
-    return A * max(fwd, comm_f) + (A - 1) * t_b + t_last
+        return (phases + max(t_b, compute_b + opt),)
+    cached = (o.optimizer, o.batch_chunks)  # the params of each device cache
+    if cached not in kept:
+        sizes = memory_sizes(w, hw.num_devices, o.batch_chunks)
+        kept[cached] = [
+            DeviceCache.of(sizes, dataclasses.replace(o, device_stages=k)).params
+            for k in range(w.num_layers + 3)
+        ]
+    # the device updates the cached stages after backward, the host the others beside it
+    rate = hw.optimizer_params_per_s
+    return tuple(
+        phases + max(t_b, compute_b + _device_optimizer_s(hw, p), (P - p) / rate)
+        for p in kept[cached]
+    )
 
 
 def in_memory_collective_bytes(w: Workload, c: Candidate) -> tuple[float, float]:

@@ -53,12 +53,13 @@ from hetjax.memory_host import HostMemoryPlan, host_minimum, nvme_parts, plan_ho
 from hetjax.placement import Placement
 from hetjax.planning.batch import BatchCost, batch_cost
 from hetjax.planning.cost import (
+    NO_FLOOR,
     ON_DEVICE,
     Candidate,
     in_memory_collective_bytes,
     lanes,
     nvme_writes,
-    step_floor,
+    step_floors,
 )
 from hetjax.planning.hardware import Hardware
 from hetjax.planning.in_memory import (
@@ -613,7 +614,7 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
         share = mesh_share(config, hw.num_devices, w.tensor)
     budget = config.memory.nvme_wear_budget
     # a wear budget chooses among the plans that stay within it, and by bytes written:
-    # the floor's pruning (relative to the fastest of all) does not hold there
+    # the floors' pruning (relative to the fastest of all) does not hold there
     search = lambda chunked: _fastest_per_placement(
         w, hw, limit, _candidates(w, parallel, chunked, base, share), parallel, not budget
     )
@@ -718,21 +719,34 @@ def _fastest_per_placement(
 ):
     """Each candidate that fits at its fastest (:func:`_evaluate`), with the device caches
     of optimizer state and the routed experts ``parallelism`` allows: ``[(step, rank,
-    candidate, ...)]``. ``prune``: leave out the candidates :func:`_choose` cannot
-    choose, those whose every variant is slower than ``TIE`` times a plan already found
-    (``cost.step_floor``): the fastest of all is no slower than that plan, so they are
-    not within ``TIE`` of it, and the fastest is not among them (without a wear budget,
-    ``_choose`` looks at nothing else)."""
+    candidate, ...)]``. ``prune``: leave out what :func:`_choose` cannot choose: the
+    variants no faster than their floor (``cost.step_floors``) where that is slower than
+    ``TIE`` times a plan already found. The fastest plan of all is no slower than that
+    one, so they are neither within ``TIE`` of it nor it; a candidate left with none of
+    its variants is left out, one left with some has the same fastest (the others were
+    slower). Without a wear budget ``_choose`` looks at nothing else."""
     routing = _routing(w, parallelism)
     best = []
-    fastest, floors = float("inf"), {}
+    fastest, kept = float("inf"), {}
+    lag = window_wait_lag(not hw.shared_cores)
     for base in candidates:
         if base.placement.uses_nvme and not hw.nvme_capacity:
             continue
-        if prune and step_floor(w, hw, base, floors) > TIE * fastest:
+        floors, ceiling = NO_FLOOR, float("inf")
+        if prune:
+            floors, ceiling = step_floors(w, hw, base, kept), TIE * fastest
+        if floors.from_(0) > ceiling:
             continue
-        options = _evaluate(w, hw, limit, base)
+        options = _evaluate(w, hw, limit, base) if floors.at(0) <= ceiling else []
         for c in _cache_variants(w, parallelism, base):
+            k = c.placement.device_stages
+            if floors.from_(k) > ceiling:
+                break  # (neither this cache nor a larger one is worth a look)
+            if floors.at(k) > ceiling:  # only whether it fits: a larger cache is
+                # offered only where this one fits
+                if footprint(w, c, limit, hw.num_devices, lag=lag) is None:
+                    break
+                continue
             cached = _evaluate(w, hw, limit, c)
             if not cached:
                 break  # a larger cache needs more device memory still
