@@ -487,8 +487,7 @@ def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) ->
     """Candidate ``c``'s footprint per tier and predicted step, as ``[(step, rank, c,
     device, host, nvme, optimizer cache, lanes, NVMe bytes written a step)]``; empty
     when it does not fit. (The step when clipping binds: the chosen's only, :func:`_clipped`.)"""
-    # the window's lag on the profile's backend (its, not this process's), as there
-    f = footprint(w, c, limit, hw.num_devices, lag=window_wait_lag(not hw.shared_cores))
+    f = _footprint(w, hw, limit, c)
     if f is None:
         return []
     c, host, nvme = f.candidate, f.host, f.nvme
@@ -497,6 +496,12 @@ def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) ->
     step, by_lane = lanes(w, hw, c, cached, spill, kept_params=kept)
     written = sum(nvme_writes(w, c, cached, spill, hw.num_devices).values())
     return [(step, c.rank, c, f.device, host, nvme, cache, by_lane, written)]
+
+
+def _footprint(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) -> Footprint | None:
+    """:func:`footprint` of ``c`` on ``hw``'s devices, the window's lag on the profile's
+    backend (its, not this process's), as there."""
+    return footprint(w, c, limit, hw.num_devices, lag=window_wait_lag(not hw.shared_cores))
 
 
 def _clipped(w: Workload, hw: Hardware, chosen: tuple) -> float:
@@ -728,7 +733,6 @@ def _fastest_per_placement(
     routing = _routing(w, parallelism)
     best = []
     fastest, kept = float("inf"), {}
-    lag = window_wait_lag(not hw.shared_cores)
     for base in candidates:
         if base.placement.uses_nvme and not hw.nvme_capacity:
             continue
@@ -744,7 +748,7 @@ def _fastest_per_placement(
                 break  # (neither this cache nor a larger one is worth a look)
             if floors.at(k) > ceiling:  # only whether it fits: a larger cache is
                 # offered only where this one fits
-                if footprint(w, c, limit, hw.num_devices, lag=lag) is None:
+                if _footprint(w, hw, limit, c) is None:
                     break
                 continue
             cached = _evaluate(w, hw, limit, c)
