@@ -403,8 +403,9 @@ def test_pruned_search_chooses_what_the_full_one_does():
     assert _choose(pruned) == _choose(full)
 
 
-# Every profile with -m slow (27-205 s each, 636 s together on 2 cores, 2026-11-29: the
-# default run has no room).
+# Every profile with -m slow (17-106 s each, 308 s together on 2 cores loaded by other
+# processes, 2026-11-29, after the search's pruning: 1,046 s before at the same load; the
+# first profile pays the tracing; the default run has no room).
 @pytest.mark.slow
 @pytest.mark.parametrize("hardware", list(PROFILES))
 def test_plan_cli_for_every_config(hardware, capsys):
