@@ -12,19 +12,29 @@ import numpy as np
 import pytest
 from equivalence import assert_gpt_training_equal, check_tokens
 
-from hetjax import launch, memory
+from hetjax import launch, memory, support
 from hetjax.config import Config, format_bytes, load_config
 from hetjax.memory import block_grad_dtype, device_parts
 from hetjax.parallel.layouts import stage_layouts
 from hetjax.parallel.single import SingleDevice
 from hetjax.placement import Placement
 from hetjax.planning.auto import resolve_auto
-from hetjax.planning.cost import lanes
+from hetjax.planning.cost import lanes, step_floors
 from hetjax.planning.hardware import PROFILES, get_profile
-from hetjax.planning.search import TIE, PlanError, make_plan
+from hetjax.planning.search import (
+    TIE,
+    PlanError,
+    _cache_variants,
+    _candidates,
+    _choose,
+    _evaluate,
+    _fastest_per_placement,
+    make_plan,
+)
 from hetjax.planning.workload import Workload, kept_key, memory_sizes
 from hetjax.runtime.stages import functions as stages
 from hetjax.runtime.streaming import StreamingRuntime
+from hetjax.state_format import StateFormat
 from hetjax.train import train
 from models import build_model
 
@@ -354,8 +364,48 @@ def test_fits_table_names_every_config():
     assert FITS["a100-80g"] | NOWHERE == set(CONFIGS)  # so every config has an expectation
 
 
-# Every profile with -m slow (27-205 s each, 636 s together on 2 cores, 2026-11-29: the
-# default run has no room).
+def _hand_moe(L: int) -> Workload:
+    """A mixture of experts of round numbers: ``L`` blocks of 4M params (half of them
+    its experts, half of those routed to a micro-batch), embed and head 8M each, two
+    micro-batches of 1024 tokens a step, two keep levels."""
+    B, T = 4_000_000, 1024
+    return Workload(
+        name="hand moe", num_layers=L, embed_params=2 * B, block_params=B, head_params=2 * B,
+        compute_bytes=2, block_grad_bytes=2, state_format=StateFormat.fp32(["mu", "nu"]),
+        micro_batches=2, tokens_per_step=2 * T, flops_per_step=6 * (L + 4) * B * 2 * T,
+        boundary=2048 * T, working_set=1 << 26, kept={"all": 80_000 * T, "matmuls": 30_000 * T},
+        recompute_flops={"all": 0.0, "matmuls": 1e9}, block_fwd_flops=2 * B * T,
+        head_fwd_flops=4 * B * T, routed_expert_params=B // 2, expert_fetch_fraction=0.5,
+    )  # fmt: skip
+
+
+def test_pruned_search_chooses_what_the_full_one_does():
+    """cost.step_floors is below the step of every variant of a candidate (its device
+    caches, its routed experts), so the search's pruning (search._fastest_per_placement)
+    chooses the plan the full search does: a mixture of experts on 8 devices (ZeRO-3's
+    collectives) whose device memory holds a few stages' optimizer state."""
+    hw, w = PROFILES["angel-a100-40g"], _hand_moe(4)
+    parallel = support.parallelism_of(0, 1, 1)
+    limit = {"device": 3 << 27, "host": 1 << 36, "nvme": 1 << 40}
+    candidates = [c for c in _candidates(w, parallel) if c.placement.prefetch_depth == 0]
+    kept, variants = {}, 0
+    for base in candidates:
+        floors = step_floors(w, hw, base, kept)
+        for c in (base, *_cache_variants(w, parallel, base)):
+            for found in _evaluate(w, hw, limit, c):
+                routed = _evaluate(w, hw, limit, found[2].replace(expert_fetch="routed"))
+                for step, *_ in (found, *routed):
+                    assert step >= floors.at(c.placement.device_stages), (c, step)
+                    variants += 1
+    full = _fastest_per_placement(w, hw, limit, candidates, parallel, prune=False)
+    pruned = _fastest_per_placement(w, hw, limit, candidates, parallel)
+    assert variants > 2 * len(candidates) and len(pruned) < len(full) / 2
+    assert _choose(pruned) == _choose(full)
+
+
+# Every profile with -m slow (17-106 s each, 308 s together on 2 cores loaded by other
+# processes, 2026-11-29, after the search's pruning: 1,046 s before at the same load; the
+# first profile pays the tracing; the default run has no room).
 @pytest.mark.slow
 @pytest.mark.parametrize("hardware", list(PROFILES))
 def test_plan_cli_for_every_config(hardware, capsys):

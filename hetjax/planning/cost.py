@@ -95,19 +95,15 @@ def lanes(
     ``after_backward``: the step of a sync run whose clipping binds (the update loop's
     adaptive speculation then updates every stage once backward has ended, the spilled
     gradients read back; ``update_loop.py``) instead of overlapped with backward."""
-    st = w.stage_times(hw)
     n, A, L = hw.num_devices, w.micro_batches, w.num_layers
     P, cb = w.params, w.compute_bytes
-    fwd = st["embed_fwd"] + L * st["block_fwd"]
+    fwd = _forward_s(w, hw)
     if c.mode == "none":
         return _in_memory_lanes(w, hw, c, fwd)
     o = c.placement
     kept, swapped = o.keep_blocks, o.swap_blocks
     recomputed = o.recomputed_blocks(L)
-    compute_b = st["head"] + recomputed * st["block_bwd"]
-    compute_b += kept * st[kept_key(o.keep_level)] if kept else 0.0
-    compute_b += swapped * st[kept_key(o.swap_level)] if swapped else 0.0
-    compute_b += st["embed_bwd"]
+    compute_b = _backward_s(w, hw, o)
     frac = 1.0 / n
     sizes = memory_sizes(w, n, o.batch_chunks)
     cache = DeviceCache.of(sizes, o)
@@ -121,7 +117,8 @@ def lanes(
     swap = swapped * sizes.swapped_held(o.swap_level) if swapped else 0  # a device's
     # each device copies in its share of the stored block (expert parallelism: every
     # expert's), then gathers the rest of what it computes with from the others
-    Ps, Pg = w.stored_block, w.gathered_block(n)
+    # (_collectives_s)
+    Ps = w.stored_block
     # expert-aware streaming (runtime/experts/routed.py): the streamed blocks that recompute copy
     # only their routed experts; kept and swapped blocks copy them all. The disk still
     # reads whole blocks. In forward the routed experts' copy waits for the routing (a
@@ -139,21 +136,7 @@ def lanes(
     # per device; the device cache's gradients stay there
     grads = cache.host_grad_bytes
     d2h_f, d2h_b = bounds + swap, grads
-    comm_f = comm_b = 0.0
-    # On the CPU backend the devices' memory is host RAM: a collective is copies.
-    link = hw.interconnect_bw or (hw.h2d_bw if hw.shared_cores else 0.0)
-    if n > 1 and link:  # all-gather params, reduce-scatter gradients the same way (the
-        # blocks' in memory.block_grad_dtype, the rest fp32) and, with expert
-        # parallelism, each block's all-to-alls (its backward recomputes the forward's,
-        # then sends their cotangents)
-        grads = 4 * w.scattered_rest(n) + w.block_grad_bytes * L * w.scattered_block(n)
-        comm_f = L * (cb * Pg + w.exchange_bytes) / link
-        comm_b = (recomputed * (cb * Pg + 2 * w.exchange_bytes) + grads) / link
-        # tensor parallelism: Megatron's all-reduces of each block's sub-layers
-        # (planning/split.py), over the same links
-        allreduce_f, allreduce_b = allreduce_bytes(w, o)
-        comm_f += allreduce_f / link
-        comm_b += allreduce_b / link
+    comm_f, comm_b = _collectives_s(w, hw, o)
     disk_f = disk_b = disk_step = 0.0
     writes = nvme_writes(w, c, cached, grad_spill, n)  # bytes a step writes, by what
     if o.params == "nvme":
@@ -224,6 +207,123 @@ def lanes(
         "collectives": A * (comm_f + comm_b),
     }
     return step, lanes
+
+
+def _forward_s(w: Workload, hw: Hardware) -> float:
+    """A micro-batch's forward on the device, every stage: the compute lane's forward."""
+    st = w.stage_times(hw)
+    return st["embed_fwd"] + w.num_layers * st["block_fwd"]
+
+
+def _backward_s(w: Workload, hw: Hardware, o: Placement) -> float:
+    """A micro-batch's backward on the device with the blocks of ``o`` recomputing,
+    kept or swapped (each at its level): the compute lane's backward."""
+    st = w.stage_times(hw)
+    kept, swapped = o.keep_blocks, o.swap_blocks
+    compute_b = st["head"] + o.recomputed_blocks(w.num_layers) * st["block_bwd"]
+    compute_b += kept * st[kept_key(o.keep_level)] if kept else 0.0
+    compute_b += swapped * st[kept_key(o.swap_level)] if swapped else 0.0
+    return compute_b + st["embed_bwd"]
+
+
+def _collectives_s(w: Workload, hw: Hardware, o: Placement) -> tuple[float, float]:
+    """A micro-batch's collectives on several devices, forward and backward: the
+    collectives lane's (0.0 on one device, or without a link)."""
+    n, L, cb = hw.num_devices, w.num_layers, w.compute_bytes
+    # On the CPU backend the devices' memory is host RAM: a collective is copies.
+    link = hw.interconnect_bw or (hw.h2d_bw if hw.shared_cores else 0.0)
+    if n == 1 or not link:
+        return 0.0, 0.0
+    # all-gather params, reduce-scatter gradients the same way (the blocks' in
+    # memory.block_grad_dtype, the rest fp32) and, with expert parallelism, each block's
+    # all-to-alls (its backward recomputes the forward's, then sends their cotangents)
+    Pg = w.gathered_block(n)
+    grads = 4 * w.scattered_rest(n) + w.block_grad_bytes * L * w.scattered_block(n)
+    comm_f = L * (cb * Pg + w.exchange_bytes) / link
+    comm_b = (o.recomputed_blocks(L) * (cb * Pg + 2 * w.exchange_bytes) + grads) / link
+    # tensor parallelism: Megatron's all-reduces of each block's sub-layers
+    # (planning/split.py), over the same links
+    allreduce_f, allreduce_b = allreduce_bytes(w, o)
+    return comm_f + allreduce_f / link, comm_b + allreduce_b / link
+
+
+@dataclasses.dataclass(frozen=True)
+class Floors:
+    """Steps no faster than :func:`lanes`' (outside ``after_backward``) of the streamed
+    candidates that differ from one only in their params and activations tiers,
+    prefetch depth, resident blocks, device cache (``device_stages``) or expert fetch
+    (:func:`step_floors`), by their device cache."""
+
+    each: tuple[float, ...]  # [k]: with the optimizer state of k stages cached
+    after: tuple[float, ...]  # [k]: the least of each[k:]
+
+    def at(self, k: int) -> float:
+        """The floor with ``k`` stages cached."""
+        return self.each[min(k, len(self.each) - 1)]
+
+    def from_(self, k: int) -> float:
+        """The least floor with ``k`` or more stages cached."""
+        return self.after[min(k, len(self.after) - 1)]
+
+
+NO_FLOOR = Floors((0.0,), (0.0,))
+
+
+def step_floors(w: Workload, hw: Hardware, c: Candidate, kept: dict) -> Floors:
+    """:class:`Floors` of ``c``: its lanes that depend on none of what may differ.
+    ``kept``: a dict this keeps them in, for one ``w`` and ``hw``. :data:`NO_FLOOR`
+    where none is proven (see :func:`_floors`)."""
+    o = c.placement
+    # all the floors depend on besides w and hw
+    key = (c.mode, o.optimizer, o.batch_chunks, o.keep_blocks, o.keep_level)
+    key += (o.swap_blocks, o.swap_level)
+    if key not in kept:
+        each = _floors(w, hw, c, kept)
+        after = list(each)
+        for k in range(len(after) - 2, -1, -1):
+            after[k] = min(after[k], after[k + 1])
+        kept[key] = Floors(each, tuple(after))
+    return kept[key]
+
+
+def _floors(w: Workload, hw: Hardware, c: Candidate, kept: dict) -> tuple[float, ...]:
+    """:func:`step_floors`' ``each``. On an accelerator ``lanes`` takes each phase as
+    the longest of its lanes, device compute and the collectives among them (neither
+    depends on what may differ), the last backward's also the optimizer's (the device's
+    update after it, or the host's beside it, both set by the device cache): ``t_f >=
+    max(fwd, comm_f)``, ``t_b >= max(compute_b, comm_b)``, ``t_last >= max(t_b,
+    optimizer)``; ``serial_f`` and ``catch_up`` only add. Each term is computed as
+    ``lanes`` computes it and summed in the same order, so rounding keeps the floor
+    below (a float sum is monotone in each term). No floor (0.0): mode none; shared
+    cores (copies add to compute there, their signs not proven); the optimizer on NVMe
+    with deferred expert updates (``catch_up`` scales by ``1 - cached``, not proven
+    non-negative)."""
+    o = c.placement
+    if c.mode != "stream" or hw.shared_cores:
+        return (0.0,)
+    if o.optimizer == "nvme" and w.routed_expert_params and w.deferred_expert_updates:
+        return (0.0,)
+    A, P = w.micro_batches, w.params
+    fwd, compute_b = _forward_s(w, hw), _backward_s(w, hw, o)
+    comm_f, comm_b = _collectives_s(w, hw, o)
+    t_b = max(compute_b, comm_b)
+    phases = A * max(fwd, comm_f) + (A - 1) * t_b
+    if o.optimizer == "device":  # no device cache
+        opt = _device_optimizer_s(hw, P * (1.0 / hw.num_devices))
+        return (phases + max(t_b, compute_b + opt),)
+    cached = (o.optimizer, o.batch_chunks)  # the params of each device cache
+    if cached not in kept:
+        sizes = memory_sizes(w, hw.num_devices, o.batch_chunks)
+        kept[cached] = [
+            DeviceCache.of(sizes, dataclasses.replace(o, device_stages=k)).params
+            for k in range(w.num_layers + 3)
+        ]
+    # the device updates the cached stages after backward, the host the others beside it
+    rate = hw.optimizer_params_per_s
+    return tuple(
+        phases + max(t_b, compute_b + _device_optimizer_s(hw, p), (P - p) / rate)
+        for p in kept[cached]
+    )
 
 
 def in_memory_collective_bytes(w: Workload, c: Candidate) -> tuple[float, float]:

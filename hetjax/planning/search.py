@@ -53,11 +53,13 @@ from hetjax.memory_host import HostMemoryPlan, host_minimum, nvme_parts, plan_ho
 from hetjax.placement import Placement
 from hetjax.planning.batch import BatchCost, batch_cost
 from hetjax.planning.cost import (
+    NO_FLOOR,
     ON_DEVICE,
     Candidate,
     in_memory_collective_bytes,
     lanes,
     nvme_writes,
+    step_floors,
 )
 from hetjax.planning.hardware import Hardware
 from hetjax.planning.in_memory import (
@@ -485,8 +487,7 @@ def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) ->
     """Candidate ``c``'s footprint per tier and predicted step, as ``[(step, rank, c,
     device, host, nvme, optimizer cache, lanes, NVMe bytes written a step)]``; empty
     when it does not fit. (The step when clipping binds: the chosen's only, :func:`_clipped`.)"""
-    # the window's lag on the profile's backend (its, not this process's), as there
-    f = footprint(w, c, limit, hw.num_devices, lag=window_wait_lag(not hw.shared_cores))
+    f = _footprint(w, hw, limit, c)
     if f is None:
         return []
     c, host, nvme = f.candidate, f.host, f.nvme
@@ -495,6 +496,12 @@ def _evaluate(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) ->
     step, by_lane = lanes(w, hw, c, cached, spill, kept_params=kept)
     written = sum(nvme_writes(w, c, cached, spill, hw.num_devices).values())
     return [(step, c.rank, c, f.device, host, nvme, cache, by_lane, written)]
+
+
+def _footprint(w: Workload, hw: Hardware, limit: dict[str, int], c: Candidate) -> Footprint | None:
+    """:func:`footprint` of ``c`` on ``hw``'s devices, the window's lag on the profile's
+    backend (its, not this process's), as there."""
+    return footprint(w, c, limit, hw.num_devices, lag=window_wait_lag(not hw.shared_cores))
 
 
 def _clipped(w: Workload, hw: Hardware, chosen: tuple) -> float:
@@ -610,8 +617,11 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
     in_memory = support.planned("in_memory", parallel) is None
     if in_memory and model_group_in_process(hw.num_devices, w.tensor):
         share = mesh_share(config, hw.num_devices, w.tensor)
+    budget = config.memory.nvme_wear_budget
+    # a wear budget chooses among the plans that stay within it, and by bytes written:
+    # the floors' pruning (relative to the fastest of all) does not hold there
     search = lambda chunked: _fastest_per_placement(
-        w, hw, limit, _candidates(w, parallel, chunked, base, share), parallel
+        w, hw, limit, _candidates(w, parallel, chunked, base, share), parallel, not budget
     )
     best = search(False)
     if not best:
@@ -622,7 +632,6 @@ def _plan_split(config: Config, hw: Hardware, w: Workload) -> Plan:
     if not best:
         raise PlanError(_shortfall(config, w, hw, limit, parallel))
     wear_of = lambda b: Wear.of(config, b[8], b[0])
-    budget = config.memory.nvme_wear_budget
     if budget:  # refuse what wears the drives past the budget; prefer writing less
         within = [b for b in best if not wear_of(b).over_budget(budget)]
         if not within:
@@ -706,18 +715,42 @@ def planned_parallelism(config: Config, hw: Hardware, tensor: int = 1) -> str:
 
 
 def _fastest_per_placement(
-    w: Workload, hw: Hardware, limit: dict[str, int], candidates, parallelism: str
+    w: Workload,
+    hw: Hardware,
+    limit: dict[str, int],
+    candidates,
+    parallelism: str,
+    prune: bool = True,
 ):
     """Each candidate that fits at its fastest (:func:`_evaluate`), with the device caches
     of optimizer state and the routed experts ``parallelism`` allows: ``[(step, rank,
-    candidate, ...)]``."""
+    candidate, ...)]``. ``prune``: leave out what :func:`_choose` cannot choose: the
+    variants no faster than their floor (``cost.step_floors``) where that is slower than
+    ``TIE`` times a plan already found. The fastest plan of all is no slower than that
+    one, so they are neither within ``TIE`` of it nor it; a candidate left with none of
+    its variants is left out, one left with some has the same fastest (the others were
+    slower). Without a wear budget ``_choose`` looks at nothing else."""
     routing = _routing(w, parallelism)
     best = []
+    fastest, kept = float("inf"), {}
     for base in candidates:
         if base.placement.uses_nvme and not hw.nvme_capacity:
             continue
-        options = _evaluate(w, hw, limit, base)
+        floors, ceiling = NO_FLOOR, float("inf")
+        if prune:
+            floors, ceiling = step_floors(w, hw, base, kept), TIE * fastest
+        if floors.from_(0) > ceiling:
+            continue
+        options = _evaluate(w, hw, limit, base) if floors.at(0) <= ceiling else []
         for c in _cache_variants(w, parallelism, base):
+            k = c.placement.device_stages
+            if floors.from_(k) > ceiling:
+                break  # (neither this cache nor a larger one is worth a look)
+            if floors.at(k) > ceiling:  # only whether it fits: a larger cache is
+                # offered only where this one fits
+                if _footprint(w, hw, limit, c) is None:
+                    break
+                continue
             cached = _evaluate(w, hw, limit, c)
             if not cached:
                 break  # a larger cache needs more device memory still
@@ -730,6 +763,7 @@ def _fastest_per_placement(
             ]
         if options:  # this placement's fastest split of device memory
             best.append(min(options, key=lambda b: b[0]))
+            fastest = min(fastest, best[-1][0])
     return best
 
 
