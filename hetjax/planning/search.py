@@ -400,9 +400,9 @@ def _candidates(
     eighths = lambda most: sorted(
         {1, 2, most, *range(max(1, L // 8), most + 1, max(1, L // 8))} & set(range(1, most + 1))
     )
-    # (swapped activations: one group's blocks only, streaming.py)
-    swap_levels = [level for level in w.kept if level in SWAP_LEVELS and not w.groups]
-    if not offered("swap_blocks"):
+    swap_levels = [level for level in w.kept if level in SWAP_LEVELS]
+    # (swapped activations: not for an encoder-decoder, the support matrix's model axis)
+    if not offered("swap_blocks") or support.supports_model("swap_blocks", w.model_kinds):
         swap_levels = []
     swap_tiers = ("host", "nvme") if offered("swap_to_nvme") else ("host",)
     keeps = [

@@ -105,6 +105,9 @@ class Workload:
     # device's rows; empty where the blocks' rows are not independent, runtime/stages/chunks.py)
     batch_chunks: int = 1
     chunked_working_sets: dict[int, int] = dataclasses.field(default_factory=dict)
+    # the model's kinds on the support matrix's model axis (hetjax/support.py): what the
+    # planner offers it (batch chunks, swapped blocks) follows the matrix's rows
+    model_kinds: frozenset[str] = frozenset()
     page_elems: int = 0  # elements a page of the slabs (0: not known)
     # Tensor parallelism (distributed.tensor_parallel): the devices of a model group.
     # A device computes with its block's dense pages and 1/tensor of its split weights
@@ -303,9 +306,10 @@ class Workload:
         attentions = model.attention_layers() / L
         n_chunks = config.offload.batch_chunks
         # chunk counts the planner may choose: divisors of a device's rows, for blocks
-        # whose rows are independent (config.py refuses the others)
-        separable = not (m.num_experts or m.encoder_decoder or model.stats_size)
-        separable = separable and len(model.groups) == 1
+        # whose rows are independent (the support matrix's model axis: the config's
+        # kinds and the built model's, as config validation and the runtime read them)
+        kinds = support.model_kinds(m) | support.model_kinds_of(model)
+        separable = support.supports_model("batch_chunks", kinds) is None
         # (not under tensor parallelism: no chunked working set is estimated there)
         separable = separable and tensor == 1
         chunk_counts = [n for n in CHUNK_COUNTS if b % n == 0] if separable else []
@@ -440,6 +444,7 @@ class Workload:
             batch_chunks=n_chunks,
             chunked_working_sets=chunked,
             tensor=tensor,
+            model_kinds=kinds,
             # (an expert-parallel MoE's experts compute on the exchange's G x k rows a token)
             all_reduces=all_reduces(attentions, G * m.experts_per_token if m.num_experts else 0),
         )
