@@ -38,17 +38,24 @@ def _sgd(fetch: str, data: int, tensor: int, **offload_and_train):
 @pytest.mark.slow  # 6-26 s each on 2 cores (the first compiles most)
 @pytest.mark.parametrize("params", ["host", "nvme"])
 @pytest.mark.parametrize("data, tensor", SPLITS, ids=IDS)
-def test_routed_under_tensor_parallelism_trains_as_one_device(tmp_path, data, tensor, params):
+def test_routed_under_tensor_parallelism_trains_as_one_device(
+    tmp_path, data, tensor, params, reference_run
+):
     """The experts' MLPs split by their hidden units over 2 model devices (beside 1 or 2
-    data devices), both blocks routed, params on the host or on NVMe: each device copies
-    in its slice of the routed experts' pages; losses, validation loss, every param and
-    the logits equal one device's routed run at 1e-5, and the same experts were fetched
-    (the union over the devices of the micro-batch's), fewer than all."""
-    config = _sgd("routed", data, tensor, steps=2, params=params)
+    data devices), both blocks routed, params on the host or on NVMe, SHORT's 3 steps:
+    each device copies in its slice of the routed experts' pages; losses, validation
+    loss, every param and the logits equal one device's routed run at 1e-5, and the same
+    experts were fetched (the union over the devices of the micro-batch's), fewer than
+    all. One device's run keeps its params on the host for both tiers (the stores hold
+    the same values; one device's routed NVMe params are tests/test_moe.py's
+    test_stream_nvme_equals_none and tests/test_expert_fetch.py's
+    test_routed_streaming_equals_fetching_every_expert): trained once per process
+    (``reference_run``), and at 8 rows it is the one the two-process test compares."""
+    config = _sgd("routed", data, tensor, params=params)
     many = train(config, tmp_path / "many", verbose=False)
     rows = config.train.batch_size
-    one = _sgd("routed", 1, 1, steps=2, batch_size=rows, params=params)
-    single = train(one, tmp_path / "one", verbose=False)
+    one = _sgd("routed", 1, 1, batch_size=rows)
+    single = reference_run(one)
     assert_training_equal(many, single, build_model(one.model), check_tokens())
     for record in many.records:
         # 2 micro-batches x 3 block copies (block0 forward and backward, block1 once)
@@ -158,11 +165,13 @@ def test_the_pages_left_behind_are_every_slices_by_hand():
 
 
 @pytest.mark.slow  # two child processes compile everything anew: ~50 s on 2 cores
-def test_routed_across_two_processes_at_2x2_trains_as_one_device(tmp_path):
+def test_routed_across_two_processes_at_2x2_trains_as_one_device(tmp_path, reference_run):
     """2 processes x 2 CPU devices over gloo at data x tensor 2 x 2 (each process one
     data index: both slices of its share), both blocks routed: every process copies in
     its own devices' pages of the routed experts and reads the same averaged counts, so
     every device dispatches the same gathers; losses, validation loss and final params
     equal one device's routed run, which fetched the same experts."""
     config = _sgd("routed", 1, 1, batch_size=8)  # 2 micro-batches of 4 rows: 2 a data index
-    two_processes_route_as_one_device(tmp_path, config, "distributed.tensor_parallel=2")
+    two_processes_route_as_one_device(
+        tmp_path, reference_run, config, "distributed.tensor_parallel=2"
+    )

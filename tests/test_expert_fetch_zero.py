@@ -4,6 +4,8 @@ experts some device routed to; training equals one device's routed run and copyi
 expert (tests/test_expert_fetch.py and tests/test_deferred_updates.py have the one-device
 versions)."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -14,7 +16,6 @@ from test_expert_fetch import SHORT, SPARSE, _config, _moved, _skewed
 
 from hetjax.parallel.zero import Zero3
 from hetjax.runtime.streaming import StreamingRuntime
-from hetjax.train import train
 from models import build_model
 
 SGD_CLIP = dict(name="sgd", lr=0.1, grad_clip=2.0)  # clipping binds in some steps
@@ -33,14 +34,17 @@ def _sgd(fetch: str, data: int, experts: int = 1, **train_section):
     return config
 
 
-def _trains_as_one_device(tmp_path, data: int, experts: int):
-    """Trains the routed model 2 steps on ``data`` x ``experts`` devices and on one:
-    losses, validation loss, every param and the logits equal at 1e-5, and the same
-    experts fetched (the union over the devices of the micro-batch's), fewer than all."""
-    config = _sgd("routed", data, experts, steps=2)
-    many = train(config, tmp_path / "many", verbose=False)
+def _trains_as_one_device(reference_run, data: int, experts: int, steps: int):
+    """Trains the routed model ``steps`` steps on ``data`` x ``experts`` devices and on
+    one: losses, validation loss, every param and the logits equal at 1e-5, and the same
+    experts fetched (the union over the devices of the micro-batch's), fewer than all.
+    Both runs once per process (``reference_run``): at SHORT's 3 steps the routed run
+    on the devices is the one ``test_routed_under_zero3_equals_fetching_every_expert``
+    compares, one device's at 8 rows the one the two-process test compares."""
+    config = _sgd("routed", data, experts, steps=steps)
+    many = reference_run(config)
     rows = config.train.batch_size
-    one = train(_sgd("routed", 1, steps=2, batch_size=rows), tmp_path / "one", verbose=False)
+    one = reference_run(_sgd("routed", 1, steps=steps, batch_size=rows))
     assert_training_equal(many, one, build_model(tiny_config(model=SPARSE).model), check_tokens())
     for record in many.records:
         # 2 micro-batches x 3 block copies (block0 forward and backward, block1 once)
@@ -51,29 +55,30 @@ def _trains_as_one_device(tmp_path, data: int, experts: int):
     ]
 
 
-def test_routed_under_data_parallelism_trains_as_one_device(tmp_path):
+def test_routed_under_data_parallelism_trains_as_one_device(reference_run):
     """Data parallelism over 2 devices, both blocks routed (each device copying in and
     gathering the pages of the experts either device routed to; 16 experts, top-1,
-    2 x 8 tokens a micro-batch): trains as one device's routed run."""
-    _trains_as_one_device(tmp_path, 2, 1)
+    2 x 8 tokens a micro-batch): trains as one device's routed run (2 steps)."""
+    _trains_as_one_device(reference_run, 2, 1, steps=2)
 
 
 @pytest.mark.slow  # 60 s (data2xexpert2: 150 s on 2 busy cores)
 @pytest.mark.parametrize("data, experts", [(1, 2), (2, 2)], ids=["expert2", "data2xexpert2"])
-def test_routed_under_expert_parallelism_trains_as_one_device(tmp_path, data, experts):
+def test_routed_under_expert_parallelism_trains_as_one_device(reference_run, data, experts):
     """Experts split over 2 devices (beside 2 data-parallel ones): each device copies in
     and gathers, over the data axis only, the pages of its group's experts some device
-    routed to; trains as one device's routed run."""
-    _trains_as_one_device(tmp_path, data, experts)
+    routed to; trains as one device's routed run (SHORT's 3 steps)."""
+    _trains_as_one_device(reference_run, data, experts, steps=SHORT["steps"])
 
 
 @pytest.mark.slow  # 40 s: two runs of 4 steps
 @pytest.mark.parametrize("data, experts", [(2, 1), (1, 2)], ids=["data2", "expert2"])
-def test_routed_under_zero3_equals_fetching_every_expert(tmp_path, data, experts):
-    """SGD with clipping, 4 steps: routed equals expert_fetch=all under the same
-    parallelism at 1e-5."""
-    routed = train(_sgd("routed", data, experts), tmp_path / "routed", verbose=False)
-    every = train(_sgd("all", data, experts), tmp_path / "all", verbose=False)
+def test_routed_under_zero3_equals_fetching_every_expert(reference_run, data, experts):
+    """SGD with clipping, 3 steps: routed equals expert_fetch=all under the same
+    parallelism at 1e-5 (the routed run at expert2 is the one
+    ``test_routed_under_expert_parallelism_trains_as_one_device`` trains)."""
+    routed = reference_run(_sgd("routed", data, experts))
+    every = reference_run(_sgd("all", data, experts))
     model = build_model(tiny_config(model=SPARSE).model)
     assert_training_equal(routed, every, model, check_tokens())
     assert not any("experts_fetched" in r for r in every.records)
@@ -136,13 +141,13 @@ def test_deferred_updates_under_zero3_equal_one_device(data, experts):
 
 
 @pytest.mark.slow  # two child processes compile everything anew: ~70 s on 2 cores
-def test_routed_across_two_processes_trains_as_one_device(tmp_path):
+def test_routed_across_two_processes_trains_as_one_device(tmp_path, reference_run):
     """2 processes x 2 CPU devices over gloo, data-parallel, both blocks routed: every
     process reads the same averaged counts, so every device dispatches the same gathers;
     losses, validation loss and final params equal one device's routed run, which
     fetched the same experts."""
     config = _sgd("routed", 1, batch_size=8)  # 2 micro-batches of 4 rows: 1 a device
-    two_processes_route_as_one_device(tmp_path, config)
+    two_processes_route_as_one_device(tmp_path, reference_run, config)
 
 
 def deferred_equal_to_every_expert(distributed: dict):
@@ -151,21 +156,12 @@ def deferred_equal_to_every_expert(distributed: dict):
     updating every expert: checks the two equal bit for bit, the deferred run's losses
     within 1e-5 of one device deferring, and some pages deferred and some caught up.
     -> (the deferred run's, one device's) ``_run`` results."""
-    rng = np.random.default_rng(1)
-    # 2 micro-batches of 2 rows x 4 tokens: 8 tokens a micro-batch, so that experts
-    # routed in one step go unrouted in the next
-    batches = [rng.integers(0, 256, (2, 2, 5), dtype=np.int32) for _ in range(4)]
-
-    def config(updates: str, devices: dict):
-        return _adamw(tiny_config, updates).replace(
-            train=dict(batch_size=4, seq_len=4), distributed=devices
-        )
-
+    batches = _deferred_batches()
     runs = {
-        u: _run(config(u, distributed), batches, used=8, runtime_of=_zero3)
+        u: _run(_deferred_config(u, distributed), batches, used=8, runtime_of=_zero3)
         for u in ("deferred", "all")
     }
-    one = _run(config("deferred", dict(data_parallel=1)), batches, used=8)
+    one = _one_device_deferring()
     deferred, every = runs["deferred"], runs["all"]
     assert deferred[0] == every[0] and deferred[2] == every[2]  # losses, evaluation loss
     for a, b in zip(jax.tree.leaves(deferred[4]), jax.tree.leaves(every[4]), strict=True):
@@ -178,17 +174,39 @@ def deferred_equal_to_every_expert(distributed: dict):
     return deferred, one
 
 
-def two_processes_route_as_one_device(tmp_path, config, *distributed: str) -> None:
-    """Trains ``config`` (routed, one device) and the same in 2 processes x 2 CPU devices
-    with the ``distributed.*`` overrides ``distributed`` (default: data-parallel):
-    losses, validation loss and final params equal, and the same experts fetched, fewer
-    than all."""
+def _deferred_batches() -> list:
+    """4 steps' batches: 2 micro-batches of 2 rows x 4 tokens, 8 tokens a micro-batch, so
+    that experts routed in one step go unrouted in the next."""
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, 256, (2, 2, 5), dtype=np.int32) for _ in range(4)]
+
+
+def _deferred_config(updates: str, distributed: dict):
+    return _adamw(tiny_config, updates).replace(
+        train=dict(batch_size=4, seq_len=4), distributed=distributed
+    )
+
+
+@functools.cache
+def _one_device_deferring():
+    """One device deferring on ``_deferred_batches``, the run every
+    ``deferred_equal_to_every_expert`` compares against: once per process (the tests
+    read it, never change it)."""
+    config = _deferred_config("deferred", dict(data_parallel=1))
+    return _run(config, _deferred_batches(), used=8)
+
+
+def two_processes_route_as_one_device(tmp_path, reference_run, config, *distributed: str):
+    """Trains ``config`` (routed, one device; once per process: ``reference_run``) and
+    the same in 2 processes x 2 CPU devices with the ``distributed.*`` overrides
+    ``distributed`` (default: data-parallel): losses, validation loss and final params
+    equal, and the same experts fetched, fewer than all."""
     import json
 
     from equivalence import assert_trees_close
     from test_zero import _params_like, _run_two_processes
 
-    one = train(config, tmp_path / "one", verbose=False)
+    one = reference_run(config)
     t = config.train
     saved = _run_two_processes(
         tmp_path / "two",
