@@ -89,6 +89,7 @@ class ModelConfig:
         self._check_shape()
         self._check_positions()
         self._check_llama_options()
+        self._check_head()
         self._check_experts()
         self._check_encoder_decoder()
         self._check_source()
@@ -132,12 +133,6 @@ class ModelConfig:
                 f"config key 'model.num_kv_heads' ({self.num_kv_heads}): family 'gpt' has "
                 "multi-head attention only; leave it 0 or use model.family='llama'"
             )
-        if self.family == "gpt" and not self.tie_embeddings:
-            raise ConfigError(
-                "config key 'model.tie_embeddings': family 'gpt' always ties its output "
-                "head to the token embedding (as GPT-2 does); set it true or use "
-                "model.family='llama'"
-            )
 
     def _check_positions(self) -> None:
         """Rotary positions and their scaling."""
@@ -165,6 +160,15 @@ class ModelConfig:
             "must be >= 1",
             self.rope_original_max_len,
         )
+
+    def _check_head(self) -> None:
+        """The output head: tied to the token embedding or not."""
+        if self.family == "gpt" and not self.tie_embeddings:
+            raise ConfigError(
+                "config key 'model.tie_embeddings': family 'gpt' always ties its output "
+                "head to the token embedding (as GPT-2 does); set it true or use "
+                "model.family='llama'"
+            )
 
     def _check_experts(self) -> None:
         """The mixture-of-experts MLP."""
