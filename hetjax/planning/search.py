@@ -131,90 +131,11 @@ class Plan:
         return overrides
 
     def table(self) -> str:
-        c, p = self.candidate, self.candidate.placement
-        L = self.num_layers
         lines = [f"plan for {self.workload} on {self.hardware}"]
-        if c.mode == "none":
-            lines.append(
-                "  offload.mode=none: params, gradients, optimizer state and activations on "
-                "the device" + (" (model.remat: blocks recompute in backward)" if c.remat else "")
-            )
-            if self.num_devices > 1:
-                data = self.num_devices // self.tensor_parallel
-                held = ["whole over data"] if data > 1 else []
-                if self.tensor_parallel > 1:
-                    held.append("split over the model axis by Megatron's rules")
-                lines.append(
-                    f"  each device holds the state ({', '.join(held)}) and its data group's "
-                    "rows' activations"
-                    + ("; the gradients all-reduced over data" if data > 1 else "")
-                )
+        if self.candidate.mode == "none":
+            lines += self._in_memory_lines()
         else:
-            k = p.device_stages
-            state = lambda cached: "device (cached)" if cached else p.optimizer
-            lines += [
-                f"  offload.mode=stream, prefetch depth {p.prefetch_depth}",
-                f"  {'stage':<16}{'compute params':<22}{'fp32 master + optimizer':<25}activations",
-            ]
-            if (k >= 1) == (k == L + 2):  # embed and head alike
-                lines.append(f"  {'embed, head':<16}{'device':<22}{state(k >= 1):<25}device")
-            else:
-                lines.append(f"  {'embed':<16}{'device':<22}{state(True):<25}device")
-                lines.append(f"  {'head':<16}{'device':<22}{state(False):<25}device")
-            rows: list[list] = []  # consecutive blocks of a group placed alike share a row
-            labels = [(name, j) for name, n in self.groups or (("block", L),) for j in range(n)]
-            for i, (group, j) in enumerate(labels):
-                where = "device (resident)" if i < p.resident_blocks else f"{p.params}, streamed"
-                if i >= L - p.keep_blocks:
-                    acts = f"kept on device ({p.keep_level})"
-                elif i >= L - p.keep_blocks - p.swap_blocks:
-                    acts = f"swapped to {p.swap_tier} ({p.swap_level})"
-                else:
-                    acts = f"{p.activations} boundary, recomputed"
-                row = [group, where, state(i < k - 1), acts]
-                if rows and rows[-1][2:] == row:
-                    rows[-1][1] = j
-                else:
-                    rows.append([j, j, *row])
-            for first, last, group, where, opt, acts in rows:
-                plural = "s" if group == "block" else ""  # "blocks 0-3", "decoder 0-3"
-                name = f"{group} {first}" if first == last else f"{group}{plural} {first}-{last}"
-                lines.append(f"  {name:<16}{where:<22}{opt:<25}{acts}")
-            if k:
-                lines.append(
-                    f"  optimizer state of {k} stage{'s' * (k > 1)} cached on the device "
-                    f"(offload.optimizer_device_stages={k}): "
-                    f"{format_bytes(self.device.get('optimizer', 0))} with their gradients "
-                    "and new params; updated there, no gradient copy"
-                )
-            if p.batch_chunks > 1:
-                lines.append(
-                    f"  the recomputed blocks and the head run each micro-batch in "
-                    f"{p.batch_chunks} chunks of rows (offload.batch_chunks={p.batch_chunks}): "
-                    "one chunk's working set, params fetched once"
-                )
-            if self.optimizer_cache:
-                lines.append(
-                    f"  optimizer state cached in host RAM: {format_bytes(self.optimizer_cache)}"
-                )
-            if self.expert_source and p.expert_fetch == "routed":
-                lines.append(
-                    f"  experts: a streamed block that recomputes copies "
-                    f"{self.expert_fraction:.0%} of its experts in (offload.expert_fetch="
-                    f"routed; {self.expert_source})"
-                )
-            if self.deferred_share is not None and p.expert_fetch == "routed":
-                lines.append(
-                    f"  experts' optimizer state: a step updates {self.deferred_share:.0%} "
-                    "of it on NVMe, the rest caught up when routed again "
-                    "(offload.expert_updates=deferred)"
-                )
-            elif self.expert_source:
-                lines.append(
-                    f"  experts: copied whole (offload.expert_fetch=all): routing would copy "
-                    f"{self.expert_fraction:.0%} of them ({self.expert_source}), not worth "
-                    "the forward's wait for each block's routing"
-                )
+            lines += self._stage_lines() + self._streamed_notes()
         lines += [f"  {line}" for line in self.fallbacks]
         lines += [f"  {self.split}"] if self.split else []
         per = " per device" if self.num_devices > 1 else ""
@@ -230,6 +151,108 @@ class Plan:
             lines.append(
                 f"  {tier:<7}{format_bytes(total):>12} of {format_bytes(budget)}{per}  ({parts})"
             )
+        lines += self._prediction_lines()
+        return "\n".join(lines)
+
+    def _in_memory_lines(self) -> list[str]:
+        """offload.mode=none: where the state is, on one device or a mesh."""
+        c, lines = self.candidate, []
+        lines.append(
+            "  offload.mode=none: params, gradients, optimizer state and activations on "
+            "the device" + (" (model.remat: blocks recompute in backward)" if c.remat else "")
+        )
+        if self.num_devices > 1:
+            data = self.num_devices // self.tensor_parallel
+            held = ["whole over data"] if data > 1 else []
+            if self.tensor_parallel > 1:
+                held.append("split over the model axis by Megatron's rules")
+            lines.append(
+                f"  each device holds the state ({', '.join(held)}) and its data group's "
+                "rows' activations" + ("; the gradients all-reduced over data" if data > 1 else "")
+            )
+        return lines
+
+    def _stage_lines(self) -> list[str]:
+        """A streamed plan's table of stages: where each one's params, state and
+        activations are (consecutive blocks placed alike on one row)."""
+        p, L, lines = self.candidate.placement, self.num_layers, []
+        k = p.device_stages
+        state = lambda cached: "device (cached)" if cached else p.optimizer
+        lines += [
+            f"  offload.mode=stream, prefetch depth {p.prefetch_depth}",
+            f"  {'stage':<16}{'compute params':<22}{'fp32 master + optimizer':<25}activations",
+        ]
+        if (k >= 1) == (k == L + 2):  # embed and head alike
+            lines.append(f"  {'embed, head':<16}{'device':<22}{state(k >= 1):<25}device")
+        else:
+            lines.append(f"  {'embed':<16}{'device':<22}{state(True):<25}device")
+            lines.append(f"  {'head':<16}{'device':<22}{state(False):<25}device")
+        rows: list[list] = []  # consecutive blocks of a group placed alike share a row
+        labels = [(name, j) for name, n in self.groups or (("block", L),) for j in range(n)]
+        for i, (group, j) in enumerate(labels):
+            where = "device (resident)" if i < p.resident_blocks else f"{p.params}, streamed"
+            if i >= L - p.keep_blocks:
+                acts = f"kept on device ({p.keep_level})"
+            elif i >= L - p.keep_blocks - p.swap_blocks:
+                acts = f"swapped to {p.swap_tier} ({p.swap_level})"
+            else:
+                acts = f"{p.activations} boundary, recomputed"
+            row = [group, where, state(i < k - 1), acts]
+            if rows and rows[-1][2:] == row:
+                rows[-1][1] = j
+            else:
+                rows.append([j, j, *row])
+        for first, last, group, where, opt, acts in rows:
+            plural = "s" if group == "block" else ""  # "blocks 0-3", "decoder 0-3"
+            name = f"{group} {first}" if first == last else f"{group}{plural} {first}-{last}"
+            lines.append(f"  {name:<16}{where:<22}{opt:<25}{acts}")
+        return lines
+
+    def _streamed_notes(self) -> list[str]:
+        """A streamed plan's device cache, chunks, host cache and experts, a line each."""
+        p, lines = self.candidate.placement, []
+        k = p.device_stages
+        if k:
+            lines.append(
+                f"  optimizer state of {k} stage{'s' * (k > 1)} cached on the device "
+                f"(offload.optimizer_device_stages={k}): "
+                f"{format_bytes(self.device.get('optimizer', 0))} with their gradients "
+                "and new params; updated there, no gradient copy"
+            )
+        if p.batch_chunks > 1:
+            lines.append(
+                f"  the recomputed blocks and the head run each micro-batch in "
+                f"{p.batch_chunks} chunks of rows (offload.batch_chunks={p.batch_chunks}): "
+                "one chunk's working set, params fetched once"
+            )
+        if self.optimizer_cache:
+            lines.append(
+                f"  optimizer state cached in host RAM: {format_bytes(self.optimizer_cache)}"
+            )
+        if self.expert_source and p.expert_fetch == "routed":
+            lines.append(
+                f"  experts: a streamed block that recomputes copies "
+                f"{self.expert_fraction:.0%} of its experts in (offload.expert_fetch="
+                f"routed; {self.expert_source})"
+            )
+        if self.deferred_share is not None and p.expert_fetch == "routed":
+            lines.append(
+                f"  experts' optimizer state: a step updates {self.deferred_share:.0%} "
+                "of it on NVMe, the rest caught up when routed again "
+                "(offload.expert_updates=deferred)"
+            )
+        elif self.expert_source:
+            lines.append(
+                f"  experts: copied whole (offload.expert_fetch=all): routing would copy "
+                f"{self.expert_fraction:.0%} of them ({self.expert_source}), not worth "
+                "the forward's wait for each block's routing"
+            )
+        return lines
+
+    def _prediction_lines(self) -> list[str]:
+        """The lanes, the predicted step and what bounds it, the wear and the batch cost."""
+        per = " per device" if self.num_devices > 1 else ""
+        lines = []
         lanes = ", ".join(f"{k} {v:.3g}" for k, v in self.lanes.items() if v)
         lines += [
             f"  lanes (s/step): {lanes}",
@@ -244,7 +267,7 @@ class Plan:
         if self.wear is not None and self.wear.written_per_step:
             lines.append(f"  {self.wear.describe()}")
         lines += [f"  {line}" for line in self.batch_cost.lines()] if self.batch_cost else []
-        return "\n".join(lines)
+        return lines
 
     num_layers: int = 0
     groups: tuple[tuple[str, int], ...] = ()  # stage groups' (name, blocks); () one group
