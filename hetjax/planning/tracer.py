@@ -70,14 +70,7 @@ def trace_splits(
     tokens = jax.device_put(rng.integers(0, m.vocab_size, (rows, t.seq_len)).astype(np.int32), dev)
     one = jnp.asarray(1.0, jnp.float32)
 
-    def best(fn):
-        jax.block_until_ready(fn())
-        times = []
-        for _ in range(repeats):
-            t1 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t1)
-        return float(np.median(times))
+    best = lambda fn: _median_s(fn, repeats)
 
     # Each stage group's input and blocks (a model of several, T5's encoder and decoder:
     # a block's times are the mean over every block, the inputs' add to the embed's).
@@ -112,6 +105,17 @@ def trace_splits(
             w, measured=measured, **measure_on_mesh(config, devices, t, w.kept)
         )
     return workloads
+
+
+def _median_s(fn, repeats: int) -> float:
+    """``fn``'s median time over ``repeats`` runs after one to warm up (its compile)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t1 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t1)
+    return float(np.median(times))
 
 
 def measure_on_mesh(config: Config, devices: int, tensor: int, levels) -> dict:
