@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from hetjax.config import Config, OffloadConfig, format_bytes
-from hetjax.planning.search import Plan
+from hetjax.planning.plan import Plan
 from hetjax.planning.wear import Wear
 from hetjax.runtime.in_memory import InMemoryRuntime
 from hetjax.runtime.streaming import StreamingRuntime

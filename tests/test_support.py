@@ -134,7 +134,7 @@ def test_the_model_axis_refuses_in_one_place(name):
                 config.replace(**asks)
             assert str(refused.value) == why
     for parallelism, cells in support.PARALLEL_MODELS.items():
-        split = {k: v for k, v in DISTRIBUTED[parallelism].items()}
+        split = dict(DISTRIBUTED[parallelism])
         why = support.parallel_refusal(parallelism, kinds)
         assert (why is None) == (not kinds & set(cells)), (parallelism, kinds)
         if why and config.model.num_experts:  # (a dense model has no experts to split)

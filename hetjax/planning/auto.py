@@ -14,7 +14,8 @@ from hetjax import support
 from hetjax.config import Config, format_bytes
 from hetjax.planning.hardware import device_capacity, measure_local
 from hetjax.planning.in_memory import in_memory_device_parts, mesh_share, model_group_in_process
-from hetjax.planning.search import MARGIN, Plan, make_plan, process_host_budget
+from hetjax.planning.plan import Plan
+from hetjax.planning.search import MARGIN, make_plan, process_host_budget
 from hetjax.planning.split import tensor_degrees
 from hetjax.planning.tracer import trace_splits
 from hetjax.planning.workload import Workload, measured_expert_fraction
