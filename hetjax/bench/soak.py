@@ -99,10 +99,14 @@ def run_soak(
     ``every`` steps (as soon as ``metrics.jsonl`` shows the step). Returns (samples,
     the run's per-step records)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    # a fresh run each time: an earlier soak's checkpoints and metrics in this (scratch)
+    # workdir go (the sampler reads metrics.jsonl as the child appends to it)
     args = [sys.executable, "-m", "hetjax.launch", "--workdir", str(workdir), "--resume=never"]
+    args += ["--overwrite"]
     args += [f"--config.{k}={v}" for k, v in {**OVERRIDES, "train.steps": steps}.items()]
     args += [f"--config.memory.nvme_path={workdir / 'nvme'}"]
     metrics = workdir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
     log = log or workdir / "soak.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
