@@ -169,3 +169,21 @@ def test_the_bottom_modules_import_nothing_from_the_project():
         "models.llama",
         "models.t5",
     }
+
+
+LONGEST_FUNCTION = 80  # lines, decorators and docstring included (issue #55, item 5)
+
+
+def test_no_function_is_longer_than_80_lines():
+    """A function past 80 lines is split into named steps: in hetjax/
+    and models/, bench and gpucheck included."""
+    long = []
+    for root in ("hetjax", "models"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                    lines = node.end_lineno - first + 1
+                    if lines > LONGEST_FUNCTION:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
+    assert not long, f"functions over {LONGEST_FUNCTION} lines: {long}"

@@ -94,19 +94,68 @@ def lanes(
     backward (the host plan's ``kept_params``), which backward then does not read.
     ``after_backward``: the step of a sync run whose clipping binds (the update loop's
     adaptive speculation then updates every stage once backward has ended, the spilled
-    gradients read back; ``update_loop.py``) instead of overlapped with backward."""
-    n, A, L = hw.num_devices, w.micro_batches, w.num_layers
-    P, cb = w.params, w.compute_bytes
+    gradients read back; ``update_loop.py``) instead of overlapped with backward.
+    (:func:`step_floors` bounds the step from its device-compute, collectives and
+    optimizer terms, computed as here.)"""
+    A = w.micro_batches
     fwd = _forward_s(w, hw)
     if c.mode == "none":
         return _in_memory_lanes(w, hw, c, fwd)
     o = c.placement
+    compute_b = _backward_s(w, hw, o)
+    sizes = memory_sizes(w, hw.num_devices, o.batch_chunks)
+    cache = DeviceCache.of(sizes, o)
+    t = _copies(w, hw, o, sizes, cache)
+    comm_f, comm_b = _collectives_s(w, hw, o)
+    disk = _disk(w, hw, c, t, cached, grad_spill, kept_params, cache)
+    # The device cache's stages are the last backward reaches: their updates run on the
+    # device after it, at device speed (Angel-PTM); the host updates the others,
+    # overlapped with backward.
+    dev_opt = _device_optimizer_s(hw, cache.params)
+    if o.optimizer == "device":  # each device updates its 1/n (on shared cores in turn)
+        opt = _device_optimizer_s(hw, w.params if hw.shared_cores else w.params * t.frac)
+    else:  # the machine's optimizer serves n processes
+        opt = (w.params - cache.params) / hw.optimizer_params_per_s
+    if after_backward:  # the spilled gradients read back (mode none returned above)
+        readback = grad_spill / hw.nvme_read_bw if grad_spill else 0.0
+        disk = dataclasses.replace(disk, step=disk.step + readback)
+    lanes_s = (fwd, compute_b), (comm_f, comm_b), (opt, dev_opt)
+    step = _step_s(hw, o, t, disk, *lanes_s, A, after_backward)
+    lanes = {
+        "compute": A * (fwd + compute_b),
+        "host->device": A * (t.h2d_f + t.h2d_b) / hw.h2d_bw,
+        "device->host": A * (t.d2h_f + t.d2h_b) / hw.d2h_bw,
+        "nvme": A * (disk.f + disk.b) + disk.step,
+        "optimizer": opt + dev_opt,
+        "collectives": A * (comm_f + comm_b),
+    }
+    return step, lanes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Copies:
+    """A device's bytes over the host link in a micro-batch's forward (``_f``) and
+    backward (``_b``), per direction, and what :func:`_disk` reads of them."""
+
+    frac: float  # a device's share of a block (1 / devices)
+    h2d_f: float
+    h2d_b: float
+    d2h_f: float
+    d2h_b: float
+    serial_f: float  # seconds forward waits for the routed experts' copy
+    skipped: float  # the routed blocks' experts not copied (the disk still reads them)
+    bounds: float  # boundaries crossing to the host and back
+    streamed_b: int  # blocks whose params backward fetches
+    routing: bool  # expert-aware streaming (only the routed experts copied)
+    routed: int  # the streamed blocks that copy only their routed experts
+
+
+def _copies(w: Workload, hw: Hardware, o: Placement, sizes, cache: DeviceCache) -> _Copies:
+    """:class:`_Copies` of placement ``o``."""
+    n, L, cb = hw.num_devices, w.num_layers, w.compute_bytes
     kept, swapped = o.keep_blocks, o.swap_blocks
     recomputed = o.recomputed_blocks(L)
-    compute_b = _backward_s(w, hw, o)
     frac = 1.0 / n
-    sizes = memory_sizes(w, n, o.batch_chunks)
-    cache = DeviceCache.of(sizes, o)
     resident = max(o.resident_blocks, cache.blocks)
     streamed_f = L - resident
     streamed_b = max(0, L - kept - resident)  # the swapped blocks' params come again
@@ -123,7 +172,7 @@ def lanes(
     # only their routed experts; kept and swapped blocks copy them all. The disk still
     # reads whole blocks. In forward the routed experts' copy waits for the routing (a
     # host sync), so the device waits for it: ``serial_f``; backward's is known ahead.
-    routing = w.routed_expert_params and o.expert_fetch == "routed"
+    routing = bool(w.routed_expert_params and o.expert_fetch == "routed")
     routed = max(0, recomputed - resident) if routing else 0
     # a device's share of the routed blocks' experts: under ZeRO-3 each device copies
     # its 1/n of every page (routed_zero.py; under tensor parallelism its share of its
@@ -134,9 +183,30 @@ def lanes(
     h2d_f = streamed_f * cb * Ps * frac - skipped
     h2d_b = streamed_b * cb * Ps * frac - skipped + bounds + swap
     # per device; the device cache's gradients stay there
-    grads = cache.host_grad_bytes
-    d2h_f, d2h_b = bounds + swap, grads
-    comm_f, comm_b = _collectives_s(w, hw, o)
+    d2h_f, d2h_b = bounds + swap, cache.host_grad_bytes
+    return _Copies(
+        frac, h2d_f, h2d_b, d2h_f, d2h_b, serial_f, skipped, bounds, streamed_b, routing, routed
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Disk:
+    """NVMe seconds: a micro-batch's forward (``f``) and backward (``b``), the step's
+    own (``step``: state, written params and spilled gradients), and the deferred expert
+    updates caught up in the forward (``catch_up``, on its path)."""
+
+    f: float = 0.0
+    b: float = 0.0
+    step: float = 0.0
+    catch_up: float = 0.0
+
+
+def _disk(
+    w: Workload, hw: Hardware, c: Candidate, t: _Copies, cached: float, grad_spill: int,
+    kept_params: int, cache: DeviceCache,
+) -> _Disk:  # fmt: skip
+    """:class:`_Disk` of candidate ``c`` (``lanes``' arguments)."""
+    o, n, A, cb = c.placement, hw.num_devices, w.micro_batches, w.compute_bytes
     disk_f = disk_b = disk_step = 0.0
     writes = nvme_writes(w, c, cached, grad_spill, n)  # bytes a step writes, by what
     if o.params == "nvme":
@@ -144,8 +214,9 @@ def lanes(
         # stage's come from its state in RAM
         master = params_are_master(o, cb)
         read = (1 - cached) if master else 1.0
-        disk_f = (h2d_f + skipped) * read / hw.nvme_read_bw * n  # the disks serve n processes
-        disk_b = max(0.0, h2d_b + skipped - bounds - kept_params) * read / hw.nvme_read_bw * n
+        disk_f = (t.h2d_f + t.skipped) * read / hw.nvme_read_bw * n  # the disks serve n
+        disk_b = max(0.0, t.h2d_b + t.skipped - t.bounds - kept_params) * read
+        disk_b = disk_b / hw.nvme_read_bw * n
         disk_step += writes["params"] / hw.nvme_write_bw
     # boundaries and swapped activations: written in each micro-batch's forward, read
     # back in its backward
@@ -155,58 +226,56 @@ def lanes(
     if grad_spill:
         disk_step += writes["gradients"] / hw.nvme_write_bw
     S = w.state_bytes_per_param
-    catch_up = 0.0  # deferred expert updates caught up in the forward (on its path)
+    catch_up = 0.0
     if o.optimizer == "nvme":
-        moved = S * (P - cache.params) * (1 - cached)
+        moved = S * (w.params - cache.params) * (1 - cached)
         # params that are the master: a block's state read copies the master from its
         # backward's param read (storage/params.py, MasterPages), cb bytes a parameter
-        copied = cb * streamed_b * Ps * frac * (1 - cached) if params_are_master(o, cb) else 0
+        master = params_are_master(o, cb)
+        copied = cb * t.streamed_b * w.stored_block * t.frac * (1 - cached) if master else 0
         read = moved - copied
-        if routing and w.deferred_expert_updates:
-            saved_r, _, again = deferred_bytes(w, routed * w.routed_expert_params * S)
+        if t.routing and w.deferred_expert_updates:
+            saved_r, _, again = deferred_bytes(w, t.routed * w.routed_expert_params * S)
             read = read - saved_r * (1 - cached)
             catch_up = again * (1 - cached) * (1 / hw.nvme_read_bw + 1 / hw.nvme_write_bw)
         disk_step += read / hw.nvme_read_bw + writes["optimizer"] / hw.nvme_write_bw
-    # The device cache's stages are the last backward reaches: their updates run on the
-    # device after it, at device speed (Angel-PTM); the host updates the others,
-    # overlapped with backward.
-    dev_opt = _device_optimizer_s(hw, cache.params)
-    if o.optimizer == "device":  # each device updates its 1/n (on shared cores in turn)
-        opt = _device_optimizer_s(hw, P if hw.shared_cores else P * frac)
-    else:  # the machine's optimizer serves n processes
-        opt = (P - cache.params) / hw.optimizer_params_per_s
-    copy_f = h2d_f / hw.h2d_bw + d2h_f / hw.d2h_bw
-    copy_b = h2d_b / hw.h2d_bw + d2h_b / hw.d2h_bw
+    return _Disk(disk_f, disk_b, disk_step, catch_up)
+
+
+def _step_s(
+    hw: Hardware, o: Placement, t: _Copies, disk: _Disk, compute: tuple[float, float],
+    comm: tuple[float, float], optimizer: tuple[float, float], A: int,
+    after_backward: bool = False,
+) -> float:  # fmt: skip
+    """A step's seconds from its lanes: ``A`` forwards, ``A - 1`` backwards and the last
+    backward with the optimizer (``compute``, ``comm``: forward's and backward's;
+    ``optimizer``: the host's (or the device's, placement ``device``) and the device
+    cache's update); ``after_backward``: the update after the last backward, not beside
+    it (``lanes``)."""
+    n = hw.num_devices
+    (fwd, compute_b), (comm_f, comm_b), (opt, dev_opt) = compute, comm, optimizer
+    copy_f = t.h2d_f / hw.h2d_bw + t.d2h_f / hw.d2h_bw
+    copy_b = t.h2d_b / hw.h2d_bw + t.d2h_b / hw.d2h_bw
     if hw.shared_cores:  # compute, copies, collectives and optimizer take turns on the
         # same cores, and so do the n devices' (each its rows, its copies, its collectives)
-        t_f = max(n * (fwd + copy_f + comm_f), disk_f)
-        t_b = max(n * (compute_b + copy_b + comm_b), disk_b)
-        t_last = max(n * (compute_b + copy_b + comm_b) + opt + dev_opt, disk_b + disk_step)
+        t_f = max(n * (fwd + copy_f + comm_f), disk.f)
+        t_b = max(n * (compute_b + copy_b + comm_b), disk.b)
+        t_last = max(n * (compute_b + copy_b + comm_b) + opt + dev_opt, disk.b + disk.step)
     else:
-        overlapped = h2d_f / hw.h2d_bw - serial_f
-        t_f = max(fwd, overlapped, d2h_f / hw.d2h_bw, comm_f, disk_f) + serial_f
-        t_b = max(compute_b, h2d_b / hw.h2d_bw, d2h_b / hw.d2h_bw, comm_b, disk_b)
+        overlapped = t.h2d_f / hw.h2d_bw - t.serial_f
+        t_f = max(fwd, overlapped, t.d2h_f / hw.d2h_bw, comm_f, disk.f) + t.serial_f
+        t_b = max(compute_b, t.h2d_b / hw.h2d_bw, t.d2h_b / hw.d2h_bw, comm_b, disk.b)
         if o.optimizer == "device":  # the update shares the device with backward
-            t_last = max(t_b, compute_b + opt, disk_b + disk_step)
+            t_last = max(t_b, compute_b + opt, disk.b + disk.step)
         else:
-            t_last = max(t_b, compute_b + dev_opt, opt, disk_b + disk_step)
-    if after_backward and c.mode == "stream":
-        disk_step += grad_spill / hw.nvme_read_bw if grad_spill else 0.0
+            t_last = max(t_b, compute_b + dev_opt, opt, disk.b + disk.step)
+    if after_backward:
         t_b_last = n * (compute_b + copy_b + comm_b) if hw.shared_cores else t_b
         if hw.shared_cores or o.optimizer == "device":
-            t_last = max(t_b_last, disk_b) + max(opt + dev_opt, disk_step)
+            t_last = max(t_b_last, disk.b) + max(opt + dev_opt, disk.step)
         else:  # host stages on the host, cached ones on the device, at once
-            t_last = max(t_b_last, disk_b) + max(opt, dev_opt, disk_step)
-    step = A * t_f + (A - 1) * t_b + t_last + catch_up
-    lanes = {
-        "compute": A * (fwd + compute_b),
-        "host->device": A * (h2d_f + h2d_b) / hw.h2d_bw,
-        "device->host": A * (d2h_f + d2h_b) / hw.d2h_bw,
-        "nvme": A * (disk_f + disk_b) + disk_step,
-        "optimizer": opt + dev_opt,
-        "collectives": A * (comm_f + comm_b),
-    }
-    return step, lanes
+            t_last = max(t_b_last, disk.b) + max(opt, dev_opt, disk.step)
+    return A * t_f + (A - 1) * t_b + t_last + disk.catch_up
 
 
 def _forward_s(w: Workload, hw: Hardware) -> float:

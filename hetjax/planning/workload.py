@@ -264,9 +264,6 @@ class Workload:
     ) -> Workload:
         m, t = config.model, config.train
         model = build_model(m)
-        shapes = param_shapes(model, m)
-        count = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
-        L = m.num_blocks
         G = config.distributed.expert_parallel
         if devices % G:
             raise ConfigError(
@@ -277,112 +274,14 @@ class Workload:
         # The slabs as the runtime lays them out (whole pages of fp32 elements, fitted
         # to the largest block, a multiple of the devices': ZeRO-3 shards; the experts in
         # groups)
-        mesh = {DATA_AXIS: devices // (G * tensor), EXPERT_AXIS: G, MODEL_AXIS: tensor}
         layouts = stage_layouts(model, config.memory.page_size, devices, G, tensor_parallel=tensor)
-        embed, head = layouts["embed"].padded_size, layouts["head"].padded_size
-        # the block params a device computes with (a MoE's: its E/G experts), each group's
-        used = {g.name: count(shapes[g.key]) // g.num_layers for g in model.groups}
-        if G > 1:  # (expert parallelism: a llama's one group of blocks)
-            used["block"] -= count(split_experts(shapes["blocks"])[1]) // L * (G - 1) // G
-        for name, layout in layouts.items():  # tensor parallelism: the dense and a slice
-            if isinstance(layout, GroupedSlabLayout) and name in used:
-                used[name] = layout.dense.size + sum(p.layout.size for p in layout.parts)
-        largest = max(model.groups, key=lambda g: layouts[g.name].compute_size).name
-        block = layouts[largest].compute_size  # a device's experts only
-        block_used = used[largest]
-        c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
-        # a device's share of a micro-batch's rows: what its FLOPs are (a model group
-        # splits its data group's rows' compute tensor ways), and what the tracer times
-        b, T, D = max(1, t.micro_batch_size // devices), t.seq_len, m.d_model
-        # a data group's rows (a model group's devices share them), and the rows' worth
-        # of FLOPs a device computes (its 1/tensor share of the group's)
-        group_rows = max(1, t.micro_batch_size // (devices // tensor))
-        flop_rows = group_rows / tensor if tensor > 1 else b
-        T_dec = decoder_length(config.data, T)  # a decoder's rows (span corruption: fewer)
-        tokens = b * T
-        impl = block_attention(m, backend)
-        # attention layers per block, averaged over every block (a T5 decoder block has
-        # two: self and cross)
-        attentions = model.attention_layers() / L
-        n_chunks = config.offload.batch_chunks
-        # chunk counts the planner may choose: divisors of a device's rows, for blocks
-        # whose rows are independent (the support matrix's model axis: the config's
-        # kinds and the built model's, as config validation and the runtime read them)
-        kinds = support.model_kinds(m) | support.model_kinds_of(model)
-        separable = support.supports_model("batch_chunks", kinds) is None
-        # (not under tensor parallelism: no chunked working set is estimated there)
-        separable = separable and tensor == 1
-        chunk_counts = [n for n in CHUNK_COUNTS if b % n == 0] if separable else []
-
-        # Expert parallelism adds the exchange's fixed-capacity rows: G x a device's
-        # (token, expert) pairs, through the send and receive buffers, their sorted copy
-        # and result (D wide) and the experts' gate, up and activation (F wide); an
-        # estimate from the buffers' shapes (not fitted), the runtime measures.
-        def estimate(chunks: int) -> float:
-            at = math.ceil(attentions)
-            return estimate_working_set(
-                m, b, T, block_used, count(shapes["embed"]), backend, at, chunks
-            ) + (G * tokens * m.experts_per_token * (4 * D + 3 * m.ff_dim) * c if G > 1 else 0)
-
-        if sizes is None:
-            # The residuals of one block's vjp at each keep level, from abstract shapes
-            # (its params unflattened, in the compute dtype): the largest group's at
-            # each level.
-            kept: dict[str, int] = {}
-            residuals_of = vjp_kept(model, m, b, T, block_attention(m, jax.default_backend()))
-            for group, residuals in zip(model.groups, residuals_of, strict=True):
-                for level, n in residuals.items():
-                    # Below level all the vjp holds the block's param pages, padding
-                    # included (at all, the unflattened weights; under ZeRO-3 the
-                    # gathered pages at every level).
-                    pad = layouts[group.name].compute_size - used[group.name]
-                    n += 0 if level == "all" and devices == 1 else pad * c
-                    kept[level] = max(kept.get(level, 0), n)
-            working = estimate(n_chunks)
-            boundary = group_rows * T * D * c
-            context = context_bytes(model, b, T)
-        else:
-            kept, working, boundary = sizes.kept, sizes.working_set, sizes.boundary
-            if sizes.grad_shards == 1:  # measured at a device's rows: the data group's
-                boundary = boundary * group_rows // b
-            context = sizes.context
-            if devices > 1 and sizes.grad_shards == 1:
-                # measured on one device, whose block takes its params leaf by leaf: under
-                # ZeRO-3 a kept block's vjp holds the gathered pages, padding included
-                pad = (block - block_used) * c
-                kept = {level: n + pad for level, n in kept.items()}
-        # The other chunk counts' working sets: estimated; scaled to the measured one
-        # where it was measured (the estimate's ratio between chunk counts)
-        ratio = working / estimate(n_chunks) if sizes is not None else 1.0
-        chunked = {n: int(estimate(n) * ratio) for n in chunk_counts if n != n_chunks}
-        if devices > 1 and (sizes is None or sizes.grad_shards == 1):
-            # estimated, or measured on one device (the tracer): ZeRO-3's reduce-scatter
-            # holds the block's whole gradient as a temporary of its backward
-            scatter = _scatter_bytes(layouts[largest], block_grad_dtype(config).itemsize, devices)
-            working += scatter
-            chunked = {n: ws + scatter for n, ws in chunked.items()}
-        # What a kept block's backward recomputes at level matmuls (its other FLOPs are
-        # elementwise: their cost is the bytes, see stage_times): the reference
-        # attention's scores; the fused attention's forward (its softmax statistics are
-        # not kept); nothing of the blockwise one's, whose output and logsumexp are kept.
-        # The blockwise and fused backwards recompute the scores at every level.
-        attention_matmuls = {"reference": 2, "fused": 4}.get(impl, 0) * tokens * T * D * attentions
-        recompute = {"matmuls": attention_matmuls, "probs": 0.0, "all": 0.0}
-        attention_bwd = 2 * tokens * T * D * attentions if impl in ("blockwise", "fused") else 0.0
-        # expert-aware streaming where the support matrix has it (ZeRO-3 gathers whole
-        # pages: hetjax/support.py)
-        routed = model.expert_routing and config.offload.expert_fetch == "routed"
-        parallel = support.parallelism_of(devices // (G * tensor), G, tensor)
-        routed_experts = 0
-        if routed and support.supports("routed_experts", parallel) is None:
-            # the leaves the runtime routes (routed.py), per block
-            expert_sizes = lambda B: sum(B.leaves[k].size for k in expert_leaves(B, model))
-            routed_experts = sum(
-                g.num_layers * expert_sizes(layouts[g.name]) for g in model.groups
-            ) // L  # fmt: skip
+        z = _Shape.of(config, model, layouts, devices, G, tensor, backend)
+        L, T, D, c = z.L, z.T, z.D, z.c
+        memory = _memory_terms(config, model, layouts, z, sizes, devices)
+        routed_experts = _routed_experts(config, model, layouts, devices, G, tensor)
         if expert_fraction is None:
-            fraction = expected_expert_fraction(m.num_experts, m.experts_per_token, tokens)
-            source = f"uniform routing of {tokens} tokens"
+            fraction = expected_expert_fraction(m.num_experts, m.experts_per_token, z.tokens)
+            source = f"uniform routing of {z.tokens} tokens"
         else:
             fraction, source = expert_fraction, "measured by the last run in the workdir"
         # the block's slab in groups (experts, or slices of its split weights), one stage
@@ -395,59 +294,226 @@ class Workload:
             name=f"{m.family} {shape}, {_count(model.param_count())} params",
             page_elems=layouts["embed"].page_elems,
             num_layers=L,
-            embed_params=embed,
-            block_params=block,
-            head_params=head,
+            embed_params=layouts["embed"].padded_size,
+            block_params=z.block,
+            head_params=layouts["head"].padded_size,
             compute_bytes=c,
             block_grad_bytes=block_grad_dtype(config).itemsize,
             state_format=state_format(config.optimizer),
             micro_batches=t.grad_accum,
             tokens_per_step=t.batch_size * T,
-            flops_per_step=row_flops(model, T, T_dec) * t.batch_size,
-            boundary=boundary,
-            working_set=int(working),
-            kept=dict(kept),
-            recompute_flops={level: recompute[level] for level in kept},
-            # forward: a third of forward + backward
-            block_fwd_flops=flop_rows * model.block_flops_per_row(T, T_dec) / 3 / L,
-            head_fwd_flops=flop_rows * T_dec * 2 * m.vocab_size * D,
-            attention_bwd_flops=attention_bwd,
+            flops_per_step=row_flops(model, T, z.T_dec) * t.batch_size,
+            **memory,
+            **_flop_terms(model, m, z, memory["kept"]),
             grad_policy=grad_policy(config),
             groups=(
                 tuple((g.name, g.num_layers, layouts[g.name].padded_size) for g in model.groups)
                 if len(model.groups) > 1
                 else ()
             ),
-            context=context,
-            stored_block_params=layouts[largest].padded_size if grouped else 0,
-            gathered_block_params=layouts[largest].gathered_size if grouped else 0,
-            scattered_block_params=(
-                sum(g.num_layers * scattered_elements(layouts[g.name], mesh) for g in model.groups)
-                // L
-                if tensor > 1
-                else 0
-            ),
-            scattered_rest_params=(
-                embed_grad_sends(len(model.groups)) * scattered_elements(layouts["embed"], mesh)
-                + scattered_elements(layouts["head"], mesh)
-                if tensor > 1
-                else 0
-            ),
+            stored_block_params=layouts[z.largest].padded_size if grouped else 0,
+            gathered_block_params=layouts[z.largest].gathered_size if grouped else 0,
+            **_scattered_terms(model, layouts, devices, G, tensor, L),
             # a block's forward sends and gets back its (token, expert) rows, at the
             # capacity that drops none (models/llama.py: exchange_with_experts): its data
             # group's rows (under tensor parallelism each model device sends them all)
-            exchange_bytes=2 * G * group_rows * T * m.experts_per_token * D * c * (G - 1) // G,
+            exchange_bytes=2 * G * z.group_rows * T * m.experts_per_token * D * c * (G - 1) // G,
             routed_expert_params=routed_experts,
             expert_fetch_fraction=fraction if routed_experts else 1.0,
             expert_fetch_source=source if routed_experts else "",
             deferred_expert_updates=bool(routed_experts) and deferrable(config),
-            batch_chunks=n_chunks,
-            chunked_working_sets=chunked,
+            batch_chunks=config.offload.batch_chunks,
             tensor=tensor,
-            model_kinds=kinds,
+            model_kinds=z.kinds,
             # (an expert-parallel MoE's experts compute on the exchange's G x k rows a token)
-            all_reduces=all_reduces(attentions, G * m.experts_per_token if m.num_experts else 0),
+            all_reduces=all_reduces(z.attentions, G * m.experts_per_token if m.num_experts else 0),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What :meth:`Workload._from_config`'s terms share: a block's sizes as the runtime
+    lays it out, a device's rows and the attention's."""
+
+    L: int
+    T: int
+    D: int
+    T_dec: int  # a decoder's rows (span corruption: fewer)
+    c: int  # bytes of the compute dtype
+    b: int  # a device's share of a micro-batch's rows (what the tracer times)
+    G: int  # expert groups
+    tensor: int
+    group_rows: int  # a data group's rows (a model group's devices share them)
+    flop_rows: float  # the rows' worth of FLOPs a device computes
+    attentions: float  # attention layers per block, averaged over every block
+    impl: str  # the blocks' attention
+    backend: str  # the backend planned for
+    used: dict  # the block params a device computes with, each group's
+    largest: str  # the group of the largest block
+    block: int  # its compute size (a device's experts only)
+    block_used: int
+    embed_count: int  # the embedding's params
+    kinds: frozenset  # the support matrix's model kinds
+    chunk_counts: tuple  # the chunk counts the planner may choose
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.T
+
+    @classmethod
+    def of(cls, config, model, layouts, devices: int, G: int, tensor: int, backend) -> _Shape:
+        m, t = config.model, config.train
+        shapes = param_shapes(model, m)
+        L = m.num_blocks
+        # the block params a device computes with (a MoE's: its E/G experts), each group's
+        used = {g.name: _count_params(shapes[g.key]) // g.num_layers for g in model.groups}
+        if G > 1:  # (expert parallelism: a llama's one group of blocks)
+            used["block"] -= _count_params(split_experts(shapes["blocks"])[1]) // L * (G - 1) // G
+        for name, layout in layouts.items():  # tensor parallelism: the dense and a slice
+            if isinstance(layout, GroupedSlabLayout) and name in used:
+                used[name] = layout.dense.size + sum(p.layout.size for p in layout.parts)
+        largest = max(model.groups, key=lambda g: layouts[g.name].compute_size).name
+        # a device's share of a micro-batch's rows: what its FLOPs are (a model group
+        # splits its data group's rows' compute tensor ways), and what the tracer times
+        b = max(1, t.micro_batch_size // devices)
+        group_rows = max(1, t.micro_batch_size // (devices // tensor))
+        # chunk counts the planner may choose: divisors of a device's rows, for blocks
+        # whose rows are independent (the support matrix's model axis: the config's
+        # kinds and the built model's, as config validation and the runtime read them)
+        kinds = support.model_kinds(m) | support.model_kinds_of(model)
+        separable = support.supports_model("batch_chunks", kinds) is None
+        # (not under tensor parallelism: no chunked working set is estimated there)
+        separable = separable and tensor == 1
+        return cls(
+            L=L, T=t.seq_len, D=m.d_model, T_dec=decoder_length(config.data, t.seq_len),
+            c=2 if m.compute_dtype in ("bfloat16", "float16") else 4, b=b, G=G, tensor=tensor,
+            group_rows=group_rows, flop_rows=group_rows / tensor if tensor > 1 else b,
+            # (a T5 decoder block has two attentions: self and cross)
+            attentions=model.attention_layers() / L, impl=block_attention(m, backend),
+            backend=backend,
+            used=used, largest=largest, block=layouts[largest].compute_size,
+            block_used=used[largest], embed_count=_count_params(shapes["embed"]), kinds=kinds,
+            chunk_counts=tuple(n for n in CHUNK_COUNTS if b % n == 0) if separable else (),
+        )  # fmt: skip
+
+
+def _count_params(tree) -> int:
+    return sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
+
+
+def _memory_terms(config, model, layouts, z: _Shape, sizes, devices: int) -> dict:
+    """The workload's device-memory fields (``boundary``, ``working_set``, ``kept``,
+    ``context``, ``chunked_working_sets``): estimated from abstract shapes, or from the
+    tracer's measured ``sizes``."""
+    m = config.model
+    n_chunks = config.offload.batch_chunks
+
+    # Expert parallelism adds the exchange's fixed-capacity rows: G x a device's
+    # (token, expert) pairs, through the send and receive buffers, their sorted copy
+    # and result (D wide) and the experts' gate, up and activation (F wide); an
+    # estimate from the buffers' shapes (not fitted), the runtime measures.
+    def estimate(chunks: int) -> float:
+        at = math.ceil(z.attentions)
+        return estimate_working_set(
+            m, z.b, z.T, z.block_used, z.embed_count, z.backend, at, chunks
+        ) + (
+            z.G * z.tokens * m.experts_per_token * (4 * z.D + 3 * m.ff_dim) * z.c if z.G > 1 else 0
+        )
+
+    if sizes is None:
+        # The residuals of one block's vjp at each keep level, from abstract shapes
+        # (its params unflattened, in the compute dtype): the largest group's at
+        # each level.
+        kept: dict[str, int] = {}
+        residuals_of = vjp_kept(model, m, z.b, z.T, block_attention(m, jax.default_backend()))
+        for group, residuals in zip(model.groups, residuals_of, strict=True):
+            for level, n in residuals.items():
+                # Below level all the vjp holds the block's param pages, padding
+                # included (at all, the unflattened weights; under ZeRO-3 the
+                # gathered pages at every level).
+                pad = layouts[group.name].compute_size - z.used[group.name]
+                n += 0 if level == "all" and devices == 1 else pad * z.c
+                kept[level] = max(kept.get(level, 0), n)
+        working = estimate(n_chunks)
+        boundary = z.group_rows * z.T * z.D * z.c
+        context = context_bytes(model, z.b, z.T)
+    else:
+        kept, working, boundary = sizes.kept, sizes.working_set, sizes.boundary
+        if sizes.grad_shards == 1:  # measured at a device's rows: the data group's
+            boundary = boundary * z.group_rows // z.b
+        context = sizes.context
+        if devices > 1 and sizes.grad_shards == 1:
+            # measured on one device, whose block takes its params leaf by leaf: under
+            # ZeRO-3 a kept block's vjp holds the gathered pages, padding included
+            pad = (z.block - z.block_used) * z.c
+            kept = {level: n + pad for level, n in kept.items()}
+    # The other chunk counts' working sets: estimated; scaled to the measured one
+    # where it was measured (the estimate's ratio between chunk counts)
+    ratio = working / estimate(n_chunks) if sizes is not None else 1.0
+    chunked = {n: int(estimate(n) * ratio) for n in z.chunk_counts if n != n_chunks}
+    if devices > 1 and (sizes is None or sizes.grad_shards == 1):
+        # estimated, or measured on one device (the tracer): ZeRO-3's reduce-scatter
+        # holds the block's whole gradient as a temporary of its backward
+        grad_bytes = block_grad_dtype(config).itemsize
+        scatter = _scatter_bytes(layouts[z.largest], grad_bytes, devices)
+        working += scatter
+        chunked = {n: ws + scatter for n, ws in chunked.items()}
+    return dict(
+        boundary=boundary, working_set=int(working), kept=dict(kept), context=context,
+        chunked_working_sets=chunked,
+    )  # fmt: skip
+
+
+def _flop_terms(model, m, z: _Shape, kept: dict) -> dict:
+    """The workload's FLOP fields of a device's rows. What a kept block's backward
+    recomputes at level matmuls (its other FLOPs are elementwise: their cost is the
+    bytes, see stage_times): the reference attention's scores; the fused attention's
+    forward (its softmax statistics are not kept); nothing of the blockwise one's, whose
+    output and logsumexp are kept. The blockwise and fused backwards recompute the
+    scores at every level."""
+    T, D, tokens = z.T, z.D, z.tokens
+    attention_matmuls = {"reference": 2, "fused": 4}.get(z.impl, 0) * tokens * T * D * z.attentions
+    recompute = {"matmuls": attention_matmuls, "probs": 0.0, "all": 0.0}
+    return dict(
+        recompute_flops={level: recompute[level] for level in kept},
+        # forward: a third of forward + backward
+        block_fwd_flops=z.flop_rows * model.block_flops_per_row(T, z.T_dec) / 3 / z.L,
+        head_fwd_flops=z.flop_rows * z.T_dec * 2 * m.vocab_size * D,
+        attention_bwd_flops=(
+            2 * tokens * T * D * z.attentions if z.impl in ("blockwise", "fused") else 0.0
+        ),
+    )
+
+
+def _scattered_terms(model, layouts, devices: int, G: int, tensor: int, L: int) -> dict:
+    """Under tensor parallelism, the elements a block's (averaged over every block) and
+    the embedding's and head's gradients reduce-scatter over the model axis."""
+    if tensor == 1:
+        return dict(scattered_block_params=0, scattered_rest_params=0)
+    mesh = {DATA_AXIS: devices // (G * tensor), EXPERT_AXIS: G, MODEL_AXIS: tensor}
+    return dict(
+        scattered_block_params=sum(
+            g.num_layers * scattered_elements(layouts[g.name], mesh) for g in model.groups
+        ) // L,
+        scattered_rest_params=(
+            embed_grad_sends(len(model.groups)) * scattered_elements(layouts["embed"], mesh)
+            + scattered_elements(layouts["head"], mesh)
+        ),
+    )  # fmt: skip
+
+
+def _routed_experts(config, model, layouts, devices: int, G: int, tensor: int) -> int:
+    """The params of a block's experts that expert-aware streaming copies only when
+    routed to (averaged over every block), where the support matrix has it (ZeRO-3
+    gathers whole pages: hetjax/support.py); 0 where it does not stream so."""
+    routed = model.expert_routing and config.offload.expert_fetch == "routed"
+    parallel = support.parallelism_of(devices // (G * tensor), G, tensor)
+    if not routed or support.supports("routed_experts", parallel) is not None:
+        return 0
+    # the leaves the runtime routes (routed.py), per block
+    expert_sizes = lambda B: sum(B.leaves[k].size for k in expert_leaves(B, model))
+    L = config.model.num_blocks
+    return sum(g.num_layers * expert_sizes(layouts[g.name]) for g in model.groups) // L
 
 
 def _scatter_bytes(layout, grad_bytes: int, devices: int) -> int:
