@@ -420,17 +420,3 @@ def router_balance_loss(stats: jax.Array, config: ModelConfig) -> jax.Array:
 
 
 EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")  # a MoE block's, under "moe": (E, ...)
-
-
-def split_experts(block: dict) -> tuple[dict, dict]:
-    """A MoE block's params -> (the rest, the experts ``{"moe": {gate_proj, up_proj,
-    down_proj}}``, each with the experts on its leading axis). Works on any pytree
-    leaves (arrays, shapes)."""
-    moe = block["moe"]
-    rest = {**block, "moe": {k: v for k, v in moe.items() if k not in EXPERT_PARAMS}}
-    return rest, {"moe": {k: moe[k] for k in EXPERT_PARAMS}}
-
-
-def join_experts(rest: dict, experts: dict) -> dict:
-    """The inverse of :func:`split_experts`."""
-    return {**rest, "moe": {**rest["moe"], **experts["moe"]}}

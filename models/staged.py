@@ -527,3 +527,32 @@ class FlaxStages(Stages):
     def _run_blocks(self, blocks: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x (B, T, D) through every block -> (x, the sum of the blocks' statistics)."""
         return self._run_group(0, blocks, x, ())
+
+
+def split_experts(block: dict, names: tuple[str, ...]) -> tuple[dict, dict]:
+    """A MoE block's params -> (the rest, its experts): the leaves ``.../moe/<name>`` for
+    ``name`` in ``names`` (the model's ``expert_params``, as ``is_expert`` reads them; a
+    Llama's ``moe`` is at the block's top, a T5's under ``sparse``), each with the
+    experts on its leading axis, in the same nesting. Works on any pytree leaves
+    (arrays, shapes)."""
+    rest, experts = {}, {}
+    for key, value in block.items():
+        if not isinstance(value, dict):
+            rest[key] = value
+            continue
+        if key == "moe":
+            rest[key] = {k: v for k, v in value.items() if k not in names}
+            found = {k: value[k] for k in names if k in value}
+        else:
+            rest[key], found = split_experts(value, names)
+        if found:
+            experts[key] = found
+    return rest, experts
+
+
+def join_experts(rest: dict, experts: dict) -> dict:
+    """The inverse of :func:`split_experts`."""
+    out = dict(rest)
+    for key, found in experts.items():
+        out[key] = {**rest[key], **found} if key == "moe" else join_experts(rest[key], found)
+    return out

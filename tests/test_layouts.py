@@ -121,6 +121,35 @@ def test_a_model_axis_of_size_1_is_a_no_op(name):
     assert isinstance(layouts[model.groups[0].name], GroupedSlabLayout)
 
 
+@pytest.mark.parametrize("name", ["llama_moe", "t5_switch"])
+def test_the_expert_split_reads_the_models_expert_params(name):
+    """Expert parallelism's split (``models.staged.split_experts``, the groupings'
+    ``names``) takes the leaves the model itself calls experts (``expert_params``, what
+    ``is_expert`` and expert-aware streaming read), for any family: the grouped part
+    of a block's layout holds exactly those leaves, and splitting joins back whole."""
+    from hetjax.parallel.groupings import ExpertGrouping
+    from models.staged import join_experts, split_experts
+
+    model = model_of(name)
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    paths = lambda tree: {
+        tuple(k.key for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    checked = 0
+    for group in model.groups:
+        block = shapes[group.key]  # (the stacked blocks: the paths are the same)
+        expected = {p for p in paths(block) if model.is_expert(p)}
+        if not expected:  # (a group without a mixture of experts)
+            continue
+        rest, experts = split_experts(block, model.expert_params)
+        assert paths(experts) == expected, (group.name, paths(experts))
+        assert not any(model.is_expert(p) for p in paths(rest))
+        assert paths(join_experts(rest, experts)) == paths(block)
+        assert paths(ExpertGrouping(2, model.expert_params).split(block)[1]) == expected
+        checked += 1
+    assert checked, "no group of the model has experts"
+
+
 class RecordingLayout(SingleDevice):
     """One device, recording the signature of every function compiled."""
 

@@ -12,8 +12,9 @@ out in parts, one per grouping; ``parallel/layouts.py`` decides which a stage ge
   unsplit weights: over every device). The biases a rule splits stay dense (whole on
   each device, split by the constraint): weight decay keeps one split point.
 * :class:`ExpertGrouping` (``distributed.expert_parallel`` G > 1): a mixture of experts'
-  experts (``models.llama.split_experts``), E/G per device of the ``expert`` axis,
-  shared over ``data``; nothing is moved (experts are the first axis).
+  experts (``models.staged.split_experts``: the model's ``expert_params``), E/G per
+  device of the ``expert`` axis, shared over ``data``; nothing is moved (experts are the
+  first axis).
 * :class:`ExpertTensorGrouping` (both, a data x expert x model mesh): each expert
   group's weights cut further by the model axis's slices: device (s, e, m) holds share
   s of group e's slice m, gathered over ``data`` only, and computes its group's experts
@@ -37,7 +38,7 @@ from jax.sharding import PartitionSpec
 
 from hetjax.parallel.rules import DATA_AXIS, EXPERT_AXIS, MODEL_AXIS
 from hetjax.storage.pages import weight_decay_mask
-from models.llama import join_experts, split_experts
+from models.staged import join_experts, split_experts
 
 
 def _items(tree: Any, prefix: tuple = ()) -> list[tuple[tuple[str, ...], Any]]:
@@ -142,15 +143,16 @@ def _put(tree: dict, path: tuple[str, ...], leaf: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ExpertGrouping:
-    """A MoE block's experts (``models.llama.split_experts``), a group of E/G experts
+    """A MoE block's experts (``models.staged.split_experts``), a group of E/G experts
     per device of the ``expert`` axis; nothing is moved (experts are the first axis)."""
 
     groups: int  # G: devices on the expert axis
+    names: tuple[str, ...]  # the expert leaves (the model's ``expert_params``)
     axis: str = EXPERT_AXIS
     share_axes = (DATA_AXIS,)  # a group's devices
 
     def split(self, params: Any) -> tuple[Any, Any]:
-        return split_experts(params)
+        return split_experts(params, self.names)
 
     def join(self, rest: Any, grouped: Any) -> Any:
         return join_experts(rest, grouped)
@@ -175,6 +177,7 @@ class ExpertTensorGrouping:
     (:meth:`stacked_index`), so it restores at any other split."""
 
     axes: tuple[tuple[tuple[str, ...], int], ...]  # (expert leaf path, its split axis)
+    names: tuple[str, ...]  # the expert leaves (the model's ``expert_params``)
     experts: int  # X: devices on the expert axis
     parts: int  # M: devices on the model axis
     per_group: int  # E / X experts a group holds
@@ -186,19 +189,21 @@ class ExpertTensorGrouping:
         return self.experts * self.parts
 
     @classmethod
-    def of(cls, block: Any, specs: Any, experts: int, parts: int) -> ExpertTensorGrouping:
+    def of(
+        cls, block: Any, specs: Any, experts: int, parts: int, names: tuple[str, ...]
+    ) -> ExpertTensorGrouping:
         """The grouping of a MoE block's params (arrays or shapes) whose ``specs`` (its
-        ``PartitionSpec``s, ``rules.param_specs``) split each expert weight over
-        ``model``."""
-        _, grouped = split_experts(block)
+        ``PartitionSpec``s, ``rules.param_specs``) split each expert weight (``names``:
+        the model's ``expert_params``) over ``model``."""
+        _, grouped = split_experts(block, names)
         split = dict(_items(jax.tree.map(_model_dim, specs, is_leaf=_is_spec)))
         axes = tuple((path, split[path]) for path, _ in _items(grouped))
         assert all(axis > 0 for _, axis in axes), axes  # split, never on the experts' axis
         num_experts = jax.tree.leaves(grouped)[0].shape[0]
-        return cls(axes, experts, parts, num_experts // experts)
+        return cls(axes, names, experts, parts, num_experts // experts)
 
     def split(self, params: Any) -> tuple[Any, Any]:
-        rest, experts = split_experts(params)
+        rest, experts = split_experts(params, self.names)
         axes, grouped = dict(self.axes), {}
         for path, leaf in _items(experts):
             _put(grouped, path, self._stack(leaf, axes[path]))

@@ -67,7 +67,10 @@ def stage_layouts(
     layouts = {}
     for name, params in stages.items():
         experts = expert_parallel if name in blocks else 1
-        parts = groupings(params, specs.get(name), experts, tensor_parallel, expert_parallel)
+        parts = groupings(
+            params, specs.get(name), experts, tensor_parallel, expert_parallel,
+            model.expert_params,
+        )  # fmt: skip
         if parts:
             layouts[name] = GroupedSlabLayout.of(params, page_size, page_multiple, *parts)
         else:
@@ -75,8 +78,11 @@ def stage_layouts(
     return layouts
 
 
-def groupings(params, specs, experts: int, parts: int, expert_parallel: int) -> tuple:
-    """A stage's groupings, one per degree > 1: its experts over ``experts`` devices of
+def groupings(
+    params, specs, experts: int, parts: int, expert_parallel: int, names: tuple[str, ...]
+) -> tuple:
+    """A stage's groupings, one per degree > 1: its experts (``names``: the model's
+    ``expert_params``) over ``experts`` devices of
     the ``expert`` axis (each group cut in ``parts`` slices with tensor parallelism),
     then its other weights ``specs`` split over ``model`` in ``parts`` slices, shared
     over the batch axes (over ``data`` only without expert parallelism); none where no
@@ -85,9 +91,9 @@ def groupings(params, specs, experts: int, parts: int, expert_parallel: int) -> 
     rest = params
     if experts > 1:
         grouping = (
-            ExpertTensorGrouping.of(params, specs, experts, parts)
+            ExpertTensorGrouping.of(params, specs, experts, parts, names)
             if parts > 1
-            else ExpertGrouping(experts)
+            else ExpertGrouping(experts, names)
         )
         out.append(grouping)
         rest, _ = grouping.split(params)

@@ -22,8 +22,7 @@ from hetjax.runtime.experts.routed import expert_leaves
 from hetjax.runtime.stages.measure import context_bytes
 from hetjax.state_format import StateFormat, state_format
 from models import attention, build_model
-from models.llama import split_experts
-from models.staged import row_flops
+from models.staged import row_flops, split_experts
 
 # offload.batch_chunks the planner tries (those that divide a device's rows)
 CHUNK_COUNTS = (1, 2, 4, 8, 16)
@@ -368,7 +367,8 @@ class _Shape:
         # the block params a device computes with (a MoE's: its E/G experts), each group's
         used = {g.name: _count_params(shapes[g.key]) // g.num_layers for g in model.groups}
         if G > 1:  # (expert parallelism: a llama's one group of blocks)
-            used["block"] -= _count_params(split_experts(shapes["blocks"])[1]) // L * (G - 1) // G
+            experts = split_experts(shapes["blocks"], model.expert_params)[1]
+            used["block"] -= _count_params(experts) // L * (G - 1) // G
         for name, layout in layouts.items():  # tensor parallelism: the dense and a slice
             if isinstance(layout, GroupedSlabLayout) and name in used:
                 used[name] = layout.dense.size + sum(p.layout.size for p in layout.parts)
