@@ -164,9 +164,9 @@ FEATURES: dict[str, Feature] = {
     # under data and expert parallelism each device copies in and gathers the pages of
     # the experts some device routed to (runtime/experts/routed_zero.py; under expert
     # parallelism its group's, over the data axis); under tensor parallelism its slice
-    # of them, from its group's slab laid out by weight slice (runtime/experts/routed_tensor.py);
-    # with both, its expert group's slice (routed_zero.py's grouped fetcher, the block's
-    # attention slices gathered with its dense pages)
+    # of them (the experts one expert group cut in slices, parallel/layouts.py); with
+    # both, its expert group's slice (routed_zero.py's grouped fetcher for both, the
+    # block's attention slices gathered with its dense pages)
     "routed_experts": Feature(
         key="offload.expert_fetch",
         reason="routed experts are not supported with {parallel}",

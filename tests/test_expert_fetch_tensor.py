@@ -1,6 +1,7 @@
 """Routed experts and deferred expert updates under tensor parallelism
-(hetjax/runtime/experts/routed_tensor.py): each device copies in and gathers, over the data axis,
-only its slice of the pages of the experts some device routed to; training equals one
+(hetjax/runtime/experts/routed_zero.py's grouped fetcher, the experts one expert group cut
+in slices): each device copies in and gathers, over the data axis, only its slice of the
+pages of the experts some device routed to; training equals one
 device's routed run and copying every expert (tests/test_expert_fetch_zero.py has data
 and expert parallelism's)."""
 
@@ -66,27 +67,27 @@ def test_routed_under_tensor_parallelism_trains_as_one_device(
     ]
 
 
-# A block's slabs in 1024-element pages, hand-counted (parallel/groupings.py's layout). A
-# model index's slice of the split weights, in slab order: k_proj 32 x 8 (256), down_proj
-# 16 experts x 24 x 32 (12,288, 768 an expert), gate_proj 16 x 32 x 24, up_proj 16 x 32
-# x 24, o_proj 16 x 32 (512), q_proj 32 x 16 (512), v_proj 32 x 8 (256): 38,400
-# elements, 38 pages (a multiple of the data devices). The dense slab (router 32 x 16,
-# two norms of 32: 576) is one page, padded to one a device. Pages of a slice holding
-# something but expert rows: 0 (k_proj), 36 and 37 (o, q, v). Experts 0-1's rows
-# (1,536 elements of each expert leaf): down_proj [256, 1792) pages 0-1, gate_proj
-# [12544, 14080) pages 12-13, up_proj [24832, 26368) pages 24-25: 1, 12, 13, 24, 25
-# beside the dense page 0 (the same pages in both slices).
+# A block's slabs in 1024-element pages, hand-counted (parallel/layouts.py's layout: the
+# 3-D mesh's with one expert group). Its experts' part, a group per model index m: slice
+# m of every expert weight, in slab order down_proj 16 experts x 24 x 32 (12,288, 768 an
+# expert), gate_proj 16 x 32 x 24, up_proj 16 x 32 x 24: 36 pages, all expert rows.
+# Its attention's part, a group per m: k_proj 32 x 8 (256), o_proj 16 x 32 (512), q_proj
+# 32 x 16 (512), v_proj 32 x 8 (256): 1,536 elements, 2 pages. The dense slab (router
+# 32 x 16, two norms of 32: 576) is one page, padded to one a device. Device n = s M + m
+# holds share s of both of group m's parts and share n of the dense slab. Experts 0-1's
+# rows (1,536 elements of each expert leaf): down_proj [0, 1536) pages 0-1, gate_proj
+# [12288, 13824) pages 12-13, up_proj [24576, 26112) pages 24-25: 0, 1, 12, 13, 24, 25
+# (the same pages in both groups).
 #
-# tensor2 (S = 1 data device, a slice's 38 pages a device): copying every expert copies
-#   the 2 dense pages and 2 x 38: 78. Routed: the dense 2, each slice's 3 dense pages
-#   (2 x 3), and experts 0-1's 5 pages a device padded to a multiple of 38 // 8 = 4, 8,
-#   2 x 8: 24 a copy.
-# data2xtensor2 (S = 2, 19 pages a device of a slice): every expert: the 4 dense pages
-#   and 2 x 38: 80. Routed: the dense 4; each slice's dense pages, 0 on data device 0 and
-#   36-37 on data device 1, padded to the busier's 2: 4 x 2; experts 0-1's, 1, 12, 13 on
-#   data device 0 and 24, 25 on 1, the busier's 3 padded to a multiple of 19 // 8 = 2,
-#   4: 4 x 4. 28 a copy.
-SAVED = {(1, 2): 78 - 2 - 6 - 16, (2, 2): 80 - 4 - 8 - 16}
+# tensor2 (S = 1 data device; a device's 39 pages: its group's 36 expert pages, 2
+#   attention pages, 1 dense): copying every expert copies 2 x 39: 78. Routed: each
+#   device's 2 attention and 1 dense pages (2 x 3), and experts 0-1's 6 pages a device
+#   padded to a multiple of 36 // 8 = 4, 8: 2 x 8. 22 a copy.
+# data2xtensor2 (S = 2; a device's 20 pages: 18 of its group's experts, 1 attention, 1
+#   dense): every expert: 4 x 20: 80. Routed: the 2 pages but the experts' of each of the
+#   4 devices (4 x 2); experts 0-1's, 0, 1, 12, 13 on data device 0 and 24, 25 on 1, the
+#   busier's 4, a multiple of 18 // 8 = 2: 4 x 4. 24 a copy.
+SAVED = {(1, 2): 78 - 6 - 16, (2, 2): 80 - 8 - 16}
 
 
 @pytest.mark.slow  # ~10 s each
@@ -137,28 +138,29 @@ def test_t5_switch_blocks_under_tensor_parallelism_train_as_one_device(tmp_path)
 
 
 def test_the_pages_left_behind_are_every_slices_by_hand():
-    """At data x tensor 2 x 2 (SAVED's layout: 20 pages a device, its slice's 19 then a
-    dense one; device n = 2 s + m holds share s of slice m), tokens routed to experts 0-1:
-    a slice's pages wholly in experts 2-15 are 2-11, 14-23 and 26-35 (1, 12, 13, 24 and
-    25 hold a row of expert 0 or 1; 0, 36 and 37 attention). The pages the process's
-    optimizer may leave alone are those, at each device's share of each slice."""
+    """At data x tensor 2 x 2 (SAVED's layout: 20 pages a device, its group's 18 expert
+    pages, then an attention and a dense one; device n = 2 s + m holds share s of group
+    m), tokens routed to experts 0-1: a group's pages wholly in experts 2-15 are 2-11,
+    14-23 and 26-35 (0, 1, 12, 13, 24 and 25 hold a row of expert 0 or 1). The pages the
+    process's optimizer may leave alone are those, at each device's share of each
+    group."""
     from types import SimpleNamespace
 
     from hetjax.parallel.zero import Zero3
-    from hetjax.runtime.experts.routed_tensor import TensorExpertFetcher
+    from hetjax.runtime.experts.routed_zero import GroupedExpertFetcher
 
     config = _sgd("routed", 2, 2)
     zero = Zero3(config)
     model = build_model(config.model)
     layout = zero.stage_layouts(model, config.memory.page_size)["block"]
     block = SimpleNamespace(layout=layout, is_expert=model.is_expert)
-    fetcher = TensorExpertFetcher(block, zero, np.float32, 16)
-    assert fetcher.pages.routed(np.array([0, 1])).tolist() == [1, 12, 13, 24, 25]
+    fetcher = GroupedExpertFetcher(block, zero, np.float32, 16)
+    assert fetcher.pages.routed(np.array([0, 1])).tolist() == [0, 1, 12, 13, 24, 25]
     by_hand = {
-        0: [*range(2, 12), *range(14, 19)],  # (s 0, m 0): slice pages 2-18 at 0-18
-        1: [*range(22, 32), *range(34, 39)],  # (0, 1): at 20-38
-        2: [*range(40, 45), *range(47, 57)],  # (1, 0): slice pages 19-35 at 40-56
-        3: [*range(60, 65), *range(67, 77)],  # (1, 1): at 60-76
+        0: [*range(2, 12), *range(14, 18)],  # (s 0, m 0): group pages 2-17 at 0-17
+        1: [*range(22, 32), *range(34, 38)],  # (0, 1): at 20-37
+        2: [*range(40, 46), *range(48, 58)],  # (1, 0): group pages 18-35 at 40-57
+        3: [*range(60, 66), *range(68, 78)],  # (1, 1): at 60-77
     }
     expected = {p for pages in by_hand.values() for p in pages}
     assert fetcher.zero_pages(np.array([0, 1], np.int32)) == expected

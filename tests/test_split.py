@@ -106,7 +106,7 @@ def test_the_planner_routes_experts_where_the_runtime_does():
     """The tiny MoE's routed experts (4 experts, each 3 matrices of 32 x 48: 18,432
     params a block) are priced as routed on one device, under data parallelism and at
     a tensor-parallel split, where the runtime routes them (each device its slice:
-    runtime/experts/routed_tensor.py), every slice of them counted."""
+    runtime/experts/routed_zero.py's grouped fetcher), every slice of them counted."""
     moe = tiny_config(model=MOE)
     routed = lambda devices, tensor: (
         Workload.from_config(moe, devices=devices, tensor=tensor).routed_expert_params

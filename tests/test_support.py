@@ -237,7 +237,7 @@ def test_auto_says_what_falls_back(tiny, monkeypatch):
     from hetjax.planning.auto import plan_auto
 
     # every parallelism routes experts now (tensor parallelism since the ninth session:
-    # runtime/experts/routed_tensor.py), so auto says nothing of them; a fallback made here is said
+    # runtime/experts/routed_zero.py), so auto says nothing of them; a fallback made here is said
     config = _config(tiny, support.TENSOR, offload=dict(mode="auto"))
     # the tiny model's share fits a device whole, where auto trains offload.mode=none
     # (tests/test_in_memory_plan.py), which routes nothing: this is the streamed plan's

@@ -135,7 +135,7 @@ def test_tensor_parallel_llama_equals_single_device(references, tmp_path):
 @pytest.mark.parametrize("family", ["mixtral", "t5"])
 def test_tensor_parallel_moe_and_t5_equal_single_device(tmp_path, family):
     """The mixture-of-experts block (experts' MLPs split by their hidden units, the
-    router whole; its routed experts' slices copied, runtime/experts/routed_tensor.py) and T5
+    router whole; its routed experts' slices copied, runtime/experts/routed_zero.py) and T5
     (an encoder and a decoder group, relative position buckets whole) at tensor 2 equal
     one device's streaming run."""
     from test_moe import SHORT as MOE_SHORT

@@ -24,8 +24,8 @@ steps is read and written once when caught up, instead of k times.
 
 Where: streamed stages of a routed block with their state on NVMe (not cached in RAM),
 the native Adam/AdamW kernel, ``optimizer.mode=sync``, one device, data, expert or tensor
-parallelism (each process defers its own pages: ``runtime/experts/routed_zero.py``,
-``runtime/experts/routed_tensor.py``). Elsewhere every page is updated every step, as before.
+parallelism (each process defers its own pages: ``runtime/experts/routed_zero.py``).
+Elsewhere every page is updated every step, as before.
 
 :class:`Deferred` is the bookkeeping, kept by the optimizer loop's thread (the runtime's
 thread only calls :meth:`Deferred.defer`): how many updates each stage has committed, how

@@ -10,6 +10,9 @@ The rule: a stage gets one part per grouping whose degree is > 1
   (:class:`~hetjax.parallel.groupings.ExpertGrouping`), with tensor parallelism too
   each group's slices on the ``model`` axis
   (:class:`~hetjax.parallel.groupings.ExpertTensorGrouping`), shared over ``data``;
+  under tensor parallelism alone the same part with one expert group (every expert's
+  slice m on device m of ``model``): one layout, and one routed fetcher
+  (``runtime/experts/routed_zero.py``), for every mesh;
 * every stage under tensor parallelism (``tensor_parallel`` M > 1) gets its other split
   weights' part (the rules split over ``model``, ``parallel/rules.py``): a slice per
   device of the ``model`` axis (:class:`~hetjax.parallel.groupings.TensorGrouping`),
@@ -89,7 +92,11 @@ def groupings(
     leaf is split."""
     out: list = []
     rest = params
-    if experts > 1:
+    # a mixture of experts' experts are a grouping of their own whenever a degree
+    # splits them: expert parallelism's groups, and under tensor parallelism alone one
+    # expert group cut in ``parts`` slices (the 3-D mesh's layout with one group: one
+    # routed fetcher for every mesh, runtime/experts/routed_zero.py)
+    if experts > 1 or (parts > 1 and _has_experts(params, names)):
         grouping = (
             ExpertTensorGrouping.of(params, specs, experts, parts, names)
             if parts > 1
@@ -103,3 +110,14 @@ def groupings(
         if split.axes:
             out.append(split)
     return tuple(out)
+
+
+def _has_experts(params, names: tuple[str, ...]) -> bool:
+    """Whether a stage's params hold expert leaves (``.../moe/<one of names>``)."""
+    if not names:
+        return False
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = tuple(getattr(k, "key", k) for k in path)
+        if len(keys) >= 2 and keys[-2] == "moe" and keys[-1] in names:
+            return True
+    return False

@@ -176,7 +176,7 @@ def _copies(w: Workload, hw: Hardware, o: Placement, sizes, cache: DeviceCache) 
     routed = max(0, recomputed - resident) if routing else 0
     # a device's share of the routed blocks' experts: under ZeRO-3 each device copies
     # its 1/n of every page (routed_zero.py; under tensor parallelism its share of its
-    # slice, routed_tensor.py), the routed experts' pages of it among them
+    # slice), the routed experts' pages of it among them
     experts = routed * cb * w.routed_expert_params * frac
     skipped = experts * (1 - w.expert_fetch_fraction)
     serial_f = experts * w.expert_fetch_fraction / hw.h2d_bw

@@ -24,7 +24,6 @@ from hetjax.optimizer.sharded_slab import ShardedSlabOptimizer
 from hetjax.optimizer.slab import SlabOptimizer
 from hetjax.optimizer.update_loop import LoopSettings, UpdateLoop
 from hetjax.parallel.grouped import GroupedSlabLayout
-from hetjax.parallel.rules import MODEL_AXIS
 from hetjax.placement import Placement
 from hetjax.runtime.experts.routed import (
     DeferredExperts,
@@ -33,7 +32,6 @@ from hetjax.runtime.experts.routed import (
     check_routed_experts,
     routed_blocks,
 )
-from hetjax.runtime.experts.routed_tensor import TensorExpertFetcher
 from hetjax.runtime.experts.routed_zero import GroupedExpertFetcher, ShardedExpertFetcher
 from hetjax.runtime.loop.blocks import BlockParts, GroupInput, make_blocks
 from hetjax.runtime.loop.boundaries import Boundaries, SwappedResiduals
@@ -329,9 +327,7 @@ def _experts(config: Config, parallel, fns, dtype, routed, loop) -> tuple:
         def fetcher(group):  # the device takes a block's leaves (one device) or its pages
             if group.layout.leaf_buffers:
                 return ExpertFetcher(group.routed(), dtype, device, E, stage_to=stage_to)
-            if isinstance(group.layout, GroupedSlabLayout):  # by expert group or by slice
-                if group.layout.parts[0].grouping.axis == MODEL_AXIS:  # (tensor alone)
-                    return TensorExpertFetcher(group.routed(), parallel, dtype, E)
+            if isinstance(group.layout, GroupedSlabLayout):  # by expert group (and slice)
                 return GroupedExpertFetcher(group.routed(), parallel, dtype, E)
             return ShardedExpertFetcher(group.routed(), parallel, dtype, E)
 

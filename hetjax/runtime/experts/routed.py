@@ -32,8 +32,8 @@ sync per routed block per forward, at which the device waits for the copy of the
 experts (and for the catch-up of the routed experts left behind).
 
 Used for the blocks that recompute (boundary blocks), on one device (under ZeRO-3's
-data and expert parallelism by page instead: ``routed_zero.py``; under tensor
-parallelism by page of each device's slice: ``routed_tensor.py``), for models with
+data, expert and tensor parallelism by page instead: ``routed_zero.py``, under tensor
+parallelism each device's slice of the pages), for models with
 ``expert_routing``: Mixtral-style Llama blocks (``models/llama.py``) and T5's Switch
 blocks (``models/t5.py``: a dense layer, then a sparse one whose attention and router
 run in ``route``; the decoder's take the encoder's output as their context, whose

@@ -1,6 +1,7 @@
 """Routed experts under ZeRO-3 (``offload.expert_fetch=routed`` with
-``distributed.data_parallel`` or ``expert_parallel`` > 1): a streamed MoE block's devices
-copy in and gather only the pages of the experts some device routed to.
+``distributed.data_parallel``, ``expert_parallel`` or ``tensor_parallel`` > 1): a
+streamed MoE block's devices copy in and gather only the pages of the experts some
+device routed to.
 
 On one device a routed block copies its experts leaf row by leaf row (``routed.py``).
 Under ZeRO-3 (``zero.py``) a device owns a contiguous share of a block's pages, cut
@@ -41,7 +42,9 @@ its group's pages, the others zero; the tokens reach their experts by all-to-all
 they do with every expert fetched (``models/llama.py``). On the data x expert x model
 mesh the same, its group being its expert group's model slice; the window gathers the
 block's attention slices (the layout's second part, over data x expert) with the dense
-pages.
+pages. Under tensor parallelism alone the block is laid out as that mesh with one
+expert group (``parallel/layouts.py``): group m is slice m of every expert, the same
+fetcher.
 """
 
 from __future__ import annotations
