@@ -440,7 +440,7 @@ def test_unknown_hardware_is_a_clear_error(capsys):
     assert "unknown hardware profile 'tpu-v9'" in capsys.readouterr().err
 
 
-# workload.estimate_working_set is fitted to within 0.73-1.27 of XLA:CPU's compiled sizes
+# working_set.estimate_working_set is fitted to within 0.73-1.27 of XLA:CPU's compiled sizes
 # over 33 shapes per family and dtype with at least 128 tokens a micro-batch (reference
 # attention), and the blockwise attention's block backward within 0.75-1.25 over 23.
 WORKING_SET_TOLERANCE = 0.3

@@ -34,6 +34,7 @@ from hetjax.parallel.grouped import GroupedSlabLayout
 from hetjax.parallel.groupings import ExpertGrouping, ExpertTensorGrouping, TensorGrouping
 from hetjax.parallel.rules import BATCH_AXES, DATA_AXIS, param_specs
 from hetjax.storage.pages import MASTER_ITEMSIZE, SlabLayout, fitted_page_elems
+from models.staged import split_experts
 
 
 def stage_layouts(
@@ -114,10 +115,4 @@ def groupings(
 
 def _has_experts(params, names: tuple[str, ...]) -> bool:
     """Whether a stage's params hold expert leaves (``.../moe/<one of names>``)."""
-    if not names:
-        return False
-    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = tuple(getattr(k, "key", k) for k in path)
-        if len(keys) >= 2 and keys[-2] == "moe" and keys[-1] in names:
-            return True
-    return False
+    return bool(names) and bool(split_experts(params, names)[1])
